@@ -1,0 +1,220 @@
+"""The ``picc`` command line. Errors are one line on stderr and a non-zero exit (see ``--debug``)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from picc.errors import PiccError
+
+EPILOG_SOURCES = (
+    "SOURCE is a model alias (smollm2), a Hugging Face directory (config.json + *.safetensors), "
+    "a .gguf file, or a .picc file written by 'picc import'."
+)
+
+
+def _load(source: str):  # noqa: ANN202 - LoadedModel, imported lazily to keep --help fast
+    from picc.frontend import load_model
+
+    return load_model(source)
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise PiccError(f"--tokens {text!r}: expected comma-separated integers such as 1,2,3") from None
+    if not ids:
+        raise PiccError("--tokens: expected at least one token id")
+    return ids
+
+
+def _encode(model, text: str) -> list[int]:  # noqa: ANN001
+    if model.tokenizer is None:
+        raise PiccError(f"{model.source}: the model has no tokenizer; pass --tokens instead")
+    return model.tokenizer.encode(text)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    from picc.frontend.picc_file import save_picc
+
+    model = _load(args.source)
+    save_picc(model, Path(args.output))
+    n = len(model.module.weights)
+    print(f"wrote {args.output} ({len(list(model.module.ops()))} ops, {n} weights in "
+          f"{args.output}.weights)", file=sys.stderr)
+
+
+def cmd_opt(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from picc.frontend.picc_file import save_picc
+    from picc.passes import Instruments, parse_pipeline, run_pipeline
+
+    pipeline = parse_pipeline(args.passes)
+    model = _load(args.input)
+    inst = Instruments(
+        verify=not args.no_verify,
+        print_after_all=args.print_after_all,
+        print_after=frozenset(args.print_after or ()),
+        dump_dir=Path(args.dump_ir) if args.dump_ir else None,
+        time_passes=args.time_passes,
+        out=sys.stderr if args.output == "-" else sys.stdout,
+    )
+    module = run_pipeline(model.module, model.weights, pipeline, inst)
+    result = replace(model, module=module)
+    if args.output == "-":
+        from picc.ir.printer import print_module
+
+        sys.stdout.write(print_module(module))
+    else:
+        save_picc(result, Path(args.output))
+
+
+def cmd_logits(args: argparse.Namespace) -> None:
+    from picc.fsutil import atomic_path
+    from picc.generate import check_token_ids
+    from picc.interpreter import Interpreter
+
+    model = _load(args.source)
+    ids = _parse_tokens(args.tokens) if args.tokens is not None else _encode(model, args.text)
+    check_token_ids(ids, int(model.module.attr("vocab", 0) or 0) or max(ids) + 1)
+    logits = Interpreter(model.module, model.weights).run(ids).astype(np.float32)
+    out = Path(args.out)
+    with atomic_path(out) as tmp:
+        buf = io.BytesIO()
+        np.save(buf, logits)
+        tmp.write_bytes(buf.getvalue())
+    print(f"wrote {out}: logits of shape {logits.shape}", file=sys.stderr)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from picc.generate import generate_ids
+
+    if args.n < 0:
+        raise PiccError(f"-n {args.n}: expected a number of tokens >= 0")
+    if args.temperature < 0:
+        raise PiccError(f"--temperature {args.temperature}: expected a value >= 0")
+    model = _load(args.source)
+    prompt = _encode(model, args.prompt)
+    tok = model.tokenizer
+    tokens: list[int] = []
+    start = time.perf_counter()
+    shown = ""
+    for t in generate_ids(model, prompt, args.n, args.temperature, args.seed):
+        tokens.append(t)
+        if not args.json:
+            text = tok.decode(tokens)
+            # Print only the text that is final: a partial UTF-8 sequence decodes to U+FFFD.
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+    elapsed = time.perf_counter() - start
+    text = tok.decode(tokens)
+    if args.json:
+        print(json.dumps({"prompt_tokens": prompt, "tokens": tokens, "text": text}))
+    else:
+        sys.stdout.write(text[len(shown):] + "\n")
+        rate = len(tokens) / elapsed if elapsed > 0 else float("inf")
+        print(f"[{len(prompt)} prompt tokens, {len(tokens)} generated, {rate:.1f} tok/s on the "
+              "reference interpreter]", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- argument parsing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="picc",
+        description="picc: a compiler that lowers LLMs into a sparse hybrid CPU/GPU IR.",
+        epilog=EPILOG_SOURCES,
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    s = sub.add_parser("import", help="import a model into picc IR text",
+                       description="Import SOURCE into picc IR: writes FILE.picc (text) and "
+                       "FILE.picc.weights (its weights and tokenizer).", epilog=EPILOG_SOURCES)
+    s.add_argument("source", metavar="SOURCE")
+    s.add_argument("-o", "--output", required=True, metavar="FILE.picc")
+    s.set_defaults(func=cmd_import)
+
+    s = sub.add_parser("opt", help="run passes over a .picc file",
+                       description="Run a pipeline of registered passes over FILE.picc.",
+                       epilog="Passes: canonicalize (fold FFN patterns into ffn ops), dce (remove "
+                       "unused ops and weights). Options go in braces: PASS{key=value}.")
+    s.add_argument("input", metavar="FILE.picc")
+    s.add_argument("-p", "--passes", required=True, metavar="PASS[,PASS...]",
+                   help="the pipeline, e.g. canonicalize,dce")
+    s.add_argument("-o", "--output", required=True, metavar="OUT.picc",
+                   help="where to write the result ('-' prints the IR to stdout)")
+    s.add_argument("--print-after-all", action="store_true", help="print the IR after each pass")
+    s.add_argument("--print-after", action="append", metavar="PASS",
+                   help="print the IR after PASS (repeatable)")
+    s.add_argument("--dump-ir", metavar="DIR", help="write DIR/NN_<pass>.picc after each pass")
+    s.add_argument("--time-passes", action="store_true", help="print the time each pass took")
+    s.add_argument("--no-verify", action="store_true", help="skip the verifier after each pass")
+    s.set_defaults(func=cmd_opt)
+
+    s = sub.add_parser("logits", help="write the logits of every position to a .npy file",
+                       description="Run SOURCE on the reference interpreter and save the "
+                       "logits of every position, float32 of shape (tokens, vocab).",
+                       epilog=EPILOG_SOURCES)
+    s.add_argument("source", metavar="SOURCE")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--text", help="text to encode with the model's tokenizer")
+    g.add_argument("--tokens", help="token ids, comma-separated (e.g. 1,2,3)")
+    s.add_argument("--out", required=True, metavar="FILE.npy")
+    s.set_defaults(func=cmd_logits)
+
+    s = sub.add_parser("generate", help="generate text with the reference interpreter",
+                       description="Generate text from a prompt: prefill, then decode with a KV "
+                       "cache, on the reference interpreter.", epilog=EPILOG_SOURCES)
+    s.add_argument("source", metavar="SOURCE")
+    s.add_argument("-p", "--prompt", required=True, metavar="TEXT")
+    s.add_argument("-n", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
+    s.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default) is greedy; otherwise softmax sampling at this temperature")
+    s.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object: prompt_tokens, tokens, text")
+    s.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except PiccError as e:
+        if args.debug:
+            raise
+        print(f"picc: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("picc: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"picc: internal error: {type(e).__name__}: {e} (run with --debug for a traceback)",
+              file=sys.stderr)
+        return 70
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The LLaMA-family decoder (LLaMA, Mistral, Qwen2, and GGUF ``llama`` files) as picc IR.
+
+Frontends translate their checkpoint into a ``LlamaSpec`` and a weight store whose tensors use
+picc's weight names (``l3.attn.q``, ``l3.ffn.up``, ...); ``build_llama`` emits the IR.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from picc.ir import ops as O
+from picc.ir.builder import FunctionBuilder
+from picc.ir.core import Attr
+from picc.ir.module import Module, WeightDecl
+from picc.ir.types import DType, TensorType
+from picc.ir.weights import WeightStore
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """Rotary settings as the ``rope`` op takes them."""
+
+    theta: float = 10000.0
+    style: str = "llama"
+    rotary_dim: int | None = None
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaSpec:
+    """Everything that shapes a LLaMA-style decoder's computation."""
+
+    name: str
+    arch: str
+    vocab: int
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_ff: int
+    eps: float
+    ffn_form: str
+    rope: RopeSpec
+    tied: bool
+    window: tuple[int | None, ...] = ()  # per layer; empty means no sliding window anywhere
+    bos_id: int | None = None
+    eos_id: int | None = None
+    max_position: int | None = None
+
+
+def layer_weight_names(i: int) -> dict[str, str]:
+    """picc's names for the weights of layer ``i``."""
+    p = f"l{i}"
+    return {
+        "attn_norm": f"{p}.attn_norm", "ffn_norm": f"{p}.ffn_norm",
+        "q": f"{p}.attn.q", "k": f"{p}.attn.k", "v": f"{p}.attn.v", "o": f"{p}.attn.o",
+        "q_bias": f"{p}.attn.q_bias", "k_bias": f"{p}.attn.k_bias", "v_bias": f"{p}.attn.v_bias",
+        "o_bias": f"{p}.attn.o_bias",
+        "up": f"{p}.ffn.up", "gate": f"{p}.ffn.gate", "down": f"{p}.ffn.down",
+        "up_bias": f"{p}.ffn.up_bias", "gate_bias": f"{p}.ffn.gate_bias",
+        "down_bias": f"{p}.ffn.down_bias",
+    }
+
+
+def module_attrs(spec: LlamaSpec) -> tuple[tuple[str, Attr], ...]:
+    attrs: list[tuple[str, Attr]] = [
+        ("arch", spec.arch), ("vocab", spec.vocab), ("hidden", spec.hidden),
+        ("n_layers", spec.n_layers), ("n_ff", spec.n_ff),
+    ]
+    if spec.bos_id is not None:
+        attrs.append(("bos_id", spec.bos_id))
+    if spec.eos_id is not None:
+        attrs.append(("eos_id", spec.eos_id))
+    if spec.max_position is not None:
+        attrs.append(("max_position", spec.max_position))
+    return tuple(attrs)
+
+
+def declare_weights(store: WeightStore) -> tuple[WeightDecl, ...]:
+    return tuple(WeightDecl(name, store[name].type) for name in store)
+
+
+def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
+    """The IR of a LLaMA-style decoder whose weights are in ``store`` under picc's names."""
+    decls = declare_weights(store)
+    b = FunctionBuilder("forward", {d.name: d.type for d in decls})
+    tokens = b.arg("tokens", TensorType(DType.I32, ("seq",)))
+    pos = b.arg("pos", TensorType(DType.I32, ("seq",)))
+
+    def maybe(name: str) -> str | None:
+        return name if name in store else None
+
+    x = b.op(O.Embed, "embed", tokens=tokens, table="token_embd")
+    rope = spec.rope
+    rope_attrs = dict(
+        style=rope.style, theta=rope.theta, rotary_dim=rope.rotary_dim, scaling=rope.scaling,
+        factor=rope.factor, low_freq_factor=rope.low_freq_factor,
+        high_freq_factor=rope.high_freq_factor, original_max_position=rope.original_max_position,
+    )
+    for i in range(spec.n_layers):
+        n = layer_weight_names(i)
+        p = f"l{i}"
+        h = b.op(O.RMSNorm, f"{p}.attn_norm", x=x, weight=n["attn_norm"], eps=spec.eps)
+        q = b.op(O.Linear, f"{p}.attn.q", x=h, weight=n["q"], bias=maybe(n["q_bias"]))
+        k = b.op(O.Linear, f"{p}.attn.k", x=h, weight=n["k"], bias=maybe(n["k_bias"]))
+        v = b.op(O.Linear, f"{p}.attn.v", x=h, weight=n["v"], bias=maybe(n["v_bias"]))
+        q = b.op(O.Rope, f"{p}.attn.q_rope", x=q, pos=pos, n_heads=spec.n_heads,
+                 head_dim=spec.head_dim, **rope_attrs)
+        k = b.op(O.Rope, f"{p}.attn.k_rope", x=k, pos=pos, n_heads=spec.n_kv_heads,
+                 head_dim=spec.head_dim, **rope_attrs)
+        window = spec.window[i] if spec.window else None
+        ctx = b.op(O.Attention, f"{p}.attn.ctx", q=q, k=k, v=v, pos=pos, n_heads=spec.n_heads,
+                   n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim,
+                   scale=1.0 / math.sqrt(spec.head_dim), cache=f"l{i}", window=window)
+        o = b.op(O.Linear, f"{p}.attn.out", x=ctx, weight=n["o"], bias=maybe(n["o_bias"]))
+        x = b.op(O.Add, f"{p}.attn.resid", a=x, b=o)
+        h = b.op(O.RMSNorm, f"{p}.ffn_norm", x=x, weight=n["ffn_norm"], eps=spec.eps)
+        gated = O.FFN_FORMS[spec.ffn_form].gated
+        f = b.op(O.FFN, f"{p}.ffn.out", x=h, up=n["up"], gate=n["gate"] if gated else None,
+                 down=n["down"], up_bias=maybe(n["up_bias"]),
+                 gate_bias=maybe(n["gate_bias"]) if gated else None,
+                 down_bias=maybe(n["down_bias"]), form=spec.ffn_form)
+        x = b.op(O.Add, f"{p}.out", a=x, b=f)
+    x = b.op(O.RMSNorm, "final_norm", x=x, weight="output_norm", eps=spec.eps)
+    head = "token_embd" if spec.tied else "output"
+    logits = b.op(O.Linear, "logits", x=x, weight=head)
+    module = Module(spec.name, module_attrs(spec), decls, (b.finish(logits),))
+    return module.with_used_weights_only()

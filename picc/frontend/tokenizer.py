@@ -1,0 +1,263 @@
+"""picc's tokenizer: a `tokenizers` backend plus the BOS/EOS rules of the model.
+
+The backend (a Hugging Face *fast* tokenizer, i.e. `tokenizer.json`) turns text
+into ids without special tokens; `Tokenizer` then adds BOS / EOS itself, exactly
+when the model's own tokenizer would. Keeping that rule outside the backend
+means one code path serves every source: a `tokenizer.json` whose post-processor
+adds BOS, a GGUF whose metadata says `add_bos_token`, or neither.
+
+Serialized form (`to_json`), meant to be readable by a runtime that knows only
+the `tokenizers` library:
+
+    {"format": "picc-tokenizer", "version": 1,
+     "bos_id": 1, "eos_id": 2, "add_bos": false, "add_eos": false,
+     "backend": { ...tokenizer.json... }}
+
+Loaders go through `transformers` so that ids match what
+`AutoTokenizer.from_pretrained(...)` gives, which the tests check; they never
+touch the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from picc.errors import PiccError
+
+FORMAT_NAME = "picc-tokenizer"
+FORMAT_VERSION = 1
+
+# Text used to discover which special tokens a transformers tokenizer adds
+# around plain text; any text that encodes to at least one token would do.
+_PROBE_TEXT = "picc probe"
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """Text <-> token ids for one model.
+
+    `backend_json` is a `tokenizer.json` document (normalized to the backend's
+    own serialization, so equal tokenizers compare equal). `encode` prepends
+    `bos_id` when `add_bos` and appends `eos_id` when `add_eos`; the backend's
+    own post-processor is never applied.
+    """
+
+    backend_json: str = field(repr=False)
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    add_eos: bool = False
+    backend: tokenizers.Tokenizer = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            backend = tokenizers.Tokenizer.from_str(self.backend_json)
+        except Exception as error:  # tokenizers raises a bare Exception
+            raise PiccError(
+                f"invalid tokenizer.json document: {_first_line(error)}"
+            ) from error
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "backend_json", backend.to_str())
+        vocab_size = self.vocab_size
+        for name in ("bos_id", "eos_id"):
+            token_id = getattr(self, name)
+            if token_id is not None and not 0 <= token_id < vocab_size:
+                raise PiccError(
+                    f"tokenizer {name} {token_id} is outside the vocabulary of {vocab_size}"
+                )
+        if self.add_bos and self.bos_id is None:
+            raise PiccError("tokenizer says to add BOS but has no BOS token")
+        if self.add_eos and self.eos_id is None:
+            raise PiccError("tokenizer says to add EOS but has no EOS token")
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with BOS / EOS added as the model's tokenizer does."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos:
+            ids.insert(0, self.bos_id)
+        if self.add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; special tokens such as `<|im_end|>` are kept unless skipped."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a vocabulary entry (as spelled in the vocabulary), or None."""
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """Vocabulary spelling of an id, or None if out of range."""
+        return self.backend.id_to_token(token_id)
+
+    def to_json(self) -> str:
+        """The serialized form described in the module docstring."""
+        document = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "add_bos": self.add_bos,
+            "add_eos": self.add_eos,
+            "backend": json.loads(self.backend_json),
+        }
+        return json.dumps(document, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Tokenizer:
+        """Inverse of `to_json`."""
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise PiccError(f"picc tokenizer is not valid JSON: {error}") from error
+        if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
+            raise PiccError(f'picc tokenizer JSON lacks "format": "{FORMAT_NAME}"')
+        if document.get("version") != FORMAT_VERSION:
+            raise PiccError(
+                f"picc tokenizer JSON has version {document.get('version')!r}, "
+                f"expected {FORMAT_VERSION}"
+            )
+        try:
+            return cls(
+                backend_json=json.dumps(document["backend"], ensure_ascii=False),
+                bos_id=_optional_int(document["bos_id"]),
+                eos_id=_optional_int(document["eos_id"]),
+                add_bos=bool(document["add_bos"]),
+                add_eos=bool(document["add_eos"]),
+            )
+        except (KeyError, TypeError) as error:
+            raise PiccError(
+                f"picc tokenizer JSON is missing or mistypes {error}"
+            ) from error
+
+
+def tokenizer_from_hf_dir(path: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer of a Hugging Face model directory.
+
+    Anything `AutoTokenizer` can load offline works (`tokenizer.json`, or slow
+    tokenizer files it can convert to a fast one).
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise PiccError(f"{directory}: expected a Hugging Face model directory")
+    with _transformers_offline() as transformers:
+        try:
+            hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
+                str(directory), local_files_only=True
+            )
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise PiccError(
+                f"{directory}: expected tokenizer files transformers can load "
+                f"(tokenizer.json, tokenizer.model, ...): {_first_line(error)}"
+            ) from error
+    return _from_transformers(hf_tokenizer, source=directory)
+
+
+def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer embedded in a GGUF file's `tokenizer.ggml.*` metadata.
+
+    Built by transformers' GGUF conversion, which supports `tokenizer.ggml.model`
+    "gpt2" (byte-level BPE, as in SmolLM2 and Llama 3), "llama" (sentencepiece)
+    and "t5"; its BOS rule comes from `tokenizer.ggml.add_bos_token`.
+    """
+    gguf_path = Path(path)
+    if not gguf_path.is_file():
+        raise PiccError(f"{gguf_path}: expected a GGUF file")
+    with _transformers_offline() as transformers:
+        try:
+            hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise PiccError(
+                f"{gguf_path}: expected a GGUF file with a supported tokenizer "
+                f"(tokenizer.ggml.model gpt2, llama or t5): {_first_line(error)}"
+            ) from error
+    return _from_transformers(hf_tokenizer, source=gguf_path)
+
+
+def _from_transformers(hf_tokenizer: Any, source: Path) -> Tokenizer:
+    """Wrap a loaded transformers tokenizer, learning its BOS / EOS rule by probing."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):
+        raise PiccError(
+            f"{source}: expected a tokenizer with a fast (tokenizers) backend, "
+            f"got {type(hf_tokenizer).__name__}"
+        )
+    bos_id, eos_id = hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id
+    plain = backend.encode(_PROBE_TEXT, add_special_tokens=False).ids
+    full = list(hf_tokenizer.encode(_PROBE_TEXT))
+    for add_bos, add_eos in (
+        (False, False),
+        (True, False),
+        (False, True),
+        (True, True),
+    ):
+        if (add_bos and bos_id is None) or (add_eos and eos_id is None):
+            continue
+        if full == ([bos_id] if add_bos else []) + plain + (
+            [eos_id] if add_eos else []
+        ):
+            break
+    else:
+        raise PiccError(
+            f"{source}: tokenizer adds special tokens picc cannot reproduce "
+            f"(ids {full} for text whose plain ids are {plain})"
+        )
+    return Tokenizer(
+        backend_json=backend.to_str(),
+        bos_id=bos_id,
+        eos_id=eos_id,
+        add_bos=add_bos,
+        add_eos=add_eos,
+    )
+
+
+@contextlib.contextmanager
+def _transformers_offline() -> Iterator[Any]:
+    """Import transformers with the Hugging Face hub switched offline.
+
+    huggingface_hub reads HF_HUB_OFFLINE when first imported, so the variables
+    are set before the import and put back afterwards; `local_files_only=True`
+    at each call covers the case where it was imported earlier.
+    """
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update({name: "1" for name in names})
+    try:
+        import transformers
+
+        yield transformers
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _optional_int(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"token id {value!r}")
+    return value
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

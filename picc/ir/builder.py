@@ -1,0 +1,44 @@
+"""Build functions op by op, with result types inferred by the ops' own rules."""
+
+from __future__ import annotations
+
+from picc.ir.core import Op, RuleError
+from picc.ir.module import Arg, Function
+from picc.ir.types import TensorType
+from picc.ir.verifier import VerifyError, infer_type
+
+
+class FunctionBuilder:
+    """Appends ops to a function under construction; each op is checked as it is added."""
+
+    def __init__(self, name: str, weights: dict[str, TensorType]) -> None:
+        self.name = name
+        self.weights = weights
+        self.args: list[Arg] = []
+        self.ops: list[Op] = []
+        self.types: dict[str, TensorType] = {}
+
+    def arg(self, name: str, type_: TensorType) -> str:
+        self._fresh(name)
+        self.args.append(Arg(name, type_))
+        self.types[name] = type_
+        return name
+
+    def op(self, cls: type[Op], result: str, **fields: object) -> str:
+        """Add ``cls(**fields)`` defining ``%result``; return ``result``."""
+        self._fresh(result)
+        probe = cls(result=result, type=TensorType.__new__(TensorType), **fields)  # type: ignore[arg-type]
+        try:
+            type_ = infer_type(probe, self.types, self.weights)
+        except RuleError as e:
+            raise VerifyError(f"building %{result} = {cls.NAME}: {e}") from None
+        self.ops.append(cls(result=result, type=type_, **fields))  # type: ignore[arg-type]
+        self.types[result] = type_
+        return result
+
+    def finish(self, ret: str) -> Function:
+        return Function(self.name, tuple(self.args), tuple(self.ops), ret)
+
+    def _fresh(self, name: str) -> None:
+        if name in self.types:
+            raise VerifyError(f"building @{self.name}: %{name} is defined twice")

@@ -1,0 +1,437 @@
+"""The ops of a decoder LLM in the picc IR.
+
+Activations are 2-D ``f32[seq, features]`` (one sequence; decode is ``seq = 1``). Weights are
+referenced by name and may be quantized wherever a matrix is read row by row (embedding tables,
+linear and FFN weights); norms, biases and position tables are float.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from picc.ir.core import (
+    Op,
+    RuleError,
+    Sym,
+    TypeEnv,
+    Val,
+    expect,
+    expect_rank,
+    register_op,
+    weight_shape_is,
+)
+from picc.ir.types import DType, TensorType, f32
+
+ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
+
+
+def _activation_input(env: TypeEnv, name: str) -> TensorType:
+    t = env.value(name)
+    expect(t.dtype == DType.F32, f"operand %{name} must be f32, got {t}")
+    expect_rank(f"operand %{name}", t, 2)
+    return t
+
+
+def _float_weight(env: TypeEnv, name: str | None, role: str) -> None:
+    if name is not None:
+        w = env.weight(name)
+        expect(w.dtype.is_float, f"{role} @{name} must be a float tensor, got {w}")
+
+
+# ---------------------------------------------------------------- embeddings
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Embed(Op):
+    """Token embedding: row ``tokens[i]`` of ``table`` [vocab, dim] for every position i."""
+
+    NAME: ClassVar[str] = "embed"
+    tokens: Val
+    table: Sym
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        t = env.value(self.tokens)
+        expect(t.dtype.is_int and t.rank == 1, f"tokens %{self.tokens} must be i32[seq], got {t}")
+        w = env.weight(self.table)
+        expect_rank(f"table @{self.table}", w, 2)
+        return f32(t.shape[0], w.shape[1])
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PosEmbed(Op):
+    """Learned absolute positions (OPT): row ``pos[i] + offset`` of ``table`` [n_pos, dim]."""
+
+    NAME: ClassVar[str] = "pos_embed"
+    pos: Val
+    table: Sym
+    offset: int = 0
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        t = env.value(self.pos)
+        expect(t.dtype.is_int and t.rank == 1, f"positions %{self.pos} must be i32[seq], got {t}")
+        w = env.weight(self.table)
+        expect_rank(f"table @{self.table}", w, 2)
+        expect(self.offset >= 0, f"offset must be >= 0, got {self.offset}")
+        return f32(t.shape[0], w.shape[1])
+
+
+# ---------------------------------------------------------------- norms and projections
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RMSNorm(Op):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis (LLaMA's RMSNorm)."""
+
+    NAME: ClassVar[str] = "rms_norm"
+    x: Val
+    weight: Sym
+    eps: float
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        t = _activation_input(env, self.x)
+        weight_shape_is(env, self.weight, (t.shape[1],), "weight")
+        _float_weight(env, self.weight, "weight")
+        expect(self.eps > 0, f"eps must be > 0, got {self.eps}")
+        return t
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerNorm(Op):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis."""
+
+    NAME: ClassVar[str] = "layer_norm"
+    x: Val
+    weight: Sym
+    bias: Sym | None = None
+    eps: float
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        t = _activation_input(env, self.x)
+        for name, role in ((self.weight, "weight"), (self.bias, "bias")):
+            weight_shape_is(env, name, (t.shape[1],), role)
+            _float_weight(env, name, role)
+        expect(self.eps > 0, f"eps must be > 0, got {self.eps}")
+        return t
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Linear(Op):
+    """``x @ weight.T + bias``; weight is [out, in] in any weight dtype, bias [out] float."""
+
+    NAME: ClassVar[str] = "linear"
+    x: Val
+    weight: Sym
+    bias: Sym | None = None
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        t = _activation_input(env, self.x)
+        w = env.weight(self.weight)
+        expect_rank(f"weight @{self.weight}", w, 2)
+        expect(
+            w.shape[1] == t.shape[1],
+            f"weight @{self.weight} {w} takes {w.shape[1]} inputs but %{self.x} has {t.shape[1]}",
+        )
+        weight_shape_is(env, self.bias, (w.shape[0],), "bias")
+        _float_weight(env, self.bias, "bias")
+        return f32(t.shape[0], w.shape[0])
+
+
+# ---------------------------------------------------------------- rotary embedding
+
+ROPE_STYLES = ("llama", "gptj")
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rope(Op):
+    """Rotary position embedding of each head of ``x`` [seq, n_heads * head_dim] at ``pos``.
+
+    The first ``rotary_dim`` (default: all) features of each head are rotated by angle
+    ``pos * inv_freq[i]``. Style ``llama`` pairs feature i with i + rotary_dim/2 (rotate_half);
+    ``gptj`` pairs 2i with 2i + 1. ``scaling`` adjusts ``inv_freq`` as transformers does:
+    ``linear`` divides it by ``factor``; ``llama3`` divides only the low frequencies, smoothing
+    between ``low_freq_factor`` and ``high_freq_factor`` relative to ``original_max_position``.
+    """
+
+    NAME: ClassVar[str] = "rope"
+    x: Val
+    pos: Val
+    n_heads: int
+    head_dim: int
+    rotary_dim: int | None = None
+    style: str = "llama"
+    theta: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    @property
+    def rotated(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        t = _activation_input(env, self.x)
+        p = env.value(self.pos)
+        expect(p.dtype.is_int and p.shape == (t.shape[0],), f"positions %{self.pos} must be "
+               f"i32[{t.shape[0]}], got {p}")
+        expect(t.shape[1] == self.n_heads * self.head_dim,
+               f"%{self.x} has {t.shape[1]} features, expected n_heads * head_dim = "
+               f"{self.n_heads} * {self.head_dim}")
+        expect(self.style in ROPE_STYLES, f"style must be one of {ROPE_STYLES}, got {self.style!r}")
+        expect(self.scaling in ROPE_SCALINGS,
+               f"scaling must be one of {ROPE_SCALINGS}, got {self.scaling!r}")
+        expect(0 < self.rotated <= self.head_dim and self.rotated % 2 == 0,
+               f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotated}")
+        expect(self.theta > 0 and self.factor > 0, "theta and factor must be > 0")
+        expect(self.scaling != "llama3" or self.high_freq_factor > self.low_freq_factor,
+               "llama3 scaling needs high_freq_factor > low_freq_factor")
+        return t
+
+    def inv_freq(self) -> np.ndarray:
+        """Per-pair angular frequency, float32, computed as transformers computes it."""
+        d = self.rotated
+        exponent = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
+        inv = (1.0 / np.power(np.float32(self.theta), exponent)).astype(np.float32)
+        if self.scaling == "linear":
+            inv = inv / np.float32(self.factor)
+        elif self.scaling == "llama3":
+            old = float(self.original_max_position)
+            low_wavelen = old / self.low_freq_factor
+            high_wavelen = old / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (old / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv = np.where(medium, smoothed, scaled)
+        return inv.astype(np.float32)
+
+
+# ---------------------------------------------------------------- attention
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Attention(Op):
+    """Causal multi-head attention with grouped K/V heads and a KV cache.
+
+    ``q`` is [seq, n_heads * head_dim]; ``k``, ``v`` are [seq, n_kv_heads * head_dim]; query head h
+    uses K/V head ``h // (n_heads / n_kv_heads)``. The keys and values of this call are written to
+    the cache slot named ``cache`` at positions ``pos``; then the query at position p attends to
+    every cached position j <= p (and p - j < window, when ``window`` is set), with scores
+    ``(q . k) * scale``, plus ``alibi`` biases ``slope_h * j`` when set (Falcon/BLOOM slopes,
+    added before the scale when ``alibi_scaled``, after it otherwise), softmax over j.
+    """
+
+    NAME: ClassVar[str] = "attention"
+    q: Val
+    k: Val
+    v: Val
+    pos: Val
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    cache: str
+    window: int | None = None
+    alibi: bool = False
+    alibi_scaled: bool = False
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        q = _activation_input(env, self.q)
+        k = _activation_input(env, self.k)
+        v = _activation_input(env, self.v)
+        expect(self.n_heads > 0 and self.n_kv_heads > 0 and self.head_dim > 0,
+               "n_heads, n_kv_heads and head_dim must be > 0")
+        expect(self.n_heads % self.n_kv_heads == 0,
+               f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        expect(q.shape[1] == self.n_heads * self.head_dim,
+               f"q %{self.q} has {q.shape[1]} features, expected n_heads * head_dim = "
+               f"{self.n_heads * self.head_dim}")
+        for name, t in ((self.k, k), (self.v, v)):
+            expect(t.shape == (q.shape[0], self.n_kv_heads * self.head_dim),
+                   f"%{name} must be f32[{q.shape[0]}, {self.n_kv_heads * self.head_dim}] "
+                   f"(n_kv_heads * head_dim), got {t}")
+        p = env.value(self.pos)
+        expect(p.dtype.is_int and p.shape == (q.shape[0],),
+               f"positions %{self.pos} must be i32[{q.shape[0]}], got {p}")
+        expect(self.window is None or self.window > 0, f"window must be > 0, got {self.window}")
+        expect(bool(self.cache), "cache slot name must not be empty")
+        return q
+
+    def alibi_slopes(self) -> np.ndarray:
+        """ALiBi slopes per head, as BLOOM/Falcon compute them (also for non-powers of two)."""
+        n = self.n_heads
+        closest = 2 ** math.floor(math.log2(n))
+        base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+        slopes = [base ** (i + 1) for i in range(closest)]
+        if closest != n:
+            extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+            slopes += [extra ** (2 * i + 1) for i in range(min(closest, n - closest))]
+        return np.asarray(slopes, dtype=np.float32)
+
+
+# ---------------------------------------------------------------- elementwise
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Unary(Op):
+    x: Val
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        return _activation_input(env, self.x)
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Relu(_Unary):
+    """``max(x, 0)``."""
+
+    NAME: ClassVar[str] = "relu"
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Silu(_Unary):
+    """``x * sigmoid(x)``."""
+
+    NAME: ClassVar[str] = "silu"
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gelu(_Unary):
+    """``x * Phi(x)`` with the exact normal CDF (erf)."""
+
+    NAME: ClassVar[str] = "gelu"
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GeluTanh(_Unary):
+    """The tanh approximation of GELU: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+
+    NAME: ClassVar[str] = "gelu_tanh"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Binary(Op):
+    a: Val
+    b: Val
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        a = _activation_input(env, self.a)
+        b = _activation_input(env, self.b)
+        expect(a == b, f"operands must have the same type, got %{self.a}: {a} and %{self.b}: {b}")
+        return a
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Add(_Binary):
+    """Elementwise ``a + b`` (residual connections)."""
+
+    NAME: ClassVar[str] = "add"
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mul(_Binary):
+    """Elementwise ``a * b`` (the gating product of a GLU)."""
+
+    NAME: ClassVar[str] = "mul"
+
+
+# ---------------------------------------------------------------- the feed-forward block
+
+
+@dataclass(frozen=True, slots=True)
+class FfnForm:
+    """How an FFN form combines its projections: ``h = act(gate) * up`` or ``h = act(up)``."""
+
+    gated: bool
+    act: str
+    act_on_up: bool = False  # dReLU: relu(gate) * relu(up)
+
+
+FFN_FORMS: dict[str, FfnForm] = {
+    "relu": FfnForm(False, "relu"),
+    "silu": FfnForm(False, "silu"),
+    "gelu": FfnForm(False, "gelu"),
+    "gelu_tanh": FfnForm(False, "gelu_tanh"),
+    "swiglu": FfnForm(True, "silu"),
+    "reglu": FfnForm(True, "relu"),
+    "geglu": FfnForm(True, "gelu"),
+    "geglu_tanh": FfnForm(True, "gelu_tanh"),
+    "drelu": FfnForm(True, "relu", act_on_up=True),
+}
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FFN(Op):
+    """A feed-forward block: ``down(h)`` with ``h`` per ``form`` (see ``FFN_FORMS``).
+
+    ``up`` and ``gate`` are [n_ff, hidden], ``down`` is [hidden, n_ff]; biases are optional.
+    Neuron i of the block is row i of up/gate and column i of down: the unit that profiling,
+    prediction and partitioning work on.
+    """
+
+    NAME: ClassVar[str] = "ffn"
+    x: Val
+    up: Sym
+    gate: Sym | None = None
+    down: Sym
+    up_bias: Sym | None = None
+    gate_bias: Sym | None = None
+    down_bias: Sym | None = None
+    form: str
+
+    @property
+    def spec(self) -> FfnForm:
+        return FFN_FORMS[self.form]
+
+    def n_ff(self, env: TypeEnv) -> int:
+        n = env.weight(self.up).shape[0]
+        assert isinstance(n, int)
+        return n
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        t = _activation_input(env, self.x)
+        expect(self.form in FFN_FORMS, f"form must be one of {tuple(FFN_FORMS)}, got {self.form!r}")
+        up = env.weight(self.up)
+        expect_rank(f"up @{self.up}", up, 2)
+        n_ff, hidden = up.shape
+        expect(hidden == t.shape[1], f"up @{self.up} {up} takes {hidden} inputs but %{self.x} "
+               f"has {t.shape[1]}")
+        if self.spec.gated:
+            expect(self.gate is not None, f"form {self.form!r} needs a gate weight")
+            weight_shape_is(env, self.gate, (n_ff, hidden), "gate")
+        else:
+            expect(self.gate is None and self.gate_bias is None,
+                   f"form {self.form!r} has no gate, but one is given")
+        weight_shape_is(env, self.down, (hidden, n_ff), "down")
+        weight_shape_is(env, self.up_bias, (n_ff,), "up_bias")
+        weight_shape_is(env, self.gate_bias, (n_ff,), "gate_bias")
+        weight_shape_is(env, self.down_bias, (hidden,), "down_bias")
+        for name, role in ((self.up_bias, "up_bias"), (self.gate_bias, "gate_bias"),
+                           (self.down_bias, "down_bias")):
+            _float_weight(env, name, role)
+        return t
+
+
+__all__ = ["ACTIVATIONS", "FFN_FORMS", "RuleError"]

@@ -1,0 +1,136 @@
+"""The weight store: the data behind a module's ``weight @name : type`` declarations.
+
+Tensors keep their storage format (quantized blocks stay quantized); ``f32(name)`` gives the exact
+float32 value, computed once. The store only grows: a pass that changes a weight adds it under a
+new name, so every module that was ever valid against the store stays valid.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from picc import quant
+from picc.errors import PiccError
+from picc.fsutil import atomic_path
+from picc.ir.module import Module
+from picc.ir.types import DType, TensorType
+
+_METADATA_KEY = "picc.tensors"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Tensor:
+    """One weight in its storage format.
+
+    ``data`` is float32/float16 for those dtypes, uint16 bit patterns for bf16, and the raw GGUF
+    block bytes (uint8, one row of blocks per row of the matrix) for quantized dtypes.
+    """
+
+    dtype: DType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def type(self) -> TensorType:
+        return TensorType(self.dtype, self.shape)
+
+    def to_f32(self) -> np.ndarray:
+        if self.dtype == DType.F32:
+            return np.asarray(self.data, dtype=np.float32).reshape(self.shape)
+        return quant.dequantize(np.asarray(self.data), self.dtype.value, self.shape)
+
+    @staticmethod
+    def from_f32(x: np.ndarray, dtype: DType = DType.F32) -> Tensor:
+        """Store float data ``x`` as ``dtype`` (quantizing it when ``dtype`` is quantized)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if dtype == DType.F32:
+            return Tensor(dtype, x.shape, x)
+        if dtype == DType.F16:
+            return Tensor(dtype, x.shape, x.astype(np.float16))
+        return Tensor(dtype, x.shape, quant.quantize(x, dtype.value))
+
+
+class WeightStore:
+    """Named tensors, append-only, with cached float32 views."""
+
+    def __init__(self, tensors: dict[str, Tensor] | None = None) -> None:
+        self._tensors: dict[str, Tensor] = dict(tensors or {})
+        self._f32: dict[str, np.ndarray] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __getitem__(self, name: str) -> Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"weight @{name} is not in the weight store") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        if name in self._tensors:
+            raise KeyError(f"weight @{name} is already in the store (the store is append-only)")
+        self._tensors[name] = tensor
+
+    def f32(self, name: str) -> np.ndarray:
+        """The exact float32 value of weight ``name``."""
+        if name not in self._f32:
+            self._f32[name] = self[name].to_f32()
+        return self._f32[name]
+
+    def check_against(self, module: Module) -> None:
+        """Raise ``PiccError`` unless every weight the module declares is here with its type."""
+        for decl in module.weights:
+            if decl.name not in self._tensors:
+                raise PiccError(f"weight @{decl.name} is declared by the module but missing from "
+                                "its weight store")
+            t = self._tensors[decl.name]
+            if (t.dtype, t.shape) != (decl.type.dtype, decl.type.shape):
+                raise PiccError(f"weight @{decl.name} is declared {decl.type} but stored as {t.type}")
+
+    def subset(self, names: list[str]) -> WeightStore:
+        return WeightStore({n: self._tensors[n] for n in names})
+
+    # ---------------------------------------------------------------- files
+
+    def save(self, path: Path, metadata: dict[str, str] | None = None) -> None:
+        """Write a safetensors file atomically (a temp file renamed into place)."""
+        from safetensors.numpy import save_file
+
+        arrays = {name: np.ascontiguousarray(t.data) for name, t in self._tensors.items()}
+        index = {name: [t.dtype.value, list(t.shape)] for name, t in self._tensors.items()}
+        meta = dict(metadata or {})
+        meta[_METADATA_KEY] = json.dumps(index)
+        with atomic_path(Path(path)) as tmp:
+            save_file(arrays, str(tmp), metadata=meta)
+
+    @staticmethod
+    def load(path: Path) -> tuple[WeightStore, dict[str, str]]:
+        """Read a file written by ``save``: the store and the extra metadata."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise PiccError(f"{path}: weight file not found")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = dict(f.metadata() or {})
+                index = json.loads(meta.pop(_METADATA_KEY))
+                tensors = {}
+                for name, (dtype, shape) in index.items():
+                    tensors[name] = Tensor(DType(dtype), tuple(shape), f.get_tensor(name))
+        except PiccError:
+            raise
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise PiccError(f"{path}: not a picc weight file ({type(e).__name__}: {e})") from None
+        return WeightStore(tensors), meta

@@ -1,0 +1,119 @@
+"""Running pipelines: parsing ``-p`` specs, verifying after every pass, dumps and timings."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from picc.errors import PiccError
+from picc.fsutil import write_text_atomic
+from picc.ir.module import Module
+from picc.ir.printer import print_module
+from picc.ir.verifier import VerifyError, verify
+from picc.ir.weights import WeightStore
+from picc.passes.registry import PASSES, PassContext
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """One entry of a pipeline: a registered pass name and its options."""
+
+    name: str
+    options: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        if not self.options:
+            return self.name
+        return self.name + "{" + ",".join(f"{k}={v}" for k, v in self.options.items()) + "}"
+
+
+_ENTRY = re.compile(r"\s*([\w-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+
+
+def parse_pipeline(text: str) -> list[PassSpec]:
+    """Parse ``"profile-activations{tokens=4096},insert-predictors"`` into pass specs."""
+    specs: list[PassSpec] = []
+    pos = 0
+    text = text.strip()
+    while pos < len(text):
+        m = _ENTRY.match(text, pos)
+        if not m or m.end() == pos:
+            raise PiccError(f"pipeline {text!r}: cannot parse at character {pos + 1}; expected "
+                            "PASS or PASS{key=value,...}, separated by commas")
+        name, opts = m.group(1), m.group(2)
+        info = PASSES.get(name)
+        if info is None:
+            raise PiccError(f"pipeline: unknown pass {name!r}; registered passes: "
+                            f"{', '.join(sorted(PASSES))}")
+        options: dict[str, str] = {}
+        for item in filter(None, (s.strip() for s in (opts or "").split(","))):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or key not in info.options:
+                accepted = ", ".join(info.options) or "none"
+                raise PiccError(f"pipeline: pass {name!r} got option {item!r}; "
+                                f"accepted options: {accepted}")
+            options[key] = value.strip()
+        specs.append(PassSpec(name, options))
+        pos = m.end()
+    return specs
+
+
+@dataclass
+class Instruments:
+    """What to observe while a pipeline runs (the command line's --print-after... flags)."""
+
+    verify: bool = True
+    print_after_all: bool = False
+    print_after: frozenset[str] = frozenset()
+    dump_dir: Path | None = None
+    time_passes: bool = False
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+    timings: list[tuple[str, float]] = field(default_factory=list)
+    on_pass: Callable[[str, Module], None] | None = None
+
+
+def run_pipeline(module: Module, weights: WeightStore, pipeline: list[PassSpec],
+                 instruments: Instruments | None = None) -> Module:
+    """Run ``pipeline`` on ``module``; errors name the pass and the passes that ran before it."""
+    inst = instruments or Instruments()
+    if inst.dump_dir is not None:
+        inst.dump_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(inst.dump_dir / "00_input.picc", print_module(module))
+    done: list[str] = []
+    for index, spec in enumerate(pipeline, 1):
+        info = PASSES[spec.name]
+        before = f" (after: {', '.join(done)})" if done else " (first pass)"
+        start = time.perf_counter()
+        try:
+            module = info.fn(module, PassContext(weights, dict(spec.options)))
+        except PiccError as e:
+            raise PiccError(f"pass '{spec.name}' failed{before}: {e}") from None
+        except Exception as e:
+            raise PiccError(f"pass '{spec.name}' crashed{before}: {type(e).__name__}: {e}") from e
+        elapsed = time.perf_counter() - start
+        if inst.verify:
+            try:
+                verify(module)
+            except VerifyError as e:
+                raise PiccError(f"pass '{spec.name}' produced invalid IR{before}: {e}") from None
+        inst.timings.append((spec.name, elapsed))
+        done.append(spec.name)
+        if inst.print_after_all or spec.name in inst.print_after:
+            inst.out.write(f"// ----- IR after {spec} -----\n{print_module(module)}")
+        if inst.dump_dir is not None:
+            path = inst.dump_dir / f"{index:02d}_{spec.name}.picc"
+            write_text_atomic(path, print_module(module))
+        if inst.on_pass:
+            inst.on_pass(spec.name, module)
+    if inst.time_passes:
+        total = sum(t for _, t in inst.timings) or 1e-12
+        inst.out.write("pass                     seconds   share\n")
+        for name, t in inst.timings:
+            inst.out.write(f"{name:<24} {t:8.3f} {100 * t / total:6.1f}%\n")
+    return module

@@ -1,0 +1,487 @@
+"""Tiny random Hugging Face checkpoints + transformers reference outputs for picc tests.
+
+Usage (from a test)::
+
+    from hf_models import VARIANTS, make_model, reference_logits, reference_greedy
+
+    make_model("llama", "gqa", tmp_path / "m")
+    ref = reference_logits(tmp_path / "m", [1, 5, 9, 3])   # np.float32, (tokens, vocab)
+
+Every variant is a 2-layer, hidden-64-ish model built with transformers from a
+config, with all weights re-drawn (fixed seed) at a large scale -- norm weights
+around 1 +- 0.25, biases std 0.25, embeddings std 0.5, linear weights std 0.2 --
+so a wrong implementation changes the logits visibly.  Weights are drawn per
+parameter from a seed derived from (seed, parameter name), so two variants of a
+family that have the same parameter names and shapes (e.g. mistral "base" vs
+"sliding-window") get *identical* weights and differ only in the config field
+being exercised.
+
+Checkpoints are written with ``save_pretrained`` (transformers 5.x always writes
+``model.safetensors``; tied ``lm_head.weight`` is *omitted* from the file).  Some
+variants then rewrite config.json into the older "hub" layout real checkpoints
+use (top-level ``rope_theta`` / ``rope_scaling``; Qwen2 without ``layer_types``),
+see ``_HUB_STYLE`` below.  No tokenizer is written: tests pass token ids.
+
+Reference outputs use eager attention in float32, except Falcon with ALiBi,
+which uses SDPA: in transformers 5.x Falcon's *eager* ALiBi path adds the ALiBi
+bias twice (once folded into the mask, once in the attention code), SDPA (the
+default implementation for Falcon, and the one matching the original model)
+adds it once.  See /work/notes/hf_semantics.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pathlib
+import zlib
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import numpy as np  # noqa: E402
+
+__all__ = [
+    "FAMILIES",
+    "VARIANTS",
+    "EXTRA_VARIANTS",
+    "SAME_WEIGHTS_DIFFERENT_LOGITS",
+    "SAME_LOGITS",
+    "variant_config",
+    "make_model",
+    "reference_logits",
+    "reference_greedy",
+    "load_reference_model",
+]
+
+FAMILIES = ("llama", "mistral", "qwen2", "opt", "falcon")
+
+# --------------------------------------------------------------------------------------
+# Config variants.  Each entry is the kwargs given to the transformers config class on
+# top of the family's base kwargs.  Keys starting with "_" are handled here, not passed
+# to transformers:
+#   _hub_style: rewrite config.json after saving (see _HUB_STYLE)
+# --------------------------------------------------------------------------------------
+
+_BASE: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "mistral": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "qwen2": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        sliding_window=4,
+        max_window_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "opt": dict(
+        vocab_size=256,
+        hidden_size=64,
+        ffn_dim=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        do_layer_norm_before=True,
+        word_embed_proj_dim=None,
+        enable_bias=True,
+        activation_function="relu",
+        tie_word_embeddings=True,
+        dropout=0.1,  # must be ignored in eval mode
+    ),
+    "falcon": dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=160,
+        max_position_embeddings=128,
+        layer_norm_epsilon=1e-5,
+        bias=False,
+        alibi=False,
+        activation="gelu",
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+}
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # head_dim 16, theta 1e4: wavelengths 6.3, 19.9, 62.8, 199, ... -> with 64 there is one
+    # unscaled frequency, two smoothed ones and five divided by `factor`.
+    "original_max_position_embeddings": 64,
+}
+
+_SPECS: dict[str, dict[str, dict[str, Any]]] = {
+    "llama": {
+        "swiglu": {},
+        "relu": dict(hidden_act="relu"),
+        "gelu": dict(hidden_act="gelu"),
+        "gqa": dict(num_key_value_heads=2),
+        "mqa": dict(num_key_value_heads=1),
+        "rope-theta": dict(rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+        "rope-linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+        "rope-llama3": dict(rope_parameters=dict(_LLAMA3_ROPE)),
+        # same as rope-linear / rope-llama3 but config.json in the pre-5.x hub layout:
+        # top-level "rope_theta" + "rope_scaling" (with the legacy "type" key for linear)
+        "rope-linear-legacy": dict(
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, _hub_style="rope"
+        ),
+        "rope-llama3-legacy": dict(rope_parameters=dict(_LLAMA3_ROPE), _hub_style="rope"),
+        "tied": dict(tie_word_embeddings=True),
+        "attn-bias": dict(attention_bias=True),
+        "mlp-bias": dict(mlp_bias=True),
+        "head-dim": dict(head_dim=24, num_key_value_heads=2),
+        "norm-eps": dict(rms_norm_eps=0.5),
+    },
+    "mistral": {
+        "base": {},
+        "sliding-window": dict(sliding_window=4),
+        "head-dim": dict(head_dim=32),
+        "tied": dict(tie_word_embeddings=True),
+        # a hub config.json without "sliding_window" key -> class default 4096 (> test length)
+        "no-window-key": dict(_hub_style="drop-sliding-window"),
+    },
+    "qwen2": {
+        # all qwen2 variants have config.json without "layer_types" (like hub checkpoints),
+        # so the loader must derive it from use_sliding_window / max_window_layers.
+        "base": dict(_hub_style="qwen2"),
+        "tied": dict(tie_word_embeddings=True, _hub_style="qwen2"),
+        # layer 0 full attention, layer 1 (>= max_window_layers) sliding window 4
+        "sliding": dict(use_sliding_window=True, _hub_style="qwen2"),
+        # every layer sliding
+        "sliding-all": dict(use_sliding_window=True, max_window_layers=0, _hub_style="qwen2"),
+        # use_sliding_window False: sliding_window=4 / max_window_layers=1 must be IGNORED
+        "sliding-off": dict(use_sliding_window=False, _hub_style="qwen2-keep-window"),
+        # explicit layer_types (kept in config.json) override max_window_layers
+        "layer-types": dict(use_sliding_window=True, layer_types=["sliding_attention", "full_attention"]),
+        "mha": dict(num_key_value_heads=4, _hub_style="qwen2"),
+    },
+    "opt": {
+        "pre-ln": {},  # opt-125m / 1.3b / ... layout
+        "post-ln": dict(do_layer_norm_before=False),
+        "proj-dim": dict(do_layer_norm_before=False, word_embed_proj_dim=32),  # opt-350m layout
+        "proj-dim-pre-ln": dict(word_embed_proj_dim=32),
+        "no-bias": dict(enable_bias=False),
+        "no-final-ln": dict(_remove_final_layer_norm=True),
+        "untied": dict(tie_word_embeddings=False),
+        "no-affine": dict(layer_norm_elementwise_affine=False),
+        "gelu": dict(activation_function="gelu"),
+    },
+    "falcon": {
+        # falcon-40b / 180b: grouped fused qkv, ln_attn + ln_mlp
+        "new-arch": dict(new_decoder_architecture=True, num_kv_heads=2),
+        # falcon2-11b: new arch with a single shared input_layernorm
+        "new-arch-1ln": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
+        "new-arch-mqa": dict(new_decoder_architecture=True, num_kv_heads=1),
+        "new-arch-mha": dict(new_decoder_architecture=True, num_kv_heads=4),
+        # falcon-7b: multi-query fused qkv, parallel attn+mlp, one input_layernorm
+        "multi-query": dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True),
+        # interleaved per-head fused qkv, parallel
+        "classic": dict(new_decoder_architecture=False, multi_query=False, parallel_attn=True),
+        # sequential attn -> mlp (input_layernorm + post_attention_layernorm)
+        "sequential": dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False),
+        "sequential-mq": dict(new_decoder_architecture=False, multi_query=True, parallel_attn=False),
+        # falcon-rw-1b layout: alibi, interleaved qkv, sequential, biases
+        "alibi": dict(
+            new_decoder_architecture=False, multi_query=False, parallel_attn=False, alibi=True, bias=True
+        ),
+        # 24 heads: closest power of two 16 (irrational slopes) + 8 "extra" heads;
+        # exercises the bfloat16 rounding transformers applies to the alibi bias
+        "alibi-24heads": dict(
+            new_decoder_architecture=False,
+            multi_query=False,
+            parallel_attn=False,
+            alibi=True,
+            bias=True,
+            hidden_size=96,
+            num_attention_heads=24,
+        ),
+        "alibi-mq-parallel": dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, alibi=True),
+        "bias": dict(new_decoder_architecture=True, num_kv_heads=2, bias=True),
+        "untied": dict(new_decoder_architecture=True, num_kv_heads=2, tie_word_embeddings=False),
+        "relu": dict(new_decoder_architecture=True, num_kv_heads=2, activation="relu"),
+        "rope-linear": dict(
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        ),
+        "rope-theta-legacy": dict(
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            _hub_style="rope",
+        ),
+        "ln-eps": dict(new_decoder_architecture=True, num_kv_heads=2, layer_norm_epsilon=0.5),
+    },
+}
+
+# Variants make_model accepts but that are not in VARIANTS: RoPE types picc may choose to
+# reject (it should then raise a clear error rather than compute something else).
+_EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
+    "llama": {
+        # identical to default RoPE while sequence length <= max_position_embeddings (8 here);
+        # longer sequences recompute inv_freq from the current length (see notes)
+        "rope-dynamic": dict(
+            max_position_embeddings=8,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        ),
+        "rope-yarn": dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+    },
+    "mistral": {},
+    "qwen2": {},
+    "opt": {},
+    "falcon": {},
+}
+
+VARIANTS: dict[str, list[str]] = {fam: list(specs) for fam, specs in _SPECS.items()}
+EXTRA_VARIANTS: dict[str, list[str]] = {fam: list(specs) for fam, specs in _EXTRA_SPECS.items()}
+
+# Pairs of variants whose logits must differ at a test length >= 12.  Parameters with the same
+# name and shape get identical weights for the same seed, and in these pairs the config field
+# being exercised is (close to) the only difference.
+SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
+    ("llama", "swiglu", "relu"),
+    ("llama", "swiglu", "gelu"),
+    ("llama", "swiglu", "rope-theta"),
+    ("llama", "swiglu", "rope-linear"),
+    ("llama", "swiglu", "rope-llama3"),
+    ("llama", "rope-linear", "rope-llama3"),
+    ("llama", "swiglu", "norm-eps"),
+    ("llama", "swiglu", "rope-dynamic"),  # differs only because the test length exceeds 8
+    ("llama", "swiglu", "rope-yarn"),
+    ("mistral", "base", "sliding-window"),
+    ("qwen2", "base", "sliding"),
+    ("qwen2", "sliding", "sliding-all"),
+    ("qwen2", "sliding", "layer-types"),
+    ("opt", "pre-ln", "post-ln"),
+    ("opt", "pre-ln", "gelu"),
+    ("opt", "proj-dim", "proj-dim-pre-ln"),
+    ("falcon", "classic", "sequential"),
+    ("falcon", "new-arch", "relu"),
+    ("falcon", "new-arch", "rope-linear"),
+    ("falcon", "new-arch", "rope-theta-legacy"),
+    ("falcon", "new-arch", "ln-eps"),
+    ("falcon", "multi-query", "alibi-mq-parallel"),
+]
+
+# Pairs whose logits must be equal (the config difference must be ignored / is equivalent).
+SAME_LOGITS: list[tuple[str, str, str]] = [
+    ("llama", "rope-linear", "rope-linear-legacy"),
+    ("llama", "rope-llama3", "rope-llama3-legacy"),
+    ("qwen2", "base", "sliding-off"),
+    ("mistral", "base", "no-window-key"),  # default window 4096 > test length
+]
+
+
+def _all_specs(family: str) -> dict[str, dict[str, Any]]:
+    if family not in _SPECS:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    return {**_SPECS[family], **_EXTRA_SPECS[family]}
+
+
+def variant_config(family: str, variant: str) -> dict[str, Any]:
+    """The transformers config kwargs for (family, variant) (private "_" keys included)."""
+    specs = _all_specs(family)
+    if variant not in specs:
+        raise ValueError(f"unknown {family} variant {variant!r}; expected one of {list(specs)}")
+    kw = copy.deepcopy(_BASE[family])
+    kw.update(copy.deepcopy(specs[variant]))
+    return kw
+
+
+def _config_and_class(family: str, kw: dict[str, Any]):
+    import transformers as tf
+
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "opt": (tf.OPTConfig, tf.OPTForCausalLM),
+        "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
+    }[family]
+    return cfg_cls(**kw), model_cls
+
+
+def _randomize(model, seed: int) -> None:
+    """Redraw every parameter at a scale where mistakes are visible.
+
+    Each parameter gets its own generator seeded from (seed, parameter name), so variants
+    sharing parameter names/shapes share weights.
+    """
+    import torch
+    from torch import nn
+
+    seen: set[int] = set()
+    for mod_name, mod in sorted(model.named_modules(), key=lambda t: t[0]):
+        is_norm = isinstance(mod, nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm")
+        is_emb = isinstance(mod, nn.Embedding)
+        for p_name, p in mod.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(full.encode())) % (2**63))
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            with torch.no_grad():
+                if is_norm and p_name == "weight":
+                    p.copy_(1.0 + 0.25 * noise)
+                elif p_name == "bias":
+                    p.copy_(0.25 * noise)
+                elif is_emb:
+                    p.copy_(0.5 * noise)
+                else:
+                    p.copy_(0.2 * noise)
+
+
+def _rewrite_hub_style(cfg_path: pathlib.Path, style: str) -> None:
+    cfg = json.loads(cfg_path.read_text())
+    if style == "rope":
+        # pre-5.x layout: top-level rope_theta, rope_scaling without rope_theta, legacy "type" key
+        rp = dict(cfg.pop("rope_parameters"))
+        cfg["rope_theta"] = rp.pop("rope_theta")
+        rtype = rp.pop("rope_type")
+        if rtype != "default":
+            key = "type" if rtype == "linear" else "rope_type"
+            cfg["rope_scaling"] = {key: rtype, **rp}
+    elif style == "drop-sliding-window":
+        cfg.pop("sliding_window", None)
+    elif style in ("qwen2", "qwen2-keep-window"):
+        cfg.pop("layer_types", None)
+        if style == "qwen2-keep-window":
+            # transformers nulls sliding_window when use_sliding_window is False; hub configs don't
+            cfg["sliding_window"] = 4
+    else:  # pragma: no cover
+        raise ValueError(style)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def make_model(family: str, variant: str, path: pathlib.Path, seed: int = 0) -> None:
+    """Build a tiny random (family, variant) model and save it as a HF checkpoint dir."""
+    import torch
+
+    path = pathlib.Path(path)
+    kw = variant_config(family, variant)
+    hub_style = kw.pop("_hub_style", None)
+    cfg, model_cls = _config_and_class(family, kw)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32).eval()
+    _randomize(model, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    # transformers 5.x always writes safetensors (the safe_serialization kwarg is gone)
+    model.save_pretrained(path)
+    if hub_style:
+        _rewrite_hub_style(path / "config.json", hub_style)
+    _MODEL_CACHE.pop(str(path.resolve()), None)
+
+
+# --------------------------------------------------------------------------------------
+# Reference outputs
+# --------------------------------------------------------------------------------------
+
+_MODEL_CACHE: dict[str, tuple[tuple, Any]] = {}
+
+
+def _stamp(path: pathlib.Path) -> tuple:
+    return tuple(
+        (f.name, f.stat().st_mtime_ns, f.stat().st_size)
+        for f in sorted(path.iterdir())
+        if f.suffix in (".json", ".safetensors")
+    )
+
+
+def _default_attn_impl(path: pathlib.Path) -> str:
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("model_type") == "falcon" and cfg.get("alibi"):
+        return "sdpa"  # eager double-adds alibi in transformers 5.x (see module docstring)
+    return "eager"
+
+
+def load_reference_model(path, attn_implementation: str | None = None):
+    """Load a checkpoint dir with transformers (float32, eval mode, cached by file stamps)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = pathlib.Path(path).resolve()
+    impl = attn_implementation or _default_attn_impl(path)
+    key = f"{path}::{impl}"
+    stamp = _stamp(path)
+    hit = _MODEL_CACHE.get(key)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=impl, local_files_only=True
+    ).eval()
+    _MODEL_CACHE[key] = (stamp, model)
+    return model
+
+
+def reference_logits(path, token_ids: list[int], attn_implementation: str | None = None) -> np.ndarray:
+    """transformers float32 logits for one unpadded sequence: shape (len(token_ids), vocab)."""
+    import torch
+
+    model = load_reference_model(path, attn_implementation)
+    ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False)
+    return out.logits[0].to(torch.float32).numpy().copy()
+
+
+def reference_greedy(path, token_ids: list[int], n: int, attn_implementation: str | None = None) -> list[int]:
+    """n greedily generated token ids (no eos stopping), recomputing the full prefix each step."""
+    import torch
+
+    model = load_reference_model(path, attn_implementation)
+    ids = list(token_ids)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False).logits[0, -1]
+            nxt = int(torch.argmax(logits).item())
+            out.append(nxt)
+            ids.append(nxt)
+    return out

