@@ -32,35 +32,47 @@ class PassSpec:
         return self.name + "{" + ",".join(f"{k}={v}" for k, v in self.options.items()) + "}"
 
 
-_ENTRY = re.compile(r"\s*([\w-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+_NAME = re.compile(r"\s*([\w-]+)\s*")
 
 
 def parse_pipeline(text: str) -> list[PassSpec]:
     """Parse ``"profile-activations{tokens=4096},insert-predictors"`` into pass specs."""
     specs: list[PassSpec] = []
     pos = 0
-    text = text.strip()
+
+    def fail(at: int, expected: str) -> PiccError:
+        return PiccError(f"pipeline {text!r}: at character {at + 1}: expected {expected}")
+
     while pos < len(text):
-        m = _ENTRY.match(text, pos)
-        if not m or m.end() == pos:
-            raise PiccError(f"pipeline {text!r}: cannot parse at character {pos + 1}; expected "
-                            "PASS or PASS{key=value,...}, separated by commas")
-        name, opts = m.group(1), m.group(2)
+        m = _NAME.match(text, pos)
+        if not m:
+            raise fail(pos, "a pass name")
+        name, pos = m.group(1), m.end()
         info = PASSES.get(name)
         if info is None:
             raise PiccError(f"pipeline: unknown pass {name!r}; registered passes: "
                             f"{', '.join(sorted(PASSES))}")
         options: dict[str, str] = {}
-        for item in filter(None, (s.strip() for s in (opts or "").split(","))):
-            key, eq, value = item.partition("=")
-            key = key.strip()
-            if not eq or key not in info.options:
-                accepted = ", ".join(info.options) or "none"
-                raise PiccError(f"pipeline: pass {name!r} got option {item!r}; "
-                                f"accepted options: {accepted}")
-            options[key] = value.strip()
+        if text.startswith("{", pos):
+            close = text.find("}", pos)
+            if close < 0 or "{" in text[pos + 1 : close]:
+                raise fail(pos, "options as {key=value,...} closed by '}'")
+            for item in filter(None, (s.strip() for s in text[pos + 1 : close].split(","))):
+                key, eq, value = item.partition("=")
+                key = key.strip()
+                if not eq or key not in info.options:
+                    accepted = ", ".join(info.options) or "none"
+                    raise PiccError(f"pipeline: pass {name!r} got option {item!r}; "
+                                    f"accepted options: {accepted}")
+                options[key] = value.strip()
+            pos = close + 1
         specs.append(PassSpec(name, options))
-        pos = m.end()
+        rest = text[pos:].lstrip()
+        if rest and not rest.startswith(","):
+            raise fail(len(text) - len(rest), "',' between passes")
+        pos = len(text) - len(rest) + 1
+    if not specs:
+        raise PiccError("pipeline: expected at least one pass")
     return specs
 
 

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random models built straight into picc IR, and the SmolLM2 path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama, layer_weight_names
+from picc.frontend.model import LoadedModel
+from picc.ir.module import Module
+from picc.ir.types import DType
+from picc.ir.weights import Tensor, WeightStore
+
+
+def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_heads: int = 4,
+               n_kv_heads: int = 2, n_ff: int = 96, vocab: int = 128, seed: int = 0,
+               matrix_dtype: DType = DType.F32, rope: RopeSpec | None = None,
+               window: int | None = None, tied: bool = False, biases: bool = False) -> LoadedModel:
+    """A random LLaMA-style model, built directly as IR (no transformers involved)."""
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // n_heads
+    store = WeightStore()
+
+    def add(name: str, shape: tuple[int, ...], scale: float, dtype: DType = DType.F32) -> None:
+        x = rng.normal(0, scale, size=shape).astype(np.float32)
+        store.add(name, Tensor.from_f32(x, dtype))
+
+    add("token_embd", (vocab, hidden), 1.0, matrix_dtype)
+    gated = form in ("swiglu", "reglu", "geglu", "geglu_tanh", "drelu")
+    for i in range(n_layers):
+        n = layer_weight_names(i)
+        store.add(n["attn_norm"], Tensor.from_f32(1 + 0.1 * rng.normal(size=hidden)))
+        store.add(n["ffn_norm"], Tensor.from_f32(1 + 0.1 * rng.normal(size=hidden)))
+        for key, rows in (("q", n_heads * head_dim), ("k", n_kv_heads * head_dim),
+                          ("v", n_kv_heads * head_dim)):
+            add(n[key], (rows, hidden), hidden**-0.5, matrix_dtype)
+            if biases:
+                add(n[f"{key}_bias"], (rows,), 0.1)
+        add(n["o"], (hidden, n_heads * head_dim), hidden**-0.5, matrix_dtype)
+        add(n["up"], (n_ff, hidden), hidden**-0.5, matrix_dtype)
+        if gated:
+            add(n["gate"], (n_ff, hidden), hidden**-0.5, matrix_dtype)
+        add(n["down"], (hidden, n_ff), n_ff**-0.5, matrix_dtype)
+    store.add("output_norm", Tensor.from_f32(1 + 0.1 * rng.normal(size=hidden)))
+    if not tied:
+        add("output", (vocab, hidden), hidden**-0.5, matrix_dtype)
+    spec = LlamaSpec(
+        name="tiny", arch="llama", vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, head_dim=head_dim, n_ff=n_ff, eps=1e-5, ffn_form=form,
+        rope=rope or RopeSpec(), tied=tied, window=(window,) * n_layers if window else (),
+        bos_id=1, eos_id=2,
+    )
+    return LoadedModel(build_llama(spec, store), store, None, source="tiny")
+
+
+@pytest.fixture
+def tiny() -> LoadedModel:
+    return tiny_llama()
+
+
+def ops_named(module: Module, name: str) -> list:
+    return [op for op in module.ops() if op.NAME == name]

@@ -1,0 +1,139 @@
+"""The reference interpreter's op semantics, checked against torch and against itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_llama
+
+from picc.frontend.llama import RopeSpec
+from picc.interpreter import Interpreter, activation, rope
+from picc.ir import ops as O
+from picc.ir.types import DType, f32
+
+RNG = np.random.default_rng(0)
+
+
+def _rope_op(**kw) -> O.Rope:
+    return O.Rope(result="r", type=f32("seq", 32), x="x", pos="p", n_heads=4, head_dim=8, **kw)
+
+
+@pytest.mark.parametrize("name, ref", [
+    ("relu", torch.relu), ("silu", torch.nn.functional.silu),
+    ("gelu", torch.nn.functional.gelu),
+    ("gelu_tanh", lambda t: torch.nn.functional.gelu(t, approximate="tanh")),
+])
+def test_activations_match_torch(name, ref):
+    x = RNG.normal(0, 3, size=(5, 40)).astype(np.float32)
+    np.testing.assert_allclose(activation(name, x), ref(torch.from_numpy(x)).numpy(),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_llama_rope_matches_transformers_rotate_half():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x = RNG.normal(size=(6, 32)).astype(np.float32)
+    pos = np.array([0, 1, 2, 7, 100, 4000], np.int32)
+    op = _rope_op(theta=500000.0)
+    got = rope(op, x, pos)
+    inv = torch.from_numpy(op.inv_freq())
+    freqs = torch.from_numpy(pos).float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    q = torch.from_numpy(x).view(1, 6, 4, 8).transpose(1, 2)
+    want, _ = apply_rotary_pos_emb(q, q, emb.cos()[None], emb.sin()[None])
+    np.testing.assert_allclose(got, want.transpose(1, 2).reshape(6, 32).numpy(), atol=1e-5)
+
+
+def test_gptj_rope_on_llama_cpp_permuted_rows_equals_llama_rope():
+    """llama.cpp permutes Q/K rows so that interleaved rope computes rotate_half rope."""
+    x = RNG.normal(size=(5, 32)).astype(np.float32)
+    pos = np.arange(5, dtype=np.int32) * 3
+    perm = np.arange(32).reshape(4, 2, 4).swapaxes(1, 2).reshape(32)  # llama.cpp's permute()
+    llama = rope(_rope_op(), x, pos)
+    gptj = rope(_rope_op(style="gptj"), x[:, perm], pos)
+    np.testing.assert_allclose(gptj, llama[:, perm], atol=1e-6)
+
+
+def test_partial_rotary_leaves_the_tail_alone():
+    x = RNG.normal(size=(3, 32)).astype(np.float32)
+    out = rope(_rope_op(rotary_dim=4), x, np.array([5, 6, 7], np.int32))
+    heads_in, heads_out = x.reshape(3, 4, 8), out.reshape(3, 4, 8)
+    np.testing.assert_array_equal(heads_out[..., 4:], heads_in[..., 4:])
+    assert not np.allclose(heads_out[..., :4], heads_in[..., :4])
+
+
+def test_rope_scaling_inv_freq_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_parameters=params)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    op = O.Rope(result="r", type=f32("seq", 64), x="x", pos="p", n_heads=2, head_dim=32,
+                theta=500000.0, scaling="llama3", factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position=8192)
+    np.testing.assert_allclose(op.inv_freq(), want.numpy(), rtol=1e-6)
+    params = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_parameters=params)
+    want, _ = ROPE_INIT_FUNCTIONS["linear"](cfg, "cpu")
+    op = O.Rope(result="r", type=f32("seq", 64), x="x", pos="p", n_heads=2, head_dim=32,
+                scaling="linear", factor=4.0)
+    np.testing.assert_allclose(op.inv_freq(), want.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(window=3), dict(n_kv_heads=1),
+                                    dict(form="relu", matrix_dtype=DType.Q4_0)])
+def test_decode_with_kv_cache_equals_full_prefill(kwargs):
+    model = tiny_llama(**kwargs)
+    tokens = [3, 14, 15, 92, 65, 35, 89, 79]
+    full = Interpreter(model.module, model.weights).run(tokens)
+    step = Interpreter(model.module, model.weights)
+    chunks = [step.run(tokens[:3])] + [step.run([t]) for t in tokens[3:6]] + [step.run(tokens[6:])]
+    np.testing.assert_allclose(np.concatenate(chunks), full, rtol=1e-5, atol=1e-5)
+    assert step.length == len(tokens)
+
+
+def test_sliding_window_changes_only_late_positions():
+    tokens = list(range(10, 20))
+    plain = Interpreter(*_mw(tiny_llama())).run(tokens)
+    windowed = Interpreter(*_mw(tiny_llama(window=4))).run(tokens)
+    np.testing.assert_allclose(windowed[:4], plain[:4], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(windowed[4:], plain[4:], atol=1e-3)
+
+
+def _mw(model):
+    return model.module, model.weights
+
+
+def test_attention_matches_torch_sdpa_with_gqa():
+    seq, h, kv, d = 7, 6, 2, 8
+    q = RNG.normal(size=(seq, h * d)).astype(np.float32)
+    k = RNG.normal(size=(seq, kv * d)).astype(np.float32)
+    v = RNG.normal(size=(seq, kv * d)).astype(np.float32)
+    op = O.Attention(result="o", type=f32(seq, h * d), q="q", k="k", v="v", pos="p", n_heads=h,
+                     n_kv_heads=kv, head_dim=d, scale=0.3, cache="c")
+    from picc.interpreter import KVCache, attention
+
+    got = attention(op, q, k, v, np.arange(seq, dtype=np.int32), KVCache(kv * d))
+    tq = torch.from_numpy(q).view(seq, h, d).transpose(0, 1)
+    tk = torch.from_numpy(k).view(seq, kv, d).transpose(0, 1).repeat_interleave(h // kv, 0)
+    tv = torch.from_numpy(v).view(seq, kv, d).transpose(0, 1).repeat_interleave(h // kv, 0)
+    want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=0.3)
+    np.testing.assert_allclose(got, want.transpose(0, 1).reshape(seq, h * d).numpy(), atol=1e-5)
+
+
+def test_quantized_weights_run_through_exact_dequantization():
+    f = tiny_llama(matrix_dtype=DType.F32, seed=3)
+    q = tiny_llama(matrix_dtype=DType.Q8_0, seed=3)
+    tokens = [1, 2, 3, 4]
+    lf = Interpreter(f.module, f.weights).run(tokens)
+    lq = Interpreter(q.module, q.weights).run(tokens)
+    # Q8_0 keeps ~2-3 significant digits per weight: close, but not equal.
+    assert 0 < np.linalg.norm(lq - lf) / np.linalg.norm(lf) < 0.05
+
+
+def test_rope_spec_defaults_are_the_op_defaults():
+    spec, op = RopeSpec(), _rope_op()
+    assert (spec.theta, spec.style, spec.scaling) == (op.theta, op.style, op.scaling)

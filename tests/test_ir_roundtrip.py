@@ -1,0 +1,112 @@
+"""The text form round-trips exactly: parse(print(m)) == m, and print(parse(t)) == t."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_llama
+
+from picc.frontend.llama import RopeSpec
+from picc.ir import ParseError, parse, print_module, verify
+from picc.ir.types import DType
+
+GOLDEN = """\
+module @golden {arch = "llama", vocab = 16, scale = 0.5, chat = false, note = "a \\"quoted\\" word"}
+
+weight @emb : q8_0[16, 32]
+weight @norm : f32[32]
+weight @opt_pos : f16[64, 32]
+weight @up : q4_0[48, 32]
+weight @down : q4_1[32, 48]
+weight @ln_b : bf16[32]
+
+func @forward(%tokens: i32[seq], %pos: i32[seq]) -> f32[seq, 32] {
+  %embed = embed %tokens, @emb : f32[seq, 32]
+  %posed = pos_embed %pos, @opt_pos {offset = 2} : f32[seq, 32]
+  %sum = add %embed, %posed : f32[seq, 32]
+  %normed = layer_norm %sum, @norm, bias=@ln_b {eps = 1e-05} : f32[seq, 32]
+  %rot = rope %normed, %pos {n_heads = 4, head_dim = 8, rotary_dim = 4, style = "gptj", scaling = "llama3", factor = 8.0} : f32[seq, 32]
+  %ctx = attention %rot, %normed, %normed, %pos {n_heads = 4, n_kv_heads = 4, head_dim = 8, scale = 0.35355339059327373, cache = "l0", window = 4, alibi = true} : f32[seq, 32]
+
+  %l0.ffn.out = ffn %ctx, @up, @down {form = "relu"} : f32[seq, 32]
+  %l0.act = gelu_tanh %l0.ffn.out : f32[seq, 32]
+  return %l0.act
+}
+"""
+
+
+def test_golden_text_round_trips_character_for_character():
+    module = parse(GOLDEN)
+    verify(module)
+    assert print_module(module) == GOLDEN
+    assert parse(print_module(module)) == module
+
+
+def test_attributes_keep_their_types():
+    module = parse(GOLDEN)
+    assert module.attr("vocab") == 16 and isinstance(module.attr("vocab"), int)
+    assert module.attr("scale") == 0.5
+    assert module.attr("chat") is False
+    assert module.attr("note") == 'a "quoted" word'
+    rope = next(op for op in module.ops() if op.NAME == "rope")
+    assert rope.factor == 8.0 and isinstance(rope.factor, float)
+    assert rope.rotary_dim == 4 and rope.theta == 10000.0  # default filled in
+    assert module.weight_types()["up"].dtype == DType.Q4_0
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(form="swiglu"),
+    dict(form="relu", tied=True),
+    dict(form="drelu", biases=True),
+    dict(form="geglu_tanh", window=3, n_kv_heads=1),
+    dict(form="reglu", matrix_dtype=DType.Q4_1, rope=RopeSpec(scaling="linear", factor=2.0)),
+    dict(form="gelu", matrix_dtype=DType.Q8_0,
+         rope=RopeSpec(theta=5e5, style="gptj", scaling="llama3", factor=8.0, rotary_dim=8)),
+])
+def test_built_modules_round_trip(kwargs):
+    module = tiny_llama(**kwargs).module
+    verify(module)
+    text = print_module(module)
+    assert parse(text) == module
+    assert print_module(parse(text)) == text
+
+
+def test_one_op_per_line_and_layers_separated():
+    text = print_module(tiny_llama(n_layers=2).module)
+    body = text[text.index("func @forward"):].splitlines()[1:-2]
+    op_lines = [line for line in body if line.strip()]
+    assert all(" = " in line and line.startswith("  %") for line in op_lines)
+    blank = [i for i, line in enumerate(body) if not line.strip()]
+    # a blank line before layer 0, before layer 1, and before the final norm
+    assert len(blank) == 3
+    assert body[blank[1] + 1].startswith("  %l1.")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "line 1: expected 'module @name'"),
+    ("module @m\nweight @w : f77[3]\n", "line 2, column 13: expected a dtype"),
+    ("module @m\nfunc @f() {\n  %x = frobnicate %y : f32[1]\n  return %x\n}\n",
+     "line 3, column 8: expected a known op"),
+    ("module @m\nfunc @f(%a: f32[1, 2]) {\n  %x = relu %a {bogus = 1} : f32[1, 2]\n  return %x\n}\n",
+     "line 3, column 17: expected one of the attributes"),
+    ("module @m\nfunc @f(%a: f32[1, 2]) {\n  %x = relu %a : f32[1, 2]\n", "has no 'return'"),
+    ("module @m\nfunc @f(%a: f32[1, 2]) {\n  %x = relu %a, %a : f32[1, 2]\n  return %x\n}\n",
+     "line 3, column 17: expected ':' (relu takes 1 positional operands)"),
+    ("module @m\nfunc @f(%a: f32[1, 2]) {\n  %x = linear %a : f32[1, 2]\n  return %x\n}\n",
+     "operand 'weight' of linear"),
+    ("module @m\nfunc @f(%a: f32[1, 2]) {\n  %x = rms_norm %a, @w : f32[1, 2]\n  return %x\n}\n",
+     "line 3: rms_norm needs attribute 'eps'"),
+    ("module @m\nfunc @f(%a: f32[1, 2]) {\n  %x = rms_norm %a, @w {eps = \"big\"} : f32[1, 2]\n"
+     "  return %x\n}\n", "expected a value of type float"),
+    ("module @m\nweight @w : f32[2] @tpu\n", "expected a placement"),
+])
+def test_parse_errors_say_where_and_what(text, message):
+    with pytest.raises(ParseError) as e:
+        parse(text)
+    assert message in str(e.value)
+
+
+def test_placement_round_trips():
+    text = "module @m\n\nweight @w : f16[640, 576] @gpu\n"
+    module = parse(text)
+    assert module.weights[0].type.placement is not None
+    assert print_module(module) == text

@@ -1,0 +1,106 @@
+"""The verifier rejects malformed IR with a message naming the line, the op and the broken rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from picc.ir import VerifyError, parse, verify
+
+HEADER = """\
+module @m
+
+weight @emb : f32[16, 8]
+weight @norm : f32[8]
+weight @w : f32[12, 8]
+weight @wq : q4_0[8, 32]
+weight @up : f32[24, 8]
+weight @down : f32[8, 24]
+
+"""
+
+
+def body(*ops: str, ret: str = "%x", args: str = "%tokens: i32[seq], %pos: i32[seq]") -> str:
+    lines = "\n".join(f"  {op}" for op in ops)
+    return HEADER + f"func @forward({args}) {{\n{lines}\n  return {ret}\n}}\n"
+
+
+EMBED = "%x = embed %tokens, @emb : f32[seq, 8]"
+
+CASES = [
+    # (ops, expected message fragment); the first op is on line 11 (texts here are in printed form, so line numbers match the file) of the text
+    ([EMBED, "%y = relu %z : f32[seq, 8]"],
+     "line 12: %y = relu: %z is used before it is defined"),
+    ([EMBED, "%x = relu %x : f32[seq, 8]"],
+     "line 12: %x = relu: %x is already defined (SSA values are defined once)"),
+    ([EMBED, "%y = linear %x, @nope : f32[seq, 12]"],
+     "line 12: %y = linear: weight @nope is not declared"),
+    ([EMBED, "%y = linear %x, @w : f32[seq, 8]"],
+     "line 12: %y = linear: result type is f32[seq, 8] but the operands give f32[seq, 12]"),
+    ([EMBED, "%y = linear %x, @down : f32[seq, 8]"],
+     "line 12: %y = linear: weight @down f32[8, 24] takes 24 inputs but %x has 8"),
+    ([EMBED, "%y = rms_norm %x, @w {eps = 1e-05} : f32[seq, 8]"],
+     "line 12: %y = rms_norm: weight @w must be [8], got [12, 8]"),
+    ([EMBED, "%y = rms_norm %x, @norm {eps = 0.0} : f32[seq, 8]"],
+     "line 12: %y = rms_norm: eps must be > 0, got 0.0"),
+    ([EMBED, "%y = embed %x, @emb : f32[seq, 8]"],
+     "line 12: %y = embed: tokens %x must be i32[seq], got f32[seq, 8]"),
+    ([EMBED, "%y = rope %x, %pos {n_heads = 3, head_dim = 2} : f32[seq, 8]"],
+     "line 12: %y = rope: %x has 8 features, expected n_heads * head_dim = 3 * 2"),
+    ([EMBED, "%y = rope %x, %pos {n_heads = 2, head_dim = 4, style = \"neox\"} : f32[seq, 8]"],
+     "line 12: %y = rope: style must be one of ('llama', 'gptj'), got 'neox'"),
+    ([EMBED, "%y = attention %x, %x, %x, %pos {n_heads = 3, n_kv_heads = 2, head_dim = 2, "
+      "scale = 1.0, cache = \"l0\"} : f32[seq, 8]"],
+     "line 12: %y = attention: n_heads=3 must be a multiple of n_kv_heads=2"),
+    ([EMBED, "%y = attention %x, %x, %x, %pos {n_heads = 4, n_kv_heads = 2, head_dim = 2, "
+      "scale = 1.0, cache = \"l0\"} : f32[seq, 8]"],
+     "line 12: %y = attention: %x must be f32[seq, 4] (n_kv_heads * head_dim), got f32[seq, 8]"),
+    ([EMBED,
+      "%y = attention %x, %x, %x, %pos {n_heads = 2, n_kv_heads = 2, head_dim = 4, scale = 1.0, "
+      "cache = \"l0\"} : f32[seq, 8]",
+      "%z = attention %y, %y, %y, %pos {n_heads = 2, n_kv_heads = 2, head_dim = 4, scale = 1.0, "
+      "cache = \"l0\"} : f32[seq, 8]"],
+     "line 13: %z = attention: cache slot 'l0' is already used by %y"),
+    ([EMBED, "%y = ffn %x, @up, @down {form = \"swiglu\"} : f32[seq, 8]"],
+     "line 12: %y = ffn: form 'swiglu' needs a gate weight"),
+    ([EMBED, "%y = ffn %x, @up, @down, gate=@up {form = \"relu\"} : f32[seq, 8]"],
+     "line 12: %y = ffn: form 'relu' has no gate, but one is given"),
+    ([EMBED, "%y = ffn %x, @up, @up {form = \"relu\"} : f32[seq, 8]"],
+     "line 12: %y = ffn: down @up must be [8, 24], got [24, 8]"),
+    ([EMBED, "%y = ffn %x, @up, @down {form = \"swish\"} : f32[seq, 8]"],
+     "line 12: %y = ffn: form must be one of"),
+    ([EMBED, "%y = linear %x, @w : f32[seq, 12]", "%z = add %x, %y : f32[seq, 8]"],
+     "line 13: %z = add: operands must have the same type, got %x: f32[seq, 8] and %y: f32[seq, 12]"),
+    ([EMBED, "%y = rms_norm %x, @wq {eps = 1e-05} : f32[seq, 8]"],
+     "line 12: %y = rms_norm: weight @wq must be [8], got [8, 32]"),
+]
+
+
+@pytest.mark.parametrize("ops, message", CASES)
+def test_malformed_ir_is_rejected_with_a_precise_message(ops, message):
+    with pytest.raises(VerifyError) as e:
+        verify(parse(body(*ops)))
+    assert message in str(e.value)
+
+
+def test_returned_value_must_exist():
+    with pytest.raises(VerifyError, match="returned value %nowhere is not defined"):
+        verify(parse(body(EMBED, ret="%nowhere")))
+
+
+def test_weights_need_static_shapes_and_unique_names():
+    with pytest.raises(VerifyError, match="weight @v must have a static shape"):
+        verify(parse("module @m\nweight @v : f32[n, 8]\n"))
+    with pytest.raises(VerifyError, match="weight @v is declared twice"):
+        verify(parse("module @m\nweight @v : f32[8]\nweight @v : f32[8]\n"))
+
+
+def test_quantized_norm_weight_is_rejected():
+    text = HEADER.replace("weight @norm : f32[8]", "weight @norm : q8_0[8]")
+    text += "func @forward(%tokens: i32[seq]) {\n  " + EMBED
+    text += "\n  %y = rms_norm %x, @norm {eps = 1e-05} : f32[seq, 8]\n  return %y\n}\n"
+    with pytest.raises(VerifyError, match="line 12: %y = rms_norm: weight @norm must be a float tensor"):
+        verify(parse(text))
+
+
+def test_a_valid_module_passes():
+    verify(parse(body(EMBED, "%y = linear %x, @w : f32[seq, 12]", ret="%y")))
