@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import erf
 
+from picc import quant
 from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
@@ -53,6 +54,11 @@ def rope(op: O.Rope, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return out.reshape(seq, -1).astype(np.float32)
 
 
+def round_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to the nearest bfloat16 (ties to even), returned as float32."""
+    return quant.dequantize(quant.quantize(x, "bf16"), "bf16", x.shape)
+
+
 class KVCache:
     """Keys and values of one attention op at absolute positions 0..length-1."""
 
@@ -88,12 +94,11 @@ def attention(op: O.Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos:
     kh = np.repeat(kh, group, axis=0)
     vh = np.repeat(vh, group, axis=0)
     scores = qh @ kh  # [H, S, L]
-    scale = np.float32(op.scale)
-    if op.alibi:
-        bias = op.alibi_slopes()[:, None, None] * np.arange(length, dtype=np.float32)[None, None]
-        scores = (scores + bias) * scale if op.alibi_scaled else scores * scale + bias
-    else:
-        scores = scores * scale
+    if op.alibi == "falcon":
+        slopes = round_to_bf16(op.alibi_slopes())
+        bias = round_to_bf16(slopes[:, None] * np.arange(length, dtype=np.float32)[None, :])
+        scores = scores + bias[:, None, :]
+    scores = scores * np.float32(op.scale)
     j = np.arange(length)[None, :]
     p = pos[:, None].astype(np.int64)
     visible = j <= p

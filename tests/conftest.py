@@ -59,4 +59,4 @@ def tiny() -> LoadedModel:
 
 
 def ops_named(module: Module, name: str) -> list:
-    return [op for op in module.ops() if op.NAME == name]
+    return [op for op in module.ops() if name == op.NAME]

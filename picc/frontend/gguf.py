@@ -146,7 +146,10 @@ def load_gguf(path: Path) -> LoadedModel:
         max_position=_opt_int(meta.get(key("context_length"))),
     )
     module = build_llama(spec, store)
-    return LoadedModel(module, store, tokenizer_from_gguf(path), source=str(path))
+    # A GGUF without tokenizer metadata still imports; it runs on token ids only.
+    has_tokenizer = meta.get("tokenizer.ggml.model") is not None
+    tokenizer = tokenizer_from_gguf(path) if has_tokenizer else None
+    return LoadedModel(module, store, tokenizer, source=str(path))
 
 
 def _opt_int(value: object) -> int | None:

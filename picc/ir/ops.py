@@ -223,6 +223,8 @@ class Rope(Op):
 
 # ---------------------------------------------------------------- attention
 
+ALIBI_KINDS = ("none", "falcon")
+
 
 @register_op
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -232,9 +234,12 @@ class Attention(Op):
     ``q`` is [seq, n_heads * head_dim]; ``k``, ``v`` are [seq, n_kv_heads * head_dim]; query head h
     uses K/V head ``h // (n_heads / n_kv_heads)``. The keys and values of this call are written to
     the cache slot named ``cache`` at positions ``pos``; then the query at position p attends to
-    every cached position j <= p (and p - j < window, when ``window`` is set), with scores
-    ``(q . k) * scale``, plus ``alibi`` biases ``slope_h * j`` when set (Falcon/BLOOM slopes,
-    added before the scale when ``alibi_scaled``, after it otherwise), softmax over j.
+    every cached position j <= p (and p - j < window, when ``window`` is set) with scores
+    ``(q . k) * scale``, softmax over j.
+
+    ``alibi = "falcon"`` adds ALiBi biases instead of using rotary positions, as Falcon does:
+    scores ``(q . k + b[h, j]) * scale`` with ``b[h, j] = bf16(bf16(slope_h) * j)`` (transformers
+    computes the bias in bfloat16; with 16+ heads the rounding visibly changes the logits).
     """
 
     NAME: ClassVar[str] = "attention"
@@ -248,8 +253,7 @@ class Attention(Op):
     scale: float
     cache: str
     window: int | None = None
-    alibi: bool = False
-    alibi_scaled: bool = False
+    alibi: str = "none"
 
     def infer(self, env: TypeEnv) -> TensorType:
         q = _activation_input(env, self.q)
@@ -271,6 +275,7 @@ class Attention(Op):
                f"positions %{self.pos} must be i32[{q.shape[0]}], got {p}")
         expect(self.window is None or self.window > 0, f"window must be > 0, got {self.window}")
         expect(bool(self.cache), "cache slot name must not be empty")
+        expect(self.alibi in ALIBI_KINDS, f"alibi must be one of {ALIBI_KINDS}, got {self.alibi!r}")
         return q
 
     def alibi_slopes(self) -> np.ndarray:
