@@ -110,6 +110,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     tokens: list[int] = []
     start = time.perf_counter()
     shown = ""
+    if not args.json:
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
     for t in generate_ids(model, prompt, args.n, args.temperature, args.seed):
         tokens.append(t)
         if not args.json:
