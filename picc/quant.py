@@ -78,9 +78,7 @@ def dequantize(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarra
     """
     expected = raw_nbytes(dtype, shape)
     if raw.nbytes != expected:
-        raise ValueError(
-            f"{dtype} tensor of shape {tuple(shape)} needs {expected} bytes, got {raw.nbytes}"
-        )
+        raise ValueError(f"{dtype} tensor of shape {tuple(shape)} needs {expected} bytes, got {raw.nbytes}")
     data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if dtype == "f32":
         return data.view(np.float32).reshape(shape)
@@ -88,11 +86,7 @@ def dequantize(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarra
         return data.view(np.float16).astype(np.float32).reshape(shape)
     if dtype == "bf16":
         # bf16 is the high half of an f32, so widening is a shift.
-        return (
-            (data.view(np.uint16).astype(np.uint32) << 16)
-            .view(np.float32)
-            .reshape(shape)
-        )
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
     blocks = data.reshape(-1, BLOCK_BYTES[dtype])
     out = np.empty((blocks.shape[0], BLOCK_SIZE[dtype]), dtype=np.float32)
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
@@ -116,9 +110,7 @@ def quantize(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bf16":
         return _float32_to_bf16_bits(values)
     if dtype not in BLOCK_SIZE:
-        raise ValueError(
-            f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}"
-        )
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     out_shape = raw_shape(dtype, values.shape)
     blocks = values.reshape(-1, BLOCK_SIZE[dtype])
     out = np.empty((blocks.shape[0], BLOCK_BYTES[dtype]), dtype=np.uint8)
@@ -130,13 +122,9 @@ def quantize(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def _check_block_shape(dtype: str, shape: Sequence[int]) -> None:
     if dtype not in BLOCK_SIZE:
-        raise ValueError(
-            f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}"
-        )
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     if len(shape) == 0 or shape[-1] % BLOCK_SIZE[dtype] != 0:
-        raise ValueError(
-            f"{dtype} needs a last dimension divisible by {BLOCK_SIZE[dtype]}, got shape {tuple(shape)}"
-        )
+        raise ValueError(f"{dtype} needs a last dimension divisible by {BLOCK_SIZE[dtype]}, got shape {tuple(shape)}")
 
 
 # --- plain formats -----------------------------------------------------------
@@ -151,9 +139,7 @@ def _float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     quiet_nan = (bits & np.uint32(0xFFFF0000)) | np.uint32(0x00400000)
     # Round half to even; uint64 because the carry can overflow 32 bits.
     wide = bits.astype(np.uint64)
-    rounded = (
-        wide + np.uint64(0x7FFF) + ((wide >> np.uint64(16)) & np.uint64(1))
-    ) >> np.uint64(16)
+    rounded = (wide + np.uint64(0x7FFF) + ((wide >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
     return np.where(is_nan, quiet_nan >> np.uint32(16), rounded).astype(np.uint16)
 
 
@@ -233,16 +219,12 @@ def _quantize_q4_1(blocks: np.ndarray) -> np.ndarray:
     scale = (blocks.max(axis=1, keepdims=True) - minimum) / np.float32(15)
     shifted = (blocks - minimum) * _reciprocal_or_zero(scale) + np.float32(0.5)
     quants = np.clip(np.trunc(shifted), 0, 15).astype(np.uint8)
-    return np.concatenate(
-        [_f16_bytes(scale), _f16_bytes(minimum), _pack_nibbles(quants)], axis=1
-    )
+    return np.concatenate([_f16_bytes(scale), _f16_bytes(minimum), _pack_nibbles(quants)], axis=1)
 
 
 def _quantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     scale = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
-    quants = _round_half_away_from_zero(blocks * _reciprocal_or_zero(scale)).astype(
-        np.int8
-    )
+    quants = _round_half_away_from_zero(blocks * _reciprocal_or_zero(scale)).astype(np.int8)
     return np.concatenate([_f16_bytes(scale), quants.view(np.uint8)], axis=1)
 
 

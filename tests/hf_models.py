@@ -434,6 +434,13 @@ def _stamp(path: pathlib.Path) -> tuple:
     )
 
 
+def _is_stateful(path: pathlib.Path) -> bool:
+    """Dynamic-NTK RoPE keeps the largest length seen so far inside the module (stateful)."""
+    cfg = json.loads((path / "config.json").read_text())
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return "dynamic" in str(rp.get("rope_type", rp.get("type", "")))
+
+
 def _default_attn_impl(path: pathlib.Path) -> str:
     cfg = json.loads((path / "config.json").read_text())
     if cfg.get("model_type") == "falcon" and cfg.get("alibi"):
@@ -456,7 +463,8 @@ def load_reference_model(path, attn_implementation: str | None = None):
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation=impl, local_files_only=True
     ).eval()
-    _MODEL_CACHE[key] = (stamp, model)
+    if not _is_stateful(path):
+        _MODEL_CACHE[key] = (stamp, model)
     return model
 
 

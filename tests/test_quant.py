@@ -56,9 +56,7 @@ def random_matrix() -> np.ndarray:
 
 def test_sizes_match_ggml() -> None:
     for name in BLOCK_DTYPES:
-        assert (quant.BLOCK_SIZE[name], quant.BLOCK_BYTES[name]) == GGML_QUANT_SIZES[
-            GGML_TYPE[name]
-        ]
+        assert (quant.BLOCK_SIZE[name], quant.BLOCK_BYTES[name]) == GGML_QUANT_SIZES[GGML_TYPE[name]]
     assert quant.raw_nbytes("q4_1", (576, 1536)) == 576 * 48 * 20
     assert quant.raw_nbytes("q8_0", (49152, 576)) == 49152 * 18 * 34
     assert quant.raw_nbytes("bf16", (3, 5)) == 30
@@ -69,9 +67,7 @@ def test_sizes_match_ggml() -> None:
 def test_q4_0_block_layout() -> None:
     # Byte j holds element j in its low nibble and element j + 16 in its high one.
     low, high = np.arange(16, dtype=np.uint8), 15 - np.arange(16, dtype=np.uint8)
-    block = np.concatenate(
-        [np.float16(0.5).reshape(1).view(np.uint8), low | (high << 4)]
-    )
+    block = np.concatenate([np.float16(0.5).reshape(1).view(np.uint8), low | (high << 4)])
     values = quant.dequantize(block, "q4_0", (1, 32))
     expected = 0.5 * (np.concatenate([low, high]).astype(np.float32) - 8)
     assert same_bits(values, expected.reshape(1, 32))
@@ -87,9 +83,7 @@ def test_q4_1_block_layout() -> None:
 
 def test_q8_0_block_layout() -> None:
     quants = np.arange(-16, 16, dtype=np.int8)
-    block = np.concatenate(
-        [np.float16(0.25).reshape(1).view(np.uint8), quants.view(np.uint8)]
-    )
+    block = np.concatenate([np.float16(0.25).reshape(1).view(np.uint8), quants.view(np.uint8)])
     values = quant.dequantize(block, "q8_0", (1, 32))
     assert same_bits(values, (0.25 * quants).astype(np.float32).reshape(1, 32))
 
@@ -118,9 +112,7 @@ def test_dequantize_matches_reference(dtype: str, random_matrix: np.ndarray) -> 
         assert same_bits(ours, reference.dequantize(data, GGML_TYPE[dtype]))
 
 
-@pytest.mark.parametrize(
-    ("dtype", "tolerance"), [("q4_0", 1.01), ("q4_1", 0.55), ("q8_0", 0.035)]
-)
+@pytest.mark.parametrize(("dtype", "tolerance"), [("q4_0", 1.01), ("q4_1", 0.55), ("q8_0", 0.035)])
 def test_round_trip_error_is_bounded(dtype: str, tolerance: float) -> None:
     # Values in [-8, 8). q4_1 and q8_0 round to the nearest step (16/15 and
     # 8/127), so they err by half a step. q4_0 spans -8d..7d with d = max/8, so
@@ -149,9 +141,7 @@ def test_plain_formats_match_reference() -> None:
 
 
 def test_bf16_rounds_half_to_even() -> None:
-    halfway_down = np.array([0x3F808000], dtype=np.uint32).view(
-        np.float32
-    )  # even below
+    halfway_down = np.array([0x3F808000], dtype=np.uint32).view(np.float32)  # even below
     halfway_up = np.array([0x3F818000], dtype=np.uint32).view(np.float32)  # odd below
     assert quant.quantize(halfway_down, "bf16")[0] == 0x3F80
     assert quant.quantize(halfway_up, "bf16")[0] == 0x3F82
@@ -168,9 +158,7 @@ def test_shape_errors() -> None:
 
 def test_dequantize_embedding_sized_q8_0_is_fast() -> None:
     shape = (49152, 576)
-    raw = np.random.default_rng(0).integers(
-        0, 256, quant.raw_shape("q8_0", shape), dtype=np.uint8
-    )
+    raw = np.random.default_rng(0).integers(0, 256, quant.raw_shape("q8_0", shape), dtype=np.uint8)
     raw[:, 1 :: quant.BLOCK_BYTES["q8_0"]] &= 0x3F  # finite f16 scales
     start = time.perf_counter()
     values = quant.dequantize(raw, "q8_0", shape)
@@ -209,13 +197,9 @@ def test_real_tensors_decode_like_reference_and_requantize_to_the_file(
         # GGUF lists dims innermost first; numpy wants rows first.
         shape = tuple(int(d) for d in reversed(tensor.shape))
         values = quant.dequantize(tensor.data, dtype, shape)
-        assert same_bits(
-            values, reference.dequantize(tensor.data, tensor.tensor_type)
-        ), tensor.name
+        assert same_bits(values, reference.dequantize(tensor.data, tensor.tensor_type)), tensor.name
         # The file was written by ggml's reference quantizer, which is idempotent
         # on its own output, so re-encoding must reproduce every byte.
-        np.testing.assert_array_equal(
-            quant.quantize(values, dtype), tensor.data, tensor.name
-        )
+        np.testing.assert_array_equal(quant.quantize(values, dtype), tensor.data, tensor.name)
         seen.add(dtype)
     assert seen == {"q4_1", "q8_0"}

@@ -55,9 +55,7 @@ def reference(gguf_path: Path) -> Any:
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
+    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
 
 
 @pytest.fixture(scope="module")

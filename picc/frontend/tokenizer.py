@@ -61,18 +61,14 @@ class Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_str(self.backend_json)
         except Exception as error:  # tokenizers raises a bare Exception
-            raise PiccError(
-                f"invalid tokenizer.json document: {_first_line(error)}"
-            ) from error
+            raise PiccError(f"invalid tokenizer.json document: {_first_line(error)}") from error
         object.__setattr__(self, "backend", backend)
         object.__setattr__(self, "backend_json", backend.to_str())
         vocab_size = self.vocab_size
         for name in ("bos_id", "eos_id"):
             token_id = getattr(self, name)
             if token_id is not None and not 0 <= token_id < vocab_size:
-                raise PiccError(
-                    f"tokenizer {name} {token_id} is outside the vocabulary of {vocab_size}"
-                )
+                raise PiccError(f"tokenizer {name} {token_id} is outside the vocabulary of {vocab_size}")
         if self.add_bos and self.bos_id is None:
             raise PiccError("tokenizer says to add BOS but has no BOS token")
         if self.add_eos and self.eos_id is None:
@@ -127,10 +123,7 @@ class Tokenizer:
         if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
             raise PiccError(f'picc tokenizer JSON lacks "format": "{FORMAT_NAME}"')
         if document.get("version") != FORMAT_VERSION:
-            raise PiccError(
-                f"picc tokenizer JSON has version {document.get('version')!r}, "
-                f"expected {FORMAT_VERSION}"
-            )
+            raise PiccError(f"picc tokenizer JSON has version {document.get('version')!r}, expected {FORMAT_VERSION}")
         try:
             return cls(
                 backend_json=json.dumps(document["backend"], ensure_ascii=False),
@@ -140,9 +133,7 @@ class Tokenizer:
                 add_eos=bool(document["add_eos"]),
             )
         except (KeyError, TypeError) as error:
-            raise PiccError(
-                f"picc tokenizer JSON is missing or mistypes {error}"
-            ) from error
+            raise PiccError(f"picc tokenizer JSON is missing or mistypes {error}") from error
 
 
 def tokenizer_from_hf_dir(path: str | os.PathLike[str]) -> Tokenizer:
@@ -156,9 +147,7 @@ def tokenizer_from_hf_dir(path: str | os.PathLike[str]) -> Tokenizer:
         raise PiccError(f"{directory}: expected a Hugging Face model directory")
     with _transformers_offline() as transformers:
         try:
-            hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
-                str(directory), local_files_only=True
-            )
+            hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise PiccError(
                 f"{directory}: expected tokenizer files transformers can load "
@@ -195,8 +184,7 @@ def _from_transformers(hf_tokenizer: Any, source: Path) -> Tokenizer:
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if not isinstance(backend, tokenizers.Tokenizer):
         raise PiccError(
-            f"{source}: expected a tokenizer with a fast (tokenizers) backend, "
-            f"got {type(hf_tokenizer).__name__}"
+            f"{source}: expected a tokenizer with a fast (tokenizers) backend, got {type(hf_tokenizer).__name__}"
         )
     bos_id, eos_id = hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id
     plain = backend.encode(_PROBE_TEXT, add_special_tokens=False).ids
@@ -209,9 +197,7 @@ def _from_transformers(hf_tokenizer: Any, source: Path) -> Tokenizer:
     ):
         if (add_bos and bos_id is None) or (add_eos and eos_id is None):
             continue
-        if full == ([bos_id] if add_bos else []) + plain + (
-            [eos_id] if add_eos else []
-        ):
+        if full == ([bos_id] if add_bos else []) + plain + ([eos_id] if add_eos else []):
             break
     else:
         raise PiccError(
