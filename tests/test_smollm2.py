@@ -99,3 +99,51 @@ def test_sampling_is_deterministic_for_a_seed(picc_model):
     c = list(generate_ids(picc_model, prompt, 8, temperature=0.9, seed=8))
     assert a == b
     assert len(a) == 8 and a != c
+
+
+def test_profile_matches_an_independent_torch_computation(hf_model, picc_model):
+    """Same windows, same rule (|silu(gate)| > layer threshold), computed by transformers hooks."""
+    from picc.calib import token_windows
+    from picc.profiling import profile_model
+
+    windows = token_windows(picc_model.tokenizer, "ptb", 1024, window=256, seed=5)
+    profile = profile_model(picc_model.module, picc_model.weights, windows, target_sparsity=0.5)
+    assert abs(profile.mean_sparsity - 0.5) <= 0.02
+
+    layers = hf_model.model.layers
+    scores: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(layers))}
+
+    def hook(i):
+        def grab(module, inputs, output):
+            scores[i].append(module.act_fn(module.gate_proj(inputs[0][0])).abs())
+        return grab
+
+    handles = [layer.mlp.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            for w in windows.windows:
+                hf_model(torch.tensor([list(w)]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    n = windows.n_tokens
+    for i, layer in enumerate(profile.layers):
+        s = torch.cat(scores[i])  # [tokens, n_ff]
+        k = int(np.ceil(0.5 * s.numel()))
+        torch_threshold = float(torch.kthvalue(s.flatten(), k).values)
+        # float32 summation order differs between numpy and torch: thresholds agree to ~1e-5.
+        assert layer.threshold == pytest.approx(torch_threshold, rel=1e-4)
+        freq = (s > layer.threshold).float().mean(0).numpy()
+        # A neuron's count can differ only where a score lies within rounding of the threshold:
+        # allow 2 tokens per neuron, and 0.1% of all decisions per layer.
+        assert np.abs(freq - layer.freq).max() <= 2 / n
+        assert np.abs(freq - layer.freq).sum() * n <= 0.001 * s.numel()
+
+
+def test_cli_profile_reaches_the_target_sparsity(capsys):
+    assert picc_main(["profile", "smollm2", "--target-sparsity", "0.5", "--tokens", "1024",
+                      "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["layers"]) == 30 and out["target_sparsity"] == 0.5
+    assert abs(out["mean_sparsity"] - 0.5) <= 0.02
+    assert all(0 < layer["threshold"] for layer in out["layers"])

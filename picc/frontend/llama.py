@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from picc.ir import ops as O
 from picc.ir.builder import FunctionBuilder
@@ -55,10 +56,11 @@ class LlamaSpec:
 
 
 def layer_weight_names(i: int) -> dict[str, str]:
-    """picc's names for the weights of layer ``i``."""
+    """picc's names for the weights of layer ``i`` (shared by every decoder family)."""
     p = f"l{i}"
     return {
         "attn_norm": f"{p}.attn_norm", "ffn_norm": f"{p}.ffn_norm",
+        "attn_norm_bias": f"{p}.attn_norm_bias", "ffn_norm_bias": f"{p}.ffn_norm_bias",
         "q": f"{p}.attn.q", "k": f"{p}.attn.k", "v": f"{p}.attn.v", "o": f"{p}.attn.o",
         "q_bias": f"{p}.attn.q_bias", "k_bias": f"{p}.attn.k_bias", "v_bias": f"{p}.attn.v_bias",
         "o_bias": f"{p}.attn.o_bias",
@@ -68,7 +70,28 @@ def layer_weight_names(i: int) -> dict[str, str]:
     }
 
 
-def module_attrs(spec: LlamaSpec) -> tuple[tuple[str, Attr], ...]:
+class ModelFacts(Protocol):
+    """What a decoder spec tells the module's attributes (LlamaSpec, OptSpec, FalconSpec)."""
+
+    @property
+    def arch(self) -> str: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_ff(self) -> int: ...
+    @property
+    def bos_id(self) -> int | None: ...
+    @property
+    def eos_id(self) -> int | None: ...
+    @property
+    def max_position(self) -> int | None: ...
+
+
+def module_attrs(spec: ModelFacts) -> tuple[tuple[str, Attr], ...]:
     attrs: list[tuple[str, Attr]] = [
         ("arch", spec.arch), ("vocab", spec.vocab), ("hidden", spec.hidden),
         ("n_layers", spec.n_layers), ("n_ff", spec.n_ff),

@@ -48,6 +48,16 @@ class Function:
     def producer(self, value: str) -> Op | None:
         return next((op for op in self.ops if op.result == value), None)
 
+    def pruned(self) -> Function:
+        """A copy without the ops whose results do not reach the returned value."""
+        live = {self.ret}
+        kept = []
+        for op in reversed(self.ops):
+            if op.result in live:
+                kept.append(op)
+                live.update(op.values())
+        return replace(self, ops=tuple(reversed(kept)))
+
     def uses(self) -> dict[str, int]:
         """How many times each value is read (the returned value counts once)."""
         counts: dict[str, int] = {}

@@ -394,6 +394,13 @@ class FFN(Op):
     ``up`` and ``gate`` are [n_ff, hidden], ``down`` is [hidden, n_ff]; biases are optional.
     Neuron i of the block is row i of up/gate and column i of down: the unit that profiling,
     prediction and partitioning work on.
+
+    A neuron's *activity score* is ``|act(gate_i)|`` for gated forms (``|h_i|`` for dReLU, where
+    both projections are rectified) and ``|act(up_i)|`` otherwise; the neuron is *active* when its
+    score exceeds ``threshold`` (0 for ReLU forms, where that is exact; for the others a
+    calibrated CATS threshold). Profiling fills ``freq`` (per neuron, the share of calibration
+    tokens on which it is active), ``mag`` (mean ``|h_i|``) and ``threshold``; they describe the
+    block and do not change what it computes.
     """
 
     NAME: ClassVar[str] = "ffn"
@@ -404,7 +411,10 @@ class FFN(Op):
     up_bias: Sym | None = None
     gate_bias: Sym | None = None
     down_bias: Sym | None = None
+    freq: Sym | None = None
+    mag: Sym | None = None
     form: str
+    threshold: float | None = None
 
     @property
     def spec(self) -> FfnForm:
@@ -433,9 +443,13 @@ class FFN(Op):
         weight_shape_is(env, self.up_bias, (n_ff,), "up_bias")
         weight_shape_is(env, self.gate_bias, (n_ff,), "gate_bias")
         weight_shape_is(env, self.down_bias, (hidden,), "down_bias")
+        weight_shape_is(env, self.freq, (n_ff,), "freq")
+        weight_shape_is(env, self.mag, (n_ff,), "mag")
         for name, role in ((self.up_bias, "up_bias"), (self.gate_bias, "gate_bias"),
-                           (self.down_bias, "down_bias")):
+                           (self.down_bias, "down_bias"), (self.freq, "freq"), (self.mag, "mag")):
             _float_weight(env, name, role)
+        expect(self.threshold is None or self.threshold >= 0,
+               f"threshold must be >= 0, got {self.threshold}")
         return t
 
 

@@ -9,22 +9,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from picc.ir.module import Function, Module
+from picc.ir.module import Module
 from picc.passes.registry import PassContext, register_pass
-
-
-def dead_code_free(func: Function) -> Function:
-    live = {func.ret}
-    kept = []
-    for op in reversed(func.ops):
-        if op.result in live:
-            kept.append(op)
-            live.update(op.values())
-    return replace(func, ops=tuple(reversed(kept)))
 
 
 @register_pass("dce")
 def dce(module: Module, ctx: PassContext) -> Module:
     """Remove ops whose results are never read, and weights no op reads."""
-    funcs = tuple(dead_code_free(f) for f in module.functions)
+    funcs = tuple(f.pruned() for f in module.functions)
     return replace(module, functions=funcs).with_used_weights_only()

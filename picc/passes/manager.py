@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from picc.errors import PiccError
 from picc.fsutil import write_text_atomic
@@ -17,6 +17,9 @@ from picc.ir.printer import print_module
 from picc.ir.verifier import VerifyError, verify
 from picc.ir.weights import WeightStore
 from picc.passes.registry import PASSES, PassContext
+
+if TYPE_CHECKING:
+    from picc.frontend.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class Instruments:
 
 
 def run_pipeline(module: Module, weights: WeightStore, pipeline: list[PassSpec],
-                 instruments: Instruments | None = None) -> Module:
+                 instruments: Instruments | None = None, tokenizer: Tokenizer | None = None) -> Module:
     """Run ``pipeline`` on ``module``; errors name the pass and the passes that ran before it."""
     inst = instruments or Instruments()
     if inst.dump_dir is not None:
@@ -103,7 +106,7 @@ def run_pipeline(module: Module, weights: WeightStore, pipeline: list[PassSpec],
         before = f" (after: {', '.join(done)})" if done else " (first pass)"
         start = time.perf_counter()
         try:
-            module = info.fn(module, PassContext(weights, dict(spec.options)))
+            module = info.fn(module, PassContext(weights, dict(spec.options), tokenizer))
         except PiccError as e:
             raise PiccError(f"pass '{spec.name}' failed{before}: {e}") from None
         except Exception as e:

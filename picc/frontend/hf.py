@@ -1,0 +1,389 @@
+"""Hugging Face checkpoint directories (config.json + safetensors, optional tokenizer) as picc IR.
+
+Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, OPTForCausalLM and
+FalconForCausalLM, read exactly as transformers 5.x reads them (defaults, legacy keys, quirks:
+see /work/notes/hf_semantics.md). Each family's config is read completely before any weight is
+touched, so a bad config is reported as such. Weights keep their stored dtype; names are mapped
+to picc's (``l3.attn.q``, ``l3.ffn.up``, ...); Falcon's fused ``query_key_value`` is split into
+q, k and v here.
+
+Where transformers would run something other than the checkpoint (an untied model without
+``lm_head.weight`` gets a random head; a missing tensor is randomly initialised) or crash later,
+picc refuses with a one-line ``PiccError`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from picc.errors import PiccError
+from picc.frontend.falcon import FalconSpec, build_falcon, fused_qkv_rows
+from picc.frontend.hf_checkpoint import Checkpoint
+from picc.frontend.hf_config import HFConfig, ffn_form, rope_from_config
+from picc.frontend.llama import LlamaSpec, build_llama, layer_weight_names
+from picc.frontend.model import LoadedModel
+from picc.frontend.opt import UNIT_NORM, OptSpec, build_opt
+from picc.ir.module import Module
+from picc.ir.weights import Tensor, WeightStore
+
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "opt": "OPTForCausalLM",
+    "falcon": "FalconForCausalLM",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def load_hf(path: Path) -> LoadedModel:
+    """Import the Hugging Face checkpoint directory ``path``."""
+    path = Path(path)
+    cfg = HFConfig.read(path)
+    supported = ", ".join(f"{a} (model_type {t!r})" for t, a in ARCHITECTURES.items())
+    model_type = cfg.raw.get("model_type")
+    if model_type is None:
+        raise PiccError(f"{cfg.path}: required field 'model_type' is missing (supported: {supported})")
+    if model_type not in ARCHITECTURES:
+        archs = cfg.raw.get("architectures")
+        named = f" ({', '.join(map(str, archs))})" if isinstance(archs, list) and archs else ""
+        raise PiccError(f"{cfg.path}: model_type {json.dumps(model_type)}{named} is not supported "
+                        f"(supported: {supported})")
+    quant = cfg.raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise PiccError(f"{cfg.path}: quantized checkpoints (quantization_config, method "
+                        f"{method!r}) are not supported; picc imports f32, f16 and bf16 weights")
+    name = re.sub(r"[^\w.]", "_", path.resolve().name) or "model"
+    importer = {"llama": _llama_family, "mistral": _llama_family, "qwen2": _llama_family,
+                "opt": _opt, "falcon": _falcon}[model_type]
+    module, store = importer(cfg, path, name)
+    tokenizer = None
+    if any((path / f).is_file() for f in TOKENIZER_FILES):
+        from picc.frontend.tokenizer import tokenizer_from_hf_dir
+
+        tokenizer = tokenizer_from_hf_dir(path)
+    return LoadedModel(module, store, tokenizer, source=str(path))
+
+
+# ---------------------------------------------------------------- shared helpers
+
+
+def _prefix(ckpt: Checkpoint, full: str, base: str, probe: str) -> str:
+    """The name prefix of the checkpoint's tensors: the task model's, or the base model's.
+
+    transformers also loads checkpoints saved from the base model (``layers.0...`` instead of
+    ``model.layers.0...``; older OPT files use ``decoder.``). The full prefix is the default, so
+    that a tensor missing from both forms is reported under its usual name.
+    """
+    if any(n.startswith(full) for n in ckpt.names) or base + probe not in ckpt:
+        return full
+    return base
+
+
+def _lm_head(cfg: HFConfig, ckpt: Checkpoint, store: WeightStore, shape: tuple[int, int],
+             tie_default: bool) -> bool:
+    """Add ``output`` from ``lm_head.weight`` when the file has it; True when tied instead.
+
+    transformers 5.x uses a stored ``lm_head.weight`` even when ``tie_word_embeddings`` is true,
+    and ties only when it is absent.
+    """
+    if "lm_head.weight" in ckpt:
+        store.add("output", ckpt.tensor("lm_head.weight", shape))
+        return False
+    if cfg.flag("tie_word_embeddings", tie_default):
+        return True
+    raise PiccError(f"{ckpt.directory}: tensor 'lm_head.weight' is {ckpt.where('lm_head.weight')} "
+                    "and tie_word_embeddings is false; transformers would initialise the head at "
+                    "random, picc refuses")
+
+
+def _special_ids(cfg: HFConfig, directory: Path, bos: int | None,
+                 eos: int | None) -> tuple[int | None, int | None]:
+    """BOS and EOS ids as ``generate`` uses them: generation_config.json first, then config.json
+    (with the class defaults ``bos`` / ``eos``). For a list of EOS ids the first is kept."""
+    ids = (cfg.token_id("bos_token_id", bos), cfg.token_id("eos_token_id", eos))
+    gen_path = directory / "generation_config.json"
+    if not gen_path.is_file():
+        return ids
+    gen = HFConfig.read_json(gen_path)
+    return (gen.token_id("bos_token_id", ids[0]), gen.token_id("eos_token_id", ids[1]))
+
+
+def _rows(t: Tensor, rows: np.ndarray) -> Tensor:
+    """The given rows of a weight (or elements of a bias), in the weight's dtype."""
+    data = np.ascontiguousarray(np.asarray(t.data)[rows])
+    return Tensor(t.dtype, (len(rows), *t.shape[1:]), data)
+
+
+# ---------------------------------------------------------------- LLaMA, Mistral, Qwen2
+
+_KV_HEADS_DEFAULT = {"llama": None, "mistral": 8, "qwen2": 32}
+_MAX_POSITION_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+_SPECIAL_IDS_DEFAULT = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None)}
+
+
+def _qwen2_windows(cfg: HFConfig, n_layers: int) -> tuple[int | None, ...]:
+    """Qwen2's per-layer sliding windows (``Qwen2Config.__post_init__``).
+
+    ``use_sliding_window: false`` nulls ``sliding_window`` (real Qwen2 configs carry a window
+    they do not use); without ``layer_types``, layers from ``max_window_layers`` on slide.
+    """
+    window = cfg.opt_integer("sliding_window", 4096) if cfg.flag("use_sliding_window", False) else None
+    types = cfg.raw.get("layer_types")
+    if types is None:
+        first = cfg.integer("max_window_layers", 28, minimum=0)
+        return tuple(window if window is not None and i >= first else None for i in range(n_layers))
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise cfg.bad("layer_types", types, f"a list of {n_layers} layer types (num_hidden_layers)")
+    known = {"full_attention": None, "attention": None, "sliding_attention": window}
+    for t in types:
+        if t not in known:
+            raise PiccError(f"{cfg.path}: layer type {json.dumps(t)} is not supported for qwen2 "
+                            "(supported: full_attention, sliding_attention)")
+    if "sliding_attention" in types and window is None:
+        raise PiccError(f"{cfg.path}: layer_types has sliding_attention layers but no window "
+                        "(use_sliding_window is false or sliding_window is null); transformers "
+                        "cannot run this either")
+    return tuple(known[t] for t in types)
+
+
+def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore]:
+    family = str(cfg.raw["model_type"])
+    vocab, hidden = cfg.integer("vocab_size"), cfg.integer("hidden_size")
+    n_layers, n_heads = cfg.integer("num_hidden_layers"), cfg.integer("num_attention_heads")
+    n_ff = cfg.integer("intermediate_size")
+    n_kv = cfg.opt_integer("num_key_value_heads", _KV_HEADS_DEFAULT[family]) or n_heads
+    if family == "llama" and hidden % n_heads:
+        raise PiccError(f"{cfg.path}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                        f"{n_heads} (LlamaConfig requires it, even with head_dim)")
+    if n_heads % n_kv:
+        raise PiccError(f"{cfg.path}: num_attention_heads {n_heads} is not a multiple of "
+                        f"num_key_value_heads {n_kv}")
+    head_dim = cfg.opt_integer("head_dim", None) or hidden // n_heads
+    max_position = cfg.integer("max_position_embeddings", _MAX_POSITION_DEFAULT[family])
+    # Llama ignores sliding_window; Mistral slides every layer (default 4096); Qwen2 per layer.
+    windows: tuple[int | None, ...] = ()
+    if family == "mistral":
+        window = cfg.opt_integer("sliding_window", 4096)
+        windows = (window,) * n_layers if window is not None else ()
+    elif family == "qwen2":
+        windows = _qwen2_windows(cfg, n_layers)
+        windows = windows if any(w is not None for w in windows) else ()
+    # Biases: Llama by config (q, k, v and o together; gate, up and down together); Mistral
+    # never, whatever the config says; Qwen2 always on q, k, v and nowhere else.
+    attn_bias = family == "llama" and cfg.flag("attention_bias", False)
+    qkv_bias = attn_bias or family == "qwen2"
+    mlp_bias = family == "llama" and cfg.flag("mlp_bias", False)
+    bos, eos = _special_ids(cfg, directory, *_SPECIAL_IDS_DEFAULT[family])
+    spec = LlamaSpec(
+        name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", 1e-6),
+        ffn_form=ffn_form(cfg, "hidden_act", "silu", gated=True),
+        rope=rope_from_config(cfg, head_dim, max_position), tied=False, window=windows,
+        bos_id=bos, eos_id=eos, max_position=max_position,
+    )
+
+    ckpt = Checkpoint(directory)
+    p = _prefix(ckpt, "model.", "", "embed_tokens.weight")
+    store = WeightStore()
+
+    def add(picc: str, hf: str, shape: tuple[int, ...]) -> None:
+        store.add(picc, ckpt.tensor(p + hf, shape))
+
+    add("token_embd", "embed_tokens.weight", (vocab, hidden))
+    q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
+    for i in range(n_layers):
+        n, hf = layer_weight_names(i), f"layers.{i}."
+        add(n["attn_norm"], hf + "input_layernorm.weight", (hidden,))
+        for key, proj, rows in (("q", "q_proj", q_rows), ("k", "k_proj", kv_rows),
+                                ("v", "v_proj", kv_rows)):
+            add(n[key], f"{hf}self_attn.{proj}.weight", (rows, hidden))
+            if qkv_bias:
+                add(n[f"{key}_bias"], f"{hf}self_attn.{proj}.bias", (rows,))
+        add(n["o"], hf + "self_attn.o_proj.weight", (hidden, q_rows))
+        if attn_bias:
+            add(n["o_bias"], hf + "self_attn.o_proj.bias", (hidden,))
+        add(n["ffn_norm"], hf + "post_attention_layernorm.weight", (hidden,))
+        for key, proj, shape in (("gate", "gate_proj", (n_ff, hidden)), ("up", "up_proj", (n_ff, hidden)),
+                                 ("down", "down_proj", (hidden, n_ff))):
+            add(n[key], f"{hf}mlp.{proj}.weight", shape)
+            if mlp_bias:
+                add(n[f"{key}_bias"], f"{hf}mlp.{proj}.bias", shape[:1])
+    add("output_norm", "norm.weight", (hidden,))
+    spec = replace(spec, tied=_lm_head(cfg, ckpt, store, (vocab, hidden), tie_default=False))
+    return build_llama(spec, store), store
+
+
+# ---------------------------------------------------------------- OPT
+
+
+def _opt(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore]:
+    vocab, hidden = cfg.integer("vocab_size"), cfg.integer("hidden_size")
+    n_layers, n_heads = cfg.integer("num_hidden_layers"), cfg.integer("num_attention_heads")
+    n_ff = cfg.integer("ffn_dim")
+    if hidden % n_heads:
+        raise PiccError(f"{cfg.path}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                        f"{n_heads}")
+    pre_norm = cfg.flag("do_layer_norm_before", True)
+    embed_dim = cfg.opt_integer("word_embed_proj_dim", None) or hidden
+    linear_bias = cfg.flag("enable_bias", True)
+    affine = cfg.flag("layer_norm_elementwise_affine", True)
+    bos, eos = _special_ids(cfg, directory, 2, 2)
+    spec = OptSpec(
+        name=name, vocab=vocab, hidden=hidden, embed_dim=embed_dim, n_layers=n_layers,
+        n_heads=n_heads, n_ff=n_ff, ffn_form=ffn_form(cfg, "activation_function", "relu", gated=False),
+        pre_norm=pre_norm,
+        # The decoder-level final norm exists only for pre-LN models not fine-tuned before
+        # transformers 4.20 (those set _remove_final_layer_norm).
+        final_norm=pre_norm and not cfg.flag("_remove_final_layer_norm", False),
+        tied=False, max_position=cfg.integer("max_position_embeddings", 2048),
+        bos_id=bos, eos_id=eos,
+    )
+
+    ckpt = Checkpoint(directory)
+    p = _prefix(ckpt, "model.decoder.", "decoder.", "embed_tokens.weight")
+    store = WeightStore()
+
+    def add(picc: str, hf: str, shape: tuple[int, ...]) -> None:
+        store.add(picc, ckpt.tensor(p + hf, shape))
+
+    def norm(picc: str, hf: str) -> None:
+        # LayerNorms have weight and bias unless layer_norm_elementwise_affine is false (then
+        # neither); enable_bias concerns only the Linears.
+        if affine:
+            add(picc, hf + ".weight", (hidden,))
+            add(f"{picc}_bias", hf + ".bias", (hidden,))
+
+    def linear(picc: str, hf: str, shape: tuple[int, int]) -> None:
+        add(picc, hf + ".weight", shape)
+        if linear_bias:
+            add(f"{picc}_bias", hf + ".bias", shape[:1])
+
+    add("token_embd", "embed_tokens.weight", (vocab, embed_dim))
+    # fairseq reserved rows 0 and 1 (padding): the table has max_position_embeddings + 2 rows.
+    add("pos_embd", "embed_positions.weight", (spec.max_position + 2, hidden))
+    if embed_dim != hidden:
+        add("proj_in", "project_in.weight", (hidden, embed_dim))
+        add("proj_out", "project_out.weight", (embed_dim, hidden))
+    for i in range(n_layers):
+        n, hf = layer_weight_names(i), f"layers.{i}."
+        norm(n["attn_norm"], hf + "self_attn_layer_norm")
+        for key, proj in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj")):
+            linear(n[key], f"{hf}self_attn.{proj}", (hidden, hidden))
+        norm(n["ffn_norm"], hf + "final_layer_norm")
+        linear(n["up"], hf + "fc1", (n_ff, hidden))
+        linear(n["down"], hf + "fc2", (hidden, n_ff))
+    if spec.final_norm:
+        norm("output_norm", "final_layer_norm")
+    if not affine:
+        store.add(UNIT_NORM, Tensor.from_f32(np.ones(hidden, np.float32)))
+    spec = replace(spec, tied=_lm_head(cfg, ckpt, store, (vocab, embed_dim), tie_default=True))
+    return build_opt(spec, store), store
+
+
+# ---------------------------------------------------------------- Falcon
+
+
+def _falcon_layout(cfg: HFConfig, n_heads: int) -> tuple[int, int, bool, bool]:
+    """(kv groups, q heads per group, parallel, two norms), accepting exactly the combinations
+    transformers' FalconDecoderLayer can run (hf_semantics.md section 5)."""
+    new_arch = cfg.truthy("new_decoder_architecture", False)
+    parallel = cfg.truthy("parallel_attn", True)
+    n_kv = cfg.opt_integer("num_kv_heads", None) or n_heads
+    n_ln = cfg.opt_integer("num_ln_in_parallel_attn", None)
+    if new_arch:
+        if not parallel:
+            raise PiccError(f"{cfg.path}: new_decoder_architecture needs parallel_attn true "
+                            "(transformers fails on this combination)")
+        n_ln = 2 if n_ln is None else n_ln
+        if n_ln not in (1, 2):
+            raise PiccError(f"{cfg.path}: num_ln_in_parallel_attn {n_ln} is not supported with "
+                            "new_decoder_architecture (supported: 1, 2)")
+        if n_heads % n_kv:
+            raise PiccError(f"{cfg.path}: num_attention_heads {n_heads} is not a multiple of "
+                            f"num_kv_heads {n_kv}")
+        return n_kv, n_heads // n_kv, True, n_ln == 2
+    if parallel and n_ln == 2:
+        raise PiccError(f"{cfg.path}: num_ln_in_parallel_attn 2 needs new_decoder_architecture "
+                        "(transformers fails on this combination)")
+    if cfg.truthy("multi_query", True):
+        return 1, n_heads, parallel, False  # num_kv_heads is ignored: one shared k/v head
+    if n_kv != n_heads:
+        raise PiccError(f"{cfg.path}: num_kv_heads {n_kv} must equal num_attention_heads "
+                        f"{n_heads} without multi_query or new_decoder_architecture")
+    return n_heads, 1, parallel, False
+
+
+def _falcon(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore]:
+    # FalconConfig maps the legacy n_embed onto hidden_size (n_head / n_layer are not mapped).
+    hidden = cfg.integer("n_embed") if cfg.raw.get("n_embed") is not None else cfg.integer("hidden_size")
+    vocab = cfg.integer("vocab_size")
+    n_layers, n_heads = cfg.integer("num_hidden_layers"), cfg.integer("num_attention_heads")
+    if "head_dim" in cfg.raw:
+        raise PiccError(f"{cfg.path}: field 'head_dim' is not allowed for falcon (its head dim is "
+                        "hidden_size / num_attention_heads; transformers rejects the key)")
+    if hidden % n_heads:
+        raise PiccError(f"{cfg.path}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                        f"{n_heads}")
+    head_dim = hidden // n_heads
+    groups, per_group, parallel, two_norms = _falcon_layout(cfg, n_heads)
+    n_ff = cfg.opt_integer("ffn_hidden_size", None) or 4 * hidden
+    max_position = cfg.integer("max_position_embeddings", 2048)
+    alibi = cfg.truthy("alibi", False)
+    bias = cfg.truthy("bias", False)
+    bos, eos = _special_ids(cfg, directory, 11, 11)
+    spec = FalconSpec(
+        name=name, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=groups, n_ff=n_ff, eps=cfg.number("layer_norm_epsilon", 1e-5),
+        ffn_form=ffn_form(cfg, "activation", "gelu", gated=False), parallel=parallel,
+        rope=None if alibi else rope_from_config(cfg, head_dim, max_position), tied=False,
+        bos_id=bos, eos_id=eos, max_position=max_position,
+    )
+
+    ckpt = Checkpoint(directory)
+    p = _prefix(ckpt, "transformer.", "", "word_embeddings.weight")
+    store = WeightStore()
+
+    def get(hf: str, shape: tuple[int, ...]) -> Tensor:
+        return ckpt.tensor(p + hf, shape)
+
+    def norm(picc: str, hf: str) -> None:
+        store.add(picc, get(hf + ".weight", (hidden,)))  # Falcon's LayerNorms always have bias
+        store.add(f"{picc}_bias", get(hf + ".bias", (hidden,)))
+
+    def linear(picc: str, hf: str, shape: tuple[int, int]) -> None:
+        store.add(picc, get(hf + ".weight", shape))
+        if bias:
+            store.add(f"{picc}_bias", get(hf + ".bias", shape[:1]))
+
+    store.add("token_embd", get("word_embeddings.weight", (vocab, hidden)))
+    split = fused_qkv_rows(groups, per_group, head_dim)
+    fused_rows = groups * (per_group + 2) * head_dim
+    for i in range(n_layers):
+        n, hf = layer_weight_names(i), f"h.{i}."
+        if two_norms:
+            norm(n["attn_norm"], hf + "ln_attn")
+            norm(n["ffn_norm"], hf + "ln_mlp")
+        else:
+            norm(n["attn_norm"], hf + "input_layernorm")
+            if not parallel:
+                norm(n["ffn_norm"], hf + "post_attention_layernorm")
+        qkv = hf + "self_attention.query_key_value"
+        w = get(qkv + ".weight", (fused_rows, hidden))
+        b = get(qkv + ".bias", (fused_rows,)) if bias else None
+        for key, rows in zip(("q", "k", "v"), split, strict=True):
+            store.add(n[key], _rows(w, rows))
+            if b is not None:
+                store.add(n[f"{key}_bias"], _rows(b, rows))
+        linear(n["o"], hf + "self_attention.dense", (hidden, hidden))
+        linear(n["up"], hf + "mlp.dense_h_to_4h", (n_ff, hidden))
+        linear(n["down"], hf + "mlp.dense_4h_to_h", (hidden, n_ff))
+    norm("output_norm", "ln_f")
+    spec = replace(spec, tied=_lm_head(cfg, ckpt, store, (vocab, hidden), tie_default=True))
+    return build_falcon(spec, store), store

@@ -1,0 +1,236 @@
+"""Activation profiling: how often each FFN neuron is active on real text, and how strongly.
+
+A neuron is active on a token when its activity score (``picc.ir.ops.FFN``) exceeds the layer's
+threshold. For ReLU forms (relu, reglu, drelu) the threshold is 0, which is exact: an inactive
+neuron contributes nothing. For the others (SwiGLU, GeGLU, ...) nothing is exactly zero, so the
+threshold is calibrated per layer, CATS-style: the ``target_sparsity`` quantile of the layer's
+scores over all calibration tokens and neurons.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from picc.calib import Windows
+from picc.errors import PiccError
+from picc.fsutil import atomic_path
+from picc.interpreter import Interpreter
+from picc.ir import ops as O
+from picc.ir.core import Attr
+from picc.ir.module import Module, WeightDecl
+from picc.ir.weights import Tensor, WeightStore
+
+RELU_FORMS = ("relu", "reglu", "drelu")
+SKEW_SHARES = (0.1, 0.2, 0.5)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """The profile of one FFN op."""
+
+    ffn: str  # the result name of the ffn op, e.g. "l3.ffn.out"
+    freq: np.ndarray  # [n_ff] share of tokens on which each neuron is active
+    mag: np.ndarray  # [n_ff] mean |h| (the value that multiplies the neuron's down column)
+    threshold: float
+
+    @property
+    def sparsity(self) -> float:
+        """Share of (token, neuron) pairs that are inactive."""
+        return float(1.0 - self.freq.mean())
+
+    def top_share(self, share: float) -> float:
+        """Share of all activations that the ``share`` most active neurons account for."""
+        total = float(self.freq.sum())
+        if total == 0:
+            return 0.0
+        ranked = np.sort(self.freq)[::-1]
+        k = max(1, int(np.ceil(share * len(ranked))))
+        return float(ranked[:k].sum() / total)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-layer profiles and where they came from."""
+
+    layers: tuple[LayerProfile, ...]
+    calib: str
+    tokens: int
+    seed: int
+    target_sparsity: float | None  # None when every layer is a ReLU form
+
+    @property
+    def mean_sparsity(self) -> float:
+        return float(np.mean([layer.sparsity for layer in self.layers]))
+
+    def summary(self) -> dict[str, object]:
+        """The numbers ``picc profile --json`` prints."""
+        layers = [{"ffn": layer.ffn, "sparsity": layer.sparsity, "threshold": layer.threshold,
+                   **{f"top{round(s * 100)}": layer.top_share(s) for s in SKEW_SHARES}}
+                  for layer in self.layers]
+        return {"calib": self.calib, "tokens": self.tokens, "seed": self.seed,
+                "target_sparsity": self.target_sparsity, "layers": layers,
+                "mean_sparsity": self.mean_sparsity}
+
+
+def ffn_ops(module: Module) -> list[O.FFN]:
+    return [op for op in module.function().ops if isinstance(op, O.FFN)]
+
+
+def _profiling_function(module: Module) -> Module:
+    """``forward`` cut after its last ffn op: the LM head is not needed to profile."""
+    func = module.function()
+    last = ffn_ops(module)[-1].result
+    return module.with_function(replace(func, ret=last).pruned())
+
+
+def profile_model(module: Module, weights: WeightStore, windows: Windows,
+                  target_sparsity: float | None = None,
+                  progress: Callable[[int], None] | None = None) -> Profile:
+    """Run ``windows`` through the interpreter and profile every ffn op."""
+    ffns = ffn_ops(module)
+    if not ffns:
+        raise PiccError("the module has no ffn ops to profile (run canonicalize first?)")
+    needs_threshold = [op.form not in RELU_FORMS for op in ffns]
+    if any(needs_threshold) and target_sparsity is None:
+        raise PiccError("this model's FFNs are not ReLU-sparse (forms: "
+                        f"{', '.join(sorted({op.form for op in ffns}))}); give a target sparsity")
+    if target_sparsity is not None and not 0.0 <= target_sparsity < 1.0:
+        raise PiccError(f"target sparsity must be in [0, 1), got {target_sparsity}")
+    index = {op.result: i for i, op in enumerate(ffns)}
+    n_ff = [weights[op.up].shape[0] for op in ffns]
+    active = [np.zeros(n, np.int64) for n in n_ff]
+    mag_sum = [np.zeros(n, np.float64) for n in n_ff]
+    scores: list[list[np.ndarray]] = [[] for _ in ffns]
+
+    def observe(op: O.FFN, score: np.ndarray, h: np.ndarray) -> None:
+        i = index[op.result]
+        mag_sum[i] += np.abs(h).sum(axis=0, dtype=np.float64)
+        if needs_threshold[i]:
+            scores[i].append(score.astype(np.float32))
+        else:
+            active[i] += (score > 0).sum(axis=0)
+
+    interp = Interpreter(_profiling_function(module), weights)
+    interp.on_ffn = observe
+    for window in windows.windows:
+        interp.reset()
+        interp.run(list(window))
+        if progress:
+            progress(len(window))
+
+    n_tokens = windows.n_tokens
+    layers = []
+    for i, op in enumerate(ffns):
+        threshold = 0.0
+        if needs_threshold[i]:
+            assert target_sparsity is not None
+            all_scores = np.concatenate(scores[i])
+            scores[i] = []
+            threshold = calibrated_threshold(all_scores, target_sparsity)
+            active[i] = (all_scores > threshold).sum(axis=0)
+        layers.append(LayerProfile(op.result, (active[i] / n_tokens).astype(np.float32),
+                                   (mag_sum[i] / n_tokens).astype(np.float32), threshold))
+    relu_only = not any(needs_threshold)
+    return Profile(tuple(layers), windows.source, n_tokens, windows.seed,
+                   None if relu_only else target_sparsity)
+
+
+def calibrated_threshold(scores: np.ndarray, sparsity: float) -> float:
+    """The smallest score t with at least ``sparsity`` of ``scores`` <= t (0 for sparsity 0).
+
+    Taking an actual score (not an interpolated quantile) makes the measured sparsity on the
+    calibration tokens the target rounded up to one (token, neuron) pair.
+    """
+    flat = scores.ravel()
+    k = int(np.ceil(sparsity * flat.size)) - 1
+    if k < 0:
+        return 0.0
+    return float(np.partition(flat, k)[k])
+
+
+# ---------------------------------------------------------------- the profile in the IR
+
+
+def attach(module: Module, weights: WeightStore, profile: Profile) -> Module:
+    """``module`` with each ffn op carrying its ``freq``/``mag`` weights and ``threshold``.
+
+    The weights are added to ``weights`` under ``<layer>.ffn.freq`` / ``.mag`` (with a numeric
+    suffix if those names are taken: the store is append-only).
+    """
+    by_name = {layer.ffn: layer for layer in profile.layers}
+    func = module.function()
+    new_ops = []
+    decls = list(module.weights)
+    for op in func.ops:
+        layer = by_name.get(op.result)
+        if isinstance(op, O.FFN) and layer is not None:
+            stem = op.result.rsplit(".", 1)[0] if op.result.endswith(".out") else op.result
+            names = []
+            for kind, values in (("freq", layer.freq), ("mag", layer.mag)):
+                name = _fresh(weights, f"{stem}.{kind}")
+                weights.add(name, Tensor.from_f32(values))
+                decls.append(WeightDecl(name, weights[name].type))
+                names.append(name)
+            op = replace(op, freq=names[0], mag=names[1], threshold=layer.threshold)
+        new_ops.append(op)
+    attrs: list[tuple[str, Attr]] = [(k, v) for k, v in module.attrs if not k.startswith("profile_")]
+    attrs += [("profile_calib", profile.calib), ("profile_tokens", profile.tokens),
+              ("profile_seed", profile.seed)]
+    if profile.target_sparsity is not None:
+        attrs.append(("profile_target_sparsity", profile.target_sparsity))
+    module = replace(module, attrs=tuple(attrs), weights=tuple(decls))
+    return module.with_function(replace(func, ops=tuple(new_ops))).with_used_weights_only()
+
+
+def _fresh(weights: WeightStore, name: str) -> str:
+    candidate, n = name, 1
+    while candidate in weights:
+        n += 1
+        candidate = f"{name}{n}"
+    return candidate
+
+
+# ---------------------------------------------------------------- files and plots
+
+
+def save_npz(profile: Profile, path: Path) -> None:
+    """Save the profile alone: per-layer ``freq``/``mag`` arrays and a JSON summary."""
+    arrays: dict[str, np.ndarray] = {}
+    for i, layer in enumerate(profile.layers):
+        arrays[f"layer{i}.freq"] = layer.freq
+        arrays[f"layer{i}.mag"] = layer.mag
+    arrays["thresholds"] = np.array([layer.threshold for layer in profile.layers], np.float32)
+    arrays["summary"] = np.array(json.dumps(profile.summary()))
+    with atomic_path(Path(path)) as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def plot(profile: Profile, path: Path) -> None:
+    """Per-layer sparsity, and each layer's neuron frequencies sorted (log-log: the power law)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    n = len(profile.layers)
+    ax1.bar(range(n), [layer.sparsity for layer in profile.layers], color="tab:blue")
+    ax1.set(xlabel="layer", ylabel="sparsity (share of inactive neuron-tokens)", ylim=(0, 1),
+            title=f"FFN sparsity per layer (mean {profile.mean_sparsity:.3f})")
+    cmap = plt.get_cmap("viridis")
+    for i, layer in enumerate(profile.layers):
+        ranked = np.sort(layer.freq)[::-1]
+        ax2.loglog(np.arange(1, len(ranked) + 1), np.maximum(ranked, 1e-6),
+                   color=cmap(i / max(1, n - 1)), lw=1)
+    ax2.set(xlabel="neuron rank", ylabel="activation frequency",
+            title="neurons sorted by how often they fire (one curve per layer)")
+    fig.suptitle(f"{profile.tokens} tokens of {profile.calib}")
+    fig.tight_layout()
+    with atomic_path(Path(path)) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)

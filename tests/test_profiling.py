@@ -1,0 +1,168 @@
+"""Calibration text and activation profiling on small models (SmolLM2 in test_profile_smollm2)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import tiny_llama, with_tokenizer, word_tokenizer
+
+from picc.calib import load_text, token_windows
+from picc.cli import main
+from picc.errors import PiccError
+from picc.frontend.picc_file import save_picc
+from picc.interpreter import Interpreter
+from picc.ir import parse, print_module, verify
+from picc.passes import parse_pipeline, run_pipeline
+from picc.profiling import calibrated_threshold, profile_model
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return word_tokenizer(128)
+
+
+class TestCalibration:
+    def test_builtin_corpora(self):
+        assert len(load_text("ptb")) > 4_000_000
+        assert load_text("ptb-valid") != load_text("ptb-test")
+
+    def test_files_and_directories(self, tmp_path):
+        (tmp_path / "b.txt").write_text("second file")
+        (tmp_path / "a.txt").write_text("first file")
+        (tmp_path / "c.md").write_text("ignored")
+        assert load_text(str(tmp_path)) == "first file\nsecond file"
+        assert load_text(str(tmp_path / "a.txt")) == "first file"
+
+    @pytest.mark.parametrize("make, message", [
+        (lambda p: "wikitext", "'wikitext' is neither a built-in corpus (ptb, ptb-valid, ptb-test)"),
+        (lambda p: str(p), "directory has no .txt files"),
+        (lambda p: (p / "bad.txt").write_bytes(b"\xff\xfe\x00bad") and str(p / "bad.txt"),
+         "bad.txt: cannot read as UTF-8 text"),
+    ])
+    def test_bad_sources(self, tmp_path, make, message):
+        with pytest.raises(PiccError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            load_text(make(tmp_path))
+
+    def test_windows_are_deterministic_for_a_seed(self, tok):
+        a = token_windows(tok, "ptb-valid", 1000, window=100, seed=3)
+        b = token_windows(tok, "ptb-valid", 1000, window=100, seed=3)
+        c = token_windows(tok, "ptb-valid", 1000, window=100, seed=4)
+        assert a == b and a != c
+        assert len(a.windows) == 10 and all(len(w) == 100 and w[0] == tok.bos_id for w in a.windows)
+
+    def test_too_little_text(self, tok, tmp_path):
+        (tmp_path / "t.txt").write_text("the market " * 20)
+        with pytest.raises(PiccError, match="has 40 tokens: not enough for 2 windows of 32"):
+            token_windows(tok, str(tmp_path / "t.txt"), 64, window=32)
+
+
+def test_calibrated_threshold_hits_the_target():
+    scores = np.random.default_rng(0).exponential(size=(300, 77)).astype(np.float32)
+    for target in (0.0, 0.1, 0.5, 0.93):
+        t = calibrated_threshold(scores, target)
+        sparsity = float((scores <= t).mean())
+        assert target <= sparsity <= target + 1 / scores.size + 1e-12
+
+
+def brute_force(model, windows, threshold_of):
+    """Per-layer active counts recomputed from each window's ffn scores (no profiling code)."""
+    counts, mags = {}, {}
+    interp = Interpreter(model.module, model.weights)
+
+    def observe(op, score, h):
+        counts.setdefault(op.result, []).append(score)
+        mags.setdefault(op.result, []).append(np.abs(h))
+
+    interp.on_ffn = observe
+    for w in windows.windows:
+        interp.reset()
+        interp.run(list(w))
+    return ({k: (np.concatenate(v) > threshold_of(k, np.concatenate(v))).mean(0) for k, v in counts.items()},
+            {k: np.concatenate(v).mean(0) for k, v in mags.items()})
+
+
+def test_relu_profile_counts_positive_activations(tok):
+    model = tiny_llama("reglu", n_layers=3)
+    windows = token_windows(tok, "ptb", 512, window=64, seed=1)
+    profile = profile_model(model.module, model.weights, windows)
+    assert profile.target_sparsity is None
+    freq, mag = brute_force(model, windows, lambda k, s: 0.0)
+    for layer in profile.layers:
+        assert layer.threshold == 0.0
+        np.testing.assert_array_equal(layer.freq, freq[layer.ffn].astype(np.float32))
+        np.testing.assert_allclose(layer.mag, mag[layer.ffn], rtol=1e-5)
+        assert 0.2 < layer.sparsity < 0.8  # a random ReGLU: about half the gates are negative
+
+
+def test_swiglu_thresholds_reach_the_target_sparsity(tok):
+    model = tiny_llama("swiglu", n_layers=2)
+    windows = token_windows(tok, "ptb", 512, window=64)
+    profile = profile_model(model.module, model.weights, windows, target_sparsity=0.7)
+    assert profile.target_sparsity == 0.7
+    assert abs(profile.mean_sparsity - 0.7) <= 0.001
+    assert all(layer.threshold > 0 for layer in profile.layers)
+    thresholds = {layer.ffn: layer.threshold for layer in profile.layers}
+    freq, _ = brute_force(model, windows, lambda k, s: thresholds[k])
+    for layer in profile.layers:
+        np.testing.assert_array_equal(layer.freq, freq[layer.ffn].astype(np.float32))
+
+
+def test_non_relu_models_need_a_target(tok):
+    model = tiny_llama("swiglu")
+    with pytest.raises(PiccError, match="not ReLU-sparse .*give a target sparsity"):
+        profile_model(model.module, model.weights, token_windows(tok, "ptb", 64, window=64))
+
+
+def test_profile_pass_attaches_statistics_to_the_ir(tok):
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2))
+    pipeline = parse_pipeline("profile-activations{calib=ptb-valid,tokens=256,window=64,target-sparsity=0.4}")
+    module = run_pipeline(model.module, model.weights, pipeline, tokenizer=model.tokenizer)
+    verify(module)
+    text = print_module(module)
+    assert parse(text) == module
+    assert ("%l0.ffn.out = ffn %l0.ffn_norm, @l0.ffn.up, @l0.ffn.down, gate=@l0.ffn.gate, "
+            "freq=@l0.ffn.freq, mag=@l0.ffn.mag {form = \"swiglu\", threshold = ") in text
+    assert module.attr("profile_calib") == "ptb-valid" and module.attr("profile_tokens") == 256
+    assert module.attr("profile_target_sparsity") == 0.4
+    freq = model.weights.f32("l1.ffn.freq")
+    assert freq.shape == (96,) and abs((1 - freq.mean()) - 0.4) <= 0.01
+    # Profiling describes the model; it does not change what it computes.
+    tokens = [1, 5, 9, 2]
+    np.testing.assert_array_equal(Interpreter(module, model.weights).run(tokens),
+                                  Interpreter(model.module, model.weights).run(tokens))
+    # Profiling again adds new weights instead of overwriting (the store is append-only).
+    again = run_pipeline(module, model.weights, pipeline, tokenizer=model.tokenizer)
+    assert "freq=@l0.ffn.freq2" in print_module(again)
+
+
+def test_cli_profile_json_plot_and_npz(tmp_path, capsys):
+    path = tmp_path / "tiny.picc"
+    save_picc(with_tokenizer(tiny_llama("reglu", n_layers=3)), path)
+    png, npz = tmp_path / "p.png", tmp_path / "s.npz"
+    argv = ["profile", str(path), "--tokens", "256", "--window", "64", "--json", "--plot", str(png),
+            "-o", str(npz)]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [layer["ffn"] for layer in out["layers"]] == ["l0.ffn.out", "l1.ffn.out", "l2.ffn.out"]
+    for layer in out["layers"]:
+        assert 0 < layer["sparsity"] < 1 and layer["top10"] <= layer["top20"] <= layer["top50"] <= 1
+        assert layer["top10"] >= 0.1  # the 10% most active neurons carry at least 10% of activity
+    assert out["mean_sparsity"] == pytest.approx(np.mean([la["sparsity"] for la in out["layers"]]))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    stats = np.load(npz)
+    assert stats["layer2.freq"].shape == (96,)
+    assert json.loads(str(stats["summary"]))["mean_sparsity"] == out["mean_sparsity"]
+    # deterministic for a seed
+    assert main(argv[:-4] + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == out
+
+
+def test_cli_profile_table(tmp_path, capsys):
+    path = tmp_path / "tiny.picc"
+    save_picc(with_tokenizer(tiny_llama("swiglu", n_layers=2)), path)
+    assert main(["profile", str(path), "--tokens", "128", "--window", "64", "--target-sparsity", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["ffn", "sparsity", "threshold", "top10%", "top20%", "top50%"]
+    assert "mean sparsity 0.300 over 2 FFN layers; 128 tokens of ptb (seed 0)" in out
