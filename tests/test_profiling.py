@@ -71,9 +71,9 @@ def brute_force(model, windows, threshold_of):
     counts, mags = {}, {}
     interp = Interpreter(model.module, model.weights)
 
-    def observe(op, score, h):
-        counts.setdefault(op.result, []).append(score)
-        mags.setdefault(op.result, []).append(np.abs(h))
+    def observe(trace):
+        counts.setdefault(trace.op.result, []).append(trace.score)
+        mags.setdefault(trace.op.result, []).append(np.abs(trace.h))
 
     interp.on_ffn = observe
     for w in windows.windows:

@@ -146,4 +146,4 @@ def test_cli_profile_reaches_the_target_sparsity(capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["layers"]) == 30 and out["target_sparsity"] == 0.5
     assert abs(out["mean_sparsity"] - 0.5) <= 0.02
-    assert all(0 < layer["threshold"] for layer in out["layers"])
+    assert all(layer["threshold"] > 0 for layer in out["layers"])

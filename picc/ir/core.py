@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -72,6 +73,9 @@ class Op:
 
     def infer(self, env: TypeEnv) -> TensorType:
         raise NotImplementedError(self.NAME)
+
+    def check_producers(self, producer: Callable[[str], Op | None]) -> None:
+        """Rules that involve the ops defining this op's operands (none by default)."""
 
     @classmethod
     def field_kinds(cls) -> tuple[FieldKind, ...]:

@@ -22,6 +22,7 @@ class DType(enum.Enum):
     Q8_0 = "q8_0"
     I32 = "i32"
     I64 = "i64"
+    BOOL = "bool"
 
     @property
     def is_quantized(self) -> bool:

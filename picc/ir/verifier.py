@@ -55,6 +55,7 @@ def _verify_function(func: Function, weights: dict[str, TensorType], line_of: di
             raise VerifyError(f"function @{func.name}: argument %{arg.name} is defined twice")
         values[arg.name] = arg.type
     caches: dict[str, str] = {}
+    producers: dict[str, Op] = {}
     for i, op in enumerate(func.ops):
         where = f"line {line_of.get((func.name, i), '?')}: %{op.result} = {op.NAME}"
         try:
@@ -68,9 +69,11 @@ def _verify_function(func: Function, weights: dict[str, TensorType], line_of: di
                 if cache in caches:
                     raise RuleError(f"cache slot {cache!r} is already used by %{caches[cache]}")
                 caches[cache] = op.result
+            op.check_producers(producers.get)
         except RuleError as e:
             raise VerifyError(f"{where}: {e}") from None
         values[op.result] = op.type
+        producers[op.result] = op
     if func.ret not in values:
         raise VerifyError(f"function @{func.name}: returned value %{func.ret} is not defined")
 
