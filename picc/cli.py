@@ -164,6 +164,93 @@ def cmd_profile(args: argparse.Namespace) -> None:
     print("topN%: share of all activations that the N% most active neurons account for")
 
 
+def cmd_sparsify(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from picc.frontend.picc_file import save_picc
+    from picc.sparsify import SparsifyOptions, sparsify
+
+    model = _load(args.source)
+    options = SparsifyOptions(
+        mode=args.sparsity_mode, target_sparsity=args.target_sparsity,
+        max_ppl_increase=args.max_ppl_increase, recall=args.recall, budget=args.predictor_budget,
+        predictors=args.predictors, calib=args.calib, tokens=args.tokens, seed=args.seed)
+    module = sparsify(model, options, _instruments(args), report=lambda line: print(line, file=sys.stderr))
+    save_picc(replace(model, module=module), Path(args.output))
+    modes: dict[str, int] = {}
+    for op in module.ops():
+        if op.NAME in ("ffn", "sparse_ffn"):
+            mode = getattr(op, "mode", "dense")
+            modes[mode] = modes.get(mode, 0) + 1
+    print(f"wrote {args.output}: " + ", ".join(f"{n} {m} FFN layers" for m, n in sorted(modes.items())),
+          file=sys.stderr)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from picc.evaluation import eval_windows, evaluate
+    from picc.progress import progress_bar
+
+    model = _load(args.source)
+    if model.tokenizer is None:
+        raise PiccError(f"{model.source}: the model has no tokenizer, so {args.ppl} cannot be read")
+    if args.max_tokens < 2:
+        raise PiccError(f"--max-tokens {args.max_tokens}: expected at least 2")
+    windows = eval_windows(model.tokenizer, args.ppl, args.max_tokens, args.window)
+    with progress_bar(sum(len(w) for w in windows), "evaluating", "tok") as advance:
+        result = evaluate(model.module, model.weights, windows, args.compare_dense, progress=advance)
+    summary = result.summary()
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"perplexity on {args.ppl}: {result.ppl:.4f} ({result.tokens} tokens)")
+    if result.ppl_dense is not None:
+        print(f"dense perplexity:     {result.ppl_dense:.4f} ({100 * (result.ppl_increase or 0):+.2f}%)")
+        print(f"top-1 agreement:      {result.top1_agreement:.4f}")
+    if result.ffn_sparsity is not None:
+        print(f"measured FFN sparsity: {result.ffn_sparsity:.4f}")
+    if result.recall is not None:
+        print(f"predictor recall {result.recall:.4f}, precision {result.precision:.4f}")
+
+
+def _instruments(args: argparse.Namespace):  # noqa: ANN202 - picc.passes.Instruments
+    from picc.passes import Instruments
+
+    return Instruments(verify=not args.no_verify, print_after_all=args.print_after_all,
+                       print_after=frozenset(args.print_after or ()),
+                       dump_dir=Path(args.dump_ir) if args.dump_ir else None, time_passes=args.time_passes,
+                       out=sys.stderr)
+
+
+def _add_instrument_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--print-after-all", action="store_true", help="print the IR after each pass")
+    s.add_argument("--print-after", action="append", metavar="PASS", help="print the IR after PASS (repeatable)")
+    s.add_argument("--dump-ir", metavar="DIR", help="write DIR/NN_<pass>.picc after each pass")
+    s.add_argument("--time-passes", action="store_true", help="print the time each pass took")
+    s.add_argument("--no-verify", action="store_true", help="skip the verifier after each pass")
+
+
+def add_sparsity_flags(s: argparse.ArgumentParser) -> None:
+    """The flags that choose how FFNs become sparse (shared by sparsify and compile)."""
+    s.add_argument("--sparsity-mode", default="auto",
+                   choices=("auto", "predictor", "gate-first", "down-only", "dense"),
+                   help="how each FFN layer knows its active neurons (default auto: the cost model "
+                   "picks per layer; ReLU FFNs get trained predictors when they pay)")
+    s.add_argument("--target-sparsity", type=float, metavar="S",
+                   help="for non-ReLU FFNs: the sparsity the thresholds are calibrated to (default 0.3)")
+    s.add_argument("--max-ppl-increase", type=float, metavar="X",
+                   help="instead of --target-sparsity: the sparsest setting whose perplexity on "
+                   "held-out calibration text is within X (e.g. 0.05 = 5%%) of dense")
+    s.add_argument("--recall", type=float, default=0.99,
+                   help="predictor recall target on held-out tokens (default 0.99)")
+    s.add_argument("--predictor-budget", type=float, default=0.1, metavar="SHARE",
+                   help="memory for all predictors, as a share of the FFN weights (default 0.1)")
+    s.add_argument("--predictors", metavar="DIR",
+                   help="import PowerInfer predictors (model_{layer}.pt) instead of training")
+    s.add_argument("--calib", default="ptb", metavar="ptb|PATH", help="calibration text (default ptb)")
+    s.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default 4096)")
+    s.add_argument("--seed", type=int, default=0, help="seed for calibration windows and training")
+
+
 # ---------------------------------------------------------------- argument parsing
 
 
@@ -245,6 +332,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw per-layer sparsity and sorted neuron frequencies")
     s.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
     s.set_defaults(func=cmd_profile)
+
+    s = sub.add_parser("sparsify", help="profile a model and make its FFNs sparse",
+                       description="Profile SOURCE on calibration text, then make each FFN sparse: "
+                       "a trained predictor (PowerInfer), gate-first or down-only masks, or dense. "
+                       "Writes the IR (with predictors) to OUT.picc.", epilog=EPILOG_SOURCES)
+    s.add_argument("source", metavar="SOURCE")
+    s.add_argument("-o", "--output", required=True, metavar="OUT.picc")
+    add_sparsity_flags(s)
+    _add_instrument_flags(s)
+    s.set_defaults(func=cmd_sparsify)
+
+    s = sub.add_parser("eval", help="perplexity, and what sparsity costs against dense",
+                       description="Perplexity of SOURCE on an evaluation corpus; with "
+                       "--compare-dense also the dense model's, the top-1 agreement, the measured FFN "
+                       "sparsity and the predictors' recall and precision.", epilog=EPILOG_SOURCES)
+    s.add_argument("source", metavar="SOURCE")
+    s.add_argument("--ppl", default="ptb-valid", metavar="CORPUS",
+                   help="ptb-valid (default), ptb-test, ptb, or a text file / directory")
+    s.add_argument("--max-tokens", type=int, default=16384, help="tokens to evaluate (default 16384)")
+    s.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    s.add_argument("--compare-dense", action="store_true", help="also run the dense model and compare")
+    s.add_argument("--json", action="store_true",
+                   help="print ppl, ppl_dense, ppl_increase, top1_agreement, ffn_sparsity, recall, "
+                   "precision as one JSON object")
+    s.set_defaults(func=cmd_eval)
     return p
 
 

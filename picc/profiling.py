@@ -10,7 +10,7 @@ scores over all calibration tokens and neurons.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,6 +37,7 @@ class LayerProfile:
     freq: np.ndarray  # [n_ff] share of tokens on which each neuron is active
     mag: np.ndarray  # [n_ff] mean |h| (the value that multiplies the neuron's down column)
     threshold: float
+    down_threshold: float
 
     @property
     def sparsity(self) -> float:
@@ -60,6 +61,7 @@ class Profile:
     layers: tuple[LayerProfile, ...]
     calib: str
     tokens: int
+    window: int
     seed: int
     target_sparsity: float | None  # None when every layer is a ReLU form
 
@@ -70,6 +72,7 @@ class Profile:
     def summary(self) -> dict[str, object]:
         """The numbers ``picc profile --json`` prints."""
         layers = [{"ffn": layer.ffn, "sparsity": layer.sparsity, "threshold": layer.threshold,
+                   "down_threshold": layer.down_threshold,
                    **{f"top{round(s * 100)}": layer.top_share(s) for s in SKEW_SHARES}}
                   for layer in self.layers]
         return {"calib": self.calib, "tokens": self.tokens, "seed": self.seed,
@@ -92,28 +95,38 @@ def profile_model(module: Module, weights: WeightStore, windows: Windows,
                   target_sparsity: float | None = None,
                   progress: Callable[[int], None] | None = None) -> Profile:
     """Run ``windows`` through the interpreter and profile every ffn op."""
+    return profile_sweep(module, weights, windows, [target_sparsity], progress)[0]
+
+
+def profile_sweep(module: Module, weights: WeightStore, windows: Windows,
+                  targets: Sequence[float | None],
+                  progress: Callable[[int], None] | None = None) -> list[Profile]:
+    """One profile per target sparsity, from a single run of the calibration windows."""
     ffns = ffn_ops(module)
     if not ffns:
         raise PiccError("the module has no ffn ops to profile (run canonicalize first?)")
     needs_threshold = [op.form not in RELU_FORMS for op in ffns]
-    if any(needs_threshold) and target_sparsity is None:
-        raise PiccError("this model's FFNs are not ReLU-sparse (forms: "
-                        f"{', '.join(sorted({op.form for op in ffns}))}); give a target sparsity")
-    if target_sparsity is not None and not 0.0 <= target_sparsity < 1.0:
-        raise PiccError(f"target sparsity must be in [0, 1), got {target_sparsity}")
+    for target in targets:
+        if any(needs_threshold) and target is None:
+            raise PiccError("this model's FFNs are not ReLU-sparse (forms: "
+                            f"{', '.join(sorted({op.form for op in ffns}))}); give a target sparsity")
+        if target is not None and not 0.0 <= target < 1.0:
+            raise PiccError(f"target sparsity must be in [0, 1), got {target}")
     index = {op.result: i for i, op in enumerate(ffns)}
     n_ff = [weights[op.up].shape[0] for op in ffns]
-    active = [np.zeros(n, np.int64) for n in n_ff]
+    relu_active = [np.zeros(n, np.int64) for n in n_ff]
     mag_sum = [np.zeros(n, np.float64) for n in n_ff]
     scores: list[list[np.ndarray]] = [[] for _ in ffns]
+    h_abs: list[list[np.ndarray]] = [[] for _ in ffns]
 
     def observe(trace: FfnTrace) -> None:
         i = index[trace.op.result]
         mag_sum[i] += np.abs(trace.h).sum(axis=0, dtype=np.float64)
         if needs_threshold[i]:
             scores[i].append(trace.score.astype(np.float32))
+            h_abs[i].append(np.abs(trace.h).astype(np.float32))
         else:
-            active[i] += (trace.score > 0).sum(axis=0)
+            relu_active[i] += (trace.score > 0).sum(axis=0)
 
     interp = Interpreter(_profiling_function(module), weights)
     interp.on_ffn = observe
@@ -124,20 +137,26 @@ def profile_model(module: Module, weights: WeightStore, windows: Windows,
             progress(len(window))
 
     n_tokens = windows.n_tokens
-    layers = []
+    layers: list[list[LayerProfile]] = [[] for _ in targets]
     for i, op in enumerate(ffns):
-        threshold = 0.0
-        if needs_threshold[i]:
-            assert target_sparsity is not None
-            all_scores = np.concatenate(scores[i])
-            scores[i] = []
-            threshold = calibrated_threshold(all_scores, target_sparsity)
-            active[i] = (all_scores > threshold).sum(axis=0)
-        layers.append(LayerProfile(op.result, (active[i] / n_tokens).astype(np.float32),
-                                   (mag_sum[i] / n_tokens).astype(np.float32), threshold))
+        mag = (mag_sum[i] / n_tokens).astype(np.float32)
+        layer_scores = np.concatenate(scores[i]) if needs_threshold[i] else None
+        layer_h = np.concatenate(h_abs[i]) if needs_threshold[i] else None
+        scores[i], h_abs[i] = [], []
+        for t, target in enumerate(targets):
+            threshold = down_threshold = 0.0  # ReLU forms: inactive means exactly zero
+            active = relu_active[i]
+            if layer_scores is not None and layer_h is not None:
+                assert target is not None
+                threshold = calibrated_threshold(layer_scores, target)
+                active = (layer_scores > threshold).sum(axis=0)
+                down_threshold = calibrated_threshold(layer_h, target)
+            layers[t].append(LayerProfile(op.result, (active / n_tokens).astype(np.float32), mag, threshold,
+                                          down_threshold))
     relu_only = not any(needs_threshold)
-    return Profile(tuple(layers), windows.source, n_tokens, windows.seed,
-                   None if relu_only else target_sparsity)
+    window = max(len(w) for w in windows.windows)
+    return [Profile(tuple(ls), windows.source, n_tokens, window, windows.seed, None if relu_only else target)
+            for ls, target in zip(layers, targets, strict=True)]
 
 
 def calibrated_threshold(scores: np.ndarray, sparsity: float) -> float:
@@ -176,11 +195,12 @@ def attach(module: Module, weights: WeightStore, profile: Profile) -> Module:
                 weights.add(name, Tensor.from_f32(values))
                 decls.append(WeightDecl(name, weights[name].type))
                 names.append(name)
-            op = replace(op, freq=names[0], mag=names[1], threshold=layer.threshold)
+            op = replace(op, freq=names[0], mag=names[1], threshold=layer.threshold,
+                         down_threshold=layer.down_threshold)
         new_ops.append(op)
     attrs: list[tuple[str, Attr]] = [(k, v) for k, v in module.attrs if not k.startswith("profile_")]
     attrs += [("profile_calib", profile.calib), ("profile_tokens", profile.tokens),
-              ("profile_seed", profile.seed)]
+              ("profile_window", profile.window), ("profile_seed", profile.seed)]
     if profile.target_sparsity is not None:
         attrs.append(("profile_target_sparsity", profile.target_sparsity))
     module = replace(module, attrs=tuple(attrs), weights=tuple(decls))
@@ -205,6 +225,7 @@ def save_npz(profile: Profile, path: Path) -> None:
         arrays[f"layer{i}.freq"] = layer.freq
         arrays[f"layer{i}.mag"] = layer.mag
     arrays["thresholds"] = np.array([layer.threshold for layer in profile.layers], np.float32)
+    arrays["down_thresholds"] = np.array([layer.down_threshold for layer in profile.layers], np.float32)
     arrays["summary"] = np.array(json.dumps(profile.summary()))
     with atomic_path(Path(path)) as tmp, open(tmp, "wb") as f:
         np.savez(f, **arrays)

@@ -399,8 +399,9 @@ class FFN(Op):
     both projections are rectified) and ``|act(up_i)|`` otherwise; the neuron is *active* when its
     score exceeds ``threshold`` (0 for ReLU forms, where that is exact; for the others a
     calibrated CATS threshold). Profiling fills ``freq`` (per neuron, the share of calibration
-    tokens on which it is active), ``mag`` (mean ``|h_i|``) and ``threshold``; they describe the
-    block and do not change what it computes.
+    tokens on which it is active), ``mag`` (mean ``|h_i|``), ``threshold`` and ``down_threshold``
+    (the ``|h_i|`` level with the same sparsity, for TEAL-style down-only skipping); they describe
+    the block and do not change what it computes.
     """
 
     NAME: ClassVar[str] = "ffn"
@@ -415,6 +416,7 @@ class FFN(Op):
     mag: Sym | None = None
     form: str
     threshold: float | None = None
+    down_threshold: float | None = None
 
     @property
     def spec(self) -> FfnForm:
@@ -448,8 +450,9 @@ class FFN(Op):
         for name, role in ((self.up_bias, "up_bias"), (self.gate_bias, "gate_bias"),
                            (self.down_bias, "down_bias"), (self.freq, "freq"), (self.mag, "mag")):
             _float_weight(env, name, role)
-        expect(self.threshold is None or self.threshold >= 0,
-               f"threshold must be >= 0, got {self.threshold}")
+        for name in ("threshold", "down_threshold"):
+            value = getattr(self, name)
+            expect(value is None or value >= 0, f"{name} must be >= 0, got {value}")
         return t
 
 

@@ -81,7 +81,6 @@ class SparseFFN(FFN):
     NAME: ClassVar[str] = "sparse_ffn"
     mask: Val | None = None
     mode: str
-    down_threshold: float | None = None
 
     def infer(self, env: TypeEnv) -> TensorType:
         t = FFN.infer(self, env)
@@ -99,8 +98,7 @@ class SparseFFN(FFN):
             expect(self.spec.gated, f"mode 'gate-first' needs a gated form, got {self.form!r}")
             expect(self.threshold is not None, "mode 'gate-first' needs the layer's threshold")
         if self.mode == "down-only":
-            expect(self.down_threshold is not None and self.down_threshold >= 0,
-                   "mode 'down-only' needs down_threshold >= 0")
+            expect(self.down_threshold is not None, "mode 'down-only' needs the layer's down_threshold")
         return t
 
     def check_producers(self, producer: Callable[[str], Op | None]) -> None:

@@ -1,0 +1,139 @@
+"""``picc eval``: perplexity on an evaluation corpus, and what sparsity costs against dense.
+
+Perplexity is computed over non-overlapping windows of the tokenized corpus (each starting with
+BOS when the tokenizer adds one): ``exp(mean NLL)`` of every token predicted from at least one
+token of context. The dense reference is the same module with every ``sparse_ffn`` turned back
+into its ``ffn`` (and the predictors dropped), run on the same windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from picc.errors import PiccError
+from picc.frontend.tokenizer import Tokenizer
+from picc.interpreter import FfnTrace, Interpreter
+from picc.ir import ops as O
+from picc.ir.module import Module
+from picc.ir.sparse_ops import SparseFFN
+from picc.ir.weights import WeightStore
+
+
+def eval_windows(tokenizer: Tokenizer, corpus: str, max_tokens: int, window: int) -> list[list[int]]:
+    """The first ``max_tokens`` tokens of ``corpus``, cut into windows of ``window`` tokens."""
+    from picc.calib import load_text
+
+    ids = tokenizer.backend.encode(load_text(corpus), add_special_tokens=False).ids
+    bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    body = window - len(bos)
+    windows = [bos + ids[s : s + body] for s in range(0, min(len(ids), max_tokens), body)]
+    windows = [w for w in windows if len(w) > len(bos) + 1]
+    if not windows:
+        raise PiccError(f"corpus {corpus!r} has too little text to evaluate")
+    return windows
+
+
+def densified(module: Module) -> Module:
+    """The dense model a sparse module approximates: sparse_ffn -> ffn, predictors removed."""
+    func = module.function()
+    ops = []
+    for op in func.ops:
+        if isinstance(op, SparseFFN):
+            fields = {f.name: getattr(op, f.name) for f in O.FFN.field_kinds()}
+            op = O.FFN(result=op.result, type=op.type, **fields)
+        ops.append(op)
+    return module.with_function(replace(func, ops=tuple(ops)).pruned()).with_used_weights_only()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+@dataclass
+class _SparsityCounter:
+    """Accumulates, over sparse_ffn executions, how many neurons ran and how well masks did."""
+
+    computed: int = 0
+    total: int = 0
+    true_positive: int = 0
+    predicted: int = 0
+    actual: int = 0
+    per_layer: dict[str, list[int]] = field(default_factory=dict)
+
+    def __call__(self, trace: FfnTrace) -> None:
+        if trace.active is None:
+            return
+        self.computed += int(trace.active.sum())
+        self.total += trace.active.size
+        op = trace.op
+        if isinstance(op, SparseFFN) and op.mode == "predictor":
+            truth = trace.score > np.float32(op.threshold or 0.0)
+            tp = int((truth & trace.active).sum())
+            self.true_positive += tp
+            self.predicted += int(trace.active.sum())
+            self.actual += int(truth.sum())
+            stats = self.per_layer.setdefault(op.result, [0, 0, 0])
+            stats[0] += tp
+            stats[1] += int(trace.active.sum())
+            stats[2] += int(truth.sum())
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    ppl: float
+    tokens: int
+    ppl_dense: float | None = None
+    top1_agreement: float | None = None
+    ffn_sparsity: float | None = None
+    recall: float | None = None
+    precision: float | None = None
+    layer_recall: dict[str, float] | None = None
+
+    @property
+    def ppl_increase(self) -> float | None:
+        return None if self.ppl_dense is None else self.ppl / self.ppl_dense - 1.0
+
+    def summary(self) -> dict[str, object]:
+        return {"ppl": self.ppl, "ppl_dense": self.ppl_dense, "ppl_increase": self.ppl_increase,
+                "top1_agreement": self.top1_agreement, "ffn_sparsity": self.ffn_sparsity,
+                "recall": self.recall, "precision": self.precision, "tokens": self.tokens,
+                "layer_recall": self.layer_recall}
+
+
+def evaluate(module: Module, weights: WeightStore, windows: list[list[int]], compare_dense: bool = False,
+             progress=None) -> EvalResult:  # noqa: ANN001 - progress: Callable[[int], None]
+    """Perplexity of ``module`` on ``windows``; with ``compare_dense``, the sparse-vs-dense numbers."""
+    sparse = Interpreter(module, weights)
+    counter = _SparsityCounter()
+    sparse.on_ffn = counter
+    dense = Interpreter(densified(module), weights) if compare_dense else None
+    nll, nll_dense, agree, count = 0.0, 0.0, 0, 0
+    for window in windows:
+        sparse.reset()
+        logits = sparse.run(window)[:-1]
+        targets = np.asarray(window[1:])
+        rows = np.arange(len(targets))
+        nll -= float(log_softmax(logits)[rows, targets].sum())
+        if dense is not None:
+            dense.reset()
+            ref = dense.run(window)[:-1]
+            nll_dense -= float(log_softmax(ref)[rows, targets].sum())
+            agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+        count += len(targets)
+        if progress:
+            progress(len(window))
+    result = EvalResult(ppl=float(np.exp(nll / count)), tokens=count)
+    if counter.total:
+        result = replace(result, ffn_sparsity=1.0 - counter.computed / counter.total)
+    if counter.actual:
+        layer_recall = {k: tp / max(1, actual) for k, (tp, _, actual) in counter.per_layer.items()}
+        result = replace(result, recall=counter.true_positive / counter.actual,
+                         precision=counter.true_positive / max(1, counter.predicted),
+                         layer_recall=layer_recall)
+    if dense is not None:
+        result = replace(result, ppl_dense=float(np.exp(nll_dense / count)), top1_agreement=agree / count)
+    return result

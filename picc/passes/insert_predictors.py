@@ -1,0 +1,181 @@
+"""``insert-predictors``: decide per FFN layer how its active set is known, and make it sparse.
+
+Options: ``mode`` (``auto`` by default, or ``predictor``, ``gate-first``, ``down-only``, ``dense``
+for every layer), ``recall`` (predictor recall target on held-out tokens, default 0.99),
+``budget`` (predictor memory as a share of the FFN weights' bytes, default 0.1), ``tokens``
+(training tokens, default: the profile's), ``seed``, ``predictors`` (a directory of PowerInfer
+predictors, ``model_{layer}.pt``, to import instead of training), ``cache`` (``off`` to retrain).
+
+``auto`` compares, per layer, the bytes a token reads (``picc.cost_model``) among the ways that
+keep the profile's accuracy: for ReLU forms the exact ways (gate-first, down-only) and a trained
+predictor; for other forms gate-first (GLU) or down-only at the profiled thresholds.
+
+Needs: ``profile-activations`` (every ffn carries ``freq`` and thresholds) and the tokenizer when
+predictors are trained. Guarantees: every chosen ffn is a ``sparse_ffn``, predictor layers read a
+``predict`` op's mask; ``dense`` layers stay ``ffn``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from picc import cost_model, predictor_store
+from picc.calib import token_windows
+from picc.errors import PiccError
+from picc.interpreter import FfnTrace, Interpreter
+from picc.ir import ops as O
+from picc.ir.core import Op
+from picc.ir.module import Module, WeightDecl
+from picc.ir.sparse_ops import Predict, SparseFFN
+from picc.ir.types import DType
+from picc.ir.weights import Tensor, WeightStore
+from picc.passes.registry import PassContext, register_pass
+from picc.predictors import LayerData, TrainedPredictor, starting_rank, train_all
+from picc.profiling import RELU_FORMS
+from picc.progress import progress_bar
+
+OPTIONS = ("mode", "recall", "budget", "tokens", "seed", "predictors", "cache")
+MODES = ("auto", "predictor", "gate-first", "down-only", "dense")
+
+
+def _stem(ffn: O.FFN) -> str:
+    return re.sub(r"\.out$", "", ffn.result)
+
+
+def collect_layer_data(module: Module, weights: WeightStore, windows, names: set[str]) -> dict[str, LayerData]:  # noqa: ANN001
+    """FFN inputs and active sets (score > the op's threshold) of the layers in ``names``."""
+    xs: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    ys: dict[str, list[np.ndarray]] = {n: [] for n in names}
+
+    def observe(trace: FfnTrace) -> None:
+        if trace.op.result in names:
+            xs[trace.op.result].append(trace.x.astype(np.float32))
+            ys[trace.op.result].append(trace.score > np.float32(trace.op.threshold or 0.0))
+
+    last = max(i for i, op in enumerate(module.function().ops) if op.result in names)
+    func = module.function()
+    cut = module.with_function(replace(func, ret=func.ops[last].result).pruned())
+    interp = Interpreter(cut, weights)
+    interp.on_ffn = observe
+    with progress_bar(windows.n_tokens, "collecting predictor data", "tok") as advance:
+        for w in windows.windows:
+            interp.reset()
+            interp.run(list(w))
+            advance(len(w))
+    return {n: LayerData(np.concatenate(xs[n]), np.concatenate(ys[n])) for n in names}
+
+
+def _train(module: Module, ctx: PassContext, ffns: list[O.FFN]) -> dict[str, TrainedPredictor]:
+    if ctx.tokenizer is None:
+        raise PiccError("insert-predictors needs the model's tokenizer to train predictors")
+    calib = str(module.attr("profile_calib", "ptb"))
+    tokens = ctx.int_option("tokens", int(module.attr("profile_tokens", 4096) or 4096))
+    window = int(module.attr("profile_window", 256) or 256)
+    seed = ctx.int_option("seed", 0)
+    recall = ctx.float_option("recall", 0.99) or 0.99
+    budget_share = ctx.float_option("budget", 0.1) or 0.1
+    ffn_bytes = sum(cost_model.ffn_weight_bytes(op, ctx.weights) for op in ffns)
+    budget_params = int(budget_share * ffn_bytes / 2)  # predictors are stored in float16
+    key = predictor_store.cache_key(module, ctx.weights, [op.result for op in ffns],
+                                    dict(calib=calib, tokens=tokens, window=window, seed=seed,
+                                         recall=recall, budget=budget_share))
+    use_cache = ctx.option("cache", "on") != "off"
+    if use_cache and (cached := predictor_store.load_cached(key)) is not None:
+        return cached
+    windows = token_windows(ctx.tokenizer, calib, tokens, window, seed)
+    data = collect_layer_data(module, ctx.weights, windows, {op.result for op in ffns})
+    start = {}
+    for op in ffns:
+        freq = ctx.weights.f32(op.freq) if op.freq else data[op.result].active.mean(0)
+        ranked = np.sort(freq)[::-1]
+        top20 = float(ranked[: max(1, len(ranked) // 5)].sum() / max(ranked.sum(), 1e-9))
+        hidden, n_ff = data[op.result].x.shape[1], data[op.result].active.shape[1]
+        start[op.result] = starting_rank(hidden, n_ff, 1.0 - float(freq.mean()), top20)
+    with progress_bar(len(ffns), "training predictors", "layer") as advance:
+        try:
+            trained = train_all(data, start, recall, budget_params, seed, progress=lambda _: advance(1))
+        except ValueError as e:
+            raise PiccError(str(e)) from None
+    if use_cache:
+        predictor_store.save_cached(key, trained)
+    return trained
+
+
+def _choose(op: O.FFN, mode: str, weights: WeightStore, predictor: TrainedPredictor | None) -> str:
+    if mode != "auto":
+        return mode
+    density = float(weights.f32(op.freq).mean()) if op.freq else 1.0
+    options = {"dense": cost_model.ffn_bytes_per_token(op, weights, "dense", 1.0)}
+    relu = op.form in RELU_FORMS
+    if op.spec.gated:
+        options["gate-first"] = cost_model.ffn_bytes_per_token(op, weights, "gate-first", density)
+    if relu or not op.spec.gated:
+        options["down-only"] = cost_model.ffn_bytes_per_token(op, weights, "down-only", density)
+    if predictor is not None:
+        options["predictor"] = cost_model.ffn_bytes_per_token(
+            op, weights, "predictor", predictor.predicted_density,
+            predictor_bytes=2 * (predictor.fc1.size + predictor.fc2.size))
+    return min(options, key=lambda m: options[m])
+
+
+def _add(weights: WeightStore, decls: list[WeightDecl], name: str, values: np.ndarray) -> str:
+    n, candidate = 1, name
+    while candidate in weights:
+        n += 1
+        candidate = f"{name}{n}"
+    weights.add(candidate, Tensor.from_f32(values, DType.F16))
+    decls.append(WeightDecl(candidate, weights[candidate].type))
+    return candidate
+
+
+@register_pass("insert-predictors", options=OPTIONS)
+def insert_predictors(module: Module, ctx: PassContext) -> Module:
+    """Make FFNs sparse: per layer a predictor, gate-first or down-only mask, or dense."""
+    mode = ctx.option("mode", "auto")
+    if mode not in MODES:
+        raise PiccError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    ffns = [op for op in module.function().ops if type(op) is O.FFN]
+    unprofiled = [op.result for op in ffns if op.threshold is None]
+    if unprofiled:
+        raise PiccError(f"ffn %{unprofiled[0]} has no profile; run profile-activations first")
+    if mode == "gate-first" and (bad := [op for op in ffns if not op.spec.gated]):
+        raise PiccError(f"mode gate-first needs gated FFNs; %{bad[0].result} is {bad[0].form!r}")
+    wants_predictor = [op for op in ffns if mode == "predictor" or mode == "auto" and op.form in RELU_FORMS]
+    predictors: dict[str, TrainedPredictor] = {}
+    if wants_predictor:
+        if ctx.option("predictors", ""):
+            predictors = predictor_store.load_powerinfer(Path(ctx.option("predictors", "")), wants_predictor)
+        else:
+            predictors = _train(module, ctx, wants_predictor)
+    decls = list(module.weights)
+    new_ops: list[Op] = []
+    for op in module.function().ops:
+        if type(op) is not O.FFN:
+            new_ops.append(op)
+            continue
+        predictor = predictors.get(op.result)
+        chosen = _choose(op, mode, ctx.weights, predictor)
+        if chosen == "dense":
+            new_ops.append(op)
+            continue
+        fields = {f.name: getattr(op, f.name) for f in O.FFN.field_kinds()}
+        mask = None
+        if chosen == "predictor":
+            assert predictor is not None
+            stem = _stem(op).replace(".ffn", ".pred")
+            names = {part: _add(ctx.weights, decls, f"{stem}.{part}", getattr(predictor, part))
+                     for part in ("fc1", "fc1_bias", "fc2", "fc2_bias")}
+            mask = f"{_stem(op)}.mask"
+            pred_type = ctx.weights[names["fc2"]].shape[0]
+            new_ops.append(Predict(result=mask, type=replace(op.type, dtype=DType.BOOL,
+                                                             shape=(op.type.shape[0], pred_type)),
+                                   x=op.x, ffn=op.result, threshold=predictor.threshold,
+                                   recall=None if np.isnan(predictor.recall) else round(predictor.recall, 4),
+                                   **names))
+        new_ops.append(SparseFFN(result=op.result, type=op.type, mask=mask, mode=chosen, **fields))
+    module = replace(module, weights=tuple(decls))
+    return module.with_function(replace(module.function(), ops=tuple(new_ops)))

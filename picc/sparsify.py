@@ -1,0 +1,117 @@
+"""Making a model sparse end to end: profile, choose thresholds, insert predictors.
+
+``--max-ppl-increase X`` picks, for thresholded (non-ReLU) FFNs, the sparsest target in
+``SWEEP`` whose perplexity on held-out calibration text stays within ``X`` of the dense model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from picc.calib import token_windows
+from picc.errors import PiccError
+from picc.evaluation import eval_windows, evaluate
+from picc.frontend.model import LoadedModel
+from picc.ir.module import Module
+from picc.ir.weights import WeightStore
+from picc.passes import Instruments, PassContext, parse_pipeline, run_pipeline
+from picc.passes.insert_predictors import insert_predictors
+from picc.profiling import RELU_FORMS, attach, ffn_ops, profile_sweep
+from picc.progress import progress_bar
+
+SWEEP = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+SWEEP_EVAL_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class SparsifyOptions:
+    mode: str = "auto"
+    target_sparsity: float | None = None
+    max_ppl_increase: float | None = None
+    recall: float = 0.99
+    budget: float = 0.1
+    predictors: str | None = None
+    calib: str = "ptb"
+    tokens: int = 4096
+    window: int = 256
+    seed: int = 0
+
+    def pipeline(self, target: float | None) -> str:
+        profile = [f"calib={self.calib}", f"tokens={self.tokens}", f"window={self.window}", f"seed={self.seed}"]
+        if target is not None:
+            profile.append(f"target-sparsity={target}")
+        insert = [f"mode={self.mode}", f"recall={self.recall}", f"budget={self.budget}", f"seed={self.seed}"]
+        if self.predictors:
+            insert.append(f"predictors={self.predictors}")
+        return f"profile-activations{{{','.join(profile)}}},insert-predictors{{{','.join(insert)}}}"
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    target: float
+    ppl: float
+    ppl_dense: float
+
+    @property
+    def increase(self) -> float:
+        return self.ppl / self.ppl_dense - 1.0
+
+
+def thresholded(module: Module) -> bool:
+    return any(op.form not in RELU_FORMS for op in ffn_ops(module))
+
+
+def sweep(model: LoadedModel, options: SparsifyOptions) -> list[SweepPoint]:
+    """Perplexity on held-out calibration text at each target sparsity of ``SWEEP``."""
+    assert model.tokenizer is not None
+    windows = token_windows(model.tokenizer, options.calib, options.tokens, options.window, options.seed)
+    with progress_bar(windows.n_tokens, "profiling", "tok") as advance:
+        profiles = profile_sweep(model.module, model.weights, windows, SWEEP, progress=advance)
+    # Held out: the first tokens of the corpus, which profiling drew only by chance.
+    held_out = eval_windows(model.tokenizer, options.calib, SWEEP_EVAL_TOKENS, options.window)
+    points = []
+    with progress_bar(len(SWEEP), "sweeping sparsity", "setting") as advance:
+        for target, profile in zip(SWEEP, profiles, strict=True):
+            store = WeightStore({n: model.weights[n] for n in model.weights})
+            profiled = attach(model.module, store, profile)
+            sparse = insert_predictors(profiled, PassContext(store, {"mode": options.mode, "seed": str(options.seed)},
+                                                             model.tokenizer))
+            result = evaluate(sparse, store, held_out, compare_dense=True)
+            assert result.ppl_dense is not None
+            points.append(SweepPoint(target, result.ppl, result.ppl_dense))
+            advance(1)
+    return points
+
+
+def choose_target(points: list[SweepPoint], max_increase: float) -> SweepPoint:
+    within = [p for p in points if p.increase <= max_increase]
+    if not within:
+        best = min(points, key=lambda p: p.increase)
+        raise PiccError(f"no sparsity in {SWEEP} keeps the perplexity increase within {max_increase:.3f} "
+                        f"(the gentlest, {best.target}, costs {best.increase:.3f})")
+    return max(within, key=lambda p: p.target)
+
+
+def sparsify(model: LoadedModel, options: SparsifyOptions, instruments: Instruments | None = None,
+             report=print) -> Module:  # noqa: ANN001 - report: Callable[[str], None]
+    """Profile ``model`` and make its FFNs sparse as ``options`` say."""
+    if model.tokenizer is None:
+        raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be read")
+    target = options.target_sparsity
+    if options.max_ppl_increase is not None:
+        if not thresholded(model.module):
+            report("--max-ppl-increase: every FFN is ReLU-sparse, so the exact masks cost no accuracy; "
+                   "the predictors' recall target governs it")
+        else:
+            points = sweep(model, options)
+            chosen = choose_target(points, options.max_ppl_increase)
+            report("target  ppl      dense    increase")
+            for p in points:
+                mark = "  <- chosen" if p is chosen else ""
+                report(f"{p.target:<7} {p.ppl:<8.3f} {p.ppl_dense:<8.3f} {100 * p.increase:+.2f}%{mark}")
+            target = chosen.target
+    if target is None and thresholded(model.module):
+        target = 0.3
+        report("target sparsity defaults to 0.3 for non-ReLU FFNs (see --target-sparsity, --max-ppl-increase)")
+    return run_pipeline(model.module, model.weights, parse_pipeline(options.pipeline(target)), instruments,
+                        tokenizer=model.tokenizer)
