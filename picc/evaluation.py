@@ -47,10 +47,11 @@ def densified(module: Module) -> Module:
     return module.with_function(replace(func, ops=tuple(ops)).pruned()).with_used_weights_only()
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+def token_nll(logits: np.ndarray, targets: np.ndarray) -> float:
+    """Sum over rows of ``-log softmax(logits)[target]`` (float32 pass, float64 sums)."""
+    top = logits.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(logits - top).sum(axis=-1, dtype=np.float64)) + top[:, 0]
+    return float((lse - logits[np.arange(len(targets)), targets]).sum())
 
 
 @dataclass
@@ -116,12 +117,11 @@ def evaluate(module: Module, weights: WeightStore, windows: list[list[int]], com
         sparse.reset()
         logits = sparse.run(window)[:-1]
         targets = np.asarray(window[1:])
-        rows = np.arange(len(targets))
-        nll -= float(log_softmax(logits)[rows, targets].sum())
+        nll += token_nll(logits, targets)
         if dense is not None:
             dense.reset()
             ref = dense.run(window)[:-1]
-            nll_dense -= float(log_softmax(ref)[rows, targets].sum())
+            nll_dense += token_nll(ref, targets)
             agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
         count += len(targets)
         if progress:

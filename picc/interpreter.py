@@ -91,29 +91,29 @@ def attention(op: O.Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos:
               cache: KVCache) -> np.ndarray:
     cache.write(pos, k, v)
     seq, length, d = q.shape[0], cache.length, op.head_dim
-    group = op.n_heads // op.n_kv_heads
-    qh = q.reshape(seq, op.n_heads, d).transpose(1, 0, 2)  # [H, S, D]
-    kh = cache.k[:length].reshape(length, op.n_kv_heads, d).transpose(1, 2, 0)  # [KV, D, L]
-    vh = cache.v[:length].reshape(length, op.n_kv_heads, d).transpose(1, 0, 2)  # [KV, L, D]
-    kh = np.repeat(kh, group, axis=0)
-    vh = np.repeat(vh, group, axis=0)
-    scores = qh @ kh  # [H, S, L]
+    kv, group = op.n_kv_heads, op.n_heads // op.n_kv_heads
+    # Query heads grouped under their K/V head, so each K/V head is one contiguous matmul
+    # (numpy's batched matmul is only fast on contiguous operands).
+    qg = np.ascontiguousarray(q.reshape(seq, kv, group, d).transpose(1, 2, 0, 3)).reshape(kv, group * seq, d)
+    kt = np.ascontiguousarray(cache.k[:length].reshape(length, kv, d).transpose(1, 2, 0))  # [KV, D, L]
+    vh = np.ascontiguousarray(cache.v[:length].reshape(length, kv, d).transpose(1, 0, 2))  # [KV, L, D]
+    scores = (qg @ kt).reshape(kv * group, seq, length)  # head h = kv_head * group + g
     if op.alibi == "falcon":
         slopes = round_to_bf16(op.alibi_slopes())
         bias = round_to_bf16(slopes[:, None] * np.arange(length, dtype=np.float32)[None, :])
-        scores = scores + bias[:, None, :]
-    scores = scores * np.float32(op.scale)
+        scores += bias[:, None, :]
+    scores *= np.float32(op.scale)
     j = np.arange(length)[None, :]
     p = pos[:, None].astype(np.int64)
     visible = j <= p
     if op.window is not None:
         visible &= p - j < op.window
-    scores = np.where(visible[None], scores, np.float32(-np.inf))
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    out = probs.astype(np.float32) @ vh  # [H, S, D]
-    return out.transpose(1, 0, 2).reshape(seq, op.n_heads * d)
+    scores += np.where(visible, np.float32(0), np.float32(-np.inf))[None]
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores.reshape(kv, group * seq, length) @ vh  # [KV, G*S, D]
+    return out.reshape(kv, group, seq, d).transpose(2, 0, 1, 3).reshape(seq, op.n_heads * d)
 
 
 class Interpreter:

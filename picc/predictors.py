@@ -87,6 +87,19 @@ def train_predictor(data: LayerData, rank: int, recall_target: float, seed: int)
     """Train one predictor of ``rank`` on ``data``; choose its threshold for ``recall_target``."""
     import torch
 
+    # The matmuls are tiny: one thread is fastest, and on a busy machine a second thread that
+    # spins waiting for a core made training 16x slower (measured).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_predictor(data, rank, recall_target, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_predictor(data: LayerData, rank: int, recall_target: float, seed: int) -> TrainedPredictor:
+    import torch
+
     train, calib, test = split(len(data.x), seed)
     gen = torch.Generator().manual_seed(seed)
     x = torch.from_numpy(data.x)

@@ -86,8 +86,7 @@ def _prefix(ckpt: Checkpoint, full: str, base: str, probe: str) -> str:
     return base
 
 
-def _lm_head(cfg: HFConfig, ckpt: Checkpoint, store: WeightStore, shape: tuple[int, int],
-             tie_default: bool) -> bool:
+def _lm_head(ckpt: Checkpoint, store: WeightStore, shape: tuple[int, int], tie: bool) -> bool:
     """Add ``output`` from ``lm_head.weight`` when the file has it; True when tied instead.
 
     transformers 5.x uses a stored ``lm_head.weight`` even when ``tie_word_embeddings`` is true,
@@ -96,7 +95,7 @@ def _lm_head(cfg: HFConfig, ckpt: Checkpoint, store: WeightStore, shape: tuple[i
     if "lm_head.weight" in ckpt:
         store.add("output", ckpt.tensor("lm_head.weight", shape))
         return False
-    if cfg.flag("tie_word_embeddings", tie_default):
+    if tie:
         return True
     raise PiccError(f"{ckpt.directory}: tensor 'lm_head.weight' is {ckpt.where('lm_head.weight')} "
                     "and tie_word_embeddings is false; transformers would initialise the head at "
@@ -181,6 +180,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     qkv_bias = attn_bias or family == "qwen2"
     mlp_bias = family == "llama" and cfg.flag("mlp_bias", False)
     bos, eos = _special_ids(cfg, directory, *_SPECIAL_IDS_DEFAULT[family])
+    tie = cfg.flag("tie_word_embeddings", False)
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", 1e-6),
@@ -216,7 +216,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
             if mlp_bias:
                 add(n[f"{key}_bias"], f"{hf}mlp.{proj}.bias", shape[:1])
     add("output_norm", "norm.weight", (hidden,))
-    spec = replace(spec, tied=_lm_head(cfg, ckpt, store, (vocab, hidden), tie_default=False))
+    spec = replace(spec, tied=_lm_head(ckpt, store, (vocab, hidden), tie))
     return build_llama(spec, store), store
 
 
@@ -235,6 +235,7 @@ def _opt(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore
     linear_bias = cfg.flag("enable_bias", True)
     affine = cfg.flag("layer_norm_elementwise_affine", True)
     bos, eos = _special_ids(cfg, directory, 2, 2)
+    tie = cfg.flag("tie_word_embeddings", True)
     spec = OptSpec(
         name=name, vocab=vocab, hidden=hidden, embed_dim=embed_dim, n_layers=n_layers,
         n_heads=n_heads, n_ff=n_ff, ffn_form=ffn_form(cfg, "activation_function", "relu", gated=False),
@@ -283,7 +284,7 @@ def _opt(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore
         norm("output_norm", "final_layer_norm")
     if not affine:
         store.add(UNIT_NORM, Tensor.from_f32(np.ones(hidden, np.float32)))
-    spec = replace(spec, tied=_lm_head(cfg, ckpt, store, (vocab, embed_dim), tie_default=True))
+    spec = replace(spec, tied=_lm_head(ckpt, store, (vocab, embed_dim), tie))
     return build_opt(spec, store), store
 
 
@@ -338,6 +339,7 @@ def _falcon(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightSt
     alibi = cfg.truthy("alibi", False)
     bias = cfg.truthy("bias", False)
     bos, eos = _special_ids(cfg, directory, 11, 11)
+    tie = cfg.flag("tie_word_embeddings", True)
     spec = FalconSpec(
         name=name, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=groups, n_ff=n_ff, eps=cfg.number("layer_norm_epsilon", 1e-5),
@@ -385,5 +387,5 @@ def _falcon(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightSt
         linear(n["up"], hf + "mlp.dense_h_to_4h", (n_ff, hidden))
         linear(n["down"], hf + "mlp.dense_4h_to_h", (hidden, n_ff))
     norm("output_norm", "ln_f")
-    spec = replace(spec, tied=_lm_head(cfg, ckpt, store, (vocab, hidden), tie_default=True))
+    spec = replace(spec, tied=_lm_head(ckpt, store, (vocab, hidden), tie))
     return build_falcon(spec, store), store

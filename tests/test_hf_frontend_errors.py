@@ -1,0 +1,225 @@
+"""What the Hugging Face frontend refuses, and that it says so in one line naming the culprit.
+
+Where picc refuses a config combination because transformers cannot run it either, the test also
+shows that transformers indeed fails on it, so picc never rejects a model transformers can run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+from hf_edit import edited_copy, resaved
+from hf_models import EXTRA_VARIANTS, make_model, reference_logits
+
+from picc.cli import main as picc_main
+from picc.errors import PiccError
+from picc.frontend import load_model
+
+pytest.importorskip("transformers")
+
+IDS = [1, 7, 3, 200, 45, 9, 17, 100]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """Pristine checkpoints to copy and break: family -> variant -> path."""
+    root = tmp_path_factory.mktemp("hf_base")
+    paths = {}
+    for family, variant in (("llama", "swiglu"), ("llama", "tied"), ("qwen2", "base"), ("opt", "pre-ln"),
+                            ("falcon", "new-arch"), ("falcon", "classic")):
+        make_model(family, variant, root / family / variant)
+        paths[(family, variant)] = root / family / variant
+    return paths
+
+
+def refused(path, *fragments: str) -> str:
+    """Load ``path``, expect a one-line PiccError containing every fragment; return it."""
+    with pytest.raises(PiccError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+# ---------------------------------------------------------------- config.json
+
+
+def test_unsupported_architecture_lists_the_supported_ones(base, tmp_path):
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "m",
+                       config={"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    refused(path, "config.json", 'model_type "gpt2" (GPT2LMHeadModel) is not supported',
+            "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM",
+            "FalconForCausalLM")
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "n", drop=("model_type",))
+    refused(path, "required field 'model_type' is missing")
+
+
+def test_malformed_config_json(base, tmp_path):
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "m")
+    (path / "config.json").write_text('{"model_type": "llama", ')
+    refused(path, "config.json: not valid JSON")
+    (path / "config.json").write_text("[1, 2]")
+    refused(path, "config.json: expected a JSON object")
+
+
+@pytest.mark.parametrize("family,field", [("llama", "hidden_size"), ("llama", "intermediate_size"),
+                                          ("opt", "ffn_dim"), ("falcon", "num_attention_heads")])
+def test_missing_required_field_is_named(base, tmp_path, family, field):
+    variant = {"llama": "swiglu", "opt": "pre-ln", "falcon": "new-arch"}[family]
+    path = edited_copy(base[(family, variant)], tmp_path / "m", drop=(field,))
+    refused(path, "config.json", f"required field {field!r} is missing")
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("num_hidden_layers", 2.0, "must be an integer >= 1, got 2.0"),
+    ("num_attention_heads", True, "must be an integer >= 1, got true"),
+    ("rms_norm_eps", "1e-6", 'must be a number, got "1e-6"'),
+    ("tie_word_embeddings", 1, "must be true or false, got 1"),
+])
+def test_mistyped_field_is_named(base, tmp_path, field, value, expected):
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "m", config={field: value})
+    refused(path, f"field {field!r} {expected}")
+
+
+@pytest.mark.parametrize("family,field,value", [("llama", "hidden_act", "quick_gelu"),
+                                                ("opt", "activation_function", "relu6"),
+                                                ("falcon", "activation", None)])
+def test_unsupported_activation(base, tmp_path, family, field, value):
+    variant = {"llama": "swiglu", "opt": "pre-ln", "falcon": "new-arch"}[family]
+    path = edited_copy(base[(family, variant)], tmp_path / "m", config={field: value})
+    refused(path, f"{field} {json.dumps(value)} is not supported", "supported: relu, silu", "gelu_pytorch_tanh")
+
+
+@pytest.mark.parametrize("variant", EXTRA_VARIANTS["llama"])
+def test_extra_rope_variants_are_refused(tmp_path, variant):
+    """dynamic NTK (stateful in transformers) and YaRN: a clear refusal, not other numbers."""
+    make_model("llama", variant, tmp_path / variant)
+    rope_type = variant.removeprefix("rope-")
+    refused(tmp_path / variant, f'rope type "{rope_type}" is not supported (supported: default, linear, llama3)')
+
+
+def test_legacy_rope_scaling_types_are_refused(base, tmp_path):
+    path = edited_copy(base[("falcon", "new-arch")], tmp_path / "m", drop=("rope_parameters",),
+                       config={"rope_theta": 10000.0, "rope_scaling": {"type": "longrope", "factor": 2.0}})
+    refused(path, 'rope type "longrope" is not supported')
+
+
+def test_llama3_rope_needs_its_keys(base, tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "high_freq_factor": 4.0}
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "m", config={"rope_parameters": rope})
+    refused(path, "rope_parameters of rope type 'llama3' needs 'low_freq_factor'")
+
+
+# Combinations transformers builds but cannot run. Each is also run through transformers.
+IMPOSSIBLE = [
+    ("falcon", "new-arch", {"parallel_attn": False}, "new_decoder_architecture needs parallel_attn true"),
+    ("falcon", "classic", {"num_ln_in_parallel_attn": 2}, "num_ln_in_parallel_attn 2 needs new_decoder_architecture"),
+    ("falcon", "classic", {"num_kv_heads": 2}, "num_kv_heads 2 must equal num_attention_heads 4"),
+    ("falcon", "new-arch", {"num_kv_heads": 3}, "num_attention_heads 4 is not a multiple of num_kv_heads 3"),
+    ("llama", "swiglu", {"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("qwen2", "base", {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": False},
+     "layer_types has sliding_attention layers but no window"),
+    ("llama", "swiglu", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor 0.5 with rope type 'linear' is not supported"),
+]
+
+
+@pytest.mark.parametrize("family,variant,edit,fragment", IMPOSSIBLE, ids=[x[3][:40] for x in IMPOSSIBLE])
+def test_combinations_transformers_cannot_run(base, tmp_path, family, variant, edit, fragment):
+    path = edited_copy(base[(family, variant)], tmp_path / "m", config=edit)
+    refused(path, "config.json", fragment)
+    with pytest.raises(Exception):  # noqa: B017 - transformers fails in various ways
+        reference_logits(path, IDS)
+
+
+@pytest.mark.parametrize("family,variant,edit,fragment", [
+    ("falcon", "new-arch", {"head_dim": 16}, "field 'head_dim' is not allowed for falcon"),
+    ("llama", "swiglu", {"hidden_size": 60, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16},
+     "hidden_size 60 is not a multiple of num_attention_heads 8"),
+])
+def test_configs_transformers_rejects(base, tmp_path, family, variant, edit, fragment):
+    path = edited_copy(base[(family, variant)], tmp_path / "m", config=edit)
+    refused(path, fragment)
+    with pytest.raises(Exception):  # noqa: B017 - AttributeError / strict validation error
+        reference_logits(path, IDS)
+
+
+def test_quantized_checkpoints_are_refused(base, tmp_path):
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "m",
+                       config={"quantization_config": {"quant_method": "gptq", "bits": 4}})
+    refused(path, "quantized checkpoints", "'gptq'")
+
+
+# ---------------------------------------------------------------- weights
+
+
+def test_missing_tensor_names_tensor_and_file(base, tmp_path):
+    def drop(sd):
+        return {k: v for k, v in sd.items() if k != "model.layers.1.mlp.up_proj.weight"}
+
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "m", tensors=drop)
+    refused(path, "tensor 'model.layers.1.mlp.up_proj.weight' is missing from", "model.safetensors")
+
+
+def test_shape_mismatch_names_tensor_and_shapes(base, tmp_path):
+    path = edited_copy(base[("opt", "pre-ln")], tmp_path / "m", config={"ffn_dim": 128})
+    refused(path, "tensor 'model.decoder.layers.0.fc1.weight' has shape [160, 64], but config.json "
+                  "implies [128, 64]")
+
+
+def test_untied_model_without_lm_head_is_refused(base, tmp_path):
+    def drop(sd):
+        return {k: v for k, v in sd.items() if k != "lm_head.weight"}
+
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "m", tensors=drop)
+    refused(path, "tensor 'lm_head.weight' is missing", "tie_word_embeddings is false",
+            "transformers would initialise the head at random")
+    # the tied variant has no lm_head.weight in its file and is fine
+    assert load_model(base[("llama", "tied")]).module.function().producer("logits").weight == "token_embd"
+
+
+def test_no_safetensors_files(base, tmp_path):
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "m")
+    (path / "model.safetensors").rename(path / "pytorch_model.bin")
+    refused(path, "no safetensors weights", "model.safetensors", "(found pytorch_model.bin)")
+
+
+def test_missing_shard(base, tmp_path):
+    path = resaved(base[("llama", "swiglu")], tmp_path / "m", max_shard_size="40KB")
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    shards[1].unlink()
+    refused(path, f"shard {shards[1].name!r} listed in model.safetensors.index.json is missing")
+
+
+def test_truncated_safetensors_file(base, tmp_path):
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "m")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    message = refused(path, "model.safetensors")
+    assert re.search(r"truncated|not a safetensors file", message)
+
+
+def test_cli_reports_frontend_errors_in_one_line(base, tmp_path, capsys):
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "m", config={"hidden_act": "mish"})
+    out = tmp_path / "x.npy"
+    assert picc_main(["logits", str(path), "--tokens", "1,2", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("picc: error: ") and 'hidden_act "mish"' in err
+    assert not os.path.exists(out)
+
+
+def test_opt_positions_end_at_max_position_embeddings(base):
+    """OPT learns max_position_embeddings (64 here) positions; the 65th is refused by name."""
+    from picc.interpreter import Interpreter
+
+    model = load_model(base[("opt", "pre-ln")])
+    run = Interpreter(model.module, model.weights).run
+    assert run([5] * 64).shape == (64, 256)
+    with pytest.raises(PiccError, match=r"position 64 is beyond the 64 positions of @pos_embd"):
+        Interpreter(model.module, model.weights).run([5] * 65)

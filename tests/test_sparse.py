@@ -1,0 +1,266 @@
+"""Sparse FFNs: predict / sparse_ffn semantics, predictor training, insert-predictors, eval."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_llama, with_tokenizer
+
+from picc.cli import main
+from picc.errors import PiccError
+from picc.evaluation import densified, eval_windows, evaluate
+from picc.frontend.picc_file import save_picc
+from picc.interpreter import Interpreter
+from picc.ir import VerifyError, parse, print_module, verify
+from picc.ir.sparse_ops import Predict, SparseFFN
+from picc.passes import parse_pipeline, run_pipeline
+from picc.predictors import LayerData, predictor_params, train_all, train_predictor
+
+PROFILE = "profile-activations{calib=ptb,tokens=1024,window=64,target-sparsity=0.5}"
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def sparse_model(form: str, mode: str, **kw):
+    model = with_tokenizer(tiny_llama(form, n_ff=128, **kw))
+    module = run_pipeline(model.module, model.weights, parse_pipeline(f"{PROFILE},insert-predictors{{mode={mode}}}"),
+                          tokenizer=model.tokenizer)
+    verify(module)
+    return model, module
+
+
+_BUILT: dict[tuple[str, str], tuple] = {}
+
+
+def built(form: str, mode: str):
+    """``sparse_model`` built once per test module (for tests that only read the result)."""
+    if (form, mode) not in _BUILT:
+        _BUILT[form, mode] = sparse_model(form, mode)
+    return _BUILT[form, mode]
+
+
+def torch_sparse_ffn(op: SparseFFN, pred: Predict | None, weights, x: np.ndarray) -> np.ndarray:
+    """The op's meaning written independently: a dense torch FFN with the inactive neurons masked."""
+    w = {n: torch.from_numpy(weights.f32(n)).double() for n in weights if isinstance(n, str)}
+    xt = torch.from_numpy(x).double()
+    gate = xt @ w[op.gate].T
+    up = xt @ w[op.up].T
+    act = torch.relu(gate) if op.form == "reglu" else torch.nn.functional.silu(gate)
+    h = act * up
+    if op.mode == "predictor":
+        logits = torch.relu(xt @ w[pred.fc1].T + w[pred.fc1_bias]) @ w[pred.fc2].T + w[pred.fc2_bias]
+        keep = logits > pred.threshold
+    elif op.mode == "gate-first":
+        keep = act.abs() > op.threshold
+    else:
+        keep = h.abs() > op.down_threshold
+    return ((h * keep) @ w[op.down].T).numpy()
+
+
+@pytest.mark.parametrize("form, mode", [("reglu", "predictor"), ("reglu", "gate-first"),
+                                        ("swiglu", "gate-first"), ("swiglu", "down-only")])
+def test_sparse_execution_equals_masked_dense_torch(form, mode):
+    model, module = built(form, mode)
+    func = module.function()
+    op = next(o for o in func.ops if isinstance(o, SparseFFN))
+    assert op.mode == mode
+    pred = func.producer(op.mask) if op.mask else None
+    interp = Interpreter(module, model.weights)
+    seen = []
+    interp.on_ffn = lambda trace: seen.append(trace.x) if trace.op.result == op.result else None
+    interp.run(model.tokenizer.encode("the company said its shares rose in new york trading"))
+    x = seen[0]  # the op's real input
+    env = {op.x: x}
+    if pred is not None:
+        env[pred.result] = interp.eval(pred, env)
+    got = interp.eval(op, env)
+    want = torch_sparse_ffn(op, pred, model.weights, x)
+    # float32 (interpreter) against float64 (torch); a decision at the threshold's rounding edge
+    # would show as a large error, so the bound also proves the masks are the same.
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    if pred is not None and form == "reglu":
+        assert interp.eval(pred, env).mean() < 0.95  # it really skips neurons
+
+
+def test_sparse_module_round_trips_and_densifies_back():
+    model, module = built("reglu", "predictor")
+    text = print_module(module)
+    assert parse(text) == module
+    assert '%l0.ffn.mask = predict %l0.ffn_norm, @l0.pred.fc1, @l0.pred.fc2' in text
+    assert 'mask=%l0.ffn.mask {form = "reglu"' in text and 'mode = "predictor"' in text
+    assert model.weights["l0.pred.fc1"].dtype.value == "f16"
+    dense = densified(module)
+    assert not any(o.NAME in ("predict", "sparse_ffn") for o in dense.ops())
+    tokens = [1, 7, 20, 33, 4]
+    np.testing.assert_array_equal(Interpreter(dense, model.weights).run(tokens),
+                                  Interpreter(model.module, model.weights).run(tokens))
+
+
+def test_gate_first_at_relu_threshold_is_exact():
+    model, module = built("reglu", "gate-first")
+    tokens = list(range(1, 30))
+    np.testing.assert_allclose(Interpreter(module, model.weights).run(tokens),
+                               Interpreter(model.module, model.weights).run(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace('{ffn = "l0.ffn.out"', '{ffn = "l1.ffn.out"'),
+     "mask %l0.ffn.mask comes from a predictor trained for %l1.ffn.out, not %l0.ffn.out"),
+    (lambda t: t.replace(", mask=%l0.ffn.mask", ""), "mode 'predictor' needs a mask operand"),
+    (lambda t: t.replace('mode = "predictor"', 'mode = "gate-first"', 1),
+     "mode 'gate-first' computes its own mask; got mask %l0.ffn.mask"),
+    (lambda t: t.replace('mode = "predictor"', 'mode = "lottery"', 1), "mode must be one of"),
+])
+def test_verifier_checks_masks_and_modes(edit, message):
+    _, module = built("reglu", "predictor")
+    with pytest.raises(VerifyError, match=message.replace("(", r"\(")):
+        verify(parse(edit(print_module(module))))
+
+
+def test_verifier_rejects_a_full_rank_predictor():
+    _, module = built("reglu", "predictor")
+    text = print_module(module)
+    rank = module.weight_types()["l0.pred.fc1"].shape[0]
+    bad = text.replace(f"weight @l0.pred.fc1 : f16[{rank}, 64]", "weight @l0.pred.fc1 : f16[64, 64]")
+    bad = bad.replace(f"weight @l0.pred.fc1_bias : f16[{rank}]", "weight @l0.pred.fc1_bias : f16[64]")
+    bad = bad.replace(f"weight @l0.pred.fc2 : f16[128, {rank}]", "weight @l0.pred.fc2 : f16[128, 64]")
+    with pytest.raises(VerifyError, match="predictor rank 64 must be below min"):
+        verify(parse(bad))
+
+
+def synthetic_layer(n=3000, hidden=32, n_ff=64, seed=0) -> LayerData:
+    """Active sets that a rank-8 MLP can represent: sign of a low-rank projection."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, hidden)).astype(np.float32)
+    proj = rng.normal(size=(hidden, 8)) @ rng.normal(size=(8, n_ff))
+    return LayerData(x, (x @ proj) > 1.5)
+
+
+def test_training_reaches_recall_and_is_deterministic():
+    data = synthetic_layer()
+    a = train_predictor(data, 16, recall_target=0.95, seed=3)
+    b = train_predictor(data, 16, recall_target=0.95, seed=3)
+    np.testing.assert_array_equal(a.fc2, b.fc2)
+    assert a.threshold == b.threshold
+    assert a.recall >= 0.94
+    # selective, not "everything is active": it predicts at most half the skippable neurons
+    assert a.good_enough(0.95) and a.predicted_density < 0.75
+    assert np.array_equal(a.fc1, a.fc1.astype(np.float16).astype(np.float32))  # stored as f16
+
+
+def test_ranks_grow_until_good_enough_within_the_budget():
+    layers = {"a": synthetic_layer(seed=1), "b": synthetic_layer(seed=2)}
+    budget = 2 * predictor_params(16, 32, 64)
+    trained = train_all(layers, {"a": 4, "b": 4}, recall_target=0.97, budget_params=budget, seed=0)
+    assert sum(predictor_params(p.rank, 32, 64) for p in trained.values()) <= budget
+    assert all(p.rank > 4 for p in trained.values())  # rank 4 is too small for rank-8 structure
+    with pytest.raises(ValueError, match="over the budget"):
+        train_all(layers, {"a": 16, "b": 16}, 0.97, budget_params=100, seed=0)
+
+
+def test_auto_mode_picks_by_bytes_and_reports_recall():
+    model, module = built("reglu", "auto")
+    modes = {o.result: o.mode for o in module.ops() if isinstance(o, SparseFFN)}
+    assert set(modes.values()) <= {"predictor", "gate-first", "down-only"}
+    for o in module.ops():
+        if isinstance(o, Predict):
+            assert o.recall is not None and 0.9 < o.recall <= 1.0
+
+
+def test_swiglu_auto_is_gate_first():
+    _, module = built("swiglu", "auto")
+    assert {o.mode for o in module.ops() if isinstance(o, SparseFFN)} == {"gate-first"}
+
+
+def test_predictors_are_cached(monkeypatch):
+    sparse_model("reglu", "predictor")
+    import picc.passes.insert_predictors as ip
+
+    def no_training(*a, **k):
+        raise AssertionError("retrained although the cache holds these predictors")
+
+    monkeypatch.setattr(ip, "train_all", no_training)
+    sparse_model("reglu", "predictor")  # same model, same settings: from the cache
+
+
+def test_unprofiled_and_ungated_errors():
+    model = with_tokenizer(tiny_llama("reglu"))
+    with pytest.raises(PiccError, match="has no profile; run profile-activations first"):
+        run_pipeline(model.module, model.weights, parse_pipeline("insert-predictors"), tokenizer=model.tokenizer)
+    model = with_tokenizer(tiny_llama("relu"))
+    with pytest.raises(PiccError, match="mode gate-first needs gated FFNs; %l0.ffn.out is 'relu'"):
+        run_pipeline(model.module, model.weights, parse_pipeline(f"{PROFILE},insert-predictors{{mode=gate-first}}"),
+                     tokenizer=model.tokenizer)
+
+
+def test_powerinfer_predictors_import(tmp_path):
+    model = with_tokenizer(tiny_llama("reglu", n_ff=128))
+    rng = torch.Generator().manual_seed(0)
+    for i in range(2):
+        torch.save({"fc1.weight": torch.randn(16, 64, generator=rng), "fc2.weight": torch.randn(128, 16, generator=rng)},
+                   tmp_path / f"model_{i}.pt")
+    (tmp_path / "config.json").write_text(json.dumps({"threshold": 0.25}))
+    module = run_pipeline(model.module, model.weights,
+                          parse_pipeline(f"{PROFILE},insert-predictors{{mode=predictor,predictors={tmp_path}}}"),
+                          tokenizer=model.tokenizer)
+    preds = [o for o in module.ops() if isinstance(o, Predict)]
+    assert [p.threshold for p in preds] == [0.25, 0.25] and preds[0].recall is None
+    (tmp_path / "model_1.pt").unlink()
+    with pytest.raises(PiccError, match=r"model_1.pt: missing predictor for layer 1 \(%l1.ffn.out\)"):
+        run_pipeline(model.module, model.weights,
+                     parse_pipeline(f"{PROFILE},insert-predictors{{mode=predictor,predictors={tmp_path}}}"),
+                     tokenizer=model.tokenizer)
+
+
+def test_eval_matches_a_direct_perplexity_computation():
+    model = with_tokenizer(tiny_llama("reglu"))
+    windows = eval_windows(model.tokenizer, "ptb-valid", 300, 100)
+    result = evaluate(model.module, model.weights, windows)
+    nll, n = 0.0, 0
+    for w in windows:
+        logits = torch.from_numpy(Interpreter(model.module, model.weights).run(w)[:-1]).double()
+        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(w[1:]), reduction="sum"))
+        n += len(w) - 1
+    assert result.tokens == n
+    assert result.ppl == pytest.approx(np.exp(nll / n), rel=1e-5)
+    assert result.ffn_sparsity is None and result.recall is None
+
+
+def test_cli_sparsify_and_eval(tmp_path, capsys):
+    src = tmp_path / "tiny.picc"
+    save_picc(with_tokenizer(tiny_llama("reglu", n_ff=128)), src)
+    out = tmp_path / "sparse.picc"
+    assert main(["sparsify", str(src), "-o", str(out), "--sparsity-mode", "predictor", "--tokens", "2048",
+                 "--dump-ir", str(tmp_path / "ir")]) == 0
+    assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == [
+        "00_input.picc", "01_profile-activations.picc", "02_insert-predictors.picc"]
+    capsys.readouterr()
+    assert main(["eval", str(out), "--max-tokens", "600", "--window", "100", "--compare-dense", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r) >= {"ppl", "ppl_dense", "ppl_increase", "top1_agreement", "ffn_sparsity", "recall", "precision"}
+    assert r["ppl_increase"] == pytest.approx(r["ppl"] / r["ppl_dense"] - 1)
+    assert 0 < r["ffn_sparsity"] < 1 and 0.9 < r["recall"] <= 1 and 0 < r["precision"] <= 1
+    assert 0.5 < r["top1_agreement"] <= 1
+
+
+def test_max_ppl_increase_picks_the_sparsest_setting_within_budget(tmp_path, capsys):
+    src = tmp_path / "tiny.picc"
+    save_picc(with_tokenizer(tiny_llama("swiglu", n_ff=128)), src)
+    out = tmp_path / "s.picc"
+    assert main(["sparsify", str(src), "-o", str(out), "--max-ppl-increase", "0.02", "--tokens", "1024"]) == 0
+    err = capsys.readouterr().err
+    rows = [line.split() for line in err.splitlines() if line[:1].isdigit()]
+    chosen = [r for r in rows if r[-1] == "chosen"]
+    assert len(rows) == 6 and len(chosen) == 1
+    increases = {float(r[0]): float(r[3].rstrip("%")) / 100 for r in rows}
+    target = float(chosen[0][0])
+    assert increases[target] <= 0.02
+    assert all(inc > 0.02 for t, inc in increases.items() if t > target)
+    module = parse(out.read_text())
+    assert module.attr("profile_target_sparsity") == target
