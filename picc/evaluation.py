@@ -105,25 +105,42 @@ class EvalResult:
                 "layer_recall": self.layer_recall}
 
 
+@dataclass(frozen=True)
+class DenseReference:
+    """The dense model's total NLL and next-token choices on the same windows."""
+
+    nll: float
+    argmax: tuple[np.ndarray, ...]
+
+
+def dense_reference(module: Module, weights: WeightStore, windows: list[list[int]]) -> DenseReference:
+    interp = Interpreter(densified(module), weights)
+    nll, argmax = 0.0, []
+    for window in windows:
+        interp.reset()
+        logits = interp.run(window)[:-1]
+        nll += token_nll(logits, np.asarray(window[1:]))
+        argmax.append(logits.argmax(-1))
+    return DenseReference(nll, tuple(argmax))
+
+
 def evaluate(module: Module, weights: WeightStore, windows: list[list[int]], compare_dense: bool = False,
-             progress=None) -> EvalResult:  # noqa: ANN001 - progress: Callable[[int], None]
-    """Perplexity of ``module`` on ``windows``; with ``compare_dense``, the sparse-vs-dense numbers."""
+             progress=None, reference: DenseReference | None = None) -> EvalResult:  # noqa: ANN001
+    """Perplexity of ``module`` on ``windows``; with ``compare_dense`` (or a precomputed
+    ``reference``), the sparse-vs-dense numbers too."""
+    if compare_dense and reference is None:
+        reference = dense_reference(module, weights, windows)
     sparse = Interpreter(module, weights)
     counter = _SparsityCounter()
     sparse.on_ffn = counter
-    dense = Interpreter(densified(module), weights) if compare_dense else None
-    nll, nll_dense, agree, count = 0.0, 0.0, 0, 0
-    for window in windows:
+    nll, agree, count = 0.0, 0, 0
+    for i, window in enumerate(windows):
         sparse.reset()
         logits = sparse.run(window)[:-1]
-        targets = np.asarray(window[1:])
-        nll += token_nll(logits, targets)
-        if dense is not None:
-            dense.reset()
-            ref = dense.run(window)[:-1]
-            nll_dense += token_nll(ref, targets)
-            agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
-        count += len(targets)
+        nll += token_nll(logits, np.asarray(window[1:]))
+        if reference is not None:
+            agree += int((logits.argmax(-1) == reference.argmax[i]).sum())
+        count += len(window) - 1
         if progress:
             progress(len(window))
     result = EvalResult(ppl=float(np.exp(nll / count)), tokens=count)
@@ -134,6 +151,6 @@ def evaluate(module: Module, weights: WeightStore, windows: list[list[int]], com
         result = replace(result, recall=counter.true_positive / counter.actual,
                          precision=counter.true_positive / max(1, counter.predicted),
                          layer_recall=layer_recall)
-    if dense is not None:
-        result = replace(result, ppl_dense=float(np.exp(nll_dense / count)), top1_agreement=agree / count)
+    if reference is not None:
+        result = replace(result, ppl_dense=float(np.exp(reference.nll / count)), top1_agreement=agree / count)
     return result
