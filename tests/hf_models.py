@@ -26,7 +26,7 @@ Reference outputs use eager attention in float32, except Falcon with ALiBi,
 which uses SDPA: in transformers 5.x Falcon's *eager* ALiBi path adds the ALiBi
 bias twice (once folded into the mask, once in the attention code), SDPA (the
 default implementation for Falcon, and the one matching the original model)
-adds it once.  See /work/notes/hf_semantics.md.
+adds it once.  See docs/hf_semantics.md.
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def test_falcon_alibi_reference_uses_sdpa(built, logits):
     """transformers 5.x Falcon eager attention adds ALiBi twice; the fixture uses SDPA.
 
     If this starts failing, transformers changed its Falcon ALiBi path: re-check
-    /work/notes/hf_semantics.md (section Falcon / ALiBi) and hf_models._default_attn_impl.
+    docs/hf_semantics.md (section Falcon / ALiBi) and hf_models._default_attn_impl.
     """
     p = built[("falcon", "alibi")]
     eager = H.reference_logits(p, IDS, attn_implementation="eager")

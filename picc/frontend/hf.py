@@ -2,7 +2,7 @@
 
 Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, OPTForCausalLM and
 FalconForCausalLM, read exactly as transformers 5.x reads them (defaults, legacy keys, quirks:
-see /work/notes/hf_semantics.md). Each family's config is read completely before any weight is
+see docs/hf_semantics.md). Each family's config is read completely before any weight is
 touched, so a bad config is reported as such. Weights keep their stored dtype; names are mapped
 to picc's (``l3.attn.q``, ``l3.ffn.up``, ...); Falcon's fused ``query_key_value`` is split into
 q, k and v here.

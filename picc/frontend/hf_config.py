@@ -4,7 +4,7 @@ transformers fills every missing key with the config class's default, checks fie
 (an int field rejects ``64.0`` and ``true``), and turns the legacy ``rope_theta`` / ``rope_scaling``
 keys into one ``rope_parameters`` dict. ``HFConfig`` gives typed access with the class default
 passed at each call site, and one-line errors that name the file and the field;
-``rope_from_config`` reproduces the RoPE normalisation (see /work/notes/hf_semantics.md, 0.3).
+``rope_from_config`` reproduces the RoPE normalisation (see docs/hf_semantics.md, 0.3).
 
 One deliberate difference: the fields that fix tensor shapes (``hidden_size`` and friends) are
 required. transformers would fall back to the 7B-model default, which can only match the weights
