@@ -170,6 +170,14 @@ def cmd_sparsify(args: argparse.Namespace) -> None:
     from picc.frontend.picc_file import save_picc
     from picc.sparsify import SparsifyOptions, sparsify
 
+    if not 0 < args.recall <= 1:
+        raise PiccError(f"--recall {args.recall}: expected a share in (0, 1]")
+    if not 0 < args.predictor_budget <= 1:
+        raise PiccError(f"--predictor-budget {args.predictor_budget}: expected a share of the FFN weights in (0, 1]")
+    if args.target_sparsity is not None and not 0 <= args.target_sparsity < 1:
+        raise PiccError(f"--target-sparsity {args.target_sparsity}: expected a value in [0, 1)")
+    if args.max_ppl_increase is not None and args.max_ppl_increase < 0:
+        raise PiccError(f"--max-ppl-increase {args.max_ppl_increase}: expected a value >= 0")
     model = _load(args.source)
     options = SparsifyOptions(
         mode=args.sparsity_mode, target_sparsity=args.target_sparsity,

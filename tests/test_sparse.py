@@ -264,3 +264,15 @@ def test_max_ppl_increase_picks_the_sparsest_setting_within_budget(tmp_path, cap
     assert all(inc > 0.02 for t, inc in increases.items() if t > target)
     module = parse(out.read_text())
     assert module.attr("profile_target_sparsity") == target
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--recall", "1.5"], "--recall 1.5: expected a share in (0, 1]"),
+    (["--predictor-budget", "0"], "--predictor-budget 0.0: expected a share of the FFN weights in (0, 1]"),
+    (["--target-sparsity", "1"], "--target-sparsity 1.0: expected a value in [0, 1)"),
+    (["--max-ppl-increase", "-1"], "--max-ppl-increase -1.0: expected a value >= 0"),
+])
+def test_cli_sparsify_rejects_bad_flags(tmp_path, capsys, flags, message):
+    assert main(["sparsify", "smollm2", "-o", str(tmp_path / "x.picc"), *flags]) == 1
+    assert capsys.readouterr().err.strip() == f"picc: error: {message}"
+    assert not (tmp_path / "x.picc").exists()
