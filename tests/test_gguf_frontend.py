@@ -8,6 +8,7 @@ order differs).
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 from hf_models import make_model, reference_logits
@@ -19,7 +20,6 @@ from picc.interpreter import Interpreter
 from picc.ir import verify
 from picc.ir.types import DType
 
-gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 TOKENS = [5, 77, 3, 200, 13, 64, 9, 151, 42, 7, 250, 1]
 

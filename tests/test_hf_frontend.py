@@ -28,8 +28,6 @@ from picc.interpreter import Interpreter
 from picc.ir import DType, parse, print_module, verify
 from picc.ir import ops as O
 
-pytest.importorskip("transformers")
-
 TOL = 1e-4
 # 20 tokens: longer than every test sliding window (4), so windows are exercised.
 IDS = [1, 7, 3, 200, 45, 9, 17, 100, 23, 5, 66, 88, 12, 250, 4, 31, 2, 77, 19, 140]

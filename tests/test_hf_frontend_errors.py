@@ -18,8 +18,6 @@ from picc.cli import main as picc_main
 from picc.errors import PiccError
 from picc.frontend import load_model
 
-pytest.importorskip("transformers")
-
 IDS = [1, 7, 3, 200, 45, 9, 17, 100]
 
 

@@ -13,8 +13,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import hf_models as H  # noqa: E402
 
-pytest.importorskip("transformers")
-
 IDS = [1, 7, 3, 200, 45, 9, 17, 100, 23, 5, 66, 88, 12, 250, 4, 31]
 ALL = [(f, v) for f in H.FAMILIES for v in H.VARIANTS[f] + H.EXTRA_VARIANTS[f]]
 

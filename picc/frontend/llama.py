@@ -109,16 +109,34 @@ def declare_weights(store: WeightStore) -> tuple[WeightDecl, ...]:
     return tuple(WeightDecl(name, store[name].type) for name in store)
 
 
-def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
-    """The IR of a LLaMA-style decoder whose weights are in ``store`` under picc's names."""
+@dataclass(frozen=True)
+class DecoderStart:
+    """What every decoder graph builder starts from: the builder and its two arguments."""
+
+    decls: tuple[WeightDecl, ...]
+    b: FunctionBuilder
+    tokens: str
+    pos: str
+    store: WeightStore
+
+    def maybe(self, name: str) -> str | None:
+        """``name`` if the checkpoint has that (optional) weight, else None."""
+        return name if name in self.store else None
+
+
+def start_decoder(store: WeightStore) -> DecoderStart:
+    """A ``forward(%tokens: i32[seq], %pos: i32[seq])`` builder over every weight in ``store``."""
     decls = declare_weights(store)
     b = FunctionBuilder("forward", {d.name: d.type for d in decls})
     tokens = b.arg("tokens", TensorType(DType.I32, ("seq",)))
     pos = b.arg("pos", TensorType(DType.I32, ("seq",)))
+    return DecoderStart(decls, b, tokens, pos, store)
 
-    def maybe(name: str) -> str | None:
-        return name if name in store else None
 
+def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
+    """The IR of a LLaMA-style decoder whose weights are in ``store`` under picc's names."""
+    start = start_decoder(store)
+    decls, b, tokens, pos, maybe = start.decls, start.b, start.tokens, start.pos, start.maybe
     x = b.op(O.Embed, "embed", tokens=tokens, table="token_embd")
     rope = spec.rope
     rope_attrs = dict(

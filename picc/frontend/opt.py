@@ -16,11 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from picc.frontend.llama import declare_weights, layer_weight_names, module_attrs
+from picc.frontend.llama import layer_weight_names, module_attrs, start_decoder
 from picc.ir import ops as O
-from picc.ir.builder import FunctionBuilder
 from picc.ir.module import Module
-from picc.ir.types import DType, TensorType
 from picc.ir.weights import WeightStore
 
 POSITION_OFFSET = 2  # OPTLearnedPositionalEmbedding.offset
@@ -59,13 +57,8 @@ def build_opt(spec: OptSpec, store: WeightStore) -> Module:
     A LayerNorm whose weight is absent from the store (``layer_norm_elementwise_affine: false``)
     reads ``norm_unit``, an all-ones vector the caller adds: picc's layer_norm always scales.
     """
-    decls = declare_weights(store)
-    b = FunctionBuilder("forward", {d.name: d.type for d in decls})
-    tokens = b.arg("tokens", TensorType(DType.I32, ("seq",)))
-    pos = b.arg("pos", TensorType(DType.I32, ("seq",)))
-
-    def maybe(name: str) -> str | None:
-        return name if name in store else None
+    start = start_decoder(store)
+    decls, b, tokens, pos, maybe = start.decls, start.b, start.tokens, start.pos, start.maybe
 
     def norm(result: str, x: str, weight: str) -> str:
         return b.op(O.LayerNorm, result, x=x, weight=maybe(weight) or UNIT_NORM,
