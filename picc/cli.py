@@ -203,7 +203,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         raise PiccError(f"{model.source}: the model has no tokenizer, so {args.ppl} cannot be read")
     if args.max_tokens < 2:
         raise PiccError(f"--max-tokens {args.max_tokens}: expected at least 2")
-    windows = eval_windows(model.tokenizer, args.ppl, args.max_tokens, args.window)
+    window = args.window
+    max_position = model.module.attr("max_position")
+    if isinstance(max_position, int) and window > max_position:
+        # Past its trained context a model's perplexity says nothing about sparsity.
+        print(f"note: windows of {max_position} tokens, the model's context length", file=sys.stderr)
+        window = max_position
+    windows = eval_windows(model.tokenizer, args.ppl, args.max_tokens, window)
     with progress_bar(sum(len(w) for w in windows), "evaluating", "tok") as advance:
         result = evaluate(model.module, model.weights, windows, args.compare_dense, progress=advance)
     summary = result.summary()

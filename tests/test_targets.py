@@ -1,0 +1,203 @@
+"""Targets: the packaged YAML files, the host detection and its cache, the schema's error
+messages, and ``parse_size`` for ``--vram``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from picc import targets
+from picc.errors import PiccError
+from picc.targets import SIMD_LEVELS, load_target, parse_size, target_names
+
+VALID: dict[str, Any] = {
+    "name": "pc-x",
+    "gpu": {"name": "Some GPU", "arch": "sm_75", "vram": "11GiB", "mem_bandwidth": "616GB/s"},
+    "pcie_bandwidth": "12GB/s",
+    "cpu": {"name": "Some CPU", "cores": 8, "mem_bandwidth": "38.4GB/s", "simd": "avx2"},
+}
+
+
+def write(tmp_path: Path, data: object, name: str = "pc-x.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_packaged_targets() -> None:
+    assert target_names() == ("cpu", "pc-high", "pc-low")
+
+    high = load_target("pc-high")
+    assert high.gpu is not None
+    assert (high.gpu.arch, high.gpu.vram_bytes, high.gpu.mem_bandwidth) == ("sm_89", 24564 * 2**20, 1008e9)
+    assert high.pcie_bandwidth == 25e9
+    assert (high.cpu.cores, high.cpu.mem_bandwidth, high.cpu.simd) == (8, 67.2e9, "avx2")
+
+    low = load_target("pc-low")
+    assert low.gpu is not None
+    assert (low.gpu.arch, low.gpu.vram_bytes, low.gpu.mem_bandwidth) == ("sm_75", 11 * 2**30, 616e9)
+    assert low.vram_bytes == 11_811_160_064
+    assert low.pcie_bandwidth == 12e9
+    assert (low.cpu.cores, low.cpu.mem_bandwidth, low.cpu.simd) == (8, 38.4e9, "avx2")
+    assert "2080 Ti" in low.gpu.name and "12700K" in low.cpu.name
+
+
+def test_cpu_target_uses_the_cached_bandwidth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
+    cache = targets.host_cache_path()
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"version": 1, "cpu": targets.host_cpu_name(), "mem_bandwidth": 12.5e9}))
+    monkeypatch.setattr(targets, "measure_memory_bandwidth", lambda: pytest.fail("measured despite the cache"))
+
+    cpu = load_target("cpu")
+    assert cpu.gpu is None and cpu.pcie_bandwidth == 0 and cpu.vram_bytes == 0
+    assert cpu.cpu.mem_bandwidth == 12.5e9
+    assert cpu.cpu.cores == targets.host_cores() >= 1
+    assert cpu.cpu.simd in SIMD_LEVELS
+
+
+@pytest.mark.parametrize("cached", [None, "not json", json.dumps({"version": 1, "cpu": "another CPU",
+                                                                  "mem_bandwidth": 1e9})])
+def test_cpu_target_measures_once_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: str | None) -> None:
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
+    if cached is not None:
+        targets.host_cache_path().parent.mkdir(parents=True)
+        targets.host_cache_path().write_text(cached)
+    calls = []
+    monkeypatch.setattr(targets, "measure_memory_bandwidth", lambda: calls.append(1) or 20e9)
+    assert load_target("cpu").cpu.mem_bandwidth == 20e9
+    assert load_target("cpu").cpu.mem_bandwidth == 20e9
+    assert len(calls) == 1
+    assert json.loads(targets.host_cache_path().read_text())["cpu"] == targets.host_cpu_name()
+
+
+def test_measure_memory_bandwidth_is_positive() -> None:
+    assert targets.measure_memory_bandwidth(nbytes=1 << 20, repeats=1) > 0
+
+
+@pytest.mark.parametrize(("flags", "simd"), [
+    ("fpu sse2 avx avx2 avx512f avx512bw", "avx512"),
+    ("fpu sse2 avx avx2 fma", "avx2"),
+    ("fpu sse2", "sse"),
+    ("", "sse"),
+])
+def test_host_simd(flags: str, simd: str) -> None:
+    info = f"processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: {flags}\n"
+    assert targets.host_simd(info) == simd
+    assert targets.host_cpu_name(info) == "Test CPU 9000"
+
+
+def test_target_from_a_path(tmp_path: Path) -> None:
+    target = load_target(str(write(tmp_path, {**VALID, "description": "a test box", "pcie_bandwidth": 12e9})))
+    assert target.name == "pc-x" and target.description == "a test box"
+    assert target.gpu is not None and target.gpu.vram_bytes == 11 * 2**30
+    assert target.pcie_bandwidth == 12e9 and target.cpu.mem_bandwidth == 38.4e9
+
+    no_gpu = {key: value for key, value in VALID.items() if key not in ("gpu", "pcie_bandwidth")}
+    target = load_target(str(write(tmp_path, no_gpu, "cpu-only.yaml")))
+    assert target.gpu is None and target.pcie_bandwidth == 0
+
+
+def test_error_names_the_file_and_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, {**VALID, "gpu": {**VALID["gpu"], "vram": "lots"}})
+    with pytest.raises(PiccError) as e:
+        load_target("pc-x.yaml")
+    assert str(e.value) == "pc-x.yaml: gpu.vram: expected a size like 11GiB, got 'lots'"
+
+
+def without(section: str, key: str) -> dict[str, object]:
+    return {**VALID, section: {k: v for k, v in VALID[section].items() if k != key}}
+
+
+def replaced(section: str, key: str, value: object) -> dict[str, object]:
+    return {**VALID, section: {**VALID[section], key: value}}
+
+
+GPU_FIELDS = "expected one of name, arch, vram, mem_bandwidth"
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (replaced("gpu", "vrm", "11GiB"), f"gpu.vrm: unknown field ({GPU_FIELDS})"),
+    ({**VALID, "vram": "11GiB"}, "vram: unknown field (expected one of name, description, gpu, pcie_bandwidth, cpu)"),
+    (without("gpu", "vram"), "gpu.vram: missing, expected a size like 11GiB"),
+    (without("cpu", "simd"), "cpu.simd: missing, expected one of avx512, avx2, sse"),
+    (replaced("gpu", "vram", -5), "gpu.vram: expected a size like 11GiB, got -5"),
+    (replaced("gpu", "vram", "0GB"), "gpu.vram: expected a size like 11GiB, got '0GB'"),
+    (replaced("gpu", "arch", "turing"), "gpu.arch: expected a CUDA architecture like sm_75, got 'turing'"),
+    (replaced("gpu", "arch", 75), "gpu.arch: expected a CUDA architecture like sm_75, got 75"),
+    (replaced("gpu", "mem_bandwidth", "-616GB/s"),
+     "gpu.mem_bandwidth: expected a positive bandwidth like 616GB/s, got '-616GB/s'"),
+    (replaced("gpu", "mem_bandwidth", -616e9),
+     "gpu.mem_bandwidth: expected a positive bandwidth like 616GB/s, got -616000000000.0"),
+    (replaced("gpu", "mem_bandwidth", "616GB"),
+     "gpu.mem_bandwidth: expected a positive bandwidth like 616GB/s, got '616GB'"),
+    (replaced("cpu", "cores", "eight"), "cpu.cores: expected a positive integer, got 'eight'"),
+    (replaced("cpu", "cores", True), "cpu.cores: expected a positive integer, got True"),
+    (replaced("cpu", "cores", 0), "cpu.cores: expected a positive integer, got 0"),
+    (replaced("cpu", "simd", "neon"), "cpu.simd: expected one of avx512, avx2, sse, got 'neon'"),
+    (replaced("cpu", "name", 3), "cpu.name: expected a non-empty string, got 3"),
+    ({**VALID, "name": ""}, "name: expected a non-empty string, got ''"),
+    ({k: v for k, v in VALID.items() if k != "pcie_bandwidth"},
+     "pcie_bandwidth: missing, expected a positive bandwidth like 12GB/s"),
+    ({**VALID, "gpu": None}, "pcie_bandwidth: a target without a GPU has no PCIe link; remove the field"),
+    ({**VALID, "gpu": "fast"}, "gpu: expected a mapping of GPU fields or null, got 'fast'"),
+    ({k: v for k, v in VALID.items() if k != "cpu"}, "cpu: missing, expected a mapping of CPU fields or 'host'"),
+    ({**VALID, "cpu": "guess"}, "cpu: expected a mapping of CPU fields or 'host', got 'guess'"),
+    ([1, 2], "expected a mapping of target fields (name, description, gpu, pcie_bandwidth, cpu), got list"),
+])
+def test_schema_errors(tmp_path: Path, data: object, message: str) -> None:
+    path = write(tmp_path, data)
+    with pytest.raises(PiccError) as e:
+        load_target(str(path))
+    assert str(e.value) == f"{path}: {message}"
+
+
+def test_invalid_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\ngpu: [unclosed\n")
+    with pytest.raises(PiccError, match=r"^.*broken\.yaml: not valid YAML at line \d+: .+$"):
+        load_target(str(path))
+
+
+def test_unknown_target_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(PiccError) as e:
+        load_target("pc-mid")
+    assert str(e.value) == "unknown target 'pc-mid': expected one of cpu, pc-high, pc-low, or a path to a .yaml file"
+    missing = str(tmp_path / "nope.yaml")
+    with pytest.raises(PiccError) as e:
+        load_target(missing)
+    assert str(e.value) == f"{missing}: target file not found"
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("11GB", 11_000_000_000),
+    ("11GiB", 11 * 2**30),
+    ("11000MB", 11_000_000_000),
+    ("512MiB", 512 * 2**20),
+    ("0.5GB", 500_000_000),
+    ("0", 0),
+    ("123456", 123_456),
+    ("11 gib", 11 * 2**30),
+    ("1.5kb", 1500),
+    ("2KiB", 2048),
+    ("1TB", 10**12),
+    ("1TiB", 2**40),
+    ("64B", 64),
+    ("0.3KiB", 307),  # fractions of a byte round down
+    (" 60MB ", 60_000_000),
+])
+def test_parse_size_accepts(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "", "GB", "-1GB", "11 G B", "11XB", "1.5", "11GB/s", "1,000", "0x10"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(PiccError) as e:
+        parse_size(text, what="--vram")
+    assert str(e.value) == (f"--vram {text!r}: expected a size such as 11GB, 11GiB, 11000MB, 512MiB, 0.5GB, "
+                            "a plain byte count or 0 (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers of 1024)")
