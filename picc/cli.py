@@ -58,18 +58,11 @@ def cmd_opt(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from picc.frontend.picc_file import save_picc
-    from picc.passes import Instruments, parse_pipeline, run_pipeline
+    from picc.passes import parse_pipeline, run_pipeline
 
     pipeline = parse_pipeline(args.passes)
     model = _load(args.input)
-    inst = Instruments(
-        verify=not args.no_verify,
-        print_after_all=args.print_after_all,
-        print_after=frozenset(args.print_after or ()),
-        dump_dir=Path(args.dump_ir) if args.dump_ir else None,
-        time_passes=args.time_passes,
-        out=sys.stderr if args.output == "-" else sys.stdout,
-    )
+    inst = _instruments(args, out=sys.stderr if args.output == "-" else sys.stdout)
     module = run_pipeline(model.module, model.weights, pipeline, inst, tokenizer=model.tokenizer)
     result = replace(model, module=module)
     if args.output == "-":
@@ -226,13 +219,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"predictor recall {result.recall:.4f}, precision {result.precision:.4f}")
 
 
-def _instruments(args: argparse.Namespace):  # noqa: ANN202 - picc.passes.Instruments
+def _instruments(args: argparse.Namespace, out=sys.stderr):  # noqa: ANN001, ANN202 - TextIO, Instruments
     from picc.passes import Instruments
 
     return Instruments(verify=not args.no_verify, print_after_all=args.print_after_all,
                        print_after=frozenset(args.print_after or ()),
                        dump_dir=Path(args.dump_ir) if args.dump_ir else None, time_passes=args.time_passes,
-                       out=sys.stderr)
+                       out=out)
 
 
 def _add_instrument_flags(s: argparse.ArgumentParser) -> None:
@@ -293,12 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pipeline, e.g. canonicalize,dce")
     s.add_argument("-o", "--output", required=True, metavar="OUT.picc",
                    help="where to write the result ('-' prints the IR to stdout)")
-    s.add_argument("--print-after-all", action="store_true", help="print the IR after each pass")
-    s.add_argument("--print-after", action="append", metavar="PASS",
-                   help="print the IR after PASS (repeatable)")
-    s.add_argument("--dump-ir", metavar="DIR", help="write DIR/NN_<pass>.picc after each pass")
-    s.add_argument("--time-passes", action="store_true", help="print the time each pass took")
-    s.add_argument("--no-verify", action="store_true", help="skip the verifier after each pass")
+    _add_instrument_flags(s)
     s.set_defaults(func=cmd_opt)
 
     s = sub.add_parser("logits", help="write the logits of every position to a .npy file",

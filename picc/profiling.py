@@ -191,7 +191,7 @@ def attach(module: Module, weights: WeightStore, profile: Profile) -> Module:
             stem = op.result.rsplit(".", 1)[0] if op.result.endswith(".out") else op.result
             names = []
             for kind, values in (("freq", layer.freq), ("mag", layer.mag)):
-                name = _fresh(weights, f"{stem}.{kind}")
+                name = weights.fresh_name(f"{stem}.{kind}")
                 weights.add(name, Tensor.from_f32(values))
                 decls.append(WeightDecl(name, weights[name].type))
                 names.append(name)
@@ -205,14 +205,6 @@ def attach(module: Module, weights: WeightStore, profile: Profile) -> Module:
         attrs.append(("profile_target_sparsity", profile.target_sparsity))
     module = replace(module, attrs=tuple(attrs), weights=tuple(decls))
     return module.with_function(replace(func, ops=tuple(new_ops))).with_used_weights_only()
-
-
-def _fresh(weights: WeightStore, name: str) -> str:
-    candidate, n = name, 1
-    while candidate in weights:
-        n += 1
-        candidate = f"{name}{n}"
-    return candidate
 
 
 # ---------------------------------------------------------------- files and plots

@@ -82,6 +82,14 @@ class WeightStore:
             raise KeyError(f"weight @{name} is already in the store (the store is append-only)")
         self._tensors[name] = tensor
 
+    def fresh_name(self, name: str) -> str:
+        """``name``, or ``name2``, ``name3``, ... : the first not yet in the (append-only) store."""
+        candidate, n = name, 1
+        while candidate in self._tensors:
+            n += 1
+            candidate = f"{name}{n}"
+        return candidate
+
     def f32(self, name: str) -> np.ndarray:
         """The exact float32 value of weight ``name``."""
         if name not in self._f32:

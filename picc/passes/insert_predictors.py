@@ -123,10 +123,7 @@ def _choose(op: O.FFN, mode: str, weights: WeightStore, predictor: TrainedPredic
 
 
 def _add(weights: WeightStore, decls: list[WeightDecl], name: str, values: np.ndarray) -> str:
-    n, candidate = 1, name
-    while candidate in weights:
-        n += 1
-        candidate = f"{name}{n}"
+    candidate = weights.fresh_name(name)
     weights.add(candidate, Tensor.from_f32(values, DType.F16))
     decls.append(WeightDecl(candidate, weights[candidate].type))
     return candidate
