@@ -219,6 +219,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"predictor recall {result.recall:.4f}, precision {result.precision:.4f}")
 
 
+def _passes_epilog() -> str:
+    from picc.passes import PASSES
+
+    listing = "; ".join(f"{p.name}: {p.summary.rstrip('.')}" for p in PASSES.values())
+    return f"Passes: {listing}. Options go in braces: PASS{{key=value,...}}."
+
+
 def _instruments(args: argparse.Namespace, out=sys.stderr):  # noqa: ANN001, ANN202 - TextIO, Instruments
     from picc.passes import Instruments
 
@@ -279,8 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("opt", help="run passes over a .picc file",
                        description="Run a pipeline of registered passes over FILE.picc.",
-                       epilog="Passes: canonicalize (fold FFN patterns into ffn ops), dce (remove "
-                       "unused ops and weights). Options go in braces: PASS{key=value}.")
+                       epilog=_passes_epilog())
     s.add_argument("input", metavar="FILE.picc")
     s.add_argument("-p", "--passes", required=True, metavar="PASS[,PASS...]",
                    help="the pipeline, e.g. canonicalize,dce")
