@@ -14,8 +14,8 @@ import numpy as np
 from picc.errors import PiccError
 
 EPILOG_SOURCES = (
-    "SOURCE is a model alias (smollm2), a Hugging Face directory (config.json + *.safetensors), "
-    "a .gguf file, or a .picc file written by 'picc import'."
+    "SOURCE is a model alias (smollm2, relu-demo), a Hugging Face directory (config.json + "
+    "*.safetensors), a .gguf file, a .picc file written by 'picc import', or a .pib written by 'picc compile'."
 )
 
 
@@ -161,21 +161,10 @@ def cmd_sparsify(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from picc.frontend.picc_file import save_picc
-    from picc.sparsify import SparsifyOptions, sparsify
+    from picc.sparsify import sparsify
 
-    if not 0 < args.recall <= 1:
-        raise PiccError(f"--recall {args.recall}: expected a share in (0, 1]")
-    if not 0 < args.predictor_budget <= 1:
-        raise PiccError(f"--predictor-budget {args.predictor_budget}: expected a share of the FFN weights in (0, 1]")
-    if args.target_sparsity is not None and not 0 <= args.target_sparsity < 1:
-        raise PiccError(f"--target-sparsity {args.target_sparsity}: expected a value in [0, 1)")
-    if args.max_ppl_increase is not None and args.max_ppl_increase < 0:
-        raise PiccError(f"--max-ppl-increase {args.max_ppl_increase}: expected a value >= 0")
+    options = _sparsify_options(args)
     model = _load(args.source)
-    options = SparsifyOptions(
-        mode=args.sparsity_mode, target_sparsity=args.target_sparsity,
-        max_ppl_increase=args.max_ppl_increase, recall=args.recall, budget=args.predictor_budget,
-        predictors=args.predictors, calib=args.calib, tokens=args.tokens, seed=args.seed)
     module = sparsify(model, options, _instruments(args), report=lambda line: print(line, file=sys.stderr))
     save_picc(replace(model, module=module), Path(args.output))
     modes: dict[str, int] = {}
@@ -217,6 +206,61 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"measured FFN sparsity: {result.ffn_sparsity:.4f}")
     if result.recall is not None:
         print(f"predictor recall {result.recall:.4f}, precision {result.precision:.4f}")
+
+
+def cmd_compile(args: argparse.Namespace) -> None:
+    from picc.compile import CompileOptions, compile_model, summary_line, write_compiled
+    from picc.plan_report import format_report
+
+    out = Path(args.output)
+    if out.suffix != ".pib":
+        raise PiccError(f"-o {args.output}: expected a file name ending in .pib")
+    options = CompileOptions(target=args.target, vram=args.vram, ctx=args.ctx, ubatch=args.ubatch,
+                             dense=args.dense, solver=args.solver, sparsity=_sparsify_options(args))
+    options.check()
+    def say(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    say(f"loading {args.source}")
+    model = _load(args.source)
+    compiled = compile_model(model, options, _instruments(args), say=say)
+    size = write_compiled(compiled, out)
+    if args.verbose:
+        print(format_report(compiled.report), file=sys.stderr)
+    say(summary_line(compiled, out, size))
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from picc.pib import open_pib
+    from picc.plan_report import format_report, plot_report
+
+    with open_pib(Path(args.model)) as pib:
+        report = pib.json("report")
+        meta = pib.json("meta")
+    if args.plot:
+        plot_report(report, Path(args.plot))
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"{args.model}: compiled from {meta.get('source')} by picc {meta.get('picc_version')}")
+    print(format_report(report))
+
+
+def _sparsify_options(args: argparse.Namespace):  # noqa: ANN202 - SparsifyOptions
+    from picc.sparsify import SparsifyOptions
+
+    if not 0 < args.recall <= 1:
+        raise PiccError(f"--recall {args.recall}: expected a share in (0, 1]")
+    if not 0 < args.predictor_budget <= 1:
+        raise PiccError(f"--predictor-budget {args.predictor_budget}: expected a share of the FFN weights in (0, 1]")
+    if args.target_sparsity is not None and not 0 <= args.target_sparsity < 1:
+        raise PiccError(f"--target-sparsity {args.target_sparsity}: expected a value in [0, 1)")
+    if args.max_ppl_increase is not None and args.max_ppl_increase < 0:
+        raise PiccError(f"--max-ppl-increase {args.max_ppl_increase}: expected a value >= 0")
+    return SparsifyOptions(
+        mode=args.sparsity_mode, target_sparsity=args.target_sparsity,
+        max_ppl_increase=args.max_ppl_increase, recall=args.recall, budget=args.predictor_budget,
+        predictors=args.predictors, calib=args.calib, tokens=args.tokens, seed=args.seed)
 
 
 def _passes_epilog() -> str:
@@ -365,6 +409,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print ppl, ppl_dense, ppl_increase, top1_agreement, ffn_sparsity, recall, "
                    "precision as one JSON object")
     s.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser("compile", help="compile a model for a target under a VRAM budget into a .pib",
+                       description="Run the whole pipeline on SOURCE: neuron-major FFNs, profiling and "
+                       "sparsity (predictors, gate-first or down-only masks), placement of dense parts and "
+                       "the hottest FFN neurons on the GPU under --vram, the memory plan; write OUT.pib with "
+                       "the final IR, weights, plan, report and tokenizer. A SOURCE that is already sparse "
+                       "(a 'picc sparsify' output) keeps its profile and predictors.",
+                       epilog=EPILOG_SOURCES + " Targets: pc-high, pc-low, cpu (this machine), or a YAML "
+                       "file of the same form (see picc/targets/*.yaml).")
+    s.add_argument("source", metavar="SOURCE")
+    s.add_argument("-o", "--output", required=True, metavar="OUT.pib")
+    s.add_argument("--target", default="cpu", metavar="NAME|FILE.yaml",
+                   help="the machine to compile for (default cpu: this machine, no GPU)")
+    s.add_argument("--vram", metavar="SIZE",
+                   help="GPU memory picc may use: 11GB, 11GiB, 11000MB, 512MiB, 0.5GB, bytes, or 0 for "
+                   "CPU only (default: the target's VRAM)")
+    s.add_argument("--ctx", type=int, default=512, metavar="N",
+                   help="KV-cache positions planned on the GPU (default 512)")
+    s.add_argument("--ubatch", type=int, default=32, metavar="N",
+                   help="tokens per prefill chunk; sizes the GPU activation buffers (default 32)")
+    s.add_argument("--dense", action="store_true", help="compile without sparsity (the baseline)")
+    s.add_argument("--solver", choices=("greedy", "ilp"), default="greedy",
+                   help="neuron placement: greedy top-k by frequency (default, PowerInfer's) or the ILP "
+                   "on the cost model")
+    s.add_argument("-v", "--verbose", action="store_true", help="print the placement report")
+    add_sparsity_flags(s)
+    _add_instrument_flags(s)
+    s.set_defaults(func=cmd_compile)
+
+    s = sub.add_parser("inspect", help="show what a .pib puts where and the estimated speed",
+                       description="Per layer: GPU and CPU neurons, bytes, and the share of activations the "
+                       "GPU neurons serve; totals against the VRAM budget; the cost model's tokens/s on the "
+                       "target and its breakdown.")
+    s.add_argument("model", metavar="MODEL.pib")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object: target, vram_budget_bytes, gpu_bytes, cpu_bytes, layers "
+                   "(gpu_neurons, cpu_neurons, gpu_activation_share, ...), estimate_tokens_per_s, ...")
+    s.add_argument("--plot", metavar="OUT.png", help="draw neurons per device and the GPU's activation share")
+    s.set_defaults(func=cmd_inspect)
     return p
 
 

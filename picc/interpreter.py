@@ -218,12 +218,14 @@ class Interpreter:
             score = np.abs(h)
         active = None
         if isinstance(op, SparseFFN):
+            if mask is not None:  # a part of a layer reads its own neurons' columns
+                mask = mask[:, op.neuron_offset : op.neuron_offset + h.shape[1]]
             active = sparse_active_set(op, mask, score, h)
         if self.on_ffn is not None:
             self.on_ffn(FfnTrace(op, x, score, h, active))
         if active is not None:
             h = np.where(active, h, np.float32(0))
-        y = h @ w(op.down).T
+        y = h @ w(op.down) if op.neuron_major else h @ w(op.down).T
         return y + w(op.down_bias) if op.down_bias else y
 
     def predict(self, op: Predict, x: np.ndarray) -> np.ndarray:

@@ -6,18 +6,21 @@ devices' costs. The output is a :class:`Placement`: per layer the permutation so
 by frequency (descending, ties by index) and the number ``hot`` of them on the GPU, so each
 layer's GPU neurons are the contiguous prefix ``perm[:hot]``.
 
-The cost model (per token, per layer; :func:`estimate`). A neuron is read only when it is active,
-so a device's part of a layer reads ``neuron_bytes * sum(freq of its neurons)`` bytes on average::
+The cost model (per token, per layer; :func:`estimate`). A neuron's bytes are read when it is
+active, except the ``dense_share`` of them that its layer's sparsity mode reads on every token
+(the gate row in gate-first mode, say), so each neuron has a read rate ``rate = dense_share +
+(1 - dense_share) * freq`` (just ``freq`` with a predictor) and a device's part of a layer reads
+``neuron_bytes * sum(rate of its neurons)`` bytes on average::
 
-    gpu_time  = neuron_bytes * sum(freq[hot])  / gpu_bandwidth
-    cpu_time  = neuron_bytes * sum(freq[cold]) / cpu_bandwidth
+    gpu_time  = neuron_bytes * sum(rate[hot])  / gpu_bandwidth
+    cpu_time  = neuron_bytes * sum(rate[cold]) / cpu_bandwidth
     sync_time = 2 * (transfer_latency + sync_bytes / pcie_bandwidth)   when the layer's neurons
                 are not all on the device that holds its input (the input crosses PCIe and the
                 partial sum comes back); else 0
     time      = max(gpu_time, cpu_time) + sync_time                    (the parts run concurrently)
 
 The FFN time per token is the sum over layers; dense parts (attention, predictors) are the
-caller's to add. Two consequences worth knowing: a neuron moved to the GPU saves ``freq /
+caller's to add. Two consequences worth knowing: a neuron moved to the GPU saves ``rate /
 cpu_bandwidth`` seconds per byte of VRAM whatever its size; and once a layer's GPU part is the
 slower one, more GPU neurons make the layer slower, so without a sync cost the model keeps a
 few cold neurons on the CPU even when everything fits.
@@ -101,18 +104,27 @@ class FfnLayer:
     """One FFN layer's neurons: ``freq[i]`` is the share of tokens on which neuron i is active.
 
     ``neuron_bytes`` is what one neuron occupies on the GPU (its up and gate rows and its down
-    column in their storage dtype). ``input_on_gpu`` says where the layer's input is computed
-    (False when the memory plan left this layer's attention on the CPU).
+    column in their storage dtype). ``dense_share`` is the part of those bytes read on every
+    token whether the neuron is active or not: 0 with a predictor, the gate row's share in
+    gate-first mode, up and gate in down-only mode, 1 for a dense FFN. ``input_on_gpu`` says
+    where the layer's input is computed (False when the memory plan left this layer's attention
+    on the CPU).
     """
 
     name: str
     freq: np.ndarray
     neuron_bytes: int
     input_on_gpu: bool = True
+    dense_share: float = 0.0
 
     @property
     def n_ff(self) -> int:
         return int(self.freq.shape[0])
+
+    def read_rate(self) -> np.ndarray:
+        """Per neuron, the expected share of its bytes one token reads (float64)."""
+        f = self.freq.astype(np.float64)
+        return self.dense_share + (1.0 - self.dense_share) * f if self.dense_share else f
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -135,6 +147,8 @@ class PartitionProblem:
                 raise ValueError(f"layer {layer.name}: freq must be a non-empty 1-D array of finite values >= 0")
             if layer.neuron_bytes <= 0:
                 raise ValueError(f"layer {layer.name}: neuron_bytes must be > 0, got {layer.neuron_bytes}")
+            if not 0.0 <= layer.dense_share <= 1.0:
+                raise ValueError(f"layer {layer.name}: dense_share must be in [0, 1], got {layer.dense_share}")
         if self.budget < 0 or self.min_split < 0:
             raise ValueError(f"budget ({self.budget}) and min_split ({self.min_split}) must be >= 0")
         c = self.costs
@@ -241,8 +255,8 @@ def frequency_order(freq: np.ndarray) -> np.ndarray:
 
 
 def _costs(problem: PartitionProblem, ordered: list[np.ndarray], hot: list[int] | tuple[int, ...]) -> CostEstimate:
-    """The estimate when layer l's first ``hot[l]`` neurons of ``ordered[l]`` (float64
-    frequencies in placement order) are on the GPU."""
+    """The estimate when layer l's first ``hot[l]`` neurons of ``ordered[l]`` (read rates, see
+    ``FfnLayer.read_rate``, in placement order) are on the GPU."""
     c = problem.costs
     costs = []
     for layer, f, k in zip(problem.layers, ordered, hot, strict=True):
@@ -255,7 +269,7 @@ def _costs(problem: PartitionProblem, ordered: list[np.ndarray], hot: list[int] 
 
 def estimate(problem: PartitionProblem, placement: Placement) -> CostEstimate:
     """The cost model's time per token for any placement, neuron by neuron."""
-    ordered = [la.freq[p.perm].astype(np.float64) for la, p in zip(problem.layers, placement.layers, strict=True)]
+    ordered = [la.read_rate()[p.perm] for la, p in zip(problem.layers, placement.layers, strict=True)]
     return _costs(problem, ordered, placement.hot)
 
 
@@ -265,11 +279,12 @@ def make_placement(problem: PartitionProblem, hot: list[int] | tuple[int, ...], 
     if perms is None:
         perms = [frequency_order(la.freq) for la in problem.layers]
     hot = [int(k) for k in hot]
-    ordered = [la.freq[p].astype(np.float64) for la, p in zip(problem.layers, perms, strict=True)]
+    ordered = [la.read_rate()[p] for la, p in zip(problem.layers, perms, strict=True)]
     layers = []
-    for layer, perm, f, k in zip(problem.layers, perms, ordered, hot, strict=True):
+    for layer, perm, k in zip(problem.layers, perms, hot, strict=True):
         if not 0 <= k <= layer.n_ff:
             raise ValueError(f"layer {layer.name}: {k} hot neurons of {layer.n_ff}")
+        f = layer.freq[perm].astype(np.float64)
         total = float(f.sum())
         share = float(f[:k].sum()) / total if total > 0 else 0.0
         layers.append(LayerPlacement(layer.name, k, perm, k * layer.neuron_bytes,
@@ -289,9 +304,9 @@ def min_split_violations(problem: PartitionProblem, placement: Placement) -> lis
 
 
 def _sorted(problem: PartitionProblem) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Each layer's frequency order and its frequencies in that order (float64)."""
+    """Each layer's frequency order and its read rates in that order (float64)."""
     perms = [frequency_order(la.freq) for la in problem.layers]
-    return perms, [la.freq[p].astype(np.float64) for la, p in zip(problem.layers, perms, strict=True)]
+    return perms, [la.read_rate()[p] for la, p in zip(problem.layers, perms, strict=True)]
 
 
 def _greedy_hot(problem: PartitionProblem, ordered: list[np.ndarray]) -> list[int]:

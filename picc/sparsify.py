@@ -92,9 +92,10 @@ def choose_target(points: list[SweepPoint], max_increase: float) -> SweepPoint:
     return max(within, key=lambda p: p.target)
 
 
-def sparsify(model: LoadedModel, options: SparsifyOptions, instruments: Instruments | None = None,
-             report=print) -> Module:  # noqa: ANN001 - report: Callable[[str], None]
-    """Profile ``model`` and make its FFNs sparse as ``options`` say."""
+def target_sparsity(model: LoadedModel, options: SparsifyOptions,
+                    report=print) -> float | None:  # noqa: ANN001 - report: Callable[[str], None]
+    """The sparsity non-ReLU FFNs are calibrated to: ``--target-sparsity``, or the sweep's choice
+    under ``--max-ppl-increase``, or 0.3; None when every FFN is ReLU-sparse."""
     if model.tokenizer is None:
         raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be read")
     target = options.target_sparsity
@@ -113,5 +114,12 @@ def sparsify(model: LoadedModel, options: SparsifyOptions, instruments: Instrume
     if target is None and thresholded(model.module):
         target = 0.3
         report("target sparsity defaults to 0.3 for non-ReLU FFNs (see --target-sparsity, --max-ppl-increase)")
+    return target
+
+
+def sparsify(model: LoadedModel, options: SparsifyOptions, instruments: Instruments | None = None,
+             report=print) -> Module:  # noqa: ANN001 - report: Callable[[str], None]
+    """Profile ``model`` and make its FFNs sparse as ``options`` say."""
+    target = target_sparsity(model, options, report)
     return run_pipeline(model.module, model.weights, parse_pipeline(options.pipeline(target)), instruments,
                         tokenizer=model.tokenizer)

@@ -13,6 +13,7 @@ SOURCE_FORMS = (
     "a Hugging Face directory with config.json",
     "a .gguf file",
     "a .picc file written by 'picc import'",
+    "a .pib file written by 'picc compile'",
 )
 
 
@@ -37,6 +38,10 @@ def load_model(source: str | Path) -> LoadedModel:
         from picc.frontend.picc_file import load_picc
 
         return load_picc(path)
+    if path.suffix == ".pib":
+        from picc.pib import load_pib
+
+        return load_pib(path)
     if not path.exists():
         raise PiccError(f"{text}: no such file, directory or alias; expected "
                         + "; ".join(SOURCE_FORMS))

@@ -402,6 +402,12 @@ class FFN(Op):
     tokens on which it is active), ``mag`` (mean ``|h_i|``), ``threshold`` and ``down_threshold``
     (the ``|h_i|`` level with the same sparsity, for TEAL-style down-only skipping); they describe
     the block and do not change what it computes.
+
+    ``neuron_major`` says ``down`` is stored transposed, [n_ff, hidden] (row i is neuron i's down
+    column), the layout the gather kernels read. After partitioning, a layer split between devices
+    is several ffn ops, one per part, whose outputs are added: ``part_of`` names the value of the
+    whole layer and ``neuron_offset`` is the index of the part's first neuron in the layer (in the
+    partitioned order; a predictor's mask is indexed in that order).
     """
 
     NAME: ClassVar[str] = "ffn"
@@ -417,6 +423,9 @@ class FFN(Op):
     form: str
     threshold: float | None = None
     down_threshold: float | None = None
+    neuron_major: bool = False
+    part_of: str | None = None
+    neuron_offset: int = 0
 
     @property
     def spec(self) -> FfnForm:
@@ -441,7 +450,7 @@ class FFN(Op):
         else:
             expect(self.gate is None and self.gate_bias is None,
                    f"form {self.form!r} has no gate, but one is given")
-        weight_shape_is(env, self.down, (hidden, n_ff), "down")
+        weight_shape_is(env, self.down, (n_ff, hidden) if self.neuron_major else (hidden, n_ff), "down")
         weight_shape_is(env, self.up_bias, (n_ff,), "up_bias")
         weight_shape_is(env, self.gate_bias, (n_ff,), "gate_bias")
         weight_shape_is(env, self.down_bias, (hidden,), "down_bias")
@@ -453,6 +462,9 @@ class FFN(Op):
         for name in ("threshold", "down_threshold"):
             value = getattr(self, name)
             expect(value is None or value >= 0, f"{name} must be >= 0, got {value}")
+        expect(self.neuron_offset >= 0, f"neuron_offset must be >= 0, got {self.neuron_offset}")
+        expect(self.part_of is not None or self.neuron_offset == 0,
+               "neuron_offset is the place of a part in its layer; it needs part_of")
         return t
 
 

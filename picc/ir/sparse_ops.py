@@ -90,8 +90,15 @@ class SparseFFN(FFN):
             expect(self.mask is not None, "mode 'predictor' needs a mask operand")
             assert self.mask is not None
             m = env.value(self.mask)
-            expect(m.dtype == DType.BOOL and m.shape == (t.shape[0], n_ff),
-                   f"mask %{self.mask} must be bool[{t.shape[0]}, {n_ff}], got {m}")
+            expect(m.dtype == DType.BOOL and m.rank == 2 and m.shape[0] == t.shape[0],
+                   f"mask %{self.mask} must be bool[{t.shape[0]}, neurons], got {m}")
+            width = m.shape[1]
+            if self.part_of is None:
+                expect(width == n_ff, f"mask %{self.mask} must be bool[{t.shape[0]}, {n_ff}], got {m}")
+            else:
+                end = self.neuron_offset + n_ff
+                expect(isinstance(width, int) and width >= end,
+                       f"mask %{self.mask} {m} has no neurons {self.neuron_offset}..{end - 1} for this part")
         else:
             expect(self.mask is None, f"mode {self.mode!r} computes its own mask; got mask %{self.mask}")
         if self.mode == "gate-first":
@@ -107,6 +114,7 @@ class SparseFFN(FFN):
         pred = producer(self.mask)
         expect(isinstance(pred, Predict), f"mask %{self.mask} must come from a predict op")
         assert isinstance(pred, Predict)
-        expect(pred.ffn == self.result,
-               f"mask %{self.mask} comes from a predictor trained for %{pred.ffn}, not %{self.result}")
+        layer = self.part_of or self.result
+        expect(pred.ffn == layer,
+               f"mask %{self.mask} comes from a predictor trained for %{pred.ffn}, not %{layer}")
         expect(pred.x == self.x, f"mask %{self.mask} predicts from %{pred.x} but the FFN reads %{self.x}")

@@ -23,15 +23,36 @@ class _Env:
         self.values = values
         self.weights = weights
 
+    # Type rules are about dtypes and shapes; placement is checked on its own (_check_placement).
     def value(self, name: str) -> TensorType:
         if name not in self.values:
             raise RuleError(f"%{name} is used before it is defined")
-        return self.values[name]
+        t = self.values[name]
+        return TensorType(t.dtype, t.shape)
 
     def weight(self, name: str) -> TensorType:
         if name not in self.weights:
             raise RuleError(f"weight @{name} is not declared")
-        return self.weights[name]
+        t = self.weights[name]
+        return TensorType(t.dtype, t.shape)
+
+
+# Weights an op carries as facts about itself (profiled statistics), not data its kernel reads.
+_METADATA_FIELDS = frozenset({"freq", "mag"})
+
+
+def _check_placement(op: Op, weights: dict[str, TensorType]) -> None:
+    """An op placed on a device reads its weights there (values may cross; weights never do)."""
+    where = op.type.placement
+    if where is None:
+        return
+    for f in op.field_kinds():
+        name = getattr(op, f.name)
+        if f.kind != "weight" or name is None or f.name in _METADATA_FIELDS:
+            continue
+        placed = weights[name].placement
+        if placed is not None and placed != where:
+            raise RuleError(f"the op runs @{where.value} but its {f.name} @{name} is @{placed.value}")
 
 
 def _same_ignoring_placement(a: TensorType, b: TensorType) -> bool:
@@ -64,6 +85,7 @@ def _verify_function(func: Function, weights: dict[str, TensorType], line_of: di
             inferred = infer_type(op, values, weights)
             if not _same_ignoring_placement(inferred, op.type):
                 raise RuleError(f"result type is {op.type} but the operands give {inferred}")
+            _check_placement(op, weights)
             cache = getattr(op, "cache", None)
             if isinstance(cache, str):
                 if cache in caches:

@@ -1,6 +1,13 @@
 """Passes over the picc IR. Importing this package registers every pass."""
 
-from picc.passes import canonicalize, dce, insert_predictors, profile_activations  # noqa: F401 - registration
+from picc.passes import (  # noqa: F401 - registration
+    canonicalize,
+    dce,
+    insert_predictors,
+    neuron_major_down,
+    partition_neurons,
+    profile_activations,
+)
 from picc.passes.manager import Instruments, PassSpec, parse_pipeline, run_pipeline
 from picc.passes.registry import PASSES, PassContext, register_pass
 

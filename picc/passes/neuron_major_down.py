@@ -1,0 +1,76 @@
+"""``neuron-major-down``: store each FFN's down projection transposed, one row per neuron.
+
+Models store ``down`` as [hidden, n_ff]: neuron i is column i. The gather kernels read one
+contiguous row per active neuron, and partitioning moves neurons between devices, so both want
+``down`` neuron-major, [n_ff, hidden]. For float dtypes the transpose is exact. A quantized
+``down`` is quantized in blocks along n_ff, which a neuron's column cuts across, so it is
+dequantized, transposed and quantized again along hidden (what PowerInfer's converter does):
+that changes the numbers by about one quantization step, which is why the pass runs before
+profiling, so that thresholds, predictors and every later check see the weights that will run.
+
+Option ``dtype``: ``same`` (default: the down's own dtype) or one of f32, f16, q8_0, q4_0, q4_1.
+A quantized result needs hidden to be a multiple of the block size (32); otherwise the pass
+falls back to f16 (the weight's declared type shows it). bf16 becomes f16 likewise.
+
+Needs: ffn ops (``canonicalize``). Guarantees: every ffn / sparse_ffn has ``neuron_major``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from picc.errors import PiccError
+from picc.ir import ops as O
+from picc.ir.core import Op
+from picc.ir.module import Module, WeightDecl
+from picc.ir.types import DType
+from picc.ir.weights import Tensor, WeightStore
+from picc.passes.registry import PassContext, register_pass
+from picc.quant import BLOCK_SIZE
+
+DTYPES = ("same", "f32", "f16", "q8_0", "q4_0", "q4_1")
+
+
+def transposed_down(down: Tensor, dtype: DType) -> Tensor:
+    """``down`` [hidden, n_ff] as [n_ff, hidden] in ``dtype``; exact when neither is quantized."""
+    if not down.dtype.is_quantized and dtype == down.dtype:
+        return Tensor(dtype, down.shape[::-1], down.data.T.copy())
+    return Tensor.from_f32(down.to_f32().T, dtype)
+
+
+def _target_dtype(down: Tensor, option: str) -> DType:
+    dtype = down.dtype if option == "same" else DType(option)
+    if dtype == DType.BF16:
+        return DType.F16  # bf16 -> f32 -> f16 would round twice; kernels read f16
+    hidden = down.shape[0]
+    if dtype.is_quantized and hidden % BLOCK_SIZE[dtype.value]:
+        return DType.F16
+    return dtype
+
+
+def _transpose(op: O.FFN, weights: WeightStore, decls: list[WeightDecl], option: str, done: dict[str, str]) -> Op:
+    if op.neuron_major:
+        return op
+    if op.down not in done:
+        down = weights[op.down]
+        name = weights.fresh_name(f"{op.down}_t")
+        weights.add(name, transposed_down(down, _target_dtype(down, option)))
+        decls.append(WeightDecl(name, weights[name].type))
+        done[op.down] = name
+    return replace(op, down=done[op.down], neuron_major=True)
+
+
+@register_pass("neuron-major-down", options=("dtype",))
+def neuron_major_down(module: Module, ctx: PassContext) -> Module:
+    """Store every FFN's down projection neuron-major ([n_ff, hidden]) for the gather kernels."""
+    option = ctx.option("dtype", "same")
+    if option not in DTYPES:
+        raise PiccError(f"dtype {option!r}: expected one of {', '.join(DTYPES)}")
+    decls = list(module.weights)
+    done: dict[str, str] = {}
+    funcs = []
+    for func in module.functions:
+        ops = tuple(_transpose(op, ctx.weights, decls, option, done) if isinstance(op, O.FFN) else op
+                    for op in func.ops)
+        funcs.append(replace(func, ops=ops))
+    return replace(module, weights=tuple(decls), functions=tuple(funcs)).with_used_weights_only()

@@ -1,0 +1,72 @@
+"""Writing compiled models as ``.pib`` files, and reading them back into IR (the format is in
+``runtime.pib``, which the runtime reads without the compiler).
+
+``picc compile`` calls :func:`write_pib`; ``load_pib`` gives the compiler's view of a .pib (module,
+weights, tokenizer), so ``picc logits`` / ``generate`` / ``eval`` run a compiled model on the
+reference interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from picc.errors import PiccError
+from picc.frontend.model import LoadedModel
+from picc.fsutil import atomic_path
+from picc.ir.parser import ParseError, parse
+from picc.ir.printer import print_module
+from picc.ir.types import DType
+from picc.ir.verifier import VerifyError, verify
+from picc.ir.weights import Tensor, WeightStore
+from runtime.pib import PibError, PibFile, PibWriter
+
+
+def write_pib(path: Path, model: LoadedModel, *, plan: dict, report: dict, meta: dict,
+              extra: dict[str, bytes] | None = None) -> int:
+    """Write ``model`` (its final IR and the weights it declares) with its plan, report and
+    ``extra`` sections to ``path`` atomically; return the file's size."""
+    path = Path(path)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        w = PibWriter(f)
+        w.add_section("meta", json.dumps(meta, indent=1))
+        w.add_section("ir", print_module(model.module))
+        w.add_section("plan", json.dumps(plan))
+        w.add_section("report", json.dumps(report, indent=1))
+        if model.tokenizer is not None:
+            w.add_section("tokenizer", model.tokenizer.to_json())
+        for name, blob in (extra or {}).items():
+            w.add_section(name, blob)
+        for decl in model.module.weights:
+            t = model.weights[decl.name]
+            w.add_tensor(decl.name, t.dtype.value, t.shape, t.data)
+        w.finish()
+    return path.stat().st_size
+
+
+def open_pib(path: Path) -> PibFile:
+    """Open a .pib for reading; its problems become one-line ``PiccError``s."""
+    try:
+        return PibFile(path)
+    except PibError as e:
+        raise PiccError(str(e)) from None
+
+
+def load_pib(path: Path) -> LoadedModel:
+    """The IR, weights (mapped, not copied) and tokenizer of a compiled model."""
+    from picc.frontend.tokenizer import Tokenizer
+
+    pib = open_pib(path)
+    try:
+        module = parse(pib.text("ir"))
+        verify(module)
+    except (ParseError, VerifyError) as e:
+        raise PiccError(f"{path}: its IR is invalid: {e}") from None
+    tensors = {}
+    for name in pib.tensor_names:
+        stored = pib.tensor(name)
+        tensors[name] = Tensor(DType(stored.dtype), stored.shape, stored.data)
+    store = WeightStore(tensors)
+    store.check_against(module)
+    tokenizer = Tokenizer.from_json(pib.text("tokenizer")) if pib.has("tokenizer") else None
+    return LoadedModel(module, store, tokenizer, source=str(path))

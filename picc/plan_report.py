@@ -1,0 +1,168 @@
+"""What a placement buys: per layer where the neurons and bytes are, and the cost model's tokens/s.
+
+Everything here is read off a placed module (``partition-neurons``) and its memory plan, so
+``picc compile`` and ``picc inspect`` report the same numbers. The estimate is for decoding one
+token with the KV cache half full (``ctx / 2`` positions): every op reads its weights from its
+device's memory at that device's bandwidth (decode is memory-bound); the two parts of a split
+FFN run concurrently, so such a layer costs its slower part; a value that an op reads from the
+other device crosses PCIe (latency plus bytes over the link's bandwidth), and so do the logits
+when the LM head runs on the GPU. Dense ops run one after another.
+"""
+
+from __future__ import annotations
+
+from picc import memory_plan as mp
+from picc.ir import ops as O
+from picc.ir.module import Module
+from picc.ir.types import Placement
+from picc.ir.weights import WeightStore
+from picc.partition import DeviceCosts
+from picc.passes.partition_neurons import ffn_layer
+from picc.targets import Target
+
+TRANSFER_LATENCY = DeviceCosts.__dataclass_fields__["transfer_latency"].default
+
+
+def _bandwidth(target: Target, where: Placement | None) -> float:
+    if where == Placement.GPU:
+        assert target.gpu is not None
+        return target.gpu.mem_bandwidth
+    return target.cpu.mem_bandwidth
+
+
+def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.MemoryPlan) -> dict:
+    """The placement report (see the module docstring); ``picc inspect --json`` prints it."""
+    func = module.function()
+    types = func.value_types()
+    where = {op.result: op.type.placement for op in func.ops}
+    where.update({a.name: a.type.placement for a in func.args})
+
+    layers: dict[str, dict] = {}  # the layer's ffn value -> its parts' numbers
+    dense = {"gpu": 0.0, "cpu": 0.0}
+    transfer_s, transfers = 0.0, 0
+    moved: set[tuple[str, Placement | None]] = set()  # a value crosses to a device once per token
+    for op in func.ops:
+        device = op.type.placement
+        for v in op.values():
+            if where.get(v) is not None and where[v] != device and (v, device) not in moved:
+                moved.add((v, device))
+                transfers += 1
+                transfer_s += TRANSFER_LATENCY + mp.tensor_bytes(types[v], 1) / max(target.pcie_bandwidth, 1.0)
+        if isinstance(op, O.FFN):
+            layer = layers.setdefault(op.part_of or op.result, {"gpu_s": 0.0, "cpu_s": 0.0, "parts": []})
+            fl = ffn_layer(op, weights, input_on_gpu=False)
+            seconds = fl.neuron_bytes * float(fl.read_rate().sum()) / _bandwidth(target, device)
+            layer["gpu_s" if device == Placement.GPU else "cpu_s"] += seconds
+            layer["parts"].append((op, fl, device))
+            continue
+        nbytes = 0
+        if isinstance(op, O.Embed):
+            nbytes = int(weights[op.table].data.nbytes) // int(weights[op.table].shape[0])  # one row
+        else:
+            nbytes = sum(int(weights[w].data.nbytes) for w in op.weights())
+        if isinstance(op, O.Attention):
+            width = types[op.k].shape[1]
+            assert isinstance(width, int)
+            nbytes += mp.kv_cache_bytes(op, width, plan.ctx) // 2  # the cache is half full on average
+        dense["gpu" if device == Placement.GPU else "cpu"] += nbytes / _bandwidth(target, device)
+    if where.get(func.ret) == Placement.GPU:
+        transfers += 1
+        transfer_s += TRANSFER_LATENCY + mp.tensor_bytes(types[func.ret], 1) / max(target.pcie_bandwidth, 1.0)
+
+    rows = []
+    for i, (name, layer) in enumerate(layers.items()):
+        gpu_n = cpu_n = 0
+        gpu_f = total_f = 0.0
+        for _, fl, device in layer["parts"]:
+            on_gpu = device == Placement.GPU
+            gpu_n += fl.n_ff if on_gpu else 0
+            cpu_n += 0 if on_gpu else fl.n_ff
+            f = float(fl.freq.sum(dtype="float64"))
+            total_f += f
+            gpu_f += f if on_gpu else 0.0
+        index = mp.layer_of(name)
+        first = layer["parts"][0][0]
+        rows.append({
+            "layer": index if index is not None else i, "ffn": name,
+            "mode": getattr(first, "mode", "dense"),
+            "gpu_neurons": gpu_n, "cpu_neurons": cpu_n,
+            "gpu_activation_share": gpu_f / total_f if total_f > 0 else 0.0,
+            "dense_on_gpu": where.get(first.x) == Placement.GPU,
+            "gpu_bytes": plan.device_bytes("gpu", layer=index), "cpu_bytes": plan.device_bytes("cpu", layer=index),
+            "ffn_gpu_ms": 1e3 * layer["gpu_s"], "ffn_cpu_ms": 1e3 * layer["cpu_s"],
+        })
+    ffn_s = sum(max(la["gpu_s"], la["cpu_s"]) for la in layers.values())
+    total = dense["gpu"] + dense["cpu"] + ffn_s + transfer_s
+    gpu_kinds = {kind: plan.device_bytes("gpu", kind) for kind in ("weight", "kv-cache", "activations", "workspace")}
+    return {
+        "target": target.name, "vram_budget_bytes": plan.budget, "gpu_bytes": plan.gpu_bytes,
+        "cpu_bytes": plan.cpu_bytes, "gpu_bytes_by_kind": gpu_kinds, "ctx": plan.ctx, "ubatch": plan.ubatch,
+        "notes": list(plan.notes), "layers": rows,
+        "estimate_tokens_per_s": 1.0 / total if total > 0 else 0.0,
+        "estimate_ms_per_token": {
+            "total": 1e3 * total, "dense_gpu": 1e3 * dense["gpu"], "dense_cpu": 1e3 * dense["cpu"],
+            "ffn": 1e3 * ffn_s, "ffn_gpu": 1e3 * sum(la["gpu_s"] for la in layers.values()),
+            "ffn_cpu": 1e3 * sum(la["cpu_s"] for la in layers.values()), "transfers": 1e3 * transfer_s,
+        },
+        "transfers_per_token": transfers,
+    }
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:9.2f}"
+
+
+def format_report(report: dict) -> str:
+    """The report as the table ``picc inspect`` prints."""
+    lines = [f"target {report['target']}: VRAM budget {report['vram_budget_bytes'] / 2**20:.2f} MiB, "
+             f"planned GPU {report['gpu_bytes'] / 2**20:.2f} MiB, CPU {report['cpu_bytes'] / 2**20:.2f} MiB "
+             f"(ctx {report['ctx']}, prefill chunks of {report['ubatch']})"]
+    kinds = report["gpu_bytes_by_kind"]
+    lines.append("GPU: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in kinds.items()))
+    lines.extend(f"note: {n}" for n in report["notes"])
+    lines.append("")
+    lines.append(f"{'layer':>5} {'mode':<10} {'dense':<5} {'GPU n':>6} {'CPU n':>6} {'GPU act':>8} "
+                 f"{'GPU MiB':>9} {'CPU MiB':>9} {'FFN GPU ms':>10} {'FFN CPU ms':>10}")
+    for r in report["layers"]:
+        lines.append(f"{r['layer']:>5} {r['mode']:<10} {'GPU' if r['dense_on_gpu'] else 'CPU':<5} "
+                     f"{r['gpu_neurons']:>6} {r['cpu_neurons']:>6} {100 * r['gpu_activation_share']:7.1f}% "
+                     f"{_mib(r['gpu_bytes'])} {_mib(r['cpu_bytes'])} {r['ffn_gpu_ms']:10.4f} {r['ffn_cpu_ms']:10.4f}")
+    est = report["estimate_ms_per_token"]
+    lines.append("")
+    lines.append(f"estimate: {report['estimate_tokens_per_s']:.1f} tokens/s ({est['total']:.3f} ms/token: dense "
+                 f"GPU {est['dense_gpu']:.3f} + dense CPU {est['dense_cpu']:.3f} + FFN {est['ffn']:.3f} "
+                 f"(GPU {est['ffn_gpu']:.3f} || CPU {est['ffn_cpu']:.3f}) + {report['transfers_per_token']} "
+                 f"transfers {est['transfers']:.3f})")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path) -> None:  # noqa: ANN001 - a path
+    """Per layer: GPU / CPU neurons and the GPU's activation share, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from picc.fsutil import atomic_path
+
+    rows = report["layers"]
+    x = [r["layer"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.3), 4))
+    ax.bar(x, [r["gpu_neurons"] for r in rows], label="GPU neurons", color="tab:green")
+    ax.bar(x, [r["cpu_neurons"] for r in rows], bottom=[r["gpu_neurons"] for r in rows], label="CPU neurons",
+           color="tab:gray")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("neurons")
+    share = ax.twinx()
+    share.plot(x, [100 * r["gpu_activation_share"] for r in rows], "o-", color="tab:red",
+               label="GPU share of activations")
+    share.set_ylim(0, 100)
+    share.set_ylabel("% of activations on the GPU")
+    ax.set_title(f"{report['target']}: {report['gpu_bytes'] / 2**20:.1f} of "
+                 f"{report['vram_budget_bytes'] / 2**20:.1f} MiB VRAM, "
+                 f"~{report['estimate_tokens_per_s']:.0f} tokens/s estimated")
+    fig.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)

@@ -1,0 +1,195 @@
+"""The partition-neurons pass and the memory plan: budgets, placement in the IR, exact numerics.
+
+Numerics: a split layer computes its hot and cold neurons as two partial sums that are added,
+where the unsplit layer sums all neurons in one product. That reorders float32 additions, so
+logits agree to rounding: relative max error <= 1e-5 (float32 epsilon is 1.2e-7; a few hundred
+terms per dot product and a handful of layers stay orders of magnitude below the bound).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import tiny_llama, with_tokenizer
+
+from picc.errors import PiccError
+from picc.frontend import load_model
+from picc.interpreter import Interpreter
+from picc.ir import ops as O
+from picc.ir.parser import parse
+from picc.ir.printer import print_module
+from picc.ir.types import DType, Placement
+from picc.ir.verifier import VerifyError, verify
+from picc.memory_plan import ALIGN, plan_memory
+from picc.passes import parse_pipeline, run_pipeline
+from picc.plan_report import build_report
+from picc.targets import load_target
+
+REL = 1e-5
+
+
+def partition(module, weights, **options):
+    text = ",".join(f"{k}={v}" for k, v in options.items())
+    return run_pipeline(module, weights, parse_pipeline(f"partition-neurons{{{text}}}"))
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def plan_of(module, weights):
+    attrs = dict(module.attrs)
+    return plan_memory(module, weights, ctx=attrs["ctx"], ubatch=attrs["ubatch"], budget=attrs["vram_budget"])
+
+
+@pytest.fixture(scope="module")
+def relu_demo_sparse():
+    """relu-demo, neuron-major, profiled on 512 PTB tokens, gate-first (exact for ReGLU)."""
+    model = load_model("relu-demo")
+    pipeline = parse_pipeline("neuron-major-down,profile-activations{tokens=512},insert-predictors{mode=gate-first}")
+    return model, run_pipeline(model.module, model.weights, pipeline, tokenizer=model.tokenizer)
+
+
+def sparse_tiny(form: str, mode: str, tmp_path_factory):
+    model = with_tokenizer(tiny_llama(form, n_layers=3, hidden=64, n_ff=128))
+    options = f"mode={mode},tokens=512" + (",cache=off" if mode == "predictor" else "")
+    target = "" if form == "relu" else ",target-sparsity=0.4"
+    pipeline = parse_pipeline(f"neuron-major-down,profile-activations{{tokens=512,window=64{target}}},"
+                              f"insert-predictors{{{options}}}")
+    return model, run_pipeline(model.module, model.weights, pipeline, tokenizer=model.tokenizer)
+
+
+@pytest.mark.parametrize(("form", "mode"), [("relu", "predictor"), ("swiglu", "gate-first"),
+                                            ("swiglu", "down-only"), ("swiglu", "dense")])
+def test_partitioned_logits_equal_the_unpartitioned_sparse_ir(form, mode, tmp_path_factory):
+    model, sparse = sparse_tiny(form, mode, tmp_path_factory)
+    tokens = np.arange(3, 40) % 128
+    reference = Interpreter(sparse, model.weights).run(tokens)
+    total = plan_of(partition(sparse, model.weights, target="pc-low", vram="1GB"), model.weights).gpu_bytes
+    split_seen = False
+    for share in (0.0, 0.75, 0.85, 0.95, 1.0):
+        placed = partition(sparse, model.weights, target="pc-low", vram=int(share * total))
+        split_seen |= any(op.part_of is not None for op in placed.ops() if isinstance(op, O.FFN))
+        assert parse(print_module(placed)) == placed
+        assert rel_err(Interpreter(placed, model.weights).run(tokens), reference) <= REL, share
+    assert split_seen, "no budget split a layer: the test would not test permutation"
+
+
+def test_split_layers_are_permuted_by_frequency_and_typed_by_device(relu_demo_sparse):
+    model, sparse = relu_demo_sparse
+    placed = partition(sparse, model.weights, target="pc-low", vram="9MB")
+    verify(placed)
+    parts = [op for op in placed.ops() if isinstance(op, O.FFN) and op.part_of]
+    assert parts, "9MB should split some layers"
+    for hot in (op for op in parts if op.result.endswith(".hot")):
+        cold = next(op for op in parts if op.part_of == hot.part_of and op.result.endswith(".cold"))
+        assert hot.type.placement == Placement.GPU and cold.type.placement == Placement.CPU
+        n_hot = model.weights[hot.up].shape[0]
+        assert cold.neuron_offset == n_hot
+        # Every GPU neuron fires at least as often as every CPU neuron of the layer.
+        assert model.weights.f32(hot.freq).min() >= model.weights.f32(cold.freq).max()
+        for name in (hot.up, hot.gate, hot.down):
+            assert placed.weight_types()[name].placement == Placement.GPU
+        merge = next(op for op in placed.ops() if op.result == hot.part_of)
+        assert isinstance(merge, O.Add) and {merge.a, merge.b} == {hot.result, cold.result}
+
+
+def test_budget_sweep_never_exceeds_the_budget_and_the_gpu_share_only_grows(relu_demo_sparse):
+    model, sparse = relu_demo_sparse
+    target = load_target("pc-low")
+    everything = plan_of(partition(sparse, model.weights, target="pc-low", vram="1GB"), model.weights).gpu_bytes
+    previous = None
+    for budget in [0, 1, 10**5] + [int(f * everything) for f in np.linspace(0.05, 1.1, 22)]:
+        placed = partition(sparse, model.weights, target="pc-low", vram=budget)
+        plan = plan_of(placed, model.weights)
+        assert plan.gpu_bytes <= budget
+        report = build_report(placed, model.weights, target, plan)
+        shares = np.array([la["gpu_activation_share"] for la in report["layers"]])
+        if previous is not None:
+            assert np.all(shares >= previous - 1e-12), budget
+        previous = shares
+    assert np.all(previous == 1.0)  # past the model's size everything is on the GPU
+
+
+def test_memory_plan_buffers_are_aligned_and_disjoint(relu_demo_sparse):
+    model, sparse = relu_demo_sparse
+    placed = partition(sparse, model.weights, target="pc-low", vram="9MB")
+    plan = plan_of(placed, model.weights)
+    gpu = sorted((b for b in plan.buffers if b.device == "gpu"), key=lambda b: b.offset)
+    assert {b.kind for b in gpu} == {"weight", "kv-cache", "activations", "workspace"}
+    for a, b in zip(gpu, gpu[1:], strict=False):
+        assert a.offset % ALIGN == 0 and a.offset + a.nbytes <= b.offset
+    declared_gpu = {w.name for w in placed.weights if w.type.placement == Placement.GPU}
+    assert declared_gpu == {b.name for b in gpu if b.kind == "weight"}
+    # KV cache of a GPU layer: ctx positions of K and V, f32, width n_kv_heads * head_dim = 64.
+    kv = next(b for b in gpu if b.kind == "kv-cache")
+    assert kv.nbytes == 2 * 512 * 64 * 4
+    # Activation slots: values alive at the same time never overlap.
+    func = placed.function()
+    types = func.value_types()
+    last = {v: i for i, op in enumerate(func.ops) for v in op.values()}
+    last[func.ret] = len(func.ops)
+    index = {op.result: i for i, op in enumerate(func.ops)}
+    arena = next(b for b in gpu if b.kind == "activations")
+    slots = [(v, off, off + 4 * 32 * int(types[v].shape[1])) for v, off in plan.activation_offsets.items()]
+    for v, lo, hi in slots:
+        assert hi <= arena.nbytes
+        for w, lo2, hi2 in slots:
+            if v < w and index[v] <= last[w] and index[w] <= last[v]:
+                assert hi <= lo2 or hi2 <= lo, (v, w)
+
+
+def test_small_budgets_keep_whole_layers_dense_on_the_cpu(relu_demo_sparse):
+    model, sparse = relu_demo_sparse
+    placed = partition(sparse, model.weights, target="pc-low", vram="3MB")
+    plan = plan_of(placed, model.weights)
+    on_gpu = {int(op.result[1]) for op in placed.ops() if op.result.startswith("l") and op.type.placement == Placement.GPU}
+    assert on_gpu and on_gpu == set(range(len(on_gpu)))  # a prefix of the layers
+    assert not any(op.type.placement == Placement.GPU for op in placed.ops() if isinstance(op, O.FFN))
+    assert any("attention and norms on the CPU" in n for n in plan.notes)
+
+
+def test_cpu_target_places_nothing_on_the_gpu(relu_demo_sparse):
+    model, sparse = relu_demo_sparse
+    placed = partition(sparse, model.weights, target="cpu")
+    assert "@gpu" not in print_module(placed)
+    assert plan_of(placed, model.weights).gpu_bytes == 0
+    with pytest.raises(PiccError, match="has no GPU"):
+        partition(sparse, model.weights, target="cpu", vram="1GB")
+
+
+def test_splitting_needs_neuron_major_down():
+    model = with_tokenizer(tiny_llama("reglu", n_layers=1, hidden=64, n_ff=128))
+    sparse = run_pipeline(model.module, model.weights, parse_pipeline(
+        "profile-activations{tokens=256,window=64},insert-predictors{mode=gate-first}"), tokenizer=model.tokenizer)
+    with pytest.raises(PiccError, match="run neuron-major-down before partition-neurons"):
+        partition(sparse, model.weights, target="pc-low", vram="1GB")
+    assert "@gpu" not in print_module(partition(sparse, model.weights, target="pc-low", vram=0))
+
+
+def test_verifier_refuses_a_gpu_op_reading_a_cpu_weight(relu_demo_sparse):
+    model, sparse = relu_demo_sparse
+    placed = partition(sparse, model.weights, target="pc-low", vram="1GB")
+    text = print_module(placed).replace("weight @l0.attn.q : f16[320, 320] @gpu", "weight @l0.attn.q : f16[320, 320] @cpu")
+    with pytest.raises(VerifyError, match=r"%l0.attn.q = linear: the op runs @gpu but its weight @l0.attn.q is @cpu"):
+        verify(parse(text))
+
+
+def test_neuron_major_down_is_exact_for_floats_and_one_step_for_quantized():
+    model = tiny_llama("swiglu", n_layers=1)
+    tokens = np.arange(1, 20)
+    before = Interpreter(model.module, model.weights).run(tokens)
+    after = run_pipeline(model.module, model.weights, parse_pipeline("neuron-major-down"))
+    assert all(op.neuron_major for op in after.ops() if isinstance(op, O.FFN))
+    np.testing.assert_array_equal(Interpreter(after, model.weights).run(tokens), before)
+    q = tiny_llama("swiglu", n_layers=1, matrix_dtype=DType.Q8_0)
+    transposed = run_pipeline(q.module, q.weights, parse_pipeline("neuron-major-down"))
+    ffn = next(op for op in transposed.ops() if isinstance(op, O.FFN))
+    assert transposed.weight_types()[ffn.down].dtype.value == "q8_0"
+    # Requantising along the other axis moves each weight by at most half a q8_0 step (a block's
+    # max / 127, at most the matrix's max / 127) plus the f16 rounding of the block scale
+    # (127 * 2^-11 of a step): 0.6 steps bounds it.
+    old = next(op for op in q.module.ops() if isinstance(op, O.FFN))
+    diff = np.abs(q.weights.f32(ffn.down) - q.weights.f32(old.down).T)
+    step = np.abs(q.weights.f32(old.down)).max() / 127
+    assert 0 < diff.max() <= 0.6 * step
