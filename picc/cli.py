@@ -223,7 +223,13 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
     say(f"loading {args.source}")
     model = _load(args.source)
-    compiled = compile_model(model, options, _instruments(args), say=say)
+    inst = _instruments(args)
+
+    def stage_done(name: str, module: object) -> None:
+        say(f"  {name}: {inst.timings[-1][1]:.1f} s")
+
+    inst.on_pass = stage_done
+    compiled = compile_model(model, options, inst, say=say)
     size = write_compiled(compiled, out)
     if args.verbose:
         print(format_report(compiled.report), file=sys.stderr)
