@@ -12,6 +12,7 @@ SOURCE_FORMS = (
     "an alias (" + ", ".join(ALIASES) + ")",
     "a Hugging Face directory with config.json",
     "a .gguf file",
+    "an .onnx file",
     "a .picc file written by 'picc import'",
     "a .pib file written by 'picc compile'",
 )
@@ -34,6 +35,10 @@ def load_model(source: str | Path) -> LoadedModel:
         from picc.frontend.gguf import load_gguf
 
         return load_gguf(path)
+    if path.suffix == ".onnx":
+        from picc.frontend.onnx import load_onnx
+
+        return load_onnx(path)
     if path.suffix == ".picc":
         from picc.frontend.picc_file import load_picc
 

@@ -102,7 +102,7 @@ def _lm_head(ckpt: Checkpoint, store: WeightStore, shape: tuple[int, int], tie: 
                     "random, picc refuses")
 
 
-def _special_ids(cfg: HFConfig, directory: Path, bos: int | None,
+def special_ids(cfg: HFConfig, directory: Path, bos: int | None,
                  eos: int | None) -> tuple[int | None, int | None]:
     """BOS and EOS ids as ``generate`` uses them: generation_config.json first, then config.json
     (with the class defaults ``bos`` / ``eos``). For a list of EOS ids the first is kept."""
@@ -123,11 +123,11 @@ def _rows(t: Tensor, rows: np.ndarray) -> Tensor:
 # ---------------------------------------------------------------- LLaMA, Mistral, Qwen2
 
 _KV_HEADS_DEFAULT = {"llama": None, "mistral": 8, "qwen2": 32}
-_MAX_POSITION_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
-_SPECIAL_IDS_DEFAULT = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None)}
+MAX_POSITION_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+SPECIAL_IDS_DEFAULT = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None)}
 
 
-def _qwen2_windows(cfg: HFConfig, n_layers: int) -> tuple[int | None, ...]:
+def qwen2_windows(cfg: HFConfig, n_layers: int) -> tuple[int | None, ...]:
     """Qwen2's per-layer sliding windows (``Qwen2Config.__post_init__``).
 
     ``use_sliding_window: false`` nulls ``sliding_window`` (real Qwen2 configs carry a window
@@ -165,21 +165,21 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
         raise PiccError(f"{cfg.path}: num_attention_heads {n_heads} is not a multiple of "
                         f"num_key_value_heads {n_kv}")
     head_dim = cfg.opt_integer("head_dim", None) or hidden // n_heads
-    max_position = cfg.integer("max_position_embeddings", _MAX_POSITION_DEFAULT[family])
+    max_position = cfg.integer("max_position_embeddings", MAX_POSITION_DEFAULT[family])
     # Llama ignores sliding_window; Mistral slides every layer (default 4096); Qwen2 per layer.
     windows: tuple[int | None, ...] = ()
     if family == "mistral":
         window = cfg.opt_integer("sliding_window", 4096)
         windows = (window,) * n_layers if window is not None else ()
     elif family == "qwen2":
-        windows = _qwen2_windows(cfg, n_layers)
+        windows = qwen2_windows(cfg, n_layers)
         windows = windows if any(w is not None for w in windows) else ()
     # Biases: Llama by config (q, k, v and o together; gate, up and down together); Mistral
     # never, whatever the config says; Qwen2 always on q, k, v and nowhere else.
     attn_bias = family == "llama" and cfg.flag("attention_bias", False)
     qkv_bias = attn_bias or family == "qwen2"
     mlp_bias = family == "llama" and cfg.flag("mlp_bias", False)
-    bos, eos = _special_ids(cfg, directory, *_SPECIAL_IDS_DEFAULT[family])
+    bos, eos = special_ids(cfg, directory, *SPECIAL_IDS_DEFAULT[family])
     tie = cfg.flag("tie_word_embeddings", False)
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
@@ -234,7 +234,7 @@ def _opt(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore
     embed_dim = cfg.opt_integer("word_embed_proj_dim", None) or hidden
     linear_bias = cfg.flag("enable_bias", True)
     affine = cfg.flag("layer_norm_elementwise_affine", True)
-    bos, eos = _special_ids(cfg, directory, 2, 2)
+    bos, eos = special_ids(cfg, directory, 2, 2)
     tie = cfg.flag("tie_word_embeddings", True)
     spec = OptSpec(
         name=name, vocab=vocab, hidden=hidden, embed_dim=embed_dim, n_layers=n_layers,
@@ -338,7 +338,7 @@ def _falcon(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightSt
     max_position = cfg.integer("max_position_embeddings", 2048)
     alibi = cfg.truthy("alibi", False)
     bias = cfg.truthy("bias", False)
-    bos, eos = _special_ids(cfg, directory, 11, 11)
+    bos, eos = special_ids(cfg, directory, 11, 11)
     tie = cfg.flag("tie_word_embeddings", True)
     spec = FalconSpec(
         name=name, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
