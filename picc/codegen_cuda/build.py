@@ -1,0 +1,222 @@
+"""Builds of the kernels: CUDA source / PTX / cubin per GPU architecture, and the host build.
+
+``build_cuda`` schedules every kernel for an architecture, lets TVM generate its CUDA C, and,
+where ``nvcc`` is on the PATH, compiles that source to PTX and cubin. Each source is one
+self-contained translation unit (TVM prepends the headers it needs), so ``nvcc -ptx NAME.cu``
+compiles it alone.
+
+``build_host`` compiles the same TensorIR definition with LLVM for the CPU (with a simple CPU
+schedule, ``schedules.cpu_schedule``, or exactly as defined): the engine of the host-emulated GPU
+executor. Host builds are cached per process by the kernel's
+structure (building takes ~0.05-0.5 s per kernel; tests and the runtime ask for the same kernel
+many times).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tvm
+import tvm_ffi
+
+from picc.codegen_cuda.kernel import Kernel
+from picc.codegen_cuda.schedules import arch_params, cpu_schedule, schedule
+from picc.errors import PiccError
+
+
+@dataclass(frozen=True, slots=True)
+class CudaArtifact:
+    """One kernel built for one architecture: its CUDA source and, with nvcc, PTX and cubin.
+
+    ``entry_points`` are the ``__global__`` functions in launch order (TVM splits a kernel with
+    several stages into several launches, named ``<name>_kernel``, ``<name>_kernel_1``, ...).
+    """
+
+    name: str
+    arch: str
+    source: str
+    entry_points: tuple[str, ...]
+    ptx: bytes | None = None
+    cubin: bytes | None = None
+
+
+def cuda_source(kernel: Kernel, arch: str) -> str:
+    """The CUDA C TVM generates for ``kernel`` scheduled for ``arch``."""
+    arch_params(arch)
+    func = schedule(kernel, arch)
+    mod = tvm.IRModule({kernel.name: func})
+    try:
+        lib = tvm.compile(mod, target={"kind": "cuda", "arch": arch})
+    except Exception as err:  # TVM raises its own error types; say which kernel failed
+        raise PiccError(f"TVM could not build kernel {kernel.name} for {arch}: "
+                        f"{str(err).strip().splitlines()[-1]}") from err
+    return str(lib.mod.imports[0].inspect_source("cuda"))
+
+
+def cuda_bundle(kernels: list[Kernel], arch: str) -> str:
+    """One CUDA translation unit holding every kernel scheduled for ``arch`` (headers once).
+
+    Handy to compile or read a whole model at once; the per-kernel sources of ``build_cuda`` hold
+    the same device functions.
+    """
+    arch_params(arch)
+    mod = tvm.IRModule({k.name: schedule(k, arch) for k in kernels})
+    return str(tvm.compile(mod, target={"kind": "cuda", "arch": arch}).mod.imports[0].inspect_source("cuda"))
+
+
+def compile_cuda_module(kernels: list[Kernel], arch: str) -> tvm.runtime.Executable:
+    """Every kernel scheduled for ``arch`` in one TVM module, for a CUDA executor on TVM's runtime.
+
+    On a machine with a CUDA device, ``module[kernel.name](*tensors)`` runs a kernel on
+    ``tvm.cuda()`` tensors in ABI order (TVM's host side computes the launch grid);
+    ``export_library`` saves it for the runtime to ``tvm.runtime.load_module``.
+    """
+    arch_params(arch)
+    mod = tvm.IRModule({k.name: schedule(k, arch) for k in kernels})
+    return tvm.compile(mod, target={"kind": "cuda", "arch": arch})
+
+
+def _entry_points(source: str) -> tuple[str, ...]:
+    found = re.findall(r'^extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(.*\{$', source, re.M)
+    return tuple(found)
+
+
+def nvcc_path() -> str | None:
+    """The nvcc on PATH (or in /usr/local/cuda/bin), or None."""
+    return shutil.which("nvcc") or (str(p) if (p := Path("/usr/local/cuda/bin/nvcc")).exists() else None)
+
+
+def nvcc_compile(sources: dict[str, str], arch: str, outputs: tuple[str, ...] = ("ptx", "cubin"),
+                 jobs: int = 2) -> dict[str, dict[str, bytes]]:
+    """Compile each CUDA source alone with nvcc for ``arch``; ``{name: {"ptx": ..., "cubin": ...}}``.
+
+    Raises PiccError naming the kernel and nvcc's first error line when one fails to compile.
+    """
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise PiccError("nvcc is not on PATH; install the CUDA toolkit to compile PTX/cubin")
+    with tempfile.TemporaryDirectory(prefix="picc-nvcc-") as tmp:
+        work = Path(tmp)
+
+        def one(item: tuple[str, str]) -> tuple[str, dict[str, bytes]]:
+            name, src = item
+            cu = work / f"{name}.cu"
+            cu.write_text(src)
+            result: dict[str, bytes] = {}
+            for kind in outputs:
+                out = work / f"{name}.{arch}.{kind}"
+                proc = subprocess.run([nvcc, f"-{kind}", f"-arch={arch}", "-w", "-o", str(out), str(cu)],
+                                      capture_output=True, text=True, check=False)
+                if proc.returncode != 0:
+                    first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip())
+                    raise PiccError(f"nvcc -{kind} -arch={arch} failed on kernel {name}: {first}")
+                result[kind] = out.read_bytes()
+            return name, result
+
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            return dict(pool.map(one, sources.items()))
+
+
+def build_cuda(kernels: list[Kernel], arch: str, *, nvcc: bool = True, outputs: tuple[str, ...] = ("ptx", "cubin"),
+               jobs: int = 2) -> dict[str, CudaArtifact]:
+    """Every kernel's CUDA artifacts for ``arch``; PTX/cubin only when ``nvcc`` and nvcc exists."""
+    names = [k.name for k in kernels]
+    if len(set(names)) != len(names):
+        raise PiccError(f"kernel names must be unique, got duplicates in {names}")
+    sources = {k.name: cuda_source(k, arch) for k in kernels}
+    compiled = nvcc_compile(sources, arch, outputs, jobs) if nvcc and nvcc_path() else {}
+    return {name: CudaArtifact(name, arch, src, _entry_points(src), compiled.get(name, {}).get("ptx"),
+                               compiled.get(name, {}).get("cubin"))
+            for name, src in sources.items()}
+
+
+def write_cuda_sources(artifacts: dict[str, CudaArtifact], directory: str | Path) -> list[Path]:
+    """Write each artifact's source as ``DIR/<kernel>.cu``; returns the paths written."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for art in artifacts.values():
+        path = out / f"{art.name}.cu"
+        path.write_text(art.source)
+        paths.append(path)
+    return paths
+
+
+class HostKernel:
+    """A kernel compiled for the CPU; call it with numpy arrays by parameter name.
+
+    ``__call__`` copies the inputs in, allocates outputs and scratch (zeroed), runs, and returns
+    every written buffer (``out``, ``inout`` and ``scratch``) as numpy arrays. ``run`` takes ``tvm.runtime.Tensor``s in
+    ABI order and writes them in place (what an executor that keeps buffers resident uses).
+    """
+
+    def __init__(self, kernel: Kernel, func: tvm.runtime.Module) -> None:
+        self.kernel = kernel
+        self._func = func
+
+    def run(self, *tensors: tvm.runtime.Tensor) -> None:
+        self._func(*tensors)
+
+    def __call__(self, **arrays: np.ndarray) -> dict[str, np.ndarray]:
+        k = self.kernel
+        unknown = set(arrays) - {p.name for p in k.params}
+        if unknown:
+            raise PiccError(f"kernel {k.name} has no parameter(s) {sorted(unknown)}; it takes "
+                            f"{', '.join(p.name for p in k.params)}")
+        tensors = []
+        for p in k.params:
+            if p.name in arrays:
+                a = np.ascontiguousarray(arrays[p.name])
+                if a.shape != p.shape or str(a.dtype) != p.dtype:
+                    raise PiccError(f"kernel {k.name}: {p.name} must be {p.dtype}{list(p.shape)}, "
+                                    f"got {a.dtype}{list(a.shape)}")
+            elif p.role in ("in", "inout"):
+                raise PiccError(f"kernel {k.name}: missing input {p.name} ({p.dtype}{list(p.shape)})")
+            else:
+                a = np.zeros(p.shape, dtype=p.dtype)
+            tensors.append(tvm.runtime.tensor(a))
+        self.run(*tensors)
+        return {p.name: t.numpy() for p, t in zip(k.params, tensors, strict=True) if p.role != "in"}
+
+
+_HOST_CACHE: dict[tuple[str, int, str, bool], HostKernel] = {}
+
+
+def host_target() -> dict[str, str]:
+    """LLVM for this machine's CPU (f16 conversions and SIMD widths need the real ``mcpu``)."""
+    return {"kind": "llvm", "mcpu": str(tvm.target.codegen.llvm_get_system_cpu())}
+
+
+def build_host(kernel: Kernel, target: dict[str, str] | None = None, *, scheduled: bool = True) -> HostKernel:
+    """``kernel`` compiled for the CPU: its definition with ``cpu_schedule`` (or as defined).
+
+    Cached per process by the kernel's structure, the target and ``scheduled``.
+    """
+    target = target or host_target()
+    key = (kernel.name, tvm_ffi.structural_hash(kernel.func), repr(sorted(target.items())), scheduled)
+    if key not in _HOST_CACHE:
+        func = cpu_schedule(kernel) if scheduled else kernel.func
+        lib = tvm.compile(tvm.IRModule({kernel.name: func}), target=target)
+        _HOST_CACHE[key] = HostKernel(kernel, lib[kernel.name])
+    return _HOST_CACHE[key]
+
+
+def export_host_library(kernels: list[Kernel], path: str | Path, target: dict[str, str] | None = None) -> Path:
+    """Compile ``kernels`` (CPU-scheduled) into one shared library at ``path``.
+
+    The runtime loads it without the compiler: ``tvm.runtime.load_module(path)`` and
+    ``module.get_function(kernel.name)``, called with ``tvm.runtime.Tensor``s in ABI order.
+    Needs a C toolchain to link; ``target`` defaults to this machine's CPU (pass a generic
+    ``{"kind": "llvm"}`` for a library that runs on any x86-64).
+    """
+    mod = tvm.IRModule({k.name: cpu_schedule(k) for k in kernels})
+    out = Path(path)
+    tvm.compile(mod, target=target or host_target()).export_library(str(out))
+    return out

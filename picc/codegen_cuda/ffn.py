@@ -1,0 +1,157 @@
+"""The fused sparse FFN kernels: gather-GEMV of the active rows, activation, AXPY of down rows.
+
+``sparse_ffn`` (predictor mode) reads an index list of active neurons::
+
+    ug[r, j] = W_ug[idx[r], j, :] . x          r < count, j = 0 (up), 1 (gate, GLU forms)
+    h(r)     = act(ug[r, 0])                    plain forms
+             = act(ug[r, 1]) * ug[r, 0]         GLU forms (swiglu, reglu, geglu, ...)
+             = relu(ug[r, 1]) * relu(ug[r, 0])  dReLU
+    y[k]     = sum_{r < count} h(r) * down_t[idx[r], k]
+
+``up`` and ``gate`` are packed into one ``W_ug`` [n_ff, J, hidden] (row i of up, then row i of
+gate) so one warp reduces one (neuron, projection) pair with a single weight stream;
+``down_t`` is the neuron-major (transposed) down matrix [n_ff, hidden]. ``idx`` has a static
+length ``n_pad`` (n_ff rounded up to the row tile) and ``count`` [1] says how many entries are
+real; entries past ``count`` are never dereferenced, and ``ug`` rows past ``count`` are zero.
+``y`` is this part's partial sum: the down bias, if any, is added once after the CPU and GPU
+parts are merged.
+
+``gate_first_ffn`` (exact, GLU forms): the gate is computed for every neuron; neuron r is active
+when ``|act(gate_r . x)| > threshold`` and only active neurons read up and down.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+from tvm.ir.expr import Expr as PrimExpr
+
+from picc.codegen_cuda.dense import row_dot
+from picc.codegen_cuda.formats import WeightFormat
+from picc.codegen_cuda.kernel import Kernel, activation, check_positive, f32, make_kernel
+from picc.errors import PiccError
+
+# form -> (activation, gated, activation also on up); mirrors picc.ir.ops.FFN_FORMS.
+FORMS: dict[str, tuple[str, bool, bool]] = {
+    "relu": ("relu", False, False),
+    "silu": ("silu", False, False),
+    "gelu": ("gelu", False, False),
+    "gelu_tanh": ("gelu_tanh", False, False),
+    "swiglu": ("silu", True, False),
+    "reglu": ("relu", True, False),
+    "geglu": ("gelu", True, False),
+    "geglu_tanh": ("gelu_tanh", True, False),
+    "drelu": ("relu", True, True),
+}
+
+ROW_TILE = 8
+"""Rows (warps) per thread block of the gather-GEMV; index lists are padded to a multiple of it."""
+
+
+def padded(n: int, tile: int = ROW_TILE) -> int:
+    """``n`` rounded up to a multiple of ``tile``: the static length of an index list."""
+    return -(-n // tile) * tile
+
+
+def _form(form: str) -> tuple[str, bool, bool]:
+    if form not in FORMS:
+        raise PiccError(f"FFN form {form!r} has no GPU kernel; expected one of {', '.join(FORMS)}")
+    return FORMS[form]
+
+
+def _combine(form: str, up: PrimExpr, gate: PrimExpr | None) -> PrimExpr:
+    act, gated, act_on_up = _form(form)
+    if not gated:
+        return activation(act, up)
+    assert gate is not None
+    return activation(act, gate) * (activation(act, up) if act_on_up else up)
+
+
+def sparse_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, *, n_pad: int | None = None,
+               bias: bool = False) -> Kernel:
+    """The fused FFN over the neurons listed in ``idx[:count]`` (see the module docstring).
+
+    Parameters in order: ``x`` [hidden], ``idx`` [n_pad] i32, ``count`` [1] i32, the buffers of
+    ``W_ug`` [n_ff, J, hidden] and ``down`` [n_ff, hidden] in ``fmt``, ``b_ug`` [n_ff, J] when
+    ``bias``, scratch ``ug`` [n_pad, J], output ``y`` [hidden].
+    """
+    check_positive(hidden=hidden, n_ff=n_ff)
+    _, gated, _ = _form(form)
+    n_pad = padded(n_ff) if n_pad is None else n_pad
+    if n_pad < n_ff or n_pad % ROW_TILE:
+        raise PiccError(f"{name}: n_pad={n_pad} must be >= n_ff={n_ff} and a multiple of {ROW_TILE}")
+    wf = WeightFormat(fmt)
+    j_count = 2 if gated else 1
+    x = te.placeholder((hidden,), "float32", name="x")
+    idx = te.placeholder((n_pad,), "int32", name="idx")
+    count = te.placeholder((1,), "int32", name="count")
+    w_ug = wf.placeholders("W_ug", (n_ff, j_count), hidden)
+    w_down = wf.placeholders("down", (n_ff,), hidden)
+    args = [(x, "in"), (idx, "in"), (count, "in"), *[(t, "in") for t in w_ug], *[(t, "in") for t in w_down]]
+
+    ug = row_dot("ug", wf, w_ug, lambda r, j, k: x[k], (n_pad, j_count), hidden,
+                 row_of=lambda r, j: (idx[r], j), when=lambda r, j: r < count[0])
+    if bias:
+        b_ug = te.placeholder((n_ff, j_count), "float32", name="b_ug")
+        args.append((b_ug, "in"))
+
+        def proj(r: PrimExpr, j: int) -> PrimExpr:
+            return ug[r, j] + b_ug[idx[r], j]
+    else:
+
+        def proj(r: PrimExpr, j: int) -> PrimExpr:
+            return ug[r, j]
+
+    r = te.reduce_axis((0, n_pad), name="r")
+    v = wf.vector
+
+    def axpy(k: PrimExpr) -> PrimExpr:
+        h = _combine(form, proj(r, 0), proj(r, 1) if gated else None)
+        term = h * wf.load(w_down, (idx[r],), k // v, k % v)
+        return te.sum(tirx.if_then_else(r < count[0], term, f32(0)), axis=r)
+
+    y = te.compute((hidden,), axpy, name="y")
+    guard = lambda b, r, j: r < b["count"][0]  # noqa: E731
+    return make_kernel(name, "sparse_ffn", [*args, (ug, "scratch"), (y, "out")],
+                       guards={"ug": guard}, options={"vector": v})
+
+
+def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Kernel:
+    """Exact gate-first FFN of a GLU form: only neurons with ``|act(gate . x)| > threshold`` count.
+
+    Parameters: ``x``, ``threshold`` [1] (the layer's, an input so layers share the kernel), the
+    buffers of ``gate``, ``up`` and ``down`` [n_ff, hidden] (down neuron-major) in ``fmt``,
+    scratch ``g`` and ``u`` [n_ff], output ``y`` [hidden].
+    """
+    check_positive(hidden=hidden, n_ff=n_ff)
+    act, gated, act_on_up = _form(form)
+    if not gated or act_on_up:
+        raise PiccError(f"{name}: gate-first needs a GLU form whose score is |act(gate)| "
+                        f"(swiglu, reglu, geglu, geglu_tanh), got {form!r}")
+    wf = WeightFormat(fmt)
+    x = te.placeholder((hidden,), "float32", name="x")
+    threshold = te.placeholder((1,), "float32", name="threshold")
+    w_gate = wf.placeholders("gate", (n_ff,), hidden)
+    w_up = wf.placeholders("up", (n_ff,), hidden)
+    w_down = wf.placeholders("down", (n_ff,), hidden)
+    thr = threshold[0]
+    g = row_dot("g", wf, w_gate, lambda r, k: x[k], (n_ff,), hidden)
+
+    def active(r: PrimExpr) -> PrimExpr:
+        return tirx.abs(activation(act, g[r])) > thr
+
+    u = row_dot("u", wf, w_up, lambda r, k: x[k], (n_ff,), hidden, when=active)
+    r = te.reduce_axis((0, n_ff), name="r")
+    v = wf.vector
+
+    def axpy(k: PrimExpr) -> PrimExpr:
+        term = activation(act, g[r]) * u[r] * wf.load(w_down, (r,), k // v, k % v)
+        return te.sum(tirx.if_then_else(active(r), term, f32(0)), axis=r)
+
+    y = te.compute((hidden,), axpy, name="y")
+
+    def guard(b: dict[str, tirx.Buffer], r: PrimExpr) -> PrimExpr:
+        return tirx.abs(activation(act, b["g"][r])) > b["threshold"][0]
+
+    args = [(x, "in"), (threshold, "in"), *[(t, "in") for t in (*w_gate, *w_up, *w_down)], (g, "scratch"),
+            (u, "scratch"), (y, "out")]
+    return make_kernel(name, "gate_first_ffn", args, guards={"u": guard}, options={"vector": v})

@@ -1,0 +1,113 @@
+"""Weight formats as the GPU kernels read them: TE placeholders, a decode expression, numpy packing.
+
+A weight matrix ``W[rows..., cols]`` is passed to a kernel as one or more buffers, per format:
+
+    f32   W      float32 [rows..., cols]
+    f16   W      float16 [rows..., cols]
+    q4_0  W_qs   uint8   [rows..., cols / 2]    the 16 nibble bytes of every GGUF block, in order
+          W_d    float16 [rows..., cols / 32]   the block scales
+
+q4_0 is GGUF's block format split into two planes: an 18-byte GGUF block (f16 scale + 16 bytes)
+starts at odd 2-byte offsets, so a 16-byte vector load of its nibbles would be misaligned; the
+split planes keep every block's nibbles at a 16-byte boundary. Element ``j`` of block ``b`` is
+``(q - 8) * d`` with ``q`` the low nibble of byte ``b*16 + j`` for ``j < 16`` and the high nibble
+of byte ``b*16 + j - 16`` otherwise (ggml's order). ``split_q4_0`` turns GGUF bytes into the
+planes, exactly (no requantization).
+
+Every kernel accumulates in float32; a decoded weight is ``float32(d) * float32(q - 8)``, the
+same product ``picc.quant.dequantize`` computes, so host results differ from numpy only by
+summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tvm import te
+from tvm.ir.expr import Expr as PrimExpr
+
+from picc import quant
+from picc.errors import PiccError
+
+FORMATS = ("f32", "f16", "q4_0")
+Q4_BLOCK = 32
+_Q4_NIBBLE_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class WeightFormat:
+    """How one weight format is laid out in kernel buffers and decoded to float32."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in FORMATS:
+            raise PiccError(f"weight format {self.name!r} is not supported by the GPU kernels; "
+                            f"expected one of {', '.join(FORMATS)}")
+
+    @property
+    def vector(self) -> int:
+        """Elements of a row one thread decodes per step: one 16-byte load (a q4_0 block)."""
+        return {"f32": 4, "f16": 8, "q4_0": Q4_BLOCK}[self.name]
+
+    def buffer_specs(self, prefix: str, rows: tuple[int, ...], cols: int) -> list[tuple[str, tuple[int, ...], str]]:
+        """``(name, shape, dtype)`` of the buffers holding a ``[rows..., cols]`` matrix."""
+        if cols % self.vector:
+            raise PiccError(f"{prefix}: {cols} columns are not a multiple of {self.vector} "
+                            f"(the {self.name} kernels read {self.vector} elements per step)")
+        if self.name == "q4_0":
+            return [(f"{prefix}_qs", (*rows, cols // 2), "uint8"),
+                    (f"{prefix}_d", (*rows, cols // Q4_BLOCK), "float16")]
+        return [(prefix, (*rows, cols), "float32" if self.name == "f32" else "float16")]
+
+    def placeholders(self, prefix: str, rows: tuple[int, ...], cols: int) -> list[te.Tensor]:
+        return [te.placeholder(shape, dtype, name=name)
+                for name, shape, dtype in self.buffer_specs(prefix, rows, cols)]
+
+    def load(self, bufs: list[te.Tensor], row: tuple[PrimExpr, ...], kv: PrimExpr,
+             kl: PrimExpr) -> PrimExpr:
+        """Element ``kv * vector + kl`` of row ``row``, as float32."""
+        if self.name == "f32":
+            return bufs[0][(*row, kv * self.vector + kl)]
+        if self.name == "f16":
+            return bufs[0][(*row, kv * self.vector + kl)].astype("float32")
+        qs, d = bufs
+        byte = qs[(*row, kv * _Q4_NIBBLE_BYTES + kl % _Q4_NIBBLE_BYTES)].astype("int32")
+        nibble = (byte >> ((kl // _Q4_NIBBLE_BYTES) * 4)) & 15
+        return d[(*row, kv)].astype("float32") * (nibble - 8).astype("float32")
+
+
+def pack(w: np.ndarray, fmt: str) -> list[np.ndarray]:
+    """The kernel buffers of float32 matrix ``w`` stored as ``fmt`` (quantizing as ggml does)."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if fmt == "f32":
+        return [w]
+    if fmt == "f16":
+        return [w.astype(np.float16)]
+    if fmt == "q4_0":
+        return split_q4_0(quant.quantize(w, "q4_0"), w.shape)
+    raise PiccError(f"weight format {fmt!r} is not supported; expected one of {', '.join(FORMATS)}")
+
+
+def split_q4_0(raw: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
+    """GGUF q4_0 bytes of a ``shape`` matrix -> ``[qs uint8 [..., cols/2], d float16 [..., cols/32]]``."""
+    *rows, cols = shape
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(*rows, cols // Q4_BLOCK, 18)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).reshape(*rows, cols // Q4_BLOCK)
+    qs = np.ascontiguousarray(blocks[..., 2:]).reshape(*rows, cols // 2)
+    return [qs, d]
+
+
+def unpack(bufs: list[np.ndarray], fmt: str) -> np.ndarray:
+    """The float32 matrix kernel buffers ``bufs`` (of ``fmt``) hold: the tests' reference."""
+    if fmt in ("f32", "f16"):
+        return bufs[0].astype(np.float32)
+    qs, d = bufs
+    lo = (qs & 0x0F).astype(np.int8) - 8
+    hi = (qs >> 4).astype(np.int8) - 8
+    shape = qs.shape[:-1]
+    lo = lo.reshape(*shape, -1, _Q4_NIBBLE_BYTES)
+    hi = hi.reshape(*shape, -1, _Q4_NIBBLE_BYTES)
+    q = np.concatenate([lo, hi], axis=-1).astype(np.float32)
+    return (d.astype(np.float32)[..., None] * q).reshape(*shape, -1)

@@ -1,0 +1,171 @@
+"""Per-token layer kernels: RMSNorm, LayerNorm, rotary embedding, KV-cache append, attention.
+
+All take a sequence dimension ``seq`` (1 for decode, the prompt length for prefill) and follow
+``picc.interpreter`` exactly: norms over the last axis; rotary angles ``pos * inv_freq`` in
+float32 with ``inv_freq`` passed in (``Rope.inv_freq()``, so every scaling variant is covered);
+attention with grouped K/V heads over a float32 cache ``[max_ctx, n_kv_heads * head_dim]``, the
+query at position ``p`` seeing cached positions ``j <= p`` (and ``p - j < window``).
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+from tvm.ir.expr import Expr as PrimExpr
+from tvm.script import tirx as T
+
+from picc.codegen_cuda.kernel import Kernel, check_positive, f32, kernel_from_func, make_kernel
+from picc.errors import PiccError
+
+ROPE_STYLES = ("llama", "gptj")
+
+
+def rms_norm(name: str, seq: int, hidden: int, eps: float) -> Kernel:
+    """``y = x / sqrt(mean(x^2) + eps) * w``; x, y [seq, hidden], w [hidden]."""
+    check_positive(seq=seq, hidden=hidden)
+    x = te.placeholder((seq, hidden), "float32", name="x")
+    w = te.placeholder((hidden,), "float32", name="w")
+    k = te.reduce_axis((0, hidden), name="k")
+    ss = te.compute((seq,), lambda s: te.sum(x[s, k] * x[s, k], axis=k), name="ss")
+    y = te.compute((seq, hidden), lambda s, c: x[s, c] / tirx.sqrt(ss[s] / f32(hidden) + f32(eps)) * w[c],
+                   name="y")
+    return make_kernel(name, "norm", [(x, "in"), (w, "in"), (y, "out")])
+
+
+def layer_norm(name: str, seq: int, hidden: int, eps: float, bias: bool = True) -> Kernel:
+    """``y = (x - mean) / sqrt(var + eps) * w (+ b)``; the variance is two-pass, as numpy's."""
+    check_positive(seq=seq, hidden=hidden)
+    x = te.placeholder((seq, hidden), "float32", name="x")
+    w = te.placeholder((hidden,), "float32", name="w")
+    k = te.reduce_axis((0, hidden), name="k")
+    total = te.compute((seq,), lambda s: te.sum(x[s, k], axis=k), name="total")
+    k2 = te.reduce_axis((0, hidden), name="k2")
+
+    def centred(s: PrimExpr, c: PrimExpr) -> PrimExpr:
+        return x[s, c] - total[s] / f32(hidden)
+
+    sq = te.compute((seq,), lambda s: te.sum(centred(s, k2) * centred(s, k2), axis=k2), name="sq")
+    args = [(x, "in"), (w, "in")]
+    if bias:
+        b = te.placeholder((hidden,), "float32", name="b")
+        args.append((b, "in"))
+    y = te.compute((seq, hidden), lambda s, c: centred(s, c) / tirx.sqrt(sq[s] / f32(hidden) + f32(eps)) * w[c]
+                   + (b[c] if bias else f32(0)), name="y")
+    return make_kernel(name, "norm", [*args, (y, "out")])
+
+
+def rope(name: str, seq: int, n_heads: int, head_dim: int, rotary_dim: int | None = None,
+         style: str = "llama") -> Kernel:
+    """Rotary embedding of x [seq, n_heads * head_dim] at ``pos`` [seq] with ``inv_freq`` [rot/2].
+
+    ``llama`` pairs feature i with i + rot/2 of each head, ``gptj`` pairs 2i with 2i + 1;
+    features past ``rotary_dim`` pass through.
+    """
+    check_positive(seq=seq, n_heads=n_heads, head_dim=head_dim)
+    rot = head_dim if rotary_dim is None else rotary_dim
+    if style not in ROPE_STYLES or rot % 2 or not 0 < rot <= head_dim:
+        raise PiccError(f"{name}: rope needs style in {ROPE_STYLES} and an even rotary_dim in "
+                        f"(0, {head_dim}], got style={style!r}, rotary_dim={rot}")
+    half = rot // 2
+    x = te.placeholder((seq, n_heads * head_dim), "float32", name="x")
+    pos = te.placeholder((seq,), "int32", name="pos")
+    inv = te.placeholder((half,), "float32", name="inv_freq")
+
+    def out(s: PrimExpr, c: PrimExpr) -> PrimExpr:
+        base, i = c - c % head_dim, c % head_dim
+        if style == "llama":
+            pair, first = i % half, i < half
+            partner = tirx.if_then_else(first, i + half, i - half)
+        else:
+            pair, first = i // 2, i % 2 == 0
+            partner = tirx.if_then_else(first, i + 1, i - 1)
+        angle = pos[s].astype("float32") * inv[tirx.min(pair, half - 1)]
+        cos, sin = tirx.cos(angle), tirx.sin(angle)
+        a = x[s, c]
+        b = x[s, base + tirx.min(partner, head_dim - 1)]
+        rotated = tirx.if_then_else(first, a * cos - b * sin, a * cos + b * sin)
+        return tirx.if_then_else(i < rot, rotated, a)
+
+    y = te.compute((seq, n_heads * head_dim), out, name="y")
+    return make_kernel(name, "elementwise", [(x, "in"), (pos, "in"), (inv, "in"), (y, "out")])
+
+
+def kv_append(name: str, seq: int, width: int, max_ctx: int) -> Kernel:
+    """Write ``k``, ``v`` [seq, width] into rows ``pos`` of the caches [max_ctx, width], in place."""
+    check_positive(seq=seq, width=width, max_ctx=max_ctx)
+
+    @T.prim_func(s_tir=True)
+    def func(k: T.Buffer((seq, width), "float32"), v: T.Buffer((seq, width), "float32"),
+             pos: T.Buffer((seq,), "int32"), k_cache: T.Buffer((max_ctx, width), "float32"),
+             v_cache: T.Buffer((max_ctx, width), "float32")):
+        for s, c in T.grid(seq, width):
+            with T.sblock("append"):
+                vs, vc = T.axis.remap("SS", [s, c])
+                T.reads(k[vs, vc], v[vs, vc], pos[vs])
+                T.writes(k_cache[pos[vs], vc], v_cache[pos[vs], vc])
+                k_cache[pos[vs], vc] = k[vs, vc]
+                v_cache[pos[vs], vc] = v[vs, vc]
+
+    roles = {"k": "in", "v": "in", "pos": "in", "k_cache": "inout", "v_cache": "inout"}
+    return kernel_from_func(name, "elementwise", func, roles)
+
+
+def attention(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int,
+              scale: float, window: int | None = None) -> Kernel:
+    """Causal GQA attention of q [seq, n_heads * head_dim] over the caches (after ``kv_append``).
+
+    Parameters: ``q``, ``pos`` [seq] i32, ``k_cache``, ``v_cache`` [max_ctx, n_kv * head_dim],
+    scratch ``scores`` [seq, n_heads, max_ctx], ``smax`` and ``ssum`` [seq, n_heads], ``probs``
+    [seq, n_heads, max_ctx], output ``out`` [seq, n_heads * head_dim]. Scores of invisible
+    positions are never computed (their scratch entries hold 0).
+    """
+    check_positive(seq=seq, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, max_ctx=max_ctx)
+    if n_heads % n_kv_heads:
+        raise PiccError(f"{name}: n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+    group, d = n_heads // n_kv_heads, head_dim
+    width = n_kv_heads * d
+    q = te.placeholder((seq, n_heads * d), "float32", name="q")
+    pos = te.placeholder((seq,), "int32", name="pos")
+    kc = te.placeholder((max_ctx, width), "float32", name="k_cache")
+    vc = te.placeholder((max_ctx, width), "float32", name="v_cache")
+
+    def visible(s: PrimExpr, j: PrimExpr) -> PrimExpr:
+        seen = j <= pos[s]
+        return seen if window is None else tirx.all(seen, pos[s] - j < window)
+
+    kd = te.reduce_axis((0, d), name="kd")
+    # ``scores`` holds the unscaled dot products; the scale is applied where they are read, after
+    # the sum, as numpy does (the same float32 rounding).
+    scores = te.compute((seq, n_heads, max_ctx), lambda s, h, j: te.sum(
+        tirx.if_then_else(visible(s, j), q[s, h * d + kd] * kc[j, (h // group) * d + kd], f32(0)), axis=kd),
+        name="scores")
+
+    def scaled(s: PrimExpr, h: PrimExpr, j: PrimExpr) -> PrimExpr:
+        return scores[s, h, j] * f32(scale)
+
+    jm = te.reduce_axis((0, max_ctx), name="jm")
+    smax = te.compute((seq, n_heads), lambda s, h: te.max(
+        tirx.if_then_else(visible(s, jm), scaled(s, h, jm), f32(-3.0e38)), axis=jm), name="smax")
+    js = te.reduce_axis((0, max_ctx), name="js")
+
+    def weight(s: PrimExpr, h: PrimExpr, j: PrimExpr) -> PrimExpr:
+        return tirx.if_then_else(visible(s, j), tirx.exp(scaled(s, h, j) - smax[s, h]), f32(0))
+
+    ssum = te.compute((seq, n_heads), lambda s, h: te.sum(weight(s, h, js), axis=js), name="ssum")
+    # Probabilities once per (query, head, position), as numpy's ``scores /= sum``; the output
+    # stage then reads them instead of recomputing exp in every one of its head_dim threads.
+    probs = te.compute((seq, n_heads, max_ctx), lambda s, h, j: weight(s, h, j) / ssum[s, h], name="probs")
+    jo = te.reduce_axis((0, max_ctx), name="jo")
+    out = te.compute((seq, n_heads * d), lambda s, c: te.sum(tirx.if_then_else(
+        visible(s, jo), probs[s, c // d, jo] * vc[jo, (c // d // group) * d + c % d], f32(0)),
+        axis=jo), name="out")
+    args = [(q, "in"), (pos, "in"), (kc, "in"), (vc, "in"), (scores, "scratch"), (smax, "scratch"),
+            (ssum, "scratch"), (probs, "scratch"), (out, "out")]
+    guard = lambda b, s, h, j: visible_buf(b, s, j, window)  # noqa: E731
+    return make_kernel(name, "attention", args, guards={"scores": guard}, options={"head_dim": d})
+
+
+def visible_buf(b: dict[str, tirx.Buffer], s: PrimExpr, j: PrimExpr,
+                window: int | None) -> PrimExpr:
+    """``visible`` on the function's own ``pos`` buffer (for the schedule's guard)."""
+    seen = j <= b["pos"][s]
+    return seen if window is None else tirx.all(seen, b["pos"][s] - j < window)

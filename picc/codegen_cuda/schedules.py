@@ -1,0 +1,378 @@
+"""GPU schedules of the kernels, per architecture, with ``tvm.s_tir.Schedule``.
+
+The building blocks (each a few primitives; read the emitted CUDA beside them):
+
+* ``warp_rows``: one warp per output row. The reduction ``k = kv * vector + kl`` is split so lane
+  ``tx`` takes chunks ``kv = ko * 32 + tx``; ``rfactor`` gives each lane a private partial sum,
+  and the final block, bound to ``threadIdx.x``, becomes TVM's cross-thread reduction, which
+  lowers to ``__shfl_down_sync``. Weights and the vector operand are staged through registers
+  with ``cache_read(..., "local")`` + ``vectorize``, so every weight load is one 16-byte
+  ``uint4`` (8 f16, 4 f32, or the 16 nibble bytes of a q4_0 block). ``threadIdx.y`` picks the
+  row within the block (``rows`` warps per block).
+* ``column_axpy``: ``y[k] = sum_r h_r * D[row_r, k]`` over neuron-major rows: thread ``tx`` owns
+  ``vector`` adjacent columns (one vectorised load per row), ``threadIdx.y`` splits the rows and
+  a shared-memory reduction over ``threadIdx.y`` merges them.
+* ``block_reduce``: one thread block per row for norms and softmax statistics (in-thread partial
+  sums, then a cross-thread reduction).
+* guards: a kernel's ``guards`` wrap the per-row loop nest in ``if (guard)`` (annotation
+  ``picc_guard`` on the loop, applied by ``apply_guards`` after scheduling), so skipped rows of
+  an index list or of a gate-first mask load no weights at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import s_tir, tirx
+from tvm.ir.expr import Expr as PrimExpr
+
+from picc.codegen_cuda.kernel import Kernel
+from picc.errors import PiccError
+
+ARCHS = ("sm_75", "sm_80", "sm_89", "sm_90")
+_GUARD = "picc_guard"
+# Columns per AXPY thread: TVM's CUDA codegen handles float vectors up to 4 lanes (float4, a
+# 16-byte load for f32 down rows; 8 bytes for f16).
+AXPY_COLUMNS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ArchParams:
+    """Schedule knobs of one GPU architecture (chosen from the hardware's limits, not tuned).
+
+    ``rows``: warps (rows) per GEMV block; ``axpy_split``: row slices of an AXPY block;
+    ``threads``: threads per block of elementwise kernels.
+    """
+
+    rows: int
+    axpy_split: int
+    threads: int
+
+
+# Turing (sm_75) runs at most 16 blocks / 1024 threads per SM: 4-warp blocks keep enough blocks
+# resident. Ampere and later allow 32 blocks / 1536-2048 threads and have larger L1, so wider
+# blocks amortise the shared x vector better.
+ARCH_PARAMS: dict[str, ArchParams] = {
+    "sm_75": ArchParams(rows=4, axpy_split=8, threads=128),
+    "sm_80": ArchParams(rows=8, axpy_split=8, threads=256),
+    "sm_89": ArchParams(rows=8, axpy_split=8, threads=256),
+    "sm_90": ArchParams(rows=8, axpy_split=16, threads=256),
+}
+
+
+def arch_params(arch: str) -> ArchParams:
+    if arch not in ARCH_PARAMS:
+        raise PiccError(f"GPU architecture {arch!r} has no schedule; expected one of {', '.join(ARCHS)}")
+    return ARCH_PARAMS[arch]
+
+
+def _elem_bytes(dtype: str) -> int:
+    return {"float32": 4, "int32": 4, "float16": 2, "uint8": 1}[dtype]
+
+
+def _stage_vector(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, buffer: str,
+                  at: s_tir.schedule.LoopRV) -> None:
+    """Stage ``buffer``'s region read by ``block`` into registers at loop ``at``, 16 bytes a load."""
+    reads = sch.get(block).reads
+    index = next(i for i, r in enumerate(reads) if r.source.name == buffer)
+    cache = sch.cache_read(block, index, "local", consumer_blocks=[block])
+    sch.compute_at(cache, at, preserve_unit_loops=True)
+    last = sch.get_loops(cache)[-1]
+    extent = int(sch.get(last).extent)
+    lanes = min(extent, 16 // _elem_bytes(str(sch.get(cache).writes[0].source.dtype)))
+    if extent > 1 and extent % lanes == 0:
+        _, vec = sch.split(last, [None, lanes])
+        sch.vectorize(vec)
+
+
+def row_lanes(chunks: int) -> int:
+    """Lanes per row: a warp, or for short rows (``chunks`` 16-byte pieces < 32) the smallest
+    power of two covering them, so idle lanes serve further rows (predictor fc2 has rank/8)."""
+    lanes = 1
+    while lanes < min(chunks, 32):
+        lanes *= 2
+    return lanes
+
+
+def warp_rows(sch: s_tir.Schedule, name: str, rows: int, staged: list[str], guarded: bool,
+              epilogues: tuple[str, ...] = ()) -> None:
+    """Schedule row-dot block ``name`` one warp per row (see the module docstring).
+
+    ``rows`` is the number of warps per block; rows shorter than 32 chunks share a warp.
+    """
+    block = sch.get_sblock(name)
+    *spatial, kv, kl = sch.get_loops(block)
+    s = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+    lanes = row_lanes(int(sch.get(kv).extent))
+    ko, tx = sch.split(kv, [None, lanes])
+    rf = sch.rfactor(tx, 0)
+    s, ko, tx, kl = sch.get_loops(rf)
+    bx, ty = sch.split(s, [None, rows * 32 // lanes])
+    sch.reorder(bx, ty, tx, ko, kl)
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    for buffer in staged:
+        _stage_vector(sch, rf, buffer, ko)
+    sch.unroll(kl)
+    sch.decompose_reduction(rf, ko)
+    if guarded:
+        sch.annotate(ko, _GUARD, name)
+    sch.set_scope(rf, 0, "local")
+    final = sch.get_sblock(name)
+    sch.reverse_compute_at(final, ty)
+    sch.bind(sch.get_loops(final)[-1], "threadIdx.x")
+    if epilogues:  # bias / activation / threshold of the row, done by its warp
+        sch.set_scope(final, 0, "local")
+    for epi in epilogues:
+        sch.reverse_compute_at(sch.get_sblock(epi), ty)
+
+
+def column_axpy(sch: s_tir.Schedule, name: str, vector: int, split: int) -> None:
+    """Schedule ``y[k] = sum_r ...`` with ``vector`` columns per thread, rows split ``split`` ways."""
+    block = sch.get_sblock(name)
+    k, r = sch.get_loops(block)
+    ro, ry = sch.split(r, [None, split])
+    rf = sch.rfactor(ry, 0)
+    k, ro, ry = sch.get_loops(rf)
+    bx, tx, vec = sch.split(k, [None, 32, vector])
+    sch.reorder(bx, tx, ry, ro, vec)
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.bind(ry, "threadIdx.y")
+    sch.vectorize(vec)
+    sch.decompose_reduction(rf, ro)
+    sch.set_scope(rf, 0, "local")
+    final = sch.get_sblock(name)
+    sch.reverse_compute_at(final, tx)
+    red, col = sch.get_loops(final)[-2:]
+    sch.reorder(col, red)
+    sch.bind(red, "threadIdx.y")
+
+
+def block_reduce(sch: s_tir.Schedule, name: str, at: s_tir.schedule.LoopRV | None, threads: int,
+                 local: bool) -> s_tir.schedule.LoopRV:
+    """One block per output element of reduction ``name``; returns the block-index loop.
+
+    With ``at``, the reduction is computed inside that (already bound) block loop instead.
+    """
+    block = sch.get_sblock(name)
+    if at is not None:
+        sch.compute_at(block, at, preserve_unit_loops=True)
+        *_, red = sch.get_loops(block)
+        bx = at
+    else:
+        *spatial, red = sch.get_loops(block)
+        bx = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+        sch.bind(bx, "blockIdx.x")
+    _, tx = sch.split(red, [None, threads])
+    sch.bind(tx, "threadIdx.x")
+    if local:
+        sch.set_scope(block, 0, "local")
+    return bx
+
+
+def flat_threads(sch: s_tir.Schedule, name: str, threads: int) -> None:
+    """Elementwise block ``name``: all loops fused, ``threads`` per block."""
+    block = sch.get_sblock(name)
+    loops = sch.get_loops(block)
+    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    bx, tx = sch.split(fused, [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+
+
+def apply_guards(func: tirx.PrimFunc, kernel: Kernel) -> tirx.PrimFunc:
+    """Wrap every loop annotated ``picc_guard`` in ``if (kernel.guards[block](...))``.
+
+    The guard's index is read from the bindings of the first block under the loop whose spatial
+    iterators include the guarded block's axes (``v_<axis>``), so it is in terms of the loop
+    variables in scope at the guarded loop. (This TVM exposes no Python IR mutator, so the few
+    statement kinds a scheduled kernel holds are rebuilt by hand.)
+    """
+    buffers = {b.name: b for b in func.params}  # in this TVM, params are the buffers
+    axes = {name: _spatial_axes(kernel.func, name) for name in kernel.guards}
+
+    def rewrite(node: tirx.Stmt) -> tirx.Stmt:
+        if isinstance(node, tirx.For):
+            body = rewrite(node.body)
+            if _GUARD not in node.annotations:
+                return tirx.For(node.loop_var, node.min, node.extent, node.kind, body, node.thread_binding,
+                                node.annotations)
+            name = str(node.annotations[_GUARD])
+            index = _binding_of(body, axes[name])
+            if index is None:
+                raise PiccError(f"kernel {kernel.name}: no block under the guarded loop of {name} "
+                                f"binds {axes[name]}")
+            annotations = {k: v for k, v in node.annotations.items() if k != _GUARD}
+            loop = tirx.For(node.loop_var, node.min, node.extent, node.kind, body, node.thread_binding, annotations)
+            return tirx.IfThenElse(kernel.guards[name](buffers, *index), loop, None)
+        if isinstance(node, tirx.SeqStmt):
+            return tirx.SeqStmt([rewrite(s) for s in node.seq])
+        if isinstance(node, s_tir.SBlockRealize):
+            b = node.block
+            block = s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, rewrite(b.body), b.init,
+                                 b.alloc_buffers, b.match_buffers, b.annotations)
+            return s_tir.SBlockRealize(node.iter_values, node.predicate, block)
+        if isinstance(node, tirx.IfThenElse):
+            return tirx.IfThenElse(node.condition, rewrite(node.then_case),
+                                   rewrite(node.else_case) if node.else_case is not None else None)
+        return node
+
+    return func.with_body(rewrite(func.body)) if kernel.guards else func
+
+
+def _binding_of(node: tirx.Stmt, names: list[str]) -> list[PrimExpr] | None:
+    """The values bound to iterators ``names`` by the first block under ``node`` that has them all."""
+    if isinstance(node, s_tir.SBlockRealize):
+        bound = {iv.var.name: v for iv, v in zip(node.block.iter_vars, node.iter_values, strict=True)}
+        if all(n in bound for n in names):
+            return [bound[n] for n in names]
+        return _binding_of(node.block.body, names)
+    children: list[tirx.Stmt] = []
+    if isinstance(node, tirx.For):
+        children = [node.body]
+    elif isinstance(node, tirx.SeqStmt):
+        children = list(node.seq)
+    elif isinstance(node, tirx.IfThenElse):
+        children = [node.then_case] + ([node.else_case] if node.else_case is not None else [])
+    for child in children:
+        found = _binding_of(child, names)
+        if found is not None:
+            return found
+    return None
+
+
+def _spatial_axes(func: tirx.PrimFunc, name: str) -> list[str]:
+    block = _find_block(func.body, name)
+    if block is None:
+        raise PiccError(f"kernel has no block named {name!r} to guard")
+    return [iv.var.name for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
+
+
+def _find_block(node: tirx.Stmt, name: str) -> s_tir.SBlock | None:
+    if isinstance(node, s_tir.SBlockRealize):
+        if node.block.name_hint == name:
+            return node.block
+        return _find_block(node.block.body, name)
+    children: list[tirx.Stmt] = []
+    if isinstance(node, tirx.For):
+        children = [node.body]
+    elif isinstance(node, tirx.SeqStmt):
+        children = list(node.seq)
+    for child in children:
+        found = _find_block(child, name)
+        if found is not None:
+            return found
+    return None
+
+
+def _weights(kernel: Kernel, *prefixes: str) -> list[str]:
+    """Names of the weight buffers of ``kernel`` starting with one of ``prefixes``."""
+    return [p.name for p in kernel.params if p.role == "in" and p.name.startswith(prefixes)]
+
+
+def _schedule_norm(sch: s_tir.Schedule, kernel: Kernel, threads: int) -> None:
+    s, c = sch.get_loops(sch.get_sblock("y"))
+    sch.bind(s, "blockIdx.x")
+    _, tx = sch.split(c, [None, threads])
+    sch.bind(tx, "threadIdx.x")
+    # Producers in reverse order: compute_at needs every consumer placed first.
+    for name in ("sq", "total") if _has_block(kernel, "sq") else ("ss",):
+        block_reduce(sch, name, s, threads, local=True)
+
+
+def _accumulate_in_register(sch: s_tir.Schedule, name: str, at: s_tir.schedule.LoopRV,
+                            loop: s_tir.schedule.LoopRV) -> None:
+    """Keep block ``name``'s running sum in a register, zeroed before its reduction ``loop`` and
+    stored once after the loop at ``at`` (so a guarded-off reduction stores 0)."""
+    block = sch.get_sblock(name)
+    store = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(store, at, preserve_unit_loops=True)
+    sch.decompose_reduction(block, loop)
+
+
+def _schedule_attention(sch: s_tir.Schedule, kernel: Kernel, threads: int) -> None:
+    # scores: a thread per (query, head, position), a serial dot product over head_dim that is
+    # skipped (guard) for positions the query does not see.
+    *spatial, kd = sch.get_loops(sch.get_sblock("scores"))
+    bx, tx = sch.split(sch.fuse(*spatial), [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.annotate(kd, _GUARD, "scores")
+    _accumulate_in_register(sch, "scores", tx, kd)
+    # softmax statistics: a block per (query, head), a cross-thread reduction over positions.
+    for name in ("smax", "ssum"):
+        block_reduce(sch, name, None, threads, local=False)
+    flat_threads(sch, "probs", threads)
+    # out: a block per (query, head), a thread per feature; V rows are read coalesced.
+    s, c, j = sch.get_loops(sch.get_sblock("out"))
+    head, lane = sch.split(c, [None, kernel.options["head_dim"]])
+    sch.bind(sch.fuse(s, head), "blockIdx.x")
+    sch.bind(lane, "threadIdx.x")
+    _accumulate_in_register(sch, "out", lane, j)
+
+
+def _has_block(kernel: Kernel, name: str) -> bool:
+    try:
+        _spatial_axes(kernel.func, name)
+    except PiccError:
+        return False
+    return True
+
+
+def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
+    """The GPU-scheduled TensorIR of ``kernel`` for ``arch`` (sm_75, sm_80, sm_89, sm_90)."""
+    p = arch_params(arch)
+    sch = s_tir.Schedule(kernel.func)
+    match kernel.kind:
+        case "gemv":
+            warp_rows(sch, "acc", p.rows, [*_weights(kernel, "W"), "x"], False, ("y",))
+        case "gemm":
+            warp_rows(sch, "acc", p.rows, [*_weights(kernel, "W"), "X"], False, ("Y",))
+        case "predictor":
+            warp_rows(sch, "acc1", p.rows, [*_weights(kernel, "fc1"), "x"], False, ("hid",))
+            warp_rows(sch, "acc2", p.rows, [*_weights(kernel, "fc2"), "hid"], False, ("mask",))
+        case "sparse_ffn":
+            warp_rows(sch, "ug", p.rows, [*_weights(kernel, "W_ug"), "x"], True)
+            column_axpy(sch, "y", AXPY_COLUMNS, p.axpy_split)
+        case "gate_first_ffn":
+            warp_rows(sch, "g", p.rows, [*_weights(kernel, "gate"), "x"], False)
+            warp_rows(sch, "u", p.rows, [*_weights(kernel, "up"), "x"], True)
+            column_axpy(sch, "y", AXPY_COLUMNS, p.axpy_split)
+        case "norm":
+            _schedule_norm(sch, kernel, 128)
+        case "attention":
+            _schedule_attention(sch, kernel, 128)
+        case "elementwise":
+            flat_threads(sch, sch.get(sch.get_child_blocks(sch.get_sblock("root"))[-1]).name_hint, p.threads)
+        case "single_thread":
+            (t,) = sch.get_loops(sch.get_sblock("compact"))
+            sch.bind(t, "threadIdx.x")
+        case _:
+            raise NotImplementedError(kernel.kind)
+    return apply_guards(sch.mod["main"], kernel)
+
+
+# Row-dot reductions and neuron-major AXPYs per kernel kind (the blocks the CPU schedule touches).
+_ROW_DOTS = {"gemv": ("acc",), "gemm": ("acc",), "predictor": ("acc1", "acc2"), "sparse_ffn": ("ug",),
+             "gate_first_ffn": ("g", "u")}
+_AXPYS = {"sparse_ffn": "y", "gate_first_ffn": "y"}
+
+
+def cpu_schedule(kernel: Kernel) -> tirx.PrimFunc:
+    """A simple CPU schedule of ``kernel`` for the host build (LLVM), 8-30x over the definition.
+
+    Row dots keep ``vector`` partial sums per row (``rfactor`` of ``kl``) so LLVM emits SIMD
+    multiply-adds; AXPYs walk the neuron-major down rows in storage order (rows outer, columns
+    inner) instead of striding down columns. Other kernels are cheap and stay as defined.
+    """
+    sch = s_tir.Schedule(kernel.func)
+    for name in _ROW_DOTS.get(kernel.kind, ()):
+        kl = sch.get_loops(sch.get_sblock(name))[-1]
+        rf = sch.rfactor(kl, 0)
+        sch.vectorize(sch.get_loops(rf)[-1])
+    if kernel.kind in _AXPYS:
+        k, r = sch.get_loops(sch.get_sblock(_AXPYS[kernel.kind]))
+        sch.reorder(r, k)
+    return sch.mod["main"]

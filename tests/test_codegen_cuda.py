@@ -1,0 +1,436 @@
+"""picc.codegen_cuda: host builds against numpy / the interpreter, CUDA sources against nvcc.
+
+Tolerances. Every kernel accumulates in float32 and decodes f16 / q4_0 weights exactly (the
+reference uses the same dequantised float32 weights), so host results differ from numpy only in
+summation order: for a dot product of K terms that is ~sqrt(K) * 2^-24 relative to the terms'
+magnitude, below 1e-6 for K <= 1536. We allow 1e-5 relative (to the largest reference value) for
+f32 and 1e-4 for f16 / q4_0 weights (their larger, exactly representable terms change nothing,
+but the budget leaves room for cancellation in sums of quantised values). Transcendentals (exp,
+erf, tanh, cos, sin) come from LLVM's libm on the host and numpy's on the reference: a few ulp.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from picc import quant
+from picc.codegen_cuda import (
+    ARCHS,
+    FORMS,
+    RELU_DEMO,
+    SMOLLM2,
+    attention,
+    build_cuda,
+    build_host,
+    compact,
+    cuda_bundle,
+    cuda_source,
+    export_host_library,
+    gate_first_ffn,
+    gemm,
+    gemv,
+    kv_append,
+    layer_norm,
+    model_kernels,
+    nvcc_compile,
+    nvcc_path,
+    pack,
+    padded,
+    predictor,
+    rms_norm,
+    rope,
+    sparse_ffn,
+    split_q4_0,
+    unpack,
+    write_cuda_sources,
+)
+from picc.errors import PiccError
+from picc.interpreter import KVCache, activation
+from picc.interpreter import attention as ref_attention
+from picc.interpreter import rope as ref_rope
+from picc.ir import ops as O
+from picc.ir.types import f32
+
+F32_TOL = 1e-5
+QUANT_TOL = 1e-4
+TOL = {"f32": F32_TOL, "f16": QUANT_TOL, "q4_0": QUANT_TOL}
+
+needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed: CUDA sources cannot be compiled")
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    """Largest absolute error relative to the largest reference magnitude."""
+    return float(np.abs(out - ref).max() / max(float(np.abs(ref).max()), 1e-30))
+
+
+def randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.normal(size=shape) * scale).astype(np.float32)
+
+
+def weight_args(prefix: str, w: np.ndarray, fmt: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Kernel arguments of matrix ``w`` stored as ``fmt``, and the float32 values they hold."""
+    bufs = pack(w, fmt)
+    names = [f"{prefix}_qs", f"{prefix}_d"] if fmt == "q4_0" else [prefix]
+    return dict(zip(names, bufs, strict=True)), unpack(bufs, fmt)
+
+
+# ---------------------------------------------------------------- weight formats
+
+
+def test_q4_0_planes_hold_exactly_the_gguf_values() -> None:
+    rng = np.random.default_rng(0)
+    w = randn(rng, 6, 96)
+    raw = quant.quantize(w, "q4_0")
+    planes = split_q4_0(raw, w.shape)
+    assert planes[0].shape == (6, 48) and planes[1].shape == (6, 3)
+    np.testing.assert_array_equal(unpack(planes, "q4_0"), quant.dequantize(raw, "q4_0", w.shape))
+
+
+def test_unsupported_format_is_one_clear_error() -> None:
+    with pytest.raises(PiccError, match="weight format 'q8_0' is not supported"):
+        gemv("g", 8, 64, "q8_0")
+    with pytest.raises(PiccError, match="not a multiple of 32"):
+        gemv("g", 8, 48, "q4_0")
+
+
+# ---------------------------------------------------------------- dense kernels on the host
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "q4_0"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_host_matches_numpy(fmt: str, bias: bool) -> None:
+    rng = np.random.default_rng(1)
+    w, x, b = randn(rng, 192, 576), randn(rng, 576), randn(rng, 192)
+    args, wd = weight_args("W", w, fmt)
+    if bias:
+        args["b"] = b
+    y = build_host(gemv(f"gemv_{fmt}_{bias}", 192, 576, fmt, bias))(x=x, **args)["y"]
+    assert rel_err(y, wd @ x + (b if bias else 0)) <= TOL[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4_0"])
+def test_prefill_gemm_host_matches_numpy(fmt: str) -> None:
+    rng = np.random.default_rng(2)
+    w, xs, b = randn(rng, 64, 320), randn(rng, 5, 320), randn(rng, 64)
+    args, wd = weight_args("W", w, fmt)
+    y = build_host(gemm(f"gemm_{fmt}", 5, 64, 320, fmt, bias=True))(X=xs, b=b, **args)["Y"]
+    assert rel_err(y, xs @ wd.T + b) <= TOL[fmt]
+
+
+def test_predictor_mask_and_compaction_match_numpy() -> None:
+    rng = np.random.default_rng(3)
+    hidden, rank, n = 320, 32, 1280
+    fc1, fc2 = randn(rng, rank, hidden, scale=hidden**-0.5), randn(rng, n, rank, scale=rank**-0.5)
+    b1, b2, x = randn(rng, rank), randn(rng, n), randn(rng, hidden)
+    a1, fc1d = weight_args("fc1", fc1, "f16")
+    a2, fc2d = weight_args("fc2", fc2, "f16")
+    threshold = 0.25
+    out = build_host(predictor("pred", hidden, rank, n, "f16", True, True))(
+        x=x, b1=b1, b2=b2, threshold=np.array([threshold], np.float32), **a1, **a2)
+    logits = np.maximum(fc1d @ x + b1, 0) @ fc2d.T + b2
+    np.testing.assert_allclose(out["hid"], np.maximum(fc1d @ x + b1, 0), rtol=0, atol=F32_TOL * np.abs(logits).max())
+    # A logit within float32 rounding of the threshold may fall either way; none is that close here.
+    assert np.abs(logits - threshold).min() > 1e-4
+    np.testing.assert_array_equal(out["mask"], (logits > threshold).astype(np.int32))
+
+    n_pad = padded(n)
+    got = build_host(compact("compact", n, n_pad))(mask=out["mask"])
+    active = np.flatnonzero(out["mask"])
+    assert got["count"][0] == len(active) and 0 < len(active) < n
+    np.testing.assert_array_equal(got["idx"][: len(active)], active)
+    assert not got["idx"][len(active):].any()  # padding holds row 0: a valid row, never read
+
+
+# ---------------------------------------------------------------- sparse FFN on the host
+
+
+def ffn_reference(form: str, x: np.ndarray, up: np.ndarray, gate: np.ndarray, down_t: np.ndarray,
+                  rows: np.ndarray, b_ug: np.ndarray | None = None) -> np.ndarray:
+    """``picc.interpreter``'s FFN restricted to ``rows`` (``sparse_ffn`` in predictor mode)."""
+    act, gated, act_on_up = FORMS[form]
+    u = up @ x + (b_ug[:, 0] if b_ug is not None else 0)
+    if gated:
+        g = gate @ x + (b_ug[:, 1] if b_ug is not None else 0)
+        h = activation(act, g) * (activation(act, u) if act_on_up else u)
+    else:
+        h = activation(act, u)
+    return h[rows] @ down_t[rows]
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("fmt", ["f32", "f16", "q4_0"])
+def test_sparse_ffn_host_matches_interpreter_for_any_index_list(form: str, fmt: str) -> None:
+    rng = np.random.default_rng(4)
+    hidden, n_ff = 128, 200  # n_ff not a multiple of the row tile: the list is padded
+    gated = FORMS[form][1]
+    up, gate = randn(rng, n_ff, hidden, scale=0.2), randn(rng, n_ff, hidden, scale=0.2)
+    down_t, x = randn(rng, n_ff, hidden, scale=0.1), randn(rng, hidden)
+    ug = np.stack([up, gate], axis=1) if gated else up[:, None, :]
+    a_ug, ugd = weight_args("W_ug", ug, fmt)
+    a_down, downd = weight_args("down", down_t, fmt)
+    n_pad = padded(n_ff)
+    kernel = build_host(sparse_ffn(f"ffn_{form}_{fmt}", hidden, n_ff, form, fmt))
+    for rows in (np.array([], np.int64), np.sort(rng.choice(n_ff, 37, replace=False)), np.arange(n_ff)):
+        idx = np.full(n_pad, -1, np.int32)  # entries past count are junk: never dereferenced
+        idx[: len(rows)] = rows
+        y = kernel(x=x, idx=idx, count=np.array([len(rows)], np.int32), **a_ug, **a_down)["y"]
+        ref = ffn_reference(form, x, ugd[:, 0], ugd[:, 1] if gated else ugd[:, 0], downd, rows)
+        if len(rows) == 0:
+            assert not y.any()
+        else:
+            assert rel_err(y, ref) <= TOL[fmt], (form, fmt, len(rows))
+
+
+def test_sparse_ffn_with_biases_and_unsorted_list() -> None:
+    rng = np.random.default_rng(5)
+    hidden, n_ff = 64, 96
+    up, gate, down_t = randn(rng, n_ff, hidden), randn(rng, n_ff, hidden), randn(rng, n_ff, hidden)
+    b_ug, x = randn(rng, n_ff, 2), randn(rng, hidden)
+    rows = rng.permutation(n_ff)[:50]  # any order: the sum does not depend on it
+    idx = np.zeros(padded(n_ff), np.int32)
+    idx[:50] = rows
+    y = build_host(sparse_ffn("ffn_bias", hidden, n_ff, "geglu_tanh", "f32", bias=True))(
+        x=x, idx=idx, count=np.array([50], np.int32), W_ug=np.stack([up, gate], axis=1), down=down_t, b_ug=b_ug)["y"]
+    assert rel_err(y, ffn_reference("geglu_tanh", x, up, gate, down_t, rows, b_ug)) <= F32_TOL
+
+
+@pytest.mark.parametrize("form,fmt", [("swiglu", "q4_0"), ("reglu", "f16"), ("geglu", "f32")])
+def test_gate_first_ffn_host_matches_interpreter(form: str, fmt: str) -> None:
+    rng = np.random.default_rng(6)
+    hidden, n_ff = 128, 160
+    act = FORMS[form][0]
+    gate, up, down_t = randn(rng, n_ff, hidden, scale=0.2), randn(rng, n_ff, hidden, scale=0.2), randn(rng, n_ff, hidden)
+    x = randn(rng, hidden)
+    ag, gd = weight_args("gate", gate, fmt)
+    au, ud = weight_args("up", up, fmt)
+    ad, dd = weight_args("down", down_t, fmt)
+    score = np.abs(activation(act, gd @ x))
+    ranked = np.sort(score)
+    cut = 80 + int(np.argmax(np.diff(ranked[80:120])))  # the widest gap near the middle
+    threshold = np.float32((ranked[cut] + ranked[cut + 1]) / 2)
+    # The kernel's gate sums differ from numpy's in the last bits; no score may sit that close.
+    assert ranked[cut + 1] - ranked[cut] > 1e-4 * ranked[-1]
+    out = build_host(gate_first_ffn(f"gf_{form}_{fmt}", hidden, n_ff, form, fmt))(
+        x=x, threshold=np.array([threshold], np.float32), **ag, **au, **ad)
+    rows = np.flatnonzero(score > threshold)
+    assert 0 < len(rows) < n_ff
+    assert rel_err(out["y"], ffn_reference(form, x, ud, gd, dd, rows)) <= TOL[fmt]
+    assert not out["u"][score <= threshold].any()  # skipped neurons never computed up
+
+
+def test_unscheduled_definition_and_exported_library_agree_with_numpy(tmp_path: Path) -> None:
+    # The CPU schedule only reorders sums; the definition itself (what the GPU schedules start
+    # from) must compute the same, and so must the shared library a runtime would load.
+    import tvm
+
+    rng = np.random.default_rng(11)
+    hidden, n_ff = 96, 64
+    kernel = sparse_ffn("ffn_def", hidden, n_ff, "swiglu", "q4_0")
+    a_ug, ugd = weight_args("W_ug", randn(rng, n_ff, 2, hidden, scale=0.2), "q4_0")
+    a_down, downd = weight_args("down", randn(rng, n_ff, hidden), "q4_0")
+    rows = np.sort(rng.choice(n_ff, 20, replace=False))
+    idx = np.zeros(padded(n_ff), np.int32)
+    idx[:20] = rows
+    inputs = {"x": randn(rng, hidden), "idx": idx, "count": np.array([20], np.int32), **a_ug, **a_down}
+    ref = ffn_reference("swiglu", inputs["x"], ugd[:, 0], ugd[:, 1], downd, rows)
+    assert rel_err(build_host(kernel, scheduled=False)(**inputs)["y"], ref) <= QUANT_TOL
+
+    lib = tvm.runtime.load_module(str(export_host_library([kernel], tmp_path / "kernels.so")))
+    tensors = [tvm.runtime.tensor(inputs.get(p.name, np.zeros(p.shape, p.dtype))) for p in kernel.params]
+    lib.get_function("ffn_def")(*tensors)
+    assert rel_err(tensors[-1].numpy(), ref) <= QUANT_TOL
+
+
+def test_gate_first_needs_a_glu_form() -> None:
+    with pytest.raises(PiccError, match="gate-first needs a GLU form"):
+        gate_first_ffn("gf", 64, 96, "drelu", "f16")
+
+
+# ---------------------------------------------------------------- norms, rope, attention on the host
+
+
+def test_rms_and_layer_norm_host_match_interpreter() -> None:
+    rng = np.random.default_rng(7)
+    x, w, b = randn(rng, 3, 576, scale=3.0), randn(rng, 576), randn(rng, 576)
+    y = build_host(rms_norm("rms", 3, 576, 1e-5))(x=x, w=w)["y"]
+    ref = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(1e-5)) * w  # as picc/interpreter.py
+    assert rel_err(y, ref) <= F32_TOL
+    x = x + 5.0  # an offset mean: the two-pass variance must not cancel
+    y = build_host(layer_norm("ln", 3, 576, 1e-5))(x=x, w=w, b=b)["y"]
+    mean = x.mean(axis=-1, keepdims=True)
+    ref = (x - mean) / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + np.float32(1e-5)) * w + b
+    assert rel_err(y, ref) <= F32_TOL
+
+
+@pytest.mark.parametrize("style,rotary,scaling", [("llama", None, "none"), ("gptj", None, "none"),
+                                                  ("llama", 32, "llama3"), ("gptj", 16, "linear")])
+def test_rope_host_matches_interpreter(style: str, rotary: int | None, scaling: str) -> None:
+    rng = np.random.default_rng(8)
+    seq, heads, d = 4, 3, 64
+    op = O.Rope(result="y", type=f32(seq, heads * d), x="x", pos="pos", n_heads=heads, head_dim=d,
+                rotary_dim=rotary, style=style, scaling=scaling, factor=8.0, original_max_position=256)
+    x, pos = randn(rng, seq, heads * d), np.array([0, 1, 17, 1000], np.int32)
+    y = build_host(rope(f"rope_{style}_{rotary}", seq, heads, d, rotary, style))(x=x, pos=pos, inv_freq=op.inv_freq())["y"]
+    # Angles up to 1000 rad: cos/sin of the same float32 angle agree to a few ulp between libms.
+    assert rel_err(y, ref_rope(op, x, pos)) <= F32_TOL
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (5, 1, None), (4, 2, 3)])
+def test_attention_prefill_then_decode_host_matches_interpreter(heads: int, kv_heads: int, window: int | None) -> None:
+    rng = np.random.default_rng(9)
+    d, max_ctx, prompt = 64, 16, 6
+    width = kv_heads * d
+    op = O.Attention(result="o", type=f32(1, heads * d), q="q", k="k", v="v", pos="pos", n_heads=heads,
+                     n_kv_heads=kv_heads, head_dim=d, scale=d**-0.5, cache="c", window=window)
+    cache = KVCache(width)
+    k_cache, v_cache = np.zeros((max_ctx, width), np.float32), np.zeros((max_ctx, width), np.float32)
+    for seq, start in ((prompt, 0), (1, prompt), (1, prompt + 1)):
+        q, k, v = randn(rng, seq, heads * d), randn(rng, seq, width), randn(rng, seq, width)
+        pos = np.arange(start, start + seq, dtype=np.int32)
+        ref = ref_attention(op, q, k, v, pos, cache)
+        written = build_host(kv_append(f"kva_{seq}_{width}", seq, width, max_ctx))(
+            k=k, v=v, pos=pos, k_cache=k_cache, v_cache=v_cache)
+        k_cache, v_cache = written["k_cache"], written["v_cache"]
+        name = f"attn_{seq}_{heads}_{kv_heads}_{window}"
+        out = build_host(attention(name, seq, heads, kv_heads, d, max_ctx, d**-0.5, window))(
+            q=q, pos=pos, k_cache=k_cache, v_cache=v_cache)["out"]
+        assert rel_err(out, ref) <= F32_TOL, (seq, start)
+
+
+# ---------------------------------------------------------------- CUDA sources and nvcc
+
+MODEL_FORMATS = [(SMOLLM2, "f16"), (SMOLLM2, "q4_0"), (RELU_DEMO, "f16"), (RELU_DEMO, "q4_0")]
+
+
+@pytest.fixture(scope="module")
+def example_kernels() -> list:
+    """Every kernel of the two example models, f16 and q4_0 (shared kernels once)."""
+    kernels = {k.name: k for m, fmt in MODEL_FORMATS for k in model_kernels(m, fmt)}
+    return list(kernels.values())
+
+
+def one_of_each_kind(kernels: list) -> list:
+    """The first q4_0 kernel of each kind among ``kernels`` (the first of any format if none)."""
+    seen: dict[str, object] = {}
+    for k in sorted(kernels, key=lambda k: not any(p.name.endswith("_qs") for p in k.params)):
+        seen.setdefault(k.kind, k)
+    return [*seen.values(), next(k for k in kernels if k.name == "smollm2_f16_gemv_q")]
+
+
+@needs_nvcc
+def test_artifacts_compile_alone_with_nvcc(example_kernels: list, tmp_path: Path) -> None:
+    # Each per-kernel source, as a .pib carries it, compiles alone. TVM writes the same
+    # self-contained header into every source, so one kernel of each kind and format stands for
+    # the rest here (every kernel and every arch is compiled by the next test).
+    sample = one_of_each_kind(example_kernels)
+    arts = build_cuda(sample, "sm_89", outputs=("ptx",), jobs=2)
+    for art in arts.values():
+        assert art.ptx and b".entry " + art.entry_points[0].encode() in art.ptx, art.name
+    paths = write_cuda_sources(arts, tmp_path)
+    assert sorted(p.name for p in paths) == sorted(f"{k.name}.cu" for k in sample)
+    gemv_ptx = arts["smollm2_f16_gemv_q"].ptx.decode()
+    assert "ld.global.v4" in gemv_ptx or "ld.global.nc.v4" in gemv_ptx  # 16-byte weight loads
+    assert "shfl.sync" in gemv_ptx  # the warp reduction is shuffles, not shared memory
+    ffn_q4 = arts["smollm2_q4_0_sparse_ffn_swiglu"].ptx.decode()
+    assert "ld.global.v4" in ffn_q4 or "ld.global.nc.v4" in ffn_q4  # one q4_0 block per load
+
+
+@needs_nvcc
+def test_every_kernel_compiles_for_every_arch(example_kernels: list, tmp_path: Path) -> None:
+    # All kernels of both models in one translation unit per arch (the same device code as the
+    # per-kernel files): four nvcc runs instead of ~240. TVM's code generation runs in C++ and
+    # releases the GIL, so two threads each generate and compile one arch at a time.
+    def generate_and_compile(arch: str) -> tuple[str, int, str]:
+        cu = tmp_path / f"bundle_{arch}.cu"
+        cu.write_text(cuda_bundle(example_kernels, arch))
+        proc = subprocess.run([nvcc_path(), "-ptx", f"-arch={arch}", "-w", str(cu), "-o", str(cu.with_suffix(".ptx"))],
+                              capture_output=True, text=True, check=False)
+        entries = cu.with_suffix(".ptx").read_text().count(".entry ") if proc.returncode == 0 else 0
+        return arch, entries, proc.stderr[-2000:]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(generate_and_compile, ARCHS))
+    for arch, entries, stderr in results:
+        assert entries >= len(example_kernels), (arch, stderr)
+
+
+@needs_nvcc
+def test_cubin_for_each_arch() -> None:
+    kernel = sparse_ffn("ffn_cubin", 320, 1280, "reglu", "q4_0")
+    sources = {arch: cuda_source(kernel, arch) for arch in ARCHS}
+    with ThreadPoolExecutor(2) as pool:
+        cubins = list(pool.map(lambda a: nvcc_compile({"k": sources[a]}, a, ("cubin",), 1)["k"]["cubin"], ARCHS))
+    assert all(c[:4] == b"\x7fELF" for c in cubins)  # an ELF device image per arch
+
+
+def test_sparse_ffn_source_skips_rows_past_count() -> None:
+    src = cuda_source(sparse_ffn("ffn_src", 576, 1536, "swiglu", "f16"), "sm_75")
+    start = src.index("ffn_src_kernel(", src.index("ffn_src_kernel(") + 1)  # the definition, not the declaration
+    gather = src[start:src.index("ffn_src_kernel_1(", start)]
+    guard = gather.index("< count_ptr[0])")
+    assert guard < gather.index("*(uint4*)(W_ug_local_ptr")  # weights are loaded only under the guard
+    assert "__shfl_down_sync" in gather
+
+
+def test_bad_arch_and_bad_arguments_are_clear_errors() -> None:
+    with pytest.raises(PiccError, match="GPU architecture 'sm_61' has no schedule"):
+        cuda_source(rms_norm("r", 1, 64, 1e-5), "sm_61")
+    k = build_host(rms_norm("r", 1, 64, 1e-5))
+    with pytest.raises(PiccError, match=r"x must be float32\[1, 64\], got float32\[64\]"):
+        k(x=np.zeros(64, np.float32), w=np.ones(64, np.float32))
+    with pytest.raises(PiccError, match="missing input w"):
+        k(x=np.zeros((1, 64), np.float32))
+
+
+# ---------------------------------------------------------------- on a real GPU
+
+
+def _cuda_device_present() -> bool:
+    import tvm
+
+    return bool(tvm.cuda(0).exist)
+
+
+def _gpu_cases() -> list[tuple[object, dict[str, np.ndarray], str]]:
+    """(kernel, inputs, output to compare) for the device test: the FFN, a GEMV, attention."""
+    rng = np.random.default_rng(10)
+    hidden, n_ff = 576, 1536
+    ffn = sparse_ffn("ffn_gpu", hidden, n_ff, "swiglu", "q4_0")
+    a_ug, _ = weight_args("W_ug", randn(rng, n_ff, 2, hidden, scale=0.05), "q4_0")
+    a_down, _ = weight_args("down", randn(rng, n_ff, hidden, scale=0.05), "q4_0")
+    idx = np.zeros(padded(n_ff), np.int32)
+    idx[:300] = np.sort(rng.choice(n_ff, 300, replace=False))
+    ffn_in = {"x": randn(rng, hidden), "idx": idx, "count": np.array([300], np.int32), **a_ug, **a_down}
+    lm = gemv("gemv_gpu", 4096, hidden, "f16", bias=True)
+    a_w, _ = weight_args("W", randn(rng, 4096, hidden), "f16")
+    lm_in = {"x": randn(rng, hidden), "b": randn(rng, 4096), **a_w}
+    attn = attention("attn_gpu", 1, 9, 3, 64, 256, 0.125)
+    attn_in = {"q": randn(rng, 1, 576), "pos": np.array([100], np.int32), "k_cache": randn(rng, 256, 192),
+               "v_cache": randn(rng, 256, 192)}
+    return [(ffn, ffn_in, "y"), (lm, lm_in, "y"), (attn, attn_in, "out")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_device_present(), reason="no CUDA device on this machine; the CUDA kernels only compile here")
+def test_cuda_kernels_match_host_builds_on_a_device() -> None:
+    import tvm
+
+    from picc.codegen_cuda import compile_cuda_module
+
+    dev = tvm.cuda(0)
+    version = int(dev.compute_version.replace(".", ""))
+    # Schedule for the newest supported architecture the device can run (e.g. sm_89 for sm_120).
+    arch = max((a for a in ARCHS if int(a[3:]) <= version), key=lambda a: int(a[3:]), default="sm_75")
+    for kernel, inputs, output in _gpu_cases():
+        host = build_host(kernel)(**inputs)[output]
+        lib = compile_cuda_module([kernel], arch)
+        tensors = [tvm.runtime.tensor(inputs[p.name] if p.name in inputs else np.zeros(p.shape, p.dtype), device=dev)
+                   for p in kernel.params]
+        lib[kernel.name](*tensors)
+        got = tensors[[p.name for p in kernel.params].index(output)].numpy()
+        assert rel_err(got, host) <= QUANT_TOL, kernel.name
