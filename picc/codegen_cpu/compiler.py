@@ -1,0 +1,134 @@
+"""Compiling kernel IR to machine code with llvmlite, and loading object code back.
+
+A :class:`CpuModule` owns an MCJIT execution engine. Function pointers it hands out are only
+valid while the module object lives: llvmlite frees the machine code with the engine, and a call
+through a dangling pointer is a segfault, so keep the module referenced (the ctypes functions it
+returns hold a reference back to it).
+
+``simd`` chooses the instruction set: ``"host"`` (this CPU and all its features), ``"avx512"``
+(x86-64-v4) or ``"avx2"`` (x86-64-v3: AVX2, FMA, F16C; no AVX-512, so the code runs on any
+Haswell-or-later x86). The object code of one SIMD level runs on every CPU that has its features.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+import llvmlite.binding as llvm
+
+from picc.errors import PiccError
+
+SIMD_CHOICES = ("host", "avx512", "avx2")
+_CPU_FOR_SIMD = {"avx512": "x86-64-v4", "avx2": "x86-64-v3"}
+
+_init_lock = threading.Lock()
+_initialized = False
+
+
+def _init_llvm() -> None:
+    global _initialized
+    with _init_lock:
+        if not _initialized:
+            llvm.initialize_native_target()
+            llvm.initialize_native_asmprinter()
+            _initialized = True
+
+
+def host_simd() -> str:
+    """``avx512`` when the host has AVX-512F, else ``avx2`` (what the kernels are tuned for)."""
+    _init_llvm()
+    return "avx512" if llvm.get_host_cpu_features().get("avx512f", False) else "avx2"
+
+
+def target_machine(simd: str = "host") -> llvm.TargetMachine:
+    """An LLVM target machine for ``simd`` (see the module docstring), optimising at -O3."""
+    _init_llvm()
+    if simd not in SIMD_CHOICES:
+        raise PiccError(f"codegen_cpu: simd {simd!r} is not supported; expected one of {', '.join(SIMD_CHOICES)}")
+    target = llvm.Target.from_triple(llvm.get_process_triple())
+    if simd == "host":
+        cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+    else:
+        cpu, features = _CPU_FOR_SIMD[simd], ""
+    return target.create_target_machine(cpu=cpu, features=features, opt=3, reloc="pic", codemodel="jitdefault")
+
+
+def effective_simd(simd: str) -> str:
+    """The SIMD level the kernels are generated for: ``host`` resolves to the host's level."""
+    return host_simd() if simd == "host" else simd
+
+
+class CpuModule:
+    """Machine code for one LLVM IR module (or one object file), loaded into this process.
+
+    ``CpuModule(ir_text, simd)`` parses, verifies and optimises the IR with LLVM's -O3 pipeline
+    (the new pass builder, which vectorises to the target's width) and JIT-compiles it.
+    ``CpuModule.from_object(obj, simd)`` loads object code made by :meth:`emit_object` instead.
+    """
+
+    def __init__(self, ir_text: str, simd: str = "host", *, optimize: bool = True) -> None:
+        self.simd = simd
+        self.source_ir = ir_text
+        self._tm = target_machine(simd)
+        try:
+            mod = llvm.parse_assembly(ir_text)
+            mod.verify()
+        except RuntimeError as e:
+            raise PiccError(f"codegen_cpu: the generated LLVM IR does not verify: {str(e).strip()}") from None
+        mod.triple = self._tm.triple
+        mod.data_layout = str(self._tm.target_data)
+        if optimize:
+            pto = llvm.create_pipeline_tuning_options(speed_level=3)
+            pto.loop_vectorization = True
+            pto.slp_vectorization = True
+            pb = llvm.create_pass_builder(self._tm, pto)
+            pb.getModulePassManager().run(mod, pb)
+        self._llvm_module = mod
+        self.ir = str(mod)
+        self._engine = llvm.create_mcjit_compiler(mod, self._tm)
+        self._engine.finalize_object()
+        self._objects: list[object] = []
+
+    @classmethod
+    def from_object(cls, obj: bytes, simd: str = "host") -> CpuModule:
+        """Load object code (from :meth:`emit_object`) into a fresh engine; no IR is compiled."""
+        self = cls.__new__(cls)
+        self.simd = simd
+        self.source_ir = ""
+        self.ir = ""
+        self._tm = target_machine(simd)
+        empty = llvm.parse_assembly("")
+        empty.triple = self._tm.triple
+        self._llvm_module = empty
+        self._engine = llvm.create_mcjit_compiler(empty, self._tm)
+        objf = llvm.ObjectFileRef.from_data(obj)
+        self._objects = [objf]  # the engine refers to it; keep it alive with the engine
+        self._engine.add_object_file(objf)
+        self._engine.finalize_object()
+        return self
+
+    def emit_object(self) -> bytes:
+        """The module's relocatable object code (ELF), loadable with :meth:`from_object`."""
+        if not self.ir:
+            raise PiccError("codegen_cpu: a module loaded from object code cannot emit it again")
+        return self._tm.emit_object(self._llvm_module)
+
+    def emit_assembly(self) -> str:
+        """The module's assembly, for reading what the kernels compiled to."""
+        return self._tm.emit_assembly(self._llvm_module)
+
+    def address(self, symbol: str) -> int:
+        """The address of function ``symbol``; a PiccError when the module has none."""
+        addr = self._engine.get_function_address(symbol)
+        if not addr:
+            raise PiccError(f"codegen_cpu: the compiled module has no function {symbol!r}")
+        return addr
+
+    def function(self, symbol: str, argtypes: Sequence[type]) -> ctypes._CFuncPtr:
+        """``symbol`` as a ctypes function returning void; it keeps this module alive."""
+        proto = ctypes.CFUNCTYPE(None, *argtypes)
+        fn = proto(self.address(symbol))
+        fn._picc_module = self  # type: ignore[attr-defined]  # the engine must outlive the pointer
+        return fn

@@ -1,0 +1,350 @@
+"""The fused sparse FFN of one device partition, and the activity predictor.
+
+``sparse_ffn`` computes ``y += sum_i h_i down_t[i, :] (+ down_bias)`` over the active neurons i
+of ``n``, where ``h_i`` is the form's activation of ``up[i] . x`` (and ``gate[i] . x``); the down
+projection is stored neuron-major (``down_t[n, hidden]``, row i = neuron i's column of down), so
+each active neuron is one AXPY. How the active set is known (``mode``):
+
+* ``predictor``: ``idx[0:count[0]]`` lists the active neurons (from :func:`predictor`).
+* ``dense``: every neuron.
+* ``gate-first``: ``act(gate[i] . x + gate_bias[i])`` for all rows; active where its magnitude
+  exceeds ``threshold`` (dReLU: where ``|h_i|`` does); up and down rows of the others are skipped.
+* ``down-only``: gate and up for all rows; down rows skipped where ``|h_i| <= threshold``.
+
+Phases (each thread, barriers between): [gate-first / down-only: the dense projections for rows
+``n*t/T..``, compacting the active rows of each chunk; then every thread takes its share of the
+concatenated list] -> for its share of active neurons, two at a time: the gathered dot products,
+``h``, and the AXPY into the thread's own f32 buffer (prefetching the rows of a later pair) ->
+barrier -> each
+thread sums the T buffers over its share of the columns into ``y`` (fixed order: deterministic).
+Neurons whose ``h`` is exactly 0 are not added (an exact skip that over-predicted ReLU rows earn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
+from picc.codegen_cpu.kernel import Kernel, kernel_fn
+from picc.codegen_cpu.rowops import check_dtype, emit_axpys, emit_dots, emit_row_bytes, zero_floats
+from picc.errors import PiccError
+
+
+@dataclass(frozen=True, slots=True)
+class Form:
+    """``h = act(gate) * up`` (gated), ``act(gate) * act(up)`` (act_on_up: dReLU), or ``act(up)``."""
+
+    gated: bool
+    act: str
+    act_on_up: bool = False
+
+
+# The same table as picc.ir.ops.FFN_FORMS (a test checks it); repeated so that loading compiled
+# kernels never needs the IR package.
+FORMS: dict[str, Form] = {
+    "relu": Form(False, "relu"), "silu": Form(False, "silu"), "gelu": Form(False, "gelu"),
+    "gelu_tanh": Form(False, "gelu_tanh"), "swiglu": Form(True, "silu"), "reglu": Form(True, "relu"),
+    "geglu": Form(True, "gelu"), "geglu_tanh": Form(True, "gelu_tanh"), "drelu": Form(True, "relu", True),
+}
+MODES = ("predictor", "dense", "gate-first", "down-only")
+
+FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
+              ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("idx", "ptr"), ("count", "ptr"),
+              ("scratch", "ptr"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"))
+PREDICT_PARAMS = (("x", "ptr"), ("fc1", "ptr"), ("b1", "ptr"), ("fc2", "ptr"), ("b2", "ptr"), ("idx", "ptr"),
+                  ("count", "ptr"), ("scratch", "ptr"), ("hidden", "i32"), ("rank", "i32"), ("n", "i32"),
+                  ("threshold", "f32"))
+_LINE = 64
+# Rows are prefetched this many pairs of neurons ahead: a pair of gathered rows is computed in less
+# than a memory round trip. Measured with bench/kernels.py (1 thread, SmolLM2 shape): 1 pair is
+# worse; 2, 4 and 8 are within noise of each other (4 slightly ahead for q4_0).
+_AHEAD = 4
+_V16 = vec(16)
+
+
+def _round(nbytes: int) -> int:
+    return -(-nbytes // _LINE) * _LINE
+
+
+def ffn_scratch_bytes(n: int, hidden: int, nthreads: int) -> int:
+    """Bytes of the ``scratch`` buffer :func:`sparse_ffn` needs (any mode) for ``nthreads`` threads."""
+    return nthreads * _round(4 * hidden) + 3 * _round(4 * n) + nthreads * _LINE
+
+
+def predictor_scratch_bytes(rank: int, n: int, nthreads: int) -> int:
+    """Bytes of the ``scratch`` buffer :func:`predictor` needs for ``nthreads`` threads."""
+    return _round(4 * rank) + _round(4 * n) + nthreads * _LINE
+
+
+def _round_ir(fn: Fn, nbytes: str) -> str:
+    return fn.v(f"and i64 {fn.v(f'add i64 {nbytes}, {_LINE - 1}', 'rb')}, {-_LINE}", "r64")
+
+
+def _plus_bias(fn: Fn, value: str, bias: str, i: str) -> str:
+    """``value + bias[i]``, or ``value`` when ``bias`` is null."""
+    out = fn.var(F32, value, "pb")
+    with fn.if_(fn.v(f"icmp ne ptr {bias}, null", "hasb")):
+        out.set(fn.v(f"fadd float {out.get()}, {fn.load(F32, fn.at(bias, 4, i), 4, 'b')}", "vb"))
+    return out.get()
+
+
+def _abs(fn: Fn, v: str) -> str:
+    return fn.v(f"call float @llvm.fabs.f32(float {v})", "abs")
+
+
+def _counts_total(fn: Fn, cnt: str, upto: str) -> str:
+    """``sum(cnt[s] for s < upto)`` (each count on its own cache line)."""
+    total = fn.var("i64", "0", "tot")
+    with fn.loop("0", upto, hint="s") as s:
+        c = fn.sext(fn.load("i32", fn.at(cnt, _LINE, s), 4, "c"))
+        total.set(fn.v(f"add i64 {total.get()}, {c}", "tot"))
+    return total.get()
+
+
+def _compact(fn: Fn, lo: str, seg: str, cnt: str, tid: str, rows: tuple[str, str], keep: Callable[[str], str]) -> None:
+    """For r in rows: when ``keep(r)`` (an i1) holds, append r to ``seg[lo:]``; then cnt[tid]."""
+    c = fn.var("i64", "0", "c")
+    with fn.loop(*rows, hint="r") as r, fn.if_(keep(r)):
+        cur = c.get()
+        fn.store("i32", fn.v(f"trunc i64 {r} to i32", "r32"), fn.at(seg, 4, fn.v(f"add i64 {lo}, {cur}", "sp")), 4)
+        c.set(fn.v(f"add i64 {cur}, 1", "c1"))
+    fn.store("i32", fn.v(f"trunc i64 {c.get()} to i32", "c32"), fn.at(cnt, _LINE, tid), 4)
+
+
+def _gather_share(fn: Fn, seg: str, cnt: str, lst: str, n: str, nthreads: str, k0: str, k1: str) -> None:
+    """Write ``lst[k0:k1]`` of the concatenation of each chunk's compacted rows (chunk s: ``seg[n*s/T:]``)."""
+    base = fn.var("i64", "0", "base")
+    with fn.loop("0", nthreads, hint="s") as s:
+        start = fn.v(f"sdiv i64 {fn.v(f'mul i64 {n}, {s}', 'ns')}, {nthreads}", "segs")
+        b = base.get()
+        c = fn.sext(fn.load("i32", fn.at(cnt, _LINE, s), 4, "c"))
+        end = fn.v(f"add i64 {b}, {c}", "end")
+        with fn.loop(fn.max64(k0, b), fn.min64(k1, end), hint="j") as j:
+            src = fn.v(f"add i64 {start}, {fn.v(f'sub i64 {j}, {b}', 'jo')}", "src")
+            fn.store("i32", fn.load("i32", fn.at(seg, 4, src), 4, "nid"), fn.at(lst, 4, j), 4)
+        base.set(end)
+
+
+def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, tid: str, nthreads: str) -> None:
+    """``y[j] += (ybuf_0[j] + ... + ybuf_{T-1}[j]) (+ bias[j])`` for this thread's columns."""
+    c0, c1 = chunk_bounds(fn, hidden, tid, nthreads, align=16)
+    width = fn.v(f"sub i64 {c1}, {c0}", "w")
+    c16 = fn.v(f"add i64 {c0}, {fn.v(f'and i64 {width}, -16', 'w16')}", "c16")
+    has_bias = fn.v(f"icmp ne ptr {bias}, null", "hasb")
+    for ty, lo, hi, step in ((_V16, c0, c16, "16"), (F32, c16, c1, "1")):
+        with fn.loop(lo, hi, step, "j") as j:
+            off = fn.v(f"shl i64 {j}, 2", "jo")
+            s = fn.var(ty, "zeroinitializer" if ty == _V16 else fconst(0.0), "s")
+            with fn.loop("0", nthreads, hint="t") as t:
+                p = fn.gep(fn.gep(ybufs, fn.v(f"mul i64 {t}, {ystride}", "to")), off)
+                s.set(fn.v(f"fadd {ty} {s.get()}, {fn.load(ty, p, 4, 'yt')}", "s"))
+            with fn.if_(has_bias):
+                s.set(fn.v(f"fadd {ty} {s.get()}, {fn.load(ty, fn.gep(bias, off), 4, 'b')}", "sb"))
+            yp = fn.gep(y, off, "yp")
+            fn.store(ty, fn.v(f"fadd {ty} {fn.load(ty, yp, 4, 'y')}, {s.get()}", "ynew"), yp, 4)
+
+
+@cache
+def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str) -> Kernel:
+    """The fused FFN kernel of ``mode`` and ``form`` for the given weight formats (see module doc).
+
+    ``scratch`` holds :func:`ffn_scratch_bytes` bytes. ``count`` is read in predictor mode and
+    written (the number of active neurons; for dReLU in gate-first mode, of those whose gate passed,
+before ``|h| > threshold`` is checked) in gate-first / down-only mode when not null.
+    """
+    if mode not in MODES:
+        raise PiccError(f"codegen_cpu: FFN mode {mode!r} is not one of {', '.join(MODES)}")
+    if form not in FORMS:
+        raise PiccError(f"codegen_cpu: FFN form {form!r} is not one of {', '.join(FORMS)}")
+    spec = FORMS[form]
+    if spec.gated != (gate_dtype is not None):
+        raise PiccError(f"codegen_cpu: FFN form {form!r} {'needs' if spec.gated else 'takes no'} gate weights")
+    if mode == "gate-first" and not spec.gated:
+        raise PiccError(f"codegen_cpu: FFN mode 'gate-first' needs a gated form, got {form!r}")
+    for d in (up_dtype, gate_dtype or "f32", down_dtype):
+        check_dtype(d)
+    symbol = f"picc_ffn_{mode.replace('-', '_')}_{form}_{up_dtype}_{gate_dtype or 'none'}_{down_dtype}"
+    act = f"@picc_act_{spec.act}"
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, FFN_PARAMS)
+        n, hidden = fn.sext("%n"), fn.sext("%hidden")
+        tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
+        rb_up, rb_down = emit_row_bytes(fn, up_dtype, hidden), emit_row_bytes(fn, down_dtype, hidden)
+        rb_gate = emit_row_bytes(fn, gate_dtype, hidden) if gate_dtype else None
+        ystride = _round_ir(fn, fn.v(f"shl i64 {hidden}, 2", "yb"))
+        nbytes = _round_ir(fn, fn.v(f"shl i64 {n}, 2", "nb"))
+        ybuf = fn.gep("%scratch", fn.v(f"mul i64 {tid}, {ystride}", "yo"), "ybuf")
+        vals = fn.gep("%scratch", fn.v(f"mul i64 {nthreads}, {ystride}", "vo"), "vals")
+        seg = fn.gep(vals, nbytes, "seg")
+        lst = fn.gep(seg, nbytes, "lst")
+        cnt = fn.gep(lst, nbytes, "cnt")
+        zero_floats(fn, ybuf, hidden)
+
+        def row(mat: str, rb: str, i: str) -> str:
+            return fn.gep(mat, fn.v(f"mul i64 {i}, {rb}", "ro"), "row")
+
+        def projection(mat: str, dtype: str, rb: str, bias: str, i: str) -> str:
+            (d,) = emit_dots(fn, [(dtype, row(mat, rb, i))], "%x", hidden, simd)
+            return _plus_bias(fn, d, bias, i)
+
+        def gate_act(i: str, g: str | None = None) -> str:
+            """act(gate[i] . x + gate_bias[i]); ``g`` is the dot product when already known."""
+            assert gate_dtype is not None and rb_gate is not None
+            if g is None:
+                g = projection("%gate", gate_dtype, rb_gate, "%gate_bias", i)
+            else:
+                g = _plus_bias(fn, g, "%gate_bias", i)
+            return fn.v(f"call float {act}(float {g})", "a")
+
+        def combine(a: str | None, u: str) -> str:
+            """h from act(gate) (None when not gated) and the up projection."""
+            if a is None:
+                return fn.v(f"call float {act}(float {u})", "h")
+            if spec.act_on_up:
+                u = fn.v(f"call float {act}(float {u})", "au")
+            return fn.v(f"fmul float {a}, {u}", "h")
+
+        # -- the active list: (list pointer or None for identity, total count)
+        thr = "%threshold"
+        if mode == "predictor":
+            listp, total = "%idx", fn.sext(fn.load("i32", "%count", 4, "count"))
+        elif mode == "dense":
+            listp, total = None, n
+        else:
+            lo, hi = chunk_bounds(fn, n, tid, nthreads)
+
+            def keep(r: str) -> str:
+                if mode == "gate-first":
+                    a = gate_act(r)
+                    # dReLU's score is |h|, decided after up; relu(g) = 0 already means h = 0.
+                    cut = fconst(0.0) if spec.act_on_up else thr
+                    fn.store(F32, a, fn.at(vals, 4, r), 4)
+                    return fn.v(f"fcmp ogt float {_abs(fn, a)}, {cut}", "keep")
+                a = gate_act(r) if spec.gated else None
+                h = combine(a, projection("%up", up_dtype, rb_up, "%up_bias", r))
+                fn.store(F32, h, fn.at(vals, 4, r), 4)
+                return fn.v(f"fcmp ogt float {_abs(fn, h)}, {thr}", "keep")
+
+            _compact(fn, lo, seg, cnt, tid, (lo, hi), keep)
+            fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+            total = _counts_total(fn, cnt, nthreads)
+            with fn.if_(fn.v(f"icmp eq i64 {tid}, 0", "t0")), fn.if_(fn.v("icmp ne ptr %count, null", "hc")):
+                fn.store("i32", fn.v(f"trunc i64 {total} to i32", "tot32"), "%count", 4)
+            listp = lst
+
+        k0, k1 = chunk_bounds(fn, total, tid, nthreads)
+        if listp == lst:
+            _gather_share(fn, seg, cnt, lst, n, nthreads, k0, k1)
+
+        def neuron(k: str) -> str:
+            if listp is None:
+                return k
+            return fn.sext(fn.load("i32", fn.at(listp, 4, k), 4, "nid"), "nid")
+
+        # Matrices whose rows each active neuron reads in the gather phase (dot products).
+        dotted = [] if mode == "down-only" else [("%up", up_dtype, rb_up)]
+        if mode in ("predictor", "dense") and gate_dtype is not None and rb_gate is not None:
+            dotted.append(("%gate", gate_dtype, rb_gate))
+
+        def h_values(ids: list[str], ahead: list[str] | None) -> list[str]:
+            """h of each neuron in ``ids``, prefetching the dotted rows of ``ahead``."""
+            if mode == "down-only":
+                return [fn.load(F32, fn.at(vals, 4, i), 4, "h") for i in ids]
+            rows = [(dt, row(mat, rb, i)) for i in ids for mat, dt, rb in dotted]
+            pf = [(dt, row(mat, rb, i)) for i in ahead or [] for mat, dt, rb in dotted]
+            sums = iter(emit_dots(fn, rows, "%x", hidden, simd, pf))
+            hs = []
+            for i in ids:
+                u = _plus_bias(fn, next(sums), "%up_bias", i)
+                if mode == "gate-first":
+                    a: str | None = fn.load(F32, fn.at(vals, 4, i), 4, "a")
+                else:
+                    a = gate_act(i, next(sums)) if spec.gated else None
+                h = combine(a, u)
+                if mode == "gate-first" and spec.act_on_up:  # dReLU: active when |h| > threshold
+                    h = fn.v(f"select i1 {fn.v(f'fcmp ogt float {_abs(fn, h)}, {thr}', 'live')}, "
+                             f"float {h}, float 0.0", "h")
+                hs.append(h)
+            return hs
+
+        def accumulate(ids: list[str], hs: list[str], ahead: list[str] | None) -> None:
+            """ybuf += sum h_i down_t[i] (skipped when every h is 0), prefetching ``ahead``'s rows."""
+            live = fn.v(f"fcmp one float {hs[0]}, 0.0", "live")
+            for h in hs[1:]:
+                live = fn.v(f"or i1 {live}, {fn.v(f'fcmp one float {h}, 0.0', 'nz')}", "live")
+            with fn.if_(live):
+                rows = [(down_dtype, row("%down", rb_down, i), h) for i, h in zip(ids, hs, strict=True)]
+                pf = [(down_dtype, row("%down", rb_down, i)) for i in ahead or []]
+                emit_axpys(fn, rows, ybuf, hidden, simd, pf)
+
+        # Neurons go in pairs: two rows of each matrix in flight, one pass over ybuf per pair,
+        # and the rows of the next pair prefetched along the way (gathered rows defeat the
+        # hardware prefetcher; contiguous ones, in dense mode, do not need it).
+        span = fn.v(f"sub i64 {k1}, {k0}", "span")
+        pairs_end = fn.v(f"add i64 {k0}, {fn.v(f'and i64 {span}, -2', 'even')}", "pend")
+        last = fn.v(f"sub i64 {k1}, 1", "last")
+        with fn.loop(k0, pairs_end, "2", "k") as k:
+            ids = [neuron(k), neuron(fn.v(f"add i64 {k}, 1", "k1"))]
+            ahead = None
+            if listp is not None:
+                ahead = [neuron(fn.min64(fn.v(f"add i64 {k}, {d}", "kd"), last)) for d in (2 * _AHEAD, 2 * _AHEAD + 1)]
+            accumulate(ids, h_values(ids, ahead), ahead)
+        with fn.loop(pairs_end, k1, hint="k") as k:
+            ids = [neuron(k)]
+            accumulate(ids, h_values(ids, None), None)
+        fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+        _reduce(fn, fn.gep("%scratch", "0"), ystride, "%y", "%down_bias", hidden, tid, nthreads)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, FFN_PARAMS, emit, sparse_ffn.__doc__ or "")
+
+
+@cache
+def predictor(fc1_dtype: str, fc2_dtype: str) -> Kernel:
+    """``idx[0:count] = {i : fc2[i] . relu(fc1 x + b1) + b2[i] > threshold}`` in increasing order.
+
+    fc1 is [rank, hidden], fc2 [n, rank]; biases may be null. ``scratch`` holds
+    :func:`predictor_scratch_bytes` bytes. Threads split fc1's rows, then fc2's rows, then each
+    copies its chunk's hits to their place in ``idx``.
+    """
+    for d in (fc1_dtype, fc2_dtype):
+        if d not in ("f32", "f16"):
+            raise PiccError(f"codegen_cpu: predictor weights must be f32 or f16, got {d!r}")
+    symbol = f"picc_predict_{fc1_dtype}_{fc2_dtype}"
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, PREDICT_PARAMS)
+        hidden, rank, n = fn.sext("%hidden"), fn.sext("%rank"), fn.sext("%n")
+        tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
+        hid = fn.gep("%scratch", "0", "hid")
+        seg = fn.gep(hid, _round_ir(fn, fn.v(f"shl i64 {rank}, 2", "rb")), "seg")
+        cnt = fn.gep(seg, _round_ir(fn, fn.v(f"shl i64 {n}, 2", "nb")), "cnt")
+        rb1, rb2 = emit_row_bytes(fn, fc1_dtype, hidden), emit_row_bytes(fn, fc2_dtype, rank)
+        lo, hi = chunk_bounds(fn, rank, tid, nthreads)
+        with fn.loop(lo, hi, hint="r") as r:
+            (d,) = emit_dots(fn, [(fc1_dtype, fn.gep("%fc1", fn.v(f"mul i64 {r}, {rb1}", "ro")))], "%x", hidden, simd)
+            fn.store(F32, fn.v(f"call float @picc_act_relu(float {_plus_bias(fn, d, '%b1', r)})", "hr"),
+                     fn.at(hid, 4, r), 4)
+        fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+        lo2, hi2 = chunk_bounds(fn, n, tid, nthreads)
+
+        def keep(i: str) -> str:
+            (d,) = emit_dots(fn, [(fc2_dtype, fn.gep("%fc2", fn.v(f"mul i64 {i}, {rb2}", "ro")))], hid, rank, simd)
+            return fn.v(f"fcmp ogt float {_plus_bias(fn, d, '%b2', i)}, %threshold", "hit")
+
+        _compact(fn, lo2, seg, cnt, tid, (lo2, hi2), keep)
+        fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+        base = _counts_total(fn, cnt, tid)
+        mine = fn.sext(fn.load("i32", fn.at(cnt, _LINE, tid), 4, "mine"))
+        fn.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr align 4 {fn.at('%idx', 4, base)}, "
+                f"ptr align 4 {fn.at(seg, 4, lo2)}, i64 {fn.v(f'shl i64 {mine}, 2', 'cb')}, i1 false)")
+        with fn.if_(fn.v(f"icmp eq i64 {tid}, 0", "t0")):
+            fn.store("i32", fn.v(f"trunc i64 {_counts_total(fn, cnt, nthreads)} to i32", "t32"), "%count", 4)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, PREDICT_PARAMS, emit, predictor.__doc__ or "")

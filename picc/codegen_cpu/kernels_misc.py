@@ -1,0 +1,258 @@
+"""Small kernels of a decoder step: norms, rotary embedding, residual add, activations, argmax.
+
+Semantics follow ``picc.interpreter`` (the numpy oracle) operation for operation: RMSNorm is
+``x / sqrt(mean(x^2) + eps) * w``; LayerNorm ``(x - mean) / sqrt(var + eps) * w + b``; rotary
+embedding rotates ``(a, b) -> (a cos - b sin, b cos + a sin)`` at angle ``pos * inv_freq[i]``
+computed in float32, pairing feature i with i + rotary_dim/2 (``llama``) or 2i with 2i + 1
+(``gptj``). Row-wise kernels split rows (``seq``) over threads; elementwise ones split elements.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
+from picc.codegen_cpu.kernel import Kernel, kernel_fn
+from picc.codegen_cpu.kernels_ffn import FORMS
+from picc.errors import PiccError
+
+V16 = vec(16)
+
+NORM_PARAMS = (("x", "ptr"), ("weight", "ptr"), ("bias", "ptr"), ("out", "ptr"), ("seq", "i32"), ("n", "i32"),
+               ("eps", "f32"))
+ROPE_PARAMS = (("x", "ptr"), ("freq", "ptr"), ("seq", "i32"), ("pos", "i32"), ("n_heads", "i32"),
+               ("head_dim", "i32"), ("rotary_dim", "i32"))
+ROPE_TABLE_PARAMS = (("x", "ptr"), ("cos", "ptr"), ("sin", "ptr"), ("seq", "i32"), ("pos", "i32"),
+                     ("n_heads", "i32"), ("head_dim", "i32"), ("rotary_dim", "i32"))
+BINARY_PARAMS = (("a", "ptr"), ("b", "ptr"), ("out", "ptr"), ("n", "i32"))
+ARGMAX_PARAMS = (("x", "ptr"), ("out", "ptr"), ("n", "i32"))
+
+
+def vector_sum(fn: Fn, base: str, n: str, term: str | None = None) -> str:
+    """``sum_j f(base[j])`` for j < n (i64) with f the identity, or ``(x - c)^2`` / ``x^2``.
+
+    ``term``: None sums x, ``"sq"`` sums x*x, any other value c sums (x - c)^2. Sixteen lanes in
+    a fixed order, then the tail: the same on every SIMD level.
+    """
+    def f(ty: str, x: str, c: str | None) -> str:
+        if term is None:
+            return x
+        if term != "sq":
+            x = fn.v(f"fsub {ty} {x}, {c}", "dx")
+        return fn.v(f"fmul {ty} {x}, {x}", "sq")
+
+    n16 = fn.v(f"and i64 {n}, -16", "n16")
+    cv = fn.splat(16, term) if term not in (None, "sq") else None
+    acc = fn.var(V16, "zeroinitializer", "acc")
+    with fn.loop("0", n16, "16", "j") as j:
+        acc.set(fn.v(f"fadd {V16} {acc.get()}, {f(V16, fn.load(V16, fn.at(base, 4, j), 4, 'x'), cv)}", "acc"))
+    total = fn.var(F32, fn.hsum(16, acc.get()), "sum")
+    with fn.loop(n16, n, "1", "j") as j:
+        total.set(fn.v(f"fadd float {total.get()}, {f(F32, fn.load(F32, fn.at(base, 4, j), 4, 'x'), term)}", "sum"))
+    return total.get()
+
+
+def _norm(kind: str) -> Kernel:
+    symbol = f"picc_{kind}"
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, NORM_PARAMS)
+        seq, n = fn.sext("%seq"), fn.sext("%n")
+        nf = fn.v(f"sitofp i64 {n} to float", "nf")
+        lo, hi = chunk_bounds(fn, seq, fn.sext("%tid"), fn.sext("%nthreads"))
+        with fn.loop(lo, hi, hint="s") as s:
+            off = fn.v(f"mul i64 {s}, {fn.v(f'shl i64 {n}, 2', 'rb')}", "off")
+            x, out = fn.gep("%x", off, "xr"), fn.gep("%out", off, "or")
+            if kind == "rms_norm":
+                center = None
+                ms = fn.v(f"fdiv float {vector_sum(fn, x, n, 'sq')}, {nf}", "ms")
+            else:
+                center = fn.v(f"fdiv float {vector_sum(fn, x, n)}, {nf}", "mean")
+                ms = fn.v(f"fdiv float {vector_sum(fn, x, n, center)}, {nf}", "var")
+            denom = fn.v(f"call float @llvm.sqrt.f32(float {fn.v(f'fadd float {ms}, %eps', 'mse')})", "den")
+            has_bias = fn.v("icmp ne ptr %bias, null", "hasb")
+            with fn.loop("0", n, hint="j") as j:
+                v = fn.load(F32, fn.at(x, 4, j), 4, "x")
+                if center is not None:
+                    v = fn.v(f"fsub float {v}, {center}", "xc")
+                v = fn.v(f"fmul float {fn.v(f'fdiv float {v}, {denom}', 'xn')}, "
+                         f"{fn.load(F32, fn.at('%weight', 4, j), 4, 'w')}", "y")
+                y = fn.var(F32, v, "y")
+                with fn.if_(has_bias):
+                    y.set(fn.v(f"fadd float {y.get()}, {fn.load(F32, fn.at('%bias', 4, j), 4, 'b')}", "yb"))
+                fn.store(F32, y.get(), fn.at(out, 4, j), 4)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, NORM_PARAMS, emit)
+
+
+@cache
+def rms_norm() -> Kernel:
+    """``out[s] = x[s] / sqrt(mean(x[s]^2) + eps) * weight (+ bias)`` per row (f32; bias may be null)."""
+    return _norm("rms_norm")
+
+
+@cache
+def layer_norm() -> Kernel:
+    """``out[s] = (x[s] - mean) / sqrt(var + eps) * weight + bias`` per row (bias may be null)."""
+    return _norm("layer_norm")
+
+
+@cache
+def rope(style: str, source: str = "freq") -> Kernel:
+    """Rotary embedding of ``x[seq, n_heads * head_dim]`` in place, row s at position ``pos + s``.
+
+    ``source="freq"``: angle ``i`` is ``float(pos + s) * freq[i]`` (``freq`` = inv_freq, f32
+    [rotary_dim / 2]), cos / sin from the C library. ``source="table"``: ``cos`` and ``sin`` are
+    f32 tables [positions, rotary_dim / 2], row ``pos + s`` is used. q and k of the same token can
+    be rotated in one call when they are adjacent in memory (n_heads = q heads + k heads).
+    """
+    if style not in ("llama", "gptj"):
+        raise PiccError(f"codegen_cpu: rope style {style!r} is not one of llama, gptj")
+    if source not in ("freq", "table"):
+        raise PiccError(f"codegen_cpu: rope source {source!r} is not one of freq, table")
+    params = ROPE_PARAMS if source == "freq" else ROPE_TABLE_PARAMS
+    symbol = f"picc_rope_{style}_{source}"
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, params)
+        seq, heads, hd, rot = (fn.sext(f"%{n}") for n in ("seq", "n_heads", "head_dim", "rotary_dim"))
+        half = fn.v(f"lshr i64 {rot}, 1", "half")
+        width = fn.v(f"mul i64 {heads}, {hd}", "width")
+        lo, hi = chunk_bounds(fn, seq, fn.sext("%tid"), fn.sext("%nthreads"))
+        with fn.loop(lo, hi, hint="s") as s:
+            p = fn.v(f"add i64 {fn.sext('%pos')}, {s}", "p")
+            row = fn.gep("%x", fn.v(f"mul i64 {s}, {fn.v(f'shl i64 {width}, 2', 'rb')}", "ro"), "xr")
+            with fn.loop("0", half, hint="i") as i:
+                if source == "freq":
+                    angle = fn.v(f"fmul float {fn.v(f'sitofp i64 {p} to float', 'pf')}, "
+                                 f"{fn.load(F32, fn.at('%freq', 4, i), 4, 'f')}", "ang")
+                    c = fn.v(f"call float @cosf(float {angle})", "cos")
+                    sn = fn.v(f"call float @sinf(float {angle})", "sin")
+                else:
+                    t = fn.v(f"add i64 {fn.v(f'mul i64 {p}, {half}', 'tp')}, {i}", "ti")
+                    c, sn = fn.load(F32, fn.at("%cos", 4, t), 4, "cos"), fn.load(F32, fn.at("%sin", 4, t), 4, "sin")
+                if style == "llama":
+                    ia, ib = i, fn.v(f"add i64 {i}, {half}", "ib")
+                else:
+                    ia = fn.v(f"shl i64 {i}, 1", "ia")
+                    ib = fn.v(f"add i64 {ia}, 1", "ib")
+                with fn.loop("0", heads, hint="h") as h:
+                    base = fn.v(f"mul i64 {h}, {hd}", "hb")
+                    pa = fn.at(row, 4, fn.v(f"add i64 {base}, {ia}", "ja"))
+                    pb = fn.at(row, 4, fn.v(f"add i64 {base}, {ib}", "jb"))
+                    a, b = fn.load(F32, pa, 4, "a"), fn.load(F32, pb, 4, "b")
+                    ac, bs = fn.v(f"fmul float {a}, {c}", "ac"), fn.v(f"fmul float {b}, {sn}", "bs")
+                    bc, as_ = fn.v(f"fmul float {b}, {c}", "bc"), fn.v(f"fmul float {a}, {sn}", "as")
+                    ra = fn.v(f"fsub float {ac}, {bs}", "ra")
+                    rb = fn.v(f"fadd float {bc}, {as_}", "rb")
+                    fn.store(F32, ra, pa, 4)
+                    fn.store(F32, rb, pb, 4)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, params, emit, rope.__doc__ or "")
+
+
+def _elementwise(symbol: str, combine: str) -> Kernel:
+    """``out[j] = combine(a[j], b[j])`` split over threads in 16-float chunks; ``combine`` is a
+    format string over ``{ty} {a} {b}`` producing one instruction (or a call for scalars)."""
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, BINARY_PARAMS)
+        lo, hi = chunk_bounds(fn, fn.sext("%n"), fn.sext("%tid"), fn.sext("%nthreads"), align=16)
+        width = fn.v(f"sub i64 {hi}, {lo}", "w")
+        n16 = fn.v(f"add i64 {lo}, {fn.v(f'and i64 {width}, -16', 'w16')}", "n16")
+        for ty, start, stop, step in ((V16, lo, n16, "16"), (F32, n16, hi, "1")):
+            with fn.loop(start, stop, step, "j") as j:
+                a, b = fn.load(ty, fn.at("%a", 4, j), 4, "a"), fn.load(ty, fn.at("%b", 4, j), 4, "b")
+                fn.store(ty, fn.v(combine.format(ty=ty, a=a, b=b), "r"), fn.at("%out", 4, j), 4)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, BINARY_PARAMS, emit)
+
+
+@cache
+def add() -> Kernel:
+    """``out[j] = a[j] + b[j]`` for j < n (f32; out may be a or b): the residual add."""
+    return _elementwise("picc_add", "fadd {ty} {a}, {b}")
+
+
+@cache
+def mul() -> Kernel:
+    """``out[j] = a[j] * b[j]`` for j < n (f32)."""
+    return _elementwise("picc_mul", "fmul {ty} {a}, {b}")
+
+
+@cache
+def ffn_activation(form: str) -> Kernel:
+    """``out[j] = h`` of FFN ``form`` from ``a = gate[j]`` and ``b = up[j]`` (``act(b)`` for the
+    ungated forms, where ``a`` is ignored): the dense FFN's middle in prefill."""
+    if form not in FORMS:
+        raise PiccError(f"codegen_cpu: FFN form {form!r} is not one of {', '.join(FORMS)}")
+    spec = FORMS[form]
+    symbol = f"picc_ffn_act_{form}"
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, BINARY_PARAMS)
+        lo, hi = chunk_bounds(fn, fn.sext("%n"), fn.sext("%tid"), fn.sext("%nthreads"), align=16)
+        act = f"@picc_act_{spec.act}"
+        with fn.loop(lo, hi, hint="j") as j:
+            u = fn.load(F32, fn.at("%b", 4, j), 4, "u")
+            if spec.gated:
+                a = fn.v(f"call float {act}(float {fn.load(F32, fn.at('%a', 4, j), 4, 'g')})", "ag")
+                if spec.act_on_up:
+                    u = fn.v(f"call float {act}(float {u})", "au")
+                h = fn.v(f"fmul float {a}, {u}", "h")
+            else:
+                h = fn.v(f"call float {act}(float {u})", "h")
+            fn.store(F32, h, fn.at("%out", 4, j), 4)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, BINARY_PARAMS, emit, ffn_activation.__doc__ or "")
+
+
+@cache
+def argmax() -> Kernel:
+    """``out[0] = `` the first index of the largest of ``x[0:n]`` (thread 0 only; NaNs ignored)."""
+    symbol = "picc_argmax"
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, ARGMAX_PARAMS)
+        n = fn.sext("%n")
+        with fn.if_(fn.v("icmp eq i32 %tid, 0", "t0")):
+            # Pass 1: the maximum, 16 lanes wide; pass 2: the first index holding it.
+            n16 = fn.v(f"and i64 {n}, -16", "n16")
+            ninf = fconst(float("-inf"))
+            best = fn.var(V16, fn.splat(16, ninf), "best")
+            with fn.loop("0", n16, "16", "j") as j:
+                best.set(fn.v(f"call {V16} @llvm.maxnum.v16f32({V16} {best.get()}, "
+                              f"{V16} {fn.load(V16, fn.at('%x', 4, j), 4, 'x')})", "best"))
+            top = fn.var(F32, fn.v(f"call float @llvm.vector.reduce.fmax.v16f32({V16} {best.get()})", "top"), "top")
+            with fn.loop(n16, n, hint="j") as j:
+                top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, "
+                             f"float {fn.load(F32, fn.at('%x', 4, j), 4, 'x')})", "top"))
+            found = fn.var("i64", "0", "found")
+            m = top.get()
+            scan, hit, done = fn.label("scan"), fn.label("hit"), fn.label("found")
+            fn.br(scan)
+            fn.start(scan)
+            j = found.get("j")
+            at_end = fn.v(f"icmp sge i64 {j}, {n}", "end")
+            fn.cbr(at_end, done, hit)
+            fn.start(hit)
+            is_top = fn.v(f"fcmp oeq float {fn.load(F32, fn.at('%x', 4, j), 4, 'x')}, {m}", "eq")
+            found.set(fn.v(f"select i1 {is_top}, i64 {j}, i64 {fn.v(f'add i64 {j}, 1', 'j1')}", "j"))
+            fn.cbr(is_top, done, scan)
+            fn.start(done)
+            idx = fn.var("i64", found.get(), "idx")
+            with fn.if_(fn.v(f"icmp sge i64 {idx.get()}, {n}", "none")):
+                idx.set("0")
+            fn.store("i32", fn.v(f"trunc i64 {idx.get()} to i32", "i32"), "%out", 4)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, ARGMAX_PARAMS, emit, argmax.__doc__ or "")

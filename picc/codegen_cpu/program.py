@@ -1,0 +1,143 @@
+"""Programs: a sequence of kernel calls compiled into ONE function that every thread runs.
+
+A decode step is dozens of kernels; calling each from Python (and handing it to the threads) would
+cost more than the kernels. A :class:`Program` lists the calls with their arguments and becomes
+``void name(ptr bufs, i32 tid, i32 nthreads)``; all threads call it once per step and meet at a
+barrier (on ``bufs[sync]``) after each call, so each kernel sees the previous one's results.
+
+Arguments name memory by index into the ``bufs`` table (an array of pointers the caller fills
+once, e.g. weights, activations, scratch, KV cache), so the same compiled step serves every
+token; values that change per token (the position) are read at run time from an i32 buffer with
+:class:`Param`. Example::
+
+    prog = Program("decode_step", sync=0)
+    prog.call(rms_norm(), Buf(X), Buf(NORM_W), Null(), Buf(H), 1, 576, 1e-5)
+    prog.call(attention(), ..., Param(PARAMS, 0), ...)   # pos = params[0]
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from picc.codegen_cpu.irtext import fconst
+from picc.codegen_cpu.kernel import KIND_TYPES, Kernel
+from picc.errors import PiccError
+
+
+@dataclass(frozen=True, slots=True)
+class Buf:
+    """The pointer ``bufs[index] + offset`` (bytes)."""
+
+    index: int
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """An i32 read when the step runs: ``((int32 *) bufs[buffer])[slot]``."""
+
+    buffer: int
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Null:
+    """A null pointer (an absent bias, an unused list)."""
+
+
+Arg = Buf | Param | Null | int | float
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    kernel: Kernel
+    args: tuple[Arg, ...]
+    barrier_after: bool
+
+
+class Program:
+    """A step function under construction; ``sync`` is the index of the barrier-state buffer."""
+
+    def __init__(self, name: str, *, sync: int = 0) -> None:
+        self.name = name
+        self.sync = sync
+        self.calls: list[Call] = []
+
+    def call(self, kernel: Kernel, *args: Arg, barrier_after: bool = True) -> None:
+        """Append a call of ``kernel`` with one argument per :attr:`Kernel.params`.
+
+        ``barrier_after=False`` lets the next call start without waiting; only safe when it reads
+        nothing this call writes.
+        """
+        if len(args) != len(kernel.params):
+            names = ", ".join(n for n, _ in kernel.params)
+            raise PiccError(f"codegen_cpu: {kernel.symbol} takes {len(kernel.params)} arguments ({names}), "
+                            f"got {len(args)}")
+        wanted = {"ptr": "a Buf or Null", "i32": "an int or Param", "f32": "a float"}
+        for (name, kind), arg in zip(kernel.params, args, strict=True):
+            ok = {"ptr": isinstance(arg, Buf | Null),
+                  "i32": isinstance(arg, Param) or (isinstance(arg, int) and not isinstance(arg, bool)),
+                  "f32": isinstance(arg, float | int) and not isinstance(arg, bool)}[kind]
+            if not ok:
+                raise PiccError(f"codegen_cpu: {kernel.symbol} argument {name} must be {wanted[kind]}, got {arg!r}")
+        self.calls.append(Call(kernel, tuple(args), barrier_after))
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return [c.kernel for c in self.calls]
+
+    def emit(self) -> str:
+        """IR text of the step function (the kernels themselves are emitted by the module)."""
+        lines = [f"define void @{self.name}(ptr %bufs, i32 %tid, i32 %nthreads) #0 {{", "entry:"]
+        count = 0
+
+        def tmp(expr: str) -> str:
+            nonlocal count
+            count += 1
+            lines.append(f"  %v{count} = {expr}")
+            return f"%v{count}"
+
+        def buf(index: int) -> str:
+            slot = tmp(f"getelementptr inbounds ptr, ptr %bufs, i64 {index}")
+            return tmp(f"load ptr, ptr {slot}, align 8")
+
+        sync = buf(self.sync)
+        for n, call in enumerate(self.calls):
+            lines.append(f"  ; {n}: {call.kernel.symbol}")
+            values = []
+            for (_, kind), arg in zip(call.kernel.params, call.args, strict=True):
+                ty = KIND_TYPES[kind]
+                if isinstance(arg, Null):
+                    values.append(f"{ty} null")
+                elif isinstance(arg, Buf):
+                    base = buf(arg.index)
+                    ptr = tmp(f"getelementptr inbounds i8, ptr {base}, i64 {arg.offset}") if arg.offset else base
+                    values.append(f"{ty} {ptr}")
+                elif isinstance(arg, Param):
+                    p = tmp(f"getelementptr inbounds i32, ptr {buf(arg.buffer)}, i64 {arg.slot}")
+                    values.append(f"{ty} {tmp(f'load i32, ptr {p}, align 4')}")
+                elif kind == "f32":
+                    values.append(f"{ty} {fconst(float(arg))}")
+                else:
+                    values.append(f"{ty} {int(arg)}")
+            values += ["i32 %tid", "i32 %nthreads", f"ptr {sync}"]
+            lines.append(f"  call void @{call.kernel.symbol}({', '.join(values)})")
+            if call.barrier_after and n + 1 < len(self.calls):
+                lines.append(f"  call void @picc_barrier(ptr {sync}, i32 %nthreads)")
+        lines += ["  ret void", "}", ""]
+        return "\n".join(lines)
+
+
+def buffer_table(buffers: Sequence[np.ndarray | int | None]) -> ctypes.Array:
+    """The ``bufs`` array of a step: numpy arrays (their data pointer), raw addresses or None.
+
+    The caller must keep the arrays alive while the table is used.
+    """
+    table = (ctypes.c_void_p * len(buffers))()
+    for i, b in enumerate(buffers):
+        table[i] = None if b is None else b if isinstance(b, int) else b.ctypes.data
+    return table

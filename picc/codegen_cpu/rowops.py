@@ -1,0 +1,249 @@
+"""IR emitters for the row operations every matrix kernel is built from, in every weight format.
+
+A *row* of a weight matrix is ``k`` logical elements stored in one of the formats below; rows are
+stored back to back (``row_bytes(dtype, k)`` apart). The block formats are GGUF's: 32 elements per
+block, an f16 scale first::
+
+    q8_0  34 B: f16 d, 32 x int8 q                      w = d * q
+    q4_0  18 B: f16 d, 16 B nibbles                     w = d * (q - 8)
+    q4_1  20 B: f16 d, f16 m, 16 B nibbles              w = d * q + m
+
+Byte j of a nibble block holds element j (low nibble) and element j + 16 (high nibble).
+
+Rows are processed a block of 32 elements at a time, as two ``<16 x float>`` halves (one AVX-512
+register, two AVX2 ones). Dot products keep two accumulators per row: for plain formats the low
+and high halves; for block formats ``sum_b d_b (q_b . x_b)`` and, for q4_1, ``sum_b m_b (sum x_b)``
+(the scale is applied once per block, not per element). Several rows share each load of ``x``, so
+the FMA chains of different rows overlap. The order of every sum is fixed in the IR (no fast-math
+flags), so AVX2 and AVX-512 builds compute the same bits.
+
+q4_0 / q4_1 nibbles become floats through a 16-entry table (``vpermps``) on AVX-512, through
+integer arithmetic and a conversion elsewhere; both give exactly ``q - 8`` (or ``q``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
+from picc.errors import PiccError
+
+BLOCK = 32
+V16 = vec(16)
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+ELEMENT_BYTES = {"f32": 4, "f16": 2}
+WEIGHT_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in WEIGHT_DTYPES:
+        raise PiccError(f"codegen_cpu: weight dtype {dtype!r} is not supported; expected one of "
+                        f"{', '.join(WEIGHT_DTYPES)}")
+
+
+def is_blocked(dtype: str) -> bool:
+    return dtype in BLOCK_BYTES
+
+
+def block_bytes(dtype: str) -> int:
+    """Bytes of 32 consecutive elements of a row."""
+    return BLOCK_BYTES[dtype] if is_blocked(dtype) else BLOCK * ELEMENT_BYTES[dtype]
+
+
+def row_bytes(dtype: str, k: int) -> int:
+    """Bytes of one row of ``k`` elements (``k`` a multiple of 32 for block formats)."""
+    check_dtype(dtype)
+    if is_blocked(dtype):
+        if k % BLOCK:
+            raise PiccError(f"codegen_cpu: a {dtype} row needs a multiple of 32 elements, got {k}")
+        return k // BLOCK * BLOCK_BYTES[dtype]
+    return k * ELEMENT_BYTES[dtype]
+
+
+def emit_row_bytes(fn: Fn, dtype: str, k: str) -> str:
+    """IR for :func:`row_bytes` of an i64 ``k``."""
+    if is_blocked(dtype):
+        return fn.v(f"mul i64 {fn.v(f'lshr i64 {k}, 5', 'nb')}, {BLOCK_BYTES[dtype]}", "rowb")
+    return fn.v(f"mul i64 {k}, {ELEMENT_BYTES[dtype]}", "rowb")
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One block of a row: the two halves (unscaled quants for block formats), scale and minimum."""
+
+    lo: str
+    hi: str
+    d: str | None = None
+    m: str | None = None
+
+
+def _half(fn: Fn, ptr: str) -> str:
+    return fn.v(f"fpext half {fn.load('half', ptr, 1, 'h')} to float", "d")
+
+
+def _nibble_floats(fn: Fn, qptr: str, signed: bool, simd: str) -> tuple[str, str]:
+    """The low and high nibbles of 16 bytes as floats (``q - 8`` when ``signed``)."""
+    raw = fn.load(vec(16, "i8"), qptr, 1, "nib")
+    wide = fn.v(f"zext {vec(16, 'i8')} {raw} to {vec(16, 'i32')}", "nibw")
+    hi_i = fn.v(f"lshr {vec(16, 'i32')} {wide}, {vconst(16, '4', 'i32')}", "hi4")
+    if simd == "avx512":
+        # vpermps reads only the low 4 bits of each index: the table lookup is the conversion.
+        table = "<" + ", ".join(f"float {fconst(q - 8 if signed else q)}" for q in range(16)) + ">"
+        return tuple(fn.v(f"call {V16} @llvm.x86.avx512.permvar.sf.512({V16} {table}, {vec(16, 'i32')} {i})", "qf")
+                     for i in (wide, hi_i))  # type: ignore[return-value]
+    lo_i = fn.v(f"and {vec(16, 'i32')} {wide}, {vconst(16, '15', 'i32')}", "lo4")
+    out = []
+    for i in (lo_i, hi_i):
+        if signed:
+            i = fn.v(f"sub {vec(16, 'i32')} {i}, {vconst(16, '8', 'i32')}", "qs")
+        out.append(fn.v(f"sitofp {vec(16, 'i32')} {i} to {V16}", "qf"))
+    return out[0], out[1]
+
+
+def load_block(fn: Fn, dtype: str, row: str, b: str, simd: str) -> Block:
+    """Block ``b`` (i64) of ``row``."""
+    bptr = fn.at(row, block_bytes(dtype), b, "blk")
+    if dtype in ("f32", "f16"):
+        ty = F32 if dtype == "f32" else "half"
+        size = 4 if dtype == "f32" else 2
+        halves = [fn.load(vec(16, ty), fn.gep(bptr, str(16 * size * h)), size, "w") for h in (0, 1)]
+        if dtype == "f16":
+            halves = [fn.v(f"fpext {vec(16, 'half')} {w} to {V16}", "w") for w in halves]
+        return Block(halves[0], halves[1])
+    d = _half(fn, bptr)
+    if dtype == "q8_0":
+        lo, hi = (fn.v(f"sitofp {vec(16, 'i8')} {fn.load(vec(16, 'i8'), fn.gep(bptr, str(2 + 16 * h)), 1, 'q8')} "
+                       f"to {V16}", "qf") for h in (0, 1))
+        return Block(lo, hi, d)
+    if dtype == "q4_0":
+        lo, hi = _nibble_floats(fn, fn.gep(bptr, "2"), True, simd)
+        return Block(lo, hi, d)
+    lo, hi = _nibble_floats(fn, fn.gep(bptr, "4"), False, simd)
+    return Block(lo, hi, d, _half(fn, fn.gep(bptr, "2")))
+
+
+def dequantized(fn: Fn, blk: Block) -> tuple[str, str]:
+    """The block's f32 values, computed exactly as ``picc.quant.dequantize`` (``d * q (+ m)``)."""
+    if blk.d is None:
+        return blk.lo, blk.hi
+    ds = fn.splat(16, blk.d)
+    out = [fn.v(f"fmul {V16} {q}, {ds}", "w") for q in (blk.lo, blk.hi)]
+    if blk.m is not None:
+        ms = fn.splat(16, blk.m)
+        out = [fn.v(f"fadd {V16} {w}, {ms}", "w") for w in out]
+    return out[0], out[1]
+
+
+def _load_element(fn: Fn, dtype: str, row: str, j: str) -> str:
+    """Element ``j`` of a plain (f32 / f16) row as a float."""
+    if dtype == "f32":
+        return fn.load(F32, fn.at(row, 4, j), 4, "e")
+    return fn.v(f"fpext half {fn.load('half', fn.at(row, 2, j), 2, 'e16')} to float", "e")
+
+
+def _prefetch_block(fn: Fn, dtype: str, row: str, b: str) -> None:
+    """Prefetch the cache lines of block ``b`` of ``row`` (one per 64 bytes; blocks under 64
+    bytes get one each, which covers every line since consecutive blocks are < 64 bytes apart)."""
+    bb = block_bytes(dtype)
+    start = fn.v(f"mul i64 {b}, {bb}", "pfo")
+    for off in range(0, bb, 64):
+        p = fn.gep(row, fn.v(f"add i64 {start}, {off}", "pfo") if off else start, "pfp")
+        fn.emit(f"call void @llvm.prefetch.p0(ptr {p}, i32 0, i32 3, i32 1)")
+
+
+Prefetch = list[tuple[str, str]]
+"""Rows to prefetch alongside a loop over blocks: ``(dtype, row pointer)``."""
+
+
+def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
+              prefetch: Prefetch | None = None) -> list[str]:
+    """``[sum_j row[j] * x[j] for (dtype, row) in rows]`` for an f32 ``x`` of ``k`` (i64) elements.
+
+    Block formats need ``k % 32 == 0``; plain formats sum the ``k % 32`` tail in order after the
+    blocks. ``prefetch`` rows are prefetched block by block alongside (the next rows to come).
+    """
+    nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
+    accs = [(fn.var(V16, "zeroinitializer", "acc"), fn.var(V16, "zeroinitializer", "acc")) for _ in rows]
+    need_xsum = any(dtype == "q4_1" for dtype, _ in rows)
+    with fn.loop("0", nblocks, "1", "b") as b:
+        for dtype, row in prefetch or []:
+            _prefetch_block(fn, dtype, row, b)
+        xp = fn.at(x, 4 * BLOCK, b, "xp")
+        xlo, xhi = fn.load(V16, xp, 4, "xlo"), fn.load(V16, fn.gep(xp, "64"), 4, "xhi")
+        xsum = fn.v(f"fadd {V16} {xlo}, {xhi}", "xsum") if need_xsum else None
+        for (dtype, row), (acc_a, acc_b) in zip(rows, accs, strict=True):
+            blk = load_block(fn, dtype, row, b, simd)
+            if blk.d is None:
+                acc_a.set(fn.fma(V16, blk.lo, xlo, acc_a.get("acc")))
+                acc_b.set(fn.fma(V16, blk.hi, xhi, acc_b.get("acc")))
+                continue
+            t = fn.fma(V16, blk.hi, xhi, fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t"), "t")
+            acc_a.set(fn.fma(V16, t, fn.splat(16, blk.d), acc_a.get("acc")))
+            if blk.m is not None:
+                acc_b.set(fn.fma(V16, xsum, fn.splat(16, blk.m), acc_b.get("acc")))
+    sums = []
+    for (dtype, row), (acc_a, acc_b) in zip(rows, accs, strict=True):
+        total = fn.var(F32, fn.hsum(16, fn.v(f"fadd {V16} {acc_a.get('acc')}, {acc_b.get('acc')}", "accs")), "dot")
+        if not is_blocked(dtype):
+            with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
+                xj = fn.load(F32, fn.at(x, 4, j), 4, "xj")
+                total.set(fn.fma(F32, _load_element(fn, dtype, row, j), xj, total.get("dot")))
+        sums.append(total)
+    return [s.get("dot") for s in sums]
+
+
+def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: str,
+               prefetch: Prefetch | None = None) -> None:
+    """``y[j] += sum(a * row[j] for (dtype, row, a) in rows)`` for j < k (i64), y f32, rows in order.
+
+    Block formats fold ``a`` into the block's scale (``y += (a d) q (+ a m)``), one rounding away
+    from ``a * (d q)``; the f32 accumulation in y bounds the error anyway.
+    """
+    nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
+    coef = [fn.splat(16, a, hint="a") for _, _, a in rows]
+    with fn.loop("0", nblocks, "1", "b") as b:
+        for dtype, row in prefetch or []:
+            _prefetch_block(fn, dtype, row, b)
+        yp = fn.at(y, 4 * BLOCK, b, "yp")
+        yhp = fn.gep(yp, "64", "yhp")
+        ylo, yhi = fn.load(V16, yp, 4, "ylo"), fn.load(V16, yhp, 4, "yhi")
+        for (dtype, row, a), av in zip(rows, coef, strict=True):
+            blk = load_block(fn, dtype, row, b, simd)
+            if blk.d is None:
+                scale = av
+            else:
+                scale = fn.splat(16, fn.v(f"fmul float {a}, {blk.d}", "ad"))
+                if blk.m is not None:
+                    am = fn.splat(16, fn.v(f"fmul float {a}, {blk.m}", "am"))
+                    ylo = fn.v(f"fadd {V16} {ylo}, {am}", "ylo")
+                    yhi = fn.v(f"fadd {V16} {yhi}, {am}", "yhi")
+            ylo = fn.fma(V16, blk.lo, scale, ylo, "ylo")
+            yhi = fn.fma(V16, blk.hi, scale, yhi, "yhi")
+        fn.store(V16, ylo, yp, 4)
+        fn.store(V16, yhi, yhp, 4)
+    plain = [(dtype, row, a) for dtype, row, a in rows if not is_blocked(dtype)]
+    if plain:
+        with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
+            yj = fn.at(y, 4, j, "yp")
+            value = fn.load(F32, yj, 4, "y")
+            for dtype, row, a in plain:
+                value = fn.fma(F32, _load_element(fn, dtype, row, j), a, value)
+            fn.store(F32, value, yj, 4)
+
+
+def emit_row_to_f32(fn: Fn, dtype: str, row: str, out: str, k: str, simd: str) -> None:
+    """``out[j] = row[j]`` dequantised exactly as ``picc.quant``, for j < k (i64)."""
+    nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
+    with fn.loop("0", nblocks, "1", "b") as b:
+        lo, hi = dequantized(fn, load_block(fn, dtype, row, b, simd))
+        op = fn.at(out, 4 * BLOCK, b, "op")
+        fn.store(V16, lo, op, 4)
+        fn.store(V16, hi, fn.gep(op, "64"), 4)
+    if not is_blocked(dtype):
+        with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
+            fn.store(F32, _load_element(fn, dtype, row, j), fn.at(out, 4, j, "op"), 4)
+
+
+def zero_floats(fn: Fn, ptr: str, n: str) -> None:
+    """``ptr[0:n] = 0`` (f32)."""
+    fn.emit(f"call void @llvm.memset.p0.i64(ptr align 4 {ptr}, i8 0, i64 {fn.v(f'shl i64 {n}, 2', 'nb')}, i1 false)")

@@ -1,0 +1,559 @@
+"""The CPU kernels (picc.codegen_cpu) against numpy, on 1, 2 and 3 threads.
+
+Tolerances, as relative errors ``max|out - ref| / max|ref|`` against a float64 numpy reference:
+
+* f32 weights: 1e-5. The kernels accumulate in float32 in a different order than numpy; the sum of
+  k products carries ~sqrt(k) * 6e-8 relative rounding error (measured ~1e-7 at k <= 1000), so
+  1e-5 fails only on a real mistake (a wrong element, a missed row, a dropped bias).
+* f16 / q8_0 / q4_0 / q4_1 weights: 1e-4 against numpy on the *same dequantised weights*
+  (``picc.quant.dequantize``), so quantisation error is not part of it; the kernels scale once per
+  32-block instead of per element, a few extra roundings (measured ~3e-7).
+* Dequantisation alone (embedding lookup) and anything a thread count could change only by a race
+  are checked bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from scipy.special import erf
+
+from picc import quant
+from picc.codegen_cpu import (
+    SYNC_BYTES,
+    Buf,
+    CpuModule,
+    Null,
+    Param,
+    Program,
+    ThreadTeam,
+    aligned_zeros,
+    buffer_table,
+    compile_kernels,
+)
+from picc.codegen_cpu.kernel import Kernel
+from picc.codegen_cpu.kernels_attention import attention
+from picc.codegen_cpu.kernels_dense import embed, gemm, gemv
+from picc.codegen_cpu.kernels_ffn import FORMS, ffn_scratch_bytes, predictor, predictor_scratch_bytes, sparse_ffn
+from picc.codegen_cpu.kernels_misc import add, argmax, ffn_activation, layer_norm, mul, rms_norm, rope
+from picc.errors import PiccError
+from picc.interpreter import KVCache
+from picc.interpreter import attention as attention_ref
+from picc.interpreter import rope as rope_ref
+from picc.ir import ops as O
+from picc.ir.types import f32
+
+DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+THREADS = (1, 2, 3)
+GATED_FORMS = tuple(f for f, s in FORMS.items() if s.gated)
+F32_TOL, QUANT_TOL = 1e-5, 1e-4
+
+
+def tol(dtype: str) -> float:
+    return F32_TOL if dtype == "f32" else QUANT_TOL
+
+
+def ffn_kernels() -> list[Kernel]:
+    ks = [sparse_ffn("predictor", "swiglu", d, d, d) for d in DTYPES]
+    ks += [sparse_ffn("predictor", f, "f16", "f16" if s.gated else None, "f16") for f, s in FORMS.items()]
+    ks += [sparse_ffn(m, "swiglu", d, d, d) for m in ("dense", "gate-first", "down-only") for d in ("f16", "q4_0")]
+    ks += [sparse_ffn("gate-first", "drelu", "f32", "f32", "f32"), sparse_ffn("down-only", "relu", "q8_0", None, "q8_0"),
+           sparse_ffn("down-only", "drelu", "f16", "f16", "f16"), sparse_ffn("predictor", "swiglu", "q4_1", "q8_0", "f16")]
+    return ks
+
+
+KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + ffn_kernels()
+           + [predictor("f32", "f32"), predictor("f16", "f16"), rms_norm(), layer_norm(), add(), mul(), argmax(),
+              attention()] + [rope(s, src) for s in ("llama", "gptj") for src in ("freq", "table")]
+           + [ffn_activation(f) for f in FORMS])
+# The AVX2 build: one kernel of each kind, every weight format.
+AVX2_KERNELS = ([gemv(d) for d in DTYPES] + [sparse_ffn("predictor", "swiglu", d, d, d) for d in DTYPES]
+                + [sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"), gemm("q4_1"), attention(), rms_norm(),
+                   ffn_activation("geglu")])
+
+
+@pytest.fixture(scope="module")
+def host() -> CpuModule:
+    return compile_kernels(KERNELS, simd="host")
+
+
+@pytest.fixture(scope="module")
+def avx2() -> CpuModule:
+    return compile_kernels(AVX2_KERNELS, simd="avx2")
+
+
+@pytest.fixture(scope="module")
+def teams():
+    made = {n: ThreadTeam(n) for n in THREADS}
+    yield made
+    for t in made.values():
+        t.close()
+
+
+def run(module: CpuModule, team: ThreadTeam, kernel: Kernel, *args: object) -> None:
+    """Call ``kernel`` on every thread of ``team``; numpy arrays are passed as pointers."""
+    fn = module.function(kernel.symbol, kernel.argtypes)
+    team.run(fn, [a.ctypes.data if isinstance(a, np.ndarray) else a for a in args])
+
+
+def weights(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, scale: float = 1.0):
+    """(raw bytes in ``dtype``, the float32 values they decode to)."""
+    raw = quant.quantize(rng.normal(0, scale, size=shape).astype(np.float32), dtype)
+    return raw, quant.dequantize(raw, dtype, shape)
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(out.astype(np.float64) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def width(dtype: str, plain: int = 100) -> int:
+    """Row length: a multiple of 32 for block formats, one with a tail (not a multiple of 32) else."""
+    return 96 if quant.BLOCK_SIZE.get(dtype) else plain
+
+
+def act64(name: str, x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    if name == "relu":
+        return np.maximum(x, 0)
+    if name == "silu":
+        return x / (1 + np.exp(-x))
+    if name == "gelu":
+        return 0.5 * x * (1 + erf(x / np.sqrt(2)))
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def gap_threshold(scores: np.ndarray, keep: float) -> float:
+    """A threshold keeping about ``keep`` of ``scores``, halfway across a gap between two of them,
+    so float32-vs-float64 rounding cannot move any score across it."""
+    s = np.sort(np.abs(scores))
+    i = int(np.clip(len(s) * (1 - keep), 1, len(s) - 1))
+    while i < len(s) - 1 and s[i] - s[i - 1] < 1e-3 * s[-1]:
+        i += 1
+    return float((s[i] + s[i - 1]) / 2)
+
+
+# ------------------------------------------------------------------ dense kernels
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv(host, teams, dtype, threads):
+    rng = np.random.default_rng(1)
+    rows, k = 37, width(dtype)  # 37 rows: not a multiple of 2, 3 or the 4-row tile
+    raw, w = weights(rng, (rows, k), dtype)
+    x, bias = rng.normal(size=k).astype(np.float32), rng.normal(size=rows).astype(np.float32)
+    y = np.zeros(rows, np.float32)
+    run(host, teams[threads], gemv(dtype), raw, x, None, y, rows, k, 0)
+    assert rel_err(y, w.astype(np.float64) @ x) <= tol(dtype)
+    y0 = rng.normal(size=rows).astype(np.float32)
+    y = y0.copy()
+    run(host, teams[threads], gemv(dtype), raw, x, bias, y, rows, k, 1)  # y += W x + b
+    assert rel_err(y, y0 + w.astype(np.float64) @ x + bias) <= tol(dtype)
+
+
+@pytest.mark.parametrize("threads", (1, 3))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm(host, teams, dtype, threads):
+    rng = np.random.default_rng(2)
+    seq, rows, k = 7, 19, width(dtype)  # 7 = one 4-row tile and 3 single rows
+    raw, w = weights(rng, (rows, k), dtype)
+    x, bias = rng.normal(size=(seq, k)).astype(np.float32), rng.normal(size=rows).astype(np.float32)
+    y = np.zeros((seq, rows), np.float32)
+    run(host, teams[threads], gemm(dtype), raw, x, bias, y, seq, rows, k, 0)
+    assert rel_err(y, x.astype(np.float64) @ w.T.astype(np.float64) + bias) <= tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_is_exact_dequantisation(host, teams, dtype):
+    rng = np.random.default_rng(3)
+    vocab, dim = 50, width(dtype, 70)
+    raw, table = weights(rng, (vocab, dim), dtype)
+    tokens = np.array([3, 0, 49, 3, 17], np.int32)
+    out = np.zeros((len(tokens), dim), np.float32)
+    run(host, teams[2], embed(dtype), raw, tokens, out, len(tokens), dim)
+    np.testing.assert_array_equal(out, table[tokens])  # the same float32 operations as picc.quant
+
+
+# ------------------------------------------------------------------ the fused sparse FFN
+
+
+class FfnCase:
+    """Random FFN weights of one form and the float64 reference of every mode."""
+
+    def __init__(self, form: str, dtypes: tuple[str, str | None, str], n: int = 101, hidden: int | None = None,
+                 biases: bool = False, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.spec = FORMS[form]
+        self.n = n
+        self.hidden = hidden or (96 if any(quant.BLOCK_SIZE.get(d or "") for d in dtypes) else 100)
+        h = self.hidden
+        self.x = rng.normal(size=h).astype(np.float32)
+        self.up_raw, self.up = weights(rng, (n, h), dtypes[0], h**-0.5)
+        self.gate_raw, self.gate = weights(rng, (n, h), dtypes[1], h**-0.5) if dtypes[1] else (None, None)
+        self.down_raw, self.down = weights(rng, (n, h), dtypes[2], n**-0.5)
+        rand = (lambda size: rng.normal(0, 0.1, size=size).astype(np.float32)) if biases else (lambda size: None)
+        self.up_bias, self.gate_bias, self.down_bias = rand(n), rand(n) if dtypes[1] else None, rand(h)
+
+    def act_gate(self) -> np.ndarray:
+        g = self.gate.astype(np.float64) @ self.x + (0 if self.gate_bias is None else self.gate_bias)
+        return act64(self.spec.act, g)
+
+    def h(self) -> np.ndarray:
+        u = self.up.astype(np.float64) @ self.x + (0 if self.up_bias is None else self.up_bias)
+        if not self.spec.gated:
+            return act64(self.spec.act, u)
+        return self.act_gate() * (act64(self.spec.act, u) if self.spec.act_on_up else u)
+
+    def reference(self, active: np.ndarray, y0: np.ndarray) -> np.ndarray:
+        y = y0 + np.where(active, self.h(), 0) @ self.down.astype(np.float64)
+        return y + (0 if self.down_bias is None else self.down_bias)
+
+    def run(self, module, team, kernel, *, idx=None, threshold=0.0, y0=None):
+        """(y after the call, the kernel's count)."""
+        y = np.zeros(self.hidden, np.float32) if y0 is None else y0.copy()
+        idx = np.zeros(1, np.int32) if idx is None else idx.astype(np.int32)
+        count = np.array([len(idx)], np.int32)
+        scratch = aligned_zeros(ffn_scratch_bytes(self.n, self.hidden, team.nthreads))
+        run(module, team, kernel, self.x, self.up_raw, self.gate_raw, self.down_raw, self.up_bias, self.gate_bias,
+            self.down_bias, y, idx, count, scratch, self.n, self.hidden, threshold)
+        return y, int(count[0])
+
+
+def active_sets(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"empty": np.zeros(n, bool), "all": np.ones(n, bool), "some": rng.random(n) < 0.3,
+            "one": np.arange(n) == n - 1}
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_ffn_predictor_mode_every_dtype(host, teams, dtype, threads):
+    case = FfnCase("swiglu", (dtype, dtype, dtype), seed=4)
+    y0 = np.random.default_rng(5).normal(size=case.hidden).astype(np.float32)
+    for name, active in active_sets(case.n, np.random.default_rng(6)).items():
+        y, _ = case.run(host, teams[threads], sparse_ffn("predictor", "swiglu", dtype, dtype, dtype),
+                        idx=np.flatnonzero(active), y0=y0)
+        # y += the partial sum: with no active neuron y must come back unchanged, bit for bit.
+        if name == "empty":
+            np.testing.assert_array_equal(y, y0)
+        assert rel_err(y - y0, case.reference(active, y0) - y0) <= tol(dtype), name
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_sparse_ffn_every_form_with_biases(host, teams, form):
+    spec = FORMS[form]
+    case = FfnCase(form, ("f16", "f16" if spec.gated else None, "f16"), biases=True, seed=7)
+    active = np.random.default_rng(8).random(case.n) < 0.5
+    kernel = sparse_ffn("predictor", form, "f16", "f16" if spec.gated else None, "f16")
+    y, _ = case.run(host, teams[2], kernel, idx=np.flatnonzero(active))
+    assert rel_err(y, case.reference(active, np.zeros(case.hidden))) <= QUANT_TOL
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("dtype", ("f16", "q4_0"))
+def test_sparse_ffn_dense_gate_first_down_only(host, teams, dtype, threads):
+    case = FfnCase("swiglu", (dtype, dtype, dtype), biases=True, seed=9)
+    y, _ = case.run(host, teams[threads], sparse_ffn("dense", "swiglu", dtype, dtype, dtype))
+    assert rel_err(y, case.reference(np.ones(case.n, bool), np.zeros(case.hidden))) <= QUANT_TOL
+    for mode, scores in (("gate-first", case.act_gate()), ("down-only", case.h())):
+        for keep in (0.1, 0.5, 1.0):
+            thr = 0.0 if keep == 1.0 else gap_threshold(scores, keep)
+            active = np.abs(scores) > thr
+            y, count = case.run(host, teams[threads], sparse_ffn(mode, "swiglu", dtype, dtype, dtype), threshold=thr)
+            assert count == active.sum(), (mode, keep)
+            assert rel_err(y, case.reference(active, np.zeros(case.hidden))) <= QUANT_TOL, (mode, keep)
+
+
+def test_sparse_ffn_drelu_and_relu_thresholds(host, teams):
+    # dReLU's activity score is |h| = relu(g) relu(u), decided in gate-first mode after up.
+    case = FfnCase("drelu", ("f32", "f32", "f32"), seed=10)
+    thr = gap_threshold(case.h(), 0.2)
+    y, _ = case.run(host, teams[3], sparse_ffn("gate-first", "drelu", "f32", "f32", "f32"), threshold=thr)
+    assert rel_err(y, case.reference(np.abs(case.h()) > thr, np.zeros(case.hidden))) <= F32_TOL
+    for form, dt, gate in (("relu", "q8_0", None), ("drelu", "f16", "f16")):
+        case = FfnCase(form, (dt, gate, dt), seed=11)
+        thr = gap_threshold(case.h(), 0.3)
+        y, count = case.run(host, teams[2], sparse_ffn("down-only", form, dt, gate, dt), threshold=thr)
+        assert count == (np.abs(case.h()) > thr).sum()
+        assert rel_err(y, case.reference(np.abs(case.h()) > thr, np.zeros(case.hidden))) <= QUANT_TOL
+
+
+def test_sparse_ffn_mixed_formats_and_determinism(host, teams):
+    case = FfnCase("swiglu", ("q4_1", "q8_0", "f16"), n=77, seed=12)
+    active = np.random.default_rng(13).random(case.n) < 0.4
+    kernel = sparse_ffn("predictor", "swiglu", "q4_1", "q8_0", "f16")
+    y, _ = case.run(host, teams[3], kernel, idx=np.flatnonzero(active))
+    assert rel_err(y, case.reference(active, np.zeros(case.hidden))) <= QUANT_TOL
+    # Threads split the list and each sums into its own buffer: the same bits on every run.
+    for _ in range(3):
+        np.testing.assert_array_equal(case.run(host, teams[3], kernel, idx=np.flatnonzero(active))[0], y)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("dtype", ("f32", "f16"))
+def test_predictor(host, teams, dtype, threads):
+    rng = np.random.default_rng(14)
+    hidden, rank, n = 100, 24, 131
+    fc1_raw, fc1 = weights(rng, (rank, hidden), dtype, hidden**-0.5)
+    fc2_raw, fc2 = weights(rng, (n, rank), dtype, rank**-0.5)
+    b1, b2 = rng.normal(0, 0.1, size=rank).astype(np.float32), rng.normal(0, 0.1, size=n).astype(np.float32)
+    x = rng.normal(size=hidden).astype(np.float32)
+    logits = np.maximum(fc1.astype(np.float64) @ x + b1, 0) @ fc2.T.astype(np.float64) + b2
+    for keep in (0.0, 0.3, 1.0):
+        thr = {0.0: 1e9, 1.0: -1e9}.get(keep) or gap_threshold(logits - logits.min() + 1, keep) + logits.min() - 1
+        idx, count = np.full(n, -1, np.int32), np.zeros(1, np.int32)
+        scratch = aligned_zeros(predictor_scratch_bytes(rank, n, threads))
+        run(host, teams[threads], predictor(dtype, dtype), x, fc1_raw, b1, fc2_raw, b2, idx, count, scratch,
+            hidden, rank, n, thr)
+        expected = np.flatnonzero(logits > thr)
+        assert count[0] == len(expected)
+        np.testing.assert_array_equal(idx[: count[0]], expected)
+
+
+# ------------------------------------------------------------------ small kernels
+
+
+@pytest.mark.parametrize("kind", ("rms_norm", "layer_norm"))
+def test_norms(host, teams, kind):
+    rng = np.random.default_rng(15)
+    seq, n, eps = 3, 100, 1e-5
+    x = rng.normal(size=(seq, n)).astype(np.float32)
+    w, b = (1 + 0.1 * rng.normal(size=n)).astype(np.float32), rng.normal(size=n).astype(np.float32)
+    out = np.zeros_like(x)
+    xd = x.astype(np.float64)
+    if kind == "rms_norm":
+        run(host, teams[2], rms_norm(), x, w, None, out, seq, n, eps)
+        ref = xd / np.sqrt((xd**2).mean(-1, keepdims=True) + eps) * w
+    else:
+        run(host, teams[2], layer_norm(), x, w, b, out, seq, n, eps)
+        c = xd - xd.mean(-1, keepdims=True)
+        ref = c / np.sqrt((c**2).mean(-1, keepdims=True) + eps) * w + b
+    assert rel_err(out, ref) <= F32_TOL
+
+
+@pytest.mark.parametrize("source", ("freq", "table"))
+@pytest.mark.parametrize("style", ("llama", "gptj"))
+@pytest.mark.parametrize("rotary_dim", (16, 8))
+def test_rope_matches_interpreter(host, teams, style, source, rotary_dim):
+    rng = np.random.default_rng(16)
+    seq, pos, heads, hd = 3, 1000, 3, 16  # a large position: the angle's float32 rounding matters
+    op = O.Rope(result="r", type=f32(seq, heads * hd), x="x", pos="p", n_heads=heads, head_dim=hd,
+                rotary_dim=rotary_dim, style=style, theta=500000.0)
+    x = rng.normal(size=(seq, heads * hd)).astype(np.float32)
+    ref = rope_ref(op, x, np.arange(pos, pos + seq, dtype=np.int32))
+    out = x.copy()
+    freq = op.inv_freq()
+    if source == "freq":
+        run(host, teams[2], rope(style, "freq"), out, freq, seq, pos, heads, hd, rotary_dim)
+    else:
+        angles = np.arange(pos + seq, dtype=np.float32)[:, None] * freq[None, :]
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        run(host, teams[2], rope(style, "table"), out, cos, sin, seq, pos, heads, hd, rotary_dim)
+    # cosf / sinf may differ from numpy's by an ulp; the tables are numpy's own values.
+    assert rel_err(out, ref) <= (1e-6 if source == "freq" else 1e-7)
+
+
+@pytest.mark.parametrize("window", (None, 3))
+@pytest.mark.parametrize("threads", THREADS)
+def test_attention_matches_interpreter(host, teams, threads, window):
+    rng = np.random.default_rng(17)
+    heads, kv, hd, ctx = 6, 2, 20, 16  # head_dim 20: a 16-wide part and a tail
+    op = O.Attention(result="a", type=f32(1, heads * hd), q="q", k="k", v="v", pos="p", n_heads=heads,
+                     n_kv_heads=kv, head_dim=hd, scale=hd**-0.5, cache="c", window=window)
+    cache, kcache, vcache = KVCache(kv * hd), np.zeros((ctx, kv * hd), np.float32), np.zeros((ctx, kv * hd), np.float32)
+    pos = 0
+    for seq in (5, 1, 1, 3):  # a prefill chunk, then decode steps, then another chunk
+        q = rng.normal(size=(seq, heads * hd)).astype(np.float32)
+        k, v = (rng.normal(size=(seq, kv * hd)).astype(np.float32) for _ in range(2))
+        ref = attention_ref(op, q, k, v, np.arange(pos, pos + seq, dtype=np.int32), cache)
+        out = np.zeros_like(q)
+        run(host, teams[threads], attention(), q, k, v, kcache, vcache, out, seq, pos, heads, kv, hd,
+            hd**-0.5, window or 0)
+        np.testing.assert_array_equal(kcache[pos : pos + seq], k)
+        assert rel_err(out, ref) <= F32_TOL, seq
+        pos += seq
+
+
+def test_add_mul_and_ffn_activations(host, teams):
+    rng = np.random.default_rng(18)
+    n = 1000 + 7
+    a, b = (rng.normal(size=n).astype(np.float32) * 3 for _ in range(2))
+    out = np.zeros(n, np.float32)
+    run(host, teams[3], add(), a, b, out, n)
+    np.testing.assert_array_equal(out, a + b)  # one float32 addition per element, as numpy
+    run(host, teams[3], mul(), a, b, out, n)
+    np.testing.assert_array_equal(out, a * b)
+    for form, spec in FORMS.items():
+        run(host, teams[2], ffn_activation(form), a, b, out, n)
+        up = act64(spec.act, b) if spec.act_on_up or not spec.gated else b
+        ref = act64(spec.act, a) * up if spec.gated else up
+        # exp / erf / tanh are polynomial approximations good to a few float32 ulp.
+        assert rel_err(out, ref) <= 1e-6, form
+
+
+def test_argmax_first_of_ties(host, teams):
+    x = np.random.default_rng(19).normal(size=49157).astype(np.float32)
+    out = np.zeros(1, np.int32)
+    for where in (0, 17, 49156, 30000):
+        y = x.copy()
+        y[where] = y[30001] = 10.0  # a tie: the first index wins, as np.argmax
+        run(host, teams[2], argmax(), y, out, len(y))
+        assert out[0] == np.argmax(y)
+
+
+# ------------------------------------------------------------------ programs, barriers, builds
+
+
+def _decode_like_program(buffers: dict[str, int]) -> list[tuple[Kernel, tuple]]:
+    """A norm -> projections -> rope -> attention -> residual -> sparse FFN -> argmax chain."""
+    b = {k: Buf(v) for k, v in buffers.items()}
+    hid, heads, kv, hd, n = 64, 4, 2, 16, 96
+    return [
+        (rms_norm(), (b["x"], b["norm"], Null(), b["h"], 1, hid, 1e-5)),
+        (gemv("q4_0"), (b["wq"], b["h"], Null(), b["q"], heads * hd, hid, 0)),
+        (gemv("q8_0"), (b["wk"], b["h"], Null(), b["k"], kv * hd, hid, 0)),
+        (gemv("f16"), (b["wv"], b["h"], Null(), b["v"], kv * hd, hid, 0)),
+        (rope("llama", "freq"), (b["q"], b["freq"], 1, Param(buffers["params"], 0), heads, hd, hd)),
+        (rope("llama", "freq"), (b["k"], b["freq"], 1, Param(buffers["params"], 0), kv, hd, hd)),
+        (attention(), (b["q"], b["k"], b["v"], b["kc"], b["vc"], b["att"], 1, Param(buffers["params"], 0), heads, kv,
+                       hd, 0.25, 0)),
+        (gemv("q4_1"), (b["wo"], b["att"], Null(), b["x"], hid, heads * hd, 1)),
+        (sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"),
+         (b["x"], b["up"], b["gate"], b["down"], Null(), Null(), Null(), b["x2"], Null(), Null(), b["scratch"], n, hid,
+          0.05)),
+        (argmax(), (b["x2"], b["out"], hid)),
+    ]
+
+
+def test_program_equals_kernels_one_by_one(host, teams):
+    names = ["sync", "params", "x", "norm", "h", "wq", "wk", "wv", "q", "k", "v", "freq", "kc", "vc", "att", "wo", "up",
+             "gate", "down", "x2", "scratch", "out"]
+    index = {name: i for i, name in enumerate(names)}
+    calls = _decode_like_program(index)
+    prog = Program("test_step", sync=index["sync"])
+    for kernel, args in calls:
+        prog.call(kernel, *args)
+    module = compile_kernels([], [prog])
+
+    def fresh() -> dict[str, np.ndarray]:
+        r = np.random.default_rng(21)
+        data = {"x": r.normal(size=64).astype(np.float32), "norm": np.ones(64, np.float32),
+                "freq": (1.0 / 10000 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)}
+        for name, shape, dt in (("wq", (64, 64), "q4_0"), ("wk", (32, 64), "q8_0"), ("wv", (32, 64), "f16"),
+                                ("wo", (64, 64), "q4_1"), ("up", (96, 64), "q4_0"), ("gate", (96, 64), "q4_0"),
+                                ("down", (96, 64), "q4_0")):
+            data[name] = weights(r, shape, dt, 0.2)[0]
+        for name, size in (("h", 64), ("q", 64), ("k", 32), ("v", 32), ("att", 64), ("x2", 64)):
+            data[name] = np.zeros(size, np.float32)
+        data["kc"], data["vc"] = np.zeros((8, 32), np.float32), np.zeros((8, 32), np.float32)
+        data["scratch"] = aligned_zeros(ffn_scratch_bytes(96, 64, 3))
+        data["out"], data["params"], data["sync"] = np.zeros(1, np.int32), np.zeros(4, np.int32), aligned_zeros(SYNC_BYTES)
+        return data
+
+    stepped, single = fresh(), fresh()
+    table = buffer_table([stepped[n] for n in names])
+    step = module.function("test_step", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
+    for pos in range(3):  # the same compiled step at three positions (pos read from params)
+        stepped["params"][0] = pos
+        teams[3].run_each(lambda tid: step(ctypes.addressof(table), tid, 3))
+        for kernel, args in calls:
+            values = [single[names[a.index]] if isinstance(a, Buf) else None if isinstance(a, Null)
+                      else pos if isinstance(a, Param) else a for a in args]
+            run(host, teams[3], kernel, *values)
+        for name in ("x", "q", "kc", "att", "x2", "out"):
+            np.testing.assert_array_equal(stepped[name], single[name], err_msg=f"{name} at pos {pos}")
+
+
+def test_barriers_order_a_chain_of_dependent_kernels(teams):
+    # y1 = W y0, y0 = W y1, ... : each GEMV reads all of the previous one's rows, written by every
+    # thread; without the barriers a thread would read stale rows. Each row's sum does not depend
+    # on the thread count, so the 3-thread result must equal the 1-thread one bit for bit.
+    rng = np.random.default_rng(22)
+    rows = 64
+    w = (rng.normal(size=(rows, rows)) / 8).astype(np.float32)
+    prog = Program("chain", sync=0)
+    for i in range(40):
+        src, dst = (2, 3) if i % 2 == 0 else (3, 2)
+        prog.call(gemv("f32"), Buf(1), Buf(src), Null(), Buf(dst), rows, rows, 0)
+    module = compile_kernels([], [prog])
+    step = module.function("chain", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
+    results = []
+    for n in (1, 3):
+        bufs = [aligned_zeros(SYNC_BYTES), w, np.ones(rows, np.float32), np.zeros(rows, np.float32)]
+        table = buffer_table(bufs)
+        for _ in range(5):
+            bufs[2][:], bufs[3][:] = 1, 0
+            teams[n].run_each(lambda tid, t=table, n=n: step(ctypes.addressof(t), tid, n))
+            results.append(bufs[2].copy())
+    ref = np.ones(rows)
+    for _ in range(20):
+        ref = w @ (w @ ref)
+    for r in results:
+        np.testing.assert_array_equal(r, results[0])
+    assert rel_err(results[0], ref) <= 1e-4  # 40 chained products of float32 rounding
+
+
+def test_avx2_build_computes_the_same_bits(host, avx2, teams):
+    rng = np.random.default_rng(23)
+    for dtype in DTYPES:
+        raw, _ = weights(rng, (37, width(dtype)), dtype)
+        x = rng.normal(size=width(dtype)).astype(np.float32)
+        ys = []
+        for module in (host, avx2):
+            ys.append(np.zeros(37, np.float32))
+            run(module, teams[2], gemv(dtype), raw, x, None, ys[-1], 37, width(dtype), 0)
+        np.testing.assert_array_equal(ys[0], ys[1], err_msg=dtype)
+        case = FfnCase("swiglu", (dtype, dtype, dtype), seed=24)
+        idx = np.flatnonzero(rng.random(case.n) < 0.4)
+        kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype)
+        np.testing.assert_array_equal(case.run(host, teams[3], kernel, idx=idx)[0],
+                                      case.run(avx2, teams[3], kernel, idx=idx)[0], err_msg=dtype)
+    case = FfnCase("swiglu", ("q4_0",) * 3, seed=25)
+    kernel = sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0")
+    np.testing.assert_array_equal(case.run(host, teams[2], kernel, threshold=0.1)[0],
+                                  case.run(avx2, teams[2], kernel, threshold=0.1)[0])
+    q = rng.normal(size=(2, 64)).astype(np.float32)
+    k, v = rng.normal(size=(2, 32)).astype(np.float32), rng.normal(size=(2, 32)).astype(np.float32)
+    outs = []
+    for module in (host, avx2):
+        outs.append(np.zeros_like(q))
+        run(module, teams[2], attention(), q, k, v, np.zeros((4, 32), np.float32), np.zeros((4, 32), np.float32),
+            outs[-1], 2, 0, 4, 2, 16, 0.25, 0)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert "zmm" not in avx2.emit_assembly()  # really no AVX-512 in the AVX2 build
+
+
+def test_object_code_loads_back(host, teams):
+    obj = host.emit_object()
+    assert obj[:4] == b"\x7fELF"
+    assert "define void @picc_gemv_q4_0" in host.ir  # the optimised IR, stored beside the object
+    loaded = CpuModule.from_object(obj)
+    rng = np.random.default_rng(26)
+    raw, _ = weights(rng, (37, 96), "q4_0")
+    x = rng.normal(size=96).astype(np.float32)
+    ys = []
+    for module in (host, loaded):
+        ys.append(np.zeros(37, np.float32))
+        run(module, teams[2], gemv("q4_0"), raw, x, None, ys[-1], 37, 96, 0)
+    np.testing.assert_array_equal(ys[0], ys[1])
+
+
+def test_forms_table_is_the_irs():
+    assert {k: (s.gated, s.act, s.act_on_up) for k, s in FORMS.items()} == {
+        k: (s.gated, s.act, s.act_on_up) for k, s in O.FFN_FORMS.items()}
+
+
+def test_bad_inputs_are_one_line_errors(host):
+    with pytest.raises(PiccError, match="weight dtype 'q5_k' is not supported"):
+        gemv("q5_k")
+    with pytest.raises(PiccError, match="gate-first' needs a gated form"):
+        sparse_ffn("gate-first", "relu", "f16", None, "f16")
+    with pytest.raises(PiccError, match="picc_add takes 4 arguments"):
+        Program("p").call(add(), Buf(0))
+    with pytest.raises(PiccError, match="argument n must be an int or Param"):
+        Program("p").call(add(), Buf(0), Buf(1), Buf(2), 1.5)
+    with pytest.raises(PiccError, match="no function 'nope'"):
+        host.address("nope")
+    with pytest.raises(PiccError, match="simd 'neon' is not supported"):
+        compile_kernels([add()], simd="neon")
