@@ -15,7 +15,8 @@ from picc.errors import PiccError
 
 EPILOG_SOURCES = (
     "SOURCE is a model alias (smollm2, relu-demo), a Hugging Face directory (config.json + "
-    "*.safetensors), a .gguf file, a .picc file written by 'picc import', or a .pib written by 'picc compile'."
+    "*.safetensors), a .gguf file, an .onnx file, a .picc file written by 'picc import', or a .pib written "
+    "by 'picc compile'."
 )
 
 
@@ -81,7 +82,12 @@ def cmd_logits(args: argparse.Namespace) -> None:
     model = _load(args.source)
     ids = _parse_tokens(args.tokens) if args.tokens is not None else _encode(model, args.text)
     check_token_ids(ids, int(model.module.attr("vocab", 0) or 0) or max(ids) + 1)
-    logits = Interpreter(model.module, model.weights).run(ids).astype(np.float32)
+    if str(args.source).endswith(".pib") and not args.interpreter:
+        from picc.cli_runtime import logits_with_runtime
+
+        logits = logits_with_runtime(args.source, ids, args.threads)
+    else:
+        logits = Interpreter(model.module, model.weights).run(ids).astype(np.float32)
     out = Path(args.out)
     with atomic_path(out) as tmp:
         buf = io.BytesIO()
@@ -237,12 +243,22 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
+    from picc.fsutil import write_text_atomic
     from picc.pib import open_pib
     from picc.plan_report import format_report, plot_report
 
     with open_pib(Path(args.model)) as pib:
         report = pib.json("report")
         meta = pib.json("meta")
+        if args.emit_cuda:
+            sources = [name for name in pib.sections if name.startswith("cuda/") and name.endswith(".cu")]
+            if not sources:
+                raise PiccError(f"{args.model}: carries no CUDA code (nothing is placed on a GPU)")
+            out = Path(args.emit_cuda)
+            out.mkdir(parents=True, exist_ok=True)
+            for name in sources:
+                write_text_atomic(out / Path(name).name, pib.text(name))
+            print(f"wrote {len(sources)} CUDA sources to {out}", file=sys.stderr)
     if args.plot:
         plot_report(report, Path(args.plot))
     if args.json:
@@ -346,14 +362,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_opt)
 
     s = sub.add_parser("logits", help="write the logits of every position to a .npy file",
-                       description="Run SOURCE on the reference interpreter and save the "
-                       "logits of every position, float32 of shape (tokens, vocab).",
-                       epilog=EPILOG_SOURCES)
+                       description="Run SOURCE and save the logits of every position, float32 of shape "
+                       "(tokens, vocab): a .pib runs its compiled code on the runtime, anything else the "
+                       "reference interpreter.", epilog=EPILOG_SOURCES)
     s.add_argument("source", metavar="SOURCE")
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--text", help="text to encode with the model's tokenizer")
     g.add_argument("--tokens", help="token ids, comma-separated (e.g. 1,2,3)")
     s.add_argument("--out", required=True, metavar="FILE.npy")
+    s.add_argument("--interpreter", action="store_true", help="run a .pib's IR on the reference interpreter")
+    s.add_argument("--threads", type=int, default=1, help="CPU threads for a .pib (default 1)")
     s.set_defaults(func=cmd_logits)
 
     s = sub.add_parser("generate", help="generate text with the reference interpreter",
@@ -453,7 +471,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object: target, vram_budget_bytes, gpu_bytes, cpu_bytes, layers "
                    "(gpu_neurons, cpu_neurons, gpu_activation_share, ...), estimate_tokens_per_s, ...")
     s.add_argument("--plot", metavar="OUT.png", help="draw neurons per device and the GPU's activation share")
+    s.add_argument("--emit-cuda", metavar="DIR",
+                   help="write every CUDA source the file carries as DIR/<kernel>.cu (each compiles alone)")
     s.set_defaults(func=cmd_inspect)
+
+    from picc.cli_runtime import add_runtime_commands
+
+    add_runtime_commands(sub)
     return p
 
 

@@ -20,6 +20,7 @@ from picc.errors import PiccError
 from picc.frontend.model import LoadedModel
 from picc.ir import ops as O
 from picc.ir.sparse_ops import SparseFFN
+from picc.ir.weights import Tensor
 from picc.passes import Instruments, parse_pipeline, run_pipeline
 from picc.plan_report import build_report
 from picc.sparsify import SparsifyOptions, target_sparsity
@@ -52,6 +53,8 @@ class Compiled:
     plan: mp.MemoryPlan
     report: dict
     meta: dict
+    sections: dict[str, bytes] = field(default_factory=dict)  # generated code, by section name
+    tensors: dict[str, Tensor] = field(default_factory=dict)  # what generated code reads besides weights
 
 
 def _is_sparse(model: LoadedModel) -> bool:
@@ -76,7 +79,10 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
                         "compile the model it came from")
     if not any(isinstance(op, O.FFN) for op in model.module.ops()):
         raise PiccError(f"{model.source}: no FFN layers found; picc compiles decoder LLMs")
-    passes = ["canonicalize", "neuron-major-down"]
+    # A dense model for the CPU keeps its own down layout (a quantized down would be requantized);
+    # neurons that may move to a GPU need it neuron-major.
+    cpu_only = target.gpu is None or (options.vram is not None and parse_size(options.vram) == 0)
+    passes = ["canonicalize"] + ([] if options.dense and cpu_only else ["neuron-major-down"])
     s = options.sparsity
     if options.dense:
         say("dense: FFNs stay dense (the baseline)")
@@ -97,11 +103,31 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
                           budget=int(attrs["vram_budget"]))
     compiled = replace(model, module=module)
     report = build_report(module, model.weights, target, plan)
+    say(f"generating CPU code ({target.cpu.simd})")
+    sections, tensors = cpu_code(module, model.weights, options.ctx, target.cpu.simd)
+    if target.gpu is not None and any(op.type.placement is not None and op.type.placement.value == "gpu"
+                                      for op in module.ops()):
+        say(f"generating CUDA code ({target.gpu.arch})")
+        sections.update(cuda_code(module, model.weights, options.ctx, target.gpu.arch))
     meta = {"picc_version": _version(), "source": model.source, "target": target.name,
             "options": {"vram": options.vram, "ctx": options.ctx, "ubatch": options.ubatch,
                         "dense": options.dense, "solver": options.solver},
             "compile_seconds": round(time.perf_counter() - start, 3)}
-    return Compiled(compiled, plan, report, meta)
+    return Compiled(compiled, plan, report, meta, sections, tensors)
+
+
+def cpu_code(module, weights, ctx: int, simd: str) -> tuple[dict[str, bytes], dict[str, Tensor]]:  # noqa: ANN001
+    """The CPU decode step of ``module``: object code, its LLVM IR, the manifest, extra tensors."""
+    from picc.codegen_cpu import compile_kernels
+    from picc.codegen_cpu.lower import lower_module
+
+    if simd not in ("avx512", "avx2"):
+        raise PiccError(f"the target's CPU has SIMD level {simd!r}; picc's CPU kernels need avx2 or avx512")
+    lowered = lower_module(module, weights, ctx)
+    code = compile_kernels([], lowered.programs, simd)
+    sections = {"cpu/object": code.emit_object(), "cpu/ir": code.ir.encode("utf-8"),
+                "cpu/manifest": json.dumps(lowered.manifest(simd)).encode("utf-8")}
+    return sections, lowered.extra
 
 
 def _version() -> str:
@@ -113,11 +139,32 @@ def _version() -> str:
         return "unknown"
 
 
+def cuda_code(module, weights, ctx: int, arch: str) -> dict[str, bytes]:  # noqa: ANN001
+    """The CUDA kernels of the GPU ops: sources (each compiles alone), PTX and cubin where nvcc
+    exists, and a manifest of which kernels each GPU op launches."""
+    from picc.codegen_cuda import build_cuda
+    from picc.codegen_cuda.lower import gpu_kernels
+
+    lowered = gpu_kernels(module, weights, ctx)
+    artifacts = build_cuda(list(lowered.kernels.values()), arch)
+    sections: dict[str, bytes] = {}
+    for name, a in artifacts.items():
+        sections[f"cuda/{arch}/{name}.cu"] = a.source.encode("utf-8")
+        for kind in ("ptx", "cubin"):
+            if getattr(a, kind) is not None:
+                sections[f"cuda/{arch}/{name}.{kind}"] = getattr(a, kind)
+    manifest = {"arch": arch, "calls": lowered.calls,
+                "kernels": {name: list(a.entry_points) for name, a in artifacts.items()},
+                "compiled": sorted({k for a in artifacts.values() for k in ("ptx", "cubin") if getattr(a, k)})}
+    sections["cuda/manifest"] = json.dumps(manifest).encode("utf-8")
+    return sections
+
+
 def write_compiled(compiled: Compiled, path: Path) -> int:
     from picc.pib import write_pib
 
     return write_pib(path, compiled.model, plan=compiled.plan.to_json(), report=compiled.report,
-                     meta=compiled.meta)
+                     meta=compiled.meta, extra=compiled.sections, extra_tensors=compiled.tensors)
 
 
 def summary_line(compiled: Compiled, path: Path, size: int) -> str:

@@ -10,8 +10,10 @@ What lives on the GPU (each buffer starts at a multiple of ``ALIGN`` in the aren
 * every weight declared ``@gpu`` (dense weights of the layers placed there, predictors, the hot
   part of each FFN, the LM head if placed) in its storage format;
 * the KV cache of every attention op placed there: ``ctx`` positions of K and V, f32;
-* one activation arena for ``ubatch`` tokens: every value an op computes on the GPU gets an
-  offset in it, reused once the value is dead (first fit, in op order);
+* the rotary frequencies of every rope op placed there (f32);
+* one activation arena for ``ubatch`` tokens: every value an op computes on the GPU, and every
+  value a GPU op reads from the CPU, gets an offset in it, reused once the value is dead (first
+  fit, in op order);
 * one workspace for the kernels' temporaries, the largest any GPU op needs (``workspace_bytes``).
 
 CPU buffers are listed too (weights are mapped from the file, the KV cache of CPU layers is
@@ -94,7 +96,7 @@ class Buffer:
     """
 
     name: str
-    kind: str  # "weight" | "kv-cache" | "activations" | "workspace"
+    kind: str  # "weight" | "constant" | "kv-cache" | "activations" | "workspace"
     device: str  # "gpu" | "cpu"
     nbytes: int
     offset: int = -1
@@ -145,10 +147,13 @@ class MemoryPlan:
 
 
 def activation_arena(func: Function, on_gpu: Callable[[Op], bool], ubatch: int) -> tuple[dict[str, int], int]:
-    """Offsets of the GPU ops' results in one arena, reusing dead values' space (first fit).
+    """Offsets in one arena of every value the GPU holds, reusing dead values' space (first fit).
 
-    A value is live from its op to its last reader (the returned value to the end).
+    The GPU holds what its ops compute and what they read from the CPU (the input uploaded
+    before the first GPU op that reads it: token ids, positions, a CPU layer's output). A value
+    is live from then to its last reader (the returned value to the end).
     """
+    types = func.value_types()
     last_use: dict[str, int] = {}
     for i, op in enumerate(func.ops):
         for v in op.values():
@@ -157,19 +162,27 @@ def activation_arena(func: Function, on_gpu: Callable[[Op], bool], ubatch: int) 
     live: list[tuple[int, int, str]] = []  # (offset, size, value), sorted by offset
     offsets: dict[str, int] = {}
     size = 0
-    for i, op in enumerate(func.ops):
-        live = [item for item in live if last_use.get(item[2], -1) >= i]
-        if not on_gpu(op):
-            continue
-        need = aligned(tensor_bytes(op.type, ubatch))
+
+    def place(value: str) -> None:
+        nonlocal live, size
+        need = aligned(tensor_bytes(types[value], ubatch))
         at = 0
         for start, length, _ in live:  # the first gap that holds it
             if start - at >= need:
                 break
             at = max(at, start + length)
-        offsets[op.result] = at
-        live = sorted([*live, (at, need, op.result)])
+        offsets[value] = at
+        live = sorted([*live, (at, need, value)])
         size = max(size, at + need)
+
+    for i, op in enumerate(func.ops):
+        live = [item for item in live if last_use.get(item[2], -1) >= i]
+        if not on_gpu(op):
+            continue
+        for v in op.values():
+            if v not in offsets:
+                place(v)  # an upload from the CPU
+        place(op.result)
     return offsets, size
 
 
@@ -220,6 +233,9 @@ def plan_memory(module: Module, weights: WeightStore, *, ctx: int, ubatch: int, 
         layer = layer_of(readers.get(decl.name, ""))
         add(decl.name, "weight", _is_gpu(decl.type), int(weights[decl.name].data.nbytes), layer)
     gpu_ops = [op for op in func.ops if _is_gpu(op.type)]
+    for op in gpu_ops:
+        if isinstance(op, O.Rope):  # its kernel reads the rotary frequencies (f32, rotary_dim / 2)
+            add(f"rope.{op.result}", "constant", True, 4 * (op.rotated // 2), layer_of(op.result))
     for op in func.ops:
         if isinstance(op, O.Attention):
             width = types[op.k].shape[1]

@@ -23,9 +23,10 @@ from runtime.pib import PibError, PibFile, PibWriter
 
 
 def write_pib(path: Path, model: LoadedModel, *, plan: dict, report: dict, meta: dict,
-              extra: dict[str, bytes] | None = None) -> int:
-    """Write ``model`` (its final IR and the weights it declares) with its plan, report and
-    ``extra`` sections to ``path`` atomically; return the file's size."""
+              extra: dict[str, bytes] | None = None, extra_tensors: dict[str, Tensor] | None = None) -> int:
+    """Write ``model`` (its final IR and the weights it declares) with its plan, report,
+    ``extra`` sections and ``extra_tensors`` (what generated code reads besides the weights) to
+    ``path`` atomically; return the file's size."""
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         w = PibWriter(f)
@@ -40,6 +41,8 @@ def write_pib(path: Path, model: LoadedModel, *, plan: dict, report: dict, meta:
         for decl in model.module.weights:
             t = model.weights[decl.name]
             w.add_tensor(decl.name, t.dtype.value, t.shape, t.data)
+        for name, t in (extra_tensors or {}).items():
+            w.add_tensor(name, t.dtype.value, t.shape, t.data)
         w.finish()
     return path.stat().st_size
 
@@ -63,7 +66,8 @@ def load_pib(path: Path) -> LoadedModel:
     except (ParseError, VerifyError) as e:
         raise PiccError(f"{path}: its IR is invalid: {e}") from None
     tensors = {}
-    for name in pib.tensor_names:
+    declared = {w.name for w in module.weights}
+    for name in (n for n in pib.tensor_names if n in declared):
         stored = pib.tensor(name)
         tensors[name] = Tensor(DType(stored.dtype), stored.shape, stored.data)
     store = WeightStore(tensors)

@@ -40,6 +40,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
     layers: dict[str, dict] = {}  # the layer's ffn value -> its parts' numbers
     dense = {"gpu": 0.0, "cpu": 0.0}
     transfer_s, transfers = 0.0, 0
+    read_bytes = 0.0  # weights and KV cache one token reads, both devices
     moved: set[tuple[str, Placement | None]] = set()  # a value crosses to a device once per token
     for op in func.ops:
         device = op.type.placement
@@ -51,7 +52,9 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
         if isinstance(op, O.FFN):
             layer = layers.setdefault(op.part_of or op.result, {"gpu_s": 0.0, "cpu_s": 0.0, "parts": []})
             fl = ffn_layer(op, weights, input_on_gpu=False)
-            seconds = fl.neuron_bytes * float(fl.read_rate().sum()) / _bandwidth(target, device)
+            read = fl.neuron_bytes * float(fl.read_rate().sum())
+            read_bytes += read
+            seconds = read / _bandwidth(target, device)
             layer["gpu_s" if device == Placement.GPU else "cpu_s"] += seconds
             layer["parts"].append((op, fl, device))
             continue
@@ -64,6 +67,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
             width = types[op.k].shape[1]
             assert isinstance(width, int)
             nbytes += mp.kv_cache_bytes(op, width, plan.ctx) // 2  # the cache is half full on average
+        read_bytes += nbytes
         dense["gpu" if device == Placement.GPU else "cpu"] += nbytes / _bandwidth(target, device)
     if where.get(func.ret) == Placement.GPU:
         transfers += 1
@@ -93,7 +97,8 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
         })
     ffn_s = sum(max(la["gpu_s"], la["cpu_s"]) for la in layers.values())
     total = dense["gpu"] + dense["cpu"] + ffn_s + transfer_s
-    gpu_kinds = {kind: plan.device_bytes("gpu", kind) for kind in ("weight", "kv-cache", "activations", "workspace")}
+    gpu_kinds = {kind: plan.device_bytes("gpu", kind)
+                 for kind in ("weight", "constant", "kv-cache", "activations", "workspace")}
     return {
         "target": target.name, "vram_budget_bytes": plan.budget, "gpu_bytes": plan.gpu_bytes,
         "cpu_bytes": plan.cpu_bytes, "gpu_bytes_by_kind": gpu_kinds, "ctx": plan.ctx, "ubatch": plan.ubatch,
@@ -105,6 +110,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
             "ffn_cpu": 1e3 * sum(la["cpu_s"] for la in layers.values()), "transfers": 1e3 * transfer_s,
         },
         "transfers_per_token": transfers,
+        "bytes_per_token": read_bytes,
     }
 
 

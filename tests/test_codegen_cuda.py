@@ -45,6 +45,7 @@ from picc.codegen_cuda import (
     rms_norm,
     rope,
     sparse_ffn,
+    split_blocks,
     split_q4_0,
     unpack,
     write_cuda_sources,
@@ -58,7 +59,8 @@ from picc.ir.types import f32
 
 F32_TOL = 1e-5
 QUANT_TOL = 1e-4
-TOL = {"f32": F32_TOL, "f16": QUANT_TOL, "q4_0": QUANT_TOL}
+TOL = {"f32": F32_TOL, "f16": QUANT_TOL, "q4_0": QUANT_TOL, "q4_1": QUANT_TOL, "q8_0": QUANT_TOL}
+PLANES = {"q4_0": ("qs", "d"), "q4_1": ("qs", "d", "m"), "q8_0": ("qs", "d")}
 
 needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed: CUDA sources cannot be compiled")
 
@@ -75,7 +77,7 @@ def randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarr
 def weight_args(prefix: str, w: np.ndarray, fmt: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Kernel arguments of matrix ``w`` stored as ``fmt``, and the float32 values they hold."""
     bufs = pack(w, fmt)
-    names = [f"{prefix}_qs", f"{prefix}_d"] if fmt == "q4_0" else [prefix]
+    names = [f"{prefix}_{p}" for p in PLANES[fmt]] if fmt in PLANES else [prefix]
     return dict(zip(names, bufs, strict=True)), unpack(bufs, fmt)
 
 
@@ -91,9 +93,17 @@ def test_q4_0_planes_hold_exactly_the_gguf_values() -> None:
     np.testing.assert_array_equal(unpack(planes, "q4_0"), quant.dequantize(raw, "q4_0", w.shape))
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_q4_1_and_q8_0_planes_hold_exactly_the_gguf_values(fmt: str) -> None:
+    rng = np.random.default_rng(0)
+    w = randn(rng, 6, 96)
+    raw = quant.quantize(w, fmt)
+    np.testing.assert_array_equal(unpack(split_blocks(raw, fmt, w.shape), fmt), quant.dequantize(raw, fmt, w.shape))
+
+
 def test_unsupported_format_is_one_clear_error() -> None:
-    with pytest.raises(PiccError, match="weight format 'q8_0' is not supported"):
-        gemv("g", 8, 64, "q8_0")
+    with pytest.raises(PiccError, match="weight format 'bf16' is not supported"):
+        gemv("g", 8, 64, "bf16")
     with pytest.raises(PiccError, match="not a multiple of 32"):
         gemv("g", 8, 48, "q4_0")
 
@@ -101,7 +111,7 @@ def test_unsupported_format_is_one_clear_error() -> None:
 # ---------------------------------------------------------------- dense kernels on the host
 
 
-@pytest.mark.parametrize("fmt", ["f32", "f16", "q4_0"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_host_matches_numpy(fmt: str, bias: bool) -> None:
     rng = np.random.default_rng(1)
@@ -162,8 +172,8 @@ def ffn_reference(form: str, x: np.ndarray, up: np.ndarray, gate: np.ndarray, do
     return h[rows] @ down_t[rows]
 
 
-@pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("fmt", ["f32", "f16", "q4_0"])
+@pytest.mark.parametrize(("form", "fmt"), [(form, fmt) for fmt in ("f32", "f16", "q4_0") for form in FORMS]
+                         + [("swiglu", "q4_1"), ("reglu", "q8_0")])
 def test_sparse_ffn_host_matches_interpreter_for_any_index_list(form: str, fmt: str) -> None:
     rng = np.random.default_rng(4)
     hidden, n_ff = 128, 200  # n_ff not a multiple of the row tile: the list is padded
@@ -199,7 +209,8 @@ def test_sparse_ffn_with_biases_and_unsorted_list() -> None:
     assert rel_err(y, ffn_reference("geglu_tanh", x, up, gate, down_t, rows, b_ug)) <= F32_TOL
 
 
-@pytest.mark.parametrize("form,fmt", [("swiglu", "q4_0"), ("reglu", "f16"), ("geglu", "f32")])
+@pytest.mark.parametrize("form,fmt", [("swiglu", "q4_0"), ("reglu", "f16"), ("geglu", "f32"), ("swiglu", "q4_1"),
+                                      ("swiglu", "q8_0")])
 def test_gate_first_ffn_host_matches_interpreter(form: str, fmt: str) -> None:
     rng = np.random.default_rng(6)
     hidden, n_ff = 128, 160

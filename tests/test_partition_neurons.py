@@ -20,7 +20,7 @@ from picc.ir.parser import parse
 from picc.ir.printer import print_module
 from picc.ir.types import DType, Placement
 from picc.ir.verifier import VerifyError, verify
-from picc.memory_plan import ALIGN, plan_memory
+from picc.memory_plan import ALIGN, plan_memory, tensor_bytes
 from picc.passes import parse_pipeline, run_pipeline
 from picc.plan_report import build_report
 from picc.targets import load_target
@@ -116,7 +116,7 @@ def test_memory_plan_buffers_are_aligned_and_disjoint(relu_demo_sparse):
     placed = partition(sparse, model.weights, target="pc-low", vram="9MB")
     plan = plan_of(placed, model.weights)
     gpu = sorted((b for b in plan.buffers if b.device == "gpu"), key=lambda b: b.offset)
-    assert {b.kind for b in gpu} == {"weight", "kv-cache", "activations", "workspace"}
+    assert {b.kind for b in gpu} == {"weight", "constant", "kv-cache", "activations", "workspace"}
     for a, b in zip(gpu, gpu[1:], strict=False):
         assert a.offset % ALIGN == 0 and a.offset + a.nbytes <= b.offset
     declared_gpu = {w.name for w in placed.weights if w.type.placement == Placement.GPU}
@@ -129,9 +129,17 @@ def test_memory_plan_buffers_are_aligned_and_disjoint(relu_demo_sparse):
     types = func.value_types()
     last = {v: i for i, op in enumerate(func.ops) for v in op.values()}
     last[func.ret] = len(func.ops)
-    index = {op.result: i for i, op in enumerate(func.ops)}
+    # A value's slot is taken when its op runs on the GPU, or (an upload) when the first GPU op reads it.
+    index = {op.result: i for i, op in enumerate(func.ops) if op.type.placement == Placement.GPU}
+    for i, op in enumerate(func.ops):
+        if op.type.placement == Placement.GPU:
+            for v in op.values():
+                index.setdefault(v, i)
     arena = next(b for b in gpu if b.kind == "activations")
-    slots = [(v, off, off + 4 * 32 * int(types[v].shape[1])) for v, off in plan.activation_offsets.items()]
+    slots = [(v, off, off + tensor_bytes(types[v], 32)) for v, off in plan.activation_offsets.items()]
+    # What the GPU reads from the CPU has a slot too: the positions, and the embedding (computed
+    # on the CPU here, since the LM head that shares its table is not on the GPU at 9MB).
+    assert {"pos", "embed"} <= set(plan.activation_offsets)
     for v, lo, hi in slots:
         assert hi <= arena.nbytes
         for w, lo2, hi2 in slots:

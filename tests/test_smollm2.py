@@ -65,13 +65,17 @@ def test_cli_logits_match_transformers(hf_model, picc_model, text_64_tokens, tmp
     assert rel_l2(ours, theirs) <= 1e-4
 
 
+def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
 def test_greedy_generation_matches_transformers(hf_model, picc_model, capsys):
     prompt = "The history of the printing press"
     ids = picc_model.tokenizer.encode(prompt)
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    theirs = out[0, len(ids):].tolist()
+    theirs = hf_greedy(hf_model, ids, 20)
     assert len(theirs) == 20
     assert picc_main(["generate", "smollm2", "-p", prompt, "-n", "20", "--temperature", "0",
                       "--json"]) == 0
@@ -79,6 +83,21 @@ def test_greedy_generation_matches_transformers(hf_model, picc_model, capsys):
     assert result["prompt_tokens"] == ids
     assert result["tokens"] == theirs
     assert result["text"] == picc_model.tokenizer.decode(theirs)
+
+
+def test_compiled_dense_model_generates_transformers_greedy_tokens(hf_model, picc_model, tmp_path, capsys):
+    """``picc compile --dense`` for this CPU, then ``picc run``: the generated code, not the
+    interpreter, must produce transformers' 32 greedy tokens (both compute in f32 from the same
+    dequantized Q4_1 weights)."""
+    prompt = "The history of the printing press"
+    theirs = hf_greedy(hf_model, picc_model.tokenizer.encode(prompt), 32)
+    assert len(theirs) == 32
+    pib = tmp_path / "smollm2-dense.pib"
+    assert picc_main(["compile", "smollm2", "--dense", "--target", "cpu", "-o", str(pib)]) == 0
+    capsys.readouterr()
+    assert picc_main(["run", str(pib), "-p", prompt, "-n", "32", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] == theirs
 
 
 def test_kv_cache_decode_matches_prefill(picc_model):

@@ -58,6 +58,16 @@ def gemv(name: str, rows: int, cols: int, fmt: str, bias: bool = False) -> Kerne
     return make_kernel(name, "gemv", [*args, (y, "out")])
 
 
+def embed(name: str, seq: int, vocab: int, dim: int, fmt: str) -> Kernel:
+    """``y[s] = table[tokens[s]]`` decoded to f32: the embedding when it shares the LM head's table."""
+    check_positive(seq=seq, vocab=vocab, dim=dim)
+    wf = WeightFormat(fmt)
+    table = wf.placeholders("W", (vocab,), dim)
+    tokens = te.placeholder((seq,), "int32", name="tokens")
+    y = te.compute((seq, dim), lambda s, c: wf.load(table, (tokens[s],), c // wf.vector, c % wf.vector), name="y")
+    return make_kernel(name, "elementwise", [*[(t, "in") for t in table], (tokens, "in"), (y, "out")])
+
+
 def gemm(name: str, seq: int, rows: int, cols: int, fmt: str, bias: bool = False) -> Kernel:
     """Prefill ``Y = X W^T (+ b)``: X [seq, cols], W [rows, cols] in ``fmt``, Y [seq, rows]."""
     check_positive(seq=seq, rows=rows, cols=cols)

@@ -6,13 +6,20 @@ A weight matrix ``W[rows..., cols]`` is passed to a kernel as one or more buffer
     f16   W      float16 [rows..., cols]
     q4_0  W_qs   uint8   [rows..., cols / 2]    the 16 nibble bytes of every GGUF block, in order
           W_d    float16 [rows..., cols / 32]   the block scales
+    q4_1  W_qs   uint8   [rows..., cols / 2]    as q4_0
+          W_d    float16 [rows..., cols / 32]   the block scales
+          W_m    float16 [rows..., cols / 32]   the block minimums
+    q8_0  W_qs   int8    [rows..., cols]        the 32 values of every block, in order
+          W_d    float16 [rows..., cols / 32]   the block scales
 
 q4_0 is GGUF's block format split into two planes: an 18-byte GGUF block (f16 scale + 16 bytes)
 starts at odd 2-byte offsets, so a 16-byte vector load of its nibbles would be misaligned; the
 split planes keep every block's nibbles at a 16-byte boundary. Element ``j`` of block ``b`` is
 ``(q - 8) * d`` with ``q`` the low nibble of byte ``b*16 + j`` for ``j < 16`` and the high nibble
-of byte ``b*16 + j - 16`` otherwise (ggml's order). ``split_q4_0`` turns GGUF bytes into the
-planes, exactly (no requantization).
+of byte ``b*16 + j - 16`` otherwise (ggml's order). q4_1 decodes ``q * d + m`` from the same
+nibbles, q8_0 ``q * d`` from signed bytes; the GGUF blocks of both (20 and 34 bytes) are misaligned
+the same way, so they are split into planes too. ``split_blocks`` turns GGUF bytes into the planes,
+exactly (no requantization).
 
 Every kernel accumulates in float32; a decoded weight is ``float32(d) * float32(q - 8)``, the
 same product ``picc.quant.dequantize`` computes, so host results differ from numpy only by
@@ -30,7 +37,7 @@ from tvm.ir.expr import Expr as PrimExpr
 from picc import quant
 from picc.errors import PiccError
 
-FORMATS = ("f32", "f16", "q4_0")
+FORMATS = ("f32", "f16", "q4_0", "q4_1", "q8_0")
 Q4_BLOCK = 32
 _Q4_NIBBLE_BYTES = 16
 
@@ -49,16 +56,21 @@ class WeightFormat:
     @property
     def vector(self) -> int:
         """Elements of a row one thread decodes per step: one 16-byte load (a q4_0 block)."""
-        return {"f32": 4, "f16": 8, "q4_0": Q4_BLOCK}[self.name]
+        return {"f32": 4, "f16": 8, "q4_0": Q4_BLOCK, "q4_1": Q4_BLOCK, "q8_0": Q4_BLOCK}[self.name]
 
     def buffer_specs(self, prefix: str, rows: tuple[int, ...], cols: int) -> list[tuple[str, tuple[int, ...], str]]:
         """``(name, shape, dtype)`` of the buffers holding a ``[rows..., cols]`` matrix."""
         if cols % self.vector:
             raise PiccError(f"{prefix}: {cols} columns are not a multiple of {self.vector} "
                             f"(the {self.name} kernels read {self.vector} elements per step)")
+        scales = (*rows, cols // Q4_BLOCK)
         if self.name == "q4_0":
-            return [(f"{prefix}_qs", (*rows, cols // 2), "uint8"),
-                    (f"{prefix}_d", (*rows, cols // Q4_BLOCK), "float16")]
+            return [(f"{prefix}_qs", (*rows, cols // 2), "uint8"), (f"{prefix}_d", scales, "float16")]
+        if self.name == "q4_1":
+            return [(f"{prefix}_qs", (*rows, cols // 2), "uint8"), (f"{prefix}_d", scales, "float16"),
+                    (f"{prefix}_m", scales, "float16")]
+        if self.name == "q8_0":
+            return [(f"{prefix}_qs", (*rows, cols), "int8"), (f"{prefix}_d", scales, "float16")]
         return [(prefix, (*rows, cols), "float32" if self.name == "f32" else "float16")]
 
     def placeholders(self, prefix: str, rows: tuple[int, ...], cols: int) -> list[te.Tensor]:
@@ -72,9 +84,15 @@ class WeightFormat:
             return bufs[0][(*row, kv * self.vector + kl)]
         if self.name == "f16":
             return bufs[0][(*row, kv * self.vector + kl)].astype("float32")
-        qs, d = bufs
+        if self.name == "q8_0":
+            qs, d = bufs
+            return d[(*row, kv)].astype("float32") * qs[(*row, kv * Q4_BLOCK + kl)].astype("float32")
+        qs, d = bufs[:2]
         byte = qs[(*row, kv * _Q4_NIBBLE_BYTES + kl % _Q4_NIBBLE_BYTES)].astype("int32")
         nibble = (byte >> ((kl // _Q4_NIBBLE_BYTES) * 4)) & 15
+        if self.name == "q4_1":
+            m = bufs[2]
+            return d[(*row, kv)].astype("float32") * nibble.astype("float32") + m[(*row, kv)].astype("float32")
         return d[(*row, kv)].astype("float32") * (nibble - 8).astype("float32")
 
 
@@ -85,29 +103,50 @@ def pack(w: np.ndarray, fmt: str) -> list[np.ndarray]:
         return [w]
     if fmt == "f16":
         return [w.astype(np.float16)]
-    if fmt == "q4_0":
-        return split_q4_0(quant.quantize(w, "q4_0"), w.shape)
+    if fmt in ("q4_0", "q4_1", "q8_0"):
+        return split_blocks(quant.quantize(w, fmt), fmt, w.shape)
     raise PiccError(f"weight format {fmt!r} is not supported; expected one of {', '.join(FORMATS)}")
 
 
 def split_q4_0(raw: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
     """GGUF q4_0 bytes of a ``shape`` matrix -> ``[qs uint8 [..., cols/2], d float16 [..., cols/32]]``."""
+    return split_blocks(raw, "q4_0", shape)
+
+
+def split_blocks(raw: np.ndarray, fmt: str, shape: tuple[int, ...]) -> list[np.ndarray]:
+    """GGUF block bytes (q4_0, q4_1, q8_0) of a ``shape`` matrix -> the format's planes (see the
+    module docstring), exactly."""
     *rows, cols = shape
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(*rows, cols // Q4_BLOCK, 18)
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).reshape(*rows, cols // Q4_BLOCK)
-    qs = np.ascontiguousarray(blocks[..., 2:]).reshape(*rows, cols // 2)
-    return [qs, d]
+    nblocks = cols // Q4_BLOCK
+    nbytes = {"q4_0": 18, "q4_1": 20, "q8_0": 34}[fmt]
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(*rows, nblocks, nbytes)
+
+    def half(at: int) -> np.ndarray:
+        return np.ascontiguousarray(blocks[..., at : at + 2]).view(np.float16).reshape(*rows, nblocks)
+
+    if fmt == "q8_0":
+        return [np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(*rows, cols), half(0)]
+    start = 2 if fmt == "q4_0" else 4
+    qs = np.ascontiguousarray(blocks[..., start:]).reshape(*rows, cols // 2)
+    return [qs, half(0)] + ([half(2)] if fmt == "q4_1" else [])
 
 
 def unpack(bufs: list[np.ndarray], fmt: str) -> np.ndarray:
     """The float32 matrix kernel buffers ``bufs`` (of ``fmt``) hold: the tests' reference."""
     if fmt in ("f32", "f16"):
         return bufs[0].astype(np.float32)
-    qs, d = bufs
-    lo = (qs & 0x0F).astype(np.int8) - 8
-    hi = (qs >> 4).astype(np.int8) - 8
+    qs, d = bufs[:2]
     shape = qs.shape[:-1]
+    if fmt == "q8_0":
+        q = qs.astype(np.float32).reshape(*shape, -1, Q4_BLOCK)
+        return (d.astype(np.float32)[..., None] * q).reshape(*shape, -1)
+    offset = 8 if fmt == "q4_0" else 0
+    lo = (qs & 0x0F).astype(np.int8) - offset
+    hi = (qs >> 4).astype(np.int8) - offset
     lo = lo.reshape(*shape, -1, _Q4_NIBBLE_BYTES)
     hi = hi.reshape(*shape, -1, _Q4_NIBBLE_BYTES)
     q = np.concatenate([lo, hi], axis=-1).astype(np.float32)
-    return (d.astype(np.float32)[..., None] * q).reshape(*shape, -1)
+    values = d.astype(np.float32)[..., None] * q
+    if fmt == "q4_1":
+        values = values + bufs[2].astype(np.float32)[..., None]
+    return values.reshape(*shape, -1)

@@ -48,7 +48,7 @@ class Param:
         count = 1
         for s in self.shape:
             count *= s
-        return count * {"float32": 4, "int32": 4, "float16": 2, "uint8": 1}[self.dtype]
+        return count * {"float32": 4, "int32": 4, "float16": 2, "uint8": 1, "int8": 1}[self.dtype]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

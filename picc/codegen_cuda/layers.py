@@ -89,6 +89,15 @@ def rope(name: str, seq: int, n_heads: int, head_dim: int, rotary_dim: int | Non
     return make_kernel(name, "elementwise", [(x, "in"), (pos, "in"), (inv, "in"), (y, "out")])
 
 
+def add(name: str, seq: int, n: int) -> Kernel:
+    """``y = a + b`` over [seq, n] (residual connections, the merge of a split FFN's parts)."""
+    check_positive(seq=seq, n=n)
+    a = te.placeholder((seq, n), "float32", name="a")
+    b = te.placeholder((seq, n), "float32", name="b")
+    y = te.compute((seq, n), lambda s, c: a[s, c] + b[s, c], name="y")
+    return make_kernel(name, "elementwise", [(a, "in"), (b, "in"), (y, "out")])
+
+
 def kv_append(name: str, seq: int, width: int, max_ctx: int) -> Kernel:
     """Write ``k``, ``v`` [seq, width] into rows ``pos`` of the caches [max_ctx, width], in place."""
     check_positive(seq=seq, width=width, max_ctx=max_ctx)

@@ -67,7 +67,7 @@ def arch_params(arch: str) -> ArchParams:
 
 
 def _elem_bytes(dtype: str) -> int:
-    return {"float32": 4, "int32": 4, "float16": 2, "uint8": 1}[dtype]
+    return {"float32": 4, "int32": 4, "float16": 2, "uint8": 1, "int8": 1}[dtype]
 
 
 def _stage_vector(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, buffer: str,

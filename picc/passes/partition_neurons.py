@@ -232,7 +232,7 @@ class _Trials:
 
 
 def _overhead(plan: mp.MemoryPlan) -> int:
-    return plan.device_bytes("gpu", "activations") + plan.device_bytes("gpu", "workspace")
+    return sum(plan.device_bytes("gpu", kind) for kind in ("activations", "workspace", "constant"))
 
 
 def decide(trials: _Trials, s: Settings) -> tuple[DenseChoice, NeuronPlacement]:

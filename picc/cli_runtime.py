@@ -1,0 +1,210 @@
+"""The commands that run compiled models: ``picc run`` and ``picc bench`` (and the runtime path
+of ``picc logits``). They drive ``runtime.Session``; errors from the runtime become one line."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from picc.errors import PiccError
+
+
+@contextlib.contextmanager
+def open_session(path: str, threads: int, ctx: int | None = None) -> Iterator:  # noqa: ANN401
+    """A runtime session on ``path``; the runtime's errors become ``PiccError``."""
+    from runtime.cpu import ExecutorError
+    from runtime.pib import PibError
+    from runtime.session import Session
+
+    if not Path(path).suffix == ".pib":
+        raise PiccError(f"{path}: expected a .pib file written by 'picc compile'")
+    try:
+        session = Session(path, threads, ctx)
+    except (PibError, ExecutorError) as e:
+        raise PiccError(str(e)) from None
+    try:
+        yield session
+    except ExecutorError as e:
+        raise PiccError(str(e)) from None
+    finally:
+        session.close()
+
+
+def _sampling(args: argparse.Namespace):  # noqa: ANN202 - SamplingOptions
+    from runtime.sampling import SamplingOptions
+
+    options = SamplingOptions(args.temperature, args.top_k, args.top_p, args.repeat_penalty)
+    try:
+        options.check()
+    except ValueError as e:
+        raise PiccError(str(e)) from None
+    return options
+
+
+class _Stream:
+    """Prints generated text as it becomes final (a partial UTF-8 sequence decodes to U+FFFD)."""
+
+    def __init__(self, text, out) -> None:  # noqa: ANN001
+        self.text, self.out, self.ids, self.shown = text, out, [], ""
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.text.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+    def finish(self) -> str:
+        text = self.text.decode(self.ids)
+        self.out.write(text[len(self.shown):])
+        self.out.flush()
+        return text
+
+
+def _turn(session, prompt: str, args: argparse.Namespace, options, stream: bool) -> dict:  # noqa: ANN001
+    from runtime.session import Timings
+
+    if session.text is None:
+        raise PiccError(f"{args.model}: the model has no tokenizer, so text cannot be encoded")
+    ids = session.text.encode(prompt)
+    timings = Timings()
+    out = _Stream(session.text, sys.stdout if stream else open_null())
+    tokens = []
+    for token in session.generate(ids, args.n, options, args.seed, timings=timings):
+        tokens.append(token)
+        out.add(token)
+    text = out.finish()
+    return {"prompt_tokens": len(ids), "tokens": tokens, "text": text,
+            "prompt_tokens_per_s": timings.prompt_tokens_per_s, "decode_tokens_per_s": timings.decode_tokens_per_s,
+            "_timings": timings}
+
+
+def open_null():  # noqa: ANN201 - a text sink
+    import io
+
+    return io.StringIO()
+
+
+def _summary(result: dict) -> str:
+    t = result["_timings"]
+    ms = 1e3 * t.decode_seconds / t.tokens if t.tokens else 0.0
+    return (f"prompt: {t.prompt_tokens} tokens in {t.prompt_seconds * 1e3:.1f} ms "
+            f"({t.prompt_tokens_per_s:.1f} tok/s) | decode: {t.tokens} tokens in {t.decode_seconds * 1e3:.1f} ms "
+            f"({t.decode_tokens_per_s:.1f} tok/s, {ms:.2f} ms/token)")
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    if args.n < 0:
+        raise PiccError(f"-n {args.n}: expected a number of tokens >= 0")
+    options = _sampling(args)
+    with open_session(args.model, args.threads, args.ctx) as session:
+        if args.prompt is not None:
+            if not args.json:
+                sys.stdout.write(args.prompt)
+            result = _turn(session, args.prompt, args, options, stream=not args.json)
+            if args.json:
+                print(json.dumps({k: v for k, v in result.items() if not k.startswith("_")}))
+            else:
+                sys.stdout.write("\n")
+                print(_summary(result), file=sys.stderr)
+            return
+        print(f"{args.model}: type a prompt and press Enter (Ctrl-D to quit)", file=sys.stderr)
+        for line in sys.stdin:
+            prompt = line.rstrip("\n")
+            if not prompt:
+                continue
+            session.reset()
+            result = _turn(session, prompt, args, options, stream=True)
+            sys.stdout.write("\n")
+            print(_summary(result), file=sys.stderr)
+
+
+def logits_with_runtime(path: str, ids: list[int], threads: int = 1) -> np.ndarray:
+    with open_session(path, threads) as session:
+        return session.feed(ids, all_logits=True).astype(np.float32)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from picc.pib import open_pib
+    from picc.targets import measure_memory_bandwidth
+
+    with open_pib(Path(args.model)) as pib:
+        report = pib.json("report")
+    bytes_per_token = report.get("bytes_per_token")
+    prompt_rates, decode_rates = [], []
+    if min(args.prompt_tokens, args.n, args.repeat) < 1:
+        raise PiccError("--prompt-tokens, -n and --repeat must be >= 1")
+    with open_session(args.model, args.threads) as session:
+        if args.prompt_tokens + args.n > session.ctx:
+            raise PiccError(f"--prompt-tokens {args.prompt_tokens} + -n {args.n} exceed the {session.ctx} positions "
+                            "the model was compiled for")
+        for _ in range(args.repeat):
+            session.reset()
+            ids = [(7 * i + 11) % session.vocab for i in range(args.prompt_tokens)]
+            start = time.perf_counter()
+            session.feed(ids)
+            prompt_rates.append(len(ids) / (time.perf_counter() - start))
+            start = time.perf_counter()
+            token = session.executor.greedy()
+            for _ in range(args.n):
+                session.executor.step(token, session.pos)
+                session.pos += 1
+                token = session.executor.greedy()
+            decode_rates.append(args.n / (time.perf_counter() - start))
+    bandwidth = measure_memory_bandwidth()
+    decode = statistics.median(decode_rates)
+    result = {"model": args.model, "threads": args.threads, "repeat": args.repeat,
+              "prompt_tokens": args.prompt_tokens, "tokens": args.n,
+              "prompt_tokens_per_s": statistics.median(prompt_rates), "decode_tokens_per_s": decode,
+              "weight_bytes_per_token": bytes_per_token, "read_bandwidth_bytes_per_s": bandwidth,
+              "bandwidth_share": (bytes_per_token * decode / bandwidth) if bytes_per_token else None}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{args.model}: {args.threads} thread(s), medians of {args.repeat} runs")
+    print(f"  prompt  {result['prompt_tokens_per_s']:10.1f} tok/s  ({args.prompt_tokens} tokens)")
+    print(f"  decode  {decode:10.1f} tok/s  ({args.n} tokens)")
+    if bytes_per_token:
+        share = result["bandwidth_share"]
+        print(f"  weights read per token {bytes_per_token / 2**20:.2f} MiB (cost model); host read bandwidth "
+              f"{bandwidth / 1e9:.1f} GB/s; decode reaches {100 * share:.0f}% of that limit"
+              + (" (over 100%: the weights fit in the CPU's caches)" if share > 1 else ""))
+
+
+def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("run", help="generate text with a compiled .pib",
+                       description="Load MODEL.pib, feed the prompt, and stream the generated text; then a "
+                       "timing summary like llama.cpp's. Without -p, an interactive prompt loop.")
+    s.add_argument("model", metavar="MODEL.pib")
+    s.add_argument("-p", "--prompt", help="the prompt (default: read prompts from stdin, one per line)")
+    s.add_argument("-n", type=int, default=128, help="tokens to generate at most (default 128)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
+    s.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
+    s.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0)")
+    s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    s.add_argument("--ctx", type=int, help="context positions (default: what the model was compiled for)")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object: prompt_tokens, tokens, text, prompt_tokens_per_s, decode_tokens_per_s")
+    s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("bench", help="measure prompt and decode speed of a compiled .pib",
+                       description="Median prompt and decode tokens/s over repeated runs, the weight bytes a "
+                       "token reads (cost model), the host's measured read bandwidth and the share of it reached.")
+    s.add_argument("model", metavar="MODEL.pib")
+    s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    s.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
+    s.add_argument("-n", type=int, default=128, help="tokens decoded per run (default 128)")
+    s.add_argument("--repeat", type=int, default=5, help="runs (default 5)")
+    s.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+    s.set_defaults(func=cmd_bench)

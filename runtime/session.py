@@ -1,0 +1,124 @@
+"""A loaded model and its conversation: prefill, decode, sampling, timings.
+
+``Session`` opens a .pib, builds its executor and keeps the position in the KV cache, so a chat
+loop can feed one prompt after another. The prompt is fed one token at a time through the same
+decode step (the sparse FFN kernels are per token), so prefill and decode compute exactly what
+the interpreter computes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from runtime.cpu import CpuExecutor, ExecutorError
+from runtime.pib import PibFile
+from runtime.sampling import SamplingOptions, sample
+from runtime.text import TextCodec
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    tokens: int = 0
+    decode_seconds: float = 0.0
+    per_token: list[float] = field(default_factory=list)
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class Session:
+    """One compiled model with its KV cache; not thread-safe."""
+
+    def __init__(self, path: str | Path, threads: int = 1, ctx: int | None = None) -> None:
+        self.pib = PibFile(path)
+        plan = self.pib.json("plan")
+        self.max_ctx = int(plan["ctx"])
+        if ctx is not None and not 1 <= ctx <= self.max_ctx:
+            raise ExecutorError(f"--ctx {ctx}: this model was compiled for at most {self.max_ctx} positions "
+                                "(picc compile --ctx N)")
+        self.ctx = ctx or self.max_ctx
+        self.executor = CpuExecutor(self.pib, threads)
+        self.text = TextCodec(self.pib.text("tokenizer")) if self.pib.has("tokenizer") else None
+        self.pos = 0
+        self.history: list[int] = []
+
+    @property
+    def vocab(self) -> int:
+        return self.executor.vocab
+
+    def reset(self) -> None:
+        """Forget the conversation (positions restart at 0; old cache entries are never read)."""
+        self.pos = 0
+        self.history = []
+
+    def _check(self, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise ExecutorError(f"token id {bad[0]} is out of range for a vocabulary of {self.vocab}")
+        if self.pos + len(ids) > self.ctx:
+            raise ExecutorError(f"the prompt needs {self.pos + len(ids)} positions but the context holds "
+                                f"{self.ctx} (picc compile --ctx N, or a shorter prompt)")
+
+    def feed(self, ids: list[int], timings: Timings | None = None, *, all_logits: bool = False) -> np.ndarray:
+        """Run ``ids`` at the next positions; the last token's logits (or every token's)."""
+        if not ids:
+            raise ExecutorError("the prompt is empty: at least one token is needed")
+        self._check(ids)
+        start = time.perf_counter()
+        rows = []
+        for i, token in enumerate(ids):
+            self.executor.step(token, self.pos, logits=all_logits or i + 1 == len(ids))
+            self.pos += 1
+            if all_logits:
+                rows.append(self.executor.logits().copy())
+        self.history += ids
+        if timings is not None:
+            timings.prompt_tokens += len(ids)
+            timings.prompt_seconds += time.perf_counter() - start
+        return np.array(rows) if all_logits else self.executor.logits()
+
+    def generate(self, prompt: list[int], n: int, options: SamplingOptions = SamplingOptions(),  # noqa: B008
+                 seed: int = 0, stop_at_eos: bool = True, timings: Timings | None = None) -> Iterator[int]:
+        """Feed ``prompt``, then yield up to ``n`` new tokens (fewer at EOS or a full context)."""
+        options.check()
+        timings = timings if timings is not None else Timings()
+        rng = np.random.default_rng(seed)
+        logits = self.feed(prompt, timings)
+        eos = self.text.eos_id if self.text is not None else None
+        for i in range(n):
+            token = self.executor.greedy() if options.greedy else sample(logits, options, rng, self.history)
+            yield token
+            if (stop_at_eos and token == eos) or i + 1 == n or self.pos >= self.ctx:
+                self.history.append(token)
+                return
+            start = time.perf_counter()
+            self.executor.step(token, self.pos)
+            self.pos += 1
+            self.history.append(token)
+            logits = self.executor.logits()
+            elapsed = time.perf_counter() - start
+            timings.tokens += 1
+            timings.decode_seconds += elapsed
+            timings.per_token.append(elapsed)
+
+    def close(self) -> None:
+        self.executor.close()
+        self.pib.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

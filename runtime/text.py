@@ -1,0 +1,39 @@
+"""Text <-> token ids in the runtime, from the tokenizer a .pib carries.
+
+The compiler writes the model's tokenizer in its serialized form (``picc.frontend.tokenizer``:
+``{"format": "picc-tokenizer", "version": 1, "bos_id", "eos_id", "add_bos", "add_eos",
+"backend": tokenizer.json}``), which was made to be read with nothing but the ``tokenizers``
+library: the backend turns text into ids without special tokens, and BOS / EOS are added here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import tokenizers
+
+
+class TextCodec:
+    """Encode and decode text as the model's own tokenizer does."""
+
+    def __init__(self, document: str) -> None:
+        data = json.loads(document)
+        if data.get("format") != "picc-tokenizer" or data.get("version") != 1:
+            raise ValueError("not a picc tokenizer (version 1)")
+        self.backend = tokenizers.Tokenizer.from_str(json.dumps(data["backend"]))
+        self.bos_id: int | None = data["bos_id"]
+        self.eos_id: int | None = data["eos_id"]
+        self.add_bos: bool = bool(data["add_bos"])
+        self.add_eos: bool = bool(data.get("add_eos", False))
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        if self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=False)
