@@ -85,7 +85,7 @@ def cmd_logits(args: argparse.Namespace) -> None:
     if str(args.source).endswith(".pib") and not args.interpreter:
         from picc.cli_runtime import logits_with_runtime
 
-        logits = logits_with_runtime(args.source, ids, args.threads)
+        logits = logits_with_runtime(args.source, ids, args.threads, args.gpu)
     else:
         logits = Interpreter(model.module, model.weights).run(ids).astype(np.float32)
     out = Path(args.out)
@@ -221,7 +221,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
     out = Path(args.output)
     if out.suffix != ".pib":
         raise PiccError(f"-o {args.output}: expected a file name ending in .pib")
-    options = CompileOptions(target=args.target, vram=args.vram, ctx=args.ctx, ubatch=args.ubatch,
+    options = CompileOptions(target=args.target, vram=args.vram, ctx=args.ctx,
                              dense=args.dense, solver=args.solver, sparsity=_sparsify_options(args))
     options.check()
     def say(line: str) -> None:
@@ -335,6 +335,8 @@ def add_sparsity_flags(s: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from picc.cli_runtime import add_gpu_flag, add_runtime_commands
+
     p = argparse.ArgumentParser(
         prog="picc",
         description="picc: a compiler that lowers LLMs into a sparse hybrid CPU/GPU IR.",
@@ -372,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, metavar="FILE.npy")
     s.add_argument("--interpreter", action="store_true", help="run a .pib's IR on the reference interpreter")
     s.add_argument("--threads", type=int, default=1, help="CPU threads for a .pib (default 1)")
+    add_gpu_flag(s)
     s.set_defaults(func=cmd_logits)
 
     s = sub.add_parser("generate", help="generate text with the reference interpreter",
@@ -451,8 +454,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "CPU only (default: the target's VRAM)")
     s.add_argument("--ctx", type=int, default=512, metavar="N",
                    help="KV-cache positions planned on the GPU (default 512)")
-    s.add_argument("--ubatch", type=int, default=32, metavar="N",
-                   help="tokens per prefill chunk; sizes the GPU activation buffers (default 32)")
     s.add_argument("--dense", action="store_true", help="compile without sparsity (the baseline)")
     s.add_argument("--solver", choices=("greedy", "ilp"), default="greedy",
                    help="neuron placement: greedy top-k by frequency (default, PowerInfer's) or the ILP "
@@ -474,8 +475,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--emit-cuda", metavar="DIR",
                    help="write every CUDA source the file carries as DIR/<kernel>.cu (each compiles alone)")
     s.set_defaults(func=cmd_inspect)
-
-    from picc.cli_runtime import add_runtime_commands
 
     add_runtime_commands(sub)
     return p

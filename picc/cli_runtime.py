@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,9 @@ from picc.errors import PiccError
 
 
 @contextlib.contextmanager
-def open_session(path: str, threads: int, ctx: int | None = None) -> Iterator:  # noqa: ANN401
-    """A runtime session on ``path``; the runtime's errors become ``PiccError``."""
+def open_session(path: str, threads: int, ctx: int | None = None, gpu: str = "auto") -> Iterator:  # noqa: ANN401
+    """A runtime session on ``path``; the runtime's errors become ``PiccError``. Says on stderr,
+    in one line, when the model's GPU part runs on the host-emulated GPU."""
     from runtime.cpu import ExecutorError
     from runtime.pib import PibError
     from runtime.session import Session
@@ -27,9 +29,13 @@ def open_session(path: str, threads: int, ctx: int | None = None) -> Iterator:  
     if not Path(path).suffix == ".pib":
         raise PiccError(f"{path}: expected a .pib file written by 'picc compile'")
     try:
-        session = Session(path, threads, ctx)
+        session = Session(path, threads, ctx, gpu)
     except (PibError, ExecutorError) as e:
         raise PiccError(str(e)) from None
+    if session.executor.gpu_kind == "emulated":
+        budget = session.pib.json("plan")["budget"]
+        print(f"warning: no CUDA device here; the GPU part runs on the host-emulated GPU (the host build of the same "
+              f"kernels, within the plan's {budget / 2**20:.1f} MiB of VRAM): correct but slow", file=sys.stderr)
     try:
         yield session
     except ExecutorError as e:
@@ -94,28 +100,47 @@ def open_null():  # noqa: ANN201 - a text sink
     return io.StringIO()
 
 
-def _summary(result: dict) -> str:
+def _summary(result: dict, devices: dict | None = None) -> str:
     t = result["_timings"]
     ms = 1e3 * t.decode_seconds / t.tokens if t.tokens else 0.0
-    return (f"prompt: {t.prompt_tokens} tokens in {t.prompt_seconds * 1e3:.1f} ms "
+    line = (f"prompt: {t.prompt_tokens} tokens in {t.prompt_seconds * 1e3:.1f} ms "
             f"({t.prompt_tokens_per_s:.1f} tok/s) | decode: {t.tokens} tokens in {t.decode_seconds * 1e3:.1f} ms "
             f"({t.decode_tokens_per_s:.1f} tok/s, {ms:.2f} ms/token)")
+    if devices:
+        line += (f"\ndevices: GPU {devices['gpu_ms']:.1f} ms ({devices['gpu']}), CPU {devices['cpu_ms']:.1f} ms, "
+                 f"transfers {devices['transfer_ms']:.1f} ms ({devices['transfer_bytes'] / 1024:.1f} KiB)")
+    return line
+
+
+def device_times(session, before) -> dict | None:  # noqa: ANN001 - a Session and its DeviceTimes copy
+    """Milliseconds per device (and bytes moved) since ``before``, for a model with a GPU part."""
+    ex = session.executor
+    if ex.gpu_kind is None:
+        return None
+    now = ex.times
+    return {"gpu": ex.gpu_kind, "gpu_ms": 1e3 * (now.gpu_seconds - before.gpu_seconds),
+            "cpu_ms": 1e3 * (now.cpu_seconds - before.cpu_seconds),
+            "transfer_ms": 1e3 * (now.transfer_seconds - before.transfer_seconds),
+            "transfer_bytes": now.transfer_bytes - before.transfer_bytes}
 
 
 def cmd_run(args: argparse.Namespace) -> None:
     if args.n < 0:
         raise PiccError(f"-n {args.n}: expected a number of tokens >= 0")
     options = _sampling(args)
-    with open_session(args.model, args.threads, args.ctx) as session:
+    with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
         if args.prompt is not None:
             if not args.json:
                 sys.stdout.write(args.prompt)
+            before = replace(session.executor.times)
             result = _turn(session, args.prompt, args, options, stream=not args.json)
+            devices = device_times(session, before)
             if args.json:
-                print(json.dumps({k: v for k, v in result.items() if not k.startswith("_")}))
+                out = {k: v for k, v in result.items() if not k.startswith("_")}
+                print(json.dumps(out | ({"devices": devices} if devices else {})))
             else:
                 sys.stdout.write("\n")
-                print(_summary(result), file=sys.stderr)
+                print(_summary(result, devices), file=sys.stderr)
             return
         print(f"{args.model}: type a prompt and press Enter (Ctrl-D to quit)", file=sys.stderr)
         for line in sys.stdin:
@@ -123,13 +148,14 @@ def cmd_run(args: argparse.Namespace) -> None:
             if not prompt:
                 continue
             session.reset()
+            before = replace(session.executor.times)
             result = _turn(session, prompt, args, options, stream=True)
             sys.stdout.write("\n")
-            print(_summary(result), file=sys.stderr)
+            print(_summary(result, device_times(session, before)), file=sys.stderr)
 
 
-def logits_with_runtime(path: str, ids: list[int], threads: int = 1) -> np.ndarray:
-    with open_session(path, threads) as session:
+def logits_with_runtime(path: str, ids: list[int], threads: int = 1, gpu: str = "auto") -> np.ndarray:
+    with open_session(path, threads, gpu=gpu) as session:
         return session.feed(ids, all_logits=True).astype(np.float32)
 
 
@@ -143,7 +169,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     prompt_rates, decode_rates = [], []
     if min(args.prompt_tokens, args.n, args.repeat) < 1:
         raise PiccError("--prompt-tokens, -n and --repeat must be >= 1")
-    with open_session(args.model, args.threads) as session:
+    with open_session(args.model, args.threads, gpu=args.gpu) as session:
+        before = replace(session.executor.times)
         if args.prompt_tokens + args.n > session.ctx:
             raise PiccError(f"--prompt-tokens {args.prompt_tokens} + -n {args.n} exceed the {session.ctx} positions "
                             "the model was compiled for")
@@ -160,6 +187,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 session.pos += 1
                 token = session.executor.greedy()
             decode_rates.append(args.n / (time.perf_counter() - start))
+        devices = device_times(session, before)
     bandwidth = measure_memory_bandwidth()
     decode = statistics.median(decode_rates)
     result = {"model": args.model, "threads": args.threads, "repeat": args.repeat,
@@ -167,6 +195,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
               "prompt_tokens_per_s": statistics.median(prompt_rates), "decode_tokens_per_s": decode,
               "weight_bytes_per_token": bytes_per_token, "read_bandwidth_bytes_per_s": bandwidth,
               "bandwidth_share": (bytes_per_token * decode / bandwidth) if bytes_per_token else None}
+    if devices:  # per token, over every step of every run (prompt tokens included)
+        steps = args.repeat * (args.prompt_tokens + args.n)
+        result["devices"] = {"gpu": devices["gpu"], "gpu_ms_per_token": devices["gpu_ms"] / steps,
+                             "cpu_ms_per_token": devices["cpu_ms"] / steps,
+                             "transfer_ms_per_token": devices["transfer_ms"] / steps,
+                             "transfer_bytes_per_token": devices["transfer_bytes"] / steps}
     if args.json:
         print(json.dumps(result))
         return
@@ -178,6 +212,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"  weights read per token {bytes_per_token / 2**20:.2f} MiB (cost model); host read bandwidth "
               f"{bandwidth / 1e9:.1f} GB/s; decode reaches {100 * share:.0f}% of that limit"
               + (" (over 100%: the weights fit in the CPU's caches)" if share > 1 else ""))
+    if devices:
+        d = result["devices"]
+        print(f"  per token: GPU {d['gpu_ms_per_token']:.3f} ms ({d['gpu']}), CPU {d['cpu_ms_per_token']:.3f} ms, "
+              f"transfers {d['transfer_ms_per_token']:.3f} ms ({d['transfer_bytes_per_token'] / 1024:.1f} KiB)")
+
+
+def add_gpu_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu", choices=("auto", "cuda", "emulate"), default="auto",
+                        help="where a model's GPU part runs: a CUDA device when there is one, else the "
+                        "host-emulated GPU (auto, the default); cuda insists on a device; emulate never uses one")
 
 
 def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
@@ -196,6 +240,7 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ctx", type=int, help="context positions (default: what the model was compiled for)")
     s.add_argument("--json", action="store_true",
                    help="print one JSON object: prompt_tokens, tokens, text, prompt_tokens_per_s, decode_tokens_per_s")
+    add_gpu_flag(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("bench", help="measure prompt and decode speed of a compiled .pib",
@@ -207,4 +252,5 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("-n", type=int, default=128, help="tokens decoded per run (default 128)")
     s.add_argument("--repeat", type=int, default=5, help="runs (default 5)")
     s.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+    add_gpu_flag(s)
     s.set_defaults(func=cmd_bench)

@@ -10,6 +10,7 @@ adds its artifacts here as the backends land.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ from picc.ir.sparse_ops import SparseFFN
 from picc.ir.weights import Tensor
 from picc.passes import Instruments, parse_pipeline, run_pipeline
 from picc.plan_report import build_report
+from picc.schedule import Schedule, schedule
 from picc.sparsify import SparsifyOptions, target_sparsity
 from picc.targets import load_target, parse_size
 
@@ -32,7 +34,6 @@ class CompileOptions:
     target: str = "cpu"
     vram: str | None = None  # default: the target's VRAM
     ctx: int = mp.DEFAULT_CTX
-    ubatch: int = mp.DEFAULT_UBATCH
     dense: bool = False
     solver: str = "greedy"
     sparsity: SparsifyOptions = field(default_factory=SparsifyOptions)
@@ -43,8 +44,8 @@ class CompileOptions:
         target = load_target(self.target)
         if self.vram is not None and parse_size(self.vram, what="--vram") > 0 and target.gpu is None:
             raise PiccError(f"--vram {self.vram}: target {target.name!r} has no GPU; use --vram 0 or a GPU target")
-        if self.ctx < 1 or self.ubatch < 1:
-            raise PiccError(f"--ctx {self.ctx} / --ubatch {self.ubatch}: expected positive integers")
+        if self.ctx < 1:
+            raise PiccError(f"--ctx {self.ctx}: expected a positive number of positions")
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,7 @@ def _is_sparse(model: LoadedModel) -> bool:
 
 
 def _partition_options(options: CompileOptions) -> str:
-    items = [f"target={options.target}", f"ctx={options.ctx}", f"ubatch={options.ubatch}",
-             f"solver={options.solver}"]
+    items = [f"target={options.target}", f"ctx={options.ctx}", f"solver={options.solver}"]
     if options.vram is not None:
         items.append(f"vram={options.vram}")
     return "partition-neurons{" + ",".join(items) + "}"
@@ -93,37 +93,43 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
             raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be "
                             "read; pass --dense or a model with a tokenizer")
         passes.append(s.pipeline(target_sparsity(model, s, say)))
-    passes += [_partition_options(options), "dce"]
+    passes += [_partition_options(options), "fuse-gather-gemv", "dce"]
     start = time.perf_counter()
     say(f"pipeline: {','.join(passes)}")
     module = run_pipeline(model.module, model.weights, parse_pipeline(",".join(passes)), instruments,
                           tokenizer=model.tokenizer)
     attrs = dict(module.attrs)
-    plan = mp.plan_memory(module, model.weights, ctx=options.ctx, ubatch=options.ubatch,
-                          budget=int(attrs["vram_budget"]))
+    plan = mp.plan_memory(module, model.weights, ctx=options.ctx, budget=int(attrs["vram_budget"]))
+    if plan.gpu_bytes > plan.budget:  # partition-neurons planned the unfused module; fusing only merges buffers
+        raise PiccError(f"internal error: the fused module needs {plan.gpu_bytes} GPU bytes, over the "
+                        f"{plan.budget}-byte budget; please report it")
     compiled = replace(model, module=module)
     report = build_report(module, model.weights, target, plan)
+    steps = schedule(module)
     say(f"generating CPU code ({target.cpu.simd})")
-    sections, tensors = cpu_code(module, model.weights, options.ctx, target.cpu.simd)
-    if target.gpu is not None and any(op.type.placement is not None and op.type.placement.value == "gpu"
-                                      for op in module.ops()):
-        say(f"generating CUDA code ({target.gpu.arch})")
-        sections.update(cuda_code(module, model.weights, options.ctx, target.gpu.arch))
+    sections, tensors = cpu_code(module, model.weights, steps, options.ctx, target.cpu.simd)
+    sections["schedule"] = json.dumps(steps.to_json()).encode("utf-8")
+    if target.gpu is not None and "gpu" in steps.devices:
+        say(f"generating GPU code ({target.gpu.arch})")
+        gpu_sections, gpu_tensors = gpu_code(module, model.weights, plan, target.gpu.arch, say)
+        sections.update(gpu_sections)
+        tensors.update(gpu_tensors)
     meta = {"picc_version": _version(), "source": model.source, "target": target.name,
-            "options": {"vram": options.vram, "ctx": options.ctx, "ubatch": options.ubatch,
+            "options": {"vram": options.vram, "ctx": options.ctx,
                         "dense": options.dense, "solver": options.solver},
             "compile_seconds": round(time.perf_counter() - start, 3)}
     return Compiled(compiled, plan, report, meta, sections, tensors)
 
 
-def cpu_code(module, weights, ctx: int, simd: str) -> tuple[dict[str, bytes], dict[str, Tensor]]:  # noqa: ANN001
-    """The CPU decode step of ``module``: object code, its LLVM IR, the manifest, extra tensors."""
+def cpu_code(module, weights, steps: Schedule, ctx: int,  # noqa: ANN001
+             simd: str) -> tuple[dict[str, bytes], dict[str, Tensor]]:
+    """The CPU's part of the decode step: object code, its LLVM IR, the manifest, extra tensors."""
     from picc.codegen_cpu import compile_kernels
     from picc.codegen_cpu.lower import lower_module
 
     if simd not in ("avx512", "avx2"):
         raise PiccError(f"the target's CPU has SIMD level {simd!r}; picc's CPU kernels need avx2 or avx512")
-    lowered = lower_module(module, weights, ctx)
+    lowered = lower_module(module, weights, steps, ctx)
     code = compile_kernels([], lowered.programs, simd)
     sections = {"cpu/object": code.emit_object(), "cpu/ir": code.ir.encode("utf-8"),
                 "cpu/manifest": json.dumps(lowered.manifest(simd)).encode("utf-8")}
@@ -139,25 +145,34 @@ def _version() -> str:
         return "unknown"
 
 
-def cuda_code(module, weights, ctx: int, arch: str) -> dict[str, bytes]:  # noqa: ANN001
-    """The CUDA kernels of the GPU ops: sources (each compiles alone), PTX and cubin where nvcc
-    exists, and a manifest of which kernels each GPU op launches."""
-    from picc.codegen_cuda import build_cuda
-    from picc.codegen_cuda.lower import gpu_kernels
+def gpu_code(module, weights, plan: mp.MemoryPlan, arch: str,  # noqa: ANN001
+             say: Callable[[str], None]) -> tuple[dict[str, bytes], dict[str, Tensor]]:
+    """The GPU's part of the decode step: every launch bound to the plan's arena (``gpu/launches``),
+    the kernels as CUDA for ``arch`` (sources that each compile alone; PTX and cubin where nvcc is
+    found), the same kernels built for the host (``gpu/host.so``, the host-emulated GPU), and the
+    f32 constants the kernels read (``gpu.const.<name>`` tensors). The PTX and cubin hold every
+    kernel in one module (``cuda/<arch>/model.ptx``)."""
+    from picc.codegen_cuda.build import build_model_cuda, export_host_library, nvcc_path
+    from picc.codegen_cuda.lower import lower_gpu
 
-    lowered = gpu_kernels(module, weights, ctx)
-    artifacts = build_cuda(list(lowered.kernels.values()), arch)
-    sections: dict[str, bytes] = {}
-    for name, a in artifacts.items():
-        sections[f"cuda/{arch}/{name}.cu"] = a.source.encode("utf-8")
-        for kind in ("ptx", "cubin"):
-            if getattr(a, kind) is not None:
-                sections[f"cuda/{arch}/{name}.{kind}"] = getattr(a, kind)
-    manifest = {"arch": arch, "calls": lowered.calls,
-                "kernels": {name: list(a.entry_points) for name, a in artifacts.items()},
-                "compiled": sorted({k for a in artifacts.values() for k in ("ptx", "cubin") if getattr(a, k)})}
+    lowered = lower_gpu(module, weights, plan)
+    kernels = list(lowered.kernels.values())
+    say(f"  {len(kernels)} GPU kernels for {sum(len(v) for v in lowered.launches.values())} launches per token; "
+        f"CUDA for {arch}" + (" (PTX and cubin with nvcc)" if nvcc_path() else " (sources only: nvcc not found)"))
+    artifacts, compiled = build_model_cuda(kernels, arch)
+    sections: dict[str, bytes] = {f"cuda/{arch}/{name}.cu": a.source.encode("utf-8") for name, a in artifacts.items()}
+    sections.update({f"cuda/{arch}/model.{kind}": data for kind, data in compiled.items()})
+    manifest = {"arch": arch, "kernels": {name: list(a.launches) for name, a in artifacts.items()},
+                "compiled": sorted(compiled)}
     sections["cuda/manifest"] = json.dumps(manifest).encode("utf-8")
-    return sections
+    sections["gpu/launches"] = json.dumps(lowered.launches).encode("utf-8")
+    with tempfile.TemporaryDirectory(prefix="picc-host-") as tmp:
+        library = Path(tmp) / "host.so"
+        # x86-64-v3 (AVX2, FMA, F16C): the CPU kernels' own floor, so the file runs where they do.
+        export_host_library(kernels, library, {"kind": "llvm", "mcpu": "x86-64-v3"})
+        sections["gpu/host.so"] = library.read_bytes()
+    tensors = {f"gpu.const.{name}": Tensor.from_f32(values) for name, values in lowered.constants.items()}
+    return sections, tensors
 
 
 def write_compiled(compiled: Compiled, path: Path) -> int:

@@ -17,6 +17,7 @@ from picc import quant
 from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
+from picc.ir.fused_ops import FusedFFN, Merge
 from picc.ir.module import Module
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.weights import WeightStore
@@ -192,6 +193,11 @@ class Interpreter:
                 return self.ffn(op, env[op.x], env[op.mask] if op.mask else None)
             case O.FFN():
                 return self.ffn(op, env[op.x])
+            case FusedFFN():
+                return self.fused_ffn(op, env[op.x], env[op.mask] if op.mask else None)
+            case Merge():
+                y = env[op.a] + env[op.b]
+                return y + w(op.bias) if op.bias else y
             case Predict():
                 return self.predict(op, env[op.x])
         raise NotImplementedError(op.NAME)
@@ -199,23 +205,16 @@ class Interpreter:
     def ffn(self, op: O.FFN, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
         """Dense ``ffn``, or ``sparse_ffn``: the same with inactive neurons' ``h`` set to 0."""
         w = self.weights.f32
-        spec = op.spec
         up = x @ w(op.up).T
         if op.up_bias:
             up = up + w(op.up_bias)
-        if spec.gated:
+        gate = None
+        if op.spec.gated:
             assert op.gate is not None
             gate = x @ w(op.gate).T
             if op.gate_bias:
                 gate = gate + w(op.gate_bias)
-            act = activation(spec.act, gate)
-            if spec.act_on_up:
-                up = activation(spec.act, up)
-            h = act * up
-            score = np.abs(h) if spec.act_on_up else np.abs(act)
-        else:
-            h = activation(spec.act, up)
-            score = np.abs(h)
+        h, score = _activations(op.spec, up, gate)
         active = None
         if isinstance(op, SparseFFN):
             if mask is not None:  # a part of a layer reads its own neurons' columns
@@ -228,8 +227,50 @@ class Interpreter:
         y = h @ w(op.down) if op.neuron_major else h @ w(op.down).T
         return y + w(op.down_bias) if op.down_bias else y
 
+    def fused_ffn(self, op: FusedFFN, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        """The partial sum of ``op``'s active neurons (plus ``down_bias`` for a whole layer)."""
+        w = self.weights.f32
+        spec = O.FFN_FORMS[op.form]
+        if op.up_gate is not None:
+            both = x @ w(op.up_gate).reshape(-1, x.shape[1]).T  # columns: up_0, gate_0, up_1, ...
+            bias = w(op.up_gate_bias).reshape(-1) if op.up_gate_bias else np.float32(0)
+            both = both + bias
+            up, gate = both[:, 0::2], both[:, 1::2]
+        else:
+            assert op.up is not None
+            up = x @ w(op.up).T + (w(op.up_bias) if op.up_bias else np.float32(0))
+            gate = x @ w(op.gate).T + (w(op.gate_bias) if op.gate_bias else np.float32(0)) if op.gate else None
+        h, score = _activations(spec, up, gate)
+        n = h.shape[1]
+        if op.mode == "predictor":
+            assert mask is not None
+            active = mask[:, op.neuron_offset : op.neuron_offset + n]
+        elif op.mode == "gate-first":
+            active = score > np.float32(op.threshold)
+        elif op.mode == "down-only":
+            active = np.abs(h) > np.float32(op.threshold)
+        else:
+            active = None
+        if active is not None:
+            h = np.where(active, h, np.float32(0))
+        y = h @ w(op.down)
+        return y + w(op.down_bias) if op.down_bias else y
+
     def predict(self, op: Predict, x: np.ndarray) -> np.ndarray:
         return predictor_logits(op, x, self.weights) > np.float32(op.threshold)
+
+
+def _activations(spec: O.FfnForm, up: np.ndarray, gate: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """``h`` of an FFN form from its projections, and each neuron's activity score."""
+    if not spec.gated:
+        h = activation(spec.act, up)
+        return h, np.abs(h)
+    assert gate is not None
+    act = activation(spec.act, gate)
+    if spec.act_on_up:
+        up = activation(spec.act, up)
+    h = act * up
+    return h, np.abs(h) if spec.act_on_up else np.abs(act)
 
 
 def predictor_logits(op: Predict, x: np.ndarray, weights: WeightStore) -> np.ndarray:

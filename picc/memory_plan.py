@@ -8,13 +8,17 @@ inspect`` reports it, and the runtime allocates exactly its buffers at its offse
 What lives on the GPU (each buffer starts at a multiple of ``ALIGN`` in the arena):
 
 * every weight declared ``@gpu`` (dense weights of the layers placed there, predictors, the hot
-  part of each FFN, the LM head if placed) in its storage format;
+  part of each FFN, the LM head if placed) in the GPU layout of ``runtime.gpu_layout``: matrices
+  in their storage format (block formats split into planes), vectors in f32;
 * the KV cache of every attention op placed there: ``ctx`` positions of K and V, f32;
-* the rotary frequencies of every rope op placed there (f32);
-* one activation arena for ``ubatch`` tokens: every value an op computes on the GPU, and every
-  value a GPU op reads from the CPU, gets an offset in it, reused once the value is dead (first
-  fit, in op order);
-* one workspace for the kernels' temporaries, the largest any GPU op needs (``workspace_bytes``).
+* constants the GPU kernels read: the rotary frequencies of every rope op placed there and the
+  threshold of every predictor and gate-first FFN there (f32);
+* one activation arena for a token (the runtime runs one token per step, prompt tokens too):
+  every value an op computes on the GPU, and every value a GPU op reads from the CPU, gets an
+  offset in it, reused once the value is dead (first fit, in op order, which is the order the GPU
+  runs its ops in);
+* one workspace for the kernels' temporaries between their launches, the largest any GPU op
+  needs (``gpu_scratch``: exactly the scratch buffers of the op's kernels).
 
 CPU buffers are listed too (weights are mapped from the file, the KV cache of CPU layers is
 allocated), so ``cpu_bytes`` is the host memory the model holds beside its activations.
@@ -24,22 +28,23 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from picc.ir import ops as O
 from picc.ir.core import Op
+from picc.ir.fused_ops import FusedFFN, Merge
 from picc.ir.module import Function, Module
 from picc.ir.sparse_ops import Predict
 from picc.ir.types import DType, Placement, TensorType
 from picc.ir.weights import WeightStore
 from picc.quant import raw_nbytes
+from picc.schedule import Schedule, layer_of, schedule
+from runtime import gpu_layout
 
 ALIGN = 256  # what cudaMalloc guarantees; 16-byte vector loads and 64-byte CPU lines divide it
 KV_BYTES = 4  # the KV cache holds f32, as the interpreter does, so GPU and CPU layers agree
 DEFAULT_CTX = 512
-DEFAULT_UBATCH = 32  # tokens per prefill chunk: sizes the activation arena
 PLAN_VERSION = 1
 
 _ELEMENT = {DType.F32: 4, DType.F16: 2, DType.BF16: 2, DType.I32: 4, DType.I64: 8, DType.BOOL: 1}
@@ -57,30 +62,54 @@ def tensor_bytes(t: TensorType, seq: int = 1) -> int:
     return math.prod(shape) * _ELEMENT[t.dtype]
 
 
-def layer_of(name: str) -> int | None:
-    """The decoder layer a value belongs to, by its name (``l3.attn.q`` -> 3), or None."""
-    m = re.match(r"l(\d+)\.", name)
-    return int(m.group(1)) if m else None
+def gpu_scratch(op: Op, ctx: int, weights: dict[str, TensorType]) -> list[tuple[str, int]]:
+    """The scratch buffers ``(name, bytes)`` of ``op``'s GPU kernels, in the order they sit in
+    the workspace (each at a multiple of ``gpu_layout.PLANE_ALIGN``): the contract the kernels of
+    ``picc.codegen_cuda`` are written to, which its lowering checks.
 
-
-def workspace_bytes(op: Op, ubatch: int, ctx: int, weights: dict[str, TensorType]) -> int:
-    """The temporaries a GPU kernel for ``op`` needs beyond its inputs and result.
-
-    An FFN (or part) holds its gate and up activations and an int32 index list of its active
-    neurons per token (plus a count); a predictor its hidden layer; attention its scores for
-    ``ctx`` positions per head. This is the contract codegen's kernels are written to.
+    An FFN part in predictor mode holds the index list of its active neurons (padded to the
+    kernels' row tile), their count and their up (and gate) dot products; in dense mode the dot
+    products of every neuron; in gate-first mode the gate and up values of every neuron. A
+    predictor holds its hidden layer; attention its scores, row maxima, row sums and
+    probabilities for ``ctx`` positions per head. An unfused FFN (the partitioner's trials)
+    counts as the predictor-mode kernel, the largest. A whole FFN layer with a down bias also
+    holds its partial sum, to which a second kernel adds the bias.
     """
-    if isinstance(op, O.FFN):
-        n = weights[op.up].shape[0]
-        assert isinstance(n, int)
-        return ubatch * (2 * 4 * n + 4 * (n + 1))
+    if isinstance(op, O.FFN | FusedFFN):
+        n = int(weights[op.down].shape[0] if isinstance(op, FusedFFN) else weights[op.up].shape[0])
+        j = 2 if O.FFN_FORMS[op.form].gated else 1
+        mode = op.mode if isinstance(op, FusedFFN) else "predictor"
+        # A whole layer with a down bias: the kernel's partial sum, before the bias is added.
+        partial = [("partial", 4 * int(weights[op.down].shape[1]))] if op.down_bias is not None else []
+        if mode == "gate-first":
+            return [("g", 4 * n), ("u", 4 * n), *partial]
+        if mode == "dense":
+            return [("ug", 4 * n * j), *partial]
+        n_pad = gpu_layout.padded_rows(n)
+        return [("idx", 4 * n_pad), ("count", 4), ("ug", 4 * n_pad * j), *partial]
     if isinstance(op, Predict):
-        rank = weights[op.fc1].shape[0]
-        assert isinstance(rank, int)
-        return ubatch * 4 * rank
+        return [("hid", 4 * int(weights[op.fc1].shape[0]))]
     if isinstance(op, O.Attention):
-        return ubatch * op.n_heads * ctx * 4
-    return 0
+        return [("scores", 4 * op.n_heads * ctx), ("smax", 4 * op.n_heads), ("ssum", 4 * op.n_heads),
+                ("probs", 4 * op.n_heads * ctx)]
+    return []
+
+
+def workspace_bytes(op: Op, ctx: int, weights: dict[str, TensorType]) -> int:
+    """Bytes of the workspace ``op``'s GPU kernels need (``gpu_scratch`` laid out)."""
+    end = 0
+    for _, nbytes in gpu_scratch(op, ctx, weights):
+        end = gpu_layout.aligned(end) + nbytes
+    return end
+
+
+def gpu_constants(op: Op) -> list[tuple[str, int]]:
+    """Constants ``(name, f32 count)`` a GPU op's kernels read besides its weights."""
+    if isinstance(op, O.Rope):
+        return [(f"rope.{op.result}", op.rotated // 2)]
+    if isinstance(op, Predict) or (isinstance(op, FusedFFN) and op.mode == "gate-first"):
+        return [(f"threshold.{op.result}", 1)]
+    return []
 
 
 def kv_cache_bytes(op: O.Attention, k_width: int, ctx: int) -> int:
@@ -105,10 +134,9 @@ class Buffer:
 
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
-    """The buffers of a placed module for ``ctx`` positions and prefill chunks of ``ubatch``."""
+    """The buffers of a placed module for ``ctx`` positions."""
 
     ctx: int
-    ubatch: int
     budget: int
     buffers: tuple[Buffer, ...]
     activation_offsets: dict[str, int]  # GPU value -> offset in the activation arena
@@ -130,14 +158,14 @@ class MemoryPlan:
                    and (layer is None or b.layer == layer))
 
     def to_json(self) -> dict:
-        return {"version": PLAN_VERSION, "ctx": self.ctx, "ubatch": self.ubatch, "budget": self.budget,
+        return {"version": PLAN_VERSION, "ctx": self.ctx, "budget": self.budget,
                 "gpu_bytes": self.gpu_bytes, "cpu_bytes": self.cpu_bytes, "notes": list(self.notes),
                 "buffers": [asdict(b) for b in self.buffers],
                 "activation_offsets": self.activation_offsets}
 
     @staticmethod
     def from_json(data: dict) -> MemoryPlan:
-        return MemoryPlan(int(data["ctx"]), int(data["ubatch"]), int(data["budget"]),
+        return MemoryPlan(int(data["ctx"]), int(data["budget"]),
                           tuple(Buffer(**b) for b in data["buffers"]),
                           {k: int(v) for k, v in data["activation_offsets"].items()},
                           tuple(data.get("notes", ())))
@@ -146,26 +174,59 @@ class MemoryPlan:
         return json.dumps(self.to_json(), indent=1)
 
 
-def activation_arena(func: Function, on_gpu: Callable[[Op], bool], ubatch: int) -> tuple[dict[str, int], int]:
+def copy_points(func: Function, steps: Schedule) -> tuple[dict[str, int], dict[str, int]]:
+    """When, in the GPU's op order, each value crosses: ``(uploads, downloads)``, value -> index
+    of the op before which the copy happens.
+
+    A value is copied across before the stage that reads it, i.e. before the first GPU op of
+    that stage (or later). The function's arguments are written before the first op.
+    """
+    index = {op.result: i for i, op in enumerate(func.ops)}
+    starts = []  # per stage: the first GPU op at or after it
+    nxt = len(func.ops)
+    for st in reversed(steps.stages):
+        if st.gpu:
+            nxt = index[st.gpu[0]]
+        starts.append(nxt)
+    starts.reverse()
+    uploads = {a.name: 0 for a in func.args}
+    downloads = {}
+    for i, st in enumerate(steps.stages):
+        uploads.update({v: starts[i] for v in st.to_gpu})
+        downloads.update({v: starts[i] for v in st.to_cpu})
+    return uploads, downloads
+
+
+def activation_arena(func: Function, on_gpu: Callable[[Op], bool],
+                     steps: Schedule) -> tuple[dict[str, int], int]:
     """Offsets in one arena of every value the GPU holds, reusing dead values' space (first fit).
 
-    The GPU holds what its ops compute and what they read from the CPU (the input uploaded
-    before the first GPU op that reads it: token ids, positions, a CPU layer's output). A value
-    is live from then to its last reader (the returned value to the end).
+    The GPU holds what its ops compute and what they read from the CPU. A value computed there is
+    live from its op to its last GPU reader, or to its copy to the CPU if that comes later; a
+    value copied in (or a function argument) is live from the copy (``copy_points``) to its last
+    reader. The returned value is live to the end. The GPU runs its ops in this order.
     """
     types = func.value_types()
+    uploads, downloads = copy_points(func, steps)
     last_use: dict[str, int] = {}
     for i, op in enumerate(func.ops):
-        for v in op.values():
-            last_use[v] = i
+        if on_gpu(op):
+            for v in op.values():
+                last_use[v] = i
+    for v, at in downloads.items():
+        last_use[v] = max(last_use.get(v, at), at)
     last_use[func.ret] = len(func.ops)
+    arriving: dict[int, list[str]] = {}
+    for v, at in uploads.items():
+        if v in last_use:  # some GPU op reads it
+            arriving.setdefault(at, []).append(v)
     live: list[tuple[int, int, str]] = []  # (offset, size, value), sorted by offset
     offsets: dict[str, int] = {}
     size = 0
 
     def place(value: str) -> None:
         nonlocal live, size
-        need = aligned(tensor_bytes(types[value], ubatch))
+        need = aligned(tensor_bytes(types[value], 1))
         at = 0
         for start, length, _ in live:  # the first gap that holds it
             if start - at >= need:
@@ -177,12 +238,10 @@ def activation_arena(func: Function, on_gpu: Callable[[Op], bool], ubatch: int) 
 
     for i, op in enumerate(func.ops):
         live = [item for item in live if last_use.get(item[2], -1) >= i]
-        if not on_gpu(op):
-            continue
-        for v in op.values():
-            if v not in offsets:
-                place(v)  # an upload from the CPU
-        place(op.result)
+        for v in arriving.get(i, ()):
+            place(v)
+        if on_gpu(op):
+            place(op.result)
     return offsets, size
 
 
@@ -199,7 +258,8 @@ def placement_notes(func: Function) -> tuple[str, ...]:
         return ("everything is on the CPU",)
     notes = []
     layers = sorted({i for op in func.ops if (i := layer_of(op.result)) is not None})
-    cpu_dense = [i for i in layers if any(layer_of(op.result) == i and not isinstance(op, O.FFN) and on_cpu(op)
+    cpu_dense = [i for i in layers if any(layer_of(op.result) == i and not isinstance(op, O.FFN | FusedFFN | Merge)
+                                          and on_cpu(op)
                                           for op in func.ops)]
     if cpu_dense:
         notes.append(f"layers {cpu_dense[0]}..{cpu_dense[-1]}: attention and norms on the CPU (the budget "
@@ -209,7 +269,7 @@ def placement_notes(func: Function) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def plan_memory(module: Module, weights: WeightStore, *, ctx: int, ubatch: int, budget: int) -> MemoryPlan:
+def plan_memory(module: Module, weights: WeightStore, *, ctx: int, budget: int) -> MemoryPlan:
     """The exact buffers of a placed module (see the module docstring)."""
     func = module.function()
     decls = module.weight_types()
@@ -231,11 +291,14 @@ def plan_memory(module: Module, weights: WeightStore, *, ctx: int, ubatch: int, 
             readers.setdefault(w, op.result)
     for decl in module.weights:
         layer = layer_of(readers.get(decl.name, ""))
-        add(decl.name, "weight", _is_gpu(decl.type), int(weights[decl.name].data.nbytes), layer)
+        on_gpu = _is_gpu(decl.type)
+        t = weights[decl.name]
+        nbytes = gpu_layout.gpu_nbytes(t.dtype.value, t.shape) if on_gpu else int(t.data.nbytes)
+        add(decl.name, "weight", on_gpu, nbytes, layer)
     gpu_ops = [op for op in func.ops if _is_gpu(op.type)]
     for op in gpu_ops:
-        if isinstance(op, O.Rope):  # its kernel reads the rotary frequencies (f32, rotary_dim / 2)
-            add(f"rope.{op.result}", "constant", True, 4 * (op.rotated // 2), layer_of(op.result))
+        for name, count in gpu_constants(op):
+            add(name, "constant", True, 4 * count, layer_of(op.result))
     for op in func.ops:
         if isinstance(op, O.Attention):
             width = types[op.k].shape[1]
@@ -243,7 +306,7 @@ def plan_memory(module: Module, weights: WeightStore, *, ctx: int, ubatch: int, 
             add(f"kv.{op.cache}", "kv-cache", _is_gpu(op.type), kv_cache_bytes(op, width, ctx), layer_of(op.result))
     offsets: dict[str, int] = {}
     if gpu_ops:
-        offsets, arena = activation_arena(func, lambda op: _is_gpu(op.type), ubatch)
+        offsets, arena = activation_arena(func, lambda op: _is_gpu(op.type), schedule(module))
         add("activations", "activations", True, arena, None)
-        add("workspace", "workspace", True, max(workspace_bytes(op, ubatch, ctx, decls) for op in gpu_ops), None)
-    return MemoryPlan(ctx, ubatch, budget, tuple(buffers), offsets, placement_notes(func))
+        add("workspace", "workspace", True, max(workspace_bytes(op, ctx, decls) for op in gpu_ops), None)
+    return MemoryPlan(ctx, budget, tuple(buffers), offsets, placement_notes(func))

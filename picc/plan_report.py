@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from picc import memory_plan as mp
 from picc.ir import ops as O
+from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Module
 from picc.ir.types import Placement
 from picc.ir.weights import WeightStore
@@ -49,8 +50,9 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
                 moved.add((v, device))
                 transfers += 1
                 transfer_s += TRANSFER_LATENCY + mp.tensor_bytes(types[v], 1) / max(target.pcie_bandwidth, 1.0)
-        if isinstance(op, O.FFN):
-            layer = layers.setdefault(op.part_of or op.result, {"gpu_s": 0.0, "cpu_s": 0.0, "parts": []})
+        if isinstance(op, O.FFN | FusedFFN):
+            key = op.layer if isinstance(op, FusedFFN) else op.part_of or op.result
+            layer = layers.setdefault(key, {"gpu_s": 0.0, "cpu_s": 0.0, "parts": []})
             fl = ffn_layer(op, weights, input_on_gpu=False)
             read = fl.neuron_bytes * float(fl.read_rate().sum())
             read_bytes += read
@@ -101,7 +103,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
                  for kind in ("weight", "constant", "kv-cache", "activations", "workspace")}
     return {
         "target": target.name, "vram_budget_bytes": plan.budget, "gpu_bytes": plan.gpu_bytes,
-        "cpu_bytes": plan.cpu_bytes, "gpu_bytes_by_kind": gpu_kinds, "ctx": plan.ctx, "ubatch": plan.ubatch,
+        "cpu_bytes": plan.cpu_bytes, "gpu_bytes_by_kind": gpu_kinds, "ctx": plan.ctx,
         "notes": list(plan.notes), "layers": rows,
         "estimate_tokens_per_s": 1.0 / total if total > 0 else 0.0,
         "estimate_ms_per_token": {
@@ -122,7 +124,7 @@ def format_report(report: dict) -> str:
     """The report as the table ``picc inspect`` prints."""
     lines = [f"target {report['target']}: VRAM budget {report['vram_budget_bytes'] / 2**20:.2f} MiB, "
              f"planned GPU {report['gpu_bytes'] / 2**20:.2f} MiB, CPU {report['cpu_bytes'] / 2**20:.2f} MiB "
-             f"(ctx {report['ctx']}, prefill chunks of {report['ubatch']})"]
+             f"(ctx {report['ctx']})"]
     kinds = report["gpu_bytes_by_kind"]
     lines.append("GPU: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in kinds.items()))
     lines.extend(f"note: {n}" for n in report["notes"])

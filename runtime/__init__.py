@@ -1,7 +1,7 @@
 """picc's runtime: loads compiled models and runs them. It never imports the compiler (``picc``).
 
-The executors (CPU through generated kernels, CUDA through TVM, a host-emulated GPU) arrive with
-the code generation work; today the runtime holds what both sides share: sampling.
+``session.Session`` opens a ``.pib`` and generates text; ``executor.Executor`` runs one step on the
+CPU (``cpu``) and a GPU (``cuda``, or the host-emulated ``gpu``) stage by stage.
 """
 
 from runtime.sampling import sample_next

@@ -1,11 +1,13 @@
 """The CPU executor: runs a .pib's generated decode step on this machine's cores.
 
-The .pib carries the step as object code for its SIMD level (``cpu/object``), the same code as
-LLVM IR (``cpu/ir``) and a manifest (``cpu/manifest``: the step's symbol, the buffers behind its
-``bufs`` table, where the logits are). Loading maps the weights straight from the file, allocates
-the rest (activations, KV caches, scratch) and fills the table once; a token then costs one call
-of the step per thread. When this CPU lacks the SIMD level the object code was built for
-(AVX-512 code on an AVX2 machine), the IR is compiled for this CPU instead.
+The .pib carries the CPU's step programs (one per stage of the hybrid step; one in all for a model
+that runs on the CPU alone) as object code for its SIMD level (``cpu/object``), the same code as
+LLVM IR (``cpu/ir``) and a manifest (``cpu/manifest``: the stages' symbols, the buffers behind
+their ``bufs`` table, where crossing values and the logits are). Loading maps the weights
+straight from the file, allocates the rest (activations, KV caches, scratch) and fills the table
+once; a stage then costs one call of its program per thread. When this CPU lacks the SIMD level
+the object code was built for (AVX-512 code on an AVX2 machine), the IR is compiled for this CPU
+instead.
 """
 
 from __future__ import annotations
@@ -82,7 +84,12 @@ def _zeros(nbytes: int, align: int = 64) -> np.ndarray:
 
 
 class CpuExecutor:
-    """One decode step at a time: ``step(token, pos)`` then ``logits()`` / ``greedy()``."""
+    """The CPU's part of a compiled model: its stage programs, its buffers and its threads.
+
+    ``run_stage(i)`` runs stage i's program (all threads); ``value(name)`` is the host memory of
+    a value that crosses devices (the hybrid executor copies through it). On a model that runs on
+    the CPU alone, ``step(token, pos)`` runs the whole step and ``logits()`` / ``greedy()`` read it.
+    """
 
     def __init__(self, pib: PibFile, threads: int = 1) -> None:
         if not pib.has("cpu/manifest"):
@@ -92,9 +99,6 @@ class CpuExecutor:
             raise ExecutorError(f"--threads {threads}: expected 1 to {manifest['max_threads']}")
         self.code = MachineCode(pib.section("cpu/object") if pib.has("cpu/object") else None,
                                 pib.text("cpu/ir"), manifest["simd"])
-        self._step = self.code.function(manifest["step"], _STEP)
-        prefill = manifest.get("prefill_step")
-        self._prefill = self.code.function(prefill, _STEP) if prefill else self._step
         self._keep: list[np.ndarray] = []
         table = (ctypes.c_void_p * len(manifest["buffers"]))()
         self.params = np.zeros(16, dtype=np.int32)
@@ -110,15 +114,42 @@ class CpuExecutor:
             table[i] = array.ctypes.data
         self._table = table
         self._slots = manifest["params"]
+        self._values = manifest["values"]
         where = manifest["logits"]
         base = self._keep[where["buffer"]]
         self._logits = np.frombuffer(base, dtype=np.float32, count=where["n"], offset=where["offset"])
         self.vocab = int(where["n"])
+        self.computes_greedy = bool(manifest["greedy"])
         self.team = ThreadTeam(threads)
         table_ptr = ctypes.cast(self._table, ctypes.c_void_p)
         n = ctypes.c_int32(threads)
-        self._job = lambda tid: self._step(table_ptr, tid, n)
-        self._prefill_job = lambda tid: self._prefill(table_ptr, tid, n)
+
+        def job(symbol: str | None):  # noqa: ANN202 - a team job, or None for a stage without CPU ops
+            if symbol is None:
+                return None
+            fn = self.code.function(symbol, _STEP)
+            return lambda tid: fn(table_ptr, tid, n)
+
+        self._jobs = [(job(st["step"]), job(st["prefill"])) for st in manifest["stages"]]
+
+    @property
+    def stages(self) -> int:
+        return len(self._jobs)
+
+    def set_token(self, token: int, pos: int) -> None:
+        self.params[self._slots["pos"]] = pos
+        self.params[self._slots["token"]] = token
+
+    def run_stage(self, stage: int, *, prefill: bool = False) -> None:
+        """Run stage ``stage``'s CPU program (``prefill``: without the output head)."""
+        job = self._jobs[stage][1 if prefill else 0]
+        if job is not None:
+            self.team.run_each(job)
+
+    def value(self, name: str) -> np.ndarray:
+        """The host bytes of value ``name`` (one token), which crosses between the devices."""
+        v = self._values[name]
+        return self._keep[v["buffer"]][v["offset"] : v["offset"] + v["nbytes"]]
 
     def step(self, token: int, pos: int, *, logits: bool = True) -> None:
         """Run the model on ``token`` at position ``pos`` (its KV cache holds positions < pos).
@@ -126,17 +157,19 @@ class CpuExecutor:
         ``logits=False`` skips the output head (a prompt token whose logits nobody reads); the
         logits and greedy token of such a step are stale.
         """
-        self.params[self._slots["pos"]] = pos
-        self.params[self._slots["token"]] = token
-        self.team.run_each(self._job if logits else self._prefill_job)
+        self.set_token(token, pos)
+        for stage in range(self.stages):
+            self.run_stage(stage, prefill=not logits)
 
     def logits(self) -> np.ndarray:
         """The last step's logits (a view, overwritten by the next step)."""
         return self._logits
 
     def greedy(self) -> int:
-        """The last step's most likely token (computed by the step itself)."""
-        return int(self.params[self._slots["greedy"]])
+        """The last step's most likely token (the first index of the largest logit)."""
+        if self.computes_greedy:
+            return int(self.params[self._slots["greedy"]])
+        return int(np.argmax(self._logits))
 
     def close(self) -> None:
         self.team.close()

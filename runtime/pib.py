@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"PICCPIB\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: staged CPU programs and the hybrid schedule
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256

@@ -1,7 +1,8 @@
 """A loaded model and its conversation: prefill, decode, sampling, timings.
 
-``Session`` opens a .pib, builds its executor and keeps the position in the KV cache, so a chat
-loop can feed one prompt after another. The prompt is fed one token at a time through the same
+``Session`` opens a .pib, builds its executor (the CPU's generated code, and the GPU's -- a CUDA
+device, or the host-emulated GPU where there is none) and keeps the position in the KV cache, so
+a chat loop can feed one prompt after another. The prompt is fed one token at a time through the same
 decode step (the sparse FFN kernels are per token), so prefill and decode compute exactly what
 the interpreter computes.
 """
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.cpu import CpuExecutor, ExecutorError
+from runtime.cpu import ExecutorError
+from runtime.executor import Executor
 from runtime.pib import PibFile
 from runtime.sampling import SamplingOptions, sample
 from runtime.text import TextCodec
@@ -41,7 +43,7 @@ class Timings:
 class Session:
     """One compiled model with its KV cache; not thread-safe."""
 
-    def __init__(self, path: str | Path, threads: int = 1, ctx: int | None = None) -> None:
+    def __init__(self, path: str | Path, threads: int = 1, ctx: int | None = None, gpu: str = "auto") -> None:
         self.pib = PibFile(path)
         plan = self.pib.json("plan")
         self.max_ctx = int(plan["ctx"])
@@ -49,7 +51,7 @@ class Session:
             raise ExecutorError(f"--ctx {ctx}: this model was compiled for at most {self.max_ctx} positions "
                                 "(picc compile --ctx N)")
         self.ctx = ctx or self.max_ctx
-        self.executor = CpuExecutor(self.pib, threads)
+        self.executor = Executor(self.pib, threads, gpu)
         self.text = TextCodec(self.pib.text("tokenizer")) if self.pib.has("tokenizer") else None
         self.pos = 0
         self.history: list[int] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,3 +85,18 @@ def tiny() -> LoadedModel:
 
 def ops_named(module: Module, name: str) -> list:
     return [op for op in module.ops() if name == op.NAME]
+
+
+@pytest.fixture(scope="session")
+def relu_demo_predicted(tmp_path_factory) -> Path:
+    """relu-demo with trained predictors in every layer (``picc sparsify``, 4096 calibration
+    tokens), as a ``.picc`` file: trained once per test session, shared by the tests that need
+    PowerInfer's mode on a real model."""
+    from picc.cli import main
+
+    root = tmp_path_factory.mktemp("relu_predicted")
+    path = root / "relu.picc"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PICC_CACHE_DIR", str(root / "cache"))
+        assert main(["sparsify", "relu-demo", "--sparsity-mode", "predictor", "--tokens", "4096", "-o", str(path)]) == 0
+    return path

@@ -35,9 +35,9 @@ from picc.codegen_cpu import (
 )
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.kernels_attention import attention
-from picc.codegen_cpu.kernels_dense import embed, gemm, gemv
+from picc.codegen_cpu.kernels_dense import dense_ffn, dense_ffn_scratch_bytes, embed, gemm, gemv
 from picc.codegen_cpu.kernels_ffn import FORMS, ffn_scratch_bytes, predictor, predictor_scratch_bytes, sparse_ffn
-from picc.codegen_cpu.kernels_misc import add, argmax, ffn_activation, layer_norm, mul, rms_norm, rope
+from picc.codegen_cpu.kernels_misc import add, argmax, ffn_activation, layer_norm, merge, mul, rms_norm, rope
 from picc.errors import PiccError
 from picc.interpreter import KVCache
 from picc.interpreter import attention as attention_ref
@@ -56,8 +56,10 @@ def tol(dtype: str) -> float:
 
 
 def ffn_kernels() -> list[Kernel]:
-    ks = [sparse_ffn("predictor", "swiglu", d, d, d) for d in DTYPES]
+    ks = [sparse_ffn("predictor", "swiglu", d, d, d, il) for d in DTYPES for il in (False, True)]
     ks += [sparse_ffn("predictor", f, "f16", "f16" if s.gated else None, "f16") for f, s in FORMS.items()]
+    ks += [sparse_ffn("predictor", f, "f16", "f16", "f16", True) for f, s in FORMS.items() if s.gated]
+    ks += [dense_ffn(f, d, d if FORMS[f].gated else None, d) for f in ("swiglu", "relu") for d in ("f32", "q4_1")]
     ks += [sparse_ffn(m, "swiglu", d, d, d) for m in ("dense", "gate-first", "down-only") for d in ("f16", "q4_0")]
     ks += [sparse_ffn("gate-first", "drelu", "f32", "f32", "f32"), sparse_ffn("down-only", "relu", "q8_0", None, "q8_0"),
            sparse_ffn("down-only", "drelu", "f16", "f16", "f16"), sparse_ffn("predictor", "swiglu", "q4_1", "q8_0", "f16")]
@@ -65,7 +67,7 @@ def ffn_kernels() -> list[Kernel]:
 
 
 KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + ffn_kernels()
-           + [predictor("f32", "f32"), predictor("f16", "f16"), rms_norm(), layer_norm(), add(), mul(), argmax(),
+           + [predictor("f32", "f32"), predictor("f16", "f16"), rms_norm(), layer_norm(), add(), mul(), merge(), argmax(),
               attention()] + [rope(s, src) for s in ("llama", "gptj") for src in ("freq", "table")]
            + [ffn_activation(f) for f in FORMS])
 # The AVX2 build: one kernel of each kind, every weight format.
@@ -206,18 +208,25 @@ class FfnCase:
             return act64(self.spec.act, u)
         return self.act_gate() * (act64(self.spec.act, u) if self.spec.act_on_up else u)
 
-    def reference(self, active: np.ndarray, y0: np.ndarray) -> np.ndarray:
-        y = y0 + np.where(active, self.h(), 0) @ self.down.astype(np.float64)
+    def reference(self, active: np.ndarray) -> np.ndarray:
+        y = np.where(active, self.h(), 0) @ self.down.astype(np.float64)
         return y + (0 if self.down_bias is None else self.down_bias)
 
-    def run(self, module, team, kernel, *, idx=None, threshold=0.0, y0=None):
-        """(y after the call, the kernel's count)."""
-        y = np.zeros(self.hidden, np.float32) if y0 is None else y0.copy()
-        idx = np.zeros(1, np.int32) if idx is None else idx.astype(np.int32)
-        count = np.array([len(idx)], np.int32)
+    def run(self, module, team, kernel, *, active=None, threshold=0.0, interleaved=False):
+        """(y after the call, the kernel's count). ``y`` starts as garbage: the kernel overwrites it."""
+        y = np.full(self.hidden, np.nan, np.float32)
+        mask = np.zeros(self.n, np.uint8) if active is None else active.astype(np.uint8)
+        count = np.array([-1], np.int32)
         scratch = aligned_zeros(ffn_scratch_bytes(self.n, self.hidden, team.nthreads))
-        run(module, team, kernel, self.x, self.up_raw, self.gate_raw, self.down_raw, self.up_bias, self.gate_bias,
-            self.down_bias, y, idx, count, scratch, self.n, self.hidden, threshold)
+        up, gate, up_bias, gate_bias = self.up_raw, self.gate_raw, self.up_bias, self.gate_bias
+        if interleaved:  # up_gate [n, 2, row]: the gate argument points one row further
+            both = np.ascontiguousarray(np.stack([self.up_raw.reshape(self.n, -1), self.gate_raw.reshape(self.n, -1)], 1))
+            up, gate = both, both.reshape(-1)[both.shape[2]:]
+            if self.up_bias is not None:
+                biases = np.ascontiguousarray(np.stack([self.up_bias, self.gate_bias], 1))
+                up_bias, gate_bias = biases, biases.reshape(-1)[1:]
+        run(module, team, kernel, self.x, up, gate, self.down_raw, up_bias, gate_bias,
+            self.down_bias, y, mask, count, scratch, self.n, self.hidden, threshold)
         return y, int(count[0])
 
 
@@ -230,14 +239,15 @@ def active_sets(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sparse_ffn_predictor_mode_every_dtype(host, teams, dtype, threads):
     case = FfnCase("swiglu", (dtype, dtype, dtype), seed=4)
-    y0 = np.random.default_rng(5).normal(size=case.hidden).astype(np.float32)
-    for name, active in active_sets(case.n, np.random.default_rng(6)).items():
-        y, _ = case.run(host, teams[threads], sparse_ffn("predictor", "swiglu", dtype, dtype, dtype),
-                        idx=np.flatnonzero(active), y0=y0)
-        # y += the partial sum: with no active neuron y must come back unchanged, bit for bit.
-        if name == "empty":
-            np.testing.assert_array_equal(y, y0)
-        assert rel_err(y - y0, case.reference(active, y0) - y0) <= tol(dtype), name
+    for interleaved in (False, True):
+        kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved)
+        for name, active in active_sets(case.n, np.random.default_rng(6)).items():
+            y, count = case.run(host, teams[threads], kernel, active=active, interleaved=interleaved)
+            assert count == active.sum(), (name, interleaved)
+            # y = the partial sum: with no active neuron y must be exactly zero.
+            if name == "empty":
+                np.testing.assert_array_equal(y, np.zeros(case.hidden, np.float32))
+            assert rel_err(y, case.reference(active)) <= tol(dtype), (name, interleaved)
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -245,9 +255,10 @@ def test_sparse_ffn_every_form_with_biases(host, teams, form):
     spec = FORMS[form]
     case = FfnCase(form, ("f16", "f16" if spec.gated else None, "f16"), biases=True, seed=7)
     active = np.random.default_rng(8).random(case.n) < 0.5
-    kernel = sparse_ffn("predictor", form, "f16", "f16" if spec.gated else None, "f16")
-    y, _ = case.run(host, teams[2], kernel, idx=np.flatnonzero(active))
-    assert rel_err(y, case.reference(active, np.zeros(case.hidden))) <= QUANT_TOL
+    for interleaved in (False, True) if spec.gated else (False,):
+        kernel = sparse_ffn("predictor", form, "f16", "f16" if spec.gated else None, "f16", interleaved)
+        y, _ = case.run(host, teams[2], kernel, active=active, interleaved=interleaved)
+        assert rel_err(y, case.reference(active)) <= QUANT_TOL, interleaved
 
 
 @pytest.mark.parametrize("threads", THREADS)
@@ -255,14 +266,14 @@ def test_sparse_ffn_every_form_with_biases(host, teams, form):
 def test_sparse_ffn_dense_gate_first_down_only(host, teams, dtype, threads):
     case = FfnCase("swiglu", (dtype, dtype, dtype), biases=True, seed=9)
     y, _ = case.run(host, teams[threads], sparse_ffn("dense", "swiglu", dtype, dtype, dtype))
-    assert rel_err(y, case.reference(np.ones(case.n, bool), np.zeros(case.hidden))) <= QUANT_TOL
+    assert rel_err(y, case.reference(np.ones(case.n, bool))) <= QUANT_TOL
     for mode, scores in (("gate-first", case.act_gate()), ("down-only", case.h())):
         for keep in (0.1, 0.5, 1.0):
             thr = 0.0 if keep == 1.0 else gap_threshold(scores, keep)
             active = np.abs(scores) > thr
             y, count = case.run(host, teams[threads], sparse_ffn(mode, "swiglu", dtype, dtype, dtype), threshold=thr)
             assert count == active.sum(), (mode, keep)
-            assert rel_err(y, case.reference(active, np.zeros(case.hidden))) <= QUANT_TOL, (mode, keep)
+            assert rel_err(y, case.reference(active)) <= QUANT_TOL, (mode, keep)
 
 
 def test_sparse_ffn_drelu_and_relu_thresholds(host, teams):
@@ -270,24 +281,51 @@ def test_sparse_ffn_drelu_and_relu_thresholds(host, teams):
     case = FfnCase("drelu", ("f32", "f32", "f32"), seed=10)
     thr = gap_threshold(case.h(), 0.2)
     y, _ = case.run(host, teams[3], sparse_ffn("gate-first", "drelu", "f32", "f32", "f32"), threshold=thr)
-    assert rel_err(y, case.reference(np.abs(case.h()) > thr, np.zeros(case.hidden))) <= F32_TOL
+    assert rel_err(y, case.reference(np.abs(case.h()) > thr)) <= F32_TOL
     for form, dt, gate in (("relu", "q8_0", None), ("drelu", "f16", "f16")):
         case = FfnCase(form, (dt, gate, dt), seed=11)
         thr = gap_threshold(case.h(), 0.3)
         y, count = case.run(host, teams[2], sparse_ffn("down-only", form, dt, gate, dt), threshold=thr)
         assert count == (np.abs(case.h()) > thr).sum()
-        assert rel_err(y, case.reference(np.abs(case.h()) > thr, np.zeros(case.hidden))) <= QUANT_TOL
+        assert rel_err(y, case.reference(np.abs(case.h()) > thr)) <= QUANT_TOL
 
 
 def test_sparse_ffn_mixed_formats_and_determinism(host, teams):
     case = FfnCase("swiglu", ("q4_1", "q8_0", "f16"), n=77, seed=12)
     active = np.random.default_rng(13).random(case.n) < 0.4
     kernel = sparse_ffn("predictor", "swiglu", "q4_1", "q8_0", "f16")
-    y, _ = case.run(host, teams[3], kernel, idx=np.flatnonzero(active))
-    assert rel_err(y, case.reference(active, np.zeros(case.hidden))) <= QUANT_TOL
+    y, _ = case.run(host, teams[3], kernel, active=active)
+    assert rel_err(y, case.reference(active)) <= QUANT_TOL
     # Threads split the list and each sums into its own buffer: the same bits on every run.
     for _ in range(3):
-        np.testing.assert_array_equal(case.run(host, teams[3], kernel, idx=np.flatnonzero(active))[0], y)
+        np.testing.assert_array_equal(case.run(host, teams[3], kernel, active=active)[0], y)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("form, dtype", [("swiglu", "f32"), ("swiglu", "q4_1"), ("relu", "q4_1")])
+def test_dense_ffn_in_the_source_layout(host, teams, form, dtype, threads):
+    # The dense FFN of a CPU-only dense compile reads down as stored, [hidden, n]: a GEMV per phase.
+    gated = FORMS[form].gated
+    case = FfnCase(form, (dtype, dtype if gated else None, dtype), biases=True, seed=26)
+    down_raw, down = weights(np.random.default_rng(27), (case.hidden, case.n if dtype == "f32" else 128), dtype)
+    if dtype != "f32":  # block rows need a multiple of 32 neurons
+        case = FfnCase(form, (dtype, dtype if gated else None, dtype), n=128, biases=True, seed=26)
+    y = np.full(case.hidden, np.nan, np.float32)
+    scratch = aligned_zeros(dense_ffn_scratch_bytes(case.n))
+    run(host, teams[threads], dense_ffn(form, dtype, dtype if gated else None, dtype), case.x, case.up_raw,
+        case.gate_raw, down_raw, case.up_bias, case.gate_bias, case.down_bias, y, scratch, case.n, case.hidden)
+    ref = down.astype(np.float64) @ case.h() + case.down_bias
+    assert rel_err(y, ref) <= tol(dtype)
+
+
+def test_merge_adds_partial_sums_and_the_bias(host, teams):
+    rng = np.random.default_rng(28)
+    a, b, bias = (rng.normal(size=131).astype(np.float32) for _ in range(3))
+    out = np.zeros(131, np.float32)
+    run(host, teams[3], merge(), a, b, bias, out, 131)
+    np.testing.assert_array_equal(out, (a + b) + bias)
+    run(host, teams[2], merge(), a, b, None, out, 131)
+    np.testing.assert_array_equal(out, a + b)
 
 
 @pytest.mark.parametrize("threads", THREADS)
@@ -302,13 +340,11 @@ def test_predictor(host, teams, dtype, threads):
     logits = np.maximum(fc1.astype(np.float64) @ x + b1, 0) @ fc2.T.astype(np.float64) + b2
     for keep in (0.0, 0.3, 1.0):
         thr = {0.0: 1e9, 1.0: -1e9}.get(keep) or gap_threshold(logits - logits.min() + 1, keep) + logits.min() - 1
-        idx, count = np.full(n, -1, np.int32), np.zeros(1, np.int32)
-        scratch = aligned_zeros(predictor_scratch_bytes(rank, n, threads))
-        run(host, teams[threads], predictor(dtype, dtype), x, fc1_raw, b1, fc2_raw, b2, idx, count, scratch,
+        mask = np.full(n, 7, np.uint8)
+        scratch = aligned_zeros(predictor_scratch_bytes(rank))
+        run(host, teams[threads], predictor(dtype, dtype), x, fc1_raw, b1, fc2_raw, b2, mask, scratch,
             hidden, rank, n, thr)
-        expected = np.flatnonzero(logits > thr)
-        assert count[0] == len(expected)
-        np.testing.assert_array_equal(idx[: count[0]], expected)
+        np.testing.assert_array_equal(mask, (logits > thr).astype(np.uint8))
 
 
 # ------------------------------------------------------------------ small kernels
@@ -505,10 +541,10 @@ def test_avx2_build_computes_the_same_bits(host, avx2, teams):
             run(module, teams[2], gemv(dtype), raw, x, None, ys[-1], 37, width(dtype), 0)
         np.testing.assert_array_equal(ys[0], ys[1], err_msg=dtype)
         case = FfnCase("swiglu", (dtype, dtype, dtype), seed=24)
-        idx = np.flatnonzero(rng.random(case.n) < 0.4)
+        active = rng.random(case.n) < 0.4
         kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype)
-        np.testing.assert_array_equal(case.run(host, teams[3], kernel, idx=idx)[0],
-                                      case.run(avx2, teams[3], kernel, idx=idx)[0], err_msg=dtype)
+        np.testing.assert_array_equal(case.run(host, teams[3], kernel, active=active)[0],
+                                      case.run(avx2, teams[3], kernel, active=active)[0], err_msg=dtype)
     case = FfnCase("swiglu", ("q4_0",) * 3, seed=25)
     kernel = sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0")
     np.testing.assert_array_equal(case.run(host, teams[2], kernel, threshold=0.1)[0],

@@ -17,6 +17,7 @@ import pytest
 from picc.cli import main
 from picc.frontend import load_model
 
+IDS = "1,504,31,7,2020,9,11,880"
 REPORT_KEYS = {"target", "vram_budget_bytes", "gpu_bytes", "cpu_bytes", "layers", "estimate_tokens_per_s"}
 LAYER_KEYS = {"gpu_neurons", "cpu_neurons", "gpu_activation_share"}
 
@@ -42,29 +43,110 @@ def relu_sparse(tmp_path_factory):
     return path
 
 
-def test_compile_inspect_and_logits_of_relu_demo(relu_sparse, tmp_path, capsys):
-    logits = {}
-    for vram in ("0", "8MB", "1GB"):
-        out = tmp_path / f"relu_{vram}.pib"
-        dump = tmp_path / f"ir_{vram}"
-        report = compile_json(capsys, relu_sparse, out, "--target", "pc-low", "--vram", vram,
-                              "--dump-ir", str(dump))
+def ffn_share_budget(pib_path, share: float) -> int:
+    """A VRAM budget that holds what the (all-on-the-GPU) ``pib_path`` holds but its output head
+    (placed only once every FFN neuron is) and ``1 - share`` of its FFN weights: the partitioner
+    then puts about ``share`` of the FFN on the GPU."""
+    from picc.ir.fused_ops import FusedFFN
+    from picc.pib import open_pib
+    from picc.schedule import schedule
+
+    with open_pib(pib_path) as pib:
+        plan = pib.json("plan")
+    module = load_model(pib_path).module
+    ffn_weights = {w for op in module.ops() if isinstance(op, FusedFFN) for w in op.weights()}
+    head = set(schedule(module).head)
+    head_weights = {w for op in module.ops() if op.result in head for w in op.weights()}
+    gpu = {b["name"]: b["nbytes"] for b in plan["buffers"] if b["device"] == "gpu"}
+    ffn_bytes = sum(n for name, n in gpu.items() if name in ffn_weights)
+    head_bytes = sum(n for name, n in gpu.items() if name in head_weights)
+    assert ffn_bytes > 0 and head_bytes > 0
+    return int(plan["gpu_bytes"] - head_bytes - (1 - share) * ffn_bytes)
+
+
+def emulated_run(tmp_path, capsys, pib_path, ids: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """(runtime logits, interpreter logits, stderr) of ``picc logits`` on ``pib_path``."""
+    rt, ip = tmp_path / f"{pib_path.stem}.rt.npy", tmp_path / f"{pib_path.stem}.ip.npy"
+    assert main(["logits", str(pib_path), "--tokens", ids, "--out", str(rt), "--gpu", "emulate"]) == 0
+    err = capsys.readouterr().err
+    assert main(["logits", str(pib_path), "--tokens", ids, "--out", str(ip), "--interpreter"]) == 0
+    capsys.readouterr()
+    return np.load(rt), np.load(ip), err
+
+
+def assert_gpu_kernels_compile_for_every_arch(pib_path, tmp_path) -> None:
+    """Every kernel the compiled file's GPU ops launch, as CUDA for sm_75, sm_80, sm_89 and sm_90,
+    compiles with nvcc (one translation unit per arch; the per-kernel files hold the same device
+    functions). Skipped, with the reason, where nvcc is absent."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: CUDA sources cannot be compiled")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from picc.codegen_cuda import ARCHS, cuda_bundle
+    from picc.codegen_cuda.lower import lower_gpu
+    from picc.memory_plan import MemoryPlan
+    from picc.pib import load_pib, open_pib
+
+    model = load_pib(pib_path)
+    with open_pib(pib_path) as pib:
+        plan = MemoryPlan.from_json(pib.json("plan"))
+    kernels = list(lower_gpu(model.module, model.weights, plan).kernels.values())
+
+    def build(arch: str) -> tuple[str, int, str]:
+        cu = tmp_path / f"{pib_path.stem}_{arch}.cu"
+        cu.write_text(cuda_bundle(kernels, arch))
+        proc = subprocess.run(["nvcc", "-ptx", f"-arch={arch}", "-w", str(cu), "-o", str(cu.with_suffix(".ptx"))],
+                              capture_output=True, text=True, check=False)
+        entries = cu.with_suffix(".ptx").read_text().count(".entry ") if proc.returncode == 0 else 0
+        return arch, entries, proc.stderr[-1000:]
+
+    with ThreadPoolExecutor(2) as pool:
+        for arch, entries, stderr in pool.map(build, ARCHS):
+            assert entries >= len(kernels), (arch, stderr)
+
+
+def gpu_share(report: dict) -> float:
+    layers = report["layers"]
+    return sum(la["gpu_neurons"] for la in layers) / sum(la["gpu_neurons"] + la["cpu_neurons"] for la in layers)
+
+
+def test_relu_demo_with_predictors_runs_on_the_emulated_gpu_at_every_budget(relu_demo_predicted, tmp_path, capsys):
+    # PowerInfer's mode on picc's ReLU model: with 0, ~30% and 100% of the FFN on the (host-
+    # emulated) GPU, the runtime gives the interpreter's sparse logits (the issue's 1e-3), and
+    # the emulated GPU allocates exactly the plan's bytes.
+    from runtime.session import Session
+
+    ids = "3,17,250,11,9,402,7,88,5"
+    full = tmp_path / "relu_full.pib"
+    reports = {"full": compile_json(capsys, relu_demo_predicted, full, "--target", "pc-low", "--vram", "1GB")}
+    budgets = {"none": "0", "third": str(ffn_share_budget(full, 0.3))}
+    for name, vram in budgets.items():
+        dump = tmp_path / f"ir_{name}"
+        reports[name] = compile_json(capsys, relu_demo_predicted, tmp_path / f"relu_{name}.pib", "--target", "pc-low",
+                                     "--vram", vram, "--dump-ir", str(dump))
+        # A sparse .picc skips profiling: canonicalize, neuron-major-down, then these.
+        assert [p.name for p in sorted(dump.iterdir())][-3:] == ["03_partition-neurons.picc",
+                                                                  "04_fuse-gather-gemv.picc", "05_dce.picc"]
+    shares = {name: gpu_share(r) for name, r in reports.items()}
+    assert shares["none"] == 0.0 and shares["full"] == 1.0 and 0.2 <= shares["third"] <= 0.6, shares
+    for name, report in reports.items():
+        path = tmp_path / f"relu_{name}.pib"
         assert report["target"] == "pc-low" and len(report["layers"]) == 6
-        assert (dump / "02_neuron-major-down.picc").is_file()
-        assert any(p.name.endswith("partition-neurons.picc") for p in dump.iterdir())
-        npy = tmp_path / f"{vram}.npy"
-        assert main(["logits", str(out), "--text", "the company said it expects", "--out", str(npy)]) == 0
-        logits[vram] = np.load(npy)
-    for vram in ("8MB", "1GB"):
-        assert np.abs(logits[vram] - logits["0"]).max() <= 1e-5 * np.abs(logits["0"]).max()
-    assert main(["inspect", str(tmp_path / "relu_8MB.pib"), "--plot", str(tmp_path / "p.png")]) == 0
+        assert {la["mode"] for la in report["layers"]} == {"predictor"}
+        runtime, interp, err = emulated_run(tmp_path, capsys, path, ids)
+        assert np.abs(runtime - interp).max() <= 1e-3 * np.abs(interp).max(), name
+        assert ("host-emulated GPU" in err) == (name != "none"), err  # said once, in one line
+        with Session(path, gpu="emulate") as session:
+            assert session.executor.gpu_peak_bytes == report["gpu_bytes"]
+    assert main(["inspect", str(tmp_path / "relu_third.pib"), "--plot", str(tmp_path / "p.png")]) == 0
     text = capsys.readouterr().out
     assert "estimate:" in text and "tokens/s" in text
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_gpu_kernels_compile_for_every_arch(tmp_path / "relu_third.pib", tmp_path)  # last: it may skip
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed: CUDA sources cannot be compiled")
-def test_gpu_parts_carry_cuda_kernels_that_compile_alone_and_the_cpu_still_runs_all(relu_sparse, tmp_path, capsys):
+def test_gpu_parts_carry_cuda_kernels_that_compile_alone_and_run_beside_the_cpu(relu_sparse, tmp_path, capsys):
     out = tmp_path / "gpu.pib"
     compile_json(capsys, relu_sparse, out, "--target", "pc-low", "--vram", "12MB")
     assert {"gpu", "cpu"} <= placements(out)
@@ -76,12 +158,9 @@ def test_gpu_parts_carry_cuda_kernels_that_compile_alone_and_the_cpu_still_runs_
         proc = subprocess.run(["nvcc", "-ptx", "-arch=sm_75", str(src), "-o", str(src.with_suffix(".ptx"))],
                               capture_output=True, text=True)
         assert proc.returncode == 0, (src.name, proc.stderr[-500:])
-    # Until the GPU executor lands, the CPU executor runs every op of a hybrid plan, and agrees
-    # with the interpreter on the same (split, permuted) IR.
-    ids = "3,17,250,11,9,402,7"
-    for flag, name in (([], "rt.npy"), (["--interpreter"], "ip.npy")):
-        assert main(["logits", str(out), "--tokens", ids, "--out", str(tmp_path / name), *flag]) == 0
-    runtime, interp = np.load(tmp_path / "rt.npy"), np.load(tmp_path / "ip.npy")
+    # The hybrid step (the emulated GPU's gate-first kernels beside the CPU's) agrees with the
+    # interpreter on the same split, permuted and fused IR.
+    runtime, interp, _ = emulated_run(tmp_path, capsys, out, "3,17,250,11,9,402,7")
     assert np.abs(runtime - interp).max() <= 1e-3 * np.abs(interp).max()
 
 
@@ -120,9 +199,19 @@ class TestSmolLM2:
         return smollm2_sparse
 
     def test_11gb_on_pc_low_puts_everything_on_the_gpu(self, sparse, tmp_path, capsys):
-        report = compile_json(capsys, sparse, tmp_path / "a.pib", "--target", "pc-low", "--vram", "11GB")
+        path = tmp_path / "a.pib"
+        report = compile_json(capsys, sparse, path, "--target", "pc-low", "--vram", "11GB")
         assert all(la["cpu_neurons"] == 0 and la["gpu_activation_share"] == 1.0 for la in report["layers"])
-        assert placements(tmp_path / "a.pib") == {"gpu"}
+        assert placements(path) == {"gpu"}
+        runtime, interp, _ = emulated_run(tmp_path, capsys, path, IDS)
+        assert np.abs(runtime - interp).max() <= 1e-3 * np.abs(interp).max()
+        # ~30% of the FFN on the GPU, the rest on the CPU, both at once.
+        third = tmp_path / "third.pib"
+        report = compile_json(capsys, sparse, third, "--target", "pc-low", "--vram", str(ffn_share_budget(path, 0.3)))
+        assert 0.2 <= gpu_share(report) <= 0.6, gpu_share(report)
+        runtime, interp, _ = emulated_run(tmp_path, capsys, third, IDS)
+        assert np.abs(runtime - interp).max() <= 1e-3 * np.abs(interp).max()
+        assert_gpu_kernels_compile_for_every_arch(third, tmp_path)
 
     def test_60mb_splits(self, sparse, tmp_path, capsys):
         report = compile_json(capsys, sparse, tmp_path / "b.pib", "--target", "pc-low", "--vram", "60MB")
@@ -136,3 +225,6 @@ class TestSmolLM2:
             report = compile_json(capsys, sparse, tmp_path / f"{name}.pib", *flags)
             assert report["gpu_bytes"] == 0 and all(la["gpu_neurons"] == 0 for la in report["layers"])
             assert placements(tmp_path / f"{name}.pib") == {"cpu"}
+        runtime, interp, err = emulated_run(tmp_path, capsys, tmp_path / "c.pib", IDS)
+        assert np.abs(runtime - interp).max() <= 1e-3 * np.abs(interp).max()
+        assert "emulated" not in err  # nothing runs on a GPU

@@ -23,6 +23,7 @@ from picc.ir.verifier import VerifyError, verify
 from picc.memory_plan import ALIGN, plan_memory, tensor_bytes
 from picc.passes import parse_pipeline, run_pipeline
 from picc.plan_report import build_report
+from picc.schedule import schedule
 from picc.targets import load_target
 
 REL = 1e-5
@@ -39,7 +40,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 def plan_of(module, weights):
     attrs = dict(module.attrs)
-    return plan_memory(module, weights, ctx=attrs["ctx"], ubatch=attrs["ubatch"], budget=attrs["vram_budget"])
+    return plan_memory(module, weights, ctx=attrs["ctx"], budget=attrs["vram_budget"])
 
 
 @pytest.fixture(scope="module")
@@ -124,26 +125,34 @@ def test_memory_plan_buffers_are_aligned_and_disjoint(relu_demo_sparse):
     # KV cache of a GPU layer: ctx positions of K and V, f32, width n_kv_heads * head_dim = 64.
     kv = next(b for b in gpu if b.kind == "kv-cache")
     assert kv.nbytes == 2 * 512 * 64 * 4
-    # Activation slots: values alive at the same time never overlap.
+    # Activation slots: values alive at the same time never overlap. The GPU runs its ops in
+    # order; a value copied in from the CPU (or a function argument) arrives before the first GPU
+    # op of the stage that reads it (its schedule's copy), and one copied out leaves before the
+    # first GPU op of the stage that reads it on the CPU.
     func = placed.function()
     types = func.value_types()
-    last = {v: i for i, op in enumerate(func.ops) for v in op.values()}
-    last[func.ret] = len(func.ops)
-    # A value's slot is taken when its op runs on the GPU, or (an upload) when the first GPU op reads it.
-    index = {op.result: i for i, op in enumerate(func.ops) if op.type.placement == Placement.GPU}
-    for i, op in enumerate(func.ops):
-        if op.type.placement == Placement.GPU:
-            for v in op.values():
-                index.setdefault(v, i)
+    steps = schedule(placed)
+    order = {op.result: i for i, op in enumerate(func.ops)}
+
+    def stage_start(k: int) -> int:
+        return min((order[g] for st in steps.stages[k:] for g in st.gpu), default=len(func.ops))
+
+    start = {op.result: i for i, op in enumerate(func.ops) if op.type.placement == Placement.GPU}
+    start.update({a.name: 0 for a in func.args})
+    end = {v: i for i, op in enumerate(func.ops) if op.type.placement == Placement.GPU for v in op.values()}
+    end[func.ret] = len(func.ops)
+    for k, st in enumerate(steps.stages):
+        start.update({v: stage_start(k) for v in st.to_gpu})
+        end.update({v: max(end.get(v, 0), stage_start(k)) for v in st.to_cpu})
     arena = next(b for b in gpu if b.kind == "activations")
-    slots = [(v, off, off + tensor_bytes(types[v], 32)) for v, off in plan.activation_offsets.items()]
+    slots = [(v, off, off + tensor_bytes(types[v], 1)) for v, off in plan.activation_offsets.items()]
     # What the GPU reads from the CPU has a slot too: the positions, and the embedding (computed
     # on the CPU here, since the LM head that shares its table is not on the GPU at 9MB).
     assert {"pos", "embed"} <= set(plan.activation_offsets)
     for v, lo, hi in slots:
         assert hi <= arena.nbytes
         for w, lo2, hi2 in slots:
-            if v < w and index[v] <= last[w] and index[w] <= last[v]:
+            if v < w and start[v] <= end[w] and start[w] <= end[v]:
                 assert hi <= lo2 or hi2 <= lo, (v, w)
 
 

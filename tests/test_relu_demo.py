@@ -16,7 +16,6 @@ from picc.frontend import load_model
 from picc.frontend.aliases import resolve_alias
 from picc.interpreter import Interpreter
 from picc.ir.types import DType
-from picc.passes import parse_pipeline, run_pipeline
 from picc.profiling import profile_model
 
 pytestmark = pytest.mark.slow
@@ -80,12 +79,10 @@ def test_cli_profile_json(capsys):
     assert 0.6 < out["mean_sparsity"] < 1.0
 
 
-def test_predictors_cost_under_one_percent_perplexity(picc_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
-    pipeline = parse_pipeline("profile-activations{tokens=4096},insert-predictors{mode=predictor}")
-    module = run_pipeline(picc_model.module, picc_model.weights, pipeline, tokenizer=picc_model.tokenizer)
-    windows = eval_windows(picc_model.tokenizer, "ptb-valid", 4096, 256)
-    result = evaluate(module, picc_model.weights, windows, compare_dense=True)
+def test_predictors_cost_under_one_percent_perplexity(relu_demo_predicted):
+    sparse = load_model(relu_demo_predicted)  # picc sparsify --sparsity-mode predictor --tokens 4096
+    windows = eval_windows(sparse.tokenizer, "ptb-valid", 4096, 256)
+    result = evaluate(sparse.module, sparse.weights, windows, compare_dense=True)
     assert result.recall is not None and result.recall >= 0.98
     assert result.ffn_sparsity is not None and result.ffn_sparsity > 0.5
     assert result.ppl_increase is not None and result.ppl_increase <= 0.01

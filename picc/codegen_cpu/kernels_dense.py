@@ -6,11 +6,15 @@ are f32. Threads split the output rows: thread t computes rows ``[rows*t/n, rows
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 
+from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
+from picc.codegen_cpu.kernels_ffn import FORMS, plus_bias
 from picc.codegen_cpu.rowops import check_dtype, emit_dots, emit_row_bytes, emit_row_to_f32
+from picc.errors import PiccError
 
 GEMV_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("rows", "i32"), ("k", "i32"),
                ("accumulate", "i32"))
@@ -34,42 +38,111 @@ def _finish(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
     fn.store(F32, total.get(), out, 4)
 
 
+def _tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo: str, hi: str, simd: str,
+                consume: Callable[[str, list[str]], None]) -> None:
+    """For rows r in [lo, hi): the dot products of row r of each matrix ``(dtype, base, row_bytes)``
+    with ``x`` (k elements), handed to ``consume(r, dots)``.
+
+    Rows go _ROWS at a time: their FMA chains overlap and x is loaded once for all of them. Each
+    row's own sum is the same whatever the tile, so results do not depend on it.
+    """
+
+    def row(base: str, rowb: str, r: str) -> str:
+        return fn.gep(base, fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
+
+    nrows = fn.v(f"sub i64 {hi}, {lo}", "nr")
+    tiles = fn.v(f"sub i64 {hi}, {fn.v(f'srem i64 {nrows}, {_ROWS}', 'rem')}", "tiles")
+    last = fn.v(f"sub i64 {hi}, 1", "last")
+    with fn.loop(lo, tiles, str(_ROWS), "r") as r:
+        idx = [r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, _ROWS)]
+        # The rows of the tile _AHEAD tiles on, asked for block by block: the hardware
+        # prefetcher alone falls behind on four interleaved row streams (1 thread, from memory:
+        # q8_0 7.6 GB/s without, 12 one tile ahead, 24 two, 34 four).
+        ahead = [(dtype, row(base, rowb, fn.min64(fn.v(f"add i64 {r}, {t + _AHEAD * _ROWS}", "ra"), last)))
+                 for dtype, base, rowb in mats for t in range(_ROWS)]
+        rows = [(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx]
+        dots = emit_dots(fn, rows, x, k, simd, ahead)
+        for t, i in enumerate(idx):
+            consume(i, [dots[m * _ROWS + t] for m in range(len(mats))])
+    with fn.loop(tiles, hi, hint="r") as r:
+        consume(r, emit_dots(fn, [(dtype, row(base, rowb, r)) for dtype, base, rowb in mats], x, k, simd))
+
+
 @cache
 def gemv(dtype: str) -> Kernel:
     """``y[r] = (accumulate ? y[r] : 0) + W[r, :] . x + bias[r]`` (bias may be null)."""
     check_dtype(dtype)
-    symbol = f"picc_gemv_{dtype}"
+    symbol = names.cpu_gemv(dtype)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, GEMV_PARAMS)
         rows, k = fn.sext("%rows"), fn.sext("%k")
         lo, hi = chunk_bounds(fn, rows, fn.sext("%tid"), fn.sext("%nthreads"))
-        rowb = emit_row_bytes(fn, dtype, k)
-
-        def row(r: str) -> str:
-            return fn.gep("%w", fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
-
-        # Rows go _ROWS at a time: their FMA chains overlap and x is loaded once for all of them.
-        # Each row's own sum is the same whatever the tile, so results do not depend on it.
-        nrows = fn.v(f"sub i64 {hi}, {lo}", "nr")
-        tiles = fn.v(f"sub i64 {hi}, {fn.v(f'srem i64 {nrows}, {_ROWS}', 'rem')}", "tiles")
-        last = fn.v(f"sub i64 {hi}, 1", "last")
-        with fn.loop(lo, tiles, str(_ROWS), "r") as r:
-            idx = [r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, _ROWS)]
-            # The rows of the tile _AHEAD tiles on, asked for block by block: the hardware
-            # prefetcher alone falls behind on four interleaved row streams (1 thread, from memory:
-            # q8_0 7.6 GB/s without, 12 one tile ahead, 24 two, 34 four).
-            ahead = [(dtype, row(fn.min64(fn.v(f"add i64 {r}, {t + _AHEAD * _ROWS}", "ra"), last)))
-                     for t in range(_ROWS)]
-            for i, d in zip(idx, emit_dots(fn, [(dtype, row(i)) for i in idx], "%x", k, simd, ahead), strict=True):
-                _finish(fn, d, "%bias", i, fn.at("%y", 4, i, "yp"))
-        with fn.loop(tiles, hi, hint="r") as r:
-            (d,) = emit_dots(fn, [(dtype, row(r))], "%x", k, simd)
-            _finish(fn, d, "%bias", r, fn.at("%y", 4, r, "yp"))
+        mats = [(dtype, "%w", emit_row_bytes(fn, dtype, k))]
+        _tiled_rows(fn, mats, "%x", k, lo, hi, simd,
+                    lambda r, dots: _finish(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp")))
         fn.ret_void()
         return fn.text()
 
     return Kernel(symbol, GEMV_PARAMS, emit, gemv.__doc__ or "")
+
+
+DENSE_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
+                    ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("scratch", "ptr"), ("n", "i32"),
+                    ("hidden", "i32"))
+
+
+def dense_ffn_scratch_bytes(n: int) -> int:
+    return 4 * n
+
+
+@cache
+def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str) -> Kernel:
+    """A dense FFN in the source layout (down [hidden, n]): ``y = down (h) + down_bias``.
+
+    Threads split the n rows of up (and gate), computing ``h`` of the form into ``scratch`` (4 n
+    bytes), meet at the barrier, then split the rows of down: two GEMV phases in one call.
+    """
+    if form not in FORMS:
+        raise PiccError(f"codegen_cpu: FFN form {form!r} is not one of {', '.join(FORMS)}")
+    spec = FORMS[form]
+    if spec.gated != (gate_dtype is not None):
+        raise PiccError(f"codegen_cpu: FFN form {form!r} {'needs' if spec.gated else 'takes no'} gate weights")
+    for d in (up_dtype, gate_dtype or "f32", down_dtype):
+        check_dtype(d)
+    symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype)
+    act = f"@picc_act_{spec.act}"
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, DENSE_FFN_PARAMS)
+        n, hidden = fn.sext("%n"), fn.sext("%hidden")
+        tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
+        mats = [(up_dtype, "%up", emit_row_bytes(fn, up_dtype, hidden))]
+        if gate_dtype is not None:
+            mats.append((gate_dtype, "%gate", emit_row_bytes(fn, gate_dtype, hidden)))
+
+        def h(r: str, dots: list[str]) -> None:
+            u = plus_bias(fn, dots[0], "%up_bias", r)
+            if spec.gated:
+                a = fn.v(f"call float {act}(float {plus_bias(fn, dots[1], '%gate_bias', r)})", "a")
+                if spec.act_on_up:
+                    u = fn.v(f"call float {act}(float {u})", "au")
+                value = fn.v(f"fmul float {a}, {u}", "h")
+            else:
+                value = fn.v(f"call float {act}(float {u})", "h")
+            fn.store(F32, value, fn.at("%scratch", 4, r), 4)
+
+        lo, hi = chunk_bounds(fn, n, tid, nthreads)
+        _tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h)
+        fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+        lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
+        down = [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))]
+        _tiled_rows(fn, down, "%scratch", n, lo2, hi2, simd,
+                    lambda r, dots: fn.store(F32, plus_bias(fn, dots[0], "%down_bias", r), fn.at("%y", 4, r, "yp"), 4))
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, DENSE_FFN_PARAMS, emit, dense_ffn.__doc__ or "")
 
 
 def _dot_tile(fn: Fn, wrow: str, xs: list[str], k: str) -> list[str]:
@@ -97,7 +170,7 @@ def gemm(dtype: str) -> Kernel:
     rows four at a time, so the weights are read from memory once per call.
     """
     check_dtype(dtype)
-    symbol = f"picc_gemm_{dtype}"
+    symbol = names.cpu_gemm(dtype)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, GEMM_PARAMS)
@@ -136,7 +209,7 @@ def gemm(dtype: str) -> Kernel:
 def embed(dtype: str) -> Kernel:
     """``out[s, :] = table[tokens[s], :]`` dequantised to f32 (tokens i32, threads split s)."""
     check_dtype(dtype)
-    symbol = f"picc_embed_{dtype}"
+    symbol = names.cpu_embed(dtype)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, EMBED_PARAMS)

@@ -1,22 +1,26 @@
 """The fused sparse FFN of one device partition, and the activity predictor.
 
-``sparse_ffn`` computes ``y += sum_i h_i down_t[i, :] (+ down_bias)`` over the active neurons i
+``sparse_ffn`` computes ``y = sum_i h_i down_t[i, :] (+ down_bias)`` over the active neurons i
 of ``n``, where ``h_i`` is the form's activation of ``up[i] . x`` (and ``gate[i] . x``); the down
 projection is stored neuron-major (``down_t[n, hidden]``, row i = neuron i's column of down), so
-each active neuron is one AXPY. How the active set is known (``mode``):
+each active neuron is one AXPY. With ``interleaved`` weights, up and gate rows alternate (one
+``up_gate`` matrix [n, 2, hidden]: the caller passes it as ``up`` and, one row later, as ``gate``;
+its biases likewise), so an active neuron's two rows are one contiguous stream. How the active set
+is known (``mode``):
 
-* ``predictor``: ``idx[0:count[0]]`` lists the active neurons (from :func:`predictor`).
+* ``predictor``: the neurons whose byte in ``mask[0:n]`` is nonzero (from :func:`predictor`; a
+  part of a split layer gets the mask from its first neuron on).
 * ``dense``: every neuron.
 * ``gate-first``: ``act(gate[i] . x + gate_bias[i])`` for all rows; active where its magnitude
   exceeds ``threshold`` (dReLU: where ``|h_i|`` does); up and down rows of the others are skipped.
 * ``down-only``: gate and up for all rows; down rows skipped where ``|h_i| <= threshold``.
 
-Phases (each thread, barriers between): [gate-first / down-only: the dense projections for rows
-``n*t/T..``, compacting the active rows of each chunk; then every thread takes its share of the
-concatenated list] -> for its share of active neurons, two at a time: the gathered dot products,
-``h``, and the AXPY into the thread's own f32 buffer (prefetching the rows of a later pair) ->
-barrier -> each
-thread sums the T buffers over its share of the columns into ``y`` (fixed order: deterministic).
+Phases (each thread, barriers between): [sparse modes: rows ``n*t/T..`` of the mask (of the
+dense projections first, in gate-first / down-only mode), compacting the active rows of each
+chunk; then every thread takes its share of the concatenated list] -> for its share of active
+neurons, two at a time: the gathered dot products, ``h``, and the AXPY into the thread's own f32
+buffer (prefetching the rows of a later pair) -> barrier -> each thread sums the T buffers over its
+share of the columns into ``y`` (fixed order: deterministic).
 Neurons whose ``h`` is exactly 0 are not added (an exact skip that over-predicted ReLU rows earn).
 """
 
@@ -26,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
+from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.rowops import check_dtype, emit_axpys, emit_dots, emit_row_bytes, zero_floats
@@ -51,11 +56,10 @@ FORMS: dict[str, Form] = {
 MODES = ("predictor", "dense", "gate-first", "down-only")
 
 FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
-              ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("idx", "ptr"), ("count", "ptr"),
+              ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("mask", "ptr"), ("count", "ptr"),
               ("scratch", "ptr"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"))
-PREDICT_PARAMS = (("x", "ptr"), ("fc1", "ptr"), ("b1", "ptr"), ("fc2", "ptr"), ("b2", "ptr"), ("idx", "ptr"),
-                  ("count", "ptr"), ("scratch", "ptr"), ("hidden", "i32"), ("rank", "i32"), ("n", "i32"),
-                  ("threshold", "f32"))
+PREDICT_PARAMS = (("x", "ptr"), ("fc1", "ptr"), ("b1", "ptr"), ("fc2", "ptr"), ("b2", "ptr"), ("mask", "ptr"),
+                  ("scratch", "ptr"), ("hidden", "i32"), ("rank", "i32"), ("n", "i32"), ("threshold", "f32"))
 _LINE = 64
 # Rows are prefetched this many pairs of neurons ahead: a pair of gathered rows is computed in less
 # than a memory round trip. Measured with bench/kernels.py (1 thread, SmolLM2 shape): 1 pair is
@@ -73,20 +77,20 @@ def ffn_scratch_bytes(n: int, hidden: int, nthreads: int) -> int:
     return nthreads * _round(4 * hidden) + 3 * _round(4 * n) + nthreads * _LINE
 
 
-def predictor_scratch_bytes(rank: int, n: int, nthreads: int) -> int:
-    """Bytes of the ``scratch`` buffer :func:`predictor` needs for ``nthreads`` threads."""
-    return _round(4 * rank) + _round(4 * n) + nthreads * _LINE
+def predictor_scratch_bytes(rank: int) -> int:
+    """Bytes of the ``scratch`` buffer :func:`predictor` needs."""
+    return _round(4 * rank)
 
 
 def _round_ir(fn: Fn, nbytes: str) -> str:
     return fn.v(f"and i64 {fn.v(f'add i64 {nbytes}, {_LINE - 1}', 'rb')}, {-_LINE}", "r64")
 
 
-def _plus_bias(fn: Fn, value: str, bias: str, i: str) -> str:
-    """``value + bias[i]``, or ``value`` when ``bias`` is null."""
+def plus_bias(fn: Fn, value: str, bias: str, i: str, stride: int = 1) -> str:
+    """``value + bias[stride * i]``, or ``value`` when ``bias`` is null."""
     out = fn.var(F32, value, "pb")
     with fn.if_(fn.v(f"icmp ne ptr {bias}, null", "hasb")):
-        out.set(fn.v(f"fadd float {out.get()}, {fn.load(F32, fn.at(bias, 4, i), 4, 'b')}", "vb"))
+        out.set(fn.v(f"fadd float {out.get()}, {fn.load(F32, fn.at(bias, 4 * stride, i), 4, 'b')}", "vb"))
     return out.get()
 
 
@@ -128,7 +132,7 @@ def _gather_share(fn: Fn, seg: str, cnt: str, lst: str, n: str, nthreads: str, k
 
 
 def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, tid: str, nthreads: str) -> None:
-    """``y[j] += (ybuf_0[j] + ... + ybuf_{T-1}[j]) (+ bias[j])`` for this thread's columns."""
+    """``y[j] = (ybuf_0[j] + ... + ybuf_{T-1}[j]) (+ bias[j])`` for this thread's columns."""
     c0, c1 = chunk_bounds(fn, hidden, tid, nthreads, align=16)
     width = fn.v(f"sub i64 {c1}, {c0}", "w")
     c16 = fn.v(f"add i64 {c0}, {fn.v(f'and i64 {width}, -16', 'w16')}", "c16")
@@ -142,17 +146,17 @@ def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, ti
                 s.set(fn.v(f"fadd {ty} {s.get()}, {fn.load(ty, p, 4, 'yt')}", "s"))
             with fn.if_(has_bias):
                 s.set(fn.v(f"fadd {ty} {s.get()}, {fn.load(ty, fn.gep(bias, off), 4, 'b')}", "sb"))
-            yp = fn.gep(y, off, "yp")
-            fn.store(ty, fn.v(f"fadd {ty} {fn.load(ty, yp, 4, 'y')}, {s.get()}", "ynew"), yp, 4)
+            fn.store(ty, s.get(), fn.gep(y, off, "yp"), 4)
 
 
 @cache
-def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str) -> Kernel:
+def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
+               interleaved: bool = False) -> Kernel:
     """The fused FFN kernel of ``mode`` and ``form`` for the given weight formats (see module doc).
 
-    ``scratch`` holds :func:`ffn_scratch_bytes` bytes. ``count`` is read in predictor mode and
-    written (the number of active neurons; for dReLU in gate-first mode, of those whose gate passed,
-before ``|h| > threshold`` is checked) in gate-first / down-only mode when not null.
+    ``scratch`` holds :func:`ffn_scratch_bytes` bytes. In the sparse modes ``count`` (when not
+    null) receives the number of active neurons (for dReLU in gate-first mode, of those whose gate
+    passed, before ``|h| > threshold`` is checked). ``mask`` is read in predictor mode only.
     """
     if mode not in MODES:
         raise PiccError(f"codegen_cpu: FFN mode {mode!r} is not one of {', '.join(MODES)}")
@@ -165,8 +169,12 @@ before ``|h| > threshold`` is checked) in gate-first / down-only mode when not n
         raise PiccError(f"codegen_cpu: FFN mode 'gate-first' needs a gated form, got {form!r}")
     for d in (up_dtype, gate_dtype or "f32", down_dtype):
         check_dtype(d)
-    symbol = f"picc_ffn_{mode.replace('-', '_')}_{form}_{up_dtype}_{gate_dtype or 'none'}_{down_dtype}"
+    if interleaved and (not spec.gated or gate_dtype != up_dtype or mode == "gate-first"):
+        raise PiccError(f"codegen_cpu: interleaved up/gate rows need a gated form, one format and a mode that "
+                        f"gathers both rows, got {form!r} {mode!r}")
+    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
     act = f"@picc_act_{spec.act}"
+    bias_stride = 2 if interleaved else 1
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, FFN_PARAMS)
@@ -174,6 +182,8 @@ before ``|h| > threshold`` is checked) in gate-first / down-only mode when not n
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         rb_up, rb_down = emit_row_bytes(fn, up_dtype, hidden), emit_row_bytes(fn, down_dtype, hidden)
         rb_gate = emit_row_bytes(fn, gate_dtype, hidden) if gate_dtype else None
+        if interleaved:  # neuron i's up row, then its gate row: each matrix steps two rows at a time
+            rb_up = rb_gate = fn.v(f"shl i64 {rb_up}, 1", "rb2")
         ystride = _round_ir(fn, fn.v(f"shl i64 {hidden}, 2", "yb"))
         nbytes = _round_ir(fn, fn.v(f"shl i64 {n}, 2", "nb"))
         ybuf = fn.gep("%scratch", fn.v(f"mul i64 {tid}, {ystride}", "yo"), "ybuf")
@@ -188,7 +198,7 @@ before ``|h| > threshold`` is checked) in gate-first / down-only mode when not n
 
         def projection(mat: str, dtype: str, rb: str, bias: str, i: str) -> str:
             (d,) = emit_dots(fn, [(dtype, row(mat, rb, i))], "%x", hidden, simd)
-            return _plus_bias(fn, d, bias, i)
+            return plus_bias(fn, d, bias, i, bias_stride)
 
         def gate_act(i: str, g: str | None = None) -> str:
             """act(gate[i] . x + gate_bias[i]); ``g`` is the dot product when already known."""
@@ -196,7 +206,7 @@ before ``|h| > threshold`` is checked) in gate-first / down-only mode when not n
             if g is None:
                 g = projection("%gate", gate_dtype, rb_gate, "%gate_bias", i)
             else:
-                g = _plus_bias(fn, g, "%gate_bias", i)
+                g = plus_bias(fn, g, "%gate_bias", i, bias_stride)
             return fn.v(f"call float {act}(float {g})", "a")
 
         def combine(a: str | None, u: str) -> str:
@@ -209,14 +219,14 @@ before ``|h| > threshold`` is checked) in gate-first / down-only mode when not n
 
         # -- the active list: (list pointer or None for identity, total count)
         thr = "%threshold"
-        if mode == "predictor":
-            listp, total = "%idx", fn.sext(fn.load("i32", "%count", 4, "count"))
-        elif mode == "dense":
+        if mode == "dense":
             listp, total = None, n
         else:
             lo, hi = chunk_bounds(fn, n, tid, nthreads)
 
             def keep(r: str) -> str:
+                if mode == "predictor":
+                    return fn.v(f"icmp ne i8 {fn.load('i8', fn.gep('%mask', r), 1, 'm')}, 0", "keep")
                 if mode == "gate-first":
                     a = gate_act(r)
                     # dReLU's score is |h|, decided after up; relu(g) = 0 already means h = 0.
@@ -258,7 +268,7 @@ before ``|h| > threshold`` is checked) in gate-first / down-only mode when not n
             sums = iter(emit_dots(fn, rows, "%x", hidden, simd, pf))
             hs = []
             for i in ids:
-                u = _plus_bias(fn, next(sums), "%up_bias", i)
+                u = plus_bias(fn, next(sums), "%up_bias", i, bias_stride)
                 if mode == "gate-first":
                     a: str | None = fn.load(F32, fn.at(vals, 4, i), 4, "a")
                 else:
@@ -305,45 +315,34 @@ before ``|h| > threshold`` is checked) in gate-first / down-only mode when not n
 
 @cache
 def predictor(fc1_dtype: str, fc2_dtype: str) -> Kernel:
-    """``idx[0:count] = {i : fc2[i] . relu(fc1 x + b1) + b2[i] > threshold}`` in increasing order.
+    """``mask[i] = fc2[i] . relu(fc1 x + b1) + b2[i] > threshold`` as one byte (0 / 1) per neuron.
 
     fc1 is [rank, hidden], fc2 [n, rank]; biases may be null. ``scratch`` holds
-    :func:`predictor_scratch_bytes` bytes. Threads split fc1's rows, then fc2's rows, then each
-    copies its chunk's hits to their place in ``idx``.
+    :func:`predictor_scratch_bytes` bytes (the hidden layer). Threads split fc1's rows, meet at
+    the barrier, then split fc2's rows.
     """
     for d in (fc1_dtype, fc2_dtype):
         if d not in ("f32", "f16"):
             raise PiccError(f"codegen_cpu: predictor weights must be f32 or f16, got {d!r}")
-    symbol = f"picc_predict_{fc1_dtype}_{fc2_dtype}"
+    symbol = names.cpu_predictor(fc1_dtype, fc2_dtype)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, PREDICT_PARAMS)
         hidden, rank, n = fn.sext("%hidden"), fn.sext("%rank"), fn.sext("%n")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         hid = fn.gep("%scratch", "0", "hid")
-        seg = fn.gep(hid, _round_ir(fn, fn.v(f"shl i64 {rank}, 2", "rb")), "seg")
-        cnt = fn.gep(seg, _round_ir(fn, fn.v(f"shl i64 {n}, 2", "nb")), "cnt")
         rb1, rb2 = emit_row_bytes(fn, fc1_dtype, hidden), emit_row_bytes(fn, fc2_dtype, rank)
         lo, hi = chunk_bounds(fn, rank, tid, nthreads)
         with fn.loop(lo, hi, hint="r") as r:
             (d,) = emit_dots(fn, [(fc1_dtype, fn.gep("%fc1", fn.v(f"mul i64 {r}, {rb1}", "ro")))], "%x", hidden, simd)
-            fn.store(F32, fn.v(f"call float @picc_act_relu(float {_plus_bias(fn, d, '%b1', r)})", "hr"),
+            fn.store(F32, fn.v(f"call float @picc_act_relu(float {plus_bias(fn, d, '%b1', r)})", "hr"),
                      fn.at(hid, 4, r), 4)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         lo2, hi2 = chunk_bounds(fn, n, tid, nthreads)
-
-        def keep(i: str) -> str:
+        with fn.loop(lo2, hi2, hint="i") as i:
             (d,) = emit_dots(fn, [(fc2_dtype, fn.gep("%fc2", fn.v(f"mul i64 {i}, {rb2}", "ro")))], hid, rank, simd)
-            return fn.v(f"fcmp ogt float {_plus_bias(fn, d, '%b2', i)}, %threshold", "hit")
-
-        _compact(fn, lo2, seg, cnt, tid, (lo2, hi2), keep)
-        fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
-        base = _counts_total(fn, cnt, tid)
-        mine = fn.sext(fn.load("i32", fn.at(cnt, _LINE, tid), 4, "mine"))
-        fn.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr align 4 {fn.at('%idx', 4, base)}, "
-                f"ptr align 4 {fn.at(seg, 4, lo2)}, i64 {fn.v(f'shl i64 {mine}, 2', 'cb')}, i1 false)")
-        with fn.if_(fn.v(f"icmp eq i64 {tid}, 0", "t0")):
-            fn.store("i32", fn.v(f"trunc i64 {_counts_total(fn, cnt, nthreads)} to i32", "t32"), "%count", 4)
+            hit = fn.v(f"fcmp ogt float {plus_bias(fn, d, '%b2', i)}, %threshold", "hit")
+            fn.store("i8", fn.v(f"zext i1 {hit} to i8", "m"), fn.gep("%mask", i), 1)
         fn.ret_void()
         return fn.text()
 

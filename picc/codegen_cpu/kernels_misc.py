@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_ffn import FORMS
@@ -53,7 +54,7 @@ def vector_sum(fn: Fn, base: str, n: str, term: str | None = None) -> str:
 
 
 def _norm(kind: str) -> Kernel:
-    symbol = f"picc_{kind}"
+    symbol = names.cpu_norm(kind)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, NORM_PARAMS)
@@ -113,7 +114,7 @@ def rope(style: str, source: str = "freq") -> Kernel:
     if source not in ("freq", "table"):
         raise PiccError(f"codegen_cpu: rope source {source!r} is not one of freq, table")
     params = ROPE_PARAMS if source == "freq" else ROPE_TABLE_PARAMS
-    symbol = f"picc_rope_{style}_{source}"
+    symbol = names.cpu_rope(style, source)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, params)
@@ -177,13 +178,37 @@ def _elementwise(symbol: str, combine: str) -> Kernel:
 @cache
 def add() -> Kernel:
     """``out[j] = a[j] + b[j]`` for j < n (f32; out may be a or b): the residual add."""
-    return _elementwise("picc_add", "fadd {ty} {a}, {b}")
+    return _elementwise(names.cpu_elementwise("add"), "fadd {ty} {a}, {b}")
 
 
 @cache
 def mul() -> Kernel:
     """``out[j] = a[j] * b[j]`` for j < n (f32)."""
-    return _elementwise("picc_mul", "fmul {ty} {a}, {b}")
+    return _elementwise(names.cpu_elementwise("mul"), "fmul {ty} {a}, {b}")
+
+
+MERGE_PARAMS = (("a", "ptr"), ("b", "ptr"), ("bias", "ptr"), ("out", "ptr"), ("n", "i32"))
+
+
+@cache
+def merge() -> Kernel:
+    """``out[j] = a[j] + b[j] (+ bias[j])`` (bias may be null): a split FFN layer's partial sums."""
+    symbol = names.cpu_elementwise("merge")
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, MERGE_PARAMS)
+        lo, hi = chunk_bounds(fn, fn.sext("%n"), fn.sext("%tid"), fn.sext("%nthreads"), align=16)
+        has_bias = fn.v("icmp ne ptr %bias, null", "hasb")
+        with fn.loop(lo, hi, hint="j") as j:
+            a, b = fn.load(F32, fn.at("%a", 4, j), 4, "a"), fn.load(F32, fn.at("%b", 4, j), 4, "b")
+            total = fn.var(F32, fn.v(f"fadd float {a}, {b}", "ab"), "sum")
+            with fn.if_(has_bias):
+                total.set(fn.v(f"fadd float {total.get()}, {fn.load(F32, fn.at('%bias', 4, j), 4, 'c')}", "abc"))
+            fn.store(F32, total.get(), fn.at("%out", 4, j), 4)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, MERGE_PARAMS, emit, merge.__doc__ or "")
 
 
 @cache

@@ -13,22 +13,25 @@ from picc.codegen_cuda.build import (
     cuda_source,
     export_host_library,
     host_target,
+    launch_configs,
     nvcc_compile,
     nvcc_path,
+    thread_extents,
     write_cuda_sources,
 )
 from picc.codegen_cuda.dense import compact, gemm, gemv, predictor
-from picc.codegen_cuda.ffn import FORMS, ROW_TILE, gate_first_ffn, padded, sparse_ffn
+from picc.codegen_cuda.ffn import FORMS, ROW_TILE, bias_add, dense_ffn, gate_first_ffn, padded, sparse_ffn
 from picc.codegen_cuda.formats import FORMATS, WeightFormat, pack, split_blocks, split_q4_0, unpack
 from picc.codegen_cuda.kernel import Kernel, Param
-from picc.codegen_cuda.layers import attention, kv_append, layer_norm, rms_norm, rope
+from picc.codegen_cuda.layers import add, attention, kv_append, layer_norm, merge, rms_norm, rope
 from picc.codegen_cuda.model import RELU_DEMO, SMOLLM2, ModelShapes, model_kernels
 from picc.codegen_cuda.schedules import ARCHS, cpu_schedule, schedule
 
 __all__ = [
     "ARCHS", "FORMATS", "FORMS", "RELU_DEMO", "ROW_TILE", "SMOLLM2",
     "CudaArtifact", "HostKernel", "Kernel", "ModelShapes", "Param", "WeightFormat",
-    "attention", "build_cuda", "build_host", "compact", "compile_cuda_module", "cpu_schedule", "cuda_bundle",
+    "add", "attention", "bias_add", "build_cuda", "build_host", "compact", "dense_ffn", "launch_configs",
+    "merge", "thread_extents", "compile_cuda_module", "cpu_schedule", "cuda_bundle",
     "cuda_source", "export_host_library", "gate_first_ffn", "gemm", "gemv", "host_target", "kv_append",
     "layer_norm", "model_kernels", "nvcc_compile", "nvcc_path", "pack", "padded", "predictor", "rms_norm", "rope",
     "schedule", "sparse_ffn", "split_blocks", "split_q4_0", "unpack", "write_cuda_sources",

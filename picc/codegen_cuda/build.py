@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import tvm
 import tvm_ffi
+from tvm import s_tir, tirx
 
 from picc.codegen_cuda.kernel import Kernel
 from picc.codegen_cuda.schedules import arch_params, cpu_schedule, schedule
@@ -45,10 +46,15 @@ class CudaArtifact:
     entry_points: tuple[str, ...]
     ptx: bytes | None = None
     cubin: bytes | None = None
+    launches: tuple[dict, ...] = ()  # per entry point: {"entry", "grid", "block", "params"}
 
 
 def cuda_source(kernel: Kernel, arch: str) -> str:
     """The CUDA C TVM generates for ``kernel`` scheduled for ``arch``."""
+    return _cuda_build(kernel, arch)[0]
+
+
+def _cuda_build(kernel: Kernel, arch: str) -> tuple[str, tirx.PrimFunc]:
     arch_params(arch)
     func = schedule(kernel, arch)
     mod = tvm.IRModule({kernel.name: func})
@@ -57,7 +63,74 @@ def cuda_source(kernel: Kernel, arch: str) -> str:
     except Exception as err:  # TVM raises its own error types; say which kernel failed
         raise PiccError(f"TVM could not build kernel {kernel.name} for {arch}: "
                         f"{str(err).strip().splitlines()[-1]}") from err
-    return str(lib.mod.imports[0].inspect_source("cuda"))
+    return str(lib.mod.imports[0].inspect_source("cuda")), func
+
+
+_THREAD_AXES = ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y", "threadIdx.z")
+
+
+def thread_extents(func: tirx.PrimFunc) -> list[dict[str, int]]:
+    """Per launch of a scheduled kernel, in order, the extent of each thread axis it binds.
+
+    Each outermost thread-bound loop nest becomes one ``__global__`` function (TVM's
+    ``<name>_kernel``, ``<name>_kernel_1``, ...); its grid and block are the extents bound
+    inside it. Shapes are static, so these are the launch configuration the host side of a TVM
+    module would compute.
+    """
+    launches: list[dict[str, int]] = []
+
+    def walk(node: tirx.Stmt, current: dict[str, int] | None) -> None:
+        if isinstance(node, tirx.For):
+            tag = node.thread_binding.thread_tag if node.thread_binding is not None else ""
+            if tag in _THREAD_AXES:
+                if current is None:
+                    current = {}
+                    launches.append(current)
+                current[tag] = max(current.get(tag, 1), int(node.extent))
+            walk(node.body, current)
+        elif isinstance(node, tirx.SeqStmt):
+            for child in node.seq:
+                walk(child, current)
+        elif isinstance(node, s_tir.SBlockRealize):
+            walk(node.block.body, current)
+            if node.block.init is not None:
+                walk(node.block.init, current)
+        elif isinstance(node, tirx.IfThenElse):
+            walk(node.then_case, current)
+            if node.else_case is not None:
+                walk(node.else_case, current)
+        elif getattr(node, "body", None) is not None:
+            walk(node.body, current)
+
+    walk(func.body, None)
+    return launches
+
+
+_GLOBAL = re.compile(r'^extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\((.*)\) \{$', re.M)
+
+
+def launch_configs(kernel: Kernel, source: str, func: tirx.PrimFunc) -> tuple[dict, ...]:
+    """How to launch each ``__global__`` function of ``kernel``'s CUDA ``source`` without TVM's
+    runtime: ``{"entry", "grid": [x, y, z], "block": [x, y, z], "params": [kernel parameter, ...]}``
+    (pointer arguments in the function's order). Checked against the source: as many launches
+    as functions, and each block of the size its ``__launch_bounds__`` says."""
+    functions = _GLOBAL.findall(source)
+    extents = thread_extents(func)
+    if len(functions) != len(extents):
+        raise PiccError(f"kernel {kernel.name}: {len(functions)} CUDA functions but {len(extents)} launch nests")
+    known = {p.name for p in kernel.params}
+    out = []
+    for (bound, entry, params), ext in zip(functions, extents, strict=True):
+        grid = [ext.get(f"blockIdx.{a}", 1) for a in "xyz"]
+        block = [ext.get(f"threadIdx.{a}", 1) for a in "xyz"]
+        if bound and int(bound) != block[0] * block[1] * block[2]:
+            raise PiccError(f"kernel {kernel.name}: {entry} is bounded to {bound} threads, the schedule has {block}")
+        names = [p.strip().rsplit(" ", 1)[-1].removesuffix("_ptr") for p in params.split(",") if p.strip()]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise PiccError(f"kernel {kernel.name}: {entry} takes {unknown}, which are not kernel buffers")
+        out.append({"entry": entry, "grid": grid, "block": block, "params": names})
+    return tuple(out)
 
 
 def cuda_bundle(kernels: list[Kernel], arch: str) -> str:
@@ -130,11 +203,24 @@ def build_cuda(kernels: list[Kernel], arch: str, *, nvcc: bool = True, outputs: 
     names = [k.name for k in kernels]
     if len(set(names)) != len(names):
         raise PiccError(f"kernel names must be unique, got duplicates in {names}")
-    sources = {k.name: cuda_source(k, arch) for k in kernels}
+    built = {k.name: (k, *_cuda_build(k, arch)) for k in kernels}
+    sources = {name: src for name, (_, src, _) in built.items()}
     compiled = nvcc_compile(sources, arch, outputs, jobs) if nvcc and nvcc_path() else {}
     return {name: CudaArtifact(name, arch, src, _entry_points(src), compiled.get(name, {}).get("ptx"),
-                               compiled.get(name, {}).get("cubin"))
-            for name, src in sources.items()}
+                               compiled.get(name, {}).get("cubin"), launch_configs(k, src, func))
+            for name, (k, src, func) in built.items()}
+
+
+def build_model_cuda(kernels: list[Kernel], arch: str) -> tuple[dict[str, CudaArtifact], dict[str, bytes]]:
+    """A model's kernels for ``arch``: each kernel's source and launch configuration, and the PTX
+    and cubin of all of them together (one nvcc run per output kind instead of one per kernel:
+    the same device functions, as ``cuda_bundle`` puts every kernel in one translation unit).
+    No PTX or cubin when nvcc is not installed."""
+    artifacts = build_cuda(kernels, arch, nvcc=False)
+    if not kernels or nvcc_path() is None:
+        return artifacts, {}
+    compiled = nvcc_compile({"model": cuda_bundle(kernels, arch)}, arch, ("ptx", "cubin"), 1)
+    return artifacts, compiled["model"]
 
 
 def write_cuda_sources(artifacts: dict[str, CudaArtifact], directory: str | Path) -> list[Path]:

@@ -87,7 +87,7 @@ def gemm(name: str, seq: int, rows: int, cols: int, fmt: str, bias: bool = False
 
 def predictor(name: str, hidden: int, rank: int, n_ff: int, fmt: str, fc1_bias: bool = False,
               fc2_bias: bool = False) -> Kernel:
-    """``mask = fc2(relu(fc1 x + b1)) + b2 > threshold`` as int32 0/1 per neuron.
+    """``mask = fc2(relu(fc1 x + b1)) + b2 > threshold`` as one byte (int8 0/1) per neuron.
 
     fc1 [rank, hidden] and fc2 [n_ff, rank] are in ``fmt`` (q4_0 needs rank % 32 == 0);
     ``threshold`` [1] is an input, so layers of the same rank share the kernel; ``hid`` [rank] is
@@ -114,33 +114,36 @@ def predictor(name: str, hidden: int, rank: int, n_ff: int, fmt: str, fc1_bias: 
         logit = lambda r: acc2[r] + b2[r]  # noqa: E731
     else:
         logit = lambda r: acc2[r]  # noqa: E731
-    mask = te.compute((n_ff,), lambda r: (logit(r) > thr[0]).astype("int32"), name="mask")
+    mask = te.compute((n_ff,), lambda r: (logit(r) > thr[0]).astype("int8"), name="mask")
     return make_kernel(name, "predictor", [*args, (hid, "scratch"), (mask, "out")])
 
 
-def compact(name: str, n: int, n_pad: int) -> Kernel:
-    """Index list of a 0/1 ``mask`` [n]: ``idx[:count]`` = active neurons in order, rest 0.
+def compact(name: str, n: int, n_pad: int, offset: int = 0) -> Kernel:
+    """Index list of mask columns ``offset .. offset + n``: ``idx[:count]`` = the active ones among
+    them, numbered from 0 (the neurons of an FFN part), in order; the rest of ``idx`` is 0.
 
-    ``n_pad`` >= n is the list's static length (a multiple of the FFN kernel's row tile). On the
-    GPU this runs in one thread: a prefix scan would be faster, but the list is short (n_ff) and
-    the kernel keeps the active set on the device, so no host round trip is needed.
+    ``mask`` is the layer's one byte per neuron ([offset + n] int8). ``n_pad`` >= n is the list's
+    static length (a multiple of the FFN kernel's row tile). On the GPU this runs in one thread: a
+    prefix scan would be faster, but the list is short (n_ff) and the kernel keeps the active set
+    on the device, so no host round trip is needed.
     """
     check_positive(n=n, n_pad=n_pad)
+    total = offset + n
 
     @T.prim_func(s_tir=True)
-    def func(mask: T.Buffer((n,), "int32"), idx: T.Buffer((n_pad,), "int32"),
+    def func(mask: T.Buffer((total,), "int8"), idx: T.Buffer((n_pad,), "int32"),
              count: T.Buffer((1,), "int32")):
         for t in range(1):
             with T.sblock("compact"):
                 vt = T.axis.spatial(1, t)
-                T.reads(mask[0:n])
+                T.reads(mask[0:total])
                 T.writes(idx[0:n_pad], count[vt])
                 # The running count lives in a register: a global read-modify-write per active
                 # neuron would cost an L2 round trip each on the GPU.
                 found = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 found[0] = 0
                 for i in range(n):
-                    if mask[i] != 0:
+                    if mask[offset + i] != T.int8(0):
                         idx[found[0]] = i
                         found[0] = found[0] + 1
                 for i in range(n_pad):
@@ -148,4 +151,4 @@ def compact(name: str, n: int, n_pad: int) -> Kernel:
                         idx[i] = 0
                 count[vt] = found[0]
 
-    return kernel_from_func(name, "single_thread", func, {"mask": "in", "idx": "out", "count": "out"})
+    return kernel_from_func(name, "single_thread", func, {"mask": "in", "idx": "scratch", "count": "scratch"})

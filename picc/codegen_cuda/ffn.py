@@ -29,6 +29,7 @@ from picc.codegen_cuda.dense import row_dot
 from picc.codegen_cuda.formats import WeightFormat
 from picc.codegen_cuda.kernel import Kernel, activation, check_positive, f32, make_kernel
 from picc.errors import PiccError
+from runtime import gpu_layout
 
 # form -> (activation, gated, activation also on up); mirrors picc.ir.ops.FFN_FORMS.
 FORMS: dict[str, tuple[str, bool, bool]] = {
@@ -43,7 +44,7 @@ FORMS: dict[str, tuple[str, bool, bool]] = {
     "drelu": ("relu", True, True),
 }
 
-ROW_TILE = 8
+ROW_TILE = gpu_layout.ROW_TILE
 """Rows (warps) per thread block of the gather-GEMV; index lists are padded to a multiple of it."""
 
 
@@ -75,44 +76,88 @@ def sparse_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, *, n_pad:
     ``bias``, scratch ``ug`` [n_pad, J], output ``y`` [hidden].
     """
     check_positive(hidden=hidden, n_ff=n_ff)
-    _, gated, _ = _form(form)
     n_pad = padded(n_ff) if n_pad is None else n_pad
     if n_pad < n_ff or n_pad % ROW_TILE:
         raise PiccError(f"{name}: n_pad={n_pad} must be >= n_ff={n_ff} and a multiple of {ROW_TILE}")
+    return _gather_ffn(name, hidden, n_ff, form, fmt, bias, n_pad)
+
+
+def dense_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, *, bias: bool = False) -> Kernel:
+    """The FFN over every neuron: ``sparse_ffn`` without an index list (a dense layer on the GPU).
+
+    Parameters: ``x``, the buffers of ``W_ug`` and ``down``, ``b_ug`` when ``bias``, scratch
+    ``ug`` [n_ff, J], output ``y``.
+    """
+    check_positive(hidden=hidden, n_ff=n_ff)
+    return _gather_ffn(name, hidden, n_ff, form, fmt, bias, None)
+
+
+def _gather_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, bias: bool, n_pad: int | None) -> Kernel:
+    """``sparse_ffn`` (``n_pad``: the index list's length) or ``dense_ffn`` (``n_pad`` None)."""
+    _, gated, _ = _form(form)
+    indexed = n_pad is not None
+    rows = n_pad if n_pad is not None else n_ff
     wf = WeightFormat(fmt)
     j_count = 2 if gated else 1
     x = te.placeholder((hidden,), "float32", name="x")
-    idx = te.placeholder((n_pad,), "int32", name="idx")
-    count = te.placeholder((1,), "int32", name="count")
+    args = [(x, "in")]
+    if indexed:
+        idx = te.placeholder((rows,), "int32", name="idx")
+        count = te.placeholder((1,), "int32", name="count")
+        args += [(idx, "in"), (count, "in")]
+
+        def neuron(r: PrimExpr) -> PrimExpr:
+            return idx[r]
+
+        def live(r: PrimExpr) -> PrimExpr:
+            return r < count[0]
+    else:
+
+        def neuron(r: PrimExpr) -> PrimExpr:
+            return r
+
+        live = None
     w_ug = wf.placeholders("W_ug", (n_ff, j_count), hidden)
     w_down = wf.placeholders("down", (n_ff,), hidden)
-    args = [(x, "in"), (idx, "in"), (count, "in"), *[(t, "in") for t in w_ug], *[(t, "in") for t in w_down]]
+    args += [*[(t, "in") for t in w_ug], *[(t, "in") for t in w_down]]
 
-    ug = row_dot("ug", wf, w_ug, lambda r, j, k: x[k], (n_pad, j_count), hidden,
-                 row_of=lambda r, j: (idx[r], j), when=lambda r, j: r < count[0])
+    ug = row_dot("ug", wf, w_ug, lambda r, j, k: x[k], (rows, j_count), hidden,
+                 row_of=lambda r, j: (neuron(r), j), when=(lambda r, j: live(r)) if live else None)
     if bias:
         b_ug = te.placeholder((n_ff, j_count), "float32", name="b_ug")
         args.append((b_ug, "in"))
 
         def proj(r: PrimExpr, j: int) -> PrimExpr:
-            return ug[r, j] + b_ug[idx[r], j]
+            return ug[r, j] + b_ug[neuron(r), j]
     else:
 
         def proj(r: PrimExpr, j: int) -> PrimExpr:
             return ug[r, j]
 
-    r = te.reduce_axis((0, n_pad), name="r")
+    r = te.reduce_axis((0, rows), name="r")
     v = wf.vector
 
     def axpy(k: PrimExpr) -> PrimExpr:
         h = _combine(form, proj(r, 0), proj(r, 1) if gated else None)
-        term = h * wf.load(w_down, (idx[r],), k // v, k % v)
-        return te.sum(tirx.if_then_else(r < count[0], term, f32(0)), axis=r)
+        term = h * wf.load(w_down, (neuron(r),), k // v, k % v)
+        return te.sum(tirx.if_then_else(live(r), term, f32(0)) if live else term, axis=r)
 
     y = te.compute((hidden,), axpy, name="y")
+    if not indexed:
+        return make_kernel(name, "dense_ffn", [*args, (ug, "scratch"), (y, "out")], options={"vector": v})
     guard = lambda b, r, j: r < b["count"][0]  # noqa: E731
     return make_kernel(name, "sparse_ffn", [*args, (ug, "scratch"), (y, "out")],
                        guards={"ug": guard}, options={"vector": v})
+
+
+def bias_add(name: str, n: int) -> Kernel:
+    """``y = x + b`` ([n] f32): a whole FFN layer's down bias, added to the partial sum its kernel
+    left in the workspace."""
+    check_positive(n=n)
+    x = te.placeholder((n,), "float32", name="x")
+    b = te.placeholder((n,), "float32", name="b")
+    y = te.compute((n,), lambda i: x[i] + b[i], name="y")
+    return make_kernel(name, "elementwise", [(x, "in"), (b, "in"), (y, "out")])
 
 
 def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Kernel:

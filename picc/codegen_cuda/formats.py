@@ -1,6 +1,7 @@
 """Weight formats as the GPU kernels read them: TE placeholders, a decode expression, numpy packing.
 
-A weight matrix ``W[rows..., cols]`` is passed to a kernel as one or more buffers, per format:
+A weight matrix ``W[rows..., cols]`` is passed to a kernel as one or more buffers, per format (the
+planes of ``runtime.gpu_layout``, the layout the memory plan counts and the runtime uploads):
 
     f32   W      float32 [rows..., cols]
     f16   W      float16 [rows..., cols]
@@ -36,6 +37,7 @@ from tvm.ir.expr import Expr as PrimExpr
 
 from picc import quant
 from picc.errors import PiccError
+from runtime import gpu_layout
 
 FORMATS = ("f32", "f16", "q4_0", "q4_1", "q8_0")
 Q4_BLOCK = 32
@@ -63,15 +65,11 @@ class WeightFormat:
         if cols % self.vector:
             raise PiccError(f"{prefix}: {cols} columns are not a multiple of {self.vector} "
                             f"(the {self.name} kernels read {self.vector} elements per step)")
-        scales = (*rows, cols // Q4_BLOCK)
-        if self.name == "q4_0":
-            return [(f"{prefix}_qs", (*rows, cols // 2), "uint8"), (f"{prefix}_d", scales, "float16")]
-        if self.name == "q4_1":
-            return [(f"{prefix}_qs", (*rows, cols // 2), "uint8"), (f"{prefix}_d", scales, "float16"),
-                    (f"{prefix}_m", scales, "float16")]
-        if self.name == "q8_0":
-            return [(f"{prefix}_qs", (*rows, cols), "int8"), (f"{prefix}_d", scales, "float16")]
-        return [(prefix, (*rows, cols), "float32" if self.name == "f32" else "float16")]
+        try:
+            specs = gpu_layout.plane_specs(self.name, (*rows, cols))
+        except gpu_layout.LayoutError as e:
+            raise PiccError(f"{prefix}: {e}") from None
+        return [(prefix + suffix, shape, dtype) for suffix, shape, dtype in specs]
 
     def placeholders(self, prefix: str, rows: tuple[int, ...], cols: int) -> list[te.Tensor]:
         return [te.placeholder(shape, dtype, name=name)
@@ -114,21 +112,9 @@ def split_q4_0(raw: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
 
 
 def split_blocks(raw: np.ndarray, fmt: str, shape: tuple[int, ...]) -> list[np.ndarray]:
-    """GGUF block bytes (q4_0, q4_1, q8_0) of a ``shape`` matrix -> the format's planes (see the
-    module docstring), exactly."""
-    *rows, cols = shape
-    nblocks = cols // Q4_BLOCK
-    nbytes = {"q4_0": 18, "q4_1": 20, "q8_0": 34}[fmt]
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(*rows, nblocks, nbytes)
-
-    def half(at: int) -> np.ndarray:
-        return np.ascontiguousarray(blocks[..., at : at + 2]).view(np.float16).reshape(*rows, nblocks)
-
-    if fmt == "q8_0":
-        return [np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(*rows, cols), half(0)]
-    start = 2 if fmt == "q4_0" else 4
-    qs = np.ascontiguousarray(blocks[..., start:]).reshape(*rows, cols // 2)
-    return [qs, half(0)] + ([half(2)] if fmt == "q4_1" else [])
+    """GGUF block bytes (q4_0, q4_1, q8_0) of a ``shape`` matrix -> the format's planes, exactly
+    (``runtime.gpu_layout``, which the runtime uses to upload weights)."""
+    return gpu_layout.split_blocks(raw, fmt, shape)
 
 
 def unpack(bufs: list[np.ndarray], fmt: str) -> np.ndarray:

@@ -98,6 +98,21 @@ def add(name: str, seq: int, n: int) -> Kernel:
     return make_kernel(name, "elementwise", [(a, "in"), (b, "in"), (y, "out")])
 
 
+def merge(name: str, n: int, bias: bool) -> Kernel:
+    """``y = a + b (+ bias)``: the partial sums of a split FFN layer and its down bias."""
+    check_positive(n=n)
+    a = te.placeholder((1, n), "float32", name="a")
+    b = te.placeholder((1, n), "float32", name="b")
+    args = [(a, "in"), (b, "in")]
+    if bias:
+        c = te.placeholder((n,), "float32", name="bias")
+        args.append((c, "in"))
+        y = te.compute((1, n), lambda s, i: a[s, i] + b[s, i] + c[i], name="y")
+    else:
+        y = te.compute((1, n), lambda s, i: a[s, i] + b[s, i], name="y")
+    return make_kernel(name, "elementwise", [*args, (y, "out")])
+
+
 def kv_append(name: str, seq: int, width: int, max_ctx: int) -> Kernel:
     """Write ``k``, ``v`` [seq, width] into rows ``pos`` of the caches [max_ctx, width], in place."""
     check_positive(seq=seq, width=width, max_ctx=max_ctx)

@@ -1,128 +1,263 @@
-"""The GPU kernels of a placed module: one kernel per distinct (op, shape, format) the plan puts
-on the GPU, and which kernel each GPU op calls.
+"""Lowering the GPU ops of a fused, placed module to kernel launches bound to the memory plan.
 
-Ops of the same shape share a kernel (the 30 layers of SmolLM2 share one attention kernel); a
-split layer's hot part has its own neuron count, so hot parts of different sizes get different
-FFN kernels. Decode kernels only (one token): prefill kernels and the executor that launches
-these arrive with the hybrid runtime.
+Every GPU op names its kernel (``fuse-gather-gemv``); here each op becomes the launches that
+compute it -- usually that one kernel; attention first appends the token's keys and values to
+the cache, a predictor-mode FFN part first compacts its mask columns into an index list, a whole
+FFN layer with a down bias adds it after -- and every parameter of every launch is bound to a
+place in the GPU arena of the memory plan: a weight's plane (``runtime.gpu_layout``), a value's
+slot in the activations, a constant, a KV cache, or a scratch buffer in the workspace (where
+``memory_plan.gpu_scratch`` says). A binding is ``{"offset", "shape", "dtype"}``: the runtime makes
+a tensor view of the arena from it, nothing more.
+
+Kernels of the same name are the same kernel (the 30 layers of SmolLM2 share one attention
+kernel); a split layer's hot part has its own neuron count and so its own FFN kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from picc import kernel_names as names
+from picc import memory_plan as mp
 from picc.codegen_cuda import dense, ffn, layers
 from picc.codegen_cuda.kernel import Kernel
 from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
+from picc.ir.fused_ops import FusedFFN, Merge
 from picc.ir.module import Module
-from picc.ir.sparse_ops import Predict, SparseFFN
-from picc.ir.types import Placement
+from picc.ir.sparse_ops import Predict
+from picc.ir.types import Placement, TensorType
 from picc.ir.weights import WeightStore
+from runtime import gpu_layout
 
 
 @dataclass
-class GpuKernels:
-    """The distinct kernels, and per GPU op the names of the kernels it launches, in order."""
+class GpuProgram:
+    """The distinct kernels, the launches of each GPU op (in order), and the f32 constants the
+    kernels read (rotary frequencies, thresholds) by plan buffer name."""
 
     kernels: dict[str, Kernel] = field(default_factory=dict)
-    calls: dict[str, list[str]] = field(default_factory=dict)
-
-    def use(self, op: Op, name: str, make) -> None:  # noqa: ANN001 - make: () -> Kernel
-        if name not in self.kernels:
-            self.kernels[name] = make()
-        self.calls.setdefault(op.result, []).append(name)
+    launches: dict[str, list[dict]] = field(default_factory=dict)
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def _fmt(weights: WeightStore, name: str) -> str:
-    return weights[name].dtype.value
+class _Binder:
+    """Where each kernel parameter of one op lives in the plan's GPU arena."""
+
+    def __init__(self, plan: mp.MemoryPlan, weights: WeightStore, types: dict[str, TensorType],
+                 weight_types: dict[str, TensorType]) -> None:
+        self.weights, self.types, self.weight_types = weights, types, weight_types
+        self.buffers = {b.name: b for b in plan.buffers if b.device == "gpu"}
+        self.plan = plan
+
+    def _buffer(self, name: str) -> mp.Buffer:
+        if name not in self.buffers:
+            raise PiccError(f"codegen_cuda: the memory plan has no GPU buffer {name!r}")
+        return self.buffers[name]
+
+    def weight(self, name: str, prefix: str, kernel: Kernel) -> list[dict]:
+        """Bindings of the kernel parameters ``prefix``, ``prefix_qs``, ... to weight ``name``'s planes."""
+        t = self.weights[name]
+        base = self._buffer(name).offset
+        out = []
+        for plane in gpu_layout.planes(t.dtype.value, t.shape):
+            p = kernel.param(prefix + plane.suffix)
+            out.append(_binding(kernel, p.name, base + plane.offset, plane.nbytes))
+        return out
+
+    def vector(self, name: str, param: str, kernel: Kernel) -> dict:
+        """A weight of one plane (a vector, or an f32 / f16 matrix) bound to ``param``."""
+        (binding,) = self.weight(name, param, kernel)
+        return binding
+
+    def value(self, name: str, param: str, kernel: Kernel) -> dict:
+        if name not in self.plan.activation_offsets:
+            raise PiccError(f"codegen_cuda: %{name} has no slot in the GPU activations")
+        at = self._buffer("activations").offset + self.plan.activation_offsets[name]
+        return _binding(kernel, param, at, mp.tensor_bytes(self.types[name], 1))
+
+    def constant(self, name: str, param: str, kernel: Kernel) -> dict:
+        b = self._buffer(name)
+        return _binding(kernel, param, b.offset, b.nbytes)
+
+    def kv(self, cache: str, half: int, param: str, kernel: Kernel) -> dict:
+        b = self._buffer(f"kv.{cache}")
+        return _binding(kernel, param, b.offset + half * b.nbytes // 2, b.nbytes // 2)
+
+    def scratch(self, op: Op, kernel: Kernel, params: tuple[str, ...], slots: tuple[str, ...] = ()) -> list[dict]:
+        """Kernel parameters ``params`` bound to the op's workspace buffers of the same names (or
+        of the names ``slots``), laid out as ``memory_plan.gpu_scratch`` says."""
+        layout, at = {}, 0
+        for name, nbytes in mp.gpu_scratch(op, self.plan.ctx, self.weight_types):
+            at = gpu_layout.aligned(at)
+            layout[name] = (at, nbytes)
+            at += nbytes
+        base = self._buffer("workspace").offset
+        return [_binding(kernel, p, base + layout[slot][0], layout[slot][1])
+                for p, slot in zip(params, slots or params, strict=True)]
 
 
-def _dim(module: Module, value: str) -> int:
-    d = module.function().value_types()[value].shape[-1]
-    assert isinstance(d, int)
-    return d
+def _binding(kernel: Kernel, param: str, offset: int, room: int) -> dict:
+    """Parameter ``param`` of ``kernel`` at arena ``offset``, which must hold its bytes (``room``)."""
+    p = kernel.param(param)
+    if p.nbytes > room:
+        raise PiccError(f"codegen_cuda: {kernel.name}.{param} needs {p.nbytes} bytes but the plan gives it {room}")
+    if offset % gpu_layout.PLANE_ALIGN:
+        raise PiccError(f"codegen_cuda: {kernel.name}.{param} would start at a misaligned offset {offset}")
+    return {"param": p.name, "offset": offset, "shape": list(p.shape), "dtype": p.dtype}
 
 
-def gpu_kernels(module: Module, weights: WeightStore, ctx: int) -> GpuKernels:
-    """The kernels of every op ``module`` places on the GPU (see the module docstring)."""
-    out = GpuKernels()
-    for op in module.function().ops:
-        if op.type.placement != Placement.GPU:
-            continue
-        _lower(op, module, weights, ctx, out)
-    return out
+class _Lowering:
+    def __init__(self, module: Module, weights: WeightStore, plan: mp.MemoryPlan) -> None:
+        func = module.function()
+        self.weights, self.ctx = weights, plan.ctx
+        self.types = func.value_types()
+        self.bind = _Binder(plan, weights, self.types, module.weight_types())
+        self.out = GpuProgram()
 
+    def kernel(self, name: str, make: Callable[[], Kernel]) -> Kernel:
+        if name not in self.out.kernels:
+            self.out.kernels[name] = make()
+        return self.out.kernels[name]
 
-def _lower(op: Op, module: Module, weights: WeightStore, ctx: int, out: GpuKernels) -> None:  # noqa: C901
-    match op:
-        case O.Embed():
-            vocab, dim = (int(d) for d in weights[op.table].shape)
-            fmt = _fmt(weights, op.table)
-            out.use(op, f"embed_{vocab}x{dim}_{fmt}", lambda: dense.embed(f"embed_{vocab}x{dim}_{fmt}", 1, vocab, dim,
-                                                                           fmt))
-        case O.Linear():
-            rows, cols = (int(d) for d in weights[op.weight].shape)
-            fmt, bias = _fmt(weights, op.weight), op.bias is not None
-            name = f"gemv_{rows}x{cols}_{fmt}" + ("_bias" if bias else "")
-            out.use(op, name, lambda: dense.gemv(name, rows, cols, fmt, bias))
-        case O.RMSNorm():
-            n = _dim(module, op.x)
-            name = f"rms_norm_{n}"
-            out.use(op, name, lambda: layers.rms_norm(name, 1, n, op.eps))
-        case O.LayerNorm():
-            n, bias = _dim(module, op.x), op.bias is not None
-            name = f"layer_norm_{n}" + ("_bias" if bias else "")
-            out.use(op, name, lambda: layers.layer_norm(name, 1, n, op.eps, bias))
-        case O.Rope():
-            name = f"rope_{op.style}_{op.n_heads}x{op.head_dim}_r{op.rotated}"
-            out.use(op, name, lambda: layers.rope(name, 1, op.n_heads, op.head_dim, op.rotated, op.style))
-        case O.Attention():
-            if op.alibi != "none":
-                raise PiccError(f"%{op.result}: ALiBi attention has no GPU kernel yet; compile with --vram 0")
-            width = _dim(module, op.k)
-            append = f"kv_append_{width}_ctx{ctx}"
-            out.use(op, append, lambda: layers.kv_append(append, 1, width, ctx))
-            name = f"attention_{op.n_heads}x{op.n_kv_heads}x{op.head_dim}_ctx{ctx}" + (
-                f"_w{op.window}" if op.window else "")
-            out.use(op, name, lambda: layers.attention(name, 1, op.n_heads, op.n_kv_heads, op.head_dim, ctx,
+    def launch(self, op: Op, kernel: Kernel, args: list[dict]) -> None:
+        if [a["param"] for a in args] != [p.name for p in kernel.params]:
+            raise PiccError(f"codegen_cuda: %{op.result}: {kernel.name} takes {[p.name for p in kernel.params]}, "
+                            f"bound {[a['param'] for a in args]}")
+        self.out.launches.setdefault(op.result, []).append({"kernel": kernel.name, "args": args})
+
+    def width(self, value: str) -> int:
+        return int(self.types[value].shape[-1])
+
+    def fmt(self, weight: str) -> str:
+        return self.weights[weight].dtype.value
+
+    def lower(self, op: Op) -> None:  # noqa: C901 - one case per op
+        b = self.bind
+        name = op.kernel
+        if name is None:
+            raise PiccError(f"codegen_cuda: %{op.result} names no kernel; run fuse-gather-gemv first")
+        match op:
+            case O.Embed():
+                vocab, dim = (int(d) for d in self.weights[op.table].shape)
+                k = self.kernel(name, lambda: dense.embed(name, 1, vocab, dim, self.fmt(op.table)))
+                self.launch(op, k, [*b.weight(op.table, "W", k), b.value(op.tokens, "tokens", k),
+                                    b.value(op.result, "y", k)])
+            case O.Linear():
+                rows, cols = (int(d) for d in self.weights[op.weight].shape)
+                k = self.kernel(name, lambda: dense.gemv(name, rows, cols, self.fmt(op.weight), op.bias is not None))
+                bias = [b.vector(op.bias, "b", k)] if op.bias else []
+                self.launch(op, k, [*b.weight(op.weight, "W", k), b.value(op.x, "x", k), *bias,
+                                    b.value(op.result, "y", k)])
+            case O.RMSNorm():
+                k = self.kernel(name, lambda: layers.rms_norm(name, 1, self.width(op.x), op.eps))
+                self.launch(op, k, [b.value(op.x, "x", k), b.vector(op.weight, "w", k), b.value(op.result, "y", k)])
+            case O.LayerNorm():
+                k = self.kernel(name, lambda: layers.layer_norm(name, 1, self.width(op.x), op.eps, op.bias is not None))
+                bias = [b.vector(op.bias, "b", k)] if op.bias else []
+                self.launch(op, k, [b.value(op.x, "x", k), b.vector(op.weight, "w", k), *bias,
+                                    b.value(op.result, "y", k)])
+            case O.Rope():
+                k = self.kernel(name, lambda: layers.rope(name, 1, op.n_heads, op.head_dim, op.rotated, op.style))
+                self.out.constants[f"rope.{op.result}"] = op.inv_freq()
+                self.launch(op, k, [b.value(op.x, "x", k), b.value(op.pos, "pos", k),
+                                    b.constant(f"rope.{op.result}", "inv_freq", k), b.value(op.result, "y", k)])
+            case O.Attention():
+                self.attention(op, name)
+            case O.Add():
+                k = self.kernel(name, lambda: layers.add(name, 1, self.width(op.result)))
+                self.launch(op, k, [b.value(op.a, "a", k), b.value(op.b, "b", k), b.value(op.result, "y", k)])
+            case Merge():
+                k = self.kernel(name, lambda: layers.merge(name, self.width(op.result), op.bias is not None))
+                bias = [b.vector(op.bias, "bias", k)] if op.bias else []
+                self.launch(op, k, [b.value(op.a, "a", k), b.value(op.b, "b", k), *bias, b.value(op.result, "y", k)])
+            case Predict():
+                self.predict(op, name)
+            case FusedFFN():
+                self.fused_ffn(op, name)
+            case _:
+                raise PiccError(f"codegen_cuda: op {op.NAME} (%{op.result}) has no GPU kernel")
+
+    def attention(self, op: O.Attention, name: str) -> None:
+        b = self.bind
+        width = self.width(op.k)
+        append = names.gpu_kv_append(width, self.ctx)
+        ka = self.kernel(append, lambda: layers.kv_append(append, 1, width, self.ctx))
+        self.launch(op, ka, [b.value(op.k, "k", ka), b.value(op.v, "v", ka), b.value(op.pos, "pos", ka),
+                             b.kv(op.cache, 0, "k_cache", ka), b.kv(op.cache, 1, "v_cache", ka)])
+        k = self.kernel(name, lambda: layers.attention(name, 1, op.n_heads, op.n_kv_heads, op.head_dim, self.ctx,
                                                        op.scale, op.window))
-        case O.Add():
-            n = _dim(module, op.result)
-            out.use(op, f"add_{n}", lambda: layers.add(f"add_{n}", 1, n))
-        case Predict():
-            rank, hidden = (int(d) for d in weights[op.fc1].shape)
-            n = int(weights[op.fc2].shape[0])
-            fmt = _fmt(weights, op.fc1)
-            b1, b2 = op.fc1_bias is not None, op.fc2_bias is not None
-            name = f"predictor_{hidden}x{rank}x{n}_{fmt}" + ("_b1" if b1 else "") + ("_b2" if b2 else "")
-            out.use(op, name, lambda: dense.predictor(name, hidden, rank, n, fmt, b1, b2))
-            out.use(op, f"compact_{n}", lambda: dense.compact(f"compact_{n}", n, ffn.padded(n)))
-        case O.FFN():
-            _lower_ffn(op, weights, out)
-        case _:
-            raise PiccError(f"%{op.result}: op {op.NAME} has no GPU kernel yet; compile with --vram 0")
+        self.launch(op, k, [b.value(op.q, "q", k), b.value(op.pos, "pos", k), b.kv(op.cache, 0, "k_cache", k),
+                            b.kv(op.cache, 1, "v_cache", k), *b.scratch(op, k, ("scores", "smax", "ssum", "probs")),
+                            b.value(op.result, "out", k)])
+
+    def predict(self, op: Predict, name: str) -> None:
+        b = self.bind
+        rank, hidden = (int(d) for d in self.weights[op.fc1].shape)
+        n = int(self.weights[op.fc2].shape[0])
+        if self.fmt(op.fc1) != self.fmt(op.fc2):
+            raise PiccError(f"%{op.result}: the GPU predictor kernel needs fc1 and fc2 in one format")
+        k = self.kernel(name, lambda: dense.predictor(name, hidden, rank, n, self.fmt(op.fc1), op.fc1_bias is not None,
+                                                      op.fc2_bias is not None))
+        self.out.constants[f"threshold.{op.result}"] = np.array([op.threshold], np.float32)
+        biases = ([b.vector(op.fc1_bias, "b1", k)] if op.fc1_bias else []) + \
+                 ([b.vector(op.fc2_bias, "b2", k)] if op.fc2_bias else [])
+        self.launch(op, k, [*b.weight(op.fc1, "fc1", k), *b.weight(op.fc2, "fc2", k), b.value(op.x, "x", k),
+                            b.constant(f"threshold.{op.result}", "threshold", k), *biases,
+                            *b.scratch(op, k, ("hid",)), b.value(op.result, "mask", k)])
+
+    def fused_ffn(self, op: FusedFFN, name: str) -> None:
+        b = self.bind
+        n, hidden = (int(d) for d in self.weights[op.down].shape)
+        fmt = self.fmt(op.down)
+
+        def out(k: Kernel) -> dict:
+            """Where the FFN kernel writes: the result, or the partial sum a bias is added to."""
+            if op.down_bias is None:
+                return b.value(op.result, "y", k)
+            (partial,) = b.scratch(op, k, ("y",), ("partial",))
+            return partial
+        bias = op.up_bias is not None or op.gate_bias is not None or op.up_gate_bias is not None
+        if op.mode == "gate-first":
+            assert op.gate is not None and op.up is not None
+            k = self.kernel(name, lambda: ffn.gate_first_ffn(name, hidden, n, op.form, fmt))
+            self.out.constants[f"threshold.{op.result}"] = np.array([op.threshold], np.float32)
+            self.launch(op, k, [b.value(op.x, "x", k), b.constant(f"threshold.{op.result}", "threshold", k),
+                                *b.weight(op.gate, "gate", k), *b.weight(op.up, "up", k),
+                                *b.weight(op.down, "down", k), *b.scratch(op, k, ("g", "u")), out(k)])
+        else:
+            rows = op.up_gate or op.up
+            assert rows is not None
+            ug_bias = op.up_gate_bias or op.up_bias
+            if op.mode == "predictor":
+                assert op.mask is not None
+                n_pad = gpu_layout.padded_rows(n)
+                cname = names.gpu_compact(n, op.neuron_offset)
+                kc = self.kernel(cname, lambda: dense.compact(cname, n, n_pad, op.neuron_offset))
+                self.launch(op, kc, [b.value(op.mask, "mask", kc), *b.scratch(op, kc, ("idx", "count"))])
+                k = self.kernel(name, lambda: ffn.sparse_ffn(name, hidden, n, op.form, fmt, n_pad=n_pad, bias=bias))
+                head = [b.value(op.x, "x", k), *b.scratch(op, k, ("idx", "count"))]
+            else:
+                k = self.kernel(name, lambda: ffn.dense_ffn(name, hidden, n, op.form, fmt, bias=bias))
+                head = [b.value(op.x, "x", k)]
+            tail = [b.vector(ug_bias, "b_ug", k)] if ug_bias else []
+            self.launch(op, k, [*head, *b.weight(rows, "W_ug", k), *b.weight(op.down, "down", k), *tail,
+                                *b.scratch(op, k, ("ug",)), out(k)])
+        if op.down_bias is not None:
+            bname = names.gpu_bias_add(hidden)
+            kb = self.kernel(bname, lambda: ffn.bias_add(bname, hidden))
+            self.launch(op, kb, [*b.scratch(op, kb, ("x",), ("partial",)), b.vector(op.down_bias, "b", kb),
+                                 b.value(op.result, "y", kb)])
 
 
-def _lower_ffn(op: O.FFN, weights: WeightStore, out: GpuKernels) -> None:
-    if not op.neuron_major:
-        raise PiccError(f"%{op.result}: the GPU FFN kernels need a neuron-major down projection")
-    n, hidden = (int(d) for d in weights[op.up].shape)
-    fmt = _fmt(weights, op.up)
-    if op.gate is not None and _fmt(weights, op.gate) != fmt or _fmt(weights, op.down) != fmt:
-        raise PiccError(f"%{op.result}: the GPU FFN kernels need up, gate and down in one format")
-    bias = op.up_bias is not None or op.gate_bias is not None or op.down_bias is not None
-    mode = op.mode if isinstance(op, SparseFFN) else "dense"
-    if mode == "gate-first":
-        if bias:
-            raise PiccError(f"%{op.result}: the GPU gate-first kernel takes no biases yet")
-        name = f"gate_first_ffn_{op.form}_{hidden}x{n}_{fmt}"
-        out.use(op, name, lambda: ffn.gate_first_ffn(name, hidden, n, op.form, fmt))
-    elif mode in ("predictor", "dense"):
-        # Dense: the sparse kernel over a list of every neuron computes exactly the dense FFN.
-        name = f"sparse_ffn_{op.form}_{hidden}x{n}_{fmt}" + ("_bias" if bias else "")
-        out.use(op, name, lambda: ffn.sparse_ffn(name, hidden, n, op.form, fmt, bias=bias))
-    else:
-        raise PiccError(f"%{op.result}: {mode} FFNs have no GPU kernel yet; use --sparsity-mode gate-first "
-                        "or predictor, or --vram 0")
+def lower_gpu(module: Module, weights: WeightStore, plan: mp.MemoryPlan) -> GpuProgram:
+    """The kernels and launches of every op ``module`` places on the GPU (see the module docstring)."""
+    lowering = _Lowering(module, weights, plan)
+    for op in module.function().ops:
+        if op.type.placement == Placement.GPU:
+            lowering.lower(op)
+    return lowering.out

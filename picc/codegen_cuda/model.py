@@ -71,7 +71,12 @@ def model_kernels(m: ModelShapes, fmt: str, predictor_fmt: str = "f16") -> list[
         dense.predictor(f"{m.name}_{predictor_fmt}_predictor", m.hidden, m.predictor_rank, m.n_ff,
                        predictor_fmt),
         dense.compact(f"{m.name}_compact", m.n_ff, ffn.padded(m.n_ff)),
+        dense.compact(f"{m.name}_compact_cold", m.n_ff // 2, ffn.padded(m.n_ff // 2), m.n_ff // 2),
         ffn.sparse_ffn(f"{p}_sparse_ffn_{m.form}", m.hidden, m.n_ff, m.form, fmt),
+        ffn.dense_ffn(f"{p}_dense_ffn_{m.form}", m.hidden, m.n_ff, m.form, fmt),
+        ffn.bias_add(f"{m.name}_bias_add", m.hidden),
+        layers.merge(f"{m.name}_merge", m.hidden, bias=False),
+        layers.add(f"{m.name}_add", 1, m.hidden),
     ]
     _, gated, act_on_up = ffn.FORMS[m.form]
     if gated and not act_on_up:

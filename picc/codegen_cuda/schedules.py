@@ -333,8 +333,8 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
         case "predictor":
             warp_rows(sch, "acc1", p.rows, [*_weights(kernel, "fc1"), "x"], False, ("hid",))
             warp_rows(sch, "acc2", p.rows, [*_weights(kernel, "fc2"), "hid"], False, ("mask",))
-        case "sparse_ffn":
-            warp_rows(sch, "ug", p.rows, [*_weights(kernel, "W_ug"), "x"], True)
+        case "sparse_ffn" | "dense_ffn":
+            warp_rows(sch, "ug", p.rows, [*_weights(kernel, "W_ug"), "x"], "ug" in kernel.guards)
             column_axpy(sch, "y", AXPY_COLUMNS, p.axpy_split)
         case "gate_first_ffn":
             warp_rows(sch, "g", p.rows, [*_weights(kernel, "gate"), "x"], False)
@@ -356,8 +356,8 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
 
 # Row-dot reductions and neuron-major AXPYs per kernel kind (the blocks the CPU schedule touches).
 _ROW_DOTS = {"gemv": ("acc",), "gemm": ("acc",), "predictor": ("acc1", "acc2"), "sparse_ffn": ("ug",),
-             "gate_first_ffn": ("g", "u")}
-_AXPYS = {"sparse_ffn": "y", "gate_first_ffn": "y"}
+             "dense_ffn": ("ug",), "gate_first_ffn": ("g", "u")}
+_AXPYS = {"sparse_ffn": "y", "dense_ffn": "y", "gate_first_ffn": "y"}
 
 
 def cpu_schedule(kernel: Kernel) -> tirx.PrimFunc:

@@ -7,8 +7,10 @@ An op is a frozen dataclass. Its fields fall into three kinds, told apart by the
 * anything else (``int``, ``float``, ``str``, ``bool``, optionally ``| None``): an attribute,
   printed in ``{...}``.
 
-Every op also has ``result`` (the name of the value it defines) and ``type`` (its type). Each op
-class implements ``infer``, which computes the result type from the operand types and raises
+Every op also has ``result`` (the name of the value it defines), ``type`` (its type) and
+``kernel``, an attribute that is unset until ``fuse-gather-gemv`` names the kernel that computes
+the op on its device (printed last, ``{..., kernel = "picc_gemv_q4_1"}``). Each op class
+implements ``infer``, which computes the result type from the operand types and raises
 ``RuleError`` when a rule of the op is broken; the verifier compares it with ``type``, the builder
 uses it to fill ``type`` in.
 """
@@ -70,6 +72,7 @@ class Op:
     NAME: ClassVar[str] = ""
     result: str
     type: TensorType
+    kernel: str | None = None
 
     def infer(self, env: TypeEnv) -> TensorType:
         raise NotImplementedError(self.NAME)
@@ -103,7 +106,9 @@ def register_op(cls: type[Op]) -> type[Op]:
     assert cls.NAME and cls.NAME not in OPS, cls
     hints = typing.get_type_hints(cls)
     kinds = []
-    for f in dataclasses.fields(cls):
+    # ``kernel`` (declared on Op) goes last: ops print their own attributes first.
+    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name == "kernel")
+    for f in fields:
         if f.name in ("result", "type"):
             continue
         hint = hints[f.name]

@@ -3,6 +3,7 @@
 from picc.passes import (  # noqa: F401 - registration
     canonicalize,
     dce,
+    fuse_gather_gemv,
     insert_predictors,
     neuron_major_down,
     partition_neurons,

@@ -1,8 +1,8 @@
 """``partition-neurons``: decide what lives on the GPU under a VRAM budget, and record it in the IR.
 
 Options: ``target`` (a name or YAML path, default ``cpu``), ``vram`` (a size, default the target's
-VRAM), ``ctx`` (KV-cache positions, default 512), ``ubatch`` (tokens per prefill chunk, default
-32), ``solver`` (``greedy``, the default, or ``ilp``), ``min_split`` (for the ILP).
+VRAM), ``ctx`` (KV-cache positions, default 512), ``solver`` (``greedy``, the default, or
+``ilp``), ``min_split`` (for the ILP).
 
 The budget is spent in order of what a token reads per byte: dense parts first, since every
 token reads all of them (the activations and workspace, then layer by layer the attention
@@ -32,6 +32,7 @@ from picc import memory_plan as mp
 from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
+from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Function, Module, WeightDecl
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import Placement, TensorType
@@ -41,7 +42,7 @@ from picc.partition import Placement as NeuronPlacement
 from picc.passes.registry import PassContext, register_pass
 from picc.targets import Target, load_target, parse_size
 
-OPTIONS = ("target", "vram", "ctx", "ubatch", "solver", "min_split")
+OPTIONS = ("target", "vram", "ctx", "solver", "min_split")
 GPU, CPU = Placement.GPU, Placement.CPU
 _ROW_FIELDS = ("up", "gate", "down", "up_bias", "gate_bias", "freq", "mag")  # indexed by neuron
 _PART_TENSORS = 6  # up, gate, down, their biases and down's bias: the aligned tensors of a part
@@ -52,7 +53,6 @@ class Settings:
     target: Target
     budget: int
     ctx: int
-    ubatch: int
     solver: str
     min_split: int
 
@@ -67,31 +67,33 @@ def settings(ctx: PassContext) -> Settings:
     if solver not in SOLVERS:
         raise PiccError(f"solver {solver!r}: expected one of {', '.join(SOLVERS)}")
     values = {k: ctx.int_option(k, d) for k, d in
-              (("ctx", mp.DEFAULT_CTX), ("ubatch", mp.DEFAULT_UBATCH), ("min_split", 0))}
-    for key, low in (("ctx", 1), ("ubatch", 1), ("min_split", 0)):
+              (("ctx", mp.DEFAULT_CTX), ("min_split", 0))}
+    for key, low in (("ctx", 1), ("min_split", 0)):
         if values[key] < low:
             raise PiccError(f"{key} {values[key]}: expected an integer >= {low}")
-    return Settings(target, budget, values["ctx"], values["ubatch"], solver, values["min_split"])
+    return Settings(target, budget, values["ctx"], solver, values["min_split"])
 
 
 # --- what each FFN layer is, for the partitioner ----------------------------------------------
 
 
-def ffn_layer(op: O.FFN, weights: WeightStore, input_on_gpu: bool) -> FfnLayer:
-    """The partitioner's view of ``op``: frequencies, bytes per neuron, what is read densely."""
-    n = weights[op.up].shape[0]
-    row = {f: (int(weights[getattr(op, f)].data.nbytes) // n if getattr(op, f) else 0)
-           for f in ("up", "gate", "up_bias", "gate_bias")}
+def ffn_layer(op: O.FFN | FusedFFN, weights: WeightStore, input_on_gpu: bool) -> FfnLayer:
+    """The partitioner's view of ``op`` (or, for the report, of a fused FFN part): frequencies,
+    bytes per neuron, what is read densely."""
+    n = int(weights[op.down if isinstance(op, FusedFFN) else op.up].shape[0])
+    fields = ("up", "gate", "up_bias", "gate_bias") + (("up_gate", "up_gate_bias") if isinstance(op, FusedFFN) else ())
+    row = {f: (int(weights[getattr(op, f)].data.nbytes) // n if getattr(op, f) else 0) for f in fields}
     down = int(weights[op.down].data.nbytes) // n
     neuron = sum(row.values()) + down
-    if not isinstance(op, SparseFFN):
+    mode = op.mode if isinstance(op, SparseFFN | FusedFFN) else "dense"
+    if mode == "dense":
         freq, dense = np.ones(n, dtype=np.float32), 1.0
     else:
         if op.freq is None:
             raise PiccError(f"%{op.result} has no profiled frequencies; run profile-activations first")
         freq = weights.f32(op.freq)
         dense = {"predictor": 0.0, "gate-first": (row["gate"] + row["gate_bias"]) / neuron,
-                 "down-only": (neuron - down) / neuron}[op.mode]
+                 "down-only": (neuron - down) / neuron}[mode]
     return FfnLayer(op.result, freq, neuron, input_on_gpu, dense)
 
 
@@ -228,7 +230,7 @@ class _Trials:
         scratch = WeightStore({name: self.weights[name] for name in self.weights})
         placed = place(self.module, scratch, dense, self.ffns, neurons or self.neurons(dense, [0] * len(self.ffns)))
         s = self.s
-        return mp.plan_memory(placed, scratch, ctx=s.ctx, ubatch=s.ubatch, budget=s.budget)
+        return mp.plan_memory(placed, scratch, ctx=s.ctx, budget=s.budget)
 
 
 def _overhead(plan: mp.MemoryPlan) -> int:
@@ -274,7 +276,7 @@ def decide(trials: _Trials, s: Settings) -> tuple[DenseChoice, NeuronPlacement]:
 
 
 def _with_attrs(module: Module, s: Settings) -> Module:
-    new = {"target": s.target.name, "vram_budget": s.budget, "ctx": s.ctx, "ubatch": s.ubatch,
+    new = {"target": s.target.name, "vram_budget": s.budget, "ctx": s.ctx,
            "partition_solver": s.solver}
     attrs = tuple((k, v) for k, v in module.attrs if k not in new) + tuple(new.items())
     return replace(module, attrs=attrs)
@@ -284,8 +286,9 @@ def _with_attrs(module: Module, s: Settings) -> Module:
 def partition_neurons(module: Module, ctx: PassContext) -> Module:
     """Place dense parts and the hottest FFN neurons on the GPU under the VRAM budget."""
     s = settings(ctx)
-    if any(op.type.placement is not None for op in module.function().ops):
-        raise PiccError("the module is already partitioned")
+    if any(op.type.placement is not None or op.kernel is not None for op in module.function().ops):
+        raise PiccError("the module is already partitioned (or fused); partition-neurons comes before "
+                        "fuse-gather-gemv")
     if s.budget > 0 and (op := next((op for op in module.ops() if isinstance(op, O.FFN) and not op.neuron_major),
                                     None)):
         raise PiccError(f"%{op.result}: placing neurons on the GPU needs neuron-major down projections "

@@ -1,0 +1,118 @@
+"""Which kernel computes an op on its device: the names ``fuse-gather-gemv`` writes into the IR.
+
+The IR after ``fuse-gather-gemv`` names, on every op, the kernel its device runs (``{kernel =
+...}``); the backends generate kernels under exactly these names, so a user who reads a dump can
+find the code: a CPU name is the symbol of an LLVM function in the ``.pib``'s CPU code, a GPU
+name is the file ``<name>.cu`` that ``picc inspect --emit-cuda`` writes.
+
+CPU kernels are generic over sizes (passed at run time), so their names say the operation and
+the weight formats. GPU kernels are compiled by TVM for fixed shapes, so their names also say
+the shapes. This module holds the naming rules only (it imports nothing of picc): ``fuse-gather-gemv`` picks
+the kernel of each op with them, and the backends' factories name their kernels with the same
+functions, so a name in the IR and the kernel behind it cannot drift apart.
+"""
+
+from __future__ import annotations
+
+# --- CPU: one symbol per operation and weight format ---------------------------------------------
+
+
+def cpu_gemv(dtype: str) -> str:
+    return f"picc_gemv_{dtype}"
+
+
+def cpu_gemm(dtype: str) -> str:
+    return f"picc_gemm_{dtype}"
+
+
+def cpu_embed(dtype: str) -> str:
+    return f"picc_embed_{dtype}"
+
+
+def cpu_norm(kind: str) -> str:
+    return f"picc_{kind}"
+
+
+def cpu_rope(style: str, source: str = "freq") -> str:
+    return f"picc_rope_{style}_{source}"
+
+
+def cpu_elementwise(name: str) -> str:
+    return f"picc_{name}"
+
+
+def cpu_predictor(fc1: str, fc2: str) -> str:
+    return f"picc_predict_{fc1}_{fc2}"
+
+
+def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool) -> str:
+    """The fused FFN kernel; ``interleaved`` reads up and gate rows side by side (``up_gate``)."""
+    layout = "_il" if interleaved else ""
+    return f"picc_ffn_{mode.replace('-', '_')}_{form}_{up}_{gate or 'none'}_{down}{layout}"
+
+
+def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str) -> str:
+    """A dense FFN in the source model's layout (down [hidden, n_ff]): GEMVs, one kernel."""
+    return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}"
+
+
+# --- GPU: one TVM kernel per operation, shape and weight format -----------------------------------
+
+
+def gpu_gemv(rows: int, cols: int, fmt: str, bias: bool) -> str:
+    return f"gemv_{rows}x{cols}_{fmt}" + ("_bias" if bias else "")
+
+
+def gpu_embed(vocab: int, dim: int, fmt: str) -> str:
+    return f"embed_{vocab}x{dim}_{fmt}"
+
+
+def _number(x: float) -> str:
+    """A float as part of a C identifier: 1e-05 -> 1em05, 0.125 -> 0p125."""
+    return f"{x:g}".replace("-", "m").replace("+", "").replace(".", "p")
+
+
+def gpu_norm(kind: str, n: int, eps: float, bias: bool = False) -> str:
+    return f"{kind}_{n}_eps{_number(eps)}" + ("_bias" if bias else "")
+
+
+def gpu_rope(style: str, n_heads: int, head_dim: int, rotated: int) -> str:
+    return f"rope_{style}_{n_heads}x{head_dim}_r{rotated}"
+
+
+def gpu_kv_append(width: int, ctx: int) -> str:
+    return f"kv_append_{width}_ctx{ctx}"
+
+
+def gpu_attention(n_heads: int, n_kv_heads: int, head_dim: int, ctx: int, window: int | None, scale: float) -> str:
+    """The scale is in the name only when it is not the usual ``head_dim ** -0.5``."""
+    usual = abs(scale - head_dim**-0.5) <= 1e-7 * scale
+    return (f"attention_{n_heads}x{n_kv_heads}x{head_dim}_ctx{ctx}" + (f"_w{window}" if window else "")
+            + ("" if usual else f"_s{_number(scale)}"))
+
+
+def gpu_add(n: int) -> str:
+    return f"add_{n}"
+
+
+def gpu_merge(n: int, bias: bool) -> str:
+    return f"merge_{n}" + ("_bias" if bias else "")
+
+
+def gpu_predictor(hidden: int, rank: int, n: int, fmt: str, b1: bool, b2: bool) -> str:
+    return f"predictor_{hidden}x{rank}x{n}_{fmt}" + ("_b1" if b1 else "") + ("_b2" if b2 else "")
+
+
+def gpu_compact(n: int, offset: int) -> str:
+    """The index list of mask columns ``offset .. offset + n`` (a predictor-mode FFN part's)."""
+    return f"compact_{n}" + (f"_from{offset}" if offset else "")
+
+
+def gpu_fused_ffn(mode: str, form: str, hidden: int, n: int, fmt: str, bias: bool) -> str:
+    """``bias``: the kernel adds up (and gate) biases."""
+    kind = {"predictor": "sparse_ffn", "dense": "dense_ffn", "gate-first": "gate_first_ffn"}[mode]
+    return f"{kind}_{form}_{hidden}x{n}_{fmt}" + ("_bias" if bias else "")
+
+
+def gpu_bias_add(n: int) -> str:
+    return f"bias_add_{n}"

@@ -1,0 +1,128 @@
+"""The kernel that computes an op on its device, for ``fuse-gather-gemv``.
+
+The names come from :mod:`picc.kernel_names`, whose rules the backends share. An op that its
+device has no kernel for is a ``PiccError`` that names the op and what to do instead.
+"""
+
+from __future__ import annotations
+
+from picc import kernel_names as names
+from picc.errors import PiccError
+from picc.ir import ops as O
+from picc.ir.core import Op
+from picc.ir.fused_ops import FusedFFN, Merge
+from picc.ir.sparse_ops import Predict
+from picc.ir.types import Placement, TensorType
+
+
+class Types:
+    """The types an op's kernel depends on: its values' and its weights'."""
+
+    def __init__(self, values: dict[str, TensorType], weights: dict[str, TensorType]) -> None:
+        self.values, self.weights = values, weights
+
+    def fmt(self, weight: str | None) -> str | None:
+        return None if weight is None else self.weights[weight].dtype.value
+
+    def dims(self, weight: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.weights[weight].shape)
+
+    def width(self, value: str) -> int:
+        return int(self.values[value].shape[-1])
+
+
+def _no_kernel(op: Op, device: str, hint: str) -> PiccError:
+    return PiccError(f"%{op.result}: op {op.NAME} has no {device} kernel{hint}")
+
+
+def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
+    """The CPU kernel that computes ``op``."""
+    match op:
+        case O.Embed():
+            return names.cpu_embed(t.fmt(op.table) or "")
+        case O.RMSNorm():
+            return names.cpu_norm("rms_norm")
+        case O.LayerNorm():
+            return names.cpu_norm("layer_norm")
+        case O.Linear():
+            return names.cpu_gemv(t.fmt(op.weight) or "")
+        case O.Rope():
+            return names.cpu_rope(op.style)
+        case O.Attention() if op.alibi == "none":
+            return "picc_attention"
+        case O.Add():
+            return names.cpu_elementwise("add")
+        case Merge():
+            return names.cpu_elementwise("merge")
+        case Predict():
+            return names.cpu_predictor(t.fmt(op.fc1) or "", t.fmt(op.fc2) or "")
+        case FusedFFN():
+            up = op.up_gate or op.up
+            gate = op.up_gate or op.gate
+            return names.cpu_fused_ffn(op.mode, op.form, t.fmt(up) or "", t.fmt(gate), t.fmt(op.down) or "",
+                                 op.interleaved)
+        case O.FFN() if not op.neuron_major and type(op) is O.FFN:
+            return names.cpu_dense_ffn(op.form, t.fmt(op.up) or "", t.fmt(op.gate), t.fmt(op.down) or "")
+    hint = " (ALiBi attention runs in the interpreter only)" if isinstance(op, O.Attention) else ""
+    raise _no_kernel(op, "CPU", hint)
+
+
+def gpu_kernel(op: Op, t: Types, ctx: int) -> str:  # noqa: C901 - one case per op
+    """The GPU kernel that computes ``op``, for KV caches of ``ctx`` positions."""
+    hint = "; compile with --vram 0 to keep it on the CPU"
+    match op:
+        case O.Embed():
+            vocab, dim = t.dims(op.table)
+            return names.gpu_embed(vocab, dim, t.fmt(op.table) or "")
+        case O.Linear():
+            rows, cols = t.dims(op.weight)
+            return names.gpu_gemv(rows, cols, t.fmt(op.weight) or "", op.bias is not None)
+        case O.RMSNorm():
+            return names.gpu_norm("rms_norm", t.width(op.x), op.eps)
+        case O.LayerNorm():
+            return names.gpu_norm("layer_norm", t.width(op.x), op.eps, op.bias is not None)
+        case O.Rope():
+            return names.gpu_rope(op.style, op.n_heads, op.head_dim, op.rotated)
+        case O.Attention() if op.alibi == "none":
+            return names.gpu_attention(op.n_heads, op.n_kv_heads, op.head_dim, ctx, op.window, op.scale)
+        case O.Add():
+            return names.gpu_add(t.width(op.result))
+        case Merge():
+            return names.gpu_merge(t.width(op.result), op.bias is not None)
+        case Predict():
+            rank, hidden = t.dims(op.fc1)
+            (n, _) = t.dims(op.fc2)
+            return names.gpu_predictor(hidden, rank, n, t.fmt(op.fc1) or "", op.fc1_bias is not None,
+                                 op.fc2_bias is not None)
+        case FusedFFN():
+            return gpu_kernel_of_ffn(op, t, hint)
+    if isinstance(op, O.Attention):
+        raise _no_kernel(op, "GPU", " for ALiBi" + hint)
+    raise _no_kernel(op, "GPU", hint)
+
+
+def gpu_kernel_of_ffn(op: FusedFFN, t: Types, hint: str) -> str:
+    n, hidden = t.dims(op.down)
+    if op.mode == "down-only":
+        raise PiccError(f"%{op.result}: down-only FFNs have no GPU kernel; use --sparsity-mode gate-first or "
+                        f"predictor{hint}")
+    formats = {t.fmt(w) for w in (op.up, op.gate, op.up_gate, op.down) if w is not None}
+    if len(formats) != 1:
+        raise PiccError(f"%{op.result}: the GPU FFN kernels need up, gate and down in one format, got "
+                        f"{sorted(f for f in formats if f)}")
+    bias = any(b is not None for b in (op.up_bias, op.gate_bias, op.up_gate_bias))
+    if op.mode == "gate-first" and bias:
+        raise PiccError(f"%{op.result}: the GPU gate-first kernel takes no biases{hint}")
+    if op.mode == "gate-first" and op.form == "drelu":
+        raise PiccError(f"%{op.result}: the GPU gate-first kernel has no dReLU form{hint}")
+    if op.mode in ("predictor", "dense") and O.FFN_FORMS[op.form].gated and not op.interleaved:
+        raise PiccError(f"%{op.result}: the GPU gathers a neuron's up and gate rows as one stream; run "
+                        f"fuse-gather-gemv with interleave=auto{hint}")
+    return names.gpu_fused_ffn(op.mode, op.form, hidden, n, formats.pop() or "", bias)
+
+
+def kernel_of(op: Op, t: Types, ctx: int) -> str:
+    """The kernel of ``op`` on the device its type places it on (unplaced ops run on the CPU)."""
+    if op.type.placement == Placement.GPU:
+        return gpu_kernel(op, t, ctx)
+    return cpu_kernel(op, t)

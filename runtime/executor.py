@@ -1,0 +1,184 @@
+"""One decode step of a compiled model on both devices: the stages of its schedule.
+
+The ``.pib``'s ``schedule`` lists the step's stages; in each, the GPU runs its ops while the CPU
+runs its own -- the two parts of a split FFN layer side by side -- and before each, the values
+one device made and the other reads are copied across. A model compiled for the CPU alone is one
+stage and costs one call of generated code per thread; a hybrid one adds, per stage, the GPU's
+launches (on a worker thread, so the host-emulated GPU really runs beside the CPU) and the copies.
+
+The GPU is a real CUDA device when there is one and the ``.pib`` carries code for it, else the
+host-emulated GPU (``runtime.gpu``); ``Executor.gpu_kind`` says which, so that the caller can say
+so.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.cpu import CpuExecutor, ExecutorError
+from runtime.gpu import EmulatedGpu, GpuError, cuda_device_count
+from runtime.pib import PibFile
+
+GPU_MODES = ("auto", "cuda", "emulate")
+
+
+@dataclass
+class DeviceTimes:
+    """Where a run's step time went: GPU launches, CPU stages, copies between them."""
+
+    gpu_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    transfer_bytes: int = 0
+
+
+class _GpuWorker:
+    """A thread that runs the GPU's ops of a stage while the caller's thread runs the CPU's."""
+
+    def __init__(self) -> None:
+        self._go = threading.Event()
+        self._done = threading.Event()
+        self._job: tuple | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="picc-gpu")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._go.wait()
+            self._go.clear()
+            if self._job is None:
+                return
+            fn, arg = self._job
+            try:
+                fn(arg)
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+                self._error = e
+            self._done.set()
+
+    def start(self, fn, arg) -> None:  # noqa: ANN001
+        self._error = None
+        self._done.clear()
+        self._job = (fn, arg)
+        self._go.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        self._job = None
+        self._go.set()
+        self._thread.join()
+
+
+def _make_gpu(pib: PibFile, mode: str):  # noqa: ANN202 - EmulatedGpu or CudaGpu
+    if mode not in GPU_MODES:
+        raise ExecutorError(f"--gpu {mode}: expected one of {', '.join(GPU_MODES)}")
+    devices = cuda_device_count() if mode != "emulate" else 0
+    if mode == "cuda" and devices == 0:
+        raise ExecutorError("--gpu cuda: no CUDA device is visible here (no NVIDIA driver or no GPU)")
+    try:
+        if devices > 0:
+            from runtime.cuda import CudaGpu
+
+            return CudaGpu(pib)
+        return EmulatedGpu(pib)
+    except GpuError as e:
+        raise ExecutorError(str(e)) from None
+
+
+class Executor:
+    """``step(token, pos)`` then ``logits()`` / ``greedy()``, on whatever devices the model uses."""
+
+    def __init__(self, pib: PibFile, threads: int = 1, gpu: str = "auto") -> None:
+        if not pib.has("schedule"):
+            raise ExecutorError(f"{pib.path}: has no schedule (compiled by an older picc?); recompile it")
+        sched = pib.json("schedule")
+        self.stages = sched["stages"]
+        self.head = set(sched["head"])
+        self.logits_value = sched["logits"]
+        self.logits_on_gpu = sched["logits_device"] == "gpu"
+        self.cpu = CpuExecutor(pib, threads)
+        uses_gpu = any(st["gpu"] for st in self.stages)
+        self.gpu = _make_gpu(pib, gpu) if uses_gpu else None
+        self.gpu_kind = self.gpu.kind if self.gpu is not None else None
+        self._worker = _GpuWorker() if self.gpu is not None else None
+        self.vocab = self.cpu.vocab
+        self.times = DeviceTimes()
+        self._made_by = self._producers(sched)
+
+    @staticmethod
+    def _producers(sched: dict) -> dict[str, int]:
+        return {op: i for i, st in enumerate(sched["stages"]) for op in (*st["gpu"], *st["cpu"])}
+
+    def _inputs(self, token: int, pos: int) -> None:
+        self.cpu.set_token(token, pos)
+        if self.gpu is not None:  # the function's arguments, where GPU ops read them
+            for name, value in (("tokens", token), ("pos", pos)):
+                if self.gpu.has(name):
+                    self.gpu.upload(name, np.array([value], np.int32))
+
+    def step(self, token: int, pos: int, *, logits: bool = True) -> None:
+        """Run the model on ``token`` at position ``pos`` (its KV cache holds positions < pos).
+
+        ``logits=False`` skips the output head (a prompt token whose logits nobody reads).
+        """
+        self._inputs(token, pos)
+        gpu, cpu = self.gpu, self.cpu
+        for i, stage in enumerate(self.stages):
+            if gpu is not None:
+                for v in stage["to_gpu"]:
+                    if logits or v not in self.head:
+                        gpu.upload(v, cpu.value(v))
+                for v in stage["to_cpu"]:
+                    if logits or v not in self.head:
+                        gpu.download(v, cpu.value(v))
+            gpu_ops = [op for op in stage["gpu"] if logits or op not in self.head]
+            start = time.perf_counter()
+            if gpu_ops and stage["cpu"]:
+                assert gpu is not None and self._worker is not None
+                self._worker.start(gpu.run, gpu_ops)
+                cpu.run_stage(i, prefill=not logits)
+                self.times.cpu_seconds += time.perf_counter() - start
+                self._worker.wait()
+            elif gpu_ops:
+                assert gpu is not None
+                gpu.run(gpu_ops)
+            elif stage["cpu"]:
+                cpu.run_stage(i, prefill=not logits)
+                self.times.cpu_seconds += time.perf_counter() - start
+        if logits and self.logits_on_gpu:
+            assert gpu is not None
+            gpu.download(self.logits_value, self.cpu.logits())
+        if gpu is not None:
+            self.times.gpu_seconds = gpu.times.gpu_seconds
+            self.times.transfer_seconds = gpu.times.transfer_seconds
+            self.times.transfer_bytes = gpu.times.transfer_bytes
+
+    def logits(self) -> np.ndarray:
+        """The last step's logits (a view, overwritten by the next step)."""
+        return self.cpu.logits()
+
+    def greedy(self) -> int:
+        """The last step's most likely token (the first index of the largest logit)."""
+        if self.logits_on_gpu:
+            return int(np.argmax(self.cpu.logits()))
+        return self.cpu.greedy()
+
+    @property
+    def gpu_peak_bytes(self) -> int:
+        """The device memory the GPU part allocated (0 without one)."""
+        return self.gpu.peak_bytes if self.gpu is not None else 0
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self.gpu is not None:
+            self.gpu.close()
+        self.cpu.close()

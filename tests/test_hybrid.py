@@ -1,0 +1,228 @@
+"""The hybrid step: fused IR, the schedule, and the CPU + host-emulated GPU executors together.
+
+Small random models, compiled for pc-low with budgets that put nothing, part, or all of their
+FFNs on the GPU, must give the interpreter's logits (the fused IR's own semantics) to 1e-3
+relative, the issue's bound for sparse models. The kernels sum in other orders than numpy
+(SIMD lanes, threads, GPU warps): ~1e-6 relative over two layers; a sparse FFN is also sensitive
+to a score at its threshold, which ordering can flip, hence the margin.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import tiny_llama, with_tokenizer
+
+from picc.compile import CompileOptions, compile_model, write_compiled
+from picc.errors import PiccError
+from picc.interpreter import Interpreter
+from picc.ir import parse, print_module, verify
+from picc.ir.fused_ops import FusedFFN, Merge
+from picc.ir.types import Placement
+from picc.ir.weights import Tensor, WeightStore
+from picc.passes import parse_pipeline, run_pipeline
+from picc.pib import load_pib
+from picc.schedule import schedule
+from picc.sparsify import SparsifyOptions
+from runtime.gpu import EmulatedDevice, GpuError
+from runtime.session import Session
+
+TOKENS = [1, 5, 9, 2, 17, 33, 4, 60, 8, 3]
+SPARSE = SparsifyOptions(mode="predictor", tokens=512, window=64, budget=0.5)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return with_tokenizer(tiny_llama("reglu", n_layers=2, hidden=64, n_ff=128))
+
+
+def placed(model, vram: str, mode: str = "predictor"):
+    """The model through the compile pipeline up to fusion, for pc-low with ``vram``."""
+    s = SparsifyOptions(mode=mode, tokens=512, window=64, budget=0.5)
+    text = (f"canonicalize,neuron-major-down,{s.pipeline(None)},partition-neurons{{target=pc-low,vram={vram}}},"
+            "fuse-gather-gemv")
+    return run_pipeline(model.module, model.weights, parse_pipeline(text), tokenizer=model.tokenizer)
+
+
+def half_the_ffn(full) -> int:
+    """A budget that holds what ``full`` (a compile with everything on the GPU) holds but half of
+    its FFN weights: the partitioner then splits layers between the devices."""
+    module = full.model.module
+    ffn_weights = {w for op in module.ops() if isinstance(op, FusedFFN) for w in op.weights()}
+    ffn_bytes = sum(b.nbytes for b in full.plan.buffers if b.device == "gpu" and b.name in ffn_weights)
+    assert ffn_bytes > 0
+    return full.plan.gpu_bytes - ffn_bytes // 2
+
+
+def test_split_parts_run_side_by_side_and_cross_once(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
+    full = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=SPARSE), say=lambda _: None)
+    module = placed(model, str(half_the_ffn(full)))
+    steps = schedule(module)
+    ops = {op.result: op for op in module.ops()}
+    merges = [op for op in module.ops() if isinstance(op, Merge)]
+    assert merges
+    for merge in merges:
+        hot, cold = ops[merge.a], ops[merge.b]
+        assert {hot.type.placement, cold.type.placement} == {Placement.GPU, Placement.CPU}
+        assert steps.stage_of(hot.result) == steps.stage_of(cold.result) < steps.stage_of(merge.result)
+        gpu_part = hot if hot.type.placement == Placement.GPU else cold
+        cpu_part = cold if gpu_part is hot else hot
+        # The CPU part's input and the predictor's mask cross to the CPU before the parts run;
+        # its partial sum crosses back before the merge.
+        before = steps.stages[steps.stage_of(cpu_part.result)]
+        assert cpu_part.x in before.to_cpu and cpu_part.mask in before.to_cpu
+        assert cpu_part.result in steps.stages[steps.stage_of(merge.result)].to_gpu
+        assert gpu_part.neuron_offset == 0 and cpu_part.neuron_offset > 0
+    # A value crosses at most once per direction per step.
+    moved = [(v, d) for st in steps.stages for d, vs in (("gpu", st.to_gpu), ("cpu", st.to_cpu)) for v in vs]
+    assert len(moved) == len(set(moved))
+
+
+@pytest.mark.parametrize("mode, form", [("predictor", "reglu"), ("gate-first", "swiglu"), ("predictor", "relu")])
+def test_hybrid_logits_match_the_interpreter_for_every_split(mode, form, tmp_path, monkeypatch):
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = with_tokenizer(tiny_llama(form, n_layers=2, hidden=64, n_ff=128, seed=3))
+    sparsity = SparsifyOptions(mode=mode, tokens=512, window=64, budget=0.5)
+    shares = set()
+    full = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=sparsity), say=lambda _: None)
+    for vram in ("0", str(half_the_ffn(full)), "4MiB"):
+        result = full if vram == "4MiB" else compile_model(
+            model, CompileOptions(target="pc-low", vram=vram, sparsity=sparsity), say=lambda _: None)
+        path = tmp_path / f"m{vram}.pib"
+        write_compiled(result, path)
+        pib = load_pib(path)
+        reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+        with Session(path, threads=2, gpu="emulate") as session:
+            got = session.feed(TOKENS, all_logits=True)
+            assert rel_err(got, reference) <= 1e-3, vram
+            # The emulated GPU allocates exactly the plan's bytes, and nothing when all is on the CPU.
+            assert session.executor.gpu_peak_bytes == result.plan.gpu_bytes
+        layers = result.report["layers"]
+        shares.add(round(sum(la["gpu_neurons"] for la in layers) / sum(la["gpu_neurons"] + la["cpu_neurons"]
+                                                                       for la in layers), 2))
+    assert 0.0 in shares and 1.0 in shares and len(shares) == 3  # none, part, and all on the GPU
+
+
+def test_emulated_device_refuses_to_go_over_its_budget():
+    device = EmulatedDevice(1000)
+    block = device.allocate(600)
+    assert block.nbytes == 600 and block.ctypes.data % 256 == 0
+    with pytest.raises(GpuError, match="1000 bytes of VRAM .* 600 in use; 500 more do not fit"):
+        device.allocate(500)
+    assert device.peak == 600
+
+
+FUSE_BEFORE = """\
+module @m {ctx = 64}
+
+weight @wu : f32[6, 8] @gpu
+weight @wg : f32[6, 8] @gpu
+weight @wd : f32[6, 8] @gpu
+weight @cu : f32[10, 8] @cpu
+weight @cg : f32[10, 8] @cpu
+weight @cd : f32[10, 8] @cpu
+weight @bd : f32[8] @gpu
+
+func @forward(%x: f32[seq, 8]) -> f32[seq, 8] {
+  %l0.ffn.hot = sparse_ffn %x, @wu, @wd, gate=@wg {form = "swiglu", threshold = 0.5, neuron_major = true, part_of = "l0.ffn.out", mode = "gate-first"} : f32[seq, 8] @gpu
+  %l0.ffn.cold = sparse_ffn %x, @cu, @cd, gate=@cg {form = "swiglu", threshold = 0.5, neuron_major = true, part_of = "l0.ffn.out", neuron_offset = 6, mode = "gate-first"} : f32[seq, 8] @cpu
+  %l0.ffn.out = add %l0.ffn.hot, %l0.ffn.cold : f32[seq, 8] @gpu
+  return %l0.ffn.out
+}
+"""
+
+FUSE_EXPECTED = """\
+module @m {ctx = 64}
+
+weight @wu : f32[6, 8] @gpu
+weight @wg : f32[6, 8] @gpu
+weight @wd : f32[6, 8] @gpu
+weight @cu : f32[10, 8] @cpu
+weight @cg : f32[10, 8] @cpu
+weight @cd : f32[10, 8] @cpu
+
+func @forward(%x: f32[seq, 8]) -> f32[seq, 8] @gpu {
+  %l0.ffn.hot = fused_ffn %x, @wd, up=@wu, gate=@wg {form = "swiglu", mode = "gate-first", threshold = 0.5, layer = "l0.ffn.out", kernel = "gate_first_ffn_swiglu_8x6_f32"} : f32[seq, 8] @gpu
+  %l0.ffn.cold = fused_ffn %x, @cd, up=@cu, gate=@cg {form = "swiglu", mode = "gate-first", threshold = 0.5, layer = "l0.ffn.out", neuron_offset = 6, kernel = "picc_ffn_gate_first_swiglu_f32_f32_f32"} : f32[seq, 8] @cpu
+  %l0.ffn.out = merge %l0.ffn.hot, %l0.ffn.cold {kernel = "merge_8"} : f32[seq, 8] @gpu
+  return %l0.ffn.out
+}
+"""
+
+
+def _store(text: str, seed: int = 0) -> WeightStore:
+    rng = np.random.default_rng(seed)
+    store = WeightStore()
+    for w in parse(text).weights:
+        store.add(w.name, Tensor.from_f32(rng.normal(size=w.type.shape).astype(np.float32)))
+    return store
+
+
+def test_fuse_gather_gemv_golden():
+    # A split gate-first layer: one fused kernel per device, the add becomes a merge, every op
+    # names its kernel (the GPU's by shape, the CPU's generic symbol).
+    before = parse(FUSE_BEFORE)
+    verify(before)
+    store = _store(FUSE_BEFORE)
+    after = run_pipeline(before, store, parse_pipeline("fuse-gather-gemv"))
+    assert print_module(after) == FUSE_EXPECTED
+    assert parse(print_module(after)) == after
+    x = np.random.default_rng(1).normal(size=(3, 8)).astype(np.float32)
+
+    def run(m):  # the function reads %x: evaluate its ops one by one
+        interp, env = Interpreter(m, store), {"x": x}
+        for op in m.function().ops:
+            env[op.result] = interp.eval(op, env)
+        return env[m.function().ret]
+
+    assert rel_err(run(after), run(before)) <= 1e-6
+
+
+def test_fused_ops_verifier_rules():
+    text = FUSE_EXPECTED.replace("%l0.ffn.out = merge %l0.ffn.hot, %l0.ffn.cold",
+                                 "%l0.ffn.out = merge %l0.ffn.hot, %x")
+    with pytest.raises(Exception, match=r"line \d+: %l0.ffn.out = merge: %x must be a fused_ffn part of layer"):
+        verify(parse(text))
+    text = FUSE_EXPECTED.replace('mode = "gate-first", threshold = 0.5, layer = "l0.ffn.out", kernel = "gate',
+                                 'mode = "predictor", threshold = 0.5, layer = "l0.ffn.out", kernel = "gate')
+    with pytest.raises(Exception, match="mode 'predictor' needs a mask operand"):
+        verify(parse(text))
+
+
+def test_fusing_twice_or_partitioning_after_is_an_error(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
+    module = placed(model, "0")
+    assert all(isinstance(op, FusedFFN) for op in module.ops() if "ffn." in op.result and op.NAME != "predict")
+    with pytest.raises(PiccError, match="already fused"):
+        run_pipeline(module, model.weights, parse_pipeline("fuse-gather-gemv"))
+    with pytest.raises(PiccError, match="partition-neurons comes before fuse-gather-gemv"):
+        run_pipeline(module, model.weights, parse_pipeline("partition-neurons{target=pc-low,vram=1MB}"))
+
+
+def test_run_and_bench_report_time_per_device_and_transfers(model, tmp_path, monkeypatch, capsys):
+    import json
+
+    from picc.cli import main
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    full = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=SPARSE), say=lambda _: None)
+    split = compile_model(model, CompileOptions(target="pc-low", vram=str(half_the_ffn(full)), sparsity=SPARSE),
+                          say=lambda _: None)
+    path = tmp_path / "split.pib"
+    write_compiled(split, path)
+    assert main(["run", str(path), "-p", "the company", "-n", "4", "--json", "--threads", "2"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "host-emulated GPU" in captured.err and captured.err.count("\n") == 1
+    devices = out["devices"]
+    assert devices["gpu"] == "emulated" and devices["gpu_ms"] > 0 and devices["cpu_ms"] > 0
+    # Per token: the CPU part's input and mask go one way, its partial sums and the logits the other.
+    assert devices["transfer_bytes"] > 0 and devices["transfer_ms"] >= 0
+    assert main(["bench", str(path), "--repeat", "1", "-n", "2", "--prompt-tokens", "2", "--json"]) == 0
+    bench = json.loads(capsys.readouterr().out)
+    assert bench["devices"]["gpu_ms_per_token"] > 0 and bench["devices"]["transfer_bytes_per_token"] > 0
