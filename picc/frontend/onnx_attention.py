@@ -1,6 +1,6 @@
 """Matcher handlers for attention: head split/merge, rotary embedding, repeat_kv, KV-cache concat,
-scores with scale and causal mask, softmax, and the fused contrib ops (GroupQueryAttention,
-RotaryEmbedding).
+scores with scale and causal mask, softmax. The fused ops (GroupQueryAttention, Attention,
+RotaryEmbedding) are in ``onnx_fused``.
 
 Rotary tables and masks are auxiliary values: they are read off for the probe's positions and
 checked (``onnx_decoder`` fits a ``RopeSpec`` to the tables; the mask must be causal, possibly
@@ -205,22 +205,6 @@ def rope_done(m: Matcher, node: onnx.NodeProto, c: Partial, s: Partial) -> Heads
     return replace(h, rec=r)
 
 
-@handles("RotaryEmbedding")
-def _rotary_embedding(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
-    x, pos, cos, sin = ins[:4]
-    if not (isinstance(x, Act) and isinstance(pos, Known) and isinstance(cos, Known) and cos.const
-            and isinstance(sin, Known) and sin.const) or a.get("rotary_embedding_dim", 0):
-        raise mismatch(node, ins)
-    n = int(a.get("num_heads", 0))
-    d = 2 * cos.value.shape[-1]
-    if n == 0 and x.shape[-1] % d == 0:
-        n = x.shape[-1] // d
-    r = m.rec("rope", (x.rec,), node, cos=cos.value, sin=sin.value,
-              positions=np.arange(cos.value.shape[0]), n_heads=n, head_dim=d,
-              style="gptj" if a.get("interleaved", 0) else "llama", table_tol=table_tol(cos))
-    return [replace(x, rec=r)]
-
-
 # ---------------------------------------------------------------- attention
 
 
@@ -303,38 +287,3 @@ def _where(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
         additive = np.where(cond.value, np.float32(0), np.float32(-np.inf))
         return [masked_scores(x, Known(additive, cond.const), m)]
     raise mismatch(node, ins)
-
-
-@handles("GroupQueryAttention")
-def _gqa(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
-    ins = ins + [None] * (9 - len(ins))
-    q, k, v, past_k, past_v = ins[:5]
-    cos, sin = ins[7], ins[8]
-    n, n_kv = int(a["num_heads"]), int(a["kv_num_heads"])
-    if int(a.get("local_window_size", -1)) != -1 or float(a.get("softcap", 0.0)) != 0.0:
-        raise NoMatch("GroupQueryAttention with local_window_size or softcap is not supported")
-    if len(node.input) > 9 and any(node.input[9:]):
-        raise NoMatch("GroupQueryAttention with position_ids, attention_bias or head_sink inputs "
-                      "is not supported")
-    if not isinstance(q, Act) or q.scale != 1.0:
-        raise mismatch(node, ins)
-    packed = k is None and v is None
-    if packed:
-        d = q.shape[-1] // (n + 2 * n_kv)
-        sources: tuple[int, ...] = (q.rec,)
-    elif isinstance(k, Act) and isinstance(v, Act):
-        d = q.shape[-1] // n
-        sources = (q.rec, k.rec, v.rec)
-    else:
-        raise mismatch(node, ins)
-    rope: dict[str, object] = {}
-    if a.get("do_rotary", 0):
-        if not (isinstance(cos, Known) and cos.const and isinstance(sin, Known) and sin.const):
-            raise NoMatch("do_rotary without constant cos_cache / sin_cache")
-        rope = dict(cos=cos.value, sin=sin.value, positions=np.arange(cos.value.shape[0]),
-                    style="gptj" if a.get("rotary_interleaved", 0) else "llama", table_tol=table_tol(cos))
-    scale = float(a.get("scale", 0.0)) or 1 / math.sqrt(d)
-    r = m.rec("attention", sources, node, n_heads=n, n_kv_heads=n_kv, head_dim=d, scale=scale,
-              window=None, cached=isinstance(past_k, Heads), packed=packed, **rope)
-    present = [Heads(r, (1, n_kv, m.probe.total, d), "bnsd", n_kv, d, past=True)] * 2
-    return [Act(r, (*q.shape[:-1], n * d)), *present]

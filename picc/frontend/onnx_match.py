@@ -81,7 +81,8 @@ class Act:
 @dataclass(frozen=True)
 class Heads:
     """Activation ``rec`` split into heads. ``layout``: bsnd, bnsd, bndt (keys transposed for
-    q @ k^T), bn1sd / bngsd (repeat_kv in progress). ``past`` marks keys/values that include the
+    q @ k^T), bn1sd / bngsd (repeat_kv in progress), kvbnsd (keys and values stacked, as
+    com.microsoft's Attention caches them). ``past`` marks keys/values that include the
     cache; ``groups`` is the repeat_kv factor."""
 
     rec: int
@@ -141,6 +142,7 @@ class Problem:
 
 _LAYER_IN_NAME = re.compile(r"(?:layers?|h|blocks?)[._/](\d+)[._/]")
 _PAST = re.compile(r"past[_.]?key[_.]?values?[._](\d+)[._](key|value)|past_(key|value)[._](\d+)")
+_PAST_STACKED = re.compile(r"^past[_.](\d+)$")  # com.microsoft Attention: [2, batch, heads, past, d]
 
 
 class Matcher:
@@ -154,7 +156,7 @@ class Matcher:
         self.problems: list[Problem] = []
         self.env: dict[str, Value] = {}
         self.residuals_seen = 0
-        self.layer_hints: dict[str, int] = {}
+        self.layer_hints: dict[str, tuple[int | None, int | None, int | None]] = {}
         self.outputs: dict[str, Value] = {}
 
     # ---------------------------------------------------------------- recognised ops
@@ -171,25 +173,55 @@ class Matcher:
         return len(self.recs) - 1
 
     def layer_of(self, node: onnx.NodeProto) -> str:
-        """Where ``node`` sits: the highest layer index named by it or by the nodes and weights
-        upstream of it (``layers.3.``), else the count of residual adds before it (two a layer)."""
-        hint = self.layer_hints.get(node.output[0] if node.output else "")
-        return f"layer {hint if hint is not None else self.residuals_seen // 2}"
+        """Where ``node`` sits, for error messages.
+
+        The layer its own name gives (``/model/layers.3/...``), else what the layer-named weights
+        around it say: it comes after those of layer ``up`` (the highest upstream) and before
+        those of layer ``down`` (the lowest downstream). Exporters that rename weights keep only
+        the norms' names, so a layer's FFN and the next layer's first norm both lie between the
+        same two norms; the count of residual adds so far (two a layer) decides between them.
+        """
+        own, up, down = self.layer_hints.get(node.output[0] if node.output else "", (None, None, None))
+        count = self.residuals_seen // 2
+        if own is not None:
+            return f"layer {own}"
+        if up is None:
+            return f"layer {down if down is not None else count}"
+        if down is None:
+            return f"after layer {up}" if count > up else f"layer {up}"
+        return f"layer {min(max(count, up), down)}"
 
     def _hint_layers(self) -> None:
+        """``layer_hints``: per node (by its first output), the layer its own name gives, the
+        highest layer named upstream and the lowest named downstream (weights and node names)."""
         def named(name: str) -> int | None:
             m = _LAYER_IN_NAME.search(name)
             return int(m.group(1)) if m else None
 
-        hints = {i.name: h for i in self.graph.initializer if (h := named(i.name)) is not None}
-        for node in self.graph.node:
-            found = [h for x in node.input if (h := hints.get(x)) is not None]
+        weights = {i.name: h for i in self.graph.initializer if (h := named(i.name)) is not None}
+        nodes = [n for n in self.graph.node if n.output]
+        up: dict[str, int] = dict(weights)
+        ups: list[int | None] = []
+        for node in nodes:
+            found = [h for x in node.input if (h := up.get(x)) is not None]
             if (h := named(node.name)) is not None:
                 found.append(h)
-            if found:
-                for out in node.output:
-                    hints[out] = max(found)
-        self.layer_hints = hints
+            ups.append(max(found) if found else None)
+            for out in node.output if found else ():
+                up[out] = max(found)
+        down: dict[str, int] = {}
+        downs: list[int | None] = []
+        for node in reversed(nodes):
+            found = [h for x in node.input if (h := weights.get(x)) is not None]
+            found += [h for x in node.output if (h := down.get(x)) is not None]
+            if (h := named(node.name)) is not None:
+                found.append(h)
+            downs.append(min(found) if found else None)
+            for x in node.input if found else ():
+                down[x] = min(down.get(x, min(found)), min(found))
+        self.layer_hints = {n.output[0]: (named(n.name), u, d)
+                            for n, u, d in zip(nodes, ups, reversed(downs), strict=True)}
+
 
     # ---------------------------------------------------------------- driver
 
@@ -221,6 +253,10 @@ class Matcher:
                 n, d = shape[1] or 0, shape[3] or 0
                 r = self.rec("past", (), vi.name, layer=layer, kind=kind)
                 self.env[vi.name] = Heads(r, (1, n, p.past, d), "bnsd", n, d, past=True)
+            elif (ms := _PAST_STACKED.search(vi.name)) and float_dtype(elem) is not None and len(shape) == 5:
+                n, d = shape[2] or 0, shape[4] or 0
+                r = self.rec("past", (), vi.name, layer=int(ms.group(1)), kind="key_value")
+                self.env[vi.name] = Heads(r, (2, 1, n, p.past, d), "kvbnsd", n, d, past=True)
             elif "position" in vi.name:
                 self.env[vi.name] = Known(p.positions[None].astype(_np_int(elem)), const=False)
             elif "mask" in vi.name:
@@ -233,7 +269,7 @@ class Matcher:
 
     def _token_input(self) -> str | None:
         """The graph input that (through reshapes and casts) indexes a Gather over a 2-D float
-        initializer: the token ids."""
+        initializer, else the one named ``input_ids``: the token ids."""
         inits = {i.name: i for i in self.graph.initializer}
         names = {vi.name for vi in self.graph.input}
         producer = {o: n for n in self.graph.node for o in n.output}
@@ -246,7 +282,9 @@ class Matcher:
                 idx = producer[idx].input[0]
             if idx in names:
                 return idx
-        return None
+        # no such Gather (e.g. the lookup is an op picc does not know): the conventional name,
+        # so that the lookup is what gets reported
+        return next((vi.name for vi in self.graph.input if "input_ids" in vi.name), None)
 
     def visit(self, node: onnx.NodeProto) -> None:
         """Give ``node``'s outputs abstract values (see the module docstring)."""
@@ -268,15 +306,22 @@ class Matcher:
                 try:
                     outs = [Known(a, const, tokens) for a in self.eval.run(node, arrays)]
                 except Exception as e:  # onnx.reference raises whatever its op implementations do
+                    if any(isinstance(v, Known) and v.tokens for v in ins):
+                        raise NoMatch("not supported on the token ids (picc's embedding is a Gather from a "
+                                      "2-D table)") from None
                     raise NoMatch(f"cannot evaluate this constant/position node ({first_line(e)})") from None
             else:
                 handler = HANDLERS.get(node.op_type)
                 if handler is None:
                     raise NoMatch("op type not supported on the data path")
                 outs = handler(self, node, ins, attrs(node))
-        except (NoMatch, ValueError) as e:  # ValueError: numpy on shapes that cannot broadcast
-            self.problems.append(Problem(node.op_type, node.name or "<unnamed>", self.layer_of(node),
-                                         first_line(e)))
+        except Exception as e:  # noqa: BLE001 - one listed problem per node, never a traceback
+            # Besides NoMatch: numpy on shapes that cannot broadcast, attributes or inputs a
+            # handler expects but the node lacks, ...
+            reason = first_line(e)
+            if not isinstance(e, NoMatch):
+                reason = f"unexpected form ({type(e).__name__}: {reason})"
+            self.problems.append(Problem(node.op_type, node.name or "<unnamed>", self.layer_of(node), reason))
             outs = [Unknown()] * len(node.output)
         for name, v in zip(node.output, outs, strict=False):
             if name:
@@ -360,5 +405,7 @@ def axis_is_last(axis: int, rank: int) -> bool:
     return axis in (-1, rank - 1)
 
 
-# The handlers live in onnx_handlers.py and onnx_attention.py; importing them fills HANDLERS.
+# The handlers live in onnx_handlers.py, onnx_attention.py and onnx_fused.py; importing them
+# fills HANDLERS.
+from picc.frontend import onnx_fused as _fused  # noqa: E402,F401
 from picc.frontend import onnx_handlers as _handlers  # noqa: E402,F401
