@@ -440,9 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("compile", help="compile a model for a target under a VRAM budget into a .pib",
                        description="Run the whole pipeline on SOURCE: neuron-major FFNs, profiling and "
                        "sparsity (predictors, gate-first or down-only masks), placement of dense parts and "
-                       "the hottest FFN neurons on the GPU under --vram, the memory plan; write OUT.pib with "
-                       "the final IR, weights, plan, report and tokenizer. A SOURCE that is already sparse "
-                       "(a 'picc sparsify' output) keeps its profile and predictors.",
+                       "the hottest FFN neurons on the GPU under --vram, the memory plan, fused FFN kernels, "
+                       "then code generation (CPU kernels through LLVM, GPU kernels through TVM as CUDA and "
+                       "as a host build); write OUT.pib with the final IR, weights, plan, report, code and "
+                       "tokenizer. A SOURCE that is already sparse (a 'picc sparsify' output) keeps its "
+                       "profile and predictors.",
                        epilog=EPILOG_SOURCES + " Targets: pc-high, pc-low, cpu (this machine), or a YAML "
                        "file of the same form (see picc/targets/*.yaml).")
     s.add_argument("source", metavar="SOURCE")
@@ -453,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU memory picc may use: 11GB, 11GiB, 11000MB, 512MiB, 0.5GB, bytes, or 0 for "
                    "CPU only (default: the target's VRAM)")
     s.add_argument("--ctx", type=int, default=512, metavar="N",
-                   help="KV-cache positions planned on the GPU (default 512)")
+                   help="context positions: the KV caches hold this many tokens of prompt and output "
+                   "(default 512)")
     s.add_argument("--dense", action="store_true", help="compile without sparsity (the baseline)")
     s.add_argument("--solver", choices=("greedy", "ilp"), default="greedy",
                    help="neuron placement: greedy top-k by frequency (default, PowerInfer's) or the ILP "

@@ -33,9 +33,10 @@ def open_session(path: str, threads: int, ctx: int | None = None, gpu: str = "au
     except (PibError, ExecutorError) as e:
         raise PiccError(str(e)) from None
     if session.executor.gpu_kind == "emulated":
-        budget = session.pib.json("plan")["budget"]
+        plan = session.pib.json("plan")
         print(f"warning: no CUDA device here; the GPU part runs on the host-emulated GPU (the host build of the same "
-              f"kernels, within the plan's {budget / 2**20:.1f} MiB of VRAM): correct but slow", file=sys.stderr)
+              f"kernels, in the plan's {plan['gpu_bytes'] / 2**20:.1f} of {plan['budget'] / 2**20:.1f} MiB of VRAM): "
+              "correct but slow", file=sys.stderr)
     try:
         yield session
     except ExecutorError as e:
@@ -80,7 +81,8 @@ def _turn(session, prompt: str, args: argparse.Namespace, options, stream: bool)
     from runtime.session import Timings
 
     if session.text is None:
-        raise PiccError(f"{args.model}: the model has no tokenizer, so text cannot be encoded")
+        raise PiccError(f"{args.model}: the model has no tokenizer, so text cannot be encoded; give token ids to "
+                        f"'picc logits {args.model} --tokens 1,2,3' instead")
     ids = session.text.encode(prompt)
     timings = Timings()
     out = _Stream(session.text, sys.stdout if stream else open_null())

@@ -16,6 +16,7 @@ from picc.errors import PiccError
 from picc.frontend.tokenizer import Tokenizer
 from picc.interpreter import FfnTrace, Interpreter
 from picc.ir import ops as O
+from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Module
 from picc.ir.sparse_ops import SparseFFN
 from picc.ir.weights import WeightStore
@@ -36,13 +37,16 @@ def eval_windows(tokenizer: Tokenizer, corpus: str, max_tokens: int, window: int
 
 
 def densified(module: Module) -> Module:
-    """The dense model a sparse module approximates: sparse_ffn -> ffn, predictors removed."""
+    """The dense model a sparse module approximates: sparse_ffn -> ffn, a fused FFN computes
+    every neuron, predictors removed."""
     func = module.function()
     ops = []
     for op in func.ops:
         if isinstance(op, SparseFFN):
             fields = {f.name: getattr(op, f.name) for f in O.FFN.field_kinds()}
             op = O.FFN(result=op.result, type=op.type, **fields)
+        elif isinstance(op, FusedFFN) and op.mode != "dense":
+            op = replace(op, mode="dense", mask=None, threshold=0.0, kernel=None)
         ops.append(op)
     return module.with_function(replace(func, ops=tuple(ops)).pruned()).with_used_weights_only()
 
@@ -71,13 +75,14 @@ class _SparsityCounter:
         self.computed += int(trace.active.sum())
         self.total += trace.active.size
         op = trace.op
-        if isinstance(op, SparseFFN) and op.mode == "predictor":
+        if isinstance(op, SparseFFN | FusedFFN) and op.mode == "predictor":
             truth = trace.score > np.float32(op.threshold or 0.0)
             tp = int((truth & trace.active).sum())
             self.true_positive += tp
             self.predicted += int(trace.active.sum())
             self.actual += int(truth.sum())
-            stats = self.per_layer.setdefault(op.result, [0, 0, 0])
+            layer = op.layer if isinstance(op, FusedFFN) else op.result  # a split layer's parts count as one
+            stats = self.per_layer.setdefault(layer, [0, 0, 0])
             stats[0] += tp
             stats[1] += int(trace.active.sum())
             stats[2] += int(truth.sum())

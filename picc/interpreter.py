@@ -251,6 +251,8 @@ class Interpreter:
             active = np.abs(h) > np.float32(op.threshold)
         else:
             active = None
+        if self.on_ffn is not None:
+            self.on_ffn(FfnTrace(op, x, score, h, active))
         if active is not None:
             h = np.where(active, h, np.float32(0))
         y = h @ w(op.down)
@@ -304,7 +306,7 @@ class FfnTrace:
     dense ``ffn``).
     """
 
-    op: O.FFN
+    op: O.FFN | FusedFFN
     x: np.ndarray
     score: np.ndarray
     h: np.ndarray

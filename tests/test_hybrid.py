@@ -226,3 +226,23 @@ def test_run_and_bench_report_time_per_device_and_transfers(model, tmp_path, mon
     assert main(["bench", str(path), "--repeat", "1", "-n", "2", "--prompt-tokens", "2", "--json"]) == 0
     bench = json.loads(capsys.readouterr().out)
     assert bench["devices"]["gpu_ms_per_token"] > 0 and bench["devices"]["transfer_bytes_per_token"] > 0
+
+
+def test_eval_of_a_compiled_file_compares_its_fused_ffns_with_dense(model, tmp_path, monkeypatch, capsys):
+    # picc eval on a .pib: the fused IR's own sparsity, and its dense twin (every fused FFN computing
+    # all its neurons, split layers included) as the reference.
+    import json
+
+    from picc.cli import main
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    full = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=SPARSE), say=lambda _: None)
+    split = compile_model(model, CompileOptions(target="pc-low", vram=str(half_the_ffn(full)), sparsity=SPARSE),
+                          say=lambda _: None)
+    path = tmp_path / "split.pib"
+    write_compiled(split, path)
+    assert main(["eval", str(path), "--ppl", "ptb-valid", "--max-tokens", "256", "--compare-dense", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0.2 < out["ffn_sparsity"] < 1.0 and out["ppl_dense"] != out["ppl"]
+    assert out["recall"] is not None and out["recall"] > 0.8
+    assert set(out["layer_recall"]) == {"l0.ffn.out", "l1.ffn.out"}  # the split parts count as their layer

@@ -31,8 +31,9 @@ class FusedFFN(Op):
     ``down`` [n, hidden] (row i is neuron i's column of the layer's down projection). ``h_i``
     follows ``form``. Which neurons are active follows ``mode``: ``dense`` every one;
     ``predictor`` columns ``neuron_offset .. neuron_offset + n`` of ``mask`` (a ``predict`` op
-    trained for ``layer``); ``gate-first`` those whose activity score exceeds ``threshold``;
-    ``down-only`` those with ``|h_i| > threshold``. Inactive neurons contribute exactly zero.
+    trained for ``layer``; ``threshold`` is then the activity level it was trained to recall,
+    informative); ``gate-first`` those whose activity score exceeds ``threshold``; ``down-only``
+    those with ``|h_i| > threshold``. Inactive neurons contribute exactly zero.
 
     ``layer`` names the value of the whole FFN layer. When the op *is* the layer (``result ==
     layer``) it adds ``down_bias``; the parts of a split layer carry none and are added by a

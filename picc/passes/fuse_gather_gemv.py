@@ -40,10 +40,12 @@ OPTIONS = ("interleave",)
 
 
 def _threshold(op: O.FFN) -> float:
-    if isinstance(op, SparseFFN) and op.mode == "gate-first":
-        return float(op.threshold or 0.0)
+    """The fused op's threshold: on the activity score (gate-first; in predictor mode, the level
+    the predictor was trained to recall, informative) or on ``|h|`` (down-only)."""
     if isinstance(op, SparseFFN) and op.mode == "down-only":
         return float(op.down_threshold or 0.0)
+    if isinstance(op, SparseFFN):
+        return float(op.threshold or 0.0)
     return 0.0
 
 
