@@ -83,16 +83,22 @@ def test_split_parts_run_side_by_side_and_cross_once(model, tmp_path, monkeypatc
     assert len(moved) == len(set(moved))
 
 
-@pytest.mark.parametrize("mode, form", [("predictor", "reglu"), ("gate-first", "swiglu"), ("predictor", "relu")])
+@pytest.mark.parametrize("mode, form", [("predictor", "reglu"), ("gate-first", "swiglu"), ("predictor", "relu"),
+                                        ("dense", "swiglu")])
 def test_hybrid_logits_match_the_interpreter_for_every_split(mode, form, tmp_path, monkeypatch):
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
     model = with_tokenizer(tiny_llama(form, n_layers=2, hidden=64, n_ff=128, seed=3))
     sparsity = SparsifyOptions(mode=mode, tokens=512, window=64, budget=0.5)
+
+    def options(vram: str) -> CompileOptions:
+        if mode == "dense":  # the baseline: dense FFN kernels on both devices, layers split all the same
+            return CompileOptions(target="pc-low", vram=vram, dense=True)
+        return CompileOptions(target="pc-low", vram=vram, sparsity=sparsity)
+
     shares = set()
-    full = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=sparsity), say=lambda _: None)
+    full = compile_model(model, options("4MiB"), say=lambda _: None)
     for vram in ("0", str(half_the_ffn(full)), "4MiB"):
-        result = full if vram == "4MiB" else compile_model(
-            model, CompileOptions(target="pc-low", vram=vram, sparsity=sparsity), say=lambda _: None)
+        result = full if vram == "4MiB" else compile_model(model, options(vram), say=lambda _: None)
         path = tmp_path / f"m{vram}.pib"
         write_compiled(result, path)
         pib = load_pib(path)
