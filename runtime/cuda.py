@@ -4,7 +4,9 @@ The pip build of TVM has no CUDA runtime linked in, so this executor does not go
 loads the kernels' PTX or cubin that ``picc compile`` put in the ``.pib`` (``cuda/<arch>/model.*``,
 one module holding every kernel) with ``cuModuleLoadData`` and launches each ``__global__``
 function with the grid, block and argument order recorded at compile time (``cuda/manifest``:
-TVM's launch configuration, read off the scheduled kernels). Only ``libcuda`` (the driver) is needed at run time.
+TVM's launch configuration, read off the scheduled kernels). Only ``libcuda`` (the driver) is
+needed at run time -- and nvcc, for a file written where nvcc was missing, whose CUDA sources are
+compiled to PTX when it is loaded.
 
 Memory is the same as on the host-emulated GPU (``runtime.gpu``): one allocation of exactly the
 plan's GPU bytes, weights uploaded once in ``runtime.gpu_layout``'s layout, activation vectors
@@ -17,7 +19,11 @@ This file cannot be exercised on a machine without a GPU; the tests marked ``gpu
 from __future__ import annotations
 
 import ctypes
+import shutil
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -82,25 +88,33 @@ class CudaGpu:
         self.times = GpuTimes()
 
     def _load(self, pib: PibFile, manifest: dict) -> dict[str, ctypes.c_void_p]:
+        """Each ``__global__`` function of the file's kernels, loaded on the device: from its cubin
+        (same architecture) or PTX (this one or older), else compiled here from its CUDA sources."""
         arch = manifest["arch"]
-        # A cubin runs only on its own architecture; PTX is JIT-compiled for this one or newer.
-        use_cubin = arch == self.device_arch and "cubin" in manifest["compiled"]
-        if not use_cubin and "ptx" not in manifest["compiled"]:
-            raise GpuError(f"{pib.path} holds CUDA for {arch} without PTX (nvcc was not found at compile time) "
-                           f"and this device is {self.device_arch}; recompile where nvcc is installed")
         if int(arch[3:]) > int(self.device_arch[3:]):
             raise GpuError(f"{pib.path} was compiled for {arch}; this device is {self.device_arch}: "
                            f"recompile with a target for it")
-        data = pib.section(f"cuda/{arch}/model.{'cubin' if use_cubin else 'ptx'}")
-        module = ctypes.c_void_p()
-        self.cu("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(data if use_cubin else data + b"\0"))
-        self._modules.append(module)
+        # A cubin runs only on its own architecture; PTX is JIT-compiled for this one or newer.
+        if arch == self.device_arch and "cubin" in manifest["compiled"]:
+            images = [pib.section(f"cuda/{arch}/model.cubin")]
+        elif "ptx" in manifest["compiled"]:
+            images = [pib.section(f"cuda/{arch}/model.ptx") + b"\0"]
+        else:  # nvcc was not found at compile time: the sources, compiled at load
+            sources = {k: pib.text(f"cuda/{arch}/{k}.cu") for k in manifest["kernels"]}
+            images = [ptx + b"\0" for ptx in compile_at_load(sources, self.device_arch).values()]
         functions = {}
-        for launches in manifest["kernels"].values():
-            for launch in launches:
+        entries = [launch["entry"] for launches in manifest["kernels"].values() for launch in launches]
+        for image in images:
+            module = ctypes.c_void_p()
+            self.cu("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(image))
+            self._modules.append(module)
+            for entry in entries:
                 fn = ctypes.c_void_p()
-                self.cu("cuModuleGetFunction", ctypes.byref(fn), module, launch["entry"].encode())
-                functions[launch["entry"]] = fn
+                if self.cu.lib.cuModuleGetFunction(ctypes.byref(fn), module, entry.encode()) == 0:
+                    functions[entry] = fn
+        missing = [e for e in entries if e not in functions]
+        if missing:
+            raise GpuError(f"{pib.path}: its CUDA code lacks the kernels {missing[:3]}")
         return functions
 
     def _bind(self, launches: dict[str, list[dict]], manifest: dict) -> dict[str, list[tuple]]:
@@ -156,3 +170,24 @@ class CudaGpu:
             self.cu("cuMemFree_v2", self.base)
             self.base = _u64()
         self.cu("cuDevicePrimaryCtxRelease", self._device)
+
+
+def compile_at_load(sources: dict[str, str], arch: str) -> dict[str, bytes]:
+    """PTX for ``arch`` of each CUDA source (each compiles alone), with the nvcc on this machine:
+    for a ``.pib`` written where nvcc was missing."""
+    nvcc = shutil.which("nvcc") or next((str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.exists()), None)
+    if nvcc is None:
+        raise GpuError("this .pib holds CUDA sources only (nvcc was missing when it was compiled) and nvcc is not "
+                       "installed here either; install the CUDA toolkit, or recompile where nvcc is")
+    out: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory(prefix="picc-cuda-") as tmp:
+        for name, source in sources.items():
+            cu, ptx = Path(tmp) / f"{name}.cu", Path(tmp) / f"{name}.ptx"
+            cu.write_text(source)
+            proc = subprocess.run([nvcc, "-ptx", f"-arch={arch}", "-w", "-o", str(ptx), str(cu)],
+                                  capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip())
+                raise GpuError(f"nvcc could not compile kernel {name} for {arch}: {first}")
+            out[name] = ptx.read_bytes()
+    return out

@@ -111,11 +111,6 @@ class Executor:
         self._worker = _GpuWorker() if self.gpu is not None else None
         self.vocab = self.cpu.vocab
         self.times = DeviceTimes()
-        self._made_by = self._producers(sched)
-
-    @staticmethod
-    def _producers(sched: dict) -> dict[str, int]:
-        return {op: i for i, st in enumerate(sched["stages"]) for op in (*st["gpu"], *st["cpu"])}
 
     def _inputs(self, token: int, pos: int) -> None:
         self.cpu.set_token(token, pos)

@@ -252,3 +252,23 @@ def test_eval_of_a_compiled_file_compares_its_fused_ffns_with_dense(model, tmp_p
     assert 0.2 < out["ffn_sparsity"] < 1.0 and out["ppl_dense"] != out["ppl"]
     assert out["recall"] is not None and out["recall"] > 0.8
     assert set(out["layer_recall"]) == {"l0.ffn.out", "l1.ffn.out"}  # the split parts count as their layer
+
+
+def test_cuda_sources_compile_at_load_when_the_file_has_no_ptx(model, tmp_path, monkeypatch):
+    # A .pib written where nvcc was missing carries sources only; the CUDA executor compiles them
+    # when it loads the file (here: the same function, without a device to load them on).
+    from picc.codegen_cuda import nvcc_path
+    from picc.pib import open_pib
+    from runtime.cuda import compile_at_load
+
+    if nvcc_path() is None:
+        pytest.skip("nvcc is not installed: CUDA sources cannot be compiled")
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    result = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=SPARSE), say=lambda _: None)
+    write_compiled(result, tmp_path / "g.pib")
+    with open_pib(tmp_path / "g.pib") as pib:
+        manifest = pib.json("cuda/manifest")
+        sources = {k: pib.text(f"cuda/sm_75/{k}.cu") for k in manifest["kernels"]}
+    ptx = compile_at_load(sources, "sm_86")
+    for kernel, launches in manifest["kernels"].items():
+        assert all(f".entry {launch['entry']}(".encode() in ptx[kernel] for launch in launches), kernel
