@@ -14,6 +14,7 @@ import numpy as np
 from scipy.special import erf
 
 from picc import quant
+from picc.blas import blas_threads
 from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
@@ -147,8 +148,9 @@ class Interpreter:
             if a.name not in arg_values:
                 raise PiccError(f"the interpreter cannot bind argument %{a.name} of @{self.func.name}")
             env[a.name] = arg_values[a.name]
-        for op in self.func.ops:
-            env[op.result] = self.eval(op, env)
+        with blas_threads(1):  # many small matmuls: BLAS threads would spin more than they help
+            for op in self.func.ops:
+                env[op.result] = self.eval(op, env)
         return env[self.func.ret]
 
     def eval(self, op: Op, env: dict[str, np.ndarray]) -> np.ndarray:  # noqa: C901 - one case per op
