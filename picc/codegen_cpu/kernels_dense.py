@@ -23,7 +23,7 @@ GEMM_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("seq"
 EMBED_PARAMS = (("table", "ptr"), ("tokens", "ptr"), ("out", "ptr"), ("seq", "i32"), ("dim", "i32"))
 
 _TILE = 4  # prefill rows that share each loaded weight vector
-_ROWS = 4  # decode rows computed together
+_ROWS = 4  # decode rows computed together (over all the matrices of a tile: 2 rows each of up and gate)
 _AHEAD = 4  # GEMV prefetch distance, in tiles
 _V16 = vec(16)
 
@@ -43,27 +43,29 @@ def _tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo: st
     """For rows r in [lo, hi): the dot products of row r of each matrix ``(dtype, base, row_bytes)``
     with ``x`` (k elements), handed to ``consume(r, dots)``.
 
-    Rows go _ROWS at a time: their FMA chains overlap and x is loaded once for all of them. Each
-    row's own sum is the same whatever the tile, so results do not depend on it.
+    Rows go ``_ROWS / len(mats)`` at a time: their FMA chains overlap and x is loaded once for
+    all of them; more would not fit AVX2's registers. Each row's own sum is the same whatever
+    the tile, so results do not depend on it.
     """
+    tile = max(1, _ROWS // len(mats))
 
     def row(base: str, rowb: str, r: str) -> str:
         return fn.gep(base, fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
 
     nrows = fn.v(f"sub i64 {hi}, {lo}", "nr")
-    tiles = fn.v(f"sub i64 {hi}, {fn.v(f'srem i64 {nrows}, {_ROWS}', 'rem')}", "tiles")
+    tiles = fn.v(f"sub i64 {hi}, {fn.v(f'srem i64 {nrows}, {tile}', 'rem')}", "tiles")
     last = fn.v(f"sub i64 {hi}, 1", "last")
-    with fn.loop(lo, tiles, str(_ROWS), "r") as r:
-        idx = [r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, _ROWS)]
+    with fn.loop(lo, tiles, str(tile), "r") as r:
+        idx = [r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, tile)]
         # The rows of the tile _AHEAD tiles on, asked for block by block: the hardware
         # prefetcher alone falls behind on four interleaved row streams (1 thread, from memory:
         # q8_0 7.6 GB/s without, 12 one tile ahead, 24 two, 34 four).
-        ahead = [(dtype, row(base, rowb, fn.min64(fn.v(f"add i64 {r}, {t + _AHEAD * _ROWS}", "ra"), last)))
-                 for dtype, base, rowb in mats for t in range(_ROWS)]
+        ahead = [(dtype, row(base, rowb, fn.min64(fn.v(f"add i64 {r}, {t + _AHEAD * tile}", "ra"), last)))
+                 for dtype, base, rowb in mats for t in range(tile)]
         rows = [(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx]
         dots = emit_dots(fn, rows, x, k, simd, ahead)
         for t, i in enumerate(idx):
-            consume(i, [dots[m * _ROWS + t] for m in range(len(mats))])
+            consume(i, [dots[m * tile + t] for m in range(len(mats))])
     with fn.loop(tiles, hi, hint="r") as r:
         consume(r, emit_dots(fn, [(dtype, row(base, rowb, r)) for dtype, base, rowb in mats], x, k, simd))
 
