@@ -223,6 +223,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("-n", type=int, default=128)
+    p.add_argument("--pause", type=float, default=1.0, help="seconds of quiet before each run (default 1)")
     p.add_argument("--fresh", action="store_true", help="recompile and re-export instead of using build/bench")
     args = p.parse_args()
     if args.fresh and CACHE.exists():
@@ -262,8 +263,14 @@ def main() -> None:
     outputs: dict[str, list[int]] = {}
     for e in engines + relu:  # untimed: page in the weights, start the threads, build caches
         e.run(relu_prompt if e in relu else prompt, 8)
+    everyone = engines + relu
     for r in range(args.rounds):
-        for e in engines + relu:
+        # Each round starts one engine further on (no engine always follows the same one), and
+        # every run starts after a pause: thread pools that spin-wait after their work (OpenMP in
+        # torch, onnxruntime's, OpenBLAS's) would otherwise steal a core from the next engine
+        # (measured: relu-demo dense right after onnxruntime ran at half its speed).
+        for e in everyone[r % len(everyone):] + everyone[: r % len(everyone)]:
+            time.sleep(args.pause)
             ids = relu_prompt if e in relu else prompt
             prompt_s, decode_s, tokens = e.run(ids, args.n)
             results[key[e]].append((len(ids) / prompt_s, (args.n - 1) / decode_s))
