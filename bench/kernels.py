@@ -69,6 +69,11 @@ class Layers:
         for i in range(3 * self.count):
             self.data[i * raw.nbytes : (i + 1) * raw.nbytes] = raw
 
+    def up_gate(self, layer: int) -> np.ndarray:
+        """Matrices 0 and 1 of the layer, read as one [n, 2, hidden] interleaved up/gate."""
+        start = 3 * layer * self.matrix_bytes
+        return self.data[start : start + 2 * self.matrix_bytes]
+
     def matrix(self, layer: int, which: int) -> np.ndarray:
         start = (3 * layer + which) * self.matrix_bytes
         return self.data[start : start + self.matrix_bytes]
@@ -122,17 +127,19 @@ def numpy_baseline(shape: str, reps: int) -> tuple[float, str]:
 def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, threads: list[int], reps: int,
                  rng: np.random.Generator) -> dict[tuple[int, float], float]:
     """Median seconds per layer, by (threads, active fraction)."""
-    kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype)
+    # As fuse-gather-gemv lays them out: up and gate rows interleaved ([n, 2, hidden]), so an
+    # active neuron's two rows are one stream; down neuron-major.
+    kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved=True)
     x, y = rng.normal(size=hidden).astype(np.float32), np.zeros(hidden, np.float32)
-    idx, count = np.zeros(n, np.int32), np.zeros(1, np.int32)
+    mask, count = np.zeros(n, np.uint8), np.zeros(1, np.int32)  # a predictor's output: a byte per neuron
     scratch = aligned_zeros(ffn_scratch_bytes(n, hidden, max(threads)))
-    buffers = [aligned_zeros(SYNC_BYTES), x, y, idx, count, scratch]
+    buffers = [aligned_zeros(SYNC_BYTES), x, y, mask, count, scratch]
     prog = Program("ffn_step", sync=0)
     for layer in range(layers.count):
         base = len(buffers)
-        buffers += [layers.matrix(layer, j) for j in range(3)]
-        prog.call(kernel, Buf(1), Buf(base), Buf(base + 1), Buf(base + 2), Null(), Null(), Null(), Buf(2), Buf(3),
-                  Buf(4), Buf(5), n, hidden, 0.0)
+        buffers += [layers.up_gate(layer), layers.matrix(layer, 2)]
+        prog.call(kernel, Buf(1), Buf(base), Buf(base, layers.row_bytes), Buf(base + 1), Null(), Null(), Null(),
+                  Buf(2), Buf(3), Buf(4), Buf(5), n, hidden, 0.0)
     module = compile_kernels([], [prog])
     step = module.function("ffn_step", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
     table = buffer_table(buffers)
@@ -143,12 +150,15 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, threads: list[
                 size = int(round(frac * n))
 
                 def new_active_set(size: int = size) -> None:
-                    idx[:size], count[0] = np.sort(rng.choice(n, size, replace=False)), size
+                    mask[:] = 0
+                    mask[rng.choice(n, size, replace=False)] = 1
 
                 def run(team: ThreadTeam = team, t: int = t) -> None:
                     team.run_each(lambda tid: step(ctypes.addressof(table), tid, t))
 
                 out[(t, frac)] = median_time(run, reps, new_active_set) / layers.count
+                if count[0] != size:
+                    raise RuntimeError(f"the kernel found {count[0]} active neurons, the mask has {size}")
     return out
 
 

@@ -22,6 +22,7 @@ from picc.interpreter import Interpreter
 from picc.ir.types import DType
 from picc.pib import load_pib
 from picc.sparsify import SparsifyOptions
+from runtime.pib import PibFile
 from runtime.sampling import SamplingOptions, sample
 from runtime.session import Session
 
@@ -51,6 +52,25 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     path, pib = compiled(model, tmp_path, "dense", dense=True)
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS), reference) <= 1e-4
+    # Two threads split the rows and overlap the independent kernels (no barrier between them).
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+
+
+def test_the_step_has_barriers_only_where_a_kernel_needs_the_last_ones_results(tmp_path):
+    model = tiny_llama("swiglu", n_layers=1, hidden=64, n_ff=96, matrix_dtype=DType.F32)
+    path, _ = compiled(model, tmp_path, "dense", dense=True)
+    with PibFile(path) as f:
+        ir = f.text("cpu/ir")
+    step = ir[ir.index("define void @picc_stage_0("):]
+    step = step[: step.index("\n}")]
+    calls = [line.split("@")[1].split("(")[0] for line in step.splitlines() if " call " in line and "@" in line]
+    # embed | norm | q k v | rope rope | attention | o | add | norm | ffn | add | norm | head | argmax
+    assert calls == ["picc_embed_f32", "picc_barrier", "picc_rms_norm", "picc_barrier", "picc_gemv_f32",
+                     "picc_gemv_f32", "picc_gemv_f32", "picc_barrier", "picc_rope_llama_freq",
+                     "picc_rope_llama_freq", "picc_barrier", "picc_attention", "picc_barrier", "picc_gemv_f32",
+                     "picc_barrier", "picc_add", "picc_barrier", "picc_rms_norm", "picc_barrier",
+                     "picc_ffn_gemv_swiglu_f32_f32_f32", "picc_barrier", "picc_add", "picc_barrier",
+                     "picc_rms_norm", "picc_barrier", "picc_gemv_f32", "picc_barrier", "picc_argmax"]
 
 
 @pytest.mark.parametrize("mode", ["predictor", "gate-first", "down-only"])

@@ -6,14 +6,13 @@ are f32. Threads split the output rows: thread t computes rows ``[rows*t/n, rows
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import cache
 
 from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_ffn import FORMS, plus_bias
-from picc.codegen_cpu.rowops import check_dtype, emit_dots, emit_row_bytes, emit_row_to_f32
+from picc.codegen_cpu.rowops import check_dtype, emit_row_bytes, emit_row_to_f32, emit_tiled_rows
 from picc.errors import PiccError
 
 GEMV_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("rows", "i32"), ("k", "i32"),
@@ -23,8 +22,6 @@ GEMM_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("seq"
 EMBED_PARAMS = (("table", "ptr"), ("tokens", "ptr"), ("out", "ptr"), ("seq", "i32"), ("dim", "i32"))
 
 _TILE = 4  # prefill rows that share each loaded weight vector
-_ROWS = 4  # decode rows computed together
-_AHEAD = 4  # GEMV prefetch distance, in tiles
 _V16 = vec(16)
 
 
@@ -38,36 +35,6 @@ def _finish(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
     fn.store(F32, total.get(), out, 4)
 
 
-def _tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo: str, hi: str, simd: str,
-                consume: Callable[[str, list[str]], None]) -> None:
-    """For rows r in [lo, hi): the dot products of row r of each matrix ``(dtype, base, row_bytes)``
-    with ``x`` (k elements), handed to ``consume(r, dots)``.
-
-    Rows go _ROWS at a time: their FMA chains overlap and x is loaded once for all of them. Each
-    row's own sum is the same whatever the tile, so results do not depend on it.
-    """
-
-    def row(base: str, rowb: str, r: str) -> str:
-        return fn.gep(base, fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
-
-    nrows = fn.v(f"sub i64 {hi}, {lo}", "nr")
-    tiles = fn.v(f"sub i64 {hi}, {fn.v(f'srem i64 {nrows}, {_ROWS}', 'rem')}", "tiles")
-    last = fn.v(f"sub i64 {hi}, 1", "last")
-    with fn.loop(lo, tiles, str(_ROWS), "r") as r:
-        idx = [r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, _ROWS)]
-        # The rows of the tile _AHEAD tiles on, asked for block by block: the hardware
-        # prefetcher alone falls behind on four interleaved row streams (1 thread, from memory:
-        # q8_0 7.6 GB/s without, 12 one tile ahead, 24 two, 34 four).
-        ahead = [(dtype, row(base, rowb, fn.min64(fn.v(f"add i64 {r}, {t + _AHEAD * _ROWS}", "ra"), last)))
-                 for dtype, base, rowb in mats for t in range(_ROWS)]
-        rows = [(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx]
-        dots = emit_dots(fn, rows, x, k, simd, ahead)
-        for t, i in enumerate(idx):
-            consume(i, [dots[m * _ROWS + t] for m in range(len(mats))])
-    with fn.loop(tiles, hi, hint="r") as r:
-        consume(r, emit_dots(fn, [(dtype, row(base, rowb, r)) for dtype, base, rowb in mats], x, k, simd))
-
-
 @cache
 def gemv(dtype: str) -> Kernel:
     """``y[r] = (accumulate ? y[r] : 0) + W[r, :] . x + bias[r]`` (bias may be null)."""
@@ -79,7 +46,7 @@ def gemv(dtype: str) -> Kernel:
         rows, k = fn.sext("%rows"), fn.sext("%k")
         lo, hi = chunk_bounds(fn, rows, fn.sext("%tid"), fn.sext("%nthreads"))
         mats = [(dtype, "%w", emit_row_bytes(fn, dtype, k))]
-        _tiled_rows(fn, mats, "%x", k, lo, hi, simd,
+        emit_tiled_rows(fn, mats, "%x", k, lo, hi, simd,
                     lambda r, dots: _finish(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp")))
         fn.ret_void()
         return fn.text()
@@ -133,11 +100,11 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str)
             fn.store(F32, value, fn.at("%scratch", 4, r), 4)
 
         lo, hi = chunk_bounds(fn, n, tid, nthreads)
-        _tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h)
+        emit_tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
         down = [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))]
-        _tiled_rows(fn, down, "%scratch", n, lo2, hi2, simd,
+        emit_tiled_rows(fn, down, "%scratch", n, lo2, hi2, simd,
                     lambda r, dots: fn.store(F32, plus_bias(fn, dots[0], "%down_bias", r), fn.at("%y", 4, r, "yp"), 4))
         fn.ret_void()
         return fn.text()

@@ -33,7 +33,14 @@ from functools import cache
 from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
-from picc.codegen_cpu.rowops import check_dtype, emit_axpys, emit_dots, emit_row_bytes, zero_floats
+from picc.codegen_cpu.rowops import (
+    check_dtype,
+    emit_axpys,
+    emit_dots,
+    emit_row_bytes,
+    emit_tiled_rows,
+    zero_floats,
+)
 from picc.errors import PiccError
 
 
@@ -196,18 +203,9 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
         def row(mat: str, rb: str, i: str) -> str:
             return fn.gep(mat, fn.v(f"mul i64 {i}, {rb}", "ro"), "row")
 
-        def projection(mat: str, dtype: str, rb: str, bias: str, i: str) -> str:
-            (d,) = emit_dots(fn, [(dtype, row(mat, rb, i))], "%x", hidden, simd)
-            return plus_bias(fn, d, bias, i, bias_stride)
-
-        def gate_act(i: str, g: str | None = None) -> str:
-            """act(gate[i] . x + gate_bias[i]); ``g`` is the dot product when already known."""
-            assert gate_dtype is not None and rb_gate is not None
-            if g is None:
-                g = projection("%gate", gate_dtype, rb_gate, "%gate_bias", i)
-            else:
-                g = plus_bias(fn, g, "%gate_bias", i, bias_stride)
-            return fn.v(f"call float {act}(float {g})", "a")
+        def gate_act(i: str, g: str) -> str:
+            """act(gate[i] . x + gate_bias[i]) from the dot product ``g``."""
+            return fn.v(f"call float {act}(float {plus_bias(fn, g, '%gate_bias', i, bias_stride)})", "a")
 
         def combine(a: str | None, u: str) -> str:
             """h from act(gate) (None when not gated) and the up projection."""
@@ -223,20 +221,27 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
             listp, total = None, n
         else:
             lo, hi = chunk_bounds(fn, n, tid, nthreads)
+            if mode != "predictor":
+                # The dense projections of this thread's rows first, as a GEMV (rows in tiles that
+                # share x, the next tiles prefetched): vals[r] = act(g) (gate-first) or h.
+                dense = [(gate_dtype, "%gate", rb_gate)] if spec.gated else []
+                if mode == "down-only":
+                    dense.append((up_dtype, "%up", rb_up))
+
+                def score(r: str, dots: list[str]) -> None:
+                    a = gate_act(r, dots[0]) if spec.gated else None
+                    value = a if mode == "gate-first" else combine(a, plus_bias(fn, dots[-1], "%up_bias", r,
+                                                                                  bias_stride))
+                    fn.store(F32, value, fn.at(vals, 4, r), 4)
+
+                emit_tiled_rows(fn, dense, "%x", hidden, lo, hi, simd, score)  # type: ignore[arg-type]
 
             def keep(r: str) -> str:
                 if mode == "predictor":
                     return fn.v(f"icmp ne i8 {fn.load('i8', fn.gep('%mask', r), 1, 'm')}, 0", "keep")
-                if mode == "gate-first":
-                    a = gate_act(r)
-                    # dReLU's score is |h|, decided after up; relu(g) = 0 already means h = 0.
-                    cut = fconst(0.0) if spec.act_on_up else thr
-                    fn.store(F32, a, fn.at(vals, 4, r), 4)
-                    return fn.v(f"fcmp ogt float {_abs(fn, a)}, {cut}", "keep")
-                a = gate_act(r) if spec.gated else None
-                h = combine(a, projection("%up", up_dtype, rb_up, "%up_bias", r))
-                fn.store(F32, h, fn.at(vals, 4, r), 4)
-                return fn.v(f"fcmp ogt float {_abs(fn, h)}, {thr}", "keep")
+                # dReLU's gate-first score is |h|, decided after up; relu(g) = 0 already means h = 0.
+                cut = fconst(0.0) if mode == "gate-first" and spec.act_on_up else thr
+                return fn.v(f"fcmp ogt float {_abs(fn, fn.load(F32, fn.at(vals, 4, r), 4, 'v'))}, {cut}", "keep")
 
             _compact(fn, lo, seg, cnt, tid, (lo, hi), keep)
             fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")

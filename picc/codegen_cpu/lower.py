@@ -24,14 +24,14 @@ sparse FFN kernels see exactly the active sets the interpreter computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.prelude import SYNC_BYTES
-from picc.codegen_cpu.program import Buf, Null, Param, Program
+from picc.codegen_cpu.program import Buf, Call, Null, Param, Program
 from picc.codegen_cpu.rowops import row_bytes
 from picc.errors import PiccError
 from picc.ir import ops as O
@@ -52,6 +52,41 @@ _ALIGN = 64
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+# Ops whose kernels have one phase and touch no memory but their operands and result: one may
+# start while another is still running on other threads when neither reads or writes what the
+# other writes (the q, k and v projections of a layer; the rope of q and of k).
+_BARRIER_FREE = (O.Linear, O.Rope, O.Add, O.RMSNorm, O.LayerNorm, O.Embed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Access:
+    """What a call reads and writes (value names), and whether it may run without a barrier
+    before it (a single-phase kernel of :data:`_BARRIER_FREE`)."""
+
+    reads: frozenset[str]
+    writes: frozenset[str]
+    barrier_free: bool
+
+
+def place_barriers(calls: list[Call], access: list[_Access]) -> list[Call]:
+    """``calls`` with a barrier after a call only where the next one needs it: when the next
+    reads or writes a value written since the last barrier, writes one read since, or is not
+    barrier-free (a kernel with phases of its own starts with every thread there)."""
+    out: list[Call] = []
+    reads: set[str] = set()
+    writes: set[str] = set()
+    for call, acc in zip(calls, access, strict=True):
+        if out:
+            need = not acc.barrier_free or bool(acc.reads & writes or acc.writes & (reads | writes))
+            out[-1] = replace(out[-1], barrier_after=need)
+            if need:
+                reads, writes = set(), set()
+        reads |= acc.reads
+        writes |= acc.writes
+        out.append(replace(call, barrier_after=True))
+    return out
 
 
 def stage_symbol(stage: int, prefill: bool = False) -> str:
@@ -95,6 +130,7 @@ class _Lowering:
         self.act_index = self._alloc_slot("activations")
         self.scratch_index = self._alloc_slot("scratch")
         self.program = Program("")
+        self.access: list[_Access] = []  # per call of self.program
 
     # --- buffers ---------------------------------------------------------------------------------
 
@@ -150,6 +186,8 @@ class _Lowering:
             raise PiccError(f"codegen_cpu: %{op.result} names kernel {op.kernel!r} but the CPU computes it with "
                             f"{kernel.symbol!r}" + ("; run fuse-gather-gemv first" if op.kernel is None else ""))
         self.program.call(kernel, *args)  # type: ignore[arg-type]
+        writes = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
+        self.access.append(_Access(frozenset(op.values()), frozenset(writes), isinstance(op, _BARRIER_FREE)))
 
     def width(self, value: str) -> int:
         d = self.types[value].shape[-1]
@@ -266,6 +304,7 @@ class _Lowering:
                 self.out.stages.append({"step": None, "prefill": None})
                 continue
             self.program = Program(stage_symbol(i), sync=SYNC)
+            self.access = []
             calls_of: dict[str, slice] = {}
             for name in stage.cpu:
                 start = len(self.program.calls)
@@ -275,14 +314,17 @@ class _Lowering:
             prefill_symbol = None
             if head & set(stage.cpu):
                 prefill = Program(stage_symbol(i, prefill=True), sync=SYNC)
-                prefill.calls = [c for name in stage.cpu if name not in head for c in full.calls[calls_of[name]]]
+                kept = [k for name in stage.cpu if name not in head for k in range(len(full.calls))[calls_of[name]]]
+                prefill.calls = place_barriers([full.calls[k] for k in kept], [self.access[k] for k in kept])
                 if prefill.calls:
                     self.out.programs.append(prefill)
                     prefill_symbol = prefill.name
             if logits_here and self.func.ret in stage.cpu:
                 self.program.call(kernels_misc.argmax(), self.value(self.func.ret),
                                   Buf(PARAMS, 4 * PARAM_SLOTS["greedy"]), self.width(self.func.ret))
+                self.access.append(_Access(frozenset({self.func.ret}), frozenset(), False))
                 self.out.greedy = True
+            full.calls = place_barriers(full.calls, self.access)
             self.out.programs.append(full)
             self.out.stages.append({"step": full.name, "prefill": prefill_symbol if head & set(stage.cpu)
                                     else full.name})

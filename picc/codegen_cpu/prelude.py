@@ -8,11 +8,12 @@ rotary embedding from frequencies, ``cosf`` / ``sinf``.
 The barrier is a centralised counter barrier with a generation number, the counter-based form of
 sense reversal: a thread reads the generation, then increments the arrival counter; the last to
 arrive resets the counter and bumps the generation (release); the others spin on the generation
-(acquire) with ``pause``. After a few hundred spins a waiter sleeps in ``futex(FUTEX_WAIT)`` on the
-generation word (counted in a sleepers word, so the last thread only makes the ``FUTEX_WAKE``
-system call when someone sleeps): with more threads than free cores, a spinning waiter would hold
-the core its late partner needs. The state is three i32 on separate cache lines at the start of
-the ``sync`` buffer (``SYNC_BYTES``, zero-initialised once); it is reusable forever.
+(acquire) with ``pause``, then yielding the core (``sched_yield``: when the late partner shares
+this core with us, it runs at once instead of after our time slice), and after a few thousand
+yields a waiter sleeps in ``futex(FUTEX_WAIT)`` on the generation word (counted in a sleepers
+word, so the last thread only makes the ``FUTEX_WAKE`` system call when someone sleeps). The
+state is three i32 on separate cache lines at the start of the ``sync`` buffer (``SYNC_BYTES``,
+zero-initialised once); it is reusable forever.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from picc.codegen_cpu.irtext import fconst
 SYNC_BYTES = 192
 """Bytes of the zero-initialised barrier state every kernel and program takes as ``sync``."""
 
-# ~10 us of pause (about 40 ns each on Zen 5): long enough for the usual imbalance between
-# threads, short enough that a thread whose partner was preempted gives its core back quickly
-# (measured with another process busy on one of two cores: 2000 spins cost 90 us per barrier,
-# 200 spins 16 us; uncontended, a barrier costs well under 1 us either way).
-_SPINS_BEFORE_SLEEP = 256
-_SYS_FUTEX, _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 202, 128, 129  # x86-64 Linux
+# ~6-10 us of pause (24 ns each on Zen 3 under KVM, ~40 on Zen 5) covers the usual imbalance
+# between threads; then ~2 ms of sched_yield (0.6 us each when nothing else wants the core) before
+# sleeping. Sleeping early is what hurts: a futex wake-up costs ~10 us, and a waiter that sleeps
+# makes its partner wait for it at the next barrier, which then sleeps too (measured, 2-core KVM
+# guest, threads pinned: 256 pauses then sleep cost 10 us per barrier; 256 pauses then yields
+# 0.3 us, 1.3 us with another process busy on one of the cores).
+_SPINS_BEFORE_YIELD = 256
+_YIELDS_BEFORE_SLEEP = 4096
+_SYS_SCHED_YIELD, _SYS_FUTEX, _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 24, 202, 128, 129  # x86-64 Linux
 
 _LN2_HI, _LN2_LO, _LOG2E = 0.693359375, -2.12194440e-4, 1.44269504088896341
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
@@ -156,7 +160,8 @@ entry:
 }}
 """
 
-_BARRIER = f"""
+def _barrier() -> str:
+    return f"""
 ; Wait until all %n threads have called this with the same %sync (see picc/codegen_cpu/prelude.py).
 define internal void @picc_barrier(ptr %sync, i32 %n) #2 {{
 entry:
@@ -181,16 +186,22 @@ wake:
   %woken = call i64 (i64, ...) @syscall(i64 {_SYS_FUTEX}, ptr %genp, i32 {_FUTEX_WAKE_PRIVATE}, i32 2147483647)
   br label %done
 spin:
-  %spins = phi i32 [ 0, %arrive ], [ %spins1, %pause ]
+  %spins = phi i32 [ 0, %arrive ], [ %spins1, %pause ], [ %spins1, %yield ]
   %cur = load atomic i32, ptr %genp acquire, align 4
   %moved = icmp ne i32 %cur, %gen
   br i1 %moved, label %done, label %wait
 wait:
   %spins1 = add i32 %spins, 1
-  %patient = icmp ult i32 %spins, {_SPINS_BEFORE_SLEEP}
-  br i1 %patient, label %pause, label %sleep
+  %eager = icmp ult i32 %spins, {_SPINS_BEFORE_YIELD}
+  br i1 %eager, label %pause, label %polite
 pause:
   call void @llvm.x86.sse2.pause()
+  br label %spin
+polite:
+  %patient = icmp ult i32 %spins, {_SPINS_BEFORE_YIELD + _YIELDS_BEFORE_SLEEP}
+  br i1 %patient, label %yield, label %sleep
+yield:
+  %y = call i64 (i64, ...) @syscall(i64 {_SYS_SCHED_YIELD})
   br label %spin
 sleep:
   %s0 = atomicrmw add ptr %sleepp, i32 1 seq_cst, align 4
@@ -235,7 +246,7 @@ declare i64 @syscall(i64, ...)
 
 def prelude() -> str:
     """IR text of the declarations and helpers every kernel module starts with."""
-    return "\n".join([_DECLARATIONS, _exp(), "", _erf(), _ACTIVATIONS, _BARRIER])
+    return "\n".join([_DECLARATIONS, _exp(), "", _erf(), _ACTIVATIONS, _barrier()])
 
 
 def attributes(simd: str) -> str:

@@ -11,10 +11,10 @@ block, an f16 scale first::
 Byte j of a nibble block holds element j (low nibble) and element j + 16 (high nibble).
 
 Rows are processed a block of 32 elements at a time, as two ``<16 x float>`` halves (one AVX-512
-register, two AVX2 ones). Dot products keep two accumulators per row: for plain formats the low
-and high halves; for block formats ``sum_b d_b (q_b . x_b)`` and, for q4_1, ``sum_b m_b (sum x_b)``
-(the scale is applied once per block, not per element). Several rows share each load of ``x``, so
-the FMA chains of different rows overlap. The order of every sum is fixed in the IR (no fast-math
+register, two AVX2 ones). Dot products keep one accumulator per row (see :func:`emit_dots`): for
+q8_0 / q4_0 ``sum_b d_b (q_b . x_b)`` (the scale applied once per block), for q4_1 the weights
+dequantized in registers. Several rows share each load of ``x``, so the FMA chains of different
+rows overlap. The order of every sum is fixed in the IR (no fast-math
 flags), so AVX2 and AVX-512 builds compute the same bits.
 
 q4_0 / q4_1 nibbles become floats through a 16-entry table (``vpermps``) on AVX-512, through
@@ -23,6 +23,7 @@ integer arithmetic and a conversion elsewhere; both give exactly ``q - 8`` (or `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
@@ -77,10 +78,6 @@ class Block:
     m: str | None = None
 
 
-def _half(fn: Fn, ptr: str) -> str:
-    return fn.v(f"fpext half {fn.load('half', ptr, 1, 'h')} to float", "d")
-
-
 def _nibble_floats(fn: Fn, qptr: str, signed: bool, simd: str) -> tuple[str, str]:
     """The low and high nibbles of 16 bytes as floats (``q - 8`` when ``signed``)."""
     raw = fn.load(vec(16, "i8"), qptr, 1, "nib")
@@ -110,7 +107,10 @@ def load_block(fn: Fn, dtype: str, row: str, b: str, simd: str) -> Block:
         if dtype == "f16":
             halves = [fn.v(f"fpext {vec(16, 'half')} {w} to {V16}", "w") for w in halves]
         return Block(halves[0], halves[1])
-    d = _half(fn, bptr)
+    # The scale (and q4_1's minimum) as one 4-byte load and one conversion: two scalar f16 loads
+    # cost Zen 3 more FP-pipe work (an insert and a convert each) than it is worth.
+    dm = fn.v(f"fpext <2 x half> {fn.load('<2 x half>', bptr, 2, 'dmh')} to <2 x float>", "dm")
+    d = fn.v(f"extractelement <2 x float> {dm}, i64 0", "d")
     if dtype == "q8_0":
         lo, hi = (fn.v(f"sitofp {vec(16, 'i8')} {fn.load(vec(16, 'i8'), fn.gep(bptr, str(2 + 16 * h)), 1, 'q8')} "
                        f"to {V16}", "qf") for h in (0, 1))
@@ -119,7 +119,7 @@ def load_block(fn: Fn, dtype: str, row: str, b: str, simd: str) -> Block:
         lo, hi = _nibble_floats(fn, fn.gep(bptr, "2"), True, simd)
         return Block(lo, hi, d)
     lo, hi = _nibble_floats(fn, fn.gep(bptr, "4"), False, simd)
-    return Block(lo, hi, d, _half(fn, fn.gep(bptr, "2")))
+    return Block(lo, hi, d, fn.v(f"extractelement <2 x float> {dm}, i64 1", "m"))
 
 
 def dequantized(fn: Fn, blk: Block) -> tuple[str, str]:
@@ -161,29 +161,36 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
 
     Block formats need ``k % 32 == 0``; plain formats sum the ``k % 32`` tail in order after the
     blocks. ``prefetch`` rows are prefetched block by block alongside (the next rows to come).
+
+    Each row has ONE 16-lane accumulator (two AVX2 registers), so that four rows in flight fit
+    AVX2's sixteen registers with their operands; a block adds to it, in this order,
+    ``w_lo x_lo`` then ``w_hi x_hi`` (f32, f16; q4_1 with ``w = fma(q, d, m)``, dequantized in
+    registers: cheaper on Zen 3 than a separate sum for the minimums) or
+    ``d (q_lo x_lo + q_hi x_hi)`` (q8_0, q4_0: the scale once per block). The dot product is the
+    sum of the lanes, halving in a fixed order.
     """
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
-    accs = [(fn.var(V16, "zeroinitializer", "acc"), fn.var(V16, "zeroinitializer", "acc")) for _ in rows]
-    need_xsum = any(dtype == "q4_1" for dtype, _ in rows)
+    accs = [fn.var(V16, "zeroinitializer", "acc") for _ in rows]
     with fn.loop("0", nblocks, "1", "b") as b:
         for dtype, row in prefetch or []:
             _prefetch_block(fn, dtype, row, b)
         xp = fn.at(x, 4 * BLOCK, b, "xp")
         xlo, xhi = fn.load(V16, xp, 4, "xlo"), fn.load(V16, fn.gep(xp, "64"), 4, "xhi")
-        xsum = fn.v(f"fadd {V16} {xlo}, {xhi}", "xsum") if need_xsum else None
-        for (dtype, row), (acc_a, acc_b) in zip(rows, accs, strict=True):
+        for (dtype, row), acc in zip(rows, accs, strict=True):
             blk = load_block(fn, dtype, row, b, simd)
-            if blk.d is None:
-                acc_a.set(fn.fma(V16, blk.lo, xlo, acc_a.get("acc")))
-                acc_b.set(fn.fma(V16, blk.hi, xhi, acc_b.get("acc")))
-                continue
-            t = fn.fma(V16, blk.hi, xhi, fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t"), "t")
-            acc_a.set(fn.fma(V16, t, fn.splat(16, blk.d), acc_a.get("acc")))
             if blk.m is not None:
-                acc_b.set(fn.fma(V16, xsum, fn.splat(16, blk.m), acc_b.get("acc")))
+                ds, ms = fn.splat(16, blk.d), fn.splat(16, blk.m)
+                lo, hi = fn.fma(V16, blk.lo, ds, ms, "w"), fn.fma(V16, blk.hi, ds, ms, "w")
+            elif blk.d is None:
+                lo, hi = blk.lo, blk.hi
+            else:
+                t = fn.fma(V16, blk.hi, xhi, fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t"), "t")
+                acc.set(fn.fma(V16, t, fn.splat(16, blk.d), acc.get("acc")))
+                continue
+            acc.set(fn.fma(V16, hi, xhi, fn.fma(V16, lo, xlo, acc.get("acc"))))
     sums = []
-    for (dtype, row), (acc_a, acc_b) in zip(rows, accs, strict=True):
-        total = fn.var(F32, fn.hsum(16, fn.v(f"fadd {V16} {acc_a.get('acc')}, {acc_b.get('acc')}", "accs")), "dot")
+    for (dtype, row), acc in zip(rows, accs, strict=True):
+        total = fn.var(F32, fn.hsum(16, acc.get("acc")), "dot")
         if not is_blocked(dtype):
             with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
                 xj = fn.load(F32, fn.at(x, 4, j), 4, "xj")
@@ -247,3 +254,39 @@ def emit_row_to_f32(fn: Fn, dtype: str, row: str, out: str, k: str, simd: str) -
 def zero_floats(fn: Fn, ptr: str, n: str) -> None:
     """``ptr[0:n] = 0`` (f32)."""
     fn.emit(f"call void @llvm.memset.p0.i64(ptr align 4 {ptr}, i8 0, i64 {fn.v(f'shl i64 {n}, 2', 'nb')}, i1 false)")
+
+
+_ROWS = 4  # GEMV rows computed together (over all the matrices of a tile: 2 rows each of up and gate)
+_AHEAD = 4  # GEMV prefetch distance, in tiles
+
+
+def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo: str, hi: str, simd: str,
+                    consume: Callable[[str, list[str]], None]) -> None:
+    """GEMV rows: for rows r in [lo, hi) (i64), the dot products of row r of each matrix
+    ``(dtype, base, row_bytes)`` with ``x`` (k elements), handed to ``consume(r, dots)``.
+
+    Rows go ``_ROWS / len(mats)`` at a time: their FMA chains overlap and x is loaded once for
+    all of them; more would not fit AVX2's registers. Each row's own sum is the same whatever
+    the tile, so results do not depend on it.
+    """
+    tile = max(1, _ROWS // len(mats))
+
+    def row(base: str, rowb: str, r: str) -> str:
+        return fn.gep(base, fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
+
+    nrows = fn.v(f"sub i64 {hi}, {lo}", "nr")
+    tiles = fn.v(f"sub i64 {hi}, {fn.v(f'srem i64 {nrows}, {tile}', 'rem')}", "tiles")
+    last = fn.v(f"sub i64 {hi}, 1", "last")
+    with fn.loop(lo, tiles, str(tile), "r") as r:
+        idx = [r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, tile)]
+        # The rows of the tile _AHEAD tiles on, asked for block by block: the hardware
+        # prefetcher alone falls behind on four interleaved row streams (1 thread, from memory:
+        # q8_0 7.6 GB/s without, 12 one tile ahead, 24 two, 34 four).
+        ahead = [(dtype, row(base, rowb, fn.min64(fn.v(f"add i64 {r}, {t + _AHEAD * tile}", "ra"), last)))
+                 for dtype, base, rowb in mats for t in range(tile)]
+        rows = [(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx]
+        dots = emit_dots(fn, rows, x, k, simd, ahead)
+        for t, i in enumerate(idx):
+            consume(i, [dots[m * tile + t] for m in range(len(mats))])
+    with fn.loop(tiles, hi, hint="r") as r:
+        consume(r, emit_dots(fn, [(dtype, row(base, rowb, r)) for dtype, base, rowb in mats], x, k, simd))
