@@ -17,7 +17,6 @@ import pytest
 from picc.cli import main
 from picc.frontend import load_model
 
-IDS = "1,504,31,7,2020,9,11,880"
 REPORT_KEYS = {"target", "vram_budget_bytes", "gpu_bytes", "cpu_bytes", "layers", "estimate_tokens_per_s"}
 LAYER_KEYS = {"gpu_neurons", "cpu_neurons", "gpu_activation_share"}
 
@@ -64,14 +63,93 @@ def ffn_share_budget(pib_path, share: float) -> int:
     return int(plan["gpu_bytes"] - head_bytes - (1 - share) * ffn_bytes)
 
 
-def emulated_run(tmp_path, capsys, pib_path, ids: str) -> tuple[np.ndarray, np.ndarray, str]:
-    """(runtime logits, interpreter logits, stderr) of ``picc logits`` on ``pib_path``."""
-    rt, ip = tmp_path / f"{pib_path.stem}.rt.npy", tmp_path / f"{pib_path.stem}.ip.npy"
-    assert main(["logits", str(pib_path), "--tokens", ids, "--out", str(rt), "--gpu", "emulate"]) == 0
-    err = capsys.readouterr().err
-    assert main(["logits", str(pib_path), "--tokens", ids, "--out", str(ip), "--interpreter"]) == 0
-    capsys.readouterr()
-    return np.load(rt), np.load(ip), err
+# Comparing a compiled file with the interpreter. Sparse FFNs decide per neuron against a
+# threshold (a gate score, a predictor logit); the runtime's kernels sum in other orders than
+# numpy, so the two see each decision's input a few float32 roundings apart (~1e-7 of the size of
+# the dot product that makes it, |w| |x|). A decision closer than that to its threshold may go
+# the other way, and one neuron flipped in an early layer moves the logits by percents (seen: 2e-2
+# after a decision 3e-9 |w| |x| from its threshold). Such a flip is legitimate; anything else is not.
+# So on each candidate prompt the logits must agree to 1e-3 (the issue's bound) token by token,
+# until a token where they do not -- which must then hold a decision within FLIP (10x the
+# rounding) of its threshold, and ends that prompt's comparison (the KV cache carries the flip).
+CANDIDATES = ([1, 504, 31, 7, 2020, 9], [3, 17, 250, 11, 9, 402], [1, 880, 11, 9, 31, 2020], [7, 7, 504, 3, 250, 17])
+FLIP = 1e-6
+
+
+class _MarginProbe:
+    """The interpreter, noting per position the smallest distance of any active-set decision from
+    its threshold, relative to the size of the dot product it comes from."""
+
+    def __init__(self, model) -> None:  # noqa: ANN001
+        from picc.interpreter import Interpreter, predictor_logits
+        from picc.ir.fused_ops import FusedFFN
+        from picc.ir.sparse_ops import Predict
+
+        probe = self
+        weights = model.weights
+
+        class Probe(Interpreter):
+            def eval(self, op, env):  # noqa: ANN001, ANN202
+                if isinstance(op, Predict):
+                    hid = np.maximum(env[op.x] @ weights.f32(op.fc1).T + (weights.f32(op.fc1_bias) if op.fc1_bias
+                                                                           else 0), 0)
+                    logits = predictor_logits(op, env[op.x], weights)
+                    size = np.linalg.norm(weights.f32(op.fc2), axis=1)[None, :] * np.linalg.norm(hid, axis=1)[:, None]
+                    probe.note(np.abs(logits - op.threshold) / np.maximum(size, 1e-30))
+                return super().eval(op, env)
+
+        def observe(trace) -> None:  # noqa: ANN001
+            op = trace.op
+            if isinstance(op, FusedFFN) and op.mode == "gate-first" and op.threshold > 0:
+                rows = weights.f32(op.gate).reshape(-1, trace.x.shape[1])
+                size = np.linalg.norm(rows, axis=1)[None, :] * np.linalg.norm(trace.x, axis=1)[:, None]
+                probe.note(np.abs(trace.score - op.threshold) / size)
+            elif isinstance(op, FusedFFN) and op.mode == "down-only":
+                raise AssertionError("the margin probe does not handle down-only FFNs")
+
+        self.interp = Probe(model.module, model.weights)
+        self.interp.on_ffn = observe
+        self.margins = np.zeros(0)
+
+    def note(self, distance: np.ndarray) -> None:
+        np.minimum(self.margins, distance.min(axis=1), out=self.margins)
+
+    def run(self, ids: list[int]) -> np.ndarray:
+        self.margins = np.full(len(ids), np.inf)
+        self.interp.reset()
+        return self.interp.run(ids)
+
+
+def assert_matches_the_interpreter(pib_path, gpu: str = "emulate") -> int:
+    """The runtime's logits on each candidate prompt against the interpreter's (see above);
+    returns how many tokens were compared (at least half of them must be)."""
+    from picc.pib import load_pib
+    from runtime.session import Session
+
+    probe = _MarginProbe(load_pib(pib_path))
+    compared = 0
+    with Session(pib_path, gpu=gpu) as session:
+        for ids in CANDIDATES:
+            reference = probe.run(ids)
+            session.reset()
+            got = session.feed(ids, all_logits=True)
+            errors = np.abs(got - reference).max(axis=1) / np.abs(reference).max()
+            for t, error in enumerate(errors):
+                if error > 1e-3:
+                    assert probe.margins[t] < FLIP, (f"token {t} of {ids}: error {error:.1e} with every decision "
+                                                     f"{probe.margins[t]:.1e} from its threshold")
+                    break
+                compared += 1
+    assert compared >= sum(len(c) for c in CANDIDATES) // 2, compared
+    return compared
+
+
+def cli_logits_stderr(tmp_path, capsys, pib_path) -> str:
+    """What ``picc logits`` of a compiled file says on stderr (the logits go to a file)."""
+    out = tmp_path / f"{pib_path.stem}.npy"
+    assert main(["logits", str(pib_path), "--tokens", "1,2,3", "--out", str(out)]) == 0
+    assert np.load(out).shape[0] == 3
+    return capsys.readouterr().err
 
 
 def assert_gpu_kernels_compile_for_every_arch(pib_path, tmp_path) -> None:
@@ -116,7 +194,6 @@ def test_relu_demo_with_predictors_runs_on_the_emulated_gpu_at_every_budget(relu
     # the emulated GPU allocates exactly the plan's bytes.
     from runtime.session import Session
 
-    ids = "3,17,250,11,9,402,7,88,5"
     full = tmp_path / "relu_full.pib"
     reports = {"full": compile_json(capsys, relu_demo_predicted, full, "--target", "pc-low", "--vram", "1GB")}
     budgets = {"none": "0", "third": str(ffn_share_budget(full, 0.3))}
@@ -133,9 +210,10 @@ def test_relu_demo_with_predictors_runs_on_the_emulated_gpu_at_every_budget(relu
         path = tmp_path / f"relu_{name}.pib"
         assert report["target"] == "pc-low" and len(report["layers"]) == 6
         assert {la["mode"] for la in report["layers"]} == {"predictor"}
-        runtime, interp, err = emulated_run(tmp_path, capsys, path, ids)
-        assert np.abs(runtime - interp).max() <= 1e-3 * np.abs(interp).max(), name
-        assert ("host-emulated GPU" in err) == (name != "none"), err  # said once, in one line
+        assert_matches_the_interpreter(path)
+        err = cli_logits_stderr(tmp_path, capsys, path)
+        warnings = [line for line in err.splitlines() if "host-emulated GPU" in line]
+        assert len(warnings) == (name != "none"), err  # said once, in one line
         with Session(path, gpu="emulate") as session:
             assert session.executor.gpu_peak_bytes == report["gpu_bytes"]
     assert main(["inspect", str(tmp_path / "relu_third.pib"), "--plot", str(tmp_path / "p.png")]) == 0
@@ -160,8 +238,7 @@ def test_gpu_parts_carry_cuda_kernels_that_compile_alone_and_run_beside_the_cpu(
         assert proc.returncode == 0, (src.name, proc.stderr[-500:])
     # The hybrid step (the emulated GPU's gate-first kernels beside the CPU's) agrees with the
     # interpreter on the same split, permuted and fused IR.
-    runtime, interp, _ = emulated_run(tmp_path, capsys, out, "3,17,250,11,9,402,7")
-    assert np.abs(runtime - interp).max() <= 1e-3 * np.abs(interp).max()
+    assert_matches_the_interpreter(out)
 
 
 def test_bad_arguments_fail_fast_in_one_line_and_write_nothing(relu_sparse, tmp_path, capsys):
@@ -203,14 +280,12 @@ class TestSmolLM2:
         report = compile_json(capsys, sparse, path, "--target", "pc-low", "--vram", "11GB")
         assert all(la["cpu_neurons"] == 0 and la["gpu_activation_share"] == 1.0 for la in report["layers"])
         assert placements(path) == {"gpu"}
-        runtime, interp, _ = emulated_run(tmp_path, capsys, path, IDS)
-        assert np.abs(runtime - interp).max() <= 1e-3 * np.abs(interp).max()
+        assert_matches_the_interpreter(path)
         # ~30% of the FFN on the GPU, the rest on the CPU, both at once.
         third = tmp_path / "third.pib"
         report = compile_json(capsys, sparse, third, "--target", "pc-low", "--vram", str(ffn_share_budget(path, 0.3)))
         assert 0.2 <= gpu_share(report) <= 0.6, gpu_share(report)
-        runtime, interp, _ = emulated_run(tmp_path, capsys, third, IDS)
-        assert np.abs(runtime - interp).max() <= 1e-3 * np.abs(interp).max()
+        assert_matches_the_interpreter(third)
         assert_gpu_kernels_compile_for_every_arch(third, tmp_path)
 
     def test_60mb_splits(self, sparse, tmp_path, capsys):
@@ -225,6 +300,5 @@ class TestSmolLM2:
             report = compile_json(capsys, sparse, tmp_path / f"{name}.pib", *flags)
             assert report["gpu_bytes"] == 0 and all(la["gpu_neurons"] == 0 for la in report["layers"])
             assert placements(tmp_path / f"{name}.pib") == {"cpu"}
-        runtime, interp, err = emulated_run(tmp_path, capsys, tmp_path / "c.pib", IDS)
-        assert np.abs(runtime - interp).max() <= 1e-3 * np.abs(interp).max()
-        assert "emulated" not in err  # nothing runs on a GPU
+        assert_matches_the_interpreter(tmp_path / "c.pib")
+        assert "emulated" not in cli_logits_stderr(tmp_path, capsys, tmp_path / "c.pib")  # nothing runs on a GPU
