@@ -66,6 +66,12 @@ def _corpus_ids(tokenizer: Tokenizer, source: str) -> list[int]:
     return tokenizer.backend.encode(load_text(source), add_special_tokens=False).ids
 
 
+def corpus_windows(tokenizer: Tokenizer, source: str, window: int = 256) -> int:
+    """How many non-overlapping windows of ``window`` tokens ``source`` holds."""
+    bos = 1 if tokenizer.add_bos and tokenizer.bos_id is not None else 0
+    return len(_corpus_ids(tokenizer, source)) // max(1, window - bos)
+
+
 def token_windows(tokenizer: Tokenizer, source: str, n_tokens: int, window: int = 256,
                   seed: int = 0) -> Windows:
     """``ceil(n_tokens / window)`` windows of ``window`` tokens, chosen at random (for ``seed``)

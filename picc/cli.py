@@ -327,7 +327,9 @@ def add_sparsity_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--predictors", metavar="DIR",
                    help="import PowerInfer predictors (model_{layer}.pt) instead of training")
     s.add_argument("--calib", default="ptb", metavar="ptb|PATH", help="calibration text (default ptb)")
-    s.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default 4096)")
+    s.add_argument("--tokens", type=int, default=4096,
+                   help="calibration tokens for profiling (default 4096); predictors train on up to "
+                        "16384 (or these, if more) from the same text")
     s.add_argument("--seed", type=int, default=0, help="seed for calibration windows and training")
 
 
