@@ -108,7 +108,8 @@ class FfnLayer:
     token whether the neuron is active or not: 0 with a predictor, the gate row's share in
     gate-first mode, up and gate in down-only mode, 1 for a dense FFN. ``input_on_gpu`` says
     where the layer's input is computed (False when the memory plan left this layer's attention
-    on the CPU).
+    on the CPU). ``gpu_kernel`` False: the GPU cannot compute this layer's FFN (its sparsity
+    mode has no GPU kernel), so every solver leaves all its neurons on the CPU.
     """
 
     name: str
@@ -116,6 +117,7 @@ class FfnLayer:
     neuron_bytes: int
     input_on_gpu: bool = True
     dense_share: float = 0.0
+    gpu_kernel: bool = True
 
     @property
     def n_ff(self) -> int:
@@ -282,8 +284,9 @@ def make_placement(problem: PartitionProblem, hot: list[int] | tuple[int, ...], 
     ordered = [la.read_rate()[p] for la, p in zip(problem.layers, perms, strict=True)]
     layers = []
     for layer, perm, k in zip(problem.layers, perms, hot, strict=True):
-        if not 0 <= k <= layer.n_ff:
-            raise ValueError(f"layer {layer.name}: {k} hot neurons of {layer.n_ff}")
+        if not 0 <= k <= (layer.n_ff if layer.gpu_kernel else 0):
+            raise ValueError(f"layer {layer.name}: {k} hot neurons of {layer.n_ff}"
+                             + ("" if layer.gpu_kernel else " (it has no GPU kernel)"))
         f = layer.freq[perm].astype(np.float64)
         total = float(f.sum())
         share = float(f[:k].sum()) / total if total > 0 else 0.0
@@ -317,6 +320,7 @@ def _greedy_hot(problem: PartitionProblem, ordered: list[np.ndarray]) -> list[in
     scores = np.concatenate([f / la.neuron_bytes for la, f in zip(problem.layers, ordered, strict=True)])
     layer_of = np.repeat(np.arange(len(problem.layers)), [la.n_ff for la in problem.layers])
     order = np.argsort(-scores, kind="stable")
+    order = order[np.array([la.gpu_kernel for la in problem.layers])[layer_of[order]]]
     sizes = np.array([la.neuron_bytes for la in problem.layers], dtype=np.int64)[layer_of[order]]
     taken = int(np.searchsorted(np.cumsum(sizes), problem.budget, side="right"))
     return np.bincount(layer_of[order[:taken]], minlength=len(problem.layers)).tolist()
@@ -438,6 +442,10 @@ def _milp(problem: PartitionProblem, ordered: list[np.ndarray], block: int, time
         integrality[:n_x] = 1
     upper = np.ones(n_var)
     upper[t:] = np.inf
+    for i, layer in enumerate(layers):
+        if not layer.gpu_kernel:
+            upper[starts[i] : starts[i + 1]] = 0
+            upper[[any_ + i, all_ + i]] = 0
     result = milp(objective, constraints=rows.constraint(n_var), integrality=integrality,
                   bounds=Bounds(np.zeros(n_var), upper),
                   options={"time_limit": time_limit, "mip_rel_gap": 1e-6 if exact else MIP_GAP, "disp": False})
@@ -460,6 +468,9 @@ def _ranges(problem: PartitionProblem, any_gpu: np.ndarray, all_gpu: np.ndarray)
     ranges = []
     for layer, some, every in zip(problem.layers, any_gpu, all_gpu, strict=True):
         n = layer.n_ff
+        if not layer.gpu_kernel:
+            ranges.append((0, 0))
+            continue
         if some and not every:
             ranges.append((m, n - m))
             continue
@@ -515,6 +526,7 @@ def _refine(problem: PartitionProblem, ordered: list[np.ndarray], ranges: list[t
 def _feasible(problem: PartitionProblem, hot: list[int]) -> bool:
     pairs = list(zip(problem.layers, hot, strict=True))
     return (sum(k * la.neuron_bytes for la, k in pairs) <= problem.budget
+            and all(k == 0 or la.gpu_kernel for la, k in pairs)
             and all(k in (0, la.n_ff) or min(k, la.n_ff - k) >= problem.min_split for la, k in pairs))
 
 

@@ -114,6 +114,29 @@ def test_hybrid_logits_match_the_interpreter_for_every_split(mode, form, tmp_pat
     assert 0.0 in shares and 1.0 in shares and len(shares) == 3  # none, part, and all on the GPU
 
 
+@pytest.mark.parametrize("mode, form", [("down-only", "swiglu"), ("gate-first", "drelu")])
+def test_ffns_without_a_gpu_kernel_stay_on_the_cpu(mode, form, tmp_path, monkeypatch):
+    """Down-only and dReLU gate-first FFNs have CPU kernels only: with any VRAM budget the
+    partitioner leaves all their neurons on the CPU (attention still goes to the GPU), and the
+    hybrid run still gives the interpreter's logits."""
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = with_tokenizer(tiny_llama(form, n_layers=2, hidden=64, n_ff=128, seed=3))
+    sparsity = SparsifyOptions(mode=mode, tokens=512, window=64, budget=0.5)
+    result = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=sparsity),
+                           say=lambda _: None)
+    assert all(la["gpu_neurons"] == 0 and la["cpu_neurons"] == 128 for la in result.report["layers"])
+    ops = list(result.model.module.ops())
+    assert any(op.type.placement is Placement.GPU for op in ops if op.NAME == "attention")
+    assert all(op.type.placement is Placement.CPU for op in ops if isinstance(op, FusedFFN))
+    path = tmp_path / "m.pib"
+    write_compiled(result, path)
+    pib = load_pib(path)
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    with Session(path, threads=2, gpu="emulate") as session:
+        assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-3
+        assert session.executor.gpu_peak_bytes == result.plan.gpu_bytes > 0
+
+
 def test_emulated_device_refuses_to_go_over_its_budget():
     device = EmulatedDevice(1000)
     block = device.allocate(600)

@@ -333,3 +333,25 @@ def test_a_70b_shaped_problem_is_solved_within_its_budget() -> None:
         check_placement(problem, placement)
     assert sum(la.hot for la in fast.layers) > 0
     assert best.cost.ffn_time <= fast.cost.ffn_time * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
+def test_layers_without_a_gpu_kernel_keep_every_neuron_on_the_cpu(solver: str) -> None:
+    """However large the budget, a layer the GPU cannot compute gets no GPU neurons; the others
+    are placed as without it."""
+    base = model_like(0)
+    layers = tuple(FfnLayer(la.name, la.freq, la.neuron_bytes, la.input_on_gpu, la.dense_share, i not in (1, 4))
+                   for i, la in enumerate(base.layers))
+    for budget in budgets(base, steps=6):
+        problem = PartitionProblem(layers, budget, base.costs, base.min_split)
+        placement = SOLVERS[solver](problem)
+        check_placement(problem, placement)
+        assert placement.hot[1] == placement.hot[4] == 0
+    # With room for everything, the other layers are placed as if the two were not there.
+    everything = SOLVERS[solver](PartitionProblem(layers, 10**9, base.costs, base.min_split))
+    capable = tuple(la for la in layers if la.gpu_kernel)
+    alone = SOLVERS[solver](PartitionProblem(capable, 10**9, base.costs, base.min_split))
+    assert [h for i, h in enumerate(everything.hot) if i not in (1, 4)] == list(alone.hot)
+    assert sum(alone.hot) > 0
+    with pytest.raises(ValueError, match="has no GPU kernel"):
+        make_placement(PartitionProblem(layers, 10**9, base.costs, base.min_split), [0, 1, 0, 0, 0, 0], "fixed")

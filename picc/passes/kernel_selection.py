@@ -101,20 +101,28 @@ def gpu_kernel(op: Op, t: Types, ctx: int) -> str:  # noqa: C901 - one case per 
     raise _no_kernel(op, "GPU", hint)
 
 
+def gpu_ffn_unsupported(op: O.FFN | FusedFFN, formats: set[str | None]) -> str | None:
+    """Why no GPU kernel computes ``op`` (an ``ffn``, ``sparse_ffn`` or ``fused_ffn`` whose
+    weights are in ``formats``), or None. ``partition-neurons`` keeps such layers on the CPU."""
+    mode = getattr(op, "mode", "dense")
+    if mode == "down-only":
+        return "down-only FFNs have no GPU kernel; use --sparsity-mode gate-first or predictor"
+    if len({f for f in formats if f is not None}) != 1:
+        return f"the GPU FFN kernels need up, gate and down in one format, got {sorted(f for f in formats if f)}"
+    biases = (op.up_bias, op.gate_bias, getattr(op, "up_gate_bias", None))
+    if mode == "gate-first" and any(b is not None for b in biases):
+        return "the GPU gate-first kernel takes no biases"
+    if mode == "gate-first" and op.form == "drelu":
+        return "the GPU gate-first kernel has no dReLU form"
+    return None
+
+
 def gpu_kernel_of_ffn(op: FusedFFN, t: Types, hint: str) -> str:
     n, hidden = t.dims(op.down)
-    if op.mode == "down-only":
-        raise PiccError(f"%{op.result}: down-only FFNs have no GPU kernel; use --sparsity-mode gate-first or "
-                        f"predictor{hint}")
     formats = {t.fmt(w) for w in (op.up, op.gate, op.up_gate, op.down) if w is not None}
-    if len(formats) != 1:
-        raise PiccError(f"%{op.result}: the GPU FFN kernels need up, gate and down in one format, got "
-                        f"{sorted(f for f in formats if f)}")
+    if (reason := gpu_ffn_unsupported(op, formats)) is not None:
+        raise PiccError(f"%{op.result}: {reason}{hint}")
     bias = any(b is not None for b in (op.up_bias, op.gate_bias, op.up_gate_bias))
-    if op.mode == "gate-first" and bias:
-        raise PiccError(f"%{op.result}: the GPU gate-first kernel takes no biases{hint}")
-    if op.mode == "gate-first" and op.form == "drelu":
-        raise PiccError(f"%{op.result}: the GPU gate-first kernel has no dReLU form{hint}")
     if op.mode in ("predictor", "dense") and O.FFN_FORMS[op.form].gated and not op.interleaved:
         raise PiccError(f"%{op.result}: the GPU gathers a neuron's up and gate rows as one stream; run "
                         f"fuse-gather-gemv with interleave=auto{hint}")

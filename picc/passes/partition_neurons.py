@@ -9,13 +9,14 @@ token reads all of them (the activations and workspace, then layer by layer the 
 weights, norms, predictors and KV cache, then the LM head); a layer whose dense part does not
 fit stays on the CPU with every layer after it (llama.cpp's split). What is left goes to FFN
 neurons, chosen by ``picc.partition`` from the profiled frequencies: greedy top-k over all
-layers, or the ILP on the cost model. A split layer's neurons are permuted so that its GPU
-("hot") neurons come first, and it becomes two ffn ops, ``%lN.ffn.hot`` on the GPU and
-``%lN.ffn.cold`` on the CPU, each with its own rows of up / gate / down, whose outputs are added
-into the layer's value; its predictor's outputs are permuted to match. Every op's and weight's
-type then says ``@gpu`` or ``@cpu``. The exact plan (``picc.memory_plan``) never exceeds the
-budget: if rounding makes it, the FFN budget shrinks by the excess and the neurons are chosen
-again.
+layers, or the ILP on the cost model; a layer whose FFN has no GPU kernel (down-only, dReLU or
+biased gate-first, mixed weight formats) keeps all its neurons on the CPU. A split layer's
+neurons are permuted so that its GPU ("hot") neurons come first, and it becomes two ffn ops,
+``%lN.ffn.hot`` on the GPU and ``%lN.ffn.cold`` on the CPU, each with its own rows of up / gate /
+down, whose outputs are added into the layer's value; its predictor's outputs are permuted to
+match. Every op's and weight's type then says ``@gpu`` or ``@cpu``. The exact plan
+(``picc.memory_plan``) never exceeds the budget: if rounding makes it, the FFN budget shrinks by
+the excess and the neurons are chosen again.
 
 Needs: ``neuron-major-down`` (unless the budget is 0); ``profile-activations`` for sparse
 FFNs (dense ``ffn`` layers count every neuron as always active). Guarantees: every op and
@@ -39,6 +40,7 @@ from picc.ir.types import Placement, TensorType
 from picc.ir.weights import Tensor, WeightStore
 from picc.partition import SOLVERS, DeviceCosts, FfnLayer, PartitionProblem, make_placement
 from picc.partition import Placement as NeuronPlacement
+from picc.passes.kernel_selection import gpu_ffn_unsupported
 from picc.passes.registry import PassContext, register_pass
 from picc.targets import Target, load_target, parse_size
 
@@ -94,7 +96,8 @@ def ffn_layer(op: O.FFN | FusedFFN, weights: WeightStore, input_on_gpu: bool) ->
         freq = weights.f32(op.freq)
         dense = {"predictor": 0.0, "gate-first": (row["gate"] + row["gate_bias"]) / neuron,
                  "down-only": (neuron - down) / neuron}[mode]
-    return FfnLayer(op.result, freq, neuron, input_on_gpu, dense)
+    formats = {weights[w].dtype.value for w in (op.up, op.gate, getattr(op, "up_gate", None), op.down) if w}
+    return FfnLayer(op.result, freq, neuron, input_on_gpu, dense, gpu_ffn_unsupported(op, formats) is None)
 
 
 # --- the dense parts ---------------------------------------------------------------------------
@@ -258,7 +261,8 @@ def decide(trials: _Trials, s: Settings) -> tuple[DenseChoice, NeuronPlacement]:
     # split or whole; reserve the most that any of those shapes needs, so that the neurons' budget
     # only grows with the VRAM budget (and with it the GPU's share of activations).
     dense = DenseChoice(n_layers, False)
-    n_ff = [la.n_ff for la in trials.problem(dense, 0).layers]
+    # Per layer, the neurons the GPU can take (none where its sparsity mode has no GPU kernel).
+    n_ff = [la.n_ff if la.gpu_kernel else 0 for la in trials.problem(dense, 0).layers]
     shapes = (none, [min(1, n) for n in n_ff], n_ff)
     reserve = max(_overhead(trials.plan(dense, trials.neurons(dense, hot))) for hot in shapes)
     fixed = base_plan.device_bytes("gpu", "weight") + base_plan.device_bytes("gpu", "kv-cache") if base_plan else 0
