@@ -58,9 +58,24 @@ def half_the_ffn(full) -> int:
     return full.plan.gpu_bytes - ffn_bytes // 2
 
 
-def test_split_parts_run_side_by_side_and_cross_once(model, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def compiled(model, tmp_path_factory):
+    """The model compiled for pc-low twice, once and for all the tests that read them: ``full``
+    (everything on the GPU) and ``split`` (half the FFN weights on the GPU), and the split one's
+    .pib."""
+    root = tmp_path_factory.mktemp("hybrid")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PICC_CACHE_DIR", str(root / "cache"))
+        full = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=SPARSE), say=lambda _: None)
+        split = compile_model(model, CompileOptions(target="pc-low", vram=str(half_the_ffn(full)), sparsity=SPARSE),
+                              say=lambda _: None)
+    write_compiled(split, root / "split.pib")
+    return full, split, root / "split.pib"
+
+
+def test_split_parts_run_side_by_side_and_cross_once(model, compiled, tmp_path, monkeypatch):
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
-    full = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=SPARSE), say=lambda _: None)
+    full, _, _ = compiled
     module = placed(model, str(half_the_ffn(full)))
     steps = schedule(module)
     ops = {op.result: op for op in module.ops()}
@@ -233,17 +248,12 @@ def test_fusing_twice_or_partitioning_after_is_an_error(model, tmp_path, monkeyp
         run_pipeline(module, model.weights, parse_pipeline("partition-neurons{target=pc-low,vram=1MB}"))
 
 
-def test_run_and_bench_report_time_per_device_and_transfers(model, tmp_path, monkeypatch, capsys):
+def test_run_and_bench_report_time_per_device_and_transfers(compiled, capsys):
     import json
 
     from picc.cli import main
 
-    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
-    full = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=SPARSE), say=lambda _: None)
-    split = compile_model(model, CompileOptions(target="pc-low", vram=str(half_the_ffn(full)), sparsity=SPARSE),
-                          say=lambda _: None)
-    path = tmp_path / "split.pib"
-    write_compiled(split, path)
+    path = compiled[2]
     assert main(["run", str(path), "-p", "the company", "-n", "4", "--json", "--threads", "2"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
@@ -257,19 +267,14 @@ def test_run_and_bench_report_time_per_device_and_transfers(model, tmp_path, mon
     assert bench["devices"]["gpu_ms_per_token"] > 0 and bench["devices"]["transfer_bytes_per_token"] > 0
 
 
-def test_eval_of_a_compiled_file_compares_its_fused_ffns_with_dense(model, tmp_path, monkeypatch, capsys):
+def test_eval_of_a_compiled_file_compares_its_fused_ffns_with_dense(compiled, capsys):
     # picc eval on a .pib: the fused IR's own sparsity, and its dense twin (every fused FFN computing
     # all its neurons, split layers included) as the reference.
     import json
 
     from picc.cli import main
 
-    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
-    full = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=SPARSE), say=lambda _: None)
-    split = compile_model(model, CompileOptions(target="pc-low", vram=str(half_the_ffn(full)), sparsity=SPARSE),
-                          say=lambda _: None)
-    path = tmp_path / "split.pib"
-    write_compiled(split, path)
+    path = compiled[2]
     assert main(["eval", str(path), "--ppl", "ptb-valid", "--max-tokens", "256", "--compare-dense", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 0.2 < out["ffn_sparsity"] < 1.0 and out["ppl_dense"] != out["ppl"]
@@ -277,7 +282,7 @@ def test_eval_of_a_compiled_file_compares_its_fused_ffns_with_dense(model, tmp_p
     assert set(out["layer_recall"]) == {"l0.ffn.out", "l1.ffn.out"}  # the split parts count as their layer
 
 
-def test_cuda_sources_compile_at_load_when_the_file_has_no_ptx(model, tmp_path, monkeypatch):
+def test_cuda_sources_compile_at_load_when_the_file_has_no_ptx(compiled, tmp_path):
     # A .pib written where nvcc was missing carries sources only; the CUDA executor compiles them
     # when it loads the file (here: the same function, without a device to load them on).
     from picc.codegen_cuda import nvcc_path
@@ -286,9 +291,7 @@ def test_cuda_sources_compile_at_load_when_the_file_has_no_ptx(model, tmp_path, 
 
     if nvcc_path() is None:
         pytest.skip("nvcc is not installed: CUDA sources cannot be compiled")
-    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
-    result = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=SPARSE), say=lambda _: None)
-    write_compiled(result, tmp_path / "g.pib")
+    write_compiled(compiled[0], tmp_path / "g.pib")
     with open_pib(tmp_path / "g.pib") as pib:
         manifest = pib.json("cuda/manifest")
         sources = {k: pib.text(f"cuda/sm_75/{k}.cu") for k in manifest["kernels"]}
