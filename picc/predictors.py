@@ -77,12 +77,16 @@ class TrainedPredictor:
 
     def bytes_per_token(self, ffn_bytes: float) -> float:
         """The predictor's float16 weights plus the predicted share of the FFN's bytes."""
-        params = predictor_params(self.rank, self.fc1.shape[1], self.fc2.shape[0])
-        return 2 * params + self.predicted_density * ffn_bytes
+        return predictor_bytes(self.rank, self.fc1.shape[1], self.fc2.shape[0]) + self.predicted_density * ffn_bytes
 
 
 def predictor_params(rank: int, hidden: int, n_ff: int) -> int:
     return rank * (hidden + 1) + n_ff * (rank + 1)
+
+
+def predictor_bytes(rank: int, hidden: int, n_ff: int) -> int:
+    """A predictor's bytes: its weights and biases are stored as float16."""
+    return 2 * predictor_params(rank, hidden, n_ff)
 
 
 def starting_rank(hidden: int, n_ff: int, sparsity: float, top20: float) -> int:
@@ -219,7 +223,7 @@ def train_all(layers: dict[str, LayerData], start: dict[str, int], recall_target
     def can_pay(k: str, rank: int) -> bool:
         """Whether ``rank`` could beat the best so far, even if it predicted no false positive."""
         p = best[k]
-        floor = 2 * predictor_params(rank, *dims[k]) + p.true_density * cost_base[k]
+        floor = predictor_bytes(rank, *dims[k]) + p.true_density * cost_base[k]
         return not p.meets(recall_target) or floor < p.bytes_per_token(cost_base[k])
 
     threads = torch.get_num_threads()

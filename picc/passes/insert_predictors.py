@@ -90,7 +90,10 @@ def _train(module: Module, ctx: PassContext, ffns: list[O.FFN]) -> dict[str, Tra
         raise PiccError("insert-predictors needs the model's tokenizer to train predictors")
     calib = str(module.attr("profile_calib", "ptb"))
     window = int(module.attr("profile_window", 256) or 256)
-    tokens = ctx.int_option("tokens", default_tokens(module, ctx, ffns, calib, window))
+    if "tokens" in ctx.options:
+        tokens = ctx.int_option("tokens", 0)
+    else:  # tokenizes the corpus to measure it: only when it matters
+        tokens = default_tokens(module, ctx, ffns, calib, window)
     seed = ctx.int_option("seed", 0)
     recall = ctx.float_option("recall", 0.99) or 0.99
     budget_share = ctx.float_option("budget", 0.1) or 0.1
