@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from picc.ir.core import Op, Sym, TypeEnv, Val, expect, register_op, weight_shape_is
 from picc.ir.ops import FFN_FORMS, _activation_input, _float_weight
-from picc.ir.sparse_ops import SPARSITY_MODES, Predict
+from picc.ir.sparse_ops import SPARSITY_MODES, check_mask_producer
 from picc.ir.types import Dim, DType, TensorType
 
 FUSED_MODES = ("dense", *SPARSITY_MODES)
@@ -128,14 +128,7 @@ class FusedFFN(Op):
         return t
 
     def check_producers(self, producer: Callable[[str], Op | None]) -> None:
-        if self.mask is None:
-            return
-        pred = producer(self.mask)
-        expect(isinstance(pred, Predict), f"mask %{self.mask} must come from a predict op")
-        assert isinstance(pred, Predict)
-        expect(pred.ffn == self.layer,
-               f"mask %{self.mask} comes from a predictor trained for %{pred.ffn}, not %{self.layer}")
-        expect(pred.x == self.x, f"mask %{self.mask} predicts from %{pred.x} but the FFN reads %{self.x}")
+        check_mask_producer(self.mask, self.x, self.layer, producer)
 
 
 @register_op

@@ -109,12 +109,16 @@ class SparseFFN(FFN):
         return t
 
     def check_producers(self, producer: Callable[[str], Op | None]) -> None:
-        if self.mask is None:
-            return
-        pred = producer(self.mask)
-        expect(isinstance(pred, Predict), f"mask %{self.mask} must come from a predict op")
-        assert isinstance(pred, Predict)
-        layer = self.part_of or self.result
-        expect(pred.ffn == layer,
-               f"mask %{self.mask} comes from a predictor trained for %{pred.ffn}, not %{layer}")
-        expect(pred.x == self.x, f"mask %{self.mask} predicts from %{pred.x} but the FFN reads %{self.x}")
+        check_mask_producer(self.mask, self.x, self.part_of or self.result, producer)
+
+
+def check_mask_producer(mask: str | None, x: str, layer: str, producer: Callable[[str], Op | None]) -> None:
+    """A sparse or fused FFN's ``mask`` (if any) comes from the predict op trained for ``layer``
+    that reads the FFN's own input ``x``."""
+    if mask is None:
+        return
+    pred = producer(mask)
+    expect(isinstance(pred, Predict), f"mask %{mask} must come from a predict op")
+    assert isinstance(pred, Predict)
+    expect(pred.ffn == layer, f"mask %{mask} comes from a predictor trained for %{pred.ffn}, not %{layer}")
+    expect(pred.x == x, f"mask %{mask} predicts from %{pred.x} but the FFN reads %{x}")
