@@ -51,6 +51,11 @@ def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, in
     return f"picc_ffn_{mode.replace('-', '_')}_{form}_{up}_{gate or 'none'}_{down}{layout}"
 
 
+def cpu_chunk_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool) -> str:
+    """The fused FFN kernel of the prefill program: a chunk of tokens, each with its own active set."""
+    return cpu_fused_ffn(mode, form, up, gate, down, interleaved).replace("picc_ffn_", "picc_ffn_chunk_", 1)
+
+
 def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str) -> str:
     """A dense FFN in the source model's layout (down [hidden, n_ff]): GEMVs, one kernel."""
     return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}"

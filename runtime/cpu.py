@@ -131,6 +131,10 @@ class CpuExecutor:
             return lambda tid: fn(table_ptr, tid, n)
 
         self._jobs = [(job(st["step"]), job(st["prefill"])) for st in manifest["stages"]]
+        chunk = manifest.get("prefill")
+        self._chunk_job = job(chunk["symbol"]) if chunk else None
+        self.chunk = int(chunk["chunk"]) if chunk else 0
+        self._chunk_tokens = self._keep[chunk["tokens"]].view(np.int32) if chunk else None
 
     @property
     def stages(self) -> int:
@@ -145,6 +149,23 @@ class CpuExecutor:
         job = self._jobs[stage][1 if prefill else 0]
         if job is not None:
             self.team.run_each(job)
+
+    @property
+    def batched_prefill(self) -> bool:
+        """Whether the code has a prefill program (models on the CPU alone)."""
+        return self._chunk_job is not None
+
+    def prefill(self, tokens: list[int], pos: int) -> None:
+        """Run ``tokens`` at positions ``pos ..`` without the output head, ``chunk`` at a time
+        (their logits are never computed: feed the prompt's last token through :meth:`step`)."""
+        if self._chunk_job is None or self._chunk_tokens is None:
+            raise ExecutorError("this model has no batched prefill (it runs on more than the CPU)")
+        for start in range(0, len(tokens), self.chunk):
+            part = tokens[start : start + self.chunk]
+            self._chunk_tokens[: len(part)] = part
+            self.params[self._slots["pos"]] = pos + start
+            self.params[self._slots["seq"]] = len(part)
+            self.team.run_each(self._chunk_job)
 
     def value(self, name: str) -> np.ndarray:
         """The host bytes of value ``name`` (one token), which crosses between the devices."""

@@ -156,6 +156,17 @@ class Executor:
             self.times.transfer_seconds = gpu.times.transfer_seconds
             self.times.transfer_bytes = gpu.times.transfer_bytes
 
+    @property
+    def batched_prefill(self) -> bool:
+        """Whether prompts can run in chunks (:meth:`prefill`): models on the CPU alone."""
+        return self.gpu is None and self.cpu.batched_prefill
+
+    def prefill(self, tokens: list[int], pos: int) -> None:
+        """Run ``tokens`` at positions ``pos ..`` in chunks, without computing their logits."""
+        start = time.perf_counter()
+        self.cpu.prefill(tokens, pos)
+        self.times.cpu_seconds += time.perf_counter() - start
+
     def logits(self) -> np.ndarray:
         """The last step's logits (a view, overwritten by the next step)."""
         return self.cpu.logits()

@@ -2,9 +2,11 @@
 
 ``Session`` opens a .pib, builds its executor (the CPU's generated code, and the GPU's -- a CUDA
 device, or the host-emulated GPU where there is none) and keeps the position in the KV cache, so
-a chat loop can feed one prompt after another. The prompt is fed one token at a time through the same
-decode step (the sparse FFN kernels are per token), so prefill and decode compute exactly what
-the interpreter computes.
+a chat loop can feed one prompt after another. On a model that runs on the CPU alone, a prompt's
+tokens but the last run in chunks through the batched prefill program (GEMMs for the linears; its
+sparse FFNs still decide per token, as the interpreter does), and the last through the decode
+step, which computes the logits; elsewhere (a GPU part, or every token's logits wanted) the
+prompt runs one token at a time through the decode step.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ class Session:
         self._check(ids)
         start = time.perf_counter()
         rows = []
+        count = len(ids)
+        if not all_logits and len(ids) > 1 and self.executor.batched_prefill:
+            self.executor.prefill(ids[:-1], self.pos)
+            self.pos += len(ids) - 1
+            self.history += ids[:-1]
+            ids = ids[-1:]
         for i, token in enumerate(ids):
             self.executor.step(token, self.pos, logits=all_logits or i + 1 == len(ids))
             self.pos += 1
@@ -87,7 +95,7 @@ class Session:
                 rows.append(self.executor.logits().copy())
         self.history += ids
         if timings is not None:
-            timings.prompt_tokens += len(ids)
+            timings.prompt_tokens += count
             timings.prompt_seconds += time.perf_counter() - start
         return np.array(rows) if all_logits else self.executor.logits()
 

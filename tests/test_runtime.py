@@ -27,6 +27,9 @@ from runtime.sampling import SamplingOptions, sample
 from runtime.session import Session
 
 TOKENS = [1, 5, 9, 2, 17, 33, 4, 60, 8, 3, 21, 11]
+# Long enough for two chunks of the batched prefill (32 tokens each), fed in three prompts.
+LONG = [(7 * i + 3) % 61 for i in range(45)]
+CUTS = (1, 38, 45)
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -45,6 +48,25 @@ def runtime_logits(path, ids, threads: int = 1) -> np.ndarray:
         return s.feed(list(ids), all_logits=True)
 
 
+def prefill_logits(path, ids, cuts, threads: int = 1) -> np.ndarray:
+    """The last token's logits of each prompt ``ids[a:b]`` (b in ``cuts``) fed one after another:
+    all but each prompt's last token go through the batched prefill program, at positions that
+    start mid-cache for the later prompts."""
+    rows, start = [], 0
+    with Session(path, threads) as s:
+        assert s.executor.batched_prefill
+        for end in cuts:
+            rows.append(s.feed(list(ids[start:end])).copy())
+            start = end
+    return np.array(rows)
+
+
+def check_prefill(path, pib, tol: float) -> None:
+    reference = Interpreter(pib.module, pib.weights).run(LONG)[[c - 1 for c in CUTS]]
+    for threads in (1, 2):
+        assert rel_err(prefill_logits(path, LONG, CUTS, threads), reference) <= tol, threads
+
+
 @pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.Q8_0, DType.Q4_0, DType.Q4_1])
 @pytest.mark.parametrize("form", ["swiglu", "relu"])
 def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
@@ -54,6 +76,7 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     assert rel_err(runtime_logits(path, TOKENS), reference) <= 1e-4
     # Two threads split the rows and overlap the independent kernels (no barrier between them).
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
 
 
 def test_the_step_has_barriers_only_where_a_kernel_needs_the_last_ones_results(tmp_path):
@@ -73,6 +96,22 @@ def test_the_step_has_barriers_only_where_a_kernel_needs_the_last_ones_results(t
                      "picc_rms_norm", "picc_barrier", "picc_gemv_f32", "picc_barrier", "picc_argmax"]
 
 
+def test_the_prefill_program_uses_gemms_and_stops_at_the_last_kv_cache(tmp_path):
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.F32)
+    path, _ = compiled(model, tmp_path, "dense", dense=True)
+    with PibFile(path) as f:
+        ir = f.text("cpu/ir")
+    chunk = ir[ir.index("define void @picc_prefill_chunk("):]
+    chunk = chunk[: chunk.index("\n}")]
+    calls = [line.split("@")[1].split("(")[0] for line in chunk.splitlines()
+             if " call " in line and "@" in line and "picc_barrier" not in line]
+    layer = ["picc_rms_norm"] + ["picc_gemm_f32"] * 3 + ["picc_rope_llama_freq"] * 2 + ["picc_attention"]
+    ffn = ["picc_gemm_f32", "picc_add", "picc_rms_norm", "picc_gemm_f32", "picc_gemm_f32", "picc_ffn_act_swiglu",
+           "picc_gemm_f32", "picc_add"]
+    # Layer 1's output projection and FFN, the final norm and the head feed no KV cache: absent.
+    assert calls == ["picc_embed_f32", *layer, *ffn, *layer]
+
+
 @pytest.mark.parametrize("mode", ["predictor", "gate-first", "down-only"])
 def test_sparse_models_match_the_interpreters_sparse_execution(mode, tmp_path, monkeypatch):
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
@@ -85,6 +124,7 @@ def test_sparse_models_match_the_interpreters_sparse_execution(mode, tmp_path, m
     assert rel_err(runtime_logits(path, TOKENS), reference) <= 1e-3
     # Two threads split rows and neurons differently, and agree.
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-3
+    check_prefill(path, pib, 1e-3)
 
 
 def test_run_cli_generates_greedy_text_like_the_interpreter(tmp_path, capsys):

@@ -3,9 +3,10 @@
 The only package of picc that imports llvmlite (and it never imports TVM). Pieces:
 
 * :mod:`.kernel` -- the kernel ABI (``void k(params..., i32 tid, i32 nthreads, ptr sync)``);
-* :mod:`.kernels_dense`, :mod:`.kernels_ffn`, :mod:`.kernels_misc`, :mod:`.kernels_attention`
-  -- the kernels (GEMV / GEMM / embedding, the fused sparse FFN and the predictor, norms, rotary
-  embedding, residual add, argmax, attention over a KV cache);
+* :mod:`.kernels_dense`, :mod:`.kernels_ffn`, :mod:`.kernels_prefill`, :mod:`.kernels_misc`,
+  :mod:`.kernels_attention` -- the kernels (GEMV / GEMM / embedding, the fused sparse FFN and the
+  predictor, its prefill form for a chunk of tokens, norms, rotary embedding, residual add,
+  argmax, attention over a KV cache);
 * :mod:`.program` -- many kernel calls as one step function with barriers in between;
 * :mod:`.compiler` -- :class:`CpuModule`: JIT compilation for a SIMD level, object code in and out;
 * :mod:`.threads` -- :class:`ThreadTeam`: Python threads that run a kernel or a step together.

@@ -112,7 +112,7 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str)
     return Kernel(symbol, DENSE_FFN_PARAMS, emit, dense_ffn.__doc__ or "")
 
 
-def _dot_tile(fn: Fn, wrow: str, xs: list[str], k: str) -> list[str]:
+def dot_tile(fn: Fn, wrow: str, xs: list[str], k: str) -> list[str]:
     """Dot products of one f32 row with each f32 vector in ``xs`` (each weight load is shared)."""
     accs = [fn.var(_V16, "zeroinitializer", "acc") for _ in xs]
     n16 = fn.v(f"and i64 {k}, -16", "n16")
@@ -158,12 +158,12 @@ def gemm(dtype: str) -> Kernel:
             with fn.loop("0", tiles, str(_TILE), "s") as s:
                 idx = [s] + [fn.v(f"add i64 {s}, {t}", "st") for t in range(1, _TILE)]
                 xs = [fn.gep("%x", fn.v(f"mul i64 {i}, {xrow}", "xo"), "xr") for i in idx]
-                for i, d in zip(idx, _dot_tile(fn, wrow, xs, k), strict=True):
+                for i, d in zip(idx, dot_tile(fn, wrow, xs, k), strict=True):
                     out = fn.gep(fn.gep("%y", fn.v(f"mul i64 {i}, {yrow}", "yo")), fn.v(f"shl i64 {r}, 2", "rc"))
                     _finish(fn, d, "%bias", r, out)
             with fn.loop(tiles, seq, "1", "s") as s:
                 x = fn.gep("%x", fn.v(f"mul i64 {s}, {xrow}", "xo"), "xr")
-                (d,) = _dot_tile(fn, wrow, [x], k)
+                (d,) = dot_tile(fn, wrow, [x], k)
                 out = fn.gep(fn.gep("%y", fn.v(f"mul i64 {s}, {yrow}", "yo")), fn.v(f"shl i64 {r}, 2", "rc"))
                 _finish(fn, d, "%bias", r, out)
         fn.ret_void()

@@ -18,8 +18,11 @@ that one. Memory is named by index into ``bufs``:
 * then the activations (one buffer; each value at a 64-byte aligned offset, including the values
   that arrive from the GPU), the KV caches, and the kernels' shared scratch.
 
-Steps are for one token at a time (decode; the runtime feeds a prompt token by token), so the
-sparse FFN kernels see exactly the active sets the interpreter computes.
+Steps are for one token at a time (decode). A module that runs on the CPU alone also gets
+``picc_prefill_chunk`` (:meth:`_Lowering.prefill_program`): the step without its head for a
+chunk of up to :data:`PREFILL_CHUNK` prompt tokens (``bufs[...]`` of the manifest's ``prefill``
+holds their ids, ``params[seq]`` their count), linears as GEMMs. Its sparse FFNs still see one
+token at a time, so they compute exactly the active sets the interpreter computes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc
+from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, kernels_prefill
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.prelude import SYNC_BYTES
 from picc.codegen_cpu.program import Buf, Call, Null, Param, Program
@@ -44,7 +47,9 @@ from picc.ir.weights import Tensor, WeightStore
 from picc.schedule import Schedule, crossing_values
 
 SYNC, PARAMS, ZEROS = 0, 1, 2
-PARAM_SLOTS = {"pos": 0, "token": 1, "greedy": 2}
+PARAM_SLOTS = {"pos": 0, "token": 1, "greedy": 2, "seq": 3}
+PREFILL_CHUNK = 32  # prompt tokens per call of the prefill program
+PREFILL_SYMBOL = "picc_prefill_chunk"
 MAX_THREADS = 64  # the scratch is sized for this many threads
 _KERNEL_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 _ALIGN = 64
@@ -105,11 +110,65 @@ class CpuProgram:
     values: dict[str, dict] = field(default_factory=dict)  # value -> {"buffer", "offset", "nbytes"}
     logits: dict = field(default_factory=dict)  # {"buffer", "offset", "n"}
     greedy: bool = False  # the CPU step writes the greedy token to params
+    prefill: dict | None = None  # {"symbol", "tokens" (buffer index), "chunk"}: the batched prefill program
 
     def manifest(self, simd: str) -> dict:
         """What the runtime needs besides the code."""
         return {"simd": simd, "max_threads": MAX_THREADS, "params": PARAM_SLOTS, "buffers": self.buffers,
-                "stages": self.stages, "values": self.values, "logits": self.logits, "greedy": self.greedy}
+                "stages": self.stages, "values": self.values, "logits": self.logits, "greedy": self.greedy,
+                "prefill": self.prefill}
+
+
+class _Chunk:
+    """Where the prefill program keeps values: ``size`` rows of each (one per token, back to back)
+    in one buffer. A value's region returns to a free list once its last reader is lowered, so the
+    chunk's working set stays a few regions, not one per value of the model.
+
+    ``key`` names a value's memory for :func:`place_barriers`: two values sharing a region (a
+    rotated value and its input; a value and a later one reusing its region) conflict.
+    """
+
+    def __init__(self, index: int, tokens: int, size: int, types: dict[str, TensorType],
+                 last_use: dict[str, int]) -> None:
+        self.index, self.tokens, self.size = index, tokens, size
+        self.types, self.last_use = types, last_use
+        self.places: dict[str, Buf] = {}
+        self.owners: dict[str, int] = {}  # value -> bytes of the region it owns (aliases own none)
+        self.free: list[tuple[int, int]] = []  # (bytes, offset) of released regions
+        self.nbytes = 0
+
+    def place(self, value: str) -> Buf:
+        if value not in self.places:
+            row = _bytes_one_token(self.types[value])
+            need = _aligned(row * self.size)
+            fits = [f for f in self.free if f[0] >= need]
+            if fits:
+                size, offset = min(fits)
+                self.free.remove((size, offset))
+            else:
+                size, offset = need, self.nbytes
+                self.nbytes += need
+            self.places[value] = Buf(self.index, offset, stride=row)
+            self.owners[value] = size
+        return self.places[value]
+
+    def get(self, value: str) -> Buf:
+        if value not in self.places:
+            raise PiccError(f"codegen_cpu: %{value} is read by the prefill program before it is computed")
+        return self.places[value]
+
+    def alias(self, value: str, of: str) -> Buf:
+        self.places[value] = self.get(of)
+        return self.places[value]
+
+    def key(self, value: str) -> str:
+        b = self.places.get(value)
+        return f"@{b.offset}" if b is not None else value
+
+    def release(self, index: int) -> None:
+        """Free the regions whose owner's last reader is op ``index``."""
+        for value in [v for v in self.owners if self.last_use.get(v, -1) <= index]:
+            self.free.append((self.owners.pop(value), self.places[value].offset))
 
 
 class _Lowering:
@@ -131,6 +190,8 @@ class _Lowering:
         self.scratch_index = self._alloc_slot("scratch")
         self.program = Program("")
         self.access: list[_Access] = []  # per call of self.program
+        self.caches: dict[str, Buf] = {}  # KV cache name -> its buffer (k rows, then v rows)
+        self.chunk: _Chunk | None = None  # set while lowering the prefill program
 
     # --- buffers ---------------------------------------------------------------------------------
 
@@ -166,12 +227,23 @@ class _Lowering:
         return Buf(self.weight_index[name])
 
     def activation(self, value: str) -> Buf:
+        if self.chunk is not None:
+            return self.chunk.place(value)
         if value not in self.values:
             self.values[value] = Buf(self.act_index, self.arena)
             self.arena += _aligned(_bytes_one_token(self.types[value]))
         return self.values[value]
 
+    def alias(self, value: str, of: str) -> Buf:
+        """``value`` lives where ``of`` does (an in-place kernel)."""
+        if self.chunk is not None:
+            return self.chunk.alias(value, of)
+        self.values[value] = self.value(of)
+        return self.values[value]
+
     def value(self, name: str) -> Buf:
+        if self.chunk is not None:
+            return self.chunk.get(name)
         if name not in self.values:
             raise PiccError(f"codegen_cpu: %{name} is read before the CPU has it")
         return self.values[name]
@@ -181,13 +253,31 @@ class _Lowering:
 
     # --- ops ---------------------------------------------------------------------------------------
 
-    def call(self, op: Op, kernel: Kernel, *args: object, check: bool = True) -> None:
+    def call(self, op: Op, kernel: Kernel, *args: object, check: bool = True, batched: bool = False) -> None:
+        """Call ``kernel`` for ``op``. In the prefill program, a kernel that is not ``batched``
+        (it sees one token) is called once per token of the chunk."""
         if check and op.kernel != kernel.symbol:
             raise PiccError(f"codegen_cpu: %{op.result} names kernel {op.kernel!r} but the CPU computes it with "
                             f"{kernel.symbol!r}" + ("; run fuse-gather-gemv first" if op.kernel is None else ""))
-        self.program.call(kernel, *args)  # type: ignore[arg-type]
+        per_token = self.chunk is not None and not batched
+        self.program.call(kernel, *args, repeat=self.rows() if per_token else None)  # type: ignore[arg-type]
         writes = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
-        self.access.append(_Access(frozenset(op.values()), frozenset(writes), isinstance(op, _BARRIER_FREE)))
+        key = self.chunk.key if self.chunk is not None else str
+        self.access.append(_Access(frozenset(map(key, op.values())), frozenset(map(key, writes)),
+                                   isinstance(op, _BARRIER_FREE) and not per_token))
+
+    def rows(self) -> Param | int:
+        """The tokens a call computes: one in a step, the chunk's ``seq`` in the prefill program."""
+        return Param(PARAMS, PARAM_SLOTS["seq"]) if self.chunk is not None else 1
+
+    def tokens(self) -> Buf:
+        return Buf(self.chunk.tokens) if self.chunk is not None else Buf(PARAMS, 4 * PARAM_SLOTS["token"])
+
+    def kv_cache(self, name: str, width: int) -> Buf:
+        """The KV cache ``name`` (ctx rows of k, then ctx rows of v), shared by step and prefill."""
+        if name not in self.caches:
+            self.caches[name] = self.own(2 * self.ctx * width * 4, f"kv.{name}")
+        return self.caches[name]
 
     def width(self, value: str) -> int:
         d = self.types[value].shape[-1]
@@ -199,15 +289,21 @@ class _Lowering:
         match op:
             case O.Embed():
                 table = self.weights[op.table]
-                self.call(op, kernels_dense.embed(table.dtype.value), self.weight(op.table),
-                          Buf(PARAMS, 4 * PARAM_SLOTS["token"]), self.activation(op.result), 1, self.width(op.result))
+                self.call(op, kernels_dense.embed(table.dtype.value), self.weight(op.table), self.tokens(),
+                          self.activation(op.result), self.rows(), self.width(op.result), batched=True)
             case O.RMSNorm():
                 self.call(op, kernels_misc.rms_norm(), self.value(op.x), self.weight(op.weight, as_f32=True), Null(),
-                          self.activation(op.result), 1, self.width(op.x), float(op.eps))
+                          self.activation(op.result), self.rows(), self.width(op.x), float(op.eps), batched=True)
             case O.LayerNorm():
                 self.call(op, kernels_misc.layer_norm(), self.value(op.x), self.weight(op.weight, as_f32=True),
-                          self.weight(op.bias, as_f32=True), self.activation(op.result), 1, self.width(op.x),
-                          float(op.eps))
+                          self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
+                          self.width(op.x), float(op.eps), batched=True)
+            case O.Linear() if self.chunk is not None:
+                # Prefill: a GEMM reads each weight row once for all the chunk's tokens.
+                w = self.weights[op.weight]
+                self.call(op, kernels_dense.gemm(w.dtype.value), self.weight(op.weight), self.value(op.x),
+                          self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
+                          int(w.shape[0]), int(w.shape[1]), 0, check=False, batched=True)
             case O.Linear():
                 w = self.weights[op.weight]
                 self.call(op, kernels_dense.gemv(w.dtype.value), self.weight(op.weight), self.value(op.x),
@@ -217,19 +313,21 @@ class _Lowering:
                 # In place: the rotated value takes its input's buffer (the input has no other reader).
                 if self.uses.get(op.x, 0) != 1:
                     raise PiccError(f"codegen_cpu: %{op.x} is read by more than the rope op; cannot rotate in place")
-                self.values[op.result] = self.value(op.x)
+                rotated = self.alias(op.result, op.x)
                 freq = self.array(f"cpu.rope.{op.result}", op.inv_freq())
-                self.call(op, kernels_misc.rope(op.style), self.values[op.result], freq, 1, pos, op.n_heads,
-                          op.head_dim, op.rotated)
+                self.call(op, kernels_misc.rope(op.style), rotated, freq, self.rows(), pos, op.n_heads,
+                          op.head_dim, op.rotated, batched=True)
             case O.Attention():
                 kv = self.width(op.k)
-                caches = self.own(2 * self.ctx * kv * 4, f"kv.{op.cache}")
+                caches = self.kv_cache(op.cache, kv)
                 self.call(op, kernels_attention.attention(), self.value(op.q), self.value(op.k), self.value(op.v),
-                          caches, Buf(caches.index, self.ctx * kv * 4), self.activation(op.result), 1, pos,
-                          op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0)
+                          caches, Buf(caches.index, self.ctx * kv * 4), self.activation(op.result), self.rows(), pos,
+                          op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, batched=True)
             case O.Add():
+                # Elementwise over the chunk's whole buffer (rows past seq are computed and never read).
+                tokens = self.chunk.size if self.chunk is not None else 1
                 self.call(op, kernels_misc.add(), self.value(op.a), self.value(op.b), self.activation(op.result),
-                          self.width(op.result))
+                          tokens * self.width(op.result), batched=True)
             case Merge():
                 self.call(op, kernels_misc.merge(), self.value(op.a), self.value(op.b),
                           self.weight(op.bias, as_f32=True), self.activation(op.result), self.width(op.result))
@@ -253,6 +351,9 @@ class _Lowering:
         neuron-major down would be requantized): two GEMV phases in one kernel."""
         up = self.weights[op.up]
         n, hidden = int(up.shape[0]), int(up.shape[1])
+        if self.chunk is not None:
+            self.dense_ffn_chunk(op, n, hidden)
+            return
         gate = self.weights[op.gate].dtype.value if op.gate else None
         kernel = kernels_dense.dense_ffn(op.form, up.dtype.value, gate, self.weights[op.down].dtype.value)
         self.scratch = max(self.scratch, kernels_dense.dense_ffn_scratch_bytes(n))
@@ -260,6 +361,26 @@ class _Lowering:
                   self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True),
                   self.weight(op.down_bias, as_f32=True), self.activation(op.result), Buf(self.scratch_index), n,
                   hidden)
+
+    def dense_ffn_chunk(self, op: O.FFN, n: int, hidden: int) -> None:
+        """A dense FFN in prefill: GEMMs of up (and gate) into the scratch, the form's activation,
+        the GEMM of down -- each weight read once per chunk."""
+        assert self.chunk is not None
+        rows, floats = self.rows(), self.chunk.size * n
+        self.scratch = max(self.scratch, 2 * 4 * floats)
+        u, g = Buf(self.scratch_index), Buf(self.scratch_index, 4 * floats)
+        x = self.value(op.x)
+
+        def gemm(weight: str, bias: str | None, src: Buf, dst: Buf, out: int, k: int) -> None:
+            kernel = kernels_dense.gemm(self.weights[weight].dtype.value)
+            self.call(op, kernel, self.weight(weight), src, self.weight(bias, as_f32=True), dst, rows, out, k, 0,
+                      check=False, batched=True)
+
+        gemm(op.up, op.up_bias, x, u, n, hidden)
+        if op.gate:
+            gemm(op.gate, op.gate_bias, x, g, n, hidden)
+        self.call(op, kernels_misc.ffn_activation(op.form), g, u, u, floats, check=False, batched=True)
+        gemm(op.down, op.down_bias, u, self.activation(op.result), hidden, n)
 
     def fused_ffn(self, op: FusedFFN) -> None:
         down = self.weights[op.down]
@@ -281,7 +402,18 @@ class _Lowering:
         if op.mode == "predictor":
             assert op.mask is not None
             m = self.value(op.mask)
-            mask = Buf(m.index, m.offset + op.neuron_offset)  # one byte per neuron of the layer
+            mask = replace(m, offset=m.offset + op.neuron_offset)  # one byte per neuron of the layer
+        if self.chunk is not None:
+            # Prefill: every token keeps its own active set; each weight row is read once per chunk.
+            kernel = kernels_prefill.chunk_ffn(op.mode, op.form, up_dtype, gate_dtype, down.dtype.value,
+                                               op.interleaved)
+            stride = self.width(op.mask) if op.mask is not None else 0
+            self.scratch = max(self.scratch, kernels_prefill.chunk_ffn_scratch_bytes(self.chunk.size, n))
+            self.call(op, kernel, self.value(op.x), up, gate, self.weight(op.down), up_bias, gate_bias,
+                      self.weight(op.down_bias, as_f32=True), self.activation(op.result), mask,
+                      Buf(self.scratch_index), self.rows(), stride, n, hidden, float(op.threshold), check=False,
+                      batched=True)
+            return
         kernel = kernels_ffn.sparse_ffn(op.mode, op.form, up_dtype, gate_dtype, down.dtype.value, op.interleaved)
         self.scratch = max(self.scratch, kernels_ffn.ffn_scratch_bytes(n, hidden, MAX_THREADS))
         self.call(op, kernel, self.value(op.x), up, gate, self.weight(op.down), up_bias, gate_bias,
@@ -328,6 +460,8 @@ class _Lowering:
             self.out.programs.append(full)
             self.out.stages.append({"step": full.name, "prefill": prefill_symbol if head & set(stage.cpu)
                                     else full.name})
+        if not any(stage.gpu for stage in self.sched.stages):
+            self.prefill_program([ops[name] for stage in self.sched.stages for name in stage.cpu if name not in head])
         ret = self.activation(self.func.ret)  # a GPU's logits are copied here
         self.out.buffers[self.act_index]["nbytes"] = self.arena
         self.out.buffers[self.scratch_index]["nbytes"] = self.scratch
@@ -336,6 +470,46 @@ class _Lowering:
             b = self.values[v]
             self.out.values[v] = {"buffer": b.index, "offset": b.offset, "nbytes": _bytes_one_token(self.types[v])}
         return self.out
+
+
+    def prefill_program(self, ops: list[Op]) -> None:
+        """``picc_prefill_chunk``: ``ops`` (the step without its head) for up to PREFILL_CHUNK
+        prompt tokens at positions ``pos ..`` (tokens in their own buffer, ``seq`` a parameter),
+        for the KV caches they leave behind.
+
+        Linears become GEMMs and norms, rope, attention and adds take the chunk's rows at once;
+        the fused FFNs take the chunk too, each token with its own active set; the predictors (small)
+        and the merges are per-token kernels called once per token inside the program.
+        """
+        # Only the KV caches outlive a prefill chunk: drop what feeds neither them nor later
+        # layers (the last layer's output projection, its FFN and residual adds).
+        live: set[str] = set()
+        kept: list[Op] = []
+        for op in reversed(ops):
+            if isinstance(op, O.Attention) or op.result in live:
+                kept.append(op)
+                live.update(op.values())
+        ops = kept[::-1]
+        last: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            last.setdefault(op.result, i)
+            for v in op.values():
+                last[v] = i
+        for op in reversed(ops):  # a rotated value keeps its input's region alive
+            if isinstance(op, O.Rope):
+                last[op.x] = max(last[op.x], last.get(op.result, 0))
+        self.chunk = _Chunk(self._alloc_slot("prefill activations"),
+                            self._alloc_slot("prefill tokens", 4 * PREFILL_CHUNK), PREFILL_CHUNK, self.types, last)
+        self.program = Program(PREFILL_SYMBOL, sync=SYNC)
+        self.access = []
+        for i, op in enumerate(ops):
+            self.lower(op)
+            self.chunk.release(i)
+        self.program.calls = place_barriers(self.program.calls, self.access)
+        self.out.programs.append(self.program)
+        self.out.buffers[self.chunk.index]["nbytes"] = self.chunk.nbytes
+        self.out.prefill = {"symbol": PREFILL_SYMBOL, "tokens": self.chunk.tokens, "chunk": PREFILL_CHUNK}
+        self.chunk = None
 
 
 def _bytes_one_token(t: TensorType) -> int:

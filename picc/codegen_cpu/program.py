@@ -30,10 +30,12 @@ from picc.errors import PiccError
 
 @dataclass(frozen=True, slots=True)
 class Buf:
-    """The pointer ``bufs[index] + offset`` (bytes)."""
+    """The pointer ``bufs[index] + offset`` (bytes); in a call repeated per token (see
+    :meth:`Program.call`), ``bufs[index] + offset + s * stride`` for token s."""
 
     index: int
     offset: int = 0
+    stride: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,7 @@ class Call:
     kernel: Kernel
     args: tuple[Arg, ...]
     barrier_after: bool
+    repeat: Param | None = None  # run once per token s < repeat, with Bufs advanced by s * stride
 
 
 class Program:
@@ -67,11 +70,14 @@ class Program:
         self.sync = sync
         self.calls: list[Call] = []
 
-    def call(self, kernel: Kernel, *args: Arg, barrier_after: bool = True) -> None:
+    def call(self, kernel: Kernel, *args: Arg, barrier_after: bool = True, repeat: Param | None = None) -> None:
         """Append a call of ``kernel`` with one argument per :attr:`Kernel.params`.
 
         ``barrier_after=False`` lets the next call start without waiting; only safe when it reads
-        nothing this call writes.
+        nothing this call writes. ``repeat``: call the kernel once per token s of a prefill chunk
+        of ``repeat`` tokens (a kernel that sees one token at a time), each ``Buf`` argument
+        advanced by ``s * stride`` bytes, with a barrier after every iteration (the iterations
+        share the kernel's scratch).
         """
         if len(args) != len(kernel.params):
             names = ", ".join(n for n, _ in kernel.params)
@@ -84,7 +90,7 @@ class Program:
                   "f32": isinstance(arg, float | int) and not isinstance(arg, bool)}[kind]
             if not ok:
                 raise PiccError(f"codegen_cpu: {kernel.symbol} argument {name} must be {wanted[kind]}, got {arg!r}")
-        self.calls.append(Call(kernel, tuple(args), barrier_after))
+        self.calls.append(Call(kernel, tuple(args), barrier_after, repeat))
 
     @property
     def kernels(self) -> list[Kernel]:
@@ -105,9 +111,22 @@ class Program:
             slot = tmp(f"getelementptr inbounds ptr, ptr %bufs, i64 {index}")
             return tmp(f"load ptr, ptr {slot}, align 8")
 
+        def param(p: Param) -> str:
+            slot = tmp(f"getelementptr inbounds i32, ptr {buf(p.buffer)}, i64 {p.slot}")
+            return tmp(f"load i32, ptr {slot}, align 4")
+
         sync = buf(self.sync)
         for n, call in enumerate(self.calls):
-            lines.append(f"  ; {n}: {call.kernel.symbol}")
+            lines.append(f"  ; {n}: {call.kernel.symbol}" + (" per token" if call.repeat else ""))
+            s = None
+            if call.repeat is not None:
+                tokens = tmp(f"sext i32 {param(call.repeat)} to i64")
+                before = f"%b{n}.pre"
+                lines += [f"  br label {before}", f"b{n}.pre:", f"  br label %b{n}.head", f"b{n}.head:"]
+                s = f"%b{n}.s"
+                lines += [f"  {s} = phi i64 [0, {before}], [%b{n}.next, %b{n}.body]",
+                          f"  %b{n}.more = icmp slt i64 {s}, {tokens}",
+                          f"  br i1 %b{n}.more, label %b{n}.body, label %b{n}.exit", f"b{n}.body:"]
             values = []
             for (_, kind), arg in zip(call.kernel.params, call.args, strict=True):
                 ty = KIND_TYPES[kind]
@@ -115,18 +134,23 @@ class Program:
                     values.append(f"{ty} null")
                 elif isinstance(arg, Buf):
                     base = buf(arg.index)
-                    ptr = tmp(f"getelementptr inbounds i8, ptr {base}, i64 {arg.offset}") if arg.offset else base
+                    offset = str(arg.offset)
+                    if s is not None and arg.stride:
+                        offset = tmp(f"add i64 {tmp(f'mul i64 {s}, {arg.stride}')}, {arg.offset}")
+                    ptr = tmp(f"getelementptr inbounds i8, ptr {base}, i64 {offset}") if offset != "0" else base
                     values.append(f"{ty} {ptr}")
                 elif isinstance(arg, Param):
-                    p = tmp(f"getelementptr inbounds i32, ptr {buf(arg.buffer)}, i64 {arg.slot}")
-                    values.append(f"{ty} {tmp(f'load i32, ptr {p}, align 4')}")
+                    values.append(f"{ty} {param(arg)}")
                 elif kind == "f32":
                     values.append(f"{ty} {fconst(float(arg))}")
                 else:
                     values.append(f"{ty} {int(arg)}")
             values += ["i32 %tid", "i32 %nthreads", f"ptr {sync}"]
             lines.append(f"  call void @{call.kernel.symbol}({', '.join(values)})")
-            if call.barrier_after and n + 1 < len(self.calls):
+            if s is not None:
+                lines += [f"  call void @picc_barrier(ptr {sync}, i32 %nthreads)",
+                          f"  %b{n}.next = add i64 {s}, 1", f"  br label %b{n}.head", f"b{n}.exit:"]
+            elif call.barrier_after and n + 1 < len(self.calls):
                 lines.append(f"  call void @picc_barrier(ptr {sync}, i32 %nthreads)")
         lines += ["  ret void", "}", ""]
         return "\n".join(lines)

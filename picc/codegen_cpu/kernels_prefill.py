@@ -1,0 +1,212 @@
+"""The fused FFN of the prefill program: a chunk of tokens through one layer, weights read once.
+
+``chunk_ffn`` computes, for each token s < seq, exactly what :func:`~picc.codegen_cpu.kernels_ffn.
+sparse_ffn` computes for it alone: ``Y[s] = sum_i h[s, i] down_t[i, :] (+ down_bias)`` over the
+neurons active *for that token* (its own mask byte, gate or ``|h|`` against the threshold, as in
+the decode kernel's ``mode``); the others contribute exactly zero. What changes is the order of
+work, so that each weight row is read from memory once per chunk instead of once per token:
+
+1. Threads split the neurons. A neuron's gate row (and up row) is dequantised once into a stack
+   buffer, then dotted with every token's x, four tokens per pass over the row; ``h[s, i]`` goes
+   to ``H`` (scratch, [seq, n] f32), 0 where the neuron is inactive for token s. Rows nobody in
+   the chunk needs are skipped: a predicted neuron no token selected reads nothing; a gate-first
+   neuron whose gate passed for no token skips its up row.
+2. Barrier. Threads split the hidden columns (32 at a time, so a block format's blocks are not
+   shared). For each neuron live for some token, its slice of ``down_t`` is dequantised once and
+   added, times ``h[s, i]``, into each token's row of Y where ``h[s, i]`` is nonzero.
+
+``mask`` (predictor mode) is [seq, mask_stride] bytes, this partition's first neuron at column 0.
+Sums run in a different order than the decode kernel's (f32 rounding differs at the 1e-7 level).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from picc import kernel_names as names
+from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
+from picc.codegen_cpu.kernel import Kernel, kernel_fn
+from picc.codegen_cpu.kernels_dense import dot_tile
+from picc.codegen_cpu.kernels_ffn import FORMS, MODES, plus_bias
+from picc.codegen_cpu.rowops import ELEMENT_BYTES, block_bytes, check_dtype, emit_row_bytes, emit_row_to_f32, is_blocked
+from picc.errors import PiccError
+
+CHUNK_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
+                    ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("mask", "ptr"), ("scratch", "ptr"),
+                    ("seq", "i32"), ("mask_stride", "i32"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"))
+_TILE = 4  # tokens dotted per pass over a dequantised row
+_V16 = vec(16)
+_LINE = 64
+
+
+def chunk_ffn_scratch_bytes(seq: int, n: int) -> int:
+    """Bytes of the ``scratch`` :func:`chunk_ffn` needs for ``seq`` tokens and ``n`` neurons."""
+    return -(-4 * seq * n // _LINE) * _LINE + -(-n // _LINE) * _LINE
+
+
+def _dots_all_tokens(fn: Fn, wrow: str, k: str, seq: str, consume) -> None:  # noqa: ANN001 - (s, dot) -> None
+    """``consume(s, wrow . x[s])`` for every token s < seq (f32 row of k floats, x rows k apart)."""
+    xrow = fn.v(f"shl i64 {k}, 2", "xrowb")
+    tiles = fn.v(f"sub i64 {seq}, {fn.v(f'srem i64 {seq}, {_TILE}', 'rem')}", "tiles")
+    with fn.loop("0", tiles, str(_TILE), "s") as s:
+        idx = [s] + [fn.v(f"add i64 {s}, {t}", "st") for t in range(1, _TILE)]
+        xs = [fn.gep("%x", fn.v(f"mul i64 {i}, {xrow}", "xo"), "xr") for i in idx]
+        for i, d in zip(idx, dot_tile(fn, wrow, xs, k), strict=True):
+            consume(i, d)
+    with fn.loop(tiles, seq, "1", "s") as s:
+        (d,) = dot_tile(fn, wrow, [fn.gep("%x", fn.v(f"mul i64 {s}, {xrow}", "xo"), "xr")], k)
+        consume(s, d)
+
+
+def _any_token(fn: Fn, seq: str, test) -> str:  # noqa: ANN001 - s -> i1
+    """An i1: whether ``test(s)`` holds for some token s < seq."""
+    hit = fn.var("i1", "false", "any")
+    with fn.loop("0", seq, hint="s") as s:
+        hit.set(fn.v(f"or i1 {hit.get()}, {test(s)}", "any"))
+    return hit.get("any")
+
+
+@cache
+def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
+              interleaved: bool = False) -> Kernel:
+    """The prefill FFN kernel of ``mode`` and ``form`` (see module doc); ``scratch`` holds
+    :func:`chunk_ffn_scratch_bytes` bytes."""
+    if mode not in MODES or form not in FORMS:
+        raise PiccError(f"codegen_cpu: no prefill FFN kernel for mode {mode!r} and form {form!r}")
+    spec = FORMS[form]
+    if spec.gated != (gate_dtype is not None):
+        raise PiccError(f"codegen_cpu: FFN form {form!r} {'needs' if spec.gated else 'takes no'} gate weights")
+    if mode == "gate-first" and not spec.gated:
+        raise PiccError(f"codegen_cpu: FFN mode 'gate-first' needs a gated form, got {form!r}")
+    for d in (up_dtype, gate_dtype or "f32", down_dtype):
+        check_dtype(d)
+    symbol = names.cpu_chunk_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
+    act = f"@picc_act_{spec.act}"
+    bias_stride = 2 if interleaved else 1
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, CHUNK_FFN_PARAMS)
+        seq, n, hidden = fn.sext("%seq"), fn.sext("%n"), fn.sext("%hidden")
+        tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
+        stride = fn.sext("%mask_stride")
+        rb_up, rb_down = emit_row_bytes(fn, up_dtype, hidden), emit_row_bytes(fn, down_dtype, hidden)
+        rb_gate = emit_row_bytes(fn, gate_dtype, hidden) if gate_dtype else None
+        if interleaved:
+            rb_up = rb_gate = fn.v(f"shl i64 {rb_up}, 1", "rb2")
+        floats = fn.v(f"mul i64 {seq}, {n}", "sn")
+        floats = fn.v(f"and i64 {fn.v(f'add i64 {floats}, 15', 'r')}, -16", "hn")
+        live = fn.gep("%scratch", fn.v(f"shl i64 {floats}, 2", "hb"), "live")  # one byte per neuron
+        ubuf = fn.alloca_array(F32, hidden, "ubuf")
+        gbuf = fn.alloca_array(F32, hidden, "gbuf")
+        dbuf = fn.alloca_array(F32, hidden, "dbuf")
+        thr = "%threshold"
+
+        def h_at(s: str, i: str) -> str:
+            return fn.at("%scratch", 4, fn.v(f"add i64 {fn.v(f'mul i64 {s}, {n}', 'sn')}, {i}", "si"), "hp")
+
+        def selected(s: str, i: str) -> str:
+            m = fn.load("i8", fn.gep("%mask", fn.v(f"add i64 {fn.v(f'mul i64 {s}, {stride}', 'ms')}, {i}", "mi")), 1)
+            return fn.v(f"icmp ne i8 {m}, 0", "sel")
+
+        def absf(v: str) -> str:
+            return fn.v(f"call float @llvm.fabs.f32(float {v})", "abs")
+
+        # -- phase 1: h[s, i] for this thread's neurons
+        lo, hi = chunk_bounds(fn, n, tid, nthreads)
+        with fn.loop(lo, hi, hint="i") as i:
+            alive = fn.var("i8", "0", "alive")
+            needed = _any_token(fn, seq, lambda s: selected(s, i)) if mode == "predictor" else "true"
+            with fn.if_(needed):
+                if spec.gated:
+                    emit_row_to_f32(fn, gate_dtype, fn.gep("%gate", fn.v(f"mul i64 {i}, {rb_gate}", "go")), gbuf,
+                                    hidden, simd)
+
+                    def store_act(s: str, g: str) -> None:
+                        a = fn.v(f"call float {act}(float {plus_bias(fn, g, '%gate_bias', i, bias_stride)})", "a")
+                        fn.store(F32, a, h_at(s, i), 4)
+
+                    _dots_all_tokens(fn, gbuf, hidden, seq, store_act)
+                # dReLU's gate-first test is |h| > threshold, decided after up; relu(g) = 0 means h = 0.
+                cut = fconst(0.0) if spec.act_on_up else thr
+                if mode == "gate-first":
+                    up_needed = _any_token(fn, seq, lambda s: fn.v(
+                        f"fcmp ogt float {absf(fn.load(F32, h_at(s, i), 4, 'a'))}, {cut}", "pass"))
+                else:
+                    up_needed = "true"
+                with fn.if_(up_needed):
+                    emit_row_to_f32(fn, up_dtype, fn.gep("%up", fn.v(f"mul i64 {i}, {rb_up}", "uo")), ubuf,
+                                    hidden, simd)
+
+                    def store_h(s: str, u: str) -> None:
+                        hp = h_at(s, i)
+                        u = plus_bias(fn, u, "%up_bias", i, bias_stride)
+                        if spec.gated:
+                            a = fn.load(F32, hp, 4, "a")
+                            if spec.act_on_up:
+                                u = fn.v(f"call float {act}(float {u})", "au")
+                            h = fn.v(f"fmul float {a}, {u}", "h")
+                        else:
+                            h = fn.v(f"call float {act}(float {u})", "h")
+                        if mode == "predictor":
+                            keep = selected(s, i)
+                        elif mode == "gate-first":
+                            keep = fn.v(f"fcmp ogt float {absf(fn.load(F32, hp, 4, 'a'))}, {cut}", "keep")
+                            if spec.act_on_up:
+                                keep = fn.v(f"and i1 {keep}, {fn.v(f'fcmp ogt float {absf(h)}, {thr}', 'big')}",
+                                            "keep")
+                        elif mode == "down-only":
+                            keep = fn.v(f"fcmp ogt float {absf(h)}, {thr}", "keep")
+                        else:
+                            keep = "true"
+                        h = fn.v(f"select i1 {keep}, float {h}, float 0.0", "h")
+                        fn.store(F32, h, hp, 4)
+                        nz = fn.v(f"zext i1 {fn.v(f'fcmp one float {h}, 0.0', 'nz')} to i8", "nz8")
+                        alive.set(fn.v(f"or i8 {alive.get()}, {nz}", "alive"))
+
+                    _dots_all_tokens(fn, ubuf, hidden, seq, store_h)
+            with fn.if_(fn.v(f"icmp eq i8 {alive.get()}, 0", "dead")), fn.loop("0", seq, hint="s") as s:
+                fn.store(F32, fconst(0.0), h_at(s, i), 4)
+            fn.store("i8", alive.get(), fn.gep(live, i), 1)
+        fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+
+        # -- phase 2: Y[s, c0:c1] = sum_i h[s, i] down_t[i, c0:c1] (+ bias) for this thread's columns
+        c0, c1 = chunk_bounds(fn, hidden, tid, nthreads, align=32)
+        width = fn.v(f"sub i64 {c1}, {c0}", "width")
+        w16 = fn.v(f"and i64 {width}, -16", "w16")
+        ybytes = fn.v(f"shl i64 {hidden}, 2", "yrowb")
+
+        def yrow(s: str) -> str:
+            return fn.at(fn.gep("%y", fn.v(f"mul i64 {s}, {ybytes}", "yo")), 4, c0, "yr")
+
+        with fn.loop("0", seq, hint="s") as s:
+            fn.emit(f"call void @llvm.memset.p0.i64(ptr align 4 {yrow(s)}, i8 0, i64 "
+                    f"{fn.v(f'shl i64 {width}, 2', 'wb')}, i1 false)")
+        first = (fn.v(f"mul i64 {fn.v(f'lshr i64 {c0}, 5', 'b0')}, {block_bytes(down_dtype)}", "co")
+                 if is_blocked(down_dtype) else fn.v(f"mul i64 {c0}, {ELEMENT_BYTES[down_dtype]}", "co"))
+        with fn.loop("0", n, hint="i") as i, fn.if_(
+                fn.v(f"icmp ne i8 {fn.load('i8', fn.gep(live, i), 1, 'lv')}, 0", "islive")):
+            drow = fn.gep(fn.gep("%down", fn.v(f"mul i64 {i}, {rb_down}", "do")), first, "dr")
+            emit_row_to_f32(fn, down_dtype, drow, dbuf, width, simd)
+            with fn.loop("0", seq, hint="s") as s:
+                h = fn.load(F32, h_at(s, i), 4, "h")
+                with fn.if_(fn.v(f"fcmp one float {h}, 0.0", "nz")):
+                    y = yrow(s)
+                    hv = fn.splat(16, h)
+                    with fn.loop("0", w16, "16", "j") as j:
+                        yp = fn.at(y, 4, j)
+                        fn.store(_V16, fn.fma(_V16, hv, fn.load(_V16, fn.at(dbuf, 4, j), 4, "d"),
+                                              fn.load(_V16, yp, 4, "y")), yp, 4)
+                    with fn.loop(w16, width, hint="j") as j:
+                        yp = fn.at(y, 4, j)
+                        fn.store(F32, fn.fma(F32, h, fn.load(F32, fn.at(dbuf, 4, j), 4, "d"),
+                                             fn.load(F32, yp, 4, "y")), yp, 4)
+        with fn.if_(fn.v("icmp ne ptr %down_bias, null", "hasb")), fn.loop("0", seq, hint="s") as s:
+            y = yrow(s)
+            with fn.loop("0", width, hint="j") as j:
+                yp = fn.at(y, 4, j)
+                b = fn.load(F32, fn.at("%down_bias", 4, fn.v(f"add i64 {c0}, {j}", "cj")), 4, "b")
+                fn.store(F32, fn.v(f"fadd float {fn.load(F32, yp, 4, 'y')}, {b}", "yb"), yp, 4)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, CHUNK_FFN_PARAMS, emit, chunk_ffn.__doc__ or "")

@@ -1,0 +1,157 @@
+"""The prefill program's pieces: the chunk FFN kernel against numpy, and per-token calls.
+
+``chunk_ffn`` must give each token of a chunk what the decode kernel gives it alone: the FFN over
+that token's own active set. References are float64 numpy on the same dequantised weights, with
+the tolerances of ``test_codegen_cpu_kernels`` (1e-5 for f32 weights, 1e-4 for the others; see
+there why). Thresholds sit in gaps between the scores of all tokens (``gap_threshold``), so
+rounding cannot move a decision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_codegen_cpu_kernels import QUANT_TOL, act64, gap_threshold, rel_err, run, tol, weights
+
+from picc.codegen_cpu import SYNC_BYTES, Buf, Param, Program, ThreadTeam, aligned_zeros, buffer_table, compile_kernels
+from picc.codegen_cpu.kernels_ffn import FORMS, predictor, predictor_scratch_bytes
+from picc.codegen_cpu.kernels_prefill import chunk_ffn, chunk_ffn_scratch_bytes
+
+DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+THREADS = (1, 2, 3)
+CASES = ([("predictor", "swiglu", d, il) for d in DTYPES for il in (False, True)]
+         + [(m, "swiglu", d, False) for m in ("dense", "gate-first", "down-only") for d in ("f16", "q4_0")]
+         + [("predictor", "relu", "q8_0", False), ("down-only", "relu", "f32", False),
+            ("gate-first", "drelu", "f32", False), ("down-only", "geglu", "f16", True), ("predictor", "reglu", "q4_1", True)])
+
+
+def _kernels():
+    ks = [chunk_ffn(m, f, d, d if FORMS[f].gated else None, d, il) for m, f, d, il in CASES]
+    return ks + [predictor("f32", "f32")]
+
+
+@pytest.fixture(scope="module")
+def host():
+    return compile_kernels(_kernels(), simd="host")
+
+
+@pytest.fixture(scope="module")
+def teams():
+    made = {n: ThreadTeam(n) for n in THREADS}
+    yield made
+    for t in made.values():
+        t.close()
+
+
+class ChunkCase:
+    """An FFN of one form, ``seq`` token rows of x, and the float64 reference per token."""
+
+    def __init__(self, form: str, dtype: str, seq: int, n: int = 67, biases: bool = True, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.spec, self.n, self.seq = FORMS[form], n, seq
+        self.hidden = h = 96 if dtype in ("q8_0", "q4_0", "q4_1") else 100
+        self.x = rng.normal(size=(seq, h)).astype(np.float32)
+        self.up_raw, self.up = weights(rng, (n, h), dtype, h**-0.5)
+        self.gate_raw, self.gate = weights(rng, (n, h), dtype, h**-0.5) if self.spec.gated else (None, None)
+        self.down_raw, self.down = weights(rng, (n, h), dtype, n**-0.5)
+        rand = (lambda size: rng.normal(0, 0.1, size=size).astype(np.float32)) if biases else (lambda size: None)
+        self.up_bias = rand(n)
+        self.gate_bias = rand(n) if self.spec.gated else None
+        self.down_bias = rand(h)
+
+    def act_gate(self) -> np.ndarray:
+        return act64(self.spec.act, self.x.astype(np.float64) @ self.gate.T.astype(np.float64) + _or0(self.gate_bias))
+
+    def h(self) -> np.ndarray:
+        u = self.x.astype(np.float64) @ self.up.T.astype(np.float64) + _or0(self.up_bias)
+        if not self.spec.gated:
+            return act64(self.spec.act, u)
+        return self.act_gate() * (act64(self.spec.act, u) if self.spec.act_on_up else u)
+
+    def reference(self, active: np.ndarray) -> np.ndarray:
+        return np.where(active, self.h(), 0) @ self.down.astype(np.float64) + _or0(self.down_bias)
+
+    def run(self, module, team, kernel, *, mask=None, threshold=0.0, interleaved=False, stride=None):
+        y = np.full((self.seq, self.hidden), np.nan, np.float32)
+        stride = stride or self.n
+        masks = np.zeros((self.seq, stride), np.uint8)
+        if mask is not None:
+            masks[:, : self.n] = mask
+        scratch = aligned_zeros(chunk_ffn_scratch_bytes(self.seq, self.n))
+        up, gate, up_bias, gate_bias = self.up_raw, self.gate_raw, self.up_bias, self.gate_bias
+        if interleaved:
+            both = np.ascontiguousarray(np.stack([self.up_raw.reshape(self.n, -1), self.gate_raw.reshape(self.n, -1)], 1))
+            up, gate = both, both.reshape(-1)[both.shape[2]:]
+            if up_bias is not None:
+                biases = np.ascontiguousarray(np.stack([self.up_bias, self.gate_bias], 1))
+                up_bias, gate_bias = biases, biases.reshape(-1)[1:]
+        run(module, team, kernel, self.x, up, gate, self.down_raw, up_bias, gate_bias, self.down_bias, y, masks,
+            scratch, self.seq, stride, self.n, self.hidden, threshold)
+        return y
+
+
+def _or0(bias):
+    return 0 if bias is None else bias
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("mode, form, dtype, interleaved", CASES)
+def test_chunk_ffn_gives_each_token_its_own_active_set(host, teams, mode, form, dtype, interleaved, threads):
+    # 7 tokens: one tile of four, then three alone.
+    case = ChunkCase(form, dtype, seq=7, seed=CASES.index((mode, form, dtype, interleaved)))
+    kernel = chunk_ffn(mode, form, dtype, dtype if case.spec.gated else None, dtype, interleaved)
+    rng = np.random.default_rng(1)
+    if mode == "predictor":
+        for density in (0.0, 0.05, 0.4, 1.0):
+            active = rng.random((case.seq, case.n)) < density
+            active[3] = False  # a token with nothing active: y = its bias alone
+            y = case.run(host, teams[threads], kernel, mask=active, interleaved=interleaved, stride=case.n + 13)
+            assert rel_err(y, case.reference(active)) <= tol(dtype), density
+            np.testing.assert_array_equal(y[3], case.down_bias)
+        return
+    if mode == "dense":
+        y = case.run(host, teams[threads], kernel, interleaved=interleaved)
+        assert rel_err(y, case.reference(np.ones((case.seq, case.n), bool))) <= tol(dtype)
+        return
+    # gate-first decides on act(gate); down-only, and dReLU in gate-first mode, on |h|.
+    scores = case.act_gate() if mode == "gate-first" and not case.spec.act_on_up else case.h()
+    for keep in (0.1, 0.5):
+        thr = gap_threshold(scores.ravel(), keep)
+        y = case.run(host, teams[threads], kernel, threshold=thr, interleaved=interleaved)
+        assert rel_err(y, case.reference(np.abs(scores) > thr)) <= tol(dtype), keep
+
+
+def test_chunk_ffn_of_one_token_is_deterministic_and_skips_dead_neurons(host, teams):
+    case = ChunkCase("swiglu", "q4_1", seq=1, n=200, biases=False, seed=3)
+    kernel = chunk_ffn("predictor", "swiglu", "q4_1", "q4_1", "q4_1")
+    active = np.zeros((1, case.n), bool)
+    active[0, [0, 57, 199]] = True
+    y = case.run(host, teams[3], kernel, mask=active)
+    assert rel_err(y, case.reference(active)) <= QUANT_TOL
+    for _ in range(3):  # neurons in a fixed order whatever the threads: the same bits every run
+        np.testing.assert_array_equal(case.run(host, teams[2], kernel, mask=active), y)
+    np.testing.assert_array_equal(case.run(host, teams[2], kernel, mask=np.zeros_like(active)), 0.0)
+
+
+def test_a_per_token_call_runs_once_per_token_with_strided_operands(teams):
+    # The predictor sees one token; repeated over ``seq`` tokens (a parameter read when the program
+    # runs), each token reads its own row of x and writes its own row of the mask.
+    rng = np.random.default_rng(5)
+    hidden, rank, n, chunk = 40, 8, 50, 6
+    fc1, fc2 = rng.normal(size=(rank, hidden)).astype(np.float32), rng.normal(size=(n, rank)).astype(np.float32)
+    x = rng.normal(size=(chunk, hidden)).astype(np.float32)
+    masks = np.full((chunk, n), 7, np.uint8)
+    params = np.zeros(4, np.int32)
+    scratch = aligned_zeros(predictor_scratch_bytes(rank))
+    prog = Program("per_token", sync=0)
+    prog.call(predictor("f32", "f32"), Buf(1, stride=4 * hidden), Buf(2), Buf(5), Buf(3), Buf(5),
+              Buf(4, stride=n), Buf(6), hidden, rank, n, 0.0, repeat=Param(7, 0))
+    module = compile_kernels([predictor("f32", "f32")], [prog], simd="host")
+    sync = aligned_zeros(SYNC_BYTES)
+    table = buffer_table([sync, x, fc1, fc2, masks, None, scratch, params])
+    fn = module.function("per_token", [type(table), np.ctypeslib.ctypes.c_int32, np.ctypeslib.ctypes.c_int32])
+    params[0] = 4  # four of the six rows
+    teams[2].run_each(lambda tid: fn(table, tid, 2))
+    logits = np.maximum(x @ fc1.T, 0) @ fc2.T
+    np.testing.assert_array_equal(masks[:4], (logits[:4] > 0).astype(np.uint8))
+    np.testing.assert_array_equal(masks[4:], 7)  # rows past seq untouched
