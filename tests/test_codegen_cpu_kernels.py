@@ -334,17 +334,23 @@ def test_predictor(host, teams, dtype, threads):
     rng = np.random.default_rng(14)
     hidden, rank, n = 100, 24, 131
     fc1_raw, fc1 = weights(rng, (rank, hidden), dtype, hidden**-0.5)
-    fc2_raw, fc2 = weights(rng, (n, rank), dtype, rank**-0.5)
+    _, fc2 = weights(rng, (n, rank), dtype, rank**-0.5)
+    fc2t = quant.quantize(np.ascontiguousarray(fc2.T), dtype)  # the kernel reads fc2 transposed (exact)
     b1, b2 = rng.normal(0, 0.1, size=rank).astype(np.float32), rng.normal(0, 0.1, size=n).astype(np.float32)
     x = rng.normal(size=hidden).astype(np.float32)
-    logits = np.maximum(fc1.astype(np.float64) @ x + b1, 0) @ fc2.T.astype(np.float64) + b2
-    for keep in (0.0, 0.3, 1.0):
-        thr = {0.0: 1e9, 1.0: -1e9}.get(keep) or gap_threshold(logits - logits.min() + 1, keep) + logits.min() - 1
-        mask = np.full(n, 7, np.uint8)
-        scratch = aligned_zeros(predictor_scratch_bytes(rank))
-        run(host, teams[threads], predictor(dtype, dtype), x, fc1_raw, b1, fc2_raw, b2, mask, scratch,
-            hidden, rank, n, thr)
-        np.testing.assert_array_equal(mask, (logits > thr).astype(np.uint8))
+    for bias1, bias2 in ((b1, b2), (None, None)):
+        logits = np.maximum(fc1.astype(np.float64) @ x + _or0(bias1), 0) @ fc2.T.astype(np.float64) + _or0(bias2)
+        for keep in (0.0, 0.3, 1.0):
+            thr = {0.0: 1e9, 1.0: -1e9}.get(keep) or gap_threshold(logits - logits.min() + 1, keep) + logits.min() - 1
+            mask = np.full(n, 7, np.uint8)
+            scratch = aligned_zeros(predictor_scratch_bytes(rank))
+            run(host, teams[threads], predictor(dtype, dtype), x, fc1_raw, bias1, fc2t, bias2, mask, scratch,
+                hidden, rank, n, thr)
+            np.testing.assert_array_equal(mask, (logits > thr).astype(np.uint8))
+
+
+def _or0(bias: np.ndarray | None) -> np.ndarray | float:
+    return 0.0 if bias is None else bias
 
 
 # ------------------------------------------------------------------ small kernels

@@ -148,7 +148,8 @@ def test_a_per_token_call_runs_once_per_token_with_strided_operands(teams):
               Buf(4, stride=n), Buf(6), hidden, rank, n, 0.0, repeat=Param(7, 0))
     module = compile_kernels([predictor("f32", "f32")], [prog], simd="host")
     sync = aligned_zeros(SYNC_BYTES)
-    table = buffer_table([sync, x, fc1, fc2, masks, None, scratch, params])
+    fc2t = np.ascontiguousarray(fc2.T)  # the kernel reads fc2 transposed; the table only points at it
+    table = buffer_table([sync, x, fc1, fc2t, masks, None, scratch, params])
     fn = module.function("per_token", [type(table), np.ctypeslib.ctypes.c_int32, np.ctypeslib.ctypes.c_int32])
     params[0] = 4  # four of the six rows
     teams[2].run_each(lambda tid: fn(table, tid, 2))

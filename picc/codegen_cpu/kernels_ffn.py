@@ -65,7 +65,7 @@ MODES = ("predictor", "dense", "gate-first", "down-only")
 FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
               ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("mask", "ptr"), ("count", "ptr"),
               ("scratch", "ptr"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"))
-PREDICT_PARAMS = (("x", "ptr"), ("fc1", "ptr"), ("b1", "ptr"), ("fc2", "ptr"), ("b2", "ptr"), ("mask", "ptr"),
+PREDICT_PARAMS = (("x", "ptr"), ("fc1", "ptr"), ("b1", "ptr"), ("fc2t", "ptr"), ("b2", "ptr"), ("mask", "ptr"),
                   ("scratch", "ptr"), ("hidden", "i32"), ("rank", "i32"), ("n", "i32"), ("threshold", "f32"))
 _LINE = 64
 # Rows are prefetched this many pairs of neurons ahead: a pair of gathered rows is computed in less
@@ -320,34 +320,70 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
 
 @cache
 def predictor(fc1_dtype: str, fc2_dtype: str) -> Kernel:
-    """``mask[i] = fc2[i] . relu(fc1 x + b1) + b2[i] > threshold`` as one byte (0 / 1) per neuron.
+    """``mask[i] = sum_r relu(fc1 x + b1)[r] fc2t[r, i] + b2[i] > threshold`` as one byte per neuron.
 
-    fc1 is [rank, hidden], fc2 [n, rank]; biases may be null. ``scratch`` holds
-    :func:`predictor_scratch_bytes` bytes (the hidden layer). Threads split fc1's rows, meet at
-    the barrier, then split fc2's rows.
+    fc1 is [rank, hidden]; ``fc2t`` is the predictor's fc2 transposed, [rank, n] (the lowering
+    stores it so: a row of fc2 is only ``rank`` long, and a dot product that short spends as much
+    on its horizontal sum as on its products). Biases may be null. ``scratch`` holds
+    :func:`predictor_scratch_bytes` bytes (the hidden layer). Threads split fc1's rows, meet at the
+    barrier, then split the n outputs, 64 at a time in registers, adding ``h[r] fc2t[r]`` for the
+    rows r where h (after the ReLU) is not zero.
     """
     for d in (fc1_dtype, fc2_dtype):
         if d not in ("f32", "f16"):
             raise PiccError(f"codegen_cpu: predictor weights must be f32 or f16, got {d!r}")
     symbol = names.cpu_predictor(fc1_dtype, fc2_dtype)
+    size = 4 if fc2_dtype == "f32" else 2
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, PREDICT_PARAMS)
         hidden, rank, n = fn.sext("%hidden"), fn.sext("%rank"), fn.sext("%n")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         hid = fn.gep("%scratch", "0", "hid")
-        rb1, rb2 = emit_row_bytes(fn, fc1_dtype, hidden), emit_row_bytes(fn, fc2_dtype, rank)
+        rb1 = emit_row_bytes(fn, fc1_dtype, hidden)
         lo, hi = chunk_bounds(fn, rank, tid, nthreads)
         with fn.loop(lo, hi, hint="r") as r:
             (d,) = emit_dots(fn, [(fc1_dtype, fn.gep("%fc1", fn.v(f"mul i64 {r}, {rb1}", "ro")))], "%x", hidden, simd)
             fn.store(F32, fn.v(f"call float @picc_act_relu(float {plus_bias(fn, d, '%b1', r)})", "hr"),
                      fn.at(hid, 4, r), 4)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
-        lo2, hi2 = chunk_bounds(fn, n, tid, nthreads)
-        with fn.loop(lo2, hi2, hint="i") as i:
-            (d,) = emit_dots(fn, [(fc2_dtype, fn.gep("%fc2", fn.v(f"mul i64 {i}, {rb2}", "ro")))], hid, rank, simd)
-            hit = fn.v(f"fcmp ogt float {plus_bias(fn, d, '%b2', i)}, %threshold", "hit")
-            fn.store("i8", fn.v(f"zext i1 {hit} to i8", "m"), fn.gep("%mask", i), 1)
+        c0, c1 = chunk_bounds(fn, n, tid, nthreads, align=16)
+        w = fn.v(f"sub i64 {c1}, {c0}", "w")
+        c64 = fn.v(f"add i64 {c0}, {fn.v(f'and i64 {w}, -64', 'w64')}", "c64")
+        c16 = fn.v(f"add i64 {c0}, {fn.v(f'and i64 {w}, -16', 'w16')}", "c16")
+
+        def outputs(first: str, lanes: int, count: int) -> None:
+            """Outputs ``first ..`` : ``count`` vectors of ``lanes`` accumulated over the rank."""
+            ty = vec(lanes) if lanes > 1 else F32
+            wty = (vec(lanes, "half") if lanes > 1 else "half") if size == 2 else ty
+            offs = [fn.v(f"add i64 {first}, {lanes * q}", "cq") for q in range(count)]
+            accs = [fn.var(ty, "zeroinitializer" if lanes > 1 else fconst(0.0), "acc") for _ in offs]
+            with fn.loop("0", rank, hint="r") as r:
+                h = fn.load(F32, fn.at(hid, 4, r), 4, "h")
+                with fn.if_(fn.v(f"fcmp one float {h}, 0.0", "nz")):
+                    hv = fn.splat(lanes, h) if lanes > 1 else h
+                    row = fn.gep("%fc2t", fn.v(f"mul i64 {r}, {fn.v(f'mul i64 {n}, {size}', 'rb')}", "ro"))
+                    for acc, c in zip(accs, offs, strict=True):
+                        wv = fn.load(wty, fn.at(row, size, c), size, "w")
+                        if size == 2:
+                            wv = fn.v(f"fpext {wty} {wv} to {ty}", "wf")
+                        acc.set(fn.fma(ty, hv, wv, acc.get()))
+            thr = fn.splat(lanes, "%threshold") if lanes > 1 else "%threshold"
+            bytes_ty = vec(lanes, "i8") if lanes > 1 else "i8"
+            for acc, c in zip(accs, offs, strict=True):
+                logit = fn.var(ty, acc.get(), "logit")
+                with fn.if_(fn.v("icmp ne ptr %b2, null", "hasb")):
+                    logit.set(fn.v(f"fadd {ty} {logit.get()}, {fn.load(ty, fn.at('%b2', 4, c), 4, 'b')}", "lb"))
+                hit = fn.v(f"fcmp ogt {ty} {logit.get()}, {thr}", "hit")
+                fn.store(bytes_ty, fn.v(f"zext {vec(lanes, 'i1') if lanes > 1 else 'i1'} {hit} to {bytes_ty}", "m"),
+                         fn.gep("%mask", c), 1)
+
+        with fn.loop(c0, c64, "64", "c") as c:
+            outputs(c, 16, 4)
+        with fn.loop(c64, c16, "16", "c") as c:
+            outputs(c, 16, 1)
+        with fn.loop(c16, c1, "1", "c") as c:
+            outputs(c, 1, 1)
         fn.ret_void()
         return fn.text()
 

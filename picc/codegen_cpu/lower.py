@@ -217,6 +217,17 @@ class _Lowering:
             self.weight_index[name] = len(self.out.buffers) - 1
         return Buf(self.weight_index[name], offset)
 
+    def transposed(self, name: str) -> Buf:
+        """A matrix stored transposed, in its own format (f32 / f16: exact), as an extra tensor."""
+        converted = f"cpu.t.{name}"
+        if converted not in self.out.extra:
+            t = self.weights[name]
+            self.out.extra[converted] = Tensor.from_f32(np.ascontiguousarray(t.to_f32().T), t.dtype)
+        if converted not in self.weight_index:
+            self.out.buffers.append({"kind": "weight", "name": converted})
+            self.weight_index[converted] = len(self.out.buffers) - 1
+        return Buf(self.weight_index[converted])
+
     def array(self, name: str, values: np.ndarray) -> Buf:
         """A constant f32 vector (rotary frequencies) stored as an extra tensor."""
         if name not in self.out.extra:
@@ -336,7 +347,7 @@ class _Lowering:
                 rank, hidden = int(fc1.shape[0]), int(fc1.shape[1])
                 self.scratch = max(self.scratch, kernels_ffn.predictor_scratch_bytes(rank))
                 self.call(op, kernels_ffn.predictor(fc1.dtype.value, fc2.dtype.value), self.value(op.x),
-                          self.weight(op.fc1), self.weight(op.fc1_bias, as_f32=True), self.weight(op.fc2),
+                          self.weight(op.fc1), self.weight(op.fc1_bias, as_f32=True), self.transposed(op.fc2),
                           self.weight(op.fc2_bias, as_f32=True), self.activation(op.result),
                           Buf(self.scratch_index), hidden, rank, int(fc2.shape[0]), float(op.threshold))
             case FusedFFN():
