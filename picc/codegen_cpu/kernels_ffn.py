@@ -156,15 +156,9 @@ def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, ti
             fn.store(ty, s.get(), fn.gep(y, off, "yp"), 4)
 
 
-@cache
-def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-               interleaved: bool = False) -> Kernel:
-    """The fused FFN kernel of ``mode`` and ``form`` for the given weight formats (see module doc).
-
-    ``scratch`` holds :func:`ffn_scratch_bytes` bytes. In the sparse modes ``count`` (when not
-    null) receives the number of active neurons (for dReLU in gate-first mode, of those whose gate
-    passed, before ``|h| > threshold`` is checked). ``mask`` is read in predictor mode only.
-    """
+def check_ffn_kernel(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
+                     interleaved: bool) -> Form:
+    """The form's spec, after checking that a fused FFN kernel of these parameters makes sense."""
     if mode not in MODES:
         raise PiccError(f"codegen_cpu: FFN mode {mode!r} is not one of {', '.join(MODES)}")
     if form not in FORMS:
@@ -179,6 +173,19 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
     if interleaved and (not spec.gated or gate_dtype != up_dtype or mode == "gate-first"):
         raise PiccError(f"codegen_cpu: interleaved up/gate rows need a gated form, one format and a mode that "
                         f"gathers both rows, got {form!r} {mode!r}")
+    return spec
+
+
+@cache
+def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
+               interleaved: bool = False) -> Kernel:
+    """The fused FFN kernel of ``mode`` and ``form`` for the given weight formats (see module doc).
+
+    ``scratch`` holds :func:`ffn_scratch_bytes` bytes. In the sparse modes ``count`` (when not
+    null) receives the number of active neurons (for dReLU in gate-first mode, of those whose gate
+    passed, before ``|h| > threshold`` is checked). ``mask`` is read in predictor mode only.
+    """
+    spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
     symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
     act = f"@picc_act_{spec.act}"
     bias_stride = 2 if interleaved else 1

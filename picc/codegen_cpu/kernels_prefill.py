@@ -27,9 +27,8 @@ from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_dense import dot_tile
-from picc.codegen_cpu.kernels_ffn import FORMS, MODES, plus_bias
-from picc.codegen_cpu.rowops import ELEMENT_BYTES, block_bytes, check_dtype, emit_row_bytes, emit_row_to_f32, is_blocked
-from picc.errors import PiccError
+from picc.codegen_cpu.kernels_ffn import check_ffn_kernel, plus_bias
+from picc.codegen_cpu.rowops import ELEMENT_BYTES, block_bytes, emit_row_bytes, emit_row_to_f32, is_blocked
 
 CHUNK_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
                     ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("mask", "ptr"), ("scratch", "ptr"),
@@ -71,15 +70,7 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
               interleaved: bool = False) -> Kernel:
     """The prefill FFN kernel of ``mode`` and ``form`` (see module doc); ``scratch`` holds
     :func:`chunk_ffn_scratch_bytes` bytes."""
-    if mode not in MODES or form not in FORMS:
-        raise PiccError(f"codegen_cpu: no prefill FFN kernel for mode {mode!r} and form {form!r}")
-    spec = FORMS[form]
-    if spec.gated != (gate_dtype is not None):
-        raise PiccError(f"codegen_cpu: FFN form {form!r} {'needs' if spec.gated else 'takes no'} gate weights")
-    if mode == "gate-first" and not spec.gated:
-        raise PiccError(f"codegen_cpu: FFN mode 'gate-first' needs a gated form, got {form!r}")
-    for d in (up_dtype, gate_dtype or "f32", down_dtype):
-        check_dtype(d)
+    spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
     symbol = names.cpu_chunk_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
     act = f"@picc_act_{spec.act}"
     bias_stride = 2 if interleaved else 1

@@ -212,6 +212,10 @@ class _Lowering:
         elif not as_f32 and t.dtype.value not in _KERNEL_DTYPES:
             raise PiccError(f"codegen_cpu: weight @{name} is {t.dtype.value}; the CPU kernels read "
                             f"{', '.join(_KERNEL_DTYPES)}")
+        return self.tensor_buffer(name, offset)
+
+    def tensor_buffer(self, name: str, offset: int = 0) -> Buf:
+        """The ``bufs`` entry of the .pib tensor ``name`` (a weight or an extra tensor)."""
         if name not in self.weight_index:
             self.out.buffers.append({"kind": "weight", "name": name})
             self.weight_index[name] = len(self.out.buffers) - 1
@@ -223,19 +227,13 @@ class _Lowering:
         if converted not in self.out.extra:
             t = self.weights[name]
             self.out.extra[converted] = Tensor.from_f32(np.ascontiguousarray(t.to_f32().T), t.dtype)
-        if converted not in self.weight_index:
-            self.out.buffers.append({"kind": "weight", "name": converted})
-            self.weight_index[converted] = len(self.out.buffers) - 1
-        return Buf(self.weight_index[converted])
+        return self.tensor_buffer(converted)
 
     def array(self, name: str, values: np.ndarray) -> Buf:
         """A constant f32 vector (rotary frequencies) stored as an extra tensor."""
         if name not in self.out.extra:
             self.out.extra[name] = Tensor.from_f32(values)
-        if name not in self.weight_index:
-            self.out.buffers.append({"kind": "weight", "name": name})
-            self.weight_index[name] = len(self.out.buffers) - 1
-        return Buf(self.weight_index[name])
+        return self.tensor_buffer(name)
 
     def activation(self, value: str) -> Buf:
         if self.chunk is not None:
