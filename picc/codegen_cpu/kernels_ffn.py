@@ -34,11 +34,14 @@ from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.rowops import (
+    NIBBLE_DTYPES,
     check_dtype,
+    emit_add_block_consts,
     emit_axpys,
     emit_dots,
     emit_row_bytes,
     emit_tiled_rows,
+    emit_x_sums,
     zero_floats,
 )
 from picc.errors import PiccError
@@ -206,6 +209,11 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
         lst = fn.gep(seg, nbytes, "lst")
         cnt = fn.gep(lst, nbytes, "cnt")
         zero_floats(fn, ybuf, hidden)
+        xsums = emit_x_sums(fn, "%x", hidden, {up_dtype, gate_dtype or up_dtype})
+        consts = None  # the 4-bit down rows' per-block constant terms (see emit_axpys)
+        if down_dtype in NIBBLE_DTYPES:
+            consts = fn.alloca_array(F32, fn.v(f"lshr i64 {hidden}, 5", "nblk"), "consts")
+            zero_floats(fn, consts, fn.v(f"lshr i64 {hidden}, 5", "nblk"))
 
         def row(mat: str, rb: str, i: str) -> str:
             return fn.gep(mat, fn.v(f"mul i64 {i}, {rb}", "ro"), "row")
@@ -277,7 +285,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                 return [fn.load(F32, fn.at(vals, 4, i), 4, "h") for i in ids]
             rows = [(dt, row(mat, rb, i)) for i in ids for mat, dt, rb in dotted]
             pf = [(dt, row(mat, rb, i)) for i in ahead or [] for mat, dt, rb in dotted]
-            sums = iter(emit_dots(fn, rows, "%x", hidden, simd, pf))
+            sums = iter(emit_dots(fn, rows, "%x", hidden, simd, pf, xsums))
             hs = []
             for i in ids:
                 u = plus_bias(fn, next(sums), "%up_bias", i, bias_stride)
@@ -300,7 +308,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
             with fn.if_(live):
                 rows = [(down_dtype, row("%down", rb_down, i), h) for i, h in zip(ids, hs, strict=True)]
                 pf = [(down_dtype, row("%down", rb_down, i)) for i in ahead or []]
-                emit_axpys(fn, rows, ybuf, hidden, simd, pf)
+                emit_axpys(fn, rows, ybuf, hidden, simd, pf, consts)
 
         # Neurons go in pairs: two rows of each matrix in flight, one pass over ybuf per pair,
         # and the rows of the next pair prefetched along the way (gathered rows defeat the
@@ -317,6 +325,8 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
         with fn.loop(pairs_end, k1, hint="k") as k:
             ids = [neuron(k)]
             accumulate(ids, h_values(ids, None), None)
+        if consts is not None:
+            emit_add_block_consts(fn, ybuf, consts, hidden)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         _reduce(fn, fn.gep("%scratch", "0"), ystride, "%y", "%down_bias", hidden, tid, nthreads)
         fn.ret_void()

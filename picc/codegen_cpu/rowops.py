@@ -11,14 +11,16 @@ block, an f16 scale first::
 Byte j of a nibble block holds element j (low nibble) and element j + 16 (high nibble).
 
 Rows are processed a block of 32 elements at a time, as two ``<16 x float>`` halves (one AVX-512
-register, two AVX2 ones). Dot products keep one accumulator per row (see :func:`emit_dots`): for
-q8_0 / q4_0 ``sum_b d_b (q_b . x_b)`` (the scale applied once per block), for q4_1 the weights
-dequantized in registers. Several rows share each load of ``x``, so the FMA chains of different
-rows overlap. The order of every sum is fixed in the IR (no fast-math
-flags), so AVX2 and AVX-512 builds compute the same bits.
+register, two AVX2 ones). Dot products keep one accumulator per row (see :func:`emit_dots`), the
+block formats' ``sum_b d_b (q_b . x_b)`` with the scale applied once per block and the 4-bit
+formats' constant parts (q4_0's ``- 8``, q4_1's ``m``) moved to sums of x made once per x
+(:func:`emit_x_sums`); AXPYs likewise collect those constant parts per block
+(:func:`emit_axpys`). Several rows share each load of ``x``, so the FMA chains of different rows
+overlap. The order of every sum is fixed in the IR (no fast-math flags), so AVX2 and AVX-512
+builds compute the same bits.
 
 q4_0 / q4_1 nibbles become floats through a 16-entry table (``vpermps``) on AVX-512, through
-integer arithmetic and a conversion elsewhere; both give exactly ``q - 8`` (or ``q``).
+integer arithmetic and a conversion elsewhere; both give exactly ``q`` (or ``q - 8``).
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from picc.errors import PiccError
 
 BLOCK = 32
 V16 = vec(16)
+V8 = vec(8)
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 ELEMENT_BYTES = {"f32": 4, "f16": 2}
 WEIGHT_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+NIBBLE_DTYPES = frozenset({"q4_0", "q4_1"})  # 4-bit formats: x sums needed in dot products
 
 
 def check_dtype(dtype: str) -> None:
@@ -97,8 +101,8 @@ def _nibble_floats(fn: Fn, qptr: str, signed: bool, simd: str) -> tuple[str, str
     return out[0], out[1]
 
 
-def load_block(fn: Fn, dtype: str, row: str, b: str, simd: str) -> Block:
-    """Block ``b`` (i64) of ``row``."""
+def load_block(fn: Fn, dtype: str, row: str, b: str, simd: str, q4_0_raw: bool = False) -> Block:
+    """Block ``b`` (i64) of ``row``; with ``q4_0_raw``, q4_0's quants as stored (``q``, not ``q - 8``)."""
     bptr = fn.at(row, block_bytes(dtype), b, "blk")
     if dtype in ("f32", "f16"):
         ty = F32 if dtype == "f32" else "half"
@@ -116,7 +120,7 @@ def load_block(fn: Fn, dtype: str, row: str, b: str, simd: str) -> Block:
                        f"to {V16}", "qf") for h in (0, 1))
         return Block(lo, hi, d)
     if dtype == "q4_0":
-        lo, hi = _nibble_floats(fn, fn.gep(bptr, "2"), True, simd)
+        lo, hi = _nibble_floats(fn, fn.gep(bptr, "2"), not q4_0_raw, simd)
         return Block(lo, hi, d)
     lo, hi = _nibble_floats(fn, fn.gep(bptr, "4"), False, simd)
     return Block(lo, hi, d, fn.v(f"extractelement <2 x float> {dm}, i64 1", "m"))
@@ -155,42 +159,90 @@ Prefetch = list[tuple[str, str]]
 """Rows to prefetch alongside a loop over blocks: ``(dtype, row pointer)``."""
 
 
+@dataclass(frozen=True, slots=True)
+class XSums:
+    """Per-block sums of an ``x`` that the 4-bit formats' dot products read (:func:`emit_x_sums`).
+
+    ``offsets`` (q4_0): ``-8 (x_lo + x_hi)``, 16 floats a block, so that ``(q - 8) . x`` is
+    ``q . x`` plus them; ``folded`` (q4_1): ``x_lo + x_hi`` folded to 8 lanes, for ``m sum(x)``.
+    """
+
+    offsets: str | None
+    folded: str | None
+
+
+def emit_x_sums(fn: Fn, x: str, k: str, dtypes: set[str]) -> XSums | None:
+    """The :class:`XSums` of ``x`` (k elements, i64) that rows of ``dtypes`` need, in stack arrays,
+    or None when none do. Call it outside loops: the arrays are allocated where it is called."""
+    need_off, need_fold = "q4_0" in dtypes, "q4_1" in dtypes
+    if not (need_off or need_fold):
+        return None
+    nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
+    off = fn.alloca_array(V16, nblocks, "xoff") if need_off else None
+    fold = fn.alloca_array(V8, nblocks, "xfold") if need_fold else None
+    with fn.loop("0", nblocks, "1", "b") as b:
+        xp = fn.at(x, 4 * BLOCK, b, "xp")
+        xsum = fn.v(f"fadd {V16} {fn.load(V16, xp, 4, 'xlo')}, {fn.load(V16, fn.gep(xp, '64'), 4, 'xhi')}", "xs")
+        if off:
+            fn.store(V16, fn.v(f"fmul {V16} {xsum}, {vconst(16, fconst(-8.0))}", "xo"), fn.at(off, 64, b), 64)
+        if fold:
+            fn.store(V8, _fold(fn, xsum), fn.at(fold, 32, b), 32)
+    return XSums(off, fold)
+
+
+def _fold(fn: Fn, v16: str) -> str:
+    """Lanes 0-7 plus lanes 8-15 of a ``<16 x float>`` (free on AVX2: two registers)."""
+    halves = [fn.v(f"shufflevector {V16} {v16}, {V16} poison, <8 x i32> "
+                   f"<{', '.join(f'i32 {i}' for i in range(h, h + 8))}>", "half") for h in (0, 8)]
+    return fn.v(f"fadd {V8} {halves[0]}, {halves[1]}", "fold")
+
+
 def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
-              prefetch: Prefetch | None = None) -> list[str]:
+              prefetch: Prefetch | None = None, xsums: XSums | None = None) -> list[str]:
     """``[sum_j row[j] * x[j] for (dtype, row) in rows]`` for an f32 ``x`` of ``k`` (i64) elements.
 
     Block formats need ``k % 32 == 0``; plain formats sum the ``k % 32`` tail in order after the
     blocks. ``prefetch`` rows are prefetched block by block alongside (the next rows to come).
+    ``xsums``: :func:`emit_x_sums` of ``x`` for the rows' formats (needed by q4_0 and q4_1 rows),
+    made once per ``x`` by the caller, outside its loops.
 
-    Each row has ONE 16-lane accumulator (two AVX2 registers), so that four rows in flight fit
-    AVX2's sixteen registers with their operands; a block adds to it, in this order,
-    ``w_lo x_lo`` then ``w_hi x_hi`` (f32, f16; q4_1 with ``w = fma(q, d, m)``, dequantized in
-    registers: cheaper on Zen 3 than a separate sum for the minimums) or
-    ``d (q_lo x_lo + q_hi x_hi)`` (q8_0, q4_0: the scale once per block). The dot product is the
-    sum of the lanes, halving in a fixed order.
+    Register pressure decides the speed here (measured on Zen 3: an accumulator spilled in the
+    block loop cost more than a tenth of a q4_0 GEMV). Plain formats keep a 16-lane accumulator
+    per row and add ``w_lo x_lo`` then ``w_hi x_hi`` to it. Block formats compute the block's
+    ``t = q_lo x_lo + q_hi x_hi`` in 16 lanes, fold it to 8 and add ``d t`` to an 8-lane
+    accumulator (one AVX2 register), so that four rows in flight, x and the temporaries fit
+    AVX2's sixteen registers. The 4-bit formats take ``q`` as stored and move the rest to x's
+    side: q4_0 starts t from ``-8 (x_lo + x_hi)`` (``(q - 8) . x = q . x - 8 sum(x)``), q4_1
+    adds ``m`` times the folded ``x_lo + x_hi`` (``(d q + m) . x = d (q . x) + m sum(x)``). The
+    dot product is the sum of the lanes, halving in a fixed order.
     """
+    need = {dtype for dtype, _ in rows} & NIBBLE_DTYPES
+    if need and (xsums is None or ("q4_0" in need and not xsums.offsets) or ("q4_1" in need and not xsums.folded)):
+        raise PiccError(f"codegen_cpu: dot products of {sorted(need)} rows need x's sums (emit_x_sums)")
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
-    accs = [fn.var(V16, "zeroinitializer", "acc") for _ in rows]
+    accs = [fn.var(V8 if is_blocked(dtype) else V16, "zeroinitializer", "acc") for dtype, _ in rows]
     with fn.loop("0", nblocks, "1", "b") as b:
         for dtype, row in prefetch or []:
             _prefetch_block(fn, dtype, row, b)
         xp = fn.at(x, 4 * BLOCK, b, "xp")
         xlo, xhi = fn.load(V16, xp, 4, "xlo"), fn.load(V16, fn.gep(xp, "64"), 4, "xhi")
         for (dtype, row), acc in zip(rows, accs, strict=True):
-            blk = load_block(fn, dtype, row, b, simd)
-            if blk.m is not None:
-                ds, ms = fn.splat(16, blk.d), fn.splat(16, blk.m)
-                lo, hi = fn.fma(V16, blk.lo, ds, ms, "w"), fn.fma(V16, blk.hi, ds, ms, "w")
-            elif blk.d is None:
-                lo, hi = blk.lo, blk.hi
-            else:
-                t = fn.fma(V16, blk.hi, xhi, fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t"), "t")
-                acc.set(fn.fma(V16, t, fn.splat(16, blk.d), acc.get("acc")))
+            blk = load_block(fn, dtype, row, b, simd, q4_0_raw=True)
+            if blk.d is None:
+                acc.set(fn.fma(V16, blk.hi, xhi, fn.fma(V16, blk.lo, xlo, acc.get("acc"))))
                 continue
-            acc.set(fn.fma(V16, hi, xhi, fn.fma(V16, lo, xlo, acc.get("acc"))))
+            if dtype == "q4_0":
+                start = fn.fma(V16, blk.lo, xlo, fn.load(V16, fn.at(xsums.offsets, 64, b), 64, "xo"), "t")
+            else:
+                start = fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t")
+            t8 = _fold(fn, fn.fma(V16, blk.hi, xhi, start, "t"))
+            value = fn.fma(V8, t8, fn.splat(8, blk.d), acc.get("acc"))
+            if blk.m is not None:
+                value = fn.fma(V8, fn.load(V8, fn.at(xsums.folded, 32, b), 32, "xf"), fn.splat(8, blk.m), value)
+            acc.set(value)
     sums = []
     for (dtype, row), acc in zip(rows, accs, strict=True):
-        total = fn.var(F32, fn.hsum(16, acc.get("acc")), "dot")
+        total = fn.var(F32, fn.hsum(8 if is_blocked(dtype) else 16, acc.get("acc")), "dot")
         if not is_blocked(dtype):
             with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
                 xj = fn.load(F32, fn.at(x, 4, j), 4, "xj")
@@ -200,12 +252,18 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
 
 
 def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: str,
-               prefetch: Prefetch | None = None) -> None:
+               prefetch: Prefetch | None = None, consts: str | None = None) -> None:
     """``y[j] += sum(a * row[j] for (dtype, row, a) in rows)`` for j < k (i64), y f32, rows in order.
 
-    Block formats fold ``a`` into the block's scale (``y += (a d) q (+ a m)``), one rounding away
-    from ``a * (d q)``; the f32 accumulation in y bounds the error anyway.
+    Block formats fold ``a`` into the block's scale (``y += (a d) q``), one rounding away from
+    ``a * (d q)``; the f32 accumulation in y bounds the error anyway. The 4-bit formats add the
+    part of a block that is the same for all its 32 elements (q4_0: ``-8 a d``, q4_1: ``a m``) to
+    ``consts[b]`` (one float per block, i64 ``k / 32`` of them) instead of to each element: the
+    caller adds them to y at the end (:func:`emit_add_block_consts`), saving a vector operation
+    per 8 elements of every row.
     """
+    if any(dtype in NIBBLE_DTYPES for dtype, _, _ in rows) and consts is None:
+        raise PiccError("codegen_cpu: AXPYs of 4-bit rows need a per-block constants array")
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
     coef = [fn.splat(16, a, hint="a") for _, _, a in rows]
     with fn.loop("0", nblocks, "1", "b") as b:
@@ -214,20 +272,28 @@ def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: s
         yp = fn.at(y, 4 * BLOCK, b, "yp")
         yhp = fn.gep(yp, "64", "yhp")
         ylo, yhi = fn.load(V16, yp, 4, "ylo"), fn.load(V16, yhp, 4, "yhi")
+        shared: list[str] = []  # this block's constant terms
         for (dtype, row, a), av in zip(rows, coef, strict=True):
-            blk = load_block(fn, dtype, row, b, simd)
+            blk = load_block(fn, dtype, row, b, simd, q4_0_raw=True)
             if blk.d is None:
                 scale = av
             else:
-                scale = fn.splat(16, fn.v(f"fmul float {a}, {blk.d}", "ad"))
-                if blk.m is not None:
-                    am = fn.splat(16, fn.v(f"fmul float {a}, {blk.m}", "am"))
-                    ylo = fn.v(f"fadd {V16} {ylo}, {am}", "ylo")
-                    yhi = fn.v(f"fadd {V16} {yhi}, {am}", "yhi")
+                ad = fn.v(f"fmul float {a}, {blk.d}", "ad")
+                scale = fn.splat(16, ad)
+                if dtype == "q4_0":
+                    shared.append(fn.v(f"fmul float {ad}, {fconst(-8.0)}", "c"))
+                elif blk.m is not None:
+                    shared.append(fn.v(f"fmul float {a}, {blk.m}", "am"))
             ylo = fn.fma(V16, blk.lo, scale, ylo, "ylo")
             yhi = fn.fma(V16, blk.hi, scale, yhi, "yhi")
         fn.store(V16, ylo, yp, 4)
         fn.store(V16, yhi, yhp, 4)
+        if shared and consts is not None:
+            cp = fn.at(consts, 4, b, "cp")
+            total = fn.load(F32, cp, 4, "cb")
+            for c in shared:
+                total = fn.v(f"fadd float {total}, {c}", "cb")
+            fn.store(F32, total, cp, 4)
     plain = [(dtype, row, a) for dtype, row, a in rows if not is_blocked(dtype)]
     if plain:
         with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
@@ -236,6 +302,15 @@ def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: s
             for dtype, row, a in plain:
                 value = fn.fma(F32, _load_element(fn, dtype, row, j), a, value)
             fn.store(F32, value, yj, 4)
+
+
+def emit_add_block_consts(fn: Fn, y: str, consts: str, k: str) -> None:
+    """``y[j] += consts[j / 32]`` for j < k (i64, a multiple of 32): :func:`emit_axpys`' constants."""
+    with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "b") as b:
+        c = fn.splat(16, fn.load(F32, fn.at(consts, 4, b), 4, "cb"))
+        yp = fn.at(y, 4 * BLOCK, b, "yp")
+        for half in (yp, fn.gep(yp, "64", "yhp")):
+            fn.store(V16, fn.v(f"fadd {V16} {fn.load(V16, half, 4, 'y')}, {c}", "yc"), half, 4)
 
 
 def emit_row_to_f32(fn: Fn, dtype: str, row: str, out: str, k: str, simd: str) -> None:
@@ -262,6 +337,7 @@ _AHEAD = 4  # GEMV prefetch distance, in tiles
 
 def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo: str, hi: str, simd: str,
                     consume: Callable[[str, list[str]], None]) -> None:
+    xsums = emit_x_sums(fn, x, k, {dtype for dtype, _, _ in mats})
     """GEMV rows: for rows r in [lo, hi) (i64), the dot products of row r of each matrix
     ``(dtype, base, row_bytes)`` with ``x`` (k elements), handed to ``consume(r, dots)``.
 
@@ -285,8 +361,9 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
         ahead = [(dtype, row(base, rowb, fn.min64(fn.v(f"add i64 {r}, {t + _AHEAD * tile}", "ra"), last)))
                  for dtype, base, rowb in mats for t in range(tile)]
         rows = [(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx]
-        dots = emit_dots(fn, rows, x, k, simd, ahead)
+        dots = emit_dots(fn, rows, x, k, simd, ahead, xsums)
         for t, i in enumerate(idx):
             consume(i, [dots[m * tile + t] for m in range(len(mats))])
     with fn.loop(tiles, hi, hint="r") as r:
-        consume(r, emit_dots(fn, [(dtype, row(base, rowb, r)) for dtype, base, rowb in mats], x, k, simd))
+        consume(r, emit_dots(fn, [(dtype, row(base, rowb, r)) for dtype, base, rowb in mats], x, k, simd,
+                             xsums=xsums))
