@@ -78,6 +78,17 @@ def with_tokenizer(model: LoadedModel) -> LoadedModel:
     return replace(model, tokenizer=word_tokenizer(vocab))
 
 
+@pytest.fixture(scope="session")
+def teams():
+    """Thread teams of 1, 2 and 3 threads for the CPU kernel tests (3: an odd split)."""
+    from picc.codegen_cpu import ThreadTeam
+
+    made = {n: ThreadTeam(n) for n in (1, 2, 3)}
+    yield made
+    for t in made.values():
+        t.close()
+
+
 @pytest.fixture
 def tiny() -> LoadedModel:
     return tiny_llama()

@@ -86,14 +86,6 @@ def avx2() -> CpuModule:
     return compile_kernels(AVX2_KERNELS, simd="avx2")
 
 
-@pytest.fixture(scope="module")
-def teams():
-    made = {n: ThreadTeam(n) for n in THREADS}
-    yield made
-    for t in made.values():
-        t.close()
-
-
 def run(module: CpuModule, team: ThreadTeam, kernel: Kernel, *args: object) -> None:
     """Call ``kernel`` on every thread of ``team``; numpy arrays are passed as pointers."""
     fn = module.function(kernel.symbol, kernel.argtypes)

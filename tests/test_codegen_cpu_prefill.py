@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_codegen_cpu_kernels import QUANT_TOL, act64, gap_threshold, rel_err, run, tol, weights
 
-from picc.codegen_cpu import SYNC_BYTES, Buf, Param, Program, ThreadTeam, aligned_zeros, buffer_table, compile_kernels
+from picc.codegen_cpu import SYNC_BYTES, Buf, Param, Program, aligned_zeros, buffer_table, compile_kernels
 from picc.codegen_cpu.kernels_ffn import FORMS, predictor, predictor_scratch_bytes
 from picc.codegen_cpu.kernels_prefill import chunk_ffn, chunk_ffn_scratch_bytes
 
@@ -33,14 +33,6 @@ def _kernels():
 @pytest.fixture(scope="module")
 def host():
     return compile_kernels(_kernels(), simd="host")
-
-
-@pytest.fixture(scope="module")
-def teams():
-    made = {n: ThreadTeam(n) for n in THREADS}
-    yield made
-    for t in made.values():
-        t.close()
 
 
 class ChunkCase:
