@@ -8,12 +8,14 @@ work, so that each weight row is read from memory once per chunk instead of once
 
 1. Threads split the neurons. A neuron's gate row (and up row) is dequantised once into a stack
    buffer, then dotted with every token's x, four tokens per pass over the row; ``h[s, i]`` goes
-   to ``H`` (scratch, [seq, n] f32), 0 where the neuron is inactive for token s. Rows nobody in
+   to ``H`` (scratch, neuron-major [n, seq] f32, so that the tokens of a neuron share cache
+   lines in both phases), 0 where the neuron is inactive for token s. Rows nobody in
    the chunk needs are skipped: a predicted neuron no token selected reads nothing; a gate-first
    neuron whose gate passed for no token skips its up row.
 2. Barrier. Threads split the hidden columns (32 at a time, so a block format's blocks are not
-   shared). For each neuron live for some token, its slice of ``down_t`` is dequantised once and
-   added, times ``h[s, i]``, into each token's row of Y where ``h[s, i]`` is nonzero.
+   shared). The neurons live for some token go eight at a time: their slices of ``down_t`` are
+   dequantised once, and each token's row of Y gets ``sum h[s, i] down_t[i]`` over the eight in
+   one pass (skipped when all eight h are 0; a zero h adds exactly nothing).
 
 ``mask`` (predictor mode) is [seq, mask_stride] bytes, this partition's first neuron at column 0.
 Sums run in a different order than the decode kernel's (f32 rounding differs at the 1e-7 level).
@@ -34,6 +36,7 @@ CHUNK_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"
                     ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("mask", "ptr"), ("scratch", "ptr"),
                     ("seq", "i32"), ("mask_stride", "i32"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"))
 _TILE = 4  # tokens dotted per pass over a dequantised row
+_GROUP = 8  # live neurons added to a token's row of Y per pass (8 dequantised rows, 8 h in registers)
 _V16 = vec(16)
 _LINE = 64
 
@@ -89,11 +92,10 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
         live = fn.gep("%scratch", fn.v(f"shl i64 {floats}, 2", "hb"), "live")  # one byte per neuron
         ubuf = fn.alloca_array(F32, hidden, "ubuf")
         gbuf = fn.alloca_array(F32, hidden, "gbuf")
-        dbuf = fn.alloca_array(F32, hidden, "dbuf")
         thr = "%threshold"
 
-        def h_at(s: str, i: str) -> str:
-            return fn.at("%scratch", 4, fn.v(f"add i64 {fn.v(f'mul i64 {s}, {n}', 'sn')}, {i}", "si"), "hp")
+        def h_at(s: str, i: str) -> str:  # H is neuron-major: a neuron's tokens share cache lines
+            return fn.at("%scratch", 4, fn.v(f"add i64 {fn.v(f'mul i64 {i}, {seq}', 'is')}, {s}", "is"), "hp")
 
         def selected(s: str, i: str) -> str:
             m = fn.load("i8", fn.gep("%mask", fn.v(f"add i64 {fn.v(f'mul i64 {s}, {stride}', 'ms')}, {i}", "mi")), 1)
@@ -174,23 +176,53 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
                     f"{fn.v(f'shl i64 {width}, 2', 'wb')}, i1 false)")
         first = (fn.v(f"mul i64 {fn.v(f'lshr i64 {c0}, 5', 'b0')}, {block_bytes(down_dtype)}", "co")
                  if is_blocked(down_dtype) else fn.v(f"mul i64 {c0}, {ELEMENT_BYTES[down_dtype]}", "co"))
+        # The live neurons, in order, then _GROUP at a time: their slices of down_t dequantised
+        # side by side, and each token's row of Y loaded and stored once per group (not once per
+        # neuron: with Y rows of 32 tokens out of L1, that traffic was most of the kernel).
+        ids = fn.alloca_array("i32", n, "ids")
+        count = fn.var("i64", "0", "nlive")
         with fn.loop("0", n, hint="i") as i, fn.if_(
                 fn.v(f"icmp ne i8 {fn.load('i8', fn.gep(live, i), 1, 'lv')}, 0", "islive")):
-            drow = fn.gep(fn.gep("%down", fn.v(f"mul i64 {i}, {rb_down}", "do")), first, "dr")
-            emit_row_to_f32(fn, down_dtype, drow, dbuf, width, simd)
+            c = count.get("c")
+            fn.store("i32", fn.v(f"trunc i64 {i} to i32", "i32"), fn.at(ids, 4, c), 4)
+            count.set(fn.v(f"add i64 {c}, 1", "c1"))
+        total = count.get("nlive")
+        dbufs = fn.alloca_array(F32, fn.v(f"mul i64 {width}, {_GROUP}", "gw"), "dbufs")
+
+        def group(k: str, size: int) -> None:
+            """Neurons ids[k : k + size] into every token's row of Y."""
+            neurons = [fn.sext(fn.load("i32", fn.at(ids, 4, fn.v(f"add i64 {k}, {g}", "kg")), 4, "nid"), "nid")
+                       for g in range(size)]
+            rows = [fn.at(dbufs, 4, fn.v(f"mul i64 {width}, {g}", "go"), "db") for g in range(size)]
+            for i, buf in zip(neurons, rows, strict=True):
+                drow = fn.gep(fn.gep("%down", fn.v(f"mul i64 {i}, {rb_down}", "do")), first, "dr")
+                emit_row_to_f32(fn, down_dtype, drow, buf, width, simd)
             with fn.loop("0", seq, hint="s") as s:
-                h = fn.load(F32, h_at(s, i), 4, "h")
-                with fn.if_(fn.v(f"fcmp one float {h}, 0.0", "nz")):
+                hs = [fn.load(F32, h_at(s, i), 4, "h") for i in neurons]
+                nonzero = fn.v(f"fcmp one float {hs[0]}, 0.0", "nz")
+                for h in hs[1:]:
+                    nonzero = fn.v(f"or i1 {nonzero}, {fn.v(f'fcmp one float {h}, 0.0', 'nz')}", "nz")
+                with fn.if_(nonzero):
                     y = yrow(s)
-                    hv = fn.splat(16, h)
+                    hvs = [fn.splat(16, h) for h in hs]
                     with fn.loop("0", w16, "16", "j") as j:
                         yp = fn.at(y, 4, j)
-                        fn.store(_V16, fn.fma(_V16, hv, fn.load(_V16, fn.at(dbuf, 4, j), 4, "d"),
-                                              fn.load(_V16, yp, 4, "y")), yp, 4)
+                        acc = fn.load(_V16, yp, 4, "y")
+                        for hv, buf in zip(hvs, rows, strict=True):
+                            acc = fn.fma(_V16, hv, fn.load(_V16, fn.at(buf, 4, j), 4, "d"), acc)
+                        fn.store(_V16, acc, yp, 4)
                     with fn.loop(w16, width, hint="j") as j:
                         yp = fn.at(y, 4, j)
-                        fn.store(F32, fn.fma(F32, h, fn.load(F32, fn.at(dbuf, 4, j), 4, "d"),
-                                             fn.load(F32, yp, 4, "y")), yp, 4)
+                        acc = fn.load(F32, yp, 4, "y")
+                        for h, buf in zip(hs, rows, strict=True):
+                            acc = fn.fma(F32, h, fn.load(F32, fn.at(buf, 4, j), 4, "d"), acc)
+                        fn.store(F32, acc, yp, 4)
+
+        groups_end = fn.v(f"and i64 {total}, {-_GROUP}", "gend")
+        with fn.loop("0", groups_end, str(_GROUP), "k") as k:
+            group(k, _GROUP)
+        with fn.loop(groups_end, total, hint="k") as k:
+            group(k, 1)
         with fn.if_(fn.v("icmp ne ptr %down_bias, null", "hasb")), fn.loop("0", seq, hint="s") as s:
             y = yrow(s)
             with fn.loop("0", width, hint="j") as j:
