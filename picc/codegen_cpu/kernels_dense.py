@@ -22,6 +22,7 @@ GEMM_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("seq"
 EMBED_PARAMS = (("table", "ptr"), ("tokens", "ptr"), ("out", "ptr"), ("seq", "i32"), ("dim", "i32"))
 
 _TILE = 4  # prefill rows that share each loaded weight vector
+_ROW_PAIR = 2  # weight rows that share each loaded prefill row (see dot_grid)
 _V16 = vec(16)
 
 
@@ -129,12 +130,36 @@ def dot_tile(fn: Fn, wrow: str, xs: list[str], k: str) -> list[str]:
     return [s.get() for s in sums]
 
 
+def dot_grid(fn: Fn, wrows: list[str], xs: list[str], k: str) -> list[list[str]]:
+    """``[[w . x for x in xs] for w in wrows]`` for f32 rows of ``k`` floats: the GEMM's register
+    tile. Eight lanes per accumulator, so that two rows by four vectors (eight accumulators, the
+    two rows' loads, one x) fit AVX2's sixteen registers: each loaded x feeds two FMAs and each
+    loaded w four, where one row by four vectors spent more on loads than on FMAs."""
+    v8 = vec(8)
+    accs = [[fn.var(v8, "zeroinitializer", "acc") for _ in xs] for _ in wrows]
+    n8 = fn.v(f"and i64 {k}, -8", "n8")
+    with fn.loop("0", n8, "8", "j") as j:
+        ws = [fn.load(v8, fn.at(w, 4, j), 4, "w") for w in wrows]
+        for t, x in enumerate(xs):
+            xv = fn.load(v8, fn.at(x, 4, j), 4, "x")
+            for r, w in enumerate(ws):
+                accs[r][t].set(fn.fma(v8, w, xv, accs[r][t].get("acc")))
+    sums = [[fn.var(F32, fn.hsum(8, acc.get("acc")), "dot") for acc in row] for row in accs]
+    with fn.loop(n8, k, "1", "j") as j:
+        ws = [fn.load(F32, fn.at(w, 4, j), 4, "w") for w in wrows]
+        for t, x in enumerate(xs):
+            xj = fn.load(F32, fn.at(x, 4, j), 4, "x")
+            for r, w in enumerate(ws):
+                sums[r][t].set(fn.fma(F32, w, xj, sums[r][t].get()))
+    return [[d.get() for d in row] for row in sums]
+
+
 @cache
 def gemm(dtype: str) -> Kernel:
     """``Y[s, r] = (accumulate ? Y[s, r] : 0) + W[r, :] . X[s, :] + bias[r]`` for s < seq.
 
-    Each weight row is dequantised once into a stack buffer and multiplied with the prompt's
-    rows four at a time, so the weights are read from memory once per call.
+    Weight rows go two at a time, each dequantised once into a stack buffer, against the prompt's
+    rows four at a time (:func:`dot_grid`), so the weights are read from memory once per call.
     """
     check_dtype(dtype)
     symbol = names.cpu_gemm(dtype)
@@ -146,26 +171,39 @@ def gemm(dtype: str) -> Kernel:
         rowb = emit_row_bytes(fn, dtype, k)
         xrow = fn.v(f"mul i64 {k}, 4", "xrowb")
         yrow = fn.v(f"mul i64 {rows}, 4", "yrowb")
-        buf = fn.alloca_array(F32, k, "wrow")
+        bufs = [fn.alloca_array(F32, k, "wrow") for _ in range(_ROW_PAIR)]
         tiles = fn.v(f"sub i64 {seq}, {fn.v(f'srem i64 {seq}, {_TILE}', 'rem')}", "tiles")
-        with fn.loop(lo, hi, hint="r") as r:
-            row = fn.gep("%w", fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
-            if dtype == "f32":
-                wrow = row
-            else:
-                emit_row_to_f32(fn, dtype, row, buf, k, simd)
-                wrow = buf
+
+        def rows_out(rs: list[str]) -> None:
+            """Rows ``rs`` of W (dequantised once each) against every row of X, a tile at a time."""
+            wrows = []
+            for r, buf in zip(rs, bufs, strict=False):
+                row = fn.gep("%w", fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
+                if dtype == "f32":
+                    wrows.append(row)
+                else:
+                    emit_row_to_f32(fn, dtype, row, buf, k, simd)
+                    wrows.append(buf)
+
+            def finish(idx: list[str], dots: list[list[str]]) -> None:
+                for r, row_dots in zip(rs, dots, strict=True):
+                    for i, d in zip(idx, row_dots, strict=True):
+                        out = fn.gep(fn.gep("%y", fn.v(f"mul i64 {i}, {yrow}", "yo")), fn.v(f"shl i64 {r}, 2", "rc"))
+                        _finish(fn, d, "%bias", r, out)
+
             with fn.loop("0", tiles, str(_TILE), "s") as s:
                 idx = [s] + [fn.v(f"add i64 {s}, {t}", "st") for t in range(1, _TILE)]
-                xs = [fn.gep("%x", fn.v(f"mul i64 {i}, {xrow}", "xo"), "xr") for i in idx]
-                for i, d in zip(idx, dot_tile(fn, wrow, xs, k), strict=True):
-                    out = fn.gep(fn.gep("%y", fn.v(f"mul i64 {i}, {yrow}", "yo")), fn.v(f"shl i64 {r}, 2", "rc"))
-                    _finish(fn, d, "%bias", r, out)
+                finish(idx, dot_grid(fn, wrows, [fn.gep("%x", fn.v(f"mul i64 {i}, {xrow}", "xo"), "xr")
+                                                  for i in idx], k))
             with fn.loop(tiles, seq, "1", "s") as s:
-                x = fn.gep("%x", fn.v(f"mul i64 {s}, {xrow}", "xo"), "xr")
-                (d,) = dot_tile(fn, wrow, [x], k)
-                out = fn.gep(fn.gep("%y", fn.v(f"mul i64 {s}, {yrow}", "yo")), fn.v(f"shl i64 {r}, 2", "rc"))
-                _finish(fn, d, "%bias", r, out)
+                finish([s], dot_grid(fn, wrows, [fn.gep("%x", fn.v(f"mul i64 {s}, {xrow}", "xo"), "xr")], k))
+
+        nrows = fn.v(f"sub i64 {hi}, {lo}", "nr")
+        pairs_end = fn.v(f"sub i64 {hi}, {fn.v(f'srem i64 {nrows}, {_ROW_PAIR}', 'odd')}", "pend")
+        with fn.loop(lo, pairs_end, str(_ROW_PAIR), "r") as r:
+            rows_out([r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, _ROW_PAIR)])
+        with fn.loop(pairs_end, hi, "1", "r") as r:
+            rows_out([r])
         fn.ret_void()
         return fn.text()
 
