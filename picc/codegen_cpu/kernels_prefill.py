@@ -7,7 +7,8 @@ the decode kernel's ``mode``); the others contribute exactly zero. What changes 
 work, so that each weight row is read from memory once per chunk instead of once per token:
 
 1. Threads split the neurons. A neuron's gate row (and up row) is dequantised once into a stack
-   buffer, then dotted with every token's x, four tokens per pass over the row; ``h[s, i]`` goes
+   buffer, then dotted with every token's x: two neurons by four tokens per register tile (the
+   neurons needing the matrix listed first, then taken in pairs); ``h[s, i]`` goes
    to ``H`` (scratch, neuron-major [n, seq] f32, so that the tokens of a neuron share cache
    lines in both phases), 0 where the neuron is inactive for token s. Rows nobody in
    the chunk needs are skipped: a predicted neuron no token selected reads nothing; a gate-first
@@ -23,12 +24,13 @@ Sums run in a different order than the decode kernel's (f32 rounding differs at 
 
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 
 from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
-from picc.codegen_cpu.kernels_dense import dot_tile
+from picc.codegen_cpu.kernels_dense import dot_grid
 from picc.codegen_cpu.kernels_ffn import check_ffn_kernel, plus_bias
 from picc.codegen_cpu.rowops import ELEMENT_BYTES, block_bytes, emit_row_bytes, emit_row_to_f32, is_blocked
 
@@ -46,18 +48,20 @@ def chunk_ffn_scratch_bytes(seq: int, n: int) -> int:
     return -(-4 * seq * n // _LINE) * _LINE + -(-n // _LINE) * _LINE
 
 
-def _dots_all_tokens(fn: Fn, wrow: str, k: str, seq: str, consume) -> None:  # noqa: ANN001 - (s, dot) -> None
-    """``consume(s, wrow . x[s])`` for every token s < seq (f32 row of k floats, x rows k apart)."""
+def _dots_all_tokens(fn: Fn, wrows: list[str], k: str, seq: str, consume) -> None:  # noqa: ANN001
+    """``consume(r, s, wrows[r] . x[s])`` for every row r and token s < seq (f32 rows of k floats,
+    x rows k apart), four tokens at a time (:func:`~picc.codegen_cpu.kernels_dense.dot_grid`)."""
     xrow = fn.v(f"shl i64 {k}, 2", "xrowb")
     tiles = fn.v(f"sub i64 {seq}, {fn.v(f'srem i64 {seq}, {_TILE}', 'rem')}", "tiles")
     with fn.loop("0", tiles, str(_TILE), "s") as s:
         idx = [s] + [fn.v(f"add i64 {s}, {t}", "st") for t in range(1, _TILE)]
         xs = [fn.gep("%x", fn.v(f"mul i64 {i}, {xrow}", "xo"), "xr") for i in idx]
-        for i, d in zip(idx, dot_tile(fn, wrow, xs, k), strict=True):
-            consume(i, d)
+        for r, dots in enumerate(dot_grid(fn, wrows, xs, k)):
+            for i, d in zip(idx, dots, strict=True):
+                consume(r, i, d)
     with fn.loop(tiles, seq, "1", "s") as s:
-        (d,) = dot_tile(fn, wrow, [fn.gep("%x", fn.v(f"mul i64 {s}, {xrow}", "xo"), "xr")], k)
-        consume(s, d)
+        for r, (d,) in enumerate(dot_grid(fn, wrows, [fn.gep("%x", fn.v(f"mul i64 {s}, {xrow}", "xo"), "xr")], k)):
+            consume(r, s, d)
 
 
 def _any_token(fn: Fn, seq: str, test) -> str:  # noqa: ANN001 - s -> i1
@@ -90,8 +94,7 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
         floats = fn.v(f"mul i64 {seq}, {n}", "sn")
         floats = fn.v(f"and i64 {fn.v(f'add i64 {floats}, 15', 'r')}, -16", "hn")
         live = fn.gep("%scratch", fn.v(f"shl i64 {floats}, 2", "hb"), "live")  # one byte per neuron
-        ubuf = fn.alloca_array(F32, hidden, "ubuf")
-        gbuf = fn.alloca_array(F32, hidden, "gbuf")
+        wbufs = [fn.alloca_array(F32, hidden, "wrow") for _ in range(2)]  # a pair of dequantised rows
         thr = "%threshold"
 
         def h_at(s: str, i: str) -> str:  # H is neuron-major: a neuron's tokens share cache lines
@@ -104,62 +107,82 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
         def absf(v: str) -> str:
             return fn.v(f"call float @llvm.fabs.f32(float {v})", "abs")
 
-        # -- phase 1: h[s, i] for this thread's neurons
+        # -- phase 1: h[s, i] for this thread's neurons. Each matrix's rows go through a list of
+        # the neurons that need them, two at a time (dot_grid's register tile).
         lo, hi = chunk_bounds(fn, n, tid, nthreads)
-        with fn.loop(lo, hi, hint="i") as i:
-            alive = fn.var("i8", "0", "alive")
-            needed = _any_token(fn, seq, lambda s: selected(s, i)) if mode == "predictor" else "true"
-            with fn.if_(needed):
-                if spec.gated:
-                    emit_row_to_f32(fn, gate_dtype, fn.gep("%gate", fn.v(f"mul i64 {i}, {rb_gate}", "go")), gbuf,
-                                    hidden, simd)
+        fn.emit(f"call void @llvm.memset.p0.i64(ptr {fn.gep(live, lo)}, i8 0, i64 {fn.v(f'sub i64 {hi}, {lo}', 'nl')}, "
+                "i1 false)")
+        ids = fn.alloca_array("i32", fn.v(f"sub i64 {hi}, {lo}", "nl"), "ids")
 
-                    def store_act(s: str, g: str) -> None:
-                        a = fn.v(f"call float {act}(float {plus_bias(fn, g, '%gate_bias', i, bias_stride)})", "a")
-                        fn.store(F32, a, h_at(s, i), 4)
+        def rows_of(matrix: str, dtype: str, rowb: str, wanted, consume) -> None:  # noqa: ANN001
+            """``consume(i, s, row_i . x[s])`` for each neuron i in [lo, hi) where ``wanted(i)``."""
+            count = fn.var("i64", "0", "cnt")
+            with fn.loop(lo, hi, hint="i") as i:
+                keep = wanted(i)
+                with fn.if_(keep) if keep != "true" else contextlib.nullcontext():
+                    c = count.get("c")
+                    fn.store("i32", fn.v(f"trunc i64 {i} to i32", "i32"), fn.at(ids, 4, c), 4)
+                    count.set(fn.v(f"add i64 {c}, 1", "c1"))
+            total = count.get("cnt")
 
-                    _dots_all_tokens(fn, gbuf, hidden, seq, store_act)
-                # dReLU's gate-first test is |h| > threshold, decided after up; relu(g) = 0 means h = 0.
-                cut = fconst(0.0) if spec.act_on_up else thr
-                if mode == "gate-first":
-                    up_needed = _any_token(fn, seq, lambda s: fn.v(
-                        f"fcmp ogt float {absf(fn.load(F32, h_at(s, i), 4, 'a'))}, {cut}", "pass"))
-                else:
-                    up_needed = "true"
-                with fn.if_(up_needed):
-                    emit_row_to_f32(fn, up_dtype, fn.gep("%up", fn.v(f"mul i64 {i}, {rb_up}", "uo")), ubuf,
-                                    hidden, simd)
+            def group(k: str, size: int) -> None:
+                neurons = [fn.sext(fn.load("i32", fn.at(ids, 4, fn.v(f"add i64 {k}, {g}", "kg")), 4, "nid"), "nid")
+                           for g in range(size)]
+                for i, buf in zip(neurons, wbufs, strict=False):
+                    emit_row_to_f32(fn, dtype, fn.gep(matrix, fn.v(f"mul i64 {i}, {rowb}", "ro")), buf, hidden, simd)
+                _dots_all_tokens(fn, wbufs[:size], hidden, seq, lambda r, t, d: consume(neurons[r], t, d))
 
-                    def store_h(s: str, u: str) -> None:
-                        hp = h_at(s, i)
-                        u = plus_bias(fn, u, "%up_bias", i, bias_stride)
-                        if spec.gated:
-                            a = fn.load(F32, hp, 4, "a")
-                            if spec.act_on_up:
-                                u = fn.v(f"call float {act}(float {u})", "au")
-                            h = fn.v(f"fmul float {a}, {u}", "h")
-                        else:
-                            h = fn.v(f"call float {act}(float {u})", "h")
-                        if mode == "predictor":
-                            keep = selected(s, i)
-                        elif mode == "gate-first":
-                            keep = fn.v(f"fcmp ogt float {absf(fn.load(F32, hp, 4, 'a'))}, {cut}", "keep")
-                            if spec.act_on_up:
-                                keep = fn.v(f"and i1 {keep}, {fn.v(f'fcmp ogt float {absf(h)}, {thr}', 'big')}",
-                                            "keep")
-                        elif mode == "down-only":
-                            keep = fn.v(f"fcmp ogt float {absf(h)}, {thr}", "keep")
-                        else:
-                            keep = "true"
-                        h = fn.v(f"select i1 {keep}, float {h}, float 0.0", "h")
-                        fn.store(F32, h, hp, 4)
-                        nz = fn.v(f"zext i1 {fn.v(f'fcmp one float {h}, 0.0', 'nz')} to i8", "nz8")
-                        alive.set(fn.v(f"or i8 {alive.get()}, {nz}", "alive"))
+            pairs_end = fn.v(f"and i64 {total}, -2", "pend")
+            with fn.loop("0", pairs_end, "2", "k") as k:
+                group(k, 2)
+            with fn.loop(pairs_end, total, hint="k") as k:
+                group(k, 1)
 
-                    _dots_all_tokens(fn, ubuf, hidden, seq, store_h)
-            with fn.if_(fn.v(f"icmp eq i8 {alive.get()}, 0", "dead")), fn.loop("0", seq, hint="s") as s:
-                fn.store(F32, fconst(0.0), h_at(s, i), 4)
-            fn.store("i8", alive.get(), fn.gep(live, i), 1)
+        def needed(i: str) -> str:
+            return _any_token(fn, seq, lambda s: selected(s, i)) if mode == "predictor" else "true"
+
+        if spec.gated:
+            def store_act(i: str, s: str, g: str) -> None:
+                a = fn.v(f"call float {act}(float {plus_bias(fn, g, '%gate_bias', i, bias_stride)})", "a")
+                fn.store(F32, a, h_at(s, i), 4)
+
+            rows_of("%gate", gate_dtype, rb_gate, needed, store_act)
+        # dReLU's gate-first test is |h| > threshold, decided after up; relu(g) = 0 means h = 0.
+        cut = fconst(0.0) if spec.act_on_up else thr
+
+        def up_needed(i: str) -> str:
+            if mode == "gate-first":
+                return _any_token(fn, seq, lambda s: fn.v(
+                    f"fcmp ogt float {absf(fn.load(F32, h_at(s, i), 4, 'a'))}, {cut}", "pass"))
+            return needed(i)
+
+        def store_h(i: str, s: str, u: str) -> None:
+            hp = h_at(s, i)
+            u = plus_bias(fn, u, "%up_bias", i, bias_stride)
+            if spec.gated:
+                a = fn.load(F32, hp, 4, "a")
+                if spec.act_on_up:
+                    u = fn.v(f"call float {act}(float {u})", "au")
+                h = fn.v(f"fmul float {a}, {u}", "h")
+            else:
+                h = fn.v(f"call float {act}(float {u})", "h")
+            if mode == "predictor":
+                keep = selected(s, i)
+            elif mode == "gate-first":
+                keep = fn.v(f"fcmp ogt float {absf(fn.load(F32, hp, 4, 'a'))}, {cut}", "keep")
+                if spec.act_on_up:
+                    keep = fn.v(f"and i1 {keep}, {fn.v(f'fcmp ogt float {absf(h)}, {thr}', 'big')}", "keep")
+            elif mode == "down-only":
+                keep = fn.v(f"fcmp ogt float {absf(h)}, {thr}", "keep")
+            else:
+                keep = "true"
+            h = fn.v(f"select i1 {keep}, float {h}, float 0.0", "h")
+            fn.store(F32, h, hp, 4)
+            nz = fn.v(f"zext i1 {fn.v(f'fcmp one float {h}, 0.0', 'nz')} to i8", "nz8")
+            lp = fn.gep(live, i)
+            fn.store("i8", fn.v(f"or i8 {fn.load('i8', lp, 1, 'lv')}, {nz}", "lv"), lp, 1)
+
+        rows_of("%up", up_dtype, rb_up, up_needed, store_h)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
 
         # -- phase 2: Y[s, c0:c1] = sum_i h[s, i] down_t[i, c0:c1] (+ bias) for this thread's columns
