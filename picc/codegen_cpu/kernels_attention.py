@@ -70,7 +70,14 @@ def attention() -> Kernel:
             def cache_row(base: str, j: str) -> str:
                 return fn.at(base, 4, fn.v(f"add i64 {fn.v(f'mul i64 {j}, {width}', 'jw')}, {goff}", "co"), "crow")
 
-            with fn.loop("0", count, hint="j") as j:
+            # Scores four cached positions at a time: one pass over q for four K rows.
+            count4 = fn.v(f"and i64 {count}, -4", "c4")
+            with fn.loop("0", count4, "4", "j") as j:
+                js = [j] + [fn.v(f"add i64 {j}, {t}", "jt") for t in range(1, 4)]
+                krows = [("f32", cache_row("%kcache", fn.v(f"add i64 {j0}, {jt}", "jj"))) for jt in js]
+                for jt, dot in zip(js, emit_dots(fn, krows, qrow, hd, simd), strict=True):
+                    fn.store(F32, fn.v(f"fmul float {dot}, %scale", "sc"), fn.at(scores, 4, jt), 4)
+            with fn.loop(count4, count, hint="j") as j:
                 (dot,) = emit_dots(fn, [("f32", cache_row("%kcache", fn.v(f"add i64 {j0}, {j}", "jj")))],
                                    qrow, hd, simd)
                 fn.store(F32, fn.v(f"fmul float {dot}, %scale", "sc"), fn.at(scores, 4, j), 4)
@@ -88,16 +95,22 @@ def attention() -> Kernel:
             with fn.loop("0", count, hint="j") as j:
                 sp = fn.at(scores, 4, j)
                 fn.store(F32, fn.v(f"fdiv float {fn.load(F32, sp, 4, 'e')}, {total}", "prob"), sp, 4)
-            # out[s, h] = sum_j prob_j v_j, 16 features at a time (each chain ordered by j)
+            # out[s, h] = sum_j prob_j v_j: up to 64 features in registers per pass over the
+            # positions (one broadcast of prob_j for all of them), then 16, then one at a time.
             orow = fn.at("%out", 4, fn.v(f"mul i64 {it}, {hd}", "oo"), "orow")
+            d64 = fn.v(f"and i64 {hd}, -64", "d64")
             d16 = fn.v(f"and i64 {hd}, -16", "d16")
-            with fn.loop("0", d16, "16", "d") as d:
-                acc = fn.var(V16, "zeroinitializer", "acc")
-                with fn.loop("0", count, hint="j") as j:
-                    vrow = cache_row("%vcache", fn.v(f"add i64 {j0}, {j}", "jj"))
-                    pv = fn.splat(16, fn.load(F32, fn.at(scores, 4, j), 4, "prob"))
-                    acc.set(fn.fma(V16, pv, fn.load(V16, fn.at(vrow, 4, d), 4, "v"), acc.get()))
-                fn.store(V16, acc.get(), fn.at(orow, 4, d), 4)
+            for start, stop, vectors in (("0", d64, 4), (d64, d16, 1)):
+                with fn.loop(start, stop, str(16 * vectors), "d") as d:
+                    accs = [fn.var(V16, "zeroinitializer", "acc") for _ in range(vectors)]
+                    with fn.loop("0", count, hint="j") as j:
+                        vrow = cache_row("%vcache", fn.v(f"add i64 {j0}, {j}", "jj"))
+                        pv = fn.splat(16, fn.load(F32, fn.at(scores, 4, j), 4, "prob"))
+                        for w, acc in enumerate(accs):
+                            vp = fn.at(vrow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw"))
+                            acc.set(fn.fma(V16, pv, fn.load(V16, vp, 4, "v"), acc.get()))
+                    for w, acc in enumerate(accs):
+                        fn.store(V16, acc.get(), fn.at(orow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw")), 4)
             with fn.loop(d16, hd, hint="d") as d:
                 acc1 = fn.var(F32, fconst(0.0), "acc")
                 with fn.loop("0", count, hint="j") as j:
