@@ -33,11 +33,13 @@ from picc.codegen_cpu import (
     buffer_table,
     compile_kernels,
 )
+from picc.codegen_cpu.irtext import Fn
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.kernels_attention import attention
 from picc.codegen_cpu.kernels_dense import dense_ffn, dense_ffn_scratch_bytes, embed, gemm, gemv
 from picc.codegen_cpu.kernels_ffn import FORMS, ffn_scratch_bytes, predictor, predictor_scratch_bytes, sparse_ffn
 from picc.codegen_cpu.kernels_misc import add, argmax, ffn_activation, layer_norm, merge, mul, rms_norm, rope
+from picc.codegen_cpu.rowops import emit_axpys, emit_dots, emit_x_sums
 from picc.errors import PiccError
 from picc.interpreter import KVCache
 from picc.interpreter import attention as attention_ref
@@ -388,11 +390,12 @@ def test_rope_matches_interpreter(host, teams, style, source, rotary_dim):
     assert rel_err(out, ref) <= (1e-6 if source == "freq" else 1e-7)
 
 
+@pytest.mark.parametrize("hd", (20, 84))  # 16 + a tail; 64 (the wide V pass) + 16 + a tail
 @pytest.mark.parametrize("window", (None, 3))
 @pytest.mark.parametrize("threads", THREADS)
-def test_attention_matches_interpreter(host, teams, threads, window):
+def test_attention_matches_interpreter(host, teams, threads, window, hd):
     rng = np.random.default_rng(17)
-    heads, kv, hd, ctx = 6, 2, 20, 16  # head_dim 20: a 16-wide part and a tail
+    heads, kv, ctx = 6, 2, 16  # 5-token chunks: scores four positions at a time, then one
     op = O.Attention(result="a", type=f32(1, heads * hd), q="q", k="k", v="v", pos="p", n_heads=heads,
                      n_kv_heads=kv, head_dim=hd, scale=hd**-0.5, cache="c", window=window)
     cache, kcache, vcache = KVCache(kv * hd), np.zeros((ctx, kv * hd), np.float32), np.zeros((ctx, kv * hd), np.float32)
@@ -591,3 +594,19 @@ def test_bad_inputs_are_one_line_errors(host):
         host.address("nope")
     with pytest.raises(PiccError, match="simd 'neon' is not supported"):
         compile_kernels([add()], simd="neon")
+
+
+def test_4bit_rows_need_the_sums_their_constant_parts_moved_to():
+    """A kernel that dots or AXPYs q4_0 / q4_1 rows without x's block sums (or without the
+    per-block constants array) would silently drop the rows' -8 / m terms: refused at IR time."""
+    fn = Fn("f", [("ptr", "row"), ("ptr", "x"), ("ptr", "y")])
+    for dtype in ("q4_0", "q4_1"):
+        with pytest.raises(PiccError, match=rf"dot products of \['{dtype}'\] rows need x's sums"):
+            emit_dots(fn, [(dtype, "%row")], "%x", "64", "avx2")
+        with pytest.raises(PiccError, match="AXPYs of 4-bit rows need a per-block constants array"):
+            emit_axpys(fn, [(dtype, "%row", "1.0")], "%y", "64", "avx2")
+    sums = emit_x_sums(fn, "%x", "64", {"q4_0"})
+    assert sums is not None and sums.offsets and sums.folded is None
+    with pytest.raises(PiccError, match="need x's sums"):  # q4_1 needs the folded sums too
+        emit_dots(fn, [("q4_1", "%row")], "%x", "64", "avx2", xsums=sums)
+    assert emit_x_sums(fn, "%x", "64", {"f16", "q8_0"}) is None
