@@ -113,23 +113,6 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str)
     return Kernel(symbol, DENSE_FFN_PARAMS, emit, dense_ffn.__doc__ or "")
 
 
-def dot_tile(fn: Fn, wrow: str, xs: list[str], k: str) -> list[str]:
-    """Dot products of one f32 row with each f32 vector in ``xs`` (each weight load is shared)."""
-    accs = [fn.var(_V16, "zeroinitializer", "acc") for _ in xs]
-    n16 = fn.v(f"and i64 {k}, -16", "n16")
-    with fn.loop("0", n16, "16", "j") as j:
-        w = fn.load(_V16, fn.at(wrow, 4, j), 4, "w")
-        for acc, x in zip(accs, xs, strict=True):
-            xv = fn.load(_V16, fn.at(x, 4, j), 4, "x")
-            acc.set(fn.fma(_V16, w, xv, acc.get("acc")))
-    sums = [fn.var(F32, fn.hsum(16, acc.get("acc")), "dot") for acc in accs]
-    with fn.loop(n16, k, "1", "j") as j:
-        w = fn.load(F32, fn.at(wrow, 4, j), 4, "w")
-        for s, x in zip(sums, xs, strict=True):
-            s.set(fn.fma(F32, w, fn.load(F32, fn.at(x, 4, j), 4, "x"), s.get()))
-    return [s.get() for s in sums]
-
-
 def dot_grid(fn: Fn, wrows: list[str], xs: list[str], k: str) -> list[list[str]]:
     """``[[w . x for x in xs] for w in wrows]`` for f32 rows of ``k`` floats: the GEMM's register
     tile. Eight lanes per accumulator, so that two rows by four vectors (eight accumulators, the
