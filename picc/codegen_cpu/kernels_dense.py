@@ -23,7 +23,6 @@ EMBED_PARAMS = (("table", "ptr"), ("tokens", "ptr"), ("out", "ptr"), ("seq", "i3
 
 _TILE = 4  # prefill rows that share each loaded weight vector
 _ROW_PAIR = 2  # weight rows that share each loaded prefill row (see dot_grid)
-_V16 = vec(16)
 
 
 def _finish(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
