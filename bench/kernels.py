@@ -139,7 +139,7 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, threads: list[
         base = len(buffers)
         buffers += [layers.up_gate(layer), layers.matrix(layer, 2)]
         prog.call(kernel, Buf(1), Buf(base), Buf(base, layers.row_bytes), Buf(base + 1), Null(), Null(), Null(),
-                  Buf(2), Buf(3), Buf(4), Buf(5), n, hidden, 0.0)
+                  Buf(2), Buf(3), Buf(4), Buf(5), n, hidden, 0.0, 0)
     module = compile_kernels([], [prog])
     step = module.function("ffn_step", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
     table = buffer_table(buffers)

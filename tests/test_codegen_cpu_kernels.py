@@ -206,9 +206,10 @@ class FfnCase:
         y = np.where(active, self.h(), 0) @ self.down.astype(np.float64)
         return y + (0 if self.down_bias is None else self.down_bias)
 
-    def run(self, module, team, kernel, *, active=None, threshold=0.0, interleaved=False):
-        """(y after the call, the kernel's count). ``y`` starts as garbage: the kernel overwrites it."""
-        y = np.full(self.hidden, np.nan, np.float32)
+    def run(self, module, team, kernel, *, active=None, threshold=0.0, interleaved=False, y0=None):
+        """(y after the call, the kernel's count). ``y`` starts as garbage, which the kernel
+        overwrites, or as ``y0``, which it adds its result to (``accumulate``)."""
+        y = np.full(self.hidden, np.nan, np.float32) if y0 is None else y0.astype(np.float32)
         mask = np.zeros(self.n, np.uint8) if active is None else active.astype(np.uint8)
         count = np.array([-1], np.int32)
         scratch = aligned_zeros(ffn_scratch_bytes(self.n, self.hidden, team.nthreads))
@@ -220,7 +221,7 @@ class FfnCase:
                 biases = np.ascontiguousarray(np.stack([self.up_bias, self.gate_bias], 1))
                 up_bias, gate_bias = biases, biases.reshape(-1)[1:]
         run(module, team, kernel, self.x, up, gate, self.down_raw, up_bias, gate_bias,
-            self.down_bias, y, mask, count, scratch, self.n, self.hidden, threshold)
+            self.down_bias, y, mask, count, scratch, self.n, self.hidden, threshold, int(y0 is not None))
         return y, int(count[0])
 
 
@@ -293,6 +294,9 @@ def test_sparse_ffn_mixed_formats_and_determinism(host, teams):
     # Threads split the list and each sums into its own buffer: the same bits on every run.
     for _ in range(3):
         np.testing.assert_array_equal(case.run(host, teams[3], kernel, active=active)[0], y)
+    # accumulate = 1 adds the result to y: the bits of a separate float32 add of the two.
+    y0 = np.random.default_rng(14).normal(size=case.hidden).astype(np.float32)
+    np.testing.assert_array_equal(case.run(host, teams[3], kernel, active=active, y0=y0)[0], y0 + y)
 
 
 @pytest.mark.parametrize("threads", THREADS)
@@ -307,9 +311,15 @@ def test_dense_ffn_in_the_source_layout(host, teams, form, dtype, threads):
     y = np.full(case.hidden, np.nan, np.float32)
     scratch = aligned_zeros(dense_ffn_scratch_bytes(case.n))
     run(host, teams[threads], dense_ffn(form, dtype, dtype if gated else None, dtype), case.x, case.up_raw,
-        case.gate_raw, down_raw, case.up_bias, case.gate_bias, case.down_bias, y, scratch, case.n, case.hidden)
+        case.gate_raw, down_raw, case.up_bias, case.gate_bias, case.down_bias, y, scratch, case.n, case.hidden, 0)
     ref = down.astype(np.float64) @ case.h() + case.down_bias
     assert rel_err(y, ref) <= tol(dtype)
+    # accumulate = 1 adds the result to y: the bits of a separate float32 add of the two.
+    y0 = np.random.default_rng(28).normal(size=case.hidden).astype(np.float32)
+    y2 = y0.copy()
+    run(host, teams[threads], dense_ffn(form, dtype, dtype if gated else None, dtype), case.x, case.up_raw,
+        case.gate_raw, down_raw, case.up_bias, case.gate_bias, case.down_bias, y2, scratch, case.n, case.hidden, 1)
+    np.testing.assert_array_equal(y2, y0 + y)
 
 
 def test_merge_adds_partial_sums_and_the_bias(host, teams):
@@ -458,7 +468,10 @@ def _decode_like_program(buffers: dict[str, int]) -> list[tuple[Kernel, tuple]]:
         (gemv("q4_1"), (b["wo"], b["att"], Null(), b["x"], hid, heads * hd, 1)),
         (sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"),
          (b["x"], b["up"], b["gate"], b["down"], Null(), Null(), Null(), b["x2"], Null(), Null(), b["scratch"], n, hid,
-          0.05)),
+          0.05, 0)),
+        (sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"),  # x2 += the FFN of x2: a residual add
+         (b["x2"], b["up"], b["gate"], b["down"], Null(), Null(), Null(), b["x2"], Null(), Null(), b["scratch"], n,
+          hid, 0.05, 1)),
         (argmax(), (b["x2"], b["out"], hid)),
     ]
 

@@ -87,13 +87,16 @@ def test_the_step_has_barriers_only_where_a_kernel_needs_the_last_ones_results(t
     step = ir[ir.index("define void @picc_stage_0("):]
     step = step[: step.index("\n}")]
     calls = [line.split("@")[1].split("(")[0] for line in step.splitlines() if " call " in line and "@" in line]
-    # embed | norm | q k v | rope rope | attention | o | add | norm | ffn | add | norm | head | argmax
+    # embed | norm | q k v | rope rope | attention | o + residual | norm | ffn + residual | norm | head | argmax
     assert calls == ["picc_embed_f32", "picc_barrier", "picc_rms_norm", "picc_barrier", "picc_gemv_f32",
                      "picc_gemv_f32", "picc_gemv_f32", "picc_barrier", "picc_rope_llama_freq",
                      "picc_rope_llama_freq", "picc_barrier", "picc_attention", "picc_barrier", "picc_gemv_f32",
-                     "picc_barrier", "picc_add", "picc_barrier", "picc_rms_norm", "picc_barrier",
-                     "picc_ffn_gemv_swiglu_f32_f32_f32", "picc_barrier", "picc_add", "picc_barrier",
-                     "picc_rms_norm", "picc_barrier", "picc_gemv_f32", "picc_barrier", "picc_argmax"]
+                     "picc_barrier", "picc_rms_norm", "picc_barrier", "picc_ffn_gemv_swiglu_f32_f32_f32",
+                     "picc_barrier", "picc_rms_norm", "picc_barrier", "picc_gemv_f32", "picc_barrier", "picc_argmax"]
+    # The output projection and the FFN add their rows to the residual themselves (accumulate = 1,
+    # the argument before tid), the q / k / v projections and the head do not.
+    lines = [line for line in step.splitlines() if "@picc_gemv_f32(" in line or "@picc_ffn_" in line]
+    assert [line.split(", i32 ")[-3] for line in lines] == ["0", "0", "0", "1", "1", "0"]
 
 
 def test_the_prefill_program_uses_gemms_and_stops_at_the_last_kv_cache(tmp_path):

@@ -47,7 +47,7 @@ def gemv(dtype: str) -> Kernel:
         lo, hi = chunk_bounds(fn, rows, fn.sext("%tid"), fn.sext("%nthreads"))
         mats = [(dtype, "%w", emit_row_bytes(fn, dtype, k))]
         emit_tiled_rows(fn, mats, "%x", k, lo, hi, simd,
-                    lambda r, dots: _finish(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp")))
+                        lambda r, dots: _finish(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp")))
         fn.ret_void()
         return fn.text()
 
@@ -56,7 +56,7 @@ def gemv(dtype: str) -> Kernel:
 
 DENSE_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
                     ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("scratch", "ptr"), ("n", "i32"),
-                    ("hidden", "i32"))
+                    ("hidden", "i32"), ("accumulate", "i32"))
 
 
 def dense_ffn_scratch_bytes(n: int) -> int:
@@ -65,7 +65,7 @@ def dense_ffn_scratch_bytes(n: int) -> int:
 
 @cache
 def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str) -> Kernel:
-    """A dense FFN in the source layout (down [hidden, n]): ``y = down (h) + down_bias``.
+    """A dense FFN in the source layout (down [hidden, n]): ``y = (accumulate ? y : 0) + (down (h) + down_bias)``.
 
     Threads split the n rows of up (and gate), computing ``h`` of the form into ``scratch`` (4 n
     bytes), meet at the barrier, then split the rows of down: two GEMV phases in one call.
@@ -105,7 +105,7 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str)
         lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
         down = [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))]
         emit_tiled_rows(fn, down, "%scratch", n, lo2, hi2, simd,
-                    lambda r, dots: fn.store(F32, plus_bias(fn, dots[0], "%down_bias", r), fn.at("%y", 4, r, "yp"), 4))
+                        lambda r, dots: _finish(fn, dots[0], "%down_bias", r, fn.at("%y", 4, r, "yp")))
         fn.ret_void()
         return fn.text()
 

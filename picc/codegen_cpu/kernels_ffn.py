@@ -1,10 +1,11 @@
 """The fused sparse FFN of one device partition, and the activity predictor.
 
 ``sparse_ffn`` computes ``y = sum_i h_i down_t[i, :] (+ down_bias)`` over the active neurons i
-of ``n``, where ``h_i`` is the form's activation of ``up[i] . x`` (and ``gate[i] . x``); the down
-projection is stored neuron-major (``down_t[n, hidden]``, row i = neuron i's column of down), so
-each active neuron is one AXPY. With ``interleaved`` weights, up and gate rows alternate (one
-``up_gate`` matrix [n, 2, hidden]: the caller passes it as ``up`` and, one row later, as ``gate``;
+of ``n`` (with ``accumulate``, adds it to y: a residual add in the same call), where ``h_i`` is
+the form's activation of ``up[i] . x`` (and ``gate[i] . x``); the down projection is stored
+neuron-major (``down_t[n, hidden]``, row i = neuron i's column of down), so each active neuron
+is one AXPY. With ``interleaved`` weights, up and gate rows alternate (one ``up_gate`` matrix
+[n, 2, hidden]: the caller passes it as ``up`` and, one row later, as ``gate``;
 its biases likewise), so an active neuron's two rows are one contiguous stream. How the active set
 is known (``mode``):
 
@@ -67,7 +68,7 @@ MODES = ("predictor", "dense", "gate-first", "down-only")
 
 FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
               ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("mask", "ptr"), ("count", "ptr"),
-              ("scratch", "ptr"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"))
+              ("scratch", "ptr"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"), ("accumulate", "i32"))
 PREDICT_PARAMS = (("x", "ptr"), ("fc1", "ptr"), ("b1", "ptr"), ("fc2t", "ptr"), ("b2", "ptr"), ("mask", "ptr"),
                   ("scratch", "ptr"), ("hidden", "i32"), ("rank", "i32"), ("n", "i32"), ("threshold", "f32"))
 _LINE = 64
@@ -142,7 +143,8 @@ def _gather_share(fn: Fn, seg: str, cnt: str, lst: str, n: str, nthreads: str, k
 
 
 def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, tid: str, nthreads: str) -> None:
-    """``y[j] = (ybuf_0[j] + ... + ybuf_{T-1}[j]) (+ bias[j])`` for this thread's columns."""
+    """``y[j] = (accumulate ? y[j] : 0) + ((ybuf_0[j] + ... + ybuf_{T-1}[j]) (+ bias[j]))`` for this
+    thread's columns (``%accumulate``: the residual add done here, the same bits as a separate add)."""
     c0, c1 = chunk_bounds(fn, hidden, tid, nthreads, align=16)
     width = fn.v(f"sub i64 {c1}, {c0}", "w")
     c16 = fn.v(f"add i64 {c0}, {fn.v(f'and i64 {width}, -16', 'w16')}", "c16")
@@ -156,7 +158,10 @@ def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, ti
                 s.set(fn.v(f"fadd {ty} {s.get()}, {fn.load(ty, p, 4, 'yt')}", "s"))
             with fn.if_(has_bias):
                 s.set(fn.v(f"fadd {ty} {s.get()}, {fn.load(ty, fn.gep(bias, off), 4, 'b')}", "sb"))
-            fn.store(ty, s.get(), fn.gep(y, off, "yp"), 4)
+            yp = fn.gep(y, off, "yp")
+            with fn.if_(fn.v("icmp ne i32 %accumulate, 0", "acc")):
+                s.set(fn.v(f"fadd {ty} {fn.load(ty, yp, 4, 'old')}, {s.get()}", "sa"))
+            fn.store(ty, s.get(), yp, 4)
 
 
 def check_ffn_kernel(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
@@ -249,7 +254,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                                                                                   bias_stride))
                     fn.store(F32, value, fn.at(vals, 4, r), 4)
 
-                emit_tiled_rows(fn, dense, "%x", hidden, lo, hi, simd, score)  # type: ignore[arg-type]
+                emit_tiled_rows(fn, dense, "%x", hidden, lo, hi, simd, score, xsums)  # type: ignore[arg-type]
 
             def keep(r: str) -> str:
                 if mode == "predictor":

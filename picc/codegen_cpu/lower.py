@@ -65,6 +65,11 @@ def _aligned(n: int) -> int:
 _BARRIER_FREE = (O.Linear, O.Rope, O.Add, O.RMSNorm, O.LayerNorm, O.Embed)
 
 
+def _adds_in_place(op: Op) -> bool:
+    """Whether ``op``'s decode kernel can add its result to what its output buffer holds."""
+    return isinstance(op, (O.Linear, FusedFFN)) or (type(op) is O.FFN and not op.neuron_major)
+
+
 @dataclass(frozen=True, slots=True)
 class _Access:
     """What a call reads and writes (value names), and whether it may run without a barrier
@@ -192,6 +197,55 @@ class _Lowering:
         self.access: list[_Access] = []  # per call of self.program
         self.caches: dict[str, Buf] = {}  # KV cache name -> its buffer (k rows, then v rows)
         self.chunk: _Chunk | None = None  # set while lowering the prefill program
+        # Decode: linear result -> (the add that reads it, the residual it is added to).
+        self.residual_adds = self._residual_adds()
+
+    def _residual_adds(self) -> dict[str, tuple[O.Add, str]]:
+        """The adds of a step that the kernel of an operand can do itself (``accumulate``):
+        ``add(r, p)`` with ``p`` a linear or an FFN (dense or fused) whose result has no other
+        reader, and ``r`` computed before ``p``, read by nothing after it but the add, and kept
+        on this CPU (not returned, not copied to another device). ``p``'s kernel then adds its
+        rows into r's buffer and the add's result lives there: one call and one barrier fewer
+        per residual add, the same bits (``r + t``, ``t`` the kernel's rounded result, as the add
+        computes it)."""
+        ops = self.func.ops
+        index = {op.result: i for i, op in enumerate(ops)}
+        readers: dict[str, list[int]] = {}
+        for i, op in enumerate(ops):
+            for v in op.values():
+                readers.setdefault(v, []).append(i)
+        pinned = crossing_values(self.sched) | {self.func.ret}
+        fused: dict[str, tuple[O.Add, str]] = {}
+        for i, op in enumerate(ops):
+            if not isinstance(op, O.Add) or op.a == op.b:
+                continue
+            for src, res in ((op.a, op.b), (op.b, op.a)):
+                j, k = index.get(src), index.get(res)
+                if (j is None or k is None or not _adds_in_place(ops[j]) or readers.get(src) != [i]
+                        or k >= j or any(j <= r < i for r in readers[res]) or readers[res][-1] != i
+                        or pinned & {src, res, op.result} or self._stage_of(src) != self._stage_of(op.result)
+                        or self._stage_of(res) != self._stage_of(op.result)):
+                    continue
+                fused[src] = (op, res)
+                break
+        return fused
+
+    def output(self, op: Op) -> tuple[Buf, int, set[str]]:
+        """Where ``op``'s kernel writes its result, its ``accumulate`` flag and the values it
+        writes besides the result: the residual's buffer, 1 and the residual and the add's
+        result when ``op`` does a residual add (see :meth:`_residual_adds`)."""
+        if self.chunk is None and op.result in self.residual_adds:
+            add_op, res = self.residual_adds[op.result]
+            self.alias(add_op.result, res)
+            return self.value(res), 1, {res, add_op.result}
+        return self.activation(op.result), 0, set()
+
+    def _stage_of(self, value: str) -> int | None:
+        """The stage whose CPU list computes ``value`` (None when no CPU stage does)."""
+        for i, stage in enumerate(self.sched.stages):
+            if value in stage.cpu:
+                return i
+        return None
 
     # --- buffers ---------------------------------------------------------------------------------
 
@@ -262,17 +316,21 @@ class _Lowering:
 
     # --- ops ---------------------------------------------------------------------------------------
 
-    def call(self, op: Op, kernel: Kernel, *args: object, check: bool = True, batched: bool = False) -> None:
+    def call(self, op: Op, kernel: Kernel, *args: object, check: bool = True, batched: bool = False,
+             writes: set[str] | None = None) -> None:
         """Call ``kernel`` for ``op``. In the prefill program, a kernel that is not ``batched``
-        (it sees one token) is called once per token of the chunk."""
+        (it sees one token) is called once per token of the chunk. ``writes``: values it writes
+        besides ``op``'s result."""
         if check and op.kernel != kernel.symbol:
             raise PiccError(f"codegen_cpu: %{op.result} names kernel {op.kernel!r} but the CPU computes it with "
                             f"{kernel.symbol!r}" + ("; run fuse-gather-gemv first" if op.kernel is None else ""))
         per_token = self.chunk is not None and not batched
         self.program.call(kernel, *args, repeat=self.rows() if per_token else None)  # type: ignore[arg-type]
-        writes = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
+        written = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
+        written |= writes or set()
         key = self.chunk.key if self.chunk is not None else str
-        self.access.append(_Access(frozenset(map(key, op.values())), frozenset(map(key, writes)),
+        self.access.append(_Access(frozenset(map(key, set(op.values()) | (writes or set()))),
+                                   frozenset(map(key, written)),
                                    isinstance(op, _BARRIER_FREE) and not per_token))
 
     def rows(self) -> Param | int:
@@ -315,9 +373,12 @@ class _Lowering:
                           int(w.shape[0]), int(w.shape[1]), 0, check=False, batched=True)
             case O.Linear():
                 w = self.weights[op.weight]
+                y, accumulate, writes = self.output(op)
                 self.call(op, kernels_dense.gemv(w.dtype.value), self.weight(op.weight), self.value(op.x),
-                          self.weight(op.bias, as_f32=True), self.activation(op.result), int(w.shape[0]),
-                          int(w.shape[1]), 0)
+                          self.weight(op.bias, as_f32=True), y, int(w.shape[0]), int(w.shape[1]), accumulate,
+                          writes=writes)
+            case O.Add() if self.chunk is None and any(a is op for a, _ in self.residual_adds.values()):
+                pass  # done by the kernel of the op that feeds it (see _residual_adds)
             case O.Rope():
                 # In place: the rotated value takes its input's buffer (the input has no other reader).
                 if self.uses.get(op.x, 0) != 1:
@@ -366,10 +427,11 @@ class _Lowering:
         gate = self.weights[op.gate].dtype.value if op.gate else None
         kernel = kernels_dense.dense_ffn(op.form, up.dtype.value, gate, self.weights[op.down].dtype.value)
         self.scratch = max(self.scratch, kernels_dense.dense_ffn_scratch_bytes(n))
+        y, accumulate, writes = self.output(op)
         self.call(op, kernel, self.value(op.x), self.weight(op.up), self.weight(op.gate), self.weight(op.down),
                   self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True),
-                  self.weight(op.down_bias, as_f32=True), self.activation(op.result), Buf(self.scratch_index), n,
-                  hidden)
+                  self.weight(op.down_bias, as_f32=True), y, Buf(self.scratch_index), n, hidden, accumulate,
+                  writes=writes)
 
     def dense_ffn_chunk(self, op: O.FFN, n: int, hidden: int) -> None:
         """A dense FFN in prefill: GEMMs of up (and gate) into the scratch, the form's activation,
@@ -425,9 +487,10 @@ class _Lowering:
             return
         kernel = kernels_ffn.sparse_ffn(op.mode, op.form, up_dtype, gate_dtype, down.dtype.value, op.interleaved)
         self.scratch = max(self.scratch, kernels_ffn.ffn_scratch_bytes(n, hidden, MAX_THREADS))
+        y, accumulate, writes = self.output(op)
         self.call(op, kernel, self.value(op.x), up, gate, self.weight(op.down), up_bias, gate_bias,
-                  self.weight(op.down_bias, as_f32=True), self.activation(op.result), mask, Null(),
-                  Buf(self.scratch_index), n, hidden, float(op.threshold))
+                  self.weight(op.down_bias, as_f32=True), y, mask, Null(), Buf(self.scratch_index), n, hidden,
+                  float(op.threshold), accumulate, writes=writes)
 
     # --- stages ------------------------------------------------------------------------------------
 

@@ -336,15 +336,17 @@ _AHEAD = 4  # GEMV prefetch distance, in tiles
 
 
 def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo: str, hi: str, simd: str,
-                    consume: Callable[[str, list[str]], None]) -> None:
-    xsums = emit_x_sums(fn, x, k, {dtype for dtype, _, _ in mats})
+                    consume: Callable[[str, list[str]], None], xsums: XSums | None = None) -> None:
     """GEMV rows: for rows r in [lo, hi) (i64), the dot products of row r of each matrix
     ``(dtype, base, row_bytes)`` with ``x`` (k elements), handed to ``consume(r, dots)``.
 
     Rows go ``_ROWS / len(mats)`` at a time: their FMA chains overlap and x is loaded once for
     all of them; more would not fit AVX2's registers. Each row's own sum is the same whatever
-    the tile, so results do not depend on it.
+    the tile, so results do not depend on it. ``xsums``: x's :func:`emit_x_sums`, made here when
+    not given.
     """
+    if xsums is None:
+        xsums = emit_x_sums(fn, x, k, {dtype for dtype, _, _ in mats})
     tile = max(1, _ROWS // len(mats))
 
     def row(base: str, rowb: str, r: str) -> str:
