@@ -197,8 +197,9 @@ class _Lowering:
         self.access: list[_Access] = []  # per call of self.program
         self.caches: dict[str, Buf] = {}  # KV cache name -> its buffer (k rows, then v rows)
         self.chunk: _Chunk | None = None  # set while lowering the prefill program
-        # Decode: linear result -> (the add that reads it, the residual it is added to).
+        # Decode: producer's result -> (the add that reads it, the residual it is added to).
         self.residual_adds = self._residual_adds()
+        self.adds_done_by_producers = {add.result for add, _ in self.residual_adds.values()}
 
     def _residual_adds(self) -> dict[str, tuple[O.Add, str]]:
         """The adds of a step that the kernel of an operand can do itself (``accumulate``):
@@ -215,6 +216,7 @@ class _Lowering:
             for v in op.values():
                 readers.setdefault(v, []).append(i)
         pinned = crossing_values(self.sched) | {self.func.ret}
+        stage_of = {v: i for i, stage in enumerate(self.sched.stages) for v in stage.cpu}  # CPU values only
         fused: dict[str, tuple[O.Add, str]] = {}
         for i, op in enumerate(ops):
             if not isinstance(op, O.Add) or op.a == op.b:
@@ -223,8 +225,8 @@ class _Lowering:
                 j, k = index.get(src), index.get(res)
                 if (j is None or k is None or not _adds_in_place(ops[j]) or readers.get(src) != [i]
                         or k >= j or any(j <= r < i for r in readers[res]) or readers[res][-1] != i
-                        or pinned & {src, res, op.result} or self._stage_of(src) != self._stage_of(op.result)
-                        or self._stage_of(res) != self._stage_of(op.result)):
+                        or pinned & {src, res, op.result} or op.result not in stage_of
+                        or stage_of.get(src) != stage_of[op.result] or stage_of.get(res) != stage_of[op.result]):
                     continue
                 fused[src] = (op, res)
                 break
@@ -239,13 +241,6 @@ class _Lowering:
             self.alias(add_op.result, res)
             return self.value(res), 1, {res, add_op.result}
         return self.activation(op.result), 0, set()
-
-    def _stage_of(self, value: str) -> int | None:
-        """The stage whose CPU list computes ``value`` (None when no CPU stage does)."""
-        for i, stage in enumerate(self.sched.stages):
-            if value in stage.cpu:
-                return i
-        return None
 
     # --- buffers ---------------------------------------------------------------------------------
 
@@ -326,11 +321,10 @@ class _Lowering:
                             f"{kernel.symbol!r}" + ("; run fuse-gather-gemv first" if op.kernel is None else ""))
         per_token = self.chunk is not None and not batched
         self.program.call(kernel, *args, repeat=self.rows() if per_token else None)  # type: ignore[arg-type]
-        written = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
-        written |= writes or set()
+        extra = writes or set()  # a residual add's buffer: read, then written
+        written = ({op.result, op.x} if isinstance(op, O.Rope) else {op.result}) | extra  # rope rotates in place
         key = self.chunk.key if self.chunk is not None else str
-        self.access.append(_Access(frozenset(map(key, set(op.values()) | (writes or set()))),
-                                   frozenset(map(key, written)),
+        self.access.append(_Access(frozenset(map(key, set(op.values()) | extra)), frozenset(map(key, written)),
                                    isinstance(op, _BARRIER_FREE) and not per_token))
 
     def rows(self) -> Param | int:
@@ -377,7 +371,7 @@ class _Lowering:
                 self.call(op, kernels_dense.gemv(w.dtype.value), self.weight(op.weight), self.value(op.x),
                           self.weight(op.bias, as_f32=True), y, int(w.shape[0]), int(w.shape[1]), accumulate,
                           writes=writes)
-            case O.Add() if self.chunk is None and any(a is op for a, _ in self.residual_adds.values()):
+            case O.Add() if self.chunk is None and op.result in self.adds_done_by_producers:
                 pass  # done by the kernel of the op that feeds it (see _residual_adds)
             case O.Rope():
                 # In place: the rotated value takes its input's buffer (the input has no other reader).
