@@ -13,7 +13,8 @@ all on SmolLM2-135M-Instruct from the shipped GGUF (Q4_1, embeddings Q8_0):
 * picc sparse: ``picc compile smollm2 --target cpu`` (gate-first FFNs), Q4_1;
 * transformers (f32, dequantized from the Q4_1 GGUF, KV cache, greedy);
 * onnxruntime (f32, the model built by onnxruntime-genai's builder from the same weights);
-* relu-demo sparse and dense (picc only, f16): what sparsity buys a ReLU model.
+* relu-demo sparse and dense (picc only, f16): what sparsity buys a ReLU model, and the bound the
+  weight bytes each reads per token put on it.
 
 Prints the machine, then per engine the median prompt and decode tokens/s and the ratio of decode
 speed to llama.cpp in the same format (F32 for transformers and onnxruntime). Compiled files,
@@ -84,6 +85,7 @@ class PiccEngine(Engine):
             picc("compile", source, "--target", "cpu", "-o", str(path), *flags)
             print(f"compiled {path.name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
         self.session = Session(path, threads)
+        self.bytes_per_token = self.session.pib.json("report").get("bytes_per_token")  # the cost model's
 
     def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
         s = self.session
@@ -293,6 +295,12 @@ def main() -> None:
     sparse, dense = median_decode("relu-demo sparse F16"), median_decode("relu-demo dense F16")
     print(f"\nrelu-demo (ReLU LLaMA, f16): sparse {sparse:.1f} tok/s, dense {dense:.1f} tok/s: sparse decodes "
           f"{sparse / dense:.2f}x as fast as dense")
+    dense_bytes, sparse_bytes = (e.bytes_per_token for e in relu)
+    if dense_bytes and sparse_bytes:
+        # Where both decodes run at the same share of the read bandwidth, speed goes as bytes read.
+        print(f"  weights read per token: sparse {sparse_bytes / 2**20:.1f} MiB, dense {dense_bytes / 2**20:.1f} MiB "
+              f"(the same LM head, attention and norms in both): at equal bandwidth use, sparse can be at most "
+              f"{dense_bytes / sparse_bytes:.2f}x as fast")
     for name in ("picc dense F32", "picc dense Q4_1"):
         if name in outputs and "transformers F32" in outputs:
             same = outputs[name] == outputs["transformers F32"]

@@ -8,7 +8,10 @@ list of active neurons, new for every run) over 1 GiB of layers, so that the row
 memory as in a real decode step (weights in 2 MiB pages, see ``threads.huge_zeros``). It prints medians of ``--reps``
 runs: time per layer, GB/s of *active rows read* (up, gate and down rows of the active neurons),
 that rate as a share of the read bandwidth measured in the same run (``picc.targets``' streaming
-read), and the speed-up over numpy's dense FFN (three f32 GEMVs over the full matrices, the better
+read), the same rate with the rows in cache (one layer's active rows read over and over, shown
+when they take at most half of the L3 cache: what the kernel's arithmetic allows; when it is no
+higher than the rate from memory, the kernel is bound by its arithmetic, not by memory), and the
+speed-up over numpy's dense FFN (three f32 GEMVs over the full matrices, the better
 of its BLAS on one thread and on all) on the same shape. Issue 6 asks for >= 70% of the bandwidth at 10-50% active
 and for beating numpy's dense GEMV whenever <= 60% of rows are active. On a shared machine the
 numbers move by tens of percent between runs: compare ratios within one run.
@@ -124,9 +127,20 @@ def numpy_baseline(shape: str, reps: int) -> tuple[float, str]:
     return results[best], best
 
 
+def l3_bytes() -> int | None:
+    """The size of this CPU's L3 cache (Linux sysfs), or None when it is not known."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return None
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
+    return int(text.rstrip("KM")) * scale if text.rstrip("KM").isdigit() else None
+
+
 def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, threads: list[int], reps: int,
-                 rng: np.random.Generator) -> dict[tuple[int, float], float]:
-    """Median seconds per layer, by (threads, active fraction)."""
+                 rng: np.random.Generator) -> dict[tuple[int, float, bool], float]:
+    """Median seconds per layer, by (threads, active fraction, cached): ``cached`` runs every call
+    of the step on layer 0 with one active set, so after the first call its rows come from cache."""
     # As fuse-gather-gemv lays them out: up and gate rows interleaved ([n, 2, hidden]), so an
     # active neuron's two rows are one stream; down neuron-major.
     kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved=True)
@@ -134,14 +148,17 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, threads: list[
     mask, count = np.zeros(n, np.uint8), np.zeros(1, np.int32)  # a predictor's output: a byte per neuron
     scratch = aligned_zeros(ffn_scratch_bytes(n, hidden, max(threads)))
     buffers = [aligned_zeros(SYNC_BYTES), x, y, mask, count, scratch]
-    prog = Program("ffn_step", sync=0)
+    progs = [Program("ffn_step", sync=0), Program("ffn_step_cached", sync=0)]
+    first = len(buffers)
     for layer in range(layers.count):
         base = len(buffers)
         buffers += [layers.up_gate(layer), layers.matrix(layer, 2)]
-        prog.call(kernel, Buf(1), Buf(base), Buf(base, layers.row_bytes), Buf(base + 1), Null(), Null(), Null(),
-                  Buf(2), Buf(3), Buf(4), Buf(5), n, hidden, 0.0, 0)
-    module = compile_kernels([], [prog])
-    step = module.function("ffn_step", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
+        for prog, b in zip(progs, (base, first), strict=True):
+            prog.call(kernel, Buf(1), Buf(b), Buf(b, layers.row_bytes), Buf(b + 1), Null(), Null(), Null(),
+                      Buf(2), Buf(3), Buf(4), Buf(5), n, hidden, 0.0, 0)
+    module = compile_kernels([], progs)
+    steps = {cached: module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
+             for cached, p in zip((False, True), progs, strict=True)}
     table = buffer_table(buffers)
     out = {}
     for t in threads:
@@ -153,12 +170,13 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, threads: list[
                     mask[:] = 0
                     mask[rng.choice(n, size, replace=False)] = 1
 
-                def run(team: ThreadTeam = team, t: int = t) -> None:
-                    team.run_each(lambda tid: step(ctypes.addressof(table), tid, t))
+                for cached, step in steps.items():
+                    def run(team: ThreadTeam = team, t: int = t, step=step) -> None:  # noqa: ANN001
+                        team.run_each(lambda tid: step(ctypes.addressof(table), tid, t))
 
-                out[(t, frac)] = median_time(run, reps, new_active_set) / layers.count
-                if count[0] != size:
-                    raise RuntimeError(f"the kernel found {count[0]} active neurons, the mask has {size}")
+                    out[(t, frac, cached)] = median_time(run, reps, new_active_set) / layers.count
+                    if count[0] != size:
+                        raise RuntimeError(f"the kernel found {count[0]} active neurons, the mask has {size}")
     return out
 
 
@@ -183,7 +201,8 @@ def main() -> None:
     print(f"read bandwidth (streaming read, picc.targets): {bandwidths[0] / 1e9:.1f} GB/s")
     print()
     header = (f"{'shape':>11} {'dtype':>5} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
-              f"{'vs numpy':>8}")
+              f"{'cached GB/s':>11} {'vs numpy':>8}")
+    l3 = l3_bytes()
     rows = []
     for shape in args.shapes.split(","):
         hidden, n = SHAPES[shape]
@@ -194,20 +213,29 @@ def main() -> None:
             layers = Layers(hidden, n, dtype, rng)
             times = bench_kernel(layers, hidden, n, dtype, threads, args.reps, rng)
             bandwidths.append(measure_memory_bandwidth())
-            for (t, frac), secs in times.items():
-                rate = 3 * layers.row_bytes * round(frac * n) / secs
-                rows.append((f"{hidden}x{n}", dtype, t, frac, secs, rate, numpy_time / secs))
+            for (t, frac, cached), secs in times.items():
+                if cached:
+                    continue
+                active = 3 * layers.row_bytes * round(frac * n)
+                in_cache = active / times[(t, frac, True)] if l3 and active <= l3 // 2 else None
+                rows.append((f"{hidden}x{n}", dtype, t, frac, secs, active / secs, in_cache, numpy_time / secs))
             del layers
     bw = statistics.median(bandwidths)
     print(f"read bandwidth, median of {len(bandwidths)} measurements in this run: {bw / 1e9:.1f} GB/s "
           f"(min {min(bandwidths) / 1e9:.1f}, max {max(bandwidths) / 1e9:.1f})")
     print()
     print(header)
-    for shape, dtype, t, frac, secs, rate, speedup in rows:
+    for shape, dtype, t, frac, secs, rate, in_cache, speedup in rows:
+        cached = f"{in_cache / 1e9:.1f}" if in_cache else "-"
         print(f"{shape:>11} {dtype:>5} {t:>3} {frac:>6.0%} {secs * 1e6:>9.1f} {rate / 1e9:>6.1f} "
-              f"{rate / bw:>5.0%} {speedup:>7.2f}x")
+              f"{rate / bw:>5.0%} {cached:>11} {speedup:>7.2f}x")
     print()
     print("GB/s: bytes of the active rows of up, gate and down read per second; %bw: of the median read bandwidth;")
+    if l3:
+        print(f"cached GB/s: the same with one layer's active rows read again and again (from cache; shown when "
+              f"they take at most half of the {l3 / 2**20:.0f} MiB L3)")
+    else:
+        print("cached GB/s: not measured (L3 size unknown)")
     print("vs numpy: numpy's dense f32 FFN time / this kernel's time on the same shape (> 1: faster).")
 
 
