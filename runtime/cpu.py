@@ -21,6 +21,8 @@ from runtime.pib import PibFile
 from runtime.threads import ThreadTeam
 
 _STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
+_BARRIER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
+_WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
 _init_lock = threading.Lock()
 
 
@@ -120,21 +122,25 @@ class CpuExecutor:
         self._logits = np.frombuffer(base, dtype=np.float32, count=where["n"], offset=where["offset"])
         self.vocab = int(where["n"])
         self.computes_greedy = bool(manifest["greedy"])
-        self.team = ThreadTeam(threads)
-        table_ptr = ctypes.cast(self._table, ctypes.c_void_p)
-        n = ctypes.c_int32(threads)
+        self.team = ThreadTeam(threads, native=self._native_team())
+        self._table_ptr = ctypes.cast(self._table, ctypes.c_void_p).value
 
-        def job(symbol: str | None):  # noqa: ANN202 - a team job, or None for a stage without CPU ops
-            if symbol is None:
-                return None
-            fn = self.code.function(symbol, _STEP)
-            return lambda tid: fn(table_ptr, tid, n)
+        def job(symbol: str | None) -> ctypes._CFuncPtr | None:  # a step function, or None: no CPU ops
+            return None if symbol is None else self.code.function(symbol, _STEP)
 
         self._jobs = [(job(st["step"]), job(st["prefill"])) for st in manifest["stages"]]
         chunk = manifest.get("prefill")
         self._chunk_job = job(chunk["symbol"]) if chunk else None
         self.chunk = int(chunk["chunk"]) if chunk else 0
         self._chunk_tokens = self._keep[chunk["tokens"]].view(np.int32) if chunk else None
+
+    def _native_team(self) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+        """The generated code's thread-team worker and barrier (runtime.threads), or None in code
+        compiled before it had them."""
+        try:
+            return self.code.function("picc_team_worker", _WORKER), self.code.function("picc_team_barrier", _BARRIER)
+        except ExecutorError:
+            return None
 
     @property
     def stages(self) -> int:
@@ -148,7 +154,7 @@ class CpuExecutor:
         """Run stage ``stage``'s CPU program (``prefill``: without the output head)."""
         job = self._jobs[stage][1 if prefill else 0]
         if job is not None:
-            self.team.run_each(job)
+            self.team.run_step(job, self._table_ptr)
 
     @property
     def batched_prefill(self) -> bool:
@@ -165,7 +171,7 @@ class CpuExecutor:
             self._chunk_tokens[: len(part)] = part
             self.params[self._slots["pos"]] = pos + start
             self.params[self._slots["seq"]] = len(part)
-            self.team.run_each(self._chunk_job)
+            self.team.run_step(self._chunk_job, self._table_ptr)
 
     def value(self, name: str) -> np.ndarray:
         """The host bytes of value ``name`` (one token), which crosses between the devices."""

@@ -623,3 +623,30 @@ def test_4bit_rows_need_the_sums_their_constant_parts_moved_to():
     with pytest.raises(PiccError, match="need x's sums"):  # q4_1 needs the folded sums too
         emit_dots(fn, [("q4_1", "%row")], "%x", "64", "avx2", xsums=sums)
     assert emit_x_sums(fn, "%x", "64", {"f16", "q8_0"}) is None
+
+
+def test_native_thread_team_runs_steps_in_generated_code():
+    """A team whose workers loop in generated code (``picc_team_worker``): each step runs once on
+    every thread with its tid, consecutive steps see each other's results (the barriers order
+    them), Python jobs are refused, and closing ends the workers."""
+    from runtime.threads import ThreadTeam as RuntimeTeam
+
+    step_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
+    prog = Program("count_step", sync=0)
+    prog.call(add(), Buf(1), Buf(2), Buf(1), 64)  # acc += one, rows split across the threads
+    module = compile_kernels([], [prog])
+    native = (step_t(module.address("picc_team_worker")),
+              ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)(module.address("picc_team_barrier")))
+    step = step_t(module.address("count_step"))
+    acc, one = np.zeros(64, np.float32), np.ones(64, np.float32)
+    table = buffer_table([aligned_zeros(SYNC_BYTES), acc, one])
+    team = RuntimeTeam(2, native=native)
+    try:
+        for _ in range(50):
+            team.run_step(step, ctypes.addressof(table))
+        np.testing.assert_array_equal(acc, np.full(64, 50, np.float32))
+        with pytest.raises(RuntimeError, match="step functions only"):
+            team.run_each(lambda tid: None)
+    finally:
+        team.close()
+    assert not any(w.is_alive() for w in team._workers)

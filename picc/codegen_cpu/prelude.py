@@ -220,6 +220,38 @@ awake:
 done:
   ret void
 }}
+
+; A thread team without Python in the loop (runtime.threads.ThreadTeam): %state is TEAM_BYTES
+; zeroed bytes, the barrier's state first, then the job (a step function's address), its table
+; and a closing flag. Threads 1.. run @picc_team_worker(state, tid, n) until the team closes;
+; thread 0 stores a job and the table, then meets them in @picc_team_barrier before and after
+; running the job itself. The barrier orders the stores before the loads.
+define void @picc_team_barrier(ptr %state, i32 %n) {{
+entry:
+  call void @picc_barrier(ptr %state, i32 %n)
+  ret void
+}}
+
+define void @picc_team_worker(ptr %state, i32 %tid, i32 %n) {{
+entry:
+  %jobp = getelementptr inbounds i8, ptr %state, i64 {SYNC_BYTES}
+  %tablep = getelementptr inbounds i8, ptr %state, i64 {SYNC_BYTES + 8}
+  %closep = getelementptr inbounds i8, ptr %state, i64 {SYNC_BYTES + 16}
+  br label %loop
+loop:
+  call void @picc_barrier(ptr %state, i32 %n)
+  %closing = load atomic i32, ptr %closep acquire, align 4
+  %stop = icmp ne i32 %closing, 0
+  br i1 %stop, label %exit, label %run
+run:
+  %job = load ptr, ptr %jobp, align 8
+  %table = load ptr, ptr %tablep, align 8
+  call void %job(ptr %table, i32 %tid, i32 %n)
+  call void @picc_barrier(ptr %state, i32 %n)
+  br label %loop
+exit:
+  ret void
+}}
 """
 
 _DECLARATIONS = """
