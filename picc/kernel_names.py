@@ -17,8 +17,17 @@ from __future__ import annotations
 # --- CPU: one symbol per operation and weight format ---------------------------------------------
 
 
-def cpu_gemv(dtype: str) -> str:
-    return f"picc_gemv_{dtype}"
+INT_DOT_DTYPES = frozenset({"q4_0", "q4_1"})  # formats with an integer dot product variant
+INT_DOTS_SUFFIX = "_xi16"
+
+
+def _int_suffix(int_dots: bool, *dtypes: str | None) -> str:
+    """The suffix of the variant that dots 4-bit rows with x rounded to int16 (where one is read)."""
+    return INT_DOTS_SUFFIX if int_dots and INT_DOT_DTYPES & set(dtypes) else ""
+
+
+def cpu_gemv(dtype: str, int_dots: bool = False) -> str:
+    return f"picc_gemv_{dtype}{_int_suffix(int_dots, dtype)}"
 
 
 def cpu_gemm(dtype: str) -> str:
@@ -56,9 +65,9 @@ def cpu_chunk_ffn(mode: str, form: str, up: str, gate: str | None, down: str, in
     return cpu_fused_ffn(mode, form, up, gate, down, interleaved).replace("picc_ffn_", "picc_ffn_chunk_", 1)
 
 
-def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str) -> str:
+def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, int_dots: bool = False) -> str:
     """A dense FFN in the source model's layout (down [hidden, n_ff]): GEMVs, one kernel."""
-    return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}"
+    return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}{_int_suffix(int_dots, up, gate, down)}"
 
 
 # --- GPU: one TVM kernel per operation, shape and weight format -----------------------------------

@@ -62,13 +62,15 @@ def ffn_kernels() -> list[Kernel]:
     ks += [sparse_ffn("predictor", f, "f16", "f16" if s.gated else None, "f16") for f, s in FORMS.items()]
     ks += [sparse_ffn("predictor", f, "f16", "f16", "f16", True) for f, s in FORMS.items() if s.gated]
     ks += [dense_ffn(f, d, d if FORMS[f].gated else None, d) for f in ("swiglu", "relu") for d in ("f32", "q4_1")]
+    ks += [dense_ffn("swiglu", d, d, d, int_dots) for d in ("q4_0", "q4_1") for int_dots in (False, True)]
     ks += [sparse_ffn(m, "swiglu", d, d, d) for m in ("dense", "gate-first", "down-only") for d in ("f16", "q4_0")]
     ks += [sparse_ffn("gate-first", "drelu", "f32", "f32", "f32"), sparse_ffn("down-only", "relu", "q8_0", None, "q8_0"),
            sparse_ffn("down-only", "drelu", "f16", "f16", "f16"), sparse_ffn("predictor", "swiglu", "q4_1", "q8_0", "f16")]
     return ks
 
 
-KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + ffn_kernels()
+KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + [gemv(d, int_dots=True) for d in ("q4_0", "q4_1")]
+           + ffn_kernels()
            + [predictor("f32", "f32"), predictor("f16", "f16"), rms_norm(), layer_norm(), add(), mul(), merge(), argmax(),
               attention()] + [rope(s, src) for s in ("llama", "gptj") for src in ("freq", "table")]
            + [ffn_activation(f) for f in FORMS])
@@ -147,6 +149,54 @@ def test_gemv(host, teams, dtype, threads):
     y = y0.copy()
     run(host, teams[threads], gemv(dtype), raw, x, bias, y, rows, k, 1)  # y += W x + b
     assert rel_err(y, y0 + w.astype(np.float64) @ x + bias) <= tol(dtype)
+
+
+def int_x_error_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Per row, the most that rounding x to int16 per block of 32 (the ``_xi16`` kernels) can move
+    ``w @ x``: each element by half a step, the step being its block's largest |x| / 32767, plus a
+    float32 rounding per block term (its int32 sum is exact; scaling and accumulating round)."""
+    blocks = np.abs(x.astype(np.float64)).reshape(-1, 32).max(axis=1)
+    step = np.repeat(blocks / 32767, 32)
+    return np.abs(w.astype(np.float64)) @ (step / 2) + 2.0**-22 * (np.abs(w.astype(np.float64)) @ np.abs(x))
+
+
+@pytest.mark.parametrize("threads", (1, 3))
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_integer_dot_gemv_stays_within_the_rounding_of_x(host, teams, dtype, threads):
+    rng = np.random.default_rng(11)
+    rows, k = 37, 256
+    raw, w = weights(rng, (rows, k), dtype)
+    x = rng.normal(size=k).astype(np.float32)
+    x[32:64] *= 1e-3  # a block of small values keeps its own scale
+    x[64:96] = 0.0  # and an all-zero block has none
+    y = np.zeros(rows, np.float32)
+    run(host, teams[threads], gemv(dtype, int_dots=True), raw, x, None, y, rows, k, 0)
+    exact = w.astype(np.float64) @ x
+    err = np.abs(y - exact)
+    assert np.all(err <= int_x_error_bound(w, x)), (err / int_x_error_bound(w, x)).max()
+    # The rounding is there (an int16 x is not the float x): not the float kernel's bits.
+    y_float = np.zeros(rows, np.float32)
+    run(host, teams[threads], gemv(dtype), raw, x, None, y_float, rows, k, 0)
+    assert not np.array_equal(y, y_float)
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_integer_dot_dense_ffn_matches_the_float_one(host, teams, dtype):
+    # Both phases dot rounded vectors (x, then h): each moves its results by up to 2^-16 of a
+    # block's largest |value| (test above), which stays under 1e-3 of the output's scale here
+    # (measured ~5e-5); the float kernel is held to 1e-4 of the exact result.
+    case = FfnCase("swiglu", (dtype, dtype, dtype), n=128, biases=True, seed=26)
+    down_raw, down = weights(np.random.default_rng(27), (case.hidden, 128), dtype)
+    outs = []
+    for int_dots in (False, True):
+        y = np.zeros(case.hidden, np.float32)
+        scratch = aligned_zeros(dense_ffn_scratch_bytes(case.n))
+        run(host, teams[2], dense_ffn("swiglu", dtype, dtype, dtype, int_dots), case.x, case.up_raw, case.gate_raw,
+            down_raw, case.up_bias, case.gate_bias, case.down_bias, y, scratch, case.n, case.hidden, 0)
+        outs.append(y)
+    ref = down.astype(np.float64) @ case.h() + case.down_bias
+    assert rel_err(outs[0], ref) <= tol(dtype)
+    assert rel_err(outs[1], ref) <= 1e-3
 
 
 @pytest.mark.parametrize("threads", (1, 3))

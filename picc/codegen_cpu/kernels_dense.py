@@ -36,10 +36,12 @@ def _finish(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
 
 
 @cache
-def gemv(dtype: str) -> Kernel:
-    """``y[r] = (accumulate ? y[r] : 0) + W[r, :] . x + bias[r]`` (bias may be null)."""
+@cache
+def gemv(dtype: str, int_dots: bool = False) -> Kernel:
+    """``y[r] = (accumulate ? y[r] : 0) + W[r, :] . x + bias[r]`` (bias may be null); with
+    ``int_dots``, 4-bit rows dot x rounded to int16 per block (``rowops.emit_tiled_rows``)."""
     check_dtype(dtype)
-    symbol = names.cpu_gemv(dtype)
+    symbol = names.cpu_gemv(dtype, int_dots)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, GEMV_PARAMS)
@@ -47,7 +49,8 @@ def gemv(dtype: str) -> Kernel:
         lo, hi = chunk_bounds(fn, rows, fn.sext("%tid"), fn.sext("%nthreads"))
         mats = [(dtype, "%w", emit_row_bytes(fn, dtype, k))]
         emit_tiled_rows(fn, mats, "%x", k, lo, hi, simd,
-                        lambda r, dots: _finish(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp")))
+                        lambda r, dots: _finish(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp")),
+                        int_dots=int_dots)
         fn.ret_void()
         return fn.text()
 
@@ -64,11 +67,12 @@ def dense_ffn_scratch_bytes(n: int) -> int:
 
 
 @cache
-def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str) -> Kernel:
+def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, int_dots: bool = False) -> Kernel:
     """A dense FFN in the source layout (down [hidden, n]): ``y = (accumulate ? y : 0) + (down (h) + down_bias)``.
 
     Threads split the n rows of up (and gate), computing ``h`` of the form into ``scratch`` (4 n
     bytes), meet at the barrier, then split the rows of down: two GEMV phases in one call.
+    ``int_dots``: 4-bit rows dot x (and h) rounded to int16 per block, as :func:`gemv`.
     """
     if form not in FORMS:
         raise PiccError(f"codegen_cpu: FFN form {form!r} is not one of {', '.join(FORMS)}")
@@ -77,7 +81,7 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str)
         raise PiccError(f"codegen_cpu: FFN form {form!r} {'needs' if spec.gated else 'takes no'} gate weights")
     for d in (up_dtype, gate_dtype or "f32", down_dtype):
         check_dtype(d)
-    symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype)
+    symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype, int_dots)
     act = f"@picc_act_{spec.act}"
 
     def emit(simd: str) -> str:
@@ -100,12 +104,13 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str)
             fn.store(F32, value, fn.at("%scratch", 4, r), 4)
 
         lo, hi = chunk_bounds(fn, n, tid, nthreads)
-        emit_tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h)
+        emit_tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h, int_dots=int_dots)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
         down = [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))]
         emit_tiled_rows(fn, down, "%scratch", n, lo2, hi2, simd,
-                        lambda r, dots: _finish(fn, dots[0], "%down_bias", r, fn.at("%y", 4, r, "yp")))
+                        lambda r, dots: _finish(fn, dots[0], "%down_bias", r, fn.at("%y", 4, r, "yp")),
+                        int_dots=int_dots)
         fn.ret_void()
         return fn.text()
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from picc import kernel_names as names
 from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, kernels_prefill
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.prelude import SYNC_BYTES
@@ -63,6 +64,11 @@ def _aligned(n: int) -> int:
 # start while another is still running on other threads when neither reads or writes what the
 # other writes (the q, k and v projections of a layer; the rope of q and of k).
 _BARRIER_FREE = (O.Linear, O.Rope, O.Add, O.RMSNorm, O.LayerNorm, O.Embed)
+
+
+def _int_dots(op: Op) -> bool:
+    """Whether ``fuse-gather-gemv`` chose the integer dot product variant for ``op``'s kernel."""
+    return (op.kernel or "").endswith(names.INT_DOTS_SUFFIX)
 
 
 def _adds_in_place(op: Op) -> bool:
@@ -368,9 +374,9 @@ class _Lowering:
             case O.Linear():
                 w = self.weights[op.weight]
                 y, accumulate, writes = self.output(op)
-                self.call(op, kernels_dense.gemv(w.dtype.value), self.weight(op.weight), self.value(op.x),
-                          self.weight(op.bias, as_f32=True), y, int(w.shape[0]), int(w.shape[1]), accumulate,
-                          writes=writes)
+                self.call(op, kernels_dense.gemv(w.dtype.value, _int_dots(op)), self.weight(op.weight),
+                          self.value(op.x), self.weight(op.bias, as_f32=True), y, int(w.shape[0]), int(w.shape[1]),
+                          accumulate, writes=writes)
             case O.Add() if self.chunk is None and op.result in self.adds_done_by_producers:
                 pass  # done by the kernel of the op that feeds it (see _residual_adds)
             case O.Rope():
@@ -419,7 +425,8 @@ class _Lowering:
             self.dense_ffn_chunk(op, n, hidden)
             return
         gate = self.weights[op.gate].dtype.value if op.gate else None
-        kernel = kernels_dense.dense_ffn(op.form, up.dtype.value, gate, self.weights[op.down].dtype.value)
+        kernel = kernels_dense.dense_ffn(op.form, up.dtype.value, gate, self.weights[op.down].dtype.value,
+                                         _int_dots(op))
         self.scratch = max(self.scratch, kernels_dense.dense_ffn_scratch_bytes(n))
         y, accumulate, writes = self.output(op)
         self.call(op, kernel, self.value(op.x), self.weight(op.up), self.weight(op.gate), self.weight(op.down),

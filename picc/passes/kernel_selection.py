@@ -35,8 +35,9 @@ def _no_kernel(op: Op, device: str, hint: str) -> PiccError:
     return PiccError(f"%{op.result}: op {op.NAME} has no {device} kernel{hint}")
 
 
-def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
-    """The CPU kernel that computes ``op``."""
+def cpu_kernel(op: Op, t: Types, int_dots: bool = False) -> str:  # noqa: C901 - one case per op
+    """The CPU kernel that computes ``op``; ``int_dots``: the integer dot product variants of
+    GEMVs and dense FFNs over 4-bit weights (for modules that decide no sparsity)."""
     match op:
         case O.Embed():
             return names.cpu_embed(t.fmt(op.table) or "")
@@ -45,7 +46,7 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
         case O.LayerNorm():
             return names.cpu_norm("layer_norm")
         case O.Linear():
-            return names.cpu_gemv(t.fmt(op.weight) or "")
+            return names.cpu_gemv(t.fmt(op.weight) or "", int_dots)
         case O.Rope():
             return names.cpu_rope(op.style)
         case O.Attention() if op.alibi == "none":
@@ -62,7 +63,8 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
             return names.cpu_fused_ffn(op.mode, op.form, t.fmt(up) or "", t.fmt(gate), t.fmt(op.down) or "",
                                  op.interleaved)
         case O.FFN() if not op.neuron_major and type(op) is O.FFN:
-            return names.cpu_dense_ffn(op.form, t.fmt(op.up) or "", t.fmt(op.gate), t.fmt(op.down) or "")
+            return names.cpu_dense_ffn(op.form, t.fmt(op.up) or "", t.fmt(op.gate), t.fmt(op.down) or "",
+                                       int_dots)
     hint = " (ALiBi attention runs in the interpreter only)" if isinstance(op, O.Attention) else ""
     raise _no_kernel(op, "CPU", hint)
 
@@ -129,8 +131,8 @@ def gpu_kernel_of_ffn(op: FusedFFN, t: Types, hint: str) -> str:
     return names.gpu_fused_ffn(op.mode, op.form, hidden, n, formats.pop() or "", bias)
 
 
-def kernel_of(op: Op, t: Types, ctx: int) -> str:
+def kernel_of(op: Op, t: Types, ctx: int, int_dots: bool = False) -> str:
     """The kernel of ``op`` on the device its type places it on (unplaced ops run on the CPU)."""
     if op.type.placement == Placement.GPU:
         return gpu_kernel(op, t, ctx)
-    return cpu_kernel(op, t)
+    return cpu_kernel(op, t, int_dots)
