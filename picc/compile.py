@@ -35,6 +35,7 @@ class CompileOptions:
     vram: str | None = None  # default: the target's VRAM
     ctx: int = mp.DEFAULT_CTX
     dense: bool = False
+    float_dots: bool = False  # keep float dot products where a dense model could round x to int16
     solver: str = "greedy"
     sparsity: SparsifyOptions = field(default_factory=SparsifyOptions)
 
@@ -93,7 +94,8 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
             raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be "
                             "read; pass --dense or a model with a tokenizer")
         passes.append(s.pipeline(target_sparsity(model, s, say)))
-    passes += [_partition_options(options), "fuse-gather-gemv", "dce"]
+    fuse = "fuse-gather-gemv{int_dots=no}" if options.float_dots else "fuse-gather-gemv"
+    passes += [_partition_options(options), fuse, "dce"]
     start = time.perf_counter()
     say(f"pipeline: {','.join(passes)}")
     module = run_pipeline(model.module, model.weights, parse_pipeline(",".join(passes)), instruments,

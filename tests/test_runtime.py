@@ -123,6 +123,16 @@ def test_the_prefill_program_uses_gemms_and_stops_at_the_last_kv_cache(tmp_path)
     assert calls == ["picc_embed_f32", *layer, *ffn, *layer]
 
 
+def test_float_dots_keep_a_dense_q4_model_at_float_rounding(tmp_path):
+    # picc compile --float-dots: the float GEMVs, held to the float kernels' 1e-4.
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.Q4_1)
+    path, pib = compiled(model, tmp_path, "dense-float", dense=True, float_dots=True)
+    kernels = {op.kernel for op in pib.module.ops()}
+    assert "picc_gemv_q4_1" in kernels and not any(k.endswith("_xi16") for k in kernels if k)
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+
+
 def test_a_model_that_decides_sparsity_keeps_float_dot_products(tmp_path, monkeypatch):
     # Rounding x to int16 (the dense models' 4-bit GEMVs) would move the gate scores the
     # threshold reads and flip decisions the interpreter makes: a sparse q4 model keeps float dots.
