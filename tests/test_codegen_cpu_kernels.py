@@ -679,7 +679,10 @@ def test_native_thread_team_runs_steps_in_generated_code():
     """A team whose workers loop in generated code (``picc_team_worker``): each step runs once on
     every thread with its tid, consecutive steps see each other's results (the barriers order
     them), Python jobs are refused, and closing ends the workers."""
+    from runtime import threads as runtime_threads
     from runtime.threads import ThreadTeam as RuntimeTeam
+
+    assert runtime_threads._SYNC_BYTES == SYNC_BYTES  # the runtime imports nothing of picc: kept in step
 
     step_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
     prog = Program("count_step", sync=0)

@@ -16,8 +16,9 @@ block formats' ``sum_b d_b (q_b . x_b)`` with the scale applied once per block a
 formats' constant parts (q4_0's ``- 8``, q4_1's ``m``) moved to sums of x made once per x
 (:func:`emit_x_sums`); AXPYs likewise collect those constant parts per block
 (:func:`emit_axpys`). Several rows share each load of ``x``, so the FMA chains of different rows
-overlap. The order of every sum is fixed in the IR (no fast-math flags), so AVX2 and AVX-512
-builds compute the same bits.
+overlap. Models that decide no sparsity may dot 4-bit rows with x rounded to int16 instead
+(:func:`emit_int_x`, ``int_dots`` of :func:`emit_tiled_rows`). The order of every sum is fixed
+in the IR (no fast-math flags), so AVX2 and AVX-512 builds compute the same bits.
 
 q4_0 / q4_1 nibbles become floats through a 16-entry table (``vpermps``) on AVX-512, through
 integer arithmetic and a conversion elsewhere; both give exactly ``q`` (or ``q - 8``).
@@ -308,7 +309,9 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
     AVX2's sixteen registers. The 4-bit formats take ``q`` as stored and move the rest to x's
     side: q4_0 starts t from ``-8 (x_lo + x_hi)`` (``(q - 8) . x = q . x - 8 sum(x)``), q4_1
     adds ``m`` times the folded ``x_lo + x_hi`` (``(d q + m) . x = d (q . x) + m sum(x)``). The
-    dot product is the sum of the lanes, halving in a fixed order.
+    dot product is the sum of the lanes, halving in a fixed order. With ``intx`` (x rounded to
+    int16, :func:`emit_int_x`) the 4-bit rows take the integer path instead (``_int_dot_block``);
+    their x sums then come from ``intx``.
     """
     need = {dtype for dtype, _ in rows} & NIBBLE_DTYPES
     if intx is not None:
@@ -446,9 +449,8 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
     all of them; more would not fit AVX2's registers. Each row's own sum is the same whatever
     the tile, so results do not depend on it. ``xsums``: x's :func:`emit_x_sums`, made here when
     not given. ``int_dots``: 4-bit rows dot x rounded to int16 (:func:`emit_int_x`, made here) in
-    integers, two ``vpmaddwd`` a block: 1.3x faster, and within 2^-16 of each block's largest |x|
-    of the float result; for models whose results feed no sparse decision (see
-    ``picc.passes.kernel_selection``).
+    integers, two ``vpmaddwd`` a block: 1.2-1.4x faster, and within 2^-16 of each block's largest
+    |x| of the float result; for modules that decide no sparsity (``fuse-gather-gemv`` chooses).
     """
     dtypes = {dtype for dtype, _, _ in mats}
     intx = emit_int_x(fn, x, k, dtypes) if int_dots else None

@@ -12,7 +12,7 @@ layer's ``add`` of its hot and cold parts becomes a ``merge`` that also adds the
 Dense linears name their GEMV kernel; a dense FFN kept in the source layout (a CPU-only dense
 compile) names the CPU's dense FFN kernel. In a module where nothing decides sparsity (no
 predictor, every fused FFN dense), the CPU's GEMVs and dense FFNs of q4_0 / q4_1 weights are the
-``_xi16`` variants, which dot the 4-bit rows with x rounded to int16 per block of 32 (1.3x
+``_xi16`` variants, which dot the 4-bit rows with x rounded to int16 per block of 32 (1.2-1.4x
 faster; within 2^-16 of each block's largest |x|, far inside the 1e-2 a quantized model is held
 to): where a predictor or a threshold reads the results, that rounding would flip decisions the
 interpreter makes, so sparse modules keep float dot products (``int_dots=no`` keeps them always).
