@@ -87,6 +87,21 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     check_prefill(path, pib, tol)
 
 
+def test_code_without_the_native_thread_team_runs_on_python_barriers(tmp_path, monkeypatch):
+    # .pib files compiled before picc_team_worker existed: the same steps, handed over by Python.
+    from runtime.cpu import CpuExecutor
+
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.F32)
+    path, _ = compiled(model, tmp_path, "dense", dense=True)
+    with Session(path, 2) as s:
+        assert s.executor.cpu.team.native
+        native = s.feed(list(TOKENS), all_logits=True)
+    monkeypatch.setattr(CpuExecutor, "_native_team", lambda self: None)
+    with Session(path, 2) as s:
+        assert not s.executor.cpu.team.native
+        np.testing.assert_array_equal(s.feed(list(TOKENS), all_logits=True), native)
+
+
 def test_the_step_has_barriers_only_where_a_kernel_needs_the_last_ones_results(tmp_path):
     model = tiny_llama("swiglu", n_layers=1, hidden=64, n_ff=96, matrix_dtype=DType.F32)
     path, _ = compiled(model, tmp_path, "dense", dense=True)
