@@ -133,6 +133,13 @@ class CpuExecutor:
         self._chunk_job = job(chunk["symbol"]) if chunk else None
         self.chunk = int(chunk["chunk"]) if chunk else 0
         self._chunk_tokens = self._keep[chunk["tokens"]].view(np.int32) if chunk else None
+        rows = manifest.get("logits_chunk")  # absent in .pib files compiled before it existed
+        self._rows_job = job(rows["symbol"]) if rows else None
+        self._rows = None
+        if rows:
+            where = rows["logits"]
+            self._rows = np.frombuffer(self._keep[where["buffer"]], dtype=np.float32, count=self.chunk * where["n"],
+                                       offset=where["offset"]).reshape(self.chunk, where["n"])
 
     def _native_team(self) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
         """The generated code's thread-team worker and barrier (runtime.threads), or None in code
@@ -164,14 +171,36 @@ class CpuExecutor:
     def prefill(self, tokens: list[int], pos: int) -> None:
         """Run ``tokens`` at positions ``pos ..`` without the output head, ``chunk`` at a time
         (their logits are never computed: feed the prompt's last token through :meth:`step`)."""
-        if self._chunk_job is None or self._chunk_tokens is None:
+        if self._chunk_job is None:
             raise ExecutorError("this model has no batched prefill (it runs on more than the CPU)")
         for start in range(0, len(tokens), self.chunk):
+            self._run_chunk(self._chunk_job, tokens[start : start + self.chunk], pos + start)
+
+    @property
+    def batched_logits(self) -> bool:
+        """Whether the code has the logits program (:meth:`logits_of`: models on the CPU alone)."""
+        return self._rows_job is not None
+
+    def logits_of(self, tokens: list[int], pos: int) -> np.ndarray:
+        """Run ``tokens`` at positions ``pos ..`` ``chunk`` at a time, head included: every
+        token's logits ([len(tokens), vocab], a copy). The step's own logits and greedy token
+        are not updated."""
+        if self._rows_job is None or self._rows is None:
+            raise ExecutorError("this model has no batched logits program (compiled by an older picc, or it "
+                                "runs on more than the CPU)")
+        out = np.empty((len(tokens), self._rows.shape[1]), np.float32)
+        for start in range(0, len(tokens), self.chunk):
             part = tokens[start : start + self.chunk]
-            self._chunk_tokens[: len(part)] = part
-            self.params[self._slots["pos"]] = pos + start
-            self.params[self._slots["seq"]] = len(part)
-            self.team.run_step(self._chunk_job, self._table_ptr)
+            self._run_chunk(self._rows_job, part, pos + start)
+            out[start : start + len(part)] = self._rows[: len(part)]
+        return out
+
+    def _run_chunk(self, job: ctypes._CFuncPtr, tokens: list[int], pos: int) -> None:
+        assert self._chunk_tokens is not None
+        self._chunk_tokens[: len(tokens)] = tokens
+        self.params[self._slots["pos"]] = pos
+        self.params[self._slots["seq"]] = len(tokens)
+        self.team.run_step(job, self._table_ptr)
 
     def value(self, name: str) -> np.ndarray:
         """The host bytes of value ``name`` (one token), which crosses between the devices."""

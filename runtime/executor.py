@@ -167,6 +167,18 @@ class Executor:
         self.cpu.prefill(tokens, pos)
         self.times.cpu_seconds += time.perf_counter() - start
 
+    @property
+    def batched_logits(self) -> bool:
+        """Whether every token's logits can come in chunks (:meth:`logits_of`): models on the CPU alone."""
+        return self.gpu is None and self.cpu.batched_logits
+
+    def logits_of(self, tokens: list[int], pos: int) -> np.ndarray:
+        """Run ``tokens`` at positions ``pos ..`` in chunks: each one's logits, [len(tokens), vocab]."""
+        start = time.perf_counter()
+        rows = self.cpu.logits_of(tokens, pos)
+        self.times.cpu_seconds += time.perf_counter() - start
+        return rows
+
     def logits(self) -> np.ndarray:
         """The last step's logits (a view, overwritten by the next step)."""
         return self.cpu.logits()

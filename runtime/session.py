@@ -4,9 +4,10 @@
 device, or the host-emulated GPU where there is none) and keeps the position in the KV cache, so
 a chat loop can feed one prompt after another. On a model that runs on the CPU alone, a prompt's
 tokens but the last run in chunks through the batched prefill program (GEMMs for the linears; its
-sparse FFNs still decide per token, as the interpreter does), and the last through the decode
-step, which computes the logits; elsewhere (a GPU part, or every token's logits wanted) the
-prompt runs one token at a time through the decode step.
+sparse FFNs still decide per token, as the interpreter does), or through the logits program (the
+same with the head) when every token's logits are wanted, and the last through the decode step,
+which computes the logits; elsewhere (a GPU part) the prompt runs one token at a time through the
+decode step.
 """
 
 from __future__ import annotations
@@ -83,8 +84,13 @@ class Session:
         start = time.perf_counter()
         rows = []
         count = len(ids)
-        if not all_logits and len(ids) > 1 and self.executor.batched_prefill:
-            self.executor.prefill(ids[:-1], self.pos)
+        if len(ids) > 1 and (self.executor.batched_logits if all_logits else self.executor.batched_prefill):
+            # All but the last token in chunks; the last through a step, which leaves its logits
+            # and greedy token where generation reads them.
+            if all_logits:
+                rows.append(self.executor.logits_of(ids[:-1], self.pos))
+            else:
+                self.executor.prefill(ids[:-1], self.pos)
             self.pos += len(ids) - 1
             self.history += ids[:-1]
             ids = ids[-1:]
@@ -92,12 +98,12 @@ class Session:
             self.executor.step(token, self.pos, logits=all_logits or i + 1 == len(ids))
             self.pos += 1
             if all_logits:
-                rows.append(self.executor.logits().copy())
+                rows.append(self.executor.logits()[None].copy())
         self.history += ids
         if timings is not None:
             timings.prompt_tokens += count
             timings.prompt_seconds += time.perf_counter() - start
-        return np.array(rows) if all_logits else self.executor.logits()
+        return np.concatenate(rows) if all_logits else self.executor.logits()
 
     def generate(self, prompt: list[int], n: int, options: SamplingOptions = SamplingOptions(),  # noqa: B008
                  seed: int = 0, stop_at_eos: bool = True, timings: Timings | None = None) -> Iterator[int]:

@@ -87,6 +87,27 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     check_prefill(path, pib, tol)
 
 
+def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path):
+    # feed(all_logits=True) (picc logits) runs all but the last token through picc_logits_chunk,
+    # 32 at a time: the same logits as one step per token (GEMMs instead of GEMVs: the sums
+    # differ in order only, 1e-5 in f32), and the KV caches it leaves let the session go on.
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.F32)
+    path, pib = compiled(model, tmp_path, "dense", dense=True)
+    with PibFile(path) as f:
+        assert "define void @picc_logits_chunk(" in f.text("cpu/ir")
+    with Session(path, 2) as s:
+        assert s.executor.batched_logits
+        chunked = s.feed(list(LONG), all_logits=True)
+        after = s.feed([7, 8], all_logits=True)
+    with Session(path, 2) as s:
+        stepwise = np.concatenate([s.feed([t], all_logits=True) for t in [*LONG, 7, 8]])
+    assert chunked.shape == (len(LONG), stepwise.shape[1])
+    assert rel_err(chunked, stepwise[: len(LONG)]) <= 1e-5
+    assert rel_err(after, stepwise[len(LONG):]) <= 1e-5
+    reference = Interpreter(pib.module, pib.weights).run([*LONG, 7, 8])
+    assert rel_err(np.concatenate([chunked, after]), reference) <= 1e-4
+
+
 def test_code_without_the_native_thread_team_runs_on_python_barriers(tmp_path, monkeypatch):
     # .pib files compiled before picc_team_worker existed: the same steps, handed over by Python.
     from runtime.cpu import CpuExecutor

@@ -22,7 +22,9 @@ Steps are for one token at a time (decode). A module that runs on the CPU alone 
 ``picc_prefill_chunk`` (:meth:`_Lowering.prefill_program`): the step without its head for a
 chunk of up to :data:`PREFILL_CHUNK` prompt tokens (``bufs[...]`` of the manifest's ``prefill``
 holds their ids, ``params[seq]`` their count), linears as GEMMs. Its sparse FFNs still see one
-token at a time, so they compute exactly the active sets the interpreter computes.
+token at a time, so they compute exactly the active sets the interpreter computes. And
+``picc_logits_chunk`` (:meth:`_Lowering.logits_program`): the same with the head, every token's
+logits left in the chunk's buffer (the manifest's ``logits_chunk``), for ``picc logits``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ SYNC, PARAMS, ZEROS = 0, 1, 2
 PARAM_SLOTS = {"pos": 0, "token": 1, "greedy": 2, "seq": 3}
 PREFILL_CHUNK = 32  # prompt tokens per call of the prefill program
 PREFILL_SYMBOL = "picc_prefill_chunk"
+LOGITS_SYMBOL = "picc_logits_chunk"
 MAX_THREADS = 64  # the scratch is sized for this many threads
 _KERNEL_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 _ALIGN = 64
@@ -122,12 +125,13 @@ class CpuProgram:
     logits: dict = field(default_factory=dict)  # {"buffer", "offset", "n"}
     greedy: bool = False  # the CPU step writes the greedy token to params
     prefill: dict | None = None  # {"symbol", "tokens" (buffer index), "chunk"}: the batched prefill program
+    logits_chunk: dict | None = None  # the same, with the head: + {"logits": {"buffer", "offset", "n"}}
 
     def manifest(self, simd: str) -> dict:
         """What the runtime needs besides the code."""
         return {"simd": simd, "max_threads": MAX_THREADS, "params": PARAM_SLOTS, "buffers": self.buffers,
                 "stages": self.stages, "values": self.values, "logits": self.logits, "greedy": self.greedy,
-                "prefill": self.prefill}
+                "prefill": self.prefill, "logits_chunk": self.logits_chunk}
 
 
 class _Chunk:
@@ -202,7 +206,8 @@ class _Lowering:
         self.program = Program("")
         self.access: list[_Access] = []  # per call of self.program
         self.caches: dict[str, Buf] = {}  # KV cache name -> its buffer (k rows, then v rows)
-        self.chunk: _Chunk | None = None  # set while lowering the prefill program
+        self.chunk: _Chunk | None = None  # set while lowering a chunk program
+        self.chunk_slots: tuple[int, int] | None = None  # the chunk programs' activations and tokens
         # Decode: producer's result -> (the add that reads it, the residual it is added to).
         self.residual_adds = self._residual_adds()
         self.adds_done_by_producers = {add.result for add, _ in self.residual_adds.values()}
@@ -534,7 +539,9 @@ class _Lowering:
             self.out.stages.append({"step": full.name, "prefill": prefill_symbol if head & set(stage.cpu)
                                     else full.name})
         if not any(stage.gpu for stage in self.sched.stages):
-            self.prefill_program([ops[name] for stage in self.sched.stages for name in stage.cpu if name not in head])
+            everything = [ops[name] for stage in self.sched.stages for name in stage.cpu]
+            self.prefill_program([op for op in everything if op.result not in head])
+            self.logits_program(everything)
         ret = self.activation(self.func.ret)  # a GPU's logits are copied here
         self.out.buffers[self.act_index]["nbytes"] = self.arena
         self.out.buffers[self.scratch_index]["nbytes"] = self.scratch
@@ -554,9 +561,21 @@ class _Lowering:
         the fused FFNs take the chunk too, each token with its own active set; the predictors (small)
         and the merges are per-token kernels called once per token inside the program.
         """
-        # Only the KV caches outlive a prefill chunk: drop what feeds neither them nor later
-        # layers (the last layer's output projection, its FFN and residual adds).
-        live: set[str] = set()
+        self.out.prefill = self._chunk_program(ops, PREFILL_SYMBOL, None)
+
+    def logits_program(self, ops: list[Op]) -> None:
+        """``picc_logits_chunk``: the whole step, head included, for up to PREFILL_CHUNK tokens
+        like the prefill program, leaving each token's logits in its row of the chunk's buffer:
+        the logits of every position (``picc logits``) in chunks instead of token by token."""
+        self.out.logits_chunk = self._chunk_program(ops, LOGITS_SYMBOL, self.func.ret)
+
+    def _chunk_program(self, ops: list[Op], symbol: str, result: str | None) -> dict:
+        """Lower ``ops`` for a chunk of tokens as program ``symbol``; ``result`` (a value whose
+        rows the caller reads afterwards) keeps its region to the end. The chunk programs share
+        their buffers (one runs at a time)."""
+        # Only the KV caches (and ``result``) outlive a chunk: drop what feeds neither them nor
+        # later layers (for the prefill: the last layer's output projection, its FFN and adds).
+        live: set[str] = {result} if result else set()
         kept: list[Op] = []
         for op in reversed(ops):
             if isinstance(op, O.Attention) or op.result in live:
@@ -571,18 +590,29 @@ class _Lowering:
         for op in reversed(ops):  # a rotated value keeps its input's region alive
             if isinstance(op, O.Rope):
                 last[op.x] = max(last[op.x], last.get(op.result, 0))
-        self.chunk = _Chunk(self._alloc_slot("prefill activations"),
-                            self._alloc_slot("prefill tokens", 4 * PREFILL_CHUNK), PREFILL_CHUNK, self.types, last)
-        self.program = Program(PREFILL_SYMBOL, sync=SYNC)
+        if result:
+            last[result] = len(ops)  # read after the program: never released
+        if self.chunk_slots is None:
+            self.chunk_slots = (self._alloc_slot("chunk activations"),
+                                self._alloc_slot("chunk tokens", 4 * PREFILL_CHUNK))
+        self.chunk = _Chunk(*self.chunk_slots, PREFILL_CHUNK, self.types, last)
+        self.program = Program(symbol, sync=SYNC)
         self.access = []
         for i, op in enumerate(ops):
             self.lower(op)
             self.chunk.release(i)
         self.program.calls = place_barriers(self.program.calls, self.access)
         self.out.programs.append(self.program)
-        self.out.buffers[self.chunk.index]["nbytes"] = self.chunk.nbytes
-        self.out.prefill = {"symbol": PREFILL_SYMBOL, "tokens": self.chunk.tokens, "chunk": PREFILL_CHUNK}
+        arena = self.out.buffers[self.chunk.index]
+        arena["nbytes"] = max(arena["nbytes"], self.chunk.nbytes)
+        info: dict = {"symbol": symbol, "tokens": self.chunk.tokens, "chunk": PREFILL_CHUNK}
+        if result:
+            where = self.chunk.get(result)
+            if where.stride != 4 * self.width(result):
+                raise PiccError(f"codegen_cpu: %{result}'s rows in the chunk are not f32 rows back to back")
+            info["logits"] = {"buffer": where.index, "offset": where.offset, "n": self.width(result)}
         self.chunk = None
+        return info
 
 
 def _bytes_one_token(t: TensorType) -> int:
