@@ -23,10 +23,11 @@ native, 6 of them the two affinity calls that pin the caller for the step.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 _SYNC_BYTES = 192  # picc.codegen_cpu.prelude.SYNC_BYTES: the barrier's state
 TEAM_BYTES = _SYNC_BYTES + 64  # a native team's state: barrier, job, table, closing flag
@@ -101,17 +102,25 @@ class ThreadTeam:
         state = ctypes.c_void_p(self._state)
         if self.nthreads > 1:
             self._barrier_fn(state, self.nthreads)
-        mask = None
         try:
-            if self._cores is not None:
-                mask = os.sched_getaffinity(0)
-                os.sched_setaffinity(0, {self._cores[0]})
-            step(table, 0, self.nthreads)
+            with self._pinned():
+                step(table, 0, self.nthreads)
         finally:
-            if mask is not None:
-                os.sched_setaffinity(0, mask)
             if self.nthreads > 1:
                 self._barrier_fn(state, self.nthreads)
+
+    @contextlib.contextmanager
+    def _pinned(self) -> Iterator[None]:
+        """The caller's thread on its core (thread 0's) for the block, its own affinity after."""
+        if self._cores is None:
+            yield
+            return
+        mask = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {self._cores[0]})
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, mask)
 
     def run_each(self, job: Callable[[int], None]) -> None:
         """Call ``job(tid)`` on every thread (tid 0 on the caller); return when all have returned.
@@ -124,15 +133,10 @@ class ThreadTeam:
         self._errors.clear()
         if self.nthreads > 1:
             self._start.wait()
-        mask = None
         try:
-            if self._cores is not None:
-                mask = os.sched_getaffinity(0)
-                os.sched_setaffinity(0, {self._cores[0]})
-            job(0)
+            with self._pinned():
+                job(0)
         finally:
-            if mask is not None:
-                os.sched_setaffinity(0, mask)
             if self.nthreads > 1:
                 self._done.wait()
         if self._errors:
