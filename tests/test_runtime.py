@@ -157,6 +157,11 @@ def test_the_prefill_program_uses_gemms_and_stops_at_the_last_kv_cache(tmp_path)
            "picc_gemm_f32", "picc_add"]
     # Layer 1's output projection and FFN, the final norm and the head feed no KV cache: absent.
     assert calls == ["picc_embed_f32", *layer, *ffn, *layer]
+    # The FFN's up and gate GEMMs write their own halves of the scratch: no barrier between them.
+    with_barriers = [line.split("@")[1].split("(")[0] for line in chunk.splitlines() if " call " in line and "@" in line]
+    at = with_barriers.index("picc_ffn_act_swiglu")
+    assert with_barriers[at - 4 : at + 1] == ["picc_barrier", "picc_gemm_f32", "picc_gemm_f32", "picc_barrier",
+                                              "picc_ffn_act_swiglu"]
 
 
 def test_float_dots_keep_a_dense_q4_model_at_float_rounding(tmp_path):

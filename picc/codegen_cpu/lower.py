@@ -323,10 +323,11 @@ class _Lowering:
     # --- ops ---------------------------------------------------------------------------------------
 
     def call(self, op: Op, kernel: Kernel, *args: object, check: bool = True, batched: bool = False,
-             writes: set[str] | None = None) -> None:
+             writes: set[str] | None = None, access: _Access | None = None) -> None:
         """Call ``kernel`` for ``op``. In the prefill program, a kernel that is not ``batched``
         (it sees one token) is called once per token of the chunk. ``writes``: values it writes
-        besides ``op``'s result."""
+        besides ``op``'s result. ``access``: what the call reads and writes, when it is one of
+        several calls of ``op`` and not the whole op (:func:`place_barriers` reads it)."""
         if check and op.kernel != kernel.symbol:
             raise PiccError(f"codegen_cpu: %{op.result} names kernel {op.kernel!r} but the CPU computes it with "
                             f"{kernel.symbol!r}" + ("; run fuse-gather-gemv first" if op.kernel is None else ""))
@@ -335,6 +336,10 @@ class _Lowering:
         extra = writes or set()  # a residual add's buffer: read, then written
         written = ({op.result, op.x} if isinstance(op, O.Rope) else {op.result}) | extra  # rope rotates in place
         key = self.chunk.key if self.chunk is not None else str
+        if access is not None:
+            self.access.append(_Access(frozenset(map(key, access.reads)), frozenset(map(key, access.writes)),
+                                       access.barrier_free and not per_token))
+            return
         self.access.append(_Access(frozenset(map(key, set(op.values()) | extra)), frozenset(map(key, written)),
                                    isinstance(op, _BARRIER_FREE) and not per_token))
 
@@ -448,14 +453,18 @@ class _Lowering:
         u, g = Buf(self.scratch_index), Buf(self.scratch_index, 4 * floats)
         x = self.value(op.x)
 
-        def gemm(weight: str, bias: str | None, src: Buf, dst: Buf, out: int, k: int) -> None:
+        def gemm(weight: str, bias: str | None, src: Buf, dst: Buf, out: int, k: int,
+                 access: _Access | None = None) -> None:
             kernel = kernels_dense.gemm(self.weights[weight].dtype.value)
             self.call(op, kernel, self.weight(weight), src, self.weight(bias, as_f32=True), dst, rows, out, k, 0,
-                      check=False, batched=True)
+                      check=False, batched=True, access=access)
 
         gemm(op.up, op.up_bias, x, u, n, hidden)
         if op.gate:
-            gemm(op.gate, op.gate_bias, x, g, n, hidden)
+            # Independent of the up GEMM before it (each writes its own half of the scratch): no
+            # barrier between the two. (The up GEMM keeps the op's access and its barrier before.)
+            gemm(op.gate, op.gate_bias, x, g, n, hidden,
+                 access=_Access(frozenset({op.x}), frozenset({f"{op.result}.gate"}), True))
         self.call(op, kernels_misc.ffn_activation(op.form), g, u, u, floats, check=False, batched=True)
         gemm(op.down, op.down_bias, u, self.activation(op.result), hidden, n)
 
