@@ -30,7 +30,13 @@ import threading
 from collections.abc import Callable, Iterator
 
 _SYNC_BYTES = 192  # picc.codegen_cpu.prelude.SYNC_BYTES: the barrier's state
-TEAM_BYTES = _SYNC_BYTES + 64  # a native team's state: barrier, job, table, closing flag
+TEAM_BYTES = _SYNC_BYTES + 64  # a native team's state: barrier, then _TeamSlots
+
+
+class _TeamSlots(ctypes.Structure):
+    """What follows the barrier in a native team's state (the offsets picc_team_worker reads)."""
+
+    _fields_ = (("job", ctypes.c_void_p), ("table", ctypes.c_void_p), ("closing", ctypes.c_int32))
 
 
 def _cores(nthreads: int) -> list[int] | None:
@@ -66,7 +72,7 @@ class ThreadTeam:
             self._worker_fn, self._barrier_fn = native
             self._raw = ctypes.create_string_buffer(TEAM_BYTES + 64)
             self._state = ctypes.addressof(self._raw) + (-ctypes.addressof(self._raw)) % 64
-            self._slots = (ctypes.c_void_p * 2).from_address(self._state + _SYNC_BYTES)  # job, table
+            self._slots = _TeamSlots.from_address(self._state + _SYNC_BYTES)
         self._workers = [threading.Thread(target=self._work, args=(t,), daemon=True, name=f"picc-cpu-{t}")
                          for t in range(1, nthreads)]
         for w in self._workers:
@@ -97,8 +103,8 @@ class ThreadTeam:
             return
         if self._closing:
             raise RuntimeError("the thread team is closed")
-        self._slots[0] = ctypes.cast(step, ctypes.c_void_p).value
-        self._slots[1] = table
+        self._slots.job = ctypes.cast(step, ctypes.c_void_p).value
+        self._slots.table = table
         state = ctypes.c_void_p(self._state)
         if self.nthreads > 1:
             self._barrier_fn(state, self.nthreads)
@@ -146,7 +152,7 @@ class ThreadTeam:
         if not self._closing:
             self._closing = True
             if self.native and self.nthreads > 1:
-                ctypes.c_int32.from_address(self._state + _SYNC_BYTES + 16).value = 1
+                self._slots.closing = 1
                 self._barrier_fn(ctypes.c_void_p(self._state), self.nthreads)
             elif self.nthreads > 1:
                 self._start.wait()

@@ -155,9 +155,9 @@ def int_x_error_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Per row, the most that rounding x to int16 per block of 32 (the ``_xi16`` kernels) can move
     ``w @ x``: each element by half a step, the step being its block's largest |x| / 32767, plus a
     float32 rounding per block term (its int32 sum is exact; scaling and accumulating round)."""
-    blocks = np.abs(x.astype(np.float64)).reshape(-1, 32).max(axis=1)
-    step = np.repeat(blocks / 32767, 32)
-    return np.abs(w.astype(np.float64)) @ (step / 2) + 2.0**-22 * (np.abs(w.astype(np.float64)) @ np.abs(x))
+    aw, ax = np.abs(w.astype(np.float64)), np.abs(x.astype(np.float64))
+    step = np.repeat(ax.reshape(-1, 32).max(axis=1) / 32767, 32)
+    return aw @ (step / 2) + 2.0**-22 * (aw @ ax)
 
 
 @pytest.mark.parametrize("threads", (1, 3))

@@ -36,7 +36,6 @@ def _finish(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
 
 
 @cache
-@cache
 def gemv(dtype: str, int_dots: bool = False) -> Kernel:
     """``y[r] = (accumulate ? y[r] : 0) + W[r, :] . x + bias[r]`` (bias may be null); with
     ``int_dots``, 4-bit rows dot x rounded to int16 per block (``rowops.emit_tiled_rows``)."""

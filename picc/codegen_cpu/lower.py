@@ -333,15 +333,14 @@ class _Lowering:
                             f"{kernel.symbol!r}" + ("; run fuse-gather-gemv first" if op.kernel is None else ""))
         per_token = self.chunk is not None and not batched
         self.program.call(kernel, *args, repeat=self.rows() if per_token else None)  # type: ignore[arg-type]
-        extra = writes or set()  # a residual add's buffer: read, then written
-        written = ({op.result, op.x} if isinstance(op, O.Rope) else {op.result}) | extra  # rope rotates in place
+        if access is None:
+            extra = writes or set()  # a residual add's buffer: read, then written
+            written = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
+            access = _Access(frozenset(set(op.values()) | extra), frozenset(written | extra),
+                             isinstance(op, _BARRIER_FREE))
         key = self.chunk.key if self.chunk is not None else str
-        if access is not None:
-            self.access.append(_Access(frozenset(map(key, access.reads)), frozenset(map(key, access.writes)),
-                                       access.barrier_free and not per_token))
-            return
-        self.access.append(_Access(frozenset(map(key, set(op.values()) | extra)), frozenset(map(key, written)),
-                                   isinstance(op, _BARRIER_FREE) and not per_token))
+        self.access.append(_Access(frozenset(map(key, access.reads)), frozenset(map(key, access.writes)),
+                                   access.barrier_free and not per_token))
 
     def rows(self) -> Param | int:
         """The tokens a call computes: one in a step, the chunk's ``seq`` in the prefill program."""
