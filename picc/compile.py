@@ -98,22 +98,25 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
     passes += [_partition_options(options), fuse, "dce"]
     start = time.perf_counter()
     say(f"pipeline: {','.join(passes)}")
-    module = run_pipeline(model.module, model.weights, parse_pipeline(",".join(passes)), instruments,
+    # The passes add weights (neuron-major copies, predictors) to a copy of the store: the caller's
+    # model is unchanged, so compiling it again names them the same (and finds its predictors cached).
+    weights = model.weights.copy()
+    module = run_pipeline(model.module, weights, parse_pipeline(",".join(passes)), instruments,
                           tokenizer=model.tokenizer)
     attrs = dict(module.attrs)
-    plan = mp.plan_memory(module, model.weights, ctx=options.ctx, budget=int(attrs["vram_budget"]))
+    plan = mp.plan_memory(module, weights, ctx=options.ctx, budget=int(attrs["vram_budget"]))
     if plan.gpu_bytes > plan.budget:  # partition-neurons planned the unfused module; fusing only merges buffers
         raise PiccError(f"internal error: the fused module needs {plan.gpu_bytes} GPU bytes, over the "
                         f"{plan.budget}-byte budget; please report it")
-    compiled = replace(model, module=module)
-    report = build_report(module, model.weights, target, plan)
+    compiled = replace(model, module=module, weights=weights)
+    report = build_report(module, weights, target, plan)
     steps = schedule(module)
     say(f"generating CPU code ({target.cpu.simd})")
-    sections, tensors = cpu_code(module, model.weights, steps, options.ctx, target.cpu.simd)
+    sections, tensors = cpu_code(module, weights, steps, options.ctx, target.cpu.simd)
     sections["schedule"] = json.dumps(steps.to_json()).encode("utf-8")
     if target.gpu is not None and "gpu" in steps.devices:
         say(f"generating GPU code ({target.gpu.arch})")
-        gpu_sections, gpu_tensors = gpu_code(module, model.weights, plan, target.gpu.arch, say)
+        gpu_sections, gpu_tensors = gpu_code(module, weights, plan, target.gpu.arch, say)
         sections.update(gpu_sections)
         tensors.update(gpu_tensors)
     meta = {"picc_version": _version(), "source": model.source, "target": target.name,

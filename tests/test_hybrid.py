@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 from conftest import tiny_llama, with_tokenizer
 
+import picc.passes.insert_predictors as insert_predictors_pass
 from picc.compile import CompileOptions, compile_model, write_compiled
 from picc.errors import PiccError
 from picc.interpreter import Interpreter
 from picc.ir import parse, print_module, verify
 from picc.ir.fused_ops import FusedFFN, Merge
+from picc.ir.module import Module
 from picc.ir.types import Placement
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes import parse_pipeline, run_pipeline
@@ -40,12 +42,13 @@ def model():
     return with_tokenizer(tiny_llama("reglu", n_layers=2, hidden=64, n_ff=128))
 
 
-def placed(model, vram: str, mode: str = "predictor"):
-    """The model through the compile pipeline up to fusion, for pc-low with ``vram``."""
+def placed(model, vram: str, mode: str = "predictor") -> tuple[Module, WeightStore]:
+    """The model through the compile pipeline up to fusion, for pc-low with ``vram``, and its weights."""
     s = SparsifyOptions(mode=mode, tokens=512, window=64, budget=0.5)
     text = (f"canonicalize,neuron-major-down,{s.pipeline(None)},partition-neurons{{target=pc-low,vram={vram}}},"
             "fuse-gather-gemv")
-    return run_pipeline(model.module, model.weights, parse_pipeline(text), tokenizer=model.tokenizer)
+    weights = model.weights.copy()
+    return run_pipeline(model.module, weights, parse_pipeline(text), tokenizer=model.tokenizer), weights
 
 
 def half_the_ffn(full) -> int:
@@ -73,10 +76,10 @@ def compiled(model, tmp_path_factory):
     return full, split, root / "split.pib"
 
 
-def test_split_parts_run_side_by_side_and_cross_once(model, compiled, tmp_path, monkeypatch):
-    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
-    full, _, _ = compiled
-    module = placed(model, str(half_the_ffn(full)))
+def test_split_parts_run_side_by_side_and_cross_once(model, compiled, monkeypatch):
+    full, _, path = compiled
+    monkeypatch.setenv("PICC_CACHE_DIR", str(path.parent / "cache"))  # the compiles' predictors
+    module, _ = placed(model, str(half_the_ffn(full)))
     steps = schedule(module)
     ops = {op.result: op for op in module.ops()}
     merges = [op for op in module.ops() if isinstance(op, Merge)]
@@ -102,7 +105,11 @@ def test_split_parts_run_side_by_side_and_cross_once(model, compiled, tmp_path, 
                                         ("dense", "swiglu")])
 def test_hybrid_logits_match_the_interpreter_for_every_split(mode, form, tmp_path, monkeypatch):
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    trainings = []
+    train_all = insert_predictors_pass.train_all
+    monkeypatch.setattr(insert_predictors_pass, "train_all", lambda *a, **k: trainings.append(1) or train_all(*a, **k))
     model = with_tokenizer(tiny_llama(form, n_layers=2, hidden=64, n_ff=128, seed=3))
+    names = list(model.weights)
     sparsity = SparsifyOptions(mode=mode, tokens=512, window=64, budget=0.5)
 
     def options(vram: str) -> CompileOptions:
@@ -127,6 +134,10 @@ def test_hybrid_logits_match_the_interpreter_for_every_split(mode, form, tmp_pat
         shares.add(round(sum(la["gpu_neurons"] for la in layers) / sum(la["gpu_neurons"] + la["cpu_neurons"]
                                                                        for la in layers), 2))
     assert 0.0 in shares and 1.0 in shares and len(shares) == 3  # none, part, and all on the GPU
+    # Compiling left the model's store alone (the passes add to a copy), so the three compiles saw
+    # the same module and the predictors were trained once, then found in the cache.
+    assert list(model.weights) == names
+    assert len(trainings) == (mode == "predictor")
 
 
 @pytest.mark.parametrize("mode, form", [("down-only", "swiglu"), ("gate-first", "drelu")])
@@ -238,14 +249,14 @@ def test_fused_ops_verifier_rules():
         verify(parse(text))
 
 
-def test_fusing_twice_or_partitioning_after_is_an_error(model, tmp_path, monkeypatch):
-    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
-    module = placed(model, "0")
+def test_fusing_twice_or_partitioning_after_is_an_error(model, compiled, monkeypatch):
+    monkeypatch.setenv("PICC_CACHE_DIR", str(compiled[2].parent / "cache"))  # the compiles' predictors
+    module, weights = placed(model, "0")
     assert all(isinstance(op, FusedFFN) for op in module.ops() if "ffn." in op.result and op.NAME != "predict")
     with pytest.raises(PiccError, match="already fused"):
-        run_pipeline(module, model.weights, parse_pipeline("fuse-gather-gemv"))
+        run_pipeline(module, weights, parse_pipeline("fuse-gather-gemv"))
     with pytest.raises(PiccError, match="partition-neurons comes before fuse-gather-gemv"):
-        run_pipeline(module, model.weights, parse_pipeline("partition-neurons{target=pc-low,vram=1MB}"))
+        run_pipeline(module, weights, parse_pipeline("partition-neurons{target=pc-low,vram=1MB}"))
 
 
 def test_run_and_bench_report_time_per_device_and_transfers(compiled, capsys):

@@ -106,6 +106,13 @@ class WeightStore:
             if (t.dtype, t.shape) != (decl.type.dtype, decl.type.shape):
                 raise PiccError(f"weight @{decl.name} is declared {decl.type} but stored as {t.type}")
 
+    def copy(self) -> WeightStore:
+        """A store with the same tensors (shared, not copied) that grows on its own: what a
+        pipeline adds to it does not appear here."""
+        store = WeightStore(self._tensors)
+        store._f32 = dict(self._f32)
+        return store
+
     def subset(self, names: list[str]) -> WeightStore:
         return WeightStore({n: self._tensors[n] for n in names})
 
