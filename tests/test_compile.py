@@ -281,19 +281,15 @@ class TestSmolLM2:
         assert all(la["cpu_neurons"] == 0 and la["gpu_activation_share"] == 1.0 for la in report["layers"])
         assert placements(path) == {"gpu"}
         assert_matches_the_interpreter(path)
-        # ~30% of the FFN on the GPU, the rest on the CPU, both at once.
+        # ~30% of the FFN on the GPU, the rest on the CPU, both at once; the budget is used, not
+        # left idle.
         third = tmp_path / "third.pib"
-        report = compile_json(capsys, sparse, third, "--target", "pc-low", "--vram", str(ffn_share_budget(path, 0.3)))
+        budget = ffn_share_budget(path, 0.3)
+        report = compile_json(capsys, sparse, third, "--target", "pc-low", "--vram", str(budget))
         assert 0.2 <= gpu_share(report) <= 0.6, gpu_share(report)
+        assert report["gpu_bytes"] > 0.9 * budget, (report["gpu_bytes"], budget)
         assert_matches_the_interpreter(third)
         assert_gpu_kernels_compile_for_every_arch(third, tmp_path)
-
-    def test_60mb_splits(self, sparse, tmp_path, capsys):
-        report = compile_json(capsys, sparse, tmp_path / "b.pib", "--target", "pc-low", "--vram", "60MB")
-        gpu = sum(la["gpu_neurons"] for la in report["layers"])
-        cpu = sum(la["cpu_neurons"] for la in report["layers"])
-        assert gpu > 0 and cpu > 0
-        assert report["gpu_bytes"] > 0.9 * 60e6  # the budget is used, not left idle
 
     def test_zero_vram_is_cpu_only_and_cpu_target_has_no_gpu(self, sparse, tmp_path, capsys):
         for name, flags in (("c", ["--target", "pc-low", "--vram", "0"]), ("d", ["--target", "cpu"])):
