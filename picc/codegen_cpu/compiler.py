@@ -64,7 +64,8 @@ class CpuModule:
     """Machine code for one LLVM IR module (or one object file), loaded into this process.
 
     ``CpuModule(ir_text, simd)`` parses, verifies and optimises the IR with LLVM's -O3 pipeline
-    (the new pass builder, which vectorises to the target's width) and JIT-compiles it.
+    (the new pass builder, which vectorises to the target's width); it is JIT-compiled when
+    a function is first asked for.
     ``CpuModule.from_object(obj, simd)`` loads object code made by :meth:`emit_object` instead.
     """
 
@@ -87,9 +88,19 @@ class CpuModule:
             pb.getModulePassManager().run(mod, pb)
         self._llvm_module = mod
         self.ir = str(mod)
-        self._engine = llvm.create_mcjit_compiler(mod, self._tm)
-        self._engine.finalize_object()
+        # Machine code for this process is made on first use: `picc compile` only emits the
+        # object (one code generation instead of two, a third of its CPU code time).
+        self._jit: llvm.ExecutionEngine | None = None
+        self._jit_lock = threading.Lock()
         self._objects: list[object] = []
+
+    @property
+    def _engine(self) -> llvm.ExecutionEngine:
+        with self._jit_lock:
+            if self._jit is None:
+                self._jit = llvm.create_mcjit_compiler(self._llvm_module, self._tm)
+                self._jit.finalize_object()
+            return self._jit
 
     @classmethod
     def from_object(cls, obj: bytes, simd: str = "host") -> CpuModule:
@@ -102,11 +113,12 @@ class CpuModule:
         empty = llvm.parse_assembly("")
         empty.triple = self._tm.triple
         self._llvm_module = empty
-        self._engine = llvm.create_mcjit_compiler(empty, self._tm)
+        self._jit_lock = threading.Lock()
+        self._jit = llvm.create_mcjit_compiler(empty, self._tm)
         objf = llvm.ObjectFileRef.from_data(obj)
         self._objects = [objf]  # the engine refers to it; keep it alive with the engine
-        self._engine.add_object_file(objf)
-        self._engine.finalize_object()
+        self._jit.add_object_file(objf)
+        self._jit.finalize_object()
         return self
 
     def emit_object(self) -> bytes:
