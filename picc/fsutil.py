@@ -1,4 +1,4 @@
-"""Files that are either fully written or not there at all."""
+"""Files that are either fully written or not there at all, and where picc caches what it derives."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from picc.errors import PiccError
+
+
+def cache_root() -> Path:
+    """Where picc keeps what it derives and can rebuild (trained predictors, the host's measured
+    bandwidth, converted tokenizers): ``$PICC_CACHE_DIR``, default ``~/.cache/picc``."""
+    return Path(os.environ.get("PICC_CACHE_DIR") or Path.home() / ".cache" / "picc")
 
 
 @contextlib.contextmanager

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from picc.errors import PiccError
-from picc.fsutil import atomic_path
+from picc.fsutil import atomic_path, cache_root
 from picc.ir import ops as O
 from picc.ir.module import Module
 from picc.ir.printer import print_module
@@ -27,7 +26,7 @@ _PARTS = ("fc1", "fc1_bias", "fc2", "fc2_bias")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PICC_CACHE_DIR") or Path.home() / ".cache" / "picc") / "predictors"
+    return cache_root() / "predictors"
 
 
 def cache_key(module: Module, weights: WeightStore, layers: list[str], settings: dict[str, object]) -> str:

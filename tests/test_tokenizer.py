@@ -12,6 +12,7 @@ import tokenizers
 from tokenizers import models, processors
 
 from picc.errors import PiccError
+from picc.frontend import tokenizer as tokenizer_module
 from picc.frontend.aliases import resolve_alias
 from picc.frontend.tokenizer import (
     Tokenizer,
@@ -47,8 +48,30 @@ def reference(gguf_path: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def smollm2(gguf_path: Path) -> Tokenizer:
-    return tokenizer_from_gguf(gguf_path)
+def smollm2(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """Converted from the GGUF here (an empty cache), not read from an earlier conversion."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PICC_CACHE_DIR", str(tmp_path_factory.mktemp("tokenizer_cache")))
+        return tokenizer_from_gguf(gguf_path)
+
+
+def test_gguf_tokenizer_is_cached_per_file_state(smollm2: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The conversion (stubbed here with its result) runs once per file state: a second load reads
+    # the cache; a file with another modification time, or a damaged entry, is converted again.
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    conversions: list[Path] = []
+    monkeypatch.setattr(tokenizer_module, "_convert_gguf_tokenizer", lambda p: conversions.append(p) or smollm2)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF stand-in")
+    assert tokenizer_from_gguf(model) == smollm2 and len(conversions) == 1
+    assert tokenizer_from_gguf(model) == smollm2 and len(conversions) == 1
+    os.utime(model, ns=(1, 1))
+    assert tokenizer_from_gguf(model) == smollm2 and len(conversions) == 2
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2  # one entry per file state
+    entry = tokenizer_module._gguf_cache_path(model)
+    entry.write_text("{not json")
+    assert tokenizer_from_gguf(model) == smollm2 and len(conversions) == 3
+    assert Tokenizer.from_json(entry.read_text()) == smollm2  # rewritten whole
 
 
 def test_gguf_encode_matches_transformers(smollm2: Tokenizer, reference: Any) -> None:

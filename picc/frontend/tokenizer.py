@@ -21,6 +21,7 @@ touch the network.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,7 @@ from typing import Any
 import tokenizers
 
 from picc.errors import PiccError
+from picc.fsutil import cache_root, write_text_atomic
 
 FORMAT_NAME = "picc-tokenizer"
 FORMAT_VERSION = 1
@@ -161,11 +163,39 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
 
     Built by transformers' GGUF conversion, which supports `tokenizer.ggml.model`
     "gpt2" (byte-level BPE, as in SmolLM2 and Llama 3), "llama" (sentencepiece)
-    and "t5"; its BOS rule comes from `tokenizer.ggml.add_bos_token`.
+    and "t5"; its BOS rule comes from `tokenizer.ggml.add_bos_token`. The
+    conversion reads the whole vocabulary through Python (~15 s for SmolLM2's
+    49k tokens), so its result is cached (`$PICC_CACHE_DIR/tokenizers`), keyed
+    by the file's path, size and modification time and the transformers version.
     """
     gguf_path = Path(path)
     if not gguf_path.is_file():
         raise PiccError(f"{gguf_path}: expected a GGUF file")
+    cached = _gguf_cache_path(gguf_path)
+    if cached.is_file():
+        try:
+            return Tokenizer.from_json(cached.read_text(encoding="utf-8"))
+        except (OSError, PiccError):
+            pass  # a damaged entry is rebuilt, not trusted
+    tokenizer = _convert_gguf_tokenizer(gguf_path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(cached, tokenizer.to_json())
+    except OSError:
+        pass  # a read-only cache only costs the next load its time
+    return tokenizer
+
+
+def _gguf_cache_path(gguf_path: Path) -> Path:
+    from importlib.metadata import version
+
+    stat = gguf_path.stat()
+    key = json.dumps([str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns, version("transformers"),
+                      FORMAT_VERSION])
+    return cache_root() / "tokenizers" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _convert_gguf_tokenizer(gguf_path: Path) -> Tokenizer:
     with _transformers_offline() as transformers:
         try:
             hf_tokenizer = transformers.AutoTokenizer.from_pretrained(

@@ -49,7 +49,7 @@ import numpy as np
 import yaml
 
 from picc.errors import PiccError
-from picc.fsutil import atomic_path
+from picc.fsutil import atomic_path, cache_root
 
 SIMD_LEVELS = ("avx512", "avx2", "sse")
 HOST_CACHE_VERSION = 1
@@ -340,8 +340,7 @@ def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> flo
 
 
 def host_cache_path() -> Path:
-    base = Path(os.environ.get("PICC_CACHE_DIR") or Path.home() / ".cache" / "picc")
-    return base / "targets" / "host-cpu.json"
+    return cache_root() / "targets" / "host-cpu.json"
 
 
 def detect_host_cpu() -> CpuSpec:
