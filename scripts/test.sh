@@ -6,4 +6,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 .venv/bin/ruff check picc runtime tests examples
 # HF_HUB_OFFLINE: nothing in picc or its tests may reach a model hub.
+# PICC_CACHE_DIR: what the tests derive and can rebuild (trained predictors, converted tokenizers,
+# the host's bandwidth) is cached inside the build, not in the user's cache.
+export PICC_CACHE_DIR="${PICC_CACHE_DIR:-$root/build/cache}"
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 exec .venv/bin/python -m pytest -q "$@"
