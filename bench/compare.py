@@ -95,10 +95,11 @@ class PiccEngine(Engine):
         prompt_s = time.perf_counter() - start
         tokens = [s.executor.greedy()]
         start = time.perf_counter()
-        for _ in range(n - 1):
-            s.executor.step(tokens[-1], s.pos)
-            s.pos += 1
-            tokens.append(s.executor.greedy())
+        with s.executor.pinned():  # as in Session.generate
+            for _ in range(n - 1):
+                s.executor.step(tokens[-1], s.pos)
+                s.pos += 1
+                tokens.append(s.executor.greedy())
         return prompt_s, time.perf_counter() - start, tokens
 
 

@@ -184,10 +184,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
             prompt_rates.append(len(ids) / (time.perf_counter() - start))
             start = time.perf_counter()
             token = session.executor.greedy()
-            for _ in range(args.n):
-                session.executor.step(token, session.pos)
-                session.pos += 1
-                token = session.executor.greedy()
+            with session.executor.pinned():  # as in Session.generate
+                for _ in range(args.n):
+                    session.executor.step(token, session.pos)
+                    session.pos += 1
+                    token = session.executor.greedy()
             decode_rates.append(args.n / (time.perf_counter() - start))
         devices = device_times(session, before)
     bandwidth = measure_memory_bandwidth()

@@ -13,6 +13,7 @@ so.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -188,6 +189,11 @@ class Executor:
         if self.logits_on_gpu:
             return int(np.argmax(self.cpu.logits()))
         return self.cpu.greedy()
+
+    def pinned(self) -> contextlib.AbstractContextManager[None]:
+        """A block in which the caller's thread stays on its CPU thread's core (steps inside it
+        skip pinning it each time: see ``runtime.threads``)."""
+        return self.cpu.team.pinned()
 
     @property
     def gpu_peak_bytes(self) -> int:

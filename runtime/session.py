@@ -113,21 +113,22 @@ class Session:
         rng = np.random.default_rng(seed)
         logits = self.feed(prompt, timings)
         eos = self.text.eos_id if self.text is not None else None
-        for i in range(n):
-            token = self.executor.greedy() if options.greedy else sample(logits, options, rng, self.history)
-            yield token
-            if (stop_at_eos and token == eos) or i + 1 == n or self.pos >= self.ctx:
+        with self.executor.pinned():  # the caller stays on its core for the whole decode
+            for i in range(n):
+                token = self.executor.greedy() if options.greedy else sample(logits, options, rng, self.history)
+                yield token
+                if (stop_at_eos and token == eos) or i + 1 == n or self.pos >= self.ctx:
+                    self.history.append(token)
+                    return
+                start = time.perf_counter()
+                self.executor.step(token, self.pos)
+                self.pos += 1
                 self.history.append(token)
-                return
-            start = time.perf_counter()
-            self.executor.step(token, self.pos)
-            self.pos += 1
-            self.history.append(token)
-            logits = self.executor.logits()
-            elapsed = time.perf_counter() - start
-            timings.tokens += 1
-            timings.decode_seconds += elapsed
-            timings.per_token.append(elapsed)
+                logits = self.executor.logits()
+                elapsed = time.perf_counter() - start
+                timings.tokens += 1
+                timings.decode_seconds += elapsed
+                timings.per_token.append(elapsed)
 
     def close(self) -> None:
         self.executor.close()

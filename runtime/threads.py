@@ -11,14 +11,16 @@ on one core (it does so readily with threads that often wait for each other, e.g
 process keeps the second core busy for a while) take turns through a context switch at every
 barrier: measured on a 2-core KVM guest, 10 us per barrier unpinned against 0.3 us pinned, which
 decided between 2 threads being slower or faster than 1. The caller's thread (tid 0) is pinned
-only while it runs a job, so threads it starts later (a BLAS pool, say) inherit its own affinity.
+only while it runs a job, or through a :meth:`ThreadTeam.pinned` block (a decode loop), so that
+threads it starts elsewhere (a BLAS pool, say) inherit its own affinity.
 
 A team made with ``native`` (generated code's ``picc_team_worker`` and ``picc_team_barrier``, see
 ``picc/codegen_cpu/prelude.py``) keeps Python out of the hand-off: its workers wait, run step
 functions and meet in generated code until the team closes, and :meth:`ThreadTeam.run_step` hands
 them a step by address. Measured on a 2-core KVM guest, a step of one tiny kernel: ~40 us through
 Python barriers (futex wake-ups and GIL hand-offs; ~100 us when the job is a Python lambda), ~10 us
-native, 6 of them the two affinity calls that pin the caller for the step.
+native, 6 of them the two affinity calls that pin the caller for the step (none inside a
+``pinned()`` block).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class ThreadTeam:
         self._job: Callable[[int], None] | None = None
         self._closing = False
         self._errors: list[BaseException] = []
+        self._pinned = False  # inside a pinned() block
         self.native = native is not None
         if native is not None:
             # The functions keep their module alive; the state must stay put while workers run.
@@ -109,23 +112,29 @@ class ThreadTeam:
         if self.nthreads > 1:
             self._barrier_fn(state, self.nthreads)
         try:
-            with self._pinned():
+            with self.pinned():
                 step(table, 0, self.nthreads)
         finally:
             if self.nthreads > 1:
                 self._barrier_fn(state, self.nthreads)
 
     @contextlib.contextmanager
-    def _pinned(self) -> Iterator[None]:
-        """The caller's thread on its core (thread 0's) for the block, its own affinity after."""
-        if self._cores is None:
+    def pinned(self) -> Iterator[None]:
+        """The caller's thread on its core (thread 0's) for the block, its own affinity after.
+
+        Every step pins the caller for its own length (two affinity calls, ~6 us); a loop of
+        steps (a decode) can hold the pin across them instead. Nested blocks are free. Threads
+        the caller starts inside the block inherit its single core."""
+        if self._cores is None or self._pinned:
             yield
             return
         mask = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {self._cores[0]})
+        self._pinned = True
         try:
             yield
         finally:
+            self._pinned = False
             os.sched_setaffinity(0, mask)
 
     def run_each(self, job: Callable[[int], None]) -> None:
@@ -140,7 +149,7 @@ class ThreadTeam:
         if self.nthreads > 1:
             self._start.wait()
         try:
-            with self._pinned():
+            with self.pinned():
                 job(0)
         finally:
             if self.nthreads > 1:

@@ -15,6 +15,7 @@ Tolerances, as relative errors ``max|out - ref| / max|ref|`` against a float64 n
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -675,10 +676,11 @@ def test_4bit_rows_need_the_sums_their_constant_parts_moved_to():
     assert emit_x_sums(fn, "%x", "64", {"f16", "q8_0"}) is None
 
 
-def test_native_thread_team_runs_steps_in_generated_code():
+def test_native_thread_team_runs_steps_in_generated_code(monkeypatch):
     """A team whose workers loop in generated code (``picc_team_worker``): each step runs once on
     every thread with its tid, consecutive steps see each other's results (the barriers order
-    them), Python jobs are refused, and closing ends the workers."""
+    them), Python jobs are refused, and closing ends the workers. Inside ``pinned()`` the caller
+    keeps thread 0's core across steps (pinned once, not per step) and gets its affinity back."""
     from runtime import threads as runtime_threads
     from runtime.threads import ThreadTeam as RuntimeTeam
 
@@ -698,6 +700,22 @@ def test_native_thread_team_runs_steps_in_generated_code():
         for _ in range(50):
             team.run_step(step, ctypes.addressof(table))
         np.testing.assert_array_equal(acc, np.full(64, 50, np.float32))
+        own = os.sched_getaffinity(0)
+        pins: list[set[int]] = []
+        set_affinity = os.sched_setaffinity
+        monkeypatch.setattr(runtime_threads.os, "sched_setaffinity",
+                            lambda pid, cores: pins.append(set(cores)) or set_affinity(pid, cores))
+        with team.pinned():
+            with team.pinned():  # nested: free
+                for _ in range(10):
+                    team.run_step(step, ctypes.addressof(table))
+            inside = os.sched_getaffinity(0)
+        np.testing.assert_array_equal(acc, np.full(64, 60, np.float32))
+        assert os.sched_getaffinity(0) == own
+        if team._cores is None:  # fewer cores than threads: nothing is pinned
+            assert pins == [] and inside == own
+        else:
+            assert pins == [{team._cores[0]}, own] and inside == {team._cores[0]}
         with pytest.raises(RuntimeError, match="step functions only"):
             team.run_each(lambda tid: None)
     finally:
