@@ -310,8 +310,8 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
     converted halves and four rows spilled two accumulators a block: the f16 GEMV ran at ~9 bytes
     a cycle, in L2 as from L3). f32 rows keep a 16-lane accumulator and add ``w_lo x_lo`` then
     ``w_hi x_hi`` to it: their FMAs read w straight from memory, so nothing spills, and the
-    folded form measured 4-7% slower on SmolLM2 F32. The 4-bit formats take ``q`` as stored and move the rest to x's
-    side: q4_0 starts t from ``-8 (x_lo + x_hi)`` (``(q - 8) . x = q . x - 8 sum(x)``), q4_1
+    folded form measured 4-7% slower on SmolLM2 F32. The 4-bit formats take ``q`` as stored and
+    move the rest to x's side: q4_0 starts t from ``-8 (x_lo + x_hi)`` (``(q - 8) . x = q . x - 8 sum(x)``), q4_1
     adds ``m`` times the folded ``x_lo + x_hi`` (``(d q + m) . x = d (q . x) + m sum(x)``). The
     dot product is the sum of the lanes, halving in a fixed order. With ``intx`` (x rounded to
     int16, :func:`emit_int_x`) the 4-bit rows take the integer path instead (``_int_dot_block``);
@@ -324,7 +324,8 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
     elif need and (xsums is None or ("q4_0" in need and not xsums.offsets) or ("q4_1" in need and not xsums.folded)):
         raise PiccError(f"codegen_cpu: dot products of {sorted(need)} rows need x's sums (emit_x_sums)")
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
-    accs = [fn.var(V16 if dtype == "f32" else V8, "zeroinitializer", "acc") for dtype, _ in rows]
+    lanes = [16 if dtype == "f32" else 8 for dtype, _ in rows]  # each row's accumulator (see above)
+    accs = [fn.var(vec(n), "zeroinitializer", "acc") for n in lanes]
     with fn.loop("0", nblocks, "1", "b") as b:
         for dtype, row in prefetch or []:
             _prefetch_block(fn, dtype, row, b)
@@ -353,8 +354,8 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
                 value = fn.fma(V8, fn.load(V8, fn.at(xsums.folded, 32, b), 32, "xf"), fn.splat(8, blk.m), value)
             acc.set(value)
     sums = []
-    for (dtype, row), acc in zip(rows, accs, strict=True):
-        total = fn.var(F32, fn.hsum(16 if dtype == "f32" else 8, acc.get("acc")), "dot")
+    for (dtype, row), acc, n in zip(rows, accs, lanes, strict=True):
+        total = fn.var(F32, fn.hsum(n, acc.get("acc")), "dot")
         if not is_blocked(dtype):
             with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
                 xj = fn.load(F32, fn.at(x, 4, j), 4, "xj")
