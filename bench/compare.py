@@ -17,7 +17,8 @@ all on SmolLM2-135M-Instruct from the shipped GGUF (Q4_1, embeddings Q8_0):
   weight bytes each reads per token put on it.
 
 Prints the machine, then per engine the median prompt and decode tokens/s and the ratio of decode
-speed to llama.cpp in the same format (F32 for transformers and onnxruntime). Compiled files,
+speed to llama.cpp in the same format: of the medians, and the median (and range) of the ratios
+round by round, which a slow phase of a shared machine moves less. Compiled files,
 GGUF conversions and exports are cached in ``build/bench`` (.pib names carry a hash of picc's
 sources, so a changed compiler recompiles).
 """
@@ -286,16 +287,29 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"SmolLM2-135M-Instruct, {len(prompt)}-token prompt, {args.n} greedy tokens, {t} thread(s), "
           f"medians of {args.rounds} interleaved rounds\n")
-    print(f"{'engine':<18} {'format':<6} {'prompt tok/s':>12} {'decode tok/s':>12} {'vs llama.cpp, same format':>26}")
+    def paired(name: str, base: str) -> tuple[float, float, float]:
+        """The median, least and greatest of ``name``'s decode speed over ``base``'s, round by round."""
+        ratios = [d / b for (_, d), (_, b) in zip(results[name], results[base], strict=True)]
+        return statistics.median(ratios), min(ratios), max(ratios)
+
+    print(f"{'engine':<18} {'format':<6} {'prompt tok/s':>12} {'decode tok/s':>12} {'vs llama.cpp':>12} "
+          f"{'per round: median (range)':>26}")
     for e in engines:
         rows = results[key[e]]
         pre, dec = statistics.median(p for p, _ in rows), median_decode(key[e])
         base = f"llama.cpp {e.format}"
-        ratio = f"{dec / median_decode(base):.2f}x" if base in results and e.name != "llama.cpp" else ""
-        print(f"{e.name:<18} {e.format:<6} {pre:12.1f} {dec:12.1f} {ratio:>26}")
+        ratio = per_round = ""
+        if base in results and e.name != "llama.cpp":
+            ratio = f"{dec / median_decode(base):.2f}x"
+            mid, low, high = paired(key[e], base)
+            per_round = f"{mid:.2f}x ({low:.2f}-{high:.2f})"
+        print(f"{e.name:<18} {e.format:<6} {pre:12.1f} {dec:12.1f} {ratio:>12} {per_round:>26}")
+    print("vs llama.cpp: ratio of the medians; per round: each round's ratio of the two runs (close in time, "
+          "so a slow phase of the machine hits both), their median and range")
     sparse, dense = median_decode("relu-demo sparse F16"), median_decode("relu-demo dense F16")
+    mid, low, high = paired("relu-demo sparse F16", "relu-demo dense F16")
     print(f"\nrelu-demo (ReLU LLaMA, f16): sparse {sparse:.1f} tok/s, dense {dense:.1f} tok/s: sparse decodes "
-          f"{sparse / dense:.2f}x as fast as dense")
+          f"{sparse / dense:.2f}x as fast as dense (per round: {mid:.2f}x, {low:.2f}-{high:.2f})")
     dense_bytes, sparse_bytes = (e.bytes_per_token for e in relu)
     if dense_bytes and sparse_bytes:
         # Where both decodes run at the same share of the read bandwidth, speed goes as bytes read.

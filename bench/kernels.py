@@ -2,6 +2,8 @@
 
     python bench/kernels.py [--reps 7] [--threads 1,2] [--shapes small,large] [--dtypes f16,q4_0,f32]
 
+(``--dtypes`` also takes ``q4_0-int`` / ``q4_1-int``: the kernel variant that dots int16 x.)
+
 For each FFN shape (SmolLM2: hidden 576, n_ff 1536; a 7B-like layer: 4096 x 11008), weight format
 and thread count, it times one compiled step that runs the kernel (predictor mode, a sorted random
 list of active neurons, new for every run) over 1 GiB of layers, so that the rows come from
@@ -137,13 +139,15 @@ def l3_bytes() -> int | None:
     return int(text.rstrip("KM")) * scale if text.rstrip("KM").isdigit() else None
 
 
-def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, threads: list[int], reps: int,
+def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, int_dots: bool, threads: list[int], reps: int,
                  rng: np.random.Generator) -> dict[tuple[int, float, bool], float]:
     """Median seconds per layer, by (threads, active fraction, cached): ``cached`` runs every call
     of the step on layer 0 with one active set, so after the first call its rows come from cache."""
     # As fuse-gather-gemv lays them out: up and gate rows interleaved ([n, 2, hidden]), so an
-    # active neuron's two rows are one stream; down neuron-major.
-    kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved=True)
+    # active neuron's two rows are one stream; down neuron-major; float dot products, as in every
+    # sparse module (a dtype given as e.g. "q4_0-int" times the _xi16 variant, which dense modules
+    # use for the CPU part of a split layer).
+    kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved=True, int_dots=int_dots)
     x, y = rng.normal(size=hidden).astype(np.float32), np.zeros(hidden, np.float32)
     mask, count = np.zeros(n, np.uint8), np.zeros(1, np.int32)  # a predictor's output: a byte per neuron
     scratch = aligned_zeros(ffn_scratch_bytes(n, hidden, max(threads)))
@@ -200,7 +204,7 @@ def main() -> None:
     bandwidths = [measure_memory_bandwidth()]
     print(f"read bandwidth (streaming read, picc.targets): {bandwidths[0] / 1e9:.1f} GB/s")
     print()
-    header = (f"{'shape':>11} {'dtype':>5} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
+    header = (f"{'shape':>11} {'dtype':>10} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
               f"{'cached GB/s':>11} {'vs numpy':>8}")
     l3 = l3_bytes()
     rows = []
@@ -209,16 +213,17 @@ def main() -> None:
         numpy_time, how = numpy_baseline(shape, args.reps)
         print(f"{hidden}x{n}: numpy dense f32 FFN {numpy_time * 1e6:.0f} us/layer "
               f"({3 * 4 * hidden * n / numpy_time / 1e9:.1f} GB/s, {how})")
-        for dtype in args.dtypes.split(","):
+        for spec in args.dtypes.split(","):
+            dtype, _, dots = spec.partition("-")
             layers = Layers(hidden, n, dtype, rng)
-            times = bench_kernel(layers, hidden, n, dtype, threads, args.reps, rng)
+            times = bench_kernel(layers, hidden, n, dtype, dots == "int", threads, args.reps, rng)
             bandwidths.append(measure_memory_bandwidth())
             for (t, frac, cached), secs in times.items():
                 if cached:
                     continue
                 active = 3 * layers.row_bytes * round(frac * n)
                 in_cache = active / times[(t, frac, True)] if l3 and active <= l3 // 2 else None
-                rows.append((f"{hidden}x{n}", dtype, t, frac, secs, active / secs, in_cache, numpy_time / secs))
+                rows.append((f"{hidden}x{n}", spec, t, frac, secs, active / secs, in_cache, numpy_time / secs))
             del layers
     bw = statistics.median(bandwidths)
     print(f"read bandwidth, median of {len(bandwidths)} measurements in this run: {bw / 1e9:.1f} GB/s "
@@ -227,7 +232,7 @@ def main() -> None:
     print(header)
     for shape, dtype, t, frac, secs, rate, in_cache, speedup in rows:
         cached = f"{in_cache / 1e9:.1f}" if in_cache else "-"
-        print(f"{shape:>11} {dtype:>5} {t:>3} {frac:>6.0%} {secs * 1e6:>9.1f} {rate / 1e9:>6.1f} "
+        print(f"{shape:>11} {dtype:>10} {t:>3} {frac:>6.0%} {secs * 1e6:>9.1f} {rate / 1e9:>6.1f} "
               f"{rate / bw:>5.0%} {cached:>11} {speedup:>7.2f}x")
     print()
     print("GB/s: bytes of the active rows of up, gate and down read per second; %bw: of the median read bandwidth;")

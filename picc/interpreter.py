@@ -3,6 +3,10 @@
 It favours clarity over speed, but works on whole sequences at once so that a 64-token prefill of
 a 135M model takes seconds. ``Interpreter.run`` executes one call of ``forward`` and keeps each
 attention op's KV cache between calls, so prefill followed by decode steps works as in a runtime.
+
+An op whose kernel (named by ``fuse-gather-gemv``) is an ``_xi16`` variant dots its 4-bit weight
+rows with its input rounded to int16 per block of 32: the interpreter rounds that input as the
+kernel does (``picc.quant.round_to_int16_blocks``), so it stays the oracle of those kernels.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import erf
 
-from picc import quant
+from picc import kernel_names, quant
 from picc.blas import blas_threads
 from picc.errors import PiccError
 from picc.ir import ops as O
@@ -177,7 +181,7 @@ class Interpreter:
                 y = (x - mean) / np.sqrt(var + np.float32(op.eps)) * w(op.weight)
                 return y + w(op.bias) if op.bias else y
             case O.Linear():
-                y = env[op.x] @ w(op.weight).T
+                y = self.dot_input(op, op.weight, env[op.x]) @ w(op.weight).T
                 return y + w(op.bias) if op.bias else y
             case O.Rope():
                 return rope(op, env[op.x], env[op.pos])
@@ -207,13 +211,13 @@ class Interpreter:
     def ffn(self, op: O.FFN, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
         """Dense ``ffn``, or ``sparse_ffn``: the same with inactive neurons' ``h`` set to 0."""
         w = self.weights.f32
-        up = x @ w(op.up).T
+        up = self.dot_input(op, op.up, x) @ w(op.up).T
         if op.up_bias:
             up = up + w(op.up_bias)
         gate = None
         if op.spec.gated:
             assert op.gate is not None
-            gate = x @ w(op.gate).T
+            gate = self.dot_input(op, op.gate, x) @ w(op.gate).T
             if op.gate_bias:
                 gate = gate + w(op.gate_bias)
         h, score = _activations(op.spec, up, gate)
@@ -226,22 +230,31 @@ class Interpreter:
             self.on_ffn(FfnTrace(op, x, score, h, active))
         if active is not None:
             h = np.where(active, h, np.float32(0))
-        y = h @ w(op.down) if op.neuron_major else h @ w(op.down).T
+        # A neuron-major down is an AXPY over the active rows (no dot product, h as is).
+        y = h @ w(op.down) if op.neuron_major else self.dot_input(op, op.down, h) @ w(op.down).T
         return y + w(op.down_bias) if op.down_bias else y
+
+    def dot_input(self, op: Op, weight: str, x: np.ndarray) -> np.ndarray:
+        """``x`` as ``op``'s kernel reads it when it dots it with rows of ``weight``: rounded to
+        int16 per block for the 4-bit rows of an ``_xi16`` kernel, else as is."""
+        if kernel_names.dots_int16_x(op.kernel) and self.weights[weight].dtype.value in kernel_names.INT_DOT_DTYPES:
+            return quant.round_to_int16_blocks(x)
+        return x
 
     def fused_ffn(self, op: FusedFFN, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
         """The partial sum of ``op``'s active neurons (plus ``down_bias`` for a whole layer)."""
         w = self.weights.f32
         spec = O.FFN_FORMS[op.form]
         if op.up_gate is not None:
-            both = x @ w(op.up_gate).reshape(-1, x.shape[1]).T  # columns: up_0, gate_0, up_1, ...
+            both = self.dot_input(op, op.up_gate, x) @ w(op.up_gate).reshape(-1, x.shape[1]).T  # up_0, gate_0, ...
             bias = w(op.up_gate_bias).reshape(-1) if op.up_gate_bias else np.float32(0)
             both = both + bias
             up, gate = both[:, 0::2], both[:, 1::2]
         else:
             assert op.up is not None
-            up = x @ w(op.up).T + (w(op.up_bias) if op.up_bias else np.float32(0))
-            gate = x @ w(op.gate).T + (w(op.gate_bias) if op.gate_bias else np.float32(0)) if op.gate else None
+            up = self.dot_input(op, op.up, x) @ w(op.up).T + (w(op.up_bias) if op.up_bias else np.float32(0))
+            gate = (self.dot_input(op, op.gate, x) @ w(op.gate).T + (w(op.gate_bias) if op.gate_bias else np.float32(0))
+                    if op.gate else None)
         h, score = _activations(spec, up, gate)
         n = h.shape[1]
         if op.mode == "predictor":

@@ -26,6 +26,13 @@ def _int_suffix(int_dots: bool, *dtypes: str | None) -> str:
     return INT_DOTS_SUFFIX if int_dots and INT_DOT_DTYPES & set(dtypes) else ""
 
 
+def dots_int16_x(kernel: str | None) -> bool:
+    """Whether a CPU kernel of that name dots its 4-bit rows with x rounded to int16 per block of
+    32 (``picc.quant.round_to_int16_blocks``): part of what the op computes, so the interpreter
+    rounds as the kernel does."""
+    return (kernel or "").endswith(INT_DOTS_SUFFIX)
+
+
 def cpu_gemv(dtype: str, int_dots: bool = False) -> str:
     return f"picc_gemv_{dtype}{_int_suffix(int_dots, dtype)}"
 
@@ -54,9 +61,11 @@ def cpu_predictor(fc1: str, fc2: str) -> str:
     return f"picc_predict_{fc1}_{fc2}"
 
 
-def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool) -> str:
-    """The fused FFN kernel; ``interleaved`` reads up and gate rows side by side (``up_gate``)."""
-    layout = "_il" if interleaved else ""
+def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
+                  int_dots: bool = False) -> str:
+    """The fused FFN kernel; ``interleaved`` reads up and gate rows side by side (``up_gate``);
+    ``int_dots``: 4-bit up and gate rows dot x rounded to int16 (down is an AXPY: no dot)."""
+    layout = ("_il" if interleaved else "") + _int_suffix(int_dots, up, gate)
     return f"picc_ffn_{mode.replace('-', '_')}_{form}_{up}_{gate or 'none'}_{down}{layout}"
 
 

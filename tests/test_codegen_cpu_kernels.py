@@ -39,7 +39,17 @@ from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.kernels_attention import attention
 from picc.codegen_cpu.kernels_dense import dense_ffn, dense_ffn_scratch_bytes, embed, gemm, gemv
 from picc.codegen_cpu.kernels_ffn import FORMS, ffn_scratch_bytes, predictor, predictor_scratch_bytes, sparse_ffn
-from picc.codegen_cpu.kernels_misc import add, argmax, ffn_activation, layer_norm, merge, mul, rms_norm, rope
+from picc.codegen_cpu.kernels_misc import (
+    add,
+    argmax,
+    ffn_activation,
+    layer_norm,
+    merge,
+    mul,
+    rms_norm,
+    rope,
+    round_int16,
+)
 from picc.codegen_cpu.rowops import emit_axpys, emit_dots, emit_x_sums
 from picc.errors import PiccError
 from picc.interpreter import KVCache
@@ -65,6 +75,8 @@ def ffn_kernels() -> list[Kernel]:
     ks += [dense_ffn(f, d, d if FORMS[f].gated else None, d) for f in ("swiglu", "relu") for d in ("f32", "q4_1")]
     ks += [dense_ffn("swiglu", d, d, d, int_dots) for d in ("q4_0", "q4_1") for int_dots in (False, True)]
     ks += [sparse_ffn(m, "swiglu", d, d, d) for m in ("dense", "gate-first", "down-only") for d in ("f16", "q4_0")]
+    ks += [sparse_ffn(m, "swiglu", d, d, d, il, int_dots=True) for m, il in (("predictor", True), ("gate-first", False))
+           for d in ("q4_0", "q4_1")]
     ks += [sparse_ffn("gate-first", "drelu", "f32", "f32", "f32"), sparse_ffn("down-only", "relu", "q8_0", None, "q8_0"),
            sparse_ffn("down-only", "drelu", "f16", "f16", "f16"), sparse_ffn("predictor", "swiglu", "q4_1", "q8_0", "f16")]
     return ks
@@ -73,7 +85,7 @@ def ffn_kernels() -> list[Kernel]:
 KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + [gemv(d, int_dots=True) for d in ("q4_0", "q4_1")]
            + ffn_kernels()
            + [predictor("f32", "f32"), predictor("f16", "f16"), rms_norm(), layer_norm(), add(), mul(), merge(), argmax(),
-              attention()] + [rope(s, src) for s in ("llama", "gptj") for src in ("freq", "table")]
+              attention(), round_int16()] + [rope(s, src) for s in ("llama", "gptj") for src in ("freq", "table")]
            + [ffn_activation(f) for f in FORMS])
 # The AVX2 build: one kernel of each kind, every weight format.
 AVX2_KERNELS = ([gemv(d) for d in DTYPES] + [sparse_ffn("predictor", "swiglu", d, d, d) for d in DTYPES]
@@ -179,6 +191,53 @@ def test_integer_dot_gemv_stays_within_the_rounding_of_x(host, teams, dtype, thr
     y_float = np.zeros(rows, np.float32)
     run(host, teams[threads], gemv(dtype), raw, x, None, y_float, rows, k, 0)
     assert not np.array_equal(y, y_float)
+
+
+def test_rounding_to_int16_is_the_interpreters_bit_for_bit(host, teams):
+    # The prefill program's GEMMs read x rounded by this kernel where the step's _xi16 kernels
+    # round it themselves; the interpreter rounds with picc.quant.round_to_int16_blocks.
+    rng = np.random.default_rng(30)
+    x = rng.normal(size=(5, 96)).astype(np.float32)
+    x[1, 32:64] *= 1e-30  # tiny values keep their own scale
+    x[2, :32] = 0.0  # an all-zero block stays zero
+    x[3, 64:] = rng.integers(-3, 4, size=32)  # ties, exact values
+    out = np.full_like(x, np.nan)
+    run(host, teams[3], round_int16(), x, out, 5, 96)
+    expected = quant.round_to_int16_blocks(x)
+    np.testing.assert_array_equal(out, expected)
+    assert not np.array_equal(expected, x) and np.all(expected[2, :32] == 0)
+    step = np.repeat(np.abs(x).reshape(5, 3, 32).max(axis=2) / 32767, 32, axis=1)
+    assert np.all(np.abs(expected.astype(np.float64) - x) <= step * (0.5 + 1e-6))
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_integer_dots_are_float_dots_of_the_rounded_x(host, teams, dtype):
+    # What the interpreter computes for an _xi16 kernel: the float op on round_to_int16_blocks(x).
+    # The kernels agree with it to float rounding (the int32 sums are exact; scaling rounds), well
+    # inside the 1e-4 of the float kernels, and far closer than to the unrounded x (measured
+    # 1e-7 to 5e-7 against 2e-5 to 4e-5).
+    rng = np.random.default_rng(31)
+    rows, k = 64, 256
+    raw, w = weights(rng, (rows, k), dtype)
+    x = rng.normal(size=k).astype(np.float32)
+    xq = quant.round_to_int16_blocks(x).astype(np.float64)
+    y = np.zeros(rows, np.float32)
+    run(host, teams[2], gemv(dtype, int_dots=True), raw, x, None, y, rows, k, 0)
+    errors = {"gemv": (rel_err(y, w.astype(np.float64) @ xq), rel_err(y, w.astype(np.float64) @ x))}
+    case = FfnCase("swiglu", (dtype, dtype, dtype), n=128, hidden=k, seed=32)
+    rounded = FfnCase("swiglu", (dtype, dtype, dtype), n=128, hidden=k, seed=32)
+    rounded.x = quant.round_to_int16_blocks(case.x)
+    active = np.random.default_rng(33).random(case.n) < 0.4
+    for mode, interleaved in (("predictor", True), ("gate-first", False)):
+        kernel = sparse_ffn(mode, "swiglu", dtype, dtype, dtype, interleaved, int_dots=True)
+        assert kernel.symbol.endswith("_xi16")
+        thr = gap_threshold(rounded.act_gate(), 0.4) if mode == "gate-first" else 0.0
+        chosen = active if mode == "predictor" else np.abs(rounded.act_gate()) > thr
+        out, count = case.run(host, teams[2], kernel, active=active, threshold=thr, interleaved=interleaved)
+        assert count == chosen.sum(), mode
+        errors[mode] = (rel_err(out, rounded.reference(chosen)), rel_err(out, case.reference(chosen)))
+    for name, (to_rounded, to_float) in errors.items():
+        assert to_rounded <= 2e-6 and to_float > 10 * to_rounded, (name, to_rounded, to_float)
 
 
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])

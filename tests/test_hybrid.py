@@ -20,7 +20,7 @@ from picc.interpreter import Interpreter
 from picc.ir import parse, print_module, verify
 from picc.ir.fused_ops import FusedFFN, Merge
 from picc.ir.module import Module
-from picc.ir.types import Placement
+from picc.ir.types import DType, Placement
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes import parse_pipeline, run_pipeline
 from picc.pib import load_pib
@@ -101,14 +101,16 @@ def test_split_parts_run_side_by_side_and_cross_once(model, compiled, monkeypatc
     assert len(moved) == len(set(moved))
 
 
-@pytest.mark.parametrize("mode, form", [("predictor", "reglu"), ("gate-first", "swiglu"), ("predictor", "relu"),
-                                        ("dense", "swiglu")])
-def test_hybrid_logits_match_the_interpreter_for_every_split(mode, form, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode, form, dtype", [("predictor", "reglu", None), ("gate-first", "swiglu", None),
+                                               ("predictor", "relu", None), ("dense", "swiglu", None),
+                                               ("dense", "swiglu", DType.Q4_1)])
+def test_hybrid_logits_match_the_interpreter_for_every_split(mode, form, dtype, tmp_path, monkeypatch):
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
     trainings = []
     train_all = insert_predictors_pass.train_all
     monkeypatch.setattr(insert_predictors_pass, "train_all", lambda *a, **k: trainings.append(1) or train_all(*a, **k))
-    model = with_tokenizer(tiny_llama(form, n_layers=2, hidden=64, n_ff=128, seed=3))
+    extra = {"matrix_dtype": dtype} if dtype else {}
+    model = with_tokenizer(tiny_llama(form, n_layers=2, hidden=64, n_ff=128, seed=3, **extra))
     names = list(model.weights)
     sparsity = SparsifyOptions(mode=mode, tokens=512, window=64, budget=0.5)
 
@@ -124,6 +126,14 @@ def test_hybrid_logits_match_the_interpreter_for_every_split(mode, form, tmp_pat
         path = tmp_path / f"m{vram}.pib"
         write_compiled(result, path)
         pib = load_pib(path)
+        if dtype is not None and vram != "4MiB":
+            # A dense module's CPU FFNs (whole layers in the source layout, or the CPU parts of split
+            # ones, fused in dense mode) dot int16 x, as its GEMVs do; the interpreter rounds as they do.
+            cpu_ffns = {op.kernel for op in pib.module.ops()
+                        if op.NAME in ("ffn", "fused_ffn") and op.type.placement != Placement.GPU}
+            split = vram != "0"
+            assert cpu_ffns == {"picc_ffn_dense_swiglu_q4_1_q4_1_q4_1_il_xi16" if split
+                                else "picc_ffn_gemv_swiglu_q4_1_q4_1_q4_1_xi16"}, cpu_ffns
         reference = Interpreter(pib.module, pib.weights).run(TOKENS)
         with Session(path, threads=2, gpu="emulate") as session:
             got = session.feed(TOKENS, all_logits=True)

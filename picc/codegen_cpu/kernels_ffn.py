@@ -40,6 +40,7 @@ from picc.codegen_cpu.rowops import (
     emit_add_block_consts,
     emit_axpys,
     emit_dots,
+    emit_int_x,
     emit_row_bytes,
     emit_tiled_rows,
     emit_x_sums,
@@ -186,15 +187,20 @@ def check_ffn_kernel(mode: str, form: str, up_dtype: str, gate_dtype: str | None
 
 @cache
 def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-               interleaved: bool = False) -> Kernel:
+               interleaved: bool = False, int_dots: bool = False) -> Kernel:
     """The fused FFN kernel of ``mode`` and ``form`` for the given weight formats (see module doc).
+
+    ``int_dots``: 4-bit up and gate rows (the dense GEMV part of gate-first and down-only, and
+    the gathered rows) dot x rounded to int16 per block (``rowops.emit_int_x``), as the ``_xi16``
+    GEMVs do; the down AXPY reads ``h`` as is.
 
     ``scratch`` holds :func:`ffn_scratch_bytes` bytes. In the sparse modes ``count`` (when not
     null) receives the number of active neurons (for dReLU in gate-first mode, of those whose gate
     passed, before ``|h| > threshold`` is checked). ``mask`` is read in predictor mode only.
     """
     spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
-    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
+    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, int_dots)
+    int_dots = names.dots_int16_x(symbol)  # only where a 4-bit matrix is dotted
     act = f"@picc_act_{spec.act}"
     bias_stride = 2 if interleaved else 1
 
@@ -214,7 +220,9 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
         lst = fn.gep(seg, nbytes, "lst")
         cnt = fn.gep(lst, nbytes, "cnt")
         zero_floats(fn, ybuf, hidden)
-        xsums = emit_x_sums(fn, "%x", hidden, {up_dtype, gate_dtype or up_dtype})
+        dotted_dtypes = {up_dtype, gate_dtype or up_dtype}
+        intx = emit_int_x(fn, "%x", hidden, dotted_dtypes) if int_dots else None
+        xsums = None if intx is not None else emit_x_sums(fn, "%x", hidden, dotted_dtypes)
         consts = None  # the 4-bit down rows' per-block constant terms (see emit_axpys)
         if down_dtype in NIBBLE_DTYPES:
             consts = fn.alloca_array(F32, fn.v(f"lshr i64 {hidden}, 5", "nblk"), "consts")
@@ -254,7 +262,8 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                                                                                   bias_stride))
                     fn.store(F32, value, fn.at(vals, 4, r), 4)
 
-                emit_tiled_rows(fn, dense, "%x", hidden, lo, hi, simd, score, xsums)  # type: ignore[arg-type]
+                emit_tiled_rows(fn, dense, "%x", hidden, lo, hi, simd, score, xsums,  # type: ignore[arg-type]
+                                intx=intx)
 
             def keep(r: str) -> str:
                 if mode == "predictor":
@@ -290,7 +299,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                 return [fn.load(F32, fn.at(vals, 4, i), 4, "h") for i in ids]
             rows = [(dt, row(mat, rb, i)) for i in ids for mat, dt, rb in dotted]
             pf = [(dt, row(mat, rb, i)) for i in ahead or [] for mat, dt, rb in dotted]
-            sums = iter(emit_dots(fn, rows, "%x", hidden, simd, pf, xsums))
+            sums = iter(emit_dots(fn, rows, "%x", hidden, simd, pf, xsums, intx))
             hs = []
             for i in ids:
                 u = plus_bias(fn, next(sums), "%up_bias", i, bias_stride)

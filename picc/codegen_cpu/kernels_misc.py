@@ -15,6 +15,7 @@ from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_ffn import FORMS
+from picc.codegen_cpu.rowops import emit_round_int16
 from picc.errors import PiccError
 
 V16 = vec(16)
@@ -27,6 +28,7 @@ ROPE_TABLE_PARAMS = (("x", "ptr"), ("cos", "ptr"), ("sin", "ptr"), ("seq", "i32"
                      ("n_heads", "i32"), ("head_dim", "i32"), ("rotary_dim", "i32"))
 BINARY_PARAMS = (("a", "ptr"), ("b", "ptr"), ("out", "ptr"), ("n", "i32"))
 ARGMAX_PARAMS = (("x", "ptr"), ("out", "ptr"), ("n", "i32"))
+ROUND_PARAMS = (("x", "ptr"), ("out", "ptr"), ("seq", "i32"), ("n", "i32"))
 
 
 def vector_sum(fn: Fn, base: str, n: str, term: str | None = None) -> str:
@@ -173,6 +175,25 @@ def _elementwise(symbol: str, combine: str) -> Kernel:
         return fn.text()
 
     return Kernel(symbol, BINARY_PARAMS, emit)
+
+
+@cache
+def round_int16() -> Kernel:
+    """``out = x`` rounded as the ``_xi16`` kernels read it (``picc.quant.round_to_int16_blocks``):
+    ``seq`` rows of ``n`` floats (n a multiple of 32), back to back; threads split the blocks.
+    The prefill program's GEMMs read it where the step's kernels dot int16 x."""
+    symbol = names.cpu_elementwise("round_xi16")
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, ROUND_PARAMS)
+        seq, n = fn.sext("%seq"), fn.sext("%n")
+        blocks = fn.v(f"lshr i64 {fn.v(f'mul i64 {seq}, {n}', 'all')}, 5", "nblk")
+        lo, hi = chunk_bounds(fn, blocks, fn.sext("%tid"), fn.sext("%nthreads"))
+        emit_round_int16(fn, "%x", "%out", lo, hi)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, ROUND_PARAMS, emit, round_int16.__doc__ or "")
 
 
 @cache

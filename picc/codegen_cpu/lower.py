@@ -69,9 +69,12 @@ def _aligned(n: int) -> int:
 _BARRIER_FREE = (O.Linear, O.Rope, O.Add, O.RMSNorm, O.LayerNorm, O.Embed)
 
 
+_XI16 = "<rows rounded to int16>"  # the access name of the chunk programs' int16 slot
+
+
 def _int_dots(op: Op) -> bool:
     """Whether ``fuse-gather-gemv`` chose the integer dot product variant for ``op``'s kernel."""
-    return (op.kernel or "").endswith(names.INT_DOTS_SUFFIX)
+    return names.dots_int16_x(op.kernel)
 
 
 def _adds_in_place(op: Op) -> bool:
@@ -208,6 +211,8 @@ class _Lowering:
         self.caches: dict[str, Buf] = {}  # KV cache name -> its buffer (k rows, then v rows)
         self.chunk: _Chunk | None = None  # set while lowering a chunk program
         self.chunk_slots: tuple[int, int] | None = None  # the chunk programs' activations and tokens
+        self.xi16_slot: int | None = None  # the chunk programs' rows rounded to int16 (see rounded_rows)
+        self.xi16_holds: str | None = None  # the value whose rounded rows the slot holds now
         # Decode: producer's result -> (the add that reads it, the residual it is added to).
         self.residual_adds = self._residual_adds()
         self.adds_done_by_producers = {add.result for add, _ in self.residual_adds.values()}
@@ -377,9 +382,10 @@ class _Lowering:
             case O.Linear() if self.chunk is not None:
                 # Prefill: a GEMM reads each weight row once for all the chunk's tokens.
                 w = self.weights[op.weight]
-                self.call(op, kernels_dense.gemm(w.dtype.value), self.weight(op.weight), self.value(op.x),
+                x, access = self.gemm_input(op, op.x, int(w.shape[1]))
+                self.call(op, kernels_dense.gemm(w.dtype.value), self.weight(op.weight), x,
                           self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
-                          int(w.shape[0]), int(w.shape[1]), 0, check=False, batched=True)
+                          int(w.shape[0]), int(w.shape[1]), 0, check=False, batched=True, access=access)
             case O.Linear():
                 w = self.weights[op.weight]
                 y, accumulate, writes = self.output(op)
@@ -425,6 +431,29 @@ class _Lowering:
             case _:
                 raise PiccError(f"codegen_cpu: op {op.NAME} (%{op.result}) has no CPU kernel")
 
+    def xi16_buffer(self, width: int) -> Buf:
+        """The chunk programs' slot for rows rounded to int16 (grown to ``width`` floats a row)."""
+        if self.xi16_slot is None:
+            self.xi16_slot = self._alloc_slot("chunk rows rounded to int16")
+        slot = self.out.buffers[self.xi16_slot]
+        slot["nbytes"] = max(slot["nbytes"], 4 * PREFILL_CHUNK * width)
+        return Buf(self.xi16_slot, 0, stride=4 * width)
+
+    def gemm_input(self, op: Op, value: str, width: int) -> tuple[Buf, _Access | None]:
+        """What a prefill GEMM of ``op`` reads for ``value`` and the access of that call (None: the
+        op's own). Where the step dots ``op``'s 4-bit rows with int16 x (an ``_xi16`` kernel), the
+        prefill dots the same rounded values (``kernels_misc.round_int16``, once per value while
+        the slot holds it): the programs then compute one function, as the interpreter does."""
+        if not _int_dots(op):
+            return self.value(value), None
+        slot = self.xi16_buffer(width)
+        if self.xi16_holds != value:
+            self.call(op, kernels_misc.round_int16(), self.value(value), slot, self.rows(), width, check=False,
+                      batched=True, access=_Access(frozenset({value}), frozenset({_XI16}), True))
+            self.xi16_holds = value
+        return slot, _Access(frozenset(set(op.values()) | {_XI16}), frozenset({op.result}),
+                             isinstance(op, _BARRIER_FREE))
+
     def dense_ffn(self, op: O.FFN) -> None:
         """A dense FFN in the model's own layout (the numbers of the source model, where a
         neuron-major down would be requantized): two GEMV phases in one kernel."""
@@ -450,7 +479,7 @@ class _Lowering:
         rows, floats = self.rows(), self.chunk.size * n
         self.scratch = max(self.scratch, 2 * 4 * floats)
         u, g = Buf(self.scratch_index), Buf(self.scratch_index, 4 * floats)
-        x = self.value(op.x)
+        x, up_access = self.gemm_input(op, op.x, hidden)
 
         def gemm(weight: str, bias: str | None, src: Buf, dst: Buf, out: int, k: int,
                  access: _Access | None = None) -> None:
@@ -458,14 +487,22 @@ class _Lowering:
             self.call(op, kernel, self.weight(weight), src, self.weight(bias, as_f32=True), dst, rows, out, k, 0,
                       check=False, batched=True, access=access)
 
-        gemm(op.up, op.up_bias, x, u, n, hidden)
+        gemm(op.up, op.up_bias, x, u, n, hidden, up_access)
         if op.gate:
             # Independent of the up GEMM before it (each writes its own half of the scratch): no
             # barrier between the two. (The up GEMM keeps the op's access and its barrier before.)
+            reads = {op.x, _XI16} if _int_dots(op) else {op.x}
             gemm(op.gate, op.gate_bias, x, g, n, hidden,
-                 access=_Access(frozenset({op.x}), frozenset({f"{op.result}.gate"}), True))
+                 access=_Access(frozenset(reads), frozenset({f"{op.result}.gate"}), True))
         self.call(op, kernels_misc.ffn_activation(op.form), g, u, u, floats, check=False, batched=True)
-        gemm(op.down, op.down_bias, u, self.activation(op.result), hidden, n)
+        h, down_access = u, None
+        if _int_dots(op) and self.weights[op.down].dtype.value in names.INT_DOT_DTYPES:
+            # The step's kernel dots the down rows with h rounded to int16: so does the prefill.
+            self.call(op, kernels_misc.round_int16(), u, self.xi16_buffer(n), rows, n, check=False, batched=True,
+                      access=_Access(frozenset({op.result}), frozenset({_XI16}), False))
+            self.xi16_holds = None
+            h, down_access = self.xi16_buffer(n), _Access(frozenset({_XI16}), frozenset({op.result}), False)
+        gemm(op.down, op.down_bias, h, self.activation(op.result), hidden, n, down_access)
 
     def fused_ffn(self, op: FusedFFN) -> None:
         down = self.weights[op.down]
@@ -494,12 +531,14 @@ class _Lowering:
                                                op.interleaved)
             stride = self.width(op.mask) if op.mask is not None else 0
             self.scratch = max(self.scratch, kernels_prefill.chunk_ffn_scratch_bytes(self.chunk.size, n))
-            self.call(op, kernel, self.value(op.x), up, gate, self.weight(op.down), up_bias, gate_bias,
+            x, access = self.gemm_input(op, op.x, hidden)
+            self.call(op, kernel, x, up, gate, self.weight(op.down), up_bias, gate_bias,
                       self.weight(op.down_bias, as_f32=True), self.activation(op.result), mask,
                       Buf(self.scratch_index), self.rows(), stride, n, hidden, float(op.threshold), check=False,
-                      batched=True)
+                      batched=True, access=access)
             return
-        kernel = kernels_ffn.sparse_ffn(op.mode, op.form, up_dtype, gate_dtype, down.dtype.value, op.interleaved)
+        kernel = kernels_ffn.sparse_ffn(op.mode, op.form, up_dtype, gate_dtype, down.dtype.value, op.interleaved,
+                                        _int_dots(op))
         self.scratch = max(self.scratch, kernels_ffn.ffn_scratch_bytes(n, hidden, MAX_THREADS))
         y, accumulate, writes = self.output(op)
         self.call(op, kernel, self.value(op.x), up, gate, self.weight(op.down), up_bias, gate_bias,
@@ -604,6 +643,7 @@ class _Lowering:
             self.chunk_slots = (self._alloc_slot("chunk activations"),
                                 self._alloc_slot("chunk tokens", 4 * PREFILL_CHUNK))
         self.chunk = _Chunk(*self.chunk_slots, PREFILL_CHUNK, self.types, last)
+        self.xi16_holds = None
         self.program = Program(symbol, sync=SYNC)
         self.access = []
         for i, op in enumerate(ops):

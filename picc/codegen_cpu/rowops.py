@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
 from picc.errors import PiccError
+from picc.quant import INT16_X_MAX
 
 BLOCK = 32
 V16 = vec(16)
@@ -191,22 +192,45 @@ def emit_x_sums(fn: Fn, x: str, k: str, dtypes: set[str]) -> XSums | None:
     return XSums(off, fold)
 
 
-INT_X_MAX = 32767  # x's largest |value| in a block becomes this int16
-
-
 @dataclass(frozen=True, slots=True)
 class IntX:
     """``x`` rounded to int16 per block of 32 for 4-bit dot products in integers (:func:`emit_int_x`).
 
     ``q``: 32 int16 a block in element order, ``x ~ scale_b * q``; ``scale``: one float a block
     (the block's largest |x| / 32767); ``offsets`` (q4_0): ``-8 * q`` summed in ``vpmaddwd``'s
-    pairs, 8 int32 a block; ``folded`` (q4_1): the float ``x_lo + x_hi`` folded to 8 lanes.
+    pairs, 8 int32 a block; ``folded`` (q4_1): the rounded x's ``lo + hi`` halves (``q * scale``
+    in floats) folded to 8 lanes, so that q4_1's ``m sum(x)`` reads the same x as its ``q . x``.
     """
 
     q: str
     scale: str
     offsets: str | None
     folded: str | None
+
+
+def _int16_block(fn: Fn, xp: str) -> tuple[str, list[str]]:
+    """Block ``xp`` (32 floats) rounded to int16: its scale (largest |x| / 32767, 0 for an
+    all-zero block) and its two halves of 16 int16, ``roundeven(x * (32767 / largest |x|))``.
+    The arithmetic of ``picc.quant.round_to_int16_blocks``, which the interpreter runs."""
+    halves = [fn.load(V16, xp, 4, "xlo"), fn.load(V16, fn.gep(xp, "64"), 4, "xhi")]
+    mags = [fn.v(f"call {V16} @llvm.fabs.v16f32({V16} {h})", "ax") for h in halves]
+    amax = fn.v(f"call float @llvm.vector.reduce.fmax.v16f32({V16} "
+                f"{fn.v(f'call {V16} @llvm.maxnum.v16f32({V16} {mags[0]}, {V16} {mags[1]})', 'am')})", "amax")
+    some = fn.v(f"fcmp ogt float {amax}, 0.0", "some")
+    inv = fn.v(f"select i1 {some}, float {fn.v(f'fdiv float {fconst(INT16_X_MAX)}, {amax}', 'inv')}, float 0.0",
+               "inv")
+    scale = fn.v(f"fdiv float {amax}, {fconst(INT16_X_MAX)}", "s")
+    invs, qs = fn.splat(16, inv), []
+    for h in halves:
+        r = fn.v(f"call {V16} @llvm.roundeven.v16f32({V16} {fn.v(f'fmul {V16} {h}, {invs}', 'xq')})", "xr")
+        qs.append(fn.v(f"fptosi {V16} {r} to {vec(16, 'i16')}", "xi"))
+    return scale, qs
+
+
+def _int16_values(fn: Fn, qs: list[str], scale: str) -> list[str]:
+    """The floats an int16 block stands for, ``q * scale``, per half."""
+    s, i16 = fn.splat(16, scale), vec(16, "i16")
+    return [fn.v(f"fmul {V16} {fn.v(f'sitofp {i16} {q} to {V16}', 'qf')}, {s}", "xv") for q in qs]
 
 
 def emit_int_x(fn: Fn, x: str, k: str, dtypes: set[str]) -> IntX | None:
@@ -223,29 +247,30 @@ def emit_int_x(fn: Fn, x: str, k: str, dtypes: set[str]) -> IntX | None:
     off = fn.alloca_array(vec(8, "i32"), nblocks, "xoff") if need_off else None
     fold = fn.alloca_array(V8, nblocks, "xfold") if need_fold else None
     with fn.loop("0", nblocks, "1", "b") as b:
-        xp = fn.at(x, 4 * BLOCK, b, "xp")
-        halves = [fn.load(V16, xp, 4, "xlo"), fn.load(V16, fn.gep(xp, "64"), 4, "xhi")]
-        mags = [fn.v(f"call {V16} @llvm.fabs.v16f32({V16} {h})", "ax") for h in halves]
-        amax = fn.v(f"call float @llvm.vector.reduce.fmax.v16f32({V16} "
-                    f"{fn.v(f'call {V16} @llvm.maxnum.v16f32({V16} {mags[0]}, {V16} {mags[1]})', 'am')})", "amax")
-        some = fn.v(f"fcmp ogt float {amax}, 0.0", "some")
-        inv = fn.v(f"select i1 {some}, float {fn.v(f'fdiv float {fconst(INT_X_MAX)}, {amax}', 'inv')}, float 0.0",
-                   "inv")
-        fn.store(F32, fn.v(f"fdiv float {amax}, {fconst(INT_X_MAX)}", "s"), fn.at(scale, 4, b), 4)
+        s, qs = _int16_block(fn, fn.at(x, 4 * BLOCK, b, "xp"))
+        fn.store(F32, s, fn.at(scale, 4, b), 4)
         qp = fn.at(q, 64, b, "qp")
-        qs, invs = [], fn.splat(16, inv)
-        for h, half in enumerate(halves):
-            r = fn.v(f"call {V16} @llvm.roundeven.v16f32({V16} {fn.v(f'fmul {V16} {half}, {invs}', 'xq')})", "xr")
-            qh = fn.v(f"fptosi {V16} {r} to {i16}", "xi")
+        for h, qh in enumerate(qs):
             fn.store(i16, qh, fn.gep(qp, str(32 * h)), 32)
-            qs.append(qh)
         if off:
             eight = vconst(16, "-8", "i16")
             pairs = [fn.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd({i16} {qh}, {i16} {eight})", "xo") for qh in qs]
             fn.store("<8 x i32>", fn.v(f"add <8 x i32> {pairs[0]}, {pairs[1]}", "xo"), fn.at(off, 32, b), 32)
         if fold:
-            fn.store(V8, _fold(fn, fn.v(f"fadd {V16} {halves[0]}, {halves[1]}", "xs")), fn.at(fold, 32, b), 32)
+            lo, hi = _int16_values(fn, qs, s)
+            fn.store(V8, _fold(fn, fn.v(f"fadd {V16} {lo}, {hi}", "xs")), fn.at(fold, 32, b), 32)
     return IntX(q, scale, off, fold)
+
+
+def emit_round_int16(fn: Fn, x: str, out: str, lo: str, hi: str) -> None:
+    """Blocks [lo, hi) (i64) of the floats at ``x`` as the integer dot products read them
+    (:func:`_int16_block`'s ``q * scale``), written to ``out`` (which may be ``x``): what the
+    prefill program's GEMMs read where the step's kernels dot int16 x."""
+    with fn.loop(lo, hi, "1", "b") as b:
+        s, qs = _int16_block(fn, fn.at(x, 4 * BLOCK, b, "xp"))
+        op = fn.at(out, 4 * BLOCK, b, "op")
+        for h, v in enumerate(_int16_values(fn, qs, s)):
+            fn.store(V16, v, fn.gep(op, str(64 * h)), 4)
 
 
 _ZEXT_BROADCAST = f"{vec(32, 'i32')} <" + ", ".join(f"i32 {i % 16}" for i in range(32)) + ">"
@@ -450,7 +475,7 @@ _AHEAD = 4  # GEMV prefetch distance, in tiles
 
 def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo: str, hi: str, simd: str,
                     consume: Callable[[str, list[str]], None], xsums: XSums | None = None,
-                    int_dots: bool = False) -> None:
+                    int_dots: bool = False, intx: IntX | None = None) -> None:
     """GEMV rows: for rows r in [lo, hi) (i64), the dot products of row r of each matrix
     ``(dtype, base, row_bytes)`` with ``x`` (k elements), handed to ``consume(r, dots)``.
 
@@ -459,10 +484,12 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
     the tile, so results do not depend on it. ``xsums``: x's :func:`emit_x_sums`, made here when
     not given. ``int_dots``: 4-bit rows dot x rounded to int16 (:func:`emit_int_x`, made here) in
     integers, two ``vpmaddwd`` a block: 1.2-1.4x faster, and within 2^-16 of each block's largest
-    |x| of the float result; for modules that decide no sparsity (``fuse-gather-gemv`` chooses).
+    |x| of the float result (``fuse-gather-gemv`` chooses; the interpreter rounds x as they do).
+    ``intx``: that int16 x, when the caller has made it already (``int_dots`` is then implied).
     """
     dtypes = {dtype for dtype, _, _ in mats}
-    intx = emit_int_x(fn, x, k, dtypes) if int_dots else None
+    if intx is None and int_dots:
+        intx = emit_int_x(fn, x, k, dtypes)
     if xsums is None and intx is None:
         xsums = emit_x_sums(fn, x, k, dtypes)
     tile = max(1, _ROWS // len(mats))

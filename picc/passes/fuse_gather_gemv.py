@@ -11,11 +11,15 @@ neuron is one contiguous stream instead of two (``interleave=no`` keeps them apa
 layer's ``add`` of its hot and cold parts becomes a ``merge`` that also adds the down bias.
 Dense linears name their GEMV kernel; a dense FFN kept in the source layout (a CPU-only dense
 compile) names the CPU's dense FFN kernel. In a module where nothing decides sparsity (no
-predictor, every fused FFN dense), the CPU's GEMVs and dense FFNs of q4_0 / q4_1 weights are the
+predictor, every fused FFN dense), the CPU's GEMVs and FFNs of q4_0 / q4_1 weights are the
 ``_xi16`` variants, which dot the 4-bit rows with x rounded to int16 per block of 32 (1.2-1.4x
-faster; within 2^-16 of each block's largest |x|, far inside the 1e-2 a quantized model is held
-to): where a predictor or a threshold reads the results, that rounding would flip decisions the
-interpreter makes, so sparse modules keep float dot products (``int_dots=no`` keeps them always).
+faster; each element within 2^-16 of its block's largest |x|). The rounding is part of what the
+op computes (the interpreter rounds as the kernel does). Sparse modules keep float dot products
+(``int_dots=no`` keeps them everywhere): rounding makes a dot product a step function of x, so
+the float-rounding noise between the runtime and the interpreter (~1e-7) now and then moves an
+element across a rounding boundary, a whole int16 step; on SmolLM2 gate-first the two then
+differed by ~2e-5 instead of ~2e-6 at the first token, and decisions that far from their
+threshold flipped (int dots there decoded 8% faster; see docs/codegen_cpu.md).
 
 Needs: neuron-major down projections for sparse FFNs (``neuron-major-down``); after
 ``partition-neurons`` when there is one (an op's placement picks its device; unplaced ops run on

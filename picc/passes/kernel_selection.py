@@ -37,7 +37,7 @@ def _no_kernel(op: Op, device: str, hint: str) -> PiccError:
 
 def cpu_kernel(op: Op, t: Types, int_dots: bool = False) -> str:  # noqa: C901 - one case per op
     """The CPU kernel that computes ``op``; ``int_dots``: the integer dot product variants of
-    GEMVs and dense FFNs over 4-bit weights (for modules that decide no sparsity)."""
+    GEMVs and FFNs over 4-bit weights (``_xi16``; for modules that decide no sparsity)."""
     match op:
         case O.Embed():
             return names.cpu_embed(t.fmt(op.table) or "")
@@ -61,7 +61,7 @@ def cpu_kernel(op: Op, t: Types, int_dots: bool = False) -> str:  # noqa: C901 -
             up = op.up_gate or op.up
             gate = op.up_gate or op.gate
             return names.cpu_fused_ffn(op.mode, op.form, t.fmt(up) or "", t.fmt(gate), t.fmt(op.down) or "",
-                                 op.interleaved)
+                                       op.interleaved, int_dots)
         case O.FFN() if not op.neuron_major and type(op) is O.FFN:
             return names.cpu_dense_ffn(op.form, t.fmt(op.up) or "", t.fmt(op.gate), t.fmt(op.down) or "",
                                        int_dots)
