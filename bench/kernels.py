@@ -9,8 +9,8 @@ and thread count, it times one compiled step that runs the kernel (predictor mod
 list of active neurons, new for every run) over 1 GiB of layers, so that the rows come from
 memory as in a real decode step (weights in 2 MiB pages, see ``threads.huge_zeros``). It prints medians of ``--reps``
 runs: time per layer, GB/s of *active rows read* (up, gate and down rows of the active neurons),
-that rate as a share of the read bandwidth measured in the same run (``picc.targets``' streaming
-read), the same rate with the rows in cache (one layer's active rows read over and over, shown
+that rate as a share of the read bandwidth measured in the same run (``picc.targets``: every
+core streaming), the same rate with the rows in cache (one layer's active rows read over and over, shown
 when they take at most half of the L3 cache: what the kernel's arithmetic allows; when it is no
 higher than the rate from memory, the kernel is bound by its arithmetic, not by memory), and the
 speed-up over numpy's dense FFN (three f32 GEMVs over the full matrices, the better
@@ -164,24 +164,25 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, int_dots: bool
     steps = {cached: module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
              for cached, p in zip((False, True), progs, strict=True)}
     table = buffer_table(buffers)
-    out = {}
+    times: dict[tuple[int, float, bool], list[float]] = {}
     for t in threads:
         with ThreadTeam(t) as team:
-            for frac in FRACTIONS:
-                size = int(round(frac * n))
-
-                def new_active_set(size: int = size) -> None:
-                    mask[:] = 0
-                    mask[rng.choice(n, size, replace=False)] = 1
-
-                for cached, step in steps.items():
-                    def run(team: ThreadTeam = team, t: int = t, step=step) -> None:  # noqa: ANN001
-                        team.run_each(lambda tid: step(ctypes.addressof(table), tid, t))
-
-                    out[(t, frac, cached)] = median_time(run, reps, new_active_set) / layers.count
-                    if count[0] != size:
-                        raise RuntimeError(f"the kernel found {count[0]} active neurons, the mask has {size}")
-    return out
+            # Repetition by repetition, every configuration once in turn: a slow phase of a shared
+            # machine (seconds long here) then hits every configuration's median alike, instead
+            # of all the runs of one of them.
+            for rep in range(reps + 1):  # the first round warms up (page faults, thread start)
+                for frac in FRACTIONS:
+                    size = int(round(frac * n))
+                    for cached, step in steps.items():
+                        mask[:] = 0
+                        mask[rng.choice(n, size, replace=False)] = 1
+                        start = time.perf_counter()
+                        team.run_each(lambda tid, step=step, t=t: step(ctypes.addressof(table), tid, t))
+                        if rep:
+                            times.setdefault((t, frac, cached), []).append(time.perf_counter() - start)
+                        if count[0] != size:
+                            raise RuntimeError(f"the kernel found {count[0]} active neurons, the mask has {size}")
+    return {key: statistics.median(runs) / layers.count for key, runs in times.items()}
 
 
 def main() -> None:
@@ -202,7 +203,7 @@ def main() -> None:
           f"kernels for {effective_simd('host')} (llvmlite {llvmlite.__version__}, LLVM "
           f"{'.'.join(map(str, llvm.llvm_version_info))}), numpy {np.__version__}")
     bandwidths = [measure_memory_bandwidth()]
-    print(f"read bandwidth (streaming read, picc.targets): {bandwidths[0] / 1e9:.1f} GB/s")
+    print(f"read bandwidth (every core streaming, picc.targets): {bandwidths[0] / 1e9:.1f} GB/s")
     print()
     header = (f"{'shape':>11} {'dtype':>10} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
               f"{'cached GB/s':>11} {'vs numpy':>8}")

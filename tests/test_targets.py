@@ -50,7 +50,8 @@ def test_cpu_target_uses_the_cached_bandwidth(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
     cache = targets.host_cache_path()
     cache.parent.mkdir(parents=True)
-    cache.write_text(json.dumps({"version": 1, "cpu": targets.host_cpu_name(), "mem_bandwidth": 12.5e9}))
+    cache.write_text(json.dumps({"version": targets.HOST_CACHE_VERSION, "cpu": targets.host_cpu_name(),
+                                 "mem_bandwidth": 12.5e9}))
     monkeypatch.setattr(targets, "measure_memory_bandwidth", lambda: pytest.fail("measured despite the cache"))
 
     cpu = load_target("cpu")
@@ -60,8 +61,9 @@ def test_cpu_target_uses_the_cached_bandwidth(tmp_path: Path, monkeypatch: pytes
     assert cpu.cpu.simd in SIMD_LEVELS
 
 
-@pytest.mark.parametrize("cached", [None, "not json", json.dumps({"version": 1, "cpu": "another CPU",
-                                                                  "mem_bandwidth": 1e9})])
+@pytest.mark.parametrize("cached", [None, "not json", json.dumps({"version": 2, "cpu": "another CPU",
+                                                                  "mem_bandwidth": 1e9}),
+                                    json.dumps({"version": 1, "cpu": targets.host_cpu_name(), "mem_bandwidth": 1e9})])
 def test_cpu_target_measures_once_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: str | None) -> None:
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
     if cached is not None:
