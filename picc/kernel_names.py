@@ -64,8 +64,10 @@ def cpu_predictor(fc1: str, fc2: str) -> str:
 def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
                   int_dots: bool = False) -> str:
     """The fused FFN kernel; ``interleaved`` reads up and gate rows side by side (``up_gate``);
-    ``int_dots``: 4-bit up and gate rows dot x rounded to int16 (down is an AXPY: no dot)."""
-    layout = ("_il" if interleaved else "") + _int_suffix(int_dots, up, gate)
+    ``int_dots``: up and gate rows dot x rounded to int16 when both are 4-bit (the kernel, and
+    its prefill twin, read one x for the two; down is an AXPY: no dot)."""
+    both_4bit = {up, gate or up} <= INT_DOT_DTYPES
+    layout = ("_il" if interleaved else "") + _int_suffix(int_dots and both_4bit, up)
     return f"picc_ffn_{mode.replace('-', '_')}_{form}_{up}_{gate or 'none'}_{down}{layout}"
 
 

@@ -395,6 +395,14 @@ def test_sparse_ffn_drelu_and_relu_thresholds(host, teams):
         assert rel_err(y, case.reference(np.abs(case.h()) > thr)) <= QUANT_TOL
 
 
+def test_fused_ffn_dots_int16_x_only_when_up_and_gate_are_both_4_bit():
+    # The step's kernel and its prefill twin read one x for up and gate: rounded for both or neither.
+    assert sparse_ffn("dense", "swiglu", "q4_1", "q4_1", "f16", int_dots=True).symbol.endswith("_xi16")
+    assert sparse_ffn("dense", "relu", "q4_0", None, "q4_0", int_dots=True).symbol.endswith("_xi16")
+    for up, gate in (("q4_1", "q8_0"), ("q8_0", "q4_1"), ("f16", "f16")):
+        assert not sparse_ffn("dense", "swiglu", up, gate, "q4_1", int_dots=True).symbol.endswith("_xi16")
+
+
 def test_sparse_ffn_mixed_formats_and_determinism(host, teams):
     case = FfnCase("swiglu", ("q4_1", "q8_0", "f16"), n=77, seed=12)
     active = np.random.default_rng(13).random(case.n) < 0.4

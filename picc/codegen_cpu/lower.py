@@ -211,7 +211,7 @@ class _Lowering:
         self.caches: dict[str, Buf] = {}  # KV cache name -> its buffer (k rows, then v rows)
         self.chunk: _Chunk | None = None  # set while lowering a chunk program
         self.chunk_slots: tuple[int, int] | None = None  # the chunk programs' activations and tokens
-        self.xi16_slot: int | None = None  # the chunk programs' rows rounded to int16 (see rounded_rows)
+        self.xi16_slot: int | None = None  # the chunk programs' rows rounded to int16 (see gemm_input)
         self.xi16_holds: str | None = None  # the value whose rounded rows the slot holds now
         # Decode: producer's result -> (the add that reads it, the residual it is added to).
         self.residual_adds = self._residual_adds()
@@ -382,7 +382,7 @@ class _Lowering:
             case O.Linear() if self.chunk is not None:
                 # Prefill: a GEMM reads each weight row once for all the chunk's tokens.
                 w = self.weights[op.weight]
-                x, access = self.gemm_input(op, op.x, int(w.shape[1]))
+                x, access = self.gemm_input(op, op.x, int(w.shape[1]), op.weight)
                 self.call(op, kernels_dense.gemm(w.dtype.value), self.weight(op.weight), x,
                           self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
                           int(w.shape[0]), int(w.shape[1]), 0, check=False, batched=True, access=access)
@@ -439,12 +439,13 @@ class _Lowering:
         slot["nbytes"] = max(slot["nbytes"], 4 * PREFILL_CHUNK * width)
         return Buf(self.xi16_slot, 0, stride=4 * width)
 
-    def gemm_input(self, op: Op, value: str, width: int) -> tuple[Buf, _Access | None]:
-        """What a prefill GEMM of ``op`` reads for ``value`` and the access of that call (None: the
-        op's own). Where the step dots ``op``'s 4-bit rows with int16 x (an ``_xi16`` kernel), the
-        prefill dots the same rounded values (``kernels_misc.round_int16``, once per value while
-        the slot holds it): the programs then compute one function, as the interpreter does."""
-        if not _int_dots(op):
+    def gemm_input(self, op: Op, value: str, width: int, weight: str) -> tuple[Buf, _Access | None]:
+        """What a prefill GEMM of ``op`` over ``weight`` reads for ``value`` and the access of that
+        call (None: the op's own). Where the step dots ``weight``'s rows with int16 x (4-bit rows
+        of an ``_xi16`` kernel), the prefill dots the same rounded values
+        (``kernels_misc.round_int16``, once per value while the slot holds it): the programs then
+        compute one function, as the interpreter does."""
+        if not (_int_dots(op) and self.weights[weight].dtype.value in names.INT_DOT_DTYPES):
             return self.value(value), None
         slot = self.xi16_buffer(width)
         if self.xi16_holds != value:
@@ -479,7 +480,7 @@ class _Lowering:
         rows, floats = self.rows(), self.chunk.size * n
         self.scratch = max(self.scratch, 2 * 4 * floats)
         u, g = Buf(self.scratch_index), Buf(self.scratch_index, 4 * floats)
-        x, up_access = self.gemm_input(op, op.x, hidden)
+        x, up_access = self.gemm_input(op, op.x, hidden, op.up)
 
         def gemm(weight: str, bias: str | None, src: Buf, dst: Buf, out: int, k: int,
                  access: _Access | None = None) -> None:
@@ -491,8 +492,9 @@ class _Lowering:
         if op.gate:
             # Independent of the up GEMM before it (each writes its own half of the scratch): no
             # barrier between the two. (The up GEMM keeps the op's access and its barrier before.)
-            reads = {op.x, _XI16} if _int_dots(op) else {op.x}
-            gemm(op.gate, op.gate_bias, x, g, n, hidden,
+            xg, gate_access = self.gemm_input(op, op.x, hidden, op.gate)
+            reads = {op.x} | (gate_access.reads & {_XI16} if gate_access else set())
+            gemm(op.gate, op.gate_bias, xg, g, n, hidden,
                  access=_Access(frozenset(reads), frozenset({f"{op.result}.gate"}), True))
         self.call(op, kernels_misc.ffn_activation(op.form), g, u, u, floats, check=False, batched=True)
         h, down_access = u, None
@@ -531,7 +533,7 @@ class _Lowering:
                                                op.interleaved)
             stride = self.width(op.mask) if op.mask is not None else 0
             self.scratch = max(self.scratch, kernels_prefill.chunk_ffn_scratch_bytes(self.chunk.size, n))
-            x, access = self.gemm_input(op, op.x, hidden)
+            x, access = self.gemm_input(op, op.x, hidden, op.up_gate or op.up or "")
             self.call(op, kernel, x, up, gate, self.weight(op.down), up_bias, gate_bias,
                       self.weight(op.down_bias, as_f32=True), self.activation(op.result), mask,
                       Buf(self.scratch_index), self.rows(), stride, n, hidden, float(op.threshold), check=False,
