@@ -338,7 +338,7 @@ def add_sparsity_flags(s: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from picc.cli_runtime import add_gpu_flag, add_runtime_commands
+    from picc.cli_runtime import add_gpu_flag, add_runtime_commands, add_threads_flag
 
     p = argparse.ArgumentParser(
         prog="picc",
@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokens", help="token ids, comma-separated (e.g. 1,2,3)")
     s.add_argument("--out", required=True, metavar="FILE.npy")
     s.add_argument("--interpreter", action="store_true", help="run a .pib's IR on the reference interpreter")
-    s.add_argument("--threads", type=int, default=1, help="CPU threads for a .pib (default 1)")
+    add_threads_flag(s, "CPU threads for a .pib")
     add_gpu_flag(s)
     s.set_defaults(func=cmd_logits)
 

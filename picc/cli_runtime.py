@@ -221,6 +221,22 @@ def cmd_bench(args: argparse.Namespace) -> None:
               f"transfers {d['transfer_ms_per_token']:.3f} ms ({d['transfer_bytes_per_token'] / 1024:.1f} KiB)")
 
 
+MAX_THREADS = 64  # what the generated code's scratch is sized for (picc.codegen_cpu.lower.MAX_THREADS)
+
+
+def default_threads() -> int:
+    """Every core this process may run on (affinity honoured), at most :data:`MAX_THREADS`."""
+    from picc.targets import host_cores
+
+    return min(host_cores(), MAX_THREADS)
+
+
+def add_threads_flag(parser: argparse.ArgumentParser, what: str = "CPU threads") -> None:
+    n = default_threads()
+    parser.add_argument("--threads", type=int, default=n,
+                        help=f"{what} (default: the cores this process may use, {n} here)")
+
+
 def add_gpu_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", choices=("auto", "cuda", "emulate"), default="auto",
                         help="where a model's GPU part runs: a CUDA device when there is one, else the "
@@ -239,7 +255,7 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
     s.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
     s.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0)")
-    s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    add_threads_flag(s)
     s.add_argument("--ctx", type=int, help="context positions (default: what the model was compiled for)")
     s.add_argument("--json", action="store_true",
                    help="print one JSON object: prompt_tokens, tokens, text, prompt_tokens_per_s, decode_tokens_per_s")
@@ -250,7 +266,7 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
                        description="Median prompt and decode tokens/s over repeated runs, the weight bytes a "
                        "token reads (cost model), the host's measured read bandwidth and the share of it reached.")
     s.add_argument("model", metavar="MODEL.pib")
-    s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    add_threads_flag(s)
     s.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
     s.add_argument("-n", type=int, default=128, help="tokens decoded per run (default 128)")
     s.add_argument("--repeat", type=int, default=5, help="runs (default 5)")
