@@ -19,7 +19,7 @@ from picc.errors import PiccError
 
 
 @contextlib.contextmanager
-def open_session(path: str, threads: int, ctx: int | None = None, gpu: str = "auto") -> Iterator:  # noqa: ANN401
+def open_session(path: str, threads: int | None, ctx: int | None = None, gpu: str = "auto") -> Iterator:  # noqa: ANN401
     """A runtime session on ``path``; the runtime's errors become ``PiccError``. Says on stderr,
     in one line, when the model's GPU part runs on the host-emulated GPU."""
     from runtime.cpu import ExecutorError
@@ -156,7 +156,7 @@ def cmd_run(args: argparse.Namespace) -> None:
             print(_summary(result, device_times(session, before)), file=sys.stderr)
 
 
-def logits_with_runtime(path: str, ids: list[int], threads: int = 1, gpu: str = "auto") -> np.ndarray:
+def logits_with_runtime(path: str, ids: list[int], threads: int | None = 1, gpu: str = "auto") -> np.ndarray:
     with open_session(path, threads, gpu=gpu) as session:
         return session.feed(ids, all_logits=True).astype(np.float32)
 
@@ -191,9 +191,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
                     token = session.executor.greedy()
             decode_rates.append(args.n / (time.perf_counter() - start))
         devices = device_times(session, before)
+        threads = session.executor.cpu.team.nthreads
     bandwidth = measure_memory_bandwidth()
     decode = statistics.median(decode_rates)
-    result = {"model": args.model, "threads": args.threads, "repeat": args.repeat,
+    result = {"model": args.model, "threads": threads, "repeat": args.repeat,
               "prompt_tokens": args.prompt_tokens, "tokens": args.n,
               "prompt_tokens_per_s": statistics.median(prompt_rates), "decode_tokens_per_s": decode,
               "weight_bytes_per_token": bytes_per_token, "read_bandwidth_bytes_per_s": bandwidth,
@@ -207,7 +208,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{args.model}: {args.threads} thread(s), medians of {args.repeat} runs")
+    print(f"{args.model}: {threads} thread(s), medians of {args.repeat} runs")
     print(f"  prompt  {result['prompt_tokens_per_s']:10.1f} tok/s  ({args.prompt_tokens} tokens)")
     print(f"  decode  {decode:10.1f} tok/s  ({args.n} tokens)")
     if bytes_per_token:
@@ -221,20 +222,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
               f"transfers {d['transfer_ms_per_token']:.3f} ms ({d['transfer_bytes_per_token'] / 1024:.1f} KiB)")
 
 
-MAX_THREADS = 64  # what the generated code's scratch is sized for (picc.codegen_cpu.lower.MAX_THREADS)
-
-
-def default_threads() -> int:
-    """Every core this process may run on (affinity honoured), at most :data:`MAX_THREADS`."""
+def add_threads_flag(parser: argparse.ArgumentParser, what: str = "CPU threads") -> None:
     from picc.targets import host_cores
 
-    return min(host_cores(), MAX_THREADS)
-
-
-def add_threads_flag(parser: argparse.ArgumentParser, what: str = "CPU threads") -> None:
-    n = default_threads()
-    parser.add_argument("--threads", type=int, default=n,
-                        help=f"{what} (default: the cores this process may use, {n} here)")
+    parser.add_argument("--threads", type=int, help=f"{what} (default: the cores this process may use, "
+                        f"{host_cores()} here, as many as the compiled code allows)")
 
 
 def add_gpu_flag(parser: argparse.ArgumentParser) -> None:

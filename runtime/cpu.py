@@ -13,6 +13,7 @@ instead.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import numpy as np
@@ -93,10 +94,13 @@ class CpuExecutor:
     the CPU alone, ``step(token, pos)`` runs the whole step and ``logits()`` / ``greedy()`` read it.
     """
 
-    def __init__(self, pib: PibFile, threads: int = 1) -> None:
+    def __init__(self, pib: PibFile, threads: int | None = None) -> None:
         if not pib.has("cpu/manifest"):
             raise ExecutorError(f"{pib.path}: has no CPU code (compiled by an older picc?); recompile it")
         manifest = pib.json("cpu/manifest")
+        if threads is None:  # every core this process may run on, as many as the code allows
+            threads = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                          manifest["max_threads"])
         if not 1 <= threads <= manifest["max_threads"]:
             raise ExecutorError(f"--threads {threads}: expected 1 to {manifest['max_threads']}")
         self.code = MachineCode(pib.section("cpu/object") if pib.has("cpu/object") else None,

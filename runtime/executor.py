@@ -97,7 +97,7 @@ def _make_gpu(pib: PibFile, mode: str):  # noqa: ANN202 - EmulatedGpu or CudaGpu
 class Executor:
     """``step(token, pos)`` then ``logits()`` / ``greedy()``, on whatever devices the model uses."""
 
-    def __init__(self, pib: PibFile, threads: int = 1, gpu: str = "auto") -> None:
+    def __init__(self, pib: PibFile, threads: int | None = 1, gpu: str = "auto") -> None:
         if not pib.has("schedule"):
             raise ExecutorError(f"{pib.path}: has no schedule (compiled by an older picc?); recompile it")
         sched = pib.json("schedule")

@@ -46,7 +46,7 @@ class Timings:
 class Session:
     """One compiled model with its KV cache; not thread-safe."""
 
-    def __init__(self, path: str | Path, threads: int = 1, ctx: int | None = None, gpu: str = "auto") -> None:
+    def __init__(self, path: str | Path, threads: int | None = 1, ctx: int | None = None, gpu: str = "auto") -> None:
         self.pib = PibFile(path)
         plan = self.pib.json("plan")
         self.max_ctx = int(plan["ctx"])

@@ -221,6 +221,20 @@ def test_run_cli_generates_greedy_text_like_the_interpreter(tmp_path, capsys):
     assert captured.out.startswith("the company") and "decode:" in captured.err and "tok/s" in captured.err
 
 
+def test_threads_default_to_the_cores_the_process_may_use(tmp_path, monkeypatch):
+    import os
+
+    from picc.codegen_cpu.lower import MAX_THREADS
+
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=1, hidden=64, n_ff=96))
+    path, _ = compiled(model, tmp_path, "cores", dense=True)
+    with Session(path, threads=None) as s:
+        assert s.executor.cpu.team.nthreads == min(len(os.sched_getaffinity(0)), MAX_THREADS)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    with Session(path, threads=None) as s:
+        assert s.executor.cpu.team.nthreads == 1
+
+
 def test_runtime_errors_are_one_line(tmp_path, capsys):
     model = with_tokenizer(tiny_llama("swiglu", n_layers=1, hidden=64, n_ff=96))
     path, _ = compiled(model, tmp_path, "short", dense=True, ctx=8)
