@@ -94,13 +94,8 @@ class PiccEngine(Engine):
         start = time.perf_counter()
         s.feed(prompt)
         prompt_s = time.perf_counter() - start
-        tokens = [s.executor.greedy()]
         start = time.perf_counter()
-        with s.executor.pinned():  # as in Session.generate
-            for _ in range(n - 1):
-                s.executor.step(tokens[-1], s.pos)
-                s.pos += 1
-                tokens.append(s.executor.greedy())
+        tokens = s.greedy_tokens(n)
         return prompt_s, time.perf_counter() - start, tokens
 
 

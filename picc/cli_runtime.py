@@ -183,12 +183,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             session.feed(ids)
             prompt_rates.append(len(ids) / (time.perf_counter() - start))
             start = time.perf_counter()
-            token = session.executor.greedy()
-            with session.executor.pinned():  # as in Session.generate
-                for _ in range(args.n):
-                    session.executor.step(token, session.pos)
-                    session.pos += 1
-                    token = session.executor.greedy()
+            session.greedy_tokens(args.n + 1)  # n decode steps
             decode_rates.append(args.n / (time.perf_counter() - start))
         devices = device_times(session, before)
         threads = session.executor.cpu.team.nthreads

@@ -130,6 +130,28 @@ class Session:
                 timings.decode_seconds += elapsed
                 timings.per_token.append(elapsed)
 
+    def greedy_tokens(self, n: int) -> list[int]:
+        """After :meth:`feed`: the ``n`` greedy tokens that follow, with ``n - 1`` decode steps.
+
+        The first is the fed text's most likely next token; each step feeds the previous one (the
+        last is returned, not fed: as in :meth:`generate`, which stops at EOS and samples, and
+        which this is without either: the loop benchmarks time). Positions and history advance.
+        """
+        if n < 1:
+            raise ExecutorError(f"greedy_tokens: n must be >= 1, got {n}")
+        if self.pos + n - 1 > self.ctx:
+            raise ExecutorError(f"{n} greedy tokens need {self.pos + n - 1} positions but the context holds "
+                                f"{self.ctx}")
+        executor = self.executor
+        tokens = [executor.greedy()]
+        with executor.pinned():  # the caller stays on its core, as in generate
+            for _ in range(n - 1):
+                executor.step(tokens[-1], self.pos)
+                self.pos += 1
+                tokens.append(executor.greedy())
+        self.history += tokens
+        return tokens
+
     def close(self) -> None:
         self.executor.close()
         self.pib.close()

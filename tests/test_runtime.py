@@ -22,6 +22,7 @@ from picc.interpreter import Interpreter
 from picc.ir.types import DType
 from picc.pib import load_pib
 from picc.sparsify import SparsifyOptions
+from runtime.cpu import ExecutorError
 from runtime.pib import PibFile
 from runtime.sampling import SamplingOptions, sample
 from runtime.session import Session
@@ -219,6 +220,14 @@ def test_run_cli_generates_greedy_text_like_the_interpreter(tmp_path, capsys):
     assert main(["run", str(path), "-p", "the company", "-n", "5"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("the company") and "decode:" in captured.err and "tok/s" in captured.err
+    # The benchmarks' loop (greedy_tokens) is the same generation, and leaves the session where
+    # generate would: positions and history after the fed tokens, the last token not fed.
+    with Session(path, 2) as s:
+        s.feed(prompt)
+        assert s.greedy_tokens(12) == expected
+        assert s.pos == len(prompt) + 11 and s.history == prompt + expected
+        with pytest.raises(ExecutorError, match="greedy tokens need"):
+            s.greedy_tokens(s.ctx)
 
 
 def test_threads_default_to_the_cores_the_process_may_use(tmp_path, monkeypatch):
