@@ -26,6 +26,17 @@ def _int_suffix(int_dots: bool, *dtypes: str | None) -> str:
     return INT_DOTS_SUFFIX if int_dots and INT_DOT_DTYPES & set(dtypes) else ""
 
 
+CPU_WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+# The keys of a CPU's kernel-rate table (``picc.targets``, ``picc.codegen_cpu.rates``): how fast
+# its kernels consume the weights of each format when memory is not the limit.
+CPU_RATE_KEYS = CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
+
+
+def cpu_rate_key(dtype: str, int_dots: bool) -> str:
+    """The rate-table key of a CPU kernel reading ``dtype`` rows (``int_dots``: an ``_xi16`` kernel)."""
+    return dtype + _int_suffix(int_dots, dtype)
+
+
 def dots_int16_x(kernel: str | None) -> bool:
     """Whether a CPU kernel of that name dots its 4-bit rows with x rounded to int16 per block of
     32 (``picc.quant.round_to_int16_blocks``): part of what the op computes, so the interpreter

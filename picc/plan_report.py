@@ -3,16 +3,21 @@
 Everything here is read off a placed module (``partition-neurons``) and its memory plan, so
 ``picc compile`` and ``picc inspect`` report the same numbers. The estimate is for decoding one
 token with the KV cache half full (``ctx / 2`` positions): every op reads its weights from its
-device's memory at that device's bandwidth (decode is memory-bound); the two parts of a split
-FFN run concurrently, so such a layer costs its slower part; a value that an op reads from the
-other device crosses PCIe (latency plus bytes over the link's bandwidth), and so do the logits
-when the LM head runs on the GPU. Dense ops run one after another.
+device's memory at that device's bandwidth (decode is memory-bound), and on the CPU no faster
+than its kernel's arithmetic consumes them (the target's kernel rates: 4-bit formats are bound by
+the arithmetic on small CPUs, see ``picc.codegen_cpu.rates``); the two parts of a split FFN run
+concurrently, so such a layer costs its slower part; a value that an op reads from the other
+device crosses PCIe (latency plus bytes over the link's bandwidth), and so do the logits when the
+LM head runs on the GPU. Dense ops run one after another. What the estimate leaves out (attention's
+arithmetic, barriers, the calls themselves) makes it an upper bound.
 """
 
 from __future__ import annotations
 
+from picc import kernel_names as names
 from picc import memory_plan as mp
 from picc.ir import ops as O
+from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Module
 from picc.ir.types import Placement
@@ -24,11 +29,22 @@ from picc.targets import Target
 TRANSFER_LATENCY = DeviceCosts.__dataclass_fields__["transfer_latency"].default
 
 
-def _bandwidth(target: Target, where: Placement | None) -> float:
+def _read_seconds(target: Target, where: Placement | None, parts: list[tuple[int, str]]) -> float:
+    """Seconds to read ``(bytes, CPU rate key)`` parts on the device ``where``."""
     if where == Placement.GPU:
         assert target.gpu is not None
-        return target.gpu.mem_bandwidth
-    return target.cpu.mem_bandwidth
+        return sum(nbytes for nbytes, _ in parts) / target.gpu.mem_bandwidth
+    return sum(nbytes / target.cpu.read_rate(key) for nbytes, key in parts)
+
+
+def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
+    """Each weight of ``op`` as (bytes, the rate key of the kernel reading it): an ``_xi16``
+    kernel dots its 4-bit rows in integers, except a fused FFN's neuron-major down rows (AXPYs
+    of h; a dense FFN in the source layout dots its down rows with h)."""
+    int_dots = names.dots_int16_x(op.kernel)
+    down = op.down if isinstance(op, FusedFFN) else None
+    return [(int(weights[w].data.nbytes), names.cpu_rate_key(weights[w].dtype.value, int_dots and w != down))
+            for w in op.weights()]
 
 
 def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.MemoryPlan) -> dict:
@@ -43,6 +59,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
     transfer_s, transfers = 0.0, 0
     read_bytes = 0.0  # weights and KV cache one token reads, both devices
     moved: set[tuple[str, Placement | None]] = set()  # a value crosses to a device once per token
+    cpu_keys: set[str] = set()  # the rate keys of the CPU's weight reads
     for op in func.ops:
         device = op.type.placement
         for v in op.values():
@@ -56,21 +73,26 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
             fl = ffn_layer(op, weights, input_on_gpu=False)
             read = fl.neuron_bytes * float(fl.read_rate().sum())
             read_bytes += read
-            seconds = read / _bandwidth(target, device)
+            # The bytes read per token, at the mix of rates of the op's weights.
+            parts = _weight_parts(op, weights)
+            total = sum(nbytes for nbytes, _ in parts)
+            seconds = read * _read_seconds(target, device, parts) / total if total else 0.0
+            if device != Placement.GPU:
+                cpu_keys.update(key for _, key in parts)
             layer["gpu_s" if device == Placement.GPU else "cpu_s"] += seconds
             layer["parts"].append((op, fl, device))
             continue
-        nbytes = 0
-        if isinstance(op, O.Embed):
-            nbytes = int(weights[op.table].data.nbytes) // int(weights[op.table].shape[0])  # one row
+        if isinstance(op, O.Embed):  # one row, copied
+            parts = [(int(weights[op.table].data.nbytes) // int(weights[op.table].shape[0]), "f32")]
         else:
-            nbytes = sum(int(weights[w].data.nbytes) for w in op.weights())
+            parts = _weight_parts(op, weights)
+            cpu_keys.update(key for _, key in parts if device != Placement.GPU)
         if isinstance(op, O.Attention):
             width = types[op.k].shape[1]
             assert isinstance(width, int)
-            nbytes += mp.kv_cache_bytes(op, width, plan.ctx) // 2  # the cache is half full on average
-        read_bytes += nbytes
-        dense["gpu" if device == Placement.GPU else "cpu"] += nbytes / _bandwidth(target, device)
+            parts.append((mp.kv_cache_bytes(op, width, plan.ctx) // 2, "f32"))  # the cache is half full on average
+        read_bytes += sum(nbytes for nbytes, _ in parts)
+        dense["gpu" if device == Placement.GPU else "cpu"] += _read_seconds(target, device, parts)
     if where.get(func.ret) == Placement.GPU:
         transfers += 1
         transfer_s += TRANSFER_LATENCY + mp.tensor_bytes(types[func.ret], 1) / max(target.pcie_bandwidth, 1.0)
@@ -113,6 +135,10 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
         },
         "transfers_per_token": transfers,
         "bytes_per_token": read_bytes,
+        # Per rate key the CPU reads weights in: bytes/s, and whether memory or arithmetic bounds it.
+        "cpu_read_rates": {key: {"bytes_per_s": target.cpu.read_rate(key),
+                                 "bound": "memory" if target.cpu.read_rate(key) >= target.cpu.mem_bandwidth
+                                 else "arithmetic"} for key in sorted(cpu_keys)},
     }
 
 
@@ -141,6 +167,10 @@ def format_report(report: dict) -> str:
                  f"GPU {est['dense_gpu']:.3f} + dense CPU {est['dense_cpu']:.3f} + FFN {est['ffn']:.3f} "
                  f"(GPU {est['ffn_gpu']:.3f} || CPU {est['ffn_cpu']:.3f}) + {report['transfers_per_token']} "
                  f"transfers {est['transfers']:.3f})")
+    rates = report.get("cpu_read_rates", {})  # absent in reports of .pib files from before it
+    if rates:
+        lines.append("CPU reads weights at: " + ", ".join(f"{key} {r['bytes_per_s'] / 1e9:.1f} GB/s ({r['bound']})"
+                                                          for key, r in rates.items()))
     return "\n".join(lines)
 
 

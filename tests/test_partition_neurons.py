@@ -215,3 +215,45 @@ def test_neuron_major_down_is_exact_for_floats_and_one_step_for_quantized():
     diff = np.abs(q.weights.f32(ffn.down) - q.weights.f32(old.down).T)
     step = np.abs(q.weights.f32(old.down)).max() / 127
     assert 0 < diff.max() <= 0.6 * step
+
+
+@pytest.mark.parametrize("layout", ["source", "neuron-major"])
+def test_the_estimate_reads_cpu_weights_no_faster_than_their_kernels(layout, tmp_path):
+    """The report's CPU time is each weight's bytes over min(bandwidth, its kernel's rate): the
+    target's kernel rates slow exactly the weights their kernels read, no others."""
+    import yaml
+
+    from picc.ir.fused_ops import FusedFFN
+
+    bw = 20e9
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_1)
+    steps = "canonicalize," + ("neuron-major-down," if layout == "neuron-major" else "")
+
+    def report(rates: dict[str, float]):
+        cpu = {"name": "test CPU", "cores": 2, "mem_bandwidth": bw, "simd": "avx2", "kernel_rates": rates}
+        path = tmp_path / f"t{len(list(tmp_path.iterdir()))}.yaml"
+        path.write_text(yaml.safe_dump({"name": "t", "gpu": None, "cpu": cpu}))
+        weights = model.weights.copy()
+        module = run_pipeline(model.module, weights, parse_pipeline(
+            f"{steps}partition-neurons{{target={path}}},fuse-gather-gemv"))
+        return module, weights, build_report(module, weights, load_target(str(path)), plan_of(module, weights))
+
+    module, weights, base = report({})
+    ops = [op for op in module.ops() if not isinstance(op, O.Embed)]
+    q4 = [(op, w) for op in ops for w in op.weights() if weights[w].dtype == DType.Q4_1]
+    q4_bytes = sum(int(weights[w].data.nbytes) for _, w in q4)
+    # A dense q4_1 model dots x rounded to int16 (the _xi16 kernels); a fused FFN's down rows,
+    # neuron-major, are AXPYs of h at the float rate. In the source layout down is dotted too.
+    assert all(op.kernel.endswith("_xi16") for op, _ in q4)
+    axpy_bytes = sum(int(weights[w].data.nbytes) for op, w in q4 if isinstance(op, FusedFFN) and w == op.down)
+    assert (axpy_bytes > 0) == (layout == "neuron-major") and axpy_bytes < q4_bytes
+
+    def extra_ms(rates: dict[str, float]) -> float:
+        return report(rates)[2]["estimate_ms_per_token"]["total"] - base["estimate_ms_per_token"]["total"]
+
+    assert extra_ms({"q4_1": 1e15, "q4_1_xi16": 1e15}) == pytest.approx(0.0, abs=1e-12)  # memory-bound
+    assert extra_ms({"q4_1": bw / 4, "q4_1_xi16": bw / 4}) == pytest.approx(1e3 * 3 * q4_bytes / bw, rel=1e-9)
+    assert extra_ms({"q4_1": bw / 4}) == pytest.approx(1e3 * 3 * axpy_bytes / bw, rel=1e-9, abs=1e-12)
+    rates = report({"q4_1_xi16": bw / 4})[2]["cpu_read_rates"]
+    assert rates["q4_1_xi16"] == {"bytes_per_s": bw / 4, "bound": "arithmetic"}
+    assert ("q4_1" in rates) == (layout == "neuron-major")

@@ -51,30 +51,59 @@ def test_cpu_target_uses_the_cached_bandwidth(tmp_path: Path, monkeypatch: pytes
     cache = targets.host_cache_path()
     cache.parent.mkdir(parents=True)
     cache.write_text(json.dumps({"version": targets.HOST_CACHE_VERSION, "cpu": targets.host_cpu_name(),
-                                 "mem_bandwidth": 12.5e9}))
+                                 "cores": targets.host_cores(), "mem_bandwidth": 12.5e9,
+                                 "kernel_rates": {"q4_1": 6e9, "f16": 40e9}}))
     monkeypatch.setattr(targets, "measure_memory_bandwidth", lambda: pytest.fail("measured despite the cache"))
+    monkeypatch.setattr(targets, "measure_kernel_rates", lambda threads: pytest.fail("measured despite the cache"))
 
     cpu = load_target("cpu")
     assert cpu.gpu is None and cpu.pcie_bandwidth == 0 and cpu.vram_bytes == 0
     assert cpu.cpu.mem_bandwidth == 12.5e9
+    # A kernel reads no faster than memory nor than its arithmetic; unknown formats: memory alone.
+    assert (cpu.cpu.read_rate("q4_1"), cpu.cpu.read_rate("f16"), cpu.cpu.read_rate("q8_0")) == (6e9, 12.5e9, 12.5e9)
     assert cpu.cpu.cores == targets.host_cores() >= 1
     assert cpu.cpu.simd in SIMD_LEVELS
 
 
-@pytest.mark.parametrize("cached", [None, "not json", json.dumps({"version": 2, "cpu": "another CPU",
-                                                                  "mem_bandwidth": 1e9}),
-                                    json.dumps({"version": 1, "cpu": targets.host_cpu_name(), "mem_bandwidth": 1e9})])
+def _cache(**fields: object) -> str:
+    here = {"version": targets.HOST_CACHE_VERSION, "cpu": targets.host_cpu_name(), "cores": targets.host_cores(),
+            "mem_bandwidth": 1e9, "kernel_rates": {"q4_0": 1e9}}
+    return json.dumps({key: value for key, value in {**here, **fields}.items() if value is not None})
+
+
+@pytest.mark.parametrize("cached", [
+    None, "not json", _cache(cpu="another CPU"), _cache(version=2), _cache(version=1),
+    _cache(cores=targets.host_cores() + 1),  # rates are for all the cores: another count, another CPU
+    _cache(kernel_rates=None),  # a cache written before kernel rates
+])
 def test_cpu_target_measures_once_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: str | None) -> None:
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
     if cached is not None:
         targets.host_cache_path().parent.mkdir(parents=True)
         targets.host_cache_path().write_text(cached)
     calls = []
-    monkeypatch.setattr(targets, "measure_memory_bandwidth", lambda: calls.append(1) or 20e9)
-    assert load_target("cpu").cpu.mem_bandwidth == 20e9
-    assert load_target("cpu").cpu.mem_bandwidth == 20e9
-    assert len(calls) == 1
+    monkeypatch.setattr(targets, "measure_memory_bandwidth", lambda: calls.append("bw") or 20e9)
+    monkeypatch.setattr(targets, "measure_kernel_rates", lambda threads: calls.append(threads) or {"q4_1": 5e9})
+    for _ in range(2):
+        cpu = load_target("cpu").cpu
+        assert cpu.mem_bandwidth == 20e9 and cpu.kernel_rates == (("q4_1", 5e9),)
+    assert calls == ["bw", targets.host_cores()]
     assert json.loads(targets.host_cache_path().read_text())["cpu"] == targets.host_cpu_name()
+
+
+def test_kernel_rates_are_measured_for_every_format() -> None:
+    from picc.codegen_cpu.rates import measure_kernel_rates
+    from picc.kernel_names import CPU_RATE_KEYS
+
+    rates = measure_kernel_rates(1, repeats=1)
+    assert set(rates) == set(CPU_RATE_KEYS) and all(0 < r < float("inf") for r in rates.values())
+
+
+def test_kernel_rates_in_a_target_file(tmp_path: Path) -> None:
+    data = replaced("cpu", "kernel_rates", {"q4_1": "14GB/s", "q4_0_xi16": 2e10})
+    cpu = load_target(str(write(tmp_path, data))).cpu
+    assert cpu.kernel_rates == (("q4_0_xi16", 2e10), ("q4_1", 14e9))
+    assert (cpu.read_rate("q4_1"), cpu.read_rate("q4_0_xi16"), cpu.read_rate("f32")) == (14e9, 20e9, 38.4e9)
 
 
 def test_measure_memory_bandwidth_is_positive() -> None:
@@ -143,6 +172,12 @@ GPU_FIELDS = "expected one of name, arch, vram, mem_bandwidth"
     (replaced("cpu", "cores", 0), "cpu.cores: expected a positive integer, got 0"),
     (replaced("cpu", "simd", "neon"), "cpu.simd: expected one of avx512, avx2, sse, got 'neon'"),
     (replaced("cpu", "name", 3), "cpu.name: expected a non-empty string, got 3"),
+    (replaced("cpu", "kernel_rates", {"q5_k": "9GB/s"}),
+     "cpu.kernel_rates.q5_k: unknown field (expected one of f32, f16, q8_0, q4_0, q4_1, q4_0_xi16, q4_1_xi16)"),
+    (replaced("cpu", "kernel_rates", {"q4_1": "fast"}),
+     "cpu.kernel_rates.q4_1: expected a positive bandwidth like 14GB/s, got 'fast'"),
+    (replaced("cpu", "kernel_rates", ["q4_1"]),
+     "cpu.kernel_rates: expected a mapping of weight formats to bandwidths, got ['q4_1']"),
     ({**VALID, "name": ""}, "name: expected a non-empty string, got ''"),
     ({k: v for k, v in VALID.items() if k != "pcie_bandwidth"},
      "pcie_bandwidth: missing, expected a positive bandwidth like 12GB/s"),

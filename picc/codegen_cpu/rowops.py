@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
 from picc.errors import PiccError
+from picc.kernel_names import CPU_WEIGHT_FORMATS
 from picc.quant import INT16_X_MAX
 
 BLOCK = 32
@@ -38,7 +39,7 @@ V16 = vec(16)
 V8 = vec(8)
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 ELEMENT_BYTES = {"f32": 4, "f16": 2}
-WEIGHT_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+WEIGHT_DTYPES = CPU_WEIGHT_FORMATS
 NIBBLE_DTYPES = frozenset({"q4_0", "q4_1"})  # 4-bit formats: x sums needed in dot products
 
 

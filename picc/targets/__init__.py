@@ -16,16 +16,24 @@ by the path of a YAML file of the same form::
       cores: 8                        # cores the CPU kernels use, a positive integer
       mem_bandwidth: 38.4GB/s         # host memory read bandwidth
       simd: avx2                      # avx512 | avx2 | sse
+      kernel_rates:                   # optional: bytes/s the CPU kernels consume from cache, by
+        q4_1: 14GB/s                  #   weight format (f32 f16 q8_0 q4_0 q4_1 q4_0_xi16 q4_1_xi16)
 
 Sizes are a number with an optional unit, case-insensitive, optionally separated by a space:
 ``11GiB``, ``11 GB``, ``512MiB``, ``0.5GB``, ``1073741824``. Decimal units are powers of 1000 (KB,
 MB, GB, TB), binary ones powers of 1024 (KiB, MiB, GiB, TiB); ``B`` or no unit means bytes. A
 bandwidth is a size followed by ``/s`` (``616GB/s``) or a plain number of bytes per second.
 
+``kernel_rates`` is the other half of a CPU's speed: a kernel reads weights no faster than the
+memory delivers them nor than its arithmetic consumes them, and 4-bit formats are bound by the
+arithmetic on small CPUs (``picc.codegen_cpu.rates``). A format without a rate is taken to be
+bound by memory alone. The ``_xi16`` keys are the 4-bit kernels that dot int16-rounded x.
+
 ``cpu: host`` detects the cores this process may run on (``sched_getaffinity``), the SIMD level
-(``avx512f`` / ``avx2`` in ``/proc/cpuinfo``) and measures the memory read bandwidth once; the
-measurement is cached in ``$PICC_CACHE_DIR/targets/host-cpu.json`` (default ``~/.cache/picc``),
-keyed by the CPU's model name, because it takes a second and varies between runs.
+(``avx512f`` / ``avx2`` in ``/proc/cpuinfo``), measures the memory read bandwidth and times
+picc's own kernels from cache, once; the measurements are cached in
+``$PICC_CACHE_DIR/targets/host-cpu.json`` (default ``~/.cache/picc``), keyed by the CPU's model
+name and core count, because they take a few seconds and vary between runs.
 
 Every mistake in a file is a one-line :class:`PiccError` naming the file and the field's path,
 e.g. ``pc-x.yaml: gpu.vram: expected a size like 11GiB, got 'lots'``.
@@ -52,9 +60,11 @@ import yaml
 from picc.blas import blas_threads
 from picc.errors import PiccError
 from picc.fsutil import atomic_path, cache_root
+from picc.kernel_names import CPU_RATE_KEYS
 
 SIMD_LEVELS = ("avx512", "avx2", "sse")
-HOST_CACHE_VERSION = 2  # 2: the bandwidth is read by every core at once (1: one stream)
+# 2: the bandwidth is read by every core at once (1: one stream); 3: kernel rates beside it.
+HOST_CACHE_VERSION = 3
 
 _UNITS = {
     "": 1, "b": 1,
@@ -85,6 +95,14 @@ class CpuSpec:
     cores: int
     mem_bandwidth: float
     simd: str  # one of SIMD_LEVELS
+    # (key, bytes/s) for keys of kernel_names.CPU_RATE_KEYS, sorted: see the module docstring.
+    kernel_rates: tuple[tuple[str, float], ...] = ()
+
+    def read_rate(self, key: str) -> float:
+        """Bytes/s at which a kernel of rate key ``key`` reads its weights: the smaller of the
+        memory's bandwidth and the kernel's rate from cache (when known)."""
+        rate = dict(self.kernel_rates).get(key)
+        return self.mem_bandwidth if rate is None else min(self.mem_bandwidth, rate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +198,7 @@ def _simd(v: object) -> str | None:
 
 _TOP_FIELDS = ("name", "description", "gpu", "pcie_bandwidth", "cpu")
 _GPU_FIELDS = ("name", "arch", "vram", "mem_bandwidth")
-_CPU_FIELDS = ("name", "cores", "mem_bandwidth", "simd")
+_CPU_FIELDS = ("name", "cores", "mem_bandwidth", "simd", "kernel_rates")
 _STRING = "a non-empty string"
 
 
@@ -218,7 +236,17 @@ def _cpu(label: str, data: Mapping[str, object]) -> CpuSpec:
         cores=_get(label, "cpu.", data, "cores", _cores, "a positive integer"),
         mem_bandwidth=_get(label, "cpu.", data, "mem_bandwidth", _bandwidth, "a positive bandwidth like 38.4GB/s"),
         simd=_get(label, "cpu.", data, "simd", _simd, f"one of {', '.join(SIMD_LEVELS)}"),
+        kernel_rates=_kernel_rates(label, data.get("kernel_rates", {})),
     )
+
+
+def _kernel_rates(label: str, data: object) -> tuple[tuple[str, float], ...]:
+    if not isinstance(data, dict):
+        raise PiccError(f"{label}: cpu.kernel_rates: expected a mapping of weight formats to bandwidths, "
+                        f"got {data!r}")
+    _check_keys(label, "cpu.kernel_rates.", data, CPU_RATE_KEYS)
+    return tuple(sorted((key, _get(label, "cpu.kernel_rates.", data, key, _bandwidth,
+                                   "a positive bandwidth like 14GB/s")) for key in data))
 
 
 def target_from_dict(data: object, label: str) -> Target:
@@ -368,24 +396,39 @@ def host_cache_path() -> Path:
     return cache_root() / "targets" / "host-cpu.json"
 
 
+def measure_kernel_rates(threads: int) -> dict[str, float]:
+    """``picc.codegen_cpu.rates.measure_kernel_rates``, or {} where the kernels cannot be built
+    (a CPU without AVX2): the cost model then takes every format to be bound by memory."""
+    from picc.codegen_cpu.rates import measure_kernel_rates as measure
+
+    try:
+        return measure(threads)
+    except (PiccError, RuntimeError, OSError):
+        return {}
+
+
 def detect_host_cpu() -> CpuSpec:
-    """This machine's CPU; the bandwidth is measured on first use and cached per CPU model."""
+    """This machine's CPU; bandwidth and kernel rates are measured on first use and cached per CPU
+    model and core count (the rates are for all the cores this process may use)."""
     info = _cpuinfo()
-    name = host_cpu_name(info)
+    name, cores = host_cpu_name(info), host_cores()
     path = host_cache_path()
-    bandwidth = None
+    bandwidth, rates = None, None
     try:
         cached = json.loads(path.read_text())
-        if cached.get("version") == HOST_CACHE_VERSION and cached.get("cpu") == name:
+        if cached.get("version") == HOST_CACHE_VERSION and cached.get("cpu") == name and cached.get("cores") == cores:
             bandwidth = float(cached["mem_bandwidth"])
+            rates = {str(k): float(v) for k, v in cached["kernel_rates"].items() if k in CPU_RATE_KEYS and v > 0}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # no cache or a damaged one: measure again
-    if bandwidth is None or not bandwidth > 0:
+    if bandwidth is None or not bandwidth > 0 or rates is None:
         bandwidth = measure_memory_bandwidth()
+        rates = measure_kernel_rates(cores)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_path(path) as tmp:
-                tmp.write_text(json.dumps({"version": HOST_CACHE_VERSION, "cpu": name, "mem_bandwidth": bandwidth}))
+                tmp.write_text(json.dumps({"version": HOST_CACHE_VERSION, "cpu": name, "cores": cores,
+                                           "mem_bandwidth": bandwidth, "kernel_rates": rates}))
         except (OSError, PiccError):
             pass  # an unwritable cache costs a re-measurement next time, nothing more
-    return CpuSpec(name, host_cores(), bandwidth, host_simd(info))
+    return CpuSpec(name, cores, bandwidth, host_simd(info), tuple(sorted(rates.items())))
