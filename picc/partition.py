@@ -75,6 +75,9 @@ MIP_GAP = 1e-3
 class DeviceCosts:
     """The cost model's device terms: bandwidths in bytes/s, latency in seconds.
 
+    ``cpu_bandwidth`` is the rate the CPU reads FFN weights at: its memory's bandwidth, or its
+    kernels' arithmetic where that is slower (4-bit formats on small CPUs).
+
     ``sync_bytes`` is the activation vector a split layer sends each way (hidden * 4 for f32).
     Without a GPU, ``gpu_bandwidth`` and ``pcie_bandwidth`` are 0.
     """
@@ -93,10 +96,14 @@ class DeviceCosts:
         return 2 * (self.transfer_latency + self.sync_bytes / self.pcie_bandwidth)
 
     @staticmethod
-    def for_target(target: Target, hidden: int, transfer_latency: float = 10e-6) -> DeviceCosts:
-        """The costs of ``target``'s devices for a model of width ``hidden`` (f32 activations)."""
+    def for_target(target: Target, hidden: int, transfer_latency: float = 10e-6,
+                   cpu_read_rate: float | None = None) -> DeviceCosts:
+        """The costs of ``target``'s devices for a model of width ``hidden`` (f32 activations);
+        ``cpu_read_rate``: the rate the CPU reads FFN weights at, when its kernels' arithmetic
+        is slower than its memory (default: the memory's bandwidth)."""
         gpu = target.gpu.mem_bandwidth if target.gpu is not None else 0.0
-        return DeviceCosts(gpu, target.cpu.mem_bandwidth, target.pcie_bandwidth, 4 * hidden, transfer_latency)
+        cpu = target.cpu.mem_bandwidth if cpu_read_rate is None else cpu_read_rate
+        return DeviceCosts(gpu, cpu, target.pcie_bandwidth, 4 * hidden, transfer_latency)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -9,8 +9,10 @@ token reads all of them (the activations and workspace, then layer by layer the 
 weights, norms, predictors and KV cache, then the LM head); a layer whose dense part does not
 fit stays on the CPU with every layer after it (llama.cpp's split). What is left goes to FFN
 neurons, chosen by ``picc.partition`` from the profiled frequencies: greedy top-k over all
-layers, or the ILP on the cost model; a layer whose FFN has no GPU kernel (down-only, dReLU or
-biased gate-first, mixed weight formats) keeps all its neurons on the CPU. A split layer's
+layers, or the ILP on the cost model (whose CPU reads FFN weights at :func:`ffn_cpu_read_rate`:
+the memory's bandwidth, or the kernels' arithmetic where that is slower); a layer whose FFN has
+no GPU kernel (down-only, dReLU or biased gate-first, mixed weight formats) keeps all its neurons
+on the CPU. A split layer's
 neurons are permuted so that its GPU ("hot") neurons come first, and it becomes two ffn ops,
 ``%lN.ffn.hot`` on the GPU and ``%lN.ffn.cold`` on the CPU, each with its own rows of up / gate /
 down, whose outputs are added into the layer's value; its predictor's outputs are permuted to
@@ -29,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from picc import kernel_names as names
 from picc import memory_plan as mp
 from picc.errors import PiccError
 from picc.ir import ops as O
@@ -98,6 +101,26 @@ def ffn_layer(op: O.FFN | FusedFFN, weights: WeightStore, input_on_gpu: bool) ->
                  "down-only": (neuron - down) / neuron}[mode]
     formats = {weights[w].dtype.value for w in (op.up, op.gate, getattr(op, "up_gate", None), op.down) if w}
     return FfnLayer(op.result, freq, neuron, input_on_gpu, dense, gpu_ffn_unsupported(op, formats) is None)
+
+
+def ffn_cpu_read_rate(module: Module, weights: WeightStore, target: Target) -> float:
+    """Bytes/s at which the target's CPU reads the module's FFN weights: each weight at
+    ``CpuSpec.read_rate`` of the kernel that will read it, averaged over the bytes.
+
+    ``fuse-gather-gemv`` gives a module that decides no sparsity int16 dot products for 4-bit up
+    and gate rows (``_xi16``); down rows, neuron-major once a layer can be split, are AXPYs.
+    """
+    ops = module.function().ops
+    int_dots = not any(isinstance(op, Predict | SparseFFN) for op in ops)
+    total = seconds = 0.0
+    for op in ops:
+        if isinstance(op, O.FFN):
+            for w in (op.up, op.gate, op.down):
+                if w:
+                    key = names.cpu_rate_key(weights[w].dtype.value, int_dots and w != op.down)
+                    total += weights[w].data.nbytes
+                    seconds += weights[w].data.nbytes / target.cpu.read_rate(key)
+    return total / seconds if seconds > 0 else target.cpu.mem_bandwidth
 
 
 # --- the dense parts ---------------------------------------------------------------------------
@@ -215,7 +238,8 @@ class _Trials:
         self.module, self.weights, self.s = module, weights, s
         self.ffns = [op for op in module.function().ops if isinstance(op, O.FFN)]
         hidden = int(module.function().value_types()[self.ffns[0].x].shape[1]) if self.ffns else 1
-        self.costs = DeviceCosts.for_target(s.target, hidden)
+        rate = ffn_cpu_read_rate(module, weights, s.target)
+        self.costs = DeviceCosts.for_target(s.target, hidden, cpu_read_rate=rate)
 
     def problem(self, dense: DenseChoice, budget: int) -> PartitionProblem:
         layers = tuple(ffn_layer(op, self.weights, dense.layer_on_gpu(mp.layer_of(op.result) or 0))
