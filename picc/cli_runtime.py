@@ -168,6 +168,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     with open_pib(Path(args.model)) as pib:
         report = pib.json("report")
     bytes_per_token = report.get("bytes_per_token")
+    estimate = report.get("estimate_tokens_per_s")  # the cost model's, at compile time
     prompt_rates, decode_rates = [], []
     if min(args.prompt_tokens, args.n, args.repeat) < 1:
         raise PiccError("--prompt-tokens, -n and --repeat must be >= 1")
@@ -193,6 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
               "prompt_tokens": args.prompt_tokens, "tokens": args.n,
               "prompt_tokens_per_s": statistics.median(prompt_rates), "decode_tokens_per_s": decode,
               "weight_bytes_per_token": bytes_per_token, "read_bandwidth_bytes_per_s": bandwidth,
+              "estimate_tokens_per_s": estimate,
               "bandwidth_share": (bytes_per_token * decode / bandwidth) if bytes_per_token else None}
     if devices:  # per token, over every step of every run (prompt tokens included)
         steps = args.repeat * (args.prompt_tokens + args.n)
@@ -205,7 +207,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         return
     print(f"{args.model}: {threads} thread(s), medians of {args.repeat} runs")
     print(f"  prompt  {result['prompt_tokens_per_s']:10.1f} tok/s  ({args.prompt_tokens} tokens)")
-    print(f"  decode  {decode:10.1f} tok/s  ({args.n} tokens)")
+    print(f"  decode  {decode:10.1f} tok/s  ({args.n} tokens)"
+          + (f"; the cost model estimated {estimate:.1f}" if estimate else ""))
     if bytes_per_token:
         share = result["bandwidth_share"]
         print(f"  weights read per token {bytes_per_token / 2**20:.2f} MiB (cost model); host read bandwidth "

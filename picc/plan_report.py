@@ -8,8 +8,9 @@ than its kernel's arithmetic consumes them (the target's kernel rates: 4-bit for
 the arithmetic on small CPUs, see ``picc.codegen_cpu.rates``); the two parts of a split FFN run
 concurrently, so such a layer costs its slower part; a value that an op reads from the other
 device crosses PCIe (latency plus bytes over the link's bandwidth), and so do the logits when the
-LM head runs on the GPU. Dense ops run one after another. What the estimate leaves out (attention's
-arithmetic, barriers, the calls themselves) makes it an upper bound.
+LM head runs on the GPU. Dense ops run one after another. The estimate leaves out attention's
+arithmetic, barriers and the calls themselves, and counts every byte as read from memory: it is
+an upper bound unless the weights fit in the CPU's caches.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from picc.pib import load_pib
 from picc.schedule import schedule
 from picc.sparsify import SparsifyOptions
 from runtime.gpu import EmulatedDevice, GpuError
+from runtime.pib import PibFile
 from runtime.session import Session
 
 TOKENS = [1, 5, 9, 2, 17, 33, 4, 60, 8, 3]
@@ -286,6 +287,8 @@ def test_run_and_bench_report_time_per_device_and_transfers(compiled, capsys):
     assert main(["bench", str(path), "--repeat", "1", "-n", "2", "--prompt-tokens", "2", "--json"]) == 0
     bench = json.loads(capsys.readouterr().out)
     assert bench["devices"]["gpu_ms_per_token"] > 0 and bench["devices"]["transfer_bytes_per_token"] > 0
+    # Beside the measurement, the cost model's estimate from compile time (the .pib's report).
+    assert bench["estimate_tokens_per_s"] == PibFile(path).json("report")["estimate_tokens_per_s"] > 0
 
 
 def test_eval_of_a_compiled_file_compares_its_fused_ffns_with_dense(compiled, capsys):
