@@ -36,6 +36,7 @@ class CompileOptions:
     ctx: int = mp.DEFAULT_CTX
     dense: bool = False
     float_dots: bool = False  # keep float dot products where a dense model could round x to int16
+    int_dots: bool = False  # round x to int16 for 4-bit dot products in sparse models too
     solver: str = "greedy"
     sparsity: SparsifyOptions = field(default_factory=SparsifyOptions)
 
@@ -47,6 +48,8 @@ class CompileOptions:
             raise PiccError(f"--vram {self.vram}: target {target.name!r} has no GPU; use --vram 0 or a GPU target")
         if self.ctx < 1:
             raise PiccError(f"--ctx {self.ctx}: expected a positive number of positions")
+        if self.float_dots and self.int_dots:
+            raise PiccError("--float-dots and --int-dots ask for opposite dot products; give one of them")
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
             raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be "
                             "read; pass --dense or a model with a tokenizer")
         passes.append(s.pipeline(target_sparsity(model, s, say)))
-    fuse = "fuse-gather-gemv{int_dots=no}" if options.float_dots else "fuse-gather-gemv"
+    dots = "no" if options.float_dots else "yes" if options.int_dots else ""
+    fuse = f"fuse-gather-gemv{{int_dots={dots}}}" if dots else "fuse-gather-gemv"
     passes += [_partition_options(options), fuse, "dce"]
     start = time.perf_counter()
     say(f"pipeline: {','.join(passes)}")

@@ -18,6 +18,7 @@ from conftest import tiny_llama, with_tokenizer
 
 from picc.cli import main
 from picc.compile import CompileOptions, compile_model, write_compiled
+from picc.errors import PiccError
 from picc.interpreter import Interpreter
 from picc.ir.types import DType
 from picc.pib import load_pib
@@ -189,6 +190,25 @@ def test_a_model_that_decides_sparsity_keeps_float_dot_products(tmp_path, monkey
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)
+
+
+def test_int_dots_round_x_in_a_sparse_model_as_the_interpreter_does(tmp_path, monkeypatch):
+    # picc compile --int-dots: the same sparse q4 model with the _xi16 kernels everywhere (the
+    # gate-first FFN's dense gate rows and gathered up rows included). The interpreter rounds
+    # as they do, so the two agree to the sparse bound; which one picc uses is a trade of speed
+    # against sensitivity to noise at the gate's threshold (the test above).
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = with_tokenizer(tiny_llama("reglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0))
+    sparsity = SparsifyOptions(mode="gate-first", tokens=512, window=64, budget=0.5)
+    path, pib = compiled(model, tmp_path, "sparse-q4-int", sparsity=sparsity, int_dots=True)
+    kernels = {op.kernel for op in pib.module.ops() if op.kernel}
+    assert "picc_gemv_q4_0_xi16" in kernels and "picc_gemv_q4_0" not in kernels
+    assert any(k.startswith("picc_ffn_gate_first") and k.endswith("_xi16") for k in kernels)
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-3
+    check_prefill(path, pib, 1e-3)
+    with pytest.raises(PiccError, match="--float-dots and --int-dots"):
+        CompileOptions(float_dots=True, int_dots=True).check()
 
 
 @pytest.mark.parametrize("mode", ["predictor", "gate-first", "down-only"])

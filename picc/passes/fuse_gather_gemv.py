@@ -15,11 +15,13 @@ predictor, every fused FFN dense), the CPU's GEMVs and FFNs of q4_0 / q4_1 weigh
 ``_xi16`` variants, which dot the 4-bit rows with x rounded to int16 per block of 32 (1.2-1.4x
 faster; each element within 2^-16 of its block's largest |x|). The rounding is part of what the
 op computes (the interpreter rounds as the kernel does). Sparse modules keep float dot products
-(``int_dots=no`` keeps them everywhere): rounding makes a dot product a step function of x, so
-the float-rounding noise between the runtime and the interpreter (~1e-7) now and then moves an
-element across a rounding boundary, a whole int16 step; on SmolLM2 gate-first the two then
-differed by ~2e-5 instead of ~2e-6 at the first token, and decisions that far from their
-threshold flipped (int dots there decoded 8% faster; see docs/codegen_cpu.md).
+(``int_dots=no`` keeps them everywhere, ``int_dots=yes`` rounds in sparse modules too): rounding
+makes a dot product a step function of x, so the float-rounding noise between the runtime and
+the interpreter (~1e-7) now and then moves an element across a rounding boundary, a whole int16
+step; on SmolLM2 gate-first the two then differed by ~2e-5 instead of ~2e-6 at the first token,
+and decisions that far from their threshold flipped (int dots there decode 1.16x faster at the
+same perplexity, the logits then following the interpreter to ~1e-2 rather than ~1e-6; see
+docs/codegen_cpu.md). Either way the interpreter computes what the kernels compute.
 
 Needs: neuron-major down projections for sparse FFNs (``neuron-major-down``); after
 ``partition-neurons`` when there is one (an op's placement picks its device; unplaced ops run on
@@ -138,8 +140,8 @@ def fuse_gather_gemv(module: Module, ctx: PassContext) -> Module:
     if interleave not in ("auto", "no"):
         raise PiccError(f"interleave={interleave!r}: expected auto or no")
     int_dots = ctx.option("int_dots", "auto")
-    if int_dots not in ("auto", "no"):
-        raise PiccError(f"int_dots={int_dots!r}: expected auto or no")
+    if int_dots not in ("auto", "no", "yes"):
+        raise PiccError(f"int_dots={int_dots!r}: expected auto, no or yes")
     func = module.function()
     if any(op.kernel is not None for op in func.ops):
         raise PiccError("the module is already fused (its ops name their kernels)")
@@ -154,6 +156,6 @@ def fuse_gather_gemv(module: Module, ctx: PassContext) -> Module:
     staged = replace(module, weights=tuple(fuser.decls)).with_function(replace(func, ops=tuple(ops)))
     types = Types(staged.function().value_types(), staged.weight_types())
     kv_ctx = int(module.attr("ctx", mp.DEFAULT_CTX) or mp.DEFAULT_CTX)
-    dense = int_dots == "auto" and not any(decides_sparsity(op) for op in ops)
-    named = tuple(replace(op, kernel=kernel_of(op, types, kv_ctx, int_dots=dense)) for op in ops)
+    rounded = int_dots == "yes" or (int_dots == "auto" and not any(decides_sparsity(op) for op in ops))
+    named = tuple(replace(op, kernel=kernel_of(op, types, kv_ctx, int_dots=rounded)) for op in ops)
     return staged.with_function(replace(staged.function(), ops=named)).with_used_weights_only()
