@@ -10,7 +10,8 @@ all on SmolLM2-135M-Instruct from the shipped GGUF (Q4_1, embeddings Q8_0):
   dequantized exactly, written by ``bench/gguf_formats.py``);
 * llama.cpp on the same three GGUF files, when ``llama-cpp-python`` is installed (``pip install
   llama-cpp-python``, builds from source in ~10 minutes);
-* picc sparse: ``picc compile smollm2 --target cpu`` (gate-first FFNs), Q4_1;
+* picc sparse: ``picc compile smollm2 --target cpu`` (gate-first FFNs), Q4_1, and the same with
+  ``--int-dots`` (x rounded to int16 in the 4-bit products, as dense models do);
 * transformers (f32, dequantized from the Q4_1 GGUF, KV cache, greedy);
 * onnxruntime (f32, the model built by onnxruntime-genai's builder from the same weights);
 * relu-demo sparse and dense (picc only, f16): what sparsity buys a ReLU model, and the bound the
@@ -243,6 +244,8 @@ def main() -> None:
             "picc dense", source, ["--dense"], t, fmt)))
         if fmt == "Q4_1":
             builders.append(("picc sparse Q4_1", lambda: PiccEngine("picc sparse", "smollm2", [], t, "Q4_1")))
+            builders.append(("picc sparse --int-dots Q4_1", lambda: PiccEngine(
+                "picc sparse --int-dots", "smollm2", ["--int-dots"], t, "Q4_1")))
     builders += [("transformers F32", lambda: TransformersEngine(t)), ("onnxruntime F32", lambda: OnnxRuntimeEngine(t))]
     engines: list[Engine] = []
     for name, build in builders:
