@@ -290,7 +290,8 @@ def main() -> None:
         ratios = [d / b for (_, d), (_, b) in zip(results[name], results[base], strict=True)]
         return statistics.median(ratios), min(ratios), max(ratios)
 
-    print(f"{'engine':<18} {'format':<6} {'prompt tok/s':>12} {'decode tok/s':>12} {'vs llama.cpp':>12} "
+    width = max(len(e.name) for e in engines)
+    print(f"{'engine':<{width}} {'format':<6} {'prompt tok/s':>12} {'decode tok/s':>12} {'vs llama.cpp':>12} "
           f"{'per round: median (range)':>26}")
     for e in engines:
         rows = results[key[e]]
@@ -301,7 +302,7 @@ def main() -> None:
             ratio = f"{dec / median_decode(base):.2f}x"
             mid, low, high = paired(key[e], base)
             per_round = f"{mid:.2f}x ({low:.2f}-{high:.2f})"
-        print(f"{e.name:<18} {e.format:<6} {pre:12.1f} {dec:12.1f} {ratio:>12} {per_round:>26}")
+        print(f"{e.name:<{width}} {e.format:<6} {pre:12.1f} {dec:12.1f} {ratio:>12} {per_round:>26}")
     print("vs llama.cpp: ratio of the medians; per round: each round's ratio of the two runs (close in time, "
           "so a slow phase of the machine hits both), their median and range")
     sparse, dense = median_decode("relu-demo sparse F16"), median_decode("relu-demo dense F16")
