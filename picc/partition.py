@@ -75,8 +75,8 @@ MIP_GAP = 1e-3
 class DeviceCosts:
     """The cost model's device terms: bandwidths in bytes/s, latency in seconds.
 
-    ``cpu_bandwidth`` is the rate the CPU reads FFN weights at: its memory's bandwidth, or its
-    kernels' arithmetic where that is slower (4-bit formats on small CPUs).
+    ``cpu_bandwidth`` is the rate the CPU reads FFN weights at: its memory's bandwidth, or less
+    where its kernels' arithmetic cannot keep up (4-bit formats on small CPUs).
 
     ``sync_bytes`` is the activation vector a split layer sends each way (hidden * 4 for f32).
     Without a GPU, ``gpu_bandwidth`` and ``pcie_bandwidth`` are 0.
@@ -99,8 +99,8 @@ class DeviceCosts:
     def for_target(target: Target, hidden: int, transfer_latency: float = 10e-6,
                    cpu_read_rate: float | None = None) -> DeviceCosts:
         """The costs of ``target``'s devices for a model of width ``hidden`` (f32 activations);
-        ``cpu_read_rate``: the rate the CPU reads FFN weights at, when its kernels' arithmetic
-        is slower than its memory (default: the memory's bandwidth)."""
+        ``cpu_read_rate``: the rate the CPU's kernels read FFN weights at, when the target knows
+        it (default: the memory's bandwidth)."""
         gpu = target.gpu.mem_bandwidth if target.gpu is not None else 0.0
         cpu = target.cpu.mem_bandwidth if cpu_read_rate is None else cpu_read_rate
         return DeviceCosts(gpu, cpu, target.pcie_bandwidth, 4 * hidden, transfer_latency)

@@ -3,9 +3,9 @@
 Everything here is read off a placed module (``partition-neurons``) and its memory plan, so
 ``picc compile`` and ``picc inspect`` report the same numbers. The estimate is for decoding one
 token with the KV cache half full (``ctx / 2`` positions): every op reads its weights from its
-device's memory at that device's bandwidth (decode is memory-bound), and on the CPU no faster
-than its kernel's arithmetic consumes them (the target's kernel rates: 4-bit formats are bound by
-the arithmetic on small CPUs, see ``picc.codegen_cpu.rates``); the two parts of a split FFN run
+device's memory at that device's bandwidth (decode is memory-bound), on the CPU at the rate its
+kernel reads that format (the target's kernel rates, at most the bandwidth: 4-bit formats are
+bound by the arithmetic on small CPUs, see ``picc.codegen_cpu.rates``); the two parts of a split FFN run
 concurrently, so such a layer costs its slower part; a value that an op reads from the other
 device crosses PCIe (latency plus bytes over the link's bandwidth), and so do the logits when the
 LM head runs on the GPU. Dense ops run one after another. The estimate leaves out attention's
@@ -136,10 +136,10 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
         },
         "transfers_per_token": transfers,
         "bytes_per_token": read_bytes,
-        # Per rate key the CPU reads weights in: bytes/s, and whether memory or arithmetic bounds it.
+        # Per rate key the CPU reads weights in: bytes/s, and as a share of the memory's bandwidth.
         "cpu_read_rates": {key: {"bytes_per_s": target.cpu.read_rate(key),
-                                 "bound": "memory" if target.cpu.read_rate(key) >= target.cpu.mem_bandwidth
-                                 else "arithmetic"} for key in sorted(cpu_keys)},
+                                 "bandwidth_share": target.cpu.read_rate(key) / target.cpu.mem_bandwidth}
+                           for key in sorted(cpu_keys)},
     }
 
 
@@ -170,8 +170,10 @@ def format_report(report: dict) -> str:
                  f"transfers {est['transfers']:.3f})")
     rates = report.get("cpu_read_rates", {})  # absent in reports of .pib files from before it
     if rates:
-        lines.append("CPU reads weights at: " + ", ".join(f"{key} {r['bytes_per_s'] / 1e9:.1f} GB/s ({r['bound']})"
-                                                          for key, r in rates.items()))
+        bandwidth = next(iter(rates.values()))
+        bandwidth = bandwidth["bytes_per_s"] / bandwidth["bandwidth_share"]
+        lines.append(f"CPU kernels read weights at (memory {bandwidth / 1e9:.1f} GB/s): " + ", ".join(
+            f"{key} {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['bandwidth_share']:.0f}%)" for key, r in rates.items()))
     return "\n".join(lines)
 
 

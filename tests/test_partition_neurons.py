@@ -255,7 +255,7 @@ def test_the_estimate_reads_cpu_weights_no_faster_than_their_kernels(layout, tmp
     assert extra_ms({"q4_1": bw / 4, "q4_1_xi16": bw / 4}) == pytest.approx(1e3 * 3 * q4_bytes / bw, rel=1e-9)
     assert extra_ms({"q4_1": bw / 4}) == pytest.approx(1e3 * 3 * axpy_bytes / bw, rel=1e-9, abs=1e-12)
     rates = report({"q4_1_xi16": bw / 4})[2]["cpu_read_rates"]
-    assert rates["q4_1_xi16"] == {"bytes_per_s": bw / 4, "bound": "arithmetic"}
+    assert rates["q4_1_xi16"] == {"bytes_per_s": bw / 4, "bandwidth_share": 0.25}
     assert ("q4_1" in rates) == (layout == "neuron-major")
 
 

@@ -1,15 +1,17 @@
-"""How fast this CPU's kernels work through each weight format when memory is not the limit.
+"""How fast this CPU's kernels read weights of each format from memory.
 
-Decode reads every weight once per token, so a kernel's speed is the smaller of two rates: the
-memory's read bandwidth and the rate at which its arithmetic consumes the weight bytes. For f32
-and f16 rows the arithmetic is far faster than memory; for 4-bit rows it is not (each byte holds
-two weights to unpack, convert and multiply): on the 2-core build machine a q4_1 GEMV runs at
-~14 GB/s from its caches as from memory, against ~35 GB/s of read bandwidth. The cost model
-(``picc.plan_report``) needs that second rate to estimate the speed of quantized models.
+Decode reads every weight once per token, so what a token costs is the weight bytes over the rate
+at which the kernels get through them. That rate is not the memory's bandwidth alone: each format
+also takes arithmetic per byte (a 4-bit byte holds two weights to unpack, convert and multiply),
+and where the two are close they do not overlap perfectly. On the 2-core build machine, two
+threads, against 35 GB/s of read bandwidth: the q4_1 GEMV reads ~15 GB/s from cache as from
+memory (its arithmetic bounds it); the q8_0 GEMV ~33 GB/s from L2 but ~21 from memory; the f32
+GEMV ~27. The cost model (``picc.plan_report``, ``picc.partition``) needs these rates to estimate
+quantized models, whose bytes alone promised 258 tok/s for SmolLM2 Q4_1 where it decodes ~175.
 
 :func:`measure_kernel_rates` times picc's own GEMV in each format (and the ``_xi16`` variants,
-which dot int16-rounded x) on a matrix that stays in the L2/L3 caches, with every thread the
-caller asks for, and reports bytes of weights per second: the arithmetic's bound. ``picc.targets``
+which dot int16-rounded x) streaming a matrix several times the size of any L3 cache, with every
+thread the caller asks for, and reports bytes of weights read per second. ``picc.targets``
 measures it once per host and caches it beside the bandwidth.
 """
 
@@ -26,46 +28,48 @@ from picc import quant
 from picc.codegen_cpu.kernels_dense import gemv
 from picc.codegen_cpu.program import Buf, Null, Program, buffer_table
 from picc.codegen_cpu.rowops import row_bytes
-from picc.codegen_cpu.threads import ThreadTeam, aligned_zeros
+from picc.codegen_cpu.threads import ThreadTeam, aligned_zeros, huge_zeros
 
-_K = 1024  # row length; rows are added until a matrix holds _BYTES
-_BYTES = 512 * 2**10  # small enough for the L2 + L3 caches of any CPU picc targets
-_CALLS = 32  # GEMV calls per timed run (one run: one wake-up of the thread team)
+_K = 1024  # row length
+_TILE_ROWS = 256  # rows quantized once and copied over the whole matrix
+_BYTES = 128 * 2**20  # the matrix: four times a 32 MiB L3, so it streams from memory
 
 
-def measure_kernel_rates(threads: int, repeats: int = 7) -> dict[str, float]:
-    """Bytes of weights per second the GEMV of each key of ``kernel_names.CPU_RATE_KEYS`` consumes
-    from cache on ``threads`` threads (the median of ``repeats`` timed runs after a warm-up)."""
+def measure_kernel_rates(threads: int, repeats: int = 5, nbytes: int = _BYTES) -> dict[str, float]:
+    """Bytes of weights per second the GEMV of each key of ``kernel_names.CPU_RATE_KEYS`` reads
+    from memory on ``threads`` threads (the median of ``repeats`` runs after a warm-up), over a
+    matrix of about ``nbytes``."""
     from picc.codegen_cpu import compile_kernels
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=_K).astype(np.float32)
-    buffers: list[np.ndarray] = [aligned_zeros(64), x]
-    programs, sizes = [], []
+    programs, shapes = [], []
     for key in names.CPU_RATE_KEYS:
         dtype, int_dots = key.removesuffix(names.INT_DOTS_SUFFIX), key.endswith(names.INT_DOTS_SUFFIX)
-        rows = max(8, _BYTES // row_bytes(dtype, _K))
-        # Real weights: random bits could hold denormals, which some CPUs multiply slowly.
-        raw = quant.quantize(rng.normal(0, _K**-0.5, size=(rows, _K)).astype(np.float32), dtype)
-        w = aligned_zeros(rows * row_bytes(dtype, _K))
-        w[:] = raw.reshape(-1).view(np.uint8)
-        y = aligned_zeros(4 * rows)
-        base = len(buffers)
-        buffers += [w, y]
+        rows = max(_TILE_ROWS, nbytes // row_bytes(dtype, _K) // _TILE_ROWS * _TILE_ROWS)
         prog = Program(f"picc_rate_{key}", sync=0)
-        for _ in range(_CALLS):
-            prog.call(gemv(dtype, int_dots), Buf(base), Buf(1), Null(), Buf(base + 1), rows, _K, 0)
+        prog.call(gemv(dtype, int_dots), Buf(2), Buf(1), Null(), Buf(3), rows, _K, 0)
         programs.append(prog)
-        sizes.append(_CALLS * w.nbytes)
+        shapes.append((dtype, rows))
     module = compile_kernels([], programs)
-    table = buffer_table(buffers)
     steps = [module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]) for p in programs]
-    times: list[list[float]] = [[] for _ in steps]
+    # One matrix at a time, in 2 MiB pages, holding real weights: random bits could be
+    # denormals, which some CPUs multiply slowly.
+    w = huge_zeros(max(rows * row_bytes(dtype, _K) for dtype, rows in shapes))
+    y = aligned_zeros(4 * max(rows for _, rows in shapes))
+    rates = {}
     with ThreadTeam(threads) as team:
-        for rep in range(repeats + 1):  # every kernel once per round: a slow phase hits them alike
-            for i, step in enumerate(steps):
+        for key, step, (dtype, rows) in zip(names.CPU_RATE_KEYS, steps, shapes, strict=True):
+            tile = quant.quantize(rng.normal(0, _K**-0.5, size=(_TILE_ROWS, _K)).astype(np.float32), dtype)
+            tile = tile.reshape(-1).view(np.uint8)
+            size = rows * row_bytes(dtype, _K)
+            w[:size].reshape(-1, tile.size)[:] = tile
+            table = buffer_table([aligned_zeros(64), x, w, y])
+            times = []
+            for rep in range(repeats + 1):  # the first run warms up
                 start = time.perf_counter()
-                team.run_each(lambda tid, step=step: step(ctypes.addressof(table), tid, threads))
+                team.run_each(lambda tid, step=step, table=table: step(ctypes.addressof(table), tid, threads))
                 if rep:
-                    times[i].append(time.perf_counter() - start)
-    return {key: size / statistics.median(t) for key, size, t in zip(names.CPU_RATE_KEYS, sizes, times, strict=True)}
+                    times.append(time.perf_counter() - start)
+            rates[key] = size / statistics.median(times)
+    return rates

@@ -10,7 +10,7 @@ weights, norms, predictors and KV cache, then the LM head); a layer whose dense 
 fit stays on the CPU with every layer after it (llama.cpp's split). What is left goes to FFN
 neurons, chosen by ``picc.partition`` from the profiled frequencies: greedy top-k over all
 layers, or the ILP on the cost model (whose CPU reads FFN weights at :func:`ffn_cpu_read_rate`:
-the memory's bandwidth, or the kernels' arithmetic where that is slower); a layer whose FFN has
+the rate its kernels read each format, at most the memory's bandwidth); a layer whose FFN has
 no GPU kernel (down-only, dReLU or biased gate-first, mixed weight formats) keeps all its neurons
 on the CPU. A split layer's
 neurons are permuted so that its GPU ("hot") neurons come first, and it becomes two ffn ops,

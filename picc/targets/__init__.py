@@ -16,8 +16,8 @@ by the path of a YAML file of the same form::
       cores: 8                        # cores the CPU kernels use, a positive integer
       mem_bandwidth: 38.4GB/s         # host memory read bandwidth
       simd: avx2                      # avx512 | avx2 | sse
-      kernel_rates:                   # optional: bytes/s the CPU kernels consume from cache, by
-        q4_1: 14GB/s                  #   weight format (f32 f16 q8_0 q4_0 q4_1 q4_0_xi16 q4_1_xi16)
+      kernel_rates:                   # optional: bytes/s picc's GEMV reads from memory, by weight
+        q4_1: 14GB/s                  #   format (f32 f16 q8_0 q4_0 q4_1 q4_0_xi16 q4_1_xi16)
 
 Sizes are a number with an optional unit, case-insensitive, optionally separated by a space:
 ``11GiB``, ``11 GB``, ``512MiB``, ``0.5GB``, ``1073741824``. Decimal units are powers of 1000 (KB,
@@ -25,13 +25,14 @@ MB, GB, TB), binary ones powers of 1024 (KiB, MiB, GiB, TiB); ``B`` or no unit m
 bandwidth is a size followed by ``/s`` (``616GB/s``) or a plain number of bytes per second.
 
 ``kernel_rates`` is the other half of a CPU's speed: a kernel reads weights no faster than the
-memory delivers them nor than its arithmetic consumes them, and 4-bit formats are bound by the
-arithmetic on small CPUs (``picc.codegen_cpu.rates``). A format without a rate is taken to be
-bound by memory alone. The ``_xi16`` keys are the 4-bit kernels that dot int16-rounded x.
+memory delivers them nor than its arithmetic gets through them, and 4-bit formats are bound by
+the arithmetic on small CPUs (``picc.codegen_cpu.rates``). A format without a rate is taken to
+be read at the memory's bandwidth. The ``_xi16`` keys are the 4-bit kernels that dot
+int16-rounded x.
 
 ``cpu: host`` detects the cores this process may run on (``sched_getaffinity``), the SIMD level
 (``avx512f`` / ``avx2`` in ``/proc/cpuinfo``), measures the memory read bandwidth and times
-picc's own kernels from cache, once; the measurements are cached in
+picc's own GEMV in each format streaming from memory, once; the measurements are cached in
 ``$PICC_CACHE_DIR/targets/host-cpu.json`` (default ``~/.cache/picc``), keyed by the CPU's model
 name and core count, because they take a few seconds and vary between runs.
 
@@ -99,8 +100,8 @@ class CpuSpec:
     kernel_rates: tuple[tuple[str, float], ...] = ()
 
     def read_rate(self, key: str) -> float:
-        """Bytes/s at which a kernel of rate key ``key`` reads its weights: the smaller of the
-        memory's bandwidth and the kernel's rate from cache (when known)."""
+        """Bytes/s at which a kernel of rate key ``key`` reads its weights: its measured rate
+        (when known), at most the memory's bandwidth."""
         rate = dict(self.kernel_rates).get(key)
         return self.mem_bandwidth if rate is None else min(self.mem_bandwidth, rate)
 
