@@ -482,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="show what a .pib puts where and the estimated speed",
                        description="Per layer: GPU and CPU neurons, bytes, and the share of activations the "
                        "GPU neurons serve; totals against the VRAM budget; the cost model's tokens/s on the "
-                       "target and its breakdown.")
+                       "target and its breakdown, and the rates at which the CPU's kernels read each weight "
+                       "format (measured on the host for --target cpu).")
     s.add_argument("model", metavar="MODEL.pib")
     s.add_argument("--json", action="store_true",
                    help="print one JSON object: target, vram_budget_bytes, gpu_bytes, cpu_bytes, layers "

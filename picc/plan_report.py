@@ -5,12 +5,12 @@ Everything here is read off a placed module (``partition-neurons``) and its memo
 token with the KV cache half full (``ctx / 2`` positions): every op reads its weights from its
 device's memory at that device's bandwidth (decode is memory-bound), on the CPU at the rate its
 kernel reads that format (the target's kernel rates, at most the bandwidth: 4-bit formats are
-bound by the arithmetic on small CPUs, see ``picc.codegen_cpu.rates``); the two parts of a split FFN run
-concurrently, so such a layer costs its slower part; a value that an op reads from the other
-device crosses PCIe (latency plus bytes over the link's bandwidth), and so do the logits when the
-LM head runs on the GPU. Dense ops run one after another. The estimate leaves out attention's
-arithmetic, barriers and the calls themselves, and counts every byte as read from memory: it is
-an upper bound unless the weights fit in the CPU's caches.
+bound by the arithmetic on small CPUs, see ``picc.codegen_cpu.rates``); the two parts of a
+split FFN run concurrently, so such a layer costs its slower part; a value that an op reads from
+the other device crosses PCIe (latency plus bytes over the link's bandwidth), and so do the
+logits when the LM head runs on the GPU. Dense ops run one after another. The estimate leaves
+out attention's arithmetic, barriers and the calls themselves, and counts every byte as read
+from memory: it is an upper bound unless the weights fit in the CPU's caches.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
             parts = [(int(weights[op.table].data.nbytes) // int(weights[op.table].shape[0]), "f32")]
         else:
             parts = _weight_parts(op, weights)
-            cpu_keys.update(key for _, key in parts if device != Placement.GPU)
+            if device != Placement.GPU:
+                cpu_keys.update(key for _, key in parts)
         if isinstance(op, O.Attention):
             width = types[op.k].shape[1]
             assert isinstance(width, int)
@@ -137,6 +138,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
         "transfers_per_token": transfers,
         "bytes_per_token": read_bytes,
         # Per rate key the CPU reads weights in: bytes/s, and as a share of the memory's bandwidth.
+        "cpu_mem_bandwidth": target.cpu.mem_bandwidth,
         "cpu_read_rates": {key: {"bytes_per_s": target.cpu.read_rate(key),
                                  "bandwidth_share": target.cpu.read_rate(key) / target.cpu.mem_bandwidth}
                            for key in sorted(cpu_keys)},
@@ -170,10 +172,10 @@ def format_report(report: dict) -> str:
                  f"transfers {est['transfers']:.3f})")
     rates = report.get("cpu_read_rates", {})  # absent in reports of .pib files from before it
     if rates:
-        bandwidth = next(iter(rates.values()))
-        bandwidth = bandwidth["bytes_per_s"] / bandwidth["bandwidth_share"]
-        lines.append(f"CPU kernels read weights at (memory {bandwidth / 1e9:.1f} GB/s): " + ", ".join(
-            f"{key} {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['bandwidth_share']:.0f}%)" for key, r in rates.items()))
+        listed = ", ".join(f"{key} {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['bandwidth_share']:.0f}%)"
+                           for key, r in rates.items())
+        lines.append(f"CPU kernels read weights at: {listed} of the memory's "
+                     f"{report['cpu_mem_bandwidth'] / 1e9:.1f} GB/s")
     return "\n".join(lines)
 
 

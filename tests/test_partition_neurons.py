@@ -22,7 +22,7 @@ from picc.ir.types import DType, Placement
 from picc.ir.verifier import VerifyError, verify
 from picc.memory_plan import ALIGN, plan_memory, tensor_bytes
 from picc.passes import parse_pipeline, run_pipeline
-from picc.plan_report import build_report
+from picc.plan_report import build_report, format_report
 from picc.schedule import schedule
 from picc.targets import load_target
 
@@ -254,9 +254,11 @@ def test_the_estimate_reads_cpu_weights_no_faster_than_their_kernels(layout, tmp
     assert extra_ms({"q4_1": 1e15, "q4_1_xi16": 1e15}) == pytest.approx(0.0, abs=1e-12)  # memory-bound
     assert extra_ms({"q4_1": bw / 4, "q4_1_xi16": bw / 4}) == pytest.approx(1e3 * 3 * q4_bytes / bw, rel=1e-9)
     assert extra_ms({"q4_1": bw / 4}) == pytest.approx(1e3 * 3 * axpy_bytes / bw, rel=1e-9, abs=1e-12)
-    rates = report({"q4_1_xi16": bw / 4})[2]["cpu_read_rates"]
+    slow = report({"q4_1_xi16": bw / 4})[2]
+    rates = slow["cpu_read_rates"]
     assert rates["q4_1_xi16"] == {"bytes_per_s": bw / 4, "bandwidth_share": 0.25}
     assert ("q4_1" in rates) == (layout == "neuron-major")
+    assert "q4_1_xi16 5.0 GB/s (25%)" in format_report(slow) and "memory's 20.0 GB/s" in format_report(slow)
 
 
 def test_the_partitioner_reads_cpu_ffn_weights_at_their_kernels_rate(tmp_path):
