@@ -164,6 +164,25 @@ def test_gemv(host, teams, dtype, threads):
     assert rel_err(y, y0 + w.astype(np.float64) @ x + bias) <= tol(dtype)
 
 
+@pytest.mark.parametrize("dtype, k", [("f16", 96), ("f16", 2048), ("q8_0", 96), ("q8_0", 4096), ("f32", 100)])
+def test_gemv_rows_do_not_depend_on_the_rows_beside_them(host, teams, dtype, k):
+    # Short f16 / q8_0 rows (under 4 KiB) go one at a time, long ones and other formats in tiles
+    # of four (rowops.emit_tiled_rows): either way each row's sum is its own, in one order, so
+    # a row gives the same bits alone as among others, on any number of threads.
+    rng = np.random.default_rng(3)
+    rows = 11
+    raw, w = weights(rng, (rows, k), dtype)
+    x = rng.normal(size=k).astype(np.float32)
+    together = np.zeros(rows, np.float32)
+    run(host, teams[3], gemv(dtype), raw, x, None, together, rows, k, 0)
+    assert rel_err(together, w.astype(np.float64) @ x) <= tol(dtype)
+    row_bytes = raw.nbytes // rows
+    alone = np.zeros(1, np.float32)
+    for r in range(rows):
+        run(host, teams[1], gemv(dtype), raw.reshape(-1).view(np.uint8)[r * row_bytes:], x, None, alone, 1, k, 0)
+        assert alone[0] == together[r], r
+
+
 def int_x_error_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Per row, the most that rounding x to int16 per block of 32 (the ``_xi16`` kernels) can move
     ``w @ x``: each element by half a step, the step being its block's largest |x| / 32767, plus a

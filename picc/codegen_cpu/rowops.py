@@ -472,6 +472,9 @@ def zero_floats(fn: Fn, ptr: str, n: str) -> None:
 
 _ROWS = 4  # GEMV rows computed together (over all the matrices of a tile: 2 rows each of up and gate)
 _AHEAD = 4  # GEMV prefetch distance, in tiles
+# Rows of these formats shorter than this go one at a time (see emit_tiled_rows).
+_LIGHT_DTYPES = frozenset({"f16", "q8_0"})
+_SHORT_ROW_BYTES = 4096
 
 
 def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo: str, hi: str, simd: str,
@@ -482,7 +485,14 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
 
     Rows go ``_ROWS / len(mats)`` at a time: their FMA chains overlap and x is loaded once for
     all of them; more would not fit AVX2's registers. Each row's own sum is the same whatever
-    the tile, so results do not depend on it. ``xsums``: x's :func:`emit_x_sums`, made here when
+    the tile, so results do not depend on it. Except for short rows (under ``_SHORT_ROW_BYTES``)
+    of formats whose arithmetic is light (f16, q8_0), which go one at a time, decided at run time
+    from the row length: a tile of short rows is as many short streams, which the hardware
+    prefetcher follows badly, while one row after another is one long stream, and x comes from
+    L1 anyway. Measured on Zen 3, two threads, from memory: q8_0 rows of 576 (SmolLM2's LM head)
+    21-26 GB/s in tiles of four, 29-31 one at a time; f16 rows of 576 25-28 vs 27-33, of 1024
+    30-31 vs 36; at 4096 tiles win (q8_0 32 vs 29). Formats bound by their arithmetic (q4_0,
+    q4_1) need the shared x loads; f32 rows gained nothing. ``xsums``: x's :func:`emit_x_sums`, made here when
     not given. ``int_dots``: 4-bit rows dot x rounded to int16 (:func:`emit_int_x`, made here) in
     integers, two ``vpmaddwd`` a block: 1.2-1.4x faster, and within 2^-16 of each block's largest
     |x| of the float result (``fuse-gather-gemv`` chooses; the interpreter rounds x as they do).
@@ -498,20 +508,33 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
     def row(base: str, rowb: str, r: str) -> str:
         return fn.gep(base, fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
 
-    nrows = fn.v(f"sub i64 {hi}, {lo}", "nr")
-    tiles = fn.v(f"sub i64 {hi}, {fn.v(f'srem i64 {nrows}, {tile}', 'rem')}", "tiles")
-    last = fn.v(f"sub i64 {hi}, 1", "last")
-    with fn.loop(lo, tiles, str(tile), "r") as r:
-        idx = [r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, tile)]
-        # The rows of the tile _AHEAD tiles on, asked for block by block: the hardware
-        # prefetcher alone falls behind on four interleaved row streams (1 thread, from memory:
-        # q8_0 7.6 GB/s without, 12 one tile ahead, 24 two, 34 four).
-        ahead = [(dtype, row(base, rowb, fn.min64(fn.v(f"add i64 {r}, {t + _AHEAD * tile}", "ra"), last)))
-                 for dtype, base, rowb in mats for t in range(tile)]
-        rows = [(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx]
-        dots = emit_dots(fn, rows, x, k, simd, ahead, xsums, intx)
-        for t, i in enumerate(idx):
-            consume(i, [dots[m * tile + t] for m in range(len(mats))])
-    with fn.loop(tiles, hi, hint="r") as r:
-        consume(r, emit_dots(fn, [(dtype, row(base, rowb, r)) for dtype, base, rowb in mats], x, k, simd,
-                             xsums=xsums, intx=intx))
+    def rows_in_tiles(tile: int) -> None:
+        nrows = fn.v(f"sub i64 {hi}, {lo}", "nr")
+        tiles = fn.v(f"sub i64 {hi}, {fn.v(f'srem i64 {nrows}, {tile}', 'rem')}", "tiles")
+        last = fn.v(f"sub i64 {hi}, 1", "last")
+        with fn.loop(lo, tiles, str(tile), "r") as r:
+            idx = [r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, tile)]
+            # The rows of the tile _AHEAD tiles on, asked for block by block: the hardware
+            # prefetcher alone falls behind on four interleaved row streams (1 thread, from memory:
+            # q8_0 7.6 GB/s without, 12 one tile ahead, 24 two, 34 four).
+            ahead = [(dtype, row(base, rowb, fn.min64(fn.v(f"add i64 {r}, {t + _AHEAD * tile}", "ra"), last)))
+                     for dtype, base, rowb in mats for t in range(tile)]
+            rows = [(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx]
+            dots = emit_dots(fn, rows, x, k, simd, ahead, xsums, intx)
+            for t, i in enumerate(idx):
+                consume(i, [dots[m * tile + t] for m in range(len(mats))])
+        with fn.loop(tiles, hi, hint="r") as r:
+            consume(r, emit_dots(fn, [(dtype, row(base, rowb, r)) for dtype, base, rowb in mats], x, k, simd,
+                                 xsums=xsums, intx=intx))
+
+    if tile == 1 or not dtypes <= _LIGHT_DTYPES:
+        rows_in_tiles(tile)
+        return
+    longest = mats[0][2]
+    for _, _, rowb in mats[1:]:
+        longest = fn.v(f"select i1 {fn.v(f'icmp ugt i64 {rowb}, {longest}', 'gt')}, i64 {rowb}, i64 {longest}", "rb")
+    short = fn.v(f"icmp ult i64 {longest}, {_SHORT_ROW_BYTES}", "short")
+    with fn.if_(short):
+        rows_in_tiles(1)
+    with fn.if_(fn.v(f"xor i1 {short}, true", "long")):
+        rows_in_tiles(tile)
