@@ -51,7 +51,8 @@ def test_cpu_target_uses_the_cached_bandwidth(tmp_path: Path, monkeypatch: pytes
     cache = targets.host_cache_path()
     cache.parent.mkdir(parents=True)
     cache.write_text(json.dumps({"version": targets.HOST_CACHE_VERSION, "cpu": targets.host_cpu_name(),
-                                 "cores": targets.host_cores(), "mem_bandwidth": 12.5e9,
+                                 "cores": targets.host_cores(), "kernels": targets.kernels_fingerprint(),
+                                 "mem_bandwidth": 12.5e9,
                                  "kernel_rates": {"q4_1": 6e9, "f16": 40e9}}))
     monkeypatch.setattr(targets, "measure_memory_bandwidth", lambda: pytest.fail("measured despite the cache"))
     monkeypatch.setattr(targets, "measure_kernel_rates", lambda threads: pytest.fail("measured despite the cache"))
@@ -67,7 +68,7 @@ def test_cpu_target_uses_the_cached_bandwidth(tmp_path: Path, monkeypatch: pytes
 
 def _cache(**fields: object) -> str:
     here = {"version": targets.HOST_CACHE_VERSION, "cpu": targets.host_cpu_name(), "cores": targets.host_cores(),
-            "mem_bandwidth": 1e9, "kernel_rates": {"q4_0": 1e9}}
+            "kernels": targets.kernels_fingerprint(), "mem_bandwidth": 1e9, "kernel_rates": {"q4_0": 1e9}}
     return json.dumps({key: value for key, value in {**here, **fields}.items() if value is not None})
 
 
@@ -75,6 +76,7 @@ def _cache(**fields: object) -> str:
     None, "not json", _cache(cpu="another CPU"), _cache(version=2), _cache(version=1),
     _cache(cores=targets.host_cores() + 1),  # rates are for all the cores: another count, another CPU
     _cache(kernel_rates=None),  # a cache written before kernel rates
+    _cache(kernels="0" * 16),  # rates of another code generator's kernels
 ])
 def test_cpu_target_measures_once_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: str | None) -> None:
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))

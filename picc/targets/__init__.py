@@ -34,7 +34,8 @@ int16-rounded x.
 (``avx512f`` / ``avx2`` in ``/proc/cpuinfo``), measures the memory read bandwidth and times
 picc's own GEMV in each format streaming from memory, once; the measurements are cached in
 ``$PICC_CACHE_DIR/targets/host-cpu.json`` (default ``~/.cache/picc``), keyed by the CPU's model
-name and core count, because they take a few seconds and vary between runs.
+name and core count, because they take a few seconds and vary between runs; and by a hash of
+picc's CPU code generator, since the kernel rates are those of the kernels it generates.
 
 Every mistake in a file is a one-line :class:`PiccError` naming the file and the field's path,
 e.g. ``pc-x.yaml: gpu.vram: expected a size like 11GiB, got 'lots'``.
@@ -42,6 +43,7 @@ e.g. ``pc-x.yaml: gpu.vram: expected a size like 11GiB, got 'lots'``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -408,28 +410,38 @@ def measure_kernel_rates(threads: int) -> dict[str, float]:
         return {}
 
 
+def kernels_fingerprint() -> str:
+    """A hash of the sources of ``picc.codegen_cpu``: a changed code generator may change its
+    kernels' rates, so cached rates are only good for the kernels they were measured on."""
+    digest = hashlib.sha256()
+    for path in sorted((Path(__file__).resolve().parent.parent / "codegen_cpu").glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def detect_host_cpu() -> CpuSpec:
     """This machine's CPU; bandwidth and kernel rates are measured on first use and cached per CPU
     model and core count (the rates are for all the cores this process may use)."""
     info = _cpuinfo()
-    name, cores = host_cpu_name(info), host_cores()
+    name, cores, kernels = host_cpu_name(info), host_cores(), kernels_fingerprint()
     path = host_cache_path()
     bandwidth, rates = None, None
     try:
         cached = json.loads(path.read_text())
-        if cached.get("version") == HOST_CACHE_VERSION and cached.get("cpu") == name and cached.get("cores") == cores:
+        if (cached.get("version"), cached.get("cpu"), cached.get("cores")) == (HOST_CACHE_VERSION, name, cores):
             bandwidth = float(cached["mem_bandwidth"])
-            rates = {str(k): float(v) for k, v in cached["kernel_rates"].items() if k in CPU_RATE_KEYS and v > 0}
+            if cached.get("kernels") == kernels:
+                rates = {str(k): float(v) for k, v in cached["kernel_rates"].items() if k in CPU_RATE_KEYS and v > 0}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # no cache or a damaged one: measure again
-    if bandwidth is None or not bandwidth > 0 or rates is None:
+    if bandwidth is None or not bandwidth > 0 or rates is None:  # measured together: the same moment
         bandwidth = measure_memory_bandwidth()
         rates = measure_kernel_rates(cores)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_path(path) as tmp:
                 tmp.write_text(json.dumps({"version": HOST_CACHE_VERSION, "cpu": name, "cores": cores,
-                                           "mem_bandwidth": bandwidth, "kernel_rates": rates}))
+                                           "kernels": kernels, "mem_bandwidth": bandwidth, "kernel_rates": rates}))
         except (OSError, PiccError):
             pass  # an unwritable cache costs a re-measurement next time, nothing more
     return CpuSpec(name, cores, bandwidth, host_simd(info), tuple(sorted(rates.items())))
