@@ -1,18 +1,31 @@
-"""What a token costs: the bytes of weights it reads. Decode is memory-bound, so bytes are time.
+"""What a token costs: the bytes of weights it reads, and which CPU kernel reads them.
 
-Later issues add device bandwidths and transfers; the FFN terms here are what choosing a
-sparsity mode needs. Reading the active rows of a matrix costs about ``density`` of reading it
+Decode is memory-bound, so bytes are time at a device's read rate; on a CPU that rate depends on
+the kernel (``CpuSpec.read_rate`` of :func:`cpu_weight_reads`' keys). The FFN terms here are what
+choosing a sparsity mode needs. Reading the active rows of a matrix costs about ``density`` of reading it
 all (each row is contiguous in both the row-major up/gate and the neuron-major down layouts).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from picc import kernel_names
 from picc.ir import ops as O
 from picc.ir.weights import WeightStore
 
 
 def weight_bytes(weights: WeightStore, name: str | None) -> int:
     return 0 if name is None else int(weights[name].data.nbytes)
+
+
+def cpu_weight_reads(weights: WeightStore, names: Iterable[str | None], int_dots: bool,
+                     axpy: str | None = None) -> list[tuple[int, str]]:
+    """(bytes, CPU rate key) of each named weight as a CPU kernel reads it: with ``int_dots`` (an
+    ``_xi16`` kernel) 4-bit rows are dotted in integers, except the ``axpy`` weight's (a
+    neuron-major down projection, whose rows are AXPYs of h)."""
+    return [(weight_bytes(weights, w), kernel_names.cpu_rate_key(weights[w].dtype.value, int_dots and w != axpy))
+            for w in names if w]
 
 
 def ffn_weight_bytes(op: O.FFN, weights: WeightStore) -> int:

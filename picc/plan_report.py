@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from picc import kernel_names as names
 from picc import memory_plan as mp
+from picc.cost_model import cpu_weight_reads
 from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN
@@ -35,17 +36,14 @@ def _read_seconds(target: Target, where: Placement | None, parts: list[tuple[int
     if where == Placement.GPU:
         assert target.gpu is not None
         return sum(nbytes for nbytes, _ in parts) / target.gpu.mem_bandwidth
-    return sum(nbytes / target.cpu.read_rate(key) for nbytes, key in parts)
+    return target.cpu.read_seconds(parts)
 
 
 def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
-    """Each weight of ``op`` as (bytes, the rate key of the kernel reading it): an ``_xi16``
-    kernel dots its 4-bit rows in integers, except a fused FFN's neuron-major down rows (AXPYs
-    of h; a dense FFN in the source layout dots its down rows with h)."""
-    int_dots = names.dots_int16_x(op.kernel)
-    down = op.down if isinstance(op, FusedFFN) else None
-    return [(int(weights[w].data.nbytes), names.cpu_rate_key(weights[w].dtype.value, int_dots and w != down))
-            for w in op.weights()]
+    """Each weight of ``op`` as (bytes, the rate key of the kernel reading it). A fused FFN's down
+    rows are neuron-major AXPYs; a dense FFN in the source layout dots its down rows with h."""
+    return cpu_weight_reads(weights, op.weights(), names.dots_int16_x(op.kernel),
+                            axpy=op.down if isinstance(op, FusedFFN) else None)
 
 
 def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.MemoryPlan) -> dict:

@@ -492,11 +492,13 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
     L1 anyway. Measured on Zen 3, two threads, from memory: q8_0 rows of 576 (SmolLM2's LM head)
     21-26 GB/s in tiles of four, 29-31 one at a time; f16 rows of 576 25-28 vs 27-33, of 1024
     30-31 vs 36; at 4096 tiles win (q8_0 32 vs 29). Formats bound by their arithmetic (q4_0,
-    q4_1) need the shared x loads; f32 rows gained nothing. ``xsums``: x's :func:`emit_x_sums`, made here when
-    not given. ``int_dots``: 4-bit rows dot x rounded to int16 (:func:`emit_int_x`, made here) in
-    integers, two ``vpmaddwd`` a block: 1.2-1.4x faster, and within 2^-16 of each block's largest
-    |x| of the float result (``fuse-gather-gemv`` chooses; the interpreter rounds x as they do).
-    ``intx``: that int16 x, when the caller has made it already (``int_dots`` is then implied).
+    q4_1) need the shared x loads; f32 rows gained nothing.
+
+    ``xsums``: x's :func:`emit_x_sums`, made here when not given. ``int_dots``: 4-bit rows dot x
+    rounded to int16 (:func:`emit_int_x`, made here) in integers, two ``vpmaddwd`` a block:
+    1.2-1.4x faster, and within 2^-16 of each block's largest |x| of the float result
+    (``fuse-gather-gemv`` chooses; the interpreter rounds x as they do). ``intx``: that int16 x,
+    when the caller has made it already (``int_dots`` is then implied).
     """
     dtypes = {dtype for dtype, _, _ in mats}
     if intx is None and int_dots:
@@ -532,7 +534,7 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
         return
     longest = mats[0][2]
     for _, _, rowb in mats[1:]:
-        longest = fn.v(f"select i1 {fn.v(f'icmp ugt i64 {rowb}, {longest}', 'gt')}, i64 {rowb}, i64 {longest}", "rb")
+        longest = fn.max64(longest, rowb)
     short = fn.v(f"icmp ult i64 {longest}, {_SHORT_ROW_BYTES}", "short")
     with fn.if_(short):
         rows_in_tiles(1)

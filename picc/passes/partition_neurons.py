@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from picc import kernel_names as names
 from picc import memory_plan as mp
+from picc.cost_model import cpu_weight_reads
 from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
@@ -112,15 +112,10 @@ def ffn_cpu_read_rate(module: Module, weights: WeightStore, target: Target) -> f
     """
     ops = module.function().ops
     int_dots = not any(isinstance(op, Predict | SparseFFN) for op in ops)
-    total = seconds = 0.0
-    for op in ops:
-        if isinstance(op, O.FFN):
-            for w in (op.up, op.gate, op.down):
-                if w:
-                    key = names.cpu_rate_key(weights[w].dtype.value, int_dots and w != op.down)
-                    total += weights[w].data.nbytes
-                    seconds += weights[w].data.nbytes / target.cpu.read_rate(key)
-    return total / seconds if seconds > 0 else target.cpu.mem_bandwidth
+    reads = [read for op in ops if isinstance(op, O.FFN)
+             for read in cpu_weight_reads(weights, (op.up, op.gate, op.down), int_dots, axpy=op.down)]
+    seconds = target.cpu.read_seconds(reads)
+    return sum(nbytes for nbytes, _ in reads) / seconds if seconds > 0 else target.cpu.mem_bandwidth
 
 
 # --- the dense parts ---------------------------------------------------------------------------

@@ -50,7 +50,7 @@ import platform
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from importlib import resources
@@ -106,6 +106,10 @@ class CpuSpec:
         (when known), at most the memory's bandwidth."""
         rate = dict(self.kernel_rates).get(key)
         return self.mem_bandwidth if rate is None else min(self.mem_bandwidth, rate)
+
+    def read_seconds(self, reads: Iterable[tuple[int, str]]) -> float:
+        """Seconds to read ``(bytes, rate key)`` parts, each at :meth:`read_rate`."""
+        return sum(nbytes / self.read_rate(key) for nbytes, key in reads)
 
 
 @dataclass(frozen=True, slots=True)
