@@ -60,6 +60,7 @@ class Compiled:
     meta: dict
     sections: dict[str, bytes] = field(default_factory=dict)  # generated code, by section name
     tensors: dict[str, Tensor] = field(default_factory=dict)  # what generated code reads besides weights
+    layouts: dict[str, str] = field(default_factory=dict)  # weights the .pib stores in another layout (rows8)
 
 
 def _is_sparse(model: LoadedModel) -> bool:
@@ -116,7 +117,7 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
     report = build_report(module, weights, target, plan)
     steps = schedule(module)
     say(f"generating CPU code ({target.cpu.simd})")
-    sections, tensors = cpu_code(module, weights, steps, options.ctx, target.cpu.simd)
+    sections, tensors, layouts = cpu_code(module, weights, steps, options.ctx, target.cpu.simd)
     sections["schedule"] = json.dumps(steps.to_json()).encode("utf-8")
     if target.gpu is not None and "gpu" in steps.devices:
         say(f"generating GPU code ({target.gpu.arch})")
@@ -127,12 +128,13 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
             "options": {"vram": options.vram, "ctx": options.ctx,
                         "dense": options.dense, "solver": options.solver},
             "compile_seconds": round(time.perf_counter() - start, 3)}
-    return Compiled(compiled, plan, report, meta, sections, tensors)
+    return Compiled(compiled, plan, report, meta, sections, tensors, layouts)
 
 
 def cpu_code(module, weights, steps: Schedule, ctx: int,  # noqa: ANN001
-             simd: str) -> tuple[dict[str, bytes], dict[str, Tensor]]:
-    """The CPU's part of the decode step: object code, its LLVM IR, the manifest, extra tensors."""
+             simd: str) -> tuple[dict[str, bytes], dict[str, Tensor], dict[str, str]]:
+    """The CPU's part of the decode step: object code, its LLVM IR, the manifest, extra tensors,
+    and the weights its kernels read in another layout than the source's (name -> ``rows8``)."""
     from picc.codegen_cpu import compile_kernels
     from picc.codegen_cpu.lower import lower_module
 
@@ -142,7 +144,7 @@ def cpu_code(module, weights, steps: Schedule, ctx: int,  # noqa: ANN001
     code = compile_kernels([], lowered.programs, simd)
     sections = {"cpu/object": code.emit_object(), "cpu/ir": code.ir.encode("utf-8"),
                 "cpu/manifest": json.dumps(lowered.manifest(simd)).encode("utf-8")}
-    return sections, lowered.extra
+    return sections, lowered.extra, lowered.layouts
 
 
 def _version() -> str:
@@ -188,7 +190,8 @@ def write_compiled(compiled: Compiled, path: Path) -> int:
     from picc.pib import write_pib
 
     return write_pib(path, compiled.model, plan=compiled.plan.to_json(), report=compiled.report,
-                     meta=compiled.meta, extra=compiled.sections, extra_tensors=compiled.tensors)
+                     meta=compiled.meta, extra=compiled.sections, extra_tensors=compiled.tensors,
+                     layouts=compiled.layouts)
 
 
 def summary_line(compiled: Compiled, path: Path, size: int) -> str:

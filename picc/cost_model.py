@@ -20,11 +20,13 @@ def weight_bytes(weights: WeightStore, name: str | None) -> int:
 
 
 def cpu_weight_reads(weights: WeightStore, names: Iterable[str | None], int_dots: bool,
-                     axpy: str | None = None) -> list[tuple[int, str]]:
+                     axpy: str | None = None, rows8: bool = False) -> list[tuple[int, str]]:
     """(bytes, CPU rate key) of each named weight as a CPU kernel reads it: with ``int_dots`` (an
     ``_xi16`` kernel) 4-bit rows are dotted in integers, except the ``axpy`` weight's (a
-    neuron-major down projection, whose rows are AXPYs of h)."""
-    return [(weight_bytes(weights, w), kernel_names.cpu_rate_key(weights[w].dtype.value, int_dots and w != axpy))
+    neuron-major down projection, whose rows are AXPYs of h); with ``rows8`` too (an ``_r8_xi16``
+    kernel), eight at a time from the rows8 layout."""
+    return [(weight_bytes(weights, w),
+             kernel_names.cpu_rate_key(weights[w].dtype.value, int_dots and w != axpy, rows8 and w != axpy))
             for w in names if w]
 
 

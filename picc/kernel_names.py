@@ -19,6 +19,7 @@ from __future__ import annotations
 
 INT_DOT_DTYPES = frozenset({"q4_0", "q4_1"})  # formats with an integer dot product variant
 INT_DOTS_SUFFIX = "_xi16"
+ROWS8_SUFFIX = "_r8"  # before INT_DOTS_SUFFIX: the kernel reads its 4-bit matrices eight rows at a time
 
 
 def _int_suffix(int_dots: bool, *dtypes: str | None) -> str:
@@ -28,13 +29,17 @@ def _int_suffix(int_dots: bool, *dtypes: str | None) -> str:
 
 CPU_WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 # The keys of a CPU's kernel-rate table (``picc.targets``, ``picc.codegen_cpu.rates``): how fast
-# its kernels consume the weights of each format when memory is not the limit.
-CPU_RATE_KEYS = CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
+# its kernels consume the weights of each format when memory is not the limit: rows one at a
+# time with float x, with int16 x (``_xi16``), and eight at a time with int16 x (``_r8_xi16``).
+CPU_RATE_KEYS = (CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
+                 + tuple(d + ROWS8_SUFFIX + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES)))
 
 
-def cpu_rate_key(dtype: str, int_dots: bool) -> str:
-    """The rate-table key of a CPU kernel reading ``dtype`` rows (``int_dots``: an ``_xi16`` kernel)."""
-    return dtype + _int_suffix(int_dots, dtype)
+def cpu_rate_key(dtype: str, int_dots: bool, rows8: bool = False) -> str:
+    """The rate-table key of a CPU kernel reading ``dtype`` rows (``int_dots``: an ``_xi16``
+    kernel; ``rows8``: one that reads the matrix in the rows8 layout)."""
+    suffix = _int_suffix(int_dots, dtype)
+    return dtype + (ROWS8_SUFFIX if rows8 and suffix else "") + suffix
 
 
 def dots_int16_x(kernel: str | None) -> bool:
@@ -44,12 +49,25 @@ def dots_int16_x(kernel: str | None) -> bool:
     return (kernel or "").endswith(INT_DOTS_SUFFIX)
 
 
-def cpu_gemv(dtype: str, int_dots: bool = False) -> str:
-    return f"picc_gemv_{dtype}{_int_suffix(int_dots, dtype)}"
+def rows8_fits(dtype: str, rows: int, k: int) -> bool:
+    """Whether a ``rows`` x ``k`` matrix of ``dtype`` has a rows8 layout: 4-bit, rows a multiple of 8."""
+    return dtype in INT_DOT_DTYPES and rows > 0 and rows % 8 == 0 and k % 32 == 0
 
 
-def cpu_gemm(dtype: str) -> str:
-    return f"picc_gemm_{dtype}"
+def reads_rows8(kernel: str | None) -> bool:
+    """Whether a CPU kernel of that name reads its weight matrices in the rows8 layout
+    (``picc.codegen_cpu.rows8``): how the compiler stores them for it."""
+    return (kernel or "").endswith(ROWS8_SUFFIX + INT_DOTS_SUFFIX)
+
+
+def cpu_gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> str:
+    """``rows8`` (with ``int_dots``, 4-bit ``dtype``): the matrix in the rows8 layout."""
+    suffix = _int_suffix(int_dots, dtype)
+    return f"picc_gemv_{dtype}{ROWS8_SUFFIX if rows8 and suffix else ''}{suffix}"
+
+
+def cpu_gemm(dtype: str, rows8: bool = False) -> str:
+    return f"picc_gemm_{dtype}" + (ROWS8_SUFFIX if rows8 else "")
 
 
 def cpu_embed(dtype: str) -> str:
@@ -87,9 +105,12 @@ def cpu_chunk_ffn(mode: str, form: str, up: str, gate: str | None, down: str, in
     return cpu_fused_ffn(mode, form, up, gate, down, interleaved).replace("picc_ffn_", "picc_ffn_chunk_", 1)
 
 
-def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, int_dots: bool = False) -> str:
-    """A dense FFN in the source model's layout (down [hidden, n_ff]): GEMVs, one kernel."""
-    return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}{_int_suffix(int_dots, up, gate, down)}"
+def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, int_dots: bool = False,
+                  rows8: bool = False) -> str:
+    """A dense FFN in the source model's layout (down [hidden, n_ff]): GEMVs, one kernel.
+    ``rows8`` (with ``int_dots``, every matrix 4-bit): its matrices in the rows8 layout."""
+    suffix = _int_suffix(int_dots, up, gate, down)
+    return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}{ROWS8_SUFFIX if rows8 and suffix else ''}{suffix}"
 
 
 # --- GPU: one TVM kernel per operation, shape and weight format -----------------------------------

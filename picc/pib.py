@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from picc.errors import PiccError
 from picc.frontend.model import LoadedModel
 from picc.fsutil import atomic_path
@@ -19,14 +21,16 @@ from picc.ir.printer import print_module
 from picc.ir.types import DType
 from picc.ir.verifier import VerifyError, verify
 from picc.ir.weights import Tensor, WeightStore
-from runtime.pib import PibError, PibFile, PibWriter
+from runtime.pib import PibError, PibFile, PibWriter, StoredTensor
 
 
 def write_pib(path: Path, model: LoadedModel, *, plan: dict, report: dict, meta: dict,
-              extra: dict[str, bytes] | None = None, extra_tensors: dict[str, Tensor] | None = None) -> int:
+              extra: dict[str, bytes] | None = None, extra_tensors: dict[str, Tensor] | None = None,
+              layouts: dict[str, str] | None = None) -> int:
     """Write ``model`` (its final IR and the weights it declares) with its plan, report,
     ``extra`` sections and ``extra_tensors`` (what generated code reads besides the weights) to
-    ``path`` atomically; return the file's size."""
+    ``path`` atomically; return the file's size. ``layouts``: weights to store in another layout
+    than GGUF's rows, for the kernels that read them (``rows8``, ``picc.codegen_cpu.rows8``)."""
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         w = PibWriter(f)
@@ -40,7 +44,9 @@ def write_pib(path: Path, model: LoadedModel, *, plan: dict, report: dict, meta:
             w.add_section(name, blob)
         for decl in model.module.weights:
             t = model.weights[decl.name]
-            w.add_tensor(decl.name, t.dtype.value, t.shape, t.data)
+            layout = (layouts or {}).get(decl.name)
+            data = t.data if layout is None else _to_layout(t, layout, decl.name)
+            w.add_tensor(decl.name, t.dtype.value, t.shape, data, layout=layout)
         for name, t in (extra_tensors or {}).items():
             w.add_tensor(name, t.dtype.value, t.shape, t.data)
         w.finish()
@@ -69,8 +75,26 @@ def load_pib(path: Path) -> LoadedModel:
     declared = {w.name for w in module.weights}
     for name in (n for n in pib.tensor_names if n in declared):
         stored = pib.tensor(name)
-        tensors[name] = Tensor(DType(stored.dtype), stored.shape, stored.data)
+        data = stored.data if stored.layout is None else _from_layout(stored, name, path)
+        tensors[name] = Tensor(DType(stored.dtype), stored.shape, data)
     store = WeightStore(tensors)
     store.check_against(module)
     tokenizer = Tokenizer.from_json(pib.text("tokenizer")) if pib.has("tokenizer") else None
     return LoadedModel(module, store, tokenizer, source=str(path))
+
+
+def _to_layout(t: Tensor, layout: str, name: str) -> np.ndarray:
+    from picc.codegen_cpu.rows8 import to_rows8
+
+    if layout != "rows8":
+        raise PiccError(f"weight @{name}: unknown storage layout {layout!r} (expected rows8)")
+    return to_rows8(t.data, t.dtype.value, t.shape)
+
+
+def _from_layout(stored: StoredTensor, name: str, path: Path) -> np.ndarray:
+    """A weight the file stores for its kernels (rows8), back in GGUF's rows for the interpreter."""
+    from picc.codegen_cpu.rows8 import from_rows8
+
+    if stored.layout != "rows8":
+        raise PiccError(f"{path}: tensor {name!r} has storage layout {stored.layout!r}; this picc reads rows8")
+    return from_rows8(stored.data, stored.dtype, stored.shape).reshape(stored.data.shape)

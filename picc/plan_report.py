@@ -43,7 +43,7 @@ def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
     """Each weight of ``op`` as (bytes, the rate key of the kernel reading it). A fused FFN's down
     rows are neuron-major AXPYs; a dense FFN in the source layout dots its down rows with h."""
     return cpu_weight_reads(weights, op.weights(), names.dots_int16_x(op.kernel),
-                            axpy=op.down if isinstance(op, FusedFFN) else None)
+                            axpy=op.down if isinstance(op, FusedFFN) else None, rows8=names.reads_rows8(op.kernel))
 
 
 def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.MemoryPlan) -> dict:

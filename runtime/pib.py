@@ -13,12 +13,14 @@ Layout (all integers little-endian)::
            zero padding to 128
     128  sections and tensors, each starting at a multiple of ALIGN (64) bytes
     ...  the index: JSON {"sections": {name: [offset, length]},
-                          "tensors": {name: {"dtype", "shape", "offset", "nbytes"}}}
+                          "tensors": {name: {"dtype", "shape", "offset", "nbytes"[, "layout"]}}}
 
 Sections are named blobs: ``ir`` (the final IR text), ``plan`` (the memory plan, JSON), ``report``
 (the placement report, JSON), ``tokenizer`` (JSON), ``meta`` (JSON), and the code the backends add
 (``cpu/...``, ``cuda/...``). Tensors are the weights in their storage format (quantized blocks as
-GGUF lays them out), mapped read-only from the file without copying.
+GGUF lays them out), mapped read-only from the file without copying. A tensor with a ``layout``
+is stored in another order for the kernels that read it: ``rows8``, a 4-bit matrix in groups of
+eight rows (``picc.codegen_cpu.rows8``; the same bytes, rearranged).
 
 A file that is too short, not a .pib, of another format version, truncated, or whose checksum does
 not match is refused with a :class:`PibError` that says which. This module is the runtime's: it
@@ -38,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"PICCPIB\0"
-FORMAT_VERSION = 2  # 2: staged CPU programs and the hybrid schedule
+FORMAT_VERSION = 3  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8)
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256
@@ -63,11 +65,13 @@ def storage_shape(dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """A tensor as the file holds it: IR dtype, logical shape, and the stored array (a view)."""
+    """A tensor as the file holds it: IR dtype, logical shape, the stored array (a view), and its
+    layout when not GGUF's rows (``rows8``)."""
 
     dtype: str
     shape: tuple[int, ...]
     data: np.ndarray
+    layout: str | None = None
 
 
 class PibFile:
@@ -154,7 +158,7 @@ class PibFile:
         dtype, shape = t["dtype"], tuple(t["shape"])
         element = np.dtype(STORAGE[dtype])
         data = np.frombuffer(self._map, dtype=element, count=t["nbytes"] // element.itemsize, offset=t["offset"])
-        return StoredTensor(dtype, shape, data.reshape(storage_shape(dtype, shape)))
+        return StoredTensor(dtype, shape, data.reshape(storage_shape(dtype, shape)), t.get("layout"))
 
     def close(self) -> None:
         """Release the mapping; arrays from ``tensor`` must not be used afterwards."""
@@ -201,12 +205,15 @@ class PibWriter:
         blob = data.encode("utf-8") if isinstance(data, str) else data
         self._sections[name] = [self._write(blob), len(blob)]
 
-    def add_tensor(self, name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray) -> None:
+    def add_tensor(self, name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray,
+                   layout: str | None = None) -> None:
         if name in self._tensors:
             raise ValueError(f"tensor {name!r} written twice")
         blob = memoryview(np.ascontiguousarray(data)).cast("B")
         self._tensors[name] = {"dtype": dtype, "shape": list(shape), "offset": self._write(blob),
                                "nbytes": len(blob)}
+        if layout is not None:
+            self._tensors[name]["layout"] = layout
 
     def finish(self) -> None:
         index = json.dumps({"sections": self._sections, "tensors": self._tensors}).encode("utf-8")

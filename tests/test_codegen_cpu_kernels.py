@@ -51,6 +51,7 @@ from picc.codegen_cpu.kernels_misc import (
     round_int16,
 )
 from picc.codegen_cpu.rowops import emit_axpys, emit_dots, emit_x_sums
+from picc.codegen_cpu.rows8 import from_rows8, to_rows8
 from picc.errors import PiccError
 from picc.interpreter import KVCache
 from picc.interpreter import attention as attention_ref
@@ -74,6 +75,7 @@ def ffn_kernels() -> list[Kernel]:
     ks += [sparse_ffn("predictor", f, "f16", "f16", "f16", True) for f, s in FORMS.items() if s.gated]
     ks += [dense_ffn(f, d, d if FORMS[f].gated else None, d) for f in ("swiglu", "relu") for d in ("f32", "q4_1")]
     ks += [dense_ffn("swiglu", d, d, d, int_dots) for d in ("q4_0", "q4_1") for int_dots in (False, True)]
+    ks += [dense_ffn("swiglu", d, d, d, True, True) for d in ("q4_0", "q4_1")]
     ks += [sparse_ffn(m, "swiglu", d, d, d) for m in ("dense", "gate-first", "down-only") for d in ("f16", "q4_0")]
     ks += [sparse_ffn(m, "swiglu", d, d, d, il, int_dots=True) for m, il in (("predictor", True), ("gate-first", False))
            for d in ("q4_0", "q4_1")]
@@ -83,6 +85,7 @@ def ffn_kernels() -> list[Kernel]:
 
 
 KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + [gemv(d, int_dots=True) for d in ("q4_0", "q4_1")]
+           + [gemv(d, True, True) for d in ("q4_0", "q4_1")] + [gemm(d, True) for d in ("q4_0", "q4_1")]
            + ffn_kernels()
            + [predictor("f32", "f32"), predictor("f16", "f16"), rms_norm(), layer_norm(), add(), mul(), merge(), argmax(),
               attention(), round_int16()] + [rope(s, src) for s in ("llama", "gptj") for src in ("freq", "table")]
@@ -260,22 +263,100 @@ def test_integer_dots_are_float_dots_of_the_rounded_x(host, teams, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
-def test_integer_dot_dense_ffn_matches_the_float_one(host, teams, dtype):
-    # Both phases dot rounded vectors (x, then h): each moves its results by up to 2^-16 of a
-    # block's largest |value| (test above), which stays under 1e-3 of the output's scale here
-    # (measured ~5e-5); the float kernel is held to 1e-4 of the exact result.
+def test_rows8_layout_holds_eight_rows_per_block_as_documented(dtype):
+    rng = np.random.default_rng(40)
+    rows, k = 24, 96
+    raw, _ = weights(rng, (rows, k), dtype)
+    stored = to_rows8(raw, dtype, (rows, k))
+    assert stored.nbytes == raw.nbytes and not np.array_equal(stored.reshape(-1), raw.reshape(-1).view(np.uint8))
+    np.testing.assert_array_equal(from_rows8(stored, dtype, (rows, k)), raw.reshape(rows, -1).view(np.uint8))
+    # Group 1, block 2: the eight rows' f16 scales, then (q4_1) minimums, then chunk c's byte
+    # 4r + e = element 4c + e of row r (low nibble) and element 16 + 4c + e (high nibble).
+    bb, head = quant.BLOCK_BYTES[dtype], 16 if dtype == "q4_0" else 32
+    blocks = raw.reshape(rows, k // 32, bb).view(np.uint8)
+    group_block = stored.reshape(rows // 8, k // 32, 8 * bb)[1, 2]
+    mine = blocks[8:16, 2]
+    np.testing.assert_array_equal(group_block[:16].reshape(8, 2), mine[:, :2])
+    if dtype == "q4_1":
+        np.testing.assert_array_equal(group_block[16:32].reshape(8, 2), mine[:, 2:4])
+    nibbles = mine[:, bb - 16:]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=1)  # [row, element]
+    chunks = group_block[head:].reshape(4, 8, 4)  # [chunk, row, e]
+    for c in range(4):
+        np.testing.assert_array_equal(chunks[c] & 15, q[:, 4 * c : 4 * c + 4])
+        np.testing.assert_array_equal(chunks[c] >> 4, q[:, 16 + 4 * c : 20 + 4 * c])
+    with pytest.raises(PiccError, match="does not fit"):
+        to_rows8(raw[:20], dtype, (20, k))
+
+
+@pytest.mark.parametrize("threads", (1, 3))
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_rows8_gemv_computes_the_rounded_product(host, teams, dtype, threads):
+    # Eight rows at a time from the rows8 layout: the same function as rows one at a time with
+    # int16 x (the float product on round_to_int16_blocks(x)), to float rounding (measured ~1e-7).
+    rng = np.random.default_rng(41)
+    rows, k = 40, 128  # five groups of eight: three threads get 1, 2 and 2
+    raw, w = weights(rng, (rows, k), dtype)
+    x = rng.normal(size=k).astype(np.float32)
+    x[32:64] *= 1e-3
+    x[64:96] = 0.0
+    bias = rng.normal(size=rows).astype(np.float32)
+    y0 = rng.normal(size=rows).astype(np.float32)
+    exact = w.astype(np.float64) @ quant.round_to_int16_blocks(x).astype(np.float64) + bias
+    y = y0.copy()
+    run(host, teams[threads], gemv(dtype, True, True), to_rows8(raw, dtype, (rows, k)), x, bias, y, rows, k, 1)
+    assert rel_err(y - y0, exact) <= 2e-6
+    y_rows = np.zeros(rows, np.float32)
+    run(host, teams[threads], gemv(dtype, True), raw, x, bias, y_rows, rows, k, 0)
+    assert rel_err(y_rows, exact) <= 2e-6
+    with pytest.raises(PiccError, match="rows8"):
+        gemv("q8_0", True, True)
+    with pytest.raises(PiccError, match="rows8"):
+        gemv(dtype, False, True)
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_rows8_gemm_dequantises_the_same_rows(host, teams, dtype):
+    # The prefill GEMM of a rows8 matrix reads each row back to the floats of the row layout.
+    rng = np.random.default_rng(42)
+    seq, rows, k = 6, 24, 96
+    raw, _ = weights(rng, (rows, k), dtype)
+    x, bias = rng.normal(size=(seq, k)).astype(np.float32), rng.normal(size=rows).astype(np.float32)
+    y, y8 = np.zeros((seq, rows), np.float32), np.zeros((seq, rows), np.float32)
+    run(host, teams[3], gemm(dtype), raw, x, bias, y, seq, rows, k, 0)
+    run(host, teams[3], gemm(dtype, True), to_rows8(raw, dtype, (rows, k)), x, bias, y8, seq, rows, k, 0)
+    np.testing.assert_array_equal(y8, y)
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_integer_dot_dense_ffns_compute_the_rounded_ffn(host, teams, dtype):
+    # Both phases dot rounded vectors (x, then h), rows one at a time or eight at a time from the
+    # rows8 layout: what the interpreter computes, the float FFN on round_to_int16_blocks(x) and
+    # then on the rounded h. Held to 1e-5 of the output's scale (float rounding in the kernels
+    # and in h's rounding), and ten times closer to it than to the float FFN (rounding x and h
+    # to int16 moves the result by ~5e-5).
     case = FfnCase("swiglu", (dtype, dtype, dtype), n=128, biases=True, seed=26)
     down_raw, down = weights(np.random.default_rng(27), (case.hidden, 128), dtype)
-    outs = []
-    for int_dots in (False, True):
+    rounded = FfnCase("swiglu", (dtype, dtype, dtype), n=128, biases=True, seed=26)
+    rounded.x = quant.round_to_int16_blocks(case.x)
+    h = quant.round_to_int16_blocks(rounded.h().astype(np.float32)).astype(np.float64)
+    ref_rounded = down.astype(np.float64) @ h + case.down_bias
+    ref_float = down.astype(np.float64) @ case.h() + case.down_bias
+    for int_dots, in_rows8 in ((False, False), (True, False), (True, True)):
         y = np.zeros(case.hidden, np.float32)
         scratch = aligned_zeros(dense_ffn_scratch_bytes(case.n))
-        run(host, teams[2], dense_ffn("swiglu", dtype, dtype, dtype, int_dots), case.x, case.up_raw, case.gate_raw,
-            down_raw, case.up_bias, case.gate_bias, case.down_bias, y, scratch, case.n, case.hidden, 0)
-        outs.append(y)
-    ref = down.astype(np.float64) @ case.h() + case.down_bias
-    assert rel_err(outs[0], ref) <= tol(dtype)
-    assert rel_err(outs[1], ref) <= 1e-3
+        up, gate, dn = case.up_raw, case.gate_raw, down_raw
+        if in_rows8:
+            up, gate = (to_rows8(m, dtype, (case.n, case.hidden)) for m in (up, gate))
+            dn = to_rows8(dn, dtype, (case.hidden, case.n))
+        kernel = dense_ffn("swiglu", dtype, dtype, dtype, int_dots, in_rows8)
+        run(host, teams[3], kernel, case.x, up, gate, dn, case.up_bias, case.gate_bias, case.down_bias, y, scratch,
+            case.n, case.hidden, 0)
+        if int_dots:
+            assert rel_err(y, ref_rounded) <= 1e-5, (kernel.symbol, rel_err(y, ref_rounded))
+            assert rel_err(y, ref_float) > 10 * rel_err(y, ref_rounded), kernel.symbol
+        else:
+            assert rel_err(y, ref_float) <= tol(dtype)
 
 
 @pytest.mark.parametrize("threads", (1, 3))

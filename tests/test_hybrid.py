@@ -129,12 +129,13 @@ def test_hybrid_logits_match_the_interpreter_for_every_split(mode, form, dtype, 
         pib = load_pib(path)
         if dtype is not None and vram != "4MiB":
             # A dense module's CPU FFNs (whole layers in the source layout, or the CPU parts of split
-            # ones, fused in dense mode) dot int16 x, as its GEMVs do; the interpreter rounds as they do.
+            # ones, fused in dense mode) dot int16 x, as its GEMVs do (whole layers from the rows8
+            # layout); the interpreter rounds as they do.
             cpu_ffns = {op.kernel for op in pib.module.ops()
                         if op.NAME in ("ffn", "fused_ffn") and op.type.placement != Placement.GPU}
             split = vram != "0"
             assert cpu_ffns == {"picc_ffn_dense_swiglu_q4_1_q4_1_q4_1_il_xi16" if split
-                                else "picc_ffn_gemv_swiglu_q4_1_q4_1_q4_1_xi16"}, cpu_ffns
+                                else "picc_ffn_gemv_swiglu_q4_1_q4_1_q4_1_r8_xi16"}, cpu_ffns
         reference = Interpreter(pib.module, pib.weights).run(TOKENS)
         with Session(path, threads=2, gpu="emulate") as session:
             got = session.feed(TOKENS, all_logits=True)

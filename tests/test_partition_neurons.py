@@ -242,23 +242,26 @@ def test_the_estimate_reads_cpu_weights_no_faster_than_their_kernels(layout, tmp
     ops = [op for op in module.ops() if not isinstance(op, O.Embed)]
     q4 = [(op, w) for op in ops for w in op.weights() if weights[w].dtype == DType.Q4_1]
     q4_bytes = sum(int(weights[w].data.nbytes) for _, w in q4)
-    # A dense q4_1 model dots x rounded to int16 (the _xi16 kernels); a fused FFN's down rows,
-    # neuron-major, are AXPYs of h at the float rate. In the source layout down is dotted too.
+    # A dense q4_1 model dots x rounded to int16 (the _xi16 kernels; GEMVs and FFNs in the source
+    # layout eight rows at a time, _r8_xi16); a fused FFN's down rows, neuron-major, are AXPYs of h
+    # at the float rate. In the source layout down is dotted too.
     assert all(op.kernel.endswith("_xi16") for op, _ in q4)
+    assert all(op.kernel.endswith("_r8_xi16") != isinstance(op, FusedFFN) for op, _ in q4)
+    every = {"q4_1", "q4_1_xi16", "q4_1_r8_xi16"}
     axpy_bytes = sum(int(weights[w].data.nbytes) for op, w in q4 if isinstance(op, FusedFFN) and w == op.down)
     assert (axpy_bytes > 0) == (layout == "neuron-major") and axpy_bytes < q4_bytes
 
     def extra_ms(rates: dict[str, float]) -> float:
         return report(rates)[2]["estimate_ms_per_token"]["total"] - base["estimate_ms_per_token"]["total"]
 
-    assert extra_ms({"q4_1": 1e15, "q4_1_xi16": 1e15}) == pytest.approx(0.0, abs=1e-12)  # memory-bound
-    assert extra_ms({"q4_1": bw / 4, "q4_1_xi16": bw / 4}) == pytest.approx(1e3 * 3 * q4_bytes / bw, rel=1e-9)
+    assert extra_ms(dict.fromkeys(every, 1e15)) == pytest.approx(0.0, abs=1e-12)  # memory-bound
+    assert extra_ms(dict.fromkeys(every, bw / 4)) == pytest.approx(1e3 * 3 * q4_bytes / bw, rel=1e-9)
     assert extra_ms({"q4_1": bw / 4}) == pytest.approx(1e3 * 3 * axpy_bytes / bw, rel=1e-9, abs=1e-12)
-    slow = report({"q4_1_xi16": bw / 4})[2]
+    slow = report({"q4_1_r8_xi16": bw / 4})[2]
     rates = slow["cpu_read_rates"]
-    assert rates["q4_1_xi16"] == {"bytes_per_s": bw / 4, "bandwidth_share": 0.25}
-    assert ("q4_1" in rates) == (layout == "neuron-major")
-    assert "q4_1_xi16 5.0 GB/s (25%)" in format_report(slow) and "memory's 20.0 GB/s" in format_report(slow)
+    assert rates["q4_1_r8_xi16"] == {"bytes_per_s": bw / 4, "bandwidth_share": 0.25}
+    assert ("q4_1" in rates) == ("q4_1_xi16" in rates) == (layout == "neuron-major")
+    assert "q4_1_r8_xi16 5.0 GB/s (25%)" in format_report(slow) and "memory's 20.0 GB/s" in format_report(slow)
 
 
 def test_the_partitioner_reads_cpu_ffn_weights_at_their_kernels_rate(tmp_path):

@@ -20,6 +20,7 @@ from picc.cli import main
 from picc.compile import CompileOptions, compile_model, write_compiled
 from picc.errors import PiccError
 from picc.interpreter import Interpreter
+from picc.ir import ops as O
 from picc.ir.types import DType
 from picc.pib import load_pib
 from picc.sparsify import SparsifyOptions
@@ -76,17 +77,45 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     path, pib = compiled(model, tmp_path, "dense", dense=True)
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     # Dot products differ from the interpreter's only in the order of their sums (1e-4). The 4-bit
-    # GEMVs dot x rounded to int16 per block of 32 (the _xi16 kernels), and the interpreter rounds
-    # x as they do; the prefill's GEMMs read the same rounded rows.
+    # GEMVs dot x rounded to int16 per block of 32 (the _xi16 kernels), eight rows at a time from
+    # matrices the .pib stores in the rows8 layout, and the interpreter rounds x as they do (on
+    # the weights load_pib puts back in rows); the prefill's GEMMs read the same rounded rows.
     int_dots = dtype in (DType.Q4_0, DType.Q4_1)
     tol = 1e-4
     with PibFile(path) as f:
-        assert ("_xi16(" in f.text("cpu/ir")) == int_dots
+        assert ("_r8_xi16(" in f.text("cpu/ir")) == int_dots
         assert ("@picc_round_xi16(" in f.text("cpu/ir")) == int_dots
+        layouts = {name: f.tensor(name).layout for name in f.tensor_names}
+    in_rows8 = {name for name, layout in layouts.items() if layout == "rows8"}
+    assert bool(in_rows8) == int_dots and set(layouts.values()) <= {None, "rows8"}
+    for name in in_rows8:  # stored rearranged, read back as the source's rows
+        np.testing.assert_array_equal(pib.weights[name].data, model.weights[name].data)
     assert rel_err(runtime_logits(path, TOKENS), reference) <= tol
     # Two threads split the rows and overlap the independent kernels (no barrier between them).
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= tol
     check_prefill(path, pib, tol)
+
+
+def test_rows8_only_where_every_reader_of_a_matrix_can_read_it(tmp_path):
+    # A tied embedding is read row by row (the embedding lookup) and by the LM head: both keep
+    # the source layout, the head's GEMV dots rows one at a time. Matrices whose rows do not come
+    # in eights (here k and v: one KV head of 12) do too. The rest go eight rows at a time, and
+    # the runtime still computes the interpreter's function.
+    model = tiny_llama("swiglu", n_layers=2, hidden=96, n_heads=8, n_kv_heads=1, n_ff=96,
+                       matrix_dtype=DType.Q4_0, tied=True)
+    path, pib = compiled(model, tmp_path, "tied", dense=True)
+    ops = [op for op in pib.module.ops() if isinstance(op, (O.Linear, O.FFN))]
+    row_by_row = {op.weight for op in ops if isinstance(op, O.Linear) and not op.kernel.endswith("_r8_xi16")}
+    assert all(op.kernel.endswith("_xi16") for op in ops)
+    assert "token_embd" in row_by_row and len(row_by_row) == 1 + 2 * 2  # the head; k and v of both layers
+    assert all(pib.weights[w].shape[0] == 12 for w in row_by_row - {"token_embd"})
+    with PibFile(path) as f:
+        assert f.tensor("token_embd").layout is None
+        assert all(f.tensor(w).layout is None for w in row_by_row)
+        assert all(f.tensor(op.up).layout == "rows8" for op in ops if isinstance(op, O.FFN))
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
 
 
 def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path):
@@ -202,7 +231,7 @@ def test_int_dots_round_x_in_a_sparse_model_as_the_interpreter_does(tmp_path, mo
     sparsity = SparsifyOptions(mode="gate-first", tokens=512, window=64, budget=0.5)
     path, pib = compiled(model, tmp_path, "sparse-q4-int", sparsity=sparsity, int_dots=True)
     kernels = {op.kernel for op in pib.module.ops() if op.kernel}
-    assert "picc_gemv_q4_0_xi16" in kernels and "picc_gemv_q4_0" not in kernels
+    assert "picc_gemv_q4_0_r8_xi16" in kernels and "picc_gemv_q4_0" not in kernels
     assert any(k.startswith("picc_ffn_gate_first") and k.endswith("_xi16") for k in kernels)
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-3

@@ -12,7 +12,8 @@ from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_ffn import FORMS, plus_bias
-from picc.codegen_cpu.rowops import check_dtype, emit_row_bytes, emit_row_to_f32, emit_tiled_rows
+from picc.codegen_cpu.rowops import check_dtype, emit_int_x, emit_row_bytes, emit_row_to_f32, emit_tiled_rows
+from picc.codegen_cpu.rows8 import emit_group_bytes, emit_rows8, emit_rows8_row_to_f32
 from picc.errors import PiccError
 
 GEMV_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("rows", "i32"), ("k", "i32"),
@@ -35,21 +36,38 @@ def _finish(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
     fn.store(F32, total.get(), out, 4)
 
 
+def _check_rows8(rows8: bool, int_dots: bool, *dtypes: str) -> None:
+    if rows8 and not (int_dots and set(dtypes) <= names.INT_DOT_DTYPES):
+        raise PiccError(f"codegen_cpu: the rows8 layout is read by integer dot products of q4_0 / q4_1 "
+                        f"rows, not {', '.join(dtypes)}{'' if int_dots else ' with float x'}")
+
+
 @cache
-def gemv(dtype: str, int_dots: bool = False) -> Kernel:
+def gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel:
     """``y[r] = (accumulate ? y[r] : 0) + W[r, :] . x + bias[r]`` (bias may be null); with
-    ``int_dots``, 4-bit rows dot x rounded to int16 per block (``rowops.emit_tiled_rows``)."""
+    ``int_dots``, 4-bit rows dot x rounded to int16 per block (``rowops.emit_tiled_rows``);
+    with ``rows8`` too, W is in the rows8 layout (rows a multiple of 8), read eight rows at a
+    time (``rows8.emit_rows8``) and threads split its groups of rows."""
     check_dtype(dtype)
-    symbol = names.cpu_gemv(dtype, int_dots)
+    _check_rows8(rows8, int_dots, dtype)
+    symbol = names.cpu_gemv(dtype, int_dots, rows8)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, GEMV_PARAMS)
         rows, k = fn.sext("%rows"), fn.sext("%k")
-        lo, hi = chunk_bounds(fn, rows, fn.sext("%tid"), fn.sext("%nthreads"))
-        mats = [(dtype, "%w", emit_row_bytes(fn, dtype, k))]
-        emit_tiled_rows(fn, mats, "%x", k, lo, hi, simd,
-                        lambda r, dots: _finish(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp")),
-                        int_dots=int_dots)
+
+        def finish(r: str, dots: list[str]) -> None:
+            _finish(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp"))
+
+        if rows8:
+            intx = emit_int_x(fn, "%x", k, {dtype}, rows8=True)
+            assert intx is not None
+            glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {rows}, 3", "groups"), fn.sext("%tid"), fn.sext("%nthreads"))
+            emit_rows8(fn, [(dtype, "%w", emit_group_bytes(fn, dtype, k))], intx, k, glo, ghi, finish)
+        else:
+            lo, hi = chunk_bounds(fn, rows, fn.sext("%tid"), fn.sext("%nthreads"))
+            emit_tiled_rows(fn, [(dtype, "%w", emit_row_bytes(fn, dtype, k))], "%x", k, lo, hi, simd, finish,
+                            int_dots=int_dots)
         fn.ret_void()
         return fn.text()
 
@@ -66,12 +84,14 @@ def dense_ffn_scratch_bytes(n: int) -> int:
 
 
 @cache
-def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, int_dots: bool = False) -> Kernel:
+def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, int_dots: bool = False,
+              rows8: bool = False) -> Kernel:
     """A dense FFN in the source layout (down [hidden, n]): ``y = (accumulate ? y : 0) + (down (h) + down_bias)``.
 
     Threads split the n rows of up (and gate), computing ``h`` of the form into ``scratch`` (4 n
     bytes), meet at the barrier, then split the rows of down: two GEMV phases in one call.
-    ``int_dots``: 4-bit rows dot x (and h) rounded to int16 per block, as :func:`gemv`.
+    ``int_dots``: 4-bit rows dot x (and h) rounded to int16 per block, as :func:`gemv`; ``rows8``:
+    every matrix in the rows8 layout (n and hidden multiples of 8), as :func:`gemv`.
     """
     if form not in FORMS:
         raise PiccError(f"codegen_cpu: FFN form {form!r} is not one of {', '.join(FORMS)}")
@@ -80,7 +100,8 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
         raise PiccError(f"codegen_cpu: FFN form {form!r} {'needs' if spec.gated else 'takes no'} gate weights")
     for d in (up_dtype, gate_dtype or "f32", down_dtype):
         check_dtype(d)
-    symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype, int_dots)
+    _check_rows8(rows8, int_dots, up_dtype, gate_dtype or up_dtype, down_dtype)
+    symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype, int_dots, rows8)
     act = f"@picc_act_{spec.act}"
 
     def emit(simd: str) -> str:
@@ -102,14 +123,28 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
                 value = fn.v(f"call float {act}(float {u})", "h")
             fn.store(F32, value, fn.at("%scratch", 4, r), 4)
 
-        lo, hi = chunk_bounds(fn, n, tid, nthreads)
-        emit_tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h, int_dots=int_dots)
+        def out(r: str, dots: list[str]) -> None:
+            _finish(fn, dots[0], "%down_bias", r, fn.at("%y", 4, r, "yp"))
+
+        if rows8:
+            intx = emit_int_x(fn, "%x", hidden, {up_dtype, gate_dtype or up_dtype}, rows8=True)
+            assert intx is not None
+            glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {n}, 3", "groups"), tid, nthreads)
+            emit_rows8(fn, [(d, base, emit_group_bytes(fn, d, hidden)) for d, base, _ in mats], intx, hidden,
+                       glo, ghi, h)
+        else:
+            lo, hi = chunk_bounds(fn, n, tid, nthreads)
+            emit_tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h, int_dots=int_dots)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
-        lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
-        down = [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))]
-        emit_tiled_rows(fn, down, "%scratch", n, lo2, hi2, simd,
-                        lambda r, dots: _finish(fn, dots[0], "%down_bias", r, fn.at("%y", 4, r, "yp")),
-                        int_dots=int_dots)
+        if rows8:
+            hx = emit_int_x(fn, "%scratch", n, {down_dtype}, rows8=True)
+            assert hx is not None
+            glo2, ghi2 = chunk_bounds(fn, fn.v(f"lshr i64 {hidden}, 3", "groups"), tid, nthreads)
+            emit_rows8(fn, [(down_dtype, "%down", emit_group_bytes(fn, down_dtype, n))], hx, n, glo2, ghi2, out)
+        else:
+            lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
+            down = [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))]
+            emit_tiled_rows(fn, down, "%scratch", n, lo2, hi2, simd, out, int_dots=int_dots)
         fn.ret_void()
         return fn.text()
 
@@ -141,14 +176,17 @@ def dot_grid(fn: Fn, wrows: list[str], xs: list[str], k: str) -> list[list[str]]
 
 
 @cache
-def gemm(dtype: str) -> Kernel:
+def gemm(dtype: str, rows8: bool = False) -> Kernel:
     """``Y[s, r] = (accumulate ? Y[s, r] : 0) + W[r, :] . X[s, :] + bias[r]`` for s < seq.
 
     Weight rows go two at a time, each dequantised once into a stack buffer, against the prompt's
     rows four at a time (:func:`dot_grid`), so the weights are read from memory once per call.
+    ``rows8``: W in the rows8 layout (what the step's ``_r8_xi16`` kernels read), dequantised to
+    the same floats.
     """
     check_dtype(dtype)
-    symbol = names.cpu_gemm(dtype)
+    _check_rows8(rows8, True, dtype)
+    symbol = names.cpu_gemm(dtype, rows8)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, GEMM_PARAMS)
@@ -165,7 +203,10 @@ def gemm(dtype: str) -> Kernel:
             wrows = []
             for r, buf in zip(rs, bufs, strict=False):
                 row = fn.gep("%w", fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
-                if dtype == "f32":
+                if rows8:
+                    emit_rows8_row_to_f32(fn, dtype, "%w", r, buf, k, simd)
+                    wrows.append(buf)
+                elif dtype == "f32":
                     wrows.append(row)
                 else:
                     emit_row_to_f32(fn, dtype, row, buf, k, simd)

@@ -14,7 +14,8 @@ that one. Memory is named by index into ``bufs``:
 * ``bufs[0]`` the barrier state, ``bufs[1]`` the per-token parameters (i32: ``pos``, ``token``,
   and the greedy token the step writes), ``bufs[2]`` a vector of zeros;
 * then each weight the kernels read, by name (the .pib's tensors; vectors that kernels read as
-  f32 -- norms, biases, rotary frequencies -- are stored as extra f32 tensors ``cpu.f32.<name>``);
+  f32 -- norms, biases, rotary frequencies -- are stored as extra f32 tensors ``cpu.f32.<name>``;
+  the 4-bit matrices of ``_r8_xi16`` kernels are stored in the rows8 layout, :attr:`CpuProgram.layouts`);
 * then the activations (one buffer; each value at a 64-byte aligned offset, including the values
   that arrive from the GPU), the KV caches, and the kernels' shared scratch.
 
@@ -77,6 +78,11 @@ def _int_dots(op: Op) -> bool:
     return names.dots_int16_x(op.kernel)
 
 
+def _rows8(op: Op) -> bool:
+    """Whether ``op``'s kernel reads its 4-bit matrices in the rows8 layout."""
+    return names.reads_rows8(op.kernel)
+
+
 def _adds_in_place(op: Op) -> bool:
     """Whether ``op``'s decode kernel can add its result to what its output buffer holds."""
     return isinstance(op, (O.Linear, FusedFFN)) or (type(op) is O.FFN and not op.neuron_major)
@@ -129,6 +135,7 @@ class CpuProgram:
     greedy: bool = False  # the CPU step writes the greedy token to params
     prefill: dict | None = None  # {"symbol", "tokens" (buffer index), "chunk"}: the batched prefill program
     logits_chunk: dict | None = None  # the same, with the head: + {"logits": {"buffer", "offset", "n"}}
+    layouts: dict[str, str] = field(default_factory=dict)  # weight -> "rows8": how the .pib must store it
 
     def manifest(self, simd: str) -> dict:
         """What the runtime needs besides the code."""
@@ -213,6 +220,7 @@ class _Lowering:
         self.chunk_slots: tuple[int, int] | None = None  # the chunk programs' activations and tokens
         self.xi16_slot: int | None = None  # the chunk programs' rows rounded to int16 (see gemm_input)
         self.xi16_holds: str | None = None  # the value whose rounded rows the slot holds now
+        self.row_weights: set[str] = set()  # weights some kernel reads in their own (row) layout
         # Decode: producer's result -> (the add that reads it, the residual it is added to).
         self.residual_adds = self._residual_adds()
         self.adds_done_by_producers = {add.result for add, _ in self.residual_adds.values()}
@@ -264,11 +272,19 @@ class _Lowering:
         self.out.buffers.append({"kind": "alloc", "name": name, "nbytes": nbytes})
         return len(self.out.buffers) - 1
 
-    def weight(self, name: str | None, *, as_f32: bool = False, offset: int = 0) -> Buf | Null:
-        """A weight's buffer; ``as_f32`` stores vectors the kernels read as f32 in f32."""
+    def weight(self, name: str | None, *, as_f32: bool = False, offset: int = 0, rows8: bool = False) -> Buf | Null:
+        """A weight's buffer; ``as_f32`` stores vectors the kernels read as f32 in f32; ``rows8``
+        stores a 4-bit matrix in the rows8 layout (every kernel that reads it must ask for it)."""
         if name is None:
             return Null()
         t = self.weights[name]
+        if not as_f32:
+            if name in (self.row_weights if rows8 else self.out.layouts):
+                raise PiccError(f"codegen_cpu: weight @{name} is read both in the rows8 layout and row by row")
+            if rows8:
+                self.out.layouts[name] = "rows8"
+            else:
+                self.row_weights.add(name)
         if as_f32 and t.dtype != DType.F32:
             converted = f"cpu.f32.{name}"
             if converted not in self.out.extra:
@@ -383,13 +399,14 @@ class _Lowering:
                 # Prefill: a GEMM reads each weight row once for all the chunk's tokens.
                 w = self.weights[op.weight]
                 x, access = self.gemm_input(op, op.x, int(w.shape[1]), op.weight)
-                self.call(op, kernels_dense.gemm(w.dtype.value), self.weight(op.weight), x,
-                          self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
+                self.call(op, kernels_dense.gemm(w.dtype.value, _rows8(op)), self.weight(op.weight, rows8=_rows8(op)),
+                          x, self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
                           int(w.shape[0]), int(w.shape[1]), 0, check=False, batched=True, access=access)
             case O.Linear():
                 w = self.weights[op.weight]
                 y, accumulate, writes = self.output(op)
-                self.call(op, kernels_dense.gemv(w.dtype.value, _int_dots(op)), self.weight(op.weight),
+                self.call(op, kernels_dense.gemv(w.dtype.value, _int_dots(op), _rows8(op)),
+                          self.weight(op.weight, rows8=_rows8(op)),
                           self.value(op.x), self.weight(op.bias, as_f32=True), y, int(w.shape[0]), int(w.shape[1]),
                           accumulate, writes=writes)
             case O.Add() if self.chunk is None and op.result in self.adds_done_by_producers:
@@ -465,10 +482,12 @@ class _Lowering:
             return
         gate = self.weights[op.gate].dtype.value if op.gate else None
         kernel = kernels_dense.dense_ffn(op.form, up.dtype.value, gate, self.weights[op.down].dtype.value,
-                                         _int_dots(op))
+                                         _int_dots(op), _rows8(op))
         self.scratch = max(self.scratch, kernels_dense.dense_ffn_scratch_bytes(n))
         y, accumulate, writes = self.output(op)
-        self.call(op, kernel, self.value(op.x), self.weight(op.up), self.weight(op.gate), self.weight(op.down),
+        r8 = _rows8(op)
+        self.call(op, kernel, self.value(op.x), self.weight(op.up, rows8=r8), self.weight(op.gate, rows8=r8),
+                  self.weight(op.down, rows8=r8),
                   self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True),
                   self.weight(op.down_bias, as_f32=True), y, Buf(self.scratch_index), n, hidden, accumulate,
                   writes=writes)
@@ -484,9 +503,9 @@ class _Lowering:
 
         def gemm(weight: str, bias: str | None, src: Buf, dst: Buf, out: int, k: int,
                  access: _Access | None = None) -> None:
-            kernel = kernels_dense.gemm(self.weights[weight].dtype.value)
-            self.call(op, kernel, self.weight(weight), src, self.weight(bias, as_f32=True), dst, rows, out, k, 0,
-                      check=False, batched=True, access=access)
+            kernel = kernels_dense.gemm(self.weights[weight].dtype.value, _rows8(op))
+            self.call(op, kernel, self.weight(weight, rows8=_rows8(op)), src, self.weight(bias, as_f32=True), dst,
+                      rows, out, k, 0, check=False, batched=True, access=access)
 
         gemm(op.up, op.up_bias, x, u, n, hidden, up_access)
         if op.gate:

@@ -6,12 +6,14 @@ also takes arithmetic per byte (a 4-bit byte holds two weights to unpack, conver
 and where the two are close they do not overlap perfectly. On the 2-core build machine, two
 threads, against 35 GB/s of read bandwidth: the q4_1 GEMV reads ~15 GB/s from cache as from
 memory (its arithmetic bounds it); the q8_0 GEMV ~33 GB/s from L2 but ~21 from memory; the f32
-GEMV ~27. The cost model (``picc.plan_report``, ``picc.partition``) needs these rates to estimate
-quantized models, whose bytes alone promised 258 tok/s for SmolLM2 Q4_1 where it decodes ~175.
+GEMV ~27 (the first version's figures; ``docs/codegen_cpu.md`` has today's). The cost model
+(``picc.plan_report``, ``picc.partition``) needs these rates to estimate quantized models, whose
+bytes alone promised 258 tok/s for SmolLM2 Q4_1 where it decoded ~175.
 
 :func:`measure_kernel_rates` times picc's own GEMV in each format (and the ``_xi16`` variants,
-which dot int16-rounded x) streaming a matrix several times the size of any L3 cache, with every
-thread the caller asks for, and reports bytes of weights read per second. ``picc.targets``
+which dot int16-rounded x, rows one at a time and eight at a time from the rows8 layout)
+streaming a matrix several times the size of any L3 cache, with every thread the caller asks
+for, and reports bytes of weights read per second. ``picc.targets``
 measures it once per host and caches it beside the bandwidth.
 """
 
@@ -28,6 +30,7 @@ from picc import quant
 from picc.codegen_cpu.kernels_dense import gemv
 from picc.codegen_cpu.program import Buf, Null, Program, buffer_table
 from picc.codegen_cpu.rowops import row_bytes
+from picc.codegen_cpu.rows8 import to_rows8
 from picc.codegen_cpu.threads import ThreadTeam, aligned_zeros, huge_zeros
 
 _K = 1024  # row length
@@ -45,22 +48,26 @@ def measure_kernel_rates(threads: int, repeats: int = 5, nbytes: int = _BYTES) -
     x = rng.normal(size=_K).astype(np.float32)
     programs, shapes = [], []
     for key in names.CPU_RATE_KEYS:
-        dtype, int_dots = key.removesuffix(names.INT_DOTS_SUFFIX), key.endswith(names.INT_DOTS_SUFFIX)
+        int_dots = key.endswith(names.INT_DOTS_SUFFIX)
+        in_rows8 = key.endswith(names.ROWS8_SUFFIX + names.INT_DOTS_SUFFIX)
+        dtype = key.removesuffix(names.INT_DOTS_SUFFIX).removesuffix(names.ROWS8_SUFFIX)
         rows = max(_TILE_ROWS, nbytes // row_bytes(dtype, _K) // _TILE_ROWS * _TILE_ROWS)
         prog = Program(f"picc_rate_{key}", sync=0)
-        prog.call(gemv(dtype, int_dots), Buf(2), Buf(1), Null(), Buf(3), rows, _K, 0)
+        prog.call(gemv(dtype, int_dots, in_rows8), Buf(2), Buf(1), Null(), Buf(3), rows, _K, 0)
         programs.append(prog)
-        shapes.append((dtype, rows))
+        shapes.append((dtype, rows, in_rows8))
     module = compile_kernels([], programs)
     steps = [module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]) for p in programs]
     # One matrix at a time, in 2 MiB pages, holding real weights: random bits could be
     # denormals, which some CPUs multiply slowly.
-    w = huge_zeros(max(rows * row_bytes(dtype, _K) for dtype, rows in shapes))
-    y = aligned_zeros(4 * max(rows for _, rows in shapes))
+    w = huge_zeros(max(rows * row_bytes(dtype, _K) for dtype, rows, _ in shapes))
+    y = aligned_zeros(4 * max(rows for _, rows, _ in shapes))
     rates = {}
     with ThreadTeam(threads) as team:
-        for key, step, (dtype, rows) in zip(names.CPU_RATE_KEYS, steps, shapes, strict=True):
+        for key, step, (dtype, rows, in_rows8) in zip(names.CPU_RATE_KEYS, steps, shapes, strict=True):
             tile = quant.quantize(rng.normal(0, _K**-0.5, size=(_TILE_ROWS, _K)).astype(np.float32), dtype)
+            if in_rows8:  # whole groups of eight rows: copies of the tile are a rows8 matrix too
+                tile = to_rows8(tile, dtype, (_TILE_ROWS, _K))
             tile = tile.reshape(-1).view(np.uint8)
             size = rows * row_bytes(dtype, _K)
             w[:size].reshape(-1, tile.size)[:] = tile

@@ -12,13 +12,16 @@ layer's ``add`` of its hot and cold parts becomes a ``merge`` that also adds the
 Dense linears name their GEMV kernel; a dense FFN kept in the source layout (a CPU-only dense
 compile) names the CPU's dense FFN kernel. In a module where nothing decides sparsity (no
 predictor, every fused FFN dense), the CPU's GEMVs and FFNs of q4_0 / q4_1 weights are the
-``_xi16`` variants, which dot the 4-bit rows with x rounded to int16 per block of 32 (1.2-1.4x
-faster; each element within 2^-16 of its block's largest |x|). The rounding is part of what the
-op computes (the interpreter rounds as the kernel does). Sparse modules keep float dot products
-(``int_dots=no`` keeps them everywhere, ``int_dots=yes`` rounds in sparse modules too): rounding
-makes a dot product a step function of x, so the float-rounding noise between the runtime and
-the interpreter (~1e-7) now and then moves an element across a rounding boundary, a whole int16
-step; on SmolLM2 gate-first the two then differed by ~2e-5 instead of ~2e-6 at the first token,
+``_xi16`` variants, which dot the 4-bit rows with x rounded to int16 per block of 32, as llama.cpp
+does (each element within 1/254 of its block's largest |x|; SmolLM2 Q4_1's PTB perplexity
++0.27%), and read matrices whose rows come in eights in the rows8 layout (``_r8_xi16``; not a
+weight another op reads too, such as an embedding tied to the LM head): twice as fast as float
+dot products on Zen 3. The rounding is part of what the op computes (the interpreter rounds as
+the kernel does). Sparse modules keep float dot products (``int_dots=no`` keeps them
+everywhere, ``int_dots=yes`` rounds in sparse modules too): rounding makes a dot product a step
+function of x, so the float-rounding noise between the runtime and the interpreter (~1e-7) now
+and then moves an element across a rounding boundary, a whole rounding step; on SmolLM2
+gate-first (with int16 x, before int16) the two then differed by ~2e-5 instead of ~2e-6 at the first token,
 and decisions that far from their threshold flipped (int dots there decode 1.16x faster at the
 same perplexity, the logits then following the interpreter to ~1e-2 rather than ~1e-6; see
 docs/codegen_cpu.md). Either way the interpreter computes what the kernels compute.
@@ -31,6 +34,7 @@ kernel; the module computes the same function (partial sums are added in another
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -157,5 +161,7 @@ def fuse_gather_gemv(module: Module, ctx: PassContext) -> Module:
     types = Types(staged.function().value_types(), staged.weight_types())
     kv_ctx = int(module.attr("ctx", mp.DEFAULT_CTX) or mp.DEFAULT_CTX)
     rounded = int_dots == "yes" or (int_dots == "auto" and not any(decides_sparsity(op) for op in ops))
-    named = tuple(replace(op, kernel=kernel_of(op, types, kv_ctx, int_dots=rounded)) for op in ops)
+    readers = Counter(w for op in ops for w in set(op.weights()) if w is not None)
+    shared = frozenset(w for w, n in readers.items() if n > 1)
+    named = tuple(replace(op, kernel=kernel_of(op, types, kv_ctx, int_dots=rounded, shared=shared)) for op in ops)
     return staged.with_function(replace(staged.function(), ops=named)).with_used_weights_only()

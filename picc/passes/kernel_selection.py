@@ -35,9 +35,18 @@ def _no_kernel(op: Op, device: str, hint: str) -> PiccError:
     return PiccError(f"%{op.result}: op {op.NAME} has no {device} kernel{hint}")
 
 
-def cpu_kernel(op: Op, t: Types, int_dots: bool = False) -> str:  # noqa: C901 - one case per op
+def rows8_fits(t: Types, weights: tuple[str | None, ...], shared: frozenset[str]) -> bool:
+    """Whether the 4-bit ``weights`` (all given) can be stored in the rows8 layout for one kernel:
+    shapes that fit it, and no other op reading them (an embedding tied to its LM head reads rows)."""
+    return all(w is not None and w not in shared and names.rows8_fits(t.fmt(w) or "", *t.dims(w)) for w in weights)
+
+
+def cpu_kernel(op: Op, t: Types, int_dots: bool = False,  # noqa: C901 - one case per op
+               shared: frozenset[str] = frozenset()) -> str:
     """The CPU kernel that computes ``op``; ``int_dots``: the integer dot product variants of
-    GEMVs and FFNs over 4-bit weights (``_xi16``; for modules that decide no sparsity)."""
+    GEMVs and FFNs over 4-bit weights (``_xi16``; for modules that decide no sparsity), which read
+    the matrices in the rows8 layout where :func:`rows8_fits` (``shared``: the weights more than
+    one op reads)."""
     match op:
         case O.Embed():
             return names.cpu_embed(t.fmt(op.table) or "")
@@ -46,7 +55,7 @@ def cpu_kernel(op: Op, t: Types, int_dots: bool = False) -> str:  # noqa: C901 -
         case O.LayerNorm():
             return names.cpu_norm("layer_norm")
         case O.Linear():
-            return names.cpu_gemv(t.fmt(op.weight) or "", int_dots)
+            return names.cpu_gemv(t.fmt(op.weight) or "", int_dots, int_dots and rows8_fits(t, (op.weight,), shared))
         case O.Rope():
             return names.cpu_rope(op.style)
         case O.Attention() if op.alibi == "none":
@@ -63,8 +72,9 @@ def cpu_kernel(op: Op, t: Types, int_dots: bool = False) -> str:  # noqa: C901 -
             return names.cpu_fused_ffn(op.mode, op.form, t.fmt(up) or "", t.fmt(gate), t.fmt(op.down) or "",
                                        op.interleaved, int_dots)
         case O.FFN() if not op.neuron_major and type(op) is O.FFN:
+            weights = (op.up, op.gate, op.down) if op.gate else (op.up, op.down)
             return names.cpu_dense_ffn(op.form, t.fmt(op.up) or "", t.fmt(op.gate), t.fmt(op.down) or "",
-                                       int_dots)
+                                       int_dots, int_dots and rows8_fits(t, weights, shared))
     hint = " (ALiBi attention runs in the interpreter only)" if isinstance(op, O.Attention) else ""
     raise _no_kernel(op, "CPU", hint)
 
@@ -131,8 +141,8 @@ def gpu_kernel_of_ffn(op: FusedFFN, t: Types, hint: str) -> str:
     return names.gpu_fused_ffn(op.mode, op.form, hidden, n, formats.pop() or "", bias)
 
 
-def kernel_of(op: Op, t: Types, ctx: int, int_dots: bool = False) -> str:
+def kernel_of(op: Op, t: Types, ctx: int, int_dots: bool = False, shared: frozenset[str] = frozenset()) -> str:
     """The kernel of ``op`` on the device its type places it on (unplaced ops run on the CPU)."""
     if op.type.placement == Placement.GPU:
         return gpu_kernel(op, t, ctx)
-    return cpu_kernel(op, t, int_dots)
+    return cpu_kernel(op, t, int_dots, shared)
