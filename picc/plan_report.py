@@ -168,6 +168,9 @@ def format_report(report: dict) -> str:
                  f"GPU {est['dense_gpu']:.3f} + dense CPU {est['dense_cpu']:.3f} + FFN {est['ffn']:.3f} "
                  f"(GPU {est['ffn_gpu']:.3f} || CPU {est['ffn_cpu']:.3f}) + {report['transfers_per_token']} "
                  f"transfers {est['transfers']:.3f})")
+    if report.get("dense_estimate_tokens_per_s"):  # a sparse CPU-only compile, weighed against --dense
+        lines.append(f"the same model compiled --dense: {report['dense_estimate_tokens_per_s']:.1f} tokens/s "
+                     "estimated")
     rates = report.get("cpu_read_rates", {})  # absent in reports of .pib files from before it
     if rates:
         listed = ", ".join(f"{key} {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['bandwidth_share']:.0f}%)"

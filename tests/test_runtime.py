@@ -23,6 +23,7 @@ from picc.interpreter import Interpreter
 from picc.ir import ops as O
 from picc.ir.types import DType
 from picc.pib import load_pib
+from picc.plan_report import format_report
 from picc.sparsify import SparsifyOptions
 from runtime.cpu import ExecutorError
 from runtime.pib import PibFile
@@ -219,6 +220,22 @@ def test_a_model_that_decides_sparsity_keeps_float_dot_products(tmp_path, monkey
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)
+
+
+def test_a_sparse_cpu_compile_is_weighed_against_the_dense_one(tmp_path, monkeypatch):
+    # The cost model's estimate of the same model compiled --dense goes in the report (picc
+    # inspect prints it) and, when it beats the sparse one's, in a note at compile time.
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = with_tokenizer(tiny_llama("reglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0))
+    sparsity = SparsifyOptions(mode="gate-first", tokens=512, window=64, budget=0.5)
+    said: list[str] = []
+    result = compile_model(model, CompileOptions(sparsity=sparsity), say=said.append)
+    dense = compile_model(model, CompileOptions(dense=True), say=lambda _: None)
+    assert result.report["dense_estimate_tokens_per_s"] == pytest.approx(dense.report["estimate_tokens_per_s"])
+    assert "dense_estimate_tokens_per_s" not in dense.report
+    faster = dense.report["estimate_tokens_per_s"] > 1.05 * result.report["estimate_tokens_per_s"]
+    assert any(line.startswith("note: the cost model estimates") for line in said) == faster
+    assert "the same model compiled --dense:" in format_report(result.report)
 
 
 def test_int_dots_round_x_in_a_sparse_model_as_the_interpreter_does(tmp_path, monkeypatch):
