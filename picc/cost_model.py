@@ -20,13 +20,14 @@ def weight_bytes(weights: WeightStore, name: str | None) -> int:
 
 
 def cpu_weight_reads(weights: WeightStore, names: Iterable[str | None], int_dots: bool,
-                     axpy: str | None = None, rows8: bool = False) -> list[tuple[int, str]]:
+                     axpy: str | None = None, rows8: Iterable[str | None] = ()) -> list[tuple[int, str]]:
     """(bytes, CPU rate key) of each named weight as a CPU kernel reads it: with ``int_dots`` (an
     ``_xi16`` kernel) 4-bit rows are dotted in integers, except the ``axpy`` weight's (a
-    neuron-major down projection, whose rows are AXPYs of h); with ``rows8`` too (an ``_r8_xi16``
-    kernel), eight at a time from the rows8 layout."""
+    neuron-major down projection, whose rows are AXPYs of h); the ``rows8`` weights are read
+    eight rows at a time from the rows8 layout."""
+    in_rows8 = set(rows8)
     return [(weight_bytes(weights, w),
-             kernel_names.cpu_rate_key(weights[w].dtype.value, int_dots and w != axpy, rows8 and w != axpy))
+             kernel_names.cpu_rate_key(weights[w].dtype.value, int_dots and w != axpy, w in in_rows8))
             for w in names if w]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 INT_DOT_DTYPES = frozenset({"q4_0", "q4_1"})  # formats with an integer dot product variant
 INT_DOTS_SUFFIX = "_xi16"
-ROWS8_SUFFIX = "_r8"  # before INT_DOTS_SUFFIX: the kernel reads its 4-bit matrices eight rows at a time
+ROWS8_SUFFIX = "_r8"  # (before INT_DOTS_SUFFIX) the kernel reads its 4-bit matrices eight rows at a time
 
 
 def _int_suffix(int_dots: bool, *dtypes: str | None) -> str:
@@ -30,16 +30,21 @@ def _int_suffix(int_dots: bool, *dtypes: str | None) -> str:
 CPU_WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 # The keys of a CPU's kernel-rate table (``picc.targets``, ``picc.codegen_cpu.rates``): how fast
 # its kernels consume the weights of each format when memory is not the limit: rows one at a
-# time with float x, with int16 x (``_xi16``), and eight at a time with int16 x (``_r8_xi16``).
+# time with float x, with int16 x (``_xi16``), and the 4-bit formats eight rows at a time from
+# the rows8 layout with float x (``_r8``) and int16 x (``_r8_xi16``).
 CPU_RATE_KEYS = (CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
+                 + tuple(d + ROWS8_SUFFIX for d in sorted(INT_DOT_DTYPES))
                  + tuple(d + ROWS8_SUFFIX + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES)))
+
+
+def _rows8_suffix(rows8: bool, *dtypes: str | None) -> str:
+    return ROWS8_SUFFIX if rows8 and {d for d in dtypes if d} <= INT_DOT_DTYPES else ""
 
 
 def cpu_rate_key(dtype: str, int_dots: bool, rows8: bool = False) -> str:
     """The rate-table key of a CPU kernel reading ``dtype`` rows (``int_dots``: an ``_xi16``
-    kernel; ``rows8``: one that reads the matrix in the rows8 layout)."""
-    suffix = _int_suffix(int_dots, dtype)
-    return dtype + (ROWS8_SUFFIX if rows8 and suffix else "") + suffix
+    kernel; ``rows8``: one that reads a 4-bit matrix in the rows8 layout)."""
+    return dtype + _rows8_suffix(rows8, dtype) + _int_suffix(int_dots, dtype)
 
 
 def dots_int16_x(kernel: str | None) -> bool:
@@ -57,13 +62,12 @@ def rows8_fits(dtype: str, rows: int, k: int) -> bool:
 def reads_rows8(kernel: str | None) -> bool:
     """Whether a CPU kernel of that name reads its weight matrices in the rows8 layout
     (``picc.codegen_cpu.rows8``): how the compiler stores them for it."""
-    return (kernel or "").endswith(ROWS8_SUFFIX + INT_DOTS_SUFFIX)
+    return (kernel or "").removesuffix(INT_DOTS_SUFFIX).endswith(ROWS8_SUFFIX)
 
 
 def cpu_gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> str:
-    """``rows8`` (with ``int_dots``, 4-bit ``dtype``): the matrix in the rows8 layout."""
-    suffix = _int_suffix(int_dots, dtype)
-    return f"picc_gemv_{dtype}{ROWS8_SUFFIX if rows8 and suffix else ''}{suffix}"
+    """``rows8`` (4-bit ``dtype``): the matrix in the rows8 layout."""
+    return f"picc_gemv_{dtype}{_rows8_suffix(rows8, dtype)}{_int_suffix(int_dots, dtype)}"
 
 
 def cpu_gemm(dtype: str, rows8: bool = False) -> str:
@@ -91,26 +95,30 @@ def cpu_predictor(fc1: str, fc2: str) -> str:
 
 
 def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
-                  int_dots: bool = False) -> str:
+                  int_dots: bool = False, gate_rows8: bool = False) -> str:
     """The fused FFN kernel; ``interleaved`` reads up and gate rows side by side (``up_gate``);
     ``int_dots``: up and gate rows dot x rounded to int16 when both are 4-bit (the kernel, and
-    its prefill twin, read one x for the two; down is an AXPY: no dot)."""
+    its prefill twin, read one x for the two; down is an AXPY: no dot); ``gate_rows8``: a
+    gate-first kernel reads its (dense) 4-bit gate matrix in the rows8 layout."""
     both_4bit = {up, gate or up} <= INT_DOT_DTYPES
-    layout = ("_il" if interleaved else "") + _int_suffix(int_dots and both_4bit, up)
+    rows8 = _rows8_suffix(gate_rows8 and mode == "gate-first", gate or "f32")
+    layout = ("_il" if interleaved else "") + rows8 + _int_suffix(int_dots and both_4bit, up)
     return f"picc_ffn_{mode.replace('-', '_')}_{form}_{up}_{gate or 'none'}_{down}{layout}"
 
 
-def cpu_chunk_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool) -> str:
+def cpu_chunk_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
+                  gate_rows8: bool = False) -> str:
     """The fused FFN kernel of the prefill program: a chunk of tokens, each with its own active set."""
-    return cpu_fused_ffn(mode, form, up, gate, down, interleaved).replace("picc_ffn_", "picc_ffn_chunk_", 1)
+    return cpu_fused_ffn(mode, form, up, gate, down, interleaved,
+                         gate_rows8=gate_rows8).replace("picc_ffn_", "picc_ffn_chunk_", 1)
 
 
 def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, int_dots: bool = False,
                   rows8: bool = False) -> str:
     """A dense FFN in the source model's layout (down [hidden, n_ff]): GEMVs, one kernel.
-    ``rows8`` (with ``int_dots``, every matrix 4-bit): its matrices in the rows8 layout."""
-    suffix = _int_suffix(int_dots, up, gate, down)
-    return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}{ROWS8_SUFFIX if rows8 and suffix else ''}{suffix}"
+    ``rows8`` (every matrix 4-bit): its matrices in the rows8 layout."""
+    rows8_part = _rows8_suffix(rows8, up, gate, down)
+    return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}{rows8_part}{_int_suffix(int_dots, up, gate, down)}"
 
 
 # --- GPU: one TVM kernel per operation, shape and weight format -----------------------------------

@@ -42,8 +42,9 @@ def _read_seconds(target: Target, where: Placement | None, parts: list[tuple[int
 def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
     """Each weight of ``op`` as (bytes, the rate key of the kernel reading it). A fused FFN's down
     rows are neuron-major AXPYs; a dense FFN in the source layout dots its down rows with h."""
+    rows8 = () if not names.reads_rows8(op.kernel) else (op.gate,) if isinstance(op, FusedFFN) else op.weights()
     return cpu_weight_reads(weights, op.weights(), names.dots_int16_x(op.kernel),
-                            axpy=op.down if isinstance(op, FusedFFN) else None, rows8=names.reads_rows8(op.kernel))
+                            axpy=op.down if isinstance(op, FusedFFN) else None, rows8=rows8)
 
 
 def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.MemoryPlan) -> dict:

@@ -16,6 +16,7 @@ from test_codegen_cpu_kernels import QUANT_TOL, act64, gap_threshold, rel_err, r
 from picc.codegen_cpu import SYNC_BYTES, Buf, Param, Program, aligned_zeros, buffer_table, compile_kernels
 from picc.codegen_cpu.kernels_ffn import FORMS, predictor, predictor_scratch_bytes
 from picc.codegen_cpu.kernels_prefill import chunk_ffn, chunk_ffn_scratch_bytes
+from picc.codegen_cpu.rows8 import to_rows8
 
 DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 THREADS = (1, 2, 3)
@@ -27,6 +28,7 @@ CASES = ([("predictor", "swiglu", d, il) for d in DTYPES for il in (False, True)
 
 def _kernels():
     ks = [chunk_ffn(m, f, d, d if FORMS[f].gated else None, d, il) for m, f, d, il in CASES]
+    ks += [chunk_ffn("gate-first", "swiglu", d, d, d, gate_rows8=r8) for d in ("q4_0", "q4_1") for r8 in (False, True)]
     return ks + [predictor("f32", "f32")]
 
 
@@ -111,6 +113,19 @@ def test_chunk_ffn_gives_each_token_its_own_active_set(host, teams, mode, form, 
         thr = gap_threshold(scores.ravel(), keep)
         y = case.run(host, teams[threads], kernel, threshold=thr, interleaved=interleaved)
         assert rel_err(y, case.reference(np.abs(scores) > thr)) <= tol(dtype), keep
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_chunk_ffn_reads_a_rows8_gate_as_its_rows(host, teams, dtype):
+    # A gate-first FFN whose gate the decode kernel reads eight rows at a time (rows8 layout):
+    # the prefill dequantises each gate row to the floats of the row layout, the same bits.
+    case = ChunkCase("swiglu", dtype, seq=6, n=64, seed=5)
+    thr = gap_threshold(case.act_gate().ravel(), 0.4)
+    rows = case.run(host, teams[3], chunk_ffn("gate-first", "swiglu", dtype, dtype, dtype), threshold=thr)
+    case.gate_raw = to_rows8(case.gate_raw, dtype, (case.n, case.hidden))
+    kernel = chunk_ffn("gate-first", "swiglu", dtype, dtype, dtype, gate_rows8=True)
+    np.testing.assert_array_equal(case.run(host, teams[3], kernel, threshold=thr), rows)
+    assert rel_err(rows, case.reference(np.abs(case.act_gate()) > thr)) <= tol(dtype)
 
 
 def test_chunk_ffn_of_one_token_is_deterministic_and_skips_dead_neurons(host, teams):

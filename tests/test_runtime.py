@@ -201,7 +201,7 @@ def test_float_dots_keep_a_dense_q4_model_at_float_rounding(tmp_path):
     model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.Q4_1)
     path, pib = compiled(model, tmp_path, "dense-float", dense=True, float_dots=True)
     kernels = {op.kernel for op in pib.module.ops()}
-    assert "picc_gemv_q4_1" in kernels and not any(k.endswith("_xi16") for k in kernels if k)
+    assert "picc_gemv_q4_1_r8" in kernels and not any(k.endswith("_xi16") for k in kernels if k)
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
 
@@ -216,7 +216,7 @@ def test_a_model_that_decides_sparsity_keeps_float_dot_products(tmp_path, monkey
     sparsity = SparsifyOptions(mode="gate-first", tokens=512, window=64, budget=0.5)
     path, pib = compiled(model, tmp_path, "sparse-q4", sparsity=sparsity)
     kernels = {op.kernel for op in pib.module.ops()}
-    assert "picc_gemv_q4_0" in kernels and not any(k.endswith("_xi16") for k in kernels if k)
+    assert "picc_gemv_q4_0_r8" in kernels and not any(k.endswith("_xi16") for k in kernels if k)
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)
@@ -248,7 +248,7 @@ def test_int_dots_round_x_in_a_sparse_model_as_the_interpreter_does(tmp_path, mo
     sparsity = SparsifyOptions(mode="gate-first", tokens=512, window=64, budget=0.5)
     path, pib = compiled(model, tmp_path, "sparse-q4-int", sparsity=sparsity, int_dots=True)
     kernels = {op.kernel for op in pib.module.ops() if op.kernel}
-    assert "picc_gemv_q4_0_r8_xi16" in kernels and "picc_gemv_q4_0" not in kernels
+    assert "picc_gemv_q4_0_r8_xi16" in kernels and "picc_gemv_q4_0_r8" not in kernels
     assert any(k.startswith("picc_ffn_gate_first") and k.endswith("_xi16") for k in kernels)
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-3

@@ -12,8 +12,8 @@ from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_ffn import FORMS, plus_bias
-from picc.codegen_cpu.rowops import check_dtype, emit_int_x, emit_row_bytes, emit_row_to_f32, emit_tiled_rows
-from picc.codegen_cpu.rows8 import emit_group_bytes, emit_rows8, emit_rows8_row_to_f32
+from picc.codegen_cpu.rowops import IntX, check_dtype, emit_int_x, emit_row_bytes, emit_row_to_f32, emit_tiled_rows
+from picc.codegen_cpu.rows8 import ScaledX, emit_group_bytes, emit_rows8, emit_rows8_row_to_f32, emit_scaled_x
 from picc.errors import PiccError
 
 GEMV_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("rows", "i32"), ("k", "i32"),
@@ -36,20 +36,28 @@ def _finish(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
     fn.store(F32, total.get(), out, 4)
 
 
-def _check_rows8(rows8: bool, int_dots: bool, *dtypes: str) -> None:
-    if rows8 and not (int_dots and set(dtypes) <= names.INT_DOT_DTYPES):
-        raise PiccError(f"codegen_cpu: the rows8 layout is read by integer dot products of q4_0 / q4_1 "
-                        f"rows, not {', '.join(dtypes)}{'' if int_dots else ' with float x'}")
+def _check_rows8(rows8: bool, *dtypes: str) -> None:
+    if rows8 and not set(dtypes) <= names.INT_DOT_DTYPES:
+        raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 matrices, not {', '.join(dtypes)}")
+
+
+def _rows8_x(fn: Fn, x: str, k: str, dtypes: set[str], int_dots: bool) -> IntX | ScaledX:
+    """``x`` as rows8 dot products read it: rounded to int16 and split into bytes, or scaled."""
+    if int_dots:
+        intx = emit_int_x(fn, x, k, dtypes, rows8=True)
+        assert intx is not None
+        return intx
+    return emit_scaled_x(fn, x, k)
 
 
 @cache
 def gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel:
     """``y[r] = (accumulate ? y[r] : 0) + W[r, :] . x + bias[r]`` (bias may be null); with
     ``int_dots``, 4-bit rows dot x rounded to int16 per block (``rowops.emit_tiled_rows``);
-    with ``rows8`` too, W is in the rows8 layout (rows a multiple of 8), read eight rows at a
+    with ``rows8``, a 4-bit W is in the rows8 layout (rows a multiple of 8), read eight rows at a
     time (``rows8.emit_rows8``) and threads split its groups of rows."""
     check_dtype(dtype)
-    _check_rows8(rows8, int_dots, dtype)
+    _check_rows8(rows8, dtype)
     symbol = names.cpu_gemv(dtype, int_dots, rows8)
 
     def emit(simd: str) -> str:
@@ -60,10 +68,9 @@ def gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel:
             _finish(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp"))
 
         if rows8:
-            intx = emit_int_x(fn, "%x", k, {dtype}, rows8=True)
-            assert intx is not None
+            xr = _rows8_x(fn, "%x", k, {dtype}, int_dots)
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {rows}, 3", "groups"), fn.sext("%tid"), fn.sext("%nthreads"))
-            emit_rows8(fn, [(dtype, "%w", emit_group_bytes(fn, dtype, k))], intx, k, glo, ghi, finish)
+            emit_rows8(fn, [(dtype, "%w", emit_group_bytes(fn, dtype, k))], xr, k, glo, ghi, finish)
         else:
             lo, hi = chunk_bounds(fn, rows, fn.sext("%tid"), fn.sext("%nthreads"))
             emit_tiled_rows(fn, [(dtype, "%w", emit_row_bytes(fn, dtype, k))], "%x", k, lo, hi, simd, finish,
@@ -100,7 +107,7 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
         raise PiccError(f"codegen_cpu: FFN form {form!r} {'needs' if spec.gated else 'takes no'} gate weights")
     for d in (up_dtype, gate_dtype or "f32", down_dtype):
         check_dtype(d)
-    _check_rows8(rows8, int_dots, up_dtype, gate_dtype or up_dtype, down_dtype)
+    _check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype)
     symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype, int_dots, rows8)
     act = f"@picc_act_{spec.act}"
 
@@ -127,8 +134,7 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
             _finish(fn, dots[0], "%down_bias", r, fn.at("%y", 4, r, "yp"))
 
         if rows8:
-            intx = emit_int_x(fn, "%x", hidden, {up_dtype, gate_dtype or up_dtype}, rows8=True)
-            assert intx is not None
+            intx = _rows8_x(fn, "%x", hidden, {up_dtype, gate_dtype or up_dtype}, int_dots)
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {n}, 3", "groups"), tid, nthreads)
             emit_rows8(fn, [(d, base, emit_group_bytes(fn, d, hidden)) for d, base, _ in mats], intx, hidden,
                        glo, ghi, h)
@@ -137,8 +143,7 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
             emit_tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h, int_dots=int_dots)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         if rows8:
-            hx = emit_int_x(fn, "%scratch", n, {down_dtype}, rows8=True)
-            assert hx is not None
+            hx = _rows8_x(fn, "%scratch", n, {down_dtype}, int_dots)
             glo2, ghi2 = chunk_bounds(fn, fn.v(f"lshr i64 {hidden}, 3", "groups"), tid, nthreads)
             emit_rows8(fn, [(down_dtype, "%down", emit_group_bytes(fn, down_dtype, n))], hx, n, glo2, ghi2, out)
         else:
@@ -185,7 +190,7 @@ def gemm(dtype: str, rows8: bool = False) -> Kernel:
     the same floats.
     """
     check_dtype(dtype)
-    _check_rows8(rows8, True, dtype)
+    _check_rows8(rows8, dtype)
     symbol = names.cpu_gemm(dtype, rows8)
 
     def emit(simd: str) -> str:

@@ -46,6 +46,7 @@ from picc.codegen_cpu.rowops import (
     emit_x_sums,
     zero_floats,
 )
+from picc.codegen_cpu.rows8 import GROUP, emit_group_bytes, emit_rows8, emit_scaled_x
 from picc.errors import PiccError
 
 
@@ -129,11 +130,15 @@ def _compact(fn: Fn, lo: str, seg: str, cnt: str, tid: str, rows: tuple[str, str
     fn.store("i32", fn.v(f"trunc i64 {c.get()} to i32", "c32"), fn.at(cnt, _LINE, tid), 4)
 
 
-def _gather_share(fn: Fn, seg: str, cnt: str, lst: str, n: str, nthreads: str, k0: str, k1: str) -> None:
-    """Write ``lst[k0:k1]`` of the concatenation of each chunk's compacted rows (chunk s: ``seg[n*s/T:]``)."""
+def _gather_share(fn: Fn, seg: str, cnt: str, lst: str, n: str, nthreads: str, k0: str, k1: str,
+                  align: int = 1) -> None:
+    """Write ``lst[k0:k1]`` of the concatenation of each chunk's compacted rows (chunk s:
+    ``seg[lo_s:]``, ``lo_s`` its ``chunk_bounds(n, s, T, align)``)."""
     base = fn.var("i64", "0", "base")
     with fn.loop("0", nthreads, hint="s") as s:
         start = fn.v(f"sdiv i64 {fn.v(f'mul i64 {n}, {s}', 'ns')}, {nthreads}", "segs")
+        if align > 1:
+            start = fn.v(f"and i64 {start}, {-align}", "segs")
         b = base.get()
         c = fn.sext(fn.load("i32", fn.at(cnt, _LINE, s), 4, "c"))
         end = fn.v(f"add i64 {b}, {c}", "end")
@@ -166,7 +171,7 @@ def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, ti
 
 
 def check_ffn_kernel(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-                     interleaved: bool) -> Form:
+                     interleaved: bool, gate_rows8: bool = False) -> Form:
     """The form's spec, after checking that a fused FFN kernel of these parameters makes sense."""
     if mode not in MODES:
         raise PiccError(f"codegen_cpu: FFN mode {mode!r} is not one of {', '.join(MODES)}")
@@ -182,24 +187,29 @@ def check_ffn_kernel(mode: str, form: str, up_dtype: str, gate_dtype: str | None
     if interleaved and (not spec.gated or gate_dtype != up_dtype or mode == "gate-first"):
         raise PiccError(f"codegen_cpu: interleaved up/gate rows need a gated form, one format and a mode that "
                         f"gathers both rows, got {form!r} {mode!r}")
+    if gate_rows8 and (mode != "gate-first" or gate_dtype not in NIBBLE_DTYPES):
+        raise PiccError(f"codegen_cpu: a gate in the rows8 layout needs gate-first mode and a q4_0 / q4_1 gate, "
+                        f"got {mode!r} with a {gate_dtype} gate")
     return spec
 
 
 @cache
 def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-               interleaved: bool = False, int_dots: bool = False) -> Kernel:
+               interleaved: bool = False, int_dots: bool = False, gate_rows8: bool = False) -> Kernel:
     """The fused FFN kernel of ``mode`` and ``form`` for the given weight formats (see module doc).
 
     ``int_dots``: 4-bit up and gate rows (the dense GEMV part of gate-first and down-only, and
     the gathered rows) dot x rounded to int16 per block (``rowops.emit_int_x``), as the ``_xi16``
-    GEMVs do; the down AXPY reads ``h`` as is.
+    GEMVs do; the down AXPY reads ``h`` as is. ``gate_rows8`` (gate-first, a 4-bit gate, n a
+    multiple of 8): the gate matrix is in the rows8 layout and its dense projection goes eight
+    rows at a time (``rows8.emit_rows8``; threads split n at multiples of 8).
 
     ``scratch`` holds :func:`ffn_scratch_bytes` bytes. In the sparse modes ``count`` (when not
     null) receives the number of active neurons (for dReLU in gate-first mode, of those whose gate
     passed, before ``|h| > threshold`` is checked). ``mask`` is read in predictor mode only.
     """
-    spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
-    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, int_dots)
+    spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, gate_rows8)
+    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, int_dots, gate_rows8)
     int_dots = names.dots_int16_x(symbol)  # only where a 4-bit matrix is dotted
     act = f"@picc_act_{spec.act}"
     bias_stride = 2 if interleaved else 1
@@ -248,7 +258,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
         if mode == "dense":
             listp, total = None, n
         else:
-            lo, hi = chunk_bounds(fn, n, tid, nthreads)
+            lo, hi = chunk_bounds(fn, n, tid, nthreads, align=GROUP if gate_rows8 else 1)
             if mode != "predictor":
                 # The dense projections of this thread's rows first, as a GEMV (rows in tiles that
                 # share x, the next tiles prefetched): vals[r] = act(g) (gate-first) or h.
@@ -262,8 +272,16 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                                                                                   bias_stride))
                     fn.store(F32, value, fn.at(vals, 4, r), 4)
 
-                emit_tiled_rows(fn, dense, "%x", hidden, lo, hi, simd, score, xsums,  # type: ignore[arg-type]
-                                intx=intx)
+                if gate_rows8:
+                    assert gate_dtype is not None
+                    gx = (emit_int_x(fn, "%x", hidden, {gate_dtype}, rows8=True) if int_dots
+                          else emit_scaled_x(fn, "%x", hidden))
+                    assert gx is not None
+                    emit_rows8(fn, [(gate_dtype, "%gate", emit_group_bytes(fn, gate_dtype, hidden))], gx, hidden,
+                               fn.v(f"lshr i64 {lo}, 3", "glo"), fn.v(f"lshr i64 {hi}, 3", "ghi"), score)
+                else:
+                    emit_tiled_rows(fn, dense, "%x", hidden, lo, hi, simd, score, xsums,  # type: ignore[arg-type]
+                                    intx=intx)
 
             def keep(r: str) -> str:
                 if mode == "predictor":
@@ -281,7 +299,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
 
         k0, k1 = chunk_bounds(fn, total, tid, nthreads)
         if listp == lst:
-            _gather_share(fn, seg, cnt, lst, n, nthreads, k0, k1)
+            _gather_share(fn, seg, cnt, lst, n, nthreads, k0, k1, GROUP if gate_rows8 else 1)
 
         def neuron(k: str) -> str:
             if listp is None:

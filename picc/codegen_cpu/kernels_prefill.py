@@ -33,6 +33,7 @@ from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_dense import dot_grid
 from picc.codegen_cpu.kernels_ffn import check_ffn_kernel, plus_bias
 from picc.codegen_cpu.rowops import ELEMENT_BYTES, block_bytes, emit_row_bytes, emit_row_to_f32, is_blocked
+from picc.codegen_cpu.rows8 import emit_rows8_row_to_f32
 
 CHUNK_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
                     ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("mask", "ptr"), ("scratch", "ptr"),
@@ -74,11 +75,12 @@ def _any_token(fn: Fn, seq: str, test) -> str:  # noqa: ANN001 - s -> i1
 
 @cache
 def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-              interleaved: bool = False) -> Kernel:
+              interleaved: bool = False, gate_rows8: bool = False) -> Kernel:
     """The prefill FFN kernel of ``mode`` and ``form`` (see module doc); ``scratch`` holds
-    :func:`chunk_ffn_scratch_bytes` bytes."""
-    spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
-    symbol = names.cpu_chunk_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved)
+    :func:`chunk_ffn_scratch_bytes` bytes. ``gate_rows8``: the gate matrix is in the rows8
+    layout (that of ``sparse_ffn``'s ``gate_rows8``), its rows dequantised to the same floats."""
+    spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, gate_rows8)
+    symbol = names.cpu_chunk_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, gate_rows8)
     act = f"@picc_act_{spec.act}"
     bias_stride = 2 if interleaved else 1
 
@@ -114,7 +116,7 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
                 "i1 false)")
         ids = fn.alloca_array("i32", fn.v(f"sub i64 {hi}, {lo}", "nl"), "ids")
 
-        def rows_of(matrix: str, dtype: str, rowb: str, wanted, consume) -> None:  # noqa: ANN001
+        def rows_of(matrix: str, dtype: str, rowb: str, wanted, consume, in_rows8: bool = False) -> None:  # noqa: ANN001
             """``consume(i, s, row_i . x[s])`` for each neuron i in [lo, hi) where ``wanted(i)``."""
             count = fn.var("i64", "0", "cnt")
             with fn.loop(lo, hi, hint="i") as i:
@@ -129,7 +131,11 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
                 neurons = [fn.sext(fn.load("i32", fn.at(ids, 4, fn.v(f"add i64 {k}, {g}", "kg")), 4, "nid"), "nid")
                            for g in range(size)]
                 for i, buf in zip(neurons, wbufs, strict=False):
-                    emit_row_to_f32(fn, dtype, fn.gep(matrix, fn.v(f"mul i64 {i}, {rowb}", "ro")), buf, hidden, simd)
+                    if in_rows8:
+                        emit_rows8_row_to_f32(fn, dtype, matrix, i, buf, hidden, simd)
+                    else:
+                        emit_row_to_f32(fn, dtype, fn.gep(matrix, fn.v(f"mul i64 {i}, {rowb}", "ro")), buf, hidden,
+                                        simd)
                 _dots_all_tokens(fn, wbufs[:size], hidden, seq, lambda r, t, d: consume(neurons[r], t, d))
 
             pairs_end = fn.v(f"and i64 {total}, -2", "pend")
@@ -146,7 +152,7 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
                 a = fn.v(f"call float {act}(float {plus_bias(fn, g, '%gate_bias', i, bias_stride)})", "a")
                 fn.store(F32, a, h_at(s, i), 4)
 
-            rows_of("%gate", gate_dtype, rb_gate, needed, store_act)
+            rows_of("%gate", gate_dtype, rb_gate, needed, store_act, gate_rows8)
         # dReLU's gate-first test is |h| > threshold, decided after up; relu(g) = 0 means h = 0.
         cut = fconst(0.0) if spec.act_on_up else thr
 

@@ -11,7 +11,7 @@ GEMV ~27 (the first version's figures; ``docs/codegen_cpu.md`` has today's). The
 bytes alone promised 258 tok/s for SmolLM2 Q4_1 where it decoded ~175.
 
 :func:`measure_kernel_rates` times picc's own GEMV in each format (and the ``_xi16`` variants,
-which dot int16-rounded x, rows one at a time and eight at a time from the rows8 layout)
+which dot int16-rounded x, and the rows8 layout's, eight rows at a time)
 streaming a matrix several times the size of any L3 cache, with every thread the caller asks
 for, and reports bytes of weights read per second. ``picc.targets``
 measures it once per host and caches it beside the bandwidth.
@@ -49,7 +49,7 @@ def measure_kernel_rates(threads: int, repeats: int = 5, nbytes: int = _BYTES) -
     programs, shapes = [], []
     for key in names.CPU_RATE_KEYS:
         int_dots = key.endswith(names.INT_DOTS_SUFFIX)
-        in_rows8 = key.endswith(names.ROWS8_SUFFIX + names.INT_DOTS_SUFFIX)
+        in_rows8 = key.removesuffix(names.INT_DOTS_SUFFIX).endswith(names.ROWS8_SUFFIX)
         dtype = key.removesuffix(names.INT_DOTS_SUFFIX).removesuffix(names.ROWS8_SUFFIX)
         rows = max(_TILE_ROWS, nbytes // row_bytes(dtype, _K) // _TILE_ROWS * _TILE_ROWS)
         prog = Program(f"picc_rate_{key}", sync=0)

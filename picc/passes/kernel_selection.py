@@ -44,9 +44,9 @@ def rows8_fits(t: Types, weights: tuple[str | None, ...], shared: frozenset[str]
 def cpu_kernel(op: Op, t: Types, int_dots: bool = False,  # noqa: C901 - one case per op
                shared: frozenset[str] = frozenset()) -> str:
     """The CPU kernel that computes ``op``; ``int_dots``: the integer dot product variants of
-    GEMVs and FFNs over 4-bit weights (``_xi16``; for modules that decide no sparsity), which read
-    the matrices in the rows8 layout where :func:`rows8_fits` (``shared``: the weights more than
-    one op reads)."""
+    GEMVs and FFNs over 4-bit weights (``_xi16``; for modules that decide no sparsity). GEMVs,
+    dense FFNs and the dense gate projection of gate-first FFNs read 4-bit matrices in the rows8
+    layout where :func:`rows8_fits` (``shared``: the weights more than one op reads)."""
     match op:
         case O.Embed():
             return names.cpu_embed(t.fmt(op.table) or "")
@@ -55,7 +55,7 @@ def cpu_kernel(op: Op, t: Types, int_dots: bool = False,  # noqa: C901 - one cas
         case O.LayerNorm():
             return names.cpu_norm("layer_norm")
         case O.Linear():
-            return names.cpu_gemv(t.fmt(op.weight) or "", int_dots, int_dots and rows8_fits(t, (op.weight,), shared))
+            return names.cpu_gemv(t.fmt(op.weight) or "", int_dots, rows8_fits(t, (op.weight,), shared))
         case O.Rope():
             return names.cpu_rope(op.style)
         case O.Attention() if op.alibi == "none":
@@ -69,12 +69,13 @@ def cpu_kernel(op: Op, t: Types, int_dots: bool = False,  # noqa: C901 - one cas
         case FusedFFN():
             up = op.up_gate or op.up
             gate = op.up_gate or op.gate
+            gate_rows8 = op.mode == "gate-first" and rows8_fits(t, (op.gate,), shared)
             return names.cpu_fused_ffn(op.mode, op.form, t.fmt(up) or "", t.fmt(gate), t.fmt(op.down) or "",
-                                       op.interleaved, int_dots)
+                                       op.interleaved, int_dots, gate_rows8)
         case O.FFN() if not op.neuron_major and type(op) is O.FFN:
             weights = (op.up, op.gate, op.down) if op.gate else (op.up, op.down)
             return names.cpu_dense_ffn(op.form, t.fmt(op.up) or "", t.fmt(op.gate), t.fmt(op.down) or "",
-                                       int_dots, int_dots and rows8_fits(t, weights, shared))
+                                       int_dots, rows8_fits(t, weights, shared))
     hint = " (ALiBi attention runs in the interpreter only)" if isinstance(op, O.Attention) else ""
     raise _no_kernel(op, "CPU", hint)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from picc import kernel_names
 from picc import memory_plan as mp
 from picc.cost_model import cpu_weight_reads
 from picc.errors import PiccError
@@ -108,13 +109,21 @@ def ffn_cpu_read_rate(module: Module, weights: WeightStore, target: Target) -> f
     ``CpuSpec.read_rate`` of the kernel that will read it, averaged over the bytes.
 
     ``fuse-gather-gemv`` gives a module that decides no sparsity int16 dot products for 4-bit up
-    and gate rows (``_xi16``); down rows, neuron-major once a layer can be split, are AXPYs. (A
-    CPU-only dense FFN reads the rows8 layout, faster still; its placement has no choice to make.)
+    and gate rows (``_xi16``); down rows, neuron-major once a layer can be split, are AXPYs; a
+    gate-first FFN's 4-bit gate is read eight rows at a time from the rows8 layout (as the whole
+    layer's is: a split one's CPU part may not come in eights). (A CPU-only dense FFN reads the
+    rows8 layout too; its placement has no choice to make.)
     """
     ops = module.function().ops
     int_dots = not any(isinstance(op, Predict | SparseFFN) for op in ops)
+
+    def rows8(op: O.FFN) -> tuple[str, ...]:
+        gate = weights[op.gate] if op.gate else None
+        fits = gate is not None and kernel_names.rows8_fits(gate.dtype.value, *map(int, gate.shape))
+        return (op.gate,) if fits and isinstance(op, SparseFFN) and op.mode == "gate-first" else ()
+
     reads = [read for op in ops if isinstance(op, O.FFN)
-             for read in cpu_weight_reads(weights, (op.up, op.gate, op.down), int_dots, axpy=op.down)]
+             for read in cpu_weight_reads(weights, (op.up, op.gate, op.down), int_dots, axpy=op.down, rows8=rows8(op))]
     seconds = target.cpu.read_seconds(reads)
     return sum(nbytes for nbytes, _ in reads) / seconds if seconds > 0 else target.cpu.mem_bandwidth
 
