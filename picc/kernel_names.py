@@ -95,22 +95,24 @@ def cpu_predictor(fc1: str, fc2: str) -> str:
 
 
 def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
-                  int_dots: bool = False, gate_rows8: bool = False) -> str:
+                  int_dots: bool = False, dense_rows8: bool = False) -> str:
     """The fused FFN kernel; ``interleaved`` reads up and gate rows side by side (``up_gate``);
     ``int_dots``: up and gate rows dot x rounded to int16 when both are 4-bit (the kernel, and
-    its prefill twin, read one x for the two; down is an AXPY: no dot); ``gate_rows8``: a
-    gate-first kernel reads its (dense) 4-bit gate matrix in the rows8 layout."""
+    its prefill twin, read one x for the two; down is an AXPY: no dot); ``dense_rows8``: the
+    4-bit matrices a gate-first or down-only kernel reads whole (the gate; the gate and up) are
+    in the rows8 layout."""
     both_4bit = {up, gate or up} <= INT_DOT_DTYPES
-    rows8 = _rows8_suffix(gate_rows8 and mode == "gate-first", gate or "f32")
+    whole = {"gate-first": (gate or "f32",), "down-only": (gate, up)}.get(mode, ("f32",))
+    rows8 = _rows8_suffix(dense_rows8, *whole)
     layout = ("_il" if interleaved else "") + rows8 + _int_suffix(int_dots and both_4bit, up)
     return f"picc_ffn_{mode.replace('-', '_')}_{form}_{up}_{gate or 'none'}_{down}{layout}"
 
 
 def cpu_chunk_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
-                  gate_rows8: bool = False) -> str:
+                  dense_rows8: bool = False) -> str:
     """The fused FFN kernel of the prefill program: a chunk of tokens, each with its own active set."""
     return cpu_fused_ffn(mode, form, up, gate, down, interleaved,
-                         gate_rows8=gate_rows8).replace("picc_ffn_", "picc_ffn_chunk_", 1)
+                         dense_rows8=dense_rows8).replace("picc_ffn_", "picc_ffn_chunk_", 1)
 
 
 def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, int_dots: bool = False,

@@ -42,7 +42,12 @@ def _read_seconds(target: Target, where: Placement | None, parts: list[tuple[int
 def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
     """Each weight of ``op`` as (bytes, the rate key of the kernel reading it). A fused FFN's down
     rows are neuron-major AXPYs; a dense FFN in the source layout dots its down rows with h."""
-    rows8 = () if not names.reads_rows8(op.kernel) else (op.gate,) if isinstance(op, FusedFFN) else op.weights()
+    if not names.reads_rows8(op.kernel):
+        rows8: tuple[str | None, ...] = ()
+    elif isinstance(op, FusedFFN):  # what its mode reads whole
+        rows8 = (op.gate, op.up) if op.mode == "down-only" else (op.gate,)
+    else:
+        rows8 = op.weights()
     return cpu_weight_reads(weights, op.weights(), names.dots_int16_x(op.kernel),
                             axpy=op.down if isinstance(op, FusedFFN) else None, rows8=rows8)
 

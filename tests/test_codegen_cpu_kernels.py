@@ -79,8 +79,10 @@ def ffn_kernels() -> list[Kernel]:
     ks += [sparse_ffn(m, "swiglu", d, d, d) for m in ("dense", "gate-first", "down-only") for d in ("f16", "q4_0")]
     ks += [sparse_ffn(m, "swiglu", d, d, d, il, int_dots=True) for m, il in (("predictor", True), ("gate-first", False))
            for d in ("q4_0", "q4_1")]
-    ks += [sparse_ffn("gate-first", "swiglu", d, d, d, False, i, gate_rows8=True) for d in ("q4_0", "q4_1")
-           for i in (False, True)] + [sparse_ffn("gate-first", "swiglu", "q4_1", "q4_1", "q4_1")]
+    ks += [sparse_ffn(m, "swiglu", d, d, d, False, i, dense_rows8=True) for d in ("q4_0", "q4_1")
+           for i in (False, True) for m in ("gate-first", "down-only")]
+    ks += [sparse_ffn("gate-first", "swiglu", "q4_1", "q4_1", "q4_1")]
+    ks += [sparse_ffn("down-only", "relu", d, None, d, dense_rows8=True) for d in ("q4_0", "q4_1")]
     ks += [sparse_ffn("gate-first", "drelu", "f32", "f32", "f32"), sparse_ffn("down-only", "relu", "q8_0", None, "q8_0"),
            sparse_ffn("down-only", "drelu", "f16", "f16", "f16"), sparse_ffn("predictor", "swiglu", "q4_1", "q8_0", "f16")]
     return ks
@@ -512,13 +514,35 @@ def test_gate_first_reads_a_rows8_gate_eight_rows_at_a_time(host, teams, dtype, 
     for int_dots, ref in ((False, case), (True, rounded)):
         thr = gap_threshold(ref.act_gate(), 0.4)
         chosen = np.abs(ref.act_gate()) > thr
-        kernel = sparse_ffn("gate-first", "swiglu", dtype, dtype, dtype, False, int_dots, gate_rows8=True)
+        kernel = sparse_ffn("gate-first", "swiglu", dtype, dtype, dtype, False, int_dots, dense_rows8=True)
         assert "_r8" in kernel.symbol
         y, count = case.run(host, teams[threads], kernel, threshold=thr)
         assert count == chosen.sum()
         assert rel_err(y, ref.reference(chosen)) <= (2e-6 if int_dots else tol(dtype))
     with pytest.raises(PiccError, match="rows8"):
-        sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, gate_rows8=True)
+        sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, dense_rows8=True)
+
+
+@pytest.mark.parametrize("form", ["swiglu", "relu"])
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_down_only_reads_its_whole_matrices_eight_rows_at_a_time(host, teams, dtype, form):
+    # Down-only computes gate (when gated) and up for every neuron: from the rows8 layout, with
+    # float x and with int16 x, then skips the down rows of small |h|.
+    gated = FORMS[form].gated
+    dts = (dtype, dtype if gated else None, dtype)
+    case, rounded = (FfnCase(form, dts, n=64, hidden=96, biases=True, seed=45) for _ in range(2))
+    rounded.x = quant.round_to_int16_blocks(case.x)
+    case.up_raw = to_rows8(case.up_raw, dtype, (case.n, case.hidden))
+    if gated:
+        case.gate_raw = to_rows8(case.gate_raw, dtype, (case.n, case.hidden))
+    for int_dots, ref in ((False, case), (True, rounded)):
+        if form == "relu" and int_dots:
+            continue  # compiled only with float x (the kernel list stays short)
+        thr = gap_threshold(ref.h(), 0.5)
+        kernel = sparse_ffn("down-only", form, *dts, False, int_dots, dense_rows8=True)
+        y, count = case.run(host, teams[3], kernel, threshold=thr)
+        assert count == (np.abs(ref.h()) > thr).sum()
+        assert rel_err(y, ref.reference(np.abs(ref.h()) > thr)) <= (2e-6 if int_dots else tol(dtype))
 
 
 def test_fused_ffn_dots_int16_x_only_when_up_and_gate_are_both_4_bit():

@@ -28,7 +28,8 @@ CASES = ([("predictor", "swiglu", d, il) for d in DTYPES for il in (False, True)
 
 def _kernels():
     ks = [chunk_ffn(m, f, d, d if FORMS[f].gated else None, d, il) for m, f, d, il in CASES]
-    ks += [chunk_ffn("gate-first", "swiglu", d, d, d, gate_rows8=r8) for d in ("q4_0", "q4_1") for r8 in (False, True)]
+    ks += [chunk_ffn(m, "swiglu", d, d, d, dense_rows8=r8) for d in ("q4_0", "q4_1") for r8 in (False, True)
+           for m in ("gate-first", "down-only")]
     return ks + [predictor("f32", "f32")]
 
 
@@ -115,17 +116,22 @@ def test_chunk_ffn_gives_each_token_its_own_active_set(host, teams, mode, form, 
         assert rel_err(y, case.reference(np.abs(scores) > thr)) <= tol(dtype), keep
 
 
+@pytest.mark.parametrize("mode", ["gate-first", "down-only"])
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
-def test_chunk_ffn_reads_a_rows8_gate_as_its_rows(host, teams, dtype):
-    # A gate-first FFN whose gate the decode kernel reads eight rows at a time (rows8 layout):
-    # the prefill dequantises each gate row to the floats of the row layout, the same bits.
+def test_chunk_ffn_reads_rows8_matrices_as_their_rows(host, teams, dtype, mode):
+    # The matrices a gate-first (gate) or down-only (gate, up) decode kernel reads eight rows at a
+    # time (rows8 layout): the prefill dequantises each row to the floats of the row layout, the
+    # same bits.
     case = ChunkCase("swiglu", dtype, seq=6, n=64, seed=5)
-    thr = gap_threshold(case.act_gate().ravel(), 0.4)
-    rows = case.run(host, teams[3], chunk_ffn("gate-first", "swiglu", dtype, dtype, dtype), threshold=thr)
+    scores = case.act_gate() if mode == "gate-first" else case.h()
+    thr = gap_threshold(scores.ravel(), 0.4)
+    rows = case.run(host, teams[3], chunk_ffn(mode, "swiglu", dtype, dtype, dtype), threshold=thr)
     case.gate_raw = to_rows8(case.gate_raw, dtype, (case.n, case.hidden))
-    kernel = chunk_ffn("gate-first", "swiglu", dtype, dtype, dtype, gate_rows8=True)
+    if mode == "down-only":
+        case.up_raw = to_rows8(case.up_raw, dtype, (case.n, case.hidden))
+    kernel = chunk_ffn(mode, "swiglu", dtype, dtype, dtype, dense_rows8=True)
     np.testing.assert_array_equal(case.run(host, teams[3], kernel, threshold=thr), rows)
-    assert rel_err(rows, case.reference(np.abs(case.act_gate()) > thr)) <= tol(dtype)
+    assert rel_err(rows, case.reference(np.abs(scores) > thr)) <= tol(dtype)
 
 
 def test_chunk_ffn_of_one_token_is_deterministic_and_skips_dead_neurons(host, teams):

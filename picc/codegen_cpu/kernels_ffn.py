@@ -171,7 +171,7 @@ def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, ti
 
 
 def check_ffn_kernel(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-                     interleaved: bool, gate_rows8: bool = False) -> Form:
+                     interleaved: bool, dense_rows8: bool = False) -> Form:
     """The form's spec, after checking that a fused FFN kernel of these parameters makes sense."""
     if mode not in MODES:
         raise PiccError(f"codegen_cpu: FFN mode {mode!r} is not one of {', '.join(MODES)}")
@@ -187,29 +187,31 @@ def check_ffn_kernel(mode: str, form: str, up_dtype: str, gate_dtype: str | None
     if interleaved and (not spec.gated or gate_dtype != up_dtype or mode == "gate-first"):
         raise PiccError(f"codegen_cpu: interleaved up/gate rows need a gated form, one format and a mode that "
                         f"gathers both rows, got {form!r} {mode!r}")
-    if gate_rows8 and (mode != "gate-first" or gate_dtype not in NIBBLE_DTYPES):
-        raise PiccError(f"codegen_cpu: a gate in the rows8 layout needs gate-first mode and a q4_0 / q4_1 gate, "
-                        f"got {mode!r} with a {gate_dtype} gate")
+    whole = {"gate-first": (gate_dtype,), "down-only": (gate_dtype, up_dtype) if gate_dtype else (up_dtype,)}
+    if dense_rows8 and (mode not in whole or not set(whole[mode]) <= NIBBLE_DTYPES):
+        raise PiccError(f"codegen_cpu: matrices in the rows8 layout need gate-first or down-only mode, whose whole "
+                        f"matrices are q4_0 / q4_1, got {mode!r} with {up_dtype} up and {gate_dtype} gate")
     return spec
 
 
 @cache
 def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-               interleaved: bool = False, int_dots: bool = False, gate_rows8: bool = False) -> Kernel:
+               interleaved: bool = False, int_dots: bool = False, dense_rows8: bool = False) -> Kernel:
     """The fused FFN kernel of ``mode`` and ``form`` for the given weight formats (see module doc).
 
     ``int_dots``: 4-bit up and gate rows (the dense GEMV part of gate-first and down-only, and
     the gathered rows) dot x rounded to int16 per block (``rowops.emit_int_x``), as the ``_xi16``
-    GEMVs do; the down AXPY reads ``h`` as is. ``gate_rows8`` (gate-first, a 4-bit gate, n a
-    multiple of 8): the gate matrix is in the rows8 layout and its dense projection goes eight
-    rows at a time (``rows8.emit_rows8``; threads split n at multiples of 8).
+    GEMVs do; the down AXPY reads ``h`` as is. ``dense_rows8`` (gate-first or down-only, n a
+    multiple of 8): the matrices the mode reads whole (the gate; the gate and up), 4-bit, are in
+    the rows8 layout and their dense projections go eight rows at a time (``rows8.emit_rows8``;
+    threads split n at multiples of 8).
 
     ``scratch`` holds :func:`ffn_scratch_bytes` bytes. In the sparse modes ``count`` (when not
     null) receives the number of active neurons (for dReLU in gate-first mode, of those whose gate
     passed, before ``|h| > threshold`` is checked). ``mask`` is read in predictor mode only.
     """
-    spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, gate_rows8)
-    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, int_dots, gate_rows8)
+    spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
+    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, int_dots, dense_rows8)
     int_dots = names.dots_int16_x(symbol)  # only where a 4-bit matrix is dotted
     act = f"@picc_act_{spec.act}"
     bias_stride = 2 if interleaved else 1
@@ -258,7 +260,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
         if mode == "dense":
             listp, total = None, n
         else:
-            lo, hi = chunk_bounds(fn, n, tid, nthreads, align=GROUP if gate_rows8 else 1)
+            lo, hi = chunk_bounds(fn, n, tid, nthreads, align=GROUP if dense_rows8 else 1)
             if mode != "predictor":
                 # The dense projections of this thread's rows first, as a GEMV (rows in tiles that
                 # share x, the next tiles prefetched): vals[r] = act(g) (gate-first) or h.
@@ -272,13 +274,13 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                                                                                   bias_stride))
                     fn.store(F32, value, fn.at(vals, 4, r), 4)
 
-                if gate_rows8:
-                    assert gate_dtype is not None
-                    gx = (emit_int_x(fn, "%x", hidden, {gate_dtype}, rows8=True) if int_dots
+                if dense_rows8:
+                    whole = [(dt, base, emit_group_bytes(fn, dt, hidden)) for dt, base, _ in dense]
+                    gx = (emit_int_x(fn, "%x", hidden, {dt for dt, _, _ in dense}, rows8=True) if int_dots
                           else emit_scaled_x(fn, "%x", hidden))
                     assert gx is not None
-                    emit_rows8(fn, [(gate_dtype, "%gate", emit_group_bytes(fn, gate_dtype, hidden))], gx, hidden,
-                               fn.v(f"lshr i64 {lo}, 3", "glo"), fn.v(f"lshr i64 {hi}, 3", "ghi"), score)
+                    glo, ghi = fn.v(f"lshr i64 {lo}, 3", "glo"), fn.v(f"lshr i64 {hi}, 3", "ghi")
+                    emit_rows8(fn, whole, gx, hidden, glo, ghi, score)
                 else:
                     emit_tiled_rows(fn, dense, "%x", hidden, lo, hi, simd, score, xsums,  # type: ignore[arg-type]
                                     intx=intx)
@@ -299,7 +301,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
 
         k0, k1 = chunk_bounds(fn, total, tid, nthreads)
         if listp == lst:
-            _gather_share(fn, seg, cnt, lst, n, nthreads, k0, k1, GROUP if gate_rows8 else 1)
+            _gather_share(fn, seg, cnt, lst, n, nthreads, k0, k1, GROUP if dense_rows8 else 1)
 
         def neuron(k: str) -> str:
             if listp is None:

@@ -75,12 +75,13 @@ def _any_token(fn: Fn, seq: str, test) -> str:  # noqa: ANN001 - s -> i1
 
 @cache
 def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-              interleaved: bool = False, gate_rows8: bool = False) -> Kernel:
+              interleaved: bool = False, dense_rows8: bool = False) -> Kernel:
     """The prefill FFN kernel of ``mode`` and ``form`` (see module doc); ``scratch`` holds
-    :func:`chunk_ffn_scratch_bytes` bytes. ``gate_rows8``: the gate matrix is in the rows8
-    layout (that of ``sparse_ffn``'s ``gate_rows8``), its rows dequantised to the same floats."""
-    spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, gate_rows8)
-    symbol = names.cpu_chunk_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, gate_rows8)
+    :func:`chunk_ffn_scratch_bytes` bytes. ``dense_rows8``: the matrices the mode reads whole
+    (gate-first: the gate; down-only: the gate and up) are in the rows8 layout (that of
+    ``sparse_ffn``'s ``dense_rows8``), their rows dequantised to the same floats."""
+    spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
+    symbol = names.cpu_chunk_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
     act = f"@picc_act_{spec.act}"
     bias_stride = 2 if interleaved else 1
 
@@ -152,7 +153,7 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
                 a = fn.v(f"call float {act}(float {plus_bias(fn, g, '%gate_bias', i, bias_stride)})", "a")
                 fn.store(F32, a, h_at(s, i), 4)
 
-            rows_of("%gate", gate_dtype, rb_gate, needed, store_act, gate_rows8)
+            rows_of("%gate", gate_dtype, rb_gate, needed, store_act, dense_rows8)
         # dReLU's gate-first test is |h| > threshold, decided after up; relu(g) = 0 means h = 0.
         cut = fconst(0.0) if spec.act_on_up else thr
 
@@ -188,7 +189,7 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
             lp = fn.gep(live, i)
             fn.store("i8", fn.v(f"or i8 {fn.load('i8', lp, 1, 'lv')}, {nz}", "lv"), lp, 1)
 
-        rows_of("%up", up_dtype, rb_up, up_needed, store_h)
+        rows_of("%up", up_dtype, rb_up, up_needed, store_h, dense_rows8 and mode == "down-only")
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
 
         # -- phase 2: Y[s, c0:c1] = sum_i h[s, i] down_t[i, c0:c1] (+ bias) for this thread's columns

@@ -528,7 +528,7 @@ class _Lowering:
     def fused_ffn(self, op: FusedFFN) -> None:
         down = self.weights[op.down]
         n, hidden = int(down.shape[0]), int(down.shape[1])
-        gate_rows8 = _rows8(op)  # for a fused FFN: its gate-first gate is in the rows8 layout
+        dense_rows8 = _rows8(op)  # for a fused FFN: what its mode reads whole is in the rows8 layout
         if op.up_gate is not None:
             # Interleaved rows: the gate of neuron i starts one row after its up row.
             dtype = self.weights[op.up_gate].dtype.value
@@ -538,7 +538,8 @@ class _Lowering:
             up_dtype, gate_dtype = dtype, dtype
         else:
             assert op.up is not None
-            up, gate = self.weight(op.up), self.weight(op.gate, rows8=gate_rows8)
+            up = self.weight(op.up, rows8=dense_rows8 and op.mode == "down-only")
+            gate = self.weight(op.gate, rows8=dense_rows8)
             up_bias, gate_bias = self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True)
             up_dtype = self.weights[op.up].dtype.value
             gate_dtype = self.weights[op.gate].dtype.value if op.gate else None
@@ -550,7 +551,7 @@ class _Lowering:
         if self.chunk is not None:
             # Prefill: every token keeps its own active set; each weight row is read once per chunk.
             kernel = kernels_prefill.chunk_ffn(op.mode, op.form, up_dtype, gate_dtype, down.dtype.value,
-                                               op.interleaved, gate_rows8)
+                                               op.interleaved, dense_rows8)
             stride = self.width(op.mask) if op.mask is not None else 0
             self.scratch = max(self.scratch, kernels_prefill.chunk_ffn_scratch_bytes(self.chunk.size, n))
             x, access = self.gemm_input(op, op.x, hidden, op.up_gate or op.up or "")
@@ -560,7 +561,7 @@ class _Lowering:
                       batched=True, access=access)
             return
         kernel = kernels_ffn.sparse_ffn(op.mode, op.form, up_dtype, gate_dtype, down.dtype.value, op.interleaved,
-                                        _int_dots(op), gate_rows8)
+                                        _int_dots(op), dense_rows8)
         self.scratch = max(self.scratch, kernels_ffn.ffn_scratch_bytes(n, hidden, MAX_THREADS))
         y, accumulate, writes = self.output(op)
         self.call(op, kernel, self.value(op.x), up, gate, self.weight(op.down), up_bias, gate_bias,

@@ -45,8 +45,9 @@ def cpu_kernel(op: Op, t: Types, int_dots: bool = False,  # noqa: C901 - one cas
                shared: frozenset[str] = frozenset()) -> str:
     """The CPU kernel that computes ``op``; ``int_dots``: the integer dot product variants of
     GEMVs and FFNs over 4-bit weights (``_xi16``; for modules that decide no sparsity). GEMVs,
-    dense FFNs and the dense gate projection of gate-first FFNs read 4-bit matrices in the rows8
-    layout where :func:`rows8_fits` (``shared``: the weights more than one op reads)."""
+    dense FFNs and the dense projections of gate-first (gate) and down-only (gate and up) FFNs
+    read 4-bit matrices in the rows8 layout where :func:`rows8_fits` (``shared``: the weights
+    more than one op reads)."""
     match op:
         case O.Embed():
             return names.cpu_embed(t.fmt(op.table) or "")
@@ -69,9 +70,10 @@ def cpu_kernel(op: Op, t: Types, int_dots: bool = False,  # noqa: C901 - one cas
         case FusedFFN():
             up = op.up_gate or op.up
             gate = op.up_gate or op.gate
-            gate_rows8 = op.mode == "gate-first" and rows8_fits(t, (op.gate,), shared)
+            whole = {"gate-first": (op.gate,), "down-only": (op.gate, op.up) if op.gate else (op.up,)}
+            dense_rows8 = op.mode in whole and rows8_fits(t, whole[op.mode], shared)
             return names.cpu_fused_ffn(op.mode, op.form, t.fmt(up) or "", t.fmt(gate), t.fmt(op.down) or "",
-                                       op.interleaved, int_dots, gate_rows8)
+                                       op.interleaved, int_dots, dense_rows8)
         case O.FFN() if not op.neuron_major and type(op) is O.FFN:
             weights = (op.up, op.gate, op.down) if op.gate else (op.up, op.down)
             return names.cpu_dense_ffn(op.form, t.fmt(op.up) or "", t.fmt(op.gate), t.fmt(op.down) or "",

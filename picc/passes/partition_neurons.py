@@ -109,18 +109,21 @@ def ffn_cpu_read_rate(module: Module, weights: WeightStore, target: Target) -> f
     ``CpuSpec.read_rate`` of the kernel that will read it, averaged over the bytes.
 
     ``fuse-gather-gemv`` gives a module that decides no sparsity int16 dot products for 4-bit up
-    and gate rows (``_xi16``); down rows, neuron-major once a layer can be split, are AXPYs; a
-    gate-first FFN's 4-bit gate is read eight rows at a time from the rows8 layout (as the whole
-    layer's is: a split one's CPU part may not come in eights). (A CPU-only dense FFN reads the
+    and gate rows (``_xi16``); down rows, neuron-major once a layer can be split, are AXPYs; what
+    a gate-first or down-only FFN reads whole (gate; gate and up), 4-bit, is read eight rows at a
+    time from the rows8 layout (taken as the whole layer's: a split one's CPU part may not come
+    in eights). (A CPU-only dense FFN reads the
     rows8 layout too; its placement has no choice to make.)
     """
     ops = module.function().ops
     int_dots = not any(isinstance(op, Predict | SparseFFN) for op in ops)
 
     def rows8(op: O.FFN) -> tuple[str, ...]:
-        gate = weights[op.gate] if op.gate else None
-        fits = gate is not None and kernel_names.rows8_fits(gate.dtype.value, *map(int, gate.shape))
-        return (op.gate,) if fits and isinstance(op, SparseFFN) and op.mode == "gate-first" else ()
+        if not isinstance(op, SparseFFN) or op.mode not in ("gate-first", "down-only"):
+            return ()
+        whole = [w for w in ((op.gate,) if op.mode == "gate-first" else (op.gate, op.up)) if w]
+        fits = all(kernel_names.rows8_fits(weights[w].dtype.value, *map(int, weights[w].shape)) for w in whole)
+        return tuple(whole) if whole and fits else ()
 
     reads = [read for op in ops if isinstance(op, O.FFN)
              for read in cpu_weight_reads(weights, (op.up, op.gate, op.down), int_dots, axpy=op.down, rows8=rows8(op))]
