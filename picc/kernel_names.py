@@ -14,6 +14,10 @@ functions, so a name in the IR and the kernel behind it cannot drift apart.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+T = TypeVar("T")
+
 # --- CPU: one symbol per operation and weight format ---------------------------------------------
 
 
@@ -94,6 +98,14 @@ def cpu_predictor(fc1: str, fc2: str) -> str:
     return f"picc_predict_{fc1}_{fc2}"
 
 
+def read_whole(mode: str, up: T, gate: T | None) -> tuple[T, ...]:
+    """Of a fused FFN's ``up`` and ``gate`` (names or formats), those its mode reads for every
+    neuron, not only the active ones: gate-first's gate, down-only's gate and up. These are the
+    matrices a ``dense_rows8`` kernel reads from the rows8 layout."""
+    chosen = {"gate-first": (gate,), "down-only": (gate, up)}.get(mode, ())
+    return tuple(m for m in chosen if m is not None)
+
+
 def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
                   int_dots: bool = False, dense_rows8: bool = False) -> str:
     """The fused FFN kernel; ``interleaved`` reads up and gate rows side by side (``up_gate``);
@@ -102,8 +114,8 @@ def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, in
     4-bit matrices a gate-first or down-only kernel reads whole (the gate; the gate and up) are
     in the rows8 layout."""
     both_4bit = {up, gate or up} <= INT_DOT_DTYPES
-    whole = {"gate-first": (gate or "f32",), "down-only": (gate, up)}.get(mode, ("f32",))
-    rows8 = _rows8_suffix(dense_rows8, *whole)
+    whole = read_whole(mode, up, gate)
+    rows8 = _rows8_suffix(dense_rows8, *whole) if whole else ""
     layout = ("_il" if interleaved else "") + rows8 + _int_suffix(int_dots and both_4bit, up)
     return f"picc_ffn_{mode.replace('-', '_')}_{form}_{up}_{gate or 'none'}_{down}{layout}"
 

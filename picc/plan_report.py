@@ -44,8 +44,8 @@ def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
     rows are neuron-major AXPYs; a dense FFN in the source layout dots its down rows with h."""
     if not names.reads_rows8(op.kernel):
         rows8: tuple[str | None, ...] = ()
-    elif isinstance(op, FusedFFN):  # what its mode reads whole
-        rows8 = (op.gate, op.up) if op.mode == "down-only" else (op.gate,)
+    elif isinstance(op, FusedFFN):
+        rows8 = names.read_whole(op.mode, op.up, op.gate)
     else:
         rows8 = op.weights()
     return cpu_weight_reads(weights, op.weights(), names.dots_int16_x(op.kernel),

@@ -187,8 +187,8 @@ def check_ffn_kernel(mode: str, form: str, up_dtype: str, gate_dtype: str | None
     if interleaved and (not spec.gated or gate_dtype != up_dtype or mode == "gate-first"):
         raise PiccError(f"codegen_cpu: interleaved up/gate rows need a gated form, one format and a mode that "
                         f"gathers both rows, got {form!r} {mode!r}")
-    whole = {"gate-first": (gate_dtype,), "down-only": (gate_dtype, up_dtype) if gate_dtype else (up_dtype,)}
-    if dense_rows8 and (mode not in whole or not set(whole[mode]) <= NIBBLE_DTYPES):
+    whole = names.read_whole(mode, up_dtype, gate_dtype)
+    if dense_rows8 and not (whole and set(whole) <= NIBBLE_DTYPES):
         raise PiccError(f"codegen_cpu: matrices in the rows8 layout need gate-first or down-only mode, whose whole "
                         f"matrices are q4_0 / q4_1, got {mode!r} with {up_dtype} up and {gate_dtype} gate")
     return spec

@@ -98,6 +98,7 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
         floats = fn.v(f"and i64 {fn.v(f'add i64 {floats}, 15', 'r')}, -16", "hn")
         live = fn.gep("%scratch", fn.v(f"shl i64 {floats}, 2", "hb"), "live")  # one byte per neuron
         wbufs = [fn.alloca_array(F32, hidden, "wrow") for _ in range(2)]  # a pair of dequantised rows
+        in_rows8 = names.read_whole(mode, "up", "gate") if dense_rows8 else ()
         thr = "%threshold"
 
         def h_at(s: str, i: str) -> str:  # H is neuron-major: a neuron's tokens share cache lines
@@ -153,7 +154,7 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
                 a = fn.v(f"call float {act}(float {plus_bias(fn, g, '%gate_bias', i, bias_stride)})", "a")
                 fn.store(F32, a, h_at(s, i), 4)
 
-            rows_of("%gate", gate_dtype, rb_gate, needed, store_act, dense_rows8)
+            rows_of("%gate", gate_dtype, rb_gate, needed, store_act, "gate" in in_rows8)
         # dReLU's gate-first test is |h| > threshold, decided after up; relu(g) = 0 means h = 0.
         cut = fconst(0.0) if spec.act_on_up else thr
 
@@ -189,7 +190,7 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
             lp = fn.gep(live, i)
             fn.store("i8", fn.v(f"or i8 {fn.load('i8', lp, 1, 'lv')}, {nz}", "lv"), lp, 1)
 
-        rows_of("%up", up_dtype, rb_up, up_needed, store_h, dense_rows8 and mode == "down-only")
+        rows_of("%up", up_dtype, rb_up, up_needed, store_h, "up" in in_rows8)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
 
         # -- phase 2: Y[s, c0:c1] = sum_i h[s, i] down_t[i, c0:c1] (+ bias) for this thread's columns

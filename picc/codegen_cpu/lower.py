@@ -538,8 +538,8 @@ class _Lowering:
             up_dtype, gate_dtype = dtype, dtype
         else:
             assert op.up is not None
-            up = self.weight(op.up, rows8=dense_rows8 and op.mode == "down-only")
-            gate = self.weight(op.gate, rows8=dense_rows8)
+            whole = names.read_whole(op.mode, op.up, op.gate) if dense_rows8 else ()
+            up, gate = self.weight(op.up, rows8=op.up in whole), self.weight(op.gate, rows8=op.gate in whole)
             up_bias, gate_bias = self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True)
             up_dtype = self.weights[op.up].dtype.value
             gate_dtype = self.weights[op.gate].dtype.value if op.gate else None

@@ -276,44 +276,44 @@ def emit_int_x(fn: Fn, x: str, k: str, dtypes: set[str], rows8: bool = False) ->
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
     scale = fn.alloca_array(F32, nblocks, "xs")
     if rows8:
-        split = fn.alloca_array(vec(64, "i8"), nblocks, "xsplit")
-        isums = fn.alloca_array("i32", nblocks, "xis") if need_q4_0 else None
-        sums = fn.alloca_array(F32, nblocks, "xsum") if need_q4_1 else None
-        with fn.loop("0", nblocks, "1", "b") as b:
-            s, qs = _int16_block(fn, fn.at(x, 4 * BLOCK, b, "xp"))
-            fn.store(F32, s, fn.at(scale, 4, b), 4)
-            sp = fn.at(split, 64, b, "sp")
+        out = IntX(scale, split=fn.alloca_array(vec(64, "i8"), nblocks, "xsplit"),
+                   isums=fn.alloca_array("i32", nblocks, "xis") if need_q4_0 else None,
+                   sums=fn.alloca_array(F32, nblocks, "xsum") if need_q4_1 else None)
+    else:
+        out = IntX(scale, fn.alloca_array(vec(32, "i16"), nblocks, "xi"),
+                   offsets=fn.alloca_array(vec(8, "i32"), nblocks, "xoff") if need_q4_0 else None,
+                   folded=fn.alloca_array(V8, nblocks, "xfold") if need_q4_1 else None)
+    with fn.loop("0", nblocks, "1", "b") as b:
+        s, qs = _int16_block(fn, fn.at(x, 4 * BLOCK, b, "xp"))
+        fn.store(F32, s, fn.at(scale, 4, b), 4)
+        if out.q:
+            qp = fn.at(out.q, 64, b, "qp")
+            for h, qh in enumerate(qs):
+                fn.store(i16, qh, fn.gep(qp, str(32 * h)), 32)
+        if out.offsets:
+            eight = vconst(16, "-8", "i16")
+            pairs = [fn.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd({i16} {qh}, {i16} {eight})", "xo") for qh in qs]
+            fn.store("<8 x i32>", fn.v(f"add <8 x i32> {pairs[0]}, {pairs[1]}", "xo"), fn.at(out.offsets, 32, b), 32)
+        if out.folded:
+            lo, hi = _int16_values(fn, qs, s)
+            fn.store(V8, _fold(fn, fn.v(f"fadd {V16} {lo}, {hi}", "xs")), fn.at(out.folded, 32, b), 32)
+        if out.split:
+            sp = fn.at(out.split, 64, b, "sp")
             for h, qh in enumerate(qs):
                 high = fn.v(f"ashr {i16} {qh}, {vconst(16, '8', 'i16')}", "xh")
                 for half, part in ((0, high), (32, qh)):  # trunc keeps the low byte
                     fn.store(vec(16, "i8"), fn.v(f"trunc {i16} {part} to {vec(16, 'i8')}", "xb"),
                              fn.gep(sp, str(half + 16 * h)), 16)
+        if out.isums or out.sums:
             wide = [fn.v(f"sext {i16} {qh} to {i32}", "xw") for qh in qs]
             both = fn.v(f"add {i32} {wide[0]}, {wide[1]}", "xt")
             total = fn.v(f"call i32 @llvm.vector.reduce.add.v16i32({i32} {both})", "xtot")
-            if isums:
-                fn.store("i32", fn.v(f"mul i32 {total}, -8", "xo"), fn.at(isums, 4, b), 4)
-            if sums:
+            if out.isums:
+                fn.store("i32", fn.v(f"mul i32 {total}, -8", "xo"), fn.at(out.isums, 4, b), 4)
+            if out.sums:
                 fn.store(F32, fn.v(f"fmul float {fn.v(f'sitofp i32 {total} to float', 'xtf')}, {s}", "xsum"),
-                         fn.at(sums, 4, b), 4)
-        return IntX(scale, split=split, isums=isums, sums=sums)
-    q = fn.alloca_array(vec(32, "i16"), nblocks, "xi")
-    off = fn.alloca_array(vec(8, "i32"), nblocks, "xoff") if need_q4_0 else None
-    fold = fn.alloca_array(V8, nblocks, "xfold") if need_q4_1 else None
-    with fn.loop("0", nblocks, "1", "b") as b:
-        s, qs = _int16_block(fn, fn.at(x, 4 * BLOCK, b, "xp"))
-        fn.store(F32, s, fn.at(scale, 4, b), 4)
-        qp = fn.at(q, 64, b, "qp")
-        for h, qh in enumerate(qs):
-            fn.store(i16, qh, fn.gep(qp, str(32 * h)), 32)
-        if off:
-            eight = vconst(16, "-8", "i16")
-            pairs = [fn.v(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd({i16} {qh}, {i16} {eight})", "xo") for qh in qs]
-            fn.store("<8 x i32>", fn.v(f"add <8 x i32> {pairs[0]}, {pairs[1]}", "xo"), fn.at(off, 32, b), 32)
-        if fold:
-            lo, hi = _int16_values(fn, qs, s)
-            fn.store(V8, _fold(fn, fn.v(f"fadd {V16} {lo}, {hi}", "xs")), fn.at(fold, 32, b), 32)
-    return IntX(scale, q, off, fold)
+                         fn.at(out.sums, 4, b), 4)
+    return out
 
 
 def emit_round_int16(fn: Fn, x: str, out: str, lo: str, hi: str) -> None:

@@ -70,8 +70,8 @@ def cpu_kernel(op: Op, t: Types, int_dots: bool = False,  # noqa: C901 - one cas
         case FusedFFN():
             up = op.up_gate or op.up
             gate = op.up_gate or op.gate
-            whole = {"gate-first": (op.gate,), "down-only": (op.gate, op.up) if op.gate else (op.up,)}
-            dense_rows8 = op.mode in whole and rows8_fits(t, whole[op.mode], shared)
+            whole = names.read_whole(op.mode, op.up, op.gate)
+            dense_rows8 = bool(whole) and rows8_fits(t, whole, shared)
             return names.cpu_fused_ffn(op.mode, op.form, t.fmt(up) or "", t.fmt(gate), t.fmt(op.down) or "",
                                        op.interleaved, int_dots, dense_rows8)
         case O.FFN() if not op.neuron_major and type(op) is O.FFN:

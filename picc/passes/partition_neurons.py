@@ -119,11 +119,9 @@ def ffn_cpu_read_rate(module: Module, weights: WeightStore, target: Target) -> f
     int_dots = not any(isinstance(op, Predict | SparseFFN) for op in ops)
 
     def rows8(op: O.FFN) -> tuple[str, ...]:
-        if not isinstance(op, SparseFFN) or op.mode not in ("gate-first", "down-only"):
-            return ()
-        whole = [w for w in ((op.gate,) if op.mode == "gate-first" else (op.gate, op.up)) if w]
+        whole = kernel_names.read_whole(op.mode, op.up, op.gate) if isinstance(op, SparseFFN) else ()
         fits = all(kernel_names.rows8_fits(weights[w].dtype.value, *map(int, weights[w].shape)) for w in whole)
-        return tuple(whole) if whole and fits else ()
+        return whole if fits else ()
 
     reads = [read for op in ops if isinstance(op, O.FFN)
              for read in cpu_weight_reads(weights, (op.up, op.gate, op.down), int_dots, axpy=op.down, rows8=rows8(op))]
