@@ -418,7 +418,7 @@ def predictor(fc1_dtype: str, fc2_dtype: str) -> Kernel:
     on its horizontal sum as on its products). Biases may be null. ``scratch`` holds
     :func:`predictor_scratch_bytes` bytes (the hidden layer). Threads split fc1's rows, meet at the
     barrier, then split the n outputs, 64 at a time in registers, adding ``h[r] fc2t[r]`` for the
-    rows r where h (after the ReLU) is not zero.
+    rows r where h (after the ReLU) is not zero (listed once per thread, in order).
     """
     for d in (fc1_dtype, fc2_dtype):
         if d not in ("f32", "f16"):
@@ -438,6 +438,16 @@ def predictor(fc1_dtype: str, fc2_dtype: str) -> Kernel:
             fn.store(F32, fn.v(f"call float @picc_act_relu(float {plus_bias(fn, d, '%b1', r)})", "hr"),
                      fn.at(hid, 4, r), 4)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+        # The hidden units after the ReLU that are not zero, listed once (branch-free appends):
+        # a test of h[r] per rank and per output chunk mispredicted on about half of them.
+        live = fn.alloca_array("i32", rank, "live")
+        count = fn.var("i64", "0", "nlive")
+        with fn.loop("0", rank, hint="r") as r:
+            c = count.get()
+            fn.store("i32", fn.v(f"trunc i64 {r} to i32", "r32"), fn.at(live, 4, c), 4)
+            nz = fn.v(f"fcmp one float {fn.load(F32, fn.at(hid, 4, r), 4, 'h')}, 0.0", "nz")
+            count.set(fn.v(f"add i64 {c}, {fn.v(f'zext i1 {nz} to i64', 'nz64')}", "c1"))
+        nlive = count.get()
         c0, c1 = chunk_bounds(fn, n, tid, nthreads, align=16)
         w = fn.v(f"sub i64 {c1}, {c0}", "w")
         c64 = fn.v(f"add i64 {c0}, {fn.v(f'and i64 {w}, -64', 'w64')}", "c64")
@@ -449,16 +459,16 @@ def predictor(fc1_dtype: str, fc2_dtype: str) -> Kernel:
             wty = (vec(lanes, "half") if lanes > 1 else "half") if size == 2 else ty
             offs = [fn.v(f"add i64 {first}, {lanes * q}", "cq") for q in range(count)]
             accs = [fn.var(ty, "zeroinitializer" if lanes > 1 else fconst(0.0), "acc") for _ in offs]
-            with fn.loop("0", rank, hint="r") as r:
+            with fn.loop("0", nlive, hint="k") as k:
+                r = fn.sext(fn.load("i32", fn.at(live, 4, k), 4, "r"), "r")
                 h = fn.load(F32, fn.at(hid, 4, r), 4, "h")
-                with fn.if_(fn.v(f"fcmp one float {h}, 0.0", "nz")):
-                    hv = fn.splat(lanes, h) if lanes > 1 else h
-                    row = fn.gep("%fc2t", fn.v(f"mul i64 {r}, {fn.v(f'mul i64 {n}, {size}', 'rb')}", "ro"))
-                    for acc, c in zip(accs, offs, strict=True):
-                        wv = fn.load(wty, fn.at(row, size, c), size, "w")
-                        if size == 2:
-                            wv = fn.v(f"fpext {wty} {wv} to {ty}", "wf")
-                        acc.set(fn.fma(ty, hv, wv, acc.get()))
+                hv = fn.splat(lanes, h) if lanes > 1 else h
+                row = fn.gep("%fc2t", fn.v(f"mul i64 {r}, {fn.v(f'mul i64 {n}, {size}', 'rb')}", "ro"))
+                for acc, c in zip(accs, offs, strict=True):
+                    wv = fn.load(wty, fn.at(row, size, c), size, "w")
+                    if size == 2:
+                        wv = fn.v(f"fpext {wty} {wv} to {ty}", "wf")
+                    acc.set(fn.fma(ty, hv, wv, acc.get()))
             thr = fn.splat(lanes, "%threshold") if lanes > 1 else "%threshold"
             bytes_ty = vec(lanes, "i8") if lanes > 1 else "i8"
             for acc, c in zip(accs, offs, strict=True):
