@@ -20,7 +20,8 @@ Phases (each thread, barriers between): [sparse modes: rows ``n*t/T..`` of the m
 dense projections first, in gate-first / down-only mode), compacting the active rows of each
 chunk; then every thread takes its share of the concatenated list] -> for its share of active
 neurons, two at a time: the gathered dot products, ``h``, and the AXPY into the thread's own f32
-buffer (prefetching the rows of a later pair) -> barrier -> each thread sums the T buffers over its
+buffer (prefetching the rows of a later pair; 4-bit rows dotted with a float x go eight neurons
+at a time first, transposed in registers to the rows8 form) -> barrier -> each thread sums the T buffers over its
 share of the columns into ``y`` (fixed order: deterministic).
 Neurons whose ``h`` is exactly 0 are not added (an exact skip that over-predicted ReLU rows earn).
 """
@@ -44,9 +45,10 @@ from picc.codegen_cpu.rowops import (
     emit_row_bytes,
     emit_tiled_rows,
     emit_x_sums,
+    prefetch_block,
     zero_floats,
 )
-from picc.codegen_cpu.rows8 import GROUP, emit_group_bytes, emit_rows8, emit_scaled_x
+from picc.codegen_cpu.rows8 import GROUP, emit_gathered8_dots, emit_group_bytes, emit_rows8, emit_scaled_x
 from picc.errors import PiccError
 
 
@@ -264,6 +266,10 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
         dotted_dtypes = {up_dtype, gate_dtype or up_dtype}
         intx = emit_int_x(fn, "%x", hidden, dotted_dtypes) if int_dots else None
         xsums = None if intx is not None else emit_x_sums(fn, "%x", hidden, dotted_dtypes)
+        # 4-bit rows gathered and dotted with a float x go eight neurons at a time (see below).
+        gathered = {up_dtype} | ({gate_dtype} if mode in ("predictor", "dense") and gate_dtype else set())
+        octets = intx is None and mode != "down-only" and gathered <= NIBBLE_DTYPES
+        sx = emit_scaled_x(fn, "%x", hidden) if octets or (dense_rows8 and not int_dots) else None
         consts = None  # the 4-bit down rows' per-block constant terms (see emit_axpys)
         if down_dtype in NIBBLE_DTYPES:
             consts = fn.alloca_array(F32, fn.v(f"lshr i64 {hidden}, 5", "nblk"), "consts")
@@ -305,8 +311,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
 
                 if dense_rows8:
                     whole = [(dt, base, emit_group_bytes(fn, dt, hidden)) for dt, base, _ in dense]
-                    gx = (emit_int_x(fn, "%x", hidden, {dt for dt, _, _ in dense}, rows8=True) if int_dots
-                          else emit_scaled_x(fn, "%x", hidden))
+                    gx = emit_int_x(fn, "%x", hidden, {dt for dt, _, _ in dense}, rows8=True) if int_dots else sx
                     assert gx is not None
                     glo, ghi = fn.v(f"lshr i64 {lo}, 3", "glo"), fn.v(f"lshr i64 {hi}, 3", "ghi")
                     emit_rows8(fn, whole, gx, hidden, glo, ghi, score)
@@ -359,7 +364,11 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                 return [fn.load(F32, fn.at(vals, 4, i), 4, "h") for i in ids]
             rows = [(dt, row(mat, rb, i)) for i in ids for mat, dt, rb in dotted]
             pf = [(dt, row(mat, rb, i)) for i in ahead or [] for mat, dt, rb in dotted]
-            sums = iter(emit_dots(fn, rows, "%x", hidden, simd, pf, xsums, intx))
+            return h_from(ids, emit_dots(fn, rows, "%x", hidden, simd, pf, xsums, intx))
+
+        def h_from(ids: list[str], dots: list[str]) -> list[str]:
+            """h of each neuron in ``ids`` from its dot products (up, then gate when dotted)."""
+            sums = iter(dots)
             hs = []
             for i in ids:
                 u = plus_bias(fn, next(sums), "%up_bias", i, bias_stride)
@@ -388,9 +397,37 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
         # and the rows of the next pair prefetched along the way (gathered rows defeat the
         # hardware prefetcher; contiguous ones, in dense mode, do not need it).
         span = fn.v(f"sub i64 {k1}, {k0}", "span")
-        pairs_end = fn.v(f"add i64 {k0}, {fn.v(f'and i64 {span}, -2', 'even')}", "pend")
         last = fn.v(f"sub i64 {k1}, 1", "last")
-        with fn.loop(k0, pairs_end, "2", "k") as k:
+        if octets:
+            # Eight neurons at a time first: each dotted matrix's eight rows transposed block by
+            # block and dotted as a rows8 group (rows8.emit_gathered8_dots), the next eight's rows
+            # prefetched along; then the AXPYs in pairs. The rest go in pairs below.
+            assert sx is not None
+            oct_end = fn.v(f"add i64 {k0}, {fn.v(f'and i64 {span}, -{GROUP}', 'oct')}", "oend")
+            with fn.loop(k0, oct_end, str(GROUP), "k") as k:
+                ids = [neuron(fn.v(f"add i64 {k}, {u}", "ku") if u else k) for u in range(GROUP)]
+                nxt = None
+                if listp is not None:
+                    nxt = [neuron(fn.min64(fn.v(f"add i64 {k}, {GROUP + u}", "kn"), last)) for u in range(GROUP)]
+
+                def prefetch(b: str, nxt: list[str] | None = nxt) -> None:
+                    for i in nxt or []:
+                        for mat, dt, rb in dotted:
+                            prefetch_block(fn, dt, row(mat, rb, i), b)
+
+                vectors = [emit_gathered8_dots(fn, dt, [row(mat, rb, i) for i in ids], sx, hidden,
+                                               prefetch if n_mat == 0 else None)
+                           for n_mat, (mat, dt, rb) in enumerate(dotted)]
+                dots = [fn.v(f"extractelement {vec(GROUP)} {v}, i64 {u}", "dot") for u in range(GROUP) for v in vectors]
+                hs = h_from(ids, dots)
+                for u in range(0, GROUP, 2):
+                    accumulate(ids[u:u + 2], hs[u:u + 2], nxt[u:u + 2] if nxt else None)
+            pairs_start = oct_end
+        else:
+            pairs_start = k0
+        span = fn.v(f"sub i64 {k1}, {pairs_start}", "span")
+        pairs_end = fn.v(f"add i64 {pairs_start}, {fn.v(f'and i64 {span}, -2', 'even')}", "pend")
+        with fn.loop(pairs_start, pairs_end, "2", "k") as k:
             ids = [neuron(k), neuron(fn.v(f"add i64 {k}, 1", "k1"))]
             ahead = None
             if listp is not None:

@@ -154,7 +154,7 @@ def _load_element(fn: Fn, dtype: str, row: str, j: str) -> str:
     return fn.v(f"fpext half {fn.load('half', fn.at(row, 2, j), 2, 'e16')} to float", "e")
 
 
-def _prefetch_block(fn: Fn, dtype: str, row: str, b: str) -> None:
+def prefetch_block(fn: Fn, dtype: str, row: str, b: str) -> None:
     """Prefetch the cache lines of block ``b`` of ``row`` (one per 64 bytes; blocks under 64
     bytes get one each, which covers every line since consecutive blocks are < 64 bytes apart)."""
     bb = block_bytes(dtype)
@@ -166,7 +166,7 @@ def _prefetch_block(fn: Fn, dtype: str, row: str, b: str) -> None:
 
 def _prefetch_group(prefetch: list[tuple[str, str]] | None) -> int:
     """Blocks per prefetch for ``prefetch``'s rows: as many as fit in a cache line (1 for blocks
-    of a line or more, which :func:`_prefetch_block` covers block by block)."""
+    of a line or more, which :func:`prefetch_block` covers block by block)."""
     if not prefetch:
         return 1
     return max(1, 64 // max(block_bytes(dtype) for dtype, _ in prefetch))
@@ -448,7 +448,7 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
                 block(fn.v(f"add i64 {g}, {u}", "b") if u else g)
     with fn.loop(grouped, nblocks, "1", "b") as b:
         for dtype, row in prefetch or []:
-            _prefetch_block(fn, dtype, row, b)
+            prefetch_block(fn, dtype, row, b)
         block(b)
     sums = []
     for (dtype, row), acc, n in zip(rows, accs, lanes, strict=True):
@@ -478,7 +478,7 @@ def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: s
     coef = [fn.splat(16, a, hint="a") for _, _, a in rows]
     with fn.loop("0", nblocks, "1", "b") as b:
         for dtype, row in prefetch or []:
-            _prefetch_block(fn, dtype, row, b)
+            prefetch_block(fn, dtype, row, b)
         yp = fn.at(y, 4 * BLOCK, b, "yp")
         yhp = fn.gep(yp, "64", "yhp")
         ylo, yhi = fn.load(V16, yp, 4, "ylo"), fn.load(V16, yhp, 4, "yhi")

@@ -166,6 +166,44 @@ def emit_scaled_x(fn: Fn, x: str, k: str) -> ScaledX:
 _FLOAT_CHAINS = 4  # independent FMA chains per block and matrix (2: 18.9 GB/s, 4: 24.2, 8: 21.4)
 
 
+def _float_block(fn: Fn, dtype: str, chunks: list[str], xs: list[str], xsum: str, d: str, m: str | None,
+                 acc: str) -> str:
+    """``acc`` plus eight rows' dot products with one block of a float x: ``chunks`` are the
+    block's four nibble chunks (<8 x i32>, row r's four bytes in lane r), ``xs`` the block's 32
+    scaled x elements, each in every lane, ``xsum`` its sum of x (every lane), ``d`` / ``m`` the
+    rows' scales and (q4_1) minimums (<8 x float>)."""
+    v8, i32 = vec(8), "<8 x i32>"
+    chains: list[str | None] = [None] * _FLOAT_CHAINS
+    n = 0
+    for c, raw in enumerate(chunks):
+        for j in (4 * c + e + 16 * h for h in (0, 1) for e in range(4)):
+            if _place(j) == _TOP:
+                q = fn.v(f"lshr {i32} {raw}, {vconst(8, str(_TOP), 'i32')}", "q")
+            else:
+                q = fn.v(f"and {i32} {raw}, {vconst(8, str(0xF << _place(j)), 'i32')}", "q")
+            qf = fn.v(f"sitofp {i32} {q} to {v8}", "qf")
+            i, n = n % _FLOAT_CHAINS, n + 1
+            chains[i] = (fn.v(f"fmul {v8} {qf}, {xs[j]}", "t") if chains[i] is None
+                         else fn.fma(v8, qf, xs[j], chains[i]))
+    parts = [c for c in chains if c is not None]
+    while len(parts) > 1:
+        parts = [fn.v(f"fadd {v8} {parts[i]}, {parts[i + 1]}", "t") for i in range(0, len(parts), 2)]
+    t = parts[0]
+    if dtype == "q4_0":
+        t = fn.fma(v8, vconst(8, fconst(-8.0)), xsum, t)
+    value = fn.fma(v8, t, d, acc)
+    if m is not None:
+        value = fn.fma(v8, m, xsum, value)
+    return value
+
+
+def _scaled_x_block(fn: Fn, sx: ScaledX, b: str) -> tuple[list[str], str]:
+    """Block ``b`` of a :class:`ScaledX`: its 32 elements and its sum, each in every lane."""
+    xb = fn.at(sx.values, 4 * BLOCK, b, "xb")
+    xs = [fn.splat(8, fn.load(F32, fn.gep(xb, str(4 * j)), 4, "xj")) for j in range(BLOCK)]
+    return xs, fn.splat(8, fn.load(F32, fn.at(sx.sums, 4, b), 4, "xsum"))
+
+
 def _float_dots(fn: Fn, mats: list[tuple[str, str]], sx: ScaledX, k: str) -> list[str]:
     """:func:`emit_rows8_dots` with a float x: element ``4c + e`` (and ``16 + 4c + e``) of the
     eight rows is chunk ``c`` masked to its nibble, unshifted, converted to float (``q 2^s``,
@@ -175,38 +213,61 @@ def _float_dots(fn: Fn, mats: list[tuple[str, str]], sx: ScaledX, k: str) -> lis
     v8, i32, nblocks = vec(8), "<8 x i32>", fn.v(f"lshr i64 {k}, 5", "nblk")
     accs = [fn.var(v8, "zeroinitializer", "acc") for _ in mats]
     with fn.loop("0", nblocks, "1", "b") as b:
-        xb = fn.at(sx.values, 4 * BLOCK, b, "xb")
-        xs = [fn.splat(8, fn.load(F32, fn.gep(xb, str(4 * j)), 4, "xj")) for j in range(BLOCK)]
-        xsum = fn.splat(8, fn.load(F32, fn.at(sx.sums, 4, b), 4, "xsum"))
+        xs, xsum = _scaled_x_block(fn, sx, b)
         for (dtype, group), acc in zip(mats, accs, strict=True):
             blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
             _prefetch(fn, blk, group_block_bytes(dtype))
-            chains: list[str | None] = [None] * _FLOAT_CHAINS
-            n = 0
-            for c in range(_CHUNKS):
-                raw = fn.load(i32, fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, "nib")
-                for j in (4 * c + e + 16 * h for h in (0, 1) for e in range(4)):
-                    if _place(j) == _TOP:
-                        q = fn.v(f"lshr {i32} {raw}, {vconst(8, str(_TOP), 'i32')}", "q")
-                    else:
-                        q = fn.v(f"and {i32} {raw}, {vconst(8, str(0xF << _place(j)), 'i32')}", "q")
-                    qf = fn.v(f"sitofp {i32} {q} to {v8}", "qf")
-                    i, n = n % _FLOAT_CHAINS, n + 1
-                    chains[i] = (fn.v(f"fmul {v8} {qf}, {xs[j]}", "t") if chains[i] is None
-                                 else fn.fma(v8, qf, xs[j], chains[i]))
-            parts = [c for c in chains if c is not None]
-            while len(parts) > 1:
-                parts = [fn.v(f"fadd {v8} {parts[i]}, {parts[i + 1]}", "t") for i in range(0, len(parts), 2)]
-            t = parts[0]
-            if dtype == "q4_0":
-                t = fn.fma(v8, vconst(8, fconst(-8.0)), xsum, t)
+            chunks = [fn.load(i32, fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, "nib") for c in range(_CHUNKS)]
             d = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d")
-            value = fn.fma(v8, t, d, acc.get("acc"))
-            if dtype == "q4_1":
-                m = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
-                value = fn.fma(v8, m, xsum, value)
-            acc.set(value)
+            m = (fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
+                 if dtype == "q4_1" else None)
+            acc.set(_float_block(fn, dtype, chunks, xs, xsum, d, m, acc.get("acc")))
     return [acc.get("dots") for acc in accs]
+
+
+def _gathered_halves(fn: Fn, blocks: list[str], offset: int) -> str:
+    """<8 x float> of the f16 at ``offset`` in each of eight blocks."""
+    v = "<8 x half> poison"
+    for r, blk in enumerate(blocks):
+        h = fn.load("half", fn.gep(blk, str(offset)), 2, "h")
+        v = "<8 x half> " + fn.v(f"insertelement {v}, half {h}, i64 {r}", "hv")
+    return fn.v(f"fpext {v} to {vec(8)}", "hf")
+
+
+def _transpose_chunks(fn: Fn, lanes: list[str]) -> list[str]:
+    """Eight rows' 16 nibble bytes (<4 x i32> each) as the four rows8 chunks (<8 x i32>: lane r
+    holds int32 ``c`` of row r): two rows to a register, then a 4 x 4 transpose in each half."""
+    def shuffle(a: str, b: str, mask: tuple[int, ...], ty: str = "<8 x i32>") -> str:
+        return fn.v(f"shufflevector {ty} {a}, {ty} {b}, <8 x i32> <{', '.join(f'i32 {i}' for i in mask)}>", "tr")
+
+    pairs = [shuffle(lanes[r], lanes[r + 4], tuple(range(8)), "<4 x i32>") for r in range(4)]  # rows r, r + 4
+    lo32, hi32 = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
+    t = [shuffle(pairs[0], pairs[1], lo32), shuffle(pairs[0], pairs[1], hi32),
+         shuffle(pairs[2], pairs[3], lo32), shuffle(pairs[2], pairs[3], hi32)]
+    lo64, hi64 = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
+    return [shuffle(t[0], t[2], lo64), shuffle(t[0], t[2], hi64), shuffle(t[1], t[3], lo64), shuffle(t[1], t[3], hi64)]
+
+
+def emit_gathered8_dots(fn: Fn, dtype: str, rows: list[str], sx: ScaledX, k: str,
+                        block_hook: Callable[[str], None] | None = None) -> str:
+    """<8 x float>: the dot products with a float x (:func:`emit_scaled_x`) of eight 4-bit rows
+    in GGUF's own layout, anywhere in memory (a sparse FFN's gathered active rows). Each block
+    of the eight is transposed in registers to the rows8 chunks and computed as a group block
+    (:func:`_float_block`): ~16 operations a row and block plus ~3 for the transpose and the
+    scales, against ~30 for a row at a time. ``block_hook(b)`` runs in the block loop (prefetches)."""
+    v8, bb = vec(8), BLOCK_BYTES[dtype]
+    head = bb - 16  # d (and m) before the 16 nibble bytes
+    acc = fn.var(v8, "zeroinitializer", "acc")
+    with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "b") as b:
+        if block_hook is not None:
+            block_hook(b)
+        xs, xsum = _scaled_x_block(fn, sx, b)
+        blocks = [fn.at(row, bb, b, "blk") for row in rows]
+        lanes = [fn.load("<4 x i32>", fn.gep(blk, str(head)), 1, "q") for blk in blocks]
+        d = _gathered_halves(fn, blocks, 0)
+        m = _gathered_halves(fn, blocks, 2) if dtype == "q4_1" else None
+        acc.set(_float_block(fn, dtype, _transpose_chunks(fn, lanes), xs, xsum, d, m, acc.get("acc")))
+    return acc.get("dots")
 
 
 def emit_rows8_dots(fn: Fn, mats: list[tuple[str, str]], x: IntX | ScaledX, k: str) -> list[str]:
