@@ -20,8 +20,8 @@ Phases (each thread, barriers between): [sparse modes: rows ``n*t/T..`` of the m
 dense projections first, in gate-first / down-only mode), compacting the active rows of each
 chunk; then every thread takes its share of the concatenated list] -> for its share of active
 neurons, two at a time: the gathered dot products, ``h``, and the AXPY into the thread's own f32
-buffer (prefetching the rows of a later pair; 4-bit rows dotted with a float x go eight neurons
-at a time first, transposed in registers to the rows8 form) -> barrier -> each thread sums the T buffers over its
+buffer (prefetching the rows of a later pair; 4-bit rows go eight neurons at a time first, their
+blocks transposed in registers to the rows8 form) -> barrier -> each thread sums the T buffers over its
 share of the columns into ``y`` (fixed order: deterministic).
 Neurons whose ``h`` is exactly 0 are not added (an exact skip that over-predicted ReLU rows earn).
 """
@@ -266,10 +266,12 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
         dotted_dtypes = {up_dtype, gate_dtype or up_dtype}
         intx = emit_int_x(fn, "%x", hidden, dotted_dtypes) if int_dots else None
         xsums = None if intx is not None else emit_x_sums(fn, "%x", hidden, dotted_dtypes)
-        # 4-bit rows gathered and dotted with a float x go eight neurons at a time (see below).
+        # 4-bit rows gathered and dotted go eight neurons at a time (see below), x in the form
+        # the rows8 layout's dot products read: scaled floats, or int16 split into bytes.
         gathered = {up_dtype} | ({gate_dtype} if mode in ("predictor", "dense") and gate_dtype else set())
-        octets = intx is None and mode != "down-only" and gathered <= NIBBLE_DTYPES
-        sx = emit_scaled_x(fn, "%x", hidden) if octets or (dense_rows8 and not int_dots) else None
+        octets = mode != "down-only" and gathered <= NIBBLE_DTYPES
+        sx = emit_scaled_x(fn, "%x", hidden) if (octets or dense_rows8) and intx is None else None
+        x8 = emit_int_x(fn, "%x", hidden, gathered, rows8=True) if octets and intx is not None else sx
         consts = None  # the 4-bit down rows' per-block constant terms (see emit_axpys)
         if down_dtype in NIBBLE_DTYPES:
             consts = fn.alloca_array(F32, fn.v(f"lshr i64 {hidden}, 5", "nblk"), "consts")
@@ -402,7 +404,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
             # Eight neurons at a time first: each dotted matrix's eight rows transposed block by
             # block and dotted as a rows8 group (rows8.emit_gathered8_dots), the next eight's rows
             # prefetched along; then the AXPYs in pairs. The rest go in pairs below.
-            assert sx is not None
+            assert x8 is not None
             oct_end = fn.v(f"add i64 {k0}, {fn.v(f'and i64 {span}, -{GROUP}', 'oct')}", "oend")
             with fn.loop(k0, oct_end, str(GROUP), "k") as k:
                 ids = [neuron(fn.v(f"add i64 {k}, {u}", "ku") if u else k) for u in range(GROUP)]
@@ -415,7 +417,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                         for mat, dt, rb in dotted:
                             prefetch_block(fn, dt, row(mat, rb, i), b)
 
-                vectors = [emit_gathered8_dots(fn, dt, [row(mat, rb, i) for i in ids], sx, hidden,
+                vectors = [emit_gathered8_dots(fn, dt, [row(mat, rb, i) for i in ids], x8, hidden,
                                                prefetch if n_mat == 0 else None)
                            for n_mat, (mat, dt, rb) in enumerate(dotted)]
                 dots = [fn.v(f"extractelement {vec(GROUP)} {v}, i64 {u}", "dot") for u in range(GROUP) for v in vectors]

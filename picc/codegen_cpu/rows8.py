@@ -248,25 +248,34 @@ def _transpose_chunks(fn: Fn, lanes: list[str]) -> list[str]:
     return [shuffle(t[0], t[2], lo64), shuffle(t[0], t[2], hi64), shuffle(t[1], t[3], lo64), shuffle(t[1], t[3], hi64)]
 
 
-def emit_gathered8_dots(fn: Fn, dtype: str, rows: list[str], sx: ScaledX, k: str,
+def emit_gathered8_dots(fn: Fn, dtype: str, rows: list[str], x: IntX | ScaledX, k: str,
                         block_hook: Callable[[str], None] | None = None) -> str:
-    """<8 x float>: the dot products with a float x (:func:`emit_scaled_x`) of eight 4-bit rows
-    in GGUF's own layout, anywhere in memory (a sparse FFN's gathered active rows). Each block
-    of the eight is transposed in registers to the rows8 chunks and computed as a group block
-    (:func:`_float_block`): ~16 operations a row and block plus ~3 for the transpose and the
-    scales, against ~30 for a row at a time. ``block_hook(b)`` runs in the block loop (prefetches)."""
+    """<8 x float>: the dot products of eight 4-bit rows in GGUF's own layout, anywhere in
+    memory (a sparse FFN's gathered active rows), with ``x`` as :func:`emit_rows8_dots` takes it
+    (float, or int16 split into bytes). Each block of the eight is transposed in registers to
+    the rows8 chunks and computed as a group block: float x ~16 operations a row and block, int16
+    x ~7, plus ~3 for the transpose and the gathered scales, against ~30 for a row at a time.
+    ``block_hook(b)`` runs in the block loop (prefetches)."""
+    if dtype not in NIBBLE_DTYPES:
+        raise PiccError(f"codegen_cpu: gathered eight-row dot products read q4_0 / q4_1 rows, not {dtype}")
     v8, bb = vec(8), BLOCK_BYTES[dtype]
     head = bb - 16  # d (and m) before the 16 nibble bytes
     acc = fn.var(v8, "zeroinitializer", "acc")
     with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "b") as b:
         if block_hook is not None:
             block_hook(b)
-        xs, xsum = _scaled_x_block(fn, sx, b)
         blocks = [fn.at(row, bb, b, "blk") for row in rows]
         lanes = [fn.load("<4 x i32>", fn.gep(blk, str(head)), 1, "q") for blk in blocks]
+        chunks = _transpose_chunks(fn, lanes)
         d = _gathered_halves(fn, blocks, 0)
         m = _gathered_halves(fn, blocks, 2) if dtype == "q4_1" else None
-        acc.set(_float_block(fn, dtype, _transpose_chunks(fn, lanes), xs, xsum, d, m, acc.get("acc")))
+        if isinstance(x, ScaledX):
+            xs, xsum = _scaled_x_block(fn, x, b)
+            acc.set(_float_block(fn, dtype, chunks, xs, xsum, d, m, acc.get("acc")))
+        else:
+            bytes_ = [fn.v(f"bitcast <8 x i32> {c} to {B32}", "nib") for c in chunks]
+            xi, scale = _int_x_block(fn, x, b)
+            acc.set(_int_block(fn, dtype, bytes_, xi, scale, x, b, d, m, acc.get("acc")))
     return acc.get("dots")
 
 
@@ -284,12 +293,23 @@ def emit_rows8_dots(fn: Fn, mats: list[tuple[str, str]], x: IntX | ScaledX, k: s
     return _int_dots(fn, mats, x, k)
 
 
-def _int_dots(fn: Fn, mats: list[tuple[str, str]], intx: IntX, k: str) -> list[str]:
-    """:func:`emit_rows8_dots` with the int16 x."""
+def _int_x_block(fn: Fn, intx: IntX, b: str) -> tuple[list[list[str]], str]:
+    """Block ``b`` of the split int16 x: its four-byte groups (elements 4j..4j+3, j < 8) in every
+    lane, high bytes then low bytes, and its scale in every lane."""
     if intx.split is None:
         raise PiccError("codegen_cpu: rows8 dot products need x's int16 form split into bytes (emit_int_x rows8)")
-    v8, i32, nblocks = vec(8), "<8 x i32>", fn.v(f"lshr i64 {k}, 5", "nblk")
-    accs = [fn.var(v8, "zeroinitializer", "acc") for _ in mats]
+    sp = fn.at(intx.split, 64, b, "sp")
+    xs = [[_splat_i32(fn, fn.load("i32", fn.gep(sp, str(half + 4 * j)), 4, "x4"), as_bytes=True)
+           for j in range(8)] for half in (0, 32)]
+    return xs, fn.splat(8, fn.load(F32, fn.at(intx.scale, 4, b), 4, "xsc"))
+
+
+def _int_block(fn: Fn, dtype: str, chunks: list[str], xs: list[list[str]], scale: str, intx: IntX, b: str,
+               d: str, m: str | None, acc: str) -> str:
+    """``acc`` plus eight rows' dot products with block ``b`` of the int16 x: ``chunks`` the
+    block's four nibble chunks (<32 x i8>), ``xs`` / ``scale`` from :func:`_int_x_block`, ``d`` /
+    ``m`` the rows' scales and (q4_1) minimums (<8 x float>)."""
+    v8, i32 = vec(8), "<8 x i32>"
     mask, ones = vconst(32, "15", "i8"), vconst(16, "1", "i16")
 
     def pairs(a: str, b: str) -> str:
@@ -301,39 +321,43 @@ def _int_dots(fn: Fn, mats: list[tuple[str, str]], intx: IntX, k: str) -> list[s
     def add(total: str | None, value: str, ty: str = W16) -> str:
         return value if total is None else fn.v(f"add {ty} {total}, {value}", "tot")
 
+    high: str | None = None  # sum of q x_high: 8 x 2 x 15 x 128 fits int16
+    low: list[str | None] = [None, None]  # of q x_low, in two halves: 4 x 2 x 15 x 255 fits
+    for c, raw in enumerate(chunks):
+        shifted = fn.v(f"lshr {B32} {raw}, {vconst(32, '4', 'i8')}", "sh")
+        for nib, j in ((fn.v(f"and {B32} {raw}, {mask}", "lo4"), c),
+                       (fn.v(f"and {B32} {shifted}, {mask}", "hi4"), 4 + c)):
+            high = add(high, pairs(nib, xs[0][j]))
+            low[c // 2] = add(low[c // 2], pairs(xs[1][j], nib))
+    assert high is not None and low[0] is not None and low[1] is not None
+    dots = fn.v(f"shl {i32} {words_to_ints(high)}, {vconst(8, '8', 'i32')}", "hi8")
+    dots = add(dots, add(words_to_ints(low[0]), words_to_ints(low[1]), i32), i32)
+    if dtype == "q4_0":
+        assert intx.isums is not None
+        offset = _splat_i32(fn, fn.load("i32", fn.at(intx.isums, 4, b), 4, "xo"), as_bytes=False)
+        dots = fn.v(f"add {i32} {dots}, {offset}", "pm")
+    t = fn.v(f"sitofp {i32} {dots} to {v8}", "t")
+    value = fn.fma(v8, t, fn.v(f"fmul {v8} {d}, {scale}", "ds"), acc)
+    if m is not None:
+        assert intx.sums is not None
+        value = fn.fma(v8, m, fn.splat(8, fn.load(F32, fn.at(intx.sums, 4, b), 4, "xs")), value)
+    return value
+
+
+def _int_dots(fn: Fn, mats: list[tuple[str, str]], intx: IntX, k: str) -> list[str]:
+    """:func:`emit_rows8_dots` with the int16 x."""
+    v8, nblocks = vec(8), fn.v(f"lshr i64 {k}, 5", "nblk")
+    accs = [fn.var(v8, "zeroinitializer", "acc") for _ in mats]
     with fn.loop("0", nblocks, "1", "b") as b:
-        sp = fn.at(intx.split, 64, b, "sp")
-        # x's four bytes for chunk element group j (elements 4j..4j+3, j < 8) in every lane.
-        xs = [[_splat_i32(fn, fn.load("i32", fn.gep(sp, str(half + 4 * j)), 4, "x4"), as_bytes=True)
-               for j in range(8)] for half in (0, 32)]  # high bytes, low bytes
-        scale = fn.splat(8, fn.load(F32, fn.at(intx.scale, 4, b), 4, "xsc"))
+        xs, scale = _int_x_block(fn, intx, b)
         for (dtype, group), acc in zip(mats, accs, strict=True):
             blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
             _prefetch(fn, blk, group_block_bytes(dtype))
-            high: str | None = None  # sum of q x_high: 8 x 2 x 15 x 128 fits int16
-            low: list[str | None] = [None, None]  # of q x_low, in two halves: 4 x 2 x 15 x 255 fits
-            for c in range(_CHUNKS):
-                raw = fn.load(B32, fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 1, "nib")
-                shifted = fn.v(f"lshr {B32} {raw}, {vconst(32, '4', 'i8')}", "sh")
-                for nib, j in ((fn.v(f"and {B32} {raw}, {mask}", "lo4"), c),
-                               (fn.v(f"and {B32} {shifted}, {mask}", "hi4"), 4 + c)):
-                    high = add(high, pairs(nib, xs[0][j]))
-                    low[c // 2] = add(low[c // 2], pairs(xs[1][j], nib))
-            assert high is not None and low[0] is not None and low[1] is not None
-            dots = fn.v(f"shl {i32} {words_to_ints(high)}, {vconst(8, '8', 'i32')}", "hi8")
-            dots = add(dots, add(words_to_ints(low[0]), words_to_ints(low[1]), i32), i32)
-            if dtype == "q4_0":
-                assert intx.isums is not None
-                offset = _splat_i32(fn, fn.load("i32", fn.at(intx.isums, 4, b), 4, "xo"), as_bytes=False)
-                dots = fn.v(f"add {i32} {dots}, {offset}", "pm")
+            chunks = [fn.load(B32, fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 1, "nib") for c in range(_CHUNKS)]
             d = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d")
-            t = fn.v(f"sitofp {i32} {dots} to {v8}", "t")
-            value = fn.fma(v8, t, fn.v(f"fmul {v8} {d}, {scale}", "ds"), acc.get("acc"))
-            if dtype == "q4_1":
-                assert intx.sums is not None
-                m = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
-                value = fn.fma(v8, m, fn.splat(8, fn.load(F32, fn.at(intx.sums, 4, b), 4, "xs")), value)
-            acc.set(value)
+            m = (fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
+                 if dtype == "q4_1" else None)
+            acc.set(_int_block(fn, dtype, chunks, xs, scale, intx, b, d, m, acc.get("acc")))
     return [acc.get("dots") for acc in accs]
 
 
