@@ -171,7 +171,13 @@ def _float_block(fn: Fn, dtype: str, chunks: list[str], xs: list[str], xsum: str
     """``acc`` plus eight rows' dot products with one block of a float x: ``chunks`` are the
     block's four nibble chunks (<8 x i32>, row r's four bytes in lane r), ``xs`` the block's 32
     scaled x elements, each in every lane, ``xsum`` its sum of x (every lane), ``d`` / ``m`` the
-    rows' scales and (q4_1) minimums (<8 x float>)."""
+    rows' scales and (q4_1) minimums (<8 x float>).
+
+    Element ``4c + e`` (and ``16 + 4c + e``) of the eight rows is chunk ``c`` masked to its
+    nibble, unshifted, converted to float (``q 2^s``, exact) and multiplied by ``x 2^-s`` (the top
+    nibble, whose int32 would be negative, is shifted down instead, and its x is not scaled): one
+    integer operation, a conversion and an FMA per element of eight rows, against ~5 per element
+    of each row one row at a time."""
     v8, i32 = vec(8), "<8 x i32>"
     chains: list[str | None] = [None] * _FLOAT_CHAINS
     n = 0
@@ -202,27 +208,6 @@ def _scaled_x_block(fn: Fn, sx: ScaledX, b: str) -> tuple[list[str], str]:
     xb = fn.at(sx.values, 4 * BLOCK, b, "xb")
     xs = [fn.splat(8, fn.load(F32, fn.gep(xb, str(4 * j)), 4, "xj")) for j in range(BLOCK)]
     return xs, fn.splat(8, fn.load(F32, fn.at(sx.sums, 4, b), 4, "xsum"))
-
-
-def _float_dots(fn: Fn, mats: list[tuple[str, str]], sx: ScaledX, k: str) -> list[str]:
-    """:func:`emit_rows8_dots` with a float x: element ``4c + e`` (and ``16 + 4c + e``) of the
-    eight rows is chunk ``c`` masked to its nibble, unshifted, converted to float (``q 2^s``,
-    exact) and multiplied by ``x 2^-s`` (the top nibble, whose int32 would be negative, is
-    shifted down instead, and its x is not scaled): one integer operation, a conversion and an
-    FMA per element of eight rows, against ~5 per element of each row one row at a time."""
-    v8, i32, nblocks = vec(8), "<8 x i32>", fn.v(f"lshr i64 {k}, 5", "nblk")
-    accs = [fn.var(v8, "zeroinitializer", "acc") for _ in mats]
-    with fn.loop("0", nblocks, "1", "b") as b:
-        xs, xsum = _scaled_x_block(fn, sx, b)
-        for (dtype, group), acc in zip(mats, accs, strict=True):
-            blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
-            _prefetch(fn, blk, group_block_bytes(dtype))
-            chunks = [fn.load(i32, fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, "nib") for c in range(_CHUNKS)]
-            d = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d")
-            m = (fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
-                 if dtype == "q4_1" else None)
-            acc.set(_float_block(fn, dtype, chunks, xs, xsum, d, m, acc.get("acc")))
-    return [acc.get("dots") for acc in accs]
 
 
 def _gathered_halves(fn: Fn, blocks: list[str], offset: int) -> str:
@@ -269,14 +254,23 @@ def emit_gathered8_dots(fn: Fn, dtype: str, rows: list[str], x: IntX | ScaledX, 
         chunks = _transpose_chunks(fn, lanes)
         d = _gathered_halves(fn, blocks, 0)
         m = _gathered_halves(fn, blocks, 2) if dtype == "q4_1" else None
-        if isinstance(x, ScaledX):
-            xs, xsum = _scaled_x_block(fn, x, b)
-            acc.set(_float_block(fn, dtype, chunks, xs, xsum, d, m, acc.get("acc")))
-        else:
-            bytes_ = [fn.v(f"bitcast <8 x i32> {c} to {B32}", "nib") for c in chunks]
-            xi, scale = _int_x_block(fn, x, b)
-            acc.set(_int_block(fn, dtype, bytes_, xi, scale, x, b, d, m, acc.get("acc")))
+        acc.set(_dot_block(fn, dtype, chunks, x, _x_block(fn, x, b), b, d, m, acc.get("acc")))
     return acc.get("dots")
+
+
+def _x_block(fn: Fn, x: IntX | ScaledX, b: str) -> tuple[list, str]:
+    """Block ``b`` of x as :func:`_dot_block` reads it (made once per block, for every matrix)."""
+    return _scaled_x_block(fn, x, b) if isinstance(x, ScaledX) else _int_x_block(fn, x, b)
+
+
+def _dot_block(fn: Fn, dtype: str, chunks: list[str], x: IntX | ScaledX, xb: tuple[list, str], b: str,
+               d: str, m: str | None, acc: str) -> str:
+    """``acc`` plus eight rows' dot products with block ``b`` of ``x`` (``xb``: :func:`_x_block`),
+    ``chunks`` the block's four nibble chunks as <8 x i32>: :func:`_float_block` or :func:`_int_block`."""
+    if isinstance(x, ScaledX):
+        return _float_block(fn, dtype, chunks, xb[0], xb[1], d, m, acc)
+    as_bytes = [fn.v(f"bitcast <8 x i32> {c} to {B32}", "nib") for c in chunks]
+    return _int_block(fn, dtype, as_bytes, xb[0], xb[1], x, b, d, m, acc)
 
 
 def emit_rows8_dots(fn: Fn, mats: list[tuple[str, str]], x: IntX | ScaledX, k: str) -> list[str]:
@@ -288,9 +282,20 @@ def emit_rows8_dots(fn: Fn, mats: list[tuple[str, str]], x: IntX | ScaledX, k: s
     for dtype, _ in mats:
         if dtype not in NIBBLE_DTYPES:
             raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 rows, not {dtype}")
-    if isinstance(x, ScaledX):
-        return _float_dots(fn, mats, x, k)
-    return _int_dots(fn, mats, x, k)
+    v8, nblocks = vec(8), fn.v(f"lshr i64 {k}, 5", "nblk")
+    accs = [fn.var(v8, "zeroinitializer", "acc") for _ in mats]
+    with fn.loop("0", nblocks, "1", "b") as b:
+        xb = _x_block(fn, x, b)
+        for (dtype, group), acc in zip(mats, accs, strict=True):
+            blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
+            _prefetch(fn, blk, group_block_bytes(dtype))
+            chunks = [fn.load("<8 x i32>", fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, "nib")
+                      for c in range(_CHUNKS)]
+            d = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d")
+            m = (fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
+                 if dtype == "q4_1" else None)
+            acc.set(_dot_block(fn, dtype, chunks, x, xb, b, d, m, acc.get("acc")))
+    return [acc.get("dots") for acc in accs]
 
 
 def _int_x_block(fn: Fn, intx: IntX, b: str) -> tuple[list[list[str]], str]:
@@ -342,23 +347,6 @@ def _int_block(fn: Fn, dtype: str, chunks: list[str], xs: list[list[str]], scale
         assert intx.sums is not None
         value = fn.fma(v8, m, fn.splat(8, fn.load(F32, fn.at(intx.sums, 4, b), 4, "xs")), value)
     return value
-
-
-def _int_dots(fn: Fn, mats: list[tuple[str, str]], intx: IntX, k: str) -> list[str]:
-    """:func:`emit_rows8_dots` with the int16 x."""
-    v8, nblocks = vec(8), fn.v(f"lshr i64 {k}, 5", "nblk")
-    accs = [fn.var(v8, "zeroinitializer", "acc") for _ in mats]
-    with fn.loop("0", nblocks, "1", "b") as b:
-        xs, scale = _int_x_block(fn, intx, b)
-        for (dtype, group), acc in zip(mats, accs, strict=True):
-            blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
-            _prefetch(fn, blk, group_block_bytes(dtype))
-            chunks = [fn.load(B32, fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 1, "nib") for c in range(_CHUNKS)]
-            d = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d")
-            m = (fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
-                 if dtype == "q4_1" else None)
-            acc.set(_int_block(fn, dtype, chunks, xs, scale, intx, b, d, m, acc.get("acc")))
-    return [acc.get("dots") for acc in accs]
 
 
 def emit_rows8(fn: Fn, mats: list[tuple[str, str, str]], x: IntX | ScaledX, k: str, glo: str, ghi: str,
