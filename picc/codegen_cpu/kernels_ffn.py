@@ -37,6 +37,7 @@ from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.rowops import (
     NIBBLE_DTYPES,
+    IntX,
     check_dtype,
     emit_add_block_consts,
     emit_axpys,
@@ -48,7 +49,14 @@ from picc.codegen_cpu.rowops import (
     prefetch_block,
     zero_floats,
 )
-from picc.codegen_cpu.rows8 import GROUP, emit_gathered8_dots, emit_group_bytes, emit_rows8, emit_scaled_x
+from picc.codegen_cpu.rows8 import (
+    GROUP,
+    ScaledX,
+    emit_gathered8_dots,
+    emit_group_bytes,
+    emit_rows8,
+    emit_scaled_x,
+)
 from picc.errors import PiccError
 
 
@@ -266,12 +274,17 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
         dotted_dtypes = {up_dtype, gate_dtype or up_dtype}
         intx = emit_int_x(fn, "%x", hidden, dotted_dtypes) if int_dots else None
         xsums = None if intx is not None else emit_x_sums(fn, "%x", hidden, dotted_dtypes)
-        # 4-bit rows gathered and dotted go eight neurons at a time (see below), x in the form
-        # the rows8 layout's dot products read: scaled floats, or int16 split into bytes.
+        # 4-bit rows gathered and dotted go eight neurons at a time (see below). They and the
+        # matrices read whole from the rows8 layout take x in the form the rows8 dot products
+        # read (scaled floats, or int16 split into bytes), made once for both.
         gathered = {up_dtype} | ({gate_dtype} if mode in ("predictor", "dense") and gate_dtype else set())
         octets = mode != "down-only" and gathered <= NIBBLE_DTYPES
-        sx = emit_scaled_x(fn, "%x", hidden) if (octets or dense_rows8) and intx is None else None
-        x8 = emit_int_x(fn, "%x", hidden, gathered, rows8=True) if octets and intx is not None else sx
+        rows8_dtypes = (gathered if octets else set()) | set(names.read_whole(mode, up_dtype, gate_dtype)
+                                                             if dense_rows8 else ())
+        x8: IntX | ScaledX | None = None
+        if rows8_dtypes:
+            x8 = emit_scaled_x(fn, "%x", hidden) if intx is None else emit_int_x(fn, "%x", hidden, rows8_dtypes,
+                                                                                  rows8=True)
         consts = None  # the 4-bit down rows' per-block constant terms (see emit_axpys)
         if down_dtype in NIBBLE_DTYPES:
             consts = fn.alloca_array(F32, fn.v(f"lshr i64 {hidden}, 5", "nblk"), "consts")
@@ -313,10 +326,9 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
 
                 if dense_rows8:
                     whole = [(dt, base, emit_group_bytes(fn, dt, hidden)) for dt, base, _ in dense]
-                    gx = emit_int_x(fn, "%x", hidden, {dt for dt, _, _ in dense}, rows8=True) if int_dots else sx
-                    assert gx is not None
+                    assert x8 is not None
                     glo, ghi = fn.v(f"lshr i64 {lo}, 3", "glo"), fn.v(f"lshr i64 {hi}, 3", "ghi")
-                    emit_rows8(fn, whole, gx, hidden, glo, ghi, score)
+                    emit_rows8(fn, whole, x8, hidden, glo, ghi, score)
                 else:
                     emit_tiled_rows(fn, dense, "%x", hidden, lo, hi, simd, score, xsums,  # type: ignore[arg-type]
                                     intx=intx)
