@@ -49,6 +49,7 @@ from picc.codegen_cpu import (  # noqa: E402
     buffer_table,
     compile_kernels,
     effective_simd,
+    rowplanes,  # noqa: E402
 )
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
 from picc.codegen_cpu.threads import huge_zeros  # noqa: E402
@@ -71,8 +72,10 @@ class Layers:
         self.row_bytes = raw.nbytes // n
         self.count = max(1, WORKING_SET // (3 * raw.nbytes))
         self.data = huge_zeros(3 * self.count * raw.nbytes)
+        # down_t in the layout the kernel reads (the same bytes as up's, regrouped for block formats)
+        down_t = rowplanes.to_rowplanes(raw, dtype, (n, hidden)).reshape(-1) if dtype in rowplanes.DTYPES else raw
         for i in range(3 * self.count):
-            self.data[i * raw.nbytes : (i + 1) * raw.nbytes] = raw
+            self.data[i * raw.nbytes : (i + 1) * raw.nbytes] = down_t if i % 3 == 2 else raw
 
     def up_gate(self, layer: int) -> np.ndarray:
         """Matrices 0 and 1 of the layer, read as one [n, 2, hidden] interleaved up/gate."""

@@ -30,7 +30,7 @@ def write_pib(path: Path, model: LoadedModel, *, plan: dict, report: dict, meta:
     """Write ``model`` (its final IR and the weights it declares) with its plan, report,
     ``extra`` sections and ``extra_tensors`` (what generated code reads besides the weights) to
     ``path`` atomically; return the file's size. ``layouts``: weights to store in another layout
-    than GGUF's rows, for the kernels that read them (``rows8``, ``picc.codegen_cpu.rows8``)."""
+    than GGUF's rows, for the kernels that read them (``picc.codegen_cpu.rows8``, ``.rowplanes``)."""
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         w = PibWriter(f)
@@ -83,18 +83,21 @@ def load_pib(path: Path) -> LoadedModel:
     return LoadedModel(module, store, tokenizer, source=str(path))
 
 
-def _to_layout(t: Tensor, layout: str, name: str) -> np.ndarray:
-    from picc.codegen_cpu.rows8 import to_rows8
+def _converters(layout: str, what: str):  # noqa: ANN202 - (to, from) functions of a layout
+    from picc.codegen_cpu import rowplanes, rows8
 
-    if layout != "rows8":
-        raise PiccError(f"weight @{name}: unknown storage layout {layout!r} (expected rows8)")
-    return to_rows8(t.data, t.dtype.value, t.shape)
+    known = {rows8.LAYOUT: (rows8.to_rows8, rows8.from_rows8),
+             rowplanes.LAYOUT: (rowplanes.to_rowplanes, rowplanes.from_rowplanes)}
+    if layout not in known:
+        raise PiccError(f"{what}: unknown storage layout {layout!r} (expected {' or '.join(known)})")
+    return known[layout]
+
+
+def _to_layout(t: Tensor, layout: str, name: str) -> np.ndarray:
+    return _converters(layout, f"weight @{name}")[0](t.data, t.dtype.value, t.shape)
 
 
 def _from_layout(stored: StoredTensor, name: str, path: Path) -> np.ndarray:
-    """A weight the file stores for its kernels (rows8), back in GGUF's rows for the interpreter."""
-    from picc.codegen_cpu.rows8 import from_rows8
-
-    if stored.layout != "rows8":
-        raise PiccError(f"{path}: tensor {name!r} has storage layout {stored.layout!r}; this picc reads rows8")
-    return from_rows8(stored.data, stored.dtype, stored.shape).reshape(stored.data.shape)
+    """A weight the file stores for its kernels (rows8, rowplanes), back in GGUF's rows for the interpreter."""
+    convert = _converters(stored.layout or "", f"{path}: tensor {name!r}")[1]
+    return convert(stored.data, stored.dtype, stored.shape).reshape(stored.data.shape)

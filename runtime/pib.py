@@ -19,8 +19,9 @@ Sections are named blobs: ``ir`` (the final IR text), ``plan`` (the memory plan,
 (the placement report, JSON), ``tokenizer`` (JSON), ``meta`` (JSON), and the code the backends add
 (``cpu/...``, ``cuda/...``). Tensors are the weights in their storage format (quantized blocks as
 GGUF lays them out), mapped read-only from the file without copying. A tensor with a ``layout``
-is stored in another order for the kernels that read it: ``rows8``, a 4-bit matrix in groups of
-eight rows (``picc.codegen_cpu.rows8``; the same bytes, rearranged).
+is stored in another order for the kernels that read it (the same bytes, rearranged): ``rows8``,
+a 4-bit matrix in groups of eight rows (``picc.codegen_cpu.rows8``), or ``rowplanes``, each row's
+block scales before its quants (``picc.codegen_cpu.rowplanes``).
 
 A file that is too short, not a .pib, of another format version, truncated, or whose checksum does
 not match is refused with a :class:`PibError` that says which. This module is the runtime's: it
@@ -40,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"PICCPIB\0"
-FORMAT_VERSION = 3  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8)
+FORMAT_VERSION = 4  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256
@@ -66,7 +67,7 @@ def storage_shape(dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class StoredTensor:
     """A tensor as the file holds it: IR dtype, logical shape, the stored array (a view), and its
-    layout when not GGUF's rows (``rows8``)."""
+    layout when not GGUF's rows (``rows8``, ``rowplanes``)."""
 
     dtype: str
     shape: tuple[int, ...]

@@ -33,6 +33,7 @@ from picc.codegen_cpu import (
     aligned_zeros,
     buffer_table,
     compile_kernels,
+    rowplanes,
 )
 from picc.codegen_cpu.irtext import Fn
 from picc.codegen_cpu.kernel import Kernel
@@ -293,6 +294,28 @@ def test_rows8_layout_holds_eight_rows_per_block_as_documented(dtype):
         to_rows8(raw[:20], dtype, (20, k))
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1"])
+def test_rowplanes_layout_puts_each_rows_scales_before_its_quants(dtype):
+    rng = np.random.default_rng(41)
+    rows, k = 5, 96
+    raw, _ = weights(rng, (rows, k), dtype)
+    stored = rowplanes.to_rowplanes(raw, dtype, (rows, k))
+    assert stored.shape == (rows, raw.nbytes // rows) and not np.array_equal(stored.reshape(-1), raw.view(np.uint8))
+    np.testing.assert_array_equal(rowplanes.from_rowplanes(stored, dtype, (rows, k)), raw.reshape(rows, -1).view(np.uint8))
+    # Row 3: its three f16 scales, then (q4_1) its three minimums, then its blocks' quants in order.
+    bb, nb = quant.BLOCK_BYTES[dtype], k // 32
+    blocks = raw.reshape(rows, nb, bb).view(np.uint8)[3]
+    head = 4 if dtype == "q4_1" else 2
+    np.testing.assert_array_equal(stored[3, : 2 * nb].reshape(nb, 2), blocks[:, :2])
+    if dtype == "q4_1":
+        np.testing.assert_array_equal(stored[3, 2 * nb : 4 * nb].reshape(nb, 2), blocks[:, 2:4])
+    np.testing.assert_array_equal(stored[3, head * nb :].reshape(nb, bb - head), blocks[:, head:])
+    with pytest.raises(PiccError, match="not a .* matrix of shape"):
+        rowplanes.to_rowplanes(raw.reshape(-1)[: raw.nbytes - 1], dtype, (rows, k))
+    with pytest.raises(PiccError, match="rows of whole blocks"):
+        rowplanes.to_rowplanes(raw, "f16", (rows, k))
+
+
 @pytest.mark.parametrize("threads", (1, 3))
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
 def test_rows8_gemvs_compute_what_rows_one_at_a_time_do(host, teams, dtype, threads):
@@ -405,6 +428,9 @@ class FfnCase:
         self.up_raw, self.up = weights(rng, (n, h), dtypes[0], h**-0.5)
         self.gate_raw, self.gate = weights(rng, (n, h), dtypes[1], h**-0.5) if dtypes[1] else (None, None)
         self.down_raw, self.down = weights(rng, (n, h), dtypes[2], n**-0.5)
+        # The kernels read a block-format down_t in the rowplanes layout (the .pib stores it so).
+        self.down_t = (rowplanes.to_rowplanes(self.down_raw, dtypes[2], (n, h)) if dtypes[2] in rowplanes.DTYPES
+                       else self.down_raw)
         rand = (lambda size: rng.normal(0, 0.1, size=size).astype(np.float32)) if biases else (lambda size: None)
         self.up_bias, self.gate_bias, self.down_bias = rand(n), rand(n) if dtypes[1] else None, rand(h)
 
@@ -436,7 +462,7 @@ class FfnCase:
             if self.up_bias is not None:
                 biases = np.ascontiguousarray(np.stack([self.up_bias, self.gate_bias], 1))
                 up_bias, gate_bias = biases, biases.reshape(-1)[1:]
-        run(module, team, kernel, self.x, up, gate, self.down_raw, up_bias, gate_bias,
+        run(module, team, kernel, self.x, up, gate, self.down_t, up_bias, gate_bias,
             self.down_bias, y, mask, count, scratch, self.n, self.hidden, threshold, int(y0 is not None))
         return y, int(count[0])
 
@@ -762,6 +788,7 @@ def test_program_equals_kernels_one_by_one(host, teams):
                                 ("wo", (64, 64), "q4_1"), ("up", (96, 64), "q4_0"), ("gate", (96, 64), "q4_0"),
                                 ("down", (96, 64), "q4_0")):
             data[name] = weights(r, shape, dt, 0.2)[0]
+        data["down"] = rowplanes.to_rowplanes(data["down"], "q4_0", (96, 64))
         for name, size in (("h", 64), ("q", 64), ("k", 32), ("v", 32), ("att", 64), ("x2", 64)):
             data[name] = np.zeros(size, np.float32)
         data["kc"], data["vc"] = np.zeros((8, 32), np.float32), np.zeros((8, 32), np.float32)
@@ -879,12 +906,15 @@ def test_bad_inputs_are_one_line_errors(host):
 
 def test_4bit_rows_need_the_sums_their_constant_parts_moved_to():
     """A kernel that dots or AXPYs q4_0 / q4_1 rows without x's block sums (or without the
-    per-block constants array) would silently drop the rows' -8 / m terms: refused at IR time."""
+    per-block constants array) would silently drop the rows' -8 / m terms: refused at IR time.
+    So are AXPYs of block-format rows in GGUF's rows: the kernels read them as rowplanes."""
     fn = Fn("f", [("ptr", "row"), ("ptr", "x"), ("ptr", "y")])
     for dtype in ("q4_0", "q4_1"):
         with pytest.raises(PiccError, match=rf"dot products of \['{dtype}'\] rows need x's sums"):
             emit_dots(fn, [(dtype, "%row")], "%x", "64", "avx2")
-        with pytest.raises(PiccError, match="AXPYs of 4-bit rows need a per-block constants array"):
+        with pytest.raises(PiccError, match=f"{dtype} rows need per-block constants"):
+            rowplanes.emit_axpys(fn, [(dtype, "%row", "1.0")], "%y", "64", "avx2", ["%c"], None)
+        with pytest.raises(PiccError, match="AXPYs of block-format rows read the rowplanes layout"):
             emit_axpys(fn, [(dtype, "%row", "1.0")], "%y", "64", "avx2")
     sums = emit_x_sums(fn, "%x", "64", {"q4_0"})
     assert sums is not None and sums.offsets and sums.folded is None

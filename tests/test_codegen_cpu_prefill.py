@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_codegen_cpu_kernels import QUANT_TOL, act64, gap_threshold, rel_err, run, tol, weights
 
-from picc.codegen_cpu import SYNC_BYTES, Buf, Param, Program, aligned_zeros, buffer_table, compile_kernels
+from picc.codegen_cpu import SYNC_BYTES, Buf, Param, Program, aligned_zeros, buffer_table, compile_kernels, rowplanes
 from picc.codegen_cpu.kernels_ffn import FORMS, predictor, predictor_scratch_bytes
 from picc.codegen_cpu.kernels_prefill import chunk_ffn, chunk_ffn_scratch_bytes
 from picc.codegen_cpu.rows8 import to_rows8
@@ -49,6 +49,8 @@ class ChunkCase:
         self.up_raw, self.up = weights(rng, (n, h), dtype, h**-0.5)
         self.gate_raw, self.gate = weights(rng, (n, h), dtype, h**-0.5) if self.spec.gated else (None, None)
         self.down_raw, self.down = weights(rng, (n, h), dtype, n**-0.5)
+        # A block-format down_t is in the rowplanes layout, as the decode kernel reads it.
+        self.down_t = rowplanes.to_rowplanes(self.down_raw, dtype, (n, h)) if dtype in rowplanes.DTYPES else self.down_raw
         rand = (lambda size: rng.normal(0, 0.1, size=size).astype(np.float32)) if biases else (lambda size: None)
         self.up_bias = rand(n)
         self.gate_bias = rand(n) if self.spec.gated else None
@@ -80,7 +82,7 @@ class ChunkCase:
             if up_bias is not None:
                 biases = np.ascontiguousarray(np.stack([self.up_bias, self.gate_bias], 1))
                 up_bias, gate_bias = biases, biases.reshape(-1)[1:]
-        run(module, team, kernel, self.x, up, gate, self.down_raw, up_bias, gate_bias, self.down_bias, y, masks,
+        run(module, team, kernel, self.x, up, gate, self.down_t, up_bias, gate_bias, self.down_bias, y, masks,
             scratch, self.seq, stride, self.n, self.hidden, threshold)
         return y
 

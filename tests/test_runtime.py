@@ -17,10 +17,12 @@ import pytest
 from conftest import tiny_llama, with_tokenizer
 
 from picc.cli import main
+from picc.codegen_cpu.rowplanes import to_rowplanes
 from picc.compile import CompileOptions, compile_model, write_compiled
 from picc.errors import PiccError
 from picc.interpreter import Interpreter
 from picc.ir import ops as O
+from picc.ir.fused_ops import FusedFFN
 from picc.ir.types import DType
 from picc.pib import load_pib
 from picc.plan_report import format_report
@@ -217,6 +219,14 @@ def test_a_model_that_decides_sparsity_keeps_float_dot_products(tmp_path, monkey
     path, pib = compiled(model, tmp_path, "sparse-q4", sparsity=sparsity)
     kernels = {op.kernel for op in pib.module.ops()}
     assert "picc_gemv_q4_0_r8" in kernels and not any(k.endswith("_xi16") for k in kernels if k)
+    # The fused FFNs' neuron-major down projections are stored in the rowplanes layout, for their
+    # AXPYs, and load back as the rows the interpreter reads.
+    downs = [op.down for op in pib.module.ops() if isinstance(op, FusedFFN)]
+    with PibFile(path) as f:
+        assert downs and all(f.tensor(d).layout == "rowplanes" for d in downs)
+        for d in downs:
+            stored, shape = f.tensor(d).data, pib.weights[d].shape
+            np.testing.assert_array_equal(to_rowplanes(pib.weights[d].data, "q4_0", shape), stored.reshape(shape[0], -1))
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)

@@ -4,10 +4,11 @@
 of ``n`` (with ``accumulate``, adds it to y: a residual add in the same call), where ``h_i`` is
 the form's activation of ``up[i] . x`` (and ``gate[i] . x``); the down projection is stored
 neuron-major (``down_t[n, hidden]``, row i = neuron i's column of down), so each active neuron
-is one AXPY. With ``interleaved`` weights, up and gate rows alternate (one ``up_gate`` matrix
-[n, 2, hidden]: the caller passes it as ``up`` and, one row later, as ``gate``;
-its biases likewise), so an active neuron's two rows are one contiguous stream. How the active set
-is known (``mode``):
+is one AXPY; a down projection in a block format (q8_0, q4_0, q4_1) is in the rowplanes layout
+(:mod:`picc.codegen_cpu.rowplanes`: each row's scales, then its quants). With ``interleaved``
+weights, up and gate rows alternate (one ``up_gate`` matrix [n, 2, hidden]: the caller passes it
+as ``up`` and, one row later, as ``gate``; its biases likewise), so an active neuron's two rows
+are one contiguous stream. How the active set is known (``mode``):
 
 * ``predictor``: the neurons whose byte in ``mask[0:n]`` is nonzero (from :func:`predictor`; a
   part of a split layer gets the mask from its first neuron on).
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from picc import kernel_names as names
+from picc.codegen_cpu import rowplanes
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.rowops import (
@@ -286,9 +288,13 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
             x8 = emit_scaled_x(fn, "%x", hidden) if intx is None else emit_int_x(fn, "%x", hidden, rows8_dtypes,
                                                                                   rows8=True)
         consts = None  # the 4-bit down rows' per-block constant terms (see emit_axpys)
-        if down_dtype in NIBBLE_DTYPES:
-            consts = fn.alloca_array(F32, fn.v(f"lshr i64 {hidden}, 5", "nblk"), "consts")
-            zero_floats(fn, consts, fn.v(f"lshr i64 {hidden}, 5", "nblk"))
+        coefs: list[str] = []  # the scaled block scales of the rowplanes down rows of one AXPY call
+        if down_dtype in rowplanes.DTYPES:
+            nblk = fn.v(f"lshr i64 {hidden}, 5", "nblk")
+            coefs = [fn.alloca_array(F32, nblk, "coef") for _ in range(2)]
+            if down_dtype in NIBBLE_DTYPES:
+                consts = fn.alloca_array(F32, nblk, "consts")
+                zero_floats(fn, consts, nblk)
 
         def row(mat: str, rb: str, i: str) -> str:
             return fn.gep(mat, fn.v(f"mul i64 {i}, {rb}", "ro"), "row")
@@ -405,7 +411,10 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
             with fn.if_(live):
                 rows = [(down_dtype, row("%down", rb_down, i), h) for i, h in zip(ids, hs, strict=True)]
                 pf = [(down_dtype, row("%down", rb_down, i)) for i in ahead or []]
-                emit_axpys(fn, rows, ybuf, hidden, simd, pf, consts)
+                if coefs:
+                    rowplanes.emit_axpys(fn, rows, ybuf, hidden, simd, coefs, consts, pf)
+                else:
+                    emit_axpys(fn, rows, ybuf, hidden, simd, pf)
 
         # Neurons go in pairs: two rows of each matrix in flight, one pass over ybuf per pair,
         # and the rows of the next pair prefetched along the way (gathered rows defeat the

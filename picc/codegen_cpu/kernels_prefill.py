@@ -28,11 +28,12 @@ import contextlib
 from functools import cache
 
 from picc import kernel_names as names
+from picc.codegen_cpu import rowplanes
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_dense import dot_grid
 from picc.codegen_cpu.kernels_ffn import check_ffn_kernel, plus_bias
-from picc.codegen_cpu.rowops import ELEMENT_BYTES, block_bytes, emit_row_bytes, emit_row_to_f32, is_blocked
+from picc.codegen_cpu.rowops import ELEMENT_BYTES, emit_row_bytes, emit_row_to_f32
 from picc.codegen_cpu.rows8 import emit_rows8_row_to_f32
 
 CHUNK_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
@@ -205,8 +206,9 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
         with fn.loop("0", seq, hint="s") as s:
             fn.emit(f"call void @llvm.memset.p0.i64(ptr align 4 {yrow(s)}, i8 0, i64 "
                     f"{fn.v(f'shl i64 {width}, 2', 'wb')}, i1 false)")
-        first = (fn.v(f"mul i64 {fn.v(f'lshr i64 {c0}, 5', 'b0')}, {block_bytes(down_dtype)}", "co")
-                 if is_blocked(down_dtype) else fn.v(f"mul i64 {c0}, {ELEMENT_BYTES[down_dtype]}", "co"))
+        planes = down_dtype in rowplanes.DTYPES  # down_t in the rowplanes layout, as the decode kernel reads it
+        b0, nblocks = fn.v(f"lshr i64 {c0}, 5", "b0"), fn.v(f"lshr i64 {hidden}, 5", "nblk")
+        first = None if planes else fn.v(f"mul i64 {c0}, {ELEMENT_BYTES[down_dtype]}", "co")
         # The live neurons, in order, then _GROUP at a time: their slices of down_t dequantised
         # side by side, and each token's row of Y loaded and stored once per group (not once per
         # neuron: with Y rows of 32 tokens out of L1, that traffic was most of the kernel).
@@ -226,8 +228,11 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
                        for g in range(size)]
             rows = [fn.at(dbufs, 4, fn.v(f"mul i64 {width}, {g}", "go"), "db") for g in range(size)]
             for i, buf in zip(neurons, rows, strict=True):
-                drow = fn.gep(fn.gep("%down", fn.v(f"mul i64 {i}, {rb_down}", "do")), first, "dr")
-                emit_row_to_f32(fn, down_dtype, drow, buf, width, simd)
+                drow = fn.gep("%down", fn.v(f"mul i64 {i}, {rb_down}", "do"), "dr")
+                if first is None:
+                    rowplanes.emit_row_to_f32(fn, down_dtype, drow, nblocks, b0, buf, width, simd)
+                else:
+                    emit_row_to_f32(fn, down_dtype, fn.gep(drow, first, "dr"), buf, width, simd)
             with fn.loop("0", seq, hint="s") as s:
                 hs = [fn.load(F32, h_at(s, i), 4, "h") for i in neurons]
                 nonzero = fn.v(f"fcmp one float {hs[0]}, 0.0", "nz")

@@ -15,7 +15,8 @@ that one. Memory is named by index into ``bufs``:
   and the greedy token the step writes), ``bufs[2]`` a vector of zeros;
 * then each weight the kernels read, by name (the .pib's tensors; vectors that kernels read as
   f32 -- norms, biases, rotary frequencies -- are stored as extra f32 tensors ``cpu.f32.<name>``;
-  the 4-bit matrices of ``_r8_xi16`` kernels are stored in the rows8 layout, :attr:`CpuProgram.layouts`);
+  the 4-bit matrices of ``_r8_xi16`` kernels are stored in the rows8 layout, and the block-format
+  neuron-major down projections of fused FFNs in the rowplanes layout, :attr:`CpuProgram.layouts`);
 * then the activations (one buffer; each value at a 64-byte aligned offset, including the values
   that arrive from the GPU), the KV caches, and the kernels' shared scratch.
 
@@ -35,11 +36,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from picc import kernel_names as names
-from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, kernels_prefill
+from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, kernels_prefill, rowplanes
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.prelude import SYNC_BYTES
 from picc.codegen_cpu.program import Buf, Call, Null, Param, Program
 from picc.codegen_cpu.rowops import row_bytes
+from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
 from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
@@ -81,6 +83,16 @@ def _int_dots(op: Op) -> bool:
 def _rows8(op: Op) -> bool:
     """Whether ``op``'s kernel reads its 4-bit matrices in the rows8 layout."""
     return names.reads_rows8(op.kernel)
+
+
+def _layout(op: Op) -> str | None:
+    """The layout ``op``'s kernel reads its weight matrices in: rows8, or GGUF's rows (None)."""
+    return ROWS8 if _rows8(op) else None
+
+
+def _down_layout(dtype: str) -> str | None:
+    """The layout the fused FFN kernels read a neuron-major down projection of ``dtype`` in."""
+    return rowplanes.LAYOUT if dtype in rowplanes.DTYPES else None
 
 
 def _adds_in_place(op: Op) -> bool:
@@ -135,7 +147,7 @@ class CpuProgram:
     greedy: bool = False  # the CPU step writes the greedy token to params
     prefill: dict | None = None  # {"symbol", "tokens" (buffer index), "chunk"}: the batched prefill program
     logits_chunk: dict | None = None  # the same, with the head: + {"logits": {"buffer", "offset", "n"}}
-    layouts: dict[str, str] = field(default_factory=dict)  # weight -> "rows8": how the .pib must store it
+    layouts: dict[str, str] = field(default_factory=dict)  # weight -> "rows8" / "rowplanes": how the .pib stores it
 
     def manifest(self, simd: str) -> dict:
         """What the runtime needs besides the code."""
@@ -272,17 +284,21 @@ class _Lowering:
         self.out.buffers.append({"kind": "alloc", "name": name, "nbytes": nbytes})
         return len(self.out.buffers) - 1
 
-    def weight(self, name: str | None, *, as_f32: bool = False, offset: int = 0, rows8: bool = False) -> Buf | Null:
-        """A weight's buffer; ``as_f32`` stores vectors the kernels read as f32 in f32; ``rows8``
-        stores a 4-bit matrix in the rows8 layout (every kernel that reads it must ask for it)."""
+    def weight(self, name: str | None, *, as_f32: bool = False, offset: int = 0,
+               layout: str | None = None) -> Buf | Null:
+        """A weight's buffer; ``as_f32`` stores vectors the kernels read as f32 in f32; ``layout``
+        (``rows8``, ``rowplanes``) stores a matrix in that layout instead of GGUF's rows (every
+        kernel that reads it must ask for the same one)."""
         if name is None:
             return Null()
         t = self.weights[name]
         if not as_f32:
-            if name in (self.row_weights if rows8 else self.out.layouts):
-                raise PiccError(f"codegen_cpu: weight @{name} is read both in the rows8 layout and row by row")
-            if rows8:
-                self.out.layouts[name] = "rows8"
+            held = self.out.layouts.get(name, "row" if name in self.row_weights else None)
+            if held is not None and held != (layout or "row"):
+                raise PiccError(f"codegen_cpu: weight @{name} is read both in the {held} layout and in the "
+                                f"{layout or 'row'} layout")
+            if layout is not None:
+                self.out.layouts[name] = layout
             else:
                 self.row_weights.add(name)
         if as_f32 and t.dtype != DType.F32:
@@ -399,14 +415,14 @@ class _Lowering:
                 # Prefill: a GEMM reads each weight row once for all the chunk's tokens.
                 w = self.weights[op.weight]
                 x, access = self.gemm_input(op, op.x, int(w.shape[1]), op.weight)
-                self.call(op, kernels_dense.gemm(w.dtype.value, _rows8(op)), self.weight(op.weight, rows8=_rows8(op)),
+                self.call(op, kernels_dense.gemm(w.dtype.value, _rows8(op)), self.weight(op.weight, layout=_layout(op)),
                           x, self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
                           int(w.shape[0]), int(w.shape[1]), 0, check=False, batched=True, access=access)
             case O.Linear():
                 w = self.weights[op.weight]
                 y, accumulate, writes = self.output(op)
                 self.call(op, kernels_dense.gemv(w.dtype.value, _int_dots(op), _rows8(op)),
-                          self.weight(op.weight, rows8=_rows8(op)),
+                          self.weight(op.weight, layout=_layout(op)),
                           self.value(op.x), self.weight(op.bias, as_f32=True), y, int(w.shape[0]), int(w.shape[1]),
                           accumulate, writes=writes)
             case O.Add() if self.chunk is None and op.result in self.adds_done_by_producers:
@@ -485,9 +501,9 @@ class _Lowering:
                                          _int_dots(op), _rows8(op))
         self.scratch = max(self.scratch, kernels_dense.dense_ffn_scratch_bytes(n))
         y, accumulate, writes = self.output(op)
-        r8 = _rows8(op)
-        self.call(op, kernel, self.value(op.x), self.weight(op.up, rows8=r8), self.weight(op.gate, rows8=r8),
-                  self.weight(op.down, rows8=r8),
+        layout = _layout(op)
+        self.call(op, kernel, self.value(op.x), self.weight(op.up, layout=layout), self.weight(op.gate, layout=layout),
+                  self.weight(op.down, layout=layout),
                   self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True),
                   self.weight(op.down_bias, as_f32=True), y, Buf(self.scratch_index), n, hidden, accumulate,
                   writes=writes)
@@ -504,7 +520,7 @@ class _Lowering:
         def gemm(weight: str, bias: str | None, src: Buf, dst: Buf, out: int, k: int,
                  access: _Access | None = None) -> None:
             kernel = kernels_dense.gemm(self.weights[weight].dtype.value, _rows8(op))
-            self.call(op, kernel, self.weight(weight, rows8=_rows8(op)), src, self.weight(bias, as_f32=True), dst,
+            self.call(op, kernel, self.weight(weight, layout=_layout(op)), src, self.weight(bias, as_f32=True), dst,
                       rows, out, k, 0, check=False, batched=True, access=access)
 
         gemm(op.up, op.up_bias, x, u, n, hidden, up_access)
@@ -539,10 +555,11 @@ class _Lowering:
         else:
             assert op.up is not None
             whole = names.read_whole(op.mode, op.up, op.gate) if dense_rows8 else ()
-            up, gate = self.weight(op.up, rows8=op.up in whole), self.weight(op.gate, rows8=op.gate in whole)
+            up, gate = (self.weight(w, layout=ROWS8 if w in whole else None) for w in (op.up, op.gate))
             up_bias, gate_bias = self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True)
             up_dtype = self.weights[op.up].dtype.value
             gate_dtype = self.weights[op.gate].dtype.value if op.gate else None
+        down_t = self.weight(op.down, layout=_down_layout(down.dtype.value))
         mask: Buf | Null = Null()
         if op.mode == "predictor":
             assert op.mask is not None
@@ -555,7 +572,7 @@ class _Lowering:
             stride = self.width(op.mask) if op.mask is not None else 0
             self.scratch = max(self.scratch, kernels_prefill.chunk_ffn_scratch_bytes(self.chunk.size, n))
             x, access = self.gemm_input(op, op.x, hidden, op.up_gate or op.up or "")
-            self.call(op, kernel, x, up, gate, self.weight(op.down), up_bias, gate_bias,
+            self.call(op, kernel, x, up, gate, down_t, up_bias, gate_bias,
                       self.weight(op.down_bias, as_f32=True), self.activation(op.result), mask,
                       Buf(self.scratch_index), self.rows(), stride, n, hidden, float(op.threshold), check=False,
                       batched=True, access=access)
@@ -564,7 +581,7 @@ class _Lowering:
                                         _int_dots(op), dense_rows8)
         self.scratch = max(self.scratch, kernels_ffn.ffn_scratch_bytes(n, hidden, MAX_THREADS))
         y, accumulate, writes = self.output(op)
-        self.call(op, kernel, self.value(op.x), up, gate, self.weight(op.down), up_bias, gate_bias,
+        self.call(op, kernel, self.value(op.x), up, gate, down_t, up_bias, gate_bias,
                   self.weight(op.down_bias, as_f32=True), y, mask, Null(), Buf(self.scratch_index), n, hidden,
                   float(op.threshold), accumulate, writes=writes)
 

@@ -14,13 +14,13 @@ Rows are processed a block of 32 elements at a time, as two ``<16 x float>`` hal
 register, two AVX2 ones). Dot products keep one accumulator per row (see :func:`emit_dots`), the
 block formats' ``sum_b d_b (q_b . x_b)`` with the scale applied once per block and the 4-bit
 formats' constant parts (q4_0's ``- 8``, q4_1's ``m``) moved to sums of x made once per x
-(:func:`emit_x_sums`); AXPYs likewise collect those constant parts per block
-(:func:`emit_axpys`). Several rows share each load of ``x``, so the FMA chains of different rows
-overlap. Models that decide no sparsity may dot 4-bit rows with x rounded to int16 instead
-(:func:`emit_int_x`, ``int_dots`` of :func:`emit_tiled_rows`), and read 4-bit matrices whose
-rows come in multiples of eight in the *rows8* layout, eight rows at a time
-(:mod:`picc.codegen_cpu.rows8`). The order of every sum is fixed in the IR (no fast-math flags),
-so AVX2 and AVX-512 builds compute the same bits.
+(:func:`emit_x_sums`); AXPYs of block-format rows, which read them in the rowplanes layout
+(:mod:`picc.codegen_cpu.rowplanes`), likewise collect those constant parts per block. Several
+rows share each load of ``x``, so the FMA chains of different rows overlap. Models that decide
+no sparsity may dot 4-bit rows with x rounded to int16 instead (:func:`emit_int_x`, ``int_dots``
+of :func:`emit_tiled_rows`), and read 4-bit matrices whose rows come in multiples of eight in the
+*rows8* layout, eight rows at a time (:mod:`picc.codegen_cpu.rows8`). The order of every sum is
+fixed in the IR (no fast-math flags), so AVX2 and AVX-512 builds compute the same bits.
 
 q4_0 / q4_1 nibbles become floats through a 16-entry table (``vpermps``) on AVX-512, through
 integer arithmetic and a conversion elsewhere; both give exactly ``q`` (or ``q - 8``).
@@ -462,18 +462,12 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
 
 
 def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: str,
-               prefetch: Prefetch | None = None, consts: str | None = None) -> None:
-    """``y[j] += sum(a * row[j] for (dtype, row, a) in rows)`` for j < k (i64), y f32, rows in order.
-
-    Block formats fold ``a`` into the block's scale (``y += (a d) q``), one rounding away from
-    ``a * (d q)``; the f32 accumulation in y bounds the error anyway. The 4-bit formats add the
-    part of a block that is the same for all its 32 elements (q4_0: ``-8 a d``, q4_1: ``a m``) to
-    ``consts[b]`` (one float per block, i64 ``k / 32`` of them) instead of to each element: the
-    caller adds them to y at the end (:func:`emit_add_block_consts`), saving a vector operation
-    per 8 elements of every row.
-    """
-    if any(dtype in NIBBLE_DTYPES for dtype, _, _ in rows) and consts is None:
-        raise PiccError("codegen_cpu: AXPYs of 4-bit rows need a per-block constants array")
+               prefetch: Prefetch | None = None) -> None:
+    """``y[j] += sum(a * row[j] for (dtype, row, a) in rows)`` for j < k (i64), y f32, f32 / f16
+    rows in order. Rows in a block format are AXPY'd from the rowplanes layout
+    (:func:`picc.codegen_cpu.rowplanes.emit_axpys`), where their scales come eight at a time."""
+    if any(is_blocked(dtype) for dtype, _, _ in rows):
+        raise PiccError("codegen_cpu: AXPYs of block-format rows read the rowplanes layout (rowplanes.emit_axpys)")
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
     coef = [fn.splat(16, a, hint="a") for _, _, a in rows]
     with fn.loop("0", nblocks, "1", "b") as b:
@@ -482,40 +476,23 @@ def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: s
         yp = fn.at(y, 4 * BLOCK, b, "yp")
         yhp = fn.gep(yp, "64", "yhp")
         ylo, yhi = fn.load(V16, yp, 4, "ylo"), fn.load(V16, yhp, 4, "yhi")
-        shared: list[str] = []  # this block's constant terms
-        for (dtype, row, a), av in zip(rows, coef, strict=True):
-            blk = load_block(fn, dtype, row, b, simd, q4_0_raw=True)
-            if blk.d is None:
-                scale = av
-            else:
-                ad = fn.v(f"fmul float {a}, {blk.d}", "ad")
-                scale = fn.splat(16, ad)
-                if dtype == "q4_0":
-                    shared.append(fn.v(f"fmul float {ad}, {fconst(-8.0)}", "c"))
-                elif blk.m is not None:
-                    shared.append(fn.v(f"fmul float {a}, {blk.m}", "am"))
-            ylo = fn.fma(V16, blk.lo, scale, ylo, "ylo")
-            yhi = fn.fma(V16, blk.hi, scale, yhi, "yhi")
+        for (dtype, row, _), av in zip(rows, coef, strict=True):
+            blk = load_block(fn, dtype, row, b, simd)
+            ylo = fn.fma(V16, blk.lo, av, ylo, "ylo")
+            yhi = fn.fma(V16, blk.hi, av, yhi, "yhi")
         fn.store(V16, ylo, yp, 4)
         fn.store(V16, yhi, yhp, 4)
-        if shared and consts is not None:
-            cp = fn.at(consts, 4, b, "cp")
-            total = fn.load(F32, cp, 4, "cb")
-            for c in shared:
-                total = fn.v(f"fadd float {total}, {c}", "cb")
-            fn.store(F32, total, cp, 4)
-    plain = [(dtype, row, a) for dtype, row, a in rows if not is_blocked(dtype)]
-    if plain:
-        with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
-            yj = fn.at(y, 4, j, "yp")
-            value = fn.load(F32, yj, 4, "y")
-            for dtype, row, a in plain:
-                value = fn.fma(F32, _load_element(fn, dtype, row, j), a, value)
-            fn.store(F32, value, yj, 4)
+    with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
+        yj = fn.at(y, 4, j, "yp")
+        value = fn.load(F32, yj, 4, "y")
+        for dtype, row, a in rows:
+            value = fn.fma(F32, _load_element(fn, dtype, row, j), a, value)
+        fn.store(F32, value, yj, 4)
 
 
 def emit_add_block_consts(fn: Fn, y: str, consts: str, k: str) -> None:
-    """``y[j] += consts[j / 32]`` for j < k (i64, a multiple of 32): :func:`emit_axpys`' constants."""
+    """``y[j] += consts[j / 32]`` for j < k (i64, a multiple of 32): the constant terms of 4-bit
+    rows' AXPYs (``picc.codegen_cpu.rowplanes.emit_axpys``)."""
     with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "b") as b:
         c = fn.splat(16, fn.load(F32, fn.at(consts, 4, b), 4, "cb"))
         yp = fn.at(y, 4 * BLOCK, b, "yp")

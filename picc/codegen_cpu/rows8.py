@@ -45,6 +45,7 @@ from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
 from picc.codegen_cpu.rowops import BLOCK, BLOCK_BYTES, NIBBLE_DTYPES, V16, IntX, nibble_value_floats
 from picc.errors import PiccError
 
+LAYOUT = "rows8"
 GROUP = 8  # rows per group
 B32, W16 = vec(32, "i8"), vec(16, "i16")
 _CHUNKS = 4  # 32-byte nibble chunks per group block
