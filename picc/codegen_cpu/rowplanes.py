@@ -14,8 +14,9 @@ a row holds the same bytes regrouped into planes::
 (``nb`` = k / 32 blocks, each block's quants in GGUF's order), so a row's coefficients ``h d_b``
 and constant terms (``h m_b``, q4_0's ``-8 h d_b``) are computed eight blocks at a time into a
 stack array, and the block loop reads one coefficient per row and block with a broadcast load,
-which needs no vector pipe. The arithmetic and its order are those of :func:`rowops.emit_axpys`
-(``(h d) q`` in f32, the constant terms summed per block in row order): the same bits.
+which needs no vector pipe. The arithmetic and its order are those of the AXPYs of GGUF rows
+this replaced (``(h d) q`` in f32, the constant terms summed per block in row order): the same
+bits.
 
 Measured on Zen 3 (AVX2), one thread, q4_1 rows in random order with the next rows prefetched:
 1.8 against 2.2 ns a row and block at k = 4096 from memory, 1.6 against 1.95 at k = 576. The fused
@@ -140,8 +141,8 @@ def emit_coefficients(fn: Fn, dtype: str, row: str, nblocks: str, a: str, coef: 
 def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: str, coefs: list[str],
                consts: str | None, prefetch: Prefetch | None = None) -> None:
     """``y[j] += sum(a * row[j] for (dtype, row, a) in rows)`` for j < k (i64, a multiple of 32),
-    y f32, rows in the rowplanes layout, as :func:`rowops.emit_axpys` computes it (the same
-    bits): the 4-bit constant terms go to ``consts[b]`` (``k / 32`` floats) for the caller to add
+    y f32, rows in the rowplanes layout (``(a d) q`` per block, rows in order): the 4-bit
+    constant terms go to ``consts[b]`` (``k / 32`` floats) for the caller to add
     (:func:`rowops.emit_add_block_consts`). ``coefs``: a stack array of ``k / 32`` floats per row
     (at least as many as ``rows``). ``prefetch``: rows read after these, prefetched along."""
     if len(coefs) < len(rows):
