@@ -49,7 +49,7 @@ from picc.codegen_cpu import (  # noqa: E402
     buffer_table,
     compile_kernels,
     effective_simd,
-    rowplanes,  # noqa: E402
+    rowplanes,
 )
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
 from picc.codegen_cpu.threads import huge_zeros  # noqa: E402

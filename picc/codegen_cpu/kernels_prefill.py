@@ -206,9 +206,11 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
         with fn.loop("0", seq, hint="s") as s:
             fn.emit(f"call void @llvm.memset.p0.i64(ptr align 4 {yrow(s)}, i8 0, i64 "
                     f"{fn.v(f'shl i64 {width}, 2', 'wb')}, i1 false)")
-        planes = down_dtype in rowplanes.DTYPES  # down_t in the rowplanes layout, as the decode kernel reads it
+        # A block-format down_t is in the rowplanes layout, as the decode kernel reads it: the
+        # slice starts at block b0 of each plane; f32 / f16 rows at byte ``first``.
+        planes = down_dtype in rowplanes.DTYPES
         b0, nblocks = fn.v(f"lshr i64 {c0}, 5", "b0"), fn.v(f"lshr i64 {hidden}, 5", "nblk")
-        first = None if planes else fn.v(f"mul i64 {c0}, {ELEMENT_BYTES[down_dtype]}", "co")
+        first = fn.v(f"mul i64 {c0}, {ELEMENT_BYTES[down_dtype]}", "co") if not planes else None
         # The live neurons, in order, then _GROUP at a time: their slices of down_t dequantised
         # side by side, and each token's row of Y loaded and stored once per group (not once per
         # neuron: with Y rows of 32 tokens out of L1, that traffic was most of the kernel).
@@ -229,9 +231,10 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
             rows = [fn.at(dbufs, 4, fn.v(f"mul i64 {width}, {g}", "go"), "db") for g in range(size)]
             for i, buf in zip(neurons, rows, strict=True):
                 drow = fn.gep("%down", fn.v(f"mul i64 {i}, {rb_down}", "do"), "dr")
-                if first is None:
+                if planes:
                     rowplanes.emit_row_to_f32(fn, down_dtype, drow, nblocks, b0, buf, width, simd)
                 else:
+                    assert first is not None
                     emit_row_to_f32(fn, down_dtype, fn.gep(drow, first, "dr"), buf, width, simd)
             with fn.loop("0", seq, hint="s") as s:
                 hs = [fn.load(F32, h_at(s, i), 4, "h") for i in neurons]

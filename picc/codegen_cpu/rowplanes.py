@@ -55,9 +55,14 @@ def _has_m(dtype: str) -> bool:
     return dtype == "q4_1"
 
 
+def _head_bytes(dtype: str) -> int:
+    """Bytes of one block's f16 scale (and q4_1's minimum): the planes before the quants, per block."""
+    return 4 if _has_m(dtype) else 2
+
+
 def _quant_bytes(dtype: str) -> int:
     """Bytes of one block's quants."""
-    return BLOCK_BYTES[dtype] - (4 if _has_m(dtype) else 2)
+    return BLOCK_BYTES[dtype] - _head_bytes(dtype)
 
 
 def _check(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[int, int]:
@@ -75,7 +80,7 @@ def to_rowplanes(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndar
     layout, ``[rows, row bytes]``."""
     rows, nb = _check(dtype, shape, raw.nbytes)
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, nb, BLOCK_BYTES[dtype])
-    head = BLOCK_BYTES[dtype] - _quant_bytes(dtype)
+    head = _head_bytes(dtype)
     planes = [blocks[..., at : at + 2] for at in range(0, head, 2)] + [blocks[..., head:]]
     return np.concatenate([p.reshape(rows, -1) for p in planes], axis=1)
 
@@ -84,7 +89,7 @@ def from_rowplanes(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.n
     """The inverse of :func:`to_rowplanes`: the matrix's blocks in GGUF's rows, ``[rows, row bytes]``."""
     rows, nb = _check(dtype, shape, data.nbytes)
     flat = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
-    head = BLOCK_BYTES[dtype] - _quant_bytes(dtype)
+    head = _head_bytes(dtype)
     out = np.empty((rows, nb, BLOCK_BYTES[dtype]), np.uint8)
     for at in range(0, head, 2):
         out[..., at : at + 2] = flat[:, at * nb : (at + 2) * nb].reshape(rows, nb, 2)
@@ -94,8 +99,8 @@ def from_rowplanes(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.n
 
 def _plane(fn: Fn, dtype: str, row: str, nblocks: str, which: str) -> str:
     """The start of plane ``which`` ("m" or "q") of ``row`` (``nblocks`` i64 blocks in the row)."""
-    scales = 1 if which == "m" else 2 if _has_m(dtype) else 1
-    return fn.gep(row, fn.v(f"mul i64 {nblocks}, {2 * scales}", "plo"), which + "p")
+    before = 2 if which == "m" else _head_bytes(dtype)  # bytes per block of the planes before it
+    return fn.gep(row, fn.v(f"mul i64 {nblocks}, {before}", "plo"), which + "p")
 
 
 def _half(fn: Fn, plane: str, b: str, n: int) -> str:
