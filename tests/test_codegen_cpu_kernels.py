@@ -174,21 +174,24 @@ def test_gemv(host, teams, dtype, threads):
 
 @pytest.mark.parametrize("dtype, k", [("f16", 96), ("f16", 2048), ("q8_0", 96), ("q8_0", 4096), ("f32", 100)])
 def test_gemv_rows_do_not_depend_on_the_rows_beside_them(host, teams, dtype, k):
-    # Short f16 / q8_0 rows (under 4 KiB) go one at a time, long ones and other formats in tiles
-    # of four (rowops.emit_tiled_rows): either way each row's sum is its own, in one order, so
-    # a row gives the same bits alone as among others, on any number of threads.
+    # Short f16 / q8_0 rows (under 4 KiB) go four at a time from four ranges of a thread's rows,
+    # long ones and other formats in tiles of four consecutive rows (rowops.emit_tiled_rows):
+    # either way each row's sum is its own, in one order, so a row gives the same bits alone as
+    # among others, on any number of threads. 23 rows: on one thread four ranges of 5 rows and 3
+    # left over, on three threads ranges of 2 or 1 rows (and leftovers).
     rng = np.random.default_rng(3)
-    rows = 11
+    rows = 23
     raw, w = weights(rng, (rows, k), dtype)
     x = rng.normal(size=k).astype(np.float32)
-    together = np.zeros(rows, np.float32)
-    run(host, teams[3], gemv(dtype), raw, x, None, together, rows, k, 0)
-    assert rel_err(together, w.astype(np.float64) @ x) <= tol(dtype)
     row_bytes = raw.nbytes // rows
     alone = np.zeros(1, np.float32)
-    for r in range(rows):
-        run(host, teams[1], gemv(dtype), raw.reshape(-1).view(np.uint8)[r * row_bytes:], x, None, alone, 1, k, 0)
-        assert alone[0] == together[r], r
+    for threads in (1, 3):
+        together = np.zeros(rows, np.float32)
+        run(host, teams[threads], gemv(dtype), raw, x, None, together, rows, k, 0)
+        assert rel_err(together, w.astype(np.float64) @ x) <= tol(dtype)
+        for r in range(rows):
+            run(host, teams[1], gemv(dtype), raw.reshape(-1).view(np.uint8)[r * row_bytes:], x, None, alone, 1, k, 0)
+            assert alone[0] == together[r], (threads, r)
 
 
 def int_x_error_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -520,7 +520,7 @@ def zero_floats(fn: Fn, ptr: str, n: str) -> None:
 
 _ROWS = 4  # GEMV rows computed together (over all the matrices of a tile: 2 rows each of up and gate)
 _AHEAD = 4  # GEMV prefetch distance, in tiles
-# Rows of these formats shorter than this go one at a time (see emit_tiled_rows).
+# Rows of these formats shorter than this go four at a time from four ranges of rows (see emit_tiled_rows).
 _LIGHT_DTYPES = frozenset({"f16", "q8_0"})
 _SHORT_ROW_BYTES = 4096
 
@@ -533,14 +533,18 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
 
     Rows go ``_ROWS / len(mats)`` at a time: their FMA chains overlap and x is loaded once for
     all of them; more would not fit AVX2's registers. Each row's own sum is the same whatever
-    the tile, so results do not depend on it. Except for short rows (under ``_SHORT_ROW_BYTES``)
-    of formats whose arithmetic is light (f16, q8_0), which go one at a time, decided at run time
-    from the row length: a tile of short rows is as many short streams, which the hardware
-    prefetcher follows badly, while one row after another is one long stream, and x comes from
-    L1 anyway. Measured on Zen 3, two threads, from memory: q8_0 rows of 576 (SmolLM2's LM head)
-    21-26 GB/s in tiles of four, 29-31 one at a time; f16 rows of 576 25-28 vs 27-33, of 1024
-    30-31 vs 36; at 4096 tiles win (q8_0 32 vs 29). Formats bound by their arithmetic (q4_0,
-    q4_1) need the shared x loads; f32 rows gained nothing.
+    the tile, so results do not depend on it. A tile is consecutive rows, the tiles further on
+    prefetched; except for short rows (under ``_SHORT_ROW_BYTES``) of formats whose arithmetic is
+    light (f16, q8_0), decided at run time from the row length: there a tile takes one row from
+    each of ``tile`` equal ranges of [lo, hi), so that each range is read as one long sequential
+    stream, which the hardware prefetcher follows (a tile of consecutive short rows is as many
+    short streams, which it follows badly, prefetched or not). Measured on Zen 3, two threads,
+    against rows one at a time (what short rows did before): f16 8192 x 320 (relu-demo's LM head)
+    from memory 35.5 vs 31.9 GB/s, from L3 96 vs 74; f16 8192 x 576 35.5 vs 29.9 and 104 vs 74;
+    q8_0 49152 x 576 (SmolLM2's LM head) from L3 35 vs 29, q8_0 8192 x 576 from memory 34.5 vs
+    30.7. Consecutive tiles with their prefetches did worse from memory (f16 8192 x 320: 23 GB/s)
+    and, at 4096-byte rows and over, better than ranges (f16 4096 x 4096: 33.1 vs 31.7). Formats
+    bound by their arithmetic (q4_0, q4_1) need the shared x loads and nothing else.
 
     ``xsums``: x's :func:`emit_x_sums`, made here when not given. ``int_dots``: 4-bit rows dot x
     rounded to int16 (:func:`emit_int_x`, made here) in integers, two ``vpmaddwd`` a block:
@@ -558,24 +562,33 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
     def row(base: str, rowb: str, r: str) -> str:
         return fn.gep(base, fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
 
+    def rows_of_tile(idx: list[str], ahead: Prefetch | None) -> None:
+        rows = [(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx]
+        dots = emit_dots(fn, rows, x, k, simd, ahead, xsums, intx)
+        for t, i in enumerate(idx):
+            consume(i, [dots[m * len(idx) + t] for m in range(len(mats))])
+
     def rows_in_tiles(tile: int) -> None:
         nrows = fn.v(f"sub i64 {hi}, {lo}", "nr")
         tiles = fn.v(f"sub i64 {hi}, {fn.v(f'srem i64 {nrows}, {tile}', 'rem')}", "tiles")
         last = fn.v(f"sub i64 {hi}, 1", "last")
         with fn.loop(lo, tiles, str(tile), "r") as r:
-            idx = [r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, tile)]
             # The rows of the tile _AHEAD tiles on, asked for block by block: the hardware
             # prefetcher alone falls behind on four interleaved row streams (1 thread, from memory:
             # q8_0 7.6 GB/s without, 12 one tile ahead, 24 two, 34 four).
             ahead = [(dtype, row(base, rowb, fn.min64(fn.v(f"add i64 {r}, {t + _AHEAD * tile}", "ra"), last)))
                      for dtype, base, rowb in mats for t in range(tile)]
-            rows = [(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx]
-            dots = emit_dots(fn, rows, x, k, simd, ahead, xsums, intx)
-            for t, i in enumerate(idx):
-                consume(i, [dots[m * tile + t] for m in range(len(mats))])
+            rows_of_tile([r] + [fn.v(f"add i64 {r}, {t}", "rt") for t in range(1, tile)], ahead)
         with fn.loop(tiles, hi, hint="r") as r:
-            consume(r, emit_dots(fn, [(dtype, row(base, rowb, r)) for dtype, base, rowb in mats], x, k, simd,
-                                 xsums=xsums, intx=intx))
+            rows_of_tile([r], None)
+
+    def rows_in_ranges(tile: int) -> None:
+        span = fn.v(f"sdiv i64 {fn.v(f'sub i64 {hi}, {lo}', 'nr')}, {tile}", "span")  # rows of each range
+        with fn.loop(lo, fn.v(f"add i64 {lo}, {span}", "end"), hint="r") as r:
+            rows_of_tile([r] + [fn.v(f"add i64 {r}, {fn.v(f'mul i64 {span}, {t}', 'ro')}", "rt")
+                                for t in range(1, tile)], None)
+        with fn.loop(fn.v(f"add i64 {lo}, {fn.v(f'mul i64 {span}, {tile}', 'all')}", "rest"), hi, hint="r") as r:
+            rows_of_tile([r], None)
 
     if tile == 1 or not dtypes <= _LIGHT_DTYPES:
         rows_in_tiles(tile)
@@ -585,6 +598,6 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
         longest = fn.max64(longest, rowb)
     short = fn.v(f"icmp ult i64 {longest}, {_SHORT_ROW_BYTES}", "short")
     with fn.if_(short):
-        rows_in_tiles(1)
+        rows_in_ranges(tile)
     with fn.if_(fn.v(f"xor i1 {short}, true", "long")):
         rows_in_tiles(tile)
