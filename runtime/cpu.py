@@ -7,7 +7,9 @@ their ``bufs`` table, where crossing values and the logits are). Loading maps th
 straight from the file, allocates the rest (activations, KV caches, scratch) and fills the table
 once; a stage then costs one call of its program per thread. When this CPU lacks the SIMD level
 the object code was built for (AVX-512 code on an AVX2 machine), the IR is compiled for this CPU
-instead.
+instead. Prompts run through the chunk programs (``prefill``, ``logits_chunk``: per stage, a
+program over a chunk of tokens and the chunk rows the GPU's ops read and write), which
+``runtime.executor`` drives.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,6 +28,26 @@ _STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
 _BARRIER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
 _init_lock = threading.Lock()
+
+
+@dataclass
+class ChunkStage:
+    """A stage of a chunk program: the CPU's program (None: no CPU ops) and the GPU's ops, with
+    the chunk rows ([chunk, bytes] views) its tokens upload before them and download after."""
+
+    cpu: ctypes._CFuncPtr | None
+    gpu: list[str]
+    gpu_args: list[str]  # function arguments (``tokens``, ``pos``) the GPU's ops read
+    gpu_in: list[tuple[str, np.ndarray]]
+    gpu_out: list[tuple[str, np.ndarray]]
+
+
+@dataclass
+class ChunkProgram:
+    """A step for a chunk of tokens, stage by stage; ``logits``: each token's logits row after it."""
+
+    stages: list[ChunkStage]
+    logits: np.ndarray | None
 
 
 class ExecutorError(Exception):
@@ -92,6 +115,8 @@ class CpuExecutor:
     ``run_stage(i)`` runs stage i's program (all threads); ``value(name)`` is the host memory of
     a value that crosses devices (the hybrid executor copies through it). On a model that runs on
     the CPU alone, ``step(token, pos)`` runs the whole step and ``logits()`` / ``greedy()`` read it.
+    ``prefill_chunks`` / ``logits_chunks`` are the chunk programs; ``load_chunk`` and
+    ``run_chunk_stage`` run their CPU parts.
     """
 
     def __init__(self, pib: PibFile, threads: int | None = None) -> None:
@@ -133,17 +158,11 @@ class CpuExecutor:
             return None if symbol is None else self.code.function(symbol, _STEP)
 
         self._jobs = [(job(st["step"]), job(st["prefill"])) for st in manifest["stages"]]
-        chunk = manifest.get("prefill")
-        self._chunk_job = job(chunk["symbol"]) if chunk else None
-        self.chunk = int(chunk["chunk"]) if chunk else 0
+        self.prefill_chunks = self._chunk_program(manifest.get("prefill"), job)
+        self.logits_chunks = self._chunk_program(manifest.get("logits_chunk"), job)
+        chunk = manifest.get("prefill") or {}
+        self.chunk = int(chunk.get("chunk", 0))
         self._chunk_tokens = self._keep[chunk["tokens"]].view(np.int32) if chunk else None
-        rows = manifest.get("logits_chunk")  # absent in .pib files compiled before it existed
-        self._rows_job = job(rows["symbol"]) if rows else None
-        self._rows = None
-        if rows:
-            where = rows["logits"]
-            self._rows = np.frombuffer(self._keep[where["buffer"]], dtype=np.float32, count=self.chunk * where["n"],
-                                       offset=where["offset"]).reshape(self.chunk, where["n"])
 
     def _native_team(self) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
         """The generated code's thread-team worker and barrier (runtime.threads), or None in code
@@ -167,44 +186,37 @@ class CpuExecutor:
         if job is not None:
             self.team.run_step(job, self._table_ptr)
 
-    @property
-    def batched_prefill(self) -> bool:
-        """Whether the code has a prefill program (models on the CPU alone)."""
-        return self._chunk_job is not None
+    def _chunk_program(self, spec: dict | None, job) -> ChunkProgram | None:  # noqa: ANN001
+        if not spec:
+            return None
+        rows = None
+        if "logits" in spec:
+            where = spec["logits"]
+            rows = np.frombuffer(self._keep[where["buffer"]], dtype=np.float32, count=spec["chunk"] * where["n"],
+                                 offset=where["offset"]).reshape(spec["chunk"], where["n"])
+        stages = [ChunkStage(job(st["cpu"]), st["gpu"], st["gpu_args"],
+                             [(r["value"], self._rows_of(r, spec["chunk"])) for r in st["gpu_in"]],
+                             [(r["value"], self._rows_of(r, spec["chunk"])) for r in st["gpu_out"]])
+                  for st in spec["stages"]]
+        return ChunkProgram(stages, rows)
 
-    def prefill(self, tokens: list[int], pos: int) -> None:
-        """Run ``tokens`` at positions ``pos ..`` without the output head, ``chunk`` at a time
-        (their logits are never computed: feed the prompt's last token through :meth:`step`)."""
-        if self._chunk_job is None:
-            raise ExecutorError("this model has no batched prefill (it runs on more than the CPU)")
-        for start in range(0, len(tokens), self.chunk):
-            self._run_chunk(self._chunk_job, tokens[start : start + self.chunk], pos + start)
+    def _rows_of(self, where: dict, chunk: int) -> np.ndarray:
+        """A value's rows in the chunk buffer: [chunk, nbytes] bytes, row t for token t."""
+        start, stride = where["offset"], where["stride"]
+        base = self._keep[where["buffer"]][start : start + chunk * stride]
+        return base.reshape(chunk, stride)[:, : where["nbytes"]]
 
-    @property
-    def batched_logits(self) -> bool:
-        """Whether the code has the logits program (:meth:`logits_of`: models on the CPU alone)."""
-        return self._rows_job is not None
-
-    def logits_of(self, tokens: list[int], pos: int) -> np.ndarray:
-        """Run ``tokens`` at positions ``pos ..`` ``chunk`` at a time, head included: every
-        token's logits ([len(tokens), vocab], a copy). The step's own logits and greedy token
-        are not updated."""
-        if self._rows_job is None or self._rows is None:
-            raise ExecutorError("this model has no batched logits program (compiled by an older picc, or it "
-                                "runs on more than the CPU)")
-        out = np.empty((len(tokens), self._rows.shape[1]), np.float32)
-        for start in range(0, len(tokens), self.chunk):
-            part = tokens[start : start + self.chunk]
-            self._run_chunk(self._rows_job, part, pos + start)
-            out[start : start + len(part)] = self._rows[: len(part)]
-        return out
-
-    def _run_chunk(self, job: ctypes._CFuncPtr, tokens: list[int], pos: int) -> None:
-        assert self._chunk_tokens is not None
+    def load_chunk(self, tokens: list[int], pos: int) -> None:
+        """Set up a chunk: ``tokens`` (at most :attr:`chunk`) at positions ``pos ..``."""
+        assert self._chunk_tokens is not None and len(tokens) <= self.chunk
         self._chunk_tokens[: len(tokens)] = tokens
         self.params[self._slots["pos"]] = pos
         self.params[self._slots["seq"]] = len(tokens)
-        self.team.run_step(job, self._table_ptr)
+
+    def run_chunk_stage(self, stage: ChunkStage) -> None:
+        """Run a chunk stage's CPU program (all threads) on the chunk :meth:`load_chunk` set up."""
+        if stage.cpu is not None:
+            self.team.run_step(stage.cpu, self._table_ptr)
 
     def value(self, name: str) -> np.ndarray:
         """The host bytes of value ``name`` (one token), which crosses between the devices."""

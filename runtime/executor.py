@@ -6,6 +6,11 @@ one device made and the other reads are copied across. A model compiled for the 
 stage and costs one call of generated code per thread; a hybrid one adds, per stage, the GPU's
 launches (on a worker thread, so the host-emulated GPU really runs beside the CPU) and the copies.
 
+Prompts run in chunks of tokens, stage by stage (:meth:`Executor.prefill`, :meth:`Executor.logits_of`):
+the CPU's chunk program of a stage computes all the chunk's tokens at once (GEMMs: each weight read
+once a chunk) while the GPU, whose kernels see one token, runs the stage's ops for each token in
+turn, copying that token's inputs from the chunk's rows in the host and its outputs back.
+
 The GPU is a real CUDA device when there is one and the ``.pib`` carries code for it, else the
 host-emulated GPU (``runtime.gpu``); ``Executor.gpu_kind`` says which, so that the caller can say
 so.
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.cpu import CpuExecutor, ExecutorError
+from runtime.cpu import ChunkProgram, ChunkStage, CpuExecutor, ExecutorError
 from runtime.gpu import EmulatedGpu, GpuError, cuda_device_count
 from runtime.pib import PibFile
 
@@ -159,26 +164,70 @@ class Executor:
 
     @property
     def batched_prefill(self) -> bool:
-        """Whether prompts can run in chunks (:meth:`prefill`): models on the CPU alone."""
-        return self.gpu is None and self.cpu.batched_prefill
+        """Whether prompts can run in chunks (:meth:`prefill`): every file of this format."""
+        return self.cpu.prefill_chunks is not None
 
     def prefill(self, tokens: list[int], pos: int) -> None:
         """Run ``tokens`` at positions ``pos ..`` in chunks, without computing their logits."""
-        start = time.perf_counter()
-        self.cpu.prefill(tokens, pos)
-        self.times.cpu_seconds += time.perf_counter() - start
+        if self.cpu.prefill_chunks is None:
+            raise ExecutorError("this model has no batched prefill (compiled by an older picc?)")
+        for start in range(0, len(tokens), self.cpu.chunk):
+            self._run_chunk(self.cpu.prefill_chunks, tokens[start : start + self.cpu.chunk], pos + start)
 
     @property
     def batched_logits(self) -> bool:
-        """Whether every token's logits can come in chunks (:meth:`logits_of`): models on the CPU alone."""
-        return self.gpu is None and self.cpu.batched_logits
+        """Whether every token's logits can come in chunks (:meth:`logits_of`)."""
+        return self.cpu.logits_chunks is not None
 
     def logits_of(self, tokens: list[int], pos: int) -> np.ndarray:
-        """Run ``tokens`` at positions ``pos ..`` in chunks: each one's logits, [len(tokens), vocab]."""
-        start = time.perf_counter()
-        rows = self.cpu.logits_of(tokens, pos)
-        self.times.cpu_seconds += time.perf_counter() - start
-        return rows
+        """Run ``tokens`` at positions ``pos ..`` in chunks, head included: every token's logits
+        ([len(tokens), vocab], a copy). The step's own logits and greedy token are not updated."""
+        program = self.cpu.logits_chunks
+        if program is None or program.logits is None:
+            raise ExecutorError("this model has no batched logits program (compiled by an older picc?)")
+        out = np.empty((len(tokens), self.vocab), np.float32)
+        for start in range(0, len(tokens), self.cpu.chunk):
+            part = tokens[start : start + self.cpu.chunk]
+            self._run_chunk(program, part, pos + start)
+            out[start : start + len(part)] = program.logits[: len(part)]
+        return out
+
+    def _run_chunk(self, program: ChunkProgram, tokens: list[int], pos: int) -> None:
+        """One chunk through ``program``: per stage, the CPU's program takes the chunk at once while
+        the GPU (on the worker) runs its ops token by token between the chunk's rows."""
+        self.cpu.load_chunk(tokens, pos)
+        for stage in program.stages:
+            start = time.perf_counter()
+            if stage.gpu and stage.cpu is not None:
+                assert self._worker is not None
+                self._worker.start(self._gpu_chunk, (stage, tokens, pos))
+                self.cpu.run_chunk_stage(stage)
+                self.times.cpu_seconds += time.perf_counter() - start
+                self._worker.wait()
+            elif stage.gpu:
+                self._gpu_chunk((stage, tokens, pos))
+            elif stage.cpu is not None:
+                self.cpu.run_chunk_stage(stage)
+                self.times.cpu_seconds += time.perf_counter() - start
+        if self.gpu is not None:
+            self.times.gpu_seconds = self.gpu.times.gpu_seconds
+            self.times.transfer_seconds = self.gpu.times.transfer_seconds
+            self.times.transfer_bytes = self.gpu.times.transfer_bytes
+
+    def _gpu_chunk(self, job: tuple[ChunkStage, list[int], int]) -> None:
+        """A chunk stage's GPU ops for each token in turn: its inputs from the chunk's rows into
+        the GPU's one-token slots, the ops, and its outputs back into the rows."""
+        stage, tokens, pos = job
+        gpu = self.gpu
+        assert gpu is not None
+        for t, token in enumerate(tokens):
+            for name in stage.gpu_args:
+                gpu.upload(name, np.array([token if name == "tokens" else pos + t], np.int32))
+            for name, rows in stage.gpu_in:
+                gpu.upload(name, rows[t])
+            gpu.run(stage.gpu)
+            for name, rows in stage.gpu_out:
+                gpu.download(name, rows[t])
 
     def logits(self) -> np.ndarray:
         """The last step's logits (a view, overwritten by the next step)."""

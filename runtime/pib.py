@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"PICCPIB\0"
-FORMAT_VERSION = 4  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes
+FORMAT_VERSION = 5  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
+# 5: chunk programs by stage (hybrid models prefill in chunks too)
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256

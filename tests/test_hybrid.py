@@ -152,6 +152,35 @@ def test_hybrid_logits_match_the_interpreter_for_every_split(mode, form, dtype, 
     assert len(trainings) == (mode == "predictor")
 
 
+def test_hybrid_prompts_run_in_chunks_stage_by_stage(compiled, monkeypatch):
+    """A hybrid model's prompt runs in chunks like a CPU-only one's: in each stage the CPU's chunk
+    program takes all the chunk's tokens while the GPU runs its ops token by token between the
+    chunk's rows. Same logits as the interpreter's, across chunk boundaries, and the KV caches
+    both devices leave are the ones the next step reads."""
+    from runtime.executor import Executor
+
+    path = compiled[2]
+    pib = load_pib(path)
+    tokens = [int(t) for t in np.random.default_rng(5).integers(0, 128, size=70)]  # chunks of 32, 32, 5 + a step
+    reference = Interpreter(pib.module, pib.weights).run([*tokens, 7])
+    with Session(path, threads=2, gpu="emulate") as session:
+        executor = session.executor
+        program = executor.cpu.logits_chunks
+        assert program is not None and any(st.gpu and st.cpu for st in program.stages)  # side by side
+        assert any(st.gpu_in for st in program.stages) and any(st.gpu_out for st in program.stages)
+        steps = []
+        monkeypatch.setattr(executor, "step", lambda *a, **k: steps.append(a) or Executor.step(executor, *a, **k))
+        launches = executor.gpu.times.launches
+        got = session.feed(tokens, all_logits=True)
+        assert len(steps) == 1 and executor.gpu.times.launches > launches  # one step: the last token
+        assert rel_err(got, reference[: len(tokens)]) <= 1e-3
+        session.reset()
+        last = session.feed(tokens)  # the prefill programs (no head), then the last token's step
+        assert len(steps) == 2
+        assert rel_err(last, reference[len(tokens) - 1]) <= 1e-3
+        assert rel_err(session.feed([7]), reference[len(tokens)]) <= 1e-3
+
+
 @pytest.mark.parametrize("mode, form", [("down-only", "swiglu"), ("gate-first", "drelu")])
 def test_ffns_without_a_gpu_kernel_stay_on_the_cpu(mode, form, tmp_path, monkeypatch):
     """Down-only and dReLU gate-first FFNs have CPU kernels only: with any VRAM budget the

@@ -20,13 +20,15 @@ that one. Memory is named by index into ``bufs``:
 * then the activations (one buffer; each value at a 64-byte aligned offset, including the values
   that arrive from the GPU), the KV caches, and the kernels' shared scratch.
 
-Steps are for one token at a time (decode). A module that runs on the CPU alone also gets
-``picc_prefill_chunk`` (:meth:`_Lowering.prefill_program`): the step without its head for a
-chunk of up to :data:`PREFILL_CHUNK` prompt tokens (``bufs[...]`` of the manifest's ``prefill``
-holds their ids, ``params[seq]`` their count), linears as GEMMs. Its sparse FFNs still see one
-token at a time, so they compute exactly the active sets the interpreter computes. And
-``picc_logits_chunk`` (:meth:`_Lowering.logits_program`): the same with the head, every token's
-logits left in the chunk's buffer (the manifest's ``logits_chunk``), for ``picc logits``.
+Steps are for one token at a time (decode). Prompts run in chunks of up to :data:`PREFILL_CHUNK`
+tokens (``bufs[...]`` of the manifest's ``prefill`` holds their ids, ``params[seq]`` their count):
+``picc_prefill_chunk`` (:meth:`_Lowering.prefill_programs`) is the step without its head for a
+chunk, linears as GEMMs. Its sparse FFNs still see one token at a time, so they compute exactly the
+active sets the interpreter computes. ``picc_logits_chunk`` (:meth:`_Lowering.logits_programs`) is
+the same with the head, every token's logits left in the chunk's buffer (the manifest's
+``logits_chunk``), for ``picc logits``. In a hybrid step each is one program per stage
+(``picc_prefill_chunk_<i>``), and the manifest says which of the chunk's rows the GPU's ops of the
+stage read and write, token by token (:meth:`_Lowering._chunk_programs`).
 """
 
 from __future__ import annotations
@@ -625,10 +627,8 @@ class _Lowering:
             self.out.programs.append(full)
             self.out.stages.append({"step": full.name, "prefill": prefill_symbol if head & set(stage.cpu)
                                     else full.name})
-        if not any(stage.gpu for stage in self.sched.stages):
-            everything = [ops[name] for stage in self.sched.stages for name in stage.cpu]
-            self.prefill_program([op for op in everything if op.result not in head])
-            self.logits_program(everything)
+        self.prefill_programs()
+        self.logits_programs()
         ret = self.activation(self.func.ret)  # a GPU's logits are copied here
         self.out.buffers[self.act_index]["nbytes"] = self.arena
         self.out.buffers[self.scratch_index]["nbytes"] = self.scratch
@@ -639,61 +639,109 @@ class _Lowering:
         return self.out
 
 
-    def prefill_program(self, ops: list[Op]) -> None:
-        """``picc_prefill_chunk``: ``ops`` (the step without its head) for up to PREFILL_CHUNK
-        prompt tokens at positions ``pos ..`` (tokens in their own buffer, ``seq`` a parameter),
-        for the KV caches they leave behind.
+    def prefill_programs(self) -> None:
+        """``picc_prefill_chunk``: the step without its head for up to PREFILL_CHUNK prompt tokens
+        at positions ``pos ..`` (tokens in their own buffer, ``seq`` a parameter), for the KV
+        caches they leave behind; one program per stage with CPU ops (see :meth:`_chunk_programs`).
 
         Linears become GEMMs and norms, rope, attention and adds take the chunk's rows at once;
         the fused FFNs take the chunk too, each token with its own active set; the predictors (small)
         and the merges are per-token kernels called once per token inside the program.
         """
-        self.out.prefill = self._chunk_program(ops, PREFILL_SYMBOL, None)
+        head = set(self.sched.head)
+        self.out.prefill = self._chunk_programs(PREFILL_SYMBOL, None, head)
 
-    def logits_program(self, ops: list[Op]) -> None:
+    def logits_programs(self) -> None:
         """``picc_logits_chunk``: the whole step, head included, for up to PREFILL_CHUNK tokens
-        like the prefill program, leaving each token's logits in its row of the chunk's buffer:
+        like the prefill programs, leaving each token's logits in its row of the chunk's buffer:
         the logits of every position (``picc logits``) in chunks instead of token by token."""
-        self.out.logits_chunk = self._chunk_program(ops, LOGITS_SYMBOL, self.func.ret)
+        self.out.logits_chunk = self._chunk_programs(LOGITS_SYMBOL, self.func.ret, set())
 
-    def _chunk_program(self, ops: list[Op], symbol: str, result: str | None) -> dict:
-        """Lower ``ops`` for a chunk of tokens as program ``symbol``; ``result`` (a value whose
-        rows the caller reads afterwards) keeps its region to the end. The chunk programs share
-        their buffers (one runs at a time)."""
+    def _chunk_programs(self, symbol: str, result: str | None, skip: set[str]) -> dict:
+        """The module's ops but ``skip`` for a chunk of tokens, stage by stage: the CPU's ops of
+        each stage as program ``symbol`` (``symbol_<i>`` when the step has several stages) and,
+        for the runtime, what the GPU's ops of the stage read and leave behind.
+
+        The GPU's kernels see one token, so the runtime runs a stage's GPU ops token by token
+        while the CPU's program takes the whole chunk. Values live in the chunk's buffer, one row
+        per token, on the host; the GPU's activation slots hold one token, so each of the GPU's
+        tokens first uploads what its ops read from earlier stages (``gpu_in``) and afterwards
+        downloads what later stages read (``gpu_out``). A stage's GPU rows stay untouched by its
+        CPU program, which runs meanwhile. ``result`` (a value whose rows the caller reads
+        afterwards) keeps its rows to the end. The chunk programs share their buffers (one runs
+        at a time)."""
+        args = {a.name for a in self.func.args}
         # Only the KV caches (and ``result``) outlive a chunk: drop what feeds neither them nor
         # later layers (for the prefill: the last layer's output projection, its FFN and adds).
         live: set[str] = {result} if result else set()
-        kept: list[Op] = []
-        for op in reversed(ops):
-            if isinstance(op, O.Attention) or op.result in live:
-                kept.append(op)
+        kept: set[str] = set()
+        for op in reversed(self.func.ops):
+            if op.result not in skip and (isinstance(op, O.Attention) or op.result in live):
+                kept.add(op.result)
                 live.update(op.values())
-        ops = kept[::-1]
-        last: dict[str, int] = {}
-        for i, op in enumerate(ops):
-            last.setdefault(op.result, i)
-            for v in op.values():
-                last[v] = i
-        for op in reversed(ops):  # a rotated value keeps its input's region alive
-            if isinstance(op, O.Rope):
-                last[op.x] = max(last[op.x], last.get(op.result, 0))
+        ops = {op.result: op for op in self.func.ops}
+        stages = [([n for n in st.gpu if n in kept], [n for n in st.cpu if n in kept]) for st in self.sched.stages]
+        made_in = {n: i for i, (gpu, cpu) in enumerate(stages) for n in gpu + cpu}
+        # Event indices for the chunk's allocator: a stage's start (its GPU's rows are placed),
+        # each CPU op, the stage's end (the GPU has read its inputs). last[v]: the last event
+        # that reads v's rows.
+        gpu_in: list[list[str]] = []
+        gpu_out: list[list[str]] = []
+        read_until = dict.fromkeys(made_in, -1)  # the last stage that reads each value
+        for n in kept:
+            for v in ops[n].values():
+                if v in made_in:
+                    read_until[v] = max(read_until[v], made_in[n])
+        index, last, cpu_index, end_index = 0, {}, {}, []
+        for i, (gpu, cpu) in enumerate(stages):
+            made_here = set(gpu)
+            gpu_out.append([v for v in gpu if read_until[v] > i or v == result])
+            reads = {v for n in gpu for v in ops[n].values()}
+            gpu_in.append(sorted(v for v in reads if v not in made_here))
+            for v in gpu_out[-1]:
+                last.setdefault(v, index)
+            index += 1
+            for n in cpu:
+                cpu_index[n] = index
+                last.setdefault(n, index)
+                for v in ops[n].values():
+                    last[v] = index
+                index += 1
+            for v in gpu_in[-1]:
+                last[v] = index
+            end_index.append(index)
+            index += 1
+        for n in reversed(cpu_index):  # a rotated value keeps its input's rows alive
+            if isinstance(ops[n], O.Rope):
+                last[ops[n].x] = max(last[ops[n].x], last.get(n, 0))
         if result:
-            last[result] = len(ops)  # read after the program: never released
+            last[result] = index  # read after the programs: never released
         if self.chunk_slots is None:
             self.chunk_slots = (self._alloc_slot("chunk activations"),
                                 self._alloc_slot("chunk tokens", 4 * PREFILL_CHUNK))
         self.chunk = _Chunk(*self.chunk_slots, PREFILL_CHUNK, self.types, last)
-        self.xi16_holds = None
-        self.program = Program(symbol, sync=SYNC)
-        self.access = []
-        for i, op in enumerate(ops):
-            self.lower(op)
-            self.chunk.release(i)
-        self.program.calls = place_barriers(self.program.calls, self.access)
-        self.out.programs.append(self.program)
+        out_stages = []
+        for i, (gpu, cpu) in enumerate(stages):
+            for v in gpu_out[i]:
+                self.chunk.place(v)
+            self.xi16_holds = None
+            self.program = Program(symbol if len(stages) == 1 else f"{symbol}_{i}", sync=SYNC)
+            self.access = []
+            for n in cpu:
+                self.lower(ops[n])
+                self.chunk.release(cpu_index[n])
+            program = None
+            if self.program.calls:
+                self.program.calls = place_barriers(self.program.calls, self.access)
+                self.out.programs.append(self.program)
+                program = self.program.name
+            out_stages.append({"cpu": program, "gpu": gpu, "gpu_args": [v for v in gpu_in[i] if v in args],
+                               "gpu_in": [self._rows(v) for v in gpu_in[i] if v not in args],
+                               "gpu_out": [self._rows(v) for v in gpu_out[i]]})
+            self.chunk.release(end_index[i])
         arena = self.out.buffers[self.chunk.index]
         arena["nbytes"] = max(arena["nbytes"], self.chunk.nbytes)
-        info: dict = {"symbol": symbol, "tokens": self.chunk.tokens, "chunk": PREFILL_CHUNK}
+        info: dict = {"stages": out_stages, "tokens": self.chunk.tokens, "chunk": PREFILL_CHUNK}
         if result:
             where = self.chunk.get(result)
             if where.stride != 4 * self.width(result):
@@ -701,6 +749,15 @@ class _Lowering:
             info["logits"] = {"buffer": where.index, "offset": where.offset, "n": self.width(result)}
         self.chunk = None
         return info
+
+    def _rows(self, value: str) -> dict:
+        """Where the chunk keeps ``value``'s rows, for the runtime's copies to and from the GPU."""
+        assert self.chunk is not None
+        where, nbytes = self.chunk.get(value), _bytes_one_token(self.types[value])
+        if where.stride != nbytes:
+            raise PiccError(f"codegen_cpu: %{value}'s rows in the chunk are not back to back")
+        return {"value": value, "buffer": where.index, "offset": where.offset, "stride": where.stride,
+                "nbytes": nbytes}
 
 
 def _bytes_one_token(t: TensorType) -> int:
