@@ -438,9 +438,8 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                         for mat, dt, rb in dotted:
                             prefetch_block(fn, dt, row(mat, rb, i), b)
 
-                vectors = [emit_gathered8_dots(fn, dt, [row(mat, rb, i) for i in ids], x8, hidden,
-                                               prefetch if n_mat == 0 else None)
-                           for n_mat, (mat, dt, rb) in enumerate(dotted)]
+                vectors = emit_gathered8_dots(fn, [(dt, [row(mat, rb, i) for i in ids]) for mat, dt, rb in dotted],
+                                              x8, hidden, prefetch)
                 dots = [fn.v(f"extractelement {vec(GROUP)} {v}, i64 {u}", "dot") for u in range(GROUP) for v in vectors]
                 hs = h_from(ids, dots)
                 for u in range(0, GROUP, 2):

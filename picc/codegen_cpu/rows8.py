@@ -220,6 +220,22 @@ def _gathered_halves(fn: Fn, blocks: list[str], offset: int) -> str:
     return fn.v(f"fpext {v} to {vec(8)}", "hf")
 
 
+def _gathered_scale_pairs(fn: Fn, blocks: list[str]) -> tuple[str, str]:
+    """<8 x float> d and m of eight q4_1 blocks: each block's (d, m) f16 pair loaded as one i32
+    (half the element inserts of two :func:`_gathered_halves`), then split."""
+    v = "<8 x i32> poison"
+    for r, blk in enumerate(blocks):
+        pair = fn.load("i32", blk, 2, "dm")
+        v = "<8 x i32> " + fn.v(f"insertelement {v}, i32 {pair}, i64 {r}", "dmv")
+    halves = fn.v(f"bitcast {v} to <16 x half>", "dmh")
+    out = []
+    for first in (0, 1):
+        pick = ", ".join(f"i32 {2 * r + first}" for r in range(8))
+        h = fn.v(f"shufflevector <16 x half> {halves}, <16 x half> poison, <8 x i32> <{pick}>", "hs")
+        out.append(fn.v(f"fpext <8 x half> {h} to {vec(8)}", "hf"))
+    return out[0], out[1]
+
+
 def _transpose_chunks(fn: Fn, lanes: list[str]) -> list[str]:
     """Eight rows' 16 nibble bytes (<4 x i32> each) as the four rows8 chunks (<8 x i32>: lane r
     holds int32 ``c`` of row r): two rows to a register, then a 4 x 4 transpose in each half."""
@@ -234,29 +250,34 @@ def _transpose_chunks(fn: Fn, lanes: list[str]) -> list[str]:
     return [shuffle(t[0], t[2], lo64), shuffle(t[0], t[2], hi64), shuffle(t[1], t[3], lo64), shuffle(t[1], t[3], hi64)]
 
 
-def emit_gathered8_dots(fn: Fn, dtype: str, rows: list[str], x: IntX | ScaledX, k: str,
-                        block_hook: Callable[[str], None] | None = None) -> str:
-    """<8 x float>: the dot products of eight 4-bit rows in GGUF's own layout, anywhere in
-    memory (a sparse FFN's gathered active rows), with ``x`` as :func:`emit_rows8_dots` takes it
-    (float, or int16 split into bytes). Each block of the eight is transposed in registers to
-    the rows8 chunks and computed as a group block: float x ~16 operations a row and block, int16
-    x ~7, plus ~3 for the transpose and the gathered scales, against ~30 for a row at a time.
-    ``block_hook(b)`` runs in the block loop (prefetches)."""
-    if dtype not in NIBBLE_DTYPES:
-        raise PiccError(f"codegen_cpu: gathered eight-row dot products read q4_0 / q4_1 rows, not {dtype}")
-    v8, bb = vec(8), BLOCK_BYTES[dtype]
-    head = bb - 16  # d (and m) before the 16 nibble bytes
-    acc = fn.var(v8, "zeroinitializer", "acc")
+def emit_gathered8_dots(fn: Fn, mats: list[tuple[str, list[str]]], x: IntX | ScaledX, k: str,
+                        block_hook: Callable[[str], None] | None = None) -> list[str]:
+    """For each ``(dtype, rows)`` (eight 4-bit rows in GGUF's own layout, anywhere in memory: a
+    sparse FFN's gathered active rows of one matrix), the <8 x float> of their dot products with
+    ``x`` as :func:`emit_rows8_dots` takes it (float, or int16 split into bytes). Each block of
+    the eight is transposed in registers to the rows8 chunks and computed as a group block: float
+    x ~16 operations a row and block, int16 x ~7, plus ~3 for the transpose and the gathered
+    scales, against ~30 for a row at a time. The matrices share one block loop, so x's block is
+    made once for all of them. ``block_hook(b)`` runs in the block loop (prefetches)."""
+    for dtype, _ in mats:
+        if dtype not in NIBBLE_DTYPES:
+            raise PiccError(f"codegen_cpu: gathered eight-row dot products read q4_0 / q4_1 rows, not {dtype}")
+    accs = [fn.var(vec(8), "zeroinitializer", "acc") for _ in mats]
     with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "b") as b:
         if block_hook is not None:
             block_hook(b)
-        blocks = [fn.at(row, bb, b, "blk") for row in rows]
-        lanes = [fn.load("<4 x i32>", fn.gep(blk, str(head)), 1, "q") for blk in blocks]
-        chunks = _transpose_chunks(fn, lanes)
-        d = _gathered_halves(fn, blocks, 0)
-        m = _gathered_halves(fn, blocks, 2) if dtype == "q4_1" else None
-        acc.set(_dot_block(fn, dtype, chunks, x, _x_block(fn, x, b), b, d, m, acc.get("acc")))
-    return acc.get("dots")
+        xb = _x_block(fn, x, b)
+        for (dtype, rows), acc in zip(mats, accs, strict=True):
+            bb = BLOCK_BYTES[dtype]
+            blocks = [fn.at(row, bb, b, "blk") for row in rows]
+            lanes = [fn.load("<4 x i32>", fn.gep(blk, str(bb - 16)), 1, "q") for blk in blocks]  # after d (and m)
+            chunks = _transpose_chunks(fn, lanes)
+            if dtype == "q4_1":
+                d, m = _gathered_scale_pairs(fn, blocks)
+            else:
+                d, m = _gathered_halves(fn, blocks, 0), None
+            acc.set(_dot_block(fn, dtype, chunks, x, xb, b, d, m, acc.get("acc")))
+    return [acc.get("dots") for acc in accs]
 
 
 def _x_block(fn: Fn, x: IntX | ScaledX, b: str) -> tuple[list, str]:
