@@ -21,7 +21,7 @@ Prints the machine, then per engine the median prompt and decode tokens/s and th
 speed to llama.cpp in the same format: of the medians, and the median (and range) of the ratios
 round by round, which a slow phase of a shared machine moves less. Compiled files,
 GGUF conversions and exports are cached in ``build/bench`` (.pib names carry a hash of picc's
-sources, so a changed compiler recompiles).
+sources, so a changed compiler recompiles, and replaces the file an older one compiled).
 """
 
 from __future__ import annotations
@@ -81,8 +81,11 @@ class PiccEngine(Engine):
         from runtime.session import Session
 
         self.name, self.format = name, fmt
-        path = CACHE / f"{name.replace(' ', '-')}-{fmt or 'model'}-{source_hash()}.pib"
+        stem = f"{name.replace(' ', '-')}-{fmt or 'model'}-"
+        path = CACHE / f"{stem}{source_hash()}.pib"
         if not path.exists():
+            for stale in CACHE.glob(f"{stem}*.pib"):  # compiled by other sources: never read again
+                stale.unlink()
             start = time.perf_counter()
             picc("compile", source, "--target", "cpu", "-o", str(path), *flags)
             print(f"compiled {path.name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
