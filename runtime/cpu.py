@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,7 +187,9 @@ class CpuExecutor:
         if job is not None:
             self.team.run_step(job, self._table_ptr)
 
-    def _chunk_program(self, spec: dict | None, job) -> ChunkProgram | None:  # noqa: ANN001
+    def _chunk_program(self, spec: dict | None,
+                       job: Callable[[str | None], ctypes._CFuncPtr | None]) -> ChunkProgram | None:
+        """The manifest's chunk program ``spec`` bound to this process's code and buffers."""
         if not spec:
             return None
         rows = None
