@@ -17,7 +17,8 @@ all on SmolLM2-135M-Instruct from the shipped GGUF (Q4_1, embeddings Q8_0):
 * relu-demo sparse and dense (picc only, f16): what sparsity buys a ReLU model, and the bound the
   weight bytes each reads per token put on it.
 
-Prints the machine, then per engine the median prompt and decode tokens/s and the ratio of decode
+Every timed run follows a second of quiet and then at least 0.1 s of the same engine's untimed
+work (``WARM_SECONDS``), so that it measures the machine's steady speed. Prints the machine, then per engine the median prompt and decode tokens/s and the ratio of decode
 speed to llama.cpp in the same format: of the medians, and the median (and range) of the ratios
 round by round, which a slow phase of a shared machine moves less. Compiled files,
 GGUF conversions and exports are cached in ``build/bench`` (.pib names carry a hash of picc's
@@ -45,6 +46,14 @@ sys.path.insert(0, str(ROOT))
 
 def picc(*argv: str) -> None:
     subprocess.run([sys.executable, "-m", "picc.cli", *argv], check=True, cwd=ROOT)
+
+
+# Untimed work of an engine before each timed run. After the pause above, this VM's cores are slow
+# for a while: relu-demo sparse, two threads, 32-token windows of decode right after a 1 s pause
+# took 298, 263, 250, 238 us a token, against 204, 189, 194, 194 without the pause (medians of 6),
+# and the 128-token runs of relu-demo (~30 ms) fell almost entirely in that ramp. One engine run
+# of 8 tokens at least, so every engine gets the same treatment.
+WARM_SECONDS = 0.1
 
 
 def source_hash() -> str:
@@ -273,10 +282,14 @@ def main() -> None:
         # Each round starts one engine further on (no engine always follows the same one), and
         # every run starts after a pause: thread pools that spin-wait after their work (OpenMP in
         # torch, onnxruntime's, OpenBLAS's) would otherwise steal a core from the next engine
-        # (measured: relu-demo dense right after onnxruntime ran at half its speed).
+        # (measured: relu-demo dense right after onnxruntime ran at half its speed). After the
+        # pause the cores are cold: the engine works untimed for WARM_SECONDS first.
         for e in everyone[r % len(everyone):] + everyone[: r % len(everyone)]:
             time.sleep(args.pause)
             ids = relu_prompt if e in relu else prompt
+            warm_until = time.perf_counter() + WARM_SECONDS
+            while time.perf_counter() < warm_until:
+                e.run(ids, 8)
             prompt_s, decode_s, tokens = e.run(ids, args.n)
             results[key[e]].append((len(ids) / prompt_s, (args.n - 1) / decode_s))
             outputs[key[e]] = tokens
