@@ -18,7 +18,9 @@ all on SmolLM2-135M-Instruct from the shipped GGUF (Q4_1, embeddings Q8_0):
   weight bytes each reads per token put on it.
 
 Every timed run follows a second of quiet and then at least 0.1 s of the same engine's untimed
-work (``WARM_SECONDS``), so that it measures the machine's steady speed. Prints the machine, then per engine the median prompt and decode tokens/s and the ratio of decode
+work (``WARM_SECONDS``), so that it measures the machine's steady speed.
+
+Prints the machine, then per engine the median prompt and decode tokens/s and the ratio of decode
 speed to llama.cpp in the same format: of the medians, and the median (and range) of the ratios
 round by round, which a slow phase of a shared machine moves less. Compiled files,
 GGUF conversions and exports are cached in ``build/bench`` (.pib names carry a hash of picc's
