@@ -181,7 +181,7 @@ class CpuExecutor:
         self.params[self._slots["pos"]] = pos
         self.params[self._slots["token"]] = token
 
-    def run_stage(self, stage: int, *, prefill: bool = False) -> None:
+    def run_stage(self, stage: int, prefill: bool = False) -> None:
         """Run stage ``stage``'s CPU program (``prefill``: without the output head)."""
         job = self._jobs[stage][1 if prefill else 0]
         if job is not None:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -141,26 +143,36 @@ class Executor:
                     if logits or v not in self.head:
                         gpu.download(v, cpu.value(v))
             gpu_ops = [op for op in stage["gpu"] if logits or op not in self.head]
-            start = time.perf_counter()
-            if gpu_ops and stage["cpu"]:
-                assert gpu is not None and self._worker is not None
-                self._worker.start(gpu.run, gpu_ops)
-                cpu.run_stage(i, prefill=not logits)
-                self.times.cpu_seconds += time.perf_counter() - start
-                self._worker.wait()
-            elif gpu_ops:
-                assert gpu is not None
-                gpu.run(gpu_ops)
-            elif stage["cpu"]:
-                cpu.run_stage(i, prefill=not logits)
-                self.times.cpu_seconds += time.perf_counter() - start
+            self._side_by_side(gpu.run if gpu_ops and gpu is not None else None, gpu_ops,
+                               cpu.run_stage if stage["cpu"] else None, (i, not logits))
         if logits and self.logits_on_gpu:
             assert gpu is not None
             gpu.download(self.logits_value, self.cpu.logits())
-        if gpu is not None:
-            self.times.gpu_seconds = gpu.times.gpu_seconds
-            self.times.transfer_seconds = gpu.times.transfer_seconds
-            self.times.transfer_bytes = gpu.times.transfer_bytes
+        self._sync_gpu_times()
+
+    def _side_by_side(self, gpu_fn: Callable[[Any], None] | None, gpu_arg: Any,
+                      cpu_fn: Callable[..., None] | None, cpu_args: tuple) -> None:
+        """One stage: ``gpu_fn(gpu_arg)`` on the worker thread while ``cpu_fn(*cpu_args)`` runs on
+        this one (either None: that device has nothing to do), the CPU's time counted."""
+        start = time.perf_counter()
+        if gpu_fn is not None and cpu_fn is not None:
+            assert self._worker is not None
+            self._worker.start(gpu_fn, gpu_arg)
+            cpu_fn(*cpu_args)
+            self.times.cpu_seconds += time.perf_counter() - start
+            self._worker.wait()
+        elif gpu_fn is not None:
+            gpu_fn(gpu_arg)
+        elif cpu_fn is not None:
+            cpu_fn(*cpu_args)
+            self.times.cpu_seconds += time.perf_counter() - start
+
+    def _sync_gpu_times(self) -> None:
+        """The GPU's launch and copy times so far, into :attr:`times`."""
+        if self.gpu is not None:
+            self.times.gpu_seconds = self.gpu.times.gpu_seconds
+            self.times.transfer_seconds = self.gpu.times.transfer_seconds
+            self.times.transfer_bytes = self.gpu.times.transfer_bytes
 
     @property
     def batched_prefill(self) -> bool:
@@ -197,22 +209,9 @@ class Executor:
         the GPU (on the worker) runs its ops token by token between the chunk's rows."""
         self.cpu.load_chunk(tokens, pos)
         for stage in program.stages:
-            start = time.perf_counter()
-            if stage.gpu and stage.cpu is not None:
-                assert self._worker is not None
-                self._worker.start(self._gpu_chunk, (stage, tokens, pos))
-                self.cpu.run_chunk_stage(stage)
-                self.times.cpu_seconds += time.perf_counter() - start
-                self._worker.wait()
-            elif stage.gpu:
-                self._gpu_chunk((stage, tokens, pos))
-            elif stage.cpu is not None:
-                self.cpu.run_chunk_stage(stage)
-                self.times.cpu_seconds += time.perf_counter() - start
-        if self.gpu is not None:
-            self.times.gpu_seconds = self.gpu.times.gpu_seconds
-            self.times.transfer_seconds = self.gpu.times.transfer_seconds
-            self.times.transfer_bytes = self.gpu.times.transfer_bytes
+            self._side_by_side(self._gpu_chunk if stage.gpu else None, (stage, tokens, pos),
+                               self.cpu.run_chunk_stage if stage.cpu is not None else None, (stage,))
+        self._sync_gpu_times()
 
     def _gpu_chunk(self, job: tuple[ChunkStage, list[int], int]) -> None:
         """A chunk stage's GPU ops for each token in turn: its inputs from the chunk's rows into
