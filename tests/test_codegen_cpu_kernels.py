@@ -184,14 +184,15 @@ def test_gemv_rows_do_not_depend_on_the_rows_beside_them(host, teams, dtype, k):
     raw, w = weights(rng, (rows, k), dtype)
     x = rng.normal(size=k).astype(np.float32)
     row_bytes = raw.nbytes // rows
-    alone = np.zeros(1, np.float32)
+    alone = np.zeros(rows, np.float32)
+    for r in range(rows):
+        run(host, teams[1], gemv(dtype), raw.reshape(-1).view(np.uint8)[r * row_bytes:], x, None, alone[r:], 1, k, 0)
     for threads in (1, 3):
         together = np.zeros(rows, np.float32)
         run(host, teams[threads], gemv(dtype), raw, x, None, together, rows, k, 0)
         assert rel_err(together, w.astype(np.float64) @ x) <= tol(dtype)
         for r in range(rows):
-            run(host, teams[1], gemv(dtype), raw.reshape(-1).view(np.uint8)[r * row_bytes:], x, None, alone, 1, k, 0)
-            assert alone[0] == together[r], (threads, r)
+            assert alone[r] == together[r], (threads, r)
 
 
 def int_x_error_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
