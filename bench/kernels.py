@@ -162,7 +162,7 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, int_dots: bool
         buffers += [layers.up_gate(layer), layers.matrix(layer, 2)]
         for prog, b in zip(progs, (base, first), strict=True):
             prog.call(kernel, Buf(1), Buf(b), Buf(b, layers.row_bytes), Buf(b + 1), Null(), Null(), Null(),
-                      Buf(2), Buf(3), Buf(4), Buf(5), n, hidden, 0.0, 0)
+                      Buf(2), Buf(3), Buf(4), Buf(5), n, hidden, 0.0, Null(), 0)
     module = compile_kernels([], progs)
     steps = {cached: module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
              for cached, p in zip((False, True), progs, strict=True)}

@@ -2,9 +2,10 @@
 
     .venv/bin/python examples/sparsity_curve.py smollm2 --tokens 16384 > curve.md
 
-Profiles the model once on PTB train (4096 tokens), then for every mode and target in 20-70%
-makes the FFNs sparse and measures perplexity, the increase over dense and the top-1 agreement
-with dense on the first --tokens tokens of PTB valid. Prints a Markdown table.
+Profiles the model once on PTB train (4096 tokens; thresholds by --rule, fisher by default: see
+picc.profiling), then for every mode and target in 20-70% makes the FFNs sparse and measures
+perplexity, the increase over dense and the top-1 agreement with dense on the first --tokens
+tokens of PTB valid. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from picc.frontend import load_model
 from picc.ir.weights import WeightStore
 from picc.passes import PassContext
 from picc.passes.insert_predictors import insert_predictors
-from picc.profiling import attach, profile_sweep
+from picc.profiling import THRESHOLD_RULES, attach, calibrate
 
 TARGETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 
@@ -30,16 +31,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="PTB-valid tokens to evaluate")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--modes", default="gate-first,down-only")
+    parser.add_argument("--rule", default="fisher", choices=THRESHOLD_RULES, help="how thresholds are calibrated")
     args = parser.parse_args()
 
     start = time.perf_counter()
     model = load_model(args.model)
     calib = token_windows(model.tokenizer, "ptb", 4096, 256, seed=0)
-    profiles = profile_sweep(model.module, model.weights, calib, TARGETS)
+    profiles = calibrate(model.module, model.weights, calib, TARGETS, args.rule)
     windows = eval_windows(model.tokenizer, "ptb-valid", args.tokens, args.window)
     reference = dense_reference(model.module, model.weights, windows)
     print(f"{args.model}: PTB valid, {sum(len(w) - 1 for w in windows)} predicted tokens, windows of "
-          f"{args.window}; thresholds calibrated on 4096 tokens of PTB train\n")
+          f"{args.window}; thresholds calibrated on 4096 tokens of PTB train, rule {args.rule}\n")
     print("| mode | target | measured sparsity | ppl | dense ppl | increase | top-1 agreement |")
     print("|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):

@@ -135,15 +135,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_profile(args: argparse.Namespace) -> None:
     from picc import profiling
     from picc.calib import token_windows
-    from picc.progress import progress_bar
 
     model = _load(args.source)
     if model.tokenizer is None:
         raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be read")
     windows = token_windows(model.tokenizer, args.calib, args.tokens, args.window, args.seed)
-    with progress_bar(windows.n_tokens, "profiling", "tok") as advance:
-        profile = profiling.profile_model(model.module, model.weights, windows,
-                                          args.target_sparsity, progress=advance)
+    (profile,) = profiling.calibrate(model.module, model.weights, windows, [args.target_sparsity],
+                                     args.threshold_rule)
     if args.output:
         profiling.save_npz(profile, Path(args.output))
     if args.plot:
@@ -156,8 +154,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
     for layer in summary["layers"]:  # type: ignore[union-attr]
         print(f"{layer['ffn']:<16} {layer['sparsity']:8.3f} {layer['threshold']:10.4g} "
               f"{layer['top10']:7.3f} {layer['top20']:7.3f} {layer['top50']:7.3f}")
+    scaled = " times its Fisher scale" if profile.rule == "fisher" else ""
     rule = ("ReLU: active means > 0" if profile.target_sparsity is None
-            else f"active means |act(gate)| > threshold, calibrated to sparsity {profile.target_sparsity}")
+            else f"active means |act(gate)|{scaled} > threshold, calibrated to sparsity {profile.target_sparsity}")
     print(f"mean sparsity {profile.mean_sparsity:.3f} over {len(profile.layers)} FFN layers; "
           f"{profile.tokens} tokens of {profile.calib} (seed {profile.seed}); {rule}")
     print("topN%: share of all activations that the N% most active neurons account for")
@@ -284,7 +283,7 @@ def _sparsify_options(args: argparse.Namespace):  # noqa: ANN202 - SparsifyOptio
     return SparsifyOptions(
         mode=args.sparsity_mode, target_sparsity=args.target_sparsity,
         max_ppl_increase=args.max_ppl_increase, recall=args.recall, budget=args.predictor_budget,
-        predictors=args.predictors, calib=args.calib, tokens=args.tokens, seed=args.seed)
+        predictors=args.predictors, calib=args.calib, rule=args.threshold_rule, tokens=args.tokens, seed=args.seed)
 
 
 def _passes_epilog() -> str:
@@ -311,6 +310,14 @@ def _add_instrument_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--no-verify", action="store_true", help="skip the verifier after each pass")
 
 
+def _add_threshold_rule(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--threshold-rule", default="fisher", choices=("fisher", "cats"),
+                   help="how non-ReLU GLU thresholds are calibrated: fisher (default) scales each neuron's "
+                   "|act(gate)| by how much it moves the loss and puts one threshold on all layers, so "
+                   "sparsity goes where it costs least (SmolLM2 at 30%%: +2.1%% perplexity, against "
+                   "+3.4%% for cats); cats: the same sparsity in every layer on unscaled scores")
+
+
 def add_sparsity_flags(s: argparse.ArgumentParser) -> None:
     """The flags that choose how FFNs become sparse (shared by sparsify and compile)."""
     s.add_argument("--sparsity-mode", default="auto",
@@ -322,6 +329,7 @@ def add_sparsity_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-ppl-increase", type=float, metavar="X",
                    help="instead of --target-sparsity: the sparsest setting whose perplexity on "
                    "held-out calibration text is within X (e.g. 0.05 = 5%%) of dense")
+    _add_threshold_rule(s)
     s.add_argument("--recall", type=float, default=0.99,
                    help="predictor recall target on held-out tokens (default 0.99)")
     s.add_argument("--predictor-budget", type=float, default=0.1, metavar="SHARE",
@@ -398,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run calibration text through SOURCE and report, per FFN layer, "
                        "how sparse and how skewed its activations are. ReLU-family FFNs (relu, "
                        "ReGLU, dReLU): a neuron is active when its activation is > 0. Others "
-                       "(SwiGLU, GeGLU): when |act(gate)| exceeds a per-layer threshold calibrated "
-                       "to --target-sparsity (CATS).", epilog=EPILOG_SOURCES)
+                       "(SwiGLU, GeGLU): when |act(gate)| (times its Fisher scale, by default) exceeds "
+                       "a threshold calibrated to --target-sparsity.", epilog=EPILOG_SOURCES)
     s.add_argument("source", metavar="SOURCE")
     s.add_argument("--calib", default="ptb", metavar="ptb|PATH",
                    help="calibration text: ptb, ptb-valid, ptb-test, a .txt file or a directory of "
@@ -408,8 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
     s.add_argument("--seed", type=int, default=0, help="which windows are drawn (default 0)")
     s.add_argument("--target-sparsity", type=float, default=0.5, metavar="S",
-                   help="for non-ReLU FFNs: the sparsity each layer's threshold is calibrated to "
+                   help="for non-ReLU FFNs: the sparsity the thresholds are calibrated to "
                    "(default 0.5; ignored for ReLU FFNs)")
+    _add_threshold_rule(s)
     s.add_argument("-o", "--output", metavar="stats.npz", help="save the statistics")
     s.add_argument("--plot", metavar="out.png",
                    help="draw per-layer sparsity and sorted neuron frequencies")

@@ -221,6 +221,8 @@ class Interpreter:
             if op.gate_bias:
                 gate = gate + w(op.gate_bias)
         h, score = _activations(op.spec, up, gate)
+        if op.score_scale:
+            score = score * w(op.score_scale)
         active = None
         if isinstance(op, SparseFFN):
             if mask is not None:  # a part of a layer reads its own neurons' columns
@@ -256,6 +258,8 @@ class Interpreter:
             gate = (self.dot_input(op, op.gate, x) @ w(op.gate).T + (w(op.gate_bias) if op.gate_bias else np.float32(0))
                     if op.gate else None)
         h, score = _activations(spec, up, gate)
+        if op.score_scale:
+            score = score * w(op.score_scale)
         n = h.shape[1]
         if op.mode == "predictor":
             assert mask is not None

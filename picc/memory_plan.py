@@ -12,7 +12,8 @@ What lives on the GPU (each buffer starts at a multiple of ``ALIGN`` in the aren
   in their storage format (block formats split into planes), vectors in f32;
 * the KV cache of every attention op placed there: ``ctx`` positions of K and V, f32;
 * constants the GPU kernels read: the rotary frequencies of every rope op placed there and the
-  threshold of every predictor and gate-first FFN there (f32);
+  threshold of every predictor and gate-first FFN there, and the ones an unscaled gate-first FFN
+  scales its scores by (f32);
 * one activation arena for a token (the runtime runs one token per step, prompt tokens too):
   every value an op computes on the GPU, and every value a GPU op reads from the CPU, gets an
   offset in it, reused once the value is dead (first fit, in op order, which is the order the GPU
@@ -35,7 +36,7 @@ from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN, Merge
 from picc.ir.module import Function, Module
-from picc.ir.sparse_ops import Predict
+from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import DType, Placement, TensorType
 from picc.ir.weights import WeightStore
 from picc.quant import raw_nbytes
@@ -103,12 +104,19 @@ def workspace_bytes(op: Op, ctx: int, weights: dict[str, TensorType]) -> int:
     return end
 
 
-def gpu_constants(op: Op) -> list[tuple[str, int]]:
+def gpu_constants(op: Op, weights: WeightStore) -> list[tuple[str, int]]:
     """Constants ``(name, f32 count)`` a GPU op's kernels read besides its weights."""
     if isinstance(op, O.Rope):
         return [(f"rope.{op.result}", op.rotated // 2)]
-    if isinstance(op, Predict) or (isinstance(op, FusedFFN) and op.mode == "gate-first"):
+    if isinstance(op, Predict):
         return [(f"threshold.{op.result}", 1)]
+    # A gate-first FFN, fused or not yet (partitioning plans the module before fusion).
+    if isinstance(op, FusedFFN | SparseFFN) and op.mode == "gate-first":
+        assert op.gate is not None
+        if op.score_scale is not None:
+            return [(f"threshold.{op.result}", 1)]
+        # An unscaled layer's kernel scales its scores by ones.
+        return [(f"threshold.{op.result}", 1), (f"score_scale.{op.result}", int(weights[op.gate].shape[0]))]
     return []
 
 
@@ -297,7 +305,7 @@ def plan_memory(module: Module, weights: WeightStore, *, ctx: int, budget: int) 
         add(decl.name, "weight", on_gpu, nbytes, layer)
     gpu_ops = [op for op in func.ops if _is_gpu(op.type)]
     for op in gpu_ops:
-        for name, count in gpu_constants(op):
+        for name, count in gpu_constants(op, weights):
             add(name, "constant", True, 4 * count, layer_of(op.result))
     for op in func.ops:
         if isinstance(op, O.Attention):

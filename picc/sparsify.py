@@ -16,7 +16,7 @@ from picc.ir.module import Module
 from picc.ir.weights import WeightStore
 from picc.passes import Instruments, PassContext, parse_pipeline, run_pipeline
 from picc.passes.insert_predictors import insert_predictors
-from picc.profiling import RELU_FORMS, attach, ffn_ops, profile_sweep
+from picc.profiling import RELU_FORMS, attach, calibrate, ffn_ops
 from picc.progress import progress_bar
 
 SWEEP = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
@@ -32,6 +32,7 @@ class SparsifyOptions:
     budget: float = 0.1
     predictors: str | None = None
     calib: str = "ptb"
+    rule: str = "fisher"
     tokens: int = 4096
     window: int = 256
     seed: int = 0
@@ -39,7 +40,7 @@ class SparsifyOptions:
     def pipeline(self, target: float | None) -> str:
         profile = [f"calib={self.calib}", f"tokens={self.tokens}", f"window={self.window}", f"seed={self.seed}"]
         if target is not None:
-            profile.append(f"target-sparsity={target}")
+            profile += [f"target-sparsity={target}", f"rule={self.rule}"]
         insert = [f"mode={self.mode}", f"recall={self.recall}", f"budget={self.budget}", f"seed={self.seed}"]
         if self.predictors:
             insert.append(f"predictors={self.predictors}")
@@ -65,8 +66,7 @@ def sweep(model: LoadedModel, options: SparsifyOptions) -> list[SweepPoint]:
     """Perplexity on held-out calibration text at each target sparsity of ``SWEEP``."""
     assert model.tokenizer is not None
     windows = token_windows(model.tokenizer, options.calib, options.tokens, options.window, options.seed)
-    with progress_bar(windows.n_tokens, "profiling", "tok") as advance:
-        profiles = profile_sweep(model.module, model.weights, windows, SWEEP, progress=advance)
+    profiles = calibrate(model.module, model.weights, windows, SWEEP, options.rule)
     # Held out: the first tokens of the corpus, which profiling drew only by chance.
     held_out = eval_windows(model.tokenizer, options.calib, SWEEP_EVAL_TOKENS, options.window)
     points = []

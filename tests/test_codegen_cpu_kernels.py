@@ -452,7 +452,8 @@ class FfnCase:
         y = np.where(active, self.h(), 0) @ self.down.astype(np.float64)
         return y + (0 if self.down_bias is None else self.down_bias)
 
-    def run(self, module, team, kernel, *, active=None, threshold=0.0, interleaved=False, y0=None):
+    def run(self, module, team, kernel, *, active=None, threshold=0.0, score_scale=None, interleaved=False,
+            y0=None):
         """(y after the call, the kernel's count). ``y`` starts as garbage, which the kernel
         overwrites, or as ``y0``, which it adds its result to (``accumulate``)."""
         y = np.full(self.hidden, np.nan, np.float32) if y0 is None else y0.astype(np.float32)
@@ -467,7 +468,7 @@ class FfnCase:
                 biases = np.ascontiguousarray(np.stack([self.up_bias, self.gate_bias], 1))
                 up_bias, gate_bias = biases, biases.reshape(-1)[1:]
         run(module, team, kernel, self.x, up, gate, self.down_t, up_bias, gate_bias,
-            self.down_bias, y, mask, count, scratch, self.n, self.hidden, threshold, int(y0 is not None))
+            self.down_bias, y, mask, count, scratch, self.n, self.hidden, threshold, score_scale, int(y0 is not None))
         return y, int(count[0])
 
 
@@ -551,6 +552,31 @@ def test_gate_first_reads_a_rows8_gate_eight_rows_at_a_time(host, teams, dtype, 
         assert rel_err(y, ref.reference(chosen)) <= (2e-6 if int_dots else tol(dtype))
     with pytest.raises(PiccError, match="rows8"):
         sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, dense_rows8=True)
+
+
+@pytest.mark.parametrize("threads", (1, 3))
+def test_gate_first_decides_on_the_scaled_score(host, teams, threads):
+    # score_scale (Fisher scales, picc.fisher) multiplies each neuron's |act(g)| before the
+    # threshold: in the row layout (101 neurons: whole spans of 32 and a tail) and the rows8 one,
+    # and for dReLU, whose score |h| is scaled after up. A kernel that ignored the scale keeps
+    # other neurons: the scales span 0.05..20, so the two rules disagree on many of them.
+    rng = np.random.default_rng(46)
+    for form, dtype, n, rows8 in (("swiglu", "f16", 101, False), ("swiglu", "q4_1", 64, True),
+                                  ("drelu", "f32", 101, False)):
+        case = FfnCase(form, (dtype, dtype, dtype), n=n, biases=True, seed=47)
+        scale = np.exp(rng.uniform(np.log(0.05), np.log(20), n)).astype(np.float32)
+        raw = case.act_gate() if form == "swiglu" else case.h()
+        scores = np.abs(raw) * scale
+        thr = gap_threshold(scores, 0.4)
+        chosen = scores > thr
+        assert (chosen != (np.abs(raw) > thr)).sum() >= 3  # the scale matters here
+        if rows8:
+            case.gate_raw = to_rows8(case.gate_raw, dtype, (case.n, case.hidden))
+        kernel = sparse_ffn("gate-first", form, dtype, dtype, dtype, dense_rows8=rows8)
+        y, count = case.run(host, teams[threads], kernel, threshold=thr, score_scale=scale)
+        if form == "swiglu":  # dReLU counts the neurons whose gate passed (relu(g) > 0)
+            assert count == chosen.sum(), form
+        assert rel_err(y, case.reference(chosen)) <= tol(dtype), form
 
 
 @pytest.mark.parametrize("form", ["swiglu", "relu"])
@@ -766,10 +792,10 @@ def _decode_like_program(buffers: dict[str, int]) -> list[tuple[Kernel, tuple]]:
         (gemv("q4_1"), (b["wo"], b["att"], Null(), b["x"], hid, heads * hd, 1)),
         (sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"),
          (b["x"], b["up"], b["gate"], b["down"], Null(), Null(), Null(), b["x2"], Null(), Null(), b["scratch"], n, hid,
-          0.05, 0)),
+          0.05, Null(), 0)),
         (sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"),  # x2 += the FFN of x2: a residual add
          (b["x2"], b["up"], b["gate"], b["down"], Null(), Null(), Null(), b["x2"], Null(), Null(), b["scratch"], n,
-          hid, 0.05, 1)),
+          hid, 0.05, Null(), 1)),
         (argmax(), (b["x2"], b["out"], hid)),
     ]
 

@@ -68,7 +68,8 @@ class ChunkCase:
     def reference(self, active: np.ndarray) -> np.ndarray:
         return np.where(active, self.h(), 0) @ self.down.astype(np.float64) + _or0(self.down_bias)
 
-    def run(self, module, team, kernel, *, mask=None, threshold=0.0, interleaved=False, stride=None):
+    def run(self, module, team, kernel, *, mask=None, threshold=0.0, score_scale=None, interleaved=False,
+            stride=None):
         y = np.full((self.seq, self.hidden), np.nan, np.float32)
         stride = stride or self.n
         masks = np.zeros((self.seq, stride), np.uint8)
@@ -83,7 +84,7 @@ class ChunkCase:
                 biases = np.ascontiguousarray(np.stack([self.up_bias, self.gate_bias], 1))
                 up_bias, gate_bias = biases, biases.reshape(-1)[1:]
         run(module, team, kernel, self.x, up, gate, self.down_t, up_bias, gate_bias, self.down_bias, y, masks,
-            scratch, self.seq, stride, self.n, self.hidden, threshold)
+            scratch, self.seq, stride, self.n, self.hidden, threshold, score_scale)
         return y
 
 
@@ -116,6 +117,21 @@ def test_chunk_ffn_gives_each_token_its_own_active_set(host, teams, mode, form, 
         thr = gap_threshold(scores.ravel(), keep)
         y = case.run(host, teams[threads], kernel, threshold=thr, interleaved=interleaved)
         assert rel_err(y, case.reference(np.abs(scores) > thr)) <= tol(dtype), keep
+
+
+@pytest.mark.parametrize("form, dtype", [("swiglu", "f16"), ("drelu", "f32")])
+def test_chunk_ffn_gate_first_decides_on_the_scaled_score(host, teams, form, dtype):
+    # Each token's |act(g)| (dReLU: |h|) times the neuron's score_scale against the threshold,
+    # as the decode kernel decides.
+    case = ChunkCase(form, dtype, seq=6, seed=9)
+    scale = np.exp(np.random.default_rng(2).uniform(np.log(0.05), np.log(20), case.n)).astype(np.float32)
+    raw = case.act_gate() if form == "swiglu" else case.h()
+    scores = np.abs(raw) * scale
+    thr = gap_threshold(scores.ravel(), 0.4)
+    assert ((scores > thr) != (np.abs(raw) > thr)).sum() >= 3  # the scale matters here
+    y = case.run(host, teams[3], chunk_ffn("gate-first", form, dtype, dtype, dtype), threshold=thr,
+                 score_scale=scale)
+    assert rel_err(y, case.reference(scores > thr)) <= tol(dtype)
 
 
 @pytest.mark.parametrize("mode", ["gate-first", "down-only"])

@@ -228,16 +228,20 @@ def test_gate_first_ffn_host_matches_interpreter(form: str, fmt: str) -> None:
     ag, gd = weight_args("gate", gate, fmt)
     au, ud = weight_args("up", up, fmt)
     ad, dd = weight_args("down", down_t, fmt)
-    score = np.abs(activation(act, gd @ x))
+    # Per-neuron score scales (Fisher scales; an unscaled layer passes ones) spanning 16x, so
+    # ignoring them would change which neurons pass.
+    scale = np.exp(rng.uniform(np.log(0.25), np.log(4.0), n_ff)).astype(np.float32)
+    score = np.abs(activation(act, gd @ x)) * scale
     ranked = np.sort(score)
     cut = 80 + int(np.argmax(np.diff(ranked[80:120])))  # the widest gap near the middle
     threshold = np.float32((ranked[cut] + ranked[cut + 1]) / 2)
     # The kernel's gate sums differ from numpy's in the last bits; no score may sit that close.
     assert ranked[cut + 1] - ranked[cut] > 1e-4 * ranked[-1]
     out = build_host(gate_first_ffn(f"gf_{form}_{fmt}", hidden, n_ff, form, fmt))(
-        x=x, threshold=np.array([threshold], np.float32), **ag, **au, **ad)
+        x=x, threshold=np.array([threshold], np.float32), score_scale=scale, **ag, **au, **ad)
     rows = np.flatnonzero(score > threshold)
     assert 0 < len(rows) < n_ff
+    assert not np.array_equal(rows, np.flatnonzero(score / scale > threshold))  # the scale matters here
     assert rel_err(out["y"], ffn_reference(form, x, ud, gd, dd, rows)) <= TOL[fmt]
     assert not out["u"][score <= threshold].any()  # skipped neurons never computed up
 

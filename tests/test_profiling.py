@@ -15,7 +15,7 @@ from picc.frontend.picc_file import save_picc
 from picc.interpreter import Interpreter
 from picc.ir import parse, print_module, verify
 from picc.passes import parse_pipeline, run_pipeline
-from picc.profiling import calibrated_threshold, profile_model
+from picc.profiling import calibrate, calibrated_threshold, ffn_ops, profile_model
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +66,15 @@ def test_calibrated_threshold_hits_the_target():
         assert target <= sparsity <= target + 1 / scores.size + 1e-12
 
 
-def brute_force(model, windows, threshold_of):
-    """Per-layer active counts recomputed from each window's ffn scores (no profiling code)."""
+def brute_force(model, windows, threshold_of, scaled=None):
+    """Per-layer active counts recomputed from each window's ffn scores (no profiling code);
+    ``scaled`` multiplies a layer's scores by its scales first."""
     counts, mags = {}, {}
     interp = Interpreter(model.module, model.weights)
 
     def observe(trace):
-        counts.setdefault(trace.op.result, []).append(trace.score)
+        scale = (scaled or {}).get(trace.op.result)
+        counts.setdefault(trace.op.result, []).append(trace.score if scale is None else trace.score * scale)
         mags.setdefault(trace.op.result, []).append(np.abs(trace.h))
 
     interp.on_ffn = observe
@@ -109,6 +111,30 @@ def test_swiglu_thresholds_reach_the_target_sparsity(tok):
         np.testing.assert_array_equal(layer.freq, freq[layer.ffn].astype(np.float32))
 
 
+def test_fisher_rule_puts_one_threshold_on_scaled_scores(tok):
+    # Each neuron's |act(g)| times its Fisher scale against one threshold for every layer: the
+    # recount from the interpreter's scores (no profiling code) gives the same frequencies, the
+    # mean sparsity is the target, and the layers differ (CATS would make each one 0.4).
+    model = tiny_llama("swiglu", n_layers=3)
+    windows = token_windows(tok, "ptb", 512, window=64, seed=2)
+    (profile,) = calibrate(model.module, model.weights, windows, [0.4], rule="fisher")
+    assert profile.rule == "fisher"
+    thresholds = {layer.threshold for layer in profile.layers}
+    assert len(thresholds) == 1 and thresholds.pop() > 0
+    assert abs(profile.mean_sparsity - 0.4) <= 0.001
+    assert max(layer.sparsity for layer in profile.layers) - min(layer.sparsity for layer in profile.layers) > 0.02
+    scale = {layer.ffn: layer.score_scale for layer in profile.layers}
+    assert all(s is not None and s.shape == (96,) and (s > 0).all() for s in scale.values())
+    freq, _ = brute_force(model, windows, lambda k, s: profile.layers[0].threshold, scaled=scale)
+    for layer in profile.layers:
+        np.testing.assert_array_equal(layer.freq, freq[layer.ffn].astype(np.float32))
+    (cats,) = calibrate(model.module, model.weights, windows, [0.4], rule="cats")
+    assert cats.rule == "cats" and all(layer.score_scale is None for layer in cats.layers)
+    assert all(abs(layer.sparsity - 0.4) <= 0.001 for layer in cats.layers)
+    with pytest.raises(PiccError, match="threshold rule must be one of fisher, cats, got 'teal'"):
+        calibrate(model.module, model.weights, windows, [0.4], rule="teal")
+
+
 def test_non_relu_models_need_a_target(tok):
     model = tiny_llama("swiglu")
     with pytest.raises(PiccError, match="not ReLU-sparse .*give a target sparsity"):
@@ -123,11 +149,13 @@ def test_profile_pass_attaches_statistics_to_the_ir(tok):
     text = print_module(module)
     assert parse(text) == module
     assert ("%l0.ffn.out = ffn %l0.ffn_norm, @l0.ffn.up, @l0.ffn.down, gate=@l0.ffn.gate, "
-            "freq=@l0.ffn.freq, mag=@l0.ffn.mag {form = \"swiglu\", threshold = ") in text
+            "freq=@l0.ffn.freq, mag=@l0.ffn.mag, score_scale=@l0.ffn.score_scale {form = \"swiglu\", "
+            "threshold = ") in text
     assert module.attr("profile_calib") == "ptb-valid" and module.attr("profile_tokens") == 256
-    assert module.attr("profile_target_sparsity") == 0.4
-    freq = model.weights.f32("l1.ffn.freq")
-    assert freq.shape == (96,) and abs((1 - freq.mean()) - 0.4) <= 0.01
+    assert module.attr("profile_target_sparsity") == 0.4 and module.attr("profile_rule") == "fisher"
+    # The fisher rule (the default) spreads the target over the layers; their mean is the target.
+    freq = [model.weights.f32(f"l{i}.ffn.freq") for i in range(2)]
+    assert freq[1].shape == (96,) and abs((1 - np.mean(freq)) - 0.4) <= 0.01
     # Profiling describes the model; it does not change what it computes.
     tokens = [1, 5, 9, 2]
     np.testing.assert_array_equal(Interpreter(module, model.weights).run(tokens),
@@ -135,6 +163,8 @@ def test_profile_pass_attaches_statistics_to_the_ir(tok):
     # Profiling again adds new weights instead of overwriting (the store is append-only).
     again = run_pipeline(module, model.weights, pipeline, tokenizer=model.tokenizer)
     assert "freq=@l0.ffn.freq2" in print_module(again)
+    # The same thresholds: the scales of the first profile do not scale the second one's scores.
+    assert [op.threshold for op in ffn_ops(again)] == [op.threshold for op in ffn_ops(module)]
 
 
 def test_cli_profile_json_plot_and_npz(tmp_path, capsys):

@@ -57,7 +57,8 @@ def torch_sparse_ffn(op: SparseFFN, pred: Predict | None, weights, x: np.ndarray
         logits = torch.relu(xt @ w[pred.fc1].T + w[pred.fc1_bias]) @ w[pred.fc2].T + w[pred.fc2_bias]
         keep = logits > pred.threshold
     elif op.mode == "gate-first":
-        keep = act.abs() > op.threshold
+        scale = w[op.score_scale] if op.score_scale else 1.0
+        keep = act.abs() * scale > op.threshold
     else:
         keep = h.abs() > op.down_threshold
     return ((h * keep) @ w[op.down].T).numpy()
@@ -70,6 +71,8 @@ def test_sparse_execution_equals_masked_dense_torch(form, mode):
     func = module.function()
     op = next(o for o in func.ops if isinstance(o, SparseFFN))
     assert op.mode == mode
+    # SwiGLU thresholds follow the fisher rule (scaled scores); ReGLU's is 0, exact, unscaled.
+    assert (op.score_scale is not None) == (form == "swiglu")
     pred = func.producer(op.mask) if op.mask else None
     interp = Interpreter(module, model.weights)
     seen = []

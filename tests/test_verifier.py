@@ -15,6 +15,7 @@ weight @w : f32[12, 8]
 weight @wq : q4_0[8, 32]
 weight @up : f32[24, 8]
 weight @down : f32[8, 24]
+weight @scale : f32[24]
 
 """
 
@@ -27,51 +28,56 @@ def body(*ops: str, ret: str = "%x", args: str = "%tokens: i32[seq], %pos: i32[s
 EMBED = "%x = embed %tokens, @emb : f32[seq, 8]"
 
 CASES = [
-    # (ops, expected message fragment); the first op is on line 11 (texts here are in printed form, so line numbers match the file) of the text
+    # (ops, expected message fragment); the first op is on line 12 (texts here are in printed form, so line numbers match the file) of the text
     ([EMBED, "%y = relu %z : f32[seq, 8]"],
-     "line 12: %y = relu: %z is used before it is defined"),
+     "line 13: %y = relu: %z is used before it is defined"),
     ([EMBED, "%x = relu %x : f32[seq, 8]"],
-     "line 12: %x = relu: %x is already defined (SSA values are defined once)"),
+     "line 13: %x = relu: %x is already defined (SSA values are defined once)"),
     ([EMBED, "%y = linear %x, @nope : f32[seq, 12]"],
-     "line 12: %y = linear: weight @nope is not declared"),
+     "line 13: %y = linear: weight @nope is not declared"),
     ([EMBED, "%y = linear %x, @w : f32[seq, 8]"],
-     "line 12: %y = linear: result type is f32[seq, 8] but the operands give f32[seq, 12]"),
+     "line 13: %y = linear: result type is f32[seq, 8] but the operands give f32[seq, 12]"),
     ([EMBED, "%y = linear %x, @down : f32[seq, 8]"],
-     "line 12: %y = linear: weight @down f32[8, 24] takes 24 inputs but %x has 8"),
+     "line 13: %y = linear: weight @down f32[8, 24] takes 24 inputs but %x has 8"),
     ([EMBED, "%y = rms_norm %x, @w {eps = 1e-05} : f32[seq, 8]"],
-     "line 12: %y = rms_norm: weight @w must be [8], got [12, 8]"),
+     "line 13: %y = rms_norm: weight @w must be [8], got [12, 8]"),
     ([EMBED, "%y = rms_norm %x, @norm {eps = 0.0} : f32[seq, 8]"],
-     "line 12: %y = rms_norm: eps must be > 0, got 0.0"),
+     "line 13: %y = rms_norm: eps must be > 0, got 0.0"),
     ([EMBED, "%y = embed %x, @emb : f32[seq, 8]"],
-     "line 12: %y = embed: tokens %x must be i32[seq], got f32[seq, 8]"),
+     "line 13: %y = embed: tokens %x must be i32[seq], got f32[seq, 8]"),
     ([EMBED, "%y = rope %x, %pos {n_heads = 3, head_dim = 2} : f32[seq, 8]"],
-     "line 12: %y = rope: %x has 8 features, expected n_heads * head_dim = 3 * 2"),
+     "line 13: %y = rope: %x has 8 features, expected n_heads * head_dim = 3 * 2"),
     ([EMBED, "%y = rope %x, %pos {n_heads = 2, head_dim = 4, style = \"neox\"} : f32[seq, 8]"],
-     "line 12: %y = rope: style must be one of ('llama', 'gptj'), got 'neox'"),
+     "line 13: %y = rope: style must be one of ('llama', 'gptj'), got 'neox'"),
     ([EMBED, "%y = attention %x, %x, %x, %pos {n_heads = 3, n_kv_heads = 2, head_dim = 2, "
       "scale = 1.0, cache = \"l0\"} : f32[seq, 8]"],
-     "line 12: %y = attention: n_heads=3 must be a multiple of n_kv_heads=2"),
+     "line 13: %y = attention: n_heads=3 must be a multiple of n_kv_heads=2"),
     ([EMBED, "%y = attention %x, %x, %x, %pos {n_heads = 4, n_kv_heads = 2, head_dim = 2, "
       "scale = 1.0, cache = \"l0\"} : f32[seq, 8]"],
-     "line 12: %y = attention: %x must be f32[seq, 4] (n_kv_heads * head_dim), got f32[seq, 8]"),
+     "line 13: %y = attention: %x must be f32[seq, 4] (n_kv_heads * head_dim), got f32[seq, 8]"),
     ([EMBED,
       "%y = attention %x, %x, %x, %pos {n_heads = 2, n_kv_heads = 2, head_dim = 4, scale = 1.0, "
       "cache = \"l0\"} : f32[seq, 8]",
       "%z = attention %y, %y, %y, %pos {n_heads = 2, n_kv_heads = 2, head_dim = 4, scale = 1.0, "
       "cache = \"l0\"} : f32[seq, 8]"],
-     "line 13: %z = attention: cache slot 'l0' is already used by %y"),
+     "line 14: %z = attention: cache slot 'l0' is already used by %y"),
     ([EMBED, "%y = ffn %x, @up, @down {form = \"swiglu\"} : f32[seq, 8]"],
-     "line 12: %y = ffn: form 'swiglu' needs a gate weight"),
+     "line 13: %y = ffn: form 'swiglu' needs a gate weight"),
     ([EMBED, "%y = ffn %x, @up, @down, gate=@up {form = \"relu\"} : f32[seq, 8]"],
-     "line 12: %y = ffn: form 'relu' has no gate, but one is given"),
+     "line 13: %y = ffn: form 'relu' has no gate, but one is given"),
     ([EMBED, "%y = ffn %x, @up, @up {form = \"relu\"} : f32[seq, 8]"],
-     "line 12: %y = ffn: down @up must be [8, 24], got [24, 8]"),
+     "line 13: %y = ffn: down @up must be [8, 24], got [24, 8]"),
     ([EMBED, "%y = ffn %x, @up, @down {form = \"swish\"} : f32[seq, 8]"],
-     "line 12: %y = ffn: form must be one of"),
+     "line 13: %y = ffn: form must be one of"),
+    ([EMBED, "%y = ffn %x, @up, @down, gate=@up, score_scale=@norm {form = \"swiglu\"} : f32[seq, 8]"],
+     "line 13: %y = ffn: score_scale @norm must be [24], got [8]"),
+    ([EMBED, "%y = fused_ffn %x, @up, up=@up, score_scale=@scale {form = \"relu\", mode = \"dense\", "
+      "layer = \"y\"} : f32[seq, 8]"],
+     "line 13: %y = fused_ffn: score_scale scales the gate-first decision; mode 'dense' does not make one"),
     ([EMBED, "%y = linear %x, @w : f32[seq, 12]", "%z = add %x, %y : f32[seq, 8]"],
-     "line 13: %z = add: operands must have the same type, got %x: f32[seq, 8] and %y: f32[seq, 12]"),
+     "line 14: %z = add: operands must have the same type, got %x: f32[seq, 8] and %y: f32[seq, 12]"),
     ([EMBED, "%y = rms_norm %x, @wq {eps = 1e-05} : f32[seq, 8]"],
-     "line 12: %y = rms_norm: weight @wq must be [8], got [8, 32]"),
+     "line 13: %y = rms_norm: weight @wq must be [8], got [8, 32]"),
 ]
 
 
@@ -98,7 +104,7 @@ def test_quantized_norm_weight_is_rejected():
     text = HEADER.replace("weight @norm : f32[8]", "weight @norm : q8_0[8]")
     text += "func @forward(%tokens: i32[seq]) {\n  " + EMBED
     text += "\n  %y = rms_norm %x, @norm {eps = 1e-05} : f32[seq, 8]\n  return %y\n}\n"
-    with pytest.raises(VerifyError, match="line 12: %y = rms_norm: weight @norm must be a float tensor"):
+    with pytest.raises(VerifyError, match="line 13: %y = rms_norm: weight @norm must be a float tensor"):
         verify(parse(text))
 
 

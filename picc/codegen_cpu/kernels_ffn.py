@@ -82,7 +82,8 @@ MODES = ("predictor", "dense", "gate-first", "down-only")
 
 FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
               ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("mask", "ptr"), ("count", "ptr"),
-              ("scratch", "ptr"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"), ("accumulate", "i32"))
+              ("scratch", "ptr"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"), ("score_scale", "ptr"),
+              ("accumulate", "i32"))
 PREDICT_PARAMS = (("x", "ptr"), ("fc1", "ptr"), ("b1", "ptr"), ("fc2t", "ptr"), ("b2", "ptr"), ("mask", "ptr"),
                   ("scratch", "ptr"), ("hidden", "i32"), ("rank", "i32"), ("n", "i32"), ("threshold", "f32"))
 _LINE = 64
@@ -116,6 +117,15 @@ def plus_bias(fn: Fn, value: str, bias: str, i: str, stride: int = 1) -> str:
     out = fn.var(F32, value, "pb")
     with fn.if_(fn.v(f"icmp ne ptr {bias}, null", "hasb")):
         out.set(fn.v(f"fadd float {out.get()}, {fn.load(F32, fn.at(bias, 4 * stride, i), 4, 'b')}", "vb"))
+    return out.get()
+
+
+def times_scale(fn: Fn, value: str, i: str) -> str:
+    """``value * score_scale[i]`` (a gate-first layer's per-neuron score scale), or ``value`` when
+    the layer has none (a null ``%score_scale``)."""
+    out = fn.var(F32, value, "ts")
+    with fn.if_(fn.v("icmp ne ptr %score_scale, null", "hass")):
+        out.set(fn.v(f"fmul float {out.get()}, {fn.load(F32, fn.at('%score_scale', 4, i), 4, 'ss')}", "vs"))
     return out.get()
 
 
@@ -345,7 +355,10 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
             def keep(r: str) -> str:
                 if mode == "predictor":
                     return fn.v(f"icmp ne i8 {fn.load('i8', fn.gep('%mask', r), 1, 'm')}, 0", "keep")
-                return fn.v(f"fcmp ogt float {_abs(fn, fn.load(F32, fn.at(vals, 4, r), 4, 'v'))}, {cut}", "keep")
+                v = _abs(fn, fn.load(F32, fn.at(vals, 4, r), 4, "v"))
+                if mode == "gate-first" and not spec.act_on_up:
+                    v = times_scale(fn, v, r)
+                return fn.v(f"fcmp ogt float {v}, {cut}", "keep")
 
             def keep_span(r: str) -> str:
                 if mode == "predictor":
@@ -354,6 +367,12 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                 else:
                     v = fn.load(vec(_SPAN), fn.at(vals, 4, r), 4, "vs")
                     a = fn.v(f"call {vec(_SPAN)} @llvm.fabs.v32f32({vec(_SPAN)} {v})", "abss")
+                    if mode == "gate-first" and not spec.act_on_up:
+                        scaled = fn.var(vec(_SPAN), a, "sa")
+                        with fn.if_(fn.v("icmp ne ptr %score_scale, null", "hass")):
+                            sv = fn.load(vec(_SPAN), fn.at("%score_scale", 4, r), 4, "ssv")
+                            scaled.set(fn.v(f"fmul {vec(_SPAN)} {scaled.get()}, {sv}", "sas"))
+                        a = scaled.get()
                     hit = fn.v(f"fcmp ogt {vec(_SPAN)} {a}, {fn.splat(_SPAN, cut)}", "keeps")
                 return fn.v(f"bitcast {vec(_SPAN, 'i1')} {hit} to i32", "bits")
 
@@ -397,8 +416,9 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                 else:
                     a = gate_act(i, next(sums)) if spec.gated else None
                 h = combine(a, u)
-                if mode == "gate-first" and spec.act_on_up:  # dReLU: active when |h| > threshold
-                    h = fn.v(f"select i1 {fn.v(f'fcmp ogt float {_abs(fn, h)}, {thr}', 'live')}, "
+                if mode == "gate-first" and spec.act_on_up:  # dReLU: active when |h| (scaled) > threshold
+                    score = times_scale(fn, _abs(fn, h), i)
+                    h = fn.v(f"select i1 {fn.v(f'fcmp ogt float {score}, {thr}', 'live')}, "
                              f"float {h}, float 0.0", "h")
                 hs.append(h)
             return hs

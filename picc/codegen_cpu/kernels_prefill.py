@@ -32,13 +32,14 @@ from picc.codegen_cpu import rowplanes
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_dense import dot_grid
-from picc.codegen_cpu.kernels_ffn import check_ffn_kernel, plus_bias
+from picc.codegen_cpu.kernels_ffn import check_ffn_kernel, plus_bias, times_scale
 from picc.codegen_cpu.rowops import ELEMENT_BYTES, emit_row_bytes, emit_row_to_f32
 from picc.codegen_cpu.rows8 import emit_rows8_row_to_f32
 
 CHUNK_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
                     ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("mask", "ptr"), ("scratch", "ptr"),
-                    ("seq", "i32"), ("mask_stride", "i32"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"))
+                    ("seq", "i32"), ("mask_stride", "i32"), ("n", "i32"), ("hidden", "i32"), ("threshold", "f32"),
+                    ("score_scale", "ptr"))
 _TILE = 4  # tokens dotted per pass over a dequantised row
 _GROUP = 8  # live neurons added to a token's row of Y per pass (8 dequantised rows, 8 h in registers)
 _V16 = vec(16)
@@ -161,9 +162,13 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
 
         def up_needed(i: str) -> str:
             if mode == "gate-first":
-                return _any_token(fn, seq, lambda s: fn.v(
-                    f"fcmp ogt float {absf(fn.load(F32, h_at(s, i), 4, 'a'))}, {cut}", "pass"))
+                return _any_token(fn, seq, lambda s: fn.v(f"fcmp ogt float {gate_score(s, i)}, {cut}", "pass"))
             return needed(i)
+
+        def gate_score(s: str, i: str) -> str:
+            """|act(g)| of token s, neuron i, times its score scale (dReLU decides on |h| later)."""
+            a = absf(fn.load(F32, h_at(s, i), 4, "a"))
+            return a if spec.act_on_up else times_scale(fn, a, i)
 
         def store_h(i: str, s: str, u: str) -> None:
             hp = h_at(s, i)
@@ -178,9 +183,10 @@ def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_
             if mode == "predictor":
                 keep = selected(s, i)
             elif mode == "gate-first":
-                keep = fn.v(f"fcmp ogt float {absf(fn.load(F32, hp, 4, 'a'))}, {cut}", "keep")
+                keep = fn.v(f"fcmp ogt float {gate_score(s, i)}, {cut}", "keep")
                 if spec.act_on_up:
-                    keep = fn.v(f"and i1 {keep}, {fn.v(f'fcmp ogt float {absf(h)}, {thr}', 'big')}", "keep")
+                    big = fn.v(f"fcmp ogt float {times_scale(fn, absf(h), i)}, {thr}", "big")
+                    keep = fn.v(f"and i1 {keep}, {big}", "keep")
             elif mode == "down-only":
                 keep = fn.v(f"fcmp ogt float {absf(h)}, {thr}", "keep")
             else:

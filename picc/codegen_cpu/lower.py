@@ -576,7 +576,8 @@ class _Lowering:
             x, access = self.gemm_input(op, op.x, hidden, op.up_gate or op.up or "")
             self.call(op, kernel, x, up, gate, down_t, up_bias, gate_bias,
                       self.weight(op.down_bias, as_f32=True), self.activation(op.result), mask,
-                      Buf(self.scratch_index), self.rows(), stride, n, hidden, float(op.threshold), check=False,
+                      Buf(self.scratch_index), self.rows(), stride, n, hidden, float(op.threshold),
+                      self.weight(op.score_scale, as_f32=True), check=False,
                       batched=True, access=access)
             return
         kernel = kernels_ffn.sparse_ffn(op.mode, op.form, up_dtype, gate_dtype, down.dtype.value, op.interleaved,
@@ -585,7 +586,7 @@ class _Lowering:
         y, accumulate, writes = self.output(op)
         self.call(op, kernel, self.value(op.x), up, gate, down_t, up_bias, gate_bias,
                   self.weight(op.down_bias, as_f32=True), y, mask, Null(), Buf(self.scratch_index), n, hidden,
-                  float(op.threshold), accumulate, writes=writes)
+                  float(op.threshold), self.weight(op.score_scale, as_f32=True), accumulate, writes=writes)
 
     # --- stages ------------------------------------------------------------------------------------
 

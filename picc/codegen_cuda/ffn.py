@@ -161,11 +161,13 @@ def bias_add(name: str, n: int) -> Kernel:
 
 
 def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Kernel:
-    """Exact gate-first FFN of a GLU form: only neurons with ``|act(gate . x)| > threshold`` count.
+    """Exact gate-first FFN of a GLU form: only neurons with ``|act(gate . x)| * score_scale > threshold``
+    count.
 
-    Parameters: ``x``, ``threshold`` [1] (the layer's, an input so layers share the kernel), the
-    buffers of ``gate``, ``up`` and ``down`` [n_ff, hidden] (down neuron-major) in ``fmt``,
-    scratch ``g`` and ``u`` [n_ff], output ``y`` [hidden].
+    Parameters: ``x``, ``threshold`` [1] and ``score_scale`` [n_ff] (the layer's, inputs so layers
+    share the kernel; an unscaled layer passes ones), the buffers of ``gate``, ``up`` and ``down``
+    [n_ff, hidden] (down neuron-major) in ``fmt``, scratch ``g`` and ``u`` [n_ff], output ``y``
+    [hidden].
     """
     check_positive(hidden=hidden, n_ff=n_ff)
     act, gated, act_on_up = _form(form)
@@ -175,6 +177,7 @@ def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Ke
     wf = WeightFormat(fmt)
     x = te.placeholder((hidden,), "float32", name="x")
     threshold = te.placeholder((1,), "float32", name="threshold")
+    scale = te.placeholder((n_ff,), "float32", name="score_scale")
     w_gate = wf.placeholders("gate", (n_ff,), hidden)
     w_up = wf.placeholders("up", (n_ff,), hidden)
     w_down = wf.placeholders("down", (n_ff,), hidden)
@@ -182,7 +185,7 @@ def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Ke
     g = row_dot("g", wf, w_gate, lambda r, k: x[k], (n_ff,), hidden)
 
     def active(r: PrimExpr) -> PrimExpr:
-        return tirx.abs(activation(act, g[r])) > thr
+        return tirx.abs(activation(act, g[r])) * scale[r] > thr
 
     u = row_dot("u", wf, w_up, lambda r, k: x[k], (n_ff,), hidden, when=active)
     r = te.reduce_axis((0, n_ff), name="r")
@@ -195,8 +198,8 @@ def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Ke
     y = te.compute((hidden,), axpy, name="y")
 
     def guard(b: dict[str, tirx.Buffer], r: PrimExpr) -> PrimExpr:
-        return tirx.abs(activation(act, b["g"][r])) > b["threshold"][0]
+        return tirx.abs(activation(act, b["g"][r])) * b["score_scale"][r] > b["threshold"][0]
 
-    args = [(x, "in"), (threshold, "in"), *[(t, "in") for t in (*w_gate, *w_up, *w_down)], (g, "scratch"),
-            (u, "scratch"), (y, "out")]
+    args = [(x, "in"), (threshold, "in"), (scale, "in"), *[(t, "in") for t in (*w_gate, *w_up, *w_down)],
+            (g, "scratch"), (u, "scratch"), (y, "out")]
     return make_kernel(name, "gate_first_ffn", args, guards={"u": guard}, options={"vector": v})

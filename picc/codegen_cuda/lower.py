@@ -226,7 +226,12 @@ class _Lowering:
             assert op.gate is not None and op.up is not None
             k = self.kernel(name, lambda: ffn.gate_first_ffn(name, hidden, n, op.form, fmt))
             self.out.constants[f"threshold.{op.result}"] = np.array([op.threshold], np.float32)
-            self.launch(op, k, [b.value(op.x, "x", k), b.constant(f"threshold.{op.result}", "threshold", k),
+            if op.score_scale is None:  # the kernel always scales: by ones, unscaled (CATS)
+                self.out.constants[f"score_scale.{op.result}"] = np.ones(n, np.float32)
+                scale = b.constant(f"score_scale.{op.result}", "score_scale", k)
+            else:
+                scale = b.vector(op.score_scale, "score_scale", k)
+            self.launch(op, k, [b.value(op.x, "x", k), b.constant(f"threshold.{op.result}", "threshold", k), scale,
                                 *b.weight(op.gate, "gate", k), *b.weight(op.up, "up", k),
                                 *b.weight(op.down, "down", k), *b.scratch(op, k, ("g", "u")), out(k)])
         else:

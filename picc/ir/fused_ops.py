@@ -32,7 +32,8 @@ class FusedFFN(Op):
     follows ``form``. Which neurons are active follows ``mode``: ``dense`` every one;
     ``predictor`` columns ``neuron_offset .. neuron_offset + n`` of ``mask`` (a ``predict`` op
     trained for ``layer``; ``threshold`` is then the activity level it was trained to recall,
-    informative); ``gate-first`` those whose activity score exceeds ``threshold``; ``down-only``
+    informative); ``gate-first`` those whose activity score (times ``score_scale[i]``, when given:
+    see ``ffn``) exceeds ``threshold``; ``down-only``
     those with ``|h_i| > threshold``. Inactive neurons contribute exactly zero.
 
     ``layer`` names the value of the whole FFN layer. When the op *is* the layer (``result ==
@@ -53,6 +54,7 @@ class FusedFFN(Op):
     up_gate_bias: Sym | None = None
     down_bias: Sym | None = None
     freq: Sym | None = None
+    score_scale: Sym | None = None
     form: str
     mode: str
     threshold: float = 0.0
@@ -105,7 +107,8 @@ class FusedFFN(Op):
         n, hidden = down.shape
         gated = FFN_FORMS[self.form].gated
         self._check_rows(env, n, hidden, gated)
-        for name, shape, role in ((self.down_bias, (hidden,), "down_bias"), (self.freq, (n,), "freq")):
+        for name, shape, role in ((self.down_bias, (hidden,), "down_bias"), (self.freq, (n,), "freq"),
+                                  (self.score_scale, (n,), "score_scale")):
             weight_shape_is(env, name, shape, role)
             _float_weight(env, name, role)
         expect(bool(self.layer), "layer (the FFN value this op computes, or part of) must be named")
@@ -125,6 +128,8 @@ class FusedFFN(Op):
         else:
             expect(self.mask is None, f"mode {self.mode!r} computes its own active set; got mask %{self.mask}")
         expect(self.mode != "gate-first" or gated, f"mode 'gate-first' needs a gated form, got {self.form!r}")
+        expect(self.score_scale is None or self.mode == "gate-first",
+               f"score_scale scales the gate-first decision; mode {self.mode!r} does not make one")
         return t
 
     def check_producers(self, producer: Callable[[str], Op | None]) -> None:

@@ -396,12 +396,14 @@ class FFN(Op):
     prediction and partitioning work on.
 
     A neuron's *activity score* is ``|act(gate_i)|`` for gated forms (``|h_i|`` for dReLU, where
-    both projections are rectified) and ``|act(up_i)|`` otherwise; the neuron is *active* when its
-    score exceeds ``threshold`` (0 for ReLU forms, where that is exact; for the others a
-    calibrated CATS threshold). Profiling fills ``freq`` (per neuron, the share of calibration
-    tokens on which it is active), ``mag`` (mean ``|h_i|``), ``threshold`` and ``down_threshold``
-    (the ``|h_i|`` level with the same sparsity, for TEAL-style down-only skipping); they describe
-    the block and do not change what it computes.
+    both projections are rectified) and ``|act(up_i)|`` otherwise, times ``score_scale[i]`` when
+    the op has one; the neuron is *active* when its score exceeds ``threshold`` (0 for ReLU forms,
+    where that is exact; for the others a calibrated threshold). ``score_scale`` (f32 [n_ff]) puts
+    the neurons of all layers on one scale of importance (``picc.fisher``): without it, CATS.
+    Profiling fills ``freq`` (per neuron, the share of calibration tokens on which it is active),
+    ``mag`` (mean ``|h_i|``), ``threshold``, ``score_scale`` and ``down_threshold`` (the ``|h_i|``
+    level with the same sparsity, for TEAL-style down-only skipping); they describe the block and
+    do not change what a dense ``ffn`` computes.
 
     ``neuron_major`` says ``down`` is stored transposed, [n_ff, hidden] (row i is neuron i's down
     column), the layout the gather kernels read. After partitioning, a layer split between devices
@@ -420,6 +422,7 @@ class FFN(Op):
     down_bias: Sym | None = None
     freq: Sym | None = None
     mag: Sym | None = None
+    score_scale: Sym | None = None
     form: str
     threshold: float | None = None
     down_threshold: float | None = None
@@ -456,8 +459,10 @@ class FFN(Op):
         weight_shape_is(env, self.down_bias, (hidden,), "down_bias")
         weight_shape_is(env, self.freq, (n_ff,), "freq")
         weight_shape_is(env, self.mag, (n_ff,), "mag")
+        weight_shape_is(env, self.score_scale, (n_ff,), "score_scale")
         for name, role in ((self.up_bias, "up_bias"), (self.gate_bias, "gate_bias"),
-                           (self.down_bias, "down_bias"), (self.freq, "freq"), (self.mag, "mag")):
+                           (self.down_bias, "down_bias"), (self.freq, "freq"), (self.mag, "mag"),
+                           (self.score_scale, "score_scale")):
             _float_weight(env, name, role)
         for name in ("threshold", "down_threshold"):
             value = getattr(self, name)

@@ -117,8 +117,8 @@ class _Fuser:
         layer = op.part_of or op.result
         return FusedFFN(result=op.result, type=op.type, x=op.x, mask=op.mask if isinstance(op, SparseFFN) else None,
                         down=op.down, down_bias=op.down_bias if op.part_of is None else None, freq=op.freq,
-                        form=op.form, mode=mode, threshold=_threshold(op), layer=layer,
-                        neuron_offset=op.neuron_offset, **rows)
+                        score_scale=op.score_scale if mode == "gate-first" else None, form=op.form, mode=mode,
+                        threshold=_threshold(op), layer=layer, neuron_offset=op.neuron_offset, **rows)
 
 
 def _merge_of(op: Op, parts: dict[str, O.FFN]) -> Merge | None:

@@ -50,7 +50,7 @@ from picc.targets import Target, load_target, parse_size
 
 OPTIONS = ("target", "vram", "ctx", "solver", "min_split")
 GPU, CPU = Placement.GPU, Placement.CPU
-_ROW_FIELDS = ("up", "gate", "down", "up_bias", "gate_bias", "freq", "mag")  # indexed by neuron
+_ROW_FIELDS = ("up", "gate", "down", "up_bias", "gate_bias", "freq", "mag", "score_scale")  # indexed by neuron
 _PART_TENSORS = 6  # up, gate, down, their biases and down's bias: the aligned tensors of a part
 
 

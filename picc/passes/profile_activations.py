@@ -2,7 +2,9 @@
 
 Options: ``calib`` (a built-in corpus, ``ptb`` by default, or a path), ``tokens`` (default 4096),
 ``window`` (tokens per window, default 256), ``seed`` (default 0), ``target-sparsity`` (needed for
-non-ReLU FFNs: the CATS threshold of each layer is calibrated to it).
+non-ReLU FFNs: their thresholds are calibrated to it), ``rule`` (how: ``fisher``, the default, one
+threshold for all GLU layers on Fisher-scaled scores, each such ffn then carries its
+``score_scale``; or ``cats``, one quantile per layer; see ``picc.profiling``).
 
 Needs: a verified module with ``ffn`` ops (run ``canonicalize`` first on graph imports) and the
 model's tokenizer. Guarantees: every ffn op carries ``freq``/``mag`` weights and its
@@ -16,10 +18,9 @@ from picc.calib import token_windows
 from picc.errors import PiccError
 from picc.ir.module import Module
 from picc.passes.registry import PassContext, register_pass
-from picc.profiling import attach, profile_model
-from picc.progress import progress_bar
+from picc.profiling import attach, calibrate
 
-OPTIONS = ("calib", "tokens", "window", "seed", "target-sparsity")
+OPTIONS = ("calib", "tokens", "window", "seed", "target-sparsity", "rule")
 
 
 @register_pass("profile-activations", options=OPTIONS)
@@ -29,7 +30,6 @@ def profile_activations(module: Module, ctx: PassContext) -> Module:
         raise PiccError("profile-activations needs the model's tokenizer to read calibration text")
     windows = token_windows(ctx.tokenizer, ctx.option("calib", "ptb"), ctx.int_option("tokens", 4096),
                             ctx.int_option("window", 256), ctx.int_option("seed", 0))
-    with progress_bar(windows.n_tokens, "profiling", "tok") as advance:
-        profile = profile_model(module, ctx.weights, windows, ctx.float_option("target-sparsity", None),
-                                progress=advance)
+    (profile,) = calibrate(module, ctx.weights, windows, [ctx.float_option("target-sparsity", None)],
+                           ctx.option("rule", "fisher"))
     return attach(module, ctx.weights, profile)

@@ -1,0 +1,195 @@
+"""How much each FFN neuron's gate activation matters to the loss: per-neuron Fisher scales.
+
+Gate-first sparsity skips neuron i of a GLU FFN when its gate activation ``a_i = act(g_i)`` is
+small. CATS compares ``|a_i|`` with one threshold per layer at the same sparsity in every layer,
+which treats a neuron of a layer whose output barely moves the loss like one of a layer that
+moves it a lot, and a neuron with a tiny up projection or down column like one with large ones.
+Skipping ``a_i`` changes the loss by about ``0.5 * a_i^2 * E[(dL/da_i)^2]`` (a second-order
+expansion with the Fisher information as the curvature), so the score ``|a_i| * s_i`` with
+``s_i = sqrt(E[(dL/da_i)^2])`` ranks (token, neuron) pairs of *all* layers on one scale: a single
+threshold across layers then spends the sparsity where it costs least.
+
+``dL/da_i = u_i * (down_i . dL/dy)`` needs the gradient of the loss, so this module runs the dense
+``forward`` in torch (autograd) on the calibration windows, with labels sampled from the model's
+own next-token distribution (the true Fisher, not the empirical one: it measures the model's
+sensitivity, not its fit to the corpus). The torch forward follows the interpreter op by op;
+``tests/test_fisher.py`` checks its logits against the interpreter's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from picc.calib import Windows
+from picc.errors import PiccError
+from picc.interpreter import round_to_bf16
+from picc.ir import ops as O
+from picc.ir.core import Op
+from picc.ir.module import Module
+from picc.ir.weights import WeightStore
+
+
+class TorchForward:
+    """The dense ``forward`` of ``module`` on one window of tokens at positions 0..n-1, in torch.
+
+    ``run`` returns the logits; ``gate_acts`` then holds each gated FFN's ``act(gate)`` [seq,
+    n_ff], kept in the graph so that ``.grad`` is filled by a backward pass.
+    """
+
+    def __init__(self, module: Module, weights: WeightStore) -> None:
+        import torch
+
+        self.torch = torch
+        self.func = module.function()
+        self.weights = weights
+        self._cache: dict[str, torch.Tensor] = {}
+        self.gate_acts: dict[str, torch.Tensor] = {}
+
+    def w(self, name: str):  # noqa: ANN201 - torch.Tensor (torch is imported lazily)
+        if name not in self._cache:
+            self._cache[name] = self.torch.tensor(self.weights.f32(name))
+        return self._cache[name]
+
+    def run(self, tokens: list[int]):  # noqa: ANN201 - torch.Tensor
+        torch = self.torch
+        n = len(tokens)
+        env = {"tokens": torch.tensor(tokens, dtype=torch.long), "pos": torch.arange(n)}
+        self.gate_acts = {}
+        for op in self.func.ops:
+            env[op.result] = self.eval(op, env)
+        return env[self.func.ret]
+
+    def eval(self, op: Op, env: dict) -> object:  # noqa: C901 - one case per op
+        torch, w = self.torch, self.w
+        match op:
+            case O.Embed():
+                # A leaf that needs a gradient, so the graph records everything after it.
+                rows = w(op.table)[env[op.tokens]]
+                return rows.requires_grad_() if torch.is_grad_enabled() else rows
+            case O.PosEmbed():
+                return w(op.table)[env[op.pos] + op.offset]
+            case O.RMSNorm():
+                x = env[op.x]
+                return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + op.eps) * w(op.weight)
+            case O.LayerNorm():
+                x = env[op.x]
+                bias = w(op.bias) if op.bias else None
+                return torch.nn.functional.layer_norm(x, x.shape[-1:], w(op.weight), bias, op.eps)
+            case O.Linear():
+                y = env[op.x] @ w(op.weight).T
+                return y + w(op.bias) if op.bias else y
+            case O.Rope():
+                return self.rope(op, env[op.x], env[op.pos])
+            case O.Attention():
+                return self.attention(op, env[op.q], env[op.k], env[op.v])
+            case O.Relu() | O.Silu() | O.Gelu() | O.GeluTanh():
+                return self.activation(op.NAME, env[op.x])
+            case O.Add():
+                return env[op.a] + env[op.b]
+            case O.Mul():
+                return env[op.a] * env[op.b]
+            case O.FFN():
+                return self.ffn(op, env[op.x])
+        raise PiccError(f"Fisher scales: op {op.NAME!r} (%{op.result}) has no torch forward; "
+                        "run them before sparsifying passes")
+
+    def activation(self, name: str, x):  # noqa: ANN001, ANN201 - torch.Tensor
+        f = self.torch.nn.functional
+        if name == "relu":
+            return f.relu(x)
+        if name == "silu":
+            return f.silu(x)
+        if name == "gelu":
+            return f.gelu(x)
+        if name == "gelu_tanh":
+            return 0.5 * x * (1 + self.torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+        raise NotImplementedError(name)
+
+    def rope(self, op: O.Rope, x, pos):  # noqa: ANN001, ANN201 - torch.Tensor
+        torch = self.torch
+        seq, r = x.shape[0], op.rotated
+        heads = x.reshape(seq, op.n_heads, op.head_dim)
+        angles = pos.to(torch.float32)[:, None] * torch.from_numpy(op.inv_freq())[None, :]
+        cos, sin = torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+        part = heads[..., :r]
+        if op.style == "llama":
+            a, b = part[..., : r // 2], part[..., r // 2 :]
+            rotated = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+        else:
+            a, b = part[..., 0::2], part[..., 1::2]
+            rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).reshape(part.shape)
+        return torch.cat([rotated, heads[..., r:]], dim=-1).reshape(seq, -1)
+
+    def attention(self, op: O.Attention, q, k, v):  # noqa: ANN001, ANN201 - torch.Tensor
+        torch = self.torch
+        seq, d = q.shape[0], op.head_dim
+        group = op.n_heads // op.n_kv_heads
+        qh = q.reshape(seq, op.n_heads, d).transpose(0, 1)
+        kh = k.reshape(seq, op.n_kv_heads, d).transpose(0, 1).repeat_interleave(group, dim=0)
+        vh = v.reshape(seq, op.n_kv_heads, d).transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = qh @ kh.transpose(1, 2)
+        if op.alibi == "falcon":  # as the interpreter: bf16(bf16(slope_h) * j), before the scale
+            slopes = round_to_bf16(op.alibi_slopes())
+            bias = round_to_bf16(slopes[:, None] * np.arange(seq, dtype=np.float32)[None, :])
+            scores = scores + torch.from_numpy(bias)[:, None, :]
+        scores = scores * op.scale
+        i = torch.arange(seq)
+        visible = i[None, :] <= i[:, None]
+        if op.window is not None:
+            visible &= i[:, None] - i[None, :] < op.window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ vh
+        return out.transpose(0, 1).reshape(seq, op.n_heads * d)
+
+    def ffn(self, op: O.FFN, x):  # noqa: ANN001, ANN201 - torch.Tensor
+        w = self.w
+        up = x @ w(op.up).T
+        if op.up_bias:
+            up = up + w(op.up_bias)
+        if not op.spec.gated:
+            h = self.activation(op.spec.act, up)
+        else:
+            assert op.gate is not None
+            gate = x @ w(op.gate).T
+            if op.gate_bias:
+                gate = gate + w(op.gate_bias)
+            act = self.activation(op.spec.act, gate)
+            if act.requires_grad:
+                act.retain_grad()
+            self.gate_acts[op.result] = act
+            h = act * (self.activation(op.spec.act, up) if op.spec.act_on_up else up)
+        y = h @ (w(op.down) if op.neuron_major else w(op.down).T)
+        return y + w(op.down_bias) if op.down_bias else y
+
+
+def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: int,
+                  progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+    """``s_i = sqrt(E[(dL/da_i)^2])`` of every gated FFN's neurons over ``windows``, by FFN name.
+
+    L is the cross-entropy of each window's next-token predictions against labels sampled (with
+    ``seed``) from the model's own distribution; the mean is over all calibration tokens.
+    """
+    import torch
+
+    forward = TorchForward(module, weights)
+    generator = torch.Generator().manual_seed(seed)
+    sums: dict[str, torch.Tensor] = {}
+    n_tokens = 0
+    for window in windows.windows:
+        logits = forward.run(list(window))
+        with torch.no_grad():
+            labels = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+        torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward()
+        for name, act in forward.gate_acts.items():
+            assert act.grad is not None
+            sq = (act.grad.double() ** 2).sum(0)
+            sums[name] = sums[name] + sq if name in sums else sq
+        n_tokens += len(window)
+        if progress:
+            progress(len(window))
+    if not sums:
+        raise PiccError("Fisher scales need gated FFNs (GLU forms); this model has none")
+    return {name: np.sqrt(s.numpy() / n_tokens).astype(np.float32) for name, s in sums.items()}
