@@ -112,21 +112,24 @@ def _round_ir(fn: Fn, nbytes: str) -> str:
     return fn.v(f"and i64 {fn.v(f'add i64 {nbytes}, {_LINE - 1}', 'rb')}, {-_LINE}", "r64")
 
 
+def _if_given(fn: Fn, op: str, value: str, vector: str, i: str, stride: int = 1, ty: str = F32) -> str:
+    """``value <op> vector[stride * i]`` (``ty`` elements: a float, or a span of floats from there),
+    or ``value`` when the optional ``vector`` is null."""
+    out = fn.var(ty, value, "vg")
+    with fn.if_(fn.v(f"icmp ne ptr {vector}, null", "given")):
+        out.set(fn.v(f"{op} {ty} {out.get()}, {fn.load(ty, fn.at(vector, 4 * stride, i), 4, 'e')}", "ve"))
+    return out.get()
+
+
 def plus_bias(fn: Fn, value: str, bias: str, i: str, stride: int = 1) -> str:
     """``value + bias[stride * i]``, or ``value`` when ``bias`` is null."""
-    out = fn.var(F32, value, "pb")
-    with fn.if_(fn.v(f"icmp ne ptr {bias}, null", "hasb")):
-        out.set(fn.v(f"fadd float {out.get()}, {fn.load(F32, fn.at(bias, 4 * stride, i), 4, 'b')}", "vb"))
-    return out.get()
+    return _if_given(fn, "fadd", value, bias, i, stride)
 
 
-def times_scale(fn: Fn, value: str, i: str) -> str:
-    """``value * score_scale[i]`` (a gate-first layer's per-neuron score scale), or ``value`` when
-    the layer has none (a null ``%score_scale``)."""
-    out = fn.var(F32, value, "ts")
-    with fn.if_(fn.v("icmp ne ptr %score_scale, null", "hass")):
-        out.set(fn.v(f"fmul float {out.get()}, {fn.load(F32, fn.at('%score_scale', 4, i), 4, 'ss')}", "vs"))
-    return out.get()
+def times_scale(fn: Fn, value: str, i: str, ty: str = F32) -> str:
+    """``value * score_scale[i]`` (a gate-first layer's per-neuron score scale; ``ty`` a vector type:
+    the span from i), or ``value`` when the layer has none (a null ``%score_scale``)."""
+    return _if_given(fn, "fmul", value, "%score_scale", i, ty=ty)
 
 
 def _abs(fn: Fn, v: str) -> str:
@@ -368,11 +371,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
                     v = fn.load(vec(_SPAN), fn.at(vals, 4, r), 4, "vs")
                     a = fn.v(f"call {vec(_SPAN)} @llvm.fabs.v32f32({vec(_SPAN)} {v})", "abss")
                     if mode == "gate-first" and not spec.act_on_up:
-                        scaled = fn.var(vec(_SPAN), a, "sa")
-                        with fn.if_(fn.v("icmp ne ptr %score_scale, null", "hass")):
-                            sv = fn.load(vec(_SPAN), fn.at("%score_scale", 4, r), 4, "ssv")
-                            scaled.set(fn.v(f"fmul {vec(_SPAN)} {scaled.get()}, {sv}", "sas"))
-                        a = scaled.get()
+                        a = times_scale(fn, a, r, vec(_SPAN))
                     hit = fn.v(f"fcmp ogt {vec(_SPAN)} {a}, {fn.splat(_SPAN, cut)}", "keeps")
                 return fn.v(f"bitcast {vec(_SPAN, 'i1')} {hit} to i32", "bits")
 
