@@ -177,9 +177,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if args.prompt_tokens + args.n > session.ctx:
             raise PiccError(f"--prompt-tokens {args.prompt_tokens} + -n {args.n} exceed the {session.ctx} positions "
                             "the model was compiled for")
+        ids = [(7 * i + 11) % session.vocab for i in range(args.prompt_tokens)]
         for _ in range(args.repeat):
             session.reset()
-            ids = [(7 * i + 11) % session.vocab for i in range(args.prompt_tokens)]
             start = time.perf_counter()
             session.feed(ids)
             prompt_rates.append(len(ids) / (time.perf_counter() - start))
@@ -188,6 +188,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             decode_rates.append(args.n / (time.perf_counter() - start))
         devices = device_times(session, before)
         threads = session.executor.cpu.team.nthreads
+        profile = profile_decode(session, ids, args.n, args.repeat) if args.profile else None
     bandwidth = measure_memory_bandwidth()
     decode = statistics.median(decode_rates)
     result = {"model": args.model, "threads": threads, "repeat": args.repeat,
@@ -202,6 +203,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
                              "cpu_ms_per_token": devices["cpu_ms"] / steps,
                              "transfer_ms_per_token": devices["transfer_ms"] / steps,
                              "transfer_bytes_per_token": devices["transfer_bytes"] / steps}
+    if profile is not None:
+        result["profile"] = profile
     if args.json:
         print(json.dumps(result))
         return
@@ -218,6 +221,64 @@ def cmd_bench(args: argparse.Namespace) -> None:
         d = result["devices"]
         print(f"  per token: GPU {d['gpu_ms_per_token']:.3f} ms ({d['gpu']}), CPU {d['cpu_ms_per_token']:.3f} ms, "
               f"transfers {d['transfer_ms_per_token']:.3f} ms ({d['transfer_bytes_per_token'] / 1024:.1f} KiB)")
+    if profile is not None:
+        print_profile(profile)
+
+
+def profile_decode(session, ids: list[int], n: int, repeat: int) -> dict:  # noqa: ANN001 - a runtime Session
+    """``repeat`` more runs of ``ids`` and ``n`` decode steps, the steps profiled: per call of each
+    stage's step, microseconds per step in the kernel and waiting at the barrier after it (means
+    over the threads), and the decode's wall time per token in those runs."""
+    cpu = session.executor.cpu
+    wall, stages = 0.0, None
+    for _ in range(repeat):
+        session.reset()
+        session.feed(ids)  # not profiled: the prompt's chunks, and the step of its last token
+        cpu.start_profile()
+        try:
+            start = time.perf_counter()
+            session.greedy_tokens(n + 1)  # n steps
+            wall += time.perf_counter() - start
+        finally:
+            run = cpu.stop_profile()
+        stages = run if stages is None else [
+            replace(a, kernel=a.kernel + b.kernel, wait=a.wait + b.wait, runs=a.runs + b.runs)
+            for a, b in zip(stages, run, strict=True)]
+    assert stages is not None
+    calls = []
+    for i, st in enumerate(stages):
+        scale = 1e6 / st.hz / max(st.runs, 1)
+        kernel, wait = st.kernel.mean(axis=0) * scale, st.wait.mean(axis=0) * scale
+        calls += [{"stage": i, "op": label, "kernel": symbol, "us": float(k), "wait_us": float(w)}
+                  for (symbol, label), k, w in zip(st.calls, kernel, wait, strict=True)]
+    steps = max(st.runs for st in stages) if stages else 0
+    return {"clock_hz": stages[0].hz if stages else None, "steps": steps, "calls": calls,
+            "step_us": sum(c["us"] + c["wait_us"] for c in calls),
+            "wall_us_per_token": 1e6 * wall / (repeat * n)}
+
+
+def print_profile(profile: dict) -> None:
+    """The table of ``picc bench --profile``: time per decode step by kernel, then the costliest ops."""
+    calls, step = profile["calls"], profile["step_us"]
+    by_kernel: dict[str, list[float]] = {}
+    for c in calls:
+        row = by_kernel.setdefault(c["kernel"], [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += c["us"]
+        row[2] += c["wait_us"]
+    print(f"\nCPU decode step, profiled ({profile['steps']} steps, clock {profile['clock_hz'] / 1e9:.2f} GHz; "
+          "us per step, means over the threads; wait: at the barrier after the call)")
+    width = max([len(k) for k in by_kernel] + [6])
+    print(f"  {'kernel':<{width}} {'calls':>5} {'us':>9} {'wait us':>8} {'share':>6}")
+    for kernel, (count, us, wait) in sorted(by_kernel.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
+        print(f"  {kernel:<{width}} {count:5d} {us:9.1f} {wait:8.1f} {100 * (us + wait) / step:5.1f}%")
+    print(f"  {'the step':<{width}} {len(calls):5d} {sum(c['us'] for c in calls):9.1f} "
+          f"{sum(c['wait_us'] for c in calls):8.1f} 100.0%")
+    outside = profile["wall_us_per_token"] - step
+    print(f"  decode wall time per token {profile['wall_us_per_token']:.1f} us: {outside:.1f} us outside the CPU's "
+          "step (sampling, Python, the GPU's part and copies)")
+    top = sorted(calls, key=lambda c: -(c["us"] + c["wait_us"]))[:8]
+    print("  costliest calls: " + ", ".join(f"%{c['op']} {c['us'] + c['wait_us']:.1f} us" for c in top))
 
 
 def add_threads_flag(parser: argparse.ArgumentParser, what: str = "CPU threads") -> None:
@@ -261,5 +322,8 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("-n", type=int, default=128, help="tokens decoded per run (default 128)")
     s.add_argument("--repeat", type=int, default=5, help="runs (default 5)")
     s.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+    s.add_argument("--profile", action="store_true",
+                   help="then as many runs again with a clock around every kernel call of the CPU's decode "
+                   "step: time per token by kernel and by IR op, and the wait at the barrier after each")
     add_gpu_flag(s)
     s.set_defaults(func=cmd_bench)

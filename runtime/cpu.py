@@ -10,6 +10,10 @@ the object code was built for (AVX-512 code on an AVX2 machine), the IR is compi
 instead. Prompts run through the chunk programs (``prefill``, ``logits_chunk``: per stage, a
 program over a chunk of tokens and the chunk rows the GPU's ops read and write), which
 ``runtime.executor`` drives.
+
+``start_profile()`` swaps each stage's step for its profiled twin (a clock around every kernel
+call and barrier, ``picc.codegen_cpu.program.Program.profiled``) and gives its counters memory;
+``stop_profile()`` swaps back and returns what they counted (:class:`StageProfile`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +33,7 @@ from runtime.threads import ThreadTeam
 _STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
 _BARRIER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
+_CLOCK = ctypes.CFUNCTYPE(ctypes.c_int64)
 _init_lock = threading.Lock()
 
 
@@ -49,6 +55,19 @@ class ChunkProgram:
 
     stages: list[ChunkStage]
     logits: np.ndarray | None
+
+
+@dataclass
+class StageProfile:
+    """What a profiled stage counted: per call (``calls``: its kernel and the IR value it
+    computes), per thread, the cycles in the call (``kernel[t, n]``) and in the barrier after it
+    (``wait[t, n]``), over ``runs`` steps; ``hz``: the clock's cycles per second."""
+
+    calls: list[tuple[str, str]]
+    kernel: np.ndarray
+    wait: np.ndarray
+    runs: int
+    hz: float
 
 
 class ExecutorError(Exception):
@@ -124,6 +143,8 @@ class CpuExecutor:
         if not pib.has("cpu/manifest"):
             raise ExecutorError(f"{pib.path}: has no CPU code (compiled by an older picc?); recompile it")
         manifest = pib.json("cpu/manifest")
+        self._manifest_buffers = manifest["buffers"]
+        self._stage_specs = manifest["stages"]
         if threads is None:  # every core this process may run on, as many as the code allows
             threads = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
                           manifest["max_threads"])
@@ -140,8 +161,8 @@ class CpuExecutor:
                 array = pib.tensor(spec["name"]).data
             elif kind == "params":
                 array = self.params
-            else:  # sync, zeros, alloc: zeroed memory the step owns
-                array = _zeros(max(int(spec["nbytes"]), 64))
+            else:  # sync, zeros, alloc: zeroed memory the step owns (profile: while profiling)
+                array = _zeros(max(int(spec.get("nbytes", 0)), 64))
             self._keep.append(array)
             table[i] = array.ctypes.data
         self._table = table
@@ -159,6 +180,10 @@ class CpuExecutor:
             return None if symbol is None else self.code.function(symbol, _STEP)
 
         self._jobs = [(job(st["step"]), job(st["prefill"])) for st in manifest["stages"]]
+        self._job = job
+        self._profiles = [st.get("profile") for st in manifest["stages"]]
+        self._profiling: list[tuple[int, np.ndarray]] | None = None  # (stage, counters) while profiling
+        self._hz: float | None = None  # the profile clock's rate, once measured
         self.prefill_chunks = self._chunk_program(manifest.get("prefill"), job)
         self.logits_chunks = self._chunk_program(manifest.get("logits_chunk"), job)
         chunk = manifest.get("prefill") or {}
@@ -245,6 +270,60 @@ class CpuExecutor:
         if self.computes_greedy:
             return int(self.params[self._slots["greedy"]])
         return int(np.argmax(self._logits))
+
+    def start_profile(self) -> None:
+        """Run the profiled steps from now on, their counters zeroed (prompt chunks are not profiled)."""
+        if any(st["step"] is not None and prof is None for st, prof in zip(self._stage_specs, self._profiles,
+                                                                             strict=True)):
+            raise ExecutorError("this .pib has no profiled steps (compiled by an older picc); recompile it")
+        slots = {b: spec["slots"] for b, spec in enumerate(self._manifest_buffers) if spec["kind"] == "profile"}
+        self._profiling = []
+        for stage, prof in enumerate(self._profiles):
+            if prof is None:
+                continue
+            counters = _zeros(8 * self.team.nthreads * slots[prof["buffer"]]).view(np.int64)
+            self._keep[prof["buffer"]] = counters
+            self._table[prof["buffer"]] = counters.ctypes.data
+            self._jobs[stage] = (self._job(prof["step"]), self._jobs[stage][1])
+            self._profiling.append((stage, counters.reshape(self.team.nthreads, -1)))
+
+    def stop_profile(self) -> list[StageProfile]:
+        """Back to the plain steps; what each profiled stage counted since :meth:`start_profile`."""
+        if self._profiling is None:
+            raise ExecutorError("stop_profile() without start_profile()")
+        if self._hz is None:
+            self._hz = self._clock_rate()
+        hz = self._hz
+        out = []
+        for stage, counters in self._profiling:
+            prof = self._profiles[stage]
+            self._jobs[stage] = (self._job(self._stage_specs[stage]["step"]), self._jobs[stage][1])
+            calls = [(kernel, label) for kernel, label in prof["calls"]]
+            n = len(calls)  # counters per thread: kernel, wait for each call, then the runs (profile_slots)
+            out.append(StageProfile(calls, counters[:, 0 : 2 * n : 2].copy(), counters[:, 1 : 2 * n : 2].copy(),
+                                    int(counters[0, 2 * n]), hz))
+        self._profiling = None
+        return out
+
+    def _clock_rate(self, seconds: float = 0.05) -> float:
+        """Cycles per second of the profiled steps' clock, against ``time.perf_counter``: the two
+        read together (the clock just before and just after the timer, the pair kept only when
+        nothing came between them, as a preemption would) ``seconds`` apart."""
+        clock = self.code.function("picc_cycles", _CLOCK)
+
+        def together() -> tuple[int, float]:
+            best = None
+            for _ in range(100):
+                before, t, after = clock(), time.perf_counter(), clock()
+                if best is None or after - before < best[0]:
+                    best = (after - before, (before + after) // 2, t)
+            return best[1], best[2]
+
+        c0, t0 = together()
+        while time.perf_counter() - t0 < seconds:
+            pass
+        c1, t1 = together()
+        return (c1 - c0) / (t1 - t0)
 
     def close(self) -> None:
         self.team.close()

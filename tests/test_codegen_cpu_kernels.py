@@ -51,6 +51,7 @@ from picc.codegen_cpu.kernels_misc import (
     rope,
     round_int16,
 )
+from picc.codegen_cpu.program import profile_slots
 from picc.codegen_cpu.rowops import emit_axpys, emit_dots, emit_x_sums
 from picc.codegen_cpu.rows8 import from_rows8, to_rows8
 from picc.errors import PiccError
@@ -867,6 +868,40 @@ def test_barriers_order_a_chain_of_dependent_kernels(teams):
     for r in results:
         np.testing.assert_array_equal(r, results[0])
     assert rel_err(results[0], ref) <= 1e-4  # 40 chained products of float32 rounding
+
+
+def test_a_profiled_program_counts_each_calls_cycles_and_computes_the_same(teams):
+    # A GEMV of 512 x 512, one of 8 x 8 (4096 times fewer products), and the big one again on the
+    # first one's result (the last call: no barrier after it). The profiled twin must leave the
+    # same results and count, per thread, the runs, more cycles in each big GEMV than in the small
+    # one, time at the barriers after the first two calls and none after the last.
+    rng = np.random.default_rng(27)
+    big, small = ((rng.normal(size=(n, n)) / n).astype(np.float32) for n in (512, 8))
+    prog = Program("timed", sync=0)
+    prog.call(gemv("f32"), Buf(1), Buf(3), Null(), Buf(4), 512, 512, 0, label="big")
+    prog.call(gemv("f32"), Buf(2), Buf(3), Null(), Buf(5), 8, 8, 0, label="small")
+    prog.call(gemv("f32"), Buf(1), Buf(4), Null(), Buf(6), 512, 512, 0, label="big again")
+    profiled = prog.profiled(7)
+    assert profiled.name == "timed_profile" and [c.label for c in profiled.calls] == ["big", "small", "big again"]
+    module = compile_kernels([], [prog, profiled])
+    slots = profile_slots(3)
+    runs, threads = 9, 2
+    outputs = []
+    counters = np.zeros((threads, slots), np.int64)
+    for name in ("timed", "timed_profile"):
+        step = module.function(name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
+        bufs = [aligned_zeros(SYNC_BYTES), big, small, np.linspace(-1, 1, 512, dtype=np.float32),
+                np.zeros(512, np.float32), np.zeros(8, np.float32), np.zeros(512, np.float32), counters]
+        table = buffer_table(bufs)
+        for _ in range(runs):
+            teams[threads].run_each(lambda tid, t=table, s=step: s(ctypes.addressof(t), tid, threads))
+        outputs.append([bufs[4].copy(), bufs[5].copy(), bufs[6].copy()])
+    for a, b in zip(*outputs, strict=True):
+        np.testing.assert_array_equal(a, b)
+    kernel, wait = counters[:, 0:6:2], counters[:, 1:6:2]
+    assert (counters[:, slots - 1] == runs).all()
+    assert (kernel[:, 0] > kernel[:, 1]).all() and (kernel[:, 2] > kernel[:, 1]).all()
+    assert (wait[:, :2] > 0).all() and (wait[:, 2] == 0).all()
 
 
 def test_avx2_build_computes_the_same_bits(host, avx2, teams):

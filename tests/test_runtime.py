@@ -306,6 +306,36 @@ def test_run_cli_generates_greedy_text_like_the_interpreter(tmp_path, capsys):
             s.greedy_tokens(s.ctx)
 
 
+def test_bench_profile_times_every_call_of_the_decode_step(tmp_path, capsys):
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96))
+    path, pib = compiled(model, tmp_path, "profiled", dense=True)
+    argv = ["bench", str(path), "--prompt-tokens", "4", "-n", "8", "--repeat", "2", "--threads", "2", "--profile"]
+    assert main([*argv, "--json"]) == 0
+    profile = json.loads(capsys.readouterr().out)["profile"]
+    (stage,) = PibFile(path).json("cpu/manifest")["stages"]
+    calls = profile["calls"]
+    assert [[c["kernel"], c["op"]] for c in calls] == stage["profile"]["calls"]
+    ops = {op.result: op for op in pib.module.function().ops}
+    assert {c["op"] for c in calls} <= set(ops) | {"greedy"} and calls[-1]["op"] == "greedy"
+    assert {c["op"] for c in calls if isinstance(ops.get(c["op"]), O.Linear)} == {
+        name for name, op in ops.items() if isinstance(op, O.Linear)}
+    assert profile["steps"] == 2 * 8  # n decode steps a run (the prompt's are not profiled)
+    assert all(c["us"] > 0 and c["wait_us"] >= 0 for c in calls)
+    assert calls[-1]["wait_us"] == 0  # nothing waits after the last call
+    # Each thread's time in a step is part of the decode's wall time per token (the clock is
+    # calibrated against time.perf_counter: a wrong rate, or counting steps outside the timed
+    # decode, would break this).
+    assert 0 < profile["step_us"] <= profile["wall_us_per_token"]
+    assert 1e8 < profile["clock_hz"] < 1e11
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "CPU decode step, profiled (16 steps" in text and "the step" in text and "costliest calls: %" in text
+    with Session(path, 1) as s:
+        s.executor.cpu._profiles = [None]  # as in a .pib compiled before steps had profiled twins
+        with pytest.raises(ExecutorError, match="no profiled steps"):
+            s.executor.cpu.start_profile()
+
+
 def test_threads_default_to_the_cores_the_process_may_use(tmp_path, monkeypatch):
     import os
 

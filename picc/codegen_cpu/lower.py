@@ -6,7 +6,9 @@ runtime's threads call once per token (a module that runs on the CPU alone is on
 per token). A stage that holds ops of the head (the output norm and LM head) also gets
 ``picc_stage_<i>_prefill`` without them: prompt tokens whose logits are not read skip a large
 share of the bytes a step reads. When the logits are computed on the CPU, the step ends with their
-argmax, the greedy token.
+argmax, the greedy token. ``picc_stage_<i>_profile`` is the step with a clock around each call
+(:meth:`~picc.codegen_cpu.program.Program.profiled`; the manifest's ``profile`` of the stage names
+its calls' kernels and IR values), for ``picc bench --profile``.
 
 Every op names its kernel (``fuse-gather-gemv``); the lowering checks that the kernel it calls is
 that one. Memory is named by index into ``bufs``:
@@ -41,7 +43,7 @@ from picc import kernel_names as names
 from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, kernels_prefill, rowplanes
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.prelude import SYNC_BYTES
-from picc.codegen_cpu.program import Buf, Call, Null, Param, Program
+from picc.codegen_cpu.program import Buf, Call, Null, Param, Program, profile_slots
 from picc.codegen_cpu.rowops import row_bytes
 from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
 from picc.errors import PiccError
@@ -371,7 +373,8 @@ class _Lowering:
             raise PiccError(f"codegen_cpu: %{op.result} names kernel {op.kernel!r} but the CPU computes it with "
                             f"{kernel.symbol!r}" + ("; run fuse-gather-gemv first" if op.kernel is None else ""))
         per_token = self.chunk is not None and not batched
-        self.program.call(kernel, *args, repeat=self.rows() if per_token else None)  # type: ignore[arg-type]
+        self.program.call(kernel, *args, repeat=self.rows() if per_token else None,  # type: ignore[arg-type]
+                          label=op.result)
         if access is None:
             extra = writes or set()  # a residual add's buffer: read, then written
             written = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
@@ -621,13 +624,20 @@ class _Lowering:
                     prefill_symbol = prefill.name
             if logits_here and self.func.ret in stage.cpu:
                 self.program.call(kernels_misc.argmax(), self.value(self.func.ret),
-                                  Buf(PARAMS, 4 * PARAM_SLOTS["greedy"]), self.width(self.func.ret))
+                                  Buf(PARAMS, 4 * PARAM_SLOTS["greedy"]), self.width(self.func.ret), label="greedy")
                 self.access.append(_Access(frozenset({self.func.ret}), frozenset(), False))
                 self.out.greedy = True
             full.calls = place_barriers(full.calls, self.access)
-            self.out.programs.append(full)
+            # The same step with a clock around each call (picc bench --profile); its counters
+            # get memory only when the runtime profiles (profile_slots i64 per thread).
+            counters = len(self.out.buffers)
+            self.out.buffers.append({"kind": "profile", "slots": profile_slots(len(full.calls))})
+            profiled = full.profiled(counters)
+            self.out.programs += [full, profiled]
             self.out.stages.append({"step": full.name, "prefill": prefill_symbol if head & set(stage.cpu)
-                                    else full.name})
+                                    else full.name,
+                                    "profile": {"step": profiled.name, "buffer": counters,
+                                                "calls": [[c.kernel.symbol, c.label] for c in full.calls]}})
         self.prefill_programs()
         self.logits_programs()
         ret = self.activation(self.func.ret)  # a GPU's logits are copied here

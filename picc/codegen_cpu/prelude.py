@@ -279,6 +279,14 @@ declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
 declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 declare void @llvm.x86.sse2.pause()
 declare i64 @syscall(i64, ...)
+declare i64 @llvm.readcyclecounter()
+
+; The clock of profiled steps (Program.profiled), for the runtime to measure its rate.
+define i64 @picc_cycles() #2 {
+entry:
+  %t = call i64 @llvm.readcyclecounter()
+  ret i64 %t
+}
 """
 
 
@@ -288,7 +296,7 @@ def prelude() -> str:
 
 
 def attributes(simd: str) -> str:
-    """Function attribute groups: #0 kernels and steps, #1 inlined math, #2 the barrier.
+    """Function attribute groups: #0 kernels and steps, #1 inlined math, #2 the barrier and the clock.
 
     Kernels are never inlined into a step: it would gain nothing measurable and makes the
     optimiser's time grow with the square of the step's length (15 s for 300 calls).

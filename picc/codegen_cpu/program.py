@@ -13,6 +13,10 @@ token; values that change per token (the position) are read at run time from an 
     prog = Program("decode_step", sync=0)
     prog.call(rms_norm(), Buf(X), Buf(NORM_W), Null(), Buf(H), 1, 576, 1e-5)
     prog.call(attention(), ..., Param(PARAMS, 0), ...)   # pos = params[0]
+
+:meth:`Program.profiled` is the same step timed call by call: each thread adds the cycles
+(``llvm.readcyclecounter``: the x86 time-stamp counter) of every call and of the barrier after
+it to its row of an i64 buffer (see :func:`profile_slots`); ``picc bench --profile`` reads it.
 """
 
 from __future__ import annotations
@@ -60,17 +64,33 @@ class Call:
     args: tuple[Arg, ...]
     barrier_after: bool
     repeat: Param | None = None  # run once per token s < repeat, with Bufs advanced by s * stride
+    label: str = ""  # what the call computes (the IR value), for profiles
+
+
+def profile_slots(calls: int) -> int:
+    """i64 slots per thread of a profiled program of ``calls`` calls: call n's cycles in slot 2n,
+    those of the barrier after it (0 without one) in 2n + 1, and the number of runs last."""
+    return 2 * calls + 1
 
 
 class Program:
     """A step function under construction; ``sync`` is the index of the barrier-state buffer."""
 
-    def __init__(self, name: str, *, sync: int = 0) -> None:
+    def __init__(self, name: str, *, sync: int = 0, profile: int | None = None) -> None:
         self.name = name
         self.sync = sync
+        self.profile = profile  # the bufs index of the profile counters, when profiled
         self.calls: list[Call] = []
 
-    def call(self, kernel: Kernel, *args: Arg, barrier_after: bool = True, repeat: Param | None = None) -> None:
+    def profiled(self, buffer: int, name: str | None = None) -> Program:
+        """This program with a clock around every call and barrier: thread t adds their cycles to
+        row t (:func:`profile_slots` i64 each) of ``bufs[buffer]``, which holds a row per thread."""
+        copy = Program(name or f"{self.name}_profile", sync=self.sync, profile=buffer)
+        copy.calls = list(self.calls)
+        return copy
+
+    def call(self, kernel: Kernel, *args: Arg, barrier_after: bool = True, repeat: Param | None = None,
+             label: str = "") -> None:
         """Append a call of ``kernel`` with one argument per :attr:`Kernel.params`.
 
         ``barrier_after=False`` lets the next call start without waiting; only safe when it reads
@@ -90,7 +110,7 @@ class Program:
                   "f32": isinstance(arg, float | int) and not isinstance(arg, bool)}[kind]
             if not ok:
                 raise PiccError(f"codegen_cpu: {kernel.symbol} argument {name} must be {wanted[kind]}, got {arg!r}")
-        self.calls.append(Call(kernel, tuple(args), barrier_after, repeat))
+        self.calls.append(Call(kernel, tuple(args), barrier_after, repeat, label))
 
     @property
     def kernels(self) -> list[Kernel]:
@@ -116,6 +136,26 @@ class Program:
             return tmp(f"load i32, ptr {slot}, align 4")
 
         sync = buf(self.sync)
+        clock = counters = None
+        if self.profile is not None:
+            row = tmp(f"mul i64 {tmp('sext i32 %tid to i64')}, {profile_slots(len(self.calls))}")
+            counters = tmp(f"getelementptr inbounds i64, ptr {buf(self.profile)}, i64 {row}")
+            clock = tmp("call i64 @llvm.readcyclecounter()")
+
+        def add_to(slot: int, value: str) -> None:
+            """counters[slot] += value."""
+            at = tmp(f"getelementptr inbounds i64, ptr {counters}, i64 {slot}")
+            total = tmp(f"add i64 {tmp(f'load i64, ptr {at}, align 8')}, {value}")
+            lines.append(f"  store i64 {total}, ptr {at}, align 8")
+
+        def lap(slot: int) -> None:
+            """Add the cycles since the last lap to counters[slot]."""
+            nonlocal clock
+            if clock is not None:
+                now = tmp("call i64 @llvm.readcyclecounter()")
+                add_to(slot, tmp(f"sub i64 {now}, {clock}"))
+                clock = now
+
         for n, call in enumerate(self.calls):
             lines.append(f"  ; {n}: {call.kernel.symbol}" + (" per token" if call.repeat else ""))
             s = None
@@ -150,8 +190,14 @@ class Program:
             if s is not None:
                 lines += [f"  call void @picc_barrier(ptr {sync}, i32 %nthreads)",
                           f"  %b{n}.next = add i64 {s}, 1", f"  br label %b{n}.head", f"b{n}.exit:"]
-            elif call.barrier_after and n + 1 < len(self.calls):
-                lines.append(f"  call void @picc_barrier(ptr {sync}, i32 %nthreads)")
+                lap(2 * n)  # the calls and their barriers, together
+            else:
+                lap(2 * n)
+                if call.barrier_after and n + 1 < len(self.calls):
+                    lines.append(f"  call void @picc_barrier(ptr {sync}, i32 %nthreads)")
+                    lap(2 * n + 1)
+        if clock is not None:
+            add_to(2 * len(self.calls), "1")
         lines += ["  ret void", "}", ""]
         return "\n".join(lines)
 
