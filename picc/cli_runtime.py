@@ -246,10 +246,10 @@ def profile_decode(session, ids: list[int], n: int, repeat: int) -> dict:  # noq
             for a, b in zip(stages, run, strict=True)]
     assert stages is not None
     calls = []
-    for i, st in enumerate(stages):
+    for st in stages:
         scale = 1e6 / st.hz / max(st.runs, 1)
         kernel, wait = st.kernel.mean(axis=0) * scale, st.wait.mean(axis=0) * scale
-        calls += [{"stage": i, "op": label, "kernel": symbol, "us": float(k), "wait_us": float(w)}
+        calls += [{"stage": st.stage, "op": label, "kernel": symbol, "us": float(k), "wait_us": float(w)}
                   for (symbol, label), k, w in zip(st.calls, kernel, wait, strict=True)]
     steps = max(st.runs for st in stages) if stages else 0
     return {"clock_hz": stages[0].hz if stages else None, "steps": steps, "calls": calls,
@@ -260,6 +260,9 @@ def profile_decode(session, ids: list[int], n: int, repeat: int) -> dict:  # noq
 def print_profile(profile: dict) -> None:
     """The table of ``picc bench --profile``: time per decode step by kernel, then the costliest ops."""
     calls, step = profile["calls"], profile["step_us"]
+    if not calls:
+        print("\nCPU decode step, profiled: this model's step has no CPU work")
+        return
     by_kernel: dict[str, list[float]] = {}
     for c in calls:
         row = by_kernel.setdefault(c["kernel"], [0, 0.0, 0.0])

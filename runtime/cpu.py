@@ -59,10 +59,11 @@ class ChunkProgram:
 
 @dataclass
 class StageProfile:
-    """What a profiled stage counted: per call (``calls``: its kernel and the IR value it
-    computes), per thread, the cycles in the call (``kernel[t, n]``) and in the barrier after it
-    (``wait[t, n]``), over ``runs`` steps; ``hz``: the clock's cycles per second."""
+    """What stage ``stage``'s profiled step counted: per call (``calls``: its kernel and the IR
+    value it computes), per thread, the cycles in the call (``kernel[t, n]``) and in the barrier
+    after it (``wait[t, n]``), over ``runs`` steps; ``hz``: the clock's cycles per second."""
 
+    stage: int
     calls: list[tuple[str, str]]
     kernel: np.ndarray
     wait: np.ndarray
@@ -300,7 +301,7 @@ class CpuExecutor:
             self._jobs[stage] = (self._job(self._stage_specs[stage]["step"]), self._jobs[stage][1])
             calls = [(kernel, label) for kernel, label in prof["calls"]]
             n = len(calls)  # counters per thread: kernel, wait for each call, then the runs (profile_slots)
-            out.append(StageProfile(calls, counters[:, 0 : 2 * n : 2].copy(), counters[:, 1 : 2 * n : 2].copy(),
+            out.append(StageProfile(stage, calls, counters[:, 0 : 2 * n : 2].copy(), counters[:, 1 : 2 * n : 2].copy(),
                                     int(counters[0, 2 * n]), hz))
         self._profiling = None
         return out

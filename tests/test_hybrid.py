@@ -321,6 +321,25 @@ def test_run_and_bench_report_time_per_device_and_transfers(compiled, capsys):
     assert bench["estimate_tokens_per_s"] == PibFile(path).json("report")["estimate_tokens_per_s"] > 0
 
 
+def test_bench_profile_times_the_cpu_stages_of_a_hybrid_step(compiled, capsys):
+    import json
+
+    from picc.cli import main
+
+    argv = ["bench", "--repeat", "1", "-n", "3", "--prompt-tokens", "2", "--profile"]
+    assert main([*argv, str(compiled[2]), "--json"]) == 0
+    profile = json.loads(capsys.readouterr().out)["profile"]
+    stages = PibFile(compiled[2]).json("cpu/manifest")["stages"]
+    expected = [[i, *call] for i, st in enumerate(stages) if st["step"] for call in st["profile"]["calls"]]
+    assert [[c["stage"], c["kernel"], c["op"]] for c in profile["calls"]] == expected and len(expected) > 0
+    assert profile["steps"] == 3 and 0 < profile["step_us"] <= profile["wall_us_per_token"]
+    # A plan with every op on the GPU (relu-demo for pc-low) leaves the CPU no step to time.
+    from picc.cli_runtime import print_profile
+
+    print_profile({**profile, "calls": [], "step_us": 0.0})
+    assert "this model's step has no CPU work" in capsys.readouterr().out
+
+
 def test_eval_of_a_compiled_file_compares_its_fused_ffns_with_dense(compiled, capsys):
     # picc eval on a .pib: the fused IR's own sparsity, and its dense twin (every fused FFN computing
     # all its neurons, split layers included) as the reference.
