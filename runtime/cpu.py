@@ -144,6 +144,7 @@ class CpuExecutor:
         if not pib.has("cpu/manifest"):
             raise ExecutorError(f"{pib.path}: has no CPU code (compiled by an older picc?); recompile it")
         manifest = pib.json("cpu/manifest")
+        self._path = pib.path
         self._manifest_buffers = manifest["buffers"]
         self._stage_specs = manifest["stages"]
         if threads is None:  # every core this process may run on, as many as the code allows
@@ -272,11 +273,16 @@ class CpuExecutor:
             return int(self.params[self._slots["greedy"]])
         return int(np.argmax(self._logits))
 
+    @property
+    def profiled(self) -> bool:
+        """Whether every step has its profiled twin (code compiled before them has none)."""
+        return all(st["step"] is None or prof is not None for st, prof in zip(self._stage_specs, self._profiles,
+                                                                               strict=True))
+
     def start_profile(self) -> None:
         """Run the profiled steps from now on, their counters zeroed (prompt chunks are not profiled)."""
-        if any(st["step"] is not None and prof is None for st, prof in zip(self._stage_specs, self._profiles,
-                                                                             strict=True)):
-            raise ExecutorError("this .pib has no profiled steps (compiled by an older picc); recompile it")
+        if not self.profiled:
+            raise ExecutorError(f"{self._path}: has no profiled steps (compiled by an older picc); recompile it")
         slots = {b: spec["slots"] for b, spec in enumerate(self._manifest_buffers) if spec["kind"] == "profile"}
         self._profiling = []
         for stage, prof in enumerate(self._profiles):

@@ -332,8 +332,20 @@ def test_bench_profile_times_every_call_of_the_decode_step(tmp_path, capsys):
     assert "CPU decode step, profiled (16 steps" in text and "the step" in text and "costliest calls: %" in text
     with Session(path, 1) as s:
         s.executor.cpu._profiles = [None]  # as in a .pib compiled before steps had profiled twins
+        assert not s.executor.cpu.profiled
         with pytest.raises(ExecutorError, match="no profiled steps"):
             s.executor.cpu.start_profile()
+
+
+def test_bench_profile_of_a_file_without_profiled_steps_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    from runtime.cpu import CpuExecutor
+
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=1, hidden=64, n_ff=96))
+    path, _ = compiled(model, tmp_path, "old", dense=True)
+    monkeypatch.setattr(CpuExecutor, "profiled", property(lambda self: False))  # as compiled before them
+    assert main(["bench", str(path), "--profile", "--repeat", "1", "-n", "2", "--prompt-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}: --profile needs profiled steps" in err and err.count("\n") == 1
 
 
 def test_threads_default_to_the_cores_the_process_may_use(tmp_path, monkeypatch):
