@@ -183,7 +183,6 @@ class CpuExecutor:
 
         self._jobs = [(job(st["step"]), job(st["prefill"])) for st in manifest["stages"]]
         self._job = job
-        self._profiles = [st.get("profile") for st in manifest["stages"]]
         self._profiling: list[tuple[int, np.ndarray]] | None = None  # (stage, counters) while profiling
         self._hz: float | None = None  # the profile clock's rate, once measured
         self.prefill_chunks = self._chunk_program(manifest.get("prefill"), job)
@@ -276,19 +275,19 @@ class CpuExecutor:
     @property
     def profiled(self) -> bool:
         """Whether every step has its profiled twin (code compiled before them has none)."""
-        return all(st["step"] is None or prof is not None for st, prof in zip(self._stage_specs, self._profiles,
-                                                                               strict=True))
+        return all(st["step"] is None or "profile" in st for st in self._stage_specs)
 
     def start_profile(self) -> None:
         """Run the profiled steps from now on, their counters zeroed (prompt chunks are not profiled)."""
         if not self.profiled:
             raise ExecutorError(f"{self._path}: has no profiled steps (compiled by an older picc); recompile it")
-        slots = {b: spec["slots"] for b, spec in enumerate(self._manifest_buffers) if spec["kind"] == "profile"}
         self._profiling = []
-        for stage, prof in enumerate(self._profiles):
-            if prof is None:
+        for stage, st in enumerate(self._stage_specs):
+            if st["step"] is None:
                 continue
-            counters = _zeros(8 * self.team.nthreads * slots[prof["buffer"]]).view(np.int64)
+            prof = st["profile"]
+            slots = self._manifest_buffers[prof["buffer"]]["slots"]
+            counters = _zeros(8 * self.team.nthreads * slots).view(np.int64)
             self._keep[prof["buffer"]] = counters
             self._table[prof["buffer"]] = counters.ctypes.data
             self._jobs[stage] = (self._job(prof["step"]), self._jobs[stage][1])
@@ -303,7 +302,7 @@ class CpuExecutor:
         hz = self._hz
         out = []
         for stage, counters in self._profiling:
-            prof = self._profiles[stage]
+            prof = self._stage_specs[stage]["profile"]
             self._jobs[stage] = (self._job(self._stage_specs[stage]["step"]), self._jobs[stage][1])
             calls = [(kernel, label) for kernel, label in prof["calls"]]
             n = len(calls)  # counters per thread: kernel, wait for each call, then the runs (profile_slots)

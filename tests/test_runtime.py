@@ -331,7 +331,7 @@ def test_bench_profile_times_every_call_of_the_decode_step(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "CPU decode step, profiled (16 steps" in text and "the step" in text and "costliest calls: %" in text
     with Session(path, 1) as s:
-        s.executor.cpu._profiles = [None]  # as in a .pib compiled before steps had profiled twins
+        del s.executor.cpu._stage_specs[0]["profile"]  # as in a .pib compiled before steps had profiled twins
         assert not s.executor.cpu.profiled
         with pytest.raises(ExecutorError, match="no profiled steps"):
             s.executor.cpu.start_profile()
