@@ -11,6 +11,10 @@ instead. Prompts run through the chunk programs (``prefill``, ``logits_chunk``: 
 program over a chunk of tokens and the chunk rows the GPU's ops read and write), which
 ``runtime.executor`` drives.
 
+``decode_greedy()`` runs many greedy decode steps in one call of the generated decode loop
+(``picc_decode``: each step fed the greedy token of the one before, no return to Python between
+them), where the code has one: a model that runs on the CPU alone.
+
 ``start_profile()`` swaps each stage's step for its profiled twin (a clock around every kernel
 call and barrier, ``picc.codegen_cpu.program.Program.profiled``) and gives its counters memory;
 ``stop_profile()`` swaps back and returns what they counted (:class:`StageProfile`).
@@ -163,6 +167,8 @@ class CpuExecutor:
                 array = pib.tensor(spec["name"]).data
             elif kind == "params":
                 array = self.params
+            elif kind == "function":  # a step's address (the decode loop's), set before each run
+                array = _zeros(64)
             else:  # sync, zeros, alloc: zeroed memory the step owns (profile: while profiling)
                 array = _zeros(max(int(spec.get("nbytes", 0)), 64))
             self._keep.append(array)
@@ -187,6 +193,9 @@ class CpuExecutor:
         self._hz: float | None = None  # the profile clock's rate, once measured
         self.prefill_chunks = self._chunk_program(manifest.get("prefill"), job)
         self.logits_chunks = self._chunk_program(manifest.get("logits_chunk"), job)
+        self._decode = manifest.get("decode")  # absent in code compiled before the loop
+        self._decode_fn = job(self._decode["symbol"]) if self._decode else None
+        self._decode_out = self._keep[self._decode["out"]].view(np.int32) if self._decode else None
         chunk = manifest.get("prefill") or {}
         self.chunk = int(chunk.get("chunk", 0))
         self._chunk_tokens = self._keep[chunk["tokens"]].view(np.int32) if chunk else None
@@ -265,6 +274,34 @@ class CpuExecutor:
     def logits(self) -> np.ndarray:
         """The last step's logits (a view, overwritten by the next step)."""
         return self._logits
+
+    @property
+    def loops(self) -> bool:
+        """Whether greedy decode steps can run in a loop in generated code (:meth:`decode_greedy`)."""
+        return self._decode is not None
+
+    def decode_greedy(self, token: int, pos: int, steps: int, eos: int | None = None) -> list[int]:
+        """``steps`` decode steps, the first on ``token`` at ``pos`` and each next one on the greedy
+        token of the one before, stopping after a step whose greedy token is ``eos``: their greedy
+        tokens. One call of generated code per ``capacity`` steps (the loop's output buffer); the
+        logits are the last step's."""
+        spec, fn, out = self._decode, self._decode_fn, self._decode_out
+        if spec is None or fn is None or out is None:
+            raise ExecutorError(f"{self._path}: has no decode loop (compiled by an older picc, or with a GPU part)")
+        params, slots = self.params, self._slots
+        tokens: list[int] = []
+        while len(tokens) < steps:
+            want = min(steps - len(tokens), int(spec["capacity"]))
+            params[slots["token"]], params[slots["pos"]] = token, pos
+            params[slots["steps"]], params[slots["eos"]], params[slots["done"]] = want, -1 if eos is None else eos, 0
+            self._table[spec["step"]] = ctypes.cast(self._jobs[0][0], ctypes.c_void_p).value  # or its profiled twin
+            self.team.run_step(fn, self._table_ptr)
+            done = int(params[slots["done"]])
+            tokens += out[:done].tolist()
+            if done < want or tokens[-1] == eos:
+                break
+            token, pos = tokens[-1], pos + done
+        return tokens
 
     def greedy(self) -> int:
         """The last step's most likely token (the first index of the largest logit)."""

@@ -238,6 +238,22 @@ class Executor:
             return int(np.argmax(self.cpu.logits()))
         return self.cpu.greedy()
 
+    def greedy_steps(self, token: int, pos: int, steps: int, eos: int | None = None) -> list[int]:
+        """``steps`` decode steps, the first on ``token`` at ``pos`` and each next one on the greedy
+        token of the one before, stopping after a step whose greedy token is ``eos``: their greedy
+        tokens (the logits are the last step's). On a model that runs on the CPU alone, in a loop in
+        generated code (``CpuExecutor.decode_greedy``); elsewhere a step at a time."""
+        if self.gpu is None and self.cpu.loops:
+            return self.cpu.decode_greedy(token, pos, steps, eos)
+        tokens: list[int] = []
+        for _ in range(steps):
+            self.step(token, pos)
+            token, pos = self.greedy(), pos + 1
+            tokens.append(token)
+            if token == eos:
+                break
+        return tokens
+
     def pinned(self) -> contextlib.AbstractContextManager[None]:
         """A block in which the caller's thread stays on its CPU thread's core (steps inside it
         skip pinning it each time: see ``runtime.threads``)."""

@@ -25,6 +25,8 @@ from runtime.pib import PibFile
 from runtime.sampling import SamplingOptions, sample
 from runtime.text import TextCodec
 
+STREAM_SECONDS = 0.05  # a batch of greedy steps between the streamed text's updates
+
 
 @dataclass
 class Timings:
@@ -107,17 +109,27 @@ class Session:
 
     def generate(self, prompt: list[int], n: int, options: SamplingOptions = SamplingOptions(),  # noqa: B008
                  seed: int = 0, stop_at_eos: bool = True, timings: Timings | None = None) -> Iterator[int]:
-        """Feed ``prompt``, then yield up to ``n`` new tokens (fewer at EOS or a full context)."""
+        """Feed ``prompt``, then yield up to ``n`` new tokens (fewer at EOS or a full context).
+
+        Greedy decoding runs its steps in batches (:meth:`Executor.greedy_steps`: on a CPU model,
+        a loop in generated code), sized to take about :data:`STREAM_SECONDS` each, so that the
+        text still streams; other sampling runs a step at a time and samples in Python.
+        """
         options.check()
         timings = timings if timings is not None else Timings()
-        rng = np.random.default_rng(seed)
         logits = self.feed(prompt, timings)
-        eos = self.text.eos_id if self.text is not None else None
+        eos = self.text.eos_id if self.text is not None and stop_at_eos else None
+        if n < 1:
+            return
+        if options.greedy:
+            yield from self._generate_greedy(n, eos, timings)
+            return
+        rng = np.random.default_rng(seed)
         with self.executor.pinned():  # the caller stays on its core for the whole decode
             for i in range(n):
-                token = self.executor.greedy() if options.greedy else sample(logits, options, rng, self.history)
+                token = sample(logits, options, rng, self.history)
                 yield token
-                if (stop_at_eos and token == eos) or i + 1 == n or self.pos >= self.ctx:
+                if token == eos or i + 1 == n or self.pos >= self.ctx:
                     self.history.append(token)
                     return
                 start = time.perf_counter()
@@ -125,10 +137,34 @@ class Session:
                 self.pos += 1
                 self.history.append(token)
                 logits = self.executor.logits()
+                self._count(timings, 1, time.perf_counter() - start)
+
+    def _generate_greedy(self, n: int, eos: int | None, timings: Timings) -> Iterator[int]:
+        """:meth:`generate`'s greedy tokens after the prompt was fed: a batch of steps at a time,
+        each batch as long as the last one's tokens took about STREAM_SECONDS (the first: 1)."""
+        token = self.executor.greedy()
+        yield token
+        made, batch = 1, 1
+        with self.executor.pinned():
+            while token != eos and made < n and self.pos < self.ctx:
+                steps = min(batch, n - made, self.ctx - self.pos)
+                start = time.perf_counter()
+                tokens = self.executor.greedy_steps(token, self.pos, steps, eos)
                 elapsed = time.perf_counter() - start
-                timings.tokens += 1
-                timings.decode_seconds += elapsed
-                timings.per_token.append(elapsed)
+                self._count(timings, len(tokens), elapsed)
+                self.pos += len(tokens)
+                self.history += [token, *tokens[:-1]]  # the tokens fed
+                made += len(tokens)
+                token = tokens[-1]
+                batch = max(1, int(STREAM_SECONDS * len(tokens) / max(elapsed, 1e-9)))
+                yield from tokens
+        self.history.append(token)
+
+    @staticmethod
+    def _count(timings: Timings, tokens: int, seconds: float) -> None:
+        timings.tokens += tokens
+        timings.decode_seconds += seconds
+        timings.per_token += [seconds / tokens] * tokens
 
     def greedy_tokens(self, n: int) -> list[int]:
         """After :meth:`feed`: the ``n`` greedy tokens that follow, with ``n - 1`` decode steps.
@@ -145,10 +181,8 @@ class Session:
         executor = self.executor
         tokens = [executor.greedy()]
         with executor.pinned():  # the caller stays on its core, as in generate
-            for _ in range(n - 1):
-                executor.step(tokens[-1], self.pos)
-                self.pos += 1
-                tokens.append(executor.greedy())
+            tokens += executor.greedy_steps(tokens[0], self.pos, n - 1)
+        self.pos += n - 1
         self.history += tokens
         return tokens
 

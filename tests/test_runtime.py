@@ -306,6 +306,44 @@ def test_run_cli_generates_greedy_text_like_the_interpreter(tmp_path, capsys):
             s.greedy_tokens(s.ctx)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_decode_loops_in_generated_code_like_a_step_at_a_time(threads, tmp_path, monkeypatch):
+    # picc_decode runs greedy steps without returning to Python: the same tokens, positions and
+    # final logits as the runtime's step-at-a-time loop, across calls of the loop (its output
+    # holds `capacity` tokens: 3 here, so 40 steps take 14 calls), and it stops after EOS.
+    from runtime.cpu import CpuExecutor
+
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96))
+    path, _ = compiled(model, tmp_path, "dense", dense=True)
+    with PibFile(path) as f:
+        assert "define void @picc_decode(" in f.text("cpu/ir")
+    with Session(path, threads) as s:
+        s.feed(list(TOKENS))
+        assert s.executor.cpu.loops
+        first = s.executor.greedy()
+        s.executor.cpu._decode["capacity"] = 3
+        looped = s.executor.greedy_steps(first, s.pos, 40)
+        looped_logits = s.executor.logits().copy()
+        stop = looped[20]
+        until_eos = looped[: looped.index(stop) + 1]
+        assert s.executor.greedy_steps(first, s.pos, 40, eos=stop) == until_eos
+    monkeypatch.setattr(CpuExecutor, "loops", property(lambda self: False))
+    with Session(path, threads) as s:
+        s.feed(list(TOKENS))
+        assert s.executor.greedy_steps(first, s.pos, 40) == looped
+        np.testing.assert_array_equal(s.executor.logits(), looped_logits)
+        assert s.executor.greedy_steps(first, s.pos, 40, eos=stop) == until_eos
+    # generate() decodes greedy text in growing batches of the loop and stops after EOS
+    # (given as the 13th token): the step-at-a-time tokens, history and positions.
+    monkeypatch.undo()
+    eos = looped[12]
+    expected = [first, *looped[: looped.index(eos) + 1]]
+    with Session(path, threads) as s:
+        s.text.eos_id = eos
+        assert list(s.generate(list(TOKENS), 40)) == expected
+        assert s.history == TOKENS + expected and s.pos == len(TOKENS) + len(expected) - 1
+
+
 def test_bench_profile_times_every_call_of_the_decode_step(tmp_path, capsys):
     model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96))
     path, pib = compiled(model, tmp_path, "profiled", dense=True)

@@ -7,7 +7,8 @@ The only package of picc that imports llvmlite (and it never imports TVM). Piece
   :mod:`.kernels_attention` -- the kernels (GEMV / GEMM / embedding, the fused sparse FFN and the
   predictor, its prefill form for a chunk of tokens, norms, rotary embedding, residual add,
   argmax, attention over a KV cache);
-* :mod:`.program` -- many kernel calls as one step function with barriers in between;
+* :mod:`.program` -- many kernel calls as one step function with barriers in between, and the
+  greedy decode loop that calls a step again and again;
 * :mod:`.compiler` -- :class:`CpuModule`: JIT compilation for a SIMD level, object code in and out;
 * :mod:`.threads` -- :class:`ThreadTeam`: Python threads that run a kernel or a step together.
 
@@ -21,22 +22,23 @@ from collections.abc import Sequence
 from picc.codegen_cpu.compiler import CpuModule, effective_simd, host_simd
 from picc.codegen_cpu.kernel import Kernel, module_ir
 from picc.codegen_cpu.prelude import SYNC_BYTES
-from picc.codegen_cpu.program import Buf, Null, Param, Program, buffer_table
+from picc.codegen_cpu.program import Buf, GreedyLoop, Null, Param, Program, buffer_table
 from picc.codegen_cpu.threads import ThreadTeam, aligned_zeros, huge_zeros
 
 
-def build_ir(kernels: Sequence[Kernel], programs: Sequence[Program] = (), simd: str = "host") -> str:
+def build_ir(kernels: Sequence[Kernel], programs: Sequence[Program | GreedyLoop] = (), simd: str = "host") -> str:
     """The LLVM IR text of a module with ``kernels`` and ``programs`` (and the kernels they call)."""
     all_kernels = list(kernels) + [k for p in programs for k in p.kernels]
     return module_ir(all_kernels, [p.emit() for p in programs], effective_simd(simd))
 
 
-def compile_kernels(kernels: Sequence[Kernel], programs: Sequence[Program] = (), simd: str = "host") -> CpuModule:
+def compile_kernels(kernels: Sequence[Kernel], programs: Sequence[Program | GreedyLoop] = (),
+                    simd: str = "host") -> CpuModule:
     """Compile ``kernels`` and ``programs`` for ``simd`` ("host", "avx512" or "avx2")."""
     return CpuModule(build_ir(kernels, programs, simd), simd)
 
 
 __all__ = [
-    "SYNC_BYTES", "Buf", "CpuModule", "Kernel", "Null", "Param", "Program", "ThreadTeam", "aligned_zeros",
+    "SYNC_BYTES", "Buf", "CpuModule", "GreedyLoop", "Kernel", "Null", "Param", "Program", "ThreadTeam", "aligned_zeros",
     "buffer_table", "build_ir", "compile_kernels", "effective_simd", "host_simd", "huge_zeros",
 ]

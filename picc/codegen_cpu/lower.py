@@ -8,13 +8,16 @@ per token). A stage that holds ops of the head (the output norm and LM head) als
 share of the bytes a step reads. When the logits are computed on the CPU, the step ends with their
 argmax, the greedy token. ``picc_stage_<i>_profile`` is the step with a clock around each call
 (:meth:`~picc.codegen_cpu.program.Program.profiled`; the manifest's ``profile`` of the stage names
-its calls' kernels and IR values), for ``picc bench --profile``.
+its calls' kernels and IR values), for ``picc bench --profile``. A model that runs on the CPU
+alone also gets ``picc_decode``, greedy decode steps in a loop that stays in generated code
+(:meth:`_Lowering.decode_loop`).
 
 Every op names its kernel (``fuse-gather-gemv``); the lowering checks that the kernel it calls is
 that one. Memory is named by index into ``bufs``:
 
-* ``bufs[0]`` the barrier state, ``bufs[1]`` the per-token parameters (i32: ``pos``, ``token``,
-  and the greedy token the step writes), ``bufs[2]`` a vector of zeros;
+* ``bufs[0]`` the barrier state, ``bufs[1]`` the per-token parameters (i32, :data:`PARAM_SLOTS`:
+  ``pos``, ``token``, the greedy token the step writes, and the decode loop's), ``bufs[2]`` a
+  vector of zeros;
 * then each weight the kernels read, by name (the .pib's tensors; vectors that kernels read as
   f32 -- norms, biases, rotary frequencies -- are stored as extra f32 tensors ``cpu.f32.<name>``;
   the 4-bit matrices of ``_r8_xi16`` kernels are stored in the rows8 layout, and the block-format
@@ -43,7 +46,7 @@ from picc import kernel_names as names
 from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, kernels_prefill, rowplanes
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.prelude import SYNC_BYTES
-from picc.codegen_cpu.program import Buf, Call, Null, Param, Program, profile_slots
+from picc.codegen_cpu.program import Buf, Call, GreedyLoop, Null, Param, Program, profile_slots
 from picc.codegen_cpu.rowops import row_bytes
 from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
 from picc.errors import PiccError
@@ -57,10 +60,12 @@ from picc.ir.weights import Tensor, WeightStore
 from picc.schedule import Schedule, crossing_values
 
 SYNC, PARAMS, ZEROS = 0, 1, 2
-PARAM_SLOTS = {"pos": 0, "token": 1, "greedy": 2, "seq": 3}
+PARAM_SLOTS = {"pos": 0, "token": 1, "greedy": 2, "seq": 3, "steps": 4, "eos": 5, "done": 6}
 PREFILL_CHUNK = 32  # prompt tokens per call of the prefill program
 PREFILL_SYMBOL = "picc_prefill_chunk"
 LOGITS_SYMBOL = "picc_logits_chunk"
+DECODE_SYMBOL = "picc_decode"
+DECODE_CAPACITY = 256  # greedy tokens per call of the decode loop (its output buffer)
 MAX_THREADS = 64  # the scratch is sized for this many threads
 _KERNEL_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 _ALIGN = 64
@@ -142,7 +147,7 @@ class CpuProgram:
     """A lowered module: the stage programs, the buffers behind ``bufs``, the extra f32 tensors,
     and where the values that cross devices (and the logits) live on the host."""
 
-    programs: list[Program] = field(default_factory=list)
+    programs: list[Program | GreedyLoop] = field(default_factory=list)
     stages: list[dict] = field(default_factory=list)  # per stage: {"step": symbol | None, "prefill": ...}
     buffers: list[dict] = field(default_factory=list)  # {"kind": "sync"|"params"|"zeros"|"weight"|"alloc", ...}
     extra: dict[str, Tensor] = field(default_factory=dict)
@@ -150,6 +155,7 @@ class CpuProgram:
     logits: dict = field(default_factory=dict)  # {"buffer", "offset", "n"}
     greedy: bool = False  # the CPU step writes the greedy token to params
     prefill: dict | None = None  # {"symbol", "tokens" (buffer index), "chunk"}: the batched prefill program
+    decode: dict | None = None  # {"symbol", "step" (buffer index), "out" (buffer index), "capacity"}: the greedy loop
     logits_chunk: dict | None = None  # the same, with the head: + {"logits": {"buffer", "offset", "n"}}
     layouts: dict[str, str] = field(default_factory=dict)  # weight -> "rows8" / "rowplanes": how the .pib stores it
 
@@ -157,7 +163,7 @@ class CpuProgram:
         """What the runtime needs besides the code."""
         return {"simd": simd, "max_threads": MAX_THREADS, "params": PARAM_SLOTS, "buffers": self.buffers,
                 "stages": self.stages, "values": self.values, "logits": self.logits, "greedy": self.greedy,
-                "prefill": self.prefill, "logits_chunk": self.logits_chunk}
+                "prefill": self.prefill, "logits_chunk": self.logits_chunk, "decode": self.decode}
 
 
 class _Chunk:
@@ -638,6 +644,7 @@ class _Lowering:
                                     else full.name,
                                     "profile": {"step": profiled.name, "buffer": counters,
                                                 "calls": [[c.kernel.symbol, c.label] for c in full.calls]}})
+        self.decode_loop()
         self.prefill_programs()
         self.logits_programs()
         ret = self.activation(self.func.ret)  # a GPU's logits are copied here
@@ -649,6 +656,19 @@ class _Lowering:
             self.out.values[v] = {"buffer": b.index, "offset": b.offset, "nbytes": _bytes_one_token(self.types[v])}
         return self.out
 
+
+    def decode_loop(self) -> None:
+        """``picc_decode``: greedy decode steps in a loop in generated code (:class:`GreedyLoop`),
+        for a model whose one stage is the CPU's and computes the greedy token. The table entry
+        ``step`` (kind ``function``) is the address of the step it runs, set by the runtime: the
+        plain step, or its profiled twin."""
+        if len(self.out.stages) != 1 or not self.out.greedy:
+            return
+        step = len(self.out.buffers)
+        self.out.buffers.append({"kind": "function", "name": "the decode step"})
+        out = self._alloc_slot("greedy tokens", 4 * DECODE_CAPACITY)
+        self.out.programs.append(GreedyLoop(DECODE_SYMBOL, step, PARAMS, out, SYNC, tuple(PARAM_SLOTS.items())))
+        self.out.decode = {"symbol": DECODE_SYMBOL, "step": step, "out": out, "capacity": DECODE_CAPACITY}
 
     def prefill_programs(self) -> None:
         """``picc_prefill_chunk``: the step without its head for up to PREFILL_CHUNK prompt tokens

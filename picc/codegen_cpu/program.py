@@ -211,3 +211,79 @@ def buffer_table(buffers: Sequence[np.ndarray | int | None]) -> ctypes.Array:
     for i, b in enumerate(buffers):
         table[i] = None if b is None else b if isinstance(b, int) else b.ctypes.data
     return table
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyLoop:
+    """``name(bufs, tid, nthreads)``: greedy decode steps, one after another, without returning.
+
+    Every thread calls it once; it runs up to ``params[steps]`` steps of the function whose
+    address is the table entry ``bufs[step]`` (the decode step, or its profiled twin), each on the
+    token in ``params[token]`` at ``params[pos]``. After each step, thread 0 stores the step's
+    greedy token (``params[greedy]``) in ``bufs[out][i]`` and feeds it to the next step (token,
+    pos + 1, ``params[done]`` = steps run); it stops early after a step whose greedy token is
+    ``params[eos]`` (-1: none). Two barriers a step: after it (its argmax is written) and after
+    thread 0's update (every thread reads the new token before the next step starts).
+
+    One call instead of one per token: a decode loop in Python costs ~13 us a token on a 2-core
+    KVM guest (the hand-off to the thread team, ctypes, bookkeeping), 5% of a relu-demo token.
+    """
+
+    name: str
+    step: int
+    params: int
+    out: int
+    sync: int
+    slots: tuple[tuple[str, int], ...]  # the params slots: pos, token, greedy, steps, eos, done
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return []
+
+    def emit(self) -> str:
+        slot = dict(self.slots)
+
+        def entry(index: int, name: str) -> list[str]:
+            return [f"  %{name}.at = getelementptr inbounds ptr, ptr %bufs, i64 {index}",
+                    f"  %{name} = load ptr, ptr %{name}.at, align 8"]
+
+        def param(name: str) -> str:
+            return f"%p.{name}"
+
+        lines = [f"define void @{self.name}(ptr %bufs, i32 %tid, i32 %nthreads) #0 {{", "entry:",
+                 *entry(self.sync, "sync"), *entry(self.params, "params"), *entry(self.out, "out"),
+                 *entry(self.step, "step")]
+        lines += [f"  {param(name)} = getelementptr inbounds i32, ptr %params, i64 {slot[name]}"
+                  for name in ("pos", "token", "greedy", "steps", "eos", "done")]
+        lines += [f"  %steps = load i32, ptr {param('steps')}, align 4",
+                  f"  %eos = load i32, ptr {param('eos')}, align 4",
+                  "  %lead = icmp eq i32 %tid, 0",
+                  "  br label %head",
+                  "head:",
+                  "  %i = phi i32 [0, %entry], [%next, %fed]",
+                  "  %more = icmp slt i32 %i, %steps",
+                  "  br i1 %more, label %body, label %exit",
+                  "body:",
+                  "  call void %step(ptr %bufs, i32 %tid, i32 %nthreads)",
+                  "  call void @picc_barrier(ptr %sync, i32 %nthreads)",
+                  "  %next = add i32 %i, 1",
+                  "  br i1 %lead, label %feed, label %fed",
+                  "feed:",
+                  f"  %g = load i32, ptr {param('greedy')}, align 4",
+                  "  %ix = sext i32 %i to i64",
+                  "  %outi = getelementptr inbounds i32, ptr %out, i64 %ix",
+                  "  store i32 %g, ptr %outi, align 4",
+                  f"  store i32 %g, ptr {param('token')}, align 4",
+                  f"  %pos = load i32, ptr {param('pos')}, align 4",
+                  "  %pos1 = add i32 %pos, 1",
+                  f"  store i32 %pos1, ptr {param('pos')}, align 4",
+                  f"  store i32 %next, ptr {param('done')}, align 4",
+                  "  br label %fed",
+                  "fed:",
+                  "  call void @picc_barrier(ptr %sync, i32 %nthreads)",
+                  f"  %t = load i32, ptr {param('token')}, align 4",
+                  "  %stop = icmp eq i32 %t, %eos",
+                  "  br i1 %stop, label %exit, label %head",
+                  "exit:",
+                  "  ret void", "}", ""]
+        return "\n".join(lines)
