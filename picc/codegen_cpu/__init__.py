@@ -9,6 +9,8 @@ The only package of picc that imports llvmlite (and it never imports TVM). Piece
   argmax, attention over a KV cache);
 * :mod:`.program` -- many kernel calls as one step function with barriers in between, and the
   greedy decode loop that calls a step again and again;
+* :mod:`.lower` -- a placed, fused module to step programs (and :mod:`.chunks`, the chunk
+  programs' liveness and memory);
 * :mod:`.compiler` -- :class:`CpuModule`: JIT compilation for a SIMD level, object code in and out;
 * :mod:`.threads` -- :class:`ThreadTeam`: Python threads that run a kernel or a step together.
 

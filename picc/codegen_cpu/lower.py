@@ -33,7 +33,8 @@ active sets the interpreter computes. ``picc_logits_chunk`` (:meth:`_Lowering.lo
 the same with the head, every token's logits left in the chunk's buffer (the manifest's
 ``logits_chunk``), for ``picc logits``. In a hybrid step each is one program per stage
 (``picc_prefill_chunk_<i>``), and the manifest says which of the chunk's rows the GPU's ops of the
-stage read and write, token by token (:meth:`_Lowering._chunk_programs`).
+stage read and write, token by token (:meth:`_Lowering._chunk_programs`; which values a chunk
+computes and where their rows live: :mod:`picc.codegen_cpu.chunks`).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ import numpy as np
 
 from picc import kernel_names as names
 from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, kernels_prefill, rowplanes
+from picc.codegen_cpu.chunks import ChunkRegions, aligned, bytes_one_token, plan_chunk
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.prelude import SYNC_BYTES
-from picc.codegen_cpu.program import Buf, Call, GreedyLoop, Null, Param, Program, profile_slots
+from picc.codegen_cpu.program import Access, Buf, GreedyLoop, Null, Param, Program, place_barriers, profile_slots
 from picc.codegen_cpu.rowops import row_bytes
 from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
 from picc.errors import PiccError
@@ -55,7 +57,7 @@ from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN, Merge
 from picc.ir.module import Module
 from picc.ir.sparse_ops import Predict
-from picc.ir.types import DType, TensorType
+from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
 from picc.schedule import Schedule, crossing_values
 
@@ -68,11 +70,6 @@ DECODE_SYMBOL = "picc_decode"
 DECODE_CAPACITY = 256  # greedy tokens per call of the decode loop (its output buffer)
 MAX_THREADS = 64  # the scratch is sized for this many threads
 _KERNEL_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
-_ALIGN = 64
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 # Ops whose kernels have one phase and touch no memory but their operands and result: one may
@@ -109,35 +106,6 @@ def _adds_in_place(op: Op) -> bool:
     return isinstance(op, (O.Linear, FusedFFN)) or (type(op) is O.FFN and not op.neuron_major)
 
 
-@dataclass(frozen=True, slots=True)
-class _Access:
-    """What a call reads and writes (value names), and whether it may run without a barrier
-    before it (a single-phase kernel of :data:`_BARRIER_FREE`)."""
-
-    reads: frozenset[str]
-    writes: frozenset[str]
-    barrier_free: bool
-
-
-def place_barriers(calls: list[Call], access: list[_Access]) -> list[Call]:
-    """``calls`` with a barrier after a call only where the next one needs it: when the next
-    reads or writes a value written since the last barrier, writes one read since, or is not
-    barrier-free (a kernel with phases of its own starts with every thread there)."""
-    out: list[Call] = []
-    reads: set[str] = set()
-    writes: set[str] = set()
-    for call, acc in zip(calls, access, strict=True):
-        if out:
-            need = not acc.barrier_free or bool(acc.reads & writes or acc.writes & (reads | writes))
-            out[-1] = replace(out[-1], barrier_after=need)
-            if need:
-                reads, writes = set(), set()
-        reads |= acc.reads
-        writes |= acc.writes
-        out.append(replace(call, barrier_after=True))
-    return out
-
-
 def stage_symbol(stage: int, prefill: bool = False) -> str:
     return f"picc_stage_{stage}" + ("_prefill" if prefill else "")
 
@@ -166,58 +134,6 @@ class CpuProgram:
                 "prefill": self.prefill, "logits_chunk": self.logits_chunk, "decode": self.decode}
 
 
-class _Chunk:
-    """Where the prefill program keeps values: ``size`` rows of each (one per token, back to back)
-    in one buffer. A value's region returns to a free list once its last reader is lowered, so the
-    chunk's working set stays a few regions, not one per value of the model.
-
-    ``key`` names a value's memory for :func:`place_barriers`: two values sharing a region (a
-    rotated value and its input; a value and a later one reusing its region) conflict.
-    """
-
-    def __init__(self, index: int, tokens: int, size: int, types: dict[str, TensorType],
-                 last_use: dict[str, int]) -> None:
-        self.index, self.tokens, self.size = index, tokens, size
-        self.types, self.last_use = types, last_use
-        self.places: dict[str, Buf] = {}
-        self.owners: dict[str, int] = {}  # value -> bytes of the region it owns (aliases own none)
-        self.free: list[tuple[int, int]] = []  # (bytes, offset) of released regions
-        self.nbytes = 0
-
-    def place(self, value: str) -> Buf:
-        if value not in self.places:
-            row = _bytes_one_token(self.types[value])
-            need = _aligned(row * self.size)
-            fits = [f for f in self.free if f[0] >= need]
-            if fits:
-                size, offset = min(fits)
-                self.free.remove((size, offset))
-            else:
-                size, offset = need, self.nbytes
-                self.nbytes += need
-            self.places[value] = Buf(self.index, offset, stride=row)
-            self.owners[value] = size
-        return self.places[value]
-
-    def get(self, value: str) -> Buf:
-        if value not in self.places:
-            raise PiccError(f"codegen_cpu: %{value} is read by the prefill program before it is computed")
-        return self.places[value]
-
-    def alias(self, value: str, of: str) -> Buf:
-        self.places[value] = self.get(of)
-        return self.places[value]
-
-    def key(self, value: str) -> str:
-        b = self.places.get(value)
-        return f"@{b.offset}" if b is not None else value
-
-    def release(self, index: int) -> None:
-        """Free the regions whose owner's last reader is op ``index``."""
-        for value in [v for v in self.owners if self.last_use.get(v, -1) <= index]:
-            self.free.append((self.owners.pop(value), self.places[value].offset))
-
-
 class _Lowering:
     def __init__(self, module: Module, weights: WeightStore, sched: Schedule, ctx: int) -> None:
         self.module, self.weights, self.sched, self.ctx = module, weights, sched, ctx
@@ -236,9 +152,9 @@ class _Lowering:
         self.act_index = self._alloc_slot("activations")
         self.scratch_index = self._alloc_slot("scratch")
         self.program = Program("")
-        self.access: list[_Access] = []  # per call of self.program
+        self.access: list[Access] = []  # per call of self.program
         self.caches: dict[str, Buf] = {}  # KV cache name -> its buffer (k rows, then v rows)
-        self.chunk: _Chunk | None = None  # set while lowering a chunk program
+        self.chunk: ChunkRegions | None = None  # set while lowering a chunk program
         self.chunk_slots: tuple[int, int] | None = None  # the chunk programs' activations and tokens
         self.xi16_slot: int | None = None  # the chunk programs' rows rounded to int16 (see gemm_input)
         self.xi16_holds: str | None = None  # the value whose rounded rows the slot holds now
@@ -347,7 +263,7 @@ class _Lowering:
             return self.chunk.place(value)
         if value not in self.values:
             self.values[value] = Buf(self.act_index, self.arena)
-            self.arena += _aligned(_bytes_one_token(self.types[value]))
+            self.arena += aligned(bytes_one_token(self.types[value]))
         return self.values[value]
 
     def alias(self, value: str, of: str) -> Buf:
@@ -370,7 +286,7 @@ class _Lowering:
     # --- ops ---------------------------------------------------------------------------------------
 
     def call(self, op: Op, kernel: Kernel, *args: object, check: bool = True, batched: bool = False,
-             writes: set[str] | None = None, access: _Access | None = None) -> None:
+             writes: set[str] | None = None, access: Access | None = None) -> None:
         """Call ``kernel`` for ``op``. In the prefill program, a kernel that is not ``batched``
         (it sees one token) is called once per token of the chunk. ``writes``: values it writes
         besides ``op``'s result. ``access``: what the call reads and writes, when it is one of
@@ -384,10 +300,10 @@ class _Lowering:
         if access is None:
             extra = writes or set()  # a residual add's buffer: read, then written
             written = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
-            access = _Access(frozenset(set(op.values()) | extra), frozenset(written | extra),
+            access = Access(frozenset(set(op.values()) | extra), frozenset(written | extra),
                              isinstance(op, _BARRIER_FREE))
         key = self.chunk.key if self.chunk is not None else str
-        self.access.append(_Access(frozenset(map(key, access.reads)), frozenset(map(key, access.writes)),
+        self.access.append(Access(frozenset(map(key, access.reads)), frozenset(map(key, access.writes)),
                                    access.barrier_free and not per_token))
 
     def rows(self) -> Param | int:
@@ -483,7 +399,7 @@ class _Lowering:
         slot["nbytes"] = max(slot["nbytes"], 4 * PREFILL_CHUNK * width)
         return Buf(self.xi16_slot, 0, stride=4 * width)
 
-    def gemm_input(self, op: Op, value: str, width: int, weight: str) -> tuple[Buf, _Access | None]:
+    def gemm_input(self, op: Op, value: str, width: int, weight: str) -> tuple[Buf, Access | None]:
         """What a prefill GEMM of ``op`` over ``weight`` reads for ``value`` and the access of that
         call (None: the op's own). Where the step dots ``weight``'s rows with int16 x (4-bit rows
         of an ``_xi16`` kernel), the prefill dots the same rounded values
@@ -494,9 +410,9 @@ class _Lowering:
         slot = self.xi16_buffer(width)
         if self.xi16_holds != value:
             self.call(op, kernels_misc.round_int16(), self.value(value), slot, self.rows(), width, check=False,
-                      batched=True, access=_Access(frozenset({value}), frozenset({_XI16}), True))
+                      batched=True, access=Access(frozenset({value}), frozenset({_XI16}), True))
             self.xi16_holds = value
-        return slot, _Access(frozenset(set(op.values()) | {_XI16}), frozenset({op.result}),
+        return slot, Access(frozenset(set(op.values()) | {_XI16}), frozenset({op.result}),
                              isinstance(op, _BARRIER_FREE))
 
     def dense_ffn(self, op: O.FFN) -> None:
@@ -529,7 +445,7 @@ class _Lowering:
         x, up_access = self.gemm_input(op, op.x, hidden, op.up)
 
         def gemm(weight: str, bias: str | None, src: Buf, dst: Buf, out: int, k: int,
-                 access: _Access | None = None) -> None:
+                 access: Access | None = None) -> None:
             kernel = kernels_dense.gemm(self.weights[weight].dtype.value, _rows8(op))
             self.call(op, kernel, self.weight(weight, layout=_layout(op)), src, self.weight(bias, as_f32=True), dst,
                       rows, out, k, 0, check=False, batched=True, access=access)
@@ -541,15 +457,15 @@ class _Lowering:
             xg, gate_access = self.gemm_input(op, op.x, hidden, op.gate)
             reads = {op.x} | (gate_access.reads & {_XI16} if gate_access else set())
             gemm(op.gate, op.gate_bias, xg, g, n, hidden,
-                 access=_Access(frozenset(reads), frozenset({f"{op.result}.gate"}), True))
+                 access=Access(frozenset(reads), frozenset({f"{op.result}.gate"}), True))
         self.call(op, kernels_misc.ffn_activation(op.form), g, u, u, floats, check=False, batched=True)
         h, down_access = u, None
         if _int_dots(op) and self.weights[op.down].dtype.value in names.INT_DOT_DTYPES:
             # The step's kernel dots the down rows with h rounded to int16: so does the prefill.
             self.call(op, kernels_misc.round_int16(), u, self.xi16_buffer(n), rows, n, check=False, batched=True,
-                      access=_Access(frozenset({op.result}), frozenset({_XI16}), False))
+                      access=Access(frozenset({op.result}), frozenset({_XI16}), False))
             self.xi16_holds = None
-            h, down_access = self.xi16_buffer(n), _Access(frozenset({_XI16}), frozenset({op.result}), False)
+            h, down_access = self.xi16_buffer(n), Access(frozenset({_XI16}), frozenset({op.result}), False)
         gemm(op.down, op.down_bias, h, self.activation(op.result), hidden, n, down_access)
 
     def fused_ffn(self, op: FusedFFN) -> None:
@@ -631,7 +547,7 @@ class _Lowering:
             if logits_here and self.func.ret in stage.cpu:
                 self.program.call(kernels_misc.argmax(), self.value(self.func.ret),
                                   Buf(PARAMS, 4 * PARAM_SLOTS["greedy"]), self.width(self.func.ret), label="greedy")
-                self.access.append(_Access(frozenset({self.func.ret}), frozenset(), False))
+                self.access.append(Access(frozenset({self.func.ret}), frozenset(), False))
                 self.out.greedy = True
             full.calls = place_barriers(full.calls, self.access)
             # The same step with a clock around each call (picc bench --profile); its counters
@@ -653,7 +569,7 @@ class _Lowering:
         self.out.logits = {"buffer": ret.index, "offset": ret.offset, "n": self.width(self.func.ret)}
         for v in sorted(crossing_values(self.sched)):
             b = self.values[v]
-            self.out.values[v] = {"buffer": b.index, "offset": b.offset, "nbytes": _bytes_one_token(self.types[v])}
+            self.out.values[v] = {"buffer": b.index, "offset": b.offset, "nbytes": bytes_one_token(self.types[v])}
         return self.out
 
 
@@ -702,74 +618,31 @@ class _Lowering:
         afterwards) keeps its rows to the end. The chunk programs share their buffers (one runs
         at a time)."""
         args = {a.name for a in self.func.args}
-        # Only the KV caches (and ``result``) outlive a chunk: drop what feeds neither them nor
-        # later layers (for the prefill: the last layer's output projection, its FFN and adds).
-        live: set[str] = {result} if result else set()
-        kept: set[str] = set()
-        for op in reversed(self.func.ops):
-            if op.result not in skip and (isinstance(op, O.Attention) or op.result in live):
-                kept.add(op.result)
-                live.update(op.values())
+        plan = plan_chunk(self.func, self.sched, result, skip)
         ops = {op.result: op for op in self.func.ops}
-        stages = [([n for n in st.gpu if n in kept], [n for n in st.cpu if n in kept]) for st in self.sched.stages]
-        made_in = {n: i for i, (gpu, cpu) in enumerate(stages) for n in gpu + cpu}
-        # Event indices for the chunk's allocator: a stage's start (its GPU's rows are placed),
-        # each CPU op, the stage's end (the GPU has read its inputs). last[v]: the last event
-        # that reads v's rows.
-        gpu_in: list[list[str]] = []
-        gpu_out: list[list[str]] = []
-        read_until = dict.fromkeys(made_in, -1)  # the last stage that reads each value
-        for n in kept:
-            for v in ops[n].values():
-                if v in made_in:
-                    read_until[v] = max(read_until[v], made_in[n])
-        index, last, cpu_index, end_index = 0, {}, {}, []
-        for i, (gpu, cpu) in enumerate(stages):
-            made_here = set(gpu)
-            gpu_out.append([v for v in gpu if read_until[v] > i or v == result])
-            reads = {v for n in gpu for v in ops[n].values()}
-            gpu_in.append(sorted(v for v in reads if v not in made_here))
-            for v in gpu_out[-1]:
-                last.setdefault(v, index)
-            index += 1
-            for n in cpu:
-                cpu_index[n] = index
-                last.setdefault(n, index)
-                for v in ops[n].values():
-                    last[v] = index
-                index += 1
-            for v in gpu_in[-1]:
-                last[v] = index
-            end_index.append(index)
-            index += 1
-        for n in reversed(cpu_index):  # a rotated value keeps its input's rows alive
-            if isinstance(ops[n], O.Rope):
-                last[ops[n].x] = max(last[ops[n].x], last.get(n, 0))
-        if result:
-            last[result] = index  # read after the programs: never released
         if self.chunk_slots is None:
             self.chunk_slots = (self._alloc_slot("chunk activations"),
                                 self._alloc_slot("chunk tokens", 4 * PREFILL_CHUNK))
-        self.chunk = _Chunk(*self.chunk_slots, PREFILL_CHUNK, self.types, last)
+        self.chunk = ChunkRegions(*self.chunk_slots, PREFILL_CHUNK, self.types, plan.last_read)
         out_stages = []
-        for i, (gpu, cpu) in enumerate(stages):
-            for v in gpu_out[i]:
+        for i, (gpu, cpu) in enumerate(plan.stages):
+            for v in plan.gpu_out[i]:
                 self.chunk.place(v)
             self.xi16_holds = None
-            self.program = Program(symbol if len(stages) == 1 else f"{symbol}_{i}", sync=SYNC)
+            self.program = Program(symbol if len(plan.stages) == 1 else f"{symbol}_{i}", sync=SYNC)
             self.access = []
             for n in cpu:
                 self.lower(ops[n])
-                self.chunk.release(cpu_index[n])
+                self.chunk.release(plan.cpu_event[n])
             program = None
             if self.program.calls:
                 self.program.calls = place_barriers(self.program.calls, self.access)
                 self.out.programs.append(self.program)
                 program = self.program.name
-            out_stages.append({"cpu": program, "gpu": gpu, "gpu_args": [v for v in gpu_in[i] if v in args],
-                               "gpu_in": [self._rows(v) for v in gpu_in[i] if v not in args],
-                               "gpu_out": [self._rows(v) for v in gpu_out[i]]})
-            self.chunk.release(end_index[i])
+            out_stages.append({"cpu": program, "gpu": gpu, "gpu_args": [v for v in plan.gpu_in[i] if v in args],
+                               "gpu_in": [self.chunk.rows(v) for v in plan.gpu_in[i] if v not in args],
+                               "gpu_out": [self.chunk.rows(v) for v in plan.gpu_out[i]]})
+            self.chunk.release(plan.end_event[i])
         arena = self.out.buffers[self.chunk.index]
         arena["nbytes"] = max(arena["nbytes"], self.chunk.nbytes)
         info: dict = {"stages": out_stages, "tokens": self.chunk.tokens, "chunk": PREFILL_CHUNK}
@@ -780,22 +653,6 @@ class _Lowering:
             info["logits"] = {"buffer": where.index, "offset": where.offset, "n": self.width(result)}
         self.chunk = None
         return info
-
-    def _rows(self, value: str) -> dict:
-        """Where the chunk keeps ``value``'s rows, for the runtime's copies to and from the GPU."""
-        assert self.chunk is not None
-        where, nbytes = self.chunk.get(value), _bytes_one_token(self.types[value])
-        if where.stride != nbytes:
-            raise PiccError(f"codegen_cpu: %{value}'s rows in the chunk are not back to back")
-        return {"value": value, "buffer": where.index, "offset": where.offset, "stride": where.stride,
-                "nbytes": nbytes}
-
-
-def _bytes_one_token(t: TensorType) -> int:
-    size = 4 if t.dtype in (DType.F32, DType.I32) else 1
-    for d in t.shape:
-        size *= d if isinstance(d, int) else 1
-    return size
 
 
 def lower_module(module: Module, weights: WeightStore, sched: Schedule, ctx: int) -> CpuProgram:

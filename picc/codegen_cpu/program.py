@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -65,6 +65,36 @@ class Call:
     barrier_after: bool
     repeat: Param | None = None  # run once per token s < repeat, with Bufs advanced by s * stride
     label: str = ""  # what the call computes (the IR value), for profiles
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """What a call reads and writes (names of values or of memory), and whether it may run
+    without a barrier before it (a kernel of one phase that touches nothing but its operands and
+    result)."""
+
+    reads: frozenset[str]
+    writes: frozenset[str]
+    barrier_free: bool
+
+
+def place_barriers(calls: list[Call], access: list[Access]) -> list[Call]:
+    """``calls`` with a barrier after a call only where the next one needs it: when the next
+    reads or writes a value written since the last barrier, writes one read since, or is not
+    barrier-free (a kernel with phases of its own starts with every thread there)."""
+    out: list[Call] = []
+    reads: set[str] = set()
+    writes: set[str] = set()
+    for call, acc in zip(calls, access, strict=True):
+        if out:
+            need = not acc.barrier_free or bool(acc.reads & writes or acc.writes & (reads | writes))
+            out[-1] = replace(out[-1], barrier_after=need)
+            if need:
+                reads, writes = set(), set()
+        reads |= acc.reads
+        writes |= acc.writes
+        out.append(replace(call, barrier_after=True))
+    return out
 
 
 def profile_slots(calls: int) -> int:
