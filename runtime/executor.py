@@ -118,6 +118,7 @@ class Executor:
         self.gpu_kind = self.gpu.kind if self.gpu is not None else None
         self._worker = _GpuWorker() if self.gpu is not None else None
         self.vocab = self.cpu.vocab
+        self.ctx = int(pib.json("plan")["ctx"])  # positions the KV caches hold
         self.times = DeviceTimes()
 
     def _inputs(self, token: int, pos: int) -> None:
@@ -243,6 +244,9 @@ class Executor:
         token of the one before, stopping after a step whose greedy token is ``eos``: their greedy
         tokens (the logits are the last step's). On a model that runs on the CPU alone, in a loop in
         generated code (``CpuExecutor.decode_greedy``); elsewhere a step at a time."""
+        if pos + steps > self.ctx:  # the loop writes a KV cache row a step, unchecked
+            raise ExecutorError(f"{steps} decode steps from position {pos} need {pos + steps} positions but the KV "
+                                f"cache holds {self.ctx}")
         if self.gpu is None and self.cpu.loops:
             return self.cpu.decode_greedy(token, pos, steps, eos)
         tokens: list[int] = []

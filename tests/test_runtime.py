@@ -327,6 +327,8 @@ def test_greedy_decode_loops_in_generated_code_like_a_step_at_a_time(threads, tm
         stop = looped[20]
         until_eos = looped[: looped.index(stop) + 1]
         assert s.executor.greedy_steps(first, s.pos, 40, eos=stop) == until_eos
+        with pytest.raises(ExecutorError, match="KV cache holds"):  # never past the cache's last row
+            s.executor.greedy_steps(first, s.ctx - 2, 3)
     monkeypatch.setattr(CpuExecutor, "loops", property(lambda self: False))
     with Session(path, threads) as s:
         s.feed(list(TOKENS))
