@@ -286,8 +286,9 @@ class CpuExecutor:
         tokens. One call of generated code per ``capacity`` steps (the loop's output buffer); the
         logits are the last step's."""
         spec, fn, out = self._decode, self._decode_fn, self._decode_out
-        if spec is None or fn is None or out is None:
+        if spec is None:
             raise ExecutorError(f"{self._path}: has no decode loop (compiled by an older picc, or with a GPU part)")
+        assert fn is not None and out is not None  # set with spec
         params, slots = self.params, self._slots
         tokens: list[int] = []
         while len(tokens) < steps:

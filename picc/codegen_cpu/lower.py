@@ -572,7 +572,6 @@ class _Lowering:
             self.out.values[v] = {"buffer": b.index, "offset": b.offset, "nbytes": bytes_one_token(self.types[v])}
         return self.out
 
-
     def decode_loop(self) -> None:
         """``picc_decode``: greedy decode steps in a loop in generated code (:class:`GreedyLoop`),
         for a model whose one stage is the CPU's and computes the greedy token. The table entry

@@ -277,16 +277,13 @@ class GreedyLoop:
             return [f"  %{name}.at = getelementptr inbounds ptr, ptr %bufs, i64 {index}",
                     f"  %{name} = load ptr, ptr %{name}.at, align 8"]
 
-        def param(name: str) -> str:
-            return f"%p.{name}"
-
         lines = [f"define void @{self.name}(ptr %bufs, i32 %tid, i32 %nthreads) #0 {{", "entry:",
                  *entry(self.sync, "sync"), *entry(self.params, "params"), *entry(self.out, "out"),
                  *entry(self.step, "step")]
-        lines += [f"  {param(name)} = getelementptr inbounds i32, ptr %params, i64 {slot[name]}"
+        lines += [f"  %p.{name} = getelementptr inbounds i32, ptr %params, i64 {slot[name]}"
                   for name in ("pos", "token", "greedy", "steps", "eos", "done")]
-        lines += [f"  %steps = load i32, ptr {param('steps')}, align 4",
-                  f"  %eos = load i32, ptr {param('eos')}, align 4",
+        lines += ["  %steps = load i32, ptr %p.steps, align 4",
+                  "  %eos = load i32, ptr %p.eos, align 4",
                   "  %lead = icmp eq i32 %tid, 0",
                   "  br label %head",
                   "head:",
@@ -299,19 +296,19 @@ class GreedyLoop:
                   "  %next = add i32 %i, 1",
                   "  br i1 %lead, label %feed, label %fed",
                   "feed:",
-                  f"  %g = load i32, ptr {param('greedy')}, align 4",
+                  "  %g = load i32, ptr %p.greedy, align 4",
                   "  %ix = sext i32 %i to i64",
                   "  %outi = getelementptr inbounds i32, ptr %out, i64 %ix",
                   "  store i32 %g, ptr %outi, align 4",
-                  f"  store i32 %g, ptr {param('token')}, align 4",
-                  f"  %pos = load i32, ptr {param('pos')}, align 4",
+                  "  store i32 %g, ptr %p.token, align 4",
+                  "  %pos = load i32, ptr %p.pos, align 4",
                   "  %pos1 = add i32 %pos, 1",
-                  f"  store i32 %pos1, ptr {param('pos')}, align 4",
-                  f"  store i32 %next, ptr {param('done')}, align 4",
+                  "  store i32 %pos1, ptr %p.pos, align 4",
+                  "  store i32 %next, ptr %p.done, align 4",
                   "  br label %fed",
                   "fed:",
                   "  call void @picc_barrier(ptr %sync, i32 %nthreads)",
-                  f"  %t = load i32, ptr {param('token')}, align 4",
+                  "  %t = load i32, ptr %p.token, align 4",
                   "  %stop = icmp eq i32 %t, %eos",
                   "  br i1 %stop, label %exit, label %head",
                   "exit:",
