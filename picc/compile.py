@@ -13,6 +13,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -189,18 +190,20 @@ def gpu_code(module, weights, plan: mp.MemoryPlan, arch: str,  # noqa: ANN001
     kernels = list(lowered.kernels.values())
     say(f"  {len(kernels)} GPU kernels for {sum(len(v) for v in lowered.launches.values())} launches per token; "
         f"CUDA for {arch}" + (" (PTX and cubin with nvcc)" if nvcc_path() else " (sources only: nvcc not found)"))
-    artifacts, compiled = build_model_cuda(kernels, arch)
+    with tempfile.TemporaryDirectory(prefix="picc-host-") as tmp, ThreadPoolExecutor(1) as pool:
+        library = Path(tmp) / "host.so"
+        # Built beside the CUDA code (TVM releases the GIL while it compiles). x86-64-v3 (AVX2,
+        # FMA, F16C): the CPU kernels' own floor, so the file runs where they do.
+        host = pool.submit(export_host_library, kernels, library, {"kind": "llvm", "mcpu": "x86-64-v3"})
+        artifacts, compiled = build_model_cuda(kernels, arch)
+        host_library = host.result().read_bytes()
     sections: dict[str, bytes] = {f"cuda/{arch}/{name}.cu": a.source.encode("utf-8") for name, a in artifacts.items()}
     sections.update({f"cuda/{arch}/model.{kind}": data for kind, data in compiled.items()})
     manifest = {"arch": arch, "kernels": {name: list(a.launches) for name, a in artifacts.items()},
                 "compiled": sorted(compiled)}
     sections["cuda/manifest"] = json.dumps(manifest).encode("utf-8")
     sections["gpu/launches"] = json.dumps(lowered.launches).encode("utf-8")
-    with tempfile.TemporaryDirectory(prefix="picc-host-") as tmp:
-        library = Path(tmp) / "host.so"
-        # x86-64-v3 (AVX2, FMA, F16C): the CPU kernels' own floor, so the file runs where they do.
-        export_host_library(kernels, library, {"kind": "llvm", "mcpu": "x86-64-v3"})
-        sections["gpu/host.so"] = library.read_bytes()
+    sections["gpu/host.so"] = host_library
     tensors = {f"gpu.const.{name}": Tensor.from_f32(values) for name, values in lowered.constants.items()}
     return sections, tensors
 

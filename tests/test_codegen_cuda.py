@@ -416,6 +416,17 @@ def test_cubin_for_each_arch() -> None:
     assert all(c[:4] == b"\x7fELF" for c in cubins)  # an ELF device image per arch
 
 
+@needs_nvcc
+def test_a_cubin_made_with_the_ptx_is_the_one_the_source_gives() -> None:
+    # Asked for both, nvcc_compile makes the cubin from the PTX (ptxas only, no second pass of
+    # the front end); the device code must be the same, byte for byte.
+    src = cuda_source(sparse_ffn("ffn_same", 320, 1280, "swiglu", "q4_1"), "sm_80")
+    both = nvcc_compile({"k": src}, "sm_80", ("ptx", "cubin"), 1)["k"]
+    alone = nvcc_compile({"k": src}, "sm_80", ("cubin",), 1)["k"]
+    assert b".entry ffn_same_kernel" in both["ptx"]
+    assert both["cubin"][:4] == b"\x7fELF" and both["cubin"] == alone["cubin"]
+
+
 def test_sparse_ffn_source_skips_rows_past_count() -> None:
     src = cuda_source(sparse_ffn("ffn_src", 576, 1536, "swiglu", "f16"), "sm_75")
     start = src.index("ffn_src_kernel(", src.index("ffn_src_kernel(") + 1)  # the definition, not the declaration

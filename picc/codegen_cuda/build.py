@@ -170,6 +170,9 @@ def nvcc_compile(sources: dict[str, str], arch: str, outputs: tuple[str, ...] = 
                  jobs: int = 2) -> dict[str, dict[str, bytes]]:
     """Compile each CUDA source alone with nvcc for ``arch``; ``{name: {"ptx": ..., "cubin": ...}}``.
 
+    Asked for both, nvcc makes the PTX from the source and the cubin from that PTX (only
+    ``ptxas`` runs again): the same cubin, bytes for bytes, as from the source, without a
+    second pass of the front end (a model's bundle: ~0.2 s instead of ~1 s).
     Raises PiccError naming the kernel and nvcc's first error line when one fails to compile.
     """
     nvcc = nvcc_path()
@@ -183,9 +186,11 @@ def nvcc_compile(sources: dict[str, str], arch: str, outputs: tuple[str, ...] = 
             cu = work / f"{name}.cu"
             cu.write_text(src)
             result: dict[str, bytes] = {}
-            for kind in outputs:
+            # PTX first, so that a cubin asked for with it is made from it.
+            for kind in sorted(outputs, key=lambda k: k != "ptx"):
                 out = work / f"{name}.{arch}.{kind}"
-                proc = subprocess.run([nvcc, f"-{kind}", f"-arch={arch}", "-w", "-o", str(out), str(cu)],
+                given = work / f"{name}.{arch}.ptx" if kind == "cubin" and "ptx" in result else cu
+                proc = subprocess.run([nvcc, f"-{kind}", f"-arch={arch}", "-w", "-o", str(out), str(given)],
                                       capture_output=True, text=True, check=False)
                 if proc.returncode != 0:
                     first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip())
@@ -215,12 +220,17 @@ def build_model_cuda(kernels: list[Kernel], arch: str) -> tuple[dict[str, CudaAr
     """A model's kernels for ``arch``: each kernel's source and launch configuration, and the PTX
     and cubin of all of them together (one nvcc run per output kind instead of one per kernel:
     the same device functions, as ``cuda_bundle`` puts every kernel in one translation unit).
-    No PTX or cubin when nvcc is not installed."""
-    artifacts = build_cuda(kernels, arch, nvcc=False)
+    No PTX or cubin when nvcc is not installed.
+
+    The bundle and its nvcc run go on a thread of their own beside the per-kernel builds: TVM's
+    code generation and nvcc do not hold the GIL, so on two cores the two take about the time
+    of the longer."""
     if not kernels or nvcc_path() is None:
-        return artifacts, {}
-    compiled = nvcc_compile({"model": cuda_bundle(kernels, arch)}, arch, ("ptx", "cubin"), 1)
-    return artifacts, compiled["model"]
+        return build_cuda(kernels, arch, nvcc=False), {}
+    with ThreadPoolExecutor(1) as pool:
+        bundle = pool.submit(lambda: nvcc_compile({"model": cuda_bundle(kernels, arch)}, arch, ("ptx", "cubin"), 1))
+        artifacts = build_cuda(kernels, arch, nvcc=False)
+        return artifacts, bundle.result()["model"]
 
 
 def write_cuda_sources(artifacts: dict[str, CudaArtifact], directory: str | Path) -> list[Path]:
