@@ -160,7 +160,9 @@ def test_profile_matches_an_independent_torch_computation(hf_model, picc_model):
 
 
 def test_cli_profile_reaches_the_target_sparsity(capsys):
-    assert picc_main(["profile", "smollm2", "--target-sparsity", "0.5", "--tokens", "1024",
+    # The threshold is a quantile of the calibration tokens' own scores, so their sparsity meets
+    # the target at any token count; 256 tokens (one window) keep the CLI path quick.
+    assert picc_main(["profile", "smollm2", "--target-sparsity", "0.5", "--tokens", "256",
                       "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["layers"]) == 30 and out["target_sparsity"] == 0.5
