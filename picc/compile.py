@@ -185,25 +185,34 @@ def gpu_code(module, weights, plan: mp.MemoryPlan, arch: str,  # noqa: ANN001
     kernel in one module (``cuda/<arch>/model.ptx``)."""
     from picc.codegen_cuda.build import build_model_cuda, export_host_library, nvcc_path
     from picc.codegen_cuda.lower import lower_gpu
+    from picc.progress import progress_bar
 
     lowered = lower_gpu(module, weights, plan)
     kernels = list(lowered.kernels.values())
     say(f"  {len(kernels)} GPU kernels for {sum(len(v) for v in lowered.launches.values())} launches per token; "
         f"CUDA for {arch}" + (" (PTX and cubin with nvcc)" if nvcc_path() else " (sources only: nvcc not found)"))
-    with tempfile.TemporaryDirectory(prefix="picc-host-") as tmp, ThreadPoolExecutor(1) as pool:
+    # Steps: each kernel's source, the bundle's PTX and cubin (with nvcc), the host library.
+    steps = len(kernels) + 1 + (nvcc_path() is not None and bool(kernels))
+    with (tempfile.TemporaryDirectory(prefix="picc-host-") as tmp, ThreadPoolExecutor(1) as pool,
+          progress_bar(steps, "building GPU code", "step") as advance):
         library = Path(tmp) / "host.so"
-        # Built beside the CUDA code (TVM releases the GIL while it compiles). x86-64-v3 (AVX2,
-        # FMA, F16C): the CPU kernels' own floor, so the file runs where they do.
-        host = pool.submit(export_host_library, kernels, library, {"kind": "llvm", "mcpu": "x86-64-v3"})
-        artifacts, compiled = build_model_cuda(kernels, arch)
-        host_library = host.result().read_bytes()
+
+        def host_library() -> bytes:
+            # x86-64-v3 (AVX2, FMA, F16C): the CPU kernels' own floor, so the file runs where they do.
+            data = export_host_library(kernels, library, {"kind": "llvm", "mcpu": "x86-64-v3"}).read_bytes()
+            advance(1)
+            return data
+
+        host = pool.submit(host_library)  # beside the CUDA code: TVM releases the GIL while it compiles
+        artifacts, compiled = build_model_cuda(kernels, arch, advance)
+        host_so = host.result()
     sections: dict[str, bytes] = {f"cuda/{arch}/{name}.cu": a.source.encode("utf-8") for name, a in artifacts.items()}
     sections.update({f"cuda/{arch}/model.{kind}": data for kind, data in compiled.items()})
     manifest = {"arch": arch, "kernels": {name: list(a.launches) for name, a in artifacts.items()},
                 "compiled": sorted(compiled)}
     sections["cuda/manifest"] = json.dumps(manifest).encode("utf-8")
     sections["gpu/launches"] = json.dumps(lowered.launches).encode("utf-8")
-    sections["gpu/host.so"] = host_library
+    sections["gpu/host.so"] = host_so
     tensors = {f"gpu.const.{name}": Tensor.from_f32(values) for name, values in lowered.constants.items()}
     return sections, tensors
 

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,12 +204,17 @@ def nvcc_compile(sources: dict[str, str], arch: str, outputs: tuple[str, ...] = 
 
 
 def build_cuda(kernels: list[Kernel], arch: str, *, nvcc: bool = True, outputs: tuple[str, ...] = ("ptx", "cubin"),
-               jobs: int = 2) -> dict[str, CudaArtifact]:
-    """Every kernel's CUDA artifacts for ``arch``; PTX/cubin only when ``nvcc`` and nvcc exists."""
+               jobs: int = 2, advance: Callable[[int], None] | None = None) -> dict[str, CudaArtifact]:
+    """Every kernel's CUDA artifacts for ``arch``; PTX/cubin only when ``nvcc`` and nvcc exists.
+    ``advance(1)`` after each kernel's source (a progress bar's)."""
     names = [k.name for k in kernels]
     if len(set(names)) != len(names):
         raise PiccError(f"kernel names must be unique, got duplicates in {names}")
-    built = {k.name: (k, *_cuda_build(k, arch)) for k in kernels}
+    built = {}
+    for k in kernels:
+        built[k.name] = (k, *_cuda_build(k, arch))
+        if advance is not None:
+            advance(1)
     sources = {name: src for name, (_, src, _) in built.items()}
     compiled = nvcc_compile(sources, arch, outputs, jobs) if nvcc and nvcc_path() else {}
     return {name: CudaArtifact(name, arch, src, _entry_points(src), compiled.get(name, {}).get("ptx"),
@@ -216,21 +222,30 @@ def build_cuda(kernels: list[Kernel], arch: str, *, nvcc: bool = True, outputs: 
             for name, (k, src, func) in built.items()}
 
 
-def build_model_cuda(kernels: list[Kernel], arch: str) -> tuple[dict[str, CudaArtifact], dict[str, bytes]]:
+def build_model_cuda(kernels: list[Kernel], arch: str,
+                     advance: Callable[[int], None] | None = None) -> tuple[dict[str, CudaArtifact], dict[str, bytes]]:
     """A model's kernels for ``arch``: each kernel's source and launch configuration, and the PTX
-    and cubin of all of them together (one nvcc run per output kind instead of one per kernel:
+    and cubin of all of them together (nvcc once for all kernels instead of once per kernel:
     the same device functions, as ``cuda_bundle`` puts every kernel in one translation unit).
-    No PTX or cubin when nvcc is not installed.
+    No PTX or cubin when nvcc is not installed. ``advance(1)`` after each kernel's source and
+    after the bundle's PTX and cubin.
 
     The bundle and its nvcc run go on a thread of their own beside the per-kernel builds: TVM's
     code generation and nvcc do not hold the GIL, so on two cores the two take about the time
     of the longer."""
     if not kernels or nvcc_path() is None:
-        return build_cuda(kernels, arch, nvcc=False), {}
+        return build_cuda(kernels, arch, nvcc=False, advance=advance), {}
+
+    def bundle() -> dict[str, bytes]:
+        compiled = nvcc_compile({"model": cuda_bundle(kernels, arch)}, arch, ("ptx", "cubin"), 1)["model"]
+        if advance is not None:
+            advance(1)
+        return compiled
+
     with ThreadPoolExecutor(1) as pool:
-        bundle = pool.submit(lambda: nvcc_compile({"model": cuda_bundle(kernels, arch)}, arch, ("ptx", "cubin"), 1))
-        artifacts = build_cuda(kernels, arch, nvcc=False)
-        return artifacts, bundle.result()["model"]
+        compiled = pool.submit(bundle)
+        artifacts = build_cuda(kernels, arch, nvcc=False, advance=advance)
+        return artifacts, compiled.result()
 
 
 def write_cuda_sources(artifacts: dict[str, CudaArtifact], directory: str | Path) -> list[Path]:
