@@ -55,9 +55,10 @@ def cuda_source(kernel: Kernel, arch: str) -> str:
     return _cuda_build(kernel, arch)[0]
 
 
-def _cuda_build(kernel: Kernel, arch: str) -> tuple[str, tirx.PrimFunc]:
+def _cuda_build(kernel: Kernel, arch: str, func: tirx.PrimFunc | None = None) -> tuple[str, tirx.PrimFunc]:
+    """``kernel``'s CUDA source and scheduled function (``func``: already scheduled for ``arch``)."""
     arch_params(arch)
-    func = schedule(kernel, arch)
+    func = schedule(kernel, arch) if func is None else func
     mod = tvm.IRModule({kernel.name: func})
     try:
         lib = tvm.compile(mod, target={"kind": "cuda", "arch": arch})
@@ -134,14 +135,16 @@ def launch_configs(kernel: Kernel, source: str, func: tirx.PrimFunc) -> tuple[di
     return tuple(out)
 
 
-def cuda_bundle(kernels: list[Kernel], arch: str) -> str:
-    """One CUDA translation unit holding every kernel scheduled for ``arch`` (headers once).
+def cuda_bundle(kernels: list[Kernel], arch: str, funcs: dict[str, tirx.PrimFunc] | None = None) -> str:
+    """One CUDA translation unit holding every kernel scheduled for ``arch`` (headers once;
+    ``funcs``: the kernels already scheduled, by name).
 
     Handy to compile or read a whole model at once; the per-kernel sources of ``build_cuda`` hold
     the same device functions.
     """
     arch_params(arch)
-    mod = tvm.IRModule({k.name: schedule(k, arch) for k in kernels})
+    funcs = funcs or {}
+    mod = tvm.IRModule({k.name: funcs[k.name] if k.name in funcs else schedule(k, arch) for k in kernels})
     return str(tvm.compile(mod, target={"kind": "cuda", "arch": arch}).mod.imports[0].inspect_source("cuda"))
 
 
@@ -204,15 +207,17 @@ def nvcc_compile(sources: dict[str, str], arch: str, outputs: tuple[str, ...] = 
 
 
 def build_cuda(kernels: list[Kernel], arch: str, *, nvcc: bool = True, outputs: tuple[str, ...] = ("ptx", "cubin"),
-               jobs: int = 2, advance: Callable[[int], None] | None = None) -> dict[str, CudaArtifact]:
+               jobs: int = 2, advance: Callable[[int], None] | None = None,
+               funcs: dict[str, tirx.PrimFunc] | None = None) -> dict[str, CudaArtifact]:
     """Every kernel's CUDA artifacts for ``arch``; PTX/cubin only when ``nvcc`` and nvcc exists.
-    ``advance(1)`` after each kernel's source (a progress bar's)."""
+    ``advance(1)`` after each kernel's source (a progress bar's); ``funcs``: the kernels already
+    scheduled for ``arch``, by name."""
     names = [k.name for k in kernels]
     if len(set(names)) != len(names):
         raise PiccError(f"kernel names must be unique, got duplicates in {names}")
     built = {}
     for k in kernels:
-        built[k.name] = (k, *_cuda_build(k, arch))
+        built[k.name] = (k, *_cuda_build(k, arch, (funcs or {}).get(k.name)))
         if advance is not None:
             advance(1)
     sources = {name: src for name, (_, src, _) in built.items()}
@@ -230,21 +235,23 @@ def build_model_cuda(kernels: list[Kernel], arch: str,
     No PTX or cubin when nvcc is not installed. ``advance(1)`` after each kernel's source and
     after the bundle's PTX and cubin.
 
-    The bundle and its nvcc run go on a thread of their own beside the per-kernel builds: TVM's
-    code generation and nvcc do not hold the GIL, so on two cores the two take about the time
-    of the longer."""
+    Each kernel is scheduled once, for both. The bundle and its nvcc run go on a thread of their
+    own beside the per-kernel builds: TVM's code generation and nvcc do not hold the GIL, so on
+    two cores the two take about the time of the longer."""
     if not kernels or nvcc_path() is None:
         return build_cuda(kernels, arch, nvcc=False, advance=advance), {}
+    arch_params(arch)
+    funcs = {k.name: schedule(k, arch) for k in kernels}
 
     def bundle() -> dict[str, bytes]:
-        compiled = nvcc_compile({"model": cuda_bundle(kernels, arch)}, arch, ("ptx", "cubin"), 1)["model"]
+        compiled = nvcc_compile({"model": cuda_bundle(kernels, arch, funcs)}, arch, ("ptx", "cubin"), 1)["model"]
         if advance is not None:
             advance(1)
         return compiled
 
     with ThreadPoolExecutor(1) as pool:
         compiled = pool.submit(bundle)
-        artifacts = build_cuda(kernels, arch, nvcc=False, advance=advance)
+        artifacts = build_cuda(kernels, arch, nvcc=False, advance=advance, funcs=funcs)
         return artifacts, compiled.result()
 
 
