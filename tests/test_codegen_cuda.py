@@ -427,6 +427,19 @@ def test_a_cubin_made_with_the_ptx_is_the_one_the_source_gives() -> None:
     assert both["cubin"][:4] == b"\x7fELF" and both["cubin"] == alone["cubin"]
 
 
+@needs_nvcc
+def test_a_source_nvcc_rejects_is_named_in_one_error(monkeypatch) -> None:
+    broken = 'extern "C" __global__ void k() { undeclared(); }'
+    with pytest.raises(PiccError, match=r"^nvcc -ptx -arch=sm_75 failed on kernel broken: .*error.*undeclared"):
+        nvcc_compile({"broken": broken}, "sm_75", ("ptx", "cubin"), 1)
+    # From the thread that builds a model's bundle, the error reaches the caller as it is.
+    import picc.codegen_cuda.build as build
+
+    monkeypatch.setattr(build, "cuda_bundle", lambda *_: broken)
+    with pytest.raises(PiccError, match="failed on kernel model"):
+        build.build_model_cuda([rms_norm("rms_broken", 1, 64, 1e-5)], "sm_75")
+
+
 def test_sparse_ffn_source_skips_rows_past_count() -> None:
     src = cuda_source(sparse_ffn("ffn_src", 576, 1536, "swiglu", "f16"), "sm_75")
     start = src.index("ffn_src_kernel(", src.index("ffn_src_kernel(") + 1)  # the definition, not the declaration
