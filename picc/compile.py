@@ -155,14 +155,15 @@ def cpu_code(module, weights, steps: Schedule, ctx: int,  # noqa: ANN001
              simd: str) -> tuple[dict[str, bytes], dict[str, Tensor], dict[str, str]]:
     """The CPU's part of the decode step: object code, its LLVM IR, the manifest, extra tensors,
     and the weights its kernels read in another layout than the source's (name -> ``rows8``)."""
-    from picc.codegen_cpu import compile_kernels
+    from picc.codegen_cpu import build_ir
+    from picc.codegen_cpu.compiler import compiled_object
     from picc.codegen_cpu.lower import lower_module
 
     if simd not in ("avx512", "avx2"):
         raise PiccError(f"the target's CPU has SIMD level {simd!r}; picc's CPU kernels need avx2 or avx512")
     lowered = lower_module(module, weights, steps, ctx)
-    code = compile_kernels([], lowered.programs, simd)
-    sections = {"cpu/object": code.emit_object(), "cpu/ir": code.ir.encode("utf-8"),
+    ir, obj = compiled_object(build_ir([], lowered.programs, simd), simd)
+    sections = {"cpu/object": obj, "cpu/ir": ir.encode("utf-8"),
                 "cpu/manifest": json.dumps(lowered.manifest(simd)).encode("utf-8")}
     return sections, lowered.extra, lowered.layouts
 

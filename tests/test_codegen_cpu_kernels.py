@@ -949,6 +949,32 @@ def test_object_code_loads_back(host, teams):
     np.testing.assert_array_equal(ys[0], ys[1])
 
 
+def test_compiled_objects_are_cached_by_their_ir(tmp_path, monkeypatch, teams):
+    from picc.codegen_cpu import build_ir, compiler
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
+    ir = build_ir([gemv("f32")], (), "avx2")
+    first = compiler.compiled_object(ir, "avx2")
+    assert first[1][:4] == b"\x7fELF" and "define void @picc_gemv_f32" in first[0]
+    # A hit runs no LLVM: the same optimised IR and object come back from the cache, and run.
+    real = compiler.CpuModule
+    monkeypatch.setattr(compiler, "CpuModule", lambda *_, **__: pytest.fail("compiled again"))
+    assert compiler.compiled_object(ir, "avx2") == first
+    rng = np.random.default_rng(27)
+    w, x = rng.normal(size=(5, 64)).astype(np.float32), rng.normal(size=64).astype(np.float32)
+    y = np.zeros(5, np.float32)
+    run(real.from_object(first[1], "avx2"), teams[1], gemv("f32"), w, x, None, y, 5, 64, 0)
+    np.testing.assert_allclose(y, w @ x, rtol=1e-5)
+    # Another IR, or another SIMD level, is compiled; the cache keeps the most recent entries.
+    for other in ((ir + "\n", "avx2"), (ir, "avx512")):
+        with pytest.raises(pytest.fail.Exception, match="compiled again"):
+            compiler.compiled_object(*other)
+    monkeypatch.setattr(compiler, "CpuModule", real)
+    monkeypatch.setattr(compiler, "OBJECT_CACHE_ENTRIES", 1)
+    compiler.compiled_object(build_ir([gemv("f16")], (), "avx2"), "avx2")
+    assert len(list((tmp_path / "cpu-objects").glob("*.o"))) == 1
+
+
 def test_forms_table_is_the_irs():
     assert {k: (s.gated, s.act, s.act_on_up) for k, s in FORMS.items()} == {
         k: (s.gated, s.act, s.act_on_up) for k, s in O.FFN_FORMS.items()}

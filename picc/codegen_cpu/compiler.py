@@ -13,12 +13,16 @@ Haswell-or-later x86). The object code of one SIMD level runs on every CPU that 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
+import llvmlite
 import llvmlite.binding as llvm
 
 from picc.errors import PiccError
+from picc.fsutil import cache_root, write_bytes_atomic
 
 SIMD_CHOICES = ("host", "avx512", "avx2")
 _CPU_FOR_SIMD = {"avx512": "x86-64-v4", "avx2": "x86-64-v3"}
@@ -144,3 +148,43 @@ class CpuModule:
         fn = proto(self.address(symbol))
         fn._picc_module = self  # type: ignore[attr-defined]  # the engine must outlive the pointer
         return fn
+
+
+# Compiled objects kept in the cache (the most recently used); a SmolLM2 entry is ~8 MB.
+OBJECT_CACHE_ENTRIES = 24
+
+
+def compiled_object(ir_text: str, simd: str) -> tuple[str, bytes]:
+    """The optimised IR and the object code of ``ir_text`` for ``simd`` ("avx2" or "avx512",
+    whose CPUs are fixed, unlike "host"'s): what a .pib carries.
+
+    Cached in ``$PICC_CACHE_DIR/cpu-objects``: LLVM takes seconds on a model, and the same CPU
+    program comes back whenever a model's CPU part does not change (a recompile, a VRAM budget
+    that moves nothing to the GPU, the test suite's compiles of the same small models). Keyed by
+    the IR, the SIMD level, LLVM's version and this file (the pipeline and target options). An
+    entry that cannot be read or written costs only the time of compiling."""
+    if simd not in _CPU_FOR_SIMD:
+        raise PiccError(f"codegen_cpu: cached objects are for a fixed SIMD level (avx2, avx512), not {simd!r}")
+    key = hashlib.sha256("\0".join((simd, ".".join(map(str, llvm.llvm_version_info)), llvmlite.__version__,
+                                      Path(__file__).read_text(encoding="utf-8"), ir_text)).encode()).hexdigest()
+    folder = cache_root() / "cpu-objects"
+    ir_path, obj_path = folder / f"{key[:32]}.ll", folder / f"{key[:32]}.o"
+    try:
+        found = ir_path.read_text(encoding="utf-8"), obj_path.read_bytes()
+        obj_path.touch()  # recently used
+        return found
+    except OSError:
+        pass
+    module = CpuModule(ir_text, simd)
+    optimised, obj = module.ir, module.emit_object()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(ir_path, optimised.encode("utf-8"))
+        write_bytes_atomic(obj_path, obj)  # last: an entry counts once its object is there
+        entries = sorted(folder.glob("*.o"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in entries[OBJECT_CACHE_ENTRIES:]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".ll").unlink(missing_ok=True)
+    except OSError:
+        pass  # a read-only or full cache only costs the next compile its time
+    return optimised, obj
