@@ -150,7 +150,7 @@ class CpuModule:
         return fn
 
 
-# Compiled objects kept in the cache (the most recently used); a SmolLM2 entry is ~8 MB.
+# Compiled objects kept in the cache (the most recently used); a SmolLM2 entry is ~2.4 MB.
 OBJECT_CACHE_ENTRIES = 24
 
 
