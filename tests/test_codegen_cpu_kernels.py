@@ -960,6 +960,9 @@ def test_compiled_objects_are_cached_by_their_ir(tmp_path, monkeypatch, teams):
     real = compiler.CpuModule
     monkeypatch.setattr(compiler, "CpuModule", lambda *_, **__: pytest.fail("compiled again"))
     assert compiler.compiled_object(ir, "avx2") == first
+    with monkeypatch.context() as m:  # a cache it cannot write to still serves its entries
+        m.setattr(compiler.Path, "touch", lambda *_, **__: (_ for _ in ()).throw(PermissionError("read-only")))
+        assert compiler.compiled_object(ir, "avx2") == first
     rng = np.random.default_rng(27)
     w, x = rng.normal(size=(5, 64)).astype(np.float32), rng.normal(size=64).astype(np.float32)
     y = np.zeros(5, np.float32)

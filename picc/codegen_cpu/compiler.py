@@ -12,6 +12,7 @@ Haswell-or-later x86). The object code of one SIMD level runs on every CPU that 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import threading
@@ -171,10 +172,12 @@ def compiled_object(ir_text: str, simd: str) -> tuple[str, bytes]:
     ir_path, obj_path = folder / f"{key[:32]}.ll", folder / f"{key[:32]}.o"
     try:
         found = ir_path.read_text(encoding="utf-8"), obj_path.read_bytes()
-        obj_path.touch()  # recently used
-        return found
     except OSError:
-        pass
+        found = None
+    if found is not None:
+        with contextlib.suppress(OSError):  # a read-only cache still serves its entries
+            obj_path.touch()  # recently used
+        return found
     module = CpuModule(ir_text, simd)
     optimised, obj = module.ir, module.emit_object()
     try:
