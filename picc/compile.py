@@ -190,10 +190,11 @@ def gpu_code(module, weights, plan: mp.MemoryPlan, arch: str,  # noqa: ANN001
 
     lowered = lower_gpu(module, weights, plan)
     kernels = list(lowered.kernels.values())
+    nvcc = nvcc_path() is not None
     say(f"  {len(kernels)} GPU kernels for {sum(len(v) for v in lowered.launches.values())} launches per token; "
-        f"CUDA for {arch}" + (" (PTX and cubin with nvcc)" if nvcc_path() else " (sources only: nvcc not found)"))
+        f"CUDA for {arch}" + (" (PTX and cubin with nvcc)" if nvcc else " (sources only: nvcc not found)"))
     # Steps: each kernel's source, the bundle's PTX and cubin (with nvcc), the host library.
-    steps = len(kernels) + 1 + (nvcc_path() is not None and bool(kernels))
+    steps = len(kernels) + 1 + (nvcc and bool(kernels))
     with (tempfile.TemporaryDirectory(prefix="picc-host-") as tmp, ThreadPoolExecutor(1) as pool,
           progress_bar(steps, "building GPU code", "step") as advance):
         library = Path(tmp) / "host.so"
