@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from picc.errors import PiccError
+from picc.frontend.gguf_file import GgufFile
 from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama
 from picc.frontend.model import LoadedModel
 from picc.ir.types import DType
@@ -48,15 +49,12 @@ def picc_name(gguf_name: str) -> str | None:
 class _Meta:
     """Typed access to GGUF metadata with errors that name the file and key."""
 
-    def __init__(self, reader, path: Path) -> None:  # noqa: ANN001 - gguf.GGUFReader
-        self.reader = reader
+    def __init__(self, file: GgufFile, path: Path) -> None:
+        self.file = file
         self.path = path
 
     def get(self, key: str, default: object = None) -> object:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
+        return self.file.get(key, default)
 
     def need(self, key: str) -> object:
         value = self.get(key)
@@ -65,48 +63,43 @@ class _Meta:
         return value
 
 
-def read_tensors(reader, path: Path) -> WeightStore:  # noqa: ANN001 - gguf.GGUFReader
+def read_tensors(file: GgufFile, path: Path) -> WeightStore:
     store = WeightStore()
-    for t in reader.tensors:
+    for t in file.tensors:
         name = picc_name(t.name)
         if name is None:
             raise PiccError(f"{path}: tensor {t.name!r} is not part of a llama model picc knows "
                             f"(known: {', '.join(list(_GLOBAL_NAMES) + ['blk.N.' + k for k in _LAYER_NAMES])})")
-        dtype = _GGML_TYPES.get(t.tensor_type.name)
+        dtype = _GGML_TYPES.get(t.type_name)
         if dtype is None:
-            raise PiccError(f"{path}: tensor {t.name!r} has quant type {t.tensor_type.name}; "
+            raise PiccError(f"{path}: tensor {t.name!r} has quant type {t.type_name}; "
                             f"supported: {', '.join(_GGML_TYPES)}")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        data = t.data
-        if dtype == DType.BF16:
-            data = np.asarray(data).view(np.uint16)
-        store.add(name, Tensor(dtype, shape, np.asarray(data).reshape(shape[0], -1)
-                               if len(shape) == 2 else np.asarray(data).reshape(shape)))
+        shape = tuple(reversed(t.dims))
+        data = t.data.view(np.uint16) if dtype == DType.BF16 else t.data
+        store.add(name, Tensor(dtype, shape, data.reshape(shape[0], -1) if len(shape) == 2 else data.reshape(shape)))
     return store
 
 
 def load_gguf(path: Path) -> LoadedModel:
     """Import a llama-architecture GGUF file."""
-    import gguf
-
     from picc.frontend.tokenizer import tokenizer_from_gguf
 
     path = Path(path)
     if not path.is_file():
         raise PiccError(f"{path}: GGUF file not found")
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises ValueError, struct errors, ...
+        file = GgufFile(path)
+    except (ValueError, OSError) as e:
         raise PiccError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    meta = _Meta(reader, path)
+    meta = _Meta(file, path)
     arch = str(meta.need("general.architecture"))
     if arch not in SUPPORTED_ARCHS:
         raise PiccError(f"{path}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+    if "rope_freqs.weight" in {t.name for t in file.tensors}:
         raise PiccError(f"{path}: per-frequency rope factors (rope_freqs.weight, llama3 rope "
                         "scaling in GGUF) are not supported yet")
-    store = read_tensors(reader, path)
+    store = read_tensors(file, path)
 
     def key(k: str) -> str:
         return f"{arch}.{k}"
