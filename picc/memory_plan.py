@@ -265,10 +265,14 @@ def placement_notes(func: Function) -> tuple[str, ...]:
     if all(on_cpu(op) for op in func.ops):
         return ("everything is on the CPU",)
     notes = []
-    layers = sorted({i for op in func.ops if (i := layer_of(op.result)) is not None})
-    cpu_dense = [i for i in layers if any(layer_of(op.result) == i and not isinstance(op, O.FFN | FusedFFN | Merge)
-                                          and on_cpu(op)
-                                          for op in func.ops)]
+    layers: set[int] = set()
+    cpu_dense_set: set[int] = set()
+    for op in func.ops:
+        if (i := layer_of(op.result)) is not None:
+            layers.add(i)
+            if on_cpu(op) and not isinstance(op, O.FFN | FusedFFN | Merge):
+                cpu_dense_set.add(i)
+    cpu_dense = sorted(cpu_dense_set)
     if cpu_dense:
         notes.append(f"layers {cpu_dense[0]}..{cpu_dense[-1]}: attention and norms on the CPU (the budget "
                      f"holds the dense parts of {len(layers) - len(cpu_dense)} of {len(layers)} layers)")
