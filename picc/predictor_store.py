@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from picc.digest import hash_model
 from picc.errors import PiccError
 from picc.fsutil import atomic_path, cache_root
 from picc.ir import ops as O
 from picc.ir.module import Module
-from picc.ir.printer import print_module
 from picc.ir.weights import WeightStore
 from picc.predictors import TrainedPredictor
 
@@ -32,10 +32,7 @@ def cache_dir() -> Path:
 def cache_key(module: Module, weights: WeightStore, layers: list[str], settings: dict[str, object]) -> str:
     h = hashlib.sha256()
     h.update(f"v{FORMAT_VERSION}".encode())
-    h.update(print_module(module).encode())
-    for name in sorted({w for op in module.ops() for w in op.weights()}):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(weights[name].data).tobytes())
+    hash_model(h, module, weights)
     h.update(json.dumps({"layers": layers, **settings}, sort_keys=True).encode())
     return h.hexdigest()[:32]
 

@@ -16,6 +16,7 @@ threshold is calibrated to ``target_sparsity`` by one of two rules (``THRESHOLD_
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -24,9 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from picc.calib import Windows
+from picc.digest import hash_model
 from picc.errors import PiccError
 from picc.fisher import fisher_scales
-from picc.fsutil import atomic_path
+from picc.fsutil import atomic_path, cache_root
 from picc.interpreter import FfnTrace, Interpreter
 from picc.ir import ops as O
 from picc.ir.core import Attr
@@ -113,9 +115,14 @@ def scaled_layers(module: Module) -> list[str]:
 def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
               rule: str = "fisher") -> list[Profile]:
     """:func:`profile_sweep` with progress bars, after the Fisher scales when ``rule`` is ``fisher``
-    and the model has layers it scales."""
+    and the model has layers it scales. The profiles are cached (:func:`profile_cache_path`):
+    calibrating the same model on the same tokens again reads them back."""
     if rule not in THRESHOLD_RULES:
         raise PiccError(f"threshold rule must be one of {', '.join(THRESHOLD_RULES)}, got {rule!r}")
+    cached = profile_cache_path(module, weights, windows, targets, rule)
+    profiles = _load_profiles(cached)
+    if profiles is not None:
+        return profiles
     scales: dict[str, np.ndarray] = {}
     wanted = scaled_layers(module)
     if rule == "fisher" and wanted and any(t is not None for t in targets):
@@ -123,7 +130,75 @@ def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: S
             scales = fisher_scales(module, weights, windows, windows.seed, advance)
         scales = {name: scales[name] for name in wanted}
     with progress_bar(windows.n_tokens, "profiling", "tok") as advance:
-        return profile_sweep(module, weights, windows, targets, advance, scales)
+        profiles = profile_sweep(module, weights, windows, targets, advance, scales)
+    _save_profiles(cached, profiles)
+    return profiles
+
+
+# ---------------------------------------------------------------- the profile cache
+
+PROFILE_CACHE_VERSION = 1
+# The code a profile's numbers come from: a change to any of these files is a cache miss.
+_PROFILE_SOURCES = ("profiling.py", "fisher.py", "interpreter.py")
+
+
+def profile_cache_path(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
+                       rule: str) -> Path:
+    """Where :func:`calibrate` keeps its profiles of ``module``: ``$PICC_CACHE_DIR/profiles``,
+    keyed by the model (IR text and weight bytes), the calibration tokens themselves (so the
+    corpus, tokenizer, window and seed), the targets and rule, the profiling code and torch's
+    and numpy's versions (the Fisher scales are computed with torch)."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    h.update(f"v{PROFILE_CACHE_VERSION} torch {version('torch')} numpy {np.__version__}".encode())
+    here = Path(__file__).parent
+    for name in _PROFILE_SOURCES:
+        h.update((here / name).read_bytes())
+    hash_model(h, module, weights)
+    h.update(json.dumps({"windows": windows.windows, "source": windows.source, "seed": windows.seed,
+                         "targets": list(targets), "rule": rule}).encode())
+    return cache_root() / "profiles" / f"{h.hexdigest()[:32]}.npz"
+
+
+def _save_profiles(path: Path, profiles: list[Profile]) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    meta = []
+    for p, profile in enumerate(profiles):
+        layers = []
+        for i, layer in enumerate(profile.layers):
+            arrays[f"{p}.{i}.freq"], arrays[f"{p}.{i}.mag"] = layer.freq, layer.mag
+            if layer.score_scale is not None:
+                arrays[f"{p}.{i}.score_scale"] = layer.score_scale
+            layers.append({"ffn": layer.ffn, "threshold": layer.threshold, "down_threshold": layer.down_threshold})
+        meta.append({"layers": layers, "calib": profile.calib, "tokens": profile.tokens, "window": profile.window,
+                     "seed": profile.seed, "target_sparsity": profile.target_sparsity, "rule": profile.rule})
+    arrays["meta"] = np.array(json.dumps(meta))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+    except OSError:
+        pass  # a read-only cache only costs the next calibration its time
+
+
+def _load_profiles(path: Path) -> list[Profile] | None:
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path) as z:
+            out = []
+            for p, m in enumerate(json.loads(str(z["meta"]))):
+                layers = tuple(
+                    LayerProfile(layer["ffn"], z[f"{p}.{i}.freq"], z[f"{p}.{i}.mag"], layer["threshold"],
+                                 layer["down_threshold"],
+                                 z.get(f"{p}.{i}.score_scale"))
+                    for i, layer in enumerate(m["layers"]))
+                out.append(Profile(layers, m["calib"], m["tokens"], m["window"], m["seed"], m["target_sparsity"],
+                                   m["rule"]))
+            return out
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a damaged entry is recomputed, not trusted
 
 
 def profile_model(module: Module, weights: WeightStore, windows: Windows,

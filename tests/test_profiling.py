@@ -196,3 +196,63 @@ def test_cli_profile_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.splitlines()[0].split() == ["ffn", "sparsity", "threshold", "top10%", "top20%", "top50%"]
     assert "mean sparsity 0.300 over 2 FFN layers; 128 tokens of ptb (seed 0)" in out
+
+
+def test_calibration_is_cached_by_model_tokens_and_settings(tok, tmp_path, monkeypatch):
+    """A second calibration of the same model on the same tokens reads the profiles back without
+    running the model; another target, rule, seed or weight computes afresh, and a damaged entry
+    is recomputed."""
+    import picc.profiling as profiling
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
+    model = tiny_llama("swiglu", n_layers=2)
+    windows = token_windows(tok, "ptb", 256, window=64, seed=1)
+    runs = []
+    sweep = profiling.profile_sweep
+    monkeypatch.setattr(profiling, "profile_sweep", lambda *a, **k: runs.append(1) or sweep(*a, **k))
+
+    first = calibrate(model.module, model.weights, windows, [0.3, 0.5])
+    again = calibrate(model.module, model.weights, windows, [0.3, 0.5])
+    assert len(runs) == 1
+    for a, b in zip(first, again, strict=True):
+        assert (a.calib, a.tokens, a.window, a.seed, a.target_sparsity, a.rule) == \
+               (b.calib, b.tokens, b.window, b.seed, b.target_sparsity, b.rule)
+        for la, lb in zip(a.layers, b.layers, strict=True):
+            assert (la.ffn, la.threshold, la.down_threshold) == (lb.ffn, lb.threshold, lb.down_threshold)
+            for x, y in ((la.freq, lb.freq), (la.mag, lb.mag), (la.score_scale, lb.score_scale)):
+                assert x.dtype == y.dtype and np.array_equal(x, y)
+
+    calibrate(model.module, model.weights, windows, [0.4])
+    calibrate(model.module, model.weights, windows, [0.3, 0.5], rule="cats")
+    calibrate(model.module, model.weights, token_windows(tok, "ptb", 256, window=64, seed=2), [0.3, 0.5])
+    up = ffn_ops(model.module)[0].up
+    kept = model.weights[up].data[0, 0]
+    model.weights[up].data[0, 0] = kept + 1.0
+    calibrate(model.module, model.weights, windows, [0.3, 0.5])
+    assert len(runs) == 5
+    model.weights[up].data[0, 0] = kept
+    (entry,) = [p for p in (tmp_path / "profiles").iterdir()
+                if p == profiling.profile_cache_path(model.module, model.weights, windows, [0.3, 0.5], "fisher")]
+    entry.write_bytes(b"not an npz")
+    assert calibrate(model.module, model.weights, windows, [0.3, 0.5])[0].layers[0].threshold == \
+        first[0].layers[0].threshold
+    assert len(runs) == 6
+
+
+def test_corpus_ids_are_cached_by_text_and_tokenizer(tok, tmp_path, monkeypatch):
+    from picc import calib
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
+    (tmp_path / "corpus.txt").write_text("the cat sat on the mat . " * 50)
+    source = str(tmp_path / "corpus.txt")
+    calib._corpus_ids.cache_clear()
+    ids = calib._corpus_ids(tok, source)
+    assert ids == tok.backend.encode(load_text(source), add_special_tokens=False).ids
+    (entry,) = (tmp_path / "corpus-ids").iterdir()
+    assert np.load(entry).tolist() == ids
+    calib._corpus_ids.cache_clear()
+    monkeypatch.setattr(type(tok.backend), "encode", lambda *a, **k: pytest.fail("encoded again"))
+    with pytest.raises(pytest.fail.Exception):  # the patch holds
+        tok.backend.encode("the cat")
+    assert calib._corpus_ids(tok, source) == ids
+    calib._corpus_ids.cache_clear()

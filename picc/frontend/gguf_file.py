@@ -1,7 +1,7 @@
 """A GGUF file's metadata and tensor table, read straight from its bytes.
 
 ``gguf.GGUFReader`` makes a numpy view of every element of every metadata array as it opens a
-file: SmolLM2's 49k-token vocabulary and its 49k merges took 3.5-6 s per load here, paid by every
+file: SmolLM2's 49k-token vocabulary and its 49k merges took 2.7-6 s per load here, paid by every
 ``picc compile smollm2``. picc needs the scalar metadata and the tensor table, so it reads those
 itself (tens of milliseconds) and decodes an array only when one is asked for. The ``gguf``
 package still names the tensor types and gives their block sizes.
