@@ -138,8 +138,9 @@ def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: S
 # ---------------------------------------------------------------- the profile cache
 
 PROFILE_CACHE_VERSION = 1
-# The code a profile's numbers come from: a change to any of these files is a cache miss.
-_PROFILE_SOURCES = ("profiling.py", "fisher.py", "interpreter.py")
+# The code a profile's numbers come from (the two passes over the model, the ops' semantics and
+# the weights' dequantization): a change to any of these files is a cache miss.
+_PROFILE_SOURCES = ("profiling.py", "fisher.py", "interpreter.py", "quant.py", "ir/ops.py")
 
 
 def profile_cache_path(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
