@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,7 @@ def load_cached(key: str) -> dict[str, TrainedPredictor] | None:
             return {name: TrainedPredictor(*(z[f"{m['index']}.{part}"] for part in _PARTS), m["threshold"],
                                            m["recall"], m["predicted_density"], m["true_density"])
                     for name, m in meta.items()}
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
         return None  # a damaged cache entry is retrained, not trusted
 
 

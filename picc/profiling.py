@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -198,7 +199,7 @@ def _load_profiles(path: Path) -> list[Profile] | None:
                 out.append(Profile(layers, m["calib"], m["tokens"], m["window"], m["seed"], m["target_sparsity"],
                                    m["rule"]))
             return out
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile):
         return None  # a damaged entry is recomputed, not trusted
 
 

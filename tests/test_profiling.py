@@ -233,10 +233,12 @@ def test_calibration_is_cached_by_model_tokens_and_settings(tok, tmp_path, monke
     model.weights[up].data[0, 0] = kept
     (entry,) = [p for p in (tmp_path / "profiles").iterdir()
                 if p == profiling.profile_cache_path(model.module, model.weights, windows, [0.3, 0.5], "fisher")]
-    entry.write_bytes(b"not an npz")
-    assert calibrate(model.module, model.weights, windows, [0.3, 0.5])[0].layers[0].threshold == \
-        first[0].layers[0].threshold
-    assert len(runs) == 6
+    whole = entry.read_bytes()
+    for damaged in (b"not an npz", whole[: len(whole) // 2]):  # ValueError, zipfile.BadZipFile
+        entry.write_bytes(damaged)
+        assert calibrate(model.module, model.weights, windows, [0.3, 0.5])[0].layers[0].threshold == \
+            first[0].layers[0].threshold
+    assert len(runs) == 7
 
 
 def test_corpus_ids_are_cached_by_text_and_tokenizer(tok, tmp_path, monkeypatch):

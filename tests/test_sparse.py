@@ -201,15 +201,25 @@ def test_swiglu_auto_is_gate_first():
     assert {o.mode for o in module.ops() if isinstance(o, SparseFFN)} == {"gate-first"}
 
 
-def test_predictors_are_cached(monkeypatch):
+def test_predictors_are_cached(monkeypatch, tmp_path):
     sparse_model("reglu", "predictor")
     import picc.passes.insert_predictors as ip
 
     def no_training(*a, **k):
         raise AssertionError("retrained although the cache holds these predictors")
 
+    train_all = ip.train_all
     monkeypatch.setattr(ip, "train_all", no_training)
     sparse_model("reglu", "predictor")  # same model, same settings: from the cache
+    # A damaged entry (cut short: the zip reader's own error) is retrained, not trusted.
+    entries = list((tmp_path / "cache" / "predictors").glob("*.npz"))
+    assert entries
+    for entry in entries:
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    trained = []
+    monkeypatch.setattr(ip, "train_all", lambda *a, **k: trained.append(1) or train_all(*a, **k))
+    sparse_model("reglu", "predictor")
+    assert trained
 
 
 def test_unprofiled_and_ungated_errors():
