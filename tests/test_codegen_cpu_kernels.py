@@ -968,14 +968,20 @@ def test_compiled_objects_are_cached_by_their_ir(tmp_path, monkeypatch, teams):
     y = np.zeros(5, np.float32)
     run(real.from_object(first[1], "avx2"), teams[1], gemv("f32"), w, x, None, y, 5, 64, 0)
     np.testing.assert_allclose(y, w @ x, rtol=1e-5)
-    # Another IR, or another SIMD level, is compiled; the cache keeps the most recent entries.
+    # Another IR, or another SIMD level, is compiled; so is an entry whose object was damaged
+    # (cut short: it would otherwise go into a .pib); the cache keeps the most recent entries.
     for other in ((ir + "\n", "avx2"), (ir, "avx512")):
         with pytest.raises(pytest.fail.Exception, match="compiled again"):
             compiler.compiled_object(*other)
+    (obj_path,) = (tmp_path / "cpu-objects").glob("*.o")
+    obj_path.write_bytes(first[1][:-100])
+    with pytest.raises(pytest.fail.Exception, match="compiled again"):
+        compiler.compiled_object(ir, "avx2")
     monkeypatch.setattr(compiler, "CpuModule", real)
+    assert compiler.compiled_object(ir, "avx2") == first  # and the entry is whole again
     monkeypatch.setattr(compiler, "OBJECT_CACHE_ENTRIES", 1)
     compiler.compiled_object(build_ir([gemv("f16")], (), "avx2"), "avx2")
-    assert len(list((tmp_path / "cpu-objects").glob("*.o"))) == 1
+    assert [len(list((tmp_path / "cpu-objects").glob(f"*{s}"))) for s in (".ll", ".o", ".sha256")] == [1, 1, 1]
 
 
 def test_forms_table_is_the_irs():

@@ -163,31 +163,42 @@ def compiled_object(ir_text: str, simd: str) -> tuple[str, bytes]:
     program comes back whenever a model's CPU part does not change (a recompile, a VRAM budget
     that moves nothing to the GPU, the test suite's compiles of the same small models). Keyed by
     the IR, the SIMD level, LLVM's version and this file (the pipeline and target options). An
-    entry that cannot be read or written costs only the time of compiling."""
+    entry that cannot be read or written, or whose files do not match the digest stored beside
+    them, costs only the time of compiling."""
     if simd not in _CPU_FOR_SIMD:
         raise PiccError(f"codegen_cpu: cached objects are for a fixed SIMD level (avx2, avx512), not {simd!r}")
     key = hashlib.sha256("\0".join((simd, ".".join(map(str, llvm.llvm_version_info)), llvmlite.__version__,
                                       Path(__file__).read_text(encoding="utf-8"), ir_text)).encode()).hexdigest()
     folder = cache_root() / "cpu-objects"
-    ir_path, obj_path = folder / f"{key[:32]}.ll", folder / f"{key[:32]}.o"
+    ir_path, obj_path, sum_path = (folder / f"{key[:32]}{suffix}" for suffix in (".ll", ".o", ".sha256"))
     try:
-        found = ir_path.read_text(encoding="utf-8"), obj_path.read_bytes()
-    except OSError:
+        ir_bytes, obj, digest = ir_path.read_bytes(), obj_path.read_bytes(), sum_path.read_text(encoding="ascii")
+        found = (ir_bytes.decode("utf-8"), obj) if digest == _entry_digest(ir_bytes, obj) else None
+    except (OSError, UnicodeDecodeError):
         found = None
     if found is not None:
         with contextlib.suppress(OSError):  # a read-only cache still serves its entries
-            obj_path.touch()  # recently used
+            sum_path.touch()  # recently used
         return found
     module = CpuModule(ir_text, simd)
     optimised, obj = module.ir, module.emit_object()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(ir_path, optimised.encode("utf-8"))
-        write_bytes_atomic(obj_path, obj)  # last: an entry counts once its object is there
-        entries = sorted(folder.glob("*.o"), key=lambda p: p.stat().st_mtime, reverse=True)
+        write_bytes_atomic(obj_path, obj)
+        # last: an entry counts once its digest is there, and a damaged one is compiled again
+        write_bytes_atomic(sum_path, _entry_digest(optimised.encode("utf-8"), obj).encode("ascii"))
+        entries = sorted(folder.glob("*.sha256"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in entries[OBJECT_CACHE_ENTRIES:]:
-            old.unlink(missing_ok=True)
-            old.with_suffix(".ll").unlink(missing_ok=True)
+            for suffix in (".sha256", ".o", ".ll"):
+                old.with_suffix(suffix).unlink(missing_ok=True)
     except OSError:
         pass  # a read-only or full cache only costs the next compile its time
     return optimised, obj
+
+
+def _entry_digest(ir: bytes, obj: bytes) -> str:
+    h = hashlib.sha256(ir)
+    h.update(b"\0")
+    h.update(obj)
+    return h.hexdigest()
