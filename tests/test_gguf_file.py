@@ -97,7 +97,7 @@ def test_a_truncated_file_is_refused_wherever_it_ends(tmp_path):
         assert message.startswith(f"{path}: not a readable GGUF file") and "\n" not in message, message
 
 
-def test_a_version_picc_does_not_read_is_named(tmp_path):
+def test_a_version_or_byte_order_picc_does_not_read_is_named(tmp_path):
     path = tmp_path / "v9.gguf"
     write_every_value_type(path)
     raw = bytearray(path.read_bytes())
@@ -105,4 +105,8 @@ def test_a_version_picc_does_not_read_is_named(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(PiccError, match=r"v9.gguf: not a readable GGUF file \(ValueError: GGUF version 9 \(picc reads "
                                         r"versions 2 and 3, little-endian\)\)"):
+        load_model(path)
+    raw[4:8] = struct.pack(">I", 3)  # what a big-endian writer puts there
+    path.write_bytes(bytes(raw))
+    with pytest.raises(PiccError, match=r"v9.gguf: not a readable GGUF file \(ValueError: a big-endian GGUF file"):
         load_model(path)

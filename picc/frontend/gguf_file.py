@@ -125,6 +125,8 @@ class GgufFile:
             raise ValueError("the file does not start with the GGUF magic")
         head.offset = 4
         version = head.u32()
+        if int.from_bytes(version.to_bytes(4, "little"), "big") in _VERSIONS:
+            raise ValueError("a big-endian GGUF file (picc reads little-endian ones, as llama.cpp writes them)")
         if version not in _VERSIONS:
             raise ValueError(f"GGUF version {version} (picc reads versions 2 and 3, little-endian)")
         n_tensors, n_kv = head.u64(), head.u64()
