@@ -114,14 +114,15 @@ def scaled_layers(module: Module) -> list[str]:
 
 
 def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
-              rule: str = "fisher") -> list[Profile]:
+              rule: str = "fisher", cache: bool = True) -> list[Profile]:
     """:func:`profile_sweep` with progress bars, after the Fisher scales when ``rule`` is ``fisher``
     and the model has layers it scales. The profiles are cached (:func:`profile_cache_path`):
-    calibrating the same model on the same tokens again reads them back."""
+    calibrating the same model on the same tokens again reads them back (``cache=False``:
+    computes them again, and caches the result)."""
     if rule not in THRESHOLD_RULES:
         raise PiccError(f"threshold rule must be one of {', '.join(THRESHOLD_RULES)}, got {rule!r}")
     cached = profile_cache_path(module, weights, windows, targets, rule)
-    profiles = _load_profiles(cached)
+    profiles = _load_profiles(cached) if cache else None
     if profiles is not None:
         return profiles
     scales: dict[str, np.ndarray] = {}

@@ -222,6 +222,8 @@ def test_calibration_is_cached_by_model_tokens_and_settings(tok, tmp_path, monke
             for x, y in ((la.freq, lb.freq), (la.mag, lb.mag), (la.score_scale, lb.score_scale)):
                 assert x.dtype == y.dtype and np.array_equal(x, y)
 
+    calibrate(model.module, model.weights, windows, [0.3, 0.5], cache=False)  # asked to compute again
+    assert len(runs) == 2
     calibrate(model.module, model.weights, windows, [0.4])
     calibrate(model.module, model.weights, windows, [0.3, 0.5], rule="cats")
     calibrate(model.module, model.weights, token_windows(tok, "ptb", 256, window=64, seed=2), [0.3, 0.5])
@@ -229,7 +231,7 @@ def test_calibration_is_cached_by_model_tokens_and_settings(tok, tmp_path, monke
     kept = model.weights[up].data[0, 0]
     model.weights[up].data[0, 0] = kept + 1.0
     calibrate(model.module, model.weights, windows, [0.3, 0.5])
-    assert len(runs) == 5
+    assert len(runs) == 6
     model.weights[up].data[0, 0] = kept
     (entry,) = [p for p in (tmp_path / "profiles").iterdir()
                 if p == profiling.profile_cache_path(model.module, model.weights, windows, [0.3, 0.5], "fisher")]
@@ -238,7 +240,14 @@ def test_calibration_is_cached_by_model_tokens_and_settings(tok, tmp_path, monke
         entry.write_bytes(damaged)
         assert calibrate(model.module, model.weights, windows, [0.3, 0.5])[0].layers[0].threshold == \
             first[0].layers[0].threshold
-    assert len(runs) == 7
+    assert len(runs) == 8
+    # The pass's cache option: off computes again, on (the default) reads the entry.
+    loaded = with_tokenizer(model)
+    for option, computed in (("", True), (",cache=off", True), ("", False)):
+        before = len(runs)
+        run_pipeline(loaded.module, loaded.weights, parse_pipeline(
+            f"profile-activations{{tokens=128,window=64,target-sparsity=0.3{option}}}"), tokenizer=loaded.tokenizer)
+        assert (len(runs) > before) == computed, option
 
 
 def test_corpus_ids_are_cached_by_text_and_tokenizer(tok, tmp_path, monkeypatch):
