@@ -58,6 +58,23 @@ def test_every_command_has_help(command, capsys):
     assert len(out.splitlines()) > 5
 
 
+def test_opt_help_lists_every_pass_and_other_commands_do_not_import_them(capsys):
+    import subprocess
+    import sys
+
+    from picc.passes import PASSES
+
+    with pytest.raises(SystemExit):
+        main(["opt", "--help"])
+    words = capsys.readouterr().out.split()
+    assert all(f"{name}:" in words for name in PASSES), words  # whole: not broken at a hyphen
+    # The listing is made when help is shown: building the parser (every command does) must not
+    # import the passes and what they import (~0.6 s of picc run's start-up).
+    code = "import sys; from picc.cli import build_parser; build_parser(); print('picc.passes' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "False"
+
+
 def test_runtime_commands_default_to_every_available_core(monkeypatch, capsys):
     # picc run / bench / logits leave --threads unset; the runtime then uses the cores the process
     # may run on (its affinity), as many as the compiled code allows; --help says how many.
