@@ -184,10 +184,11 @@ def compiled_object(ir_text: str, simd: str) -> tuple[str, bytes]:
     optimised, obj = module.ir, module.emit_object()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(ir_path, optimised.encode("utf-8"))
+        ir_bytes = optimised.encode("utf-8")
+        write_bytes_atomic(ir_path, ir_bytes)
         write_bytes_atomic(obj_path, obj)
         # last: an entry counts once its digest is there, and a damaged one is compiled again
-        write_bytes_atomic(sum_path, _entry_digest(optimised.encode("utf-8"), obj).encode("ascii"))
+        write_bytes_atomic(sum_path, _entry_digest(ir_bytes, obj).encode("ascii"))
         entries = sorted(folder.glob("*.sha256"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in entries[OBJECT_CACHE_ENTRIES:]:
             for suffix in (".sha256", ".o", ".ll"):

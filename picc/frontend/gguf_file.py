@@ -45,21 +45,19 @@ class GgufTensor:
 class _Array:
     """An array value not decoded yet: its element type, count and where its elements start."""
 
-    def __init__(self, file: GgufFile, elem_type: int, count: int, offset: int) -> None:
-        self.file, self.elem_type, self.count, self.offset = file, elem_type, count, offset
+    def __init__(self, buf: np.ndarray, elem_type: int, count: int, offset: int) -> None:
+        self.buf, self.elem_type, self.count, self.offset = buf, elem_type, count, offset
 
     def values(self) -> list:
-        out, reader = [], self.file._at(self.offset)
-        for _ in range(self.count):
-            out.append(reader.value(self.elem_type))
-        return out
+        reader = _Cursor(self.buf, self.offset)
+        return [reader.value(self.elem_type) for _ in range(self.count)]
 
 
 class _Cursor:
     """Reads values from ``buf`` onwards from ``offset``; running past the end is a ValueError."""
 
-    def __init__(self, file: GgufFile, offset: int) -> None:
-        self.file, self.buf, self.offset = file, file._bytes, offset
+    def __init__(self, buf: np.ndarray, offset: int) -> None:
+        self.buf, self.offset = buf, offset
 
     def _take(self, fmt: str) -> object:
         size = struct.calcsize(fmt)
@@ -92,7 +90,7 @@ class _Cursor:
             elem, count = self.u32(), self.u64()
             start = self.offset
             self.skip(elem, count)
-            return _Array(self.file, elem, count, start)
+            return _Array(self.buf, elem, count, start)
         raise ValueError(f"unknown metadata value type {vtype} at byte {self.offset - 4}")
 
     def skip(self, elem: int, count: int) -> None:
@@ -120,10 +118,9 @@ class GgufFile:
         import gguf
 
         self._bytes = np.memmap(path, dtype=np.uint8, mode="r")
-        head = _Cursor(self, 0)
         if bytes(self._bytes[:4]) != _MAGIC:
             raise ValueError("the file does not start with the GGUF magic")
-        head.offset = 4
+        head = _Cursor(self._bytes, 4)
         version = head.u32()
         if int.from_bytes(version.to_bytes(4, "little"), "big") in _VERSIONS:
             raise ValueError("a big-endian GGUF file (picc reads little-endian ones, as llama.cpp writes them)")
@@ -160,9 +157,6 @@ class GgufFile:
             if qtype.name in _FLOAT_DTYPES:
                 data = data.view(_FLOAT_DTYPES[qtype.name])
             self.tensors.append(GgufTensor(name, qtype.name, dims, data))
-
-    def _at(self, offset: int) -> _Cursor:
-        return _Cursor(self, offset)
 
     def get(self, key: str, default: object = None) -> object:
         """The value of metadata ``key`` (a list for an array), or ``default`` when it is absent."""
