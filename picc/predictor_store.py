@@ -39,8 +39,9 @@ def cache_key(module: Module, weights: WeightStore, layers: list[str], settings:
 
 
 def save_cached(key: str, predictors: dict[str, TrainedPredictor]) -> None:
+    """Keep ``predictors`` under ``key``; a cache that cannot be written only costs the next
+    compile its training."""
     directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     arrays: dict[str, np.ndarray] = {}
     meta = {}
     for i, (name, p) in enumerate(predictors.items()):
@@ -49,8 +50,12 @@ def save_cached(key: str, predictors: dict[str, TrainedPredictor]) -> None:
         meta[name] = {"index": i, "threshold": p.threshold, "recall": p.recall,
                       "predicted_density": p.predicted_density, "true_density": p.true_density}
     arrays["meta"] = np.array(json.dumps(meta))
-    with atomic_path(directory / f"{key}.npz") as tmp, open(tmp, "wb") as f:
-        np.savez(f, **arrays)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with atomic_path(directory / f"{key}.npz") as tmp, open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+    except OSError:
+        pass
 
 
 def load_cached(key: str) -> dict[str, TrainedPredictor] | None:

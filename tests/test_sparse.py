@@ -222,6 +222,15 @@ def test_predictors_are_cached(monkeypatch, tmp_path):
     assert trained
 
 
+def test_an_unwritable_cache_does_not_fail_the_training(monkeypatch, tmp_path):
+    # The cache directory cannot be made (a file is in the way): the predictors are trained and
+    # used all the same, as the other caches behave.
+    (tmp_path / "blocked").write_text("a file, not a directory")
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "blocked" / "cache"))
+    _, module = sparse_model("reglu", "predictor")
+    assert any(isinstance(o, Predict) for o in module.ops())
+
+
 def test_unprofiled_and_ungated_errors():
     model = with_tokenizer(tiny_llama("reglu"))
     with pytest.raises(PiccError, match="has no profile; run profile-activations first"):
