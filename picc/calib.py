@@ -16,7 +16,7 @@ import numpy as np
 
 from picc.errors import PiccError
 from picc.frontend.tokenizer import Tokenizer
-from picc.fsutil import atomic_path, cache_root
+from picc.fsutil import cache_root, cached, keep_cached
 
 CORPORA = {"ptb": "train", "ptb-valid": "valid", "ptb-test": "test"}
 
@@ -73,18 +73,19 @@ def _corpus_ids(tokenizer: Tokenizer, source: str) -> list[int]:
     for part in (text, tokenizer.backend_json, version("tokenizers")):
         key.update(part.encode())
         key.update(b"\0")
-    cached = cache_root() / "corpus-ids" / f"{key.hexdigest()[:32]}.npy"
-    try:
-        return np.load(cached).tolist()
-    except (OSError, ValueError):
-        pass  # absent or damaged: encoded again
+    path = cache_root() / "corpus-ids" / f"{key.hexdigest()[:32]}.npy"
+    if cached(path) is not None:
+        try:
+            return np.load(path).tolist()
+        except (OSError, ValueError):
+            pass  # damaged: encoded again
     ids = tokenizer.backend.encode(text, add_special_tokens=False).ids
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(cached) as tmp, open(tmp, "wb") as f:
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
             np.save(f, np.asarray(ids, dtype=np.int32))
-    except OSError:
-        pass  # a read-only cache only costs the next encoding its time
+
+    keep_cached(path, write)
     return ids
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from picc.digest import hash_model
 from picc.errors import PiccError
-from picc.fsutil import atomic_path, cache_root
+from picc.fsutil import cache_root, cached, keep_cached
 from picc.ir import ops as O
 from picc.ir.module import Module
 from picc.ir.weights import WeightStore
@@ -50,17 +50,17 @@ def save_cached(key: str, predictors: dict[str, TrainedPredictor]) -> None:
         meta[name] = {"index": i, "threshold": p.threshold, "recall": p.recall,
                       "predicted_density": p.predicted_density, "true_density": p.true_density}
     arrays["meta"] = np.array(json.dumps(meta))
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with atomic_path(directory / f"{key}.npz") as tmp, open(tmp, "wb") as f:
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
             np.savez(f, **arrays)
-    except OSError:
-        pass
+
+    keep_cached(directory / f"{key}.npz", write)
 
 
 def load_cached(key: str) -> dict[str, TrainedPredictor] | None:
-    path = cache_dir() / f"{key}.npz"
-    if not path.is_file():
+    path = cached(cache_dir() / f"{key}.npz")
+    if path is None:
         return None
     try:
         with np.load(path) as z:

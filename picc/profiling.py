@@ -29,7 +29,7 @@ from picc.calib import Windows
 from picc.digest import hash_model
 from picc.errors import PiccError
 from picc.fisher import fisher_scales
-from picc.fsutil import atomic_path, cache_root
+from picc.fsutil import atomic_path, cache_root, cached, keep_cached
 from picc.interpreter import FfnTrace, Interpreter
 from picc.ir import ops as O
 from picc.ir.core import Attr
@@ -177,16 +177,16 @@ def _save_profiles(path: Path, profiles: list[Profile]) -> None:
         meta.append({"layers": layers, "calib": profile.calib, "tokens": profile.tokens, "window": profile.window,
                      "seed": profile.seed, "target_sparsity": profile.target_sparsity, "rule": profile.rule})
     arrays["meta"] = np.array(json.dumps(meta))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
             np.savez(f, **arrays)
-    except OSError:
-        pass  # a read-only cache only costs the next calibration its time
+
+    keep_cached(path, write)
 
 
 def _load_profiles(path: Path) -> list[Profile] | None:
-    if not path.is_file():
+    if cached(path) is None:
         return None
     try:
         with np.load(path) as z:

@@ -23,7 +23,7 @@ import llvmlite
 import llvmlite.binding as llvm
 
 from picc.errors import PiccError
-from picc.fsutil import cache_root, write_bytes_atomic
+from picc.fsutil import cache_root, prune_cache, write_bytes_atomic
 
 SIMD_CHOICES = ("host", "avx512", "avx2")
 _CPU_FOR_SIMD = {"avx512": "x86-64-v4", "avx2": "x86-64-v3"}
@@ -189,10 +189,7 @@ def compiled_object(ir_text: str, simd: str) -> tuple[str, bytes]:
         write_bytes_atomic(obj_path, obj)
         # last: an entry counts once its digest is there, and a damaged one is compiled again
         write_bytes_atomic(sum_path, _entry_digest(ir_bytes, obj).encode("ascii"))
-        entries = sorted(folder.glob("*.sha256"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in entries[OBJECT_CACHE_ENTRIES:]:
-            for suffix in (".sha256", ".o", ".ll"):
-                old.with_suffix(suffix).unlink(missing_ok=True)
+        prune_cache(folder, "*.sha256", OBJECT_CACHE_ENTRIES, companions=(".o", ".ll"))
     except OSError:
         pass  # a read-only or full cache only costs the next compile its time
     return optimised, obj

@@ -32,7 +32,7 @@ from typing import Any
 import tokenizers
 
 from picc.errors import PiccError
-from picc.fsutil import cache_root, write_text_atomic
+from picc.fsutil import cache_root, cached, keep_cached
 
 FORMAT_NAME = "picc-tokenizer"
 FORMAT_VERSION = 1
@@ -171,18 +171,14 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     gguf_path = Path(path)
     if not gguf_path.is_file():
         raise PiccError(f"{gguf_path}: expected a GGUF file")
-    cached = _gguf_cache_path(gguf_path)
-    if cached.is_file():
+    path = _gguf_cache_path(gguf_path)
+    if cached(path) is not None:
         try:
-            return Tokenizer.from_json(cached.read_text(encoding="utf-8"))
+            return Tokenizer.from_json(path.read_text(encoding="utf-8"))
         except (OSError, PiccError):
             pass  # a damaged entry is rebuilt, not trusted
     tokenizer = _convert_gguf_tokenizer(gguf_path)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(cached, tokenizer.to_json())
-    except OSError:
-        pass  # a read-only cache only costs the next load its time
+    keep_cached(path, lambda tmp: tmp.write_text(tokenizer.to_json(), encoding="utf-8"))
     return tokenizer
 
 

@@ -63,7 +63,7 @@ import yaml
 
 from picc.blas import blas_threads
 from picc.errors import PiccError
-from picc.fsutil import atomic_path, cache_root
+from picc.fsutil import cache_root, keep_cached
 from picc.kernel_names import CPU_RATE_KEYS
 
 SIMD_LEVELS = ("avx512", "avx2", "sse")
@@ -443,11 +443,7 @@ def detect_host_cpu() -> CpuSpec:
     if bandwidth is None or not bandwidth > 0 or rates is None:  # measured together: the same moment
         bandwidth = measure_memory_bandwidth()
         rates = measure_kernel_rates(cores)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_path(path) as tmp:
-                tmp.write_text(json.dumps({"version": HOST_CACHE_VERSION, "cpu": name, "cores": cores,
-                                           "kernels": kernels, "mem_bandwidth": bandwidth, "kernel_rates": rates}))
-        except (OSError, PiccError):
-            pass  # an unwritable cache costs a re-measurement next time, nothing more
+        entry = json.dumps({"version": HOST_CACHE_VERSION, "cpu": name, "cores": cores, "kernels": kernels,
+                            "mem_bandwidth": bandwidth, "kernel_rates": rates})
+        keep_cached(path, lambda tmp: tmp.write_text(entry))
     return CpuSpec(name, cores, bandwidth, host_simd(info), tuple(sorted(rates.items())))
