@@ -1,15 +1,19 @@
-"""A hash of what a model computes, for the caches of what picc derives from it (trained
-predictors, calibration profiles)."""
+"""Hashes for the caches of what picc derives from a model (trained predictors, calibration
+profiles): of what the model computes, and of the picc code that derives from it."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 
 from picc.ir.module import Module
 from picc.ir.printer import print_module
 from picc.ir.weights import WeightStore
+
+PACKAGE = Path(__file__).parent
 
 
 def hash_model(h: hashlib._Hash, module: Module, weights: WeightStore) -> None:
@@ -18,3 +22,11 @@ def hash_model(h: hashlib._Hash, module: Module, weights: WeightStore) -> None:
     for name in sorted({w for op in module.ops() for w in op.weights()}):
         h.update(name.encode())
         h.update(np.ascontiguousarray(weights[name].data).tobytes())
+
+
+def hash_sources(h: hashlib._Hash, names: Iterable[str]) -> None:
+    """Feed ``h`` picc's source files ``names`` (paths inside the package): a change to the code
+    a cached result comes from makes it a miss."""
+    for name in names:
+        h.update(name.encode())
+        h.update((PACKAGE / name).read_bytes())

@@ -1,8 +1,9 @@
 """Where predictors come from besides training: picc's cache, and PowerInfer's published files.
 
 The cache lives outside the source tree (``$PICC_CACHE_DIR``, default ``~/.cache/picc``), keyed
-by a hash of the model (its IR text and the bytes of the weights it reads) and the calibration
-settings, so recompiling the same model the same way does not retrain.
+by a hash of the model (its IR text and the bytes of the weights it reads), the calibration
+settings and the code the predictors come from, so recompiling the same model the same way does
+not retrain, and a change to the training does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from picc.digest import hash_model
+from picc.digest import hash_model, hash_sources
 from picc.errors import PiccError
 from picc.fsutil import cache_root, cached, keep_cached
 from picc.ir import ops as O
@@ -23,6 +24,10 @@ from picc.ir.weights import WeightStore
 from picc.predictors import TrainedPredictor
 
 FORMAT_VERSION = 1
+# The code trained predictors come from: the training, the data it reads (the calibration windows,
+# the model run by the interpreter on its ops' semantics and weights' dequantization).
+TRAINING_SOURCES = ("predictors.py", "passes/insert_predictors.py", "calib.py", "interpreter.py", "quant.py",
+                    "ir/ops.py")
 _PARTS = ("fc1", "fc1_bias", "fc2", "fc2_bias")
 
 
@@ -31,8 +36,11 @@ def cache_dir() -> Path:
 
 
 def cache_key(module: Module, weights: WeightStore, layers: list[str], settings: dict[str, object]) -> str:
+    from importlib.metadata import version
+
     h = hashlib.sha256()
-    h.update(f"v{FORMAT_VERSION}".encode())
+    h.update(f"v{FORMAT_VERSION} torch {version('torch')} numpy {np.__version__}".encode())
+    hash_sources(h, TRAINING_SOURCES)
     hash_model(h, module, weights)
     h.update(json.dumps({"layers": layers, **settings}, sort_keys=True).encode())
     return h.hexdigest()[:32]

@@ -35,14 +35,6 @@ BATCH = 256
 MIN_RANK = 16
 
 
-
-def training_settings() -> dict[str, object]:
-    """What trained predictors depend on besides their data and options (part of the cache key):
-    change the training and cached predictors are retrained."""
-    return {"rank_rule": "bytes-per-token", "max_steps": MAX_STEPS, "min_steps": MIN_STEPS,
-            "epochs": EPOCHS, "batch": BATCH, "min_rank": MIN_RANK, "recall_slack": RECALL_SLACK}
-
-
 @dataclass(frozen=True)
 class LayerData:
     """Calibration tokens of one FFN layer: its inputs and which neurons were active."""

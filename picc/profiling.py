@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from picc.calib import Windows
-from picc.digest import hash_model
+from picc.digest import hash_model, hash_sources
 from picc.errors import PiccError
 from picc.fisher import fisher_scales
 from picc.fsutil import atomic_path, cache_root, cached, keep_cached
@@ -155,9 +155,7 @@ def profile_cache_path(module: Module, weights: WeightStore, windows: Windows, t
 
     h = hashlib.sha256()
     h.update(f"v{PROFILE_CACHE_VERSION} torch {version('torch')} numpy {np.__version__}".encode())
-    here = Path(__file__).parent
-    for name in _PROFILE_SOURCES:
-        h.update((here / name).read_bytes())
+    hash_sources(h, _PROFILE_SOURCES)
     hash_model(h, module, weights)
     h.update(json.dumps({"windows": windows.windows, "source": windows.source, "seed": windows.seed,
                          "targets": list(targets), "rule": rule}).encode())

@@ -219,7 +219,21 @@ def test_predictors_are_cached(monkeypatch, tmp_path):
     trained = []
     monkeypatch.setattr(ip, "train_all", lambda *a, **k: trained.append(1) or train_all(*a, **k))
     sparse_model("reglu", "predictor")
-    assert trained
+    assert len(trained) == 1
+    sparse_model("reglu", "predictor")
+    assert len(trained) == 1  # the retrained entry serves again
+    # A change to the training code (here: picc's sources as another version would have them) retrains.
+    import shutil
+
+    from picc import digest
+
+    changed = tmp_path / "picc"
+    shutil.copytree(digest.PACKAGE, changed, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(changed / "predictors.py", "a") as f:
+        f.write("# another version of the training\n")
+    monkeypatch.setattr(digest, "PACKAGE", changed)
+    sparse_model("reglu", "predictor")
+    assert len(trained) == 2
 
 
 def test_an_unwritable_cache_does_not_fail_the_training(monkeypatch, tmp_path):

@@ -36,7 +36,7 @@ from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes.registry import PassContext, register_pass
-from picc.predictors import LayerData, TrainedPredictor, starting_rank, train_all, training_settings
+from picc.predictors import LayerData, TrainedPredictor, starting_rank, train_all
 from picc.profiling import RELU_FORMS
 from picc.progress import progress_bar
 
@@ -101,7 +101,7 @@ def _train(module: Module, ctx: PassContext, ffns: list[O.FFN]) -> dict[str, Tra
     budget_params = int(budget_share * sum(ffn_bytes.values()) / 2)  # predictors are stored in float16
     key = predictor_store.cache_key(module, ctx.weights, [op.result for op in ffns],
                                     dict(calib=calib, tokens=tokens, window=window, seed=seed,
-                                         recall=recall, budget=budget_share, **training_settings()))
+                                         recall=recall, budget=budget_share))
     use_cache = ctx.option("cache", "on") != "off"
     if use_cache and (cached := predictor_store.load_cached(key)) is not None:
         return cached
