@@ -171,14 +171,14 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     gguf_path = Path(path)
     if not gguf_path.is_file():
         raise PiccError(f"{gguf_path}: expected a GGUF file")
-    path = _gguf_cache_path(gguf_path)
-    if cached(path) is not None:
+    entry = _gguf_cache_path(gguf_path)
+    if cached(entry) is not None:
         try:
-            return Tokenizer.from_json(path.read_text(encoding="utf-8"))
+            return Tokenizer.from_json(entry.read_text(encoding="utf-8"))
         except (OSError, PiccError):
             pass  # a damaged entry is rebuilt, not trusted
     tokenizer = _convert_gguf_tokenizer(gguf_path)
-    keep_cached(path, lambda tmp: tmp.write_text(tokenizer.to_json(), encoding="utf-8"))
+    keep_cached(entry, lambda tmp: tmp.write_text(tokenizer.to_json(), encoding="utf-8"))
     return tokenizer
 
 
