@@ -80,12 +80,7 @@ def _corpus_ids(tokenizer: Tokenizer, source: str) -> list[int]:
         except (OSError, ValueError):
             pass  # damaged: encoded again
     ids = tokenizer.backend.encode(text, add_special_tokens=False).ids
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            np.save(f, np.asarray(ids, dtype=np.int32))
-
-    keep_cached(path, write)
+    keep_cached(path, lambda f: np.save(f, np.asarray(ids, dtype=np.int32)))
     return ids
 
 

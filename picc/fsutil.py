@@ -8,6 +8,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from picc.errors import PiccError
 
@@ -58,15 +59,15 @@ def cached(path: Path) -> Path | None:
     return path
 
 
-def keep_cached(path: Path, write: Callable[[Path], None], entries: int = CACHE_ENTRIES) -> None:
-    """Put an entry in picc's cache: ``write(tmp)`` fills a temp file that becomes ``path`` once
-    complete, then the folder keeps its ``entries`` most recently used entries (files with
+def keep_cached(path: Path, write: Callable[[BinaryIO], object], entries: int = CACHE_ENTRIES) -> None:
+    """Put an entry in picc's cache: ``write(f)`` fills a temp file (open for binary writing) that
+    becomes ``path`` once complete, then the folder keeps its ``entries`` most recently used entries (files with
     ``path``'s suffix). A cache that cannot be written only costs the next run its time: an
     OSError is ignored (the temp file is gone either way)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            write(tmp)
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            write(f)
         prune_cache(path.parent, f"*{path.suffix}", entries)
     except OSError:
         pass

@@ -58,12 +58,7 @@ def save_cached(key: str, predictors: dict[str, TrainedPredictor]) -> None:
         meta[name] = {"index": i, "threshold": p.threshold, "recall": p.recall,
                       "predicted_density": p.predicted_density, "true_density": p.true_density}
     arrays["meta"] = np.array(json.dumps(meta))
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-
-    keep_cached(directory / f"{key}.npz", write)
+    keep_cached(directory / f"{key}.npz", lambda f: np.savez(f, **arrays))
 
 
 def load_cached(key: str) -> dict[str, TrainedPredictor] | None:

@@ -175,12 +175,7 @@ def _save_profiles(path: Path, profiles: list[Profile]) -> None:
         meta.append({"layers": layers, "calib": profile.calib, "tokens": profile.tokens, "window": profile.window,
                      "seed": profile.seed, "target_sparsity": profile.target_sparsity, "rule": profile.rule})
     arrays["meta"] = np.array(json.dumps(meta))
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-
-    keep_cached(path, write)
+    keep_cached(path, lambda f: np.savez(f, **arrays))
 
 
 def _load_profiles(path: Path) -> list[Profile] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
@@ -27,7 +28,7 @@ def _entries(folder: Path, count: int, suffix: str = ".npz") -> list[Path]:
 def test_a_new_entry_pushes_out_the_least_recently_used_ones(tmp_path):
     old = _entries(tmp_path / "kind", 5)
     assert cached(old[0]) == old[0]  # read now: the most recently used of the old ones
-    keep_cached(tmp_path / "kind" / "new.npz", lambda tmp: tmp.write_text("new"), entries=3)
+    keep_cached(tmp_path / "kind" / "new.npz", lambda f: f.write(b"new"), entries=3)
     kept = sorted(p.name for p in (tmp_path / "kind").iterdir())
     assert kept == ["00.npz", "04.npz", "new.npz"]
     assert (tmp_path / "kind" / "new.npz").read_text() == "new"
@@ -37,7 +38,7 @@ def test_pruning_counts_only_the_entries_own_kind(tmp_path):
     folder = tmp_path / "kind"
     _entries(folder, 3, ".json")
     (folder / "notes.txt").write_text("not an entry")
-    keep_cached(folder / "new.json", lambda tmp: tmp.write_text("{}"), entries=2)
+    keep_cached(folder / "new.json", lambda f: f.write(b"{}"), entries=2)
     assert sorted(p.name for p in folder.iterdir()) == ["02.json", "new.json", "notes.txt"]
 
 
@@ -58,7 +59,7 @@ def test_a_missing_entry_is_not_cached(tmp_path):
 
 def test_an_unwritable_cache_is_ignored(tmp_path):
     (tmp_path / "kind").write_text("a file where the cache's folder should be")
-    keep_cached(tmp_path / "kind" / "entry.npz", lambda tmp: tmp.write_text("x"))
+    keep_cached(tmp_path / "kind" / "entry.npz", lambda f: f.write(b"x"))
     assert (tmp_path / "kind").is_file()
 
 
@@ -66,8 +67,8 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path):
     folder = tmp_path / "kind"
     old = _entries(folder, 2)
 
-    def write(tmp: Path) -> None:
-        tmp.write_text("half of an entry")
+    def write(f: BinaryIO) -> None:
+        f.write(b"half of an entry")
         raise OSError("disk full")
 
     keep_cached(folder / "new.npz", write, entries=1)
@@ -75,7 +76,7 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path):
 
 
 def test_other_errors_of_the_writer_are_not_swallowed(tmp_path):
-    def write(tmp: Path) -> None:
+    def write(f: BinaryIO) -> None:
         raise ValueError("a bug in the caller")
 
     with pytest.raises(ValueError, match="a bug"):

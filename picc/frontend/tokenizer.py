@@ -178,7 +178,7 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
         except (OSError, PiccError):
             pass  # a damaged entry is rebuilt, not trusted
     tokenizer = _convert_gguf_tokenizer(gguf_path)
-    keep_cached(entry, lambda tmp: tmp.write_text(tokenizer.to_json(), encoding="utf-8"))
+    keep_cached(entry, lambda f: f.write(tokenizer.to_json().encode("utf-8")))
     return tokenizer
 
 

@@ -445,5 +445,5 @@ def detect_host_cpu() -> CpuSpec:
         rates = measure_kernel_rates(cores)
         entry = json.dumps({"version": HOST_CACHE_VERSION, "cpu": name, "cores": cores, "kernels": kernels,
                             "mem_bandwidth": bandwidth, "kernel_rates": rates})
-        keep_cached(path, lambda tmp: tmp.write_text(entry))
+        keep_cached(path, lambda f: f.write(entry.encode()))
     return CpuSpec(name, cores, bandwidth, host_simd(info), tuple(sorted(rates.items())))
