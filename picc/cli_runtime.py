@@ -123,7 +123,8 @@ def device_times(session, before) -> dict | None:  # noqa: ANN001 - a Session an
     return {"gpu": ex.gpu_kind, "gpu_ms": 1e3 * (now.gpu_seconds - before.gpu_seconds),
             "cpu_ms": 1e3 * (now.cpu_seconds - before.cpu_seconds),
             "transfer_ms": 1e3 * (now.transfer_seconds - before.transfer_seconds),
-            "transfer_bytes": now.transfer_bytes - before.transfer_bytes}
+            "transfer_bytes": now.transfer_bytes - before.transfer_bytes,
+            "launches": now.launches - before.launches, "graph_launches": now.graph_launches - before.graph_launches}
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -205,7 +206,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
         result["devices"] = {"gpu": devices["gpu"], "gpu_ms_per_token": devices["gpu_ms"] / steps,
                              "cpu_ms_per_token": devices["cpu_ms"] / steps,
                              "transfer_ms_per_token": devices["transfer_ms"] / steps,
-                             "transfer_bytes_per_token": devices["transfer_bytes"] / steps}
+                             "transfer_bytes_per_token": devices["transfer_bytes"] / steps,
+                             "launches_per_token": devices["launches"] / steps,
+                             "graph_launches_per_token": devices["graph_launches"] / steps}
     if profile is not None:
         result["profile"] = profile
     if args.json:
@@ -223,7 +226,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if devices:
         d = result["devices"]
         print(f"  per token: GPU {d['gpu_ms_per_token']:.3f} ms ({d['gpu']}), CPU {d['cpu_ms_per_token']:.3f} ms, "
-              f"transfers {d['transfer_ms_per_token']:.3f} ms ({d['transfer_bytes_per_token'] / 1024:.1f} KiB)")
+              f"transfers {d['transfer_ms_per_token']:.3f} ms ({d['transfer_bytes_per_token'] / 1024:.1f} KiB); "
+              f"{d['launches_per_token']:.1f} kernel launches and {d['graph_launches_per_token']:.1f} graph "
+              "launches")
     if profile is not None:
         print_profile(profile)
 

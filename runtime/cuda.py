@@ -10,10 +10,22 @@ compiled to PTX when it is loaded.
 
 Memory is the same as on the host-emulated GPU (``runtime.gpu``): one allocation of exactly the
 plan's GPU bytes, weights uploaded once in ``runtime.gpu_layout``'s layout, activation vectors
-copied per token. Kernels run in order on the default stream; ``run`` waits for them, so its time
-is the device's.
+copied per token.
 
-This file cannot be exercised on a machine without a GPU; the tests marked ``gpu`` run it.
+What a token costs besides the kernels' own time:
+
+* **Launches.** The ops of a stage always launch the same kernels on the same arena addresses (the
+  kernels read the token and its position from device memory), so the second time a stage runs,
+  its launches are captured into a CUDA graph on the executor's stream and from then on the stage
+  is one ``cuGraphLaunch``: a few microseconds instead of one ctypes ``cuLaunchKernel`` per kernel.
+* **Copies.** Activations cross through a pinned host buffer laid out like the device's activation
+  slots, asynchronously on the executor's stream: uploads are queued and not waited for (the
+  stage's graph, queued after them, sees them), downloads are queued together and waited for once.
+
+**Threads.** The driver keeps one *current context* per thread, and a split model's GPU part runs
+on the executor's worker thread, not on the thread that opened the session. Every driver call
+therefore goes through :class:`Driver`, which makes this executor's context current on the calling
+thread before its first call there.
 """
 
 from __future__ import annotations
@@ -22,7 +34,9 @@ import ctypes
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,18 +46,54 @@ from runtime.pib import PibFile
 
 _u64 = ctypes.c_uint64
 
+_ATTR_CC_MAJOR, _ATTR_CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_*
+_STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream
+_CAPTURE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' calls stay legal
 
-class _Driver:
-    """The few driver calls picc needs, each checked (a failure is a GpuError naming the call)."""
 
-    def __init__(self) -> None:
-        try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as e:
-            raise GpuError(f"cannot load the NVIDIA driver (libcuda.so.1): {e}") from None
+def libcuda() -> ctypes.CDLL:
+    """The NVIDIA driver library."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise GpuError(f"cannot load the NVIDIA driver (libcuda.so.1): {e}") from None
+
+
+class Driver:
+    """The driver calls picc makes, each checked (a failure is a GpuError naming the call).
+
+    The one place every call goes through: once :meth:`use` has named a context, a thread's first
+    call makes that context current on it (the driver keeps one per thread; a thread that never set
+    one, like the executor's worker, has none and every call there would fail with
+    ``CUDA_ERROR_INVALID_CONTEXT``). ``lib`` is ``libcuda`` unless a test passes a stand-in.
+    """
+
+    def __init__(self, lib: object | None = None) -> None:
+        self.lib = lib if lib is not None else libcuda()
+        self._ctx: ctypes.c_void_p | None = None
+        self._current = threading.local()  # .ctx: the context this thread made current
+
+    def use(self, ctx: ctypes.c_void_p) -> None:
+        """Make ``ctx`` current on every thread that calls the driver from now on."""
+        self._ctx = ctx
+        self._current.ctx = None
+        self._ensure_current()
+
+    def _ensure_current(self) -> None:
+        if self._ctx is not None and getattr(self._current, "ctx", None) != self._ctx.value:
+            self._check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self._ctx))
+            self._current.ctx = self._ctx.value
 
     def __call__(self, name: str, *args: object) -> None:
-        result = getattr(self.lib, name)(*args)
+        self._ensure_current()
+        self._check(name, getattr(self.lib, name)(*args))
+
+    def status(self, name: str, *args: object) -> int:
+        """Call ``name`` and return its result code unchecked (for calls whose failure is an answer)."""
+        self._ensure_current()
+        return int(getattr(self.lib, name)(*args))
+
+    def _check(self, name: str, result: int) -> None:
         if result != 0:
             text = ctypes.c_char_p()
             self.lib.cuGetErrorName(result, ctypes.byref(text))
@@ -55,19 +105,24 @@ class CudaGpu:
 
     kind = "cuda"
 
-    def __init__(self, pib: PibFile) -> None:
-        self.cu = cu = _Driver()
+    def __init__(self, pib: PibFile, *, driver: Driver | None = None, graphs: bool = True) -> None:
+        self.cu = cu = driver or Driver()
+        self.graphs = graphs
         cu("cuInit", 0)
         device = ctypes.c_int()
         cu("cuDeviceGet", ctypes.byref(device), 0)
         major, minor = ctypes.c_int(), ctypes.c_int()
-        cu("cuDeviceGetAttribute", ctypes.byref(major), 75, device)  # COMPUTE_CAPABILITY_MAJOR
-        cu("cuDeviceGetAttribute", ctypes.byref(minor), 76, device)  # COMPUTE_CAPABILITY_MINOR
+        cu("cuDeviceGetAttribute", ctypes.byref(major), _ATTR_CC_MAJOR, device)
+        cu("cuDeviceGetAttribute", ctypes.byref(minor), _ATTR_CC_MINOR, device)
         self.device_arch = f"sm_{major.value}{minor.value}"
         self._ctx = ctypes.c_void_p()
         cu("cuDevicePrimaryCtxRetain", ctypes.byref(self._ctx), device)
-        cu("cuCtxSetCurrent", self._ctx)
+        cu.use(self._ctx)
         self._device = device
+        self._modules: list[ctypes.c_void_p] = []
+        self._graphs: dict[tuple[str, ...], tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
+        self._seen: set[tuple[str, ...]] = set()
+        self.base, self.pinned, self.stream = _u64(), ctypes.c_void_p(), ctypes.c_void_p()
         manifest = pib.json("cuda/manifest")
         plan = pib.json("plan")
         self.arena_bytes = int(plan["gpu_bytes"])
@@ -75,14 +130,18 @@ class CudaGpu:
         cu("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
         if self.arena_bytes > free.value:
             raise GpuError(f"the plan needs {self.arena_bytes} bytes of VRAM but the device has {free.value} free")
-        self.base = _u64()
         cu("cuMemAlloc_v2", ctypes.byref(self.base), ctypes.c_size_t(self.arena_bytes))
         image = arena_image(pib, self.arena_bytes)  # weights and constants in place, the rest zero
         cu("cuMemcpyHtoD_v2", self.base, image.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(image.nbytes))
+        cu("cuStreamCreate", ctypes.byref(self.stream), _STREAM_NON_BLOCKING)
         self._slots = {k: int(v) for k, v in plan["activation_offsets"].items()}
         activations = next((b for b in plan["buffers"] if b["name"] == "activations"), None)
         self._act = int(activations["offset"]) if activations else 0
-        self._modules: list[ctypes.c_void_p] = []
+        act_bytes = int(activations["nbytes"]) if activations else 0
+        cu("cuMemHostAlloc", ctypes.byref(self.pinned), ctypes.c_size_t(max(act_bytes, 1)), 0)
+        self._staging = np.ctypeslib.as_array(ctypes.cast(self.pinned, ctypes.POINTER(ctypes.c_uint8)),
+                                              (max(act_bytes, 1),))
+        self._queued: set[str] = set()  # values whose upload from the staging buffer may be pending
         self._functions = self._load(pib, manifest)
         self._launches = self._bind(pib.json("gpu/launches"), manifest)
         self.times = GpuTimes()
@@ -110,7 +169,7 @@ class CudaGpu:
             self._modules.append(module)
             for entry in entries:
                 fn = ctypes.c_void_p()
-                if self.cu.lib.cuModuleGetFunction(ctypes.byref(fn), module, entry.encode()) == 0:
+                if self.cu.status("cuModuleGetFunction", ctypes.byref(fn), module, entry.encode()) == 0:
                     functions[entry] = fn
         missing = [e for e in entries if e not in functions]
         if missing:
@@ -118,6 +177,7 @@ class CudaGpu:
         return functions
 
     def _bind(self, launches: dict[str, list[dict]], manifest: dict) -> dict[str, list[tuple]]:
+        """Per op, its launches with their argument arrays (pointers into the arena) built once."""
         bound: dict[str, list[tuple]] = {}
         for op, calls in launches.items():
             bound[op] = []
@@ -127,35 +187,117 @@ class CudaGpu:
                     pointers = [_u64(self.base.value + where[p]) for p in launch["params"]]
                     args = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(p) for p in pointers])
                     bound[op].append((self._functions[launch["entry"]], launch["grid"], launch["block"], args,
-                                      pointers))
+                                      pointers, launch["entry"]))
         return bound
+
+    # --- copies -------------------------------------------------------------------------------------
 
     def has(self, value: str) -> bool:
         return value in self._slots
 
     def upload(self, value: str, host: np.ndarray) -> None:
+        """Queue ``host`` -> ``value``'s slot on the device (not waited for: later work on the
+        stream sees it)."""
         start = time.perf_counter()
-        at = _u64(self.base.value + self._act + self._slots[value])
-        self.cu("cuMemcpyHtoD_v2", at, host.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(host.nbytes))
+        if value in self._queued:  # its staging bytes may still be on their way: let them go first
+            self.synchronize()
+        at = self._slots[value]
+        self._staging[at : at + host.nbytes] = host.view(np.uint8).reshape(-1)
+        self.cu("cuMemcpyHtoDAsync_v2", _u64(self.base.value + self._act + at),
+                ctypes.c_void_p(self.pinned.value + at), ctypes.c_size_t(host.nbytes), self.stream)
+        self._queued.add(value)
         self.times.transfer_seconds += time.perf_counter() - start
         self.times.transfer_bytes += host.nbytes
 
     def download(self, value: str, host: np.ndarray) -> None:
+        """``value``'s slot on the device -> ``host``, once the work queued before it is done."""
+        self.download_many([(value, host)])
+
+    def download_many(self, pairs: list[tuple[str, np.ndarray]]) -> None:
+        """Each ``(value, host)``: the device's slot into ``host``, queued together, waited for once."""
+        if not pairs:
+            return
         start = time.perf_counter()
-        at = _u64(self.base.value + self._act + self._slots[value])
-        self.cu("cuMemcpyDtoH_v2", host.ctypes.data_as(ctypes.c_void_p), at, ctypes.c_size_t(host.nbytes))
+        for value, host in pairs:
+            at = self._slots[value]
+            self.cu("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(self.pinned.value + at),
+                    _u64(self.base.value + self._act + at), ctypes.c_size_t(host.nbytes), self.stream)
+        self.synchronize()
+        for value, host in pairs:
+            at = self._slots[value]
+            host.view(np.uint8).reshape(-1)[:] = self._staging[at : at + host.nbytes]
         self.times.transfer_seconds += time.perf_counter() - start
-        self.times.transfer_bytes += host.nbytes
+        self.times.transfer_bytes += sum(host.nbytes for _, host in pairs)
+
+    def synchronize(self) -> None:
+        """Wait for everything queued on the executor's stream."""
+        self.cu("cuStreamSynchronize", self.stream)
+        self._queued.clear()
+
+    # --- running ------------------------------------------------------------------------------------
 
     def run(self, ops: list[str]) -> None:
-        """Launch the kernels of ``ops`` in order and wait for them."""
+        """The kernels of ``ops``, in order, and wait for them: launched one by one the first time
+        this list of ops runs, from a CUDA graph captured the second time and replayed after."""
         start = time.perf_counter()
-        for op in ops:
-            for fn, grid, block, args, _ in self._launches.get(op, ()):
-                self.cu("cuLaunchKernel", fn, *grid, *block, 0, None, args, None)
-                self.times.launches += 1
-        self.cu("cuCtxSynchronize")
+        key = tuple(ops)
+        graph = self._graphs.get(key)
+        if graph is None and self.graphs and key in self._seen:
+            graph = self._graphs[key] = self._capture(ops)
+        if graph is not None:
+            self.cu("cuGraphLaunch", graph[1], self.stream)
+            self.times.graph_launches += 1
+        else:
+            self._seen.add(key)
+            self._launch(ops)
+        self.synchronize()
         self.times.gpu_seconds += time.perf_counter() - start
+
+    def _launch(self, ops: list[str] | tuple[str, ...]) -> None:
+        for op in ops:
+            for fn, grid, block, args, *_ in self._launches.get(op, ()):
+                self.cu("cuLaunchKernel", fn, *grid, *block, 0, self.stream, args, None)
+                self.times.launches += 1
+
+    def _capture(self, ops: list[str]) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
+        """A graph of ``ops``' launches on the stream, instantiated: ``(graph, executable)``."""
+        graph, executable = ctypes.c_void_p(), ctypes.c_void_p()
+        launches = self.times.launches
+        self.cu("cuStreamBeginCapture_v2", self.stream, _CAPTURE_THREAD_LOCAL)
+        try:
+            self._launch(ops)
+        finally:  # a capture left open would break every later call on the stream
+            self.cu("cuStreamEndCapture", self.stream, ctypes.byref(graph))
+        self.times.launches = launches  # captured, not launched
+        self.cu("cuGraphInstantiateWithFlags", ctypes.byref(executable), graph, ctypes.c_ulonglong(0))
+        return graph, executable
+
+    def launch_seconds(self, ops: list[str], before: Callable[[], None],
+                       repeat: int = 20) -> list[tuple[str, str, float]]:
+        """``(op, kernel entry, seconds)`` of device time per launch of ``ops``, in order (medians of
+        ``repeat`` runs, timed with events between the launches): where a step's GPU time goes.
+        ``before`` puts a step's inputs in place before each run (their slots are reused in a step)."""
+        launches = [(op, launch) for op in ops for launch in self._launches.get(op, ())]
+        events = [ctypes.c_void_p() for _ in range(len(launches) + 1)]
+        for e in events:
+            self.cu("cuEventCreate", ctypes.byref(e), 0)
+        samples: list[list[float]] = [[] for _ in launches]
+        try:
+            for _ in range(repeat):
+                before()
+                self.cu("cuEventRecord", events[0], self.stream)
+                for i, (_, (fn, grid, block, args, *_)) in enumerate(launches):
+                    self.cu("cuLaunchKernel", fn, *grid, *block, 0, self.stream, args, None)
+                    self.cu("cuEventRecord", events[i + 1], self.stream)
+                self.synchronize()
+                for i in range(len(launches)):
+                    ms = ctypes.c_float()
+                    self.cu("cuEventElapsedTime", ctypes.byref(ms), events[i], events[i + 1])
+                    samples[i].append(ms.value * 1e-3)
+        finally:
+            for e in events:
+                self.cu("cuEventDestroy_v2", e)
+        return [(op, launch[-1], float(np.median(t))) for (op, launch), t in zip(launches, samples, strict=True)]
 
     @property
     def peak_bytes(self) -> int:
@@ -163,9 +305,19 @@ class CudaGpu:
         return self.arena_bytes if self.base.value else 0
 
     def close(self) -> None:
+        for graph, executable in self._graphs.values():
+            self.cu("cuGraphExecDestroy", executable)
+            self.cu("cuGraphDestroy", graph)
+        self._graphs.clear()
         for module in self._modules:
             self.cu("cuModuleUnload", module)
         self._modules.clear()
+        if self.stream.value:
+            self.cu("cuStreamDestroy_v2", self.stream)
+            self.stream = ctypes.c_void_p()
+        if self.pinned.value:
+            self.cu("cuMemFreeHost", self.pinned)
+            self.pinned = ctypes.c_void_p()
         if self.base.value:
             self.cu("cuMemFree_v2", self.base)
             self.base = _u64()

@@ -36,12 +36,15 @@ GPU_MODES = ("auto", "cuda", "emulate")
 
 @dataclass
 class DeviceTimes:
-    """Where a run's step time went: GPU launches, CPU stages, copies between them."""
+    """Where a run's step time went: GPU work, CPU stages, copies between them; and how the GPU's
+    work was started (kernel launches one by one, CUDA graphs replayed)."""
 
     gpu_seconds: float = 0.0
     cpu_seconds: float = 0.0
     transfer_seconds: float = 0.0
     transfer_bytes: int = 0
+    launches: int = 0
+    graph_launches: int = 0
 
 
 class _GpuWorker:
@@ -140,9 +143,7 @@ class Executor:
                 for v in stage["to_gpu"]:
                     if logits or v not in self.head:
                         gpu.upload(v, cpu.value(v))
-                for v in stage["to_cpu"]:
-                    if logits or v not in self.head:
-                        gpu.download(v, cpu.value(v))
+                gpu.download_many([(v, cpu.value(v)) for v in stage["to_cpu"] if logits or v not in self.head])
             gpu_ops = [op for op in stage["gpu"] if logits or op not in self.head]
             self._side_by_side(gpu.run if gpu_ops and gpu is not None else None, gpu_ops,
                                cpu.run_stage if stage["cpu"] else None, (i, not logits))
@@ -174,6 +175,8 @@ class Executor:
             self.times.gpu_seconds = self.gpu.times.gpu_seconds
             self.times.transfer_seconds = self.gpu.times.transfer_seconds
             self.times.transfer_bytes = self.gpu.times.transfer_bytes
+            self.times.launches = self.gpu.times.launches
+            self.times.graph_launches = self.gpu.times.graph_launches
 
     @property
     def batched_prefill(self) -> bool:
@@ -226,8 +229,7 @@ class Executor:
             for name, rows in stage.gpu_in:
                 gpu.upload(name, rows[t])
             gpu.run(stage.gpu)
-            for name, rows in stage.gpu_out:
-                gpu.download(name, rows[t])
+            gpu.download_many([(name, rows[t]) for name, rows in stage.gpu_out])
 
     def logits(self) -> np.ndarray:
         """The last step's logits (a view, overwritten by the next step)."""

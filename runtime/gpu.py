@@ -23,7 +23,7 @@ import ctypes
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,13 +62,15 @@ class EmulatedDevice:
 
 @dataclass
 class GpuTimes:
-    """Seconds spent in GPU launches and in copies between host and device, and bytes copied."""
+    """Seconds spent in GPU work and in copies between host and device, bytes copied, and how the
+    work was started: kernels launched one by one (``launches``) or as CUDA graphs replayed
+    (``graph_launches``: one per stage)."""
 
     gpu_seconds: float = 0.0
     transfer_seconds: float = 0.0
     transfer_bytes: int = 0
     launches: int = 0
-    per_op: dict[str, float] = field(default_factory=dict)
+    graph_launches: int = 0
 
 
 class EmulatedGpu:
@@ -134,6 +136,11 @@ class EmulatedGpu:
         host.view(np.uint8).reshape(-1)[:] = self.arena[at : at + host.nbytes]
         self.times.transfer_seconds += time.perf_counter() - start
         self.times.transfer_bytes += host.nbytes
+
+    def download_many(self, pairs: list[tuple[str, np.ndarray]]) -> None:
+        """Each ``(value, host)`` as :meth:`download` (one wait on a real device)."""
+        for value, host in pairs:
+            self.download(value, host)
 
     # --- running ------------------------------------------------------------------------------------
 

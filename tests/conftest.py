@@ -109,3 +109,15 @@ def relu_demo_predicted(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("relu_predicted") / "relu.picc"
     assert main(["sparsify", "relu-demo", "--sparsity-mode", "predictor", "--tokens", "4096", "-o", str(path)]) == 0
     return path
+
+
+def half_the_ffn(full) -> int:
+    """A budget that holds what ``full`` (a compile with everything on the GPU) holds but half of
+    its FFN weights: the partitioner then splits layers between the devices."""
+    from picc.ir.fused_ops import FusedFFN
+
+    module = full.model.module
+    ffn_weights = {w for op in module.ops() if isinstance(op, FusedFFN) for w in op.weights()}
+    ffn_bytes = sum(b.nbytes for b in full.plan.buffers if b.device == "gpu" and b.name in ffn_weights)
+    assert ffn_bytes > 0
+    return full.plan.gpu_bytes - ffn_bytes // 2

@@ -57,7 +57,6 @@ from picc.interpreter import attention as ref_attention
 from picc.interpreter import rope as ref_rope
 from picc.ir import ops as O
 from picc.ir.types import f32
-from runtime.gpu import cuda_device_count
 
 F32_TOL = 1e-5
 QUANT_TOL = 1e-4
@@ -457,68 +456,3 @@ def test_bad_arch_and_bad_arguments_are_clear_errors() -> None:
         k(x=np.zeros(64, np.float32), w=np.ones(64, np.float32))
     with pytest.raises(PiccError, match="missing input w"):
         k(x=np.zeros((1, 64), np.float32))
-
-
-# ---------------------------------------------------------------- on a real GPU
-
-
-def _gpu_cases() -> list[tuple[object, dict[str, np.ndarray], str]]:
-    """(kernel, inputs, output to compare) for the device test: the FFN, a GEMV, attention."""
-    rng = np.random.default_rng(10)
-    hidden, n_ff = 576, 1536
-    ffn = sparse_ffn("ffn_gpu", hidden, n_ff, "swiglu", "q4_0")
-    a_ug, _ = weight_args("W_ug", randn(rng, n_ff, 2, hidden, scale=0.05), "q4_0")
-    a_down, _ = weight_args("down", randn(rng, n_ff, hidden, scale=0.05), "q4_0")
-    idx = np.zeros(padded(n_ff), np.int32)
-    idx[:300] = np.sort(rng.choice(n_ff, 300, replace=False))
-    ffn_in = {"x": randn(rng, hidden), "idx": idx, "count": np.array([300], np.int32), **a_ug, **a_down}
-    lm = gemv("gemv_gpu", 4096, hidden, "f16", bias=True)
-    a_w, _ = weight_args("W", randn(rng, 4096, hidden), "f16")
-    lm_in = {"x": randn(rng, hidden), "b": randn(rng, 4096), **a_w}
-    attn = attention("attn_gpu", 1, 9, 3, 64, 256, 0.125)
-    attn_in = {"q": randn(rng, 1, 576), "pos": np.array([100], np.int32), "k_cache": randn(rng, 256, 192),
-               "v_cache": randn(rng, 256, 192)}
-    return [(ffn, ffn_in, "y"), (lm, lm_in, "y"), (attn, attn_in, "out")]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device on this machine; the CUDA kernels only compile here")
-def test_cuda_kernels_match_host_builds_on_a_device() -> None:
-    # The kernels as the CUDA executor runs them: PTX from nvcc, launched through the driver with
-    # the compile-time launch configuration, on buffers in one device allocation.
-    import ctypes
-
-    from runtime.cuda import _Driver
-
-    cu = _Driver()
-    cu("cuInit", 0)
-    ctx, dev = ctypes.c_void_p(), ctypes.c_int()
-    cu("cuDeviceGet", ctypes.byref(dev), 0)
-    cu("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
-    cu("cuCtxSetCurrent", ctx)
-    for kernel, inputs, output in _gpu_cases():
-        host = build_host(kernel)(**inputs)[output]
-        art = build_cuda([kernel], "sm_75", outputs=("ptx",))[kernel.name]
-        arrays = [np.ascontiguousarray(inputs[p.name] if p.name in inputs else np.zeros(p.shape, p.dtype))
-                  for p in kernel.params]
-        pointers = {}
-        for p, a in zip(kernel.params, arrays, strict=True):
-            ptr = ctypes.c_uint64()
-            cu("cuMemAlloc_v2", ctypes.byref(ptr), ctypes.c_size_t(max(a.nbytes, 4)))
-            cu("cuMemcpyHtoD_v2", ptr, a.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(a.nbytes))
-            pointers[p.name] = ptr
-        module = ctypes.c_void_p()
-        cu("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(art.ptx + b"\0"))
-        for launch in art.launches:
-            fn = ctypes.c_void_p()
-            cu("cuModuleGetFunction", ctypes.byref(fn), module, launch["entry"].encode())
-            args = [pointers[name] for name in launch["params"]]
-            params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-            cu("cuLaunchKernel", fn, *launch["grid"], *launch["block"], 0, None, params, None)
-        cu("cuCtxSynchronize")
-        got = np.empty_like(arrays[[p.name for p in kernel.params].index(output)])
-        cu("cuMemcpyDtoH_v2", got.ctypes.data_as(ctypes.c_void_p), pointers[output], ctypes.c_size_t(got.nbytes))
-        for ptr in pointers.values():
-            cu("cuMemFree_v2", ptr)
-        cu("cuModuleUnload", module)
-        assert rel_err(got, host) <= QUANT_TOL, kernel.name

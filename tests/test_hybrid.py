@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import tiny_llama, with_tokenizer
+from conftest import half_the_ffn, tiny_llama, with_tokenizer
 
 import picc.passes.insert_predictors as insert_predictors_pass
 from picc.compile import CompileOptions, compile_model, write_compiled
@@ -50,16 +50,6 @@ def placed(model, vram: str, mode: str = "predictor") -> tuple[Module, WeightSto
             "fuse-gather-gemv")
     weights = model.weights.copy()
     return run_pipeline(model.module, weights, parse_pipeline(text), tokenizer=model.tokenizer), weights
-
-
-def half_the_ffn(full) -> int:
-    """A budget that holds what ``full`` (a compile with everything on the GPU) holds but half of
-    its FFN weights: the partitioner then splits layers between the devices."""
-    module = full.model.module
-    ffn_weights = {w for op in module.ops() if isinstance(op, FusedFFN) for w in op.weights()}
-    ffn_bytes = sum(b.nbytes for b in full.plan.buffers if b.device == "gpu" and b.name in ffn_weights)
-    assert ffn_bytes > 0
-    return full.plan.gpu_bytes - ffn_bytes // 2
 
 
 @pytest.fixture(scope="module")
@@ -372,3 +362,4 @@ def test_cuda_sources_compile_at_load_when_the_file_has_no_ptx(compiled, tmp_pat
     ptx = compile_at_load(sources, "sm_86")
     for kernel, launches in manifest["kernels"].items():
         assert all(f".entry {launch['entry']}(".encode() in ptx[kernel] for launch in launches), kernel
+

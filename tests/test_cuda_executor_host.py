@@ -1,0 +1,143 @@
+"""The CUDA executor without a GPU: ``runtime.cuda`` against a stand-in driver (``cuda_fake``).
+
+The stand-in keeps the rules a real driver enforces -- a current context per thread, streams that
+run their work only when waited for, graphs that replay what was captured -- and runs each launch
+through the host build of the same kernels, so the executor's context handling, argument
+bindings, asynchronous copies and CUDA graphs are checked by the logits they produce (the
+interpreter's, to the hybrid tests' 1e-3) on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import half_the_ffn, tiny_llama, with_tokenizer
+from cuda_fake import FakeCuda
+
+import runtime.cuda
+import runtime.executor
+from picc.codegen_cuda import nvcc_path
+from picc.compile import CompileOptions, compile_model, write_compiled
+from picc.interpreter import Interpreter
+from picc.pib import load_pib
+from picc.sparsify import SparsifyOptions
+from runtime.pib import PibFile
+from runtime.session import Session
+
+pytestmark = pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed: the .pib would carry no PTX")
+
+TOKENS = [1, 5, 9, 2, 17, 33, 4, 60, 8, 3]
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def pibs(tmp_path_factory):
+    """A tiny ReGLU model in predictor mode for pc-low: split (part of each FFN on the GPU, so the
+    GPU's ops run on the executor's worker thread beside the CPU's) and whole on the GPU."""
+    root = tmp_path_factory.mktemp("cuda_host")
+    model = with_tokenizer(tiny_llama("reglu", n_layers=2, hidden=64, n_ff=128, seed=5))
+    sparsity = SparsifyOptions(mode="predictor", tokens=512, window=64, budget=0.5)
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PICC_CACHE_DIR", str(root / "cache"))
+        whole = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=sparsity),
+                              say=lambda _: None)
+        split = compile_model(model, CompileOptions(target="pc-low", vram=str(half_the_ffn(whole)), sparsity=sparsity),
+                              say=lambda _: None)
+        for name, result in (("whole", whole), ("split", split)):
+            out[name] = root / f"{name}.pib"
+            write_compiled(result, out[name])
+        for mode, form, dense in (("gate-first", "swiglu", False), ("gate-first", "swiglu", True)):
+            glu = with_tokenizer(tiny_llama(form, n_layers=2, hidden=64, n_ff=128, seed=5))
+            options = CompileOptions(target="pc-low", vram="4MiB", dense=dense,
+                                     sparsity=SparsifyOptions(mode=mode, tokens=512, window=64, budget=0.5))
+            out["dense" if dense else mode] = root / f"{'dense' if dense else mode}.pib"
+            write_compiled(compile_model(glu, options, say=lambda _: None), out["dense" if dense else mode])
+    stages = PibFile(out["split"]).json("schedule")["stages"]
+    assert any(st["cpu"] and st["gpu"] for st in stages), "no stage of the split model runs on both devices"
+    return out
+
+
+class Fakes(list):
+    """The stand-in drivers the sessions of a test opened, and whether their executors use graphs."""
+
+    graphs = True
+
+
+@pytest.fixture()
+def fake_driver(monkeypatch):
+    """Make sessions find one CUDA device whose driver is a :class:`FakeCuda` of the file opened."""
+    fakes = Fakes()
+
+    def make_gpu(pib: PibFile, mode: str):  # noqa: ANN202
+        fakes.append(FakeCuda(pib))
+        return runtime.cuda.CudaGpu(pib, driver=runtime.cuda.Driver(fakes[-1]), graphs=fakes.graphs)
+
+    monkeypatch.setattr(runtime.executor, "_make_gpu", make_gpu)
+    return fakes
+
+
+@pytest.mark.parametrize("name", ["split", "whole", "gate-first", "dense"])
+def test_logits_through_the_cuda_executor_match_the_interpreter(pibs, fake_driver, name):
+    pib = load_pib(pibs[name])
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    with Session(pibs[name], threads=2, gpu="cuda") as session:
+        assert session.executor.gpu_kind == "cuda"
+        logits = np.stack([_step(session, t) for t in TOKENS])
+    assert rel_err(logits, reference) <= 1e-3
+    assert fake_driver[0].kernel_runs > 0
+
+
+def _step(session: Session, token: int) -> np.ndarray:
+    session.executor.step(token, session.pos)
+    session.pos += 1
+    return session.executor.logits().copy()
+
+
+def test_the_worker_thread_calls_the_driver_with_its_context_current(pibs, fake_driver):
+    """The split model's GPU part runs on the executor's worker thread, where no context is current
+    until the executor makes it so (the real driver answers CUDA_ERROR_INVALID_CONTEXT there)."""
+    with Session(pibs["split"], threads=2, gpu="cuda") as session:
+        session.feed(TOKENS)
+    on_worker = {call for thread, call in fake_driver[0].calls if thread == "picc-gpu"}
+    assert {"cuCtxSetCurrent", "cuGraphLaunch"} <= on_worker
+
+
+def test_repeated_stages_replay_captured_graphs(pibs, fake_driver):
+    """From the second token on, each stage's kernels are one graph launch, not one launch each."""
+    with Session(pibs["whole"], threads=1, gpu="cuda") as session:
+        gpu = session.executor.gpu
+        _step(session, TOKENS[0])
+        first = gpu.times.launches
+        assert first > 0 and gpu.times.graph_launches == 0
+        _step(session, TOKENS[1])  # captured and replayed
+        _step(session, TOKENS[2])
+        stages = sum(1 for st in session.executor.stages if st["gpu"])
+        assert gpu.times.launches == first
+        assert gpu.times.graph_launches == 2 * stages
+
+
+def test_greedy_tokens_with_and_without_graphs_agree(pibs, fake_driver):
+    runs = []
+    for graphs in (True, False):
+        fake_driver.graphs = graphs
+        with Session(pibs["split"], threads=2, gpu="cuda") as session:
+            runs.append(list(session.generate(TOKENS[:4], 12, stop_at_eos=False)))
+    assert runs[0] == runs[1]
+
+
+def test_launch_times_cover_a_step_launch_by_launch(pibs, fake_driver):
+    with Session(pibs["whole"], threads=1, gpu="cuda") as session:
+        session.feed(TOKENS[:3])
+        ex = session.executor
+        ops = [op for st in ex.stages for op in st["gpu"]]
+        timed = ex.gpu.launch_seconds(ops, before=lambda: ex._inputs(5, session.pos), repeat=2)
+        pib = PibFile(pibs["whole"])
+        manifest, launches = pib.json("cuda/manifest"), pib.json("gpu/launches")
+    expected = [(op, la["entry"]) for op in ops for call in launches.get(op, ())
+                for la in manifest["kernels"][call["kernel"]]]
+    assert [(op, entry) for op, entry, _ in timed] == expected
+    assert all(seconds > 0 for _, _, seconds in timed)
