@@ -479,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "as a host build); write OUT.pib with the final IR, weights, plan, report, code and "
                        "tokenizer. A SOURCE that is already sparse (a 'picc sparsify' output) keeps its "
                        "profile and predictors.",
-                       epilog=EPILOG_SOURCES + " Targets: pc-high, pc-low, cpu (this machine), or a YAML "
+                       epilog=EPILOG_SOURCES + " Targets: pc-high, pc-low, h100, cpu (this machine), or a YAML "
                        "file of the same form (see picc/targets/*.yaml).")
     s.add_argument("source", metavar="SOURCE")
     s.add_argument("-o", "--output", required=True, metavar="OUT.pib")

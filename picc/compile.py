@@ -45,8 +45,8 @@ class CompileOptions:
     def check(self) -> None:
         """Refuse bad options before any slow work."""
         target = load_target(self.target)
-        if self.vram is not None and parse_size(self.vram, what="--vram") > 0 and target.gpu is None:
-            raise PiccError(f"--vram {self.vram}: target {target.name!r} has no GPU; use --vram 0 or a GPU target")
+        if self.vram is not None:
+            target.check_budget(parse_size(self.vram, what="--vram"), self.vram)
         if self.ctx < 1:
             raise PiccError(f"--ctx {self.ctx}: expected a positive number of positions")
         if self.float_dots and self.int_dots:

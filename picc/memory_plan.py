@@ -70,7 +70,8 @@ def gpu_scratch(op: Op, ctx: int, weights: dict[str, TensorType]) -> list[tuple[
 
     An FFN part in predictor mode holds the index list of its active neurons (padded to the
     kernels' row tile), their count and their up (and gate) dot products; in dense mode the dot
-    products of every neuron; in gate-first mode the gate and up values of every neuron. A
+    products of every neuron; in gate-first mode the gate and up values of every neuron; in every
+    mode the partial rows of its down-projection's row slices (``gpu_layout.axpy_slices``). A
     predictor holds its hidden layer; attention its scores, row maxima, row sums and
     probabilities for ``ctx`` positions per head. An unfused FFN (the partitioner's trials)
     counts as the predictor-mode kernel, the largest. A whole FFN layer with a down bias also
@@ -78,16 +79,20 @@ def gpu_scratch(op: Op, ctx: int, weights: dict[str, TensorType]) -> list[tuple[
     """
     if isinstance(op, O.FFN | FusedFFN):
         n = int(weights[op.down].shape[0] if isinstance(op, FusedFFN) else weights[op.up].shape[0])
+        hidden = int(weights[op.down].shape[1] if isinstance(op, FusedFFN) else weights[op.up].shape[1])
         j = 2 if O.FFN_FORMS[op.form].gated else 1
         mode = op.mode if isinstance(op, FusedFFN) else "predictor"
+        rows = gpu_layout.padded_rows(n) if mode == "predictor" else n
+
+        def y_part() -> tuple[str, int]:  # the AXPY's partial rows, one per row slice
+            return ("y_part", 4 * gpu_layout.axpy_slices(rows, hidden) * hidden)
         # A whole layer with a down bias: the kernel's partial sum, before the bias is added.
-        partial = [("partial", 4 * int(weights[op.down].shape[1]))] if op.down_bias is not None else []
+        partial = [("partial", 4 * hidden)] if op.down_bias is not None else []
         if mode == "gate-first":
-            return [("g", 4 * n), ("u", 4 * n), *partial]
+            return [("g", 4 * n), ("u", 4 * n), y_part(), *partial]
         if mode == "dense":
-            return [("ug", 4 * n * j), *partial]
-        n_pad = gpu_layout.padded_rows(n)
-        return [("idx", 4 * n_pad), ("count", 4), ("ug", 4 * n_pad * j), *partial]
+            return [("ug", 4 * n * j), y_part(), *partial]
+        return [("idx", 4 * rows), ("count", 4), ("ug", 4 * rows * j), y_part(), *partial]
     if isinstance(op, Predict):
         return [("hid", 4 * int(weights[op.fc1].shape[0]))]
     if isinstance(op, O.Attention):

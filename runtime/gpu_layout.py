@@ -54,6 +54,21 @@ ROW_TILE = 8
 to a multiple of it, so no thread reads past them."""
 
 
+AXPY_BLOCKS = 256
+"""Thread blocks the GPU's down-projection AXPY aims for (column tiles x row slices): enough to
+keep every SM of a large GPU (132 on an H100) busy with a few blocks each."""
+
+
+def axpy_slices(rows: int, hidden: int) -> int:
+    """Row slices of an FFN's down-projection AXPY on the GPU: each slice sums its rows into its own
+    partial row ``y_part[slice]``, and a second launch adds the slices up. A divisor of ``rows`` (no
+    slice reads past the rows), of at least 16 rows a slice, as many as reach ``AXPY_BLOCKS`` blocks
+    with the column tiles of ``hidden`` (128 columns a tile), at most 64."""
+    want = max(1, AXPY_BLOCKS // max(1, hidden // 128))
+    limit = max(1, min(64, want, rows // 16))
+    return max(d for d in range(1, limit + 1) if rows % d == 0)
+
+
 def aligned(n: int) -> int:
     """``n`` rounded up to ``PLANE_ALIGN``."""
     return -(-n // PLANE_ALIGN) * PLANE_ALIGN

@@ -41,8 +41,9 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"PICCPIB\0"
-FORMAT_VERSION = 5  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
-# 5: chunk programs by stage (hybrid models prefill in chunks too)
+FORMAT_VERSION = 6  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
+# 5: chunk programs by stage (hybrid models prefill in chunks too); 6: the GPU's FFN kernels sum their
+# down rows in slices (y_part scratch); version 5's wrote past their outputs on a real GPU
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256

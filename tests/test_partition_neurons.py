@@ -180,6 +180,13 @@ def test_cpu_target_places_nothing_on_the_gpu(relu_demo_sparse):
         partition(sparse, model.weights, target="cpu", vram="1GB")
 
 
+def test_a_budget_over_the_gpus_memory_is_refused(relu_demo_sparse):
+    model, sparse = relu_demo_sparse
+    with pytest.raises(PiccError, match=r"vram 12GiB: 12.0 GiB is more than the 11.0 GiB of target 'pc-low'"):
+        partition(sparse, model.weights, target="pc-low", vram="12GiB")
+    partition(sparse, model.weights, target="pc-low", vram="11GiB")  # all of it is fine
+
+
 def test_splitting_needs_neuron_major_down():
     model = with_tokenizer(tiny_llama("reglu", n_layers=1, hidden=64, n_ff=128))
     sparse = run_pipeline(model.module, model.weights, parse_pipeline(

@@ -29,7 +29,12 @@ def write(tmp_path: Path, data: object, name: str = "pc-x.yaml") -> Path:
 
 
 def test_packaged_targets() -> None:
-    assert target_names() == ("cpu", "pc-high", "pc-low")
+    assert target_names() == ("cpu", "h100", "pc-high", "pc-low")
+
+    h100 = load_target("h100")
+    assert h100.gpu is not None
+    assert (h100.gpu.arch, h100.gpu.vram_bytes, h100.gpu.mem_bandwidth) == ("sm_90", 79 * 2**30, 3000e9)
+    assert (h100.cpu.cores, h100.cpu.simd) == (16, "avx512")
 
     high = load_target("pc-high")
     assert high.gpu is not None
@@ -207,7 +212,7 @@ def test_invalid_yaml(tmp_path: Path) -> None:
 def test_unknown_target_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(PiccError) as e:
         load_target("pc-mid")
-    assert str(e.value) == "unknown target 'pc-mid': expected one of cpu, pc-high, pc-low, or a path to a .yaml file"
+    assert str(e.value) == "unknown target 'pc-mid': expected one of cpu, h100, pc-high, pc-low, or a path to a .yaml file"
     missing = str(tmp_path / "nope.yaml")
     with pytest.raises(PiccError) as e:
         load_target(missing)

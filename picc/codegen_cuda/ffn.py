@@ -8,6 +8,11 @@
              = relu(ug[r, 1]) * relu(ug[r, 0])  dReLU
     y[k]     = sum_{r < count} h(r) * down_t[idx[r], k]
 
+The sum over rows runs in ``S`` slices (``runtime.gpu_layout.axpy_slices``): slice ``s`` takes rows
+``s, s + S, s + 2S, ...`` into ``y_part[s, :]`` and a second step adds the slices up, so the AXPY
+spreads over every SM whatever the hidden size, and the active rows (the first ``count``) fall
+evenly on all slices.
+
 ``up`` and ``gate`` are packed into one ``W_ug`` [n_ff, J, hidden] (row i of up, then row i of
 gate) so one warp reduces one (neuron, projection) pair with a single weight stream;
 ``down_t`` is the neuron-major (transposed) down matrix [n_ff, hidden]. ``idx`` has a static
@@ -21,6 +26,8 @@ when ``|act(gate_r . x)| > threshold`` and only active neurons read up and down.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
@@ -73,7 +80,8 @@ def sparse_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, *, n_pad:
 
     Parameters in order: ``x`` [hidden], ``idx`` [n_pad] i32, ``count`` [1] i32, the buffers of
     ``W_ug`` [n_ff, J, hidden] and ``down`` [n_ff, hidden] in ``fmt``, ``b_ug`` [n_ff, J] when
-    ``bias``, scratch ``ug`` [n_pad, J], output ``y`` [hidden].
+    ``bias``, scratch ``ug`` [n_pad, J] and ``y_part`` [S, hidden] (S = ``gpu_layout.axpy_slices(n_pad,
+    hidden)``), output ``y`` [hidden].
     """
     check_positive(hidden=hidden, n_ff=n_ff)
     n_pad = padded(n_ff) if n_pad is None else n_pad
@@ -86,7 +94,7 @@ def dense_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, *, bias: b
     """The FFN over every neuron: ``sparse_ffn`` without an index list (a dense layer on the GPU).
 
     Parameters: ``x``, the buffers of ``W_ug`` and ``down``, ``b_ug`` when ``bias``, scratch
-    ``ug`` [n_ff, J], output ``y``.
+    ``ug`` [n_ff, J] and ``y_part`` [S, hidden], output ``y``.
     """
     check_positive(hidden=hidden, n_ff=n_ff)
     return _gather_ffn(name, hidden, n_ff, form, fmt, bias, None)
@@ -134,20 +142,31 @@ def _gather_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, bias: bo
         def proj(r: PrimExpr, j: int) -> PrimExpr:
             return ug[r, j]
 
-    r = te.reduce_axis((0, rows), name="r")
     v = wf.vector
 
-    def axpy(k: PrimExpr) -> PrimExpr:
+    def term(r: PrimExpr, k: PrimExpr) -> PrimExpr:
         h = _combine(form, proj(r, 0), proj(r, 1) if gated else None)
-        term = h * wf.load(w_down, (neuron(r),), k // v, k % v)
-        return te.sum(tirx.if_then_else(live(r), term, f32(0)) if live else term, axis=r)
+        value = h * wf.load(w_down, (neuron(r),), k // v, k % v)
+        return tirx.if_then_else(live(r), value, f32(0)) if live else value
 
-    y = te.compute((hidden,), axpy, name="y")
+    y_part, y = sliced_axpy(hidden, rows, term)
+    tail = [(ug, "scratch"), (y_part, "scratch"), (y, "out")]
     if not indexed:
-        return make_kernel(name, "dense_ffn", [*args, (ug, "scratch"), (y, "out")], options={"vector": v})
+        return make_kernel(name, "dense_ffn", [*args, *tail], options={"vector": v})
     guard = lambda b, r, j: r < b["count"][0]  # noqa: E731
-    return make_kernel(name, "sparse_ffn", [*args, (ug, "scratch"), (y, "out")],
-                       guards={"ug": guard}, options={"vector": v})
+    return make_kernel(name, "sparse_ffn", [*args, *tail], guards={"ug": guard}, options={"vector": v})
+
+
+def sliced_axpy(hidden: int, rows: int,
+                term: Callable[[PrimExpr, PrimExpr], PrimExpr]) -> tuple[te.Tensor, te.Tensor]:
+    """``y[k] = sum_r term(r, k)`` over ``rows`` in slices (see the module docstring): the partial
+    rows ``y_part`` [S, hidden] (scratch) and ``y`` [hidden]."""
+    slices = gpu_layout.axpy_slices(rows, hidden)
+    i = te.reduce_axis((0, rows // slices), name="i")
+    y_part = te.compute((slices, hidden), lambda s, k: te.sum(term(i * slices + s, k), axis=i), name="y_part")
+    s = te.reduce_axis((0, slices), name="s")
+    y = te.compute((hidden,), lambda k: te.sum(y_part[s, k], axis=s), name="y")
+    return y_part, y
 
 
 def bias_add(name: str, n: int) -> Kernel:
@@ -166,8 +185,8 @@ def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Ke
 
     Parameters: ``x``, ``threshold`` [1] and ``score_scale`` [n_ff] (the layer's, inputs so layers
     share the kernel; an unscaled layer passes ones), the buffers of ``gate``, ``up`` and ``down``
-    [n_ff, hidden] (down neuron-major) in ``fmt``, scratch ``g`` and ``u`` [n_ff], output ``y``
-    [hidden].
+    [n_ff, hidden] (down neuron-major) in ``fmt``, scratch ``g`` and ``u`` [n_ff] and ``y_part``
+    [S, hidden], output ``y`` [hidden].
     """
     check_positive(hidden=hidden, n_ff=n_ff)
     act, gated, act_on_up = _form(form)
@@ -188,18 +207,17 @@ def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Ke
         return tirx.abs(activation(act, g[r])) * scale[r] > thr
 
     u = row_dot("u", wf, w_up, lambda r, k: x[k], (n_ff,), hidden, when=active)
-    r = te.reduce_axis((0, n_ff), name="r")
     v = wf.vector
 
-    def axpy(k: PrimExpr) -> PrimExpr:
-        term = activation(act, g[r]) * u[r] * wf.load(w_down, (r,), k // v, k % v)
-        return te.sum(tirx.if_then_else(active(r), term, f32(0)), axis=r)
+    def term(r: PrimExpr, k: PrimExpr) -> PrimExpr:
+        value = activation(act, g[r]) * u[r] * wf.load(w_down, (r,), k // v, k % v)
+        return tirx.if_then_else(active(r), value, f32(0))
 
-    y = te.compute((hidden,), axpy, name="y")
+    y_part, y = sliced_axpy(hidden, n_ff, term)
 
     def guard(b: dict[str, tirx.Buffer], r: PrimExpr) -> PrimExpr:
         return tirx.abs(activation(act, b["g"][r])) * b["score_scale"][r] > b["threshold"][0]
 
     args = [(x, "in"), (threshold, "in"), (scale, "in"), *[(t, "in") for t in (*w_gate, *w_up, *w_down)],
-            (g, "scratch"), (u, "scratch"), (y, "out")]
+            (g, "scratch"), (u, "scratch"), (y_part, "scratch"), (y, "out")]
     return make_kernel(name, "gate_first_ffn", args, guards={"u": guard}, options={"vector": v})

@@ -233,7 +233,7 @@ class _Lowering:
                 scale = b.vector(op.score_scale, "score_scale", k)
             self.launch(op, k, [b.value(op.x, "x", k), b.constant(f"threshold.{op.result}", "threshold", k), scale,
                                 *b.weight(op.gate, "gate", k), *b.weight(op.up, "up", k),
-                                *b.weight(op.down, "down", k), *b.scratch(op, k, ("g", "u")), out(k)])
+                                *b.weight(op.down, "down", k), *b.scratch(op, k, ("g", "u", "y_part")), out(k)])
         else:
             rows = op.up_gate or op.up
             assert rows is not None
@@ -251,7 +251,7 @@ class _Lowering:
                 head = [b.value(op.x, "x", k)]
             tail = [b.vector(ug_bias, "b_ug", k)] if ug_bias else []
             self.launch(op, k, [*head, *b.weight(rows, "W_ug", k), *b.weight(op.down, "down", k), *tail,
-                                *b.scratch(op, k, ("ug",)), out(k)])
+                                *b.scratch(op, k, ("ug", "y_part")), out(k)])
         if op.down_bias is not None:
             bname = names.gpu_bias_add(hidden)
             kb = self.kernel(bname, lambda: ffn.bias_add(bname, hidden))

@@ -9,9 +9,10 @@ The building blocks (each a few primitives; read the emitted CUDA beside them):
   with ``cache_read(..., "local")`` + ``vectorize``, so every weight load is one 16-byte
   ``uint4`` (8 f16, 4 f32, or the 16 nibble bytes of a q4_0 block). ``threadIdx.y`` picks the
   row within the block (``rows`` warps per block).
-* ``column_axpy``: ``y[k] = sum_r h_r * D[row_r, k]`` over neuron-major rows: thread ``tx`` owns
-  ``vector`` adjacent columns (one vectorised load per row), ``threadIdx.y`` splits the rows and
-  a shared-memory reduction over ``threadIdx.y`` merges them.
+* ``sliced_axpy``: ``y[k] = sum_r h_r * D[row_r, k]`` over neuron-major rows, in row slices
+  (``blockIdx.y``) whose partial rows a second launch adds up: thread ``tx`` owns ``vector``
+  adjacent columns (one vectorised load per row), ``threadIdx.y`` splits the slice's rows and a
+  shared-memory reduction over ``threadIdx.y`` merges them.
 * ``block_reduce``: one thread block per row for norms and softmax statistics (in-thread partial
   sums, then a cross-thread reduction).
 * guards: a kernel's ``guards`` wrap the per-row loop nest in ``if (guard)`` (annotation
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from tvm import s_tir, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
+from picc.codegen_cuda.dense import warp_compact
 from picc.codegen_cuda.kernel import Kernel
 from picc.errors import PiccError
 
@@ -40,7 +42,7 @@ AXPY_COLUMNS = 4
 class ArchParams:
     """Schedule knobs of one GPU architecture (chosen from the hardware's limits, not tuned).
 
-    ``rows``: warps (rows) per GEMV block; ``axpy_split``: row slices of an AXPY block;
+    ``rows``: warps (rows) per GEMV block; ``axpy_split``: threads along the rows of an AXPY block;
     ``threads``: threads per block of elementwise kernels.
     """
 
@@ -107,7 +109,7 @@ def warp_rows(sch: s_tir.Schedule, name: str, rows: int, staged: list[str], guar
     ko, tx = sch.split(kv, [None, lanes])
     rf = sch.rfactor(tx, 0)
     s, ko, tx, kl = sch.get_loops(rf)
-    bx, ty = sch.split(s, [None, rows * 32 // lanes])
+    bx, ty = sch.split(s, [None, power_of_two_divisor(int(sch.get(s).extent), rows * 32 // lanes)])
     sch.reorder(bx, ty, tx, ko, kl)
     sch.bind(bx, "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
@@ -128,22 +130,64 @@ def warp_rows(sch: s_tir.Schedule, name: str, rows: int, staged: list[str], guar
         sch.reverse_compute_at(sch.get_sblock(epi), ty)
 
 
-def column_axpy(sch: s_tir.Schedule, name: str, vector: int, split: int) -> None:
-    """Schedule ``y[k] = sum_r ...`` with ``vector`` columns per thread, rows split ``split`` ways."""
-    block = sch.get_sblock(name)
-    k, r = sch.get_loops(block)
-    ro, ry = sch.split(r, [None, split])
-    rf = sch.rfactor(ry, 0)
-    k, ro, ry = sch.get_loops(rf)
-    bx, tx, vec = sch.split(k, [None, 32, vector])
-    sch.reorder(bx, tx, ry, ro, vec)
+def power_of_two_divisor(n: int, at_most: int) -> int:
+    """The largest power of two <= ``at_most`` that divides ``n``: a tile that needs no bounds
+    predicate (TVM drops the predicate of a non-divisible split in the blocks that
+    ``reverse_compute_at`` moves under it, and the stores there then run past their buffer)."""
+    tile = 1
+    while tile * 2 <= at_most and n % (tile * 2) == 0:
+        tile *= 2
+    return tile
+
+
+def sliced_axpy(sch: s_tir.Schedule, vector: int, split: int, threads: int) -> None:
+    """Schedule ``y_part[s, k] = sum_i ...`` and ``y[k] = sum_s y_part[s, k]`` (``ffn.sliced_axpy``).
+
+    ``y_part``: a block per (column tile, row slice) (``blockIdx.x``, ``blockIdx.y``); thread ``tx``
+    owns ``vector`` adjacent columns (one vectorised load per row), ``threadIdx.y`` takes every
+    ``split``-th row of the slice, and a shared-memory reduction over ``threadIdx.y`` merges them.
+    Every tile divides its extent exactly (``power_of_two_divisor``), so no thread has columns or
+    rows past the buffers. ``y``: a thread per column adds the slices.
+    """
+    block = sch.get_sblock("y_part")
+    _, k, i = sch.get_loops(block)
+    cols, per_slice = int(sch.get(k).extent), int(sch.get(i).extent)
+    vector = power_of_two_divisor(cols, vector)
+    lanes = power_of_two_divisor(cols // vector, 32)
+    split = power_of_two_divisor(per_slice, split)
+    if split == 1:  # an odd number of rows a slice: each thread sums its columns over all of them
+        s, k, i = sch.get_loops(block)
+        bx, tx, vec = sch.split(k, [None, lanes, vector])
+        sch.bind(s, "blockIdx.y")
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        sch.reorder(i, vec)
+        _accumulate_in_register(sch, "y_part", tx, i)
+    else:
+        _split_rows(sch, block, lanes, vector, split)
+    k, s = sch.get_loops(sch.get_sblock("y"))
+    bx, tx = sch.split(k, [None, power_of_two_divisor(cols, threads)])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
-    sch.bind(ry, "threadIdx.y")
+    _accumulate_in_register(sch, "y", tx, s)
+
+
+def _split_rows(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int, vector: int, split: int) -> None:
+    """``y_part`` with its rows split ``split`` ways over ``threadIdx.y`` (see ``sliced_axpy``)."""
+    _, _, i = sch.get_loops(block)
+    io, iy = sch.split(i, [None, split])
+    rf = sch.rfactor(iy, 0)
+    s, k, io, iy = sch.get_loops(rf)
+    bx, tx, vec = sch.split(k, [None, lanes, vector])
+    sch.reorder(s, bx, tx, iy, io, vec)
+    sch.bind(s, "blockIdx.y")
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.bind(iy, "threadIdx.y")
     sch.vectorize(vec)
-    sch.decompose_reduction(rf, ro)
+    sch.decompose_reduction(rf, io)
     sch.set_scope(rf, 0, "local")
-    final = sch.get_sblock(name)
+    final = sch.get_sblock("y_part")
     sch.reverse_compute_at(final, tx)
     red, col = sch.get_loops(final)[-2:]
     sch.reorder(col, red)
@@ -305,12 +349,25 @@ def _schedule_attention(sch: s_tir.Schedule, kernel: Kernel, threads: int) -> No
     for name in ("smax", "ssum"):
         block_reduce(sch, name, None, threads, local=False)
     flat_threads(sch, "probs", threads)
-    # out: a block per (query, head), a thread per feature; V rows are read coalesced.
+    # out: a block per (query, head), a thread per feature (V rows are read coalesced) and
+    # ``threadIdx.y`` taking every ``split``-th position, merged through shared memory: the
+    # positions' loop is ``split`` times shorter than one thread walking all of them.
+    head_dim = kernel.options["head_dim"]
     s, c, j = sch.get_loops(sch.get_sblock("out"))
-    head, lane = sch.split(c, [None, kernel.options["head_dim"]])
+    split = power_of_two_divisor(int(sch.get(j).extent), max(1, min(8, 1024 // head_dim)))
+    jo, jy = sch.split(j, [None, split])
+    rf = sch.rfactor(jy, 0)
+    s, c, jo, jy = sch.get_loops(rf)
+    head, lane = sch.split(c, [None, head_dim])
+    sch.reorder(s, head, lane, jy, jo)
     sch.bind(sch.fuse(s, head), "blockIdx.x")
     sch.bind(lane, "threadIdx.x")
-    _accumulate_in_register(sch, "out", lane, j)
+    sch.bind(jy, "threadIdx.y")
+    sch.decompose_reduction(rf, jo)
+    sch.set_scope(rf, 0, "local")
+    final = sch.get_sblock("out")
+    sch.reverse_compute_at(final, lane)
+    sch.bind(sch.get_loops(final)[-1], "threadIdx.y")
 
 
 def _has_block(kernel: Kernel, name: str) -> bool:
@@ -335,20 +392,19 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
             warp_rows(sch, "acc2", p.rows, [*_weights(kernel, "fc2"), "hid"], False, ("mask",))
         case "sparse_ffn" | "dense_ffn":
             warp_rows(sch, "ug", p.rows, [*_weights(kernel, "W_ug"), "x"], "ug" in kernel.guards)
-            column_axpy(sch, "y", AXPY_COLUMNS, p.axpy_split)
+            sliced_axpy(sch, AXPY_COLUMNS, p.axpy_split, p.threads)
         case "gate_first_ffn":
             warp_rows(sch, "g", p.rows, [*_weights(kernel, "gate"), "x"], False)
             warp_rows(sch, "u", p.rows, [*_weights(kernel, "up"), "x"], True)
-            column_axpy(sch, "y", AXPY_COLUMNS, p.axpy_split)
+            sliced_axpy(sch, AXPY_COLUMNS, p.axpy_split, p.threads)
         case "norm":
             _schedule_norm(sch, kernel, 128)
         case "attention":
             _schedule_attention(sch, kernel, 128)
         case "elementwise":
             flat_threads(sch, sch.get(sch.get_child_blocks(sch.get_sblock("root"))[-1]).name_hint, p.threads)
-        case "single_thread":
-            (t,) = sch.get_loops(sch.get_sblock("compact"))
-            sch.bind(t, "threadIdx.x")
+        case "compact":
+            return warp_compact(kernel)
         case _:
             raise NotImplementedError(kernel.kind)
     return apply_guards(sch.mod["main"], kernel)
@@ -357,7 +413,7 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
 # Row-dot reductions and neuron-major AXPYs per kernel kind (the blocks the CPU schedule touches).
 _ROW_DOTS = {"gemv": ("acc",), "gemm": ("acc",), "predictor": ("acc1", "acc2"), "sparse_ffn": ("ug",),
              "dense_ffn": ("ug",), "gate_first_ffn": ("g", "u")}
-_AXPYS = {"sparse_ffn": "y", "dense_ffn": "y", "gate_first_ffn": "y"}
+_AXPYS = {"sparse_ffn": "y_part", "dense_ffn": "y_part", "gate_first_ffn": "y_part"}
 
 
 def cpu_schedule(kernel: Kernel) -> tirx.PrimFunc:
@@ -373,6 +429,6 @@ def cpu_schedule(kernel: Kernel) -> tirx.PrimFunc:
         rf = sch.rfactor(kl, 0)
         sch.vectorize(sch.get_loops(rf)[-1])
     if kernel.kind in _AXPYS:
-        k, r = sch.get_loops(sch.get_sblock(_AXPYS[kernel.kind]))
+        _, k, r = sch.get_loops(sch.get_sblock(_AXPYS[kernel.kind]))
         sch.reorder(r, k)
     return sch.mod["main"]

@@ -67,8 +67,7 @@ def settings(ctx: PassContext) -> Settings:
     target = load_target(ctx.option("target", "cpu"))
     vram = ctx.options.get("vram")
     budget = target.vram_bytes if vram is None else parse_size(vram, what="vram")
-    if target.gpu is None and budget > 0:
-        raise PiccError(f"vram {vram!r}: target {target.name!r} has no GPU, so the budget must be 0")
+    target.check_budget(budget, str(vram), what="vram")
     solver = ctx.option("solver", "greedy")
     if solver not in SOLVERS:
         raise PiccError(f"solver {solver!r}: expected one of {', '.join(SOLVERS)}")

@@ -129,6 +129,26 @@ class Target:
         """The GPU's memory, 0 without a GPU (the default ``--vram``)."""
         return 0 if self.gpu is None else self.gpu.vram_bytes
 
+    def check_budget(self, budget: int, text: str, what: str = "--vram") -> None:
+        """Refuse a VRAM budget (``text``, ``budget`` bytes) that this target's GPU cannot hold:
+        a plan made for it would fail at load with the device out of memory."""
+        if self.gpu is None:
+            if budget > 0:
+                raise PiccError(f"{what} {text}: target {self.name!r} has no GPU; use {what} 0 or a GPU target")
+            return
+        if budget > self.gpu.vram_bytes:
+            raise PiccError(f"{what} {text}: {format_size(budget)} is more than the {format_size(self.gpu.vram_bytes)} "
+                            f"of target {self.name!r}'s GPU ({self.gpu.name}); give at most "
+                            f"{format_size(self.gpu.vram_bytes)}, or a target with a larger GPU")
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` for a message: ``11.0 GiB``, ``512.0 MiB``, ``700.0 KiB``, ``12 B``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} B"
+
 
 # --- sizes -----------------------------------------------------------------------------------
 
