@@ -223,7 +223,7 @@ class LlamaCppEngine(Engine):
 
 
 def machine() -> str:
-    from picc.targets import detect_host_cpu
+    from picc.targets.host import detect_host_cpu
 
     cpu = detect_host_cpu()
     return (f"{cpu.name}, {cpu.cores} core(s) available, {cpu.simd}, measured read bandwidth "

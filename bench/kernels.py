@@ -53,7 +53,7 @@ from picc.codegen_cpu import (  # noqa: E402
 )
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
 from picc.codegen_cpu.threads import huge_zeros  # noqa: E402
-from picc.targets import host_cores, host_cpu_name, measure_memory_bandwidth  # noqa: E402
+from picc.targets.host import host_cores, host_cpu_name, measure_memory_bandwidth  # noqa: E402
 
 SHAPES = {"small": (576, 1536), "large": (4096, 11008)}
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.6, 1.0)

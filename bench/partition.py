@@ -24,7 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from picc.partition import DeviceCosts, FfnLayer, PartitionProblem, estimate, greedy, solve_ilp  # noqa: E402
-from picc.targets import host_cores, host_cpu_name, load_target  # noqa: E402
+from picc.targets import load_target  # noqa: E402
+from picc.targets.host import host_cores, host_cpu_name  # noqa: E402
 
 
 def power_law_layers(n_layers: int, n_ff: int, neuron_bytes: int, seed: int = 0) -> tuple[FfnLayer, ...]:

@@ -487,7 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the machine to compile for (default cpu: this machine, no GPU)")
     s.add_argument("--vram", metavar="SIZE",
                    help="GPU memory picc may use: 11GB, 11GiB, 11000MB, 512MiB, 0.5GB, bytes, or 0 for "
-                   "CPU only (default: the target's VRAM)")
+                   "CPU only; at most the target's VRAM (default: all of it, or none where the cost model "
+                   "expects the CPU alone to be faster, as for small models whose GPU part is launches "
+                   "and copies)")
     s.add_argument("--ctx", type=int, default=512, metavar="N",
                    help="context positions: the KV caches hold this many tokens of prompt and output "
                    "(default 512)")

@@ -164,7 +164,7 @@ def logits_with_runtime(path: str, ids: list[int], threads: int | None = 1, gpu:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from picc.pib import open_pib
-    from picc.targets import measure_memory_bandwidth
+    from picc.targets.host import measure_memory_bandwidth
 
     with open_pib(Path(args.model)) as pib:
         report = pib.json("report")
@@ -293,7 +293,7 @@ def print_profile(profile: dict) -> None:
 
 
 def add_threads_flag(parser: argparse.ArgumentParser, what: str = "CPU threads") -> None:
-    from picc.targets import host_cores
+    from picc.targets.host import host_cores
 
     parser.add_argument("--threads", type=int, help=f"{what} (default: the cores this process may use, "
                         f"{host_cores()} here, as many as the compiled code allows)")

@@ -21,13 +21,14 @@ from picc import memory_plan as mp
 from picc.errors import PiccError
 from picc.frontend.model import LoadedModel
 from picc.ir import ops as O
+from picc.ir.module import Module
 from picc.ir.sparse_ops import SparseFFN
-from picc.ir.weights import Tensor
+from picc.ir.weights import Tensor, WeightStore
 from picc.passes import Instruments, parse_pipeline, run_pipeline
 from picc.plan_report import build_report
 from picc.schedule import Schedule, schedule
 from picc.sparsify import SparsifyOptions, target_sparsity
-from picc.targets import load_target, parse_size
+from picc.targets import Target, load_target, parse_size
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,11 @@ def _is_sparse(model: LoadedModel) -> bool:
     return any(isinstance(op, SparseFFN) for op in model.module.ops())
 
 
-def _partition_options(options: CompileOptions) -> str:
+def _partition_options(options: CompileOptions, vram: str | None = None) -> str:
     items = [f"target={options.target}", f"ctx={options.ctx}", f"solver={options.solver}"]
-    if options.vram is not None:
-        items.append(f"vram={options.vram}")
+    vram = options.vram if vram is None else vram
+    if vram is not None:
+        items.append(f"vram={vram}")
     return "partition-neurons{" + ",".join(items) + "}"
 
 
@@ -107,15 +109,30 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
     # The passes add weights (neuron-major copies, predictors) to a copy of the store: the caller's
     # model is unchanged, so compiling it again names them the same (and finds its predictors cached).
     weights = model.weights.copy()
-    module = run_pipeline(model.module, weights, parse_pipeline(",".join(passes)), instruments,
-                          tokenizer=model.tokenizer)
-    attrs = dict(module.attrs)
-    plan = mp.plan_memory(module, weights, ctx=options.ctx, budget=int(attrs["vram_budget"]))
-    if plan.gpu_bytes > plan.budget:  # partition-neurons planned the unfused module; fusing only merges buffers
-        raise PiccError(f"internal error: the fused module needs {plan.gpu_bytes} GPU bytes, over the "
-                        f"{plan.budget}-byte budget; please report it")
+    after: list[tuple[str, Module]] = [("", model.module)]  # each pass's result, for the CPU-only plan
+
+    def remember(name: str, module: Module) -> None:
+        after.append((name, module))
+        if instruments is not None and instruments.on_pass is not None:
+            instruments.on_pass(name, module)
+
+    inst = replace(instruments or Instruments(), on_pass=remember)
+    module = run_pipeline(model.module, weights, parse_pipeline(",".join(passes)), inst, tokenizer=model.tokenizer)
+    chosen = _placed(module, weights, options, target)
+    if chosen.plan.gpu_bytes:  # weigh the GPU part against the same model on the CPU alone
+        names = [name for name, _ in after]
+        unplaced = after[names.index("partition-neurons") - 1][1]
+        cpu_weights = weights.copy()
+        cpu_passes = parse_pipeline(f"{_partition_options(options, '0')},{fuse},dce")
+        cpu_module = run_pipeline(unplaced, cpu_weights, cpu_passes, tokenizer=model.tokenizer)
+        alone = _placed(cpu_module, cpu_weights, options, target).report["estimate_tokens_per_s"]
+        if _cpu_is_faster(chosen.report, alone, options, target, say):
+            cpu = compile_model(model, replace(options, vram="0"), instruments, say)
+            cpu.report["notes"].append(f"nothing on the GPU: the cost model estimates ~{alone:.0f} tokens/s on the "
+                                       f"CPU alone, ~{chosen.report['estimate_tokens_per_s']:.0f} with a GPU part")
+            return cpu
+    module, weights, plan, report = chosen.module, chosen.weights, chosen.plan, chosen.report
     compiled = replace(model, module=module, weights=weights)
-    report = build_report(module, weights, target, plan)
     if cpu_only and not options.dense and not _is_sparse(model):
         _compare_with_dense(model, options, fuse, target, report, say)
     steps = schedule(module)
@@ -132,6 +149,45 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
                         "dense": options.dense, "solver": options.solver},
             "compile_seconds": round(time.perf_counter() - start, 3)}
     return Compiled(compiled, plan, report, meta, sections, tensors, layouts)
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A placed, fused module with its weights, memory plan and report."""
+
+    module: Module
+    weights: WeightStore
+    plan: mp.MemoryPlan
+    report: dict
+
+
+def _placed(module: Module, weights: WeightStore, options: CompileOptions, target: Target) -> _Placed:
+    plan = mp.plan_memory(module, weights, ctx=options.ctx, budget=int(dict(module.attrs)["vram_budget"]))
+    if plan.gpu_bytes > plan.budget:  # partition-neurons planned the unfused module; fusing only merges buffers
+        raise PiccError(f"internal error: the fused module needs {plan.gpu_bytes} GPU bytes, over the "
+                        f"{plan.budget}-byte budget; please report it")
+    return _Placed(module, weights, plan, build_report(module, weights, target, plan))
+
+
+def _cpu_is_faster(report: dict, alone: float, options: CompileOptions, target: Target,
+                   say: Callable[[str], None]) -> bool:
+    """Whether to compile for the CPU alone instead of the plan of ``report``, which has a GPU part:
+    when the cost model expects the CPU alone (``alone`` tokens/s) to be faster -- a small model's
+    GPU part is kernel launches and copies more than bytes -- and the budget was picc's to choose.
+    An explicit ``--vram`` is kept, with a note."""
+    with_gpu = report["estimate_tokens_per_s"]
+    report["cpu_only_estimate_tokens_per_s"] = alone
+    if alone <= with_gpu:
+        return False
+    assert target.gpu is not None
+    why = (f"the cost model estimates ~{alone:.0f} tokens/s on the CPU alone against ~{with_gpu:.0f} with a GPU part "
+           f"on {target.gpu.name} ({report['gpu_launches_per_token']} kernel launches and "
+           f"{report['transfers_per_token']} copies a token)")
+    if options.vram is not None:
+        say(f"note: {why}; --vram 0 would be faster")
+        return False
+    say(f"placing nothing on the GPU: {why}; --vram SIZE keeps a GPU part")
+    return True
 
 
 def _compare_with_dense(model: LoadedModel, options: CompileOptions, fuse: str, target,  # noqa: ANN001

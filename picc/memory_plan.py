@@ -101,6 +101,22 @@ def gpu_scratch(op: Op, ctx: int, weights: dict[str, TensorType]) -> list[tuple[
     return []
 
 
+def gpu_launch_count(op: Op) -> int:
+    """Kernel launches ``op`` costs on the GPU (``picc.codegen_cuda``'s lowering and schedules, which
+    a test holds this to): a fused FFN's gather-GEMV, its down-projection AXPY in row slices and their
+    sum, after a predictor-mode part's index list or before a gate-first one's up rows, and a whole
+    layer's down bias; attention's cache append, scores, max, sum, probabilities and output; a
+    predictor's two layers; one kernel for the rest."""
+    if isinstance(op, O.FFN | FusedFFN):
+        mode = op.mode if isinstance(op, FusedFFN) else "predictor"
+        return (3 if mode == "dense" else 4) + (op.down_bias is not None)
+    if isinstance(op, O.Attention):
+        return 6
+    if isinstance(op, Predict):
+        return 2
+    return 1
+
+
 def workspace_bytes(op: Op, ctx: int, weights: dict[str, TensorType]) -> int:
     """Bytes of the workspace ``op``'s GPU kernels need (``gpu_scratch`` laid out)."""
     end = 0

@@ -96,14 +96,13 @@ class DeviceCosts:
         return 2 * (self.transfer_latency + self.sync_bytes / self.pcie_bandwidth)
 
     @staticmethod
-    def for_target(target: Target, hidden: int, transfer_latency: float = 10e-6,
-                   cpu_read_rate: float | None = None) -> DeviceCosts:
+    def for_target(target: Target, hidden: int, cpu_read_rate: float | None = None) -> DeviceCosts:
         """The costs of ``target``'s devices for a model of width ``hidden`` (f32 activations);
         ``cpu_read_rate``: the rate the CPU's kernels read FFN weights at, when the target knows
         it (default: the memory's bandwidth)."""
         gpu = target.gpu.mem_bandwidth if target.gpu is not None else 0.0
         cpu = target.cpu.mem_bandwidth if cpu_read_rate is None else cpu_read_rate
-        return DeviceCosts(gpu, cpu, target.pcie_bandwidth, 4 * hidden, transfer_latency)
+        return DeviceCosts(gpu, cpu, target.pcie_bandwidth, 4 * hidden, target.pcie_latency)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -7,10 +7,13 @@ device's memory at that device's bandwidth (decode is memory-bound), on the CPU 
 kernel reads that format (the target's kernel rates, at most the bandwidth: 4-bit formats are
 bound by the arithmetic on small CPUs, see ``picc.codegen_cpu.rates``); the two parts of a
 split FFN run concurrently, so such a layer costs its slower part; a value that an op reads from
-the other device crosses PCIe (latency plus bytes over the link's bandwidth), and so do the
-logits when the LM head runs on the GPU. Dense ops run one after another. The estimate leaves
-out attention's arithmetic, barriers and the calls themselves, and counts every byte as read
-from memory: it is an upper bound unless the weights fit in the CPU's caches.
+the other device crosses PCIe (the target's latency plus bytes over the link's bandwidth), and so
+do the logits when the LM head runs on the GPU. Dense ops run one after another. On the GPU, every
+kernel launch costs the target's ``kernel_overhead`` besides its bytes and every stage of the
+schedule with GPU work its ``sync_overhead`` (a graph launch and the host's wait): on small models
+these, not the bytes, are the GPU's time. The estimate leaves out attention's arithmetic, the
+CPU's barriers and calls, and counts every byte as read from memory: it is an upper bound unless
+the weights fit in the CPU's caches.
 """
 
 from __future__ import annotations
@@ -24,11 +27,9 @@ from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Module
 from picc.ir.types import Placement
 from picc.ir.weights import WeightStore
-from picc.partition import DeviceCosts
 from picc.passes.partition_neurons import ffn_layer
+from picc.schedule import schedule
 from picc.targets import Target
-
-TRANSFER_LATENCY = DeviceCosts.__dataclass_fields__["transfer_latency"].default
 
 
 def _read_seconds(target: Target, where: Placement | None, parts: list[tuple[int, str]]) -> float:
@@ -52,6 +53,30 @@ def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
                             axpy=op.down if isinstance(op, FusedFFN) else None, rows8=rows8)
 
 
+def _layer_row(i: int, name: str, layer: dict, where: dict[str, Placement | None], plan: mp.MemoryPlan) -> dict:
+    """The report's row of FFN layer ``name`` (its parts, their devices and times)."""
+    gpu_n = cpu_n = 0
+    gpu_f = total_f = 0.0
+    for _, fl, device in layer["parts"]:
+        on_gpu = device == Placement.GPU
+        gpu_n += fl.n_ff if on_gpu else 0
+        cpu_n += 0 if on_gpu else fl.n_ff
+        f = float(fl.freq.sum(dtype="float64"))
+        total_f += f
+        gpu_f += f if on_gpu else 0.0
+    index = mp.layer_of(name)
+    first = layer["parts"][0][0]
+    return {
+        "layer": index if index is not None else i, "ffn": name,
+        "mode": getattr(first, "mode", "dense"),
+        "gpu_neurons": gpu_n, "cpu_neurons": cpu_n,
+        "gpu_activation_share": gpu_f / total_f if total_f > 0 else 0.0,
+        "dense_on_gpu": where.get(first.x) == Placement.GPU,
+        "gpu_bytes": plan.device_bytes("gpu", layer=index), "cpu_bytes": plan.device_bytes("cpu", layer=index),
+        "ffn_gpu_ms": 1e3 * layer["gpu_s"], "ffn_cpu_ms": 1e3 * layer["cpu_s"],
+    }
+
+
 def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.MemoryPlan) -> dict:
     """The placement report (see the module docstring); ``picc inspect --json`` prints it."""
     func = module.function()
@@ -62,6 +87,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
     layers: dict[str, dict] = {}  # the layer's ffn value -> its parts' numbers
     dense = {"gpu": 0.0, "cpu": 0.0}
     transfer_s, transfers = 0.0, 0
+    launches = 0  # GPU kernel launches a token
     read_bytes = 0.0  # weights and KV cache one token reads, both devices
     moved: set[tuple[str, Placement | None]] = set()  # a value crosses to a device once per token
     cpu_keys: set[str] = set()  # the rate keys of the CPU's weight reads
@@ -71,7 +97,12 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
             if where.get(v) is not None and where[v] != device and (v, device) not in moved:
                 moved.add((v, device))
                 transfers += 1
-                transfer_s += TRANSFER_LATENCY + mp.tensor_bytes(types[v], 1) / max(target.pcie_bandwidth, 1.0)
+                transfer_s += target.pcie_latency + mp.tensor_bytes(types[v], 1) / max(target.pcie_bandwidth, 1.0)
+        overhead = 0.0  # the fixed cost of the op's GPU kernels
+        if device == Placement.GPU:
+            assert target.gpu is not None
+            launches += mp.gpu_launch_count(op)
+            overhead = mp.gpu_launch_count(op) * target.gpu.kernel_overhead
         if isinstance(op, O.FFN | FusedFFN):
             key = op.layer if isinstance(op, FusedFFN) else op.part_of or op.result
             layer = layers.setdefault(key, {"gpu_s": 0.0, "cpu_s": 0.0, "parts": []})
@@ -84,7 +115,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
             seconds = read * _read_seconds(target, device, parts) / total if total else 0.0
             if device != Placement.GPU:
                 cpu_keys.update(key for _, key in parts)
-            layer["gpu_s" if device == Placement.GPU else "cpu_s"] += seconds
+            layer["gpu_s" if device == Placement.GPU else "cpu_s"] += seconds + overhead
             layer["parts"].append((op, fl, device))
             continue
         if isinstance(op, O.Embed):  # one row, copied
@@ -98,35 +129,16 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
             assert isinstance(width, int)
             parts.append((mp.kv_cache_bytes(op, width, plan.ctx) // 2, "f32"))  # the cache is half full on average
         read_bytes += sum(nbytes for nbytes, _ in parts)
-        dense["gpu" if device == Placement.GPU else "cpu"] += _read_seconds(target, device, parts)
+        dense["gpu" if device == Placement.GPU else "cpu"] += _read_seconds(target, device, parts) + overhead
     if where.get(func.ret) == Placement.GPU:
         transfers += 1
-        transfer_s += TRANSFER_LATENCY + mp.tensor_bytes(types[func.ret], 1) / max(target.pcie_bandwidth, 1.0)
+        transfer_s += target.pcie_latency + mp.tensor_bytes(types[func.ret], 1) / max(target.pcie_bandwidth, 1.0)
+    gpu_stages = sum(1 for st in schedule(module).stages if st.gpu)
+    sync_s = gpu_stages * target.gpu.sync_overhead if target.gpu is not None else 0.0
 
-    rows = []
-    for i, (name, layer) in enumerate(layers.items()):
-        gpu_n = cpu_n = 0
-        gpu_f = total_f = 0.0
-        for _, fl, device in layer["parts"]:
-            on_gpu = device == Placement.GPU
-            gpu_n += fl.n_ff if on_gpu else 0
-            cpu_n += 0 if on_gpu else fl.n_ff
-            f = float(fl.freq.sum(dtype="float64"))
-            total_f += f
-            gpu_f += f if on_gpu else 0.0
-        index = mp.layer_of(name)
-        first = layer["parts"][0][0]
-        rows.append({
-            "layer": index if index is not None else i, "ffn": name,
-            "mode": getattr(first, "mode", "dense"),
-            "gpu_neurons": gpu_n, "cpu_neurons": cpu_n,
-            "gpu_activation_share": gpu_f / total_f if total_f > 0 else 0.0,
-            "dense_on_gpu": where.get(first.x) == Placement.GPU,
-            "gpu_bytes": plan.device_bytes("gpu", layer=index), "cpu_bytes": plan.device_bytes("cpu", layer=index),
-            "ffn_gpu_ms": 1e3 * layer["gpu_s"], "ffn_cpu_ms": 1e3 * layer["cpu_s"],
-        })
+    rows = [_layer_row(i, name, layer, where, plan) for i, (name, layer) in enumerate(layers.items())]
     ffn_s = sum(max(la["gpu_s"], la["cpu_s"]) for la in layers.values())
-    total = dense["gpu"] + dense["cpu"] + ffn_s + transfer_s
+    total = dense["gpu"] + dense["cpu"] + ffn_s + transfer_s + sync_s
     gpu_kinds = {kind: plan.device_bytes("gpu", kind)
                  for kind in ("weight", "constant", "kv-cache", "activations", "workspace")}
     return {
@@ -138,8 +150,12 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
             "total": 1e3 * total, "dense_gpu": 1e3 * dense["gpu"], "dense_cpu": 1e3 * dense["cpu"],
             "ffn": 1e3 * ffn_s, "ffn_gpu": 1e3 * sum(la["gpu_s"] for la in layers.values()),
             "ffn_cpu": 1e3 * sum(la["cpu_s"] for la in layers.values()), "transfers": 1e3 * transfer_s,
+            "gpu_launches": 1e3 * launches * (target.gpu.kernel_overhead if target.gpu is not None else 0.0),
+            "gpu_syncs": 1e3 * sync_s,
         },
         "transfers_per_token": transfers,
+        "gpu_launches_per_token": launches,
+        "gpu_stages_per_token": gpu_stages,
         "bytes_per_token": read_bytes,
         # Per rate key the CPU reads weights in: bytes/s, and as a share of the memory's bandwidth.
         "cpu_mem_bandwidth": target.cpu.mem_bandwidth,
@@ -173,7 +189,14 @@ def format_report(report: dict) -> str:
     lines.append(f"estimate: {report['estimate_tokens_per_s']:.1f} tokens/s ({est['total']:.3f} ms/token: dense "
                  f"GPU {est['dense_gpu']:.3f} + dense CPU {est['dense_cpu']:.3f} + FFN {est['ffn']:.3f} "
                  f"(GPU {est['ffn_gpu']:.3f} || CPU {est['ffn_cpu']:.3f}) + {report['transfers_per_token']} "
-                 f"transfers {est['transfers']:.3f})")
+                 f"transfers {est['transfers']:.3f} + {report.get('gpu_stages_per_token', 0)} GPU stage syncs "
+                 f"{est.get('gpu_syncs', 0.0):.3f})")
+    if report.get("gpu_launches_per_token"):
+        lines.append(f"GPU: {report['gpu_launches_per_token']} kernel launches a token, {est['gpu_launches']:.3f} ms "
+                     "of it their fixed cost (in the GPU terms above)")
+    if report.get("cpu_only_estimate_tokens_per_s"):
+        lines.append(f"the same model on the CPU alone: {report['cpu_only_estimate_tokens_per_s']:.1f} tokens/s "
+                     "estimated")
     if report.get("dense_estimate_tokens_per_s"):  # a sparse CPU-only compile, weighed against --dense
         lines.append(f"the same model compiled --dense: {report['dense_estimate_tokens_per_s']:.1f} tokens/s "
                      "estimated")

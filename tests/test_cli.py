@@ -78,9 +78,9 @@ def test_opt_help_lists_every_pass_and_other_commands_do_not_import_them(capsys)
 def test_runtime_commands_default_to_every_available_core(monkeypatch, capsys):
     # picc run / bench / logits leave --threads unset; the runtime then uses the cores the process
     # may run on (its affinity), as many as the compiled code allows; --help says how many.
-    from picc import targets
+    from picc.targets import host
 
-    monkeypatch.setattr(targets, "host_cores", lambda: 3)
+    monkeypatch.setattr(host, "host_cores", lambda: 3)
     for command in ("run", "bench", "logits"):
         with pytest.raises(SystemExit):
             main([command, "--help"])

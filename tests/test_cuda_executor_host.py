@@ -16,9 +16,11 @@ from cuda_fake import FakeCuda
 
 import runtime.cuda
 import runtime.executor
+from picc import memory_plan as mp
 from picc.codegen_cuda import nvcc_path
 from picc.compile import CompileOptions, compile_model, write_compiled
 from picc.interpreter import Interpreter
+from picc.ir.types import Placement
 from picc.pib import load_pib
 from picc.sparsify import SparsifyOptions
 from runtime.pib import PibFile
@@ -127,6 +129,19 @@ def test_greedy_tokens_with_and_without_graphs_agree(pibs, fake_driver):
         with Session(pibs["split"], threads=2, gpu="cuda") as session:
             runs.append(list(session.generate(TOKENS[:4], 12, stop_at_eos=False)))
     assert runs[0] == runs[1]
+
+
+def test_the_cost_model_counts_the_launches_the_lowering_emits(pibs):
+    """``memory_plan.gpu_launch_count``, which the cost model prices at the target's fixed cost a
+    kernel, is the number of launches the GPU code has for each op, in every FFN mode."""
+    for path in pibs.values():
+        pib = PibFile(path)
+        manifest, launches = pib.json("cuda/manifest"), pib.json("gpu/launches")
+        ops = [op for op in load_pib(path).module.ops() if op.type.placement == Placement.GPU]
+        assert ops
+        for op in ops:
+            emitted = sum(len(manifest["kernels"][call["kernel"]]) for call in launches.get(op.result, ()))
+            assert mp.gpu_launch_count(op) == emitted, (path.name, op.result)
 
 
 def test_launch_times_cover_a_step_launch_by_launch(pibs, fake_driver):

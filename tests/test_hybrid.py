@@ -26,6 +26,7 @@ from picc.passes import parse_pipeline, run_pipeline
 from picc.pib import load_pib
 from picc.schedule import schedule
 from picc.sparsify import SparsifyOptions
+from picc.targets import load_target
 from runtime.gpu import EmulatedDevice, GpuError
 from runtime.pib import PibFile
 from runtime.session import Session
@@ -363,3 +364,26 @@ def test_cuda_sources_compile_at_load_when_the_file_has_no_ptx(compiled, tmp_pat
     for kernel, launches in manifest["kernels"].items():
         assert all(f".entry {launch['entry']}(".encode() in ptx[kernel] for launch in launches), kernel
 
+
+def test_a_gpu_part_that_costs_more_than_it_saves_is_not_chosen(model, tmp_path, monkeypatch):
+    """A tiny model's GPU part is kernel launches and copies, not bytes: the cost model expects
+    the CPU alone to be faster. With the budget left to picc, nothing goes to the GPU (and the
+    report says why); an explicit --vram is the user's choice, kept with a note."""
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    said: list[str] = []
+    chosen = compile_model(model, CompileOptions(target="pc-low", sparsity=SPARSE), say=said.append)
+    assert chosen.plan.gpu_bytes == 0
+    assert any(line.startswith("placing nothing on the GPU: the cost model estimates") for line in said), said
+    assert any(note.startswith("nothing on the GPU") for note in chosen.report["notes"])
+    said.clear()
+    kept = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=SPARSE), say=said.append)
+    report = kept.report
+    assert kept.plan.gpu_bytes > 0
+    assert report["cpu_only_estimate_tokens_per_s"] > report["estimate_tokens_per_s"]
+    assert any(line.endswith("--vram 0 would be faster") for line in said), said
+    # The GPU's fixed costs are in the estimate: every launch at the target's kernel overhead.
+    gpu = load_target("pc-low").gpu
+    assert report["estimate_ms_per_token"]["gpu_launches"] == pytest.approx(
+        1e3 * report["gpu_launches_per_token"] * gpu.kernel_overhead)
+    assert report["estimate_ms_per_token"]["gpu_syncs"] == pytest.approx(
+        1e3 * report["gpu_stages_per_token"] * gpu.sync_overhead)

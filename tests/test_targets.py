@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from picc import targets
 from picc.errors import PiccError
-from picc.targets import SIMD_LEVELS, load_target, parse_size, target_names
+from picc.targets import SIMD_LEVELS, host, load_target, parse_duration, parse_size, target_names
 
 VALID: dict[str, Any] = {
     "name": "pc-x",
@@ -35,6 +34,8 @@ def test_packaged_targets() -> None:
     assert h100.gpu is not None
     assert (h100.gpu.arch, h100.gpu.vram_bytes, h100.gpu.mem_bandwidth) == ("sm_90", 79 * 2**30, 3000e9)
     assert (h100.cpu.cores, h100.cpu.simd) == (16, "avx512")
+    # The fixed costs measured there (bench/gpu), against the defaults of the targets not measured.
+    assert (h100.gpu.kernel_overhead, h100.gpu.sync_overhead, h100.pcie_latency) == pytest.approx((1.8e-6, 30e-6, 14e-6))
 
     high = load_target("pc-high")
     assert high.gpu is not None
@@ -49,53 +50,66 @@ def test_packaged_targets() -> None:
     assert low.pcie_bandwidth == 12e9
     assert (low.cpu.cores, low.cpu.mem_bandwidth, low.cpu.simd) == (8, 38.4e9, "avx2")
     assert "2080 Ti" in low.gpu.name and "12700K" in low.cpu.name
+    assert (low.gpu.kernel_overhead, low.gpu.sync_overhead, low.pcie_latency) == (4e-6, 30e-6, 15e-6)
+    assert load_target("cpu").pcie_latency == 0.0
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("3us", 3e-6), ("2.7 us", 2.7e-6), ("0.02ms", 2e-5), ("500ns", 5e-7),
+                                               ("1e-5", 1e-5), ("15µs", 15e-6)])
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "us", "3 weeks", "-3us", "3usec"])
+def test_parse_duration_rejects(text: str) -> None:
+    assert parse_duration(text) is None
 
 
 def test_cpu_target_uses_the_cached_bandwidth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
-    cache = targets.host_cache_path()
+    cache = host.host_cache_path()
     cache.parent.mkdir(parents=True)
-    cache.write_text(json.dumps({"version": targets.HOST_CACHE_VERSION, "cpu": targets.host_cpu_name(),
-                                 "cores": targets.host_cores(), "kernels": targets.kernels_fingerprint(),
+    cache.write_text(json.dumps({"version": host.HOST_CACHE_VERSION, "cpu": host.host_cpu_name(),
+                                 "cores": host.host_cores(), "kernels": host.kernels_fingerprint(),
                                  "mem_bandwidth": 12.5e9,
                                  "kernel_rates": {"q4_1": 6e9, "f16": 40e9}}))
-    monkeypatch.setattr(targets, "measure_memory_bandwidth", lambda: pytest.fail("measured despite the cache"))
-    monkeypatch.setattr(targets, "measure_kernel_rates", lambda threads: pytest.fail("measured despite the cache"))
+    monkeypatch.setattr(host, "measure_memory_bandwidth", lambda: pytest.fail("measured despite the cache"))
+    monkeypatch.setattr(host, "measure_kernel_rates", lambda threads: pytest.fail("measured despite the cache"))
 
     cpu = load_target("cpu")
     assert cpu.gpu is None and cpu.pcie_bandwidth == 0 and cpu.vram_bytes == 0
     assert cpu.cpu.mem_bandwidth == 12.5e9
     # A kernel reads at its measured rate, at most the bandwidth; unknown formats at the bandwidth.
     assert (cpu.cpu.read_rate("q4_1"), cpu.cpu.read_rate("f16"), cpu.cpu.read_rate("q8_0")) == (6e9, 12.5e9, 12.5e9)
-    assert cpu.cpu.cores == targets.host_cores() >= 1
+    assert cpu.cpu.cores == host.host_cores() >= 1
     assert cpu.cpu.simd in SIMD_LEVELS
 
 
 def _cache(**fields: object) -> str:
-    here = {"version": targets.HOST_CACHE_VERSION, "cpu": targets.host_cpu_name(), "cores": targets.host_cores(),
-            "kernels": targets.kernels_fingerprint(), "mem_bandwidth": 1e9, "kernel_rates": {"q4_0": 1e9}}
+    here = {"version": host.HOST_CACHE_VERSION, "cpu": host.host_cpu_name(), "cores": host.host_cores(),
+            "kernels": host.kernels_fingerprint(), "mem_bandwidth": 1e9, "kernel_rates": {"q4_0": 1e9}}
     return json.dumps({key: value for key, value in {**here, **fields}.items() if value is not None})
 
 
 @pytest.mark.parametrize("cached", [
     None, "not json", _cache(cpu="another CPU"), _cache(version=2), _cache(version=1),
-    _cache(cores=targets.host_cores() + 1),  # rates are for all the cores: another count, another CPU
+    _cache(cores=host.host_cores() + 1),  # rates are for all the cores: another count, another CPU
     _cache(kernel_rates=None),  # a cache written before kernel rates
     _cache(kernels="0" * 16),  # rates of another code generator's kernels
 ])
 def test_cpu_target_measures_once_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: str | None) -> None:
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
     if cached is not None:
-        targets.host_cache_path().parent.mkdir(parents=True)
-        targets.host_cache_path().write_text(cached)
+        host.host_cache_path().parent.mkdir(parents=True)
+        host.host_cache_path().write_text(cached)
     calls = []
-    monkeypatch.setattr(targets, "measure_memory_bandwidth", lambda: calls.append("bw") or 20e9)
-    monkeypatch.setattr(targets, "measure_kernel_rates", lambda threads: calls.append(threads) or {"q4_1": 5e9})
+    monkeypatch.setattr(host, "measure_memory_bandwidth", lambda: calls.append("bw") or 20e9)
+    monkeypatch.setattr(host, "measure_kernel_rates", lambda threads: calls.append(threads) or {"q4_1": 5e9})
     for _ in range(2):
         cpu = load_target("cpu").cpu
         assert cpu.mem_bandwidth == 20e9 and cpu.kernel_rates == (("q4_1", 5e9),)
-    assert calls == ["bw", targets.host_cores()]
-    assert json.loads(targets.host_cache_path().read_text())["cpu"] == targets.host_cpu_name()
+    assert calls == ["bw", host.host_cores()]
+    assert json.loads(host.host_cache_path().read_text())["cpu"] == host.host_cpu_name()
 
 
 def test_kernel_rates_are_measured_for_every_format() -> None:
@@ -114,7 +128,7 @@ def test_kernel_rates_in_a_target_file(tmp_path: Path) -> None:
 
 
 def test_measure_memory_bandwidth_is_positive() -> None:
-    assert targets.measure_memory_bandwidth(nbytes=1 << 20, repeats=1) > 0
+    assert host.measure_memory_bandwidth(nbytes=1 << 20, repeats=1) > 0
 
 
 @pytest.mark.parametrize(("flags", "simd"), [
@@ -125,8 +139,8 @@ def test_measure_memory_bandwidth_is_positive() -> None:
 ])
 def test_host_simd(flags: str, simd: str) -> None:
     info = f"processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: {flags}\n"
-    assert targets.host_simd(info) == simd
-    assert targets.host_cpu_name(info) == "Test CPU 9000"
+    assert host.host_simd(info) == simd
+    assert host.host_cpu_name(info) == "Test CPU 9000"
 
 
 def test_target_from_a_path(tmp_path: Path) -> None:
@@ -156,12 +170,13 @@ def replaced(section: str, key: str, value: object) -> dict[str, object]:
     return {**VALID, section: {**VALID[section], key: value}}
 
 
-GPU_FIELDS = "expected one of name, arch, vram, mem_bandwidth"
+GPU_FIELDS = "expected one of name, arch, vram, mem_bandwidth, kernel_overhead, sync_overhead"
 
 
 @pytest.mark.parametrize(("data", "message"), [
     (replaced("gpu", "vrm", "11GiB"), f"gpu.vrm: unknown field ({GPU_FIELDS})"),
-    ({**VALID, "vram": "11GiB"}, "vram: unknown field (expected one of name, description, gpu, pcie_bandwidth, cpu)"),
+    ({**VALID, "vram": "11GiB"},
+     "vram: unknown field (expected one of name, description, gpu, pcie_bandwidth, pcie_latency, cpu)"),
     (without("gpu", "vram"), "gpu.vram: missing, expected a size like 11GiB"),
     (without("cpu", "simd"), "cpu.simd: missing, expected one of avx512, avx2, sse"),
     (replaced("gpu", "vram", -5), "gpu.vram: expected a size like 11GiB, got -5"),
@@ -190,10 +205,16 @@ GPU_FIELDS = "expected one of name, arch, vram, mem_bandwidth"
     ({k: v for k, v in VALID.items() if k != "pcie_bandwidth"},
      "pcie_bandwidth: missing, expected a positive bandwidth like 12GB/s"),
     ({**VALID, "gpu": None}, "pcie_bandwidth: a target without a GPU has no PCIe link; remove the field"),
+    ({**{k: v for k, v in VALID.items() if k != "pcie_bandwidth"}, "gpu": None, "pcie_latency": "10us"},
+     "pcie_latency: a target without a GPU has no PCIe link; remove the field"),
+    ({**VALID, "pcie_latency": "soon"}, "pcie_latency: expected a duration like 3us, got 'soon'"),
+    (replaced("gpu", "kernel_overhead", "-3us"), "gpu.kernel_overhead: expected a duration like 3us, got '-3us'"),
+    (replaced("gpu", "sync_overhead", "2 hours"), "gpu.sync_overhead: expected a duration like 3us, got '2 hours'"),
     ({**VALID, "gpu": "fast"}, "gpu: expected a mapping of GPU fields or null, got 'fast'"),
     ({k: v for k, v in VALID.items() if k != "cpu"}, "cpu: missing, expected a mapping of CPU fields or 'host'"),
     ({**VALID, "cpu": "guess"}, "cpu: expected a mapping of CPU fields or 'host', got 'guess'"),
-    ([1, 2], "expected a mapping of target fields (name, description, gpu, pcie_bandwidth, cpu), got list"),
+    ([1, 2], "expected a mapping of target fields (name, description, gpu, pcie_bandwidth, pcie_latency, cpu), "
+             "got list"),
 ])
 def test_schema_errors(tmp_path: Path, data: object, message: str) -> None:
     path = write(tmp_path, data)

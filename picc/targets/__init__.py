@@ -10,7 +10,10 @@ by the path of a YAML file of the same form::
       arch: sm_75                     # the CUDA architecture, sm_NN (sm_NNN, sm_90a accepted)
       vram: 11GiB                     # a size (see below); what the driver reports as total
       mem_bandwidth: 616GB/s          # a bandwidth (see below)
+      kernel_overhead: 2us            # optional: a kernel's fixed cost in a CUDA graph (default 4us)
+      sync_overhead: 25us             # optional: a stage's graph launch and the host's wait (default 30us)
     pcie_bandwidth: 12GB/s            # required with a GPU (effective, not the link's peak); not allowed without
+    pcie_latency: 15us                # optional: one copy between host and GPU, besides its bytes (default 15us)
     cpu:                              # a mapping, or the word ``host`` (detect this machine)
       name: Intel Core i7-12700K
       cores: 8                        # cores the CPU kernels use, a positive integer
@@ -22,7 +25,13 @@ by the path of a YAML file of the same form::
 Sizes are a number with an optional unit, case-insensitive, optionally separated by a space:
 ``11GiB``, ``11 GB``, ``512MiB``, ``0.5GB``, ``1073741824``. Decimal units are powers of 1000 (KB,
 MB, GB, TB), binary ones powers of 1024 (KiB, MiB, GiB, TiB); ``B`` or no unit means bytes. A
-bandwidth is a size followed by ``/s`` (``616GB/s``) or a plain number of bytes per second.
+bandwidth is a size followed by ``/s`` (``616GB/s``) or a plain number of bytes per second. A
+duration is a number with a unit (``ns``, ``us``, ``ms``, ``s``) or a plain number of seconds.
+
+The GPU's fixed costs are what a small model's GPU part is made of: a decode step launches ~20
+kernels a layer, each costing microseconds however few bytes it reads, and every stage that hands
+values between the CPU and the GPU waits for the device and copies across PCIe. The defaults are
+conservative guesses; the ``h100`` target's were measured (``bench/gpu``).
 
 ``kernel_rates`` is the other half of a CPU's speed: a kernel reads weights no faster than the
 memory delivers them nor than its arithmetic gets through them, and 4-bit formats are bound by
@@ -44,13 +53,8 @@ e.g. ``pc-x.yaml: gpu.vram: expected a size like 11GiB, got 'lots'``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import platform
 import re
-import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -58,18 +62,12 @@ from importlib import resources
 from pathlib import Path
 from typing import TypeVar
 
-import numpy as np
 import yaml
 
-from picc.blas import blas_threads
 from picc.errors import PiccError
-from picc.fsutil import cache_root, keep_cached
 from picc.kernel_names import CPU_RATE_KEYS
 
 SIMD_LEVELS = ("avx512", "avx2", "sse")
-# 2: the bandwidth is read by every core at once (1: one stream); 3: kernel rates beside it;
-# 4: int16 x and the rows8 layout's rates (the _xi16 keys are gone).
-HOST_CACHE_VERSION = 4
 
 _UNITS = {
     "": 1, "b": 1,
@@ -90,6 +88,8 @@ class GpuSpec:
     arch: str
     vram_bytes: int
     mem_bandwidth: float
+    kernel_overhead: float = 4e-6  # seconds a kernel costs in a CUDA graph besides its bytes
+    sync_overhead: float = 30e-6  # seconds a stage's graph launch and the host's wait for it cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,13 +116,15 @@ class CpuSpec:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """A machine to compile for. ``pcie_bandwidth`` (bytes/s) is 0 when there is no GPU."""
+    """A machine to compile for. ``pcie_bandwidth`` (bytes/s) and ``pcie_latency`` (seconds a copy
+    costs besides its bytes) are 0 when there is no GPU."""
 
     name: str
     gpu: GpuSpec | None
     pcie_bandwidth: float
     cpu: CpuSpec
     description: str = ""
+    pcie_latency: float = 0.0
 
     @property
     def vram_bytes(self) -> int:
@@ -206,6 +208,23 @@ def _size(v: object) -> int | None:
     return size if size is not None and size > 0 else None
 
 
+_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ns|us|µs|ms|s|)\s*$")
+_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}
+
+
+def parse_duration(text: str) -> float | None:
+    """Seconds in ``3us``, ``0.02ms``, ``15 us`` or a plain number of seconds; None when not one."""
+    m = _DURATION_RE.match(text)
+    return None if m is None else float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+def _duration(v: object) -> float | None:
+    if isinstance(v, bool):
+        return None
+    seconds = float(v) if isinstance(v, int | float) else parse_duration(v) if isinstance(v, str) else None
+    return seconds if seconds is not None and 0 <= seconds < 1 else None
+
+
 def _bandwidth(v: object) -> float | None:
     if isinstance(v, bool):
         return None
@@ -225,8 +244,10 @@ def _simd(v: object) -> str | None:
     return v if isinstance(v, str) and v in SIMD_LEVELS else None
 
 
-_TOP_FIELDS = ("name", "description", "gpu", "pcie_bandwidth", "cpu")
-_GPU_FIELDS = ("name", "arch", "vram", "mem_bandwidth")
+_TOP_FIELDS = ("name", "description", "gpu", "pcie_bandwidth", "pcie_latency", "cpu")
+_GPU_FIELDS = ("name", "arch", "vram", "mem_bandwidth", "kernel_overhead", "sync_overhead")
+_DURATION = "a duration like 3us"
+DEFAULT_PCIE_LATENCY = 15e-6
 _CPU_FIELDS = ("name", "cores", "mem_bandwidth", "simd", "kernel_rates")
 _STRING = "a non-empty string"
 
@@ -255,6 +276,8 @@ def _gpu(label: str, data: Mapping[str, object]) -> GpuSpec:
         arch=_get(label, "gpu.", data, "arch", _arch, "a CUDA architecture like sm_75"),
         vram_bytes=_get(label, "gpu.", data, "vram", _size, "a size like 11GiB"),
         mem_bandwidth=_get(label, "gpu.", data, "mem_bandwidth", _bandwidth, "a positive bandwidth like 616GB/s"),
+        **{key: _get(label, "gpu.", data, key, _duration, _DURATION)
+           for key in ("kernel_overhead", "sync_overhead") if key in data},
     )
 
 
@@ -289,17 +312,23 @@ def target_from_dict(data: object, label: str) -> Target:
 
     gpu_data = data.get("gpu")
     gpu: GpuSpec | None = None
-    pcie = 0.0
+    pcie, latency = 0.0, 0.0
     if isinstance(gpu_data, dict):
         gpu = _gpu(label, gpu_data)
         pcie = _get(label, "", data, "pcie_bandwidth", _bandwidth, "a positive bandwidth like 12GB/s")
+        latency = (_get(label, "", data, "pcie_latency", _duration, _DURATION) if "pcie_latency" in data
+                   else DEFAULT_PCIE_LATENCY)
     elif gpu_data is not None:
         raise PiccError(f"{label}: gpu: expected a mapping of GPU fields or null, got {gpu_data!r}")
-    elif "pcie_bandwidth" in data:
-        raise PiccError(f"{label}: pcie_bandwidth: a target without a GPU has no PCIe link; remove the field")
+    else:
+        for key in ("pcie_bandwidth", "pcie_latency"):
+            if key in data:
+                raise PiccError(f"{label}: {key}: a target without a GPU has no PCIe link; remove the field")
 
     cpu_data = data.get("cpu")
     if cpu_data == "host":
+        from picc.targets.host import detect_host_cpu
+
         cpu = detect_host_cpu()
     elif isinstance(cpu_data, dict):
         cpu = _cpu(label, cpu_data)
@@ -307,7 +336,7 @@ def target_from_dict(data: object, label: str) -> Target:
         raise PiccError(f"{label}: cpu: missing, expected a mapping of CPU fields or 'host'")
     else:
         raise PiccError(f"{label}: cpu: expected a mapping of CPU fields or 'host', got {cpu_data!r}")
-    return Target(name, gpu, pcie, cpu, description)
+    return Target(name, gpu, pcie, cpu, description, latency)
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -346,124 +375,3 @@ def load_target(name_or_path: str) -> Target:
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
         raise PiccError(f"{name_or_path}: target file not found")
     raise PiccError(f"unknown target {name_or_path!r}: expected one of {', '.join(names)}, or a path to a .yaml file")
-
-
-# --- the host --------------------------------------------------------------------------------
-
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
-def host_cpu_name(cpuinfo: str | None = None) -> str:
-    info = _cpuinfo() if cpuinfo is None else cpuinfo
-    m = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE)
-    return m.group(1).strip() if m else (platform.processor() or platform.machine() or "host CPU")
-
-
-def host_simd(cpuinfo: str | None = None) -> str:
-    """``avx512`` (avx512f), ``avx2`` or ``sse``, from the first ``flags`` line of /proc/cpuinfo."""
-    info = _cpuinfo() if cpuinfo is None else cpuinfo
-    m = re.search(r"^flags\s*:\s*(.*)$", info, re.MULTILINE)
-    flags = set(m.group(1).split()) if m else set()
-    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "sse"
-
-
-def host_cores() -> int:
-    """The cores this process may run on (affinity, so containers and ``taskset`` are honoured)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Host memory read bandwidth in bytes/s, all cores reading: the best of ``repeats`` streams
-    over ``nbytes``, split between :func:`host_cores` threads.
-
-    Each thread streams its share with a BLAS dot product of two halves (numpy releases the GIL
-    for it), which runs at the memory's speed; ``np.sum`` does pairwise summation and is
-    compute-bound at about half of it. One BLAS dot is one thread here, and one core does not
-    saturate the memory: on the 2-core build machine one stream reads ~21 GB/s, two ~32 GB/s,
-    what picc's own f32 GEMV reaches on two threads. The array is far larger than any cache, so
-    it is read from memory every time.
-    """
-    data = np.ones(max(nbytes // 4, 2), dtype=np.float32)  # ones, not empty: every page is touched
-    threads = max(1, min(host_cores(), data.size // 2))
-    # Thread t dots the t-th pieces of the two halves of ``data``.
-    half = data.size // 2
-    edges = np.linspace(0, half, threads + 1).astype(int)
-    pieces = [(data[a:b], data[half + a : half + b]) for a, b in zip(edges[:-1], edges[1:], strict=True)]
-    start_line = threading.Barrier(threads)
-    spans: list[list[tuple[float, float]]] = [[] for _ in pieces]
-
-    def reader(t: int) -> None:
-        left, right = pieces[t]
-        for _ in range(repeats + 1):
-            start_line.wait()
-            begin = time.perf_counter()
-            float(np.dot(left, right))
-            spans[t].append((begin, time.perf_counter()))
-
-    # Each round's time runs from its first reader's start to its last reader's end, as the
-    # readers time themselves: a thread waking from the barrier late (the GIL) would otherwise
-    # shorten the round. The first round warms up.
-    with blas_threads(1):  # one BLAS thread per reader: the readers are the parallelism
-        workers = [threading.Thread(target=reader, args=(t,), daemon=True) for t in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    rounds = [(min(b for b, _ in r), max(e for _, e in r)) for r in zip(*spans, strict=True)][1:]
-    best = min(end - begin for begin, end in rounds)
-    return 2 * int(edges[-1]) * 4 / max(best, 1e-9)
-
-
-def host_cache_path() -> Path:
-    return cache_root() / "targets" / "host-cpu.json"
-
-
-def measure_kernel_rates(threads: int) -> dict[str, float]:
-    """``picc.codegen_cpu.rates.measure_kernel_rates``, or {} where the kernels cannot be built
-    (a CPU without AVX2): the cost model then takes every format to be bound by memory."""
-    from picc.codegen_cpu.rates import measure_kernel_rates as measure
-
-    try:
-        return measure(threads)
-    except (PiccError, RuntimeError, OSError):
-        return {}
-
-
-def kernels_fingerprint() -> str:
-    """A hash of the sources of ``picc.codegen_cpu``: a changed code generator may change its
-    kernels' rates, so cached rates are only good for the kernels they were measured on."""
-    digest = hashlib.sha256()
-    for path in sorted((Path(__file__).resolve().parent.parent / "codegen_cpu").glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def detect_host_cpu() -> CpuSpec:
-    """This machine's CPU; bandwidth and kernel rates are measured on first use and cached per CPU
-    model and core count (the rates are for all the cores this process may use)."""
-    info = _cpuinfo()
-    name, cores, kernels = host_cpu_name(info), host_cores(), kernels_fingerprint()
-    path = host_cache_path()
-    bandwidth, rates = None, None
-    try:
-        cached = json.loads(path.read_text())
-        if (cached.get("version"), cached.get("cpu"), cached.get("cores")) == (HOST_CACHE_VERSION, name, cores):
-            bandwidth = float(cached["mem_bandwidth"])
-            if cached.get("kernels") == kernels:
-                rates = {str(k): float(v) for k, v in cached["kernel_rates"].items() if k in CPU_RATE_KEYS and v > 0}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass  # no cache or a damaged one: measure again
-    if bandwidth is None or not bandwidth > 0 or rates is None:  # measured together: the same moment
-        bandwidth = measure_memory_bandwidth()
-        rates = measure_kernel_rates(cores)
-        entry = json.dumps({"version": HOST_CACHE_VERSION, "cpu": name, "cores": cores, "kernels": kernels,
-                            "mem_bandwidth": bandwidth, "kernel_rates": rates})
-        keep_cached(path, lambda f: f.write(entry.encode()))
-    return CpuSpec(name, cores, bandwidth, host_simd(info), tuple(sorted(rates.items())))
