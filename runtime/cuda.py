@@ -49,6 +49,7 @@ _u64 = ctypes.c_uint64
 _ATTR_CC_MAJOR, _ATTR_CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_*
 _STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream
 _CAPTURE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' calls stay legal
+_EVENT_RECORD_EXTERNAL = 1  # CU_EVENT_RECORD_EXTERNAL: in a capture, a timing record node
 
 
 def libcuda() -> ctypes.CDLL:
@@ -274,27 +275,42 @@ class CudaGpu:
 
     def launch_seconds(self, ops: list[str], before: Callable[[], None],
                        repeat: int = 20) -> list[tuple[str, str, float]]:
-        """``(op, kernel entry, seconds)`` of device time per launch of ``ops``, in order (medians of
-        ``repeat`` runs, timed with events between the launches): where a step's GPU time goes.
-        ``before`` puts a step's inputs in place before each run (their slots are reused in a step)."""
+        """``(op, kernel entry, seconds)`` of device time per launch of ``ops``, in order: where a
+        step's GPU time goes. The launches are captured into one graph with an event between every
+        two, as a stage's graph runs them (timed one by one from the host, each would take the
+        ~10 us a ctypes launch costs); medians of ``repeat`` replays. ``before`` puts a step's
+        inputs in place before each replay (their slots are reused within a step)."""
         launches = [(op, launch) for op in ops for launch in self._launches.get(op, ())]
         events = [ctypes.c_void_p() for _ in range(len(launches) + 1)]
+        graph, executable = ctypes.c_void_p(), ctypes.c_void_p()
         for e in events:
             self.cu("cuEventCreate", ctypes.byref(e), 0)
         samples: list[list[float]] = [[] for _ in launches]
         try:
-            for _ in range(repeat):
-                before()
-                self.cu("cuEventRecord", events[0], self.stream)
+            self.cu("cuStreamBeginCapture_v2", self.stream, _CAPTURE_THREAD_LOCAL)
+            try:
+                # External: an event record node of the graph (a plain record in a capture only
+                # orders streams, and its time cannot be read).
+                self.cu("cuEventRecordWithFlags", events[0], self.stream, _EVENT_RECORD_EXTERNAL)
                 for i, (_, (fn, grid, block, args, *_)) in enumerate(launches):
                     self.cu("cuLaunchKernel", fn, *grid, *block, 0, self.stream, args, None)
-                    self.cu("cuEventRecord", events[i + 1], self.stream)
+                    self.cu("cuEventRecordWithFlags", events[i + 1], self.stream, _EVENT_RECORD_EXTERNAL)
+            finally:
+                self.cu("cuStreamEndCapture", self.stream, ctypes.byref(graph))
+            self.cu("cuGraphInstantiateWithFlags", ctypes.byref(executable), graph, ctypes.c_ulonglong(0))
+            for _ in range(repeat):
+                before()
+                self.cu("cuGraphLaunch", executable, self.stream)
                 self.synchronize()
                 for i in range(len(launches)):
                     ms = ctypes.c_float()
                     self.cu("cuEventElapsedTime", ctypes.byref(ms), events[i], events[i + 1])
                     samples[i].append(ms.value * 1e-3)
         finally:
+            if executable.value:
+                self.cu("cuGraphExecDestroy", executable)
+            if graph.value:
+                self.cu("cuGraphDestroy", graph)
             for e in events:
                 self.cu("cuEventDestroy_v2", e)
         return [(op, launch[-1], float(np.median(t))) for (op, launch), t in zip(launches, samples, strict=True)]

@@ -188,6 +188,8 @@ class FakeCuda:
 
     def _cuEventRecord(self, event: object, stream: object) -> None: ...
 
+    def _cuEventRecordWithFlags(self, event: object, stream: object, flags: int) -> None: ...
+
     def _cuEventElapsedTime(self, ms: object, start: object, end: object) -> None:
         _out(ms).value = 0.001
 

@@ -6,7 +6,7 @@ Needs Python with numpy, llvmlite and the NVIDIA driver (tokenizers for ``picc b
 no TVM). Per ``.pib`` of ``pibs/``: the logits of its prompt (every position) on the GPU against
 the interpreter's (relative error <= 1e-3, the bound of the hybrid tests), the greedy tokens against
 the host-emulated GPU's, the device memory against the plan; then, for every kernel launch of
-relu-demo whole on the GPU, its device time in a decode step (CUDA events between launches); then
+relu-demo whole on the GPU, its device time in a decode step (events between them in a graph); then
 ``picc bench`` of the relu-demo files (prompt and decode tok/s, GPU, CPU and copy time per token,
 launches per token). Prints tables; writes ``$OUT/check.json`` (or ``./check.json``).
 
@@ -91,8 +91,8 @@ def check_case(case: dict, gpu: str) -> dict:
 
 
 def launch_profile(path: Path, gpu: str) -> list[dict]:
-    """Device time of every kernel launch of one decode step of the whole-GPU ``path`` (CUDA
-    events between the launches, which cost a little each: the sum exceeds a graph's time)."""
+    """Device time of every kernel launch of one decode step of the whole-GPU ``path`` (the step's
+    launches in one graph with an event between every two)."""
     if gpu != "cuda" or not path.exists():
         return []
     with Session(path, threads=2, gpu="cuda") as s:
