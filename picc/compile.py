@@ -29,6 +29,7 @@ from picc.plan_report import build_report
 from picc.schedule import Schedule, schedule
 from picc.sparsify import SparsifyOptions, target_sparsity
 from picc.targets import Target, load_target, parse_size
+from runtime.contracts import CudaManifest, launches_to_json
 
 
 @dataclass(frozen=True)
@@ -266,10 +267,9 @@ def gpu_code(module, weights, plan: mp.MemoryPlan, arch: str,  # noqa: ANN001
         host_so = host.result()
     sections: dict[str, bytes] = {f"cuda/{arch}/{name}.cu": a.source.encode("utf-8") for name, a in artifacts.items()}
     sections.update({f"cuda/{arch}/model.{kind}": data for kind, data in compiled.items()})
-    manifest = {"arch": arch, "kernels": {name: list(a.launches) for name, a in artifacts.items()},
-                "compiled": sorted(compiled)}
-    sections["cuda/manifest"] = json.dumps(manifest).encode("utf-8")
-    sections["gpu/launches"] = json.dumps(lowered.launches).encode("utf-8")
+    manifest = CudaManifest(arch, tuple(sorted(compiled)), {name: a.launches for name, a in artifacts.items()})
+    sections["cuda/manifest"] = json.dumps(manifest.to_json()).encode("utf-8")
+    sections["gpu/launches"] = json.dumps(launches_to_json(lowered.launches)).encode("utf-8")
     sections["gpu/host.so"] = host_so
     tensors = {f"gpu.const.{name}": Tensor.from_f32(values) for name, values in lowered.constants.items()}
     return sections, tensors

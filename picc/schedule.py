@@ -13,20 +13,19 @@ The *head* is what follows the last decoder layer (the output norm and LM head):
 whose logits nobody reads skip it. Function arguments (``tokens``, ``pos``) are written by the
 runtime to wherever they are read, every step.
 
-Backends and the runtime read the schedule; its JSON form is the ``.pib``'s ``schedule`` section.
+Backends and the runtime read the schedule: ``runtime.contracts.Schedule``, whose JSON form is the
+``.pib``'s ``schedule`` section.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
 
 from picc.ir import ops as O
 from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Function, Module
 from picc.ir.types import Placement
-
-GPU, CPU = "gpu", "cpu"
+from runtime.contracts import CPU, GPU, Schedule, Stage
 
 
 def layer_of(name: str) -> int | None:
@@ -37,35 +36,6 @@ def layer_of(name: str) -> int | None:
 
 def device_of(placement: Placement | None) -> str:
     return GPU if placement == Placement.GPU else CPU
-
-
-@dataclass
-class Stage:
-    """Ops each device runs in this stage (in order) and the values copied across before it."""
-
-    gpu: list[str] = field(default_factory=list)
-    cpu: list[str] = field(default_factory=list)
-    to_gpu: list[str] = field(default_factory=list)
-    to_cpu: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Schedule:
-    stages: list[Stage]
-    head: list[str]  # ops after the last decoder layer, skipped for prompt tokens
-    logits: str  # the returned value
-    logits_device: str
-
-    @property
-    def devices(self) -> set[str]:
-        return {d for s in self.stages for d in (GPU, CPU) if getattr(s, d)}
-
-    def stage_of(self, op: str) -> int:
-        return next(i for i, s in enumerate(self.stages) if op in s.gpu or op in s.cpu)
-
-    def to_json(self) -> dict:
-        return {"stages": [asdict(s) for s in self.stages], "head": self.head, "logits": self.logits,
-                "logits_device": self.logits_device}
 
 
 def _stage_numbers(func: Function) -> dict[str, int]:

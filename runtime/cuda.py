@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.contracts import Call, CudaManifest, launches_from_json
 from runtime.gpu import GpuError, GpuTimes, arena_image
 from runtime.pib import PibFile
 
@@ -124,7 +125,7 @@ class CudaGpu:
         self._graphs: dict[tuple[str, ...], tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
         self._seen: set[tuple[str, ...]] = set()
         self.base, self.pinned, self.stream = _u64(), ctypes.c_void_p(), ctypes.c_void_p()
-        manifest = pib.json("cuda/manifest")
+        manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
         plan = pib.json("plan")
         self.arena_bytes = int(plan["gpu_bytes"])
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
@@ -144,26 +145,26 @@ class CudaGpu:
                                               (max(act_bytes, 1),))
         self._queued: set[str] = set()  # values whose upload from the staging buffer may be pending
         self._functions = self._load(pib, manifest)
-        self._launches = self._bind(pib.json("gpu/launches"), manifest)
+        self._launches = self._bind(launches_from_json(pib.json("gpu/launches")), manifest)
         self.times = GpuTimes()
 
-    def _load(self, pib: PibFile, manifest: dict) -> dict[str, ctypes.c_void_p]:
+    def _load(self, pib: PibFile, manifest: CudaManifest) -> dict[str, ctypes.c_void_p]:
         """Each ``__global__`` function of the file's kernels, loaded on the device: from its cubin
         (same architecture) or PTX (this one or older), else compiled here from its CUDA sources."""
-        arch = manifest["arch"]
+        arch = manifest.arch
         if int(arch[3:]) > int(self.device_arch[3:]):
             raise GpuError(f"{pib.path} was compiled for {arch}; this device is {self.device_arch}: "
                            f"recompile with a target for it")
         # A cubin runs only on its own architecture; PTX is JIT-compiled for this one or newer.
-        if arch == self.device_arch and "cubin" in manifest["compiled"]:
+        if arch == self.device_arch and "cubin" in manifest.compiled:
             images = [pib.section(f"cuda/{arch}/model.cubin")]
-        elif "ptx" in manifest["compiled"]:
+        elif "ptx" in manifest.compiled:
             images = [pib.section(f"cuda/{arch}/model.ptx") + b"\0"]
         else:  # nvcc was not found at compile time: the sources, compiled at load
-            sources = {k: pib.text(f"cuda/{arch}/{k}.cu") for k in manifest["kernels"]}
+            sources = {k: pib.text(f"cuda/{arch}/{k}.cu") for k in manifest.kernels}
             images = [ptx + b"\0" for ptx in compile_at_load(sources, self.device_arch).values()]
         functions = {}
-        entries = [launch["entry"] for launches in manifest["kernels"].values() for launch in launches]
+        entries = manifest.entries
         for image in images:
             module = ctypes.c_void_p()
             self.cu("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(image))
@@ -177,18 +178,18 @@ class CudaGpu:
             raise GpuError(f"{pib.path}: its CUDA code lacks the kernels {missing[:3]}")
         return functions
 
-    def _bind(self, launches: dict[str, list[dict]], manifest: dict) -> dict[str, list[tuple]]:
+    def _bind(self, launches: dict[str, list[Call]], manifest: CudaManifest) -> dict[str, list[tuple]]:
         """Per op, its launches with their argument arrays (pointers into the arena) built once."""
         bound: dict[str, list[tuple]] = {}
         for op, calls in launches.items():
             bound[op] = []
             for call in calls:
-                where = {a["param"]: a["offset"] for a in call["args"]}
-                for launch in manifest["kernels"][call["kernel"]]:
-                    pointers = [_u64(self.base.value + where[p]) for p in launch["params"]]
+                where = call.offsets()
+                for launch in manifest.kernels[call.kernel]:
+                    pointers = [_u64(self.base.value + where[p]) for p in launch.params]
                     args = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(p) for p in pointers])
-                    bound[op].append((self._functions[launch["entry"]], launch["grid"], launch["block"], args,
-                                      pointers, launch["entry"]))
+                    bound[op].append((self._functions[launch.entry], launch.grid, launch.block, args,
+                                      pointers, launch.entry))
         return bound
 
     # --- copies -------------------------------------------------------------------------------------

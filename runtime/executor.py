@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.contracts import GPU, Schedule
 from runtime.cpu import ChunkProgram, ChunkStage, CpuExecutor, ExecutorError
 from runtime.gpu import EmulatedGpu, GpuError, cuda_device_count
 from runtime.pib import PibFile
@@ -110,13 +111,13 @@ class Executor:
     def __init__(self, pib: PibFile, threads: int | None = 1, gpu: str = "auto") -> None:
         if not pib.has("schedule"):
             raise ExecutorError(f"{pib.path}: has no schedule (compiled by an older picc?); recompile it")
-        sched = pib.json("schedule")
-        self.stages = sched["stages"]
-        self.head = set(sched["head"])
-        self.logits_value = sched["logits"]
-        self.logits_on_gpu = sched["logits_device"] == "gpu"
+        sched = Schedule.from_json(pib.json("schedule"))
+        self.stages = sched.stages
+        self.head = set(sched.head)
+        self.logits_value = sched.logits
+        self.logits_on_gpu = sched.logits_device == GPU
         self.cpu = CpuExecutor(pib, threads)
-        uses_gpu = any(st["gpu"] for st in self.stages)
+        uses_gpu = any(st.gpu for st in self.stages)
         self.gpu = _make_gpu(pib, gpu) if uses_gpu else None
         self.gpu_kind = self.gpu.kind if self.gpu is not None else None
         self._worker = _GpuWorker() if self.gpu is not None else None
@@ -140,13 +141,13 @@ class Executor:
         gpu, cpu = self.gpu, self.cpu
         for i, stage in enumerate(self.stages):
             if gpu is not None:
-                for v in stage["to_gpu"]:
+                for v in stage.to_gpu:
                     if logits or v not in self.head:
                         gpu.upload(v, cpu.value(v))
-                gpu.download_many([(v, cpu.value(v)) for v in stage["to_cpu"] if logits or v not in self.head])
-            gpu_ops = [op for op in stage["gpu"] if logits or op not in self.head]
+                gpu.download_many([(v, cpu.value(v)) for v in stage.to_cpu if logits or v not in self.head])
+            gpu_ops = [op for op in stage.gpu if logits or op not in self.head]
             self._side_by_side(gpu.run if gpu_ops and gpu is not None else None, gpu_ops,
-                               cpu.run_stage if stage["cpu"] else None, (i, not logits))
+                               cpu.run_stage if stage.cpu else None, (i, not logits))
         if logits and self.logits_on_gpu:
             assert gpu is not None
             gpu.download(self.logits_value, self.cpu.logits())

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime import gpu_layout
+from runtime.contracts import Call, launches_from_json
 from runtime.pib import PibFile
 
 ARENA_ALIGN = 256  # what cudaMalloc guarantees; the plan's buffers start at multiples of it
@@ -89,7 +90,7 @@ class EmulatedGpu:
         self.arena[:] = arena_image(pib, self.arena_bytes)
         self.times = GpuTimes()
         self._library = _load_host_library(pib)
-        self._launches = self._bind(pib.json("gpu/launches"))
+        self._launches = self._bind(launches_from_json(pib.json("gpu/launches")))
         activations = next((b for b in plan["buffers"] if b["name"] == "activations"), None)
         self._act = int(activations["offset"]) if activations else 0
         self._slots = {k: int(v) for k, v in plan["activation_offsets"].items()}
@@ -103,15 +104,15 @@ class EmulatedGpu:
                            f"{self.arena_bytes}-byte GPU arena")
         return self.arena[offset : offset + nbytes].view(dtype).reshape(shape)
 
-    def _bind(self, launches: dict[str, list[dict]]) -> dict[str, list[tuple]]:
+    def _bind(self, launches: dict[str, list[Call]]) -> dict[str, list[tuple]]:
         import tvm
 
         bound: dict[str, list[tuple]] = {}
         for op, calls in launches.items():
             bound[op] = []
             for call in calls:
-                fn = self._library[call["kernel"]]
-                args = [tvm.runtime.from_dlpack(self.view(a["offset"], a["shape"], a["dtype"])) for a in call["args"]]
+                fn = self._library[call.kernel]
+                args = [tvm.runtime.from_dlpack(self.view(a.offset, list(a.shape), a.dtype)) for a in call.args]
                 bound[op].append((fn, args))
         return bound
 

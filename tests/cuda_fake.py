@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from runtime.contracts import Call, CudaManifest, launches_from_json
 from runtime.gpu import _load_host_library
 from runtime.pib import PibFile
 
@@ -46,7 +47,8 @@ class FakeCuda:
     """The driver calls ``runtime.cuda`` makes, on host memory (see the module docstring)."""
 
     def __init__(self, pib: PibFile) -> None:
-        self.arch = pib.json("cuda/manifest")["arch"]  # the device is the one the file was compiled for
+        manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
+        self.arch = manifest.arch  # the device is the one the file was compiled for
         self._current = threading.local()
         self.calls: list[tuple[str, str]] = []  # (thread name, call) of every call
         self.blocks: dict[int, np.ndarray] = {}  # device and pinned allocations by address
@@ -57,8 +59,8 @@ class FakeCuda:
         self.kernel_runs = 0
         self._handles = 0x1000
         self._library = _load_host_library(pib)
-        manifest, self._launches = pib.json("cuda/manifest"), pib.json("gpu/launches")
-        self._first_entry = {name: launches[0] for name, launches in manifest["kernels"].items()}
+        self._launches = launches_from_json(pib.json("gpu/launches"))
+        self._first_entry = {name: launches[0] for name, launches in manifest.kernels.items()}
         self._arena: np.ndarray | None = None
         self._base = 0
         self._by_call: dict[tuple[str, tuple[int, ...]], Callable[[], None]] | None = None
@@ -224,25 +226,24 @@ class FakeCuda:
             self._by_call = {}
             for calls in self._launches.values():
                 for call in calls:
-                    first = self._first_entry[call["kernel"]]
-                    where = {a["param"]: a["offset"] for a in call["args"]}
-                    key = (first["entry"], tuple(where[p] for p in first["params"]))
+                    first = self._first_entry[call.kernel]
+                    where = call.offsets()
+                    key = (first.entry, tuple(where[p] for p in first.params))
                     self._by_call[key] = self._host_call(call)
         if (entry, offsets) not in self._by_call:
-            if any(entry == first["entry"] for first in self._first_entry.values()):
+            if any(entry == first.entry for first in self._first_entry.values()):
                 raise AssertionError(f"launch of {entry} with arguments at {offsets} matches no call of the plan")
             return None
         return self._by_call[(entry, offsets)]
 
-    def _host_call(self, call: dict) -> Callable[[], None]:
+    def _host_call(self, call: Call) -> Callable[[], None]:
         import tvm
 
         assert self._arena is not None
-        fn = self._library[call["kernel"]]
+        fn = self._library[call.kernel]
         views = []
-        for a in call["args"]:
-            nbytes = int(np.prod(a["shape"], dtype=np.int64)) * np.dtype(a["dtype"]).itemsize
-            view = self._arena[a["offset"] : a["offset"] + nbytes].view(a["dtype"]).reshape(a["shape"])
+        for a in call.args:
+            view = self._arena[a.offset : a.offset + a.nbytes].view(a.dtype).reshape(a.shape)
             views.append(tvm.runtime.from_dlpack(view))
 
         def run() -> None:

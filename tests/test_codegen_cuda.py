@@ -301,15 +301,15 @@ def test_launch_configs_match_the_cuda_source() -> None:
     for kernel in (sparse_ffn("lc_ffn", 576, 700, "swiglu", "q4_1"), attention("lc_att", 1, 9, 3, 64, 256, 0.125),
                    compact("lc_compact", 100, 104, 28), gemv("lc_gemv", 4096, 576, "f16")):
         art = build_cuda([kernel], "sm_80", nvcc=False)[kernel.name]
-        assert [launch["entry"] for launch in art.launches] == list(art.entry_points)
+        assert [launch.entry for launch in art.launches] == list(art.entry_points)
         for launch in art.launches:
-            assert set(launch["params"]) <= {p.name for p in kernel.params}
-            threads = launch["block"][0] * launch["block"][1] * launch["block"][2]
-            head = next(ln for ln in art.source.splitlines() if f" {launch['entry']}(" in ln)
+            assert set(launch.params) <= {p.name for p in kernel.params}
+            threads = launch.block[0] * launch.block[1] * launch.block[2]
+            head = next(ln for ln in art.source.splitlines() if f" {launch.entry}(" in ln)
             assert f"__launch_bounds__({threads})" in head or "__launch_bounds__" not in head
     rows = build_cuda([gemv("lc_rows", 4096, 576, "f16")], "sm_75", nvcc=False)["lc_rows"].launches[0]
     # One warp per row, four rows per block on sm_75: 4096 rows take 1024 blocks of 4 x 32 threads.
-    assert rows["grid"] == [1024, 1, 1] and rows["block"] == [32, 4, 1]
+    assert rows.grid == (1024, 1, 1) and rows.block == (32, 4, 1)
 
 
 def test_gate_first_needs_a_glu_form() -> None:

@@ -23,6 +23,7 @@ from picc.interpreter import Interpreter
 from picc.ir.types import Placement
 from picc.pib import load_pib
 from picc.sparsify import SparsifyOptions
+from runtime.contracts import ContractError, CudaManifest, Schedule, launches_from_json, launches_to_json
 from runtime.pib import PibFile
 from runtime.session import Session
 
@@ -117,7 +118,7 @@ def test_repeated_stages_replay_captured_graphs(pibs, fake_driver):
         assert first > 0 and gpu.times.graph_launches == 0
         _step(session, TOKENS[1])  # captured and replayed
         _step(session, TOKENS[2])
-        stages = sum(1 for st in session.executor.stages if st["gpu"])
+        stages = sum(1 for st in session.executor.stages if st.gpu)
         assert gpu.times.launches == first
         assert gpu.times.graph_launches == 2 * stages
 
@@ -148,7 +149,7 @@ def test_launch_times_cover_a_step_launch_by_launch(pibs, fake_driver):
     with Session(pibs["whole"], threads=1, gpu="cuda") as session:
         session.feed(TOKENS[:3])
         ex = session.executor
-        ops = [op for st in ex.stages for op in st["gpu"]]
+        ops = [op for st in ex.stages for op in st.gpu]
         timed = ex.gpu.launch_seconds(ops, before=lambda: ex._inputs(5, session.pos), repeat=2)
         pib = PibFile(pibs["whole"])
         manifest, launches = pib.json("cuda/manifest"), pib.json("gpu/launches")
@@ -156,3 +157,18 @@ def test_launch_times_cover_a_step_launch_by_launch(pibs, fake_driver):
                 for la in manifest["kernels"][call["kernel"]]]
     assert [(op, entry) for op, entry, _ in timed] == expected
     assert all(seconds > 0 for _, _, seconds in timed)
+
+
+def test_the_sections_the_runtime_reads_round_trip_through_their_records(pibs):
+    """``schedule``, ``gpu/launches`` and ``cuda/manifest`` as picc compile wrote them are exactly
+    what their typed records serialize to (one serializer, both sides), and a section missing a
+    field is refused by name."""
+    for path in pibs.values():
+        pib = PibFile(path)
+        schedule, launches, manifest = (pib.json(s) for s in ("schedule", "gpu/launches", "cuda/manifest"))
+        assert Schedule.from_json(schedule).to_json() == schedule
+        assert launches_to_json(launches_from_json(launches)) == launches
+        assert CudaManifest.from_json(manifest).to_json() == manifest
+    broken = {k: v for k, v in schedule.items() if k != "head"}
+    with pytest.raises(ContractError, match="schedule: missing 'head'"):
+        Schedule.from_json(broken)

@@ -98,7 +98,7 @@ def launch_profile(path: Path, gpu: str) -> list[dict]:
     with Session(path, threads=2, gpu="cuda") as s:
         s.feed([1, 2, 3, 4])
         ex = s.executor
-        ops = [op for st in ex.stages for op in st["gpu"]]
+        ops = [op for st in ex.stages for op in st.gpu]
         timed = ex.gpu.launch_seconds(ops, before=lambda: ex._inputs(5, s.pos))
     return [{"op": op, "kernel": entry, "us": 1e6 * t} for op, entry, t in timed]
 

@@ -43,6 +43,7 @@ from picc.frontend import load_model  # noqa: E402
 from picc.interpreter import Interpreter  # noqa: E402
 from picc.pib import load_pib  # noqa: E402
 from picc.sparsify import SparsifyOptions  # noqa: E402
+from runtime.contracts import CudaManifest, launches_from_json  # noqa: E402
 from runtime.gpu import arena_image  # noqa: E402
 from runtime.pib import PibFile  # noqa: E402
 from runtime.session import Session  # noqa: E402
@@ -91,31 +92,29 @@ class Folder:
         """Each kernel of the file not seen yet: its arguments before and after its call in one
         real decode step on the emulated GPU (real activations, KV rows, masks, positions)."""
         gpu = session.executor.gpu
-        arch = pib.json("cuda/manifest")["arch"]
-        launches = pib.json("gpu/launches")
+        arch = CudaManifest.from_json(pib.json("cuda/manifest")).arch
+        launches = launches_from_json(pib.json("gpu/launches"))
         initial = arena_image(pib, gpu.arena_bytes)  # weights and constants: unit.py reads them off the .pib
 
         def run(ops: list[str]) -> None:
             for op in ops:
                 for call, (fn, args) in zip(launches.get(op, ()), gpu._launches.get(op, ()), strict=True):
-                    key = f"{arch}.{call['kernel']}"
-                    views = [gpu.view(a["offset"], a["shape"], a["dtype"]) for a in call["args"]]
-                    before = {a["param"]: v.copy() for a, v in zip(call["args"], views, strict=True)}
-                    kept = {a["param"] for a, v in zip(call["args"], views, strict=True)
-                            if not np.array_equal(v.view(np.uint8).reshape(-1),
-                                                  initial[a["offset"] : a["offset"] + v.nbytes])}
+                    key = f"{arch}.{call.kernel}"
+                    views = {a.param: gpu.view(a.offset, list(a.shape), a.dtype) for a in call.args}
+                    before = {name: v.copy() for name, v in views.items()}
+                    kept = {a.param for a in call.args
+                            if not np.array_equal(views[a.param].view(np.uint8).reshape(-1),
+                                                  initial[a.offset : a.offset + a.nbytes])}
                     fn(*args)
                     if key in self.units:
                         continue
                     # What the call changed (the rest must stay as it was, which unit.py checks too).
-                    after = {a["param"]: v.copy() for a, v in zip(call["args"], views, strict=True)
-                             if not np.array_equal(v, before[a["param"]])}
+                    after = {name: v.copy() for name, v in views.items() if not np.array_equal(v, before[name])}
                     np.savez(self.root / "units" / f"{key}.npz",
                              **{f"in.{k}": v for k, v in before.items() if k in kept},
                              **{f"out.{k}": v for k, v in after.items()})
-                    self.units[key] = {"pib": name, "kernel": call["kernel"],
-                                       "params": [[a["param"], a["shape"], a["dtype"], a["offset"]]
-                                                  for a in call["args"]]}
+                    self.units[key] = {"pib": name, "kernel": call.kernel,
+                                       "params": [[a.param, list(a.shape), a.dtype, a.offset] for a in call.args]}
 
         gpu.run = run
         session.executor.step(session.history[-1] if session.history else 1, session.pos)
@@ -132,7 +131,7 @@ class Folder:
                                 "params": [[p.name, list(p.shape), p.dtype, p.role] for p in k.params]}
         for name, art in build_cuda(kernels, "sm_90", outputs=("ptx",)).items():
             (self.root / "kernels" / f"{name}.ptx").write_bytes(art.ptx or b"")
-            meta[name]["launches"] = [dict(la) for la in art.launches]
+            meta[name]["launches"] = [la.to_json() for la in art.launches]
         (self.root / "kernels" / "kernels.json").write_text(json.dumps(meta, indent=1))
 
     def finish(self) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "src"))
 
+from runtime.contracts import CudaManifest  # noqa: E402
 from runtime.cuda import Driver  # noqa: E402
 from runtime.gpu import arena_image  # noqa: E402
 from runtime.pib import PibFile  # noqa: E402
@@ -36,7 +37,7 @@ def run_unit(cu: Driver, key: str, unit: dict) -> list[tuple[str, float]]:
     """``unit``'s kernel on the device; per argument, its error against the host build's."""
     data = np.load(HERE / "units" / f"{key}.npz")
     pib = PibFile(HERE / "pibs" / f"{unit['pib']}.pib")
-    manifest = pib.json("cuda/manifest")
+    manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
     initial = arena_image(pib, int(pib.json("plan")["gpu_bytes"]))
 
     def before(name: str, shape: list[int], dtype: str, offset: int) -> np.ndarray:
@@ -46,7 +47,7 @@ def run_unit(cu: Driver, key: str, unit: dict) -> list[tuple[str, float]]:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         return initial[offset : offset + nbytes].view(dtype).reshape(shape).copy()
 
-    arch = manifest["arch"]
+    arch = manifest.arch
     image = pib.section(f"cuda/{arch}/model.ptx") + b"\0"  # PTX: runs on this device or any newer one
     module = ctypes.c_void_p()
     cu("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(image))
@@ -57,12 +58,12 @@ def run_unit(cu: Driver, key: str, unit: dict) -> list[tuple[str, float]]:
             pointers[name] = ctypes.c_uint64()
             cu("cuMemAlloc_v2", ctypes.byref(pointers[name]), ctypes.c_size_t(host.nbytes))
             cu("cuMemcpyHtoD_v2", pointers[name], host.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(host.nbytes))
-        for launch in manifest["kernels"][unit["kernel"]]:
+        for launch in manifest.kernels[unit["kernel"]]:
             fn = ctypes.c_void_p()
-            cu("cuModuleGetFunction", ctypes.byref(fn), module, launch["entry"].encode())
-            values = [ctypes.c_uint64(pointers[p].value) for p in launch["params"]]
+            cu("cuModuleGetFunction", ctypes.byref(fn), module, launch.entry.encode())
+            values = [ctypes.c_uint64(pointers[p].value) for p in launch.params]
             args = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-            cu("cuLaunchKernel", fn, *launch["grid"], *launch["block"], 0, None, args, None)
+            cu("cuLaunchKernel", fn, *launch.grid, *launch.block, 0, None, args, None)
             cu("cuCtxSynchronize")
         errors = []
         for name, host in inputs.items():

@@ -31,6 +31,7 @@ from tvm import s_tir, tirx
 from picc.codegen_cuda.kernel import Kernel
 from picc.codegen_cuda.schedules import arch_params, cpu_schedule, schedule
 from picc.errors import PiccError
+from runtime.contracts import KernelLaunch
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +48,7 @@ class CudaArtifact:
     entry_points: tuple[str, ...]
     ptx: bytes | None = None
     cubin: bytes | None = None
-    launches: tuple[dict, ...] = ()  # per entry point: {"entry", "grid", "block", "params"}
+    launches: tuple[KernelLaunch, ...] = ()  # per entry point
 
 
 def cuda_source(kernel: Kernel, arch: str) -> str:
@@ -111,11 +112,11 @@ def thread_extents(func: tirx.PrimFunc) -> list[dict[str, int]]:
 _GLOBAL = re.compile(r'^extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\((.*)\) \{$', re.M)
 
 
-def launch_configs(kernel: Kernel, source: str, func: tirx.PrimFunc) -> tuple[dict, ...]:
+def launch_configs(kernel: Kernel, source: str, func: tirx.PrimFunc) -> tuple[KernelLaunch, ...]:
     """How to launch each ``__global__`` function of ``kernel``'s CUDA ``source`` without TVM's
-    runtime: ``{"entry", "grid": [x, y, z], "block": [x, y, z], "params": [kernel parameter, ...]}``
-    (pointer arguments in the function's order). Checked against the source: as many launches
-    as functions, and each block of the size its ``__launch_bounds__`` says."""
+    runtime: its grid, block and pointer arguments by kernel parameter, in the function's order.
+    Checked against the source: as many launches as functions, and each block of the size its
+    ``__launch_bounds__`` says."""
     functions = _GLOBAL.findall(source)
     extents = thread_extents(func)
     if len(functions) != len(extents):
@@ -123,15 +124,16 @@ def launch_configs(kernel: Kernel, source: str, func: tirx.PrimFunc) -> tuple[di
     known = {p.name for p in kernel.params}
     out = []
     for (bound, entry, params), ext in zip(functions, extents, strict=True):
-        grid = [ext.get(f"blockIdx.{a}", 1) for a in "xyz"]
-        block = [ext.get(f"threadIdx.{a}", 1) for a in "xyz"]
-        if bound and int(bound) != block[0] * block[1] * block[2]:
+        gx, gy, gz = (ext.get(f"blockIdx.{a}", 1) for a in "xyz")
+        bx, by, bz = (ext.get(f"threadIdx.{a}", 1) for a in "xyz")
+        grid, block = (gx, gy, gz), (bx, by, bz)
+        if bound and int(bound) != bx * by * bz:
             raise PiccError(f"kernel {kernel.name}: {entry} is bounded to {bound} threads, the schedule has {block}")
         names = [p.strip().rsplit(" ", 1)[-1].removesuffix("_ptr") for p in params.split(",") if p.strip()]
         unknown = [n for n in names if n not in known]
         if unknown:
             raise PiccError(f"kernel {kernel.name}: {entry} takes {unknown}, which are not kernel buffers")
-        out.append({"entry": entry, "grid": grid, "block": block, "params": names})
+        out.append(KernelLaunch(entry, grid, block, tuple(names)))
     return tuple(out)
 
 

@@ -33,15 +33,16 @@ from picc.ir.sparse_ops import Predict
 from picc.ir.types import Placement, TensorType
 from picc.ir.weights import WeightStore
 from runtime import gpu_layout
+from runtime.contracts import Binding, Call
 
 
 @dataclass
 class GpuProgram:
-    """The distinct kernels, the launches of each GPU op (in order), and the f32 constants the
+    """The distinct kernels, the calls of each GPU op (in order), and the f32 constants the
     kernels read (rotary frequencies, thresholds) by plan buffer name."""
 
     kernels: dict[str, Kernel] = field(default_factory=dict)
-    launches: dict[str, list[dict]] = field(default_factory=dict)
+    launches: dict[str, list[Call]] = field(default_factory=dict)
     constants: dict[str, np.ndarray] = field(default_factory=dict)
 
 
@@ -59,7 +60,7 @@ class _Binder:
             raise PiccError(f"codegen_cuda: the memory plan has no GPU buffer {name!r}")
         return self.buffers[name]
 
-    def weight(self, name: str, prefix: str, kernel: Kernel) -> list[dict]:
+    def weight(self, name: str, prefix: str, kernel: Kernel) -> list[Binding]:
         """Bindings of the kernel parameters ``prefix``, ``prefix_qs``, ... to weight ``name``'s planes."""
         t = self.weights[name]
         base = self._buffer(name).offset
@@ -69,26 +70,26 @@ class _Binder:
             out.append(_binding(kernel, p.name, base + plane.offset, plane.nbytes))
         return out
 
-    def vector(self, name: str, param: str, kernel: Kernel) -> dict:
+    def vector(self, name: str, param: str, kernel: Kernel) -> Binding:
         """A weight of one plane (a vector, or an f32 / f16 matrix) bound to ``param``."""
         (binding,) = self.weight(name, param, kernel)
         return binding
 
-    def value(self, name: str, param: str, kernel: Kernel) -> dict:
+    def value(self, name: str, param: str, kernel: Kernel) -> Binding:
         if name not in self.plan.activation_offsets:
             raise PiccError(f"codegen_cuda: %{name} has no slot in the GPU activations")
         at = self._buffer("activations").offset + self.plan.activation_offsets[name]
         return _binding(kernel, param, at, mp.tensor_bytes(self.types[name], 1))
 
-    def constant(self, name: str, param: str, kernel: Kernel) -> dict:
+    def constant(self, name: str, param: str, kernel: Kernel) -> Binding:
         b = self._buffer(name)
         return _binding(kernel, param, b.offset, b.nbytes)
 
-    def kv(self, cache: str, half: int, param: str, kernel: Kernel) -> dict:
+    def kv(self, cache: str, half: int, param: str, kernel: Kernel) -> Binding:
         b = self._buffer(f"kv.{cache}")
         return _binding(kernel, param, b.offset + half * b.nbytes // 2, b.nbytes // 2)
 
-    def scratch(self, op: Op, kernel: Kernel, params: tuple[str, ...], slots: tuple[str, ...] = ()) -> list[dict]:
+    def scratch(self, op: Op, kernel: Kernel, params: tuple[str, ...], slots: tuple[str, ...] = ()) -> list[Binding]:
         """Kernel parameters ``params`` bound to the op's workspace buffers of the same names (or
         of the names ``slots``), laid out as ``memory_plan.gpu_scratch`` says."""
         layout, at = {}, 0
@@ -101,14 +102,14 @@ class _Binder:
                 for p, slot in zip(params, slots or params, strict=True)]
 
 
-def _binding(kernel: Kernel, param: str, offset: int, room: int) -> dict:
+def _binding(kernel: Kernel, param: str, offset: int, room: int) -> Binding:
     """Parameter ``param`` of ``kernel`` at arena ``offset``, which must hold its bytes (``room``)."""
     p = kernel.param(param)
     if p.nbytes > room:
         raise PiccError(f"codegen_cuda: {kernel.name}.{param} needs {p.nbytes} bytes but the plan gives it {room}")
     if offset % gpu_layout.PLANE_ALIGN:
         raise PiccError(f"codegen_cuda: {kernel.name}.{param} would start at a misaligned offset {offset}")
-    return {"param": p.name, "offset": offset, "shape": list(p.shape), "dtype": p.dtype}
+    return Binding(p.name, offset, p.shape, p.dtype)
 
 
 class _Lowering:
@@ -124,11 +125,11 @@ class _Lowering:
             self.out.kernels[name] = make()
         return self.out.kernels[name]
 
-    def launch(self, op: Op, kernel: Kernel, args: list[dict]) -> None:
-        if [a["param"] for a in args] != [p.name for p in kernel.params]:
+    def launch(self, op: Op, kernel: Kernel, args: list[Binding]) -> None:
+        if [a.param for a in args] != [p.name for p in kernel.params]:
             raise PiccError(f"codegen_cuda: %{op.result}: {kernel.name} takes {[p.name for p in kernel.params]}, "
-                            f"bound {[a['param'] for a in args]}")
-        self.out.launches.setdefault(op.result, []).append({"kernel": kernel.name, "args": args})
+                            f"bound {[a.param for a in args]}")
+        self.out.launches.setdefault(op.result, []).append(Call(kernel.name, tuple(args)))
 
     def width(self, value: str) -> int:
         return int(self.types[value].shape[-1])
@@ -215,7 +216,7 @@ class _Lowering:
         n, hidden = (int(d) for d in self.weights[op.down].shape)
         fmt = self.fmt(op.down)
 
-        def out(k: Kernel) -> dict:
+        def out(k: Kernel) -> Binding:
             """Where the FFN kernel writes: the result, or the partial sum a bias is added to."""
             if op.down_bias is None:
                 return b.value(op.result, "y", k)
