@@ -2,9 +2,10 @@
 
 Stages: canonical FFNs with neuron-major down projections; profiling and sparsity (predictors,
 gate-first or down-only masks, per the sparsity options; skipped with ``dense`` or when the
-source is already sparse, e.g. a ``picc sparsify`` output); placement under the VRAM budget;
-then the memory plan and report, written with the IR and weights into one file. Code generation
-adds its artifacts here as the backends land.
+source is already sparse, e.g. a ``picc sparsify`` output); placement under the VRAM budget,
+weighed against the CPU alone; the memory plan, the report and the stages of the step; then the
+CPU's code (llvmlite) and the GPU's (TVM: CUDA, PTX / cubin with nvcc, and the host build), all
+written with the IR, weights and tokenizer into one ``.pib``.
 """
 
 from __future__ import annotations

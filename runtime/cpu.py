@@ -26,7 +26,7 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,10 +88,25 @@ def _llvm():  # noqa: ANN202 - the llvmlite.binding module, imported when first 
     return llvm
 
 
+SIMD_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma", "f16c")}
+"""The instruction set extensions each SIMD level of the generated code uses: the one rule the
+targets (from /proc/cpuinfo's flags), the code generator and the runtime (from LLVM's host
+features, which use the same names) decide a CPU's level by."""
+
+
+def simd_level(features: Iterable[str]) -> str:
+    """The widest level (``avx512``, ``avx2``) whose extensions are all in ``features``, else ``sse``."""
+    have = set(features)
+    return next((level for level, need in SIMD_NEEDS.items() if set(need) <= have), "sse")
+
+
+def host_features() -> set[str]:
+    """The extensions this process's CPU has, by LLVM's names."""
+    return {name for name, on in _llvm().get_host_cpu_features().items() if on}
+
+
 def host_has(simd: str) -> bool:
-    features = _llvm().get_host_cpu_features()
-    need = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma", "f16c")}[simd]
-    return all(features.get(f, False) for f in need)
+    return set(SIMD_NEEDS[simd]) <= host_features()
 
 
 class MachineCode:

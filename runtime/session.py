@@ -2,12 +2,12 @@
 
 ``Session`` opens a .pib, builds its executor (the CPU's generated code, and the GPU's -- a CUDA
 device, or the host-emulated GPU where there is none) and keeps the position in the KV cache, so
-a chat loop can feed one prompt after another. On a model that runs on the CPU alone, a prompt's
-tokens but the last run in chunks through the batched prefill program (GEMMs for the linears; its
-sparse FFNs still decide per token, as the interpreter does), or through the logits program (the
-same with the head) when every token's logits are wanted, and the last through the decode step,
-which computes the logits; elsewhere (a GPU part) the prompt runs one token at a time through the
-decode step.
+a chat loop can feed one prompt after another. A prompt's tokens but the last run in chunks
+through the batched prefill program (GEMMs for the linears; its sparse FFNs still decide per
+token, as the interpreter does), or through the logits program (the same with the head) when
+every token's logits are wanted, and the last through the decode step, which computes the
+logits. On a model with a GPU part the chunks go stage by stage, the GPU's ops token by token
+between the chunk's rows (``Executor._run_chunk``).
 """
 
 from __future__ import annotations

@@ -984,11 +984,6 @@ def test_compiled_objects_are_cached_by_their_ir(tmp_path, monkeypatch, teams):
     assert [len(list((tmp_path / "cpu-objects").glob(f"*{s}"))) for s in (".ll", ".o", ".sha256")] == [1, 1, 1]
 
 
-def test_forms_table_is_the_irs():
-    assert {k: (s.gated, s.act, s.act_on_up) for k, s in FORMS.items()} == {
-        k: (s.gated, s.act, s.act_on_up) for k, s in O.FFN_FORMS.items()}
-
-
 def test_bad_inputs_are_one_line_errors(host):
     with pytest.raises(PiccError, match="weight dtype 'q5_k' is not supported"):
         gemv("q5_k")

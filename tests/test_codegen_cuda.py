@@ -16,13 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda_models import RELU_DEMO, SMOLLM2, model_kernels
 
 from picc import quant
 from picc.codegen_cuda import (
     ARCHS,
     FORMS,
-    RELU_DEMO,
-    SMOLLM2,
     attention,
     bias_add,
     build_cuda,
@@ -37,7 +36,6 @@ from picc.codegen_cuda import (
     kv_append,
     layer_norm,
     merge,
-    model_kernels,
     nvcc_compile,
     nvcc_path,
     pack,
@@ -169,7 +167,8 @@ def test_predictor_mask_and_compaction_match_numpy() -> None:
 def ffn_reference(form: str, x: np.ndarray, up: np.ndarray, gate: np.ndarray, down_t: np.ndarray,
                   rows: np.ndarray, b_ug: np.ndarray | None = None) -> np.ndarray:
     """``picc.interpreter``'s FFN restricted to ``rows`` (``sparse_ffn`` in predictor mode)."""
-    act, gated, act_on_up = FORMS[form]
+    spec = FORMS[form]
+    act, gated, act_on_up = spec.act, spec.gated, spec.act_on_up
     u = up @ x + (b_ug[:, 0] if b_ug is not None else 0)
     if gated:
         g = gate @ x + (b_ug[:, 1] if b_ug is not None else 0)
@@ -184,7 +183,7 @@ def ffn_reference(form: str, x: np.ndarray, up: np.ndarray, gate: np.ndarray, do
 def test_sparse_ffn_host_matches_interpreter_for_any_index_list(form: str, fmt: str) -> None:
     rng = np.random.default_rng(4)
     hidden, n_ff = 128, 200  # n_ff not a multiple of the row tile: the list is padded
-    gated = FORMS[form][1]
+    gated = FORMS[form].gated
     up, gate = randn(rng, n_ff, hidden, scale=0.2), randn(rng, n_ff, hidden, scale=0.2)
     down_t, x = randn(rng, n_ff, hidden, scale=0.1), randn(rng, hidden)
     ug = np.stack([up, gate], axis=1) if gated else up[:, None, :]
@@ -221,7 +220,7 @@ def test_sparse_ffn_with_biases_and_unsorted_list() -> None:
 def test_gate_first_ffn_host_matches_interpreter(form: str, fmt: str) -> None:
     rng = np.random.default_rng(6)
     hidden, n_ff = 128, 160
-    act = FORMS[form][0]
+    act = FORMS[form].act
     gate, up, down_t = randn(rng, n_ff, hidden, scale=0.2), randn(rng, n_ff, hidden, scale=0.2), randn(rng, n_ff, hidden)
     x = randn(rng, hidden)
     ag, gd = weight_args("gate", gate, fmt)
@@ -273,7 +272,7 @@ def test_dense_ffn_and_its_bias_match_the_interpreter(form: str, fmt: str) -> No
     # A dense layer on the GPU: every neuron, no index list; a whole layer's down bias follows.
     rng = np.random.default_rng(12)
     hidden, n_ff = 96, 130
-    gated = FORMS[form][1]
+    gated = FORMS[form].gated
     up, gate = randn(rng, n_ff, hidden, scale=0.2), randn(rng, n_ff, hidden, scale=0.2)
     ug = np.stack([up, gate], axis=1) if gated else up[:, None, :]
     a_ug, ugd = weight_args("W_ug", ug, fmt)

@@ -13,10 +13,11 @@ from __future__ import annotations
 from functools import cache
 
 import pytest
+from cuda_models import RELU_DEMO, SMOLLM2, ModelShapes, model_kernels
 from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
-from picc.codegen_cuda import ARCHS, RELU_DEMO, SMOLLM2, Kernel, ModelShapes, dense, ffn, layers, model_kernels, padded
+from picc.codegen_cuda import ARCHS, Kernel, dense, ffn, layers, padded
 from picc.codegen_cuda.bounds import ValueRanges, out_of_bounds
 from picc.codegen_cuda.kernel import kernel_from_func, make_kernel
 

@@ -132,8 +132,11 @@ def test_measure_memory_bandwidth_is_positive() -> None:
 
 
 @pytest.mark.parametrize(("flags", "simd"), [
-    ("fpu sse2 avx avx2 avx512f avx512bw", "avx512"),
-    ("fpu sse2 avx avx2 fma", "avx2"),
+    ("fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl", "avx512"),
+    # AVX-512F alone is not what the AVX-512 kernels use (they need BW and VL too): the AVX2 code.
+    ("fpu sse2 avx avx2 fma f16c avx512f", "avx2"),
+    ("fpu sse2 avx avx2 fma f16c", "avx2"),
+    ("fpu sse2 avx avx2", "sse"),  # no FMA / F16C: not even the AVX2 kernels
     ("fpu sse2", "sse"),
     ("", "sse"),
 ])

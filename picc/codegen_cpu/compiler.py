@@ -24,6 +24,7 @@ import llvmlite.binding as llvm
 
 from picc.errors import PiccError
 from picc.fsutil import cache_root, prune_cache, write_bytes_atomic
+from runtime.cpu import host_features, simd_level
 
 SIMD_CHOICES = ("host", "avx512", "avx2")
 _CPU_FOR_SIMD = {"avx512": "x86-64-v4", "avx2": "x86-64-v3"}
@@ -42,9 +43,9 @@ def _init_llvm() -> None:
 
 
 def host_simd() -> str:
-    """``avx512`` when the host has AVX-512F, else ``avx2`` (what the kernels are tuned for)."""
-    _init_llvm()
-    return "avx512" if llvm.get_host_cpu_features().get("avx512f", False) else "avx2"
+    """``avx512`` when the host has what the AVX-512 kernels use (``runtime.cpu.SIMD_NEEDS``), else
+    ``avx2`` (the floor the kernels are written for)."""
+    return "avx512" if simd_level(host_features()) == "avx512" else "avx2"
 
 
 def target_machine(simd: str = "host") -> llvm.TargetMachine:

@@ -30,7 +30,6 @@ Neurons whose ``h`` is exactly 0 are not added (an exact skip that over-predicte
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
 
 from picc import kernel_names as names
@@ -60,24 +59,9 @@ from picc.codegen_cpu.rows8 import (
     emit_scaled_x,
 )
 from picc.errors import PiccError
+from picc.ir.ops import FFN_FORMS, FfnForm
 
-
-@dataclass(frozen=True, slots=True)
-class Form:
-    """``h = act(gate) * up`` (gated), ``act(gate) * act(up)`` (act_on_up: dReLU), or ``act(up)``."""
-
-    gated: bool
-    act: str
-    act_on_up: bool = False
-
-
-# The same table as picc.ir.ops.FFN_FORMS (a test checks it); repeated so that loading compiled
-# kernels never needs the IR package.
-FORMS: dict[str, Form] = {
-    "relu": Form(False, "relu"), "silu": Form(False, "silu"), "gelu": Form(False, "gelu"),
-    "gelu_tanh": Form(False, "gelu_tanh"), "swiglu": Form(True, "silu"), "reglu": Form(True, "relu"),
-    "geglu": Form(True, "gelu"), "geglu_tanh": Form(True, "gelu_tanh"), "drelu": Form(True, "relu", True),
-}
+FORMS = FFN_FORMS  # how each FFN form combines its projections: the IR's own table
 MODES = ("predictor", "dense", "gate-first", "down-only")
 
 FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
@@ -225,7 +209,7 @@ def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, ti
 
 
 def check_ffn_kernel(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-                     interleaved: bool, dense_rows8: bool = False) -> Form:
+                     interleaved: bool, dense_rows8: bool = False) -> FfnForm:
     """The form's spec, after checking that a fused FFN kernel of these parameters makes sense."""
     if mode not in MODES:
         raise PiccError(f"codegen_cpu: FFN mode {mode!r} is not one of {', '.join(MODES)}")

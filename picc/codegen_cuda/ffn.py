@@ -36,20 +36,10 @@ from picc.codegen_cuda.dense import row_dot
 from picc.codegen_cuda.formats import WeightFormat
 from picc.codegen_cuda.kernel import Kernel, activation, check_positive, f32, make_kernel
 from picc.errors import PiccError
+from picc.ir.ops import FFN_FORMS, FfnForm
 from runtime import gpu_layout
 
-# form -> (activation, gated, activation also on up); mirrors picc.ir.ops.FFN_FORMS.
-FORMS: dict[str, tuple[str, bool, bool]] = {
-    "relu": ("relu", False, False),
-    "silu": ("silu", False, False),
-    "gelu": ("gelu", False, False),
-    "gelu_tanh": ("gelu_tanh", False, False),
-    "swiglu": ("silu", True, False),
-    "reglu": ("relu", True, False),
-    "geglu": ("gelu", True, False),
-    "geglu_tanh": ("gelu_tanh", True, False),
-    "drelu": ("relu", True, True),
-}
+FORMS = FFN_FORMS  # how each FFN form combines its projections: the IR's own table
 
 ROW_TILE = gpu_layout.ROW_TILE
 """Rows (warps) per thread block of the gather-GEMV; index lists are padded to a multiple of it."""
@@ -60,18 +50,18 @@ def padded(n: int, tile: int = ROW_TILE) -> int:
     return -(-n // tile) * tile
 
 
-def _form(form: str) -> tuple[str, bool, bool]:
+def _form(form: str) -> FfnForm:
     if form not in FORMS:
         raise PiccError(f"FFN form {form!r} has no GPU kernel; expected one of {', '.join(FORMS)}")
     return FORMS[form]
 
 
 def _combine(form: str, up: PrimExpr, gate: PrimExpr | None) -> PrimExpr:
-    act, gated, act_on_up = _form(form)
-    if not gated:
-        return activation(act, up)
+    spec = _form(form)
+    if not spec.gated:
+        return activation(spec.act, up)
     assert gate is not None
-    return activation(act, gate) * (activation(act, up) if act_on_up else up)
+    return activation(spec.act, gate) * (activation(spec.act, up) if spec.act_on_up else up)
 
 
 def sparse_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, *, n_pad: int | None = None,
@@ -102,7 +92,7 @@ def dense_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, *, bias: b
 
 def _gather_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, bias: bool, n_pad: int | None) -> Kernel:
     """``sparse_ffn`` (``n_pad``: the index list's length) or ``dense_ffn`` (``n_pad`` None)."""
-    _, gated, _ = _form(form)
+    gated = _form(form).gated
     indexed = n_pad is not None
     rows = n_pad if n_pad is not None else n_ff
     wf = WeightFormat(fmt)
@@ -189,8 +179,9 @@ def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Ke
     [S, hidden], output ``y`` [hidden].
     """
     check_positive(hidden=hidden, n_ff=n_ff)
-    act, gated, act_on_up = _form(form)
-    if not gated or act_on_up:
+    spec = _form(form)
+    act = spec.act
+    if not spec.gated or spec.act_on_up:
         raise PiccError(f"{name}: gate-first needs a GLU form whose score is |act(gate)| "
                         f"(swiglu, reglu, geglu, geglu_tanh), got {form!r}")
     wf = WeightFormat(fmt)

@@ -20,11 +20,9 @@ dot products on Zen 3. The rounding is part of what the op computes (the interpr
 the kernel does). Sparse modules keep float dot products (``int_dots=no`` keeps them
 everywhere, ``int_dots=yes`` rounds in sparse modules too): rounding makes a dot product a step
 function of x, so the float-rounding noise between the runtime and the interpreter (~1e-7) now
-and then moves an element across a rounding boundary, a whole rounding step; on SmolLM2
-gate-first (with int16 x, before int16) the two then differed by ~2e-5 instead of ~2e-6 at the first token,
-and decisions that far from their threshold flipped (int dots there decode 1.16x faster at the
-same perplexity, the logits then following the interpreter to ~1e-2 rather than ~1e-6; see
-docs/codegen_cpu.md). Either way the interpreter computes what the kernels compute.
+and then moves an element across a rounding boundary, a whole rounding step, and gate decisions
+near their threshold flip (docs/codegen_cpu.md has the measurements). Either way the interpreter
+computes what the kernels compute.
 
 Needs: neuron-major down projections for sparse FFNs (``neuron-major-down``); after
 ``partition-neurons`` when there is one (an op's placement picks its device; unplaced ops run on

@@ -21,6 +21,7 @@ from picc.errors import PiccError
 from picc.fsutil import cache_root, keep_cached
 from picc.kernel_names import CPU_RATE_KEYS
 from picc.targets import CpuSpec
+from runtime.cpu import simd_level
 
 # 2: the bandwidth is read by every core at once (1: one stream); 3: kernel rates beside it;
 # 4: int16 x and the rows8 layout's rates (the _xi16 keys are gone).
@@ -41,11 +42,11 @@ def host_cpu_name(cpuinfo: str | None = None) -> str:
 
 
 def host_simd(cpuinfo: str | None = None) -> str:
-    """``avx512`` (avx512f), ``avx2`` or ``sse``, from the first ``flags`` line of /proc/cpuinfo."""
+    """``avx512``, ``avx2`` or ``sse`` (``runtime.cpu.simd_level``) from the first ``flags`` line of
+    /proc/cpuinfo."""
     info = _cpuinfo() if cpuinfo is None else cpuinfo
     m = re.search(r"^flags\s*:\s*(.*)$", info, re.MULTILINE)
-    flags = set(m.group(1).split()) if m else set()
-    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "sse"
+    return simd_level(m.group(1).split() if m else ())
 
 
 def host_cores() -> int:

@@ -1,4 +1,5 @@
-"""The kernel set of one decoder model, specialised to its layer shapes.
+"""The kernel set of one decoder model, specialised to its layer shapes: the tests' fixed sets of
+GPU kernels (a compile lowers a module's own ops instead, ``picc.codegen_cuda.lower``).
 
 Layers of one model share shapes, so one kernel per (op, shape, format) serves every layer; the
 runtime binds each layer's weights to it. ``model_kernels`` lists them for decode (seq = 1) and
@@ -78,8 +79,8 @@ def model_kernels(m: ModelShapes, fmt: str, predictor_fmt: str = "f16") -> list[
         layers.merge(f"{m.name}_merge", m.hidden, bias=False),
         layers.add(f"{m.name}_add", 1, m.hidden),
     ]
-    _, gated, act_on_up = ffn.FORMS[m.form]
-    if gated and not act_on_up:
+    spec = ffn.FORMS[m.form]
+    if spec.gated and not spec.act_on_up:
         out.append(ffn.gate_first_ffn(f"{p}_gate_first_ffn_{m.form}", m.hidden, m.n_ff, m.form, fmt))
     return out
 
