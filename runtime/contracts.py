@@ -14,8 +14,11 @@ changes the version. A field missing from a file is an error naming the section,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from runtime.gpu_layout import element_bytes
 
 GPU, CPU = "gpu", "cpu"
 
@@ -81,10 +84,7 @@ class Binding:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for d in self.shape:
-            count *= d
-        return count * {"float32": 4, "int32": 4, "float16": 2, "uint8": 1, "int8": 1}[self.dtype]
+        return math.prod(self.shape) * element_bytes(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)

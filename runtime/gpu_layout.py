@@ -31,6 +31,12 @@ _BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 _ELEMENT = {"float32": 4, "float16": 2, "uint8": 1, "int8": 1, "int32": 4}
 
 
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element of a kernel buffer's dtype (``float32``, ``float16``, ``int32``, ``uint8``,
+    ``int8``)."""
+    return _ELEMENT[dtype]
+
+
 class LayoutError(Exception):
     """A weight that has no GPU layout (an unsupported format or shape)."""
 

@@ -19,6 +19,7 @@ loaded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
 from picc.errors import PiccError
+from runtime.gpu_layout import element_bytes
 
 ROLES = ("in", "out", "inout", "scratch")
 
@@ -45,10 +47,7 @@ class Param:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for s in self.shape:
-            count *= s
-        return count * {"float32": 4, "int32": 4, "float16": 2, "uint8": 1, "int8": 1}[self.dtype]
+        return math.prod(self.shape) * element_bytes(self.dtype)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -30,6 +30,7 @@ from tvm.ir.expr import Expr as PrimExpr
 from picc.codegen_cuda.dense import warp_compact
 from picc.codegen_cuda.kernel import Kernel
 from picc.errors import PiccError
+from runtime.gpu_layout import element_bytes
 
 ARCHS = ("sm_75", "sm_80", "sm_89", "sm_90")
 _GUARD = "picc_guard"
@@ -68,10 +69,6 @@ def arch_params(arch: str) -> ArchParams:
     return ARCH_PARAMS[arch]
 
 
-def _elem_bytes(dtype: str) -> int:
-    return {"float32": 4, "int32": 4, "float16": 2, "uint8": 1, "int8": 1}[dtype]
-
-
 def _stage_vector(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, buffer: str,
                   at: s_tir.schedule.LoopRV) -> None:
     """Stage ``buffer``'s region read by ``block`` into registers at loop ``at``, 16 bytes a load."""
@@ -81,7 +78,7 @@ def _stage_vector(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, buffer: s
     sch.compute_at(cache, at, preserve_unit_loops=True)
     last = sch.get_loops(cache)[-1]
     extent = int(sch.get(last).extent)
-    lanes = min(extent, 16 // _elem_bytes(str(sch.get(cache).writes[0].source.dtype)))
+    lanes = min(extent, 16 // element_bytes(str(sch.get(cache).writes[0].source.dtype)))
     if extent > 1 and extent % lanes == 0:
         _, vec = sch.split(last, [None, lanes])
         sch.vectorize(vec)
