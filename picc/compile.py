@@ -104,8 +104,8 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
                             "read; pass --dense or a model with a tokenizer")
         passes.append(s.pipeline(target_sparsity(model, s, say)))
     dots = "no" if options.float_dots else "yes" if options.int_dots else ""
-    fuse = f"fuse-gather-gemv{{int_dots={dots}}}" if dots else "fuse-gather-gemv"
-    passes += [_partition_options(options), fuse, "dce"]
+    fuse = "fuse-gather-gemv,dce," + (f"select-kernels{{int_dots={dots}}}" if dots else "select-kernels")
+    passes += [_partition_options(options), fuse]
     start = time.perf_counter()
     say(f"pipeline: {','.join(passes)}")
     # The passes add weights (neuron-major copies, predictors) to a copy of the store: the caller's
@@ -125,7 +125,7 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
         names = [name for name, _ in after]
         unplaced = after[names.index("partition-neurons") - 1][1]
         cpu_weights = weights.copy()
-        cpu_passes = parse_pipeline(f"{_partition_options(options, '0')},{fuse},dce")
+        cpu_passes = parse_pipeline(f"{_partition_options(options, '0')},{fuse}")
         cpu_module = run_pipeline(unplaced, cpu_weights, cpu_passes, tokenizer=model.tokenizer)
         alone = _placed(cpu_module, cpu_weights, options, target).report["estimate_tokens_per_s"]
         if _cpu_is_faster(chosen.report, alone, options, target, say):
@@ -199,7 +199,7 @@ def _compare_with_dense(model: LoadedModel, options: CompileOptions, fuse: str, 
     whose 4-bit kernels are bound by their arithmetic, a dense model's integer dot products can
     outrun a sparse one's float ones (SmolLM2 Q4_1 here: ~290 against ~200 estimated)."""
     weights = model.weights.copy()
-    passes = ["canonicalize", _partition_options(options), fuse, "dce"]
+    passes = ["canonicalize", _partition_options(options), fuse]
     module = run_pipeline(model.module, weights, parse_pipeline(",".join(passes)))
     plan = mp.plan_memory(module, weights, ctx=options.ctx, budget=int(dict(module.attrs)["vram_budget"]))
     dense = build_report(module, weights, target, plan)["estimate_tokens_per_s"]

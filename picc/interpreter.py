@@ -4,9 +4,9 @@ It favours clarity over speed, but works on whole sequences at once so that a 64
 a 135M model takes seconds. ``Interpreter.run`` executes one call of ``forward`` and keeps each
 attention op's KV cache between calls, so prefill followed by decode steps works as in a runtime.
 
-An op whose kernel (named by ``fuse-gather-gemv``) is an ``_xi16`` variant dots its 4-bit weight
-rows with its input rounded to int16 per block of 32: the interpreter rounds that input as the
-kernel does (``picc.quant.round_to_int16_blocks``), so it stays the oracle of those kernels.
+An op with ``x_format = "i16"`` (chosen by ``select-kernels``) dots its 4-bit weight rows with
+its input rounded to int16 per block of 32: the interpreter rounds that input as the kernel does
+(``picc.quant.round_to_int16_blocks``), so it stays the oracle of those kernels.
 """
 
 from __future__ import annotations
@@ -238,8 +238,9 @@ class Interpreter:
 
     def dot_input(self, op: Op, weight: str, x: np.ndarray) -> np.ndarray:
         """``x`` as ``op``'s kernel reads it when it dots it with rows of ``weight``: rounded to
-        int16 per block for the 4-bit rows of an ``_xi16`` kernel, else as is."""
-        if kernel_names.dots_int16_x(op.kernel) and self.weights[weight].dtype.value in kernel_names.INT_DOT_DTYPES:
+        int16 per block for the 4-bit rows of an op with ``x_format = "i16"``, else as is."""
+        if (isinstance(op, O.MatrixOp) and op.rounds_x
+                and self.weights[weight].dtype.value in kernel_names.INT_DOT_DTYPES):
             return quant.round_to_int16_blocks(x)
         return x
 

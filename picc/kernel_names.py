@@ -1,15 +1,16 @@
-"""Which kernel computes an op on its device: the names ``fuse-gather-gemv`` writes into the IR.
+"""Which kernel computes an op on its device: the names ``select-kernels`` writes into the IR.
 
-The IR after ``fuse-gather-gemv`` names, on every op, the kernel its device runs (``{kernel =
+The IR after ``select-kernels`` names, on every op, the kernel its device runs (``{kernel =
 ...}``); the backends generate kernels under exactly these names, so a user who reads a dump can
 find the code: a CPU name is the symbol of an LLVM function in the ``.pib``'s CPU code, a GPU
 name is the file ``<name>.cu`` that ``picc inspect --emit-cuda`` writes.
 
 CPU kernels are generic over sizes (passed at run time), so their names say the operation and
 the weight formats. GPU kernels are compiled by TVM for fixed shapes, so their names also say
-the shapes. This module holds the naming rules only (it imports nothing of picc): ``fuse-gather-gemv`` picks
-the kernel of each op with them, and the backends' factories name their kernels with the same
-functions, so a name in the IR and the kernel behind it cannot drift apart.
+the shapes. This module holds the naming rules only (it imports nothing of picc): ``select-kernels`` names
+the kernel of each op with them, from the op's attributes, and the backends' factories name their
+kernels with the same functions, so a name in the IR and the kernel behind it cannot drift apart.
+Names are written, never read back: what a kernel does is in the op's attributes.
 """
 
 from __future__ import annotations
@@ -45,28 +46,22 @@ def _rows8_suffix(rows8: bool, *dtypes: str | None) -> str:
     return ROWS8_SUFFIX if rows8 and {d for d in dtypes if d} <= INT_DOT_DTYPES else ""
 
 
+def cpu_rate_variants() -> list[tuple[str, str, bool, bool]]:
+    """Each key of :data:`CPU_RATE_KEYS`, in order, with what it stands for: (key, dtype, int16 x, rows8)."""
+    meaning = {cpu_rate_key(d, i, r): (d, i, r) for d in CPU_WEIGHT_FORMATS for r in (False, True)
+               for i in (False, True) if not ((i or r) and d not in INT_DOT_DTYPES)}
+    return [(key, *meaning[key]) for key in CPU_RATE_KEYS]
+
+
 def cpu_rate_key(dtype: str, int_dots: bool, rows8: bool = False) -> str:
     """The rate-table key of a CPU kernel reading ``dtype`` rows (``int_dots``: an ``_xi16``
     kernel; ``rows8``: one that reads a 4-bit matrix in the rows8 layout)."""
     return dtype + _rows8_suffix(rows8, dtype) + _int_suffix(int_dots, dtype)
 
 
-def dots_int16_x(kernel: str | None) -> bool:
-    """Whether a CPU kernel of that name dots its 4-bit rows with x rounded to int16 per block of
-    32 (``picc.quant.round_to_int16_blocks``): part of what the op computes, so the interpreter
-    rounds as the kernel does."""
-    return (kernel or "").endswith(INT_DOTS_SUFFIX)
-
-
 def rows8_fits(dtype: str, rows: int, k: int) -> bool:
     """Whether a ``rows`` x ``k`` matrix of ``dtype`` has a rows8 layout: 4-bit, rows a multiple of 8."""
     return dtype in INT_DOT_DTYPES and rows > 0 and rows % 8 == 0 and k % 32 == 0
-
-
-def reads_rows8(kernel: str | None) -> bool:
-    """Whether a CPU kernel of that name reads its weight matrices in the rows8 layout
-    (``picc.codegen_cpu.rows8``): how the compiler stores them for it."""
-    return (kernel or "").removesuffix(INT_DOTS_SUFFIX).endswith(ROWS8_SUFFIX)
 
 
 def cpu_gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> str:
@@ -106,6 +101,12 @@ def read_whole(mode: str, up: T, gate: T | None) -> tuple[T, ...]:
     return tuple(m for m in chosen if m is not None)
 
 
+def ffn_rounds_x(int_dots: bool, up: str, gate: str | None) -> bool:
+    """Whether a fused FFN kernel asked for int16 x (``int_dots``) rounds x: only when its up and
+    gate rows (one x for both) are all 4-bit."""
+    return int_dots and {up, gate or up} <= INT_DOT_DTYPES
+
+
 def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
                   int_dots: bool = False, dense_rows8: bool = False) -> str:
     """The fused FFN kernel; ``interleaved`` reads up and gate rows side by side (``up_gate``);
@@ -113,10 +114,9 @@ def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, in
     its prefill twin, read one x for the two; down is an AXPY: no dot); ``dense_rows8``: the
     4-bit matrices a gate-first or down-only kernel reads whole (the gate; the gate and up) are
     in the rows8 layout."""
-    both_4bit = {up, gate or up} <= INT_DOT_DTYPES
     whole = read_whole(mode, up, gate)
     rows8 = _rows8_suffix(dense_rows8, *whole) if whole else ""
-    layout = ("_il" if interleaved else "") + rows8 + _int_suffix(int_dots and both_4bit, up)
+    layout = ("_il" if interleaved else "") + rows8 + _int_suffix(ffn_rounds_x(int_dots, up, gate), up)
     return f"picc_ffn_{mode.replace('-', '_')}_{form}_{up}_{gate or 'none'}_{down}{layout}"
 
 

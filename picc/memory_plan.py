@@ -40,7 +40,7 @@ from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import DType, Placement, TensorType
 from picc.ir.weights import WeightStore
 from picc.quant import raw_nbytes
-from picc.schedule import Schedule, layer_of, schedule
+from picc.schedule import Schedule, schedule
 from runtime import gpu_layout
 
 ALIGN = 256  # what cudaMalloc guarantees; 16-byte vector loads and 64-byte CPU lines divide it
@@ -289,7 +289,7 @@ def placement_notes(func: Function) -> tuple[str, ...]:
     layers: set[int] = set()
     cpu_dense_set: set[int] = set()
     for op in func.ops:
-        if (i := layer_of(op.result)) is not None:
+        if (i := op.block) is not None:
             layers.add(i)
             if on_cpu(op) and not isinstance(op, O.FFN | FusedFFN | Merge):
                 cpu_dense_set.add(i)
@@ -318,12 +318,12 @@ def plan_memory(module: Module, weights: WeightStore, *, ctx: int, budget: int) 
         else:
             buffers.append(Buffer(name, kind, "cpu", nbytes, -1, layer))
 
-    readers: dict[str, str] = {}
+    block_of: dict[str, int | None] = {}  # weight -> the block of its first reader
     for op in func.ops:
         for w in op.weights():
-            readers.setdefault(w, op.result)
+            block_of.setdefault(w, op.block)
     for decl in module.weights:
-        layer = layer_of(readers.get(decl.name, ""))
+        layer = block_of.get(decl.name)
         on_gpu = _is_gpu(decl.type)
         t = weights[decl.name]
         nbytes = gpu_layout.gpu_nbytes(t.dtype.value, t.shape) if on_gpu else int(t.data.nbytes)
@@ -331,12 +331,12 @@ def plan_memory(module: Module, weights: WeightStore, *, ctx: int, budget: int) 
     gpu_ops = [op for op in func.ops if _is_gpu(op.type)]
     for op in gpu_ops:
         for name, count in gpu_constants(op, weights):
-            add(name, "constant", True, 4 * count, layer_of(op.result))
+            add(name, "constant", True, 4 * count, op.block)
     for op in func.ops:
         if isinstance(op, O.Attention):
             width = types[op.k].shape[1]
             assert isinstance(width, int)
-            add(f"kv.{op.cache}", "kv-cache", _is_gpu(op.type), kv_cache_bytes(op, width, ctx), layer_of(op.result))
+            add(f"kv.{op.cache}", "kv-cache", _is_gpu(op.type), kv_cache_bytes(op, width, ctx), op.block)
     offsets: dict[str, int] = {}
     if gpu_ops:
         offsets, arena = activation_arena(func, lambda op: _is_gpu(op.type), schedule(module))

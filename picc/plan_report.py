@@ -43,13 +43,13 @@ def _read_seconds(target: Target, where: Placement | None, parts: list[tuple[int
 def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
     """Each weight of ``op`` as (bytes, the rate key of the kernel reading it). A fused FFN's down
     rows are neuron-major AXPYs; a dense FFN in the source layout dots its down rows with h."""
-    if not names.reads_rows8(op.kernel):
+    if not isinstance(op, O.MatrixOp) or op.layout != "rows8":
         rows8: tuple[str | None, ...] = ()
     elif isinstance(op, FusedFFN):
         rows8 = names.read_whole(op.mode, op.up, op.gate)
     else:
         rows8 = op.weights()
-    return cpu_weight_reads(weights, op.weights(), names.dots_int16_x(op.kernel),
+    return cpu_weight_reads(weights, op.weights(), isinstance(op, O.MatrixOp) and op.rounds_x,
                             axpy=op.down if isinstance(op, FusedFFN) else None, rows8=rows8)
 
 
@@ -64,8 +64,8 @@ def _layer_row(i: int, name: str, layer: dict, where: dict[str, Placement | None
         f = float(fl.freq.sum(dtype="float64"))
         total_f += f
         gpu_f += f if on_gpu else 0.0
-    index = mp.layer_of(name)
     first = layer["parts"][0][0]
+    index = first.block
     return {
         "layer": index if index is not None else i, "ffn": name,
         "mode": getattr(first, "mode", "dense"),

@@ -19,19 +19,11 @@ Backends and the runtime read the schedule: ``runtime.contracts.Schedule``, whos
 
 from __future__ import annotations
 
-import re
-
 from picc.ir import ops as O
 from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Function, Module
 from picc.ir.types import Placement
 from runtime.contracts import CPU, GPU, Schedule, Stage
-
-
-def layer_of(name: str) -> int | None:
-    """The decoder layer a value belongs to, by its name (``l3.attn.q`` -> 3), or None."""
-    m = re.match(r"l(\d+)\.", name)
-    return int(m.group(1)) if m else None
 
 
 def device_of(placement: Placement | None) -> str:
@@ -86,7 +78,7 @@ def schedule(module: Module) -> Schedule:
                 first_read[key] = min(first_read.get(key, number[op.result]), number[op.result])
     for (v, dest), at in first_read.items():
         (stages[at].to_gpu if dest == GPU else stages[at].to_cpu).append(v)
-    last = max((i for i, op in enumerate(func.ops) if layer_of(op.result) is not None), default=len(func.ops) - 1)
+    last = max((i for i, op in enumerate(func.ops) if op.block is not None), default=len(func.ops) - 1)
     head = [op.result for op in func.ops[last + 1 :]]
     return Schedule(stages, head, func.ret, device.get(func.ret, CPU))
 

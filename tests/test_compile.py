@@ -202,8 +202,9 @@ def test_relu_demo_with_predictors_runs_on_the_emulated_gpu_at_every_budget(relu
         reports[name] = compile_json(capsys, relu_demo_predicted, tmp_path / f"relu_{name}.pib", "--target", "pc-low",
                                      "--vram", vram, "--dump-ir", str(dump))
         # A sparse .picc skips profiling: canonicalize, neuron-major-down, then these.
-        assert [p.name for p in sorted(dump.iterdir())][-3:] == ["03_partition-neurons.picc",
-                                                                  "04_fuse-gather-gemv.picc", "05_dce.picc"]
+        assert [p.name for p in sorted(dump.iterdir())][-4:] == ["03_partition-neurons.picc",
+                                                                  "04_fuse-gather-gemv.picc", "05_dce.picc",
+                                                                  "06_select-kernels.picc"]
     shares = {name: gpu_share(r) for name, r in reports.items()}
     assert shares["none"] == 0.0 and shares["full"] == 1.0 and 0.2 <= shares["third"] <= 0.6, shares
     for name, report in reports.items():

@@ -48,7 +48,7 @@ def placed(model, vram: str, mode: str = "predictor") -> tuple[Module, WeightSto
     """The model through the compile pipeline up to fusion, for pc-low with ``vram``, and its weights."""
     s = SparsifyOptions(mode=mode, tokens=512, window=64, budget=0.5)
     text = (f"canonicalize,neuron-major-down,{s.pipeline(None)},partition-neurons{{target=pc-low,vram={vram}}},"
-            "fuse-gather-gemv")
+            "fuse-gather-gemv,select-kernels")
     weights = model.weights.copy()
     return run_pipeline(model.module, weights, parse_pipeline(text), tokenizer=model.tokenizer), weights
 
@@ -256,7 +256,7 @@ def test_fuse_gather_gemv_golden():
     before = parse(FUSE_BEFORE)
     verify(before)
     store = _store(FUSE_BEFORE)
-    after = run_pipeline(before, store, parse_pipeline("fuse-gather-gemv"))
+    after = run_pipeline(before, store, parse_pipeline("fuse-gather-gemv,select-kernels"))
     assert print_module(after) == FUSE_EXPECTED
     assert parse(print_module(after)) == after
     x = np.random.default_rng(1).normal(size=(3, 8)).astype(np.float32)

@@ -27,8 +27,8 @@ func @forward(%tokens: i32[seq], %pos: i32[seq]) -> f32[seq, 32] {
   %rot = rope %normed, %pos {n_heads = 4, head_dim = 8, rotary_dim = 4, style = "gptj", scaling = "llama3", factor = 8.0} : f32[seq, 32]
   %ctx = attention %rot, %normed, %normed, %pos {n_heads = 4, n_kv_heads = 4, head_dim = 8, scale = 0.35355339059327373, cache = "l0", window = 4, alibi = "falcon"} : f32[seq, 32]
 
-  %l0.ffn.out = ffn %ctx, @up, @down {form = "relu"} : f32[seq, 32]
-  %l0.act = gelu_tanh %l0.ffn.out : f32[seq, 32]
+  %l0.ffn.out = ffn %ctx, @up, @down {form = "relu", block = 0} : f32[seq, 32]
+  %l0.act = gelu_tanh %l0.ffn.out {block = 0} : f32[seq, 32]
   return %l0.act
 }
 """

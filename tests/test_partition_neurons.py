@@ -242,7 +242,7 @@ def test_the_estimate_reads_cpu_weights_no_faster_than_their_kernels(layout, tmp
         path.write_text(yaml.safe_dump({"name": "t", "gpu": None, "cpu": cpu}))
         weights = model.weights.copy()
         module = run_pipeline(model.module, weights, parse_pipeline(
-            f"{steps}partition-neurons{{target={path}}},fuse-gather-gemv"))
+            f"{steps}partition-neurons{{target={path}}},fuse-gather-gemv,select-kernels"))
         return module, weights, build_report(module, weights, load_target(str(path)), plan_of(module, weights))
 
     module, weights, base = report({})
@@ -252,8 +252,8 @@ def test_the_estimate_reads_cpu_weights_no_faster_than_their_kernels(layout, tmp
     # A dense q4_1 model dots x rounded to int16 (the _xi16 kernels; GEMVs and FFNs in the source
     # layout eight rows at a time, _r8_xi16); a fused FFN's down rows, neuron-major, are AXPYs of h
     # at the float rate. In the source layout down is dotted too.
-    assert all(op.kernel.endswith("_xi16") for op, _ in q4)
-    assert all(op.kernel.endswith("_r8_xi16") != isinstance(op, FusedFFN) for op, _ in q4)
+    assert all(op.x_format == "i16" for op, _ in q4)
+    assert all((op.layout == "rows8") != isinstance(op, FusedFFN) for op, _ in q4)
     every = {"q4_1", "q4_1_xi16", "q4_1_r8_xi16"}
     axpy_bytes = sum(int(weights[w].data.nbytes) for op, w in q4 if isinstance(op, FusedFFN) and w == op.down)
     assert (axpy_bytes > 0) == (layout == "neuron-major") and axpy_bytes < q4_bytes

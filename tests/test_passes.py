@@ -121,13 +121,13 @@ def test_canonicalized_model_computes_the_same_logits():
     primitive = text
     for i in range(2):
         old = (f"  %l{i}.ffn.out = ffn %l{i}.ffn_norm, @l{i}.ffn.up, @l{i}.ffn.down, "
-               f"gate=@l{i}.ffn.gate {{form = \"swiglu\"}} : f32[seq, 64]")
+               f"gate=@l{i}.ffn.gate {{form = \"swiglu\", block = {i}}} : f32[seq, 64]")
         new = "\n".join([
-            f"  %l{i}.g = linear %l{i}.ffn_norm, @l{i}.ffn.gate : f32[seq, 96]",
-            f"  %l{i}.u = linear %l{i}.ffn_norm, @l{i}.ffn.up : f32[seq, 96]",
-            f"  %l{i}.a = silu %l{i}.g : f32[seq, 96]",
-            f"  %l{i}.h = mul %l{i}.a, %l{i}.u : f32[seq, 96]",
-            f"  %l{i}.ffn.out = linear %l{i}.h, @l{i}.ffn.down : f32[seq, 64]"])
+            f"  %l{i}.g = linear %l{i}.ffn_norm, @l{i}.ffn.gate {{block = {i}}} : f32[seq, 96]",
+            f"  %l{i}.u = linear %l{i}.ffn_norm, @l{i}.ffn.up {{block = {i}}} : f32[seq, 96]",
+            f"  %l{i}.a = silu %l{i}.g {{block = {i}}} : f32[seq, 96]",
+            f"  %l{i}.h = mul %l{i}.a, %l{i}.u {{block = {i}}} : f32[seq, 96]",
+            f"  %l{i}.ffn.out = linear %l{i}.h, @l{i}.ffn.down {{block = {i}}} : f32[seq, 64]"])
         assert old in primitive
         primitive = primitive.replace(old, new)
     unfolded = parse(primitive)

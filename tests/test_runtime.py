@@ -108,8 +108,8 @@ def test_rows8_only_where_every_reader_of_a_matrix_can_read_it(tmp_path):
                        matrix_dtype=DType.Q4_0, tied=True)
     path, pib = compiled(model, tmp_path, "tied", dense=True)
     ops = [op for op in pib.module.ops() if isinstance(op, (O.Linear, O.FFN))]
-    row_by_row = {op.weight for op in ops if isinstance(op, O.Linear) and not op.kernel.endswith("_r8_xi16")}
-    assert all(op.kernel.endswith("_xi16") for op in ops)
+    row_by_row = {op.weight for op in ops if isinstance(op, O.Linear) and op.layout != "rows8"}
+    assert all(op.x_format == "i16" for op in ops)
     assert "token_embd" in row_by_row and len(row_by_row) == 1 + 2 * 2  # the head; k and v of both layers
     assert all(pib.weights[w].shape[0] == 12 for w in row_by_row - {"token_embd"})
     with PibFile(path) as f:
@@ -203,7 +203,8 @@ def test_float_dots_keep_a_dense_q4_model_at_float_rounding(tmp_path):
     model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.Q4_1)
     path, pib = compiled(model, tmp_path, "dense-float", dense=True, float_dots=True)
     kernels = {op.kernel for op in pib.module.ops()}
-    assert "picc_gemv_q4_1_r8" in kernels and not any(k.endswith("_xi16") for k in kernels if k)
+    assert "picc_gemv_q4_1_r8" in kernels
+    assert all(op.x_format == "f32" for op in pib.module.ops() if isinstance(op, O.MatrixOp))
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
 
@@ -218,7 +219,8 @@ def test_a_model_that_decides_sparsity_keeps_float_dot_products(tmp_path, monkey
     sparsity = SparsifyOptions(mode="gate-first", tokens=512, window=64, budget=0.5)
     path, pib = compiled(model, tmp_path, "sparse-q4", sparsity=sparsity)
     kernels = {op.kernel for op in pib.module.ops()}
-    assert "picc_gemv_q4_0_r8" in kernels and not any(k.endswith("_xi16") for k in kernels if k)
+    assert "picc_gemv_q4_0_r8" in kernels
+    assert all(op.x_format == "f32" for op in pib.module.ops() if isinstance(op, O.MatrixOp))
     # The fused FFNs' neuron-major down projections are stored in the rowplanes layout, for their
     # AXPYs, and load back as the rows the interpreter reads.
     downs = [op.down for op in pib.module.ops() if isinstance(op, FusedFFN)]

@@ -250,7 +250,7 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
     """
     spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
     symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, int_dots, dense_rows8)
-    int_dots = names.dots_int16_x(symbol)  # only where a 4-bit matrix is dotted
+    int_dots = names.ffn_rounds_x(int_dots, up_dtype, gate_dtype)  # only where 4-bit rows are dotted
     act = f"@picc_act_{spec.act}"
     bias_stride = 2 if interleaved else 1
 

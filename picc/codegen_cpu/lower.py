@@ -12,7 +12,7 @@ its calls' kernels and IR values), for ``picc bench --profile``. A model that ru
 alone also gets ``picc_decode``, greedy decode steps in a loop that stays in generated code
 (:meth:`_Lowering.decode_loop`).
 
-Every op names its kernel (``fuse-gather-gemv``); the lowering checks that the kernel it calls is
+Every op names its kernel (``select-kernels``); the lowering checks that the kernel it calls is
 that one. Memory is named by index into ``bufs``:
 
 * ``bufs[0]`` the barrier state, ``bufs[1]`` the per-token parameters (i32, :data:`PARAM_SLOTS`:
@@ -82,13 +82,13 @@ _XI16 = "<rows rounded to int16>"  # the access name of the chunk programs' int1
 
 
 def _int_dots(op: Op) -> bool:
-    """Whether ``fuse-gather-gemv`` chose the integer dot product variant for ``op``'s kernel."""
-    return names.dots_int16_x(op.kernel)
+    """Whether ``select-kernels`` chose int16 x for ``op``'s kernel (``x_format``)."""
+    return isinstance(op, O.MatrixOp) and op.rounds_x
 
 
 def _rows8(op: Op) -> bool:
-    """Whether ``op``'s kernel reads its 4-bit matrices in the rows8 layout."""
-    return names.reads_rows8(op.kernel)
+    """Whether ``op``'s kernel reads its 4-bit matrices in the rows8 layout (``layout``)."""
+    return isinstance(op, O.MatrixOp) and op.layout == "rows8"
 
 
 def _layout(op: Op) -> str | None:
@@ -164,34 +164,18 @@ class _Lowering:
         self.adds_done_by_producers = {add.result for add, _ in self.residual_adds.values()}
 
     def _residual_adds(self) -> dict[str, tuple[O.Add, str]]:
-        """The adds of a step that the kernel of an operand can do itself (``accumulate``):
-        ``add(r, p)`` with ``p`` a linear or an FFN (dense or fused) whose result has no other
-        reader, and ``r`` computed before ``p``, read by nothing after it but the add, and kept
-        on this CPU (not returned, not copied to another device). ``p``'s kernel then adds its
-        rows into r's buffer and the add's result lives there: one call and one barrier fewer
-        per residual add, the same bits (``r + t``, ``t`` the kernel's rounded result, as the add
-        computes it)."""
-        ops = self.func.ops
-        index = {op.result: i for i, op in enumerate(ops)}
-        readers: dict[str, list[int]] = {}
-        for i, op in enumerate(ops):
-            for v in op.values():
-                readers.setdefault(v, []).append(i)
-        pinned = crossing_values(self.sched) | {self.func.ret}
-        stage_of = {v: i for i, stage in enumerate(self.sched.stages) for v in stage.cpu}  # CPU values only
+        """The adds of the decode step that ``select-kernels`` gave to the kernel of an operand's
+        producer (``accumulated_by``): that kernel adds its rows into the residual's buffer and
+        the add's result lives there."""
         fused: dict[str, tuple[O.Add, str]] = {}
-        for i, op in enumerate(ops):
-            if not isinstance(op, O.Add) or op.a == op.b:
-                continue
-            for src, res in ((op.a, op.b), (op.b, op.a)):
-                j, k = index.get(src), index.get(res)
-                if (j is None or k is None or not _adds_in_place(ops[j]) or readers.get(src) != [i]
-                        or k >= j or any(j <= r < i for r in readers[res]) or readers[res][-1] != i
-                        or pinned & {src, res, op.result} or op.result not in stage_of
-                        or stage_of.get(src) != stage_of[op.result] or stage_of.get(res) != stage_of[op.result]):
-                    continue
+        for op in self.func.ops:
+            if isinstance(op, O.Add) and (accumulated := op.accumulated) is not None:
+                src, res = accumulated
+                producer = self.func.producer(src)
+                if producer is None or not _adds_in_place(producer):
+                    raise PiccError(f"codegen_cpu: %{op.result} is accumulated by %{src}, whose kernel "
+                                    "cannot add into its output")
                 fused[src] = (op, res)
-                break
         return fused
 
     def output(self, op: Op) -> tuple[Buf, int, set[str]]:
@@ -293,7 +277,7 @@ class _Lowering:
         several calls of ``op`` and not the whole op (:func:`place_barriers` reads it)."""
         if check and op.kernel != kernel.symbol:
             raise PiccError(f"codegen_cpu: %{op.result} names kernel {op.kernel!r} but the CPU computes it with "
-                            f"{kernel.symbol!r}" + ("; run fuse-gather-gemv first" if op.kernel is None else ""))
+                            f"{kernel.symbol!r}" + ("; run select-kernels first" if op.kernel is None else ""))
         per_token = self.chunk is not None and not batched
         self.program.call(kernel, *args, repeat=self.rows() if per_token else None,  # type: ignore[arg-type]
                           label=op.result)

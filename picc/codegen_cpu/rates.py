@@ -47,10 +47,7 @@ def measure_kernel_rates(threads: int, repeats: int = 5, nbytes: int = _BYTES) -
     rng = np.random.default_rng(0)
     x = rng.normal(size=_K).astype(np.float32)
     programs, shapes = [], []
-    for key in names.CPU_RATE_KEYS:
-        int_dots = key.endswith(names.INT_DOTS_SUFFIX)
-        in_rows8 = key.removesuffix(names.INT_DOTS_SUFFIX).endswith(names.ROWS8_SUFFIX)
-        dtype = key.removesuffix(names.INT_DOTS_SUFFIX).removesuffix(names.ROWS8_SUFFIX)
+    for key, dtype, int_dots, in_rows8 in names.cpu_rate_variants():
         rows = max(_TILE_ROWS, nbytes // row_bytes(dtype, _K) // _TILE_ROWS * _TILE_ROWS)
         prog = Program(f"picc_rate_{key}", sync=0)
         prog.call(gemv(dtype, int_dots, in_rows8), Buf(2), Buf(1), Null(), Buf(3), rows, _K, 0)

@@ -549,7 +549,7 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
     ``xsums``: x's :func:`emit_x_sums`, made here when not given. ``int_dots``: 4-bit rows dot x
     rounded to int16 (:func:`emit_int_x`, made here) in integers, two ``vpmaddwd`` a block:
     1.2-1.4x faster, and within 2^-16 of each block's largest |x| of the float result
-    (``fuse-gather-gemv`` chooses; the interpreter rounds x as they do). ``intx``: that int16 x,
+    (``select-kernels`` chooses; the interpreter rounds x as they do). ``intx``: that int16 x,
     when the caller has made it already (``int_dots`` is then implied).
     """
     dtypes = {dtype for dtype, _, _ in mats}

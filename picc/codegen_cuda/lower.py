@@ -1,6 +1,6 @@
 """Lowering the GPU ops of a fused, placed module to kernel launches bound to the memory plan.
 
-Every GPU op names its kernel (``fuse-gather-gemv``); here each op becomes the launches that
+Every GPU op names its kernel (``select-kernels``); here each op becomes the launches that
 compute it -- usually that one kernel; attention first appends the token's keys and values to
 the cache, a predictor-mode FFN part first compacts its mask columns into an index list, a whole
 FFN layer with a down bias adds it after -- and every parameter of every launch is bound to a
@@ -141,7 +141,7 @@ class _Lowering:
         b = self.bind
         name = op.kernel
         if name is None:
-            raise PiccError(f"codegen_cuda: %{op.result} names no kernel; run fuse-gather-gemv first")
+            raise PiccError(f"codegen_cuda: %{op.result} names no kernel; run select-kernels first")
         match op:
             case O.Embed():
                 vocab, dim = (int(d) for d in self.weights[op.table].shape)

@@ -84,6 +84,7 @@ def build_falcon(spec: FalconSpec, store: WeightStore) -> Module:
     hd = spec.head_dim
     x = b.op(O.Embed, "embed", tokens=tokens, table="token_embd")
     for i in range(spec.n_layers):
+        b.in_block(i)
         n = layer_weight_names(i)
         pre = f"l{i}"
         h = norm(f"{pre}.attn_norm", x, n["attn_norm"])
@@ -113,6 +114,7 @@ def build_falcon(spec: FalconSpec, store: WeightStore) -> Module:
             # transformers adds the branches first, then the residual: x + (mlp + attn).
             f = b.op(O.Add, f"{pre}.branches", a=f, b=a)
         x = b.op(O.Add, f"{pre}.out", a=x, b=f)
+    b.in_block(None)
     x = norm("final_norm", x, "output_norm")
     logits = b.op(O.Linear, "logits", x=x, weight="token_embd" if spec.tied else "output")
     module = Module(spec.name, module_attrs(spec), decls, (b.finish(logits),))

@@ -145,6 +145,7 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         high_freq_factor=rope.high_freq_factor, original_max_position=rope.original_max_position,
     )
     for i in range(spec.n_layers):
+        b.in_block(i)
         n = layer_weight_names(i)
         p = f"l{i}"
         h = b.op(O.RMSNorm, f"{p}.attn_norm", x=x, weight=n["attn_norm"], eps=spec.eps)
@@ -168,6 +169,7 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
                  gate_bias=maybe(n["gate_bias"]) if gated else None,
                  down_bias=maybe(n["down_bias"]), form=spec.ffn_form)
         x = b.op(O.Add, f"{p}.out", a=x, b=f)
+    b.in_block(None)
     x = b.op(O.RMSNorm, "final_norm", x=x, weight="output_norm", eps=spec.eps)
     head = "token_embd" if spec.tied else "output"
     logits = b.op(O.Linear, "logits", x=x, weight=head)

@@ -71,6 +71,7 @@ def build_opt(spec: OptSpec, store: WeightStore) -> Module:
     x = b.op(O.Add, "embed_sum", a=x, b=p)
     hd = spec.head_dim
     for i in range(spec.n_layers):
+        b.in_block(i)
         n = layer_weight_names(i)
         pre = f"l{i}"
         h = norm(f"{pre}.attn_norm", x, n["attn_norm"]) if spec.pre_norm else x
@@ -92,6 +93,7 @@ def build_opt(spec: OptSpec, store: WeightStore) -> Module:
         else:
             x = b.op(O.Add, f"{pre}.ffn.resid", a=x, b=f)
             x = norm(f"{pre}.ffn_norm", x, n["ffn_norm"])
+    b.in_block(None)
     if spec.final_norm:
         x = norm("final_norm", x, "output_norm")
     if spec.embed_dim != spec.hidden:

@@ -17,6 +17,12 @@ class FunctionBuilder:
         self.args: list[Arg] = []
         self.ops: list[Op] = []
         self.types: dict[str, TensorType] = {}
+        self.block: int | None = None  # the decoder block the ops added now belong to
+
+    def in_block(self, block: int | None) -> FunctionBuilder:
+        """Add the following ops to decoder block ``block`` (None: outside the blocks)."""
+        self.block = block
+        return self
 
     def arg(self, name: str, type_: TensorType) -> str:
         self._fresh(name)
@@ -25,8 +31,10 @@ class FunctionBuilder:
         return name
 
     def op(self, cls: type[Op], result: str, **fields: object) -> str:
-        """Add ``cls(**fields)`` defining ``%result``; return ``result``."""
+        """Add ``cls(**fields)`` defining ``%result`` (in the current block); return ``result``."""
         self._fresh(result)
+        if self.block is not None:
+            fields.setdefault("block", self.block)
         probe = cls(result=result, type=TensorType.__new__(TensorType), **fields)  # type: ignore[arg-type]
         try:
             type_ = infer_type(probe, self.types, self.weights)

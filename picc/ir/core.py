@@ -7,9 +7,13 @@ An op is a frozen dataclass. Its fields fall into three kinds, told apart by the
 * anything else (``int``, ``float``, ``str``, ``bool``, optionally ``| None``): an attribute,
   printed in ``{...}``.
 
-Every op also has ``result`` (the name of the value it defines), ``type`` (its type) and
-``kernel``, an attribute that is unset until ``fuse-gather-gemv`` names the kernel that computes
-the op on its device (printed last, ``{..., kernel = "picc_gemv_q4_1"}``). Each op class
+Every op also has ``result`` (the name of the value it defines), ``type`` (its type), ``block``
+(the decoder block, or layer, it belongs to: 0, 1, ...; unset outside blocks, such as the
+embedding and the head; set by the frontends and kept by every pass, so that what is per layer
+never depends on a value's name) and ``kernel``, an attribute that is unset until
+``select-kernels`` names the kernel that computes the op on its device (printed last, ``{...,
+kernel = "picc_gemv_q4_1"}``; a pure function of the op, its types and its other attributes:
+nothing reads meaning back out of it). Each op class
 implements ``infer``, which computes the result type from the operand types and raises
 ``RuleError`` when a rule of the op is broken; the verifier compares it with ``type``, the builder
 uses it to fill ``type`` in.
@@ -72,6 +76,7 @@ class Op:
     NAME: ClassVar[str] = ""
     result: str
     type: TensorType
+    block: int | None = None
     kernel: str | None = None
 
     def infer(self, env: TypeEnv) -> TensorType:
@@ -97,6 +102,7 @@ class Op:
 
 
 OPS: dict[str, type[Op]] = {}
+_LAST = {"block": 1, "x_format": 2, "layout": 3, "kernel": 4}
 _FIELD_KINDS: dict[type[Op], tuple[FieldKind, ...]] = {}
 _ATTR_TYPES = (int, float, str, bool)
 
@@ -106,8 +112,9 @@ def register_op(cls: type[Op]) -> type[Op]:
     assert cls.NAME and cls.NAME not in OPS, cls
     hints = typing.get_type_hints(cls)
     kinds = []
-    # ``kernel`` (declared on Op) goes last: ops print their own attributes first.
-    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name == "kernel")
+    # ``block`` and the kernel choices (``MatrixOp``'s, then ``kernel``, declared on Op) go last:
+    # ops print their own attributes first.
+    fields = sorted(dataclasses.fields(cls), key=lambda f: _LAST.get(f.name, 0))
     for f in fields:
         if f.name in ("result", "type"):
             continue

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from picc.ir.core import Op, Sym, TypeEnv, Val, expect, register_op, weight_shape_is
-from picc.ir.ops import FFN_FORMS, _activation_input, _float_weight
+from picc.ir.ops import FFN_FORMS, MatrixOp, _activation_input, _float_weight
 from picc.ir.sparse_ops import SPARSITY_MODES, check_mask_producer
 from picc.ir.types import Dim, DType, TensorType
 
@@ -22,7 +22,7 @@ FUSED_MODES = ("dense", *SPARSITY_MODES)
 
 @register_op
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FusedFFN(Op):
+class FusedFFN(MatrixOp):
     """The partial sum of an FFN's active neurons, as one fused kernel: ``sum_i h_i down[i]``.
 
     The op's ``n`` neurons are rows of its weights: ``up`` and ``gate`` [n, hidden], or, in the
@@ -39,7 +39,9 @@ class FusedFFN(Op):
     ``layer`` names the value of the whole FFN layer. When the op *is* the layer (``result ==
     layer``) it adds ``down_bias``; the parts of a split layer carry none and are added by a
     ``merge`` whose result is ``layer``. ``freq`` (profiled activation frequency per neuron) is
-    informative, as on ``ffn``.
+    informative, as on ``ffn``. ``x_format`` applies to the up and gate rows when both are 4-bit
+    (the down rows are added, not dotted); ``layout`` to the matrices the mode reads whole
+    (gate-first's gate, down-only's gate and up).
     """
 
     NAME: ClassVar[str] = "fused_ffn"
@@ -116,6 +118,7 @@ class FusedFFN(Op):
                f"only a whole layer adds down_bias; the parts of %{self.layer} leave it to their merge")
         expect(self.neuron_offset >= 0, f"neuron_offset must be >= 0, got {self.neuron_offset}")
         expect(self.threshold >= 0, f"threshold must be >= 0, got {self.threshold}")
+        self.check_kernel_choice()
         if self.mode == "predictor":
             expect(self.mask is not None, "mode 'predictor' needs a mask operand")
             assert self.mask is not None and isinstance(n, int)

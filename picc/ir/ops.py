@@ -42,6 +42,37 @@ def _float_weight(env: TypeEnv, name: str | None, role: str) -> None:
         expect(w.dtype.is_float, f"{role} @{name} must be a float tensor, got {w}")
 
 
+X_FORMATS = ("f32", "i16")
+LAYOUTS = ("rows", "rows8")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MatrixOp(Op):
+    """An op whose kernel reads weight matrices row by row (``linear``, ``ffn``, ``fused_ffn``),
+    with the two choices ``select-kernels`` makes for it, printed in every dump after that pass:
+
+    * ``x_format``: how its 4-bit rows (q4_0 / q4_1) are dotted with ``x``: ``"f32"``, or
+      ``"i16"``, ``x`` rounded to int16 per block of 32 first (:func:`picc.quant.round_to_int16_blocks`,
+      each element within 1/254 of its block's largest ``|x|``). The rounding is part of what
+      the op computes: the interpreter rounds as the kernel does. Rows in other formats, and
+      the down rows a fused FFN adds rather than dots, always meet the float ``x``.
+    * ``layout``: how the matrices the kernel reads whole are stored: ``"rows"`` (the source
+      format's rows) or ``"rows8"`` (4-bit rows in eights, ``picc.codegen_cpu.rows8``). Storage
+      only; the values are the same.
+    """
+
+    x_format: str = "f32"
+    layout: str = "rows"
+
+    def check_kernel_choice(self) -> None:
+        expect(self.x_format in X_FORMATS, f"x_format must be one of {X_FORMATS}, got {self.x_format!r}")
+        expect(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+
+    @property
+    def rounds_x(self) -> bool:
+        return self.x_format == "i16"
+
+
 # ---------------------------------------------------------------- embeddings
 
 
@@ -124,7 +155,7 @@ class LayerNorm(Op):
 
 @register_op
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Linear(Op):
+class Linear(MatrixOp):
     """``x @ weight.T + bias``; weight is [out, in] in any weight dtype, bias [out] float."""
 
     NAME: ClassVar[str] = "linear"
@@ -142,6 +173,7 @@ class Linear(Op):
         )
         weight_shape_is(env, self.bias, (w.shape[0],), "bias")
         _float_weight(env, self.bias, "bias")
+        self.check_kernel_choice()
         return f32(t.shape[0], w.shape[0])
 
 
@@ -348,9 +380,26 @@ class _Binary(Op):
 @register_op
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Add(_Binary):
-    """Elementwise ``a + b`` (residual connections)."""
+    """Elementwise ``a + b`` (residual connections).
+
+    ``accumulated_by`` (``"a"`` or ``"b"``, set by ``select-kernels`` for the CPU's decode step):
+    the kernel of that operand's producer adds its result into the other operand's buffer, so
+    the add itself costs nothing. Same value either way.
+    """
 
     NAME: ClassVar[str] = "add"
+    accumulated_by: str = ""
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        expect(self.accumulated_by in ("", "a", "b"), f"accumulated_by must be a or b, got {self.accumulated_by!r}")
+        return _Binary.infer(self, env)
+
+    @property
+    def accumulated(self) -> tuple[str, str] | None:
+        """(the operand whose producer's kernel does the add, the residual it adds into), or None."""
+        if not self.accumulated_by:
+            return None
+        return (self.a, self.b) if self.accumulated_by == "a" else (self.b, self.a)
 
 
 @register_op
@@ -388,7 +437,7 @@ FFN_FORMS: dict[str, FfnForm] = {
 
 @register_op
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FFN(Op):
+class FFN(MatrixOp):
     """A feed-forward block: ``down(h)`` with ``h`` per ``form`` (see ``FFN_FORMS``).
 
     ``up`` and ``gate`` are [n_ff, hidden], ``down`` is [hidden, n_ff]; biases are optional.
@@ -468,6 +517,7 @@ class FFN(Op):
             value = getattr(self, name)
             expect(value is None or value >= 0, f"{name} must be >= 0, got {value}")
         expect(self.neuron_offset >= 0, f"neuron_offset must be >= 0, got {self.neuron_offset}")
+        self.check_kernel_choice()
         expect(self.part_of is not None or self.neuron_offset == 0,
                "neuron_offset is the place of a part in its layer; it needs part_of")
         return t

@@ -14,7 +14,7 @@
     }
 
 Required operands are positional; optional ones are ``name=``; attributes equal to their default
-are left out. A blank line separates the ops of consecutive layers (values named ``lN.*``).
+are left out. A blank line separates the ops of consecutive decoder blocks (``block``).
 """
 
 from __future__ import annotations
@@ -64,11 +64,6 @@ def format_op(op: Op) -> str:
     return " ".join(parts) + f" : {op.type}"
 
 
-def _layer_of(name: str) -> str:
-    head = name.split(".", 1)[0]
-    return head if head[:1] == "l" and head[1:].isdigit() else ""
-
-
 def function_lines(func: Function) -> tuple[list[str], list[int]]:
     """The text lines of ``func`` and, for each op, the index of its line among them."""
     types = func.value_types()
@@ -77,12 +72,11 @@ def function_lines(func: Function) -> tuple[list[str], list[int]]:
     header = f"func @{func.name}({args})" + (f" -> {ret_type}" if ret_type else "") + " {"
     lines = [header]
     op_lines = []
-    layer = None
+    block = None
     for op in func.ops:
-        this_layer = _layer_of(op.result)
-        if layer is not None and this_layer != layer:
+        if op_lines and op.block != block:
             lines.append("")
-        layer = this_layer
+        block = op.block
         op_lines.append(len(lines))
         lines.append("  " + format_op(op))
     lines.append(f"  return %{func.ret}")

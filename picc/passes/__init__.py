@@ -8,6 +8,7 @@ from picc.passes import (  # noqa: F401 - registration
     neuron_major_down,
     partition_neurons,
     profile_activations,
+    select_kernels,
 )
 from picc.passes.manager import Instruments, PassSpec, parse_pipeline, run_pipeline
 from picc.passes.registry import PASSES, PassContext, register_pass

@@ -71,7 +71,7 @@ def _match(g: _Graph, down: O.Linear) -> tuple[O.FFN, list[Op]] | None:
         return None
     ffn, consumed = found
     return replace(ffn, result=down.result, type=down.type, down=down.weight,
-                   down_bias=down.bias), consumed
+                   down_bias=down.bias, block=down.block), consumed
 
 
 def fold_ffns(func: Function) -> Function:

@@ -1,6 +1,5 @@
 """``fuse-gather-gemv``: each FFN layer, or each device's part of one, becomes one fused kernel
-call; a layer split between devices gets an explicit merge of its partial sums; and every op
-names the kernel that its device runs.
+call, and a layer split between devices gets an explicit merge of its partial sums.
 
 The fused FFN is PowerInfer's hot path: which neurons are active (the predictor's mask, the
 thresholded gate, or all), the gather-GEMV over their rows of up and gate, the activation, and
@@ -9,47 +8,30 @@ one kernel per device. Where that kernel gathers both up and gate rows (predicto
 modes of a gated form), their rows are interleaved into one ``up_gate`` weight, so each active
 neuron is one contiguous stream instead of two (``interleave=no`` keeps them apart). The split
 layer's ``add`` of its hot and cold parts becomes a ``merge`` that also adds the down bias.
-Dense linears name their GEMV kernel; a dense FFN kept in the source layout (a CPU-only dense
-compile) names the CPU's dense FFN kernel. In a module where nothing decides sparsity (no
-predictor, every fused FFN dense), the CPU's GEMVs and FFNs of q4_0 / q4_1 weights are the
-``_xi16`` variants, which dot the 4-bit rows with x rounded to int16 per block of 32, as llama.cpp
-does (each element within 1/254 of its block's largest |x|; SmolLM2 Q4_1's PTB perplexity
-+0.27%), and read matrices whose rows come in eights in the rows8 layout (``_r8_xi16``; not a
-weight another op reads too, such as an embedding tied to the LM head): twice as fast as float
-dot products on Zen 3. The rounding is part of what the op computes (the interpreter rounds as
-the kernel does). Sparse modules keep float dot products (``int_dots=no`` keeps them
-everywhere, ``int_dots=yes`` rounds in sparse modules too): rounding makes a dot product a step
-function of x, so the float-rounding noise between the runtime and the interpreter (~1e-7) now
-and then moves an element across a rounding boundary, a whole rounding step, and gate decisions
-near their threshold flip (docs/codegen_cpu.md has the measurements). Either way the interpreter
-computes what the kernels compute.
+``select-kernels`` then chooses and names each op's kernel.
 
 Needs: neuron-major down projections for sparse FFNs (``neuron-major-down``); after
-``partition-neurons`` when there is one (an op's placement picks its device; unplaced ops run on
-the CPU). Guarantees: no ``sparse_ffn`` and no neuron-major ``ffn`` is left; every op has a
-kernel; the module computes the same function (partial sums are added in another order).
+``partition-neurons`` when there is one. Guarantees: no ``sparse_ffn`` and no neuron-major
+``ffn`` is left; the module computes the same function (partial sums are added in another order).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import replace
 
 import numpy as np
 
-from picc import memory_plan as mp
 from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN, Merge
 from picc.ir.module import Module, WeightDecl
-from picc.ir.sparse_ops import Predict, SparseFFN
+from picc.ir.sparse_ops import SparseFFN
 from picc.ir.types import TensorType
 from picc.ir.weights import Tensor, WeightStore
-from picc.passes.kernel_selection import Types, kernel_of
 from picc.passes.registry import PassContext, register_pass
 
-OPTIONS = ("interleave", "int_dots")
+OPTIONS = ("interleave",)
 
 
 def _threshold(op: O.FFN) -> float:
@@ -63,9 +45,8 @@ def _threshold(op: O.FFN) -> float:
 
 
 def _packed_name(weights: WeightStore, name: str, role: str) -> str:
-    """``l3.ffn.up.hot`` -> ``l3.ffn.up_gate.hot`` (a fresh name in the store)."""
-    stem = name.replace(".ffn.up", f".ffn.{role}", 1) if ".ffn.up" in name else f"{name}.{role}"
-    return weights.fresh_name(stem)
+    """``l3.ffn.up`` -> ``l3.ffn.up.up_gate`` (a fresh name in the store; a name only)."""
+    return weights.fresh_name(f"{name}.{role}")
 
 
 def _interleave(weights: WeightStore, up: str, gate: str) -> Tensor:
@@ -116,7 +97,8 @@ class _Fuser:
         return FusedFFN(result=op.result, type=op.type, x=op.x, mask=op.mask if isinstance(op, SparseFFN) else None,
                         down=op.down, down_bias=op.down_bias if op.part_of is None else None, freq=op.freq,
                         score_scale=op.score_scale if mode == "gate-first" else None, form=op.form, mode=mode,
-                        threshold=_threshold(op), layer=layer, neuron_offset=op.neuron_offset, **rows)
+                        threshold=_threshold(op), layer=layer, neuron_offset=op.neuron_offset, block=op.block,
+                        **rows)
 
 
 def _merge_of(op: Op, parts: dict[str, O.FFN]) -> Merge | None:
@@ -126,27 +108,18 @@ def _merge_of(op: Op, parts: dict[str, O.FFN]) -> Merge | None:
     a, b = parts.get(op.a), parts.get(op.b)
     if a is None or b is None or a.part_of != op.result or b.part_of != op.result:
         return None
-    return Merge(result=op.result, type=op.type, a=op.a, b=op.b, bias=a.down_bias or b.down_bias)
-
-
-def decides_sparsity(op: Op) -> bool:
-    """Whether ``op`` decides which neurons run (a predictor, a sparse FFN): what makes a module
-    keep float dot products everywhere (see the module docstring)."""
-    return isinstance(op, (Predict, SparseFFN)) or (isinstance(op, FusedFFN) and op.mode != "dense")
+    return Merge(result=op.result, type=op.type, a=op.a, b=op.b, bias=a.down_bias or b.down_bias, block=op.block)
 
 
 @register_pass("fuse-gather-gemv", options=OPTIONS)
 def fuse_gather_gemv(module: Module, ctx: PassContext) -> Module:
-    """Fuse each FFN (part) into one kernel call, merge split layers, name every op's kernel."""
+    """Fuse each FFN (part) into one kernel call and merge split layers."""
     interleave = ctx.option("interleave", "auto")
     if interleave not in ("auto", "no"):
         raise PiccError(f"interleave={interleave!r}: expected auto or no")
-    int_dots = ctx.option("int_dots", "auto")
-    if int_dots not in ("auto", "no", "yes"):
-        raise PiccError(f"int_dots={int_dots!r}: expected auto, no or yes")
     func = module.function()
-    if any(op.kernel is not None for op in func.ops):
-        raise PiccError("the module is already fused (its ops name their kernels)")
+    if any(op.kernel is not None or isinstance(op, FusedFFN) for op in func.ops):
+        raise PiccError("the module is already fused (fuse-gather-gemv comes before select-kernels)")
     fuser = _Fuser(module, ctx.weights, interleave == "auto")
     parts = {op.result: op for op in func.ops if isinstance(op, O.FFN) and op.part_of is not None}
     ops: list[Op] = []
@@ -155,11 +128,5 @@ def fuse_gather_gemv(module: Module, ctx: PassContext) -> Module:
             ops.append(fuser.fuse(op))
         else:
             ops.append(_merge_of(op, parts) or op)
-    staged = replace(module, weights=tuple(fuser.decls)).with_function(replace(func, ops=tuple(ops)))
-    types = Types(staged.function().value_types(), staged.weight_types())
-    kv_ctx = int(module.attr("ctx", mp.DEFAULT_CTX) or mp.DEFAULT_CTX)
-    rounded = int_dots == "yes" or (int_dots == "auto" and not any(decides_sparsity(op) for op in ops))
-    readers = Counter(w for op in ops for w in set(op.weights()) if w is not None)
-    shared = frozenset(w for w, n in readers.items() if n > 1)
-    named = tuple(replace(op, kernel=kernel_of(op, types, kv_ctx, int_dots=rounded, shared=shared)) for op in ops)
-    return staged.with_function(replace(staged.function(), ops=named)).with_used_weights_only()
+    fused = replace(module, weights=tuple(fuser.decls)).with_function(replace(func, ops=tuple(ops)))
+    return fused.with_used_weights_only()

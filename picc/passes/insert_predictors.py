@@ -190,7 +190,7 @@ def insert_predictors(module: Module, ctx: PassContext) -> Module:
             pred_type = ctx.weights[names["fc2"]].shape[0]
             new_ops.append(Predict(result=mask, type=replace(op.type, dtype=DType.BOOL,
                                                              shape=(op.type.shape[0], pred_type)),
-                                   x=op.x, ffn=op.result, threshold=predictor.threshold,
+                                   x=op.x, ffn=op.result, threshold=predictor.threshold, block=op.block,
                                    recall=None if np.isnan(predictor.recall) else round(predictor.recall, 4),
                                    **names))
         new_ops.append(SparseFFN(result=op.result, type=op.type, mask=mask, mode=chosen, **fields))

@@ -1,7 +1,9 @@
-"""The kernel that computes an op on its device, for ``fuse-gather-gemv``.
+"""The kernel that computes an op on its device, for ``select-kernels``.
 
-The names come from :mod:`picc.kernel_names`, whose rules the backends share. An op that its
-device has no kernel for is a ``PiccError`` that names the op and what to do instead.
+A kernel's name is a pure function of the op: its class, its attributes (the kernel choices
+``x_format`` and ``layout`` among them), its types and its placement. The names come from
+:mod:`picc.kernel_names`, whose rules the backends share. An op that its device has no kernel
+for is a ``PiccError`` that names the op and what to do instead.
 """
 
 from __future__ import annotations
@@ -41,13 +43,8 @@ def rows8_fits(t: Types, weights: tuple[str | None, ...], shared: frozenset[str]
     return all(w is not None and w not in shared and names.rows8_fits(t.fmt(w) or "", *t.dims(w)) for w in weights)
 
 
-def cpu_kernel(op: Op, t: Types, int_dots: bool = False,  # noqa: C901 - one case per op
-               shared: frozenset[str] = frozenset()) -> str:
-    """The CPU kernel that computes ``op``; ``int_dots``: the integer dot product variants of
-    GEMVs and FFNs over 4-bit weights (``_xi16``; for modules that decide no sparsity). GEMVs,
-    dense FFNs and the dense projections of gate-first (gate) and down-only (gate and up) FFNs
-    read 4-bit matrices in the rows8 layout where :func:`rows8_fits` (``shared``: the weights
-    more than one op reads)."""
+def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
+    """The CPU kernel that computes ``op``."""
     match op:
         case O.Embed():
             return names.cpu_embed(t.fmt(op.table) or "")
@@ -56,7 +53,7 @@ def cpu_kernel(op: Op, t: Types, int_dots: bool = False,  # noqa: C901 - one cas
         case O.LayerNorm():
             return names.cpu_norm("layer_norm")
         case O.Linear():
-            return names.cpu_gemv(t.fmt(op.weight) or "", int_dots, rows8_fits(t, (op.weight,), shared))
+            return names.cpu_gemv(t.fmt(op.weight) or "", op.rounds_x, op.layout == "rows8")
         case O.Rope():
             return names.cpu_rope(op.style)
         case O.Attention() if op.alibi == "none":
@@ -70,14 +67,14 @@ def cpu_kernel(op: Op, t: Types, int_dots: bool = False,  # noqa: C901 - one cas
         case FusedFFN():
             up = op.up_gate or op.up
             gate = op.up_gate or op.gate
-            whole = names.read_whole(op.mode, op.up, op.gate)
-            dense_rows8 = bool(whole) and rows8_fits(t, whole, shared)
             return names.cpu_fused_ffn(op.mode, op.form, t.fmt(up) or "", t.fmt(gate), t.fmt(op.down) or "",
-                                       op.interleaved, int_dots, dense_rows8)
+                                       op.interleaved, op.rounds_x, op.layout == "rows8")
         case O.FFN() if not op.neuron_major and type(op) is O.FFN:
-            weights = (op.up, op.gate, op.down) if op.gate else (op.up, op.down)
             return names.cpu_dense_ffn(op.form, t.fmt(op.up) or "", t.fmt(op.gate), t.fmt(op.down) or "",
-                                       int_dots, rows8_fits(t, weights, shared))
+                                       op.rounds_x, op.layout == "rows8")
+        case O.FFN():
+            raise PiccError(f"%{op.result}: a sparse or neuron-major ffn has no kernel of its own; "
+                            "run fuse-gather-gemv before select-kernels")
     hint = " (ALiBi attention runs in the interpreter only)" if isinstance(op, O.Attention) else ""
     raise _no_kernel(op, "CPU", hint)
 
@@ -144,8 +141,8 @@ def gpu_kernel_of_ffn(op: FusedFFN, t: Types, hint: str) -> str:
     return names.gpu_fused_ffn(op.mode, op.form, hidden, n, formats.pop() or "", bias)
 
 
-def kernel_of(op: Op, t: Types, ctx: int, int_dots: bool = False, shared: frozenset[str] = frozenset()) -> str:
+def kernel_of(op: Op, t: Types, ctx: int) -> str:
     """The kernel of ``op`` on the device its type places it on (unplaced ops run on the CPU)."""
     if op.type.placement == Placement.GPU:
         return gpu_kernel(op, t, ctx)
-    return cpu_kernel(op, t, int_dots, shared)
+    return cpu_kernel(op, t)

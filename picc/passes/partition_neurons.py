@@ -14,7 +14,7 @@ the rate its kernels read each format, at most the memory's bandwidth); a layer 
 no GPU kernel (down-only, dReLU or biased gate-first, mixed weight formats) keeps all its neurons
 on the CPU. A split layer's
 neurons are permuted so that its GPU ("hot") neurons come first, and it becomes two ffn ops,
-``%lN.ffn.hot`` on the GPU and ``%lN.ffn.cold`` on the CPU, each with its own rows of up / gate /
+``%lN.ffn.out.hot`` on the GPU and ``%lN.ffn.out.cold`` on the CPU, each with its own rows of up / gate /
 down, whose outputs are added into the layer's value; its predictor's outputs are permuted to
 match. Every op's and weight's type then says ``@gpu`` or ``@cpu``. The exact plan
 (``picc.memory_plan``) never exceeds the budget: if rounding makes it, the FFN budget shrinks by
@@ -107,8 +107,8 @@ def ffn_cpu_read_rate(module: Module, weights: WeightStore, target: Target) -> f
     """Bytes/s at which the target's CPU reads the module's FFN weights: each weight at
     ``CpuSpec.read_rate`` of the kernel that will read it, averaged over the bytes.
 
-    ``fuse-gather-gemv`` gives a module that decides no sparsity int16 dot products for 4-bit up
-    and gate rows (``_xi16``); down rows, neuron-major once a layer can be split, are AXPYs; what
+    ``select-kernels`` gives a module that decides no sparsity int16 dot products for 4-bit up
+    and gate rows (``x_format = "i16"``); down rows, neuron-major once a layer can be split, are AXPYs; what
     a gate-first or down-only FFN reads whole (gate; gate and up), 4-bit, is read eight rows at a
     time from the rows8 layout (taken as the whole layer's: a split one's CPU part may not come
     in eights). (A CPU-only dense FFN reads the
@@ -145,8 +145,8 @@ class DenseChoice:
 
 def _tied_embedding(func: Function) -> bool:
     """Whether the embedding table is also the LM head (it must then sit beside the LM head)."""
-    first = next((i for i, op in enumerate(func.ops) if mp.layer_of(op.result) is not None), len(func.ops))
-    last = max((i for i, op in enumerate(func.ops) if mp.layer_of(op.result) is not None), default=-1)
+    first = next((i for i, op in enumerate(func.ops) if op.block is not None), len(func.ops))
+    last = max((i for i, op in enumerate(func.ops) if op.block is not None), default=-1)
     before = {w for op in func.ops[:first] for w in op.weights()}
     return any(w in before for op in func.ops[last + 1 :] for w in op.weights())
 
@@ -171,7 +171,6 @@ def _take(weights: WeightStore, decls: list[WeightDecl], name: str, rows: np.nda
 def _split_ffn(op: O.FFN, placement: NeuronPlacement, index: int, input_gpu: bool, weights: WeightStore,
                decls: list[WeightDecl]) -> list[Op]:
     layer = placement.layers[index]
-    stem = op.result.removesuffix(".out")
     parts = []
     for suffix, rows, where, offset in (("hot", layer.perm[: layer.hot], GPU, 0),
                                         ("cold", layer.perm[layer.hot :], CPU, layer.hot)):
@@ -182,10 +181,10 @@ def _split_ffn(op: O.FFN, placement: NeuronPlacement, index: int, input_gpu: boo
             fields[f] = name and _take(weights, decls, name, rows, suffix, CPU if meta else where)
         if op.down_bias is not None:
             fields["down_bias"] = op.down_bias if suffix == "hot" else None
-        parts.append(replace(op, result=f"{stem}.{suffix}", type=_placed(op.type, where), part_of=op.result,
+        parts.append(replace(op, result=f"{op.result}.{suffix}", type=_placed(op.type, where), part_of=op.result,
                              neuron_offset=offset, **fields))
     merge = O.Add(result=op.result, type=_placed(op.type, GPU if input_gpu else CPU),
-                  a=parts[0].result, b=parts[1].result)
+                  a=parts[0].result, b=parts[1].result, block=op.block)
     return [*parts, merge]
 
 
@@ -196,13 +195,13 @@ def place(module: Module, weights: WeightStore, dense: DenseChoice, ffns: list[O
     index = {op.result: i for i, op in enumerate(ffns)}
     hot = {op.result: placement.layers[i].hot for i, op in enumerate(ffns)}
     split = {name for name, i in index.items() if 0 < hot[name] < weights[ffns[i].up].shape[0]}
-    first_layer_op = next((i for i, op in enumerate(func.ops) if mp.layer_of(op.result) is not None), 0)
+    first_layer_op = next((i for i, op in enumerate(func.ops) if op.block is not None), 0)
     tied = _tied_embedding(func)
     decls = list(module.weights)
     ops: list[Op] = []
     where_of: dict[str, Placement] = {}  # weight -> where the op reading it runs
     for i, op in enumerate(func.ops):
-        layer = mp.layer_of(op.result)
+        layer = op.block
         if layer is not None:
             dense_where = GPU if dense.layer_on_gpu(layer) else CPU
         else:
@@ -247,7 +246,7 @@ class _Trials:
         self.costs = DeviceCosts.for_target(s.target, hidden, cpu_read_rate=rate)
 
     def problem(self, dense: DenseChoice, budget: int) -> PartitionProblem:
-        layers = tuple(ffn_layer(op, self.weights, dense.layer_on_gpu(mp.layer_of(op.result) or 0))
+        layers = tuple(ffn_layer(op, self.weights, dense.layer_on_gpu(op.block or 0))
                        for op in self.ffns)
         return PartitionProblem(layers, budget if self.s.target.gpu else 0, self.costs, self.s.min_split)
 
@@ -272,7 +271,7 @@ def _overhead(plan: mp.MemoryPlan) -> int:
 def decide(trials: _Trials, s: Settings) -> tuple[DenseChoice, NeuronPlacement]:
     """Spend the budget: dense parts layer by layer, then FFN neurons, then the output."""
     func = trials.module.function()
-    n_layers = 1 + max((i for op in func.ops if (i := mp.layer_of(op.result)) is not None), default=-1)
+    n_layers = 1 + max((i for op in func.ops if (i := op.block) is not None), default=-1)
     none = [0] * len(trials.ffns)
     nothing = DenseChoice(0, False)
     if s.target.gpu is None or s.budget == 0:
@@ -319,9 +318,10 @@ def _with_attrs(module: Module, s: Settings) -> Module:
 def partition_neurons(module: Module, ctx: PassContext) -> Module:
     """Place dense parts and the hottest FFN neurons on the GPU under the VRAM budget."""
     s = settings(ctx)
-    if any(op.type.placement is not None or op.kernel is not None for op in module.function().ops):
+    if any(op.type.placement is not None or op.kernel is not None or isinstance(op, FusedFFN)
+           for op in module.function().ops):
         raise PiccError("the module is already partitioned (or fused); partition-neurons comes before "
-                        "fuse-gather-gemv")
+                        "fuse-gather-gemv and select-kernels")
     if s.budget > 0 and (op := next((op for op in module.ops() if isinstance(op, O.FFN) and not op.neuron_major),
                                     None)):
         raise PiccError(f"%{op.result}: placing neurons on the GPU needs neuron-major down projections "

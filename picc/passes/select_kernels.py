@@ -1,0 +1,137 @@
+"""``select-kernels``: every backend choice, as typed attributes in the IR; then each op's kernel.
+
+After this pass a dump shows everything that decides what the kernels compute and how they read
+memory, and nothing downstream infers a choice from a name:
+
+* ``x_format`` (``linear``, ``ffn``, ``fused_ffn`` on the CPU): ``"i16"`` where the kernel dots
+  4-bit rows (q4_0 / q4_1) with x rounded to int16 per block of 32, as llama.cpp does (each
+  element within 1/254 of its block's largest ``|x|``; SmolLM2 Q4_1's PTB perplexity +0.27%):
+  twice as fast as float dot products on Zen 3. The rounding is part of what the op computes
+  (the interpreter rounds as the kernel does). By default (``int_dots=auto``) only modules in
+  which nothing decides sparsity round: rounding makes a dot product a step function of x, so
+  the float-rounding noise between the runtime and the interpreter (~1e-7) now and then moves an
+  element across a rounding boundary, a whole rounding step, and gate decisions near their
+  threshold flip (docs/codegen_cpu.md has the measurements). ``int_dots=no`` keeps float dot
+  products everywhere, ``int_dots=yes`` rounds in sparse modules too.
+* ``layout`` (the same ops): ``"rows8"`` where the matrices the kernel reads whole are 4-bit
+  with rows in multiples of 8 and no other op reads them (an embedding tied to its LM head reads
+  rows): GEMVs, dense FFNs and the dense projections of gate-first (gate) and down-only (gate
+  and up) FFNs. The ``.pib`` stores such matrices eight rows at a time.
+* ``accumulated_by`` (``add`` on the CPU): the residual adds of the decode step that the kernel
+  of an operand's producer does itself (see :func:`accumulated_adds`).
+* ``kernel`` (every op): the kernel's symbol, a pure function of the op
+  (:mod:`picc.passes.kernel_selection`); the backends generate kernels under exactly these names.
+
+Needs: ``fuse-gather-gemv`` (no ``sparse_ffn`` and no neuron-major ``ffn`` left); after
+``partition-neurons`` when there is one (an op's placement picks its device; unplaced ops run on
+the CPU). Guarantees: every op has a kernel; the module computes the same function.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from picc import kernel_names as names
+from picc import memory_plan as mp
+from picc.errors import PiccError
+from picc.ir import ops as O
+from picc.ir.core import Op
+from picc.ir.fused_ops import FusedFFN
+from picc.ir.module import Function, Module
+from picc.ir.sparse_ops import Predict, SparseFFN
+from picc.ir.types import Placement
+from picc.passes.kernel_selection import Types, kernel_of, rows8_fits
+from picc.passes.registry import PassContext, register_pass
+from picc.schedule import Schedule, crossing_values, schedule
+
+
+def decides_sparsity(op: Op) -> bool:
+    """Whether ``op`` decides which neurons run (a predictor, a sparse FFN): what makes a module
+    keep float dot products by default (see the module docstring)."""
+    return isinstance(op, (Predict, SparseFFN)) or (isinstance(op, FusedFFN) and op.mode != "dense")
+
+
+def _choose(op: Op, t: Types, rounded: bool, shared: frozenset[str]) -> Op:
+    """``op`` with its ``x_format`` and ``layout`` chosen (CPU matrix ops only)."""
+    if not isinstance(op, O.MatrixOp) or op.type.placement == Placement.GPU:
+        return op
+    four_bit = names.INT_DOT_DTYPES
+    match op:
+        case FusedFFN():
+            # Up and gate rows share one rounded x; the down rows are added, not dotted.
+            int_x = names.ffn_rounds_x(True, t.fmt(op.up_gate or op.up) or "", t.fmt(op.up_gate or op.gate))
+            whole = names.read_whole(op.mode, op.up, op.gate)
+            rows8 = bool(whole) and rows8_fits(t, whole, shared)
+        case O.Linear():
+            int_x = t.fmt(op.weight) in four_bit
+            rows8 = rows8_fits(t, (op.weight,), shared)
+        case O.FFN() if type(op) is O.FFN and not op.neuron_major:
+            weights = (op.up, op.gate, op.down) if op.gate else (op.up, op.down)
+            int_x = bool(four_bit & {t.fmt(w) for w in weights})
+            rows8 = rows8_fits(t, weights, shared)
+        case _:
+            return op
+    return replace(op, x_format="i16" if rounded and int_x else "f32", layout="rows8" if rows8 else "rows")
+
+
+def _adds_in_place(op: Op) -> bool:
+    """Whether ``op``'s decode kernel can add its result to what its output buffer holds."""
+    return isinstance(op, (O.Linear, FusedFFN)) or (type(op) is O.FFN and not op.neuron_major)
+
+
+def accumulated_adds(func: Function, sched: Schedule) -> dict[int, str]:
+    """The adds of a decode step (by op index) that the kernel of an operand's producer can do
+    itself, and which operand (``"a"`` / ``"b"``): ``add(r, p)`` with ``p`` a linear or an FFN
+    (dense or fused) whose result has no other reader, and ``r`` computed before ``p``, read by
+    nothing after it but the add, and kept on the CPU in the add's stage (not returned, not copied
+    to another device). ``p``'s kernel then adds its rows into r's buffer and the add's result
+    lives there: one call and one barrier fewer per residual add, the same bits (``r + t``, ``t``
+    the kernel's rounded result, as the add computes it). The prefill programs run the add."""
+    ops = func.ops
+    index = {op.result: i for i, op in enumerate(ops)}
+    readers: dict[str, list[int]] = {}
+    for i, op in enumerate(ops):
+        for v in op.values():
+            readers.setdefault(v, []).append(i)
+    pinned = crossing_values(sched) | {func.ret}
+    stage_of = {v: i for i, stage in enumerate(sched.stages) for v in stage.cpu}  # CPU values only
+    chosen: dict[int, str] = {}
+    for i, op in enumerate(ops):
+        if not isinstance(op, O.Add) or op.a == op.b or op.result not in stage_of:
+            continue
+        for which, src, res in (("a", op.a, op.b), ("b", op.b, op.a)):
+            j, k = index.get(src), index.get(res)
+            if (j is None or k is None or not _adds_in_place(ops[j]) or readers.get(src) != [i]
+                    or k >= j or any(j <= r < i for r in readers[res]) or readers[res][-1] != i
+                    or pinned & {src, res, op.result}
+                    or stage_of.get(src) != stage_of[op.result] or stage_of.get(res) != stage_of[op.result]):
+                continue
+            chosen[i] = which
+            break
+    return chosen
+
+
+@register_pass("select-kernels", options=("int_dots",))
+def select_kernels(module: Module, ctx: PassContext) -> Module:
+    """Record every kernel choice as op attributes (x_format, layout, accumulated_by), name each kernel."""
+    int_dots = ctx.option("int_dots", "auto")
+    if int_dots not in ("auto", "no", "yes"):
+        raise PiccError(f"int_dots={int_dots!r}: expected auto, no or yes")
+    func = module.function()
+    if any(op.kernel is not None for op in func.ops):
+        raise PiccError("the module's kernels are already selected (its ops name them)")
+    if unfused := next((op for op in func.ops if isinstance(op, O.FFN) and (isinstance(op, SparseFFN)
+                                                                             or op.neuron_major)), None):
+        raise PiccError(f"%{unfused.result}: a sparse or neuron-major ffn has no kernel of its own; "
+                        "run fuse-gather-gemv before select-kernels")
+    types = Types(func.value_types(), module.weight_types())
+    rounded = int_dots == "yes" or (int_dots == "auto" and not any(decides_sparsity(op) for op in func.ops))
+    readers = Counter(w for op in func.ops for w in set(op.weights()) if w is not None)
+    shared = frozenset(w for w, n in readers.items() if n > 1)
+    ops = [_choose(op, types, rounded, shared) for op in func.ops]
+    for i, which in accumulated_adds(replace(func, ops=tuple(ops)), schedule(module)).items():
+        ops[i] = replace(ops[i], accumulated_by=which)
+    kv_ctx = int(module.attr("ctx", mp.DEFAULT_CTX) or mp.DEFAULT_CTX)
+    named = tuple(replace(op, kernel=kernel_of(op, types, kv_ctx)) for op in ops)
+    return module.with_function(replace(func, ops=named))

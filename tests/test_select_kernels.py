@@ -1,0 +1,113 @@
+"""``select-kernels``: every kernel choice is a typed attribute in the IR, and what reads it reads
+the attribute, never the kernel's name or a value's name."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from picc.errors import PiccError
+from picc.interpreter import Interpreter
+from picc.ir import ops as O
+from picc.ir.parser import parse
+from picc.ir.printer import print_module
+from picc.ir.types import DType
+from picc.ir.verifier import verify
+from picc.ir.weights import Tensor, WeightStore
+from picc.passes import parse_pipeline, run_pipeline
+from picc.quant import round_to_int16_blocks
+
+# A residual block: @w is read by two linears (so it keeps the source layout), @v only by one.
+BEFORE = """\
+module @m {ctx = 64}
+
+weight @w : q4_1[64, 64]
+weight @v : q4_1[64, 64]
+weight @g : f32[64]
+
+func @forward(%x: f32[seq, 64]) -> f32[seq, 64] {
+  %h = linear %x, @w : f32[seq, 64]
+  %n = rms_norm %h, @g {eps = 1e-05} : f32[seq, 64]
+  %p = linear %n, @v : f32[seq, 64]
+  %s = add %h, %p : f32[seq, 64]
+  %out = linear %s, @w : f32[seq, 64]
+  return %out
+}
+"""
+
+EXPECTED = """\
+module @m {ctx = 64}
+
+weight @w : q4_1[64, 64]
+weight @v : q4_1[64, 64]
+weight @g : f32[64]
+
+func @forward(%x: f32[seq, 64]) -> f32[seq, 64] {
+  %h = linear %x, @w {x_format = "i16", kernel = "picc_gemv_q4_1_xi16"} : f32[seq, 64]
+  %n = rms_norm %h, @g {eps = 1e-05, kernel = "picc_rms_norm"} : f32[seq, 64]
+  %p = linear %n, @v {x_format = "i16", layout = "rows8", kernel = "picc_gemv_q4_1_r8_xi16"} : f32[seq, 64]
+  %s = add %h, %p {accumulated_by = "b", kernel = "picc_add"} : f32[seq, 64]
+  %out = linear %s, @w {x_format = "i16", kernel = "picc_gemv_q4_1_xi16"} : f32[seq, 64]
+  return %out
+}
+"""
+
+
+def _store() -> WeightStore:
+    rng = np.random.default_rng(0)
+    store = WeightStore()
+    for name in ("w", "v"):
+        store.add(name, Tensor.from_f32(rng.normal(size=(64, 64)).astype(np.float32) / 8, DType.Q4_1))
+    store.add("g", Tensor.from_f32(np.ones(64, np.float32)))
+    return store
+
+
+def test_select_kernels_golden():
+    # A module that decides no sparsity dots its 4-bit rows with int16 x; a matrix only one op
+    # reads goes eight rows at a time; the residual add is done by the kernel of %p, which has
+    # no other reader, while %h is read by nothing between %p and the add.
+    before = parse(BEFORE)
+    verify(before)
+    after = run_pipeline(before, _store(), parse_pipeline("select-kernels"))
+    assert print_module(after) == EXPECTED
+    assert parse(EXPECTED) == after
+
+
+def test_int_dots_no_keeps_float_x_and_names_follow():
+    after = run_pipeline(parse(BEFORE), _store(), parse_pipeline("select-kernels{int_dots=no}"))
+    linears = [op for op in after.ops() if isinstance(op, O.Linear)]
+    assert [op.x_format for op in linears] == ["f32"] * 3
+    assert [op.kernel for op in linears] == ["picc_gemv_q4_1", "picc_gemv_q4_1_r8", "picc_gemv_q4_1"]
+
+
+def test_choices_do_not_depend_on_value_names():
+    # Renaming every value (here into names that look like decoder layers') changes no choice.
+    renamed = BEFORE
+    for old, new in (("%h", "%l7.ffn.out"), ("%n", "%l0.attn.up"), ("%p", "%l3.ffn.up"), ("%s", "%l1.out")):
+        renamed = renamed.replace(old + " ", new + " ").replace(old + ",", new + ",").replace(old + "\n", new + "\n")
+    a = run_pipeline(parse(BEFORE), _store(), parse_pipeline("select-kernels"))
+    b = run_pipeline(parse(renamed), _store(), parse_pipeline("select-kernels"))
+    assert [op.attrs() for op in a.ops()] == [op.attrs() for op in b.ops()]
+
+
+def test_the_interpreter_rounds_x_by_the_attribute_not_the_kernel_name():
+    module, store = parse(BEFORE), _store()
+    x = np.random.default_rng(1).normal(size=(2, 64)).astype(np.float32)
+    op = module.function().ops[0]
+    rounded = replace(op, x_format="i16")  # no kernel named at all
+    interp = Interpreter(module, store)
+    w = store.f32("w")
+    assert np.array_equal(interp.eval(rounded, {"x": x}), round_to_int16_blocks(x) @ w.T)
+    assert np.array_equal(interp.eval(op, {"x": x}), x @ w.T)
+    assert not np.array_equal(round_to_int16_blocks(x), x)
+
+
+def test_bad_choices_are_verifier_errors_and_unfused_modules_are_refused():
+    with pytest.raises(Exception, match="x_format must be one of"):
+        verify(parse(EXPECTED.replace('x_format = "i16", layout', 'x_format = "i8", layout')))
+    with pytest.raises(Exception, match="accumulated_by must be a or b"):
+        verify(parse(EXPECTED.replace('accumulated_by = "b"', 'accumulated_by = "c"')))
+    with pytest.raises(PiccError, match="already selected"):
+        run_pipeline(parse(EXPECTED), _store(), parse_pipeline("select-kernels"))
