@@ -24,8 +24,8 @@ from picc.cost_model import cpu_weight_reads
 from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN
-from picc.ir.module import Module
-from picc.ir.types import Placement
+from picc.ir.module import Function, Module
+from picc.ir.types import Placement, TensorType
 from picc.ir.weights import WeightStore
 from picc.passes.partition_neurons import ffn_layer
 from picc.schedule import schedule
@@ -77,6 +77,26 @@ def _layer_row(i: int, name: str, layer: dict, where: dict[str, Placement | None
     }
 
 
+def _transfers(func: Function, types: dict[str, TensorType], where: dict[str, Placement | None],
+               target: Target) -> tuple[int, float]:
+    """The PCIe transfers of one token and their seconds (each the target's latency plus its bytes
+    over the link's bandwidth): a value that ops on the other device read crosses to it once a
+    token, and the logits cross back when the function returns them from the GPU."""
+    transfer_s, transfers = 0.0, 0
+    moved: set[tuple[str, Placement | None]] = set()
+    for op in func.ops:
+        device = op.type.placement
+        for v in op.values():
+            if where.get(v) is not None and where[v] != device and (v, device) not in moved:
+                moved.add((v, device))
+                transfers += 1
+                transfer_s += target.pcie_latency + mp.tensor_bytes(types[v], 1) / max(target.pcie_bandwidth, 1.0)
+    if where.get(func.ret) == Placement.GPU:
+        transfers += 1
+        transfer_s += target.pcie_latency + mp.tensor_bytes(types[func.ret], 1) / max(target.pcie_bandwidth, 1.0)
+    return transfers, transfer_s
+
+
 def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.MemoryPlan) -> dict:
     """The placement report (see the module docstring); ``picc inspect --json`` prints it."""
     func = module.function()
@@ -86,18 +106,12 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
 
     layers: dict[str, dict] = {}  # the layer's ffn value -> its parts' numbers
     dense = {"gpu": 0.0, "cpu": 0.0}
-    transfer_s, transfers = 0.0, 0
+    transfers, transfer_s = _transfers(func, types, where, target)
     launches = 0  # GPU kernel launches a token
     read_bytes = 0.0  # weights and KV cache one token reads, both devices
-    moved: set[tuple[str, Placement | None]] = set()  # a value crosses to a device once per token
     cpu_keys: set[str] = set()  # the rate keys of the CPU's weight reads
     for op in func.ops:
         device = op.type.placement
-        for v in op.values():
-            if where.get(v) is not None and where[v] != device and (v, device) not in moved:
-                moved.add((v, device))
-                transfers += 1
-                transfer_s += target.pcie_latency + mp.tensor_bytes(types[v], 1) / max(target.pcie_bandwidth, 1.0)
         overhead = 0.0  # the fixed cost of the op's GPU kernels
         if device == Placement.GPU:
             assert target.gpu is not None
@@ -130,9 +144,6 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
             parts.append((mp.kv_cache_bytes(op, width, plan.ctx) // 2, "f32"))  # the cache is half full on average
         read_bytes += sum(nbytes for nbytes, _ in parts)
         dense["gpu" if device == Placement.GPU else "cpu"] += _read_seconds(target, device, parts) + overhead
-    if where.get(func.ret) == Placement.GPU:
-        transfers += 1
-        transfer_s += target.pcie_latency + mp.tensor_bytes(types[func.ret], 1) / max(target.pcie_bandwidth, 1.0)
     gpu_stages = sum(1 for st in schedule(module).stages if st.gpu)
     sync_s = gpu_stages * target.gpu.sync_overhead if target.gpu is not None else 0.0
 
