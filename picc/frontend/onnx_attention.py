@@ -25,6 +25,7 @@ from picc.frontend.onnx_match import (
     axis_is_last,
     handles,
     mismatch,
+    renames_partial,
 )
 
 
@@ -155,12 +156,7 @@ def _slice(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
     raise mismatch(node, ins)
 
 
-@handles("Neg")
-def _neg(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
-    x = ins[0]
-    if isinstance(x, Partial) and x.kind == "hi":
-        return [replace(x, kind="neg_hi")]
-    raise mismatch(node, ins)
+renames_partial("Neg", "hi", "neg_hi")  # rotate_half: -x[..., half:]
 
 
 @handles("Concat")

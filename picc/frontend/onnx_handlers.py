@@ -26,6 +26,7 @@ from picc.frontend.onnx_match import (
     const_vector,
     handles,
     mismatch,
+    renames_partial,
     scalar,
 )
 
@@ -218,20 +219,8 @@ def _reduce_mean(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
     raise mismatch(node, ins)
 
 
-@handles("Sqrt")
-def _sqrt(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
-    x = ins[0]
-    if isinstance(x, Partial) and x.kind == "meansq_eps":
-        return [replace(x, kind="rms")]
-    raise mismatch(node, ins)
-
-
-@handles("Reciprocal")
-def _reciprocal(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
-    x = ins[0]
-    if isinstance(x, Partial) and x.kind == "rms":
-        return [replace(x, kind="inv_rms")]
-    raise mismatch(node, ins)
+renames_partial("Sqrt", "meansq_eps", "rms")  # RMSNorm: sqrt(mean(x^2) + eps) ...
+renames_partial("Reciprocal", "rms", "inv_rms")  # ... then 1 / that
 
 
 def _rms_norm(m: Matcher, node: onnx.NodeProto, p: Partial, w: np.ndarray) -> Act:

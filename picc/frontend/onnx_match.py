@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -354,6 +354,19 @@ def handles(*ops: str) -> Callable[[Handler], Handler]:
             HANDLERS[op] = fn
         return fn
     return register
+
+
+def renames_partial(op: str, kind: str, to: str) -> None:
+    """Register the handler of the unary ``op`` as one step of a pattern spelled out op by op:
+    it turns a ``Partial`` of ``kind`` into one of kind ``to`` (anything else is no match)."""
+
+    def step(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
+        x = ins[0]
+        if isinstance(x, Partial) and x.kind == kind:
+            return [replace(x, kind=to)]
+        raise mismatch(node, ins)
+
+    HANDLERS[op] = step
 
 
 def scalar(v: object) -> float | None:
