@@ -178,15 +178,7 @@ def train_all(layers: dict[str, LayerData], start: dict[str, int], recall_target
     dims = {k: (d.x.shape[1], d.active.shape[1]) for k, d in layers.items()}
     cost_base = {k: float((ffn_bytes or {}).get(k, 2 * 3 * dims[k][0] * dims[k][1])) for k in layers}
     max_rank = {k: max(1, min(dims[k]) // 2) for k in layers}
-    ranks = {k: min(max(start[k], MIN_RANK), max_rank[k]) for k in layers}
-    total = sum(predictor_params(ranks[k], *dims[k]) for k in layers)
-    while total > budget_params:  # halve the largest starting ranks until they fit
-        k = max(layers, key=lambda k: predictor_params(ranks[k], *dims[k]))
-        if ranks[k] // 2 < min(MIN_RANK, start[k]):
-            raise ValueError(f"even the smallest predictors need {total} parameters, over the budget of "
-                             f"{budget_params}; raise the predictor budget")
-        total -= predictor_params(ranks[k], *dims[k]) - predictor_params(ranks[k] // 2, *dims[k])
-        ranks[k] //= 2
+    ranks, total = _starting_ranks(dims, start, max_rank, budget_params)
 
     def better(new: TrainedPredictor, old: TrainedPredictor, k: str) -> bool:
         if new.meets(recall_target) != old.meets(recall_target):
@@ -194,17 +186,6 @@ def train_all(layers: dict[str, LayerData], start: dict[str, int], recall_target
         if not old.meets(recall_target):
             return new.recall > old.recall
         return new.bytes_per_token(cost_base[k]) < old.bytes_per_token(cost_base[k])
-
-    def train_many(jobs: dict[str, int]) -> dict[str, TrainedPredictor]:
-        def one(k: str) -> tuple[str, TrainedPredictor]:
-            p = train_predictor(layers[k], jobs[k], recall_target, seed)
-            if progress:
-                progress(k)
-            return k, p
-        if workers <= 1 or len(jobs) <= 1:
-            return dict(map(one, jobs))
-        with ThreadPoolExecutor(min(workers, len(jobs))) as pool:
-            return dict(pool.map(one, jobs))
 
     direction: dict[str, float] = {k: 2 for k in layers}  # 2: doubling; 0.5: halving; 0: settled
 
@@ -221,7 +202,7 @@ def train_all(layers: dict[str, LayerData], start: dict[str, int], recall_target
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        best = train_many(ranks)
+        best = _train_layers(layers, ranks, recall_target, seed, progress, workers)
         while True:
             jobs: dict[str, int] = {}
             for k in sorted(layers, key=lambda k: -best[k].bytes_per_token(cost_base[k])):
@@ -236,7 +217,7 @@ def train_all(layers: dict[str, LayerData], start: dict[str, int], recall_target
                     direction[k] = turn(k, best[k])
             if not jobs:
                 return best
-            for k, p in train_many(jobs).items():
+            for k, p in _train_layers(layers, jobs, recall_target, seed, progress, workers).items():
                 old = best[k]
                 extra = predictor_params(p.rank, *dims[k]) - predictor_params(old.rank, *dims[k])
                 if better(p, old, k):
@@ -247,3 +228,37 @@ def train_all(layers: dict[str, LayerData], start: dict[str, int], recall_target
                 direction[k] = turn(k, old)
     finally:
         torch.set_num_threads(threads)
+
+
+def _starting_ranks(dims: dict[str, tuple[int, int]], start: dict[str, int], max_rank: dict[str, int],
+                    budget_params: int) -> tuple[dict[str, int], int]:
+    """Per layer (``dims``: hidden and n_ff), its ``start`` rank within ``[MIN_RANK, max_rank]``,
+    the largest predictors halved until all fit ``budget_params``; and their parameters in all.
+    Raises ValueError when even the smallest ranks do not fit."""
+    ranks = {k: min(max(start[k], MIN_RANK), max_rank[k]) for k in dims}
+    total = sum(predictor_params(ranks[k], *dims[k]) for k in dims)
+    while total > budget_params:
+        k = max(dims, key=lambda k: predictor_params(ranks[k], *dims[k]))
+        if ranks[k] // 2 < min(MIN_RANK, start[k]):
+            raise ValueError(f"even the smallest predictors need {total} parameters, over the budget of "
+                             f"{budget_params}; raise the predictor budget")
+        total -= predictor_params(ranks[k], *dims[k]) - predictor_params(ranks[k] // 2, *dims[k])
+        ranks[k] //= 2
+    return ranks, total
+
+
+def _train_layers(layers: dict[str, LayerData], jobs: dict[str, int], recall_target: float, seed: int,
+                  progress: Callable[[str], None] | None, workers: int) -> dict[str, TrainedPredictor]:
+    """Train a predictor of rank ``jobs[k]`` for each layer ``k`` in ``jobs``, ``workers`` layers
+    at once, calling ``progress(k)`` as each one finishes."""
+
+    def one(k: str) -> tuple[str, TrainedPredictor]:
+        p = train_predictor(layers[k], jobs[k], recall_target, seed)
+        if progress:
+            progress(k)
+        return k, p
+
+    if workers <= 1 or len(jobs) <= 1:
+        return dict(map(one, jobs))
+    with ThreadPoolExecutor(min(workers, len(jobs))) as pool:
+        return dict(pool.map(one, jobs))

@@ -215,6 +215,31 @@ def profile_sweep(module: Module, weights: WeightStore, windows: Windows,
     """
     scales = dict(scales or {})
     ffns = ffn_ops(module)
+    needs_threshold = _check_sweep(ffns, targets, scales)
+    scale_of = [scales.get(op.result) for op in ffns]
+    n_ff = [weights[op.up].shape[0] for op in ffns]
+    observer = _FfnObserver(ffns, n_ff, needs_threshold, scale_of)
+    interp = Interpreter(_profiling_function(module), weights)
+    interp.on_ffn = observer
+    for window in windows.windows:
+        interp.reset()
+        interp.run(list(window))
+        if progress:
+            progress(len(window))
+
+    layers = _layer_profiles(ffns, observer, targets, windows.n_tokens)
+    relu_only = not any(needs_threshold)
+    window = max(len(w) for w in windows.windows)
+    rule = None if relu_only else "fisher" if scales else "cats"
+    return [Profile(tuple(ls), windows.source, windows.n_tokens, window, windows.seed,
+                    None if relu_only else target, rule)
+            for ls, target in zip(layers, targets, strict=True)]
+
+
+def _check_sweep(ffns: list[O.FFN], targets: Sequence[float | None], scales: Mapping[str, np.ndarray]) -> list[bool]:
+    """Per ffn op, whether it needs a calibrated threshold (it is not a ReLU form); raises
+    PiccError for a module without ffn ops, a missing or out-of-range target, or scales given
+    for ops that are not thresholded."""
     if not ffns:
         raise PiccError("the module has no ffn ops to profile (run canonicalize first?)")
     needs_threshold = [op.form not in RELU_FORMS for op in ffns]
@@ -224,55 +249,66 @@ def profile_sweep(module: Module, weights: WeightStore, windows: Windows,
                             f"{', '.join(sorted({op.form for op in ffns}))}); give a target sparsity")
         if target is not None and not 0.0 <= target < 1.0:
             raise PiccError(f"target sparsity must be in [0, 1), got {target}")
-    index = {op.result: i for i, op in enumerate(ffns)}
-    n_ff = [weights[op.up].shape[0] for op in ffns]
-    relu_active = [np.zeros(n, np.int64) for n in n_ff]
-    mag_sum = [np.zeros(n, np.float64) for n in n_ff]
-    scores: list[list[np.ndarray]] = [[] for _ in ffns]
-    h_abs: list[list[np.ndarray]] = [[] for _ in ffns]
-
     unknown = sorted(set(scales) - {op.result for op, needs in zip(ffns, needs_threshold, strict=True) if needs})
     if unknown:
         raise PiccError(f"score scales given for {', '.join(unknown)}, which are not thresholded ffn ops")
-    scale_of = [scales.get(op.result) for op in ffns]
+    return needs_threshold
 
-    def observe(trace: FfnTrace) -> None:
-        i = index[trace.op.result]
-        mag_sum[i] += np.abs(trace.h).sum(axis=0, dtype=np.float64)
-        if needs_threshold[i]:
+
+class _FfnObserver:
+    """``Interpreter.on_ffn`` for profiling: per ffn op, the sum over tokens of each neuron's |h|,
+    and either its active count (ReLU forms, active means score > 0) or every token's scores
+    (times the op's Fisher scales, if any) and |h|, for thresholds calibrated afterwards."""
+
+    def __init__(self, ffns: list[O.FFN], n_ff: list[int], needs_threshold: list[bool],
+                 scale_of: list[np.ndarray | None]) -> None:
+        self.index = {op.result: i for i, op in enumerate(ffns)}
+        self.needs_threshold = needs_threshold
+        self.scale_of = scale_of
+        self.relu_active = [np.zeros(n, np.int64) for n in n_ff]
+        self.mag_sum = [np.zeros(n, np.float64) for n in n_ff]
+        self.scores: list[list[np.ndarray]] = [[] for _ in ffns]
+        self.h_abs: list[list[np.ndarray]] = [[] for _ in ffns]
+
+    def __call__(self, trace: FfnTrace) -> None:
+        i = self.index[trace.op.result]
+        self.mag_sum[i] += np.abs(trace.h).sum(axis=0, dtype=np.float64)
+        if self.needs_threshold[i]:
             score = trace.score.astype(np.float32)
-            scores[i].append(score if scale_of[i] is None else score * scale_of[i])
-            h_abs[i].append(np.abs(trace.h).astype(np.float32))
+            self.scores[i].append(score if self.scale_of[i] is None else score * self.scale_of[i])
+            self.h_abs[i].append(np.abs(trace.h).astype(np.float32))
         else:
-            relu_active[i] += (trace.score > 0).sum(axis=0)
+            self.relu_active[i] += (trace.score > 0).sum(axis=0)
 
-    interp = Interpreter(_profiling_function(module), weights)
-    interp.on_ffn = observe
-    for window in windows.windows:
-        interp.reset()
-        interp.run(list(window))
-        if progress:
-            progress(len(window))
 
-    n_tokens = windows.n_tokens
-    scored = [np.concatenate(s) if needs else None for s, needs in zip(scores, needs_threshold, strict=True)]
-    scores.clear()
+def _layer_profiles(ffns: list[O.FFN], seen: _FfnObserver, targets: Sequence[float | None],
+                    n_tokens: int) -> list[list[LayerProfile]]:
+    """Per target, each ffn op's profile from what ``seen`` gathered over ``n_tokens`` tokens.
+
+    A thresholded layer's threshold for a target is :func:`calibrated_threshold` of its own
+    scores (``cats``) or of the scaled scores of every scaled layer together (``fisher``); its
+    down threshold, of its |h|. To bound memory, ``seen``'s per-token lists are emptied as they
+    are used, and |h| is concatenated one layer at a time.
+    """
+    needs_threshold, scale_of = seen.needs_threshold, seen.scale_of
+    scored = [np.concatenate(s) if needs else None for s, needs in zip(seen.scores, needs_threshold, strict=True)]
+    seen.scores.clear()
     # The fisher rule: one threshold per target over the scaled scores of all the layers it scales.
     shared: list[float | None] = [None] * len(targets)
-    if scales:
+    if any(k is not None for k in scale_of):
         everything = np.concatenate([s.ravel() for s, k in zip(scored, scale_of, strict=True)
                                      if s is not None and k is not None])
         shared = [None if t is None else calibrated_threshold(everything, t) for t in targets]
         del everything
     layers: list[list[LayerProfile]] = [[] for _ in targets]
     for i, op in enumerate(ffns):
-        mag = (mag_sum[i] / n_tokens).astype(np.float32)
+        mag = (seen.mag_sum[i] / n_tokens).astype(np.float32)
         layer_scores = scored[i]
-        layer_h = np.concatenate(h_abs[i]) if needs_threshold[i] else None
-        scored[i], h_abs[i] = None, []
+        layer_h = np.concatenate(seen.h_abs[i]) if needs_threshold[i] else None
+        scored[i], seen.h_abs[i] = None, []
         for t, target in enumerate(targets):
             threshold = down_threshold = 0.0  # ReLU forms: inactive means exactly zero
-            active = relu_active[i]
+            active = seen.relu_active[i]
             if layer_scores is not None and layer_h is not None:
                 assert target is not None
                 common = shared[t] if scale_of[i] is not None else None
@@ -281,11 +317,7 @@ def profile_sweep(module: Module, weights: WeightStore, windows: Windows,
                 down_threshold = calibrated_threshold(layer_h, target)
             layers[t].append(LayerProfile(op.result, (active / n_tokens).astype(np.float32), mag, threshold,
                                           down_threshold, scale_of[i]))
-    relu_only = not any(needs_threshold)
-    window = max(len(w) for w in windows.windows)
-    rule = None if relu_only else "fisher" if scales else "cats"
-    return [Profile(tuple(ls), windows.source, n_tokens, window, windows.seed, None if relu_only else target, rule)
-            for ls, target in zip(layers, targets, strict=True)]
+    return layers
 
 
 def calibrated_threshold(scores: np.ndarray, sparsity: float) -> float:

@@ -9,19 +9,18 @@ import itertools
 import numpy as np
 import pytest
 
-from picc.partition import (
-    EXACT_MAX_NEURONS,
-    SOLVERS,
+from picc.partition import SOLVERS
+from picc.partition.greedy import greedy
+from picc.partition.ilp import EXACT_MAX_NEURONS, solve_ilp
+from picc.partition.problem import (
     DeviceCosts,
     FfnLayer,
     PartitionProblem,
     Placement,
     estimate,
     frequency_order,
-    greedy,
     make_placement,
     min_split_violations,
-    solve_ilp,
 )
 from picc.targets import load_target
 

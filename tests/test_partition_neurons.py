@@ -278,7 +278,7 @@ def test_the_partitioner_reads_cpu_ffn_weights_at_their_kernels_rate(tmp_path):
     rows."""
     import yaml
 
-    from picc.partition import DeviceCosts
+    from picc.partition.problem import DeviceCosts
     from picc.passes.partition_neurons import ffn_cpu_read_rate
 
     bw = 20e9

@@ -42,8 +42,9 @@ from picc.ir.module import Function, Module, WeightDecl
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import Placement, TensorType
 from picc.ir.weights import Tensor, WeightStore
-from picc.partition import SOLVERS, DeviceCosts, FfnLayer, PartitionProblem, make_placement
-from picc.partition import Placement as NeuronPlacement
+from picc.partition import SOLVERS
+from picc.partition.problem import DeviceCosts, FfnLayer, PartitionProblem, make_placement
+from picc.partition.problem import Placement as NeuronPlacement
 from picc.passes.kernel_selection import gpu_ffn_unsupported
 from picc.passes.registry import PassContext, register_pass
 from picc.targets import Target, load_target, parse_size
