@@ -178,9 +178,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if args.prompt_tokens + args.n > session.ctx:
             raise PiccError(f"--prompt-tokens {args.prompt_tokens} + -n {args.n} exceed the {session.ctx} positions "
                             "the model was compiled for")
-        if args.profile and not session.executor.cpu.profiled:
-            raise PiccError(f"{args.model}: --profile needs profiled steps, which this file (compiled by an older "
-                            "picc) lacks; recompile it")
         ids = [(7 * i + 11) % session.vocab for i in range(args.prompt_tokens)]
         for _ in range(args.repeat):
             session.reset()

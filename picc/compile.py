@@ -222,7 +222,7 @@ def cpu_code(module, weights, steps: Schedule, ctx: int,  # noqa: ANN001
     lowered = lower_module(module, weights, steps, ctx)
     ir, obj = compiled_object(build_ir([], lowered.programs, simd), simd)
     sections = {"cpu/object": obj, "cpu/ir": ir.encode("utf-8"),
-                "cpu/manifest": json.dumps(lowered.manifest(simd)).encode("utf-8")}
+                "cpu/manifest": json.dumps(lowered.manifest(simd).to_json()).encode("utf-8")}
     return sections, lowered.extra, lowered.layouts
 
 

@@ -8,6 +8,8 @@ typed records that both sides import, serialized here and nowhere else.
 * ``cuda/manifest``: the CUDA module's architecture, what was compiled (PTX, cubin) and per kernel
   the :class:`KernelLaunch` es of its ``__global__`` functions (grid, block, pointer arguments).
 
+The CPU's manifest (``cpu/manifest``) has its records beside these, in :mod:`runtime.cpu_manifest`.
+
 Their JSON is part of the ``.pib`` format (``runtime.pib.FORMAT_VERSION``): a change of shape here
 changes the version. A field missing from a file is an error naming the section, not a default.
 """

@@ -2,8 +2,9 @@
 
 The .pib carries the CPU's step programs (one per stage of the hybrid step; one in all for a model
 that runs on the CPU alone) as object code for its SIMD level (``cpu/object``), the same code as
-LLVM IR (``cpu/ir``) and a manifest (``cpu/manifest``: the stages' symbols, the buffers behind
-their ``bufs`` table, where crossing values and the logits are). Loading maps the weights
+LLVM IR (``cpu/ir``) and a manifest (``cpu/manifest``, :class:`runtime.cpu_manifest.CpuManifest`:
+the stages' symbols, the buffers behind their ``bufs`` table, where crossing values and the logits
+are). Loading maps the weights
 straight from the file, allocates the rest (activations, KV caches, scratch) and fills the table
 once; a stage then costs one call of its program per thread. When this CPU lacks the SIMD level
 the object code was built for (AVX-512 code on an AVX2 machine), the IR is compiled for this CPU
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.cpu_manifest import ChunkRows, CpuChunkProgram, CpuManifest
 from runtime.pib import PibFile
 from runtime.threads import ThreadTeam
 
@@ -160,60 +162,55 @@ class CpuExecutor:
     """
 
     def __init__(self, pib: PibFile, threads: int | None = None) -> None:
-        if not pib.has("cpu/manifest"):
-            raise ExecutorError(f"{pib.path}: has no CPU code (compiled by an older picc?); recompile it")
-        manifest = pib.json("cpu/manifest")
+        manifest = CpuManifest.from_json(pib.json("cpu/manifest"))
         self._path = pib.path
-        self._manifest_buffers = manifest["buffers"]
-        self._stage_specs = manifest["stages"]
+        self._manifest = manifest
         if threads is None:  # every core this process may run on, as many as the code allows
             threads = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                          manifest["max_threads"])
-        if not 1 <= threads <= manifest["max_threads"]:
-            raise ExecutorError(f"--threads {threads}: expected 1 to {manifest['max_threads']}")
+                          manifest.max_threads)
+        if not 1 <= threads <= manifest.max_threads:
+            raise ExecutorError(f"--threads {threads}: expected 1 to {manifest.max_threads}")
         self.code = MachineCode(pib.section("cpu/object") if pib.has("cpu/object") else None,
-                                pib.text("cpu/ir"), manifest["simd"])
+                                pib.text("cpu/ir"), manifest.simd)
         self._keep: list[np.ndarray] = []
-        table = (ctypes.c_void_p * len(manifest["buffers"]))()
+        table = (ctypes.c_void_p * len(manifest.buffers))()
         self.params = np.zeros(16, dtype=np.int32)
-        for i, spec in enumerate(manifest["buffers"]):
-            kind = spec["kind"]
-            if kind == "weight":
-                array = pib.tensor(spec["name"]).data
-            elif kind == "params":
+        for i, spec in enumerate(manifest.buffers):
+            if spec.kind == "weight":
+                assert spec.name is not None
+                array = pib.tensor(spec.name).data
+            elif spec.kind == "params":
                 array = self.params
-            elif kind == "function":  # a step's address (the decode loop's), set before each run
+            elif spec.kind == "function":  # a step's address (the decode loop's), set before each run
                 array = _zeros(64)
             else:  # sync, zeros, alloc: zeroed memory the step owns (profile: while profiling)
-                array = _zeros(max(int(spec.get("nbytes", 0)), 64))
+                array = _zeros(max(spec.nbytes or 0, 64))
             self._keep.append(array)
             table[i] = array.ctypes.data
         self._table = table
-        self._slots = manifest["params"]
-        self._values = manifest["values"]
-        where = manifest["logits"]
-        base = self._keep[where["buffer"]]
-        self._logits = np.frombuffer(base, dtype=np.float32, count=where["n"], offset=where["offset"])
-        self.vocab = int(where["n"])
-        self.computes_greedy = bool(manifest["greedy"])
+        self._slots = manifest.params
+        self._values = manifest.values
+        where = manifest.logits
+        self._logits = np.frombuffer(self._keep[where.buffer], dtype=np.float32, count=where.n, offset=where.offset)
+        self.vocab = where.n
+        self.computes_greedy = manifest.greedy
         self.team = ThreadTeam(threads, native=self._native_team())
         self._table_ptr = ctypes.cast(self._table, ctypes.c_void_p).value
 
         def job(symbol: str | None) -> ctypes._CFuncPtr | None:  # a step function, or None: no CPU ops
             return None if symbol is None else self.code.function(symbol, _STEP)
 
-        self._jobs = [(job(st["step"]), job(st["prefill"])) for st in manifest["stages"]]
+        self._jobs = [(job(st.step), job(st.prefill)) for st in manifest.stages]
         self._job = job
         self._profiling: list[tuple[int, np.ndarray]] | None = None  # (stage, counters) while profiling
         self._hz: float | None = None  # the profile clock's rate, once measured
-        self.prefill_chunks = self._chunk_program(manifest.get("prefill"), job)
-        self.logits_chunks = self._chunk_program(manifest.get("logits_chunk"), job)
-        self._decode = manifest.get("decode")  # absent in code compiled before the loop
-        self._decode_fn = job(self._decode["symbol"]) if self._decode else None
-        self._decode_out = self._keep[self._decode["out"]].view(np.int32) if self._decode else None
-        chunk = manifest.get("prefill") or {}
-        self.chunk = int(chunk.get("chunk", 0))
-        self._chunk_tokens = self._keep[chunk["tokens"]].view(np.int32) if chunk else None
+        self.prefill_chunks = self._chunk_program(manifest.prefill, job)
+        self.logits_chunks = self._chunk_program(manifest.logits_chunk, job)
+        self._decode = manifest.decode  # None: the model has a GPU part
+        self._decode_fn = job(self._decode.symbol) if self._decode else None
+        self._decode_out = self._keep[self._decode.out].view(np.int32) if self._decode else None
+        self.chunk = manifest.prefill.chunk
+        self._chunk_tokens = self._keep[manifest.prefill.tokens].view(np.int32)
 
     def _native_team(self) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
         """The generated code's thread-team worker and barrier (runtime.threads), or None in code
@@ -237,27 +234,25 @@ class CpuExecutor:
         if job is not None:
             self.team.run_step(job, self._table_ptr)
 
-    def _chunk_program(self, spec: dict | None,
-                       job: Callable[[str | None], ctypes._CFuncPtr | None]) -> ChunkProgram | None:
+    def _chunk_program(self, spec: CpuChunkProgram,
+                       job: Callable[[str | None], ctypes._CFuncPtr | None]) -> ChunkProgram:
         """The manifest's chunk program ``spec`` bound to this process's code and buffers."""
-        if not spec:
-            return None
         rows = None
-        if "logits" in spec:
-            where = spec["logits"]
-            rows = np.frombuffer(self._keep[where["buffer"]], dtype=np.float32, count=spec["chunk"] * where["n"],
-                                 offset=where["offset"]).reshape(spec["chunk"], where["n"])
-        stages = [ChunkStage(job(st["cpu"]), st["gpu"], st["gpu_args"],
-                             [(r["value"], self._rows_of(r, spec["chunk"])) for r in st["gpu_in"]],
-                             [(r["value"], self._rows_of(r, spec["chunk"])) for r in st["gpu_out"]])
-                  for st in spec["stages"]]
+        if spec.logits is not None:
+            where = spec.logits
+            rows = np.frombuffer(self._keep[where.buffer], dtype=np.float32, count=spec.chunk * where.n,
+                                 offset=where.offset).reshape(spec.chunk, where.n)
+        stages = [ChunkStage(job(st.cpu), list(st.gpu), list(st.gpu_args),
+                             [(r.value, self._rows_of(r, spec.chunk)) for r in st.gpu_in],
+                             [(r.value, self._rows_of(r, spec.chunk)) for r in st.gpu_out])
+                  for st in spec.stages]
         return ChunkProgram(stages, rows)
 
-    def _rows_of(self, where: dict, chunk: int) -> np.ndarray:
+    def _rows_of(self, where: ChunkRows, chunk: int) -> np.ndarray:
         """A value's rows in the chunk buffer: [chunk, nbytes] bytes, row t for token t."""
-        start, stride = where["offset"], where["stride"]
-        base = self._keep[where["buffer"]][start : start + chunk * stride]
-        return base.reshape(chunk, stride)[:, : where["nbytes"]]
+        start, stride = where.offset, where.stride
+        base = self._keep[where.buffer][start : start + chunk * stride]
+        return base.reshape(chunk, stride)[:, : where.nbytes]
 
     def load_chunk(self, tokens: list[int], pos: int) -> None:
         """Set up a chunk: ``tokens`` (at most :attr:`chunk`) at positions ``pos ..``."""
@@ -274,7 +269,7 @@ class CpuExecutor:
     def value(self, name: str) -> np.ndarray:
         """The host bytes of value ``name`` (one token), which crosses between the devices."""
         v = self._values[name]
-        return self._keep[v["buffer"]][v["offset"] : v["offset"] + v["nbytes"]]
+        return self._keep[v.buffer][v.offset : v.offset + v.nbytes]
 
     def step(self, token: int, pos: int, *, logits: bool = True) -> None:
         """Run the model on ``token`` at position ``pos`` (its KV cache holds positions < pos).
@@ -302,15 +297,15 @@ class CpuExecutor:
         logits are the last step's."""
         spec, fn, out = self._decode, self._decode_fn, self._decode_out
         if spec is None:
-            raise ExecutorError(f"{self._path}: has no decode loop (compiled by an older picc, or with a GPU part)")
+            raise ExecutorError(f"{self._path}: has no decode loop (the model has a GPU part)")
         assert fn is not None and out is not None  # set with spec
         params, slots = self.params, self._slots
         tokens: list[int] = []
         while len(tokens) < steps:
-            want = min(steps - len(tokens), int(spec["capacity"]))
+            want = min(steps - len(tokens), spec.capacity)
             params[slots["token"]], params[slots["pos"]] = token, pos
             params[slots["steps"]], params[slots["eos"]], params[slots["done"]] = want, -1 if eos is None else eos, 0
-            self._table[spec["step"]] = ctypes.cast(self._jobs[0][0], ctypes.c_void_p).value  # or its profiled twin
+            self._table[spec.step] = ctypes.cast(self._jobs[0][0], ctypes.c_void_p).value  # or its profiled twin
             self.team.run_step(fn, self._table_ptr)
             done = int(params[slots["done"]])
             tokens += out[:done].tolist()
@@ -325,25 +320,18 @@ class CpuExecutor:
             return int(self.params[self._slots["greedy"]])
         return int(np.argmax(self._logits))
 
-    @property
-    def profiled(self) -> bool:
-        """Whether every step has its profiled twin (code compiled before them has none)."""
-        return all(st["step"] is None or "profile" in st for st in self._stage_specs)
-
     def start_profile(self) -> None:
         """Run the profiled steps from now on, their counters zeroed (prompt chunks are not profiled)."""
-        if not self.profiled:
-            raise ExecutorError(f"{self._path}: has no profiled steps (compiled by an older picc); recompile it")
         self._profiling = []
-        for stage, st in enumerate(self._stage_specs):
-            if st["step"] is None:
+        for stage, st in enumerate(self._manifest.stages):
+            if st.profile is None:
                 continue
-            prof = st["profile"]
-            slots = self._manifest_buffers[prof["buffer"]]["slots"]
+            slots = self._manifest.buffers[st.profile.buffer].slots
+            assert slots is not None
             counters = _zeros(8 * self.team.nthreads * slots).view(np.int64)
-            self._keep[prof["buffer"]] = counters
-            self._table[prof["buffer"]] = counters.ctypes.data
-            self._jobs[stage] = (self._job(prof["step"]), self._jobs[stage][1])
+            self._keep[st.profile.buffer] = counters
+            self._table[st.profile.buffer] = counters.ctypes.data
+            self._jobs[stage] = (self._job(st.profile.step), self._jobs[stage][1])
             self._profiling.append((stage, counters.reshape(self.team.nthreads, -1)))
 
     def stop_profile(self) -> list[StageProfile]:
@@ -355,9 +343,10 @@ class CpuExecutor:
         hz = self._hz
         out = []
         for stage, counters in self._profiling:
-            prof = self._stage_specs[stage]["profile"]
-            self._jobs[stage] = (self._job(self._stage_specs[stage]["step"]), self._jobs[stage][1])
-            calls = [(kernel, label) for kernel, label in prof["calls"]]
+            st = self._manifest.stages[stage]
+            assert st.profile is not None
+            self._jobs[stage] = (self._job(st.step), self._jobs[stage][1])
+            calls = list(st.profile.calls)
             n = len(calls)  # counters per thread: kernel, wait for each call, then the runs (profile_slots)
             out.append(StageProfile(stage, calls, counters[:, 0 : 2 * n : 2].copy(), counters[:, 1 : 2 * n : 2].copy(),
                                     int(counters[0, 2 * n]), hz))

@@ -179,29 +179,16 @@ class Executor:
             self.times.launches = self.gpu.times.launches
             self.times.graph_launches = self.gpu.times.graph_launches
 
-    @property
-    def batched_prefill(self) -> bool:
-        """Whether prompts can run in chunks (:meth:`prefill`): every file of this format."""
-        return self.cpu.prefill_chunks is not None
-
     def prefill(self, tokens: list[int], pos: int) -> None:
         """Run ``tokens`` at positions ``pos ..`` in chunks, without computing their logits."""
-        if self.cpu.prefill_chunks is None:
-            raise ExecutorError("this model has no batched prefill (compiled by an older picc?)")
         for start in range(0, len(tokens), self.cpu.chunk):
             self._run_chunk(self.cpu.prefill_chunks, tokens[start : start + self.cpu.chunk], pos + start)
-
-    @property
-    def batched_logits(self) -> bool:
-        """Whether every token's logits can come in chunks (:meth:`logits_of`)."""
-        return self.cpu.logits_chunks is not None
 
     def logits_of(self, tokens: list[int], pos: int) -> np.ndarray:
         """Run ``tokens`` at positions ``pos ..`` in chunks, head included: every token's logits
         ([len(tokens), vocab], a copy). The step's own logits and greedy token are not updated."""
         program = self.cpu.logits_chunks
-        if program is None or program.logits is None:
-            raise ExecutorError("this model has no batched logits program (compiled by an older picc?)")
+        assert program.logits is not None  # the manifest's logits_chunk computes them
         out = np.empty((len(tokens), self.vocab), np.float32)
         for start in range(0, len(tokens), self.cpu.chunk):
             part = tokens[start : start + self.cpu.chunk]

@@ -17,7 +17,9 @@ Layout (all integers little-endian)::
 
 Sections are named blobs: ``ir`` (the final IR text), ``plan`` (the memory plan, JSON), ``report``
 (the placement report, JSON), ``tokenizer`` (JSON), ``meta`` (JSON), and the code the backends add
-(``cpu/...``, ``cuda/...``). Tensors are the weights in their storage format (quantized blocks as
+(``cpu/...``, ``cuda/...``). The JSON of ``schedule``, ``gpu/launches`` and ``cuda/manifest`` is
+written and read by the records of ``runtime.contracts``, that of ``cpu/manifest`` by those of
+``runtime.cpu_manifest``. Tensors are the weights in their storage format (quantized blocks as
 GGUF lays them out), mapped read-only from the file without copying. A tensor with a ``layout``
 is stored in another order for the kernels that read it (the same bytes, rearranged): ``rows8``,
 a 4-bit matrix in groups of eight rows (``picc.codegen_cpu.rows8``), or ``rowplanes``, each row's
@@ -41,9 +43,11 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"PICCPIB\0"
-FORMAT_VERSION = 6  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
+FORMAT_VERSION = 7  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
 # 5: chunk programs by stage (hybrid models prefill in chunks too); 6: the GPU's FFN kernels sum their
-# down rows in slices (y_part scratch); version 5's wrote past their outputs on a real GPU
+# down rows in slices (y_part scratch); version 5's wrote past their outputs on a real GPU; 7: cpu/manifest
+# as the typed records of runtime.cpu_manifest, every field required (the chunk programs, each stage's
+# profiled twin, the decode loop or null): the runtime no longer guesses for files that lack one
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256

@@ -86,7 +86,7 @@ class Session:
         start = time.perf_counter()
         rows = []
         count = len(ids)
-        if len(ids) > 1 and (self.executor.batched_logits if all_logits else self.executor.batched_prefill):
+        if len(ids) > 1:
             # All but the last token in chunks; the last through a step, which leaves its logits
             # and greedy token where generation reads them.
             if all_logits:

@@ -62,6 +62,8 @@ def damage(path, edit) -> None:
     (lambda d: d + b"xx", "corrupted: 2 bytes beyond"),
     (lambda d: d[:PREAMBLE + 10] + bytes([d[PREAMBLE + 10] ^ 0x40]) + d[PREAMBLE + 11 :], "corrupted: the checksum"),
     (lambda d: d[:8] + struct.pack("<I", FORMAT_VERSION + 1) + d[12:], f"format version {FORMAT_VERSION + 1}; this picc reads version {FORMAT_VERSION}"),
+    # Version 6, whose cpu/manifest the runtime read key by key with fallbacks, is refused, not half-read.
+    (lambda d: d[:8] + struct.pack("<I", 6) + d[12:], f"format version 6; this picc reads version {FORMAT_VERSION}"),
     (lambda d: b"GGUF" + d[4:], "not a picc .pib file"),
     (lambda d: b"", "truncated: the file is empty"),
 ])

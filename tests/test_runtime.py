@@ -27,7 +27,9 @@ from picc.ir.types import DType
 from picc.pib import load_pib
 from picc.plan_report import format_report
 from picc.sparsify import SparsifyOptions
+from runtime.contracts import ContractError
 from runtime.cpu import ExecutorError
+from runtime.cpu_manifest import CpuBuffer, CpuManifest
 from runtime.pib import PibFile
 from runtime.sampling import SamplingOptions, sample
 from runtime.session import Session
@@ -60,7 +62,6 @@ def prefill_logits(path, ids, cuts, threads: int = 1) -> np.ndarray:
     start mid-cache for the later prompts."""
     rows, start = [], 0
     with Session(path, threads) as s:
-        assert s.executor.batched_prefill
         for end in cuts:
             rows.append(s.feed(list(ids[start:end])).copy())
             start = end
@@ -130,7 +131,6 @@ def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path)
     with PibFile(path) as f:
         assert "define void @picc_logits_chunk(" in f.text("cpu/ir")
     with Session(path, 2) as s:
-        assert s.executor.batched_logits
         chunked = s.feed(list(LONG), all_logits=True)
         after = s.feed([7, 8], all_logits=True)
     with Session(path, 2) as s:
@@ -323,7 +323,7 @@ def test_greedy_decode_loops_in_generated_code_like_a_step_at_a_time(threads, tm
         s.feed(list(TOKENS))
         assert s.executor.cpu.loops
         first = s.executor.greedy()
-        s.executor.cpu._decode["capacity"] = 3
+        s.executor.cpu._decode = replace(s.executor.cpu._decode, capacity=3)
         looped = s.executor.greedy_steps(first, s.pos, 40)
         looped_logits = s.executor.logits().copy()
         stop = looped[20]
@@ -372,28 +372,33 @@ def test_bench_profile_times_every_call_of_the_decode_step(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "CPU decode step, profiled (16 steps" in text and "the step" in text and "costliest calls: %" in text
-    with Session(path, 1) as s:
-        del s.executor.cpu._stage_specs[0]["profile"]  # as in a .pib compiled before steps had profiled twins
-        assert not s.executor.cpu.profiled
-        with pytest.raises(ExecutorError, match="no profiled steps"):
-            s.executor.cpu.start_profile()
 
 
-def test_bench_profile_of_a_file_without_profiled_steps_is_a_one_line_error(tmp_path, capsys, monkeypatch):
-    from runtime.cpu import CpuExecutor
-
+def test_the_cpu_manifest_is_typed_records_that_round_trip(tmp_path):
+    # cpu/manifest as picc compile wrote it is exactly what runtime.cpu_manifest serializes, and
+    # a manifest missing a field is refused naming the section and the field, not read with a default.
     model = with_tokenizer(tiny_llama("swiglu", n_layers=1, hidden=64, n_ff=96))
-    path, _ = compiled(model, tmp_path, "old", dense=True)
-    monkeypatch.setattr(CpuExecutor, "profiled", property(lambda self: False))  # as compiled before them
-    assert main(["bench", str(path), "--profile", "--repeat", "1", "-n", "2", "--prompt-tokens", "2"]) == 1
-    err = capsys.readouterr().err
-    assert f"{path}: --profile needs profiled steps" in err and err.count("\n") == 1
+    path, _ = compiled(model, tmp_path, "manifest", dense=True)
+    with PibFile(path) as f:
+        data = f.json("cpu/manifest")
+    manifest = CpuManifest.from_json(data)
+    assert manifest.to_json() == data and json.dumps(manifest.to_json()) == json.dumps(data)
+    assert manifest.decode is not None and manifest.logits_chunk.logits is not None
+    assert all(st.profile is not None for st in manifest.stages)
+    for key in ("prefill", "decode", "greedy"):
+        with pytest.raises(ContractError, match=f"cpu/manifest: missing '{key}'"):
+            CpuManifest.from_json({k: v for k, v in data.items() if k != key})
+    del data["stages"][0]["profile"]
+    with pytest.raises(ContractError, match="cpu/manifest: missing 'profile'"):
+        CpuManifest.from_json(data)
+    with pytest.raises(ContractError, match="a weight buffer needs 'name'"):
+        CpuBuffer("weight")
 
 
 def test_threads_default_to_the_cores_the_process_may_use(tmp_path, monkeypatch):
     import os
 
-    from picc.codegen_cpu.lower import MAX_THREADS
+    from picc.codegen_cpu.buffers import MAX_THREADS
 
     model = with_tokenizer(tiny_llama("swiglu", n_layers=1, hidden=64, n_ff=96))
     path, _ = compiled(model, tmp_path, "cores", dense=True)

@@ -9,8 +9,10 @@ The only package of picc that imports llvmlite (and it never imports TVM). Piece
   argmax, attention over a KV cache);
 * :mod:`.program` -- many kernel calls as one step function with barriers in between, and the
   greedy decode loop that calls a step again and again;
-* :mod:`.lower` -- a placed, fused module to step programs (and :mod:`.chunks`, the chunk
-  programs' liveness and memory);
+* :mod:`.lower` -- a placed, fused module to programs (``lower_module``): the decode step
+  (:mod:`.lower_decode`), the chunk programs for prompts (:mod:`.lower_chunk`, and :mod:`.chunks`,
+  their liveness and memory), what the two share (:mod:`.lower_ops`) and the ``bufs`` table
+  (:mod:`.buffers`);
 * :mod:`.compiler` -- :class:`CpuModule`: JIT compilation for a SIMD level, object code in and out;
 * :mod:`.threads` -- :class:`ThreadTeam`: Python threads that run a kernel or a step together.
 

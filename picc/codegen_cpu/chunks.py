@@ -1,6 +1,6 @@
 """Where the chunk programs keep a chunk's values, and which values a chunk must compute.
 
-A chunk program (``picc_prefill_chunk``, ``picc_logits_chunk``: see ``picc.codegen_cpu.lower``)
+A chunk program (``picc_prefill_chunk``, ``picc_logits_chunk``: see ``picc.codegen_cpu.lower_chunk``)
 computes up to a chunk of tokens at once, each value as ``size`` rows, one per token, back to
 back. Two pieces decide its memory, both independent of the kernels:
 
@@ -23,6 +23,7 @@ from picc.ir import ops as O
 from picc.ir.module import Function
 from picc.ir.types import DType, TensorType
 from picc.schedule import Schedule
+from runtime.cpu_manifest import ChunkRows
 
 ALIGN = 64  # bytes: every value's rows start on a cache line
 
@@ -156,10 +157,9 @@ class ChunkRegions:
         for value in [v for v in self.owners if self.last_read.get(v, -1) <= event]:
             self.free.append((self.owners.pop(value), self.places[value].offset))
 
-    def rows(self, value: str) -> dict:
+    def rows(self, value: str) -> ChunkRows:
         """Where ``value``'s rows are, for the runtime's copies to and from the GPU."""
         where, nbytes = self.get(value), bytes_one_token(self.types[value])
         if where.stride != nbytes:
             raise PiccError(f"codegen_cpu: %{value}'s rows in the chunk are not back to back")
-        return {"value": value, "buffer": where.index, "offset": where.offset, "stride": where.stride,
-                "nbytes": nbytes}
+        return ChunkRows(value, where.index, where.offset, where.stride, nbytes)

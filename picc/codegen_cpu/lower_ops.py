@@ -1,0 +1,255 @@
+"""What the step's lowering and the chunk programs' lowering share: one op to its kernel calls.
+
+:class:`OpLowering` turns an op into calls of CPU kernels appended to :attr:`OpLowering.program`,
+with what each call reads and writes (:attr:`OpLowering.access`, for ``place_barriers``). Ops
+whose kernels take any number of rows (embedding, norms, rope, attention) and the one-token
+kernels (merge, predictor) are lowered here, reading and placing values through the hooks a
+lowering defines: where a value lives (:meth:`~OpLowering.activation`, :meth:`~OpLowering.value`,
+:meth:`~OpLowering.alias`), how many rows a call computes (:meth:`~OpLowering.rows`) and whether
+a one-token kernel runs once per row (:meth:`~OpLowering.per_token`). Linears, adds and FFNs
+differ between the step (GEMVs, residual adds done by the producer: ``lower_decode``) and a
+chunk of tokens (GEMMs: ``lower_chunk``).
+
+Every op names its kernel (``select-kernels``); :meth:`OpLowering.call` checks that the
+kernel it calls is that one. The helpers :func:`_int_dots`, :func:`_rows8` and :func:`_layout`
+read what ``select-kernels`` chose for an op (its ``x_format`` and ``layout``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+
+from picc import kernel_names as names
+from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, rowplanes
+from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, CpuBuffers
+from picc.codegen_cpu.kernel import Kernel
+from picc.codegen_cpu.program import Access, Buf, Null, Param, Program
+from picc.codegen_cpu.rowops import row_bytes
+from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
+from picc.errors import PiccError
+from picc.ir import ops as O
+from picc.ir.core import Op
+from picc.ir.fused_ops import FusedFFN, Merge
+from picc.ir.module import Function
+from picc.ir.sparse_ops import Predict
+from picc.ir.weights import WeightStore
+from picc.schedule import Schedule
+
+# Ops whose kernels have one phase and touch no memory but their operands and result: one may
+# start while another is still running on other threads when neither reads or writes what the
+# other writes (the q, k and v projections of a layer; the rope of q and of k).
+_BARRIER_FREE = (O.Linear, O.Rope, O.Add, O.RMSNorm, O.LayerNorm, O.Embed)
+
+
+def _int_dots(op: Op) -> bool:
+    """Whether ``select-kernels`` chose int16 x for ``op``'s kernel (``x_format``)."""
+    return isinstance(op, O.MatrixOp) and op.rounds_x
+
+
+def _rows8(op: Op) -> bool:
+    """Whether ``op``'s kernel reads its 4-bit matrices in the rows8 layout (``layout``)."""
+    return isinstance(op, O.MatrixOp) and op.layout == "rows8"
+
+
+def _layout(op: Op) -> str | None:
+    """The layout ``op``'s kernel reads its weight matrices in: rows8, or GGUF's rows (None)."""
+    return ROWS8 if _rows8(op) else None
+
+
+def _down_layout(dtype: str) -> str | None:
+    """The layout the fused FFN kernels read a neuron-major down projection of ``dtype`` in."""
+    return rowplanes.LAYOUT if dtype in rowplanes.DTYPES else None
+
+
+@dataclass(frozen=True)
+class FusedOperands:
+    """A fused FFN's weights as its kernels (step or chunk) take them: ``n`` neurons of
+    ``hidden`` inputs; up and gate (interleaved rows: gate one row after up), their biases, the
+    neuron-major down projection and the predictor's mask (Null in other modes)."""
+
+    n: int
+    hidden: int
+    up: Buf | Null
+    gate: Buf | Null
+    down_t: Buf | Null
+    up_bias: Buf | Null
+    gate_bias: Buf | Null
+    mask: Buf | Null
+    up_dtype: str
+    gate_dtype: str | None
+    down_dtype: str
+    dense_rows8: bool  # what the op's mode reads whole is in the rows8 layout
+
+
+class OpLowering(ABC):
+    """Lowers ops of ``func`` into :attr:`program`, taking buffers from ``bufs`` (shared by all
+    the programs of a module); ``ctx``: the positions the KV caches hold."""
+
+    def __init__(self, func: Function, weights: WeightStore, sched: Schedule, ctx: int, bufs: CpuBuffers) -> None:
+        self.func, self.weights, self.sched, self.ctx, self.bufs = func, weights, sched, ctx, bufs
+        self.types = func.value_types()
+        self.uses = func.uses()
+        self.ops = {op.result: op for op in func.ops}
+        self.program = Program("")
+        self.access: list[Access] = []  # per call of self.program
+
+    # --- where values live, and how many rows a call computes: the lowering's own ---------------
+
+    @abstractmethod
+    def activation(self, value: str) -> Buf:
+        """Where ``value`` is written (placed on first use)."""
+
+    @abstractmethod
+    def value(self, name: str) -> Buf:
+        """Where ``name``, computed before, is read."""
+
+    @abstractmethod
+    def alias(self, value: str, of: str) -> Buf:
+        """``value`` lives where ``of`` does (an in-place kernel)."""
+
+    @abstractmethod
+    def rows(self) -> Param | int:
+        """The tokens a call computes."""
+
+    @abstractmethod
+    def tokens(self) -> Buf:
+        """The token ids the embedding reads."""
+
+    @abstractmethod
+    def per_token(self) -> Param | None:
+        """How many times a one-token kernel is called (None: once)."""
+
+    @abstractmethod
+    def memory_key(self, value: str) -> str:
+        """The name of ``value``'s memory for ``place_barriers``."""
+
+    @abstractmethod
+    def linear(self, op: O.Linear) -> None: ...
+
+    @abstractmethod
+    def add(self, op: O.Add) -> None: ...
+
+    @abstractmethod
+    def dense_ffn(self, op: O.FFN) -> None: ...
+
+    @abstractmethod
+    def fused_ffn(self, op: FusedFFN) -> None: ...
+
+    # --- shared ------------------------------------------------------------------------------------
+
+    def begin(self, symbol: str) -> None:
+        """Start a new program ``symbol``."""
+        self.program = Program(symbol, sync=SYNC)
+        self.access = []
+
+    def weight(self, name: str | None, *, as_f32: bool = False, offset: int = 0,
+               layout: str | None = None) -> Buf | Null:
+        return self.bufs.weight(name, as_f32=as_f32, offset=offset, layout=layout)
+
+    def width(self, value: str) -> int:
+        d = self.types[value].shape[-1]
+        assert isinstance(d, int)
+        return d
+
+    def call(self, op: Op, kernel: Kernel, *args: object, check: bool = True, batched: bool = False,
+             writes: set[str] | None = None, access: Access | None = None) -> None:
+        """Call ``kernel`` for ``op``. A kernel that is not ``batched`` (it sees one token) is
+        called :meth:`per_token` times. ``writes``: values it writes besides ``op``'s result.
+        ``access``: what the call reads and writes, when it is one of several calls of ``op``
+        and not the whole op (:func:`place_barriers` reads it)."""
+        if check and op.kernel != kernel.symbol:
+            raise PiccError(f"codegen_cpu: %{op.result} names kernel {op.kernel!r} but the CPU computes it with "
+                            f"{kernel.symbol!r}" + ("; run select-kernels first" if op.kernel is None else ""))
+        repeat = None if batched else self.per_token()
+        self.program.call(kernel, *args, repeat=repeat, label=op.result)  # type: ignore[arg-type]
+        if access is None:
+            extra = writes or set()  # a residual add's buffer: read, then written
+            written = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
+            access = Access(frozenset(set(op.values()) | extra), frozenset(written | extra),
+                            isinstance(op, _BARRIER_FREE))
+        key = self.memory_key
+        self.access.append(Access(frozenset(map(key, access.reads)), frozenset(map(key, access.writes)),
+                                  access.barrier_free and repeat is None))
+
+    def kv_cache(self, name: str, width: int) -> Buf:
+        """The KV cache ``name`` (ctx rows of k, then ctx rows of v), shared by step and prefill."""
+        return self.bufs.kv_cache(name, 2 * self.ctx * width * 4)
+
+    def lower(self, op: Op) -> None:  # noqa: C901 - one case per op
+        pos = Param(PARAMS, PARAM_SLOTS["pos"])
+        match op:
+            case O.Embed():
+                table = self.weights[op.table]
+                self.call(op, kernels_dense.embed(table.dtype.value), self.weight(op.table), self.tokens(),
+                          self.activation(op.result), self.rows(), self.width(op.result), batched=True)
+            case O.RMSNorm():
+                self.call(op, kernels_misc.rms_norm(), self.value(op.x), self.weight(op.weight, as_f32=True), Null(),
+                          self.activation(op.result), self.rows(), self.width(op.x), float(op.eps), batched=True)
+            case O.LayerNorm():
+                self.call(op, kernels_misc.layer_norm(), self.value(op.x), self.weight(op.weight, as_f32=True),
+                          self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
+                          self.width(op.x), float(op.eps), batched=True)
+            case O.Linear():
+                self.linear(op)
+            case O.Rope():
+                # In place: the rotated value takes its input's buffer (the input has no other reader).
+                if self.uses.get(op.x, 0) != 1:
+                    raise PiccError(f"codegen_cpu: %{op.x} is read by more than the rope op; cannot rotate in place")
+                rotated = self.alias(op.result, op.x)
+                freq = self.bufs.array(f"cpu.rope.{op.result}", op.inv_freq())
+                self.call(op, kernels_misc.rope(op.style), rotated, freq, self.rows(), pos, op.n_heads,
+                          op.head_dim, op.rotated, batched=True)
+            case O.Attention():
+                kv = self.width(op.k)
+                caches = self.kv_cache(op.cache, kv)
+                self.call(op, kernels_attention.attention(), self.value(op.q), self.value(op.k), self.value(op.v),
+                          caches, Buf(caches.index, self.ctx * kv * 4), self.activation(op.result), self.rows(), pos,
+                          op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, batched=True)
+            case O.Add():
+                self.add(op)
+            case Merge():
+                self.call(op, kernels_misc.merge(), self.value(op.a), self.value(op.b),
+                          self.weight(op.bias, as_f32=True), self.activation(op.result), self.width(op.result))
+            case Predict():
+                fc1, fc2 = self.weights[op.fc1], self.weights[op.fc2]
+                rank, hidden = int(fc1.shape[0]), int(fc1.shape[1])
+                scratch = self.bufs.need_scratch(kernels_ffn.predictor_scratch_bytes(rank))
+                self.call(op, kernels_ffn.predictor(fc1.dtype.value, fc2.dtype.value), self.value(op.x),
+                          self.weight(op.fc1), self.weight(op.fc1_bias, as_f32=True), self.bufs.transposed(op.fc2),
+                          self.weight(op.fc2_bias, as_f32=True), self.activation(op.result),
+                          scratch, hidden, rank, int(fc2.shape[0]), float(op.threshold))
+            case FusedFFN():
+                self.fused_ffn(op)
+            case O.FFN() if not op.neuron_major and type(op) is O.FFN:
+                self.dense_ffn(op)
+            case _:
+                raise PiccError(f"codegen_cpu: op {op.NAME} (%{op.result}) has no CPU kernel")
+
+    def fused_operands(self, op: FusedFFN) -> FusedOperands:
+        """The buffers of a fused FFN's weights and mask, as both its kernels take them."""
+        down = self.weights[op.down]
+        n, hidden = int(down.shape[0]), int(down.shape[1])
+        dense_rows8 = _rows8(op)  # for a fused FFN: what its mode reads whole is in the rows8 layout
+        if op.up_gate is not None:
+            # Interleaved rows: the gate of neuron i starts one row after its up row.
+            dtype = self.weights[op.up_gate].dtype.value
+            up, gate = self.weight(op.up_gate), self.weight(op.up_gate, offset=row_bytes(dtype, hidden))
+            up_bias, gate_bias = (self.weight(op.up_gate_bias, as_f32=True),
+                                  self.weight(op.up_gate_bias, as_f32=True, offset=4) if op.up_gate_bias else Null())
+            up_dtype, gate_dtype = dtype, dtype
+        else:
+            assert op.up is not None
+            whole = names.read_whole(op.mode, op.up, op.gate) if dense_rows8 else ()
+            up, gate = (self.weight(w, layout=ROWS8 if w in whole else None) for w in (op.up, op.gate))
+            up_bias, gate_bias = self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True)
+            up_dtype = self.weights[op.up].dtype.value
+            gate_dtype = self.weights[op.gate].dtype.value if op.gate else None
+        down_t = self.weight(op.down, layout=_down_layout(down.dtype.value))
+        mask: Buf | Null = Null()
+        if op.mode == "predictor":
+            assert op.mask is not None
+            m = self.value(op.mask)
+            mask = replace(m, offset=m.offset + op.neuron_offset)  # one byte per neuron of the layer
+        return FusedOperands(n, hidden, up, gate, down_t, up_bias, gate_bias, mask, up_dtype, gate_dtype,
+                             down.dtype.value, dense_rows8)

@@ -1,0 +1,294 @@
+"""``cpu/manifest``: what the runtime needs to know about the CPU's code besides the code itself,
+as typed records that ``picc.codegen_cpu`` writes and ``runtime.cpu`` reads, serialized here and
+nowhere else (beside the schedule's and the GPU's records in :mod:`runtime.contracts`).
+
+* the ``bufs`` table the generated functions index (:class:`CpuBuffer`: the barrier state, the
+  per-token parameters, weights mapped from the file, memory the runtime allocates);
+* per stage of the decode step its programs (:class:`CpuStage`: the step, the step without the
+  head for prompt tokens, and the step's profiled twin);
+* where the values that cross to the GPU and the logits live (:class:`ValueBytes`,
+  :class:`LogitsRow`);
+* the chunk programs for prompts (:class:`CpuChunkProgram`, ``prefill`` and ``logits_chunk``)
+  and the greedy decode loop (:class:`DecodeLoop`, only where the CPU computes the whole step).
+
+The JSON is part of the ``.pib`` format (``runtime.pib.FORMAT_VERSION``, 7 since these records): a
+change of shape here changes the version. A field missing from a file is an error naming the
+section, not a default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.contracts import ContractError, _get
+
+_SECTION = "cpu/manifest"
+
+BUFFER_FIELDS: dict[str, tuple[str, ...]] = {
+    "sync": ("nbytes",),  # the barrier state
+    "params": ("nbytes",),  # the per-token i32 parameters (PARAM_SLOTS)
+    "zeros": ("nbytes",),  # a vector of zeros
+    "weight": ("name",),  # a tensor of the .pib, mapped from the file
+    "alloc": ("name", "nbytes"),  # zeroed memory the code owns: activations, KV caches, scratch
+    "profile": ("slots",),  # a profiled step's counters: ``slots`` i64 per thread, while profiling
+    "function": ("name",),  # the address of a function, set by the runtime (the decode loop's step)
+}
+"""The kinds of ``bufs`` entries and the fields each has (in their JSON order)."""
+
+
+def _field(data: object, key: str) -> Any:  # noqa: ANN401 - JSON values
+    return _get(data, key, _SECTION)
+
+
+def _int(data: object, key: str) -> int:
+    return int(_field(data, key))
+
+
+def _optional_str(data: object, key: str) -> str | None:
+    value = _field(data, key)
+    return None if value is None else str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuBuffer:
+    """One entry of the ``bufs`` table: a ``kind`` of :data:`BUFFER_FIELDS` with that kind's
+    fields set and the others None."""
+
+    kind: str
+    name: str | None = None
+    nbytes: int | None = None
+    slots: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in BUFFER_FIELDS:
+            raise ContractError(f"{_SECTION}: unknown buffer kind {self.kind!r}")
+        for key in ("name", "nbytes", "slots"):
+            if (getattr(self, key) is None) == (key in BUFFER_FIELDS[self.kind]):
+                raise ContractError(f"{_SECTION}: a {self.kind} buffer " +
+                                    ("needs" if key in BUFFER_FIELDS[self.kind] else "has no") + f" {key!r}")
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, **{key: getattr(self, key) for key in BUFFER_FIELDS[self.kind]}}
+
+    @classmethod
+    def from_json(cls, data: object) -> CpuBuffer:
+        kind = str(_field(data, "kind"))
+        if kind not in BUFFER_FIELDS:
+            raise ContractError(f"{_SECTION}: unknown buffer kind {kind!r}")
+        fields = {key: str(_field(data, key)) if key == "name" else _int(data, key) for key in BUFFER_FIELDS[kind]}
+        return cls(kind, **fields)
+
+
+@dataclass(frozen=True, slots=True)
+class ValueBytes:
+    """One token's bytes of a value at byte ``offset`` of ``bufs[buffer]``."""
+
+    buffer: int
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"buffer": self.buffer, "offset": self.offset, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, data: object) -> ValueBytes:
+        return cls(_int(data, "buffer"), _int(data, "offset"), _int(data, "nbytes"))
+
+
+@dataclass(frozen=True, slots=True)
+class LogitsRow:
+    """``n`` f32 logits at byte ``offset`` of ``bufs[buffer]`` (in a chunk: the first token's)."""
+
+    buffer: int
+    offset: int
+    n: int
+
+    def to_json(self) -> dict:
+        return {"buffer": self.buffer, "offset": self.offset, "n": self.n}
+
+    @classmethod
+    def from_json(cls, data: object) -> LogitsRow:
+        return cls(_int(data, "buffer"), _int(data, "offset"), _int(data, "n"))
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRows:
+    """A value's rows in a chunk's buffer: token t's ``nbytes`` at ``offset + t * stride`` of
+    ``bufs[buffer]``."""
+
+    value: str
+    buffer: int
+    offset: int
+    stride: int
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"value": self.value, "buffer": self.buffer, "offset": self.offset, "stride": self.stride,
+                "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, data: object) -> ChunkRows:
+        return cls(str(_field(data, "value")), _int(data, "buffer"), _int(data, "offset"), _int(data, "stride"),
+                   _int(data, "nbytes"))
+
+
+@dataclass(frozen=True, slots=True)
+class ProfiledStep:
+    """A stage's step with a clock around each call: its symbol, the ``bufs`` entry of its
+    counters (a ``profile`` buffer) and per call its kernel and the IR value it computes."""
+
+    step: str
+    buffer: int
+    calls: tuple[tuple[str, str], ...]
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "buffer": self.buffer, "calls": [list(c) for c in self.calls]}
+
+    @classmethod
+    def from_json(cls, data: object) -> ProfiledStep:
+        calls = tuple((str(kernel), str(label)) for kernel, label in _field(data, "calls"))
+        return cls(str(_field(data, "step")), _int(data, "buffer"), calls)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuStage:
+    """The CPU's programs of a stage of the decode step: ``step``, ``prefill`` (the step without
+    the head, for prompt tokens; the step itself in a stage without head ops) and ``profile``
+    (the step's profiled twin). All None: the CPU has no ops in the stage."""
+
+    step: str | None
+    prefill: str | None
+    profile: ProfiledStep | None = None
+
+    def __post_init__(self) -> None:
+        if (self.step is None) != (self.profile is None):
+            raise ContractError(f"{_SECTION}: a stage's step and its profiled twin go together")
+
+    def to_json(self) -> dict:
+        data: dict = {"step": self.step, "prefill": self.prefill}
+        if self.profile is not None:
+            data["profile"] = self.profile.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> CpuStage:
+        step = _optional_str(data, "step")
+        profile = ProfiledStep.from_json(_field(data, "profile")) if step is not None else None
+        return cls(step, _optional_str(data, "prefill"), profile)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuChunkStage:
+    """A stage of a chunk program: the CPU's program over the chunk (None: no CPU ops), the GPU's
+    ops (run token by token), the function arguments they read, and the chunk rows each of the
+    GPU's tokens uploads before its ops (``gpu_in``) and downloads after them (``gpu_out``)."""
+
+    cpu: str | None
+    gpu: tuple[str, ...]
+    gpu_args: tuple[str, ...]
+    gpu_in: tuple[ChunkRows, ...]
+    gpu_out: tuple[ChunkRows, ...]
+
+    def to_json(self) -> dict:
+        return {"cpu": self.cpu, "gpu": list(self.gpu), "gpu_args": list(self.gpu_args),
+                "gpu_in": [r.to_json() for r in self.gpu_in], "gpu_out": [r.to_json() for r in self.gpu_out]}
+
+    @classmethod
+    def from_json(cls, data: object) -> CpuChunkStage:
+        def rows(key: str) -> tuple[ChunkRows, ...]:
+            return tuple(ChunkRows.from_json(r) for r in _field(data, key))
+
+        return cls(_optional_str(data, "cpu"), tuple(str(op) for op in _field(data, "gpu")),
+                   tuple(str(a) for a in _field(data, "gpu_args")), rows("gpu_in"), rows("gpu_out"))
+
+
+@dataclass(frozen=True, slots=True)
+class CpuChunkProgram:
+    """The step for up to ``chunk`` tokens (ids in ``bufs[tokens]``, their count in
+    ``params[seq]``), stage by stage; ``logits``: where the first token's logits row is (the
+    others follow it), when the program computes them."""
+
+    stages: tuple[CpuChunkStage, ...]
+    tokens: int
+    chunk: int
+    logits: LogitsRow | None = None
+
+    def to_json(self) -> dict:
+        data: dict = {"stages": [st.to_json() for st in self.stages], "tokens": self.tokens, "chunk": self.chunk}
+        if self.logits is not None:
+            data["logits"] = self.logits.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> CpuChunkProgram:
+        logits = LogitsRow.from_json(data["logits"]) if isinstance(data, dict) and "logits" in data else None
+        return cls(tuple(CpuChunkStage.from_json(st) for st in _field(data, "stages")),
+                   _int(data, "tokens"), _int(data, "chunk"), logits)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLoop:
+    """``symbol``: greedy decode steps in a loop, each calling the step whose address is in
+    ``bufs[step]`` (a ``function`` buffer) and writing its token to ``bufs[out]``, which holds
+    ``capacity`` of them."""
+
+    symbol: str
+    step: int
+    out: int
+    capacity: int
+
+    def to_json(self) -> dict:
+        return {"symbol": self.symbol, "step": self.step, "out": self.out, "capacity": self.capacity}
+
+    @classmethod
+    def from_json(cls, data: object) -> DecodeLoop:
+        return cls(str(_field(data, "symbol")), _int(data, "step"), _int(data, "out"), _int(data, "capacity"))
+
+
+@dataclass(frozen=True)
+class CpuManifest:
+    """The CPU's code of a ``.pib``: its SIMD level, the most threads it may run on, the slots of
+    the per-token parameters, the ``bufs`` table, the stages, where the crossing values and the
+    logits live, whether the step writes the greedy token to ``params[greedy]``, the chunk
+    programs and the decode loop (None: the model has a GPU part)."""
+
+    simd: str
+    max_threads: int
+    params: dict[str, int]
+    buffers: tuple[CpuBuffer, ...]
+    stages: tuple[CpuStage, ...]
+    values: dict[str, ValueBytes]
+    logits: LogitsRow
+    greedy: bool
+    prefill: CpuChunkProgram
+    logits_chunk: CpuChunkProgram
+    decode: DecodeLoop | None
+
+    def __post_init__(self) -> None:
+        if self.logits_chunk.logits is None:
+            raise ContractError(f"{_SECTION}: logits_chunk: missing 'logits'")
+
+    def to_json(self) -> dict:
+        return {"simd": self.simd, "max_threads": self.max_threads, "params": dict(self.params),
+                "buffers": [b.to_json() for b in self.buffers], "stages": [st.to_json() for st in self.stages],
+                "values": {name: v.to_json() for name, v in self.values.items()}, "logits": self.logits.to_json(),
+                "greedy": self.greedy, "prefill": self.prefill.to_json(), "logits_chunk": self.logits_chunk.to_json(),
+                "decode": self.decode.to_json() if self.decode is not None else None}
+
+    @classmethod
+    def from_json(cls, data: object) -> CpuManifest:
+        params = _field(data, "params")
+        values = _field(data, "values")
+        if not isinstance(params, dict) or not isinstance(values, dict):
+            raise ContractError(f"{_SECTION}: 'params' and 'values' are mappings")
+        decode = _field(data, "decode")
+        return cls(str(_field(data, "simd")), _int(data, "max_threads"),
+                   {str(k): int(v) for k, v in params.items()},
+                   tuple(CpuBuffer.from_json(b) for b in _field(data, "buffers")),
+                   tuple(CpuStage.from_json(st) for st in _field(data, "stages")),
+                   {str(k): ValueBytes.from_json(v) for k, v in values.items()},
+                   LogitsRow.from_json(_field(data, "logits")), bool(_field(data, "greedy")),
+                   CpuChunkProgram.from_json(_field(data, "prefill")),
+                   CpuChunkProgram.from_json(_field(data, "logits_chunk")),
+                   DecodeLoop.from_json(decode) if decode is not None else None)
