@@ -1,6 +1,6 @@
 """Dense matrix kernels: GEMV (decode), GEMM (prefill) and embedding lookup, in every weight format.
 
-Weights are ``W[rows, k]`` row-major in a format of :mod:`picc.codegen_cpu.rowops`; activations
+Weights are ``W[rows, k]`` row-major in a format of :mod:`picc.codegen_cpu.rowformats`; activations
 are f32. Threads split the output rows: thread t computes rows ``[rows*t/n, rows*(t+1)/n)``.
 """
 
@@ -9,10 +9,12 @@ from __future__ import annotations
 from functools import cache
 
 from picc import kernel_names as names
+from picc.codegen_cpu.int16x import IntX, emit_int_x
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_ffn import FORMS, plus_bias
-from picc.codegen_cpu.rowops import IntX, check_dtype, emit_int_x, emit_row_bytes, emit_row_to_f32, emit_tiled_rows
+from picc.codegen_cpu.rowformats import check_dtype, emit_row_bytes, emit_row_to_f32
+from picc.codegen_cpu.rowops import emit_tiled_rows
 from picc.codegen_cpu.rows8 import ScaledX, emit_group_bytes, emit_rows8, emit_rows8_row_to_f32, emit_scaled_x
 from picc.errors import PiccError
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from functools import cache
 
 from picc import kernel_names as names
+from picc.codegen_cpu.int16x import emit_round_int16
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_ffn import FORMS
-from picc.codegen_cpu.rowops import emit_round_int16
 from picc.errors import PiccError
 
 V16 = vec(16)

@@ -33,7 +33,7 @@ from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_dense import dot_grid
 from picc.codegen_cpu.kernels_ffn import check_ffn_kernel, plus_bias, times_scale
-from picc.codegen_cpu.rowops import ELEMENT_BYTES, emit_row_bytes, emit_row_to_f32
+from picc.codegen_cpu.rowformats import ELEMENT_BYTES, emit_row_bytes, emit_row_to_f32
 from picc.codegen_cpu.rows8 import emit_rows8_row_to_f32
 
 CHUNK_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
