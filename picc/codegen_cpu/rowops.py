@@ -59,23 +59,6 @@ __all__ = [
 ]
 
 
-def _prefetch_group(prefetch: list[tuple[str, str]] | None) -> int:
-    """Blocks per prefetch for ``prefetch``'s rows: as many as fit in a cache line (1 for blocks
-    of a line or more, which :func:`prefetch_block` covers block by block)."""
-    if not prefetch:
-        return 1
-    return max(1, 64 // max(block_bytes(dtype) for dtype, _ in prefetch))
-
-
-def _prefetch_group_lines(fn: Fn, dtype: str, row: str, g: str, group: int) -> None:
-    """Prefetch the line holding the last byte of blocks [g, g + group) of ``row``. Groups span
-    at most 64 bytes, so every line a group touches holds its last byte or the previous group's:
-    one prefetch per group covers the row."""
-    last = fn.v(f"add i64 {fn.v(f'mul i64 {g}, {block_bytes(dtype)}', 'pfo')}, {group * block_bytes(dtype) - 1}",
-                "pfo")
-    fn.emit(f"call void @llvm.prefetch.p0(ptr {fn.gep(row, last, 'pfp')}, i32 0, i32 3, i32 1)")
-
-
 @dataclass(frozen=True, slots=True)
 class XSums:
     """Per-block sums of an ``x`` that the 4-bit formats' dot products read (:func:`emit_x_sums`).
@@ -105,6 +88,45 @@ def emit_x_sums(fn: Fn, x: str, k: str, dtypes: set[str]) -> XSums | None:
         if fold:
             fn.store(V8, fold8(fn, xsum), fn.at(fold, 32, b), 32)
     return XSums(off, fold)
+
+
+def _prefetch_group(prefetch: list[tuple[str, str]] | None) -> int:
+    """Blocks per prefetch for ``prefetch``'s rows: as many as fit in a cache line (1 for blocks
+    of a line or more, which :func:`prefetch_block` covers block by block)."""
+    if not prefetch:
+        return 1
+    return max(1, 64 // max(block_bytes(dtype) for dtype, _ in prefetch))
+
+
+def _prefetch_group_lines(fn: Fn, dtype: str, row: str, g: str, group: int) -> None:
+    """Prefetch the line holding the last byte of blocks [g, g + group) of ``row``. Groups span
+    at most 64 bytes, so every line a group touches holds its last byte or the previous group's:
+    one prefetch per group covers the row."""
+    last = fn.v(f"add i64 {fn.v(f'mul i64 {g}, {block_bytes(dtype)}', 'pfo')}, {group * block_bytes(dtype) - 1}",
+                "pfo")
+    fn.emit(f"call void @llvm.prefetch.p0(ptr {fn.gep(row, last, 'pfp')}, i32 0, i32 3, i32 1)")
+
+
+def _blocks_with_prefetch(fn: Fn, nblocks: str, prefetch: Prefetch | None, block: Callable[[str], None]) -> None:
+    """``block(b)`` for b < nblocks (i64), the lines of block b of each ``prefetch`` row asked for
+    along the way: blocks shorter than a line ``group`` at a time, with one prefetch a group."""
+    group = _prefetch_group(prefetch)
+    grouped = "0"
+    if group > 1:
+        # Blocks shorter than a cache line go ``group`` at a time with one prefetch per row: a
+        # prefetch per block asked for each line two or three times, and the prefetches and
+        # their addresses took issue slots from the arithmetic (q4_1 rows, int16 x, two threads,
+        # from memory: 21.1 -> 21.7 GB/s).
+        grouped = fn.v(f"sub i64 {nblocks}, {fn.v(f'urem i64 {nblocks}, {group}', 'rem')}", "grouped")
+        with fn.loop("0", grouped, str(group), "g") as g:
+            for dtype, row in prefetch or []:
+                _prefetch_group_lines(fn, dtype, row, g, group)
+            for u in range(group):
+                block(fn.v(f"add i64 {g}, {u}", "b") if u else g)
+    with fn.loop(grouped, nblocks, "1", "b") as b:
+        for dtype, row in prefetch or []:
+            prefetch_block(fn, dtype, row, b)
+        block(b)
 
 
 def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
@@ -168,23 +190,7 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
                 value = fn.fma(V8, fn.load(V8, fn.at(xsums.folded, 32, b), 32, "xf"), fn.splat(8, blk.m), value)
             acc.set(value)
 
-    group = _prefetch_group(prefetch)
-    grouped = "0"
-    if group > 1:
-        # Blocks shorter than a cache line go ``group`` at a time with one prefetch per row: a
-        # prefetch per block asked for each line two or three times, and the prefetches and
-        # their addresses took issue slots from the arithmetic (q4_1 rows, int16 x, two threads,
-        # from memory: 21.1 -> 21.7 GB/s).
-        grouped = fn.v(f"sub i64 {nblocks}, {fn.v(f'urem i64 {nblocks}, {group}', 'rem')}", "grouped")
-        with fn.loop("0", grouped, str(group), "g") as g:
-            for dtype, row in prefetch or []:
-                _prefetch_group_lines(fn, dtype, row, g, group)
-            for u in range(group):
-                block(fn.v(f"add i64 {g}, {u}", "b") if u else g)
-    with fn.loop(grouped, nblocks, "1", "b") as b:
-        for dtype, row in prefetch or []:
-            prefetch_block(fn, dtype, row, b)
-        block(b)
+    _blocks_with_prefetch(fn, nblocks, prefetch, block)
     sums = []
     for (dtype, row), acc, n in zip(rows, accs, lanes, strict=True):
         total = fn.var(F32, fn.hsum(n, acc.get("acc")), "dot")
