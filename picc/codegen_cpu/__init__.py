@@ -3,10 +3,13 @@
 The only package of picc that imports llvmlite (and it never imports TVM). Pieces:
 
 * :mod:`.kernel` -- the kernel ABI (``void k(params..., i32 tid, i32 nthreads, ptr sync)``);
-* :mod:`.kernels_dense`, :mod:`.kernels_ffn`, :mod:`.kernels_prefill`, :mod:`.kernels_misc`,
-  :mod:`.kernels_attention` -- the kernels (GEMV / GEMM / embedding, the fused sparse FFN and the
-  predictor, its prefill form for a chunk of tokens, norms, rotary embedding, residual add,
-  argmax, attention over a KV cache);
+* :mod:`.kernels_dense`, :mod:`.kernels_ffn`, :mod:`.kernels_predictor`, :mod:`.kernels_prefill`,
+  :mod:`.kernels_misc`, :mod:`.kernels_attention` -- the kernels (GEMV / GEMM / embedding, the
+  fused sparse FFN and the predictor, its prefill form for a chunk of tokens, norms, rotary
+  embedding, residual add, argmax, attention over a KV cache), built from :mod:`.rowformats`
+  (the weight formats' blocks), :mod:`.rowops` (dot products, AXPYs, GEMV tiles), :mod:`.int16x`
+  (int16 x), :mod:`.rows8` and :mod:`.rowplanes` (two weight layouts) and :mod:`.ffn_emitter`
+  (what the two fused FFN kernels share);
 * :mod:`.program` -- many kernel calls as one step function with barriers in between, and the
   greedy decode loop that calls a step again and again;
 * :mod:`.lower` -- a placed, fused module to programs (``lower_module``): the decode step

@@ -1,6 +1,6 @@
 """Dense matrix kernels: GEMV (decode), GEMM (prefill) and embedding lookup, in every weight format.
 
-Weights are ``W[rows, k]`` row-major in a format of :mod:`picc.codegen_cpu.rowops`; activations
+Weights are ``W[rows, k]`` row-major in a format of :mod:`picc.codegen_cpu.rowformats`; activations
 are f32. Threads split the output rows: thread t computes rows ``[rows*t/n, rows*(t+1)/n)``.
 """
 
@@ -9,10 +9,12 @@ from __future__ import annotations
 from functools import cache
 
 from picc import kernel_names as names
+from picc.codegen_cpu.ffn_emitter import emit_h, gated_form, plus_bias
+from picc.codegen_cpu.int16x import IntX, emit_int_x
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
-from picc.codegen_cpu.kernels_ffn import FORMS, plus_bias
-from picc.codegen_cpu.rowops import IntX, check_dtype, emit_int_x, emit_row_bytes, emit_row_to_f32, emit_tiled_rows
+from picc.codegen_cpu.rowformats import check_dtype, emit_row_bytes, emit_row_to_f32
+from picc.codegen_cpu.rowops import emit_tiled_rows
 from picc.codegen_cpu.rows8 import ScaledX, emit_group_bytes, emit_rows8, emit_rows8_row_to_f32, emit_scaled_x
 from picc.errors import PiccError
 
@@ -100,11 +102,7 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
     ``int_dots``: 4-bit rows dot x (and h) rounded to int16 per block, as :func:`gemv`; ``rows8``:
     every matrix in the rows8 layout (n and hidden multiples of 8), as :func:`gemv`.
     """
-    if form not in FORMS:
-        raise PiccError(f"codegen_cpu: FFN form {form!r} is not one of {', '.join(FORMS)}")
-    spec = FORMS[form]
-    if spec.gated != (gate_dtype is not None):
-        raise PiccError(f"codegen_cpu: FFN form {form!r} {'needs' if spec.gated else 'takes no'} gate weights")
+    spec = gated_form(form, gate_dtype)
     for d in (up_dtype, gate_dtype or "f32", down_dtype):
         check_dtype(d)
     _check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype)
@@ -121,14 +119,8 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
 
         def h(r: str, dots: list[str]) -> None:
             u = plus_bias(fn, dots[0], "%up_bias", r)
-            if spec.gated:
-                a = fn.v(f"call float {act}(float {plus_bias(fn, dots[1], '%gate_bias', r)})", "a")
-                if spec.act_on_up:
-                    u = fn.v(f"call float {act}(float {u})", "au")
-                value = fn.v(f"fmul float {a}, {u}", "h")
-            else:
-                value = fn.v(f"call float {act}(float {u})", "h")
-            fn.store(F32, value, fn.at("%scratch", 4, r), 4)
+            a = fn.v(f"call float {act}(float {plus_bias(fn, dots[1], '%gate_bias', r)})", "a") if spec.gated else None
+            fn.store(F32, emit_h(fn, spec, a, u), fn.at("%scratch", 4, r), 4)
 
         def out(r: str, dots: list[str]) -> None:
             _finish(fn, dots[0], "%down_bias", r, fn.at("%y", 4, r, "yp"))

@@ -12,10 +12,10 @@ from __future__ import annotations
 from functools import cache
 
 from picc import kernel_names as names
+from picc.codegen_cpu.ffn_emitter import emit_h, ffn_form
+from picc.codegen_cpu.int16x import emit_round_int16
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
-from picc.codegen_cpu.kernels_ffn import FORMS
-from picc.codegen_cpu.rowops import emit_round_int16
 from picc.errors import PiccError
 
 V16 = vec(16)
@@ -236,9 +236,7 @@ def merge() -> Kernel:
 def ffn_activation(form: str) -> Kernel:
     """``out[j] = h`` of FFN ``form`` from ``a = gate[j]`` and ``b = up[j]`` (``act(b)`` for the
     ungated forms, where ``a`` is ignored): the dense FFN's middle in prefill."""
-    if form not in FORMS:
-        raise PiccError(f"codegen_cpu: FFN form {form!r} is not one of {', '.join(FORMS)}")
-    spec = FORMS[form]
+    spec = ffn_form(form)
     symbol = f"picc_ffn_act_{form}"
 
     def emit(simd: str) -> str:
@@ -247,14 +245,8 @@ def ffn_activation(form: str) -> Kernel:
         act = f"@picc_act_{spec.act}"
         with fn.loop(lo, hi, hint="j") as j:
             u = fn.load(F32, fn.at("%b", 4, j), 4, "u")
-            if spec.gated:
-                a = fn.v(f"call float {act}(float {fn.load(F32, fn.at('%a', 4, j), 4, 'g')})", "ag")
-                if spec.act_on_up:
-                    u = fn.v(f"call float {act}(float {u})", "au")
-                h = fn.v(f"fmul float {a}, {u}", "h")
-            else:
-                h = fn.v(f"call float {act}(float {u})", "h")
-            fn.store(F32, h, fn.at("%out", 4, j), 4)
+            a = fn.v(f"call float {act}(float {fn.load(F32, fn.at('%a', 4, j), 4, 'g')})", "ag") if spec.gated else None
+            fn.store(F32, emit_h(fn, spec, a, u), fn.at("%out", 4, j), 4)
         fn.ret_void()
         return fn.text()
 

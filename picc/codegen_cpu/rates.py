@@ -29,7 +29,7 @@ from picc import kernel_names as names
 from picc import quant
 from picc.codegen_cpu.kernels_dense import gemv
 from picc.codegen_cpu.program import Buf, Null, Program, buffer_table
-from picc.codegen_cpu.rowops import row_bytes
+from picc.codegen_cpu.rowformats import row_bytes
 from picc.codegen_cpu.rows8 import to_rows8
 from picc.codegen_cpu.threads import ThreadTeam, aligned_zeros, huge_zeros
 

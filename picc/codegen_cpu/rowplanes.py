@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vec
-from picc.codegen_cpu.rowops import (
+from picc.codegen_cpu.rowformats import (
     BLOCK,
     BLOCK_BYTES,
     V16,
@@ -174,7 +174,7 @@ def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: s
 
 def emit_row_to_f32(fn: Fn, dtype: str, row: str, nblocks: str, b0: str, out: str, k: str, simd: str) -> None:
     """``out[j]`` = element ``32 b0 + j`` of ``row`` (rowplanes, ``nblocks`` i64 blocks), j < k (i64,
-    a multiple of 32), dequantised exactly as ``picc.quant`` (:func:`rowops.dequantized`)."""
+    a multiple of 32), dequantised exactly as ``picc.quant`` (:func:`rowformats.dequantized`)."""
     mplane = _plane(fn, dtype, row, nblocks, "m") if _has_m(dtype) else None
     qplane = _plane(fn, dtype, row, nblocks, "q")
     with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "j") as j:

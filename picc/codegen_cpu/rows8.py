@@ -12,7 +12,7 @@ in its low nibble and element ``16 + 4c + e`` in its high one. Masked with 0x0F,
 consecutive elements of each row in the four bytes of that row's int32 lane, so ``vpmaddubsw``
 against four bytes of x broadcast to every lane leaves row ``r``'s products in lane ``r``, and
 the eight rows' scales (one load of eight ``d``, one of eight ``m``) apply in one vector
-operation. x is rounded to int16 per block as for rows one at a time (:func:`rowops.emit_int_x`,
+operation. x is rounded to int16 per block as for rows one at a time (:func:`int16x.emit_int_x`,
 the same numbers) and split into its high bytes (signed) and low bytes (unsigned): ``q . x =
 256 (q . x_high) + q . x_low``, two ``vpmaddubsw`` per chunk half (the low bytes as the unsigned
 operand, the nibbles as the signed one), sums in int16 that cannot overflow, and three
@@ -41,8 +41,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from picc import kernel_names as names
+from picc.codegen_cpu.int16x import IntX
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
-from picc.codegen_cpu.rowops import BLOCK, BLOCK_BYTES, NIBBLE_DTYPES, V16, IntX, nibble_value_floats
+from picc.codegen_cpu.rowformats import BLOCK, BLOCK_BYTES, NIBBLE_DTYPES, V16, nibble_value_floats
 from picc.errors import PiccError
 
 LAYOUT = "rows8"
@@ -298,7 +299,7 @@ def _dot_block(fn: Fn, dtype: str, chunks: list[str], x: IntX | ScaledX, xb: tup
 def emit_rows8_dots(fn: Fn, mats: list[tuple[str, str]], x: IntX | ScaledX, k: str) -> list[str]:
     """For each ``(dtype, group)`` (a pointer to one group of eight rows of ``k`` (i64)
     elements in the rows8 layout), the ``<8 x float>`` of its eight rows dotted with ``x``:
-    the int16 x of :func:`rowops.emit_int_x` (made with ``rows8=True``), ``sum_b d s (q . x_q
+    the int16 x of :func:`int16x.emit_int_x` (made with ``rows8=True``), ``sum_b d s (q . x_q
     (- 8 sum x_q)) (+ m s sum x_q)`` per row; or the float x of :func:`emit_scaled_x`,
     ``sum_b d (q . x (- 8 sum x)) (+ m sum x)``. Blocks in order."""
     for dtype, _ in mats:
