@@ -23,9 +23,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from picc.partition.greedy import greedy  # noqa: E402
-from picc.partition.ilp import solve_ilp  # noqa: E402
-from picc.partition.problem import DeviceCosts, FfnLayer, PartitionProblem, estimate  # noqa: E402
+from picc.placement.partition.greedy import greedy  # noqa: E402
+from picc.placement.partition.ilp import solve_ilp  # noqa: E402
+from picc.placement.partition.problem import DeviceCosts, FfnLayer, PartitionProblem, estimate  # noqa: E402
 from picc.targets import load_target  # noqa: E402
 from picc.targets.host import host_cores, host_cpu_name  # noqa: E402
 

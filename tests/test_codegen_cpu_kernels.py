@@ -557,7 +557,7 @@ def test_gate_first_reads_a_rows8_gate_eight_rows_at_a_time(host, teams, dtype, 
 
 @pytest.mark.parametrize("threads", (1, 3))
 def test_gate_first_decides_on_the_scaled_score(host, teams, threads):
-    # score_scale (Fisher scales, picc.fisher) multiplies each neuron's |act(g)| before the
+    # score_scale (Fisher scales, picc.sparsity.fisher) multiplies each neuron's |act(g)| before the
     # threshold: in the row layout (101 neurons: whole spans of 32 and a tail) and the rows8 one,
     # and for dReLU, whose score |h| is scaled after up. A kernel that ignored the scale keeps
     # other neurons: the scales span 0.05..20, so the two rules disagree on many of them.

@@ -48,7 +48,7 @@ def ffn_share_budget(pib_path, share: float) -> int:
     then puts about ``share`` of the FFN on the GPU."""
     from picc.ir.fused_ops import FusedFFN
     from picc.pib import open_pib
-    from picc.schedule import schedule
+    from picc.placement.schedule import schedule
 
     with open_pib(pib_path) as pib:
         plan = pib.json("plan")
@@ -162,8 +162,8 @@ def assert_gpu_kernels_compile_for_every_arch(pib_path, tmp_path) -> None:
 
     from picc.codegen_cuda import ARCHS, cuda_bundle
     from picc.codegen_cuda.lower import lower_gpu
-    from picc.memory_plan import MemoryPlan
     from picc.pib import load_pib, open_pib
+    from picc.placement.memory_plan import MemoryPlan
 
     model = load_pib(pib_path)
     with open_pib(pib_path) as pib:

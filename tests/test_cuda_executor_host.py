@@ -16,13 +16,13 @@ from cuda_fake import FakeCuda
 
 import runtime.cuda
 import runtime.executor
-from picc import memory_plan as mp
 from picc.codegen_cuda import nvcc_path
 from picc.compile import CompileOptions, compile_model, write_compiled
 from picc.interpreter import Interpreter
 from picc.ir.types import Placement
 from picc.pib import load_pib
-from picc.sparsify import SparsifyOptions
+from picc.placement import memory_plan as mp
+from picc.sparsity.sparsify import SparsifyOptions
 from runtime.contracts import ContractError, CudaManifest, Schedule, launches_from_json, launches_to_json
 from runtime.pib import PibFile
 from runtime.session import Session

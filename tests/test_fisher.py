@@ -15,14 +15,14 @@ import torch
 from conftest import tiny_llama, with_tokenizer
 from hf_models import make_model
 
-from picc.calib import token_windows
 from picc.errors import PiccError
-from picc.fisher import TorchForward, fisher_scales
 from picc.frontend import load_model
 from picc.frontend.llama import RopeSpec
 from picc.interpreter import Interpreter
 from picc.ir.module import WeightDecl
 from picc.ir.weights import Tensor
+from picc.sparsity.calib import token_windows
+from picc.sparsity.fisher import TorchForward, fisher_scales
 
 
 def _logits_match(model, tokens: list[int]) -> None:

@@ -24,8 +24,8 @@ from picc.ir.types import DType, Placement
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes import parse_pipeline, run_pipeline
 from picc.pib import load_pib
-from picc.schedule import schedule
-from picc.sparsify import SparsifyOptions
+from picc.placement.schedule import schedule
+from picc.sparsity.sparsify import SparsifyOptions
 from picc.targets import load_target
 from runtime.gpu import EmulatedDevice, GpuError
 from runtime.pib import PibFile

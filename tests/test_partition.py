@@ -9,10 +9,10 @@ import itertools
 import numpy as np
 import pytest
 
-from picc.partition import SOLVERS
-from picc.partition.greedy import greedy
-from picc.partition.ilp import EXACT_MAX_NEURONS, solve_ilp
-from picc.partition.problem import (
+from picc.placement.partition import SOLVERS
+from picc.placement.partition.greedy import greedy
+from picc.placement.partition.ilp import EXACT_MAX_NEURONS, solve_ilp
+from picc.placement.partition.problem import (
     DeviceCosts,
     FfnLayer,
     PartitionProblem,

@@ -20,10 +20,10 @@ from picc.ir.parser import parse
 from picc.ir.printer import print_module
 from picc.ir.types import DType, Placement
 from picc.ir.verifier import VerifyError, verify
-from picc.memory_plan import ALIGN, plan_memory, tensor_bytes
 from picc.passes import parse_pipeline, run_pipeline
-from picc.plan_report import build_report, format_report
-from picc.schedule import schedule
+from picc.placement.memory_plan import ALIGN, plan_memory, tensor_bytes
+from picc.placement.plan_report import build_report, format_report
+from picc.placement.schedule import schedule
 from picc.targets import load_target
 
 REL = 1e-5
@@ -278,8 +278,8 @@ def test_the_partitioner_reads_cpu_ffn_weights_at_their_kernels_rate(tmp_path):
     rows."""
     import yaml
 
-    from picc.partition.problem import DeviceCosts
     from picc.passes.partition_neurons import ffn_cpu_read_rate
+    from picc.placement.partition.problem import DeviceCosts
 
     bw = 20e9
     cpu = {"name": "test CPU", "cores": 2, "mem_bandwidth": bw, "simd": "avx2",

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from conftest import tiny_llama, with_tokenizer, word_tokenizer
 
-from picc.calib import load_text, token_windows
 from picc.cli import main
 from picc.errors import PiccError
 from picc.frontend.picc_file import save_picc
 from picc.interpreter import Interpreter
 from picc.ir import parse, print_module, verify
 from picc.passes import parse_pipeline, run_pipeline
-from picc.profiling import calibrate, calibrated_threshold, ffn_ops, profile_model
+from picc.sparsity.calib import load_text, token_windows
+from picc.sparsity.profiling import calibrate, calibrated_threshold, ffn_ops, profile_model
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_calibration_is_cached_by_model_tokens_and_settings(tok, tmp_path, monke
     """A second calibration of the same model on the same tokens reads the profiles back without
     running the model; another target, rule, seed or weight computes afresh, and a damaged entry
     is recomputed."""
-    import picc.profiling as profiling
+    import picc.sparsity.profiling as profiling
 
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
     model = tiny_llama("swiglu", n_layers=2)
@@ -251,7 +251,7 @@ def test_calibration_is_cached_by_model_tokens_and_settings(tok, tmp_path, monke
 
 
 def test_corpus_ids_are_cached_by_text_and_tokenizer(tok, tmp_path, monkeypatch):
-    from picc import calib
+    from picc.sparsity import calib
 
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
     (tmp_path / "corpus.txt").write_text("the cat sat on the mat . " * 50)

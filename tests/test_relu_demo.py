@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from picc.calib import token_windows
 from picc.cli import main
-from picc.evaluation import eval_windows, evaluate
 from picc.frontend import load_model
 from picc.frontend.aliases import resolve_alias
 from picc.interpreter import Interpreter
 from picc.ir.types import DType
-from picc.profiling import profile_model
+from picc.sparsity.calib import token_windows
+from picc.sparsity.evaluation import eval_windows, evaluate
+from picc.sparsity.profiling import profile_model
 
 pytestmark = pytest.mark.slow
 

@@ -25,8 +25,8 @@ from picc.ir import ops as O
 from picc.ir.fused_ops import FusedFFN
 from picc.ir.types import DType
 from picc.pib import load_pib
-from picc.plan_report import format_report
-from picc.sparsify import SparsifyOptions
+from picc.placement.plan_report import format_report
+from picc.sparsity.sparsify import SparsifyOptions
 from runtime.contracts import ContractError
 from runtime.cpu import ExecutorError
 from runtime.cpu_manifest import CpuBuffer, CpuManifest

@@ -122,8 +122,8 @@ def test_sampling_is_deterministic_for_a_seed(picc_model):
 
 def test_profile_matches_an_independent_torch_computation(hf_model, picc_model):
     """Same windows, same rule (|silu(gate)| > layer threshold), computed by transformers hooks."""
-    from picc.calib import token_windows
-    from picc.profiling import profile_model
+    from picc.sparsity.calib import token_windows
+    from picc.sparsity.profiling import profile_model
 
     windows = token_windows(picc_model.tokenizer, "ptb", 1024, window=256, seed=5)
     profile = profile_model(picc_model.module, picc_model.weights, windows, target_sparsity=0.5)

@@ -11,13 +11,13 @@ from conftest import tiny_llama, with_tokenizer
 
 from picc.cli import main
 from picc.errors import PiccError
-from picc.evaluation import densified, eval_windows, evaluate
 from picc.frontend.picc_file import save_picc
 from picc.interpreter import Interpreter
 from picc.ir import VerifyError, parse, print_module, verify
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.passes import parse_pipeline, run_pipeline
-from picc.predictors import MIN_RANK, LayerData, predictor_params, train_all, train_predictor
+from picc.sparsity.evaluation import densified, eval_windows, evaluate
+from picc.sparsity.predictors import MIN_RANK, LayerData, predictor_params, train_all, train_predictor
 
 PROFILE = "profile-activations{calib=ptb,tokens=1024,window=64,target-sparsity=0.5}"
 

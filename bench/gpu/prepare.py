@@ -42,7 +42,7 @@ from picc.compile import CompileOptions, compile_model, write_compiled  # noqa: 
 from picc.frontend import load_model  # noqa: E402
 from picc.interpreter import Interpreter  # noqa: E402
 from picc.pib import load_pib  # noqa: E402
-from picc.sparsify import SparsifyOptions  # noqa: E402
+from picc.sparsity.sparsify import SparsifyOptions  # noqa: E402
 from runtime.contracts import CudaManifest, launches_from_json  # noqa: E402
 from runtime.gpu import arena_image  # noqa: E402
 from runtime.pib import PibFile  # noqa: E402

@@ -22,7 +22,7 @@ from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.module import Function
 from picc.ir.types import DType, TensorType
-from picc.schedule import Schedule
+from picc.placement.schedule import Schedule
 from runtime.cpu_manifest import ChunkRows
 
 ALIGN = 64  # bytes: every value's rows start on a cache line

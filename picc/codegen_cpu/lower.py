@@ -27,7 +27,7 @@ from picc.codegen_cpu.program import GreedyLoop, Program
 from picc.errors import PiccError
 from picc.ir.module import Module
 from picc.ir.weights import Tensor, WeightStore
-from picc.schedule import Schedule
+from picc.placement.schedule import Schedule
 from runtime.cpu_manifest import CpuBuffer, CpuChunkProgram, CpuManifest, CpuStage, DecodeLoop, LogitsRow, ValueBytes
 
 

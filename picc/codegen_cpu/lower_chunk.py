@@ -34,7 +34,7 @@ from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Function
 from picc.ir.weights import WeightStore
-from picc.schedule import Schedule
+from picc.placement.schedule import Schedule
 from runtime.cpu_manifest import CpuChunkProgram, CpuChunkStage, LogitsRow
 
 PREFILL_CHUNK = 32  # prompt tokens per call of the prefill program

@@ -1,6 +1,6 @@
 """The decode step: the CPU's ops of each stage of the schedule as one program for one token.
 
-The hybrid step (``picc.schedule``) is a sequence of stages; the CPU's ops of each stage become
+The hybrid step (``picc.placement.schedule``) is a sequence of stages; the CPU's ops of each stage become
 one :class:`~picc.codegen_cpu.program.Program`, ``picc_stage_<i>(bufs, tid, nthreads)``, that the
 runtime's threads call once per token (a module that runs on the CPU alone is one stage: one call
 per token). A stage that holds ops of the head (the output norm and LM head) also gets
@@ -31,7 +31,7 @@ from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Function
 from picc.ir.weights import WeightStore
-from picc.schedule import Schedule, crossing_values
+from picc.placement.schedule import Schedule, crossing_values
 from runtime.contracts import Stage
 from runtime.cpu_manifest import CpuBuffer, CpuStage, DecodeLoop, LogitsRow, ProfiledStep, ValueBytes
 

@@ -34,7 +34,7 @@ from picc.ir.fused_ops import FusedFFN, Merge
 from picc.ir.module import Function
 from picc.ir.sparse_ops import Predict
 from picc.ir.weights import WeightStore
-from picc.schedule import Schedule
+from picc.placement.schedule import Schedule
 
 # Ops whose kernels have one phase and touch no memory but their operands and result: one may
 # start while another is still running on other threads when neither reads or writes what the

@@ -7,7 +7,7 @@ and where the two are close they do not overlap perfectly. On the 2-core build m
 threads, against 35 GB/s of read bandwidth: the q4_1 GEMV reads ~15 GB/s from cache as from
 memory (its arithmetic bounds it); the q8_0 GEMV ~33 GB/s from L2 but ~21 from memory; the f32
 GEMV ~27 (the first version's figures; ``docs/codegen_cpu.md`` has today's). The cost model
-(``picc.plan_report``, ``picc.partition``) needs these rates to estimate quantized models, whose
+(``picc.placement.plan_report``, ``picc.placement.partition``) needs these rates to estimate quantized models, whose
 bytes alone promised 258 tok/s for SmolLM2 Q4_1 where it decoded ~175.
 
 :func:`measure_kernel_rates` times picc's own GEMV in each format (and the ``_xi16`` variants,

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from picc import kernel_names as names
-from picc import memory_plan as mp
 from picc.codegen_cuda import dense, ffn, layers
 from picc.codegen_cuda.kernel import Kernel
 from picc.errors import PiccError
@@ -32,6 +31,7 @@ from picc.ir.module import Module
 from picc.ir.sparse_ops import Predict
 from picc.ir.types import Placement, TensorType
 from picc.ir.weights import WeightStore
+from picc.placement import memory_plan as mp
 from runtime import gpu_layout
 from runtime.contracts import Binding, Call
 

@@ -448,7 +448,7 @@ class FFN(MatrixOp):
     both projections are rectified) and ``|act(up_i)|`` otherwise, times ``score_scale[i]`` when
     the op has one; the neuron is *active* when its score exceeds ``threshold`` (0 for ReLU forms,
     where that is exact; for the others a calibrated threshold). ``score_scale`` (f32 [n_ff]) puts
-    the neurons of all layers on one scale of importance (``picc.fisher``): without it, CATS.
+    the neurons of all layers on one scale of importance (``picc.sparsity.fisher``): without it, CATS.
     Profiling fills ``freq`` (per neuron, the share of calibration tokens on which it is active),
     ``mag`` (mean ``|h_i|``), ``threshold``, ``score_scale`` and ``down_threshold`` (the ``|h_i|``
     level with the same sparsity, for TEAL-style down-only skipping); they describe the block and

@@ -7,7 +7,7 @@ for every layer), ``recall`` (predictor recall target on held-out tokens, defaul
 training data), ``seed``, ``predictors`` (a directory of PowerInfer
 predictors, ``model_{layer}.pt``, to import instead of training), ``cache`` (``off`` to retrain).
 
-``auto`` compares, per layer, the bytes a token reads (``picc.cost_model``) among the ways that
+``auto`` compares, per layer, the bytes a token reads (``picc.placement.cost_model``) among the ways that
 keep the profile's accuracy: for ReLU forms the exact ways (gate-first, down-only) and a trained
 predictor; for other forms gate-first (GLU) or down-only at the profiled thresholds.
 
@@ -25,8 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from picc import cost_model, predictor_store
-from picc.calib import corpus_windows, token_windows
 from picc.errors import PiccError
 from picc.interpreter import FfnTrace, Interpreter
 from picc.ir import ops as O
@@ -36,9 +34,12 @@ from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes.registry import PassContext, register_pass
-from picc.predictors import LayerData, TrainedPredictor, starting_rank, train_all
-from picc.profiling import RELU_FORMS
+from picc.placement import cost_model
 from picc.progress import progress_bar
+from picc.sparsity import predictor_store
+from picc.sparsity.calib import corpus_windows, token_windows
+from picc.sparsity.predictors import LayerData, TrainedPredictor, starting_rank, train_all
+from picc.sparsity.profiling import RELU_FORMS
 
 # relu-demo's predictors at 0.99 recall predicted 20-40% fewer neurons active when trained on
 # 16k tokens instead of 4k; the inputs of all layers are held in memory while training.

@@ -8,7 +8,7 @@ The budget is spent in order of what a token reads per byte: dense parts first, 
 token reads all of them (the activations and workspace, then layer by layer the attention
 weights, norms, predictors and KV cache, then the LM head); a layer whose dense part does not
 fit stays on the CPU with every layer after it (llama.cpp's split). What is left goes to FFN
-neurons, chosen by ``picc.partition`` from the profiled frequencies: greedy top-k over all
+neurons, chosen by ``picc.placement.partition`` from the profiled frequencies: greedy top-k over all
 layers, or the ILP on the cost model (whose CPU reads FFN weights at :func:`ffn_cpu_read_rate`:
 the rate its kernels read each format, at most the memory's bandwidth); a layer whose FFN has
 no GPU kernel (down-only, dReLU or biased gate-first, mixed weight formats) keeps all its neurons
@@ -17,7 +17,7 @@ neurons are permuted so that its GPU ("hot") neurons come first, and it becomes 
 ``%lN.ffn.out.hot`` on the GPU and ``%lN.ffn.out.cold`` on the CPU, each with its own rows of up / gate /
 down, whose outputs are added into the layer's value; its predictor's outputs are permuted to
 match. Every op's and weight's type then says ``@gpu`` or ``@cpu``. The exact plan
-(``picc.memory_plan``) never exceeds the budget: if rounding makes it, the FFN budget shrinks by
+(``picc.placement.memory_plan``) never exceeds the budget: if rounding makes it, the FFN budget shrinks by
 the excess and the neurons are chosen again.
 
 Needs: ``neuron-major-down`` (unless the budget is 0); ``profile-activations`` for sparse
@@ -32,8 +32,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from picc import kernel_names
-from picc import memory_plan as mp
-from picc.cost_model import cpu_weight_reads
 from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
@@ -42,11 +40,13 @@ from picc.ir.module import Function, Module, WeightDecl
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import Placement, TensorType
 from picc.ir.weights import Tensor, WeightStore
-from picc.partition import SOLVERS
-from picc.partition.problem import DeviceCosts, FfnLayer, PartitionProblem, make_placement
-from picc.partition.problem import Placement as NeuronPlacement
 from picc.passes.kernel_selection import gpu_ffn_unsupported
 from picc.passes.registry import PassContext, register_pass
+from picc.placement import memory_plan as mp
+from picc.placement.cost_model import cpu_weight_reads
+from picc.placement.partition import SOLVERS
+from picc.placement.partition.problem import DeviceCosts, FfnLayer, PartitionProblem, make_placement
+from picc.placement.partition.problem import Placement as NeuronPlacement
 from picc.targets import Target, load_target, parse_size
 
 OPTIONS = ("target", "vram", "ctx", "solver", "min_split")

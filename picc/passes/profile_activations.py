@@ -4,7 +4,7 @@ Options: ``calib`` (a built-in corpus, ``ptb`` by default, or a path), ``tokens`
 ``window`` (tokens per window, default 256), ``seed`` (default 0), ``target-sparsity`` (needed for
 non-ReLU FFNs: their thresholds are calibrated to it), ``rule`` (how: ``fisher``, the default, one
 threshold for all GLU layers on Fisher-scaled scores, each such ffn then carries its
-``score_scale``; or ``cats``, one quantile per layer; see ``picc.profiling``), ``cache`` (``off`` to
+``score_scale``; or ``cats``, one quantile per layer; see ``picc.sparsity.profiling``), ``cache`` (``off`` to
 compute the profile again rather than read it from ``$PICC_CACHE_DIR/profiles``).
 
 Needs: a verified module with ``ffn`` ops (run ``canonicalize`` first on graph imports) and the
@@ -15,11 +15,11 @@ module describes is unchanged.
 
 from __future__ import annotations
 
-from picc.calib import token_windows
 from picc.errors import PiccError
 from picc.ir.module import Module
 from picc.passes.registry import PassContext, register_pass
-from picc.profiling import attach, calibrate
+from picc.sparsity.calib import token_windows
+from picc.sparsity.profiling import attach, calibrate
 
 OPTIONS = ("calib", "tokens", "window", "seed", "target-sparsity", "rule", "cache")
 

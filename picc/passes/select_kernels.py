@@ -33,7 +33,6 @@ from collections import Counter
 from dataclasses import replace
 
 from picc import kernel_names as names
-from picc import memory_plan as mp
 from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
@@ -43,7 +42,8 @@ from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import Placement
 from picc.passes.kernel_selection import Types, kernel_of, rows8_fits
 from picc.passes.registry import PassContext, register_pass
-from picc.schedule import Schedule, crossing_values, schedule
+from picc.placement import memory_plan as mp
+from picc.placement.schedule import Schedule, crossing_values, schedule
 
 
 def decides_sparsity(op: Op) -> bool:

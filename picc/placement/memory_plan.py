@@ -39,8 +39,8 @@ from picc.ir.module import Function, Module
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import DType, Placement, TensorType
 from picc.ir.weights import WeightStore
+from picc.placement.schedule import Schedule, schedule
 from picc.quant import raw_nbytes
-from picc.schedule import Schedule, schedule
 from runtime import gpu_layout
 
 ALIGN = 256  # what cudaMalloc guarantees; 16-byte vector loads and 64-byte CPU lines divide it

@@ -5,7 +5,7 @@ profiling) and the bytes one neuron occupies on the GPU, the VRAM left for FFN n
 devices' costs. The output is a :class:`Placement`: per layer the permutation sorting its neurons
 by frequency (descending, ties by index) and the number ``hot`` of them on the GPU, so each
 layer's GPU neurons are the contiguous prefix ``perm[:hot]``. The solvers are in
-:mod:`picc.partition.greedy` and :mod:`picc.partition.ilp`.
+:mod:`picc.placement.partition.greedy` and :mod:`picc.placement.partition.ilp`.
 
 The cost model (per token, per layer; :func:`estimate`). A neuron's bytes are read when it is
 active, except the ``dense_share`` of them that its layer's sparsity mode reads on every token

@@ -1,12 +1,12 @@
 """Which FFN neurons live on the GPU: the problem, its cost model, and two solvers.
 
-- :mod:`picc.partition.problem`: the input (:class:`~picc.partition.problem.PartitionProblem`:
+- :mod:`picc.placement.partition.problem`: the input (:class:`~picc.placement.partition.problem.PartitionProblem`:
   per FFN layer the neurons' frequencies and bytes, the VRAM budget, the device costs), the
-  answer (:class:`~picc.partition.problem.Placement`) and the cost model that estimates any
+  answer (:class:`~picc.placement.partition.problem.Placement`) and the cost model that estimates any
   placement's FFN time per token.
-- :mod:`picc.partition.greedy`: PowerInfer's de-facto solver, the top neurons of all layers by
+- :mod:`picc.placement.partition.greedy`: PowerInfer's de-facto solver, the top neurons of all layers by
   frequency per byte that fit the budget.
-- :mod:`picc.partition.ilp`: a MILP on the cost model (scipy's HiGHS), refined neuron by neuron.
+- :mod:`picc.placement.partition.ilp`: a MILP on the cost model (scipy's HiGHS), refined neuron by neuron.
 
 ``SOLVERS`` names them for ``partition-neurons{solver=...}``.
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from picc.partition.greedy import greedy
-from picc.partition.ilp import solve_ilp
-from picc.partition.problem import PartitionProblem, Placement
+from picc.placement.partition.greedy import greedy
+from picc.placement.partition.ilp import solve_ilp
+from picc.placement.partition.problem import PartitionProblem, Placement
 
 SOLVERS: dict[str, Callable[[PartitionProblem], Placement]] = {"greedy": greedy, "ilp": solve_ilp}

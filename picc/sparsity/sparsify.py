@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from picc.calib import token_windows
 from picc.errors import PiccError
-from picc.evaluation import eval_windows, evaluate
 from picc.frontend.model import LoadedModel
 from picc.ir.module import Module
 from picc.ir.weights import WeightStore
 from picc.passes import Instruments, PassContext, parse_pipeline, run_pipeline
 from picc.passes.insert_predictors import insert_predictors
-from picc.profiling import RELU_FORMS, attach, calibrate, ffn_ops
 from picc.progress import progress_bar
+from picc.sparsity.calib import token_windows
+from picc.sparsity.evaluation import eval_windows, evaluate
+from picc.sparsity.profiling import RELU_FORMS, attach, calibrate, ffn_ops
 
 SWEEP = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 SWEEP_EVAL_TOKENS = 2048

@@ -19,8 +19,6 @@ the weights fit in the CPU's caches.
 from __future__ import annotations
 
 from picc import kernel_names as names
-from picc import memory_plan as mp
-from picc.cost_model import cpu_weight_reads
 from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN
@@ -28,7 +26,9 @@ from picc.ir.module import Function, Module
 from picc.ir.types import Placement, TensorType
 from picc.ir.weights import WeightStore
 from picc.passes.partition_neurons import ffn_layer
-from picc.schedule import schedule
+from picc.placement import memory_plan as mp
+from picc.placement.cost_model import cpu_weight_reads
+from picc.placement.schedule import schedule
 from picc.targets import Target
 
 

@@ -24,7 +24,7 @@ from picc.ir.weights import WeightStore
 
 def eval_windows(tokenizer: Tokenizer, corpus: str, max_tokens: int, window: int) -> list[list[int]]:
     """The first ``max_tokens`` tokens of ``corpus``, cut into windows of ``window`` tokens."""
-    from picc.calib import load_text
+    from picc.sparsity.calib import load_text
 
     ids = tokenizer.backend.encode(load_text(corpus), add_special_tokens=False).ids
     bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []

@@ -2,7 +2,7 @@
 
 All neurons of all layers are ranked by frequency per byte (plain frequency when all layers'
 neurons have the same size); the longest prefix of that ranking that fits the budget goes to the
-GPU. It is blind to the cost model (:mod:`picc.partition.problem`) and to ``min_split``. A larger
+GPU. It is blind to the cost model (:mod:`picc.placement.partition.problem`) and to ``min_split``. A larger
 budget only adds neurons, so each layer's GPU activation share can only grow with it.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from picc.partition.problem import PartitionProblem, Placement, make_placement, sorted_rates
+from picc.placement.partition.problem import PartitionProblem, Placement, make_placement, sorted_rates
 
 
 def greedy_counts(problem: PartitionProblem, ordered: list[np.ndarray]) -> list[int]:
     """Per layer, how many neurons greedy puts on the GPU, given each layer's read rates in
-    frequency order (:func:`~picc.partition.problem.sorted_rates`)."""
+    frequency order (:func:`~picc.placement.partition.problem.sorted_rates`)."""
     if not problem.layers:
         return []
     # Concatenated layer by layer, each in its own order: the stable sort breaks ties by layer,

@@ -6,7 +6,7 @@ neuron contributes nothing. For the others (SwiGLU, GeGLU, ...) nothing is exact
 threshold is calibrated to ``target_sparsity`` by one of two rules (``THRESHOLD_RULES``):
 
 * ``fisher`` (the default for GLU forms): each neuron's score ``|act(g_i)|`` is scaled by its
-  Fisher scale (``picc.fisher``), and one threshold for all layers is the ``target_sparsity``
+  Fisher scale (``picc.sparsity.fisher``), and one threshold for all layers is the ``target_sparsity``
   quantile of the scaled scores of every layer: sparsity goes where it costs the loss least.
   On SmolLM2 at 30% (PTB valid): +2.1% perplexity and 0.89 top-1 agreement, against +3.4% and
   0.83 for CATS (docs/smollm2_sparsity_curve.md).
@@ -25,10 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from picc.calib import Windows
 from picc.digest import hash_model, hash_sources
 from picc.errors import PiccError
-from picc.fisher import fisher_scales
 from picc.fsutil import atomic_path, cache_root, cached, keep_cached
 from picc.interpreter import FfnTrace, Interpreter
 from picc.ir import ops as O
@@ -36,6 +34,8 @@ from picc.ir.core import Attr
 from picc.ir.module import Module, WeightDecl
 from picc.ir.weights import Tensor, WeightStore
 from picc.progress import progress_bar
+from picc.sparsity.calib import Windows
+from picc.sparsity.fisher import fisher_scales
 
 RELU_FORMS = ("relu", "reglu", "drelu")
 SKEW_SHARES = (0.1, 0.2, 0.5)

@@ -23,13 +23,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from picc.calib import Windows
 from picc.errors import PiccError
 from picc.interpreter import round_to_bf16
 from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.module import Module
 from picc.ir.weights import WeightStore
+from picc.sparsity.calib import Windows
 
 
 class TorchForward:

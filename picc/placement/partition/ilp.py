@@ -3,11 +3,11 @@
 Each layer's sorted neurons form blocks; a continuous variable per block says how much of it is
 on the GPU (blocks fill in order), two binaries per layer say whether any / all of it is (the
 sync cost; with end blocks of ``min_split`` neurons they also enforce the minimum split), and
-``t_l`` is at least each device's time (:mod:`picc.partition.problem` has the cost model). The
+``t_l`` is at least each device's time (:mod:`picc.placement.partition.problem` has the cost model). The
 MILP decides each layer's state (CPU, split, GPU); :func:`_refine` then places the neurons of the
 split layers one by one. The answer of :func:`solve_ilp` is the best, by the exact estimate, of:
 that, the MILP's own counts, greedy's states refined the same way, and greedy's own placement.
-So it is never worse than greedy (:mod:`picc.partition.greedy`) when greedy respects
+So it is never worse than greedy (:mod:`picc.placement.partition.greedy`) when greedy respects
 ``min_split``.
 """
 
@@ -19,8 +19,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from picc.partition.greedy import greedy_counts
-from picc.partition.problem import PartitionProblem, Placement, estimate_counts, make_placement, sorted_rates
+from picc.placement.partition.greedy import greedy_counts
+from picc.placement.partition.problem import PartitionProblem, Placement, estimate_counts, make_placement, sorted_rates
 
 # Enough blocks for the MILP to choose each layer's state well (a 70B model's 80 x 28672
 # neurons become blocks of 1120), few enough for HiGHS to solve that in about a second.

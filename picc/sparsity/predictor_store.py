@@ -21,7 +21,7 @@ from picc.fsutil import cache_root, cached, keep_cached
 from picc.ir import ops as O
 from picc.ir.module import Module
 from picc.ir.weights import WeightStore
-from picc.predictors import TrainedPredictor
+from picc.sparsity.predictors import TrainedPredictor
 
 FORMAT_VERSION = 1
 # The code trained predictors come from: the training, the data it reads (the calibration windows,
