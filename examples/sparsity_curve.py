@@ -16,8 +16,8 @@ import time
 
 from picc.frontend import load_model
 from picc.ir.weights import WeightStore
-from picc.passes import PassContext
-from picc.passes.insert_predictors import insert_predictors
+from picc.passes import PassSpec, run_pipeline
+from picc.passes.insert_predictors import InsertOptions
 from picc.sparsity.calib import token_windows
 from picc.sparsity.evaluation import dense_reference, eval_windows, evaluate
 from picc.sparsity.profiling import THRESHOLD_RULES, attach, calibrate
@@ -47,8 +47,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         for target, profile in zip(TARGETS, profiles, strict=True):
             store = WeightStore({n: model.weights[n] for n in model.weights})
-            module = insert_predictors(attach(model.module, store, profile),
-                                       PassContext(store, {"mode": mode}, model.tokenizer))
+            insert = PassSpec("insert-predictors", InsertOptions(mode=mode))
+            module = run_pipeline(attach(model.module, store, profile), store, [insert], tokenizer=model.tokenizer)
             r = evaluate(module, store, windows, reference=reference)
             print(f"| {mode} | {target:.1f} | {r.ffn_sparsity:.3f} | {r.ppl:.3f} | {r.ppl_dense:.3f} | "
                   f"{100 * r.ppl_increase:+.2f}% | {r.top1_agreement:.4f} |", flush=True)

@@ -30,9 +30,13 @@ EPILOG_SOURCES = (
 
 def _passes_epilog() -> str:
     from picc.passes import PASSES
+    from picc.passes.options import describe_options
 
-    listing = "; ".join(f"{p.name}: {p.summary.rstrip('.')}" for p in PASSES.values())
-    return f"Passes: {listing}. Options go in braces: PASS{{key=value,...}}."
+    def entry(name: str, summary: str, options: str) -> str:
+        return f"{name}: {summary.rstrip('.')}" + (f" [{options}]" if options else "")
+
+    listing = "; ".join(entry(p.name, p.summary, describe_options(p.options)) for p in PASSES.values())
+    return f"Passes: {listing}. Options, [name: type = default], go in braces: PASS{{key=value,...}}."
 
 
 class _Parser(argparse.ArgumentParser):

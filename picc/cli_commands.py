@@ -9,6 +9,7 @@ import io
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -54,8 +55,6 @@ def cmd_import(args: argparse.Namespace) -> None:
 
 def cmd_opt(args: argparse.Namespace) -> None:
     """``picc opt``: run the ``-p`` pipeline over a .picc file; save the result, or print its IR for ``-o -``."""
-    from dataclasses import replace
-
     from picc.frontend.picc_file import save_picc
     from picc.passes import parse_pipeline, run_pipeline
 
@@ -166,8 +165,6 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 def cmd_sparsify(args: argparse.Namespace) -> None:
     """``picc sparsify``: make SOURCE's FFNs sparse and write the IR with its predictors."""
-    from dataclasses import replace
-
     from picc.frontend.picc_file import save_picc
     from picc.sparsity.sparsify import sparsify
 
@@ -229,7 +226,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
                              dense=args.dense, float_dots=args.float_dots, int_dots=args.int_dots,
                              solver=args.solver,
                              sparsity=_sparsify_options(args))
-    options.check()
+    options = replace(options, target=options.check())  # checked before the model loads; loaded once
     def say(line: str) -> None:
         print(line, file=sys.stderr)
 

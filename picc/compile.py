@@ -24,7 +24,10 @@ from picc.ir import ops as O
 from picc.ir.module import Module
 from picc.ir.sparse_ops import SparseFFN
 from picc.ir.weights import Tensor, WeightStore
-from picc.passes import Instruments, parse_pipeline, run_pipeline
+from picc.passes import Instruments, PassSpec, run_pipeline
+from picc.passes.fuse_gather_gemv import FuseOptions
+from picc.passes.partition_neurons import PartitionOptions
+from picc.passes.select_kernels import SelectOptions
 from picc.placement import memory_plan as mp
 from picc.placement.plan_report import build_report
 from picc.placement.schedule import Schedule, schedule
@@ -35,7 +38,7 @@ from runtime.contracts import CudaManifest, launches_to_json
 
 @dataclass(frozen=True)
 class CompileOptions:
-    target: str = "cpu"
+    target: str | Target = "cpu"  # a name or YAML path, or the Target loaded from one
     vram: str | None = None  # default: the target's VRAM
     ctx: int = mp.DEFAULT_CTX
     dense: bool = False
@@ -45,15 +48,16 @@ class CompileOptions:
     sparsity: SparsifyOptions = field(default_factory=SparsifyOptions)
 
 
-    def check(self) -> None:
-        """Refuse bad options before any slow work."""
-        target = load_target(self.target)
+    def check(self) -> Target:
+        """Refuse bad options before any slow work; the target, loaded (unless it already is)."""
+        target = self.target if isinstance(self.target, Target) else load_target(self.target)
         if self.vram is not None:
             target.check_budget(parse_size(self.vram, what="--vram"), self.vram)
         if self.ctx < 1:
             raise PiccError(f"--ctx {self.ctx}: expected a positive number of positions")
         if self.float_dots and self.int_dots:
             raise PiccError("--float-dots and --int-dots ask for opposite dot products; give one of them")
+        return target
 
 
 @dataclass(frozen=True)
@@ -71,19 +75,23 @@ def _is_sparse(model: LoadedModel) -> bool:
     return any(isinstance(op, SparseFFN) for op in model.module.ops())
 
 
-def _partition_options(options: CompileOptions, vram: str | None = None) -> str:
-    items = [f"target={options.target}", f"ctx={options.ctx}", f"solver={options.solver}"]
+def _partition(options: CompileOptions, target: Target, vram: str | None = None) -> PassSpec:
     vram = options.vram if vram is None else vram
-    if vram is not None:
-        items.append(f"vram={vram}")
-    return "partition-neurons{" + ",".join(items) + "}"
+    return PassSpec("partition-neurons", PartitionOptions(target, vram, options.ctx, options.solver))
+
+
+def _fuse(options: CompileOptions) -> list[PassSpec]:
+    """fuse-gather-gemv, dce and select-kernels, with the dot products ``options`` ask for."""
+    dots = "no" if options.float_dots else "yes" if options.int_dots else "auto"
+    return [PassSpec("fuse-gather-gemv", FuseOptions()), PassSpec("dce"),
+            PassSpec("select-kernels", SelectOptions(int_dots=dots))]
 
 
 def compile_model(model: LoadedModel, options: CompileOptions, instruments: Instruments | None = None,
                   say: Callable[[str], None] = print) -> Compiled:
     """Run the pipeline on ``model``; ``say`` gets one line per stage."""
-    options.check()
-    target = load_target(options.target)
+    target = options.check()
+    options = replace(options, target=target)  # loaded once: the CPU-only compile below reuses it
     if any(op.type.placement is not None for op in model.module.ops()):
         raise PiccError(f"{model.source}: already compiled for a target (its IR is placed); "
                         "compile the model it came from")
@@ -92,7 +100,7 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
     # A dense model for the CPU keeps its own down layout (a quantized down would be requantized);
     # neurons that may move to a GPU need it neuron-major.
     cpu_only = target.gpu is None or (options.vram is not None and parse_size(options.vram) == 0)
-    passes = ["canonicalize"] + ([] if options.dense and cpu_only else ["neuron-major-down"])
+    passes = [PassSpec("canonicalize")] + ([] if options.dense and cpu_only else [PassSpec("neuron-major-down")])
     s = options.sparsity
     if options.dense:
         say("dense: FFNs stay dense (the baseline)")
@@ -102,12 +110,10 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
         if model.tokenizer is None:
             raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be "
                             "read; pass --dense or a model with a tokenizer")
-        passes.append(s.pipeline(target_sparsity(model, s, say)))
-    dots = "no" if options.float_dots else "yes" if options.int_dots else ""
-    fuse = "fuse-gather-gemv,dce," + (f"select-kernels{{int_dots={dots}}}" if dots else "select-kernels")
-    passes += [_partition_options(options), fuse]
+        passes += s.passes(target_sparsity(model, s, say))
+    passes += [_partition(options, target), *_fuse(options)]
     start = time.perf_counter()
-    say(f"pipeline: {','.join(passes)}")
+    say(f"pipeline: {','.join(map(str, passes))}")
     # The passes add weights (neuron-major copies, predictors) to a copy of the store: the caller's
     # model is unchanged, so compiling it again names them the same (and finds its predictors cached).
     weights = model.weights.copy()
@@ -119,13 +125,13 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
             instruments.on_pass(name, module)
 
     inst = replace(instruments or Instruments(), on_pass=remember)
-    module = run_pipeline(model.module, weights, parse_pipeline(",".join(passes)), inst, tokenizer=model.tokenizer)
+    module = run_pipeline(model.module, weights, passes, inst, tokenizer=model.tokenizer)
     chosen = _placed(module, weights, options, target)
     if chosen.plan.gpu_bytes:  # weigh the GPU part against the same model on the CPU alone
         names = [name for name, _ in after]
         unplaced = after[names.index("partition-neurons") - 1][1]
         cpu_weights = weights.copy()
-        cpu_passes = parse_pipeline(f"{_partition_options(options, '0')},{fuse}")
+        cpu_passes = [_partition(options, target, vram="0"), *_fuse(options)]
         cpu_module = run_pipeline(unplaced, cpu_weights, cpu_passes, tokenizer=model.tokenizer)
         alone = _placed(cpu_module, cpu_weights, options, target).report["estimate_tokens_per_s"]
         if _cpu_is_faster(chosen.report, alone, options, target, say):
@@ -136,7 +142,7 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
     module, weights, plan, report = chosen.module, chosen.weights, chosen.plan, chosen.report
     compiled = replace(model, module=module, weights=weights)
     if cpu_only and not options.dense and not _is_sparse(model):
-        _compare_with_dense(model, options, fuse, target, report, say)
+        _compare_with_dense(model, options, target, report, say)
     steps = schedule(module)
     say(f"generating CPU code ({target.cpu.simd})")
     sections, tensors, layouts = cpu_code(module, weights, steps, options.ctx, target.cpu.simd)
@@ -192,15 +198,15 @@ def _cpu_is_faster(report: dict, alone: float, options: CompileOptions, target: 
     return True
 
 
-def _compare_with_dense(model: LoadedModel, options: CompileOptions, fuse: str, target,  # noqa: ANN001
+def _compare_with_dense(model: LoadedModel, options: CompileOptions, target: Target,
                         report: dict, say: Callable[[str], None]) -> None:
     """Put the cost model's estimate of the model compiled ``--dense`` in ``report``
     (``dense_estimate_tokens_per_s``), and say so when it beats the sparse compile's: on a CPU
     whose 4-bit kernels are bound by their arithmetic, a dense model's integer dot products can
     outrun a sparse one's float ones (SmolLM2 Q4_1 here: ~290 against ~200 estimated)."""
     weights = model.weights.copy()
-    passes = ["canonicalize", _partition_options(options), fuse]
-    module = run_pipeline(model.module, weights, parse_pipeline(",".join(passes)))
+    passes = [PassSpec("canonicalize"), _partition(options, target), *_fuse(options)]
+    module = run_pipeline(model.module, weights, passes)
     plan = mp.plan_memory(module, weights, ctx=options.ctx, budget=int(dict(module.attrs)["vram_budget"]))
     dense = build_report(module, weights, target, plan)["estimate_tokens_per_s"]
     report["dense_estimate_tokens_per_s"] = dense

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -14,6 +14,7 @@ from picc.interpreter import Interpreter
 from picc.ir import parse, print_module, verify
 from picc.ir.weights import WeightStore
 from picc.passes import PASSES, Instruments, PassContext, parse_pipeline, register_pass, run_pipeline
+from picc.passes.options import PassOptions, option
 
 WEIGHTS = """\
 module @m
@@ -140,17 +141,26 @@ def test_canonicalized_model_computes_the_same_logits():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@dataclass(frozen=True)
+class NoopOptions(PassOptions):
+    tokens: int = option(1)
+    mode: str = option("slow", choices=("slow", "fast"))
+
+
+def noop(module, ctx: PassContext[NoopOptions]):
+    """Do nothing (a test pass)."""
+    return module
+
+
 class TestPipelines:
     def test_parse_with_options(self):
         if "test-noop" not in PASSES:
-            @register_pass("test-noop", options=("tokens", "mode"))
-            def noop(module, ctx: PassContext):
-                """Do nothing (a test pass)."""
-                return module
+            register_pass("test-noop", options=NoopOptions)(noop)
         specs = parse_pipeline("canonicalize, test-noop{tokens=4096, mode=fast},dce")
         assert [s.name for s in specs] == ["canonicalize", "test-noop", "dce"]
-        assert specs[1].options == {"tokens": "4096", "mode": "fast"}
+        assert specs[1].options == NoopOptions(tokens=4096, mode="fast")
         assert str(specs[1]) == "test-noop{tokens=4096,mode=fast}"
+        assert str(parse_pipeline("test-noop{tokens=1}")[0]) == "test-noop"  # defaults are not printed
 
     @pytest.mark.parametrize("text, message", [
         ("canonicalize,frobnicate", "unknown pass 'frobnicate'; registered passes: "),

@@ -17,7 +17,7 @@ Needs: neuron-major down projections for sparse FFNs (``neuron-major-down``); af
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -29,9 +29,15 @@ from picc.ir.module import Module, WeightDecl
 from picc.ir.sparse_ops import SparseFFN
 from picc.ir.types import TensorType
 from picc.ir.weights import Tensor, WeightStore
+from picc.passes.options import PassOptions, option
 from picc.passes.registry import PassContext, register_pass
 
-OPTIONS = ("interleave",)
+
+@dataclass(frozen=True)
+class FuseOptions(PassOptions):
+    """``interleave``: ``auto`` interleaves the up and gate rows a kernel gathers both of, ``no`` keeps them apart."""
+
+    interleave: str = option("auto", choices=("auto", "no"))
 
 
 def _threshold(op: O.FFN) -> float:
@@ -111,16 +117,13 @@ def _merge_of(op: Op, parts: dict[str, O.FFN]) -> Merge | None:
     return Merge(result=op.result, type=op.type, a=op.a, b=op.b, bias=a.down_bias or b.down_bias, block=op.block)
 
 
-@register_pass("fuse-gather-gemv", options=OPTIONS)
-def fuse_gather_gemv(module: Module, ctx: PassContext) -> Module:
+@register_pass("fuse-gather-gemv", options=FuseOptions)
+def fuse_gather_gemv(module: Module, ctx: PassContext[FuseOptions]) -> Module:
     """Fuse each FFN (part) into one kernel call and merge split layers."""
-    interleave = ctx.option("interleave", "auto")
-    if interleave not in ("auto", "no"):
-        raise PiccError(f"interleave={interleave!r}: expected auto or no")
     func = module.function()
     if any(op.kernel is not None or isinstance(op, FusedFFN) for op in func.ops):
         raise PiccError("the module is already fused (fuse-gather-gemv comes before select-kernels)")
-    fuser = _Fuser(module, ctx.weights, interleave == "auto")
+    fuser = _Fuser(module, ctx.weights, ctx.options.interleave == "auto")
     parts = {op.result: op for op in func.ops if isinstance(op, O.FFN) and op.part_of is not None}
     ops: list[Op] = []
     for op in func.ops:

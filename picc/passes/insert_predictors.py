@@ -1,10 +1,10 @@
 """``insert-predictors``: decide per FFN layer how its active set is known, and make it sparse.
 
-Options: ``mode`` (``auto`` by default, or ``predictor``, ``gate-first``, ``down-only``, ``dense``
-for every layer), ``recall`` (predictor recall target on held-out tokens, default 0.99),
-``budget`` (predictor memory as a share of the FFN weights' bytes, default 0.1), ``tokens``
-(training tokens, default ``TRAIN_TOKENS`` or the profile's if more, within ``DATA_BYTES`` of
-training data), ``seed``, ``predictors`` (a directory of PowerInfer
+Options (``InsertOptions``): ``mode`` (``auto`` by default, or ``predictor``, ``gate-first``,
+``down-only``, ``dense`` for every layer), ``recall`` (predictor recall target on held-out
+tokens, default 0.99), ``budget`` (predictor memory as a share of the FFN weights' bytes,
+default 0.1), ``tokens`` (training tokens, default ``TRAIN_TOKENS`` or the profile's if more,
+within ``DATA_BYTES`` of training data), ``seed``, ``predictors`` (a directory of PowerInfer
 predictors, ``model_{layer}.pt``, to import instead of training), ``cache`` (``off`` to retrain).
 
 ``auto`` compares, per layer, the bytes a token reads (``picc.placement.cost_model``) among the ways that
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ from picc.ir.module import Module, WeightDecl
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
+from picc.passes.options import PassOptions, option
 from picc.passes.registry import PassContext, register_pass
 from picc.placement import cost_model
 from picc.progress import progress_bar
@@ -46,8 +47,26 @@ from picc.sparsity.profiling import RELU_FORMS
 TRAIN_TOKENS = 16384
 DATA_BYTES = 2 << 30
 
-OPTIONS = ("mode", "recall", "budget", "tokens", "seed", "predictors", "cache")
 MODES = ("auto", "predictor", "gate-first", "down-only", "dense")
+
+
+@dataclass(frozen=True)
+class InsertOptions(PassOptions):
+    """The options of ``insert-predictors`` (see the module's docstring)."""
+
+    mode: str = option("auto", choices=MODES)
+    recall: float = option(0.99)
+    budget: float = option(0.1)
+    tokens: int | None = option(None, at_least=1)  # None: default_tokens
+    seed: int = option(0)
+    predictors: str | None = option(None)
+    cache: bool = option(True)
+
+    def check(self) -> None:
+        super().check()
+        for key, share in (("recall", self.recall), ("budget", self.budget)):
+            if not 0 < share <= 1:
+                raise PiccError(f"option {key}={share}: expected a share in (0, 1]")
 
 
 def _stem(ffn: O.FFN) -> str:
@@ -77,7 +96,7 @@ def collect_layer_data(module: Module, weights: WeightStore, windows, names: set
     return {n: LayerData(np.concatenate(xs[n]), np.concatenate(ys[n])) for n in names}
 
 
-def default_tokens(module: Module, ctx: PassContext, ffns: list[O.FFN], calib: str, window: int) -> int:
+def default_tokens(module: Module, ctx: PassContext[InsertOptions], ffns: list[O.FFN], calib: str, window: int) -> int:
     """``TRAIN_TOKENS`` (or the profile's, if more), fewer when the layers' inputs and labels
     would exceed ``DATA_BYTES`` or the calibration corpus is shorter."""
     profiled = int(module.attr("profile_tokens", 4096) or 4096)
@@ -86,24 +105,21 @@ def default_tokens(module: Module, ctx: PassContext, ffns: list[O.FFN], calib: s
     return min(tokens, max(profiled, corpus_windows(ctx.tokenizer, calib, window) * window))
 
 
-def _train(module: Module, ctx: PassContext, ffns: list[O.FFN]) -> dict[str, TrainedPredictor]:
+def _train(module: Module, ctx: PassContext[InsertOptions], ffns: list[O.FFN]) -> dict[str, TrainedPredictor]:
     if ctx.tokenizer is None:
         raise PiccError("insert-predictors needs the model's tokenizer to train predictors")
     calib = str(module.attr("profile_calib", "ptb"))
     window = int(module.attr("profile_window", 256) or 256)
-    if "tokens" in ctx.options:
-        tokens = ctx.int_option("tokens", 0)
-    else:  # tokenizes the corpus to measure it: only when it matters
+    tokens = ctx.options.tokens
+    if tokens is None:  # tokenizes the corpus to measure it: only when it matters
         tokens = default_tokens(module, ctx, ffns, calib, window)
-    seed = ctx.int_option("seed", 0)
-    recall = ctx.float_option("recall", 0.99) or 0.99
-    budget_share = ctx.float_option("budget", 0.1) or 0.1
+    seed, recall, budget_share = ctx.options.seed, ctx.options.recall, ctx.options.budget
     ffn_bytes = {op.result: cost_model.ffn_weight_bytes(op, ctx.weights) for op in ffns}
     budget_params = int(budget_share * sum(ffn_bytes.values()) / 2)  # predictors are stored in float16
     key = predictor_store.cache_key(module, ctx.weights, [op.result for op in ffns],
                                     dict(calib=calib, tokens=tokens, window=window, seed=seed,
                                          recall=recall, budget=budget_share))
-    use_cache = ctx.option("cache", "on") != "off"
+    use_cache = ctx.options.cache
     if use_cache and (cached := predictor_store.load_cached(key)) is not None:
         return cached
     windows = token_windows(ctx.tokenizer, calib, tokens, window, seed)
@@ -150,12 +166,10 @@ def _add(weights: WeightStore, decls: list[WeightDecl], name: str, values: np.nd
     return candidate
 
 
-@register_pass("insert-predictors", options=OPTIONS)
-def insert_predictors(module: Module, ctx: PassContext) -> Module:
+@register_pass("insert-predictors", options=InsertOptions)
+def insert_predictors(module: Module, ctx: PassContext[InsertOptions]) -> Module:
     """Make FFNs sparse: per layer a predictor, gate-first or down-only mask, or dense."""
-    mode = ctx.option("mode", "auto")
-    if mode not in MODES:
-        raise PiccError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    mode = ctx.options.mode
     ffns = [op for op in module.function().ops if type(op) is O.FFN]
     unprofiled = [op.result for op in ffns if op.threshold is None]
     if unprofiled:
@@ -165,8 +179,8 @@ def insert_predictors(module: Module, ctx: PassContext) -> Module:
     wants_predictor = [op for op in ffns if mode == "predictor" or mode == "auto" and op.form in RELU_FORMS]
     predictors: dict[str, TrainedPredictor] = {}
     if wants_predictor:
-        if ctx.option("predictors", ""):
-            predictors = predictor_store.load_powerinfer(Path(ctx.option("predictors", "")), wants_predictor)
+        if ctx.options.predictors:
+            predictors = predictor_store.load_powerinfer(Path(ctx.options.predictors), wants_predictor)
         else:
             predictors = _train(module, ctx, wants_predictor)
     decls = list(module.weights)

@@ -16,30 +16,47 @@ from picc.ir.module import Module
 from picc.ir.printer import print_module
 from picc.ir.verifier import VerifyError, verify
 from picc.ir.weights import WeightStore
-from picc.passes.registry import PASSES, PassContext
+from picc.passes.options import PassOptions, format_options, parse_options
+from picc.passes.registry import PASSES, PassContext, PassInfo
 
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
 
+def pass_info(name: str) -> PassInfo:
+    """The registered pass ``name``, or a PiccError listing the registered ones."""
+    info = PASSES.get(name)
+    if info is None:
+        raise PiccError(f"pipeline: unknown pass {name!r}; registered passes: {', '.join(sorted(PASSES))}")
+    return info
+
+
 @dataclass(frozen=True)
 class PassSpec:
-    """One entry of a pipeline: a registered pass name and its options."""
+    """One entry of a pipeline: a registered pass name and its options (the pass's own options
+    dataclass; left out, its defaults). ``str(spec)`` is the pipeline text that parses back to it."""
 
     name: str
-    options: dict[str, str] = field(default_factory=dict)
+    options: PassOptions = field(default_factory=PassOptions)
+
+    def __post_init__(self) -> None:
+        cls = pass_info(self.name).options
+        if type(self.options) is PassOptions and cls is not PassOptions:
+            object.__setattr__(self, "options", cls())
+        elif type(self.options) is not cls:
+            raise PiccError(f"pass {self.name!r} takes {cls.__name__}, not {type(self.options).__name__}")
 
     def __str__(self) -> str:
-        if not self.options:
-            return self.name
-        return self.name + "{" + ",".join(f"{k}={v}" for k, v in self.options.items()) + "}"
+        text = format_options(self.options)
+        return f"{self.name}{{{text}}}" if text else self.name
 
 
 _NAME = re.compile(r"\s*([\w-]+)\s*")
 
 
 def parse_pipeline(text: str) -> list[PassSpec]:
-    """Parse ``"profile-activations{tokens=4096},insert-predictors"`` into pass specs."""
+    """Parse ``"profile-activations{tokens=4096},insert-predictors"`` into pass specs, each pass's
+    options into its options dataclass."""
     specs: list[PassSpec] = []
     pos = 0
 
@@ -51,25 +68,15 @@ def parse_pipeline(text: str) -> list[PassSpec]:
         if not m:
             raise fail(pos, "a pass name")
         name, pos = m.group(1), m.end()
-        info = PASSES.get(name)
-        if info is None:
-            raise PiccError(f"pipeline: unknown pass {name!r}; registered passes: "
-                            f"{', '.join(sorted(PASSES))}")
-        options: dict[str, str] = {}
+        info = pass_info(name)
+        items: list[str] = []
         if text.startswith("{", pos):
             close = text.find("}", pos)
             if close < 0 or "{" in text[pos + 1 : close]:
                 raise fail(pos, "options as {key=value,...} closed by '}'")
-            for item in filter(None, (s.strip() for s in text[pos + 1 : close].split(","))):
-                key, eq, value = item.partition("=")
-                key = key.strip()
-                if not eq or key not in info.options:
-                    accepted = ", ".join(info.options) or "none"
-                    raise PiccError(f"pipeline: pass {name!r} got option {item!r}; "
-                                    f"accepted options: {accepted}")
-                options[key] = value.strip()
+            items = [s for s in (s.strip() for s in text[pos + 1 : close].split(",")) if s]
             pos = close + 1
-        specs.append(PassSpec(name, options))
+        specs.append(PassSpec(name, parse_options(info.options, name, items)))
         rest = text[pos:].lstrip()
         if rest and not rest.startswith(","):
             raise fail(len(text) - len(rest), "',' between passes")
@@ -106,7 +113,7 @@ def run_pipeline(module: Module, weights: WeightStore, pipeline: list[PassSpec],
         before = f" (after: {', '.join(done)})" if done else " (first pass)"
         start = time.perf_counter()
         try:
-            module = info.fn(module, PassContext(weights, dict(spec.options), tokenizer))
+            module = info.fn(module, PassContext(weights, spec.options, tokenizer))
         except PiccError as e:
             raise PiccError(f"pass '{spec.name}' failed{before}: {e}") from None
         except Exception as e:

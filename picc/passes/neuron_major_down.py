@@ -17,14 +17,14 @@ Needs: ffn ops (``canonicalize``). Guarantees: every ffn / sparse_ffn has ``neur
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from picc.errors import PiccError
 from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.module import Module, WeightDecl
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
+from picc.passes.options import PassOptions, option
 from picc.passes.registry import PassContext, register_pass
 from picc.quant import BLOCK_SIZE
 
@@ -38,8 +38,8 @@ def transposed_down(down: Tensor, dtype: DType) -> Tensor:
     return Tensor.from_f32(down.to_f32().T, dtype)
 
 
-def _target_dtype(down: Tensor, option: str) -> DType:
-    dtype = down.dtype if option == "same" else DType(option)
+def _target_dtype(down: Tensor, wanted: str) -> DType:
+    dtype = down.dtype if wanted == "same" else DType(wanted)
     if dtype == DType.BF16:
         return DType.F16  # bf16 -> f32 -> f16 would round twice; kernels read f16
     hidden = down.shape[0]
@@ -48,29 +48,34 @@ def _target_dtype(down: Tensor, option: str) -> DType:
     return dtype
 
 
-def _transpose(op: O.FFN, weights: WeightStore, decls: list[WeightDecl], option: str, done: dict[str, str]) -> Op:
+def _transpose(op: O.FFN, weights: WeightStore, decls: list[WeightDecl], wanted: str, done: dict[str, str]) -> Op:
     if op.neuron_major:
         return op
     if op.down not in done:
         down = weights[op.down]
         name = weights.fresh_name(f"{op.down}_t")
-        weights.add(name, transposed_down(down, _target_dtype(down, option)))
+        weights.add(name, transposed_down(down, _target_dtype(down, wanted)))
         decls.append(WeightDecl(name, weights[name].type))
         done[op.down] = name
     return replace(op, down=done[op.down], neuron_major=True)
 
 
-@register_pass("neuron-major-down", options=("dtype",))
-def neuron_major_down(module: Module, ctx: PassContext) -> Module:
+@dataclass(frozen=True)
+class NeuronMajorOptions(PassOptions):
+    """``dtype``: the neuron-major copy's weight format, ``same`` as the down projection's by default."""
+
+    dtype: str = option("same", choices=DTYPES)
+
+
+@register_pass("neuron-major-down", options=NeuronMajorOptions)
+def neuron_major_down(module: Module, ctx: PassContext[NeuronMajorOptions]) -> Module:
     """Store every FFN's down projection neuron-major ([n_ff, hidden]) for the gather kernels."""
-    option = ctx.option("dtype", "same")
-    if option not in DTYPES:
-        raise PiccError(f"dtype {option!r}: expected one of {', '.join(DTYPES)}")
+    dtype = ctx.options.dtype
     decls = list(module.weights)
     done: dict[str, str] = {}
     funcs = []
     for func in module.functions:
-        ops = tuple(_transpose(op, ctx.weights, decls, option, done) if isinstance(op, O.FFN) else op
+        ops = tuple(_transpose(op, ctx.weights, decls, dtype, done) if isinstance(op, O.FFN) else op
                     for op in func.ops)
         funcs.append(replace(func, ops=ops))
     return replace(module, weights=tuple(decls), functions=tuple(funcs)).with_used_weights_only()

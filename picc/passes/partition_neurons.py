@@ -1,8 +1,9 @@
 """``partition-neurons``: decide what lives on the GPU under a VRAM budget, and record it in the IR.
 
-Options: ``target`` (a name or YAML path, default ``cpu``), ``vram`` (a size, default the target's
-VRAM), ``ctx`` (KV-cache positions, default 512), ``solver`` (``greedy``, the default, or
-``ilp``), ``min_split`` (for the ILP).
+Options (``PartitionOptions``): ``target`` (a name or YAML path, default ``cpu``; from Python,
+a loaded ``Target``), ``vram`` (a size, default the target's VRAM), ``ctx`` (KV-cache
+positions, default 512), ``solver`` (``greedy``, the default, or ``ilp``), ``min_split`` (for
+the ILP).
 
 The budget is spent in order of what a token reads per byte: dense parts first, since every
 token reads all of them (the activations and workspace, then layer by layer the attention
@@ -41,6 +42,7 @@ from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import Placement, TensorType
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes.kernel_selection import gpu_ffn_unsupported
+from picc.passes.options import PassOptions, option
 from picc.passes.registry import PassContext, register_pass
 from picc.placement import memory_plan as mp
 from picc.placement.cost_model import cpu_weight_reads
@@ -49,35 +51,36 @@ from picc.placement.partition.problem import DeviceCosts, FfnLayer, PartitionPro
 from picc.placement.partition.problem import Placement as NeuronPlacement
 from picc.targets import Target, load_target, parse_size
 
-OPTIONS = ("target", "vram", "ctx", "solver", "min_split")
 GPU, CPU = Placement.GPU, Placement.CPU
 _ROW_FIELDS = ("up", "gate", "down", "up_bias", "gate_bias", "freq", "mag", "score_scale")  # indexed by neuron
 _PART_TENSORS = 6  # up, gate, down, their biases and down's bias: the aligned tensors of a part
 
 
+def _target_text(target: Target) -> str:
+    return target.source or target.name
+
+
 @dataclass(frozen=True)
-class Settings:
-    target: Target
-    budget: int
-    ctx: int
-    solver: str
-    min_split: int
+class PartitionOptions(PassOptions):
+    """The options of ``partition-neurons`` (see the module's docstring). ``target`` is a loaded
+    :class:`Target`: pipeline text names it (a name or a YAML path), which is loaded once, when
+    the text is parsed; ``picc compile`` passes the one it loaded."""
 
+    target: Target = option(default_factory=lambda: load_target("cpu"), parse=load_target, show=_target_text,
+                            default_text="cpu", kind="name|path")
+    vram: str | None = option(None, kind="size")  # None: the target's VRAM
+    ctx: int = option(mp.DEFAULT_CTX, at_least=1)
+    solver: str = option("greedy", choices=tuple(SOLVERS))
+    min_split: int = option(0, at_least=0)
 
-def settings(ctx: PassContext) -> Settings:
-    target = load_target(ctx.option("target", "cpu"))
-    vram = ctx.options.get("vram")
-    budget = target.vram_bytes if vram is None else parse_size(vram, what="vram")
-    target.check_budget(budget, str(vram), what="vram")
-    solver = ctx.option("solver", "greedy")
-    if solver not in SOLVERS:
-        raise PiccError(f"solver {solver!r}: expected one of {', '.join(SOLVERS)}")
-    values = {k: ctx.int_option(k, d) for k, d in
-              (("ctx", mp.DEFAULT_CTX), ("min_split", 0))}
-    for key, low in (("ctx", 1), ("min_split", 0)):
-        if values[key] < low:
-            raise PiccError(f"{key} {values[key]}: expected an integer >= {low}")
-    return Settings(target, budget, values["ctx"], solver, values["min_split"])
+    def check(self) -> None:
+        super().check()
+        self.target.check_budget(self.budget, str(self.vram), what="vram")
+
+    @property
+    def budget(self) -> int:
+        """The VRAM budget in bytes: ``vram``, or all of the target's GPU."""
+        return self.target.vram_bytes if self.vram is None else parse_size(self.vram, what="vram")
 
 
 # --- what each FFN layer is, for the partitioner ----------------------------------------------
@@ -239,7 +242,7 @@ class _Trials:
     is append-only, and a trial's names would otherwise take the final placement's).
     """
 
-    def __init__(self, module: Module, weights: WeightStore, s: Settings) -> None:
+    def __init__(self, module: Module, weights: WeightStore, s: PartitionOptions) -> None:
         self.module, self.weights, self.s = module, weights, s
         self.ffns = [op for op in module.function().ops if isinstance(op, O.FFN)]
         hidden = int(module.function().value_types()[self.ffns[0].x].shape[1]) if self.ffns else 1
@@ -269,7 +272,7 @@ def _overhead(plan: mp.MemoryPlan) -> int:
     return sum(plan.device_bytes("gpu", kind) for kind in ("activations", "workspace", "constant"))
 
 
-def decide(trials: _Trials, s: Settings) -> tuple[DenseChoice, NeuronPlacement]:
+def decide(trials: _Trials, s: PartitionOptions) -> tuple[DenseChoice, NeuronPlacement]:
     """Spend the budget: dense parts layer by layer, then FFN neurons, then the output."""
     func = trials.module.function()
     n_layers = 1 + max((i for op in func.ops if (i := op.block) is not None), default=-1)
@@ -308,17 +311,17 @@ def decide(trials: _Trials, s: Settings) -> tuple[DenseChoice, NeuronPlacement]:
     return dense, neurons
 
 
-def _with_attrs(module: Module, s: Settings) -> Module:
+def _with_attrs(module: Module, s: PartitionOptions) -> Module:
     new = {"target": s.target.name, "vram_budget": s.budget, "ctx": s.ctx,
            "partition_solver": s.solver}
     attrs = tuple((k, v) for k, v in module.attrs if k not in new) + tuple(new.items())
     return replace(module, attrs=attrs)
 
 
-@register_pass("partition-neurons", options=OPTIONS)
-def partition_neurons(module: Module, ctx: PassContext) -> Module:
+@register_pass("partition-neurons", options=PartitionOptions)
+def partition_neurons(module: Module, ctx: PassContext[PartitionOptions]) -> Module:
     """Place dense parts and the hottest FFN neurons on the GPU under the VRAM budget."""
-    s = settings(ctx)
+    s = ctx.options
     if any(op.type.placement is not None or op.kernel is not None or isinstance(op, FusedFFN)
            for op in module.function().ops):
         raise PiccError("the module is already partitioned (or fused); partition-neurons comes before "

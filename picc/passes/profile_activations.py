@@ -1,6 +1,6 @@
 """``profile-activations``: measure how often each FFN neuron fires on calibration text.
 
-Options: ``calib`` (a built-in corpus, ``ptb`` by default, or a path), ``tokens`` (default 4096),
+Options (``ProfileOptions``): ``calib`` (a built-in corpus, ``ptb`` by default, or a path), ``tokens`` (default 4096),
 ``window`` (tokens per window, default 256), ``seed`` (default 0), ``target-sparsity`` (needed for
 non-ReLU FFNs: their thresholds are calibrated to it), ``rule`` (how: ``fisher``, the default, one
 threshold for all GLU layers on Fisher-scaled scores, each such ffn then carries its
@@ -15,22 +15,40 @@ module describes is unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from picc.errors import PiccError
 from picc.ir.module import Module
+from picc.passes.options import PassOptions, option
 from picc.passes.registry import PassContext, register_pass
 from picc.sparsity.calib import token_windows
-from picc.sparsity.profiling import attach, calibrate
-
-OPTIONS = ("calib", "tokens", "window", "seed", "target-sparsity", "rule", "cache")
+from picc.sparsity.profiling import THRESHOLD_RULES, attach, calibrate
 
 
-@register_pass("profile-activations", options=OPTIONS)
-def profile_activations(module: Module, ctx: PassContext) -> Module:
+@dataclass(frozen=True)
+class ProfileOptions(PassOptions):
+    """The options of ``profile-activations`` (see the module's docstring)."""
+
+    calib: str = option("ptb")
+    tokens: int = option(4096, at_least=1)
+    window: int = option(256, at_least=2)
+    seed: int = option(0)
+    target_sparsity: float | None = option(None, key="target-sparsity")
+    rule: str = option("fisher", choices=THRESHOLD_RULES)
+    cache: bool = option(True)
+
+    def check(self) -> None:
+        super().check()
+        if self.target_sparsity is not None and not 0 <= self.target_sparsity < 1:
+            raise PiccError(f"option target-sparsity={self.target_sparsity}: expected a value in [0, 1)")
+
+
+@register_pass("profile-activations", options=ProfileOptions)
+def profile_activations(module: Module, ctx: PassContext[ProfileOptions]) -> Module:
     """Record per-neuron activation frequency, magnitude and per-layer thresholds."""
     if ctx.tokenizer is None:
         raise PiccError("profile-activations needs the model's tokenizer to read calibration text")
-    windows = token_windows(ctx.tokenizer, ctx.option("calib", "ptb"), ctx.int_option("tokens", 4096),
-                            ctx.int_option("window", 256), ctx.int_option("seed", 0))
-    (profile,) = calibrate(module, ctx.weights, windows, [ctx.float_option("target-sparsity", None)],
-                           ctx.option("rule", "fisher"), cache=ctx.option("cache", "on") != "off")
+    o = ctx.options
+    windows = token_windows(ctx.tokenizer, o.calib, o.tokens, o.window, o.seed)
+    (profile,) = calibrate(module, ctx.weights, windows, [o.target_sparsity], o.rule, cache=o.cache)
     return attach(module, ctx.weights, profile)

@@ -4,66 +4,51 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from picc.errors import PiccError
 from picc.ir.module import Module
 from picc.ir.weights import WeightStore
+from picc.passes.options import PassOptions
 
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
+OptionsT = TypeVar("OptionsT", bound=PassOptions)
+
 
 @dataclass(frozen=True)
-class PassContext:
+class PassContext(Generic[OptionsT]):
     """What a pass may use besides the module: the weight store, its options, the tokenizer.
 
-    The store is append-only, so a pass that changes a weight adds it under a new name and the
-    module it was given stays valid.
+    The options are the pass's own dataclass (``PassContext[ProfileOptions]``), parsed and
+    checked before the pass runs. The store is append-only, so a pass that changes a weight adds
+    it under a new name and the module it was given stays valid.
     """
 
     weights: WeightStore
-    options: dict[str, str] = field(default_factory=dict)
+    options: OptionsT = field(default_factory=PassOptions)  # type: ignore[assignment]
     tokenizer: Tokenizer | None = None
 
-    def option(self, key: str, default: str) -> str:
-        return self.options.get(key, default)
 
-    def int_option(self, key: str, default: int) -> int:
-        text = self.options.get(key, str(default))
-        try:
-            return int(text)
-        except ValueError:
-            raise PiccError(f"option {key}={text!r}: expected an integer") from None
-
-    def float_option(self, key: str, default: float | None) -> float | None:
-        text = self.options.get(key)
-        if text is None:
-            return default
-        try:
-            return float(text)
-        except ValueError:
-            raise PiccError(f"option {key}={text!r}: expected a number") from None
-
-
-PassFn = Callable[[Module, PassContext], Module]
+PassFn = Callable[[Module, PassContext[Any]], Module]
 
 
 @dataclass(frozen=True)
 class PassInfo:
-    """A registered pass: its name, function, one-line summary and accepted options."""
+    """A registered pass: its name, function, one-line summary and options dataclass."""
 
     name: str
     fn: PassFn
     summary: str
-    options: tuple[str, ...]
+    options: type[PassOptions]
 
 
 PASSES: dict[str, PassInfo] = {}
 
 
-def register_pass(name: str, options: tuple[str, ...] = ()) -> Callable[[PassFn], PassFn]:
-    """Decorator: register ``fn`` as pass ``name``; its docstring's first line is its summary."""
+def register_pass(name: str, options: type[PassOptions] = PassOptions) -> Callable[[PassFn], PassFn]:
+    """Decorator: register ``fn`` as pass ``name`` taking ``options``; its docstring's first line
+    is its summary."""
 
     def wrap(fn: PassFn) -> PassFn:
         if name in PASSES:

@@ -30,7 +30,7 @@ the CPU). Guarantees: every op has a kernel; the module computes the same functi
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from picc import kernel_names as names
 from picc.errors import PiccError
@@ -41,6 +41,7 @@ from picc.ir.module import Function, Module
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import Placement
 from picc.passes.kernel_selection import Types, kernel_of, rows8_fits
+from picc.passes.options import PassOptions, option
 from picc.passes.registry import PassContext, register_pass
 from picc.placement import memory_plan as mp
 from picc.placement.schedule import Schedule, crossing_values, schedule
@@ -112,12 +113,18 @@ def accumulated_adds(func: Function, sched: Schedule) -> dict[int, str]:
     return chosen
 
 
-@register_pass("select-kernels", options=("int_dots",))
-def select_kernels(module: Module, ctx: PassContext) -> Module:
+@dataclass(frozen=True)
+class SelectOptions(PassOptions):
+    """``int_dots``: round x to int16 for 4-bit dot products -- ``auto`` where no op decides sparsity,
+    ``yes`` everywhere, ``no`` nowhere."""
+
+    int_dots: str = option("auto", choices=("auto", "no", "yes"))
+
+
+@register_pass("select-kernels", options=SelectOptions)
+def select_kernels(module: Module, ctx: PassContext[SelectOptions]) -> Module:
     """Record every kernel choice as op attributes (x_format, layout, accumulated_by), name each kernel."""
-    int_dots = ctx.option("int_dots", "auto")
-    if int_dots not in ("auto", "no", "yes"):
-        raise PiccError(f"int_dots={int_dots!r}: expected auto, no or yes")
+    int_dots = ctx.options.int_dots
     func = module.function()
     if any(op.kernel is not None for op in func.ops):
         raise PiccError("the module's kernels are already selected (its ops name them)")

@@ -12,8 +12,9 @@ from picc.errors import PiccError
 from picc.frontend.model import LoadedModel
 from picc.ir.module import Module
 from picc.ir.weights import WeightStore
-from picc.passes import Instruments, PassContext, parse_pipeline, run_pipeline
-from picc.passes.insert_predictors import insert_predictors
+from picc.passes import Instruments, PassSpec, run_pipeline
+from picc.passes.insert_predictors import InsertOptions
+from picc.passes.profile_activations import ProfileOptions
 from picc.progress import progress_bar
 from picc.sparsity.calib import token_windows
 from picc.sparsity.evaluation import eval_windows, evaluate
@@ -37,14 +38,17 @@ class SparsifyOptions:
     window: int = 256
     seed: int = 0
 
+    def passes(self, target: float | None) -> list[PassSpec]:
+        """profile-activations (calibrated to ``target`` for non-ReLU FFNs) and insert-predictors."""
+        profile = ProfileOptions(calib=self.calib, tokens=self.tokens, window=self.window, seed=self.seed,
+                                 target_sparsity=target, rule=self.rule if target is not None else "fisher")
+        insert = InsertOptions(mode=self.mode, recall=self.recall, budget=self.budget, seed=self.seed,
+                               predictors=self.predictors or None)
+        return [PassSpec("profile-activations", profile), PassSpec("insert-predictors", insert)]
+
     def pipeline(self, target: float | None) -> str:
-        profile = [f"calib={self.calib}", f"tokens={self.tokens}", f"window={self.window}", f"seed={self.seed}"]
-        if target is not None:
-            profile += [f"target-sparsity={target}", f"rule={self.rule}"]
-        insert = [f"mode={self.mode}", f"recall={self.recall}", f"budget={self.budget}", f"seed={self.seed}"]
-        if self.predictors:
-            insert.append(f"predictors={self.predictors}")
-        return f"profile-activations{{{','.join(profile)}}},insert-predictors{{{','.join(insert)}}}"
+        """:meth:`passes` as pipeline text."""
+        return ",".join(map(str, self.passes(target)))
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,9 @@ def sweep(model: LoadedModel, options: SparsifyOptions) -> list[SweepPoint]:
         for target, profile in zip(SWEEP, profiles, strict=True):
             store = WeightStore({n: model.weights[n] for n in model.weights})
             profiled = attach(model.module, store, profile)
-            sparse = insert_predictors(profiled, PassContext(store, {"mode": options.mode, "seed": str(options.seed)},
-                                                             model.tokenizer))
+            # Through the pass manager, so that the verifier checks the result like any pass's.
+            insert = PassSpec("insert-predictors", InsertOptions(mode=options.mode, seed=options.seed))
+            sparse = run_pipeline(profiled, store, [insert], tokenizer=model.tokenizer)
             result = evaluate(sparse, store, held_out, compare_dense=True)
             assert result.ppl_dense is not None
             points.append(SweepPoint(target, result.ppl, result.ppl_dense))
@@ -121,5 +126,4 @@ def sparsify(model: LoadedModel, options: SparsifyOptions, instruments: Instrume
              report=print) -> Module:  # noqa: ANN001 - report: Callable[[str], None]
     """Profile ``model`` and make its FFNs sparse as ``options`` say."""
     target = target_sparsity(model, options, report)
-    return run_pipeline(model.module, model.weights, parse_pipeline(options.pipeline(target)), instruments,
-                        tokenizer=model.tokenizer)
+    return run_pipeline(model.module, model.weights, options.passes(target), instruments, tokenizer=model.tokenizer)

@@ -56,7 +56,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
@@ -117,7 +117,8 @@ class CpuSpec:
 @dataclass(frozen=True, slots=True)
 class Target:
     """A machine to compile for. ``pcie_bandwidth`` (bytes/s) and ``pcie_latency`` (seconds a copy
-    costs besides its bytes) are 0 when there is no GPU."""
+    costs besides its bytes) are 0 when there is no GPU. ``source`` is the name or path
+    :func:`load_target` read it from (a pipeline prints it), not part of what the target is."""
 
     name: str
     gpu: GpuSpec | None
@@ -125,6 +126,7 @@ class Target:
     cpu: CpuSpec
     description: str = ""
     pcie_latency: float = 0.0
+    source: str = field(default="", compare=False, repr=False)
 
     @property
     def vram_bytes(self) -> int:
@@ -364,14 +366,14 @@ def load_target(name_or_path: str) -> Target:
     if name_or_path in names:
         label = f"{name_or_path}.yaml"
         text = (resources.files(__name__) / label).read_text()
-        return target_from_dict(_read_yaml(text, label), label)
+        return replace(target_from_dict(_read_yaml(text, label), label), source=name_or_path)
     path = Path(name_or_path)
     if path.is_file():
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise PiccError(f"{name_or_path}: cannot read the target file: {e}") from None
-        return target_from_dict(_read_yaml(text, name_or_path), name_or_path)
+        return replace(target_from_dict(_read_yaml(text, name_or_path), name_or_path), source=name_or_path)
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
         raise PiccError(f"{name_or_path}: target file not found")
     raise PiccError(f"unknown target {name_or_path!r}: expected one of {', '.join(names)}, or a path to a .yaml file")
