@@ -35,6 +35,8 @@ def attention() -> Kernel:
     ``window`` = 0 means no sliding window."""
     symbol = "picc_attention"
 
+    # The emitter is over 80 lines: its statements follow the kernel's loop nest (heads, cache
+    # rows, softmax, the weighted sum of v) one to one, which splitting would hide.
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, ATTENTION_PARAMS)
         seq, pos, heads, kv, hd = (fn.sext(f"%{n}") for n in ("seq", "pos", "n_heads", "n_kv_heads", "head_dim"))

@@ -161,6 +161,8 @@ entry:
 """
 
 def _barrier() -> str:
+    # Over 80 lines: one LLVM IR function written out as text, block by block (spin, futex
+    # wait, wake), which reads best whole.
     return f"""
 ; Wait until all %n threads have called this with the same %sync (see picc/codegen_cpu/prelude.py).
 define internal void @picc_barrier(ptr %sync, i32 %n) #2 {{

@@ -147,7 +147,10 @@ class Program:
         return [c.kernel for c in self.calls]
 
     def emit(self) -> str:
-        """IR text of the step function (the kernels themselves are emitted by the module)."""
+        """IR text of the step function (the kernels themselves are emitted by the module).
+
+        Over 80 lines: one pass over the calls that writes each call's argument loads, its
+        barrier and its profile stamps in the order they appear in the generated function."""
         lines = [f"define void @{self.name}(ptr %bufs, i32 %tid, i32 %nthreads) #0 {{", "entry:"]
         count = 0
 

@@ -24,6 +24,7 @@ from picc.ir.core import (
     register_op,
     weight_shape_is,
 )
+from picc.ir.kernel_choice import LAYOUTS, X_FORMATS, MatrixOp
 from picc.ir.types import DType, TensorType, f32
 
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
@@ -40,37 +41,6 @@ def _float_weight(env: TypeEnv, name: str | None, role: str) -> None:
     if name is not None:
         w = env.weight(name)
         expect(w.dtype.is_float, f"{role} @{name} must be a float tensor, got {w}")
-
-
-X_FORMATS = ("f32", "i16")
-LAYOUTS = ("rows", "rows8")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MatrixOp(Op):
-    """An op whose kernel reads weight matrices row by row (``linear``, ``ffn``, ``fused_ffn``),
-    with the two choices ``select-kernels`` makes for it, printed in every dump after that pass:
-
-    * ``x_format``: how its 4-bit rows (q4_0 / q4_1) are dotted with ``x``: ``"f32"``, or
-      ``"i16"``, ``x`` rounded to int16 per block of 32 first (:func:`picc.quant.round_to_int16_blocks`,
-      each element within 1/254 of its block's largest ``|x|``). The rounding is part of what
-      the op computes: the interpreter rounds as the kernel does. Rows in other formats, and
-      the down rows a fused FFN adds rather than dots, always meet the float ``x``.
-    * ``layout``: how the matrices the kernel reads whole are stored: ``"rows"`` (the source
-      format's rows) or ``"rows8"`` (4-bit rows in eights, ``picc.codegen_cpu.rows8``). Storage
-      only; the values are the same.
-    """
-
-    x_format: str = "f32"
-    layout: str = "rows"
-
-    def check_kernel_choice(self) -> None:
-        expect(self.x_format in X_FORMATS, f"x_format must be one of {X_FORMATS}, got {self.x_format!r}")
-        expect(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-
-    @property
-    def rounds_x(self) -> bool:
-        return self.x_format == "i16"
 
 
 # ---------------------------------------------------------------- embeddings
@@ -523,4 +493,4 @@ class FFN(MatrixOp):
         return t
 
 
-__all__ = ["ACTIVATIONS", "FFN_FORMS", "RuleError"]
+__all__ = ["ACTIVATIONS", "FFN_FORMS", "LAYOUTS", "X_FORMATS", "MatrixOp", "RuleError"]
