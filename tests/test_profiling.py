@@ -267,3 +267,15 @@ def test_corpus_ids_are_cached_by_text_and_tokenizer(tok, tmp_path, monkeypatch)
         tok.backend.encode("the cat")
     assert calib._corpus_ids(tok, source) == ids
     calib._corpus_ids.cache_clear()
+
+
+def test_the_cached_results_name_source_files_that_exist():
+    # Profiles and trained predictors are cached under a hash of the code they come from; a
+    # source that moved (picc/profiling.py -> picc/sparsity/profiling.py) must not make every
+    # profile and every training crash with FileNotFoundError.
+    from picc.digest import PACKAGE
+    from picc.sparsity.predictor_store import TRAINING_SOURCES
+    from picc.sparsity.profiling import _PROFILE_SOURCES
+
+    missing = [name for name in (*_PROFILE_SOURCES, *TRAINING_SOURCES) if not (PACKAGE / name).is_file()]
+    assert not missing

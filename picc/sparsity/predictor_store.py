@@ -26,8 +26,8 @@ from picc.sparsity.predictors import TrainedPredictor
 FORMAT_VERSION = 1
 # The code trained predictors come from: the training, the data it reads (the calibration windows,
 # the model run by the interpreter on its ops' semantics and weights' dequantization).
-TRAINING_SOURCES = ("predictors.py", "passes/insert_predictors.py", "calib.py", "interpreter.py", "quant.py",
-                    "ir/ops.py")
+TRAINING_SOURCES = ("sparsity/predictors.py", "passes/insert_predictors.py", "sparsity/calib.py", "interpreter.py",
+                    "quant.py", "ir/ops.py")
 _PARTS = ("fc1", "fc1_bias", "fc2", "fc2_bias")
 
 

@@ -142,7 +142,7 @@ def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: S
 PROFILE_CACHE_VERSION = 1
 # The code a profile's numbers come from (the two passes over the model, the ops' semantics and
 # the weights' dequantization): a change to any of these files is a cache miss.
-_PROFILE_SOURCES = ("profiling.py", "fisher.py", "interpreter.py", "quant.py", "ir/ops.py")
+_PROFILE_SOURCES = ("sparsity/profiling.py", "sparsity/fisher.py", "interpreter.py", "quant.py", "ir/ops.py")
 
 
 def profile_cache_path(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
