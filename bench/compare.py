@@ -10,8 +10,10 @@ all on SmolLM2-135M-Instruct from the shipped GGUF (Q4_1, embeddings Q8_0):
   dequantized exactly, written by ``bench/gguf_formats.py``);
 * llama.cpp on the same three GGUF files, when ``llama-cpp-python`` is installed (``pip install
   llama-cpp-python``, builds from source in ~10 minutes);
-* picc sparse: ``picc compile smollm2 --target cpu`` (gate-first FFNs), Q4_1, and the same with
-  ``--int-dots`` (x rounded to int16 in the 4-bit products, as dense models do);
+* picc's default: ``picc compile smollm2 --target cpu``, whichever of the sparse (gate-first
+  FFNs) and dense models the cost model estimates faster on this CPU (the table below it names
+  the FFN modes it chose); and the sparse model whatever the estimate (``--sparse``), Q4_1, alone
+  and with ``--int-dots`` (x rounded to int16 in the 4-bit products, as dense models do);
 * transformers (f32, dequantized from the Q4_1 GGUF, KV cache, greedy);
 * onnxruntime (f32, the model built by onnxruntime-genai's builder from the same weights);
 * relu-demo sparse and dense (picc only, f16): what sparsity buys a ReLU model, and the bound the
@@ -38,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,7 +104,11 @@ class PiccEngine(Engine):
             picc("compile", source, "--target", "cpu", "-o", str(path), *flags)
             print(f"compiled {path.name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
         self.session = Session(path, threads)
-        self.bytes_per_token = self.session.pib.json("report").get("bytes_per_token")  # the cost model's
+        report = self.session.pib.json("report")
+        self.bytes_per_token = report.get("bytes_per_token")  # the cost model's
+        modes = Counter(layer.get("mode", "dense") for layer in report.get("layers", []))
+        chosen = [n for n in report.get("notes", []) if n.startswith("dense, chosen")]
+        self.modes = ", ".join(f"{m} x{n}" for m, n in modes.items()) + (f" ({chosen[0]})" if chosen else "")
 
     def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
         s = self.session
@@ -223,10 +230,10 @@ class LlamaCppEngine(Engine):
 
 
 def machine() -> str:
-    from picc.targets.host import detect_host_cpu
+    from picc.targets.host import detect_host_cpu, host_vnni
 
     cpu = detect_host_cpu()
-    return (f"{cpu.name}, {cpu.cores} core(s) available, {cpu.simd}, measured read bandwidth "
+    return (f"{cpu.name}, {cpu.cores} core(s) available, {cpu.simd} ({host_vnni()}), measured read bandwidth "
             f"{cpu.mem_bandwidth / 1e9:.1f} GB/s; {platform.system()} {platform.machine()}, Python "
             f"{platform.python_version()}")
 
@@ -257,9 +264,11 @@ def main() -> None:
         builders.append((f"picc dense {fmt}", lambda fmt=fmt, source=source: PiccEngine(
             "picc dense", source, ["--dense"], t, fmt)))
         if fmt == "Q4_1":
-            builders.append(("picc sparse Q4_1", lambda: PiccEngine("picc sparse", "smollm2", [], t, "Q4_1")))
+            builders.append(("picc default Q4_1", lambda: PiccEngine("picc default", "smollm2", [], t, "Q4_1")))
+            builders.append(("picc sparse Q4_1", lambda: PiccEngine("picc --sparse", "smollm2", ["--sparse"], t,
+                                                                    "Q4_1")))
             builders.append(("picc sparse --int-dots Q4_1", lambda: PiccEngine(
-                "picc sparse --int-dots", "smollm2", ["--int-dots"], t, "Q4_1")))
+                "picc --sparse --int-dots", "smollm2", ["--sparse", "--int-dots"], t, "Q4_1")))
     builders += [("transformers F32", lambda: TransformersEngine(t)), ("onnxruntime F32", lambda: OnnxRuntimeEngine(t))]
     engines: list[Engine] = []
     for name, build in builders:
@@ -323,6 +332,10 @@ def main() -> None:
         print(f"{e.name:<{width}} {e.format:<6} {pre:12.1f} {dec:12.1f} {ratio:>12} {per_round:>26}")
     print("vs llama.cpp: ratio of the medians; per round: each round's ratio of the two runs (close in time, "
           "so a slow phase of the machine hits both), their median and range")
+    print("\nFFN modes of each picc model (layers per mode):")
+    for e in engines + relu:
+        if isinstance(e, PiccEngine):
+            print(f"  {e.name} {e.format}: {e.modes}")
     sparse, dense = median_decode("relu-demo sparse F16"), median_decode("relu-demo dense F16")
     mid, low, high = paired("relu-demo sparse F16", "relu-demo dense F16")
     print(f"\nrelu-demo (ReLU LLaMA, f16): sparse {sparse:.1f} tok/s, dense {dense:.1f} tok/s: sparse decodes "

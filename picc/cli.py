@@ -242,7 +242,12 @@ def _add_compile_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ctx", type=int, default=512, metavar="N",
                    help="context positions: the KV caches hold this many tokens of prompt and output "
                    "(default 512)")
-    s.add_argument("--dense", action="store_true", help="compile without sparsity (the baseline)")
+    which = s.add_mutually_exclusive_group()
+    which.add_argument("--dense", action="store_true", help="compile without sparsity (the baseline)")
+    which.add_argument("--sparse", action="store_true",
+                       help="keep sparsity even where the cost model estimates the dense model faster (by "
+                       "default a CPU-only compile of a dense source builds whichever it estimates faster, "
+                       "and says which)")
     dots = s.add_mutually_exclusive_group()
     dots.add_argument("--float-dots", action="store_true",
                       help="a dense model's q4_0 / q4_1 matrix-vector products round x to int16 per block of "

@@ -223,7 +223,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
     if out.suffix != ".pib":
         raise PiccError(f"-o {args.output}: expected a file name ending in .pib")
     options = CompileOptions(target=args.target, vram=args.vram, ctx=args.ctx,
-                             dense=args.dense, float_dots=args.float_dots, int_dots=args.int_dots,
+                             dense=args.dense, sparse=args.sparse, float_dots=args.float_dots, int_dots=args.int_dots,
                              solver=args.solver,
                              sparsity=_sparsify_options(args))
     options = replace(options, target=options.check())  # checked before the model loads; loaded once

@@ -49,6 +49,15 @@ def host_simd(cpuinfo: str | None = None) -> str:
     return simd_level(m.group(1).split() if m else ())
 
 
+def host_vnni(cpuinfo: str | None = None) -> str:
+    """The VNNI extensions the host has (``avx512_vnni``, ``avx_vnni``), for naming the machine of
+    a measurement ("none" without)."""
+    info = _cpuinfo() if cpuinfo is None else cpuinfo
+    m = re.search(r"^flags\s*:\s*(.*)$", info, re.MULTILINE)
+    found = [f for f in ("avx512_vnni", "avx_vnni") if m and f in m.group(1).split()]
+    return ", ".join(found) or "no VNNI"
+
+
 def host_cores() -> int:
     """The cores this process may run on (affinity, so containers and ``taskset`` are honoured)."""
     if hasattr(os, "sched_getaffinity"):
