@@ -14,9 +14,12 @@ core streaming), the same rate with the rows in cache (one layer's active rows r
 when they take at most half of the L3 cache: what the kernel's arithmetic allows; when it is no
 higher than the rate from memory, the kernel is bound by its arithmetic, not by memory), and the
 speed-up over numpy's dense FFN (three f32 GEMVs over the full matrices, the better
-of its BLAS on one thread and on all) on the same shape. Issue 6 asks for >= 70% of the bandwidth at 10-50% active
-and for beating numpy's dense GEMV whenever <= 60% of rows are active. On a shared machine the
-numbers move by tens of percent between runs: compare ratios within one run.
+of its BLAS on one thread and on all) on the same shape. Beside each, the rate of picc's own dense
+GEMV over the same matrices in the same run (what a dense model runs: 4-bit formats in the rows8
+layout with int16 x, ``select-kernels``' choice; others rows with float x), and the sparse
+kernel's rate as a share of it ("vs dense"): the ratio the CPU sparsity issue judges (>= 90% at
+10-50% active). On a shared machine the numbers move by tens of percent between runs: compare
+ratios within one run.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ from picc.codegen_cpu import (  # noqa: E402
     effective_simd,
     rowplanes,
 )
+from picc.codegen_cpu.kernels_dense import gemv  # noqa: E402
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
+from picc.codegen_cpu.rows8 import to_rows8  # noqa: E402
 from picc.codegen_cpu.threads import huge_zeros  # noqa: E402
-from picc.targets.host import host_cores, host_cpu_name, measure_memory_bandwidth  # noqa: E402
+from picc.targets.host import host_cores, host_cpu_name, host_vnni, measure_memory_bandwidth  # noqa: E402
 
 SHAPES = {"small": (576, 1536), "large": (4096, 11008)}
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.6, 1.0)
@@ -188,6 +193,36 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, int_dots: bool
     return {key: statistics.median(runs) / layers.count for key, runs in times.items()}
 
 
+def dense_gemv_rates(hidden: int, n: int, dtype: str, threads: list[int], reps: int,
+                     rng: np.random.Generator) -> dict[int, float]:
+    """Bytes per second, by thread count, that picc's dense GEMV reads an [n, hidden] matrix of
+    ``dtype`` from memory (1 GiB of copies, one GEMV each): the kernel a dense model runs."""
+    four_bit = dtype in ("q4_0", "q4_1")
+    w = rng.normal(0, hidden**-0.5, size=(n, hidden)).astype(np.float32)
+    raw = quant.quantize(w, dtype).reshape(-1).view(np.uint8)
+    if four_bit:
+        raw = to_rows8(raw, dtype, (n, hidden)).reshape(-1)
+    count = max(1, WORKING_SET // raw.nbytes)
+    data = huge_zeros(count * raw.nbytes)
+    for i in range(count):
+        data[i * raw.nbytes : (i + 1) * raw.nbytes] = raw
+    x = rng.normal(size=hidden).astype(np.float32)
+    buffers = [aligned_zeros(SYNC_BYTES), x, aligned_zeros(4 * n), data]
+    prog = Program("dense_gemv_step", sync=0)
+    kernel = gemv(dtype, int_dots=four_bit, rows8=four_bit)
+    for i in range(count):
+        prog.call(kernel, Buf(3, i * raw.nbytes), Buf(1), Null(), Buf(2), n, hidden, 0)
+    step = compile_kernels([], [prog]).function(prog.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
+    table = buffer_table(buffers)
+    rates = {}
+    for t in threads:
+        with ThreadTeam(t) as team:
+            secs = median_time(lambda t=t, team=team: team.run_each(
+                lambda tid: step(ctypes.addressof(table), tid, t)), reps)
+        rates[t] = count * raw.nbytes / secs
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
@@ -207,9 +242,11 @@ def main() -> None:
           f"{'.'.join(map(str, llvm.llvm_version_info))}), numpy {np.__version__}")
     bandwidths = [measure_memory_bandwidth()]
     print(f"read bandwidth (every core streaming, picc.targets): {bandwidths[0] / 1e9:.1f} GB/s")
+    print(f"VNNI: the host has {host_vnni()}; picc's kernels do not use it (int16 x dots 4-bit rows with "
+          "vpmaddwd; float x with FMAs)")
     print()
-    header = (f"{'shape':>11} {'dtype':>10} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
-              f"{'cached GB/s':>11} {'vs numpy':>8}")
+    header = (f"{'shape':>11} {'dtype':>10} {'x':>3} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
+              f"{'cached GB/s':>11} {'dense GB/s':>10} {'vs dense':>8} {'vs numpy':>8}")
     l3 = l3_bytes()
     rows = []
     for shape in args.shapes.split(","):
@@ -219,6 +256,7 @@ def main() -> None:
               f"({3 * 4 * hidden * n / numpy_time / 1e9:.1f} GB/s, {how})")
         for spec in args.dtypes.split(","):
             dtype, _, dots = spec.partition("-")
+            dense = dense_gemv_rates(hidden, n, dtype, threads, args.reps, rng)
             layers = Layers(hidden, n, dtype, rng)
             times = bench_kernel(layers, hidden, n, dtype, dots == "int", threads, args.reps, rng)
             bandwidths.append(measure_memory_bandwidth())
@@ -227,17 +265,18 @@ def main() -> None:
                     continue
                 active = 3 * layers.row_bytes * round(frac * n)
                 in_cache = active / times[(t, frac, True)] if l3 and active <= l3 // 2 else None
-                rows.append((f"{hidden}x{n}", spec, t, frac, secs, active / secs, in_cache, numpy_time / secs))
+                rows.append((f"{hidden}x{n}", spec, "i16" if dots == "int" else "f32", t, frac, secs, active / secs,
+                             in_cache, dense[t], numpy_time / secs))
             del layers
     bw = statistics.median(bandwidths)
     print(f"read bandwidth, median of {len(bandwidths)} measurements in this run: {bw / 1e9:.1f} GB/s "
           f"(min {min(bandwidths) / 1e9:.1f}, max {max(bandwidths) / 1e9:.1f})")
     print()
     print(header)
-    for shape, dtype, t, frac, secs, rate, in_cache, speedup in rows:
+    for shape, dtype, x, t, frac, secs, rate, in_cache, dense, speedup in rows:
         cached = f"{in_cache / 1e9:.1f}" if in_cache else "-"
-        print(f"{shape:>11} {dtype:>10} {t:>3} {frac:>6.0%} {secs * 1e6:>9.1f} {rate / 1e9:>6.1f} "
-              f"{rate / bw:>5.0%} {cached:>11} {speedup:>7.2f}x")
+        print(f"{shape:>11} {dtype:>10} {x:>3} {t:>3} {frac:>6.0%} {secs * 1e6:>9.1f} {rate / 1e9:>6.1f} "
+              f"{rate / bw:>5.0%} {cached:>11} {dense / 1e9:>10.1f} {rate / dense:>7.0%} {speedup:>7.2f}x")
     print()
     print("GB/s: bytes of the active rows of up, gate and down read per second; %bw: of the median read bandwidth;")
     if l3:
@@ -245,6 +284,9 @@ def main() -> None:
               f"they take at most half of the {l3 / 2**20:.0f} MiB L3)")
     else:
         print("cached GB/s: not measured (L3 size unknown)")
+    print("x: how the sparse kernel dots its rows (f32, or i16: x rounded to int16 per block of 32).")
+    print("dense GB/s: picc's dense GEMV of the same matrices (4-bit: rows8 layout, int16 x); vs dense: the "
+          "sparse kernel's GB/s as a share of it.")
     print("vs numpy: numpy's dense f32 FFN time / this kernel's time on the same shape (> 1: faster).")
 
 

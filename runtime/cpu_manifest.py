@@ -18,7 +18,7 @@ section, not a default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from runtime.contracts import ContractError, _get
@@ -80,36 +80,35 @@ class CpuBuffer:
         return cls(kind, **fields)
 
 
+class _IntRecord:
+    """A record whose fields are all integers: a JSON object of them, in field order."""
+
+    __slots__ = ()
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_json(cls, data: object) -> Any:  # noqa: ANN401 - the subclass
+        return cls(*(_int(data, f.name) for f in fields(cls)))  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, slots=True)
-class ValueBytes:
+class ValueBytes(_IntRecord):
     """One token's bytes of a value at byte ``offset`` of ``bufs[buffer]``."""
 
     buffer: int
     offset: int
     nbytes: int
 
-    def to_json(self) -> dict:
-        return {"buffer": self.buffer, "offset": self.offset, "nbytes": self.nbytes}
-
-    @classmethod
-    def from_json(cls, data: object) -> ValueBytes:
-        return cls(_int(data, "buffer"), _int(data, "offset"), _int(data, "nbytes"))
-
 
 @dataclass(frozen=True, slots=True)
-class LogitsRow:
+class LogitsRow(_IntRecord):
     """``n`` f32 logits at byte ``offset`` of ``bufs[buffer]`` (in a chunk: the first token's)."""
 
     buffer: int
     offset: int
     n: int
-
-    def to_json(self) -> dict:
-        return {"buffer": self.buffer, "offset": self.offset, "n": self.n}
-
-    @classmethod
-    def from_json(cls, data: object) -> LogitsRow:
-        return cls(_int(data, "buffer"), _int(data, "offset"), _int(data, "n"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,7 +229,7 @@ def test_predictors_are_cached(monkeypatch, tmp_path):
 
     changed = tmp_path / "picc"
     shutil.copytree(digest.PACKAGE, changed, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(changed / "predictors.py", "a") as f:
+    with open(changed / "sparsity" / "predictors.py", "a") as f:
         f.write("# another version of the training\n")
     monkeypatch.setattr(digest, "PACKAGE", changed)
     sparse_model("reglu", "predictor")

@@ -22,6 +22,7 @@ from picc.frontend.onnx_match import (
     Matcher,
     NoMatch,
     Partial,
+    axes_of,
     axis_is_last,
     handles,
     mismatch,
@@ -90,9 +91,7 @@ def _transpose(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
 @handles("Unsqueeze")
 def _unsqueeze(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
     x = ins[0]
-    axes = a.get("axes")
-    if axes is None and len(ins) > 1 and isinstance(ins[1], Known):
-        axes = ins[1].value.reshape(-1).tolist()
+    axes = axes_of(ins, a)
     if isinstance(x, Heads) and x.layout == "bnsd" and list(axes or []) == [2]:
         s = x.shape
         return [replace(x, layout="bn1sd", shape=(s[0], s[1], 1, s[2], s[3]))]

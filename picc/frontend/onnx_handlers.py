@@ -20,6 +20,7 @@ from picc.frontend.onnx_match import (
     Matcher,
     NoMatch,
     Partial,
+    axes_of,
     axis_is_last,
     both,
     close,
@@ -210,9 +211,7 @@ def _pow(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
 @handles("ReduceMean")
 def _reduce_mean(m: Matcher, node: onnx.NodeProto, ins: list, a: dict) -> list:
     x = ins[0]
-    axes = a.get("axes")
-    if axes is None and len(ins) > 1 and isinstance(ins[1], Known):
-        axes = ins[1].value.reshape(-1).tolist()
+    axes = axes_of(ins, a)
     if (isinstance(x, Partial) and x.kind == "sq" and axes is not None and len(axes) == 1
             and axis_is_last(int(axes[0]), len(x.shape)) and a.get("keepdims", 1) == 1):
         return [replace(x, kind="meansq")]

@@ -356,6 +356,14 @@ def handles(*ops: str) -> Callable[[Handler], Handler]:
     return register
 
 
+def axes_of(ins: list, a: dict) -> list | None:
+    """A node's ``axes``: the attribute (opsets before 13) or its known second input, else None."""
+    axes = a.get("axes")
+    if axes is None and len(ins) > 1 and isinstance(ins[1], Known):
+        axes = ins[1].value.reshape(-1).tolist()
+    return axes
+
+
 def renames_partial(op: str, kind: str, to: str) -> None:
     """Register the handler of the unary ``op`` as one step of a pattern spelled out op by op:
     it turns a ``Partial`` of ``kind`` into one of kind ``to`` (anything else is no match)."""

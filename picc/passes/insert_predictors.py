@@ -19,7 +19,6 @@ predictors are trained. Guarantees: every chosen ffn is a ``sparse_ffn``, predic
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -69,8 +68,13 @@ class InsertOptions(PassOptions):
                 raise PiccError(f"option {key}={share}: expected a share in (0, 1]")
 
 
-def _stem(ffn: O.FFN) -> str:
-    return re.sub(r"\.out$", "", ffn.result)
+def _names(ffn: O.FFN) -> tuple[str, str]:
+    """The stem of the names of a layer's predictor weights and the name of its mask: after the
+    FFN's decoder block (``l3.pred.fc1``, ``%l3.ffn.mask``), or its value outside blocks. Names
+    only: nothing reads them back."""
+    if ffn.block is not None:
+        return f"l{ffn.block}.pred", f"l{ffn.block}.ffn.mask"
+    return f"{ffn.result}.pred", f"{ffn.result}.mask"
 
 
 def collect_layer_data(module: Module, weights: WeightStore, windows, names: set[str]) -> dict[str, LayerData]:  # noqa: ANN001
@@ -198,10 +202,9 @@ def insert_predictors(module: Module, ctx: PassContext[InsertOptions]) -> Module
         mask = None
         if chosen == "predictor":
             assert predictor is not None
-            stem = _stem(op).replace(".ffn", ".pred")
+            stem, mask = _names(op)
             names = {part: _add(ctx.weights, decls, f"{stem}.{part}", getattr(predictor, part))
                      for part in ("fc1", "fc1_bias", "fc2", "fc2_bias")}
-            mask = f"{_stem(op)}.mask"
             pred_type = ctx.weights[names["fc2"]].shape[0]
             new_ops.append(Predict(result=mask, type=replace(op.type, dtype=DType.BOOL,
                                                              shape=(op.type.shape[0], pred_type)),

@@ -349,7 +349,7 @@ def attach(module: Module, weights: WeightStore, profile: Profile) -> Module:
     for op in func.ops:
         layer = by_name.get(op.result)
         if isinstance(op, O.FFN) and layer is not None:
-            stem = op.result.rsplit(".", 1)[0] if op.result.endswith(".out") else op.result
+            stem = f"l{op.block}.ffn" if op.block is not None else op.result  # names only
             names: list[str | None] = []
             for kind, values in (("freq", layer.freq), ("mag", layer.mag), ("score_scale", layer.score_scale)):
                 if values is None:
