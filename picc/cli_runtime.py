@@ -33,9 +33,9 @@ def open_session(path: str, threads: int | None, ctx: int | None = None, gpu: st
     except (PibError, ExecutorError) as e:
         raise PiccError(str(e)) from None
     if session.executor.gpu_kind == "emulated":
-        plan = session.pib.json("plan")
+        plan = session.pib.plan()
         print(f"warning: no CUDA device here; the GPU part runs on the host-emulated GPU (the host build of the same "
-              f"kernels, in the plan's {plan['gpu_bytes'] / 2**20:.1f} of {plan['budget'] / 2**20:.1f} MiB of VRAM): "
+              f"kernels, in the plan's {plan.gpu_bytes / 2**20:.1f} of {plan.budget / 2**20:.1f} MiB of VRAM): "
               "correct but slow", file=sys.stderr)
     try:
         yield session

@@ -126,8 +126,8 @@ class CudaGpu:
         self._seen: set[tuple[str, ...]] = set()
         self.base, self.pinned, self.stream = _u64(), ctypes.c_void_p(), ctypes.c_void_p()
         manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
-        plan = pib.json("plan")
-        self.arena_bytes = int(plan["gpu_bytes"])
+        plan = pib.plan()
+        self.arena_bytes = plan.gpu_bytes
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         cu("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
         if self.arena_bytes > free.value:
@@ -136,10 +136,10 @@ class CudaGpu:
         image = arena_image(pib, self.arena_bytes)  # weights and constants in place, the rest zero
         cu("cuMemcpyHtoD_v2", self.base, image.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(image.nbytes))
         cu("cuStreamCreate", ctypes.byref(self.stream), _STREAM_NON_BLOCKING)
-        self._slots = {k: int(v) for k, v in plan["activation_offsets"].items()}
-        activations = next((b for b in plan["buffers"] if b["name"] == "activations"), None)
-        self._act = int(activations["offset"]) if activations else 0
-        act_bytes = int(activations["nbytes"]) if activations else 0
+        self._slots = dict(plan.activation_offsets)
+        activations = plan.buffer("activations")
+        self._act = activations.offset if activations else 0
+        act_bytes = activations.nbytes if activations else 0
         cu("cuMemHostAlloc", ctypes.byref(self.pinned), ctypes.c_size_t(max(act_bytes, 1)), 0)
         self._staging = np.ctypeslib.as_array(ctypes.cast(self.pinned, ctypes.POINTER(ctypes.c_uint8)),
                                               (max(act_bytes, 1),))

@@ -122,7 +122,7 @@ class Executor:
         self.gpu_kind = self.gpu.kind if self.gpu is not None else None
         self._worker = _GpuWorker() if self.gpu is not None else None
         self.vocab = self.cpu.vocab
-        self.ctx = int(pib.json("plan")["ctx"])  # positions the KV caches hold
+        self.ctx = pib.plan().ctx  # positions the KV caches hold
         self.times = DeviceTimes()
 
     def _inputs(self, token: int, pos: int) -> None:

@@ -30,8 +30,7 @@ import numpy as np
 from runtime import gpu_layout
 from runtime.contracts import Call, launches_from_json
 from runtime.pib import PibFile
-
-ARENA_ALIGN = 256  # what cudaMalloc guarantees; the plan's buffers start at multiples of it
+from runtime.plan import ARENA_ALIGN
 
 
 class GpuError(Exception):
@@ -80,9 +79,8 @@ class EmulatedGpu:
     kind = "emulated"
 
     def __init__(self, pib: PibFile) -> None:
-        plan = pib.json("plan")
-        self.arena_bytes = int(plan["gpu_bytes"])
-        budget = int(plan["budget"])
+        plan = pib.plan()
+        self.arena_bytes, budget = plan.gpu_bytes, plan.budget
         if self.arena_bytes > budget:
             raise GpuError(f"{pib.path}: the plan needs {self.arena_bytes} GPU bytes but its budget is {budget}")
         self.device = EmulatedDevice(budget)
@@ -91,9 +89,9 @@ class EmulatedGpu:
         self.times = GpuTimes()
         self._library = _load_host_library(pib)
         self._launches = self._bind(launches_from_json(pib.json("gpu/launches")))
-        activations = next((b for b in plan["buffers"] if b["name"] == "activations"), None)
-        self._act = int(activations["offset"]) if activations else 0
-        self._slots = {k: int(v) for k, v in plan["activation_offsets"].items()}
+        activations = plan.buffer("activations")
+        self._act = activations.offset if activations else 0
+        self._slots = dict(plan.activation_offsets)
 
     # --- memory -------------------------------------------------------------------------------------
 
@@ -167,19 +165,19 @@ def arena_image(pib: PibFile, nbytes: int) -> np.ndarray:
     """The GPU arena as it starts: each weight and constant of the plan at its offset, in the GPU
     layout, and zeros elsewhere (KV caches, activations, workspace)."""
     image = np.zeros(nbytes, np.uint8)
-    for b in pib.json("plan")["buffers"]:
-        if b["device"] != "gpu":
+    for b in pib.plan().buffers:
+        if b.device != "gpu":
             continue
-        name, at, size = b["name"], int(b["offset"]), int(b["nbytes"])
+        name, at, size = b.name, b.offset, b.nbytes
         if at + size > nbytes:
             raise GpuError(f"{pib.path}: plan buffer {name} lies past the {nbytes}-byte GPU arena")
-        if b["kind"] == "weight":
+        if b.kind == "weight":
             t = pib.tensor(name)
             need = gpu_layout.gpu_nbytes(t.dtype, t.shape)
             if need != size:
                 raise GpuError(f"{pib.path}: weight {name} needs {need} GPU bytes but the plan gives it {size}")
             gpu_layout.write_planes(image[at : at + size], t.data, t.dtype, t.shape)
-        elif b["kind"] == "constant":
+        elif b.kind == "constant":
             values = np.ascontiguousarray(pib.tensor(f"gpu.const.{name}").data, np.float32)
             image[at : at + size] = values.view(np.uint8)
     return image

@@ -42,6 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.contracts import ContractError
+from runtime.plan import MemoryPlan
+
 MAGIC = b"PICCPIB\0"
 FORMAT_VERSION = 7  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
 # 5: chunk programs by stage (hybrid models prefill in chunks too); 6: the GPU's FFN kernels sum their
@@ -156,6 +159,13 @@ class PibFile:
 
     def json(self, name: str) -> dict:
         return json.loads(self.section(name))
+
+    def plan(self) -> MemoryPlan:
+        """The memory plan (the ``plan`` section), typed; a malformed one is a ``PibError``."""
+        try:
+            return MemoryPlan.from_json(self.json("plan"))
+        except ContractError as e:
+            raise self._fail(str(e)) from None
 
     def tensor(self, name: str) -> StoredTensor:
         """The stored array of tensor ``name``: a read-only view of the mapped file (no copy)."""

@@ -50,8 +50,7 @@ class Session:
 
     def __init__(self, path: str | Path, threads: int | None = 1, ctx: int | None = None, gpu: str = "auto") -> None:
         self.pib = PibFile(path)
-        plan = self.pib.json("plan")
-        self.max_ctx = int(plan["ctx"])
+        self.max_ctx = self.pib.plan().ctx
         if ctx is not None and not 1 <= ctx <= self.max_ctx:
             raise ExecutorError(f"--ctx {ctx}: this model was compiled for at most {self.max_ctx} positions "
                                 "(picc compile --ctx N)")

@@ -21,10 +21,11 @@ from picc.ir.printer import print_module
 from picc.ir.types import DType, Placement
 from picc.ir.verifier import VerifyError, verify
 from picc.passes import parse_pipeline, run_pipeline
-from picc.placement.memory_plan import ALIGN, plan_memory, tensor_bytes
+from picc.placement.memory_plan import plan_memory, tensor_bytes
 from picc.placement.plan_report import build_report, format_report
 from picc.placement.schedule import schedule
 from picc.targets import load_target
+from runtime.plan import ARENA_ALIGN as ALIGN
 
 REL = 1e-5
 

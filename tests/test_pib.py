@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -88,3 +89,19 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_pib(path, model, plan={}, report={}, meta={})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_memory_plan_is_one_typed_record_on_both_sides():
+    # picc writes the plan and the runtime reads it through runtime.plan.MemoryPlan: a round trip
+    # keeps every field; a plan of another version or without a field is refused by name.
+    from runtime.contracts import ContractError
+    from runtime.plan import PLAN_VERSION, Buffer, MemoryPlan
+
+    plan = MemoryPlan(64, 1 << 20, (Buffer("w", "weight", "gpu", 1000, 0, 3), Buffer("kv.l0", "kv-cache", "cpu", 512)),
+                      {"x": 0}, ("a note",))
+    data = json.loads(json.dumps(plan.to_json()))
+    assert MemoryPlan.from_json(data) == plan and data["gpu_bytes"] == 1024 and data["cpu_bytes"] == 512
+    with pytest.raises(ContractError, match=f"plan: version 0; this picc reads version {PLAN_VERSION}"):
+        MemoryPlan.from_json({**data, "version": 0})
+    with pytest.raises(ContractError, match="plan: missing 'activation_offsets'"):
+        MemoryPlan.from_json({k: v for k, v in data.items() if k != "activation_offsets"})

@@ -145,7 +145,7 @@ def main() -> None:
         # two folders benches all of them in its second call, on the same warm machine).
         paths = sorted({p.name: p for d in [HERE, *args.bench_also] for p in (d / "pibs").glob("relu_*.pib")}.values())
         for path in paths:
-            gpu_bytes = int(PibFile(path).json("plan")["gpu_bytes"])
+            gpu_bytes = PibFile(path).plan().gpu_bytes
             for threads in [int(t) for t in args.threads.split(",")]:
                 b = bench(path, threads, args.gpu if gpu_bytes else "auto", args.repeat)
                 results["bench"].append(b)

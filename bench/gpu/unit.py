@@ -38,7 +38,7 @@ def run_unit(cu: Driver, key: str, unit: dict) -> list[tuple[str, float]]:
     data = np.load(HERE / "units" / f"{key}.npz")
     pib = PibFile(HERE / "pibs" / f"{unit['pib']}.pib")
     manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
-    initial = arena_image(pib, int(pib.json("plan")["gpu_bytes"]))
+    initial = arena_image(pib, pib.plan().gpu_bytes)
 
     def before(name: str, shape: list[int], dtype: str, offset: int) -> np.ndarray:
         """The argument as the call found it: recorded, or (a weight, a constant) as loaded."""

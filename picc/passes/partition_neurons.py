@@ -50,6 +50,7 @@ from picc.placement.partition import SOLVERS
 from picc.placement.partition.problem import DeviceCosts, FfnLayer, PartitionProblem, make_placement
 from picc.placement.partition.problem import Placement as NeuronPlacement
 from picc.targets import Target, load_target, parse_size
+from runtime.plan import ARENA_ALIGN
 
 GPU, CPU = Placement.GPU, Placement.CPU
 _ROW_FIELDS = ("up", "gate", "down", "up_bias", "gate_bias", "freq", "mag", "score_scale")  # indexed by neuron
@@ -298,7 +299,7 @@ def decide(trials: _Trials, s: PartitionOptions) -> tuple[DenseChoice, NeuronPla
     shapes = (none, [min(1, n) for n in n_ff], n_ff)
     reserve = max(_overhead(trials.plan(dense, trials.neurons(dense, hot))) for hot in shapes)
     fixed = base_plan.device_bytes("gpu", "weight") + base_plan.device_bytes("gpu", "kv-cache") if base_plan else 0
-    budget = max(0, s.budget - fixed - reserve - len(n_ff) * _PART_TENSORS * mp.ALIGN)
+    budget = max(0, s.budget - fixed - reserve - len(n_ff) * _PART_TENSORS * ARENA_ALIGN)
     neurons = trials.neurons(dense, budget=budget)
     while (over := trials.plan(dense, neurons).gpu_bytes - s.budget) > 0:  # pragma: no cover - reserve bounds it
         budget = max(0, budget - over)

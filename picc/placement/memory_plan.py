@@ -5,7 +5,7 @@ module (the ``partition-neurons`` pass records each weight's and op's device in 
 the one statement of GPU memory: ``picc compile`` writes it into the ``.pib`` as JSON, ``picc
 inspect`` reports it, and the runtime allocates exactly its buffers at its offsets in one arena.
 
-What lives on the GPU (each buffer starts at a multiple of ``ALIGN`` in the arena):
+What lives on the GPU (each buffer starts at a multiple of ``runtime.plan.ARENA_ALIGN`` in the arena):
 
 * every weight declared ``@gpu`` (dense weights of the layers placed there, predictors, the hot
   part of each FFN, the LM head if placed) in the GPU layout of ``runtime.gpu_layout``: matrices
@@ -27,10 +27,8 @@ allocated), so ``cpu_bytes`` is the host memory the model holds beside its activ
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 from picc.ir import ops as O
 from picc.ir.core import Op
@@ -42,17 +40,12 @@ from picc.ir.weights import WeightStore
 from picc.placement.schedule import Schedule, schedule
 from picc.quant import raw_nbytes
 from runtime import gpu_layout
+from runtime.plan import Buffer, MemoryPlan, aligned
 
-ALIGN = 256  # what cudaMalloc guarantees; 16-byte vector loads and 64-byte CPU lines divide it
 KV_BYTES = 4  # the KV cache holds f32, as the interpreter does, so GPU and CPU layers agree
 DEFAULT_CTX = 512
-PLAN_VERSION = 1
 
 _ELEMENT = {DType.F32: 4, DType.F16: 2, DType.BF16: 2, DType.I32: 4, DType.I64: 8, DType.BOOL: 1}
-
-
-def aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def tensor_bytes(t: TensorType, seq: int = 1) -> int:
@@ -144,63 +137,6 @@ def gpu_constants(op: Op, weights: WeightStore) -> list[tuple[str, int]]:
 def kv_cache_bytes(op: O.Attention, k_width: int, ctx: int) -> int:
     """K and V for ``ctx`` positions of an attention op whose K rows are ``k_width`` wide."""
     return 2 * ctx * k_width * KV_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class Buffer:
-    """One allocation: a weight (by name), a layer's KV cache, the activations or the workspace.
-
-    ``offset`` is its place in its device's arena (GPU buffers only; -1 on the CPU).
-    """
-
-    name: str
-    kind: str  # "weight" | "constant" | "kv-cache" | "activations" | "workspace"
-    device: str  # "gpu" | "cpu"
-    nbytes: int
-    offset: int = -1
-    layer: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryPlan:
-    """The buffers of a placed module for ``ctx`` positions."""
-
-    ctx: int
-    budget: int
-    buffers: tuple[Buffer, ...]
-    activation_offsets: dict[str, int]  # GPU value -> offset in the activation arena
-    notes: tuple[str, ...] = ()
-
-    @property
-    def gpu_bytes(self) -> int:
-        """The GPU arena: every GPU buffer at its aligned offset."""
-        return max((b.offset + aligned(b.nbytes) for b in self.buffers if b.device == "gpu"), default=0)
-
-    @property
-    def cpu_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers if b.device == "cpu")
-
-    def device_bytes(self, device: str, kind: str | None = None, layer: int | None = None) -> int:
-        """Bytes (aligned on the GPU) of the buffers on ``device``, optionally of one kind / layer."""
-        return sum(aligned(b.nbytes) if device == "gpu" else b.nbytes for b in self.buffers
-                   if b.device == device and (kind is None or b.kind == kind)
-                   and (layer is None or b.layer == layer))
-
-    def to_json(self) -> dict:
-        return {"version": PLAN_VERSION, "ctx": self.ctx, "budget": self.budget,
-                "gpu_bytes": self.gpu_bytes, "cpu_bytes": self.cpu_bytes, "notes": list(self.notes),
-                "buffers": [asdict(b) for b in self.buffers],
-                "activation_offsets": self.activation_offsets}
-
-    @staticmethod
-    def from_json(data: dict) -> MemoryPlan:
-        return MemoryPlan(int(data["ctx"]), int(data["budget"]),
-                          tuple(Buffer(**b) for b in data["buffers"]),
-                          {k: int(v) for k, v in data["activation_offsets"].items()},
-                          tuple(data.get("notes", ())))
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1)
 
 
 def copy_points(func: Function, steps: Schedule) -> tuple[dict[str, int], dict[str, int]]:
