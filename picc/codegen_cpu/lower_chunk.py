@@ -59,7 +59,13 @@ class ChunkSlots:
 
 
 class ChunkLowering(OpLowering):
-    """One set of chunk programs (:meth:`lower_programs`): the ops of ``plan``, stage by stage."""
+    """One set of chunk programs (:meth:`lower_programs`): the ops of ``plan``, stage by stage.
+
+    The IR names the decode step's kernels; a chunk computes some ops with batched kernels of its
+    own (GEMMs for GEMVs, the chunk FFN, int16 rounding into a slot), so its calls are not checked
+    against those names."""
+
+    names_ir_kernels = False
 
     def __init__(self, func: Function, weights: WeightStore, sched: Schedule, ctx: int, bufs: CpuBuffers,
                  slots: ChunkSlots, plan: ChunkPlan) -> None:
@@ -101,7 +107,7 @@ class ChunkLowering(OpLowering):
         x, access = self.gemm_input(op, op.x, int(w.shape[1]), op.weight)
         self.call(op, kernels_dense.gemm(w.dtype.value, _rows8(op)), self.weight(op.weight, layout=_layout(op)),
                   x, self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
-                  int(w.shape[0]), int(w.shape[1]), 0, check=False, batched=True, access=access)
+                  int(w.shape[0]), int(w.shape[1]), 0, batched=True, access=access)
 
     def add(self, op: O.Add) -> None:
         # Elementwise over the chunk's whole buffer (rows past seq are computed and never read).
@@ -125,8 +131,8 @@ class ChunkLowering(OpLowering):
             return self.value(value), None
         slot = self.xi16_buffer(width)
         if self.xi16_holds != value:
-            self.call(op, kernels_misc.round_int16(), self.value(value), slot, self.rows(), width, check=False,
-                      batched=True, access=Access(frozenset({value}), frozenset({_XI16}), True))
+            self.call(op, kernels_misc.round_int16(), self.value(value), slot, self.rows(), width, batched=True,
+                      access=Access(frozenset({value}), frozenset({_XI16}), True))
             self.xi16_holds = value
         return slot, Access(frozenset(set(op.values()) | {_XI16}), frozenset({op.result}),
                             isinstance(op, _BARRIER_FREE))
@@ -144,7 +150,7 @@ class ChunkLowering(OpLowering):
                  access: Access | None = None) -> None:
             kernel = kernels_dense.gemm(self.weights[weight].dtype.value, _rows8(op))
             self.call(op, kernel, self.weight(weight, layout=_layout(op)), src, self.weight(bias, as_f32=True), dst,
-                      rows, out, k, 0, check=False, batched=True, access=access)
+                      rows, out, k, 0, batched=True, access=access)
 
         gemm(op.up, op.up_bias, x, u, n, hidden, up_access)
         if op.gate:
@@ -154,11 +160,11 @@ class ChunkLowering(OpLowering):
             reads = {op.x} | (gate_access.reads & {_XI16} if gate_access else set())
             gemm(op.gate, op.gate_bias, xg, g, n, hidden,
                  access=Access(frozenset(reads), frozenset({f"{op.result}.gate"}), True))
-        self.call(op, kernels_misc.ffn_activation(op.form), g, u, u, floats, check=False, batched=True)
+        self.call(op, kernels_misc.ffn_activation(op.form), g, u, u, floats, batched=True)
         h, down_access = u, None
         if _int_dots(op) and self.weights[op.down].dtype.value in names.INT_DOT_DTYPES:
             # The step's kernel dots the down rows with h rounded to int16: so does the prefill.
-            self.call(op, kernels_misc.round_int16(), u, self.xi16_buffer(n), rows, n, check=False, batched=True,
+            self.call(op, kernels_misc.round_int16(), u, self.xi16_buffer(n), rows, n, batched=True,
                       access=Access(frozenset({op.result}), frozenset({_XI16}), False))
             self.xi16_holds = None
             h, down_access = self.xi16_buffer(n), Access(frozenset({_XI16}), frozenset({op.result}), False)
@@ -175,8 +181,7 @@ class ChunkLowering(OpLowering):
         self.call(op, kernel, x, w.up, w.gate, w.down_t, w.up_bias, w.gate_bias,
                   self.weight(op.down_bias, as_f32=True), self.activation(op.result), w.mask,
                   scratch, self.rows(), stride, w.n, w.hidden, float(op.threshold),
-                  self.weight(op.score_scale, as_f32=True), check=False,
-                  batched=True, access=access)
+                  self.weight(op.score_scale, as_f32=True), batched=True, access=access)
 
     # --- programs ----------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from picc import kernel_names as names
 from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, rowplanes
@@ -86,6 +87,8 @@ class OpLowering(ABC):
     """Lowers ops of ``func`` into :attr:`program`, taking buffers from ``bufs`` (shared by all
     the programs of a module); ``ctx``: the positions the KV caches hold."""
 
+    names_ir_kernels: ClassVar[bool] = True  # each call is the kernel ``select-kernels`` named for its op
+
     def __init__(self, func: Function, weights: WeightStore, sched: Schedule, ctx: int, bufs: CpuBuffers) -> None:
         self.func, self.weights, self.sched, self.ctx, self.bufs = func, weights, sched, ctx, bufs
         self.types = func.value_types()
@@ -152,13 +155,14 @@ class OpLowering(ABC):
         assert isinstance(d, int)
         return d
 
-    def call(self, op: Op, kernel: Kernel, *args: object, check: bool = True, batched: bool = False,
+    def call(self, op: Op, kernel: Kernel, *args: object, batched: bool = False,
              writes: set[str] | None = None, access: Access | None = None) -> None:
         """Call ``kernel`` for ``op``. A kernel that is not ``batched`` (it sees one token) is
         called :meth:`per_token` times. ``writes``: values it writes besides ``op``'s result.
         ``access``: what the call reads and writes, when it is one of several calls of ``op``
-        and not the whole op (:func:`place_barriers` reads it)."""
-        if check and op.kernel != kernel.symbol:
+        and not the whole op (:func:`place_barriers` reads it). Where :attr:`names_ir_kernels`,
+        ``kernel`` must be the one the op names."""
+        if self.names_ir_kernels and op.kernel != kernel.symbol:
             raise PiccError(f"codegen_cpu: %{op.result} names kernel {op.kernel!r} but the CPU computes it with "
                             f"{kernel.symbol!r}" + ("; run select-kernels first" if op.kernel is None else ""))
         repeat = None if batched else self.per_token()
