@@ -146,20 +146,9 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
             return cpu
     module, weights, plan, report = chosen.module, chosen.weights, chosen.plan, chosen.report
     compiled = replace(model, module=module, weights=weights)
-    if cpu_only and not options.dense and not _is_sparse(model):
-        dense = _dense_estimate(model, options, target)
-        report["dense_estimate_tokens_per_s"] = dense
-        if dense > report["estimate_tokens_per_s"] and not options.sparse:
-            why = (f"the cost model estimates ~{dense:.0f} tokens/s for the dense model on {target.name}, "
-                   f"~{report['estimate_tokens_per_s']:.0f} for the sparse one")
-            say(f"compiling the dense model: {why} (--sparse keeps sparsity)")
-            chosen_dense = compile_model(model, replace(options, dense=True), instruments, lambda _: None)
-            chosen_dense.report["notes"].append(f"dense, chosen: {why}")
-            chosen_dense.report["sparse_estimate_tokens_per_s"] = report["estimate_tokens_per_s"]
-            return chosen_dense
-        if dense > report["estimate_tokens_per_s"]:
-            say(f"note: the cost model estimates ~{dense:.0f} tokens/s for this model compiled with --dense on "
-                f"{target.name}, against ~{report['estimate_tokens_per_s']:.0f} sparse (kept: --sparse)")
+    weigh = cpu_only and not options.dense and not _is_sparse(model)
+    if weigh and (dense := _dense_if_faster(model, options, target, report, instruments, say)) is not None:
+        return dense
     steps = schedule(module)
     say(f"generating CPU code ({target.cpu.simd})")
     sections, tensors, layouts = cpu_code(module, weights, steps, options.ctx, target.cpu.simd)
@@ -213,6 +202,29 @@ def _cpu_is_faster(report: dict, alone: float, options: CompileOptions, target: 
         return False
     say(f"placing nothing on the GPU: {why}; --vram SIZE keeps a GPU part")
     return True
+
+
+def _dense_if_faster(model: LoadedModel, options: CompileOptions, target: Target, report: dict,
+                     instruments: Instruments | None, say: Callable[[str], None]) -> Compiled | None:
+    """The dense model compiled, when the cost model estimates it faster than the sparse one
+    whose ``report`` is given and ``--sparse`` does not keep sparsity; else None (the estimate
+    goes in ``report`` either way, and a note when it is kept despite being slower)."""
+    dense = _dense_estimate(model, options, target)
+    sparse = report["estimate_tokens_per_s"]
+    report["dense_estimate_tokens_per_s"] = dense
+    if dense <= sparse:
+        return None
+    if options.sparse:
+        say(f"note: the cost model estimates ~{dense:.0f} tokens/s for this model compiled with --dense on "
+            f"{target.name}, against ~{sparse:.0f} sparse (kept: --sparse)")
+        return None
+    why = (f"the cost model estimates ~{dense:.0f} tokens/s for the dense model on {target.name}, "
+           f"~{sparse:.0f} for the sparse one")
+    say(f"compiling the dense model: {why} (--sparse keeps sparsity)")
+    chosen = compile_model(model, replace(options, dense=True), instruments, lambda _: None)
+    chosen.report["notes"].append(f"dense, chosen: {why}")
+    chosen.report["sparse_estimate_tokens_per_s"] = sparse
+    return chosen
 
 
 def _dense_estimate(model: LoadedModel, options: CompileOptions, target: Target) -> float:
