@@ -212,13 +212,10 @@ class CpuExecutor:
         self.chunk = manifest.prefill.chunk
         self._chunk_tokens = self._keep[manifest.prefill.tokens].view(np.int32)
 
-    def _native_team(self) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
-        """The generated code's thread-team worker and barrier (runtime.threads), or None in code
-        compiled before it had them."""
-        try:
-            return self.code.function("picc_team_worker", _WORKER), self.code.function("picc_team_barrier", _BARRIER)
-        except ExecutorError:
-            return None
+    def _native_team(self) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
+        """The generated code's thread-team worker and barrier (runtime.threads; every file of this
+        format has them)."""
+        return self.code.function("picc_team_worker", _WORKER), self.code.function("picc_team_barrier", _BARRIER)
 
     @property
     def stages(self) -> int:

@@ -186,7 +186,7 @@ def arena_image(pib: PibFile, nbytes: int) -> np.ndarray:
 def _load_host_library(pib: PibFile):  # noqa: ANN202 - a tvm runtime Module
     """The host build of the GPU kernels, loaded from the ``.pib``."""
     if not pib.has("gpu/host.so"):
-        raise GpuError(f"{pib.path}: has GPU ops but no host build of their kernels (compiled by an older picc?)")
+        raise GpuError(f"{pib.path}: has GPU ops but no host build of their kernels")
     import tvm
 
     fd, path = tempfile.mkstemp(prefix="picc-gpu-host-", suffix=".so")
