@@ -109,5 +109,8 @@ def test_bad_choices_are_verifier_errors_and_unfused_modules_are_refused():
         verify(parse(EXPECTED.replace('x_format = "i16", layout', 'x_format = "i8", layout')))
     with pytest.raises(Exception, match="accumulated_by must be a or b"):
         verify(parse(EXPECTED.replace('accumulated_by = "b"', 'accumulated_by = "c"')))
+    # Only a producer whose kernel can add into its output may do the add (%n is an rms_norm).
+    with pytest.raises(Exception, match="accumulated_by = 'a': %n must come from a linear or an ffn"):
+        verify(parse(EXPECTED.replace('add %h, %p {accumulated_by = "b"', 'add %n, %p {accumulated_by = "a"')))
     with pytest.raises(PiccError, match="already selected"):
         run_pipeline(parse(EXPECTED), _store(), parse_pipeline("select-kernels"))

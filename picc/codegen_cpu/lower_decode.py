@@ -43,11 +43,6 @@ def stage_symbol(stage: int, prefill: bool = False) -> str:
     return f"picc_stage_{stage}" + ("_prefill" if prefill else "")
 
 
-def _adds_in_place(op: Op) -> bool:
-    """Whether ``op``'s decode kernel can add its result to what its output buffer holds."""
-    return isinstance(op, (O.Linear, FusedFFN)) or (type(op) is O.FFN and not op.neuron_major)
-
-
 class DecodeLowering(OpLowering):
     """The step's programs (:meth:`lower_stages`, then :meth:`decode_loop`): ``programs`` in the
     order they are emitted, ``stages`` for the manifest, ``greedy`` when the step writes the
@@ -67,15 +62,11 @@ class DecodeLowering(OpLowering):
     def _residual_adds(self) -> dict[str, tuple[O.Add, str]]:
         """The adds of the decode step that ``select-kernels`` gave to the kernel of an operand's
         producer (``accumulated_by``): that kernel adds its rows into the residual's buffer and
-        the add's result lives there."""
+        the add's result lives there (the verifier checks that producer can)."""
         fused: dict[str, tuple[O.Add, str]] = {}
         for op in self.func.ops:
             if isinstance(op, O.Add) and (accumulated := op.accumulated) is not None:
                 src, res = accumulated
-                producer = self.func.producer(src)
-                if producer is None or not _adds_in_place(producer):
-                    raise PiccError(f"codegen_cpu: %{op.result} is accumulated by %{src}, whose kernel "
-                                    "cannot add into its output")
                 fused[src] = (op, res)
         return fused
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from picc.ir.core import Op, expect
@@ -35,3 +36,32 @@ class MatrixOp(Op):
     @property
     def rounds_x(self) -> bool:
         return self.x_format == "i16"
+
+    @property
+    def can_accumulate(self) -> bool:
+        """Whether its CPU decode kernel can add its result to what its output buffer holds (an
+        ``add``'s ``accumulated_by`` may name it): every matrix op but a sparse or neuron-major
+        ``ffn``, which has no kernel of its own."""
+        return True
+
+
+class Accumulated:
+    """What ``add`` gets from its ``accumulated_by`` ("a" | "b"), the residual add that the kernel
+    of that operand's producer does itself (``select-kernels``, the CPU's decode step)."""
+
+    # No annotations here: the op's field annotations (``a``, ``b``: values) must stay the only ones.
+    __slots__ = ()
+
+    @property
+    def accumulated(self) -> tuple[str, str] | None:
+        """(the operand whose producer's kernel does the add, the residual it adds into), or None."""
+        if not self.accumulated_by:
+            return None
+        return (self.a, self.b) if self.accumulated_by == "a" else (self.b, self.a)
+
+    def check_producers(self, producer: Callable[[str], Op | None]) -> None:
+        if (accumulated := self.accumulated) is not None:
+            made_by = producer(accumulated[0])
+            expect(isinstance(made_by, MatrixOp) and made_by.can_accumulate,
+                   f"accumulated_by = {self.accumulated_by!r}: %{accumulated[0]} must come from a linear or an "
+                   "ffn whose kernel can add into its output")

@@ -24,7 +24,7 @@ from picc.ir.core import (
     register_op,
     weight_shape_is,
 )
-from picc.ir.kernel_choice import LAYOUTS, X_FORMATS, MatrixOp
+from picc.ir.kernel_choice import LAYOUTS, X_FORMATS, Accumulated, MatrixOp
 from picc.ir.types import DType, TensorType, f32
 
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
@@ -349,7 +349,7 @@ class _Binary(Op):
 
 @register_op
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Add(_Binary):
+class Add(Accumulated, _Binary):
     """Elementwise ``a + b`` (residual connections).
 
     ``accumulated_by`` (``"a"`` or ``"b"``, set by ``select-kernels`` for the CPU's decode step):
@@ -364,12 +364,6 @@ class Add(_Binary):
         expect(self.accumulated_by in ("", "a", "b"), f"accumulated_by must be a or b, got {self.accumulated_by!r}")
         return _Binary.infer(self, env)
 
-    @property
-    def accumulated(self) -> tuple[str, str] | None:
-        """(the operand whose producer's kernel does the add, the residual it adds into), or None."""
-        if not self.accumulated_by:
-            return None
-        return (self.a, self.b) if self.accumulated_by == "a" else (self.b, self.a)
 
 
 @register_op
@@ -452,6 +446,10 @@ class FFN(MatrixOp):
     @property
     def spec(self) -> FfnForm:
         return FFN_FORMS[self.form]
+
+    @property
+    def can_accumulate(self) -> bool:
+        return type(self) is FFN and not self.neuron_major
 
     def n_ff(self, env: TypeEnv) -> int:
         n = env.weight(self.up).shape[0]

@@ -76,11 +76,6 @@ def _choose(op: Op, t: Types, rounded: bool, shared: frozenset[str]) -> Op:
     return replace(op, x_format="i16" if rounded and int_x else "f32", layout="rows8" if rows8 else "rows")
 
 
-def _adds_in_place(op: Op) -> bool:
-    """Whether ``op``'s decode kernel can add its result to what its output buffer holds."""
-    return isinstance(op, (O.Linear, FusedFFN)) or (type(op) is O.FFN and not op.neuron_major)
-
-
 def accumulated_adds(func: Function, sched: Schedule) -> dict[int, str]:
     """The adds of a decode step (by op index) that the kernel of an operand's producer can do
     itself, and which operand (``"a"`` / ``"b"``): ``add(r, p)`` with ``p`` a linear or an FFN
@@ -103,8 +98,9 @@ def accumulated_adds(func: Function, sched: Schedule) -> dict[int, str]:
             continue
         for which, src, res in (("a", op.a, op.b), ("b", op.b, op.a)):
             j, k = index.get(src), index.get(res)
-            if (j is None or k is None or not _adds_in_place(ops[j]) or readers.get(src) != [i]
-                    or k >= j or any(j <= r < i for r in readers[res]) or readers[res][-1] != i
+            if (j is None or k is None or not (isinstance(ops[j], O.MatrixOp) and ops[j].can_accumulate)
+                    or readers.get(src) != [i] or k >= j or any(j <= r < i for r in readers[res])
+                    or readers[res][-1] != i
                     or pinned & {src, res, op.result}
                     or stage_of.get(src) != stage_of[op.result] or stage_of.get(res) != stage_of[op.result]):
                 continue
