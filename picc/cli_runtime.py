@@ -122,6 +122,7 @@ def device_times(session, before) -> dict | None:  # noqa: ANN001 - a Session an
     now = ex.times
     return {"gpu": ex.gpu_kind, "gpu_ms": 1e3 * (now.gpu_seconds - before.gpu_seconds),
             "cpu_ms": 1e3 * (now.cpu_seconds - before.cpu_seconds),
+            "wait_ms": 1e3 * (now.wait_seconds - before.wait_seconds),
             "transfer_ms": 1e3 * (now.transfer_seconds - before.transfer_seconds),
             "transfer_bytes": now.transfer_bytes - before.transfer_bytes,
             "launches": now.launches - before.launches, "graph_launches": now.graph_launches - before.graph_launches}
@@ -173,8 +174,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     prompt_rates, decode_rates = [], []
     if min(args.prompt_tokens, args.n, args.repeat) < 1:
         raise PiccError("--prompt-tokens, -n and --repeat must be >= 1")
+    devices: dict | None = None  # the decode steps' device times, summed over the runs
     with open_session(args.model, args.threads, gpu=args.gpu) as session:
-        before = replace(session.executor.times)
         if args.prompt_tokens + args.n > session.ctx:
             raise PiccError(f"--prompt-tokens {args.prompt_tokens} + -n {args.n} exceed the {session.ctx} positions "
                             "the model was compiled for")
@@ -184,10 +185,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             session.feed(ids)
             prompt_rates.append(len(ids) / (time.perf_counter() - start))
+            before = replace(session.executor.times)
             start = time.perf_counter()
             session.greedy_tokens(args.n + 1)  # n decode steps
             decode_rates.append(args.n / (time.perf_counter() - start))
-        devices = device_times(session, before)
+            run = device_times(session, before)
+            devices = run if devices is None or run is None else {
+                k: v if k == "gpu" else devices[k] + v for k, v in run.items()}
         threads = session.executor.cpu.team.nthreads
         profile = profile_decode(session, ids, args.n, args.repeat) if args.profile else None
     bandwidth = measure_memory_bandwidth()
@@ -198,10 +202,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
               "weight_bytes_per_token": bytes_per_token, "read_bandwidth_bytes_per_s": bandwidth,
               "estimate_tokens_per_s": estimate,
               "bandwidth_share": (bytes_per_token * decode / bandwidth) if bytes_per_token else None}
-    if devices:  # per token, over every step of every run (prompt tokens included)
-        steps = args.repeat * (args.prompt_tokens + args.n)
+    if devices:  # per decode step, over every run
+        steps = args.repeat * args.n
         result["devices"] = {"gpu": devices["gpu"], "gpu_ms_per_token": devices["gpu_ms"] / steps,
                              "cpu_ms_per_token": devices["cpu_ms"] / steps,
+                             "wait_ms_per_token": devices["wait_ms"] / steps,
                              "transfer_ms_per_token": devices["transfer_ms"] / steps,
                              "transfer_bytes_per_token": devices["transfer_bytes"] / steps,
                              "launches_per_token": devices["launches"] / steps,
@@ -222,8 +227,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
               + (" (over 100%: the weights fit in the CPU's caches)" if share > 1 else ""))
     if devices:
         d = result["devices"]
-        print(f"  per token: GPU {d['gpu_ms_per_token']:.3f} ms ({d['gpu']}), CPU {d['cpu_ms_per_token']:.3f} ms, "
-              f"transfers {d['transfer_ms_per_token']:.3f} ms ({d['transfer_bytes_per_token'] / 1024:.1f} KiB); "
+        print(f"  per decode step: GPU {d['gpu_ms_per_token']:.3f} ms ({d['gpu']}), CPU {d['cpu_ms_per_token']:.3f} "
+              f"ms, waiting for the GPU {d['wait_ms_per_token']:.3f} ms, transfers {d['transfer_ms_per_token']:.3f} ms "
+              f"({d['transfer_bytes_per_token'] / 1024:.1f} KiB); "
               f"{d['launches_per_token']:.1f} kernel launches and {d['graph_launches_per_token']:.1f} graph "
               "launches")
     if profile is not None:

@@ -21,6 +21,12 @@ What a token costs besides the kernels' own time:
 * **Copies.** Activations cross through a pinned host buffer laid out like the device's activation
   slots, asynchronously on the executor's stream: uploads are queued and not waited for (the
   stage's graph, queued after them, sees them), downloads are queued together and waited for once.
+* **Waits.** :meth:`CudaGpu.launch` queues a stage and returns at once, so the caller's thread
+  runs the CPU's part of the stage while the GPU runs its own, with no second host thread (a
+  hand-off between Python threads costs tens of microseconds); the next download, or
+  :meth:`CudaGpu.synchronize`, waits for it. Device time is measured with CUDA events on one
+  stage launch in ``TIMING_EVERY`` (recording every one would cost more host time than it
+  measures) and scaled up.
 
 **Threads.** The driver keeps one *current context* per thread, and a split model's GPU part runs
 on the executor's worker thread, not on the thread that opened the session. Every driver call
@@ -51,6 +57,8 @@ _ATTR_CC_MAJOR, _ATTR_CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILIT
 _STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream
 _CAPTURE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' calls stay legal
 _EVENT_RECORD_EXTERNAL = 1  # CU_EVENT_RECORD_EXTERNAL: in a capture, a timing record node
+_EVENT_DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING: an event only waited for is cheaper
+TIMING_EVERY = 8  # one stage launch in this many is timed on the device (see the module docstring)
 
 
 def libcuda() -> ctypes.CDLL:
@@ -106,6 +114,7 @@ class CudaGpu:
     """The GPU part of a ``.pib`` on CUDA device 0 (see the module docstring)."""
 
     kind = "cuda"
+    asynchronous = True  # launch() returns before the kernels are done
 
     def __init__(self, pib: PibFile, *, driver: Driver | None = None, graphs: bool = True) -> None:
         self.cu = cu = driver or Driver()
@@ -122,6 +131,7 @@ class CudaGpu:
         cu.use(self._ctx)
         self._device = device
         self._modules: list[ctypes.c_void_p] = []
+        self._events: list[ctypes.c_void_p] = []  # every event made, destroyed by close()
         self._graphs: dict[tuple[str, ...], tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
         self._seen: set[tuple[str, ...]] = set()
         self.base, self.pinned, self.stream = _u64(), ctypes.c_void_p(), ctypes.c_void_p()
@@ -143,7 +153,11 @@ class CudaGpu:
         cu("cuMemHostAlloc", ctypes.byref(self.pinned), ctypes.c_size_t(max(act_bytes, 1)), 0)
         self._staging = np.ctypeslib.as_array(ctypes.cast(self.pinned, ctypes.POINTER(ctypes.c_uint8)),
                                               (max(act_bytes, 1),))
-        self._queued: set[str] = set()  # values whose upload from the staging buffer may be pending
+        self._pending: list[tuple[int, int]] = []  # staging byte ranges whose upload may be pending
+        self._kernels_done = self._event(timing=False)  # recorded after every launch()
+        self._spare: list[ctypes.c_void_p] = []  # timing events not in use
+        self._timed: list[tuple[ctypes.c_void_p, ctypes.c_void_p]] = []  # recorded, not read yet
+        self._launch_calls = 0
         self._functions = self._load(pib, manifest)
         self._launches = self._bind(launches_from_json(pib.json("gpu/launches")), manifest)
         self.times = GpuTimes()
@@ -201,13 +215,14 @@ class CudaGpu:
         """Queue ``host`` -> ``value``'s slot on the device (not waited for: later work on the
         stream sees it)."""
         start = time.perf_counter()
-        if value in self._queued:  # its staging bytes may still be on their way: let them go first
-            self.synchronize()
         at = self._slots[value]
-        self._staging[at : at + host.nbytes] = host.view(np.uint8).reshape(-1)
+        end = at + host.nbytes
+        if any(a < end and at < b for a, b in self._pending):  # those staging bytes may still be on
+            self.synchronize()                                   # their way: let them go first
+        self._staging[at:end] = host.view(np.uint8).reshape(-1)
         self.cu("cuMemcpyHtoDAsync_v2", _u64(self.base.value + self._act + at),
                 ctypes.c_void_p(self.pinned.value + at), ctypes.c_size_t(host.nbytes), self.stream)
-        self._queued.add(value)
+        self._pending.append((at, end))
         self.times.transfer_seconds += time.perf_counter() - start
         self.times.transfer_bytes += host.nbytes
 
@@ -216,7 +231,9 @@ class CudaGpu:
         self.download_many([(value, host)])
 
     def download_many(self, pairs: list[tuple[str, np.ndarray]]) -> None:
-        """Each ``(value, host)``: the device's slot into ``host``, queued together, waited for once."""
+        """Each ``(value, host)``: the device's slot into ``host``, queued together behind the work
+        queued before, waited for once. The time spent waiting for that work's kernels counts as
+        waiting (``GpuTimes.wait_seconds``), the rest as the copies'."""
         if not pairs:
             return
         start = time.perf_counter()
@@ -224,36 +241,76 @@ class CudaGpu:
             at = self._slots[value]
             self.cu("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(self.pinned.value + at),
                     _u64(self.base.value + self._act + at), ctypes.c_size_t(host.nbytes), self.stream)
+        waited = self._wait_for_kernels()
         self.synchronize()
         for value, host in pairs:
             at = self._slots[value]
             host.view(np.uint8).reshape(-1)[:] = self._staging[at : at + host.nbytes]
-        self.times.transfer_seconds += time.perf_counter() - start
+        self.times.transfer_seconds += time.perf_counter() - start - waited
         self.times.transfer_bytes += sum(host.nbytes for _, host in pairs)
 
+    def _wait_for_kernels(self) -> float:
+        """Wait until the kernels of the last :meth:`launch` are done; the seconds it took."""
+        start = time.perf_counter()
+        self.cu("cuEventSynchronize", self._kernels_done)
+        waited = time.perf_counter() - start
+        self.times.wait_seconds += waited
+        return waited
+
     def synchronize(self) -> None:
-        """Wait for everything queued on the executor's stream."""
+        """Wait for everything queued on the executor's stream; read the device times recorded."""
         self.cu("cuStreamSynchronize", self.stream)
-        self._queued.clear()
+        self._pending.clear()
+        for begin, end in self._timed:
+            ms = ctypes.c_float()
+            self.cu("cuEventElapsedTime", ctypes.byref(ms), begin, end)
+            self.times.gpu_seconds += TIMING_EVERY * ms.value * 1e-3
+            self._spare += [begin, end]
+        self._timed.clear()
+
+    def wait(self) -> None:
+        """Wait for everything queued, counting the time as waiting for the GPU."""
+        start = time.perf_counter()
+        self.synchronize()
+        self.times.wait_seconds += time.perf_counter() - start
+
+    def _event(self, timing: bool = True) -> ctypes.c_void_p:
+        if timing and self._spare:
+            return self._spare.pop()
+        event = ctypes.c_void_p()
+        self.cu("cuEventCreate", ctypes.byref(event), 0 if timing else _EVENT_DISABLE_TIMING)
+        self._events.append(event)
+        return event
 
     # --- running ------------------------------------------------------------------------------------
 
     def run(self, ops: list[str]) -> None:
-        """The kernels of ``ops``, in order, and wait for them: launched one by one the first time
+        """The kernels of ``ops``, in order, and wait for them."""
+        self.launch(ops)
+        self.wait()
+
+    def launch(self, ops: list[str]) -> None:
+        """Queue the kernels of ``ops``, in order, and return: launched one by one the first time
         this list of ops runs, from a CUDA graph captured the second time and replayed after."""
-        start = time.perf_counter()
         key = tuple(ops)
         graph = self._graphs.get(key)
         if graph is None and self.graphs and key in self._seen:
             graph = self._graphs[key] = self._capture(ops)
+        timed = None
+        if self._launch_calls % TIMING_EVERY == 0:
+            timed = (self._event(), self._event())
+            self.cu("cuEventRecord", timed[0], self.stream)
+        self._launch_calls += 1
         if graph is not None:
             self.cu("cuGraphLaunch", graph[1], self.stream)
             self.times.graph_launches += 1
         else:
             self._seen.add(key)
             self._launch(ops)
-        self.synchronize()
-        self.times.gpu_seconds += time.perf_counter() - start
+        if timed is not None:
+            self.cu("cuEventRecord", timed[1], self.stream)
+            self._timed.append(timed)
+        self.cu("cuEventRecord", self._kernels_done, self.stream)
 
     def _launch(self, ops: list[str] | tuple[str, ...]) -> None:
         for op in ops:
@@ -322,10 +379,15 @@ class CudaGpu:
         return self.arena_bytes if self.base.value else 0
 
     def close(self) -> None:
+        if self.stream.value:
+            self.synchronize()
         for graph, executable in self._graphs.values():
             self.cu("cuGraphExecDestroy", executable)
             self.cu("cuGraphDestroy", graph)
         self._graphs.clear()
+        for event in self._events:
+            self.cu("cuEventDestroy_v2", event)
+        self._events.clear()
         for module in self._modules:
             self.cu("cuModuleUnload", module)
         self._modules.clear()

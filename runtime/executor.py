@@ -4,7 +4,9 @@ The ``.pib``'s ``schedule`` lists the step's stages; in each, the GPU runs its o
 runs its own -- the two parts of a split FFN layer side by side -- and before each, the values
 one device made and the other reads are copied across. A model compiled for the CPU alone is one
 stage and costs one call of generated code per thread; a hybrid one adds, per stage, the GPU's
-launches (on a worker thread, so the host-emulated GPU really runs beside the CPU) and the copies.
+launches and the copies. A CUDA device queues a stage's work and returns at once, so this thread
+goes on with the CPU's part and the next stage's downloads wait for the GPU; the host-emulated GPU
+runs its kernels on a worker thread, so that it too really runs beside the CPU.
 
 Prompts run in chunks of tokens, stage by stage (:meth:`Executor.prefill`, :meth:`Executor.logits_of`):
 the CPU's chunk program of a stage computes all the chunk's tokens at once (GEMMs: each weight read
@@ -42,6 +44,7 @@ class DeviceTimes:
 
     gpu_seconds: float = 0.0
     cpu_seconds: float = 0.0
+    wait_seconds: float = 0.0
     transfer_seconds: float = 0.0
     transfer_bytes: int = 0
     launches: int = 0
@@ -144,11 +147,18 @@ class Executor:
                         gpu.upload(v, cpu.value(v))
                 gpu.download_many([(v, cpu.value(v)) for v in stage.to_cpu if logits or v not in self.head])
             gpu_ops = [op for op in stage.gpu if logits or op not in self.head]
-            self._side_by_side(gpu.run if gpu_ops and gpu is not None else None, gpu_ops,
-                               cpu.run_stage if stage.cpu else None, (i, not logits))
+            if gpu is not None and gpu.asynchronous:  # queued; the next download waits for it
+                if gpu_ops:
+                    gpu.launch(gpu_ops)
+                self._side_by_side(None, None, cpu.run_stage if stage.cpu else None, (i, not logits))
+            else:
+                self._side_by_side(gpu.run if gpu_ops and gpu is not None else None, gpu_ops,
+                                   cpu.run_stage if stage.cpu else None, (i, not logits))
         if logits and self.logits_on_gpu:
             assert gpu is not None
             gpu.download(self.logits_value, self.cpu.logits())
+        elif gpu is not None and gpu.asynchronous:
+            gpu.wait()  # the step's last GPU work (KV rows, say) is done before the next step
         self._sync_gpu_times()
 
     def _side_by_side(self, gpu_fn: Callable[[Any], None] | None, gpu_arg: Any,
@@ -172,6 +182,7 @@ class Executor:
         """The GPU's launch and copy times so far, into :attr:`times`."""
         if self.gpu is not None:
             self.times.gpu_seconds = self.gpu.times.gpu_seconds
+            self.times.wait_seconds = self.gpu.times.wait_seconds
             self.times.transfer_seconds = self.gpu.times.transfer_seconds
             self.times.transfer_bytes = self.gpu.times.transfer_bytes
             self.times.launches = self.gpu.times.launches

@@ -64,9 +64,13 @@ class EmulatedDevice:
 class GpuTimes:
     """Seconds spent in GPU work and in copies between host and device, bytes copied, and how the
     work was started: kernels launched one by one (``launches``) or as CUDA graphs replayed
-    (``graph_launches``: one per stage)."""
+    (``graph_launches``: one per stage). On a CUDA device, ``gpu_seconds`` is device time and
+    ``wait_seconds`` the host's time blocked until the GPU's kernels were done (the GPU ahead of
+    the CPU on the critical path); the emulated GPU runs its kernels on a host thread and waits
+    for nothing."""
 
     gpu_seconds: float = 0.0
+    wait_seconds: float = 0.0
     transfer_seconds: float = 0.0
     transfer_bytes: int = 0
     launches: int = 0
@@ -77,6 +81,7 @@ class EmulatedGpu:
     """The GPU part of a ``.pib`` on the host-emulated GPU (see the module docstring)."""
 
     kind = "emulated"
+    asynchronous = False  # run() returns when the kernels are done
 
     def __init__(self, pib: PibFile) -> None:
         plan = pib.plan()

@@ -9,7 +9,9 @@ and an emulator would forgive:
   never made a context current, fails with ``CUDA_ERROR_INVALID_CONTEXT`` (201), as on a real device;
 * **streams are queues**: asynchronous copies and launches run only when the stream is waited
   for, in order, so a host buffer changed before its queued copy ran shows up as wrong numbers;
-* **graphs**: launches on a capturing stream are recorded, not run; ``cuGraphLaunch`` replays them.
+* **graphs**: launches on a capturing stream are recorded, not run; ``cuGraphLaunch`` replays them;
+* **events** mark a place in a stream's queue: ``cuEventSynchronize`` runs the queue up to there
+  and no further, so work queued after it has not happened yet.
 
 A launched kernel runs through the ``.pib``'s host build of the same kernels (``gpu/host.so``),
 bound to the fake device memory at the addresses the launch passed: so the executor's bindings,
@@ -56,6 +58,8 @@ class FakeCuda:
         self.capturing: dict[int, list[Callable[[], None]]] = {}
         self.graphs: dict[int, list[Callable[[], None]]] = {}
         self.functions: dict[int, str] = {}
+        self.fired: dict[int, bool] = {}  # event -> whether the stream reached its record
+        self.recorded_on: dict[int, int] = {}  # event -> the stream it was last recorded on
         self.kernel_runs = 0
         self._handles = 0x1000
         self._library = _load_host_library(pib)
@@ -188,7 +192,17 @@ class FakeCuda:
     def _cuEventCreate(self, event: object, flags: int) -> None:
         _out(event).value = self._handle()
 
-    def _cuEventRecord(self, event: object, stream: object) -> None: ...
+    def _cuEventRecord(self, event: object, stream: object) -> None:
+        key, fired = _value(event), self.fired
+        fired[key] = False
+        self._queue(stream, lambda: fired.__setitem__(key, True))
+        self.recorded_on[key] = _value(stream)
+
+    def _cuEventSynchronize(self, event: object) -> None:
+        key = _value(event)
+        queue = self.streams[self.recorded_on[key]]
+        while not self.fired[key]:
+            queue.pop(0)()
 
     def _cuEventRecordWithFlags(self, event: object, stream: object, flags: int) -> None: ...
 

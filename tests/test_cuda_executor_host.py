@@ -172,3 +172,33 @@ def test_the_sections_the_runtime_reads_round_trip_through_their_records(pibs):
     broken = {k: v for k, v in schedule.items() if k != "head"}
     with pytest.raises(ContractError, match="schedule: missing 'head'"):
         Schedule.from_json(broken)
+
+
+def test_a_stage_is_queued_and_the_cpu_runs_before_the_gpu_is_waited_for(pibs, fake_driver, monkeypatch):
+    """A decode step on a CUDA device queues each stage's GPU work and runs the CPU's part of the
+    stage on the caller's thread without waiting for it (no hand-off to a worker thread): when a
+    stage's CPU program starts, none of that stage's kernels has run yet, and all have when the
+    step returns. (The stand-in device runs queued work only when it is waited for.)"""
+    launches = PibFile(pibs["split"]).json("gpu/launches")
+    with Session(pibs["split"], threads=2, gpu="cuda") as session:
+        ex, fake = session.executor, fake_driver[0]
+        session.feed(TOKENS[:3])
+        started: dict[int, int] = {}  # stage -> kernels run when its CPU program started
+        run_stage = ex.cpu.run_stage
+
+        def spy(i: int, skip_head: bool) -> None:
+            started[i] = fake.kernel_runs
+            run_stage(i, skip_head)
+
+        monkeypatch.setattr(ex.cpu, "run_stage", spy)
+        before, calls = fake.kernel_runs, len(fake.calls)
+        ex.step(TOKENS[3], session.pos)
+        threads = {thread for thread, _ in fake.calls[calls:]}
+        after = fake.kernel_runs
+    assert threads == {"MainThread"}
+    kernels = [sum(len(launches[op]) for op in st.gpu) for st in ex.stages]  # host calls a stage
+    both = [i for i, st in enumerate(ex.stages) if st.gpu and st.cpu]
+    assert both
+    for i in both:
+        assert started[i] <= before + sum(kernels[:i]), f"stage {i}'s kernels ran before its CPU part started"
+    assert after == before + sum(kernels)

@@ -177,9 +177,10 @@ def report(results: dict) -> None:
         for name, times in sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:12]:
             print(f"| {name} | {len(times)} | {statistics.median(times):.1f} | {sum(times):.1f} |")
     if results["bench"]:
-        print("\n| file | threads | prompt tok/s | decode tok/s | GPU ms/token | CPU ms/token | copies ms/token "
-              "| KiB copied/token | launches/token | graphs/token |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\nper decode step:")
+        print("\n| file | threads | prompt tok/s | decode tok/s | GPU ms | CPU ms | waiting for the GPU ms "
+              "| copies ms | KiB copied | launches | graphs |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for b in results["bench"]:
             d = b.get("devices") or {}
 
@@ -187,7 +188,8 @@ def report(results: dict) -> None:
                 return f"{d[key] * scale:.{digits}f}" if key in d else "-"
             print(f"| {b['name']} | {b['threads']} | {b.get('prompt_tokens_per_s', b.get('stderr', '?')):.6} "
                   f"| {b.get('decode_tokens_per_s', 0):.1f} | {f('gpu_ms_per_token')} | {f('cpu_ms_per_token')} "
-                  f"| {f('transfer_ms_per_token')} | {f('transfer_bytes_per_token', 1 / 1024, 1)} "
+                  f"| {f('wait_ms_per_token')} | {f('transfer_ms_per_token')} "
+                  f"| {f('transfer_bytes_per_token', 1 / 1024, 1)} "
                   f"| {f('launches_per_token', 1, 1)} | {f('graph_launches_per_token', 1, 1)} |")
 
 
