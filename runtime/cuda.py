@@ -19,14 +19,16 @@ What a token costs besides the kernels' own time:
   its launches are captured into a CUDA graph on the executor's stream and from then on the stage
   is one ``cuGraphLaunch``: a few microseconds instead of one ctypes ``cuLaunchKernel`` per kernel.
 * **Copies.** Activations cross through a pinned host buffer laid out like the device's activation
-  slots, asynchronously on the executor's stream: uploads are queued and not waited for (the
-  stage's graph, queued after them, sees them), downloads are queued together and waited for once.
+  slots. A decode stage's copies are part of its graph: the values the stage reads from the CPU
+  are copied in before its kernels, and the values the next stage's CPU part reads are copied out
+  after them, so a stage costs the host one ``cuGraphLaunch`` and one wait, not a driver call
+  and a wait per copy (on an H100 those cost ~17 us a copy).
 * **Waits.** :meth:`CudaGpu.launch` queues a stage and returns at once, so the caller's thread
   runs the CPU's part of the stage while the GPU runs its own, with no second host thread (a
-  hand-off between Python threads costs tens of microseconds); the next download, or
-  :meth:`CudaGpu.synchronize`, waits for it. Device time is measured with CUDA events on one
-  stage launch in ``TIMING_EVERY`` (recording every one would cost more host time than it
-  measures) and scaled up.
+  hand-off between Python threads costs tens of microseconds); :meth:`CudaGpu.collect`, before
+  the next stage, waits for it and hands over what it copied out. Device time is measured with
+  CUDA events on one stage launch in ``TIMING_EVERY`` (recording every one would cost more host
+  time than it measures) and scaled up; it includes the copies inside the graphs.
 
 **Threads.** The driver keeps one *current context* per thread, and a split model's GPU part runs
 on the executor's worker thread, not on the thread that opened the session. Every driver call
@@ -132,8 +134,8 @@ class CudaGpu:
         self._device = device
         self._modules: list[ctypes.c_void_p] = []
         self._events: list[ctypes.c_void_p] = []  # every event made, destroyed by close()
-        self._graphs: dict[tuple[str, ...], tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
-        self._seen: set[tuple[str, ...]] = set()
+        self._graphs: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}  # by (ops, copies in, out)
+        self._seen: set[tuple] = set()
         self.base, self.pinned, self.stream = _u64(), ctypes.c_void_p(), ctypes.c_void_p()
         manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
         plan = pib.plan()
@@ -158,6 +160,7 @@ class CudaGpu:
         self._spare: list[ctypes.c_void_p] = []  # timing events not in use
         self._timed: list[tuple[ctypes.c_void_p, ctypes.c_void_p]] = []  # recorded, not read yet
         self._launch_calls = 0
+        self._incoming: list[tuple[str, np.ndarray]] = []  # the last launch's downloads, not delivered yet
         self._functions = self._load(pib, manifest)
         self._launches = self._bind(launches_from_json(pib.json("gpu/launches")), manifest)
         self.times = GpuTimes()
@@ -211,18 +214,33 @@ class CudaGpu:
     def has(self, value: str) -> bool:
         return value in self._slots
 
+    def _stage_in(self, value: str, host: np.ndarray) -> int:
+        """Write ``host`` into ``value``'s bytes of the staging buffer (first waiting for a queued
+        upload that still reads those bytes); its offset there."""
+        at = self._slots[value]
+        end = at + host.nbytes
+        if any(a < end and at < b for a, b in self._pending):
+            self.synchronize()
+        self._staging[at:end] = host.view(np.uint8).reshape(-1)
+        self._pending.append((at, end))
+        return at
+
+    def _copy_in(self, value: str, nbytes: int) -> None:
+        at = self._slots[value]
+        self.cu("cuMemcpyHtoDAsync_v2", _u64(self.base.value + self._act + at),
+                ctypes.c_void_p(self.pinned.value + at), ctypes.c_size_t(nbytes), self.stream)
+
+    def _copy_out(self, value: str, nbytes: int) -> None:
+        at = self._slots[value]
+        self.cu("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(self.pinned.value + at),
+                _u64(self.base.value + self._act + at), ctypes.c_size_t(nbytes), self.stream)
+
     def upload(self, value: str, host: np.ndarray) -> None:
         """Queue ``host`` -> ``value``'s slot on the device (not waited for: later work on the
         stream sees it)."""
         start = time.perf_counter()
-        at = self._slots[value]
-        end = at + host.nbytes
-        if any(a < end and at < b for a, b in self._pending):  # those staging bytes may still be on
-            self.synchronize()                                   # their way: let them go first
-        self._staging[at:end] = host.view(np.uint8).reshape(-1)
-        self.cu("cuMemcpyHtoDAsync_v2", _u64(self.base.value + self._act + at),
-                ctypes.c_void_p(self.pinned.value + at), ctypes.c_size_t(host.nbytes), self.stream)
-        self._pending.append((at, end))
+        self._stage_in(value, host)
+        self._copy_in(value, host.nbytes)
         self.times.transfer_seconds += time.perf_counter() - start
         self.times.transfer_bytes += host.nbytes
 
@@ -238,19 +256,32 @@ class CudaGpu:
             return
         start = time.perf_counter()
         for value, host in pairs:
-            at = self._slots[value]
-            self.cu("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(self.pinned.value + at),
-                    _u64(self.base.value + self._act + at), ctypes.c_size_t(host.nbytes), self.stream)
+            self._copy_out(value, host.nbytes)
         waited = self._wait_for_kernels()
         self.synchronize()
+        self._deliver(pairs)
+        self.times.transfer_seconds += time.perf_counter() - start - waited
+
+    def _deliver(self, pairs: list[tuple[str, np.ndarray]]) -> None:
+        """Downloaded staging bytes into their host arrays."""
         for value, host in pairs:
             at = self._slots[value]
             host.view(np.uint8).reshape(-1)[:] = self._staging[at : at + host.nbytes]
-        self.times.transfer_seconds += time.perf_counter() - start - waited
         self.times.transfer_bytes += sum(host.nbytes for _, host in pairs)
 
+    def collect(self) -> None:
+        """Wait for the last :meth:`launch` and hand over the values it downloaded (nothing to
+        do when it downloaded none)."""
+        if not self._incoming:
+            return
+        self._wait_for_kernels()
+        start = time.perf_counter()
+        self._deliver(self._incoming)
+        self._incoming = []
+        self.times.transfer_seconds += time.perf_counter() - start
+
     def _wait_for_kernels(self) -> float:
-        """Wait until the kernels of the last :meth:`launch` are done; the seconds it took."""
+        """Wait until the work of the last :meth:`launch` is done; the seconds it took."""
         start = time.perf_counter()
         self.cu("cuEventSynchronize", self._kernels_done)
         waited = time.perf_counter() - start
@@ -289,13 +320,22 @@ class CudaGpu:
         self.launch(ops)
         self.wait()
 
-    def launch(self, ops: list[str]) -> None:
-        """Queue the kernels of ``ops``, in order, and return: launched one by one the first time
-        this list of ops runs, from a CUDA graph captured the second time and replayed after."""
-        key = tuple(ops)
-        graph = self._graphs.get(key)
-        if graph is None and self.graphs and key in self._seen:
-            graph = self._graphs[key] = self._capture(ops)
+    def launch(self, ops: list[str], uploads: list[tuple[str, np.ndarray]] = (),  # type: ignore[assignment]
+               downloads: list[tuple[str, np.ndarray]] = ()) -> None:  # type: ignore[assignment]
+        """Queue one stage and return: ``uploads`` (value, host array) copied in, the kernels of
+        ``ops`` in order, ``downloads`` copied out; :meth:`collect` waits for it and fills the
+        download arrays. The first time a stage of these ops and copies runs, it is queued call by
+        call; the second time it is captured into a CUDA graph, copies included (their staging
+        bytes are fixed), which every later time replays."""
+        start = time.perf_counter()
+        for value, host in uploads:
+            self._stage_in(value, host)
+        self.times.transfer_seconds += time.perf_counter() - start
+        self.times.transfer_bytes += sum(host.nbytes for _, host in uploads)
+        work = (tuple(ops), tuple((v, h.nbytes) for v, h in uploads), tuple((v, h.nbytes) for v, h in downloads))
+        graph = self._graphs.get(work)
+        if graph is None and self.graphs and work in self._seen:
+            graph = self._graphs[work] = self._capture(work)
         timed = None
         if self._launch_calls % TIMING_EVERY == 0:
             timed = (self._event(), self._event())
@@ -305,26 +345,33 @@ class CudaGpu:
             self.cu("cuGraphLaunch", graph[1], self.stream)
             self.times.graph_launches += 1
         else:
-            self._seen.add(key)
-            self._launch(ops)
+            self._seen.add(work)
+            self._queue(work)
         if timed is not None:
             self.cu("cuEventRecord", timed[1], self.stream)
             self._timed.append(timed)
         self.cu("cuEventRecord", self._kernels_done, self.stream)
+        self._incoming = list(downloads)
 
-    def _launch(self, ops: list[str] | tuple[str, ...]) -> None:
+    def _queue(self, work: tuple) -> None:
+        """A stage's copies in, kernels and copies out, on the stream (captured or run)."""
+        ops, ins, outs = work
+        for value, nbytes in ins:
+            self._copy_in(value, nbytes)
         for op in ops:
             for fn, grid, block, args, *_ in self._launches.get(op, ()):
                 self.cu("cuLaunchKernel", fn, *grid, *block, 0, self.stream, args, None)
                 self.times.launches += 1
+        for value, nbytes in outs:
+            self._copy_out(value, nbytes)
 
-    def _capture(self, ops: list[str]) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
-        """A graph of ``ops``' launches on the stream, instantiated: ``(graph, executable)``."""
+    def _capture(self, work: tuple) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
+        """A graph of a stage's copies and launches on the stream, instantiated: ``(graph, executable)``."""
         graph, executable = ctypes.c_void_p(), ctypes.c_void_p()
         launches = self.times.launches
         self.cu("cuStreamBeginCapture_v2", self.stream, _CAPTURE_THREAD_LOCAL)
         try:
-            self._launch(ops)
+            self._queue(work)
         finally:  # a capture left open would break every later call on the stream
             self.cu("cuStreamEndCapture", self.stream, ctypes.byref(graph))
         self.times.launches = launches  # captured, not launched

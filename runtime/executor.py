@@ -129,37 +129,69 @@ class Executor:
     def _inputs(self, token: int, pos: int) -> None:
         self.cpu.set_token(token, pos)
         if self.gpu is not None:  # the function's arguments, where GPU ops read them
-            for name, value in (("tokens", token), ("pos", pos)):
-                if self.gpu.has(name):
-                    self.gpu.upload(name, np.array([value], np.int32))
+            for name, value in self._arguments(token, pos):
+                self.gpu.upload(name, value)
+
+    def _arguments(self, token: int, pos: int) -> list[tuple[str, np.ndarray]]:
+        """The step's arguments that GPU ops read, as the host arrays to copy there."""
+        assert self.gpu is not None
+        return [(name, np.array([value], np.int32)) for name, value in (("tokens", token), ("pos", pos))
+                if self.gpu.has(name)]
 
     def step(self, token: int, pos: int, *, logits: bool = True) -> None:
         """Run the model on ``token`` at position ``pos`` (its KV cache holds positions < pos).
 
         ``logits=False`` skips the output head (a prompt token whose logits nobody reads).
         """
-        self._inputs(token, pos)
         gpu, cpu = self.gpu, self.cpu
-        for i, stage in enumerate(self.stages):
-            if gpu is not None:
-                for v in stage.to_gpu:
-                    if logits or v not in self.head:
-                        gpu.upload(v, cpu.value(v))
-                gpu.download_many([(v, cpu.value(v)) for v in stage.to_cpu if logits or v not in self.head])
-            gpu_ops = [op for op in stage.gpu if logits or op not in self.head]
-            if gpu is not None and gpu.asynchronous:  # queued; the next download waits for it
-                if gpu_ops:
-                    gpu.launch(gpu_ops)
-                self._side_by_side(None, None, cpu.run_stage if stage.cpu else None, (i, not logits))
-            else:
+        if gpu is not None and gpu.asynchronous:
+            cpu.set_token(token, pos)
+            self._queued_stages(self._arguments(token, pos), logits)
+        else:
+            self._inputs(token, pos)
+            for i, stage in enumerate(self.stages):
+                if gpu is not None:
+                    for v in stage.to_gpu:
+                        if logits or v not in self.head:
+                            gpu.upload(v, cpu.value(v))
+                    gpu.download_many([(v, cpu.value(v)) for v in stage.to_cpu if logits or v not in self.head])
+                gpu_ops = [op for op in stage.gpu if logits or op not in self.head]
                 self._side_by_side(gpu.run if gpu_ops and gpu is not None else None, gpu_ops,
                                    cpu.run_stage if stage.cpu else None, (i, not logits))
-        if logits and self.logits_on_gpu:
-            assert gpu is not None
-            gpu.download(self.logits_value, self.cpu.logits())
-        elif gpu is not None and gpu.asynchronous:
-            gpu.wait()  # the step's last GPU work (KV rows, say) is done before the next step
+            if logits and self.logits_on_gpu:
+                assert gpu is not None
+                gpu.download(self.logits_value, self.cpu.logits())
         self._sync_gpu_times()
+
+    def _queued_stages(self, arguments: list[tuple[str, np.ndarray]], logits: bool) -> None:
+        """The stages on a device that queues work (CUDA): each stage's GPU part -- the values it
+        reads from the CPU copied in (the first that launches with the step's ``arguments``), its
+        kernels, and the values the next stage's CPU part reads copied out -- is launched, then
+        this thread runs the stage's CPU part; the next stage first collects what the GPU copied
+        out (waiting for it)."""
+        gpu, cpu = self.gpu, self.cpu
+        assert gpu is not None
+
+        def wanted(values: list[str] | tuple[str, ...]) -> list[str]:
+            return [v for v in values if logits or v not in self.head]
+
+        for i, stage in enumerate(self.stages):
+            gpu.collect()
+            if i == 0:  # nothing launched before the first stage could copy these out
+                gpu.download_many([(v, cpu.value(v)) for v in wanted(stage.to_cpu)])
+            if i + 1 < len(self.stages):
+                out = [(v, cpu.value(v)) for v in wanted(self.stages[i + 1].to_cpu)]
+            else:
+                out = [(self.logits_value, cpu.logits())] if logits and self.logits_on_gpu else []
+            gpu_ops, into = wanted(stage.gpu), [(v, cpu.value(v)) for v in wanted(stage.to_gpu)]
+            if gpu_ops or into or out:
+                gpu.launch(gpu_ops, arguments + into, out)
+                arguments = []  # else they go with the first stage that launches something
+            self._side_by_side(None, None, cpu.run_stage if stage.cpu else None, (i, not logits))
+        if arguments:  # no stage launched anything (the GPU's ops all skipped with the head)
+            gpu.launch([], arguments, [])
+        gpu.collect()
+        gpu.wait()  # the step's last GPU work (KV rows, say) is done before the next step
 
     def _side_by_side(self, gpu_fn: Callable[[Any], None] | None, gpu_arg: Any,
                       cpu_fn: Callable[..., None] | None, cpu_args: tuple) -> None:

@@ -58,7 +58,8 @@ class FakeCuda:
         self.capturing: dict[int, list[Callable[[], None]]] = {}
         self.graphs: dict[int, list[Callable[[], None]]] = {}
         self.functions: dict[int, str] = {}
-        self.fired: dict[int, bool] = {}  # event -> whether the stream reached its record
+        self.records: dict[int, int] = {}  # event -> how many times it was recorded
+        self.fired: dict[int, int] = {}  # event -> the latest of its records the stream has reached
         self.recorded_on: dict[int, int] = {}  # event -> the stream it was last recorded on
         self.kernel_runs = 0
         self._handles = 0x1000
@@ -193,15 +194,16 @@ class FakeCuda:
         _out(event).value = self._handle()
 
     def _cuEventRecord(self, event: object, stream: object) -> None:
-        key, fired = _value(event), self.fired
-        fired[key] = False
-        self._queue(stream, lambda: fired.__setitem__(key, True))
+        # An event stands for its latest record: waiting for it waits for that one, not an earlier.
+        key = _value(event)
+        self.records[key] = record = self.records.get(key, 0) + 1
+        self._queue(stream, lambda: self.fired.__setitem__(key, record))
         self.recorded_on[key] = _value(stream)
 
     def _cuEventSynchronize(self, event: object) -> None:
         key = _value(event)
         queue = self.streams[self.recorded_on[key]]
-        while not self.fired[key]:
+        while self.fired.get(key, 0) < self.records[key]:
             queue.pop(0)()
 
     def _cuEventRecordWithFlags(self, event: object, stream: object, flags: int) -> None: ...
