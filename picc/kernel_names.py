@@ -138,8 +138,13 @@ def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, int_dots: boo
 # --- GPU: one TVM kernel per operation, shape and weight format -----------------------------------
 
 
-def gpu_gemv(rows: int, cols: int, fmt: str, bias: bool) -> str:
-    return f"gemv_{rows}x{cols}_{fmt}" + ("_bias" if bias else "")
+RESIDUAL = "_res"
+"""Suffix of a GPU kernel that also adds a residual vector to its result (an ``add``'s
+``accumulated_by`` names its op): ``y = r + result``."""
+
+
+def gpu_gemv(rows: int, cols: int, fmt: str, bias: bool, residual: bool = False) -> str:
+    return f"gemv_{rows}x{cols}_{fmt}" + ("_bias" if bias else "") + (RESIDUAL if residual else "")
 
 
 def gpu_embed(vocab: int, dim: int, fmt: str) -> str:
@@ -174,8 +179,8 @@ def gpu_add(n: int) -> str:
     return f"add_{n}"
 
 
-def gpu_merge(n: int, bias: bool) -> str:
-    return f"merge_{n}" + ("_bias" if bias else "")
+def gpu_merge(n: int, bias: bool, residual: bool = False) -> str:
+    return f"merge_{n}" + ("_bias" if bias else "") + (RESIDUAL if residual else "")
 
 
 def gpu_predictor(hidden: int, rank: int, n: int, fmt: str, b1: bool, b2: bool) -> str:
@@ -187,11 +192,11 @@ def gpu_compact(n: int, offset: int) -> str:
     return f"compact_{n}" + (f"_from{offset}" if offset else "")
 
 
-def gpu_fused_ffn(mode: str, form: str, hidden: int, n: int, fmt: str, bias: bool) -> str:
+def gpu_fused_ffn(mode: str, form: str, hidden: int, n: int, fmt: str, bias: bool, residual: bool = False) -> str:
     """``bias``: the kernel adds up (and gate) biases."""
     kind = {"predictor": "sparse_ffn", "dense": "dense_ffn", "gate-first": "gate_first_ffn"}[mode]
-    return f"{kind}_{form}_{hidden}x{n}_{fmt}" + ("_bias" if bias else "")
+    return f"{kind}_{form}_{hidden}x{n}_{fmt}" + ("_bias" if bias else "") + (RESIDUAL if residual else "")
 
 
-def gpu_bias_add(n: int) -> str:
-    return f"bias_add_{n}"
+def gpu_bias_add(n: int, residual: bool = False) -> str:
+    return f"bias_add_{n}" + (RESIDUAL if residual else "")

@@ -76,8 +76,16 @@ def _variants() -> list[Case]:
         ffn.sparse_ffn("v_sparse_ffn_relu", 64, n, "relu", "q4_1"),
         ffn.dense_ffn("v_dense_ffn_bias", 64, n, "gelu", "f16", bias=True),
         ffn.gate_first_ffn("v_gate_first_geglu", 64, n, "geglu_tanh", "q8_0"),
+        # The variants that also do a residual add (``accumulated_by``).
+        dense.gemv("v_gemv_res", 96, 64, "q4_0", bias=True, residual=True),
+        layers.merge("v_merge_res", 64, bias=False, residual=True),
+        ffn.bias_add("v_bias_add_res", 64, residual=True),
+        ffn.dense_ffn("v_dense_ffn_res", 64, n, "swiglu", "q4_0", residual=True),
+        ffn.gate_first_ffn("v_gate_first_res", 64, n, "swiglu", "f16", residual=True),
     ]
     cases = [(k, _promises(k, m)) for k in kernels]
+    relu = ffn.sparse_ffn("v_sparse_ffn_res_relu_demo", RELU_DEMO.hidden, RELU_DEMO.n_ff, "reglu", "f16", residual=True)
+    cases.append((relu, _promises(relu, RELU_DEMO)))
     half = dense.compact("v_compact_offset", n // 2, padded(n // 2), n // 2)
     return [*cases, (half, _promises(half, m, n // 2))]
 

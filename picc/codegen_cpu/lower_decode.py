@@ -30,6 +30,7 @@ from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Function
+from picc.ir.types import Placement
 from picc.ir.weights import WeightStore
 from picc.placement.schedule import Schedule, crossing_values
 from runtime.contracts import Stage
@@ -65,7 +66,8 @@ class DecodeLowering(OpLowering):
         the add's result lives there (the verifier checks that producer can)."""
         fused: dict[str, tuple[O.Add, str]] = {}
         for op in self.func.ops:
-            if isinstance(op, O.Add) and (accumulated := op.accumulated) is not None:
+            if (isinstance(op, O.Add) and (accumulated := op.accumulated) is not None
+                    and op.type.placement != Placement.GPU):
                 src, res = accumulated
                 fused[src] = (op, res)
         return fused

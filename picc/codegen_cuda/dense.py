@@ -41,20 +41,25 @@ def row_dot(name: str, fmt: WeightFormat, w: list[te.Tensor], x_at: Callable[...
     return te.compute(shape, body, name=name)
 
 
-def gemv(name: str, rows: int, cols: int, fmt: str, bias: bool = False) -> Kernel:
-    """``y = W x (+ b)``: W [rows, cols] in ``fmt``, x [cols], b and y [rows], all f32 but W."""
+def gemv(name: str, rows: int, cols: int, fmt: str, bias: bool = False, residual: bool = False) -> Kernel:
+    """``y = W x (+ b) (+ r)``: W [rows, cols] in ``fmt``, x [cols], b, r and y [rows], all f32 but
+    W. ``residual``: the residual add of the decode step (``r + (W x + b)``, the add's bits)."""
     check_positive(rows=rows, cols=cols)
     wf = WeightFormat(fmt)
     w = wf.placeholders("W", (rows,), cols)
     x = te.placeholder((cols,), "float32", name="x")
     acc = row_dot("acc", wf, w, lambda r, k: x[k], (rows,), cols)
     args = [*[(t, "in") for t in w], (x, "in")]
-    if bias:
-        b = te.placeholder((rows,), "float32", name="b")
-        y = te.compute((rows,), lambda r: acc[r] + b[r], name="y")
-        args.append((b, "in"))
-    else:
-        y = te.compute((rows,), lambda r: acc[r], name="y")
+    b = te.placeholder((rows,), "float32", name="b")
+    res = te.placeholder((rows,), "float32", name="r")
+    args += [(b, "in")] if bias else []
+    args += [(res, "in")] if residual else []
+
+    def value(i: PrimExpr) -> PrimExpr:
+        v = acc[i] + b[i] if bias else acc[i]
+        return v + res[i] if residual else v
+
+    y = te.compute((rows,), value, name="y")
     return make_kernel(name, "gemv", [*args, (y, "out")])
 
 

@@ -19,7 +19,8 @@ gate) so one warp reduces one (neuron, projection) pair with a single weight str
 length ``n_pad`` (n_ff rounded up to the row tile) and ``count`` [1] says how many entries are
 real; entries past ``count`` are never dereferenced, and ``ug`` rows past ``count`` are zero.
 ``y`` is this part's partial sum: the down bias, if any, is added once after the CPU and GPU
-parts are merged.
+parts are merged. With ``residual``, the kernel also does the decode step's residual add: the
+slices' sum takes ``r`` as its last term, so ``y = (sum of slices) + r``, the add's bits.
 
 ``gate_first_ffn`` (exact, GLU forms): the gate is computed for every neuron; neuron r is active
 when ``|act(gate_r . x)| > threshold`` and only active neurons read up and down.
@@ -65,32 +66,34 @@ def _combine(form: str, up: PrimExpr, gate: PrimExpr | None) -> PrimExpr:
 
 
 def sparse_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, *, n_pad: int | None = None,
-               bias: bool = False) -> Kernel:
+               bias: bool = False, residual: bool = False) -> Kernel:
     """The fused FFN over the neurons listed in ``idx[:count]`` (see the module docstring).
 
     Parameters in order: ``x`` [hidden], ``idx`` [n_pad] i32, ``count`` [1] i32, the buffers of
     ``W_ug`` [n_ff, J, hidden] and ``down`` [n_ff, hidden] in ``fmt``, ``b_ug`` [n_ff, J] when
-    ``bias``, scratch ``ug`` [n_pad, J] and ``y_part`` [S, hidden] (S = ``gpu_layout.axpy_slices(n_pad,
-    hidden)``), output ``y`` [hidden].
+    ``bias``, ``r`` [hidden] with ``residual``, scratch ``ug`` [n_pad, J] and ``y_part`` [S, hidden]
+    (S = ``gpu_layout.axpy_slices(n_pad, hidden)``), output ``y`` [hidden].
     """
     check_positive(hidden=hidden, n_ff=n_ff)
     n_pad = padded(n_ff) if n_pad is None else n_pad
     if n_pad < n_ff or n_pad % ROW_TILE:
         raise PiccError(f"{name}: n_pad={n_pad} must be >= n_ff={n_ff} and a multiple of {ROW_TILE}")
-    return _gather_ffn(name, hidden, n_ff, form, fmt, bias, n_pad)
+    return _gather_ffn(name, hidden, n_ff, form, fmt, bias, n_pad, residual)
 
 
-def dense_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, *, bias: bool = False) -> Kernel:
+def dense_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, *, bias: bool = False,
+              residual: bool = False) -> Kernel:
     """The FFN over every neuron: ``sparse_ffn`` without an index list (a dense layer on the GPU).
 
-    Parameters: ``x``, the buffers of ``W_ug`` and ``down``, ``b_ug`` when ``bias``, scratch
-    ``ug`` [n_ff, J] and ``y_part`` [S, hidden], output ``y``.
+    Parameters: ``x``, the buffers of ``W_ug`` and ``down``, ``b_ug`` when ``bias``, ``r`` with
+    ``residual``, scratch ``ug`` [n_ff, J] and ``y_part`` [S, hidden], output ``y``.
     """
     check_positive(hidden=hidden, n_ff=n_ff)
-    return _gather_ffn(name, hidden, n_ff, form, fmt, bias, None)
+    return _gather_ffn(name, hidden, n_ff, form, fmt, bias, None, residual)
 
 
-def _gather_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, bias: bool, n_pad: int | None) -> Kernel:
+def _gather_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, bias: bool, n_pad: int | None,
+                residual: bool) -> Kernel:
     """``sparse_ffn`` (``n_pad``: the index list's length) or ``dense_ffn`` (``n_pad`` None)."""
     gated = _form(form).gated
     indexed = n_pad is not None
@@ -139,44 +142,52 @@ def _gather_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, bias: bo
         value = h * wf.load(w_down, (neuron(r),), k // v, k % v)
         return tirx.if_then_else(live(r), value, f32(0)) if live else value
 
-    y_part, y = sliced_axpy(hidden, rows, term)
-    tail = [(ug, "scratch"), (y_part, "scratch"), (y, "out")]
+    r = te.placeholder((hidden,), "float32", name="r")
+    y_part, y = sliced_axpy(hidden, rows, term, r if residual else None)
+    tail = [*([(r, "in")] if residual else []), (ug, "scratch"), (y_part, "scratch"), (y, "out")]
     if not indexed:
         return make_kernel(name, "dense_ffn", [*args, *tail], options={"vector": v})
     guard = lambda b, r, j: r < b["count"][0]  # noqa: E731
     return make_kernel(name, "sparse_ffn", [*args, *tail], guards={"ug": guard}, options={"vector": v})
 
 
-def sliced_axpy(hidden: int, rows: int,
-                term: Callable[[PrimExpr, PrimExpr], PrimExpr]) -> tuple[te.Tensor, te.Tensor]:
+def sliced_axpy(hidden: int, rows: int, term: Callable[[PrimExpr, PrimExpr], PrimExpr],
+                residual: te.Tensor | None = None) -> tuple[te.Tensor, te.Tensor]:
     """``y[k] = sum_r term(r, k)`` over ``rows`` in slices (see the module docstring): the partial
-    rows ``y_part`` [S, hidden] (scratch) and ``y`` [hidden]."""
+    rows ``y_part`` [S, hidden] (scratch) and ``y`` [hidden]; with a ``residual`` r, the slices'
+    sum plus ``r[k]``, added last (one term more in the same reduction: no launch of its own)."""
     slices = gpu_layout.axpy_slices(rows, hidden)
     i = te.reduce_axis((0, rows // slices), name="i")
     y_part = te.compute((slices, hidden), lambda s, k: te.sum(term(i * slices + s, k), axis=i), name="y_part")
-    s = te.reduce_axis((0, slices), name="s")
-    y = te.compute((hidden,), lambda k: te.sum(y_part[s, k], axis=s), name="y")
+    if residual is None:
+        s = te.reduce_axis((0, slices), name="s")
+        y = te.compute((hidden,), lambda k: te.sum(y_part[s, k], axis=s), name="y")
+    else:
+        s = te.reduce_axis((0, slices + 1), name="s")
+        y = te.compute((hidden,), lambda k: te.sum(
+            tirx.if_then_else(s < slices, y_part[s, k], residual[k]), axis=s), name="y")
     return y_part, y
 
 
-def bias_add(name: str, n: int) -> Kernel:
-    """``y = x + b`` ([n] f32): a whole FFN layer's down bias, added to the partial sum its kernel
-    left in the workspace."""
+def bias_add(name: str, n: int, residual: bool = False) -> Kernel:
+    """``y = x + b (+ r)`` ([n] f32): a whole FFN layer's down bias, added to the partial sum its
+    kernel left in the workspace, and with ``residual`` the decode step's residual add after it."""
     check_positive(n=n)
     x = te.placeholder((n,), "float32", name="x")
     b = te.placeholder((n,), "float32", name="b")
-    y = te.compute((n,), lambda i: x[i] + b[i], name="y")
-    return make_kernel(name, "elementwise", [(x, "in"), (b, "in"), (y, "out")])
+    r = te.placeholder((n,), "float32", name="r")
+    y = te.compute((n,), lambda i: x[i] + b[i] + r[i] if residual else x[i] + b[i], name="y")
+    return make_kernel(name, "elementwise", [(x, "in"), (b, "in"), *([(r, "in")] if residual else []), (y, "out")])
 
 
-def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Kernel:
+def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, residual: bool = False) -> Kernel:
     """Exact gate-first FFN of a GLU form: only neurons with ``|act(gate . x)| * score_scale > threshold``
     count.
 
     Parameters: ``x``, ``threshold`` [1] and ``score_scale`` [n_ff] (the layer's, inputs so layers
     share the kernel; an unscaled layer passes ones), the buffers of ``gate``, ``up`` and ``down``
-    [n_ff, hidden] (down neuron-major) in ``fmt``, scratch ``g`` and ``u`` [n_ff] and ``y_part``
-    [S, hidden], output ``y`` [hidden].
+    [n_ff, hidden] (down neuron-major) in ``fmt``, ``r`` [hidden] with ``residual``, scratch ``g``
+    and ``u`` [n_ff] and ``y_part`` [S, hidden], output ``y`` [hidden].
     """
     check_positive(hidden=hidden, n_ff=n_ff)
     spec = _form(form)
@@ -204,11 +215,12 @@ def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str) -> Ke
         value = activation(act, g[r]) * u[r] * wf.load(w_down, (r,), k // v, k % v)
         return tirx.if_then_else(active(r), value, f32(0))
 
-    y_part, y = sliced_axpy(hidden, n_ff, term)
+    r = te.placeholder((hidden,), "float32", name="r")
+    y_part, y = sliced_axpy(hidden, n_ff, term, r if residual else None)
 
     def guard(b: dict[str, tirx.Buffer], r: PrimExpr) -> PrimExpr:
         return tirx.abs(activation(act, b["g"][r])) * b["score_scale"][r] > b["threshold"][0]
 
     args = [(x, "in"), (threshold, "in"), (scale, "in"), *[(t, "in") for t in (*w_gate, *w_up, *w_down)],
-            (g, "scratch"), (u, "scratch"), (y_part, "scratch"), (y, "out")]
+            *([(r, "in")] if residual else []), (g, "scratch"), (u, "scratch"), (y_part, "scratch"), (y, "out")]
     return make_kernel(name, "gate_first_ffn", args, guards={"u": guard}, options={"vector": v})

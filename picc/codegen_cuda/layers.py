@@ -98,18 +98,21 @@ def add(name: str, seq: int, n: int) -> Kernel:
     return make_kernel(name, "elementwise", [(a, "in"), (b, "in"), (y, "out")])
 
 
-def merge(name: str, n: int, bias: bool) -> Kernel:
-    """``y = a + b (+ bias)``: the partial sums of a split FFN layer and its down bias."""
+def merge(name: str, n: int, bias: bool, residual: bool = False) -> Kernel:
+    """``y = a + b (+ bias) (+ r)``: the partial sums of a split FFN layer, its down bias and, with
+    ``residual``, the decode step's residual add (``r + merged``, the add's bits)."""
     check_positive(n=n)
     a = te.placeholder((1, n), "float32", name="a")
     b = te.placeholder((1, n), "float32", name="b")
-    args = [(a, "in"), (b, "in")]
-    if bias:
-        c = te.placeholder((n,), "float32", name="bias")
-        args.append((c, "in"))
-        y = te.compute((1, n), lambda s, i: a[s, i] + b[s, i] + c[i], name="y")
-    else:
-        y = te.compute((1, n), lambda s, i: a[s, i] + b[s, i], name="y")
+    c = te.placeholder((n,), "float32", name="bias")
+    r = te.placeholder((1, n), "float32", name="r")
+    args = [(a, "in"), (b, "in"), *([(c, "in")] if bias else []), *([(r, "in")] if residual else [])]
+
+    def value(s: PrimExpr, i: PrimExpr) -> PrimExpr:
+        v = a[s, i] + b[s, i] + c[i] if bias else a[s, i] + b[s, i]
+        return v + r[s, i] if residual else v
+
+    y = te.compute((1, n), value, name="y")
     return make_kernel(name, "elementwise", [*args, (y, "out")])
 
 

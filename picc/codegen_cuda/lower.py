@@ -3,7 +3,9 @@
 Every GPU op names its kernel (``select-kernels``); here each op becomes the launches that
 compute it -- usually that one kernel; attention first appends the token's keys and values to
 the cache, a predictor-mode FFN part first compacts its mask columns into an index list, a whole
-FFN layer with a down bias adds it after -- and every parameter of every launch is bound to a
+FFN layer with a down bias adds it after; an ``add`` whose ``accumulated_by`` names an operand
+launches nothing, since that operand's producer runs the variant of its kernel that reads the
+residual (``r``) and writes the add's result -- and every parameter of every launch is bound to a
 place in the GPU arena of the memory plan: a weight's plane (``runtime.gpu_layout``), a value's
 slot in the activations, a constant, a KV cache, or a scratch buffer in the workspace (where
 ``memory_plan.gpu_scratch`` says). A binding is ``{"offset", "shape", "dtype"}``: the runtime makes
@@ -119,6 +121,20 @@ class _Lowering:
         self.types = func.value_types()
         self.bind = _Binder(plan, weights, self.types, module.weight_types())
         self.out = GpuProgram()
+        # A producer's result -> (the add whose residual add its kernel does, the residual).
+        self.residual: dict[str, tuple[str, str]] = {
+            add.accumulated[0]: (add.result, add.accumulated[1]) for add in func.ops
+            if isinstance(add, O.Add) and add.accumulated is not None and add.type.placement == Placement.GPU}
+
+    def result(self, op: Op, param: str, kernel: Kernel) -> Binding:
+        """Where ``op``'s kernel writes: its result's slot, or the add's it does the residual add of."""
+        added = self.residual.get(op.result)
+        return self.bind.value(added[0] if added else op.result, param, kernel)
+
+    def residual_arg(self, op: Op, kernel: Kernel) -> list[Binding]:
+        """The residual ``r`` that ``op``'s kernel adds, if it does an add's work."""
+        added = self.residual.get(op.result)
+        return [self.bind.value(added[1], "r", kernel)] if added else []
 
     def kernel(self, name: str, make: Callable[[], Kernel]) -> Kernel:
         if name not in self.out.kernels:
@@ -150,10 +166,11 @@ class _Lowering:
                                     b.value(op.result, "y", k)])
             case O.Linear():
                 rows, cols = (int(d) for d in self.weights[op.weight].shape)
-                k = self.kernel(name, lambda: dense.gemv(name, rows, cols, self.fmt(op.weight), op.bias is not None))
+                k = self.kernel(name, lambda: dense.gemv(name, rows, cols, self.fmt(op.weight), op.bias is not None,
+                                                         op.result in self.residual))
                 bias = [b.vector(op.bias, "b", k)] if op.bias else []
                 self.launch(op, k, [*b.weight(op.weight, "W", k), b.value(op.x, "x", k), *bias,
-                                    b.value(op.result, "y", k)])
+                                    *self.residual_arg(op, k), self.result(op, "y", k)])
             case O.RMSNorm():
                 k = self.kernel(name, lambda: layers.rms_norm(name, 1, self.width(op.x), op.eps))
                 self.launch(op, k, [b.value(op.x, "x", k), b.vector(op.weight, "w", k), b.value(op.result, "y", k)])
@@ -169,13 +186,17 @@ class _Lowering:
                                     b.constant(f"rope.{op.result}", "inv_freq", k), b.value(op.result, "y", k)])
             case O.Attention():
                 self.attention(op, name)
+            case O.Add() if op.accumulated is not None:
+                pass  # its residual add is done by the kernel of its operand's producer
             case O.Add():
                 k = self.kernel(name, lambda: layers.add(name, 1, self.width(op.result)))
                 self.launch(op, k, [b.value(op.a, "a", k), b.value(op.b, "b", k), b.value(op.result, "y", k)])
             case Merge():
-                k = self.kernel(name, lambda: layers.merge(name, self.width(op.result), op.bias is not None))
+                k = self.kernel(name, lambda: layers.merge(name, self.width(op.result), op.bias is not None,
+                                                           op.result in self.residual))
                 bias = [b.vector(op.bias, "bias", k)] if op.bias else []
-                self.launch(op, k, [b.value(op.a, "a", k), b.value(op.b, "b", k), *bias, b.value(op.result, "y", k)])
+                self.launch(op, k, [b.value(op.a, "a", k), b.value(op.b, "b", k), *bias, *self.residual_arg(op, k),
+                                    self.result(op, "y", k)])
             case Predict():
                 self.predict(op, name)
             case FusedFFN():
@@ -215,17 +236,19 @@ class _Lowering:
         b = self.bind
         n, hidden = (int(d) for d in self.weights[op.down].shape)
         fmt = self.fmt(op.down)
+        # The residual add, if the FFN does one: in its kernel, or in the down bias's after it.
+        residual = op.result in self.residual and op.down_bias is None
 
-        def out(k: Kernel) -> Binding:
-            """Where the FFN kernel writes: the result, or the partial sum a bias is added to."""
+        def out(k: Kernel) -> list[Binding]:
+            """The residual the FFN kernel adds (if it does) and where it writes: the result, or
+            the partial sum a bias is added to."""
             if op.down_bias is None:
-                return b.value(op.result, "y", k)
-            (partial,) = b.scratch(op, k, ("y",), ("partial",))
-            return partial
+                return [*self.residual_arg(op, k), self.result(op, "y", k)]
+            return b.scratch(op, k, ("y",), ("partial",))
         bias = op.up_bias is not None or op.gate_bias is not None or op.up_gate_bias is not None
         if op.mode == "gate-first":
             assert op.gate is not None and op.up is not None
-            k = self.kernel(name, lambda: ffn.gate_first_ffn(name, hidden, n, op.form, fmt))
+            k = self.kernel(name, lambda: ffn.gate_first_ffn(name, hidden, n, op.form, fmt, residual))
             self.out.constants[f"threshold.{op.result}"] = np.array([op.threshold], np.float32)
             if op.score_scale is None:  # the kernel always scales: by ones, unscaled (CATS)
                 self.out.constants[f"score_scale.{op.result}"] = np.ones(n, np.float32)
@@ -234,7 +257,8 @@ class _Lowering:
                 scale = b.vector(op.score_scale, "score_scale", k)
             self.launch(op, k, [b.value(op.x, "x", k), b.constant(f"threshold.{op.result}", "threshold", k), scale,
                                 *b.weight(op.gate, "gate", k), *b.weight(op.up, "up", k),
-                                *b.weight(op.down, "down", k), *b.scratch(op, k, ("g", "u", "y_part")), out(k)])
+                                *b.weight(op.down, "down", k), *out(k)[:-1], *b.scratch(op, k, ("g", "u", "y_part")),
+                                out(k)[-1]])
         else:
             rows = op.up_gate or op.up
             assert rows is not None
@@ -245,19 +269,22 @@ class _Lowering:
                 cname = names.gpu_compact(n, op.neuron_offset)
                 kc = self.kernel(cname, lambda: dense.compact(cname, n, n_pad, op.neuron_offset))
                 self.launch(op, kc, [b.value(op.mask, "mask", kc), *b.scratch(op, kc, ("idx", "count"))])
-                k = self.kernel(name, lambda: ffn.sparse_ffn(name, hidden, n, op.form, fmt, n_pad=n_pad, bias=bias))
+                k = self.kernel(name, lambda: ffn.sparse_ffn(name, hidden, n, op.form, fmt, n_pad=n_pad, bias=bias,
+                                                             residual=residual))
                 head = [b.value(op.x, "x", k), *b.scratch(op, k, ("idx", "count"))]
             else:
-                k = self.kernel(name, lambda: ffn.dense_ffn(name, hidden, n, op.form, fmt, bias=bias))
+                k = self.kernel(name, lambda: ffn.dense_ffn(name, hidden, n, op.form, fmt, bias=bias,
+                                                            residual=residual))
                 head = [b.value(op.x, "x", k)]
             tail = [b.vector(ug_bias, "b_ug", k)] if ug_bias else []
             self.launch(op, k, [*head, *b.weight(rows, "W_ug", k), *b.weight(op.down, "down", k), *tail,
-                                *b.scratch(op, k, ("ug", "y_part")), out(k)])
+                                *out(k)[:-1], *b.scratch(op, k, ("ug", "y_part")), out(k)[-1]])
         if op.down_bias is not None:
-            bname = names.gpu_bias_add(hidden)
-            kb = self.kernel(bname, lambda: ffn.bias_add(bname, hidden))
+            added = op.result in self.residual
+            bname = names.gpu_bias_add(hidden, added)
+            kb = self.kernel(bname, lambda: ffn.bias_add(bname, hidden, added))
             self.launch(op, kb, [*b.scratch(op, kb, ("x",), ("partial",)), b.vector(op.down_bias, "b", kb),
-                                 b.value(op.result, "y", kb)])
+                                 *self.residual_arg(op, kb), self.result(op, "y", kb)])
 
 
 def lower_gpu(module: Module, weights: WeightStore, plan: mp.MemoryPlan) -> GpuProgram:

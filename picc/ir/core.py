@@ -85,6 +85,12 @@ class Op:
     def check_producers(self, producer: Callable[[str], Op | None]) -> None:
         """Rules that involve the ops defining this op's operands (none by default)."""
 
+    @property
+    def can_accumulate(self) -> bool:
+        """Whether this op's kernel can also do the residual add that an ``add``'s
+        ``accumulated_by`` gives it (no, unless the op's class says so)."""
+        return False
+
     @classmethod
     def field_kinds(cls) -> tuple[FieldKind, ...]:
         return _FIELD_KINDS[cls]

@@ -15,7 +15,7 @@ from typing import ClassVar
 from picc.ir.core import Op, Sym, TypeEnv, Val, expect, register_op, weight_shape_is
 from picc.ir.ops import FFN_FORMS, MatrixOp, _activation_input, _float_weight
 from picc.ir.sparse_ops import SPARSITY_MODES, check_mask_producer
-from picc.ir.types import Dim, DType, TensorType
+from picc.ir.types import Dim, DType, Placement, TensorType
 
 FUSED_MODES = ("dense", *SPARSITY_MODES)
 
@@ -161,6 +161,11 @@ class Merge(Op):
         weight_shape_is(env, self.bias, (a.shape[1],), "bias")
         _float_weight(env, self.bias, "bias")
         return a
+
+    @property
+    def can_accumulate(self) -> bool:
+        """On the GPU its kernel has a variant that also adds the residual."""
+        return self.type.placement == Placement.GPU
 
     def check_producers(self, producer: Callable[[str], Op | None]) -> None:
         parts = [producer(self.a), producer(self.b)]

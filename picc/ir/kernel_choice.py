@@ -39,15 +39,16 @@ class MatrixOp(Op):
 
     @property
     def can_accumulate(self) -> bool:
-        """Whether its CPU decode kernel can add its result to what its output buffer holds (an
-        ``add``'s ``accumulated_by`` may name it): every matrix op but a sparse or neuron-major
-        ``ffn``, which has no kernel of its own."""
+        """Whether its decode kernel can add its result to the residual (an ``add``'s
+        ``accumulated_by`` may name it): every matrix op but a sparse or neuron-major ``ffn``,
+        which has no kernel of its own. The CPU's kernel adds into the residual's buffer; the
+        GPU's variant reads the residual and writes the add's result."""
         return True
 
 
 class Accumulated:
     """What ``add`` gets from its ``accumulated_by`` ("a" | "b"), the residual add that the kernel
-    of that operand's producer does itself (``select-kernels``, the CPU's decode step)."""
+    of that operand's producer does itself (``select-kernels``; the decode step on either device)."""
 
     # No annotations here: the op's field annotations (``a``, ``b``: values) must stay the only ones.
     __slots__ = ()
@@ -62,6 +63,6 @@ class Accumulated:
     def check_producers(self, producer: Callable[[str], Op | None]) -> None:
         if (accumulated := self.accumulated) is not None:
             made_by = producer(accumulated[0])
-            expect(isinstance(made_by, MatrixOp) and made_by.can_accumulate,
+            expect(made_by is not None and made_by.can_accumulate,
                    f"accumulated_by = {self.accumulated_by!r}: %{accumulated[0]} must come from a linear or an "
-                   "ffn whose kernel can add into its output")
+                   "ffn (or, on the GPU, a merge) whose kernel can add into its output")

@@ -1,7 +1,9 @@
 """The kernel that computes an op on its device, for ``select-kernels``.
 
 A kernel's name is a pure function of the op: its class, its attributes (the kernel choices
-``x_format`` and ``layout`` among them), its types and its placement. The names come from
+``x_format`` and ``layout`` among them), its types and its placement -- and, on the GPU, whether
+an ``add``'s ``accumulated_by`` gives its kernel the residual add (a variant that reads the
+residual and writes the add's result). The names come from
 :mod:`picc.kernel_names`, whose rules the backends share. An op that its device has no kernel
 for is a ``PiccError`` that names the op and what to do instead.
 """
@@ -79,8 +81,11 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
     raise _no_kernel(op, "CPU", hint)
 
 
-def gpu_kernel(op: Op, t: Types, ctx: int) -> str:  # noqa: C901 - one case per op
-    """The GPU kernel that computes ``op``, for KV caches of ``ctx`` positions."""
+def gpu_kernel(op: Op, t: Types, ctx: int, residual: bool = False) -> str:  # noqa: C901 - one case per op
+    """The GPU kernel that computes ``op``, for KV caches of ``ctx`` positions; ``residual``: the
+    variant that also does a residual add (only ops whose ``can_accumulate`` says so)."""
+    if residual and not op.can_accumulate:
+        raise PiccError(f"%{op.result}: op {op.NAME} has no GPU kernel that adds a residual")
     hint = "; compile with --vram 0 to keep it on the CPU"
     match op:
         case O.Embed():
@@ -88,7 +93,7 @@ def gpu_kernel(op: Op, t: Types, ctx: int) -> str:  # noqa: C901 - one case per 
             return names.gpu_embed(vocab, dim, t.fmt(op.table) or "")
         case O.Linear():
             rows, cols = t.dims(op.weight)
-            return names.gpu_gemv(rows, cols, t.fmt(op.weight) or "", op.bias is not None)
+            return names.gpu_gemv(rows, cols, t.fmt(op.weight) or "", op.bias is not None, residual)
         case O.RMSNorm():
             return names.gpu_norm("rms_norm", t.width(op.x), op.eps)
         case O.LayerNorm():
@@ -100,14 +105,14 @@ def gpu_kernel(op: Op, t: Types, ctx: int) -> str:  # noqa: C901 - one case per 
         case O.Add():
             return names.gpu_add(t.width(op.result))
         case Merge():
-            return names.gpu_merge(t.width(op.result), op.bias is not None)
+            return names.gpu_merge(t.width(op.result), op.bias is not None, residual)
         case Predict():
             rank, hidden = t.dims(op.fc1)
             (n, _) = t.dims(op.fc2)
             return names.gpu_predictor(hidden, rank, n, t.fmt(op.fc1) or "", op.fc1_bias is not None,
                                  op.fc2_bias is not None)
         case FusedFFN():
-            return gpu_kernel_of_ffn(op, t, hint)
+            return gpu_kernel_of_ffn(op, t, hint, residual)
     if isinstance(op, O.Attention):
         raise _no_kernel(op, "GPU", " for ALiBi" + hint)
     raise _no_kernel(op, "GPU", hint)
@@ -129,7 +134,7 @@ def gpu_ffn_unsupported(op: O.FFN | FusedFFN, formats: set[str | None]) -> str |
     return None
 
 
-def gpu_kernel_of_ffn(op: FusedFFN, t: Types, hint: str) -> str:
+def gpu_kernel_of_ffn(op: FusedFFN, t: Types, hint: str, residual: bool = False) -> str:
     n, hidden = t.dims(op.down)
     formats = {t.fmt(w) for w in (op.up, op.gate, op.up_gate, op.down) if w is not None}
     if (reason := gpu_ffn_unsupported(op, formats)) is not None:
@@ -138,11 +143,15 @@ def gpu_kernel_of_ffn(op: FusedFFN, t: Types, hint: str) -> str:
     if op.mode in ("predictor", "dense") and O.FFN_FORMS[op.form].gated and not op.interleaved:
         raise PiccError(f"%{op.result}: the GPU gathers a neuron's up and gate rows as one stream; run "
                         f"fuse-gather-gemv with interleave=auto{hint}")
-    return names.gpu_fused_ffn(op.mode, op.form, hidden, n, formats.pop() or "", bias)
+    # With a down bias, the bias_add launch after the FFN does the residual add, not the FFN.
+    return names.gpu_fused_ffn(op.mode, op.form, hidden, n, formats.pop() or "", bias,
+                               residual and op.down_bias is None)
 
 
-def kernel_of(op: Op, t: Types, ctx: int) -> str:
-    """The kernel of ``op`` on the device its type places it on (unplaced ops run on the CPU)."""
+def kernel_of(op: Op, t: Types, ctx: int, residual: bool = False) -> str:
+    """The kernel of ``op`` on the device its type places it on (unplaced ops run on the CPU);
+    ``residual``: an add's ``accumulated_by`` names ``op`` (on the CPU that is an argument of
+    the same kernel, on the GPU a variant of it)."""
     if op.type.placement == Placement.GPU:
-        return gpu_kernel(op, t, ctx)
+        return gpu_kernel(op, t, ctx, residual)
     return cpu_kernel(op, t)

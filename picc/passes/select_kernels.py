@@ -17,8 +17,10 @@ memory, and nothing downstream infers a choice from a name:
   with rows in multiples of 8 and no other op reads them (an embedding tied to its LM head reads
   rows): GEMVs, dense FFNs and the dense projections of gate-first (gate) and down-only (gate
   and up) FFNs. The ``.pib`` stores such matrices eight rows at a time.
-* ``accumulated_by`` (``add`` on the CPU): the residual adds of the decode step that the kernel
-  of an operand's producer does itself (see :func:`accumulated_adds`).
+* ``accumulated_by`` (``add``): the residual adds of the decode step that the kernel of an
+  operand's producer does itself: on the CPU it adds into the residual's buffer
+  (:func:`accumulated_adds`), on the GPU a variant of it reads the residual and writes the add's
+  result, one launch fewer (:func:`gpu_accumulated_adds`; the producer's kernel name says so).
 * ``kernel`` (every op): the kernel's symbol, a pure function of the op
   (:mod:`picc.passes.kernel_selection`); the backends generate kernels under exactly these names.
 
@@ -109,6 +111,43 @@ def accumulated_adds(func: Function, sched: Schedule) -> dict[int, str]:
     return chosen
 
 
+def gpu_accumulated_adds(func: Function, sched: Schedule) -> dict[int, str]:
+    """The adds on the GPU (by op index) whose residual add the kernel of an operand's producer
+    does, and which operand (``"a"`` / ``"b"``): ``add(r, p)`` with ``p`` made on the GPU by an op
+    that ``can_accumulate`` (a linear, a fused FFN, a merge), read by nothing else and not copied
+    to the CPU, and ``r`` on the GPU before ``p`` is made (made there earlier, or copied there by
+    then). ``p``'s kernel then writes ``r + t`` (``t`` its rounded result: the add's bits, f32
+    addition commutes) where the add's result lives, and the add launches nothing: on an H100 a
+    decode step is bound by its launches."""
+    ops = func.ops
+    index = {op.result: i for i, op in enumerate(ops)}
+    readers: dict[str, list[int]] = {}
+    for i, op in enumerate(ops):
+        for v in op.values():
+            readers.setdefault(v, []).append(i)
+    crossing = crossing_values(sched)
+    uploads, _ = mp.copy_points(func, sched)
+
+    def on_gpu(i: int | None) -> bool:
+        return i is not None and ops[i].type.placement == Placement.GPU
+
+    def there_by(res: str, j: int) -> bool:
+        k = index.get(res)
+        return (on_gpu(k) and k is not None and k < j) or uploads.get(res, len(ops)) <= j
+
+    chosen: dict[int, str] = {}
+    for i, op in enumerate(ops):
+        if not isinstance(op, O.Add) or op.a == op.b or not on_gpu(i) or op.result == func.ret:
+            continue
+        for which, src, res in (("a", op.a, op.b), ("b", op.b, op.a)):
+            j = index.get(src)
+            if (on_gpu(j) and j is not None and ops[j].can_accumulate and readers.get(src) == [i]
+                    and src not in crossing and there_by(res, j)):
+                chosen[i] = which
+                break
+    return chosen
+
+
 @dataclass(frozen=True)
 class SelectOptions(PassOptions):
     """``int_dots``: round x to int16 for 4-bit dot products -- ``auto`` where no op decides sparsity,
@@ -133,8 +172,10 @@ def select_kernels(module: Module, ctx: PassContext[SelectOptions]) -> Module:
     readers = Counter(w for op in func.ops for w in set(op.weights()) if w is not None)
     shared = frozenset(w for w, n in readers.items() if n > 1)
     ops = [_choose(op, types, rounded, shared) for op in func.ops]
-    for i, which in accumulated_adds(replace(func, ops=tuple(ops)), schedule(module)).items():
+    chosen_func, steps = replace(func, ops=tuple(ops)), schedule(module)
+    for i, which in (accumulated_adds(chosen_func, steps) | gpu_accumulated_adds(chosen_func, steps)).items():
         ops[i] = replace(ops[i], accumulated_by=which)
+    adding = {op.accumulated[0] for op in ops if isinstance(op, O.Add) and op.accumulated is not None}
     kv_ctx = int(module.attr("ctx", mp.DEFAULT_CTX) or mp.DEFAULT_CTX)
-    named = tuple(replace(op, kernel=kernel_of(op, types, kv_ctx)) for op in ops)
+    named = tuple(replace(op, kernel=kernel_of(op, types, kv_ctx, op.result in adding)) for op in ops)
     return module.with_function(replace(func, ops=named))

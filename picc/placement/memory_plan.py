@@ -99,7 +99,10 @@ def gpu_launch_count(op: Op) -> int:
     a test holds this to): a fused FFN's gather-GEMV, its down-projection AXPY in row slices and their
     sum, after a predictor-mode part's index list or before a gate-first one's up rows, and a whole
     layer's down bias; attention's cache append, scores, max, sum, probabilities and output; a
-    predictor's two layers; one kernel for the rest."""
+    predictor's two layers; none for an add whose producer's kernel does it (``accumulated_by``);
+    one kernel for the rest."""
+    if isinstance(op, O.Add) and op.accumulated is not None:
+        return 0
     if isinstance(op, O.FFN | FusedFFN):
         mode = op.mode if isinstance(op, FusedFFN) else "predictor"
         return (3 if mode == "dense" else 4) + (op.down_bias is not None)
@@ -169,7 +172,9 @@ def activation_arena(func: Function, on_gpu: Callable[[Op], bool],
     The GPU holds what its ops compute and what they read from the CPU. A value computed there is
     live from its op to its last GPU reader, or to its copy to the CPU if that comes later; a
     value copied in (or a function argument) is live from the copy (``copy_points``) to its last
-    reader. The returned value is live to the end. The GPU runs its ops in this order.
+    reader. The returned value is live to the end. The GPU runs its ops in this order. An add whose
+    operand's producer does it (``accumulated_by``) is written by that producer: its result is
+    live from there, and the operand itself is never written.
     """
     types = func.value_types()
     uploads, downloads = copy_points(func, steps)
@@ -185,6 +190,11 @@ def activation_arena(func: Function, on_gpu: Callable[[Op], bool],
     for v, at in uploads.items():
         if v in last_use:  # some GPU op reads it
             arriving.setdefault(at, []).append(v)
+    # The producer (by index) that writes an add's result instead of its own, on the GPU.
+    index = {op.result: i for i, op in enumerate(func.ops)}
+    writes = {index[op.accumulated[0]]: op.result for op in func.ops
+              if isinstance(op, O.Add) and op.accumulated is not None and on_gpu(op)}
+    written_early = set(writes.values())
     live: list[tuple[int, int, str]] = []  # (offset, size, value), sorted by offset
     offsets: dict[str, int] = {}
     size = 0
@@ -205,7 +215,9 @@ def activation_arena(func: Function, on_gpu: Callable[[Op], bool],
         live = [item for item in live if last_use.get(item[2], -1) >= i]
         for v in arriving.get(i, ()):
             place(v)
-        if on_gpu(op):
+        if i in writes:
+            place(writes[i])
+        elif on_gpu(op) and op.result not in written_early:
             place(op.result)
     return offsets, size
 

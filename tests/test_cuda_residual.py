@@ -1,0 +1,98 @@
+"""The GPU kernels that also do the decode step's residual add (``accumulated_by`` on an ``add``).
+
+On a GPU a decode step is bound by its launches, so ``select-kernels`` gives each residual add to
+the kernel of its operand's producer (a GEMV, a fused FFN, a split layer's merge, a down bias's
+add) and the add launches nothing. The variant must compute exactly the add's bits: ``r + t``
+with ``t`` what the plain kernel writes (f32 addition commutes, so ``t + r`` is the same number).
+Checked on the host build of the same TensorIR, bit for bit; the CUDA code of the variants is
+checked to stay inside its buffers in tests/test_cuda_bounds.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import half_the_ffn, tiny_llama, with_tokenizer
+
+from picc.codegen_cuda import build_host, dense, ffn, layers
+from picc.codegen_cuda.kernel import Kernel
+from picc.compile import CompileOptions, compile_model
+from picc.ir import ops as O
+from picc.ir.types import Placement
+from picc.placement import memory_plan as mp
+from picc.sparsity.sparsify import SparsifyOptions
+
+
+def _inputs(kernel: Kernel, rng: np.random.Generator, n_ff: int = 0) -> dict[str, np.ndarray]:
+    """Random inputs for every ``in`` parameter of ``kernel``: activations and float weights
+    around 1, 4-bit nibbles anywhere, small block scales, an index list of distinct neurons."""
+    out: dict[str, np.ndarray] = {}
+    for p in kernel.params:
+        if p.role != "in":
+            continue
+        if p.name == "idx":
+            out[p.name] = np.zeros(p.shape, np.int32)
+            out[p.name][: n_ff // 2] = rng.permutation(n_ff)[: n_ff // 2]
+        elif p.name == "count":
+            out[p.name] = np.array([n_ff // 2], np.int32)
+        elif p.dtype == "uint8":
+            out[p.name] = rng.integers(0, 256, p.shape, dtype=np.uint8)
+        elif p.name.endswith("_d"):
+            out[p.name] = (rng.random(p.shape) * 0.02).astype(p.dtype)
+        else:
+            out[p.name] = rng.standard_normal(p.shape).astype(p.dtype)
+    return out
+
+
+PAIRS = [
+    pytest.param(lambda res: dense.gemv(f"g_res{res}", 96, 64, "q4_0", bias=True, residual=res), 0, id="gemv"),
+    pytest.param(lambda res: ffn.sparse_ffn(f"s_res{res}", 320, 1280, "reglu", "f16", residual=res), 1280,
+                 id="sparse_ffn"),
+    pytest.param(lambda res: ffn.dense_ffn(f"d_res{res}", 64, 128, "swiglu", "q4_0", residual=res), 0, id="dense_ffn"),
+    pytest.param(lambda res: ffn.gate_first_ffn(f"gf_res{res}", 64, 128, "swiglu", "f32", residual=res), 0,
+                 id="gate_first_ffn"),
+    pytest.param(lambda res: layers.merge(f"m_res{res}", 64, bias=True, residual=res), 0, id="merge"),
+    pytest.param(lambda res: ffn.bias_add(f"b_res{res}", 64, residual=res), 0, id="bias_add"),
+]
+
+
+@pytest.mark.parametrize(("make", "n_ff"), PAIRS)
+def test_the_residual_variant_writes_the_adds_bits(make, n_ff: int) -> None:
+    plain, added = make(False), make(True)
+    names = [p.name for p in plain.params]
+    first_written = next(i for i, p in enumerate(plain.params) if p.role in ("scratch", "out"))
+    assert [p.name for p in added.params] == [*names[:first_written], "r", *names[first_written:]]
+    inputs = _inputs(plain, np.random.default_rng(3), n_ff)
+    out_name = next(p.name for p in plain.params if p.role == "out")
+    t = build_host(plain)(**inputs)[out_name]
+    r = np.random.default_rng(4).standard_normal(t.shape).astype(np.float32)
+    y = build_host(added)(**inputs, r=r)[out_name]
+    assert np.abs(t).max() > 0
+    np.testing.assert_array_equal(y, r + t)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    model = with_tokenizer(tiny_llama("reglu", n_layers=2, hidden=64, n_ff=128, seed=5))
+    sparsity = SparsifyOptions(mode="predictor", tokens=512, window=64, budget=0.5)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("PICC_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        out = compile_model(model, CompileOptions(target="pc-low", vram="4MiB", sparsity=sparsity), say=lambda _: None)
+        split = compile_model(model, CompileOptions(target="pc-low", vram=str(half_the_ffn(out)), sparsity=sparsity),
+                              say=lambda _: None)
+    return out, split
+
+
+def test_every_residual_add_on_the_gpu_launches_nothing(whole):
+    """In a model whole on the GPU each layer's two residual adds are done by the attention's
+    output GEMV and the FFN's kernel, whose kernels are the ``_res`` variants; in a split model,
+    by the merge of the layer's two FFN parts."""
+    for compiled, producers in zip(whole, ({O.Linear, "FusedFFN"}, {O.Linear, "Merge"}), strict=True):
+        ops = compiled.model.module.function().ops
+        by_result = {op.result: op for op in ops}
+        adds = [op for op in ops if isinstance(op, O.Add) and op.type.placement == Placement.GPU]
+        assert adds and all(op.accumulated is not None for op in adds)
+        assert all(mp.gpu_launch_count(op) == 0 for op in adds)
+        made_by = {by_result[op.accumulated[0]] for op in adds}
+        assert {O.Linear if isinstance(p, O.Linear) else type(p).__name__ for p in made_by} == producers
+        assert all(p.kernel.endswith("_res") for p in made_by)
