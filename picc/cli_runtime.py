@@ -120,7 +120,8 @@ def device_times(session, before) -> dict | None:  # noqa: ANN001 - a Session an
     if ex.gpu_kind is None:
         return None
     now = ex.times
-    return {"gpu": ex.gpu_kind, "gpu_ms": 1e3 * (now.gpu_seconds - before.gpu_seconds),
+    return {"gpu": ex.gpu_kind, "dependent_launch": bool(getattr(ex.gpu, "dependent_launch", False)),
+            "gpu_ms": 1e3 * (now.gpu_seconds - before.gpu_seconds),
             "cpu_ms": 1e3 * (now.cpu_seconds - before.cpu_seconds),
             "wait_ms": 1e3 * (now.wait_seconds - before.wait_seconds),
             "transfer_ms": 1e3 * (now.transfer_seconds - before.transfer_seconds),
@@ -191,7 +192,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             decode_rates.append(args.n / (time.perf_counter() - start))
             run = device_times(session, before)
             devices = run if devices is None or run is None else {
-                k: v if k == "gpu" else devices[k] + v for k, v in run.items()}
+                k: v if isinstance(v, str | bool) else devices[k] + v for k, v in run.items()}
         threads = session.executor.cpu.team.nthreads
         profile = profile_decode(session, ids, args.n, args.repeat) if args.profile else None
     bandwidth = measure_memory_bandwidth()
@@ -204,7 +205,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
               "bandwidth_share": (bytes_per_token * decode / bandwidth) if bytes_per_token else None}
     if devices:  # per decode step, over every run
         steps = args.repeat * args.n
-        result["devices"] = {"gpu": devices["gpu"], "gpu_ms_per_token": devices["gpu_ms"] / steps,
+        result["devices"] = {"gpu": devices["gpu"], "dependent_launch": devices["dependent_launch"],
+                             "gpu_ms_per_token": devices["gpu_ms"] / steps,
                              "cpu_ms_per_token": devices["cpu_ms"] / steps,
                              "wait_ms_per_token": devices["wait_ms"] / steps,
                              "transfer_ms_per_token": devices["transfer_ms"] / steps,

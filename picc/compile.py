@@ -297,7 +297,8 @@ def gpu_code(module, weights, plan: mp.MemoryPlan, arch: str,  # noqa: ANN001
         host_so = host.result()
     sections: dict[str, bytes] = {f"cuda/{arch}/{name}.cu": a.source.encode("utf-8") for name, a in artifacts.items()}
     sections.update({f"cuda/{arch}/model.{kind}": data for kind, data in compiled.items()})
-    manifest = CudaManifest(arch, tuple(sorted(compiled)), {name: a.launches for name, a in artifacts.items()})
+    manifest = CudaManifest(arch, tuple(sorted(compiled)), {name: a.launches for name, a in artifacts.items()},
+                            dependent_launch=True)  # codegen_cuda.build.with_dependent_launch
     sections["cuda/manifest"] = json.dumps(manifest.to_json()).encode("utf-8")
     sections["gpu/launches"] = json.dumps(launches_to_json(lowered.launches)).encode("utf-8")
     sections["gpu/host.so"] = host_so

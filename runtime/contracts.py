@@ -145,11 +145,15 @@ class KernelLaunch:
 @dataclass(frozen=True)
 class CudaManifest:
     """The CUDA module of a ``.pib``: its architecture, what nvcc made of it (``ptx``, ``cubin``;
-    empty: the sources only, compiled when loaded), and per kernel its launches in order."""
+    empty: the sources only, compiled when loaded), per kernel its launches in order, and whether
+    every kernel waits for the ones before it itself (``dependent_launch``: it starts with
+    ``griddepcontrol.wait``, so a device that has it may launch it with programmatic stream
+    serialization, before the kernel ahead of it is done)."""
 
     arch: str
     compiled: tuple[str, ...]
     kernels: dict[str, tuple[KernelLaunch, ...]]
+    dependent_launch: bool = False
 
     @property
     def entries(self) -> list[str]:
@@ -157,10 +161,12 @@ class CudaManifest:
 
     def to_json(self) -> dict:
         return {"arch": self.arch, "compiled": list(self.compiled),
-                "kernels": {name: [la.to_json() for la in launches] for name, launches in self.kernels.items()}}
+                "kernels": {name: [la.to_json() for la in launches] for name, launches in self.kernels.items()},
+                "dependent_launch": self.dependent_launch}
 
     @classmethod
     def from_json(cls, data: object) -> CudaManifest:
         kernels = _get(data, "kernels", "cuda/manifest")
         return cls(str(_get(data, "arch", "cuda/manifest")), tuple(_get(data, "compiled", "cuda/manifest")),
-                   {name: tuple(KernelLaunch.from_json(la) for la in launches) for name, launches in kernels.items()})
+                   {name: tuple(KernelLaunch.from_json(la) for la in launches) for name, launches in kernels.items()},
+                   bool(_get(data, "dependent_launch", "cuda/manifest")))

@@ -39,6 +39,7 @@ thread before its first call there.
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 import tempfile
@@ -46,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,6 +62,46 @@ _STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit sync with the le
 _CAPTURE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' calls stay legal
 _EVENT_RECORD_EXTERNAL = 1  # CU_EVENT_RECORD_EXTERNAL: in a capture, a timing record node
 _EVENT_DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING: an event only waited for is cheaper
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` of ``cuLaunchKernelEx``."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("count", ctypes.c_uint)]
+
+
+class BoundLaunch(NamedTuple):
+    """One launch of an op's kernel, its arguments bound to the arena once: the function, grid and
+    block, the argument array (and the pointers it points at, kept alive), the entry's name, and
+    the same launch as a dependent launch's config."""
+
+    fn: ctypes.c_void_p
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    args: ctypes.Array
+    pointers: list
+    entry: str
+    config: LaunchConfig
+
+
+def dependent_launch_config(grid: tuple[int, int, int], block: tuple[int, int, int],
+                            stream: ctypes.c_void_p) -> LaunchConfig:
+    """A launch that may start before the kernel ahead of it in ``stream`` is done (programmatic
+    stream serialization): for kernels that wait for their predecessors themselves."""
+    attr = LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0, stream,
+                          ctypes.pointer(attr), 1)
+    config._attr = attr  # type: ignore[attr-defined] - keeps the attribute alive with the config
+    return config
 TIMING_EVERY = 8  # one stage launch in this many is timed on the device (see the module docstring)
 
 
@@ -128,6 +170,7 @@ class CudaGpu:
         cu("cuDeviceGetAttribute", ctypes.byref(major), _ATTR_CC_MAJOR, device)
         cu("cuDeviceGetAttribute", ctypes.byref(minor), _ATTR_CC_MINOR, device)
         self.device_arch = f"sm_{major.value}{minor.value}"
+        self._major = major.value
         self._ctx = ctypes.c_void_p()
         cu("cuDevicePrimaryCtxRetain", ctypes.byref(self._ctx), device)
         cu.use(self._ctx)
@@ -162,6 +205,11 @@ class CudaGpu:
         self._launch_calls = 0
         self._incoming: list[tuple[str, np.ndarray]] = []  # the last launch's downloads, not delivered yet
         self._functions = self._load(pib, manifest)
+        # Kernels that wait for their predecessors themselves may be launched before those are done
+        # (sm_90 and newer; PICC_CUDA_PDL=0 turns it off, to compare).
+        self.dependent_launch = (manifest.dependent_launch and self._major >= 9
+                                 and os.environ.get("PICC_CUDA_PDL", "1") != "0")
+        self.dependent_launch_error: str | None = None  # why the driver refused it, if it did
         self._launches = self._bind(launches_from_json(pib.json("gpu/launches")), manifest)
         self.times = GpuTimes()
 
@@ -195,9 +243,9 @@ class CudaGpu:
             raise GpuError(f"{pib.path}: its CUDA code lacks the kernels {missing[:3]}")
         return functions
 
-    def _bind(self, launches: dict[str, list[Call]], manifest: CudaManifest) -> dict[str, list[tuple]]:
+    def _bind(self, launches: dict[str, list[Call]], manifest: CudaManifest) -> dict[str, list[BoundLaunch]]:
         """Per op, its launches with their argument arrays (pointers into the arena) built once."""
-        bound: dict[str, list[tuple]] = {}
+        bound: dict[str, list[BoundLaunch]] = {}
         for op, calls in launches.items():
             bound[op] = []
             for call in calls:
@@ -205,8 +253,9 @@ class CudaGpu:
                 for launch in manifest.kernels[call.kernel]:
                     pointers = [_u64(self.base.value + where[p]) for p in launch.params]
                     args = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(p) for p in pointers])
-                    bound[op].append((self._functions[launch.entry], launch.grid, launch.block, args,
-                                      pointers, launch.entry))
+                    config = dependent_launch_config(launch.grid, launch.block, self.stream)
+                    bound[op].append(BoundLaunch(self._functions[launch.entry], launch.grid, launch.block, args,
+                                                 pointers, launch.entry, config))
         return bound
 
     # --- copies -------------------------------------------------------------------------------------
@@ -336,6 +385,8 @@ class CudaGpu:
         graph = self._graphs.get(work)
         if graph is None and self.graphs and work in self._seen:
             graph = self._graphs[work] = self._capture(work)
+        elif graph is None and self.dependent_launch and not self._seen:
+            self._try_dependent_launch(work)
         timed = None
         if self._launch_calls % TIMING_EVERY == 0:
             timed = (self._event(), self._event())
@@ -359,11 +410,26 @@ class CudaGpu:
         for value, nbytes in ins:
             self._copy_in(value, nbytes)
         for op in ops:
-            for fn, grid, block, args, *_ in self._launches.get(op, ()):
-                self.cu("cuLaunchKernel", fn, *grid, *block, 0, self.stream, args, None)
+            for k in self._launches.get(op, ()):
+                if self.dependent_launch:
+                    self.cu("cuLaunchKernelEx", ctypes.byref(k.config), k.fn, k.args, None)
+                else:
+                    self.cu("cuLaunchKernel", k.fn, *k.grid, *k.block, 0, self.stream, k.args, None)
                 self.times.launches += 1
         for value, nbytes in outs:
             self._copy_out(value, nbytes)
+
+    def _try_dependent_launch(self, work: tuple) -> None:
+        """Before the first launch: capture ``work`` with dependent launches into a graph and
+        throw it away; if the driver refuses either, launch as usual from now on (and say why in
+        ``dependent_launch_error``)."""
+        try:
+            graph, executable = self._capture(work)
+        except GpuError as e:
+            self.dependent_launch, self.dependent_launch_error = False, str(e)
+            return
+        self.cu("cuGraphExecDestroy", executable)
+        self.cu("cuGraphDestroy", graph)
 
     def _capture(self, work: tuple) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
         """A graph of a stage's copies and launches on the stream, instantiated: ``(graph, executable)``."""
@@ -418,7 +484,7 @@ class CudaGpu:
                 self.cu("cuGraphDestroy", graph)
             for e in events:
                 self.cu("cuEventDestroy_v2", e)
-        return [(op, launch[-1], float(np.median(t))) for (op, launch), t in zip(launches, samples, strict=True)]
+        return [(op, launch.entry, float(np.median(t))) for (op, launch), t in zip(launches, samples, strict=True)]
 
     @property
     def peak_bytes(self) -> int:

@@ -48,9 +48,10 @@ def _value(arg: object) -> int:
 class FakeCuda:
     """The driver calls ``runtime.cuda`` makes, on host memory (see the module docstring)."""
 
-    def __init__(self, pib: PibFile) -> None:
+    def __init__(self, pib: PibFile, arch: str | None = None) -> None:
         manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
-        self.arch = manifest.arch  # the device is the one the file was compiled for
+        self.arch = arch or manifest.arch  # by default the device is the one the file was compiled for
+        self.dependent_launches = 0  # kernels launched with programmatic stream serialization
         self._current = threading.local()
         self.calls: list[tuple[str, str]] = []  # (thread name, call) of every call
         self.blocks: dict[int, np.ndarray] = {}  # device and pinned allocations by address
@@ -234,6 +235,16 @@ class FakeCuda:
         work = self._kernel(entry, pointers)
         if work is not None:
             self._queue(stream, work)
+
+    def _cuLaunchKernelEx(self, config: object, fn: object, params: object, extra: object) -> int | None:
+        from runtime.cuda import LaunchConfig
+
+        c = ctypes.cast(config, ctypes.POINTER(LaunchConfig)).contents
+        attrs = [(c.attrs[i].id, c.attrs[i].value[0]) for i in range(c.count)]
+        if attrs != [(6, 1)]:  # programmatic stream serialization, allowed: the only one picc sets
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        self.dependent_launches += 1
+        return self._cuLaunchKernel(fn, *c.grid, *c.block, c.shared, c.stream, params, extra)
 
     def _kernel(self, entry: str, offsets: tuple[int, ...]) -> Callable[[], None] | None:
         """The host build of the kernel whose first launch is ``entry`` with these arguments, bound

@@ -455,3 +455,19 @@ def test_bad_arch_and_bad_arguments_are_clear_errors() -> None:
         k(x=np.zeros(64, np.float32), w=np.ones(64, np.float32))
     with pytest.raises(PiccError, match="missing input w"):
         k(x=np.zeros((1, 64), np.float32))
+
+
+@needs_nvcc
+def test_every_kernel_waits_for_its_predecessors_on_sm_90_only() -> None:
+    """Each ``__global__`` function starts by letting the next kernel launch and waiting for the
+    ones before it (``griddepcontrol``, sm_90+), which is what makes launching it with
+    programmatic stream serialization safe (``CudaManifest.dependent_launch``); for older
+    architectures the macro is empty."""
+    kernels = [sparse_ffn("pdl_ffn", 64, 128, "reglu", "f16"), rms_norm("pdl_norm", 1, 64, 1e-5)]
+    for arch, per_entry in (("sm_90", 1), ("sm_75", 0)):
+        for art in build_cuda(kernels, arch, outputs=("ptx",)).values():
+            bodies = art.source.split("PICC_GRID_DEPENDENCY();")
+            assert len(bodies) - 1 == len(art.entry_points) >= 1
+            ptx = (art.ptx or b"").decode()
+            assert ptx.count("griddepcontrol.wait") == per_entry * len(art.entry_points)
+            assert ptx.count("griddepcontrol.launch_dependents") == per_entry * len(art.entry_points)

@@ -222,3 +222,49 @@ def test_a_decode_step_is_graph_launches_and_waits_copies_included(pibs, fake_dr
     assert rel_err(np.stack(logits), reference) <= 1e-3
     assert not made & {"cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuLaunchKernel"}, made
     assert 1 <= graphs <= len(stages)
+
+
+@pytest.mark.parametrize(("arch", "env", "expected"), [("sm_90", None, True), ("sm_90", "0", False),
+                                                       ("sm_75", None, False)])
+def test_kernels_go_out_as_dependent_launches_on_sm_90(pibs, monkeypatch, arch, env, expected):
+    """The file's kernels wait for their predecessors themselves (``dependent_launch``), so on a
+    device of compute capability 9.0 or newer every kernel is launched with programmatic stream
+    serialization (``cuLaunchKernelEx``), and the logits stay the interpreter's; PICC_CUDA_PDL=0
+    and older devices launch as usual."""
+    assert PibFile(pibs["whole"]).json("cuda/manifest")["dependent_launch"]
+    if env is not None:
+        monkeypatch.setenv("PICC_CUDA_PDL", env)
+    fakes = []
+
+    def make_gpu(pib: PibFile, mode: str):  # noqa: ANN202
+        fakes.append(FakeCuda(pib, arch=arch))
+        return runtime.cuda.CudaGpu(pib, driver=runtime.cuda.Driver(fakes[-1]))
+
+    monkeypatch.setattr(runtime.executor, "_make_gpu", make_gpu)
+    pib = load_pib(pibs["split"])
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS[:4])
+    with Session(pibs["split"], threads=2, gpu="cuda") as session:
+        logits = np.stack([_step(session, t) for t in TOKENS[:4]])
+        assert session.executor.gpu.dependent_launch == expected
+    assert rel_err(logits, reference) <= 1e-3
+    plain = sum(1 for _, call in fakes[0].calls if call == "cuLaunchKernel")
+    assert (fakes[0].dependent_launches > 0, plain == 0) == (expected, expected)
+
+
+def test_a_driver_that_refuses_dependent_launches_gets_plain_ones(pibs, monkeypatch):
+    """If the driver refuses the launch attribute, the executor says why and launches as usual."""
+    class Refusing(FakeCuda):
+        def _cuLaunchKernelEx(self, *args: object) -> int:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+
+    def make_gpu(pib: PibFile, mode: str):  # noqa: ANN202
+        return runtime.cuda.CudaGpu(pib, driver=runtime.cuda.Driver(Refusing(pib, arch="sm_90")))
+
+    monkeypatch.setattr(runtime.executor, "_make_gpu", make_gpu)
+    pib = load_pib(pibs["whole"])
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS[:3])
+    with Session(pibs["whole"], threads=1, gpu="cuda") as session:
+        logits = np.stack([_step(session, t) for t in TOKENS[:3]])
+        gpu = session.executor.gpu
+        assert not gpu.dependent_launch and "cuLaunchKernelEx" in gpu.dependent_launch_error
+    assert rel_err(logits, reference) <= 1e-3

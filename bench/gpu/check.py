@@ -8,7 +8,8 @@ the interpreter's (relative error <= 1e-3, the bound of the hybrid tests), the g
 the host-emulated GPU's, the device memory against the plan; then, for every kernel launch of
 relu-demo whole on the GPU, its device time in a decode step (events between them in a graph); then
 ``picc bench`` of the relu-demo files (prompt and decode tok/s, GPU, CPU and copy time per token,
-launches per token). Prints tables; writes ``$OUT/check.json`` (or ``./check.json``).
+launches per token; the GPU files also at 2 threads with dependent launches off, to compare).
+Prints tables; writes ``$OUT/check.json`` (or ``./check.json``).
 
 ``--gpu emulate`` runs the same on the host-emulated GPU: how to try this script where there is no
 GPU (it needs TVM then, for the kernels' host build).
@@ -103,12 +104,14 @@ def launch_profile(path: Path, gpu: str) -> list[dict]:
     return [{"op": op, "kernel": entry, "us": 1e6 * t} for op, entry, t in timed]
 
 
-def bench(path: Path, threads: int, gpu: str, repeat: int) -> dict:
+def bench(path: Path, threads: int, gpu: str, repeat: int, pdl: bool = True) -> dict:
+    """``picc bench`` of ``path``; ``pdl=False``: with dependent launches off (PICC_CUDA_PDL=0)."""
     cmd = [sys.executable, "-c", "import sys; from picc.cli import main; sys.exit(main())", "bench",
            str(path), "--threads", str(threads), "--gpu", gpu, "--repeat", str(repeat), "--json"]
-    env = {**os.environ, "PYTHONPATH": str(HERE / "src"), "PICC_CACHE_DIR": "/tmp/picc-cache"}
+    env = {**os.environ, "PYTHONPATH": str(HERE / "src"), "PICC_CACHE_DIR": "/tmp/picc-cache",
+           "PICC_CUDA_PDL": "1" if pdl else "0"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    b = {"name": path.stem, "threads": threads, "gpu": gpu, "rc": p.returncode}
+    b = {"name": path.stem + ("" if pdl else " (no PDL)"), "threads": threads, "gpu": gpu, "rc": p.returncode}
     try:
         b.update(json.loads(p.stdout))
     except json.JSONDecodeError:
@@ -148,6 +151,10 @@ def main() -> None:
             gpu_bytes = PibFile(path).plan().gpu_bytes
             for threads in [int(t) for t in args.threads.split(",")]:
                 b = bench(path, threads, args.gpu if gpu_bytes else "auto", args.repeat)
+                results["bench"].append(b)
+                print(json.dumps(b)[:600], flush=True)
+            if gpu_bytes and args.gpu == "cuda":  # the same file with every kernel launched plainly
+                b = bench(path, 2, "cuda", args.repeat, pdl=False)
                 results["bench"].append(b)
                 print(json.dumps(b)[:600], flush=True)
     (out / "check.json").write_text(json.dumps(results, indent=1))

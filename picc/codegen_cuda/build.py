@@ -66,7 +66,31 @@ def _cuda_build(kernel: Kernel, arch: str, func: tirx.PrimFunc | None = None) ->
     except Exception as err:  # TVM raises its own error types; say which kernel failed
         raise PiccError(f"TVM could not build kernel {kernel.name} for {arch}: "
                         f"{str(err).strip().splitlines()[-1]}") from err
-    return str(lib.mod.imports[0].inspect_source("cuda")), func
+    return with_dependent_launch(str(lib.mod.imports[0].inspect_source("cuda"))), func
+
+
+GRID_DEPENDENCY = """\
+// picc: programmatic dependent launch (sm_90 and newer). Every kernel lets the next one in the
+// stream be scheduled as soon as all its blocks have started, then waits until the kernels before
+// it have finished and their writes are visible: a launch's latency hides behind the kernel
+// before it, and the order of their memory effects stays the stream's. Elsewhere (and for a
+// launch without the attribute) both are no-ops.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define PICC_GRID_DEPENDENCY() \\
+  asm volatile("griddepcontrol.launch_dependents;"); \\
+  asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define PICC_GRID_DEPENDENCY()
+#endif
+"""
+
+
+def with_dependent_launch(source: str) -> str:
+    """``source`` with :data:`GRID_DEPENDENCY` first and its macro at the start of every
+    ``__global__`` function, so the runtime may launch the kernels with programmatic stream
+    serialization (``CudaManifest.dependent_launch``)."""
+    body = re.sub(r'^(extern "C" __global__ void .*\{)$', r"\1\n  PICC_GRID_DEPENDENCY();", source, flags=re.M)
+    return GRID_DEPENDENCY + body
 
 
 _THREAD_AXES = ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y", "threadIdx.z")
@@ -147,7 +171,8 @@ def cuda_bundle(kernels: list[Kernel], arch: str, funcs: dict[str, tirx.PrimFunc
     arch_params(arch)
     funcs = funcs or {}
     mod = tvm.IRModule({k.name: funcs[k.name] if k.name in funcs else schedule(k, arch) for k in kernels})
-    return str(tvm.compile(mod, target={"kind": "cuda", "arch": arch}).mod.imports[0].inspect_source("cuda"))
+    source = str(tvm.compile(mod, target={"kind": "cuda", "arch": arch}).mod.imports[0].inspect_source("cuda"))
+    return with_dependent_launch(source)
 
 
 def compile_cuda_module(kernels: list[Kernel], arch: str) -> tvm.runtime.Executable:
