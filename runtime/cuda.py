@@ -45,7 +45,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -179,6 +179,7 @@ class CudaGpu:
         self._events: list[ctypes.c_void_p] = []  # every event made, destroyed by close()
         self._graphs: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}  # by (ops, copies in, out)
         self._seen: set[tuple] = set()
+        self._work: dict[object, tuple] = {}  # launch()'s key -> its (ops, copies in, copies out)
         self.base, self.pinned, self.stream = _u64(), ctypes.c_void_p(), ctypes.c_void_p()
         manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
         plan = pib.plan()
@@ -369,19 +370,26 @@ class CudaGpu:
         self.launch(ops)
         self.wait()
 
-    def launch(self, ops: list[str], uploads: list[tuple[str, np.ndarray]] = (),  # type: ignore[assignment]
-               downloads: list[tuple[str, np.ndarray]] = ()) -> None:  # type: ignore[assignment]
+    def launch(self, ops: Sequence[str], uploads: Sequence[tuple[str, np.ndarray]] = (),
+               downloads: Sequence[tuple[str, np.ndarray]] = (), key: object = None) -> None:
         """Queue one stage and return: ``uploads`` (value, host array) copied in, the kernels of
         ``ops`` in order, ``downloads`` copied out; :meth:`collect` waits for it and fills the
         download arrays. The first time a stage of these ops and copies runs, it is queued call by
         call; the second time it is captured into a CUDA graph, copies included (their staging
-        bytes are fixed), which every later time replays."""
+        bytes are fixed), which every later time replays. ``key``: what identifies this stage
+        among the caller's (the same ops and copies every time it is given), to skip working
+        that out from the lists."""
         start = time.perf_counter()
         for value, host in uploads:
             self._stage_in(value, host)
         self.times.transfer_seconds += time.perf_counter() - start
         self.times.transfer_bytes += sum(host.nbytes for _, host in uploads)
-        work = (tuple(ops), tuple((v, h.nbytes) for v, h in uploads), tuple((v, h.nbytes) for v, h in downloads))
+        if key is None or key not in self._work:
+            work = (tuple(ops), tuple((v, h.nbytes) for v, h in uploads), tuple((v, h.nbytes) for v, h in downloads))
+            if key is not None:
+                self._work[key] = work
+        else:
+            work = self._work[key]
         graph = self._graphs.get(work)
         if graph is None and self.graphs and work in self._seen:
             graph = self._graphs[work] = self._capture(work)

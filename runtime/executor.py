@@ -125,6 +125,7 @@ class Executor:
         self.vocab = self.cpu.vocab
         self.ctx = pib.plan().ctx  # positions the KV caches hold
         self.times = DeviceTimes()
+        self._plans: dict[bool, list[tuple]] = {}  # by logits: what each stage launches (a queuing GPU)
 
     def _inputs(self, token: int, pos: int) -> None:
         self.cpu.set_token(token, pos)
@@ -168,30 +169,48 @@ class Executor:
         reads from the CPU copied in (the first that launches with the step's ``arguments``), its
         kernels, and the values the next stage's CPU part reads copied out -- is launched, then
         this thread runs the stage's CPU part; the next stage first collects what the GPU copied
-        out (waiting for it)."""
+        out (waiting for it). What each stage launches is worked out once (:meth:`_queue_plan`)."""
         gpu, cpu = self.gpu, self.cpu
         assert gpu is not None
-
-        def wanted(values: list[str] | tuple[str, ...]) -> list[str]:
-            return [v for v in values if logits or v not in self.head]
-
-        for i, stage in enumerate(self.stages):
+        plan = self._plans.get(logits) or self._plans.setdefault(logits, self._queue_plan(logits))
+        for i, (first_out, ops, into, out, with_arguments) in enumerate(plan):
             gpu.collect()
-            if i == 0:  # nothing launched before the first stage could copy these out
-                gpu.download_many([(v, cpu.value(v)) for v in wanted(stage.to_cpu)])
-            if i + 1 < len(self.stages):
-                out = [(v, cpu.value(v)) for v in wanted(self.stages[i + 1].to_cpu)]
-            else:
-                out = [(self.logits_value, cpu.logits())] if logits and self.logits_on_gpu else []
-            gpu_ops, into = wanted(stage.gpu), [(v, cpu.value(v)) for v in wanted(stage.to_gpu)]
-            if gpu_ops or into or out:
-                gpu.launch(gpu_ops, arguments + into, out)
-                arguments = []  # else they go with the first stage that launches something
-            self._side_by_side(None, None, cpu.run_stage if stage.cpu else None, (i, not logits))
-        if arguments:  # no stage launched anything (the GPU's ops all skipped with the head)
-            gpu.launch([], arguments, [])
+            if first_out:  # nothing launched before the first stage could copy these out
+                gpu.download_many([(v, self._host(v)) for v in first_out])
+            if ops or into or out or with_arguments:
+                copies_in = [(v, cpu.value(v)) for v in into]
+                gpu.launch(ops, arguments + copies_in if with_arguments else copies_in,
+                           [(v, self._host(v)) for v in out], key=(logits, i))
+            if self.stages[i].cpu:
+                self._side_by_side(None, None, cpu.run_stage, (i, not logits))
         gpu.collect()
         gpu.wait()  # the step's last GPU work (KV rows, say) is done before the next step
+
+    def _queue_plan(self, logits: bool) -> list[tuple]:
+        """Per stage, for :meth:`_queued_stages`: the values to download before it (the first
+        stage only), its GPU ops, the values copied in before them and out after them (what the
+        next stage's CPU part reads; the logits after the last stage, if the GPU makes them), and
+        whether the step's arguments go with its launch (the first stage that launches does)."""
+
+        def wanted(values: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(v for v in values if logits or v not in self.head)
+
+        plan, arguments = [], True
+        for i, stage in enumerate(self.stages):
+            if i + 1 < len(self.stages):
+                out = wanted(self.stages[i + 1].to_cpu)
+            else:
+                out = (self.logits_value,) if logits and self.logits_on_gpu else ()
+            ops, into = wanted(stage.gpu), wanted(stage.to_gpu)
+            last = i + 1 == len(self.stages)
+            launches = bool(ops or into or out) or (arguments and last)
+            plan.append((wanted(stage.to_cpu) if i == 0 else (), ops, into, out, arguments and launches))
+            arguments = arguments and not launches
+        return plan
+
+    def _host(self, value: str) -> np.ndarray:
+        """The host array a value the GPU makes is downloaded into."""
+        return self.cpu.logits() if value == self.logits_value and self.logits_on_gpu else self.cpu.value(value)
 
     def _side_by_side(self, gpu_fn: Callable[[Any], None] | None, gpu_arg: Any,
                       cpu_fn: Callable[..., None] | None, cpu_args: tuple) -> None:
