@@ -75,6 +75,20 @@ def axpy_slices(rows: int, hidden: int) -> int:
     return max(d for d in range(1, limit + 1) if rows % d == 0)
 
 
+ATTENTION_SHARED = 32 * 1024
+"""Shared memory (bytes) a thread block of the one-launch decode attention may hold: its head's
+scores and probabilities, 4 bytes each for every cached position. A quarter of what a Turing SM
+has, so blocks of several heads can share an SM; far below the 48 KiB a block gets without opt-in."""
+
+
+def fused_attention(ctx: int) -> bool:
+    """Whether a decode step's GPU attention over a cache of ``ctx`` positions is one kernel
+    (``picc.codegen_cuda.layers.attention_decode``: no scratch in the workspace) rather than five
+    with their scratch: its two per-head arrays of ``ctx`` floats fit in ``ATTENTION_SHARED``, and
+    ``ctx`` is a multiple of 32, so a block's threads tile the positions without a remainder."""
+    return ctx % 32 == 0 and 2 * 4 * ctx <= ATTENTION_SHARED
+
+
 def aligned(n: int) -> int:
     """``n`` rounded up to ``PLANE_ALIGN``."""
     return -(-n // PLANE_ALIGN) * PLANE_ALIGN

@@ -2,8 +2,9 @@
 GPU kernels (a compile lowers a module's own ops instead, ``picc.codegen_cuda.lower``).
 
 Layers of one model share shapes, so one kernel per (op, shape, format) serves every layer; the
-runtime binds each layer's weights to it. ``model_kernels`` lists them for decode (seq = 1) and
-for a prefill chunk of ``prefill`` tokens.
+runtime binds each layer's weights to it. ``model_kernels`` lists them for decode (seq = 1: attention both
+as five launches and, where the cache fits its blocks, as one) and for a prefill chunk of ``prefill``
+tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def model_kernels(m: ModelShapes, fmt: str, predictor_fmt: str = "f16") -> list[
             layers.attention(f"{m.name}_attention_{tag}", seq, m.n_heads, m.n_kv_heads, m.head_dim,
                              m.max_ctx, scale),
         ]
+        if seq == 1 and layers.attention_decode_fits(m.max_ctx):
+            out.append(layers.attention_decode(f"{m.name}_attention_decode_fused", m.n_heads, m.n_kv_heads,
+                                               m.head_dim, m.max_ctx, scale))
     out += [
         dense.gemv(f"{p}_gemv_q", q_width, m.hidden, fmt),
         dense.gemv(f"{p}_gemv_kv", kv_width, m.hidden, fmt),

@@ -11,6 +11,7 @@ erf, tanh, cos, sin) come from LLVM's libm on the host and numpy's on the refere
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from picc.codegen_cuda import (
     ARCHS,
     FORMS,
     attention,
+    attention_decode,
+    attention_decode_fits,
     bias_add,
     build_cuda,
     build_host,
@@ -367,6 +370,44 @@ def test_attention_prefill_then_decode_host_matches_interpreter(heads: int, kv_h
         assert rel_err(out, ref) <= F32_TOL, (seq, start)
 
 
+@pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (5, 1, None), (4, 2, 3), (8, 2, 7)])
+def test_attention_decode_host_matches_interpreter(heads: int, kv_heads: int, window: int | None) -> None:
+    """The one-launch decode attention (its definition, which the host build compiles) against the
+    interpreter over a cache filled token by token, at the first position, a middle one and the
+    last. Rows past the query's position hold NaN: a kernel that reads them, or lets an invisible
+    position contribute anything, gives NaN."""
+    rng = np.random.default_rng(11)
+    d, max_ctx = 64, 64
+    width = kv_heads * d
+    op = O.Attention(result="o", type=f32(1, heads * d), q="q", k="k", v="v", pos="pos", n_heads=heads,
+                     n_kv_heads=kv_heads, head_dim=d, scale=d**-0.5, cache="c", window=window)
+    run = build_host(attention_decode(f"attn_decode_{heads}_{kv_heads}_{window}", heads, kv_heads, d, max_ctx,
+                                      d**-0.5, window))
+    assert [(p.name, p.role) for p in run.kernel.params] == [
+        ("q", "in"), ("pos", "in"), ("k_cache", "in"), ("v_cache", "in"), ("out", "out")]
+    cache = KVCache(width)
+    k_cache, v_cache = np.full((max_ctx, width), np.nan, np.float32), np.full((max_ctx, width), np.nan, np.float32)
+    checked = []
+    for p in range(max_ctx):
+        q, k, v = randn(rng, 1, heads * d, scale=2.0), randn(rng, 1, width), randn(rng, 1, width)
+        pos = np.array([p], np.int32)
+        ref = ref_attention(op, q, k, v, pos, cache)
+        k_cache[p], v_cache[p] = k[0], v[0]
+        if p in (0, 29, max_ctx - 1):
+            out = run(q=q, pos=pos, k_cache=k_cache, v_cache=v_cache)["out"]
+            assert rel_err(out, ref) <= F32_TOL, p
+            checked.append(p)
+    assert checked == [0, 29, max_ctx - 1]
+
+
+def test_attention_decode_is_offered_only_where_its_block_holds_the_cache() -> None:
+    # Two arrays of max_ctx floats a block in 32 KiB, and whole warps of positions.
+    assert [attention_decode_fits(n) for n in (32, 512, 4096, 4097, 8192, 100)] == [
+        True, True, True, False, False, False]
+    with pytest.raises(PiccError, match="max_ctx=8192 positions does not fit"):
+        attention_decode("too_long", 4, 2, 64, 8192, 0.125)
+
+
 # ---------------------------------------------------------------- CUDA sources and nvcc
 
 MODEL_FORMATS = [(SMOLLM2, "f16"), (SMOLLM2, "q4_0"), (RELU_DEMO, "f16"), (RELU_DEMO, "q4_0")]
@@ -445,6 +486,27 @@ def test_sparse_ffn_source_skips_rows_past_count() -> None:
     guard = gather.index("< count_ptr[0])")
     assert guard < gather.index("*(uint4*)(W_ug_local_ptr")  # weights are loaded only under the guard
     assert "__shfl_down_sync" in gather
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_75", "sm_90"])
+def test_decode_attention_is_one_launch_that_nvcc_compiles(arch: str) -> None:
+    """relu-demo's shape (5 heads over one K/V head of 64, 512 positions) and LLaMA-7B's at the
+    longest cache the kernel takes: one ``__global__`` function, a block per head, no scratch, its
+    static shared memory under the 48 KiB a block gets without opting in, K read 16 bytes a load."""
+    for heads, kv_heads, d, ctx in ((5, 1, 64, 512), (32, 32, 128, 4096)):
+        kernel = attention_decode(f"decode_{heads}_{ctx}", heads, kv_heads, d, ctx, d**-0.5)
+        art = build_cuda([kernel], arch, outputs=("ptx",))[kernel.name]
+        assert art.entry_points == (f"{kernel.name}_kernel",)
+        (launch,) = art.launches
+        assert launch.grid == (heads, 1, 1) and 64 <= int(np.prod(launch.block)) <= 1024, launch
+        assert sorted(launch.params) == ["k_cache", "out", "pos", "q", "v_cache"]
+        assert art.ptx is not None and art.ptx.count(b".entry ") == 1
+        shared = re.findall(r"__shared__ alignas\(\d+\) (\w+) \w+\[(\d+)\];", art.source)
+        assert {dtype for dtype, _ in shared} == {"float"}
+        assert 4 * ctx <= sum(4 * int(n) for _, n in shared) <= 48 * 1024, shared
+        ptx = art.ptx.decode()
+        assert "ld.global.v4.f32" in ptx or "ld.global.nc.v4.f32" in ptx
 
 
 def test_bad_arch_and_bad_arguments_are_clear_errors() -> None:

@@ -71,6 +71,7 @@ def _variants() -> list[Case]:
         layers.rope("v_rope_gptj", 1, 4, 16, None, "gptj"),
         layers.rope("v_rope_partial", 8, 4, 16, 8, "llama"),
         layers.attention("v_attention_window", 8, 4, 2, 16, m.max_ctx, 0.25, window=5),
+        layers.attention_decode("v_attention_decode_window", 4, 2, 16, m.max_ctx, 0.25, window=5),
         layers.merge("v_merge_bias", 64, bias=True),
         ffn.sparse_ffn("v_sparse_ffn_bias", 64, n, "drelu", "q8_0", bias=True),
         ffn.sparse_ffn("v_sparse_ffn_relu", 64, n, "relu", "q4_1"),
@@ -90,6 +91,20 @@ def _variants() -> list[Case]:
     return [*cases, (half, _promises(half, m, n // 2))]
 
 
+def _decode_attention() -> list[Case]:
+    """The one-launch decode attention at the shapes of the models (their caches: SmolLM2 and
+    LLaMA-7B at 2048, the latter also at 4096, the longest the kernel takes; relu-demo at its
+    512), a sliding window, and the odd tiles: the shortest cache, a head_dim of 80."""
+    shapes = [(SMOLLM2, SMOLLM2.max_ctx), (RELU_DEMO, 512), (LLAMA_7B, 2048), (LLAMA_7B, 4096)]
+    kernels = [layers.attention_decode(f"{m.name}_attention_decode_{ctx}", m.n_heads, m.n_kv_heads, m.head_dim, ctx,
+                                       m.head_dim**-0.5) for m, ctx in shapes]
+    kernels.append(layers.attention_decode("relu_demo_attention_decode_window", 5, 1, 64, 512, 0.125, window=100))
+    # The shortest cache it takes (two rows of positions) and a head_dim of no power of two.
+    kernels.append(layers.attention_decode("short_attention_decode", 4, 2, 64, 32, 0.125))
+    kernels.append(layers.attention_decode("d80_attention_decode", 4, 2, 80, 256, 80**-0.5))
+    return [(k, {"pos": (0, k.param("k_cache").shape[0] - 1)}) for k in kernels]
+
+
 @cache
 def _cases(model: str) -> list[Case]:
     match model:
@@ -102,19 +117,21 @@ def _cases(model: str) -> list[Case]:
         case "llama7b_ffn":
             return [(k, _promises(k, LLAMA_7B)) for k in (
                 ffn.sparse_ffn(f"llama7b_{fmt}_sparse_ffn_swiglu", 4096, 11008, "swiglu", fmt) for fmt in ("f16", "q4_0"))]
+        case "attention_decode":
+            return _decode_attention()
         case _:
             return _variants()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("model", ["tiny", "smollm2", "relu_demo", "llama7b_ffn", "variants"])
+@pytest.mark.parametrize("model", ["tiny", "smollm2", "relu_demo", "llama7b_ffn", "attention_decode", "variants"])
 def test_every_kernel_stays_inside_its_buffers(model: str, arch: str) -> None:
     kinds = {k.kind for k, _ in _cases(model)}
     violations = [m for kernel, promises in _cases(model) for m in out_of_bounds(kernel, arch, promises)]
     assert not violations, "\n".join(violations)
-    if model != "llama7b_ffn":  # the sets cover every kind the compiler emits
+    if model not in ("llama7b_ffn", "attention_decode"):  # the sets cover every kind the compiler emits
         assert {"gemv", "gemm", "predictor", "compact", "sparse_ffn", "dense_ffn", "gate_first_ffn",
-                "norm", "elementwise", "attention"} <= kinds
+                "norm", "elementwise", "attention", "attention_decode"} <= kinds
 
 
 # -- the checker fails where it must ---------------------------------------------------------------

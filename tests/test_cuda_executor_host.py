@@ -19,6 +19,7 @@ import runtime.executor
 from picc.codegen_cuda import nvcc_path
 from picc.compile import CompileOptions, compile_model, write_compiled
 from picc.interpreter import Interpreter
+from picc.ir import ops as O
 from picc.ir.types import Placement
 from picc.pib import load_pib
 from picc.placement import memory_plan as mp
@@ -134,15 +135,50 @@ def test_greedy_tokens_with_and_without_graphs_agree(pibs, fake_driver):
 
 def test_the_cost_model_counts_the_launches_the_lowering_emits(pibs):
     """``memory_plan.gpu_launch_count``, which the cost model prices at the target's fixed cost a
-    kernel, is the number of launches the GPU code has for each op, in every FFN mode."""
+    kernel, is the number of launches the GPU code has for each op, in every FFN mode. Attention at
+    the default context is the cache append and the one-launch decode kernel."""
     for path in pibs.values():
         pib = PibFile(path)
-        manifest, launches = pib.json("cuda/manifest"), pib.json("gpu/launches")
+        manifest, launches, ctx = pib.json("cuda/manifest"), pib.json("gpu/launches"), pib.plan().ctx
         ops = [op for op in load_pib(path).module.ops() if op.type.placement == Placement.GPU]
-        assert ops
+        assert ops and any(isinstance(op, O.Attention) for op in ops)
         for op in ops:
             emitted = sum(len(manifest["kernels"][call["kernel"]]) for call in launches.get(op.result, ()))
-            assert mp.gpu_launch_count(op) == emitted, (path.name, op.result)
+            assert mp.gpu_launch_count(op, ctx) == emitted, (path.name, op.result)
+            if isinstance(op, O.Attention):
+                assert emitted == 2, (path.name, op.result)
+
+
+@pytest.mark.parametrize("ctx", [512, 8192])
+def test_attention_is_one_kernel_where_its_block_holds_the_cache_and_five_beyond(pibs, ctx):
+    """The whole model's module lowered at a context its decode attention kernel takes (512) and
+    at one it does not (8192): the kernel's launches are what ``gpu_launch_count`` says, and only
+    the five-launch kernel gets (and the plan's workspace holds) scores and probabilities."""
+    from picc.codegen_cuda import thread_extents
+    from picc.codegen_cuda.lower import lower_gpu
+    from picc.codegen_cuda.schedules import schedule
+
+    model = load_pib(pibs["whole"])
+    plan = mp.plan_memory(model.module, model.weights, ctx=ctx, budget=1 << 40)
+    program = lower_gpu(model.module, model.weights, plan)
+    attention = [op for op in model.module.ops() if isinstance(op, O.Attention)]
+    assert attention and all(op.type.placement == Placement.GPU for op in attention)
+    fused = ctx == 512
+    workspace = next(b for b in plan.buffers if b.name == "workspace")
+    for op in attention:
+        calls = program.launches[op.result]
+        kernels = [program.kernels[c.kernel] for c in calls]
+        assert [k.kind for k in kernels] == ["elementwise", "attention_decode" if fused else "attention"]
+        launches = sum(len(thread_extents(schedule(k, "sm_90"))) for k in kernels)
+        assert launches == mp.gpu_launch_count(op, ctx) == (2 if fused else 6)
+        params = [a.param for a in calls[1].args]
+        scratch = ["scores", "smax", "ssum", "probs"]
+        assert params == ["q", "pos", "k_cache", "v_cache", *([] if fused else scratch), "out"]
+        names = [name for name, _ in mp.gpu_scratch(op, ctx, model.module.weight_types())]
+        assert names == ([] if fused else scratch)
+        for a in calls[1].args:
+            if a.param in scratch:
+                assert workspace.offset <= a.offset and a.offset + a.nbytes <= workspace.offset + workspace.nbytes
 
 
 def test_launch_times_cover_a_step_launch_by_launch(pibs, fake_driver):

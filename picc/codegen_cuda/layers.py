@@ -9,12 +9,15 @@ query at position ``p`` seeing cached positions ``j <= p`` (and ``p - j < window
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.script import tirx as T
 
 from picc.codegen_cuda.kernel import Kernel, check_positive, f32, kernel_from_func, make_kernel
 from picc.errors import PiccError
+from runtime import gpu_layout
 
 ROPE_STYLES = ("llama", "gptj")
 
@@ -143,8 +146,46 @@ def attention(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int,
     Parameters: ``q``, ``pos`` [seq] i32, ``k_cache``, ``v_cache`` [max_ctx, n_kv * head_dim],
     scratch ``scores`` [seq, n_heads, max_ctx], ``smax`` and ``ssum`` [seq, n_heads], ``probs``
     [seq, n_heads, max_ctx], output ``out`` [seq, n_heads * head_dim]. Scores of invisible
-    positions are never computed (their scratch entries hold 0).
+    positions are never computed (their scratch entries hold 0). Five launches on the GPU, one a
+    stage; ``attention_decode`` is the one-launch kernel of a decode step.
     """
+    t = _attention_stages(name, seq, n_heads, n_kv_heads, head_dim, max_ctx, scale, window)
+    args = [(t["q"], "in"), (t["pos"], "in"), (t["k_cache"], "in"), (t["v_cache"], "in"), (t["scores"], "scratch"),
+            (t["smax"], "scratch"), (t["ssum"], "scratch"), (t["probs"], "scratch"), (t["out"], "out")]
+    return make_kernel(name, "attention", args, guards={"scores": _scores_guard(window)},
+                       options={"head_dim": head_dim})
+
+
+def attention_decode(name: str, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, scale: float,
+                     window: int | None = None) -> Kernel:
+    """``attention`` of one query (seq = 1) in one GPU launch: the same stages, but the scores,
+    softmax statistics and probabilities are the kernel's own (shared memory on the GPU, a block
+    per head; ``schedules_attention.schedule_attention_decode``), so it takes no scratch.
+
+    Parameters: ``q`` [1, n_heads * head_dim], ``pos`` [1] i32, ``k_cache``, ``v_cache``
+    [max_ctx, n_kv * head_dim], output ``out`` [1, n_heads * head_dim]. Use it only where
+    ``attention_decode_fits(max_ctx)``.
+    """
+    if not attention_decode_fits(max_ctx):
+        raise PiccError(f"{name}: a one-launch decode attention over max_ctx={max_ctx} positions does not fit "
+                        f"in shared memory (or its tiles); use attention")
+    t = _attention_stages(name, 1, n_heads, n_kv_heads, head_dim, max_ctx, scale, window)
+    args = [(t["q"], "in"), (t["pos"], "in"), (t["k_cache"], "in"), (t["v_cache"], "in"), (t["out"], "out")]
+    return make_kernel(name, "attention_decode", args, guards={"scores": _scores_guard(window)},
+                       options={"head_dim": head_dim})
+
+
+def attention_decode_fits(max_ctx: int) -> bool:
+    """Whether ``attention_decode`` serves a cache of ``max_ctx`` positions (``gpu_layout``'s rule,
+    which the memory plan also reads: TVM-free)."""
+    return gpu_layout.fused_attention(max_ctx)
+
+
+def _attention_stages(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int,
+                      scale: float, window: int | None) -> dict[str, te.Tensor]:
+    """The tensors of attention by name: placeholders ``q``, ``pos``, ``k_cache``, ``v_cache`` and
+    the stages ``scores``, ``smax``, ``ssum``, ``probs``, ``out`` (the arithmetic of
+    ``picc.interpreter.attention``)."""
     check_positive(seq=seq, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, max_ctx=max_ctx)
     if n_heads % n_kv_heads:
         raise PiccError(f"{name}: n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
@@ -185,10 +226,13 @@ def attention(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int,
     out = te.compute((seq, n_heads * d), lambda s, c: te.sum(tirx.if_then_else(
         visible(s, jo), probs[s, c // d, jo] * vc[jo, (c // d // group) * d + c % d], f32(0)),
         axis=jo), name="out")
-    args = [(q, "in"), (pos, "in"), (kc, "in"), (vc, "in"), (scores, "scratch"), (smax, "scratch"),
-            (ssum, "scratch"), (probs, "scratch"), (out, "out")]
-    guard = lambda b, s, h, j: visible_buf(b, s, j, window)  # noqa: E731
-    return make_kernel(name, "attention", args, guards={"scores": guard}, options={"head_dim": d})
+    return {"q": q, "pos": pos, "k_cache": kc, "v_cache": vc, "scores": scores, "smax": smax, "ssum": ssum,
+            "probs": probs, "out": out}
+
+
+def _scores_guard(window: int | None) -> Callable[..., PrimExpr]:
+    """The guard of ``scores`` (``Kernel.guards``): whether query ``s`` sees position ``j``."""
+    return lambda b, s, h, j: visible_buf(b, s, j, window)
 
 
 def visible_buf(b: dict[str, tirx.Buffer], s: PrimExpr, j: PrimExpr,

@@ -2,10 +2,11 @@
 
 Every GPU op names its kernel (``select-kernels``); here each op becomes the launches that
 compute it -- usually that one kernel; attention first appends the token's keys and values to
-the cache, a predictor-mode FFN part first compacts its mask columns into an index list, a whole
-FFN layer with a down bias adds it after; an ``add`` whose ``accumulated_by`` names an operand
-launches nothing, since that operand's producer runs the variant of its kernel that reads the
-residual (``r``) and writes the add's result -- and every parameter of every launch is bound to a
+the cache (then one kernel, or five with scratch where the cache is too long for that one), a
+predictor-mode FFN part first compacts its mask columns into an index list, a whole FFN layer
+with a down bias adds it after; an ``add`` whose ``accumulated_by`` names an operand launches
+nothing, since that operand's producer runs the variant of its kernel that reads the residual
+(``r``) and writes the add's result -- and every parameter of every launch is bound to a
 place in the GPU arena of the memory plan: a weight's plane (``runtime.gpu_layout``), a value's
 slot in the activations, a constant, a KV cache, or a scratch buffer in the workspace (where
 ``memory_plan.gpu_scratch`` says). A binding is ``{"offset", "shape", "dtype"}``: the runtime makes
@@ -211,11 +212,16 @@ class _Lowering:
         ka = self.kernel(append, lambda: layers.kv_append(append, 1, width, self.ctx))
         self.launch(op, ka, [b.value(op.k, "k", ka), b.value(op.v, "v", ka), b.value(op.pos, "pos", ka),
                              b.kv(op.cache, 0, "k_cache", ka), b.kv(op.cache, 1, "v_cache", ka)])
-        k = self.kernel(name, lambda: layers.attention(name, 1, op.n_heads, op.n_kv_heads, op.head_dim, self.ctx,
-                                                       op.scale, op.window))
+        shape = (op.n_heads, op.n_kv_heads, op.head_dim, self.ctx, op.scale, op.window)
+        # One launch where the head's scores fit in shared memory; else five, through scratch.
+        fused = layers.attention_decode_fits(self.ctx)
+        if fused:
+            k = self.kernel(name, lambda: layers.attention_decode(name, *shape))
+        else:
+            k = self.kernel(name, lambda: layers.attention(name, 1, *shape))
+        scratch = [] if fused else b.scratch(op, k, ("scores", "smax", "ssum", "probs"))
         self.launch(op, k, [b.value(op.q, "q", k), b.value(op.pos, "pos", k), b.kv(op.cache, 0, "k_cache", k),
-                            b.kv(op.cache, 1, "v_cache", k), *b.scratch(op, k, ("scores", "smax", "ssum", "probs")),
-                            b.value(op.result, "out", k)])
+                            b.kv(op.cache, 1, "v_cache", k), *scratch, b.value(op.result, "out", k)])
 
     def predict(self, op: Predict, name: str) -> None:
         b = self.bind

@@ -18,6 +18,8 @@ The building blocks (each a few primitives; read the emitted CUDA beside them):
 * guards: a kernel's ``guards`` wrap the per-row loop nest in ``if (guard)`` (annotation
   ``picc_guard`` on the loop, applied by ``apply_guards`` after scheduling), so skipped rows of
   an index list or of a gate-first mask load no weights at all.
+
+Attention's schedules (five launches, and decode's one) are in ``schedules_attention.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from picc.errors import PiccError
 from runtime.gpu_layout import element_bytes
 
 ARCHS = ("sm_75", "sm_80", "sm_89", "sm_90")
-_GUARD = "picc_guard"
+GUARD = "picc_guard"
 # Columns per AXPY thread: TVM's CUDA codegen handles float vectors up to 4 lanes (float4, a
 # 16-byte load for f32 down rows; 8 bytes for f16).
 AXPY_COLUMNS = 4
@@ -69,8 +71,8 @@ def arch_params(arch: str) -> ArchParams:
     return ARCH_PARAMS[arch]
 
 
-def _stage_vector(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, buffer: str,
-                  at: s_tir.schedule.LoopRV) -> None:
+def stage_vector(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, buffer: str,
+                 at: s_tir.schedule.LoopRV) -> None:
     """Stage ``buffer``'s region read by ``block`` into registers at loop ``at``, 16 bytes a load."""
     reads = sch.get(block).reads
     index = next(i for i, r in enumerate(reads) if r.source.name == buffer)
@@ -112,11 +114,11 @@ def warp_rows(sch: s_tir.Schedule, name: str, rows: int, staged: list[str], guar
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
     for buffer in staged:
-        _stage_vector(sch, rf, buffer, ko)
+        stage_vector(sch, rf, buffer, ko)
     sch.unroll(kl)
     sch.decompose_reduction(rf, ko)
     if guarded:
-        sch.annotate(ko, _GUARD, name)
+        sch.annotate(ko, GUARD, name)
     sch.set_scope(rf, 0, "local")
     final = sch.get_sblock(name)
     sch.reverse_compute_at(final, ty)
@@ -159,14 +161,14 @@ def sliced_axpy(sch: s_tir.Schedule, vector: int, split: int, threads: int) -> N
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         sch.reorder(i, vec)
-        _accumulate_in_register(sch, "y_part", tx, i)
+        accumulate_in_register(sch, "y_part", tx, i)
     else:
         _split_rows(sch, block, lanes, vector, split)
     k, s = sch.get_loops(sch.get_sblock("y"))
     bx, tx = sch.split(k, [None, power_of_two_divisor(cols, threads)])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
-    _accumulate_in_register(sch, "y", tx, s)
+    accumulate_in_register(sch, "y", tx, s)
 
 
 def _split_rows(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int, vector: int, split: int) -> None:
@@ -237,15 +239,15 @@ def apply_guards(func: tirx.PrimFunc, kernel: Kernel) -> tirx.PrimFunc:
     def rewrite(node: tirx.Stmt) -> tirx.Stmt:
         if isinstance(node, tirx.For):
             body = rewrite(node.body)
-            if _GUARD not in node.annotations:
+            if GUARD not in node.annotations:
                 return tirx.For(node.loop_var, node.min, node.extent, node.kind, body, node.thread_binding,
                                 node.annotations)
-            name = str(node.annotations[_GUARD])
+            name = str(node.annotations[GUARD])
             index = _binding_of(body, axes[name])
             if index is None:
                 raise PiccError(f"kernel {kernel.name}: no block under the guarded loop of {name} "
                                 f"binds {axes[name]}")
-            annotations = {k: v for k, v in node.annotations.items() if k != _GUARD}
+            annotations = {k: v for k, v in node.annotations.items() if k != GUARD}
             loop = tirx.For(node.loop_var, node.min, node.extent, node.kind, body, node.thread_binding, annotations)
             return tirx.IfThenElse(kernel.guards[name](buffers, *index), loop, None)
         if isinstance(node, tirx.SeqStmt):
@@ -323,7 +325,7 @@ def _schedule_norm(sch: s_tir.Schedule, kernel: Kernel, threads: int) -> None:
         block_reduce(sch, name, s, threads, local=True)
 
 
-def _accumulate_in_register(sch: s_tir.Schedule, name: str, at: s_tir.schedule.LoopRV,
+def accumulate_in_register(sch: s_tir.Schedule, name: str, at: s_tir.schedule.LoopRV,
                             loop: s_tir.schedule.LoopRV) -> None:
     """Keep block ``name``'s running sum in a register, zeroed before its reduction ``loop`` and
     stored once after the loop at ``at`` (so a guarded-off reduction stores 0)."""
@@ -331,40 +333,6 @@ def _accumulate_in_register(sch: s_tir.Schedule, name: str, at: s_tir.schedule.L
     store = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(store, at, preserve_unit_loops=True)
     sch.decompose_reduction(block, loop)
-
-
-def _schedule_attention(sch: s_tir.Schedule, kernel: Kernel, threads: int) -> None:
-    # scores: a thread per (query, head, position), a serial dot product over head_dim that is
-    # skipped (guard) for positions the query does not see.
-    *spatial, kd = sch.get_loops(sch.get_sblock("scores"))
-    bx, tx = sch.split(sch.fuse(*spatial), [None, threads])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    sch.annotate(kd, _GUARD, "scores")
-    _accumulate_in_register(sch, "scores", tx, kd)
-    # softmax statistics: a block per (query, head), a cross-thread reduction over positions.
-    for name in ("smax", "ssum"):
-        block_reduce(sch, name, None, threads, local=False)
-    flat_threads(sch, "probs", threads)
-    # out: a block per (query, head), a thread per feature (V rows are read coalesced) and
-    # ``threadIdx.y`` taking every ``split``-th position, merged through shared memory: the
-    # positions' loop is ``split`` times shorter than one thread walking all of them.
-    head_dim = kernel.options["head_dim"]
-    s, c, j = sch.get_loops(sch.get_sblock("out"))
-    split = power_of_two_divisor(int(sch.get(j).extent), max(1, min(8, 1024 // head_dim)))
-    jo, jy = sch.split(j, [None, split])
-    rf = sch.rfactor(jy, 0)
-    s, c, jo, jy = sch.get_loops(rf)
-    head, lane = sch.split(c, [None, head_dim])
-    sch.reorder(s, head, lane, jy, jo)
-    sch.bind(sch.fuse(s, head), "blockIdx.x")
-    sch.bind(lane, "threadIdx.x")
-    sch.bind(jy, "threadIdx.y")
-    sch.decompose_reduction(rf, jo)
-    sch.set_scope(rf, 0, "local")
-    final = sch.get_sblock("out")
-    sch.reverse_compute_at(final, lane)
-    sch.bind(sch.get_loops(final)[-1], "threadIdx.y")
 
 
 def _has_block(kernel: Kernel, name: str) -> bool:
@@ -396,8 +364,14 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
             sliced_axpy(sch, AXPY_COLUMNS, p.axpy_split, p.threads)
         case "norm":
             _schedule_norm(sch, kernel, 128)
-        case "attention":
-            _schedule_attention(sch, kernel, 128)
+        case "attention" | "attention_decode":
+            # Imported here: attention's schedules build on this module's pieces.
+            from picc.codegen_cuda.schedules_attention import schedule_attention, schedule_attention_decode
+
+            if kernel.kind == "attention":
+                schedule_attention(sch, kernel, 128)
+            else:
+                schedule_attention_decode(sch, kernel)
         case "elementwise":
             flat_threads(sch, sch.get(sch.get_child_blocks(sch.get_sblock("root"))[-1]).name_hint, p.threads)
         case "compact":

@@ -65,10 +65,12 @@ def gpu_scratch(op: Op, ctx: int, weights: dict[str, TensorType]) -> list[tuple[
     kernels' row tile), their count and their up (and gate) dot products; in dense mode the dot
     products of every neuron; in gate-first mode the gate and up values of every neuron; in every
     mode the partial rows of its down-projection's row slices (``gpu_layout.axpy_slices``). A
-    predictor holds its hidden layer; attention its scores, row maxima, row sums and
-    probabilities for ``ctx`` positions per head. An unfused FFN (the partitioner's trials)
-    counts as the predictor-mode kernel, the largest. A whole FFN layer with a down bias also
-    holds its partial sum, to which a second kernel adds the bias.
+    predictor holds its hidden layer; attention, where its cache is too long for the one-kernel
+    decode attention (``gpu_layout.fused_attention``), its scores, row maxima, row sums and
+    probabilities for ``ctx`` positions per head (the one kernel keeps them in shared memory).
+    An unfused FFN (the partitioner's trials) counts as the predictor-mode kernel, the largest. A
+    whole FFN layer with a down bias also holds its partial sum, to which a second kernel adds the
+    bias.
     """
     if isinstance(op, O.FFN | FusedFFN):
         n = int(weights[op.down].shape[0] if isinstance(op, FusedFFN) else weights[op.up].shape[0])
@@ -88,26 +90,27 @@ def gpu_scratch(op: Op, ctx: int, weights: dict[str, TensorType]) -> list[tuple[
         return [("idx", 4 * rows), ("count", 4), ("ug", 4 * rows * j), y_part(), *partial]
     if isinstance(op, Predict):
         return [("hid", 4 * int(weights[op.fc1].shape[0]))]
-    if isinstance(op, O.Attention):
+    if isinstance(op, O.Attention) and not gpu_layout.fused_attention(ctx):
         return [("scores", 4 * op.n_heads * ctx), ("smax", 4 * op.n_heads), ("ssum", 4 * op.n_heads),
                 ("probs", 4 * op.n_heads * ctx)]
     return []
 
 
-def gpu_launch_count(op: Op) -> int:
-    """Kernel launches ``op`` costs on the GPU (``picc.codegen_cuda``'s lowering and schedules, which
-    a test holds this to): a fused FFN's gather-GEMV, its down-projection AXPY in row slices and their
-    sum, after a predictor-mode part's index list or before a gate-first one's up rows, and a whole
-    layer's down bias; attention's cache append, scores, max, sum, probabilities and output; a
-    predictor's two layers; none for an add whose producer's kernel does it (``accumulated_by``);
-    one kernel for the rest."""
+def gpu_launch_count(op: Op, ctx: int) -> int:
+    """Kernel launches ``op`` costs on the GPU with a KV cache of ``ctx`` positions
+    (``picc.codegen_cuda``'s lowering and schedules, which a test holds this to): a fused FFN's
+    gather-GEMV, its down-projection AXPY in row slices and their sum, after a predictor-mode
+    part's index list or before a gate-first one's up rows, and a whole layer's down bias;
+    attention's cache append and then one kernel (``gpu_layout.fused_attention``), or for a longer
+    cache its scores, max, sum, probabilities and output; a predictor's two layers; none for an add
+    whose producer's kernel does it (``accumulated_by``); one kernel for the rest."""
     if isinstance(op, O.Add) and op.accumulated is not None:
         return 0
     if isinstance(op, O.FFN | FusedFFN):
         mode = op.mode if isinstance(op, FusedFFN) else "predictor"
         return (3 if mode == "dense" else 4) + (op.down_bias is not None)
     if isinstance(op, O.Attention):
-        return 6
+        return 2 if gpu_layout.fused_attention(ctx) else 6
     if isinstance(op, Predict):
         return 2
     return 1

@@ -115,8 +115,8 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
         overhead = 0.0  # the fixed cost of the op's GPU kernels
         if device == Placement.GPU:
             assert target.gpu is not None
-            launches += mp.gpu_launch_count(op)
-            overhead = mp.gpu_launch_count(op) * target.gpu.kernel_overhead
+            launches += mp.gpu_launch_count(op, plan.ctx)
+            overhead = mp.gpu_launch_count(op, plan.ctx) * target.gpu.kernel_overhead
         if isinstance(op, O.FFN | FusedFFN):
             key = op.layer if isinstance(op, FusedFFN) else op.part_of or op.result
             layer = layers.setdefault(key, {"gpu_s": 0.0, "cpu_s": 0.0, "parts": []})
