@@ -208,8 +208,11 @@ class CudaGpu:
         self._functions = self._load(pib, manifest)
         # Kernels that wait for their predecessors themselves may be launched before those are done
         # (sm_90 and newer; PICC_CUDA_PDL=0 turns it off, to compare).
-        self.dependent_launch = (manifest.dependent_launch and self._major >= 9
-                                 and os.environ.get("PICC_CUDA_PDL", "1") != "0")
+        # PICC_CUDA_PDL: "0" none; "1" (default) a kernel that follows a kernel; "all" every kernel,
+        # also the first after a copy (to compare on a device).
+        mode = os.environ.get("PICC_CUDA_PDL", "1")
+        self.dependent_launch = manifest.dependent_launch and self._major >= 9 and mode != "0"
+        self._dependent_first = mode == "all"
         self.dependent_launch_error: str | None = None  # why the driver refused it, if it did
         self._launches = self._bind(launches_from_json(pib.json("gpu/launches")), manifest)
         self.times = GpuTimes()
@@ -417,12 +420,16 @@ class CudaGpu:
         ops, ins, outs = work
         for value, nbytes in ins:
             self._copy_in(value, nbytes)
+        # Only a kernel that follows one of these kernels is a dependent launch: the wait at its
+        # start covers kernels before it, not copies (nor whatever came before this call).
+        after_kernel = False
         for op in ops:
             for k in self._launches.get(op, ()):
-                if self.dependent_launch:
+                if self.dependent_launch and (after_kernel or self._dependent_first):
                     self.cu("cuLaunchKernelEx", ctypes.byref(k.config), k.fn, k.args, None)
                 else:
                     self.cu("cuLaunchKernel", k.fn, *k.grid, *k.block, 0, self.stream, k.args, None)
+                after_kernel = True
                 self.times.launches += 1
         for value, nbytes in outs:
             self._copy_out(value, nbytes)

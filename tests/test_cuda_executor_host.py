@@ -284,7 +284,8 @@ def test_kernels_go_out_as_dependent_launches_on_sm_90(pibs, monkeypatch, arch, 
         assert session.executor.gpu.dependent_launch == expected
     assert rel_err(logits, reference) <= 1e-3
     plain = sum(1 for _, call in fakes[0].calls if call == "cuLaunchKernel")
-    assert (fakes[0].dependent_launches > 0, plain == 0) == (expected, expected)
+    # The first kernel after a stage's copies goes out plainly: its wait would not cover them.
+    assert (fakes[0].dependent_launches > plain > 0) if expected else (fakes[0].dependent_launches == 0)
 
 
 def test_a_driver_that_refuses_dependent_launches_gets_plain_ones(pibs, monkeypatch):

@@ -70,15 +70,14 @@ def _cuda_build(kernel: Kernel, arch: str, func: tirx.PrimFunc | None = None) ->
 
 
 GRID_DEPENDENCY = """\
-// picc: programmatic dependent launch (sm_90 and newer). Every kernel lets the next one in the
-// stream be scheduled as soon as all its blocks have started, then waits until the kernels before
-// it have finished and their writes are visible: a launch's latency hides behind the kernel
-// before it, and the order of their memory effects stays the stream's. Elsewhere (and for a
-// launch without the attribute) both are no-ops.
+// picc: programmatic dependent launch (sm_90 and newer). Every kernel first waits until the
+// kernels before it in the stream have finished and their writes are visible, so the runtime may
+// launch it before they are done: its launch's latency hides behind them. No kernel triggers its
+// dependents early: inside a CUDA graph a dependent may then read only what was written before the
+// trigger (measured on an H100: wrong logits from the second token on). Elsewhere (and for a
+// launch without the attribute) the wait is a no-op.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-#define PICC_GRID_DEPENDENCY() \\
-  asm volatile("griddepcontrol.launch_dependents;"); \\
-  asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PICC_GRID_DEPENDENCY() asm volatile("griddepcontrol.wait;" ::: "memory")
 #else
 #define PICC_GRID_DEPENDENCY()
 #endif
