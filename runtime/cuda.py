@@ -328,6 +328,7 @@ class CudaGpu:
         if not self._incoming:
             return
         self._wait_for_kernels()
+        self._pending.clear()  # the launch waited for read its staging bytes, as did all before it
         start = time.perf_counter()
         self._deliver(self._incoming)
         self._incoming = []

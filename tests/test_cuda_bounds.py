@@ -70,6 +70,8 @@ def _variants() -> list[Case]:
         layers.layer_norm("v_layer_norm_nobias", 8, 64, 1e-5, bias=False),
         layers.rope("v_rope_gptj", 1, 4, 16, None, "gptj"),
         layers.rope("v_rope_partial", 8, 4, 16, 8, "llama"),
+        layers.rope_pair("v_rope_pair", 5, 1, 64, None, "llama"),
+        layers.rope_pair("v_rope_pair_gptj_partial", 4, 2, 16, 8, "gptj"),
         layers.attention("v_attention_window", 8, 4, 2, 16, m.max_ctx, 0.25, window=5),
         layers.attention_decode("v_attention_decode_window", 4, 2, 16, m.max_ctx, 0.25, window=5),
         layers.merge("v_merge_bias", 64, bias=True),

@@ -1,4 +1,5 @@
-"""The GPU kernels that also do the decode step's residual add (``accumulated_by`` on an ``add``).
+"""The GPU kernels that also do another op's work: the decode step's residual add
+(``accumulated_by`` on an ``add``) and a layer's k rope (``launched_with`` on a ``rope``).
 
 On a GPU a decode step is bound by its launches, so ``select-kernels`` gives each residual add to
 the kernel of its operand's producer (a GEMV, a fused FFN, a split layer's merge, a down bias's
@@ -96,3 +97,32 @@ def test_every_residual_add_on_the_gpu_launches_nothing(whole):
         made_by = {by_result[op.accumulated[0]] for op in adds}
         assert {O.Linear if isinstance(p, O.Linear) else type(p).__name__ for p in made_by} == producers
         assert all(p.kernel.endswith("_res") for p in made_by)
+
+
+@pytest.mark.parametrize(("style", "rotary"), [("llama", None), ("gptj", 8)])
+def test_a_rope_pair_writes_what_two_ropes_write(style: str, rotary: int | None) -> None:
+    rng = np.random.default_rng(5)
+    x1 = rng.standard_normal((1, 4 * 16)).astype(np.float32)
+    x2 = rng.standard_normal((1, 2 * 16)).astype(np.float32)
+    pos = np.array([23], np.int32)
+    inv = rng.random(((rotary or 16) // 2,)).astype(np.float32)
+    pair = build_host(layers.rope_pair(f"pair_{style}", 4, 2, 16, rotary, style))(x1=x1, x2=x2, pos=pos, inv_freq=inv)
+    one = build_host(layers.rope(f"one_{style}", 1, 4, 16, rotary, style))(x=x1, pos=pos, inv_freq=inv)["y"]
+    two = build_host(layers.rope(f"two_{style}", 1, 2, 16, rotary, style))(x=x2, pos=pos, inv_freq=inv)["y"]
+    assert not np.array_equal(one, x1)
+    np.testing.assert_array_equal(pair["y1"], one)
+    np.testing.assert_array_equal(pair["y2"], two)
+
+
+def test_each_layers_k_rope_is_launched_with_its_q_rope(whole):
+    for compiled in whole:
+        ops = compiled.model.module.function().ops
+        by_result = {op.result: op for op in ops}
+        ropes = [op for op in ops if isinstance(op, O.Rope) and op.type.placement == Placement.GPU]
+        seconds = [op for op in ropes if op.launched_with is not None]
+        assert ropes and len(seconds) == len(ropes) // 2
+        for second in seconds:
+            first = by_result[second.launched_with]
+            assert first.result.endswith("q_rope") and second.result.endswith("k_rope")
+            assert first.block == second.block and first.kernel == second.kernel
+            assert mp.gpu_launch_count(second, 512) == 0 and mp.gpu_launch_count(first, 512) == 1

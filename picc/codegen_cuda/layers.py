@@ -74,22 +74,64 @@ def rope(name: str, seq: int, n_heads: int, head_dim: int, rotary_dim: int | Non
     inv = te.placeholder((half,), "float32", name="inv_freq")
 
     def out(s: PrimExpr, c: PrimExpr) -> PrimExpr:
-        base, i = c - c % head_dim, c % head_dim
-        if style == "llama":
-            pair, first = i % half, i < half
-            partner = tirx.if_then_else(first, i + half, i - half)
-        else:
-            pair, first = i // 2, i % 2 == 0
-            partner = tirx.if_then_else(first, i + 1, i - 1)
-        angle = pos[s].astype("float32") * inv[tirx.min(pair, half - 1)]
-        cos, sin = tirx.cos(angle), tirx.sin(angle)
-        a = x[s, c]
-        b = x[s, base + tirx.min(partner, head_dim - 1)]
-        rotated = tirx.if_then_else(first, a * cos - b * sin, a * cos + b * sin)
-        return tirx.if_then_else(i < rot, rotated, a)
+        return _rotated(lambda f: x[s, f], c, pos[s], lambda i: inv[i], head_dim, rot, style)
 
     y = te.compute((seq, n_heads * head_dim), out, name="y")
     return make_kernel(name, "elementwise", [(x, "in"), (pos, "in"), (inv, "in"), (y, "out")])
+
+
+def rope_pair(name: str, n_first: int, n_second: int, head_dim: int, rotary_dim: int | None = None,
+              style: str = "llama") -> Kernel:
+    """:func:`rope` of two vectors at one position in one launch (a layer's q and k): ``x1``
+    [1, n_first * head_dim] and ``x2`` [1, n_second * head_dim] -> ``y1``, ``y2``, the same values
+    as two ``rope`` calls. One block of threads over both vectors' features; a thread writes one
+    feature of one of them."""
+    check_positive(n_first=n_first, n_second=n_second, head_dim=head_dim)
+    rot = head_dim if rotary_dim is None else rotary_dim
+    if style not in ROPE_STYLES or rot % 2 or not 0 < rot <= head_dim:
+        raise PiccError(f"{name}: rope needs style in {ROPE_STYLES} and an even rotary_dim in "
+                        f"(0, {head_dim}], got style={style!r}, rotary_dim={rot}")
+    w1, w2, half = n_first * head_dim, n_second * head_dim, rot // 2
+
+    def rotate(x: tirx.Buffer, c: PrimExpr, p: PrimExpr, inv: tirx.Buffer) -> PrimExpr:
+        return _rotated(lambda f: x[0, f], c, p, lambda i: inv[i], head_dim, rot, style)
+
+    @T.prim_func(s_tir=True)
+    def func(x1: T.Buffer((1, w1), "float32"), x2: T.Buffer((1, w2), "float32"), pos: T.Buffer((1,), "int32"),
+             inv_freq: T.Buffer((half,), "float32"), y1: T.Buffer((1, w1), "float32"),
+             y2: T.Buffer((1, w2), "float32")):
+        for c in range(w1 + w2):
+            with T.sblock("y"):
+                vc = T.axis.spatial(w1 + w2, c)
+                T.reads(x1[0, 0:w1], x2[0, 0:w2], pos[0], inv_freq[0:half])
+                T.writes(y1[0, 0:w1], y2[0, 0:w2])
+                if vc < w1:
+                    y1[0, vc] = rotate(x1, vc, pos[0], inv_freq)
+                else:
+                    y2[0, vc - w1] = rotate(x2, vc - w1, pos[0], inv_freq)
+
+    roles = {"x1": "in", "x2": "in", "pos": "in", "inv_freq": "in", "y1": "out", "y2": "out"}
+    return kernel_from_func(name, "elementwise", func, roles)
+
+
+def _rotated(x: Callable[[PrimExpr], PrimExpr], c: PrimExpr, p: PrimExpr, inv: Callable[[PrimExpr], PrimExpr],
+             head_dim: int, rot: int, style: str) -> PrimExpr:
+    """Feature ``c`` of a rotary embedding at position ``p``: ``x(f)`` reads feature ``f`` of the
+    input, ``inv(i)`` frequency ``i`` (see :func:`rope`)."""
+    half = rot // 2
+    base, i = c - c % head_dim, c % head_dim
+    if style == "llama":
+        pair, first = i % half, i < half
+        partner = tirx.if_then_else(first, i + half, i - half)
+    else:
+        pair, first = i // 2, i % 2 == 0
+        partner = tirx.if_then_else(first, i + 1, i - 1)
+    angle = p.astype("float32") * inv(tirx.min(pair, half - 1))
+    cos, sin = tirx.cos(angle), tirx.sin(angle)
+    a = x(c)
+    b = x(base + tirx.min(partner, head_dim - 1))
+    rotated = tirx.if_then_else(first, a * cos - b * sin, a * cos + b * sin)
+    return tirx.if_then_else(i < rot, rotated, a)
 
 
 def add(name: str, seq: int, n: int) -> Kernel:

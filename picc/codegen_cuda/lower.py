@@ -123,9 +123,22 @@ class _Lowering:
         self.bind = _Binder(plan, weights, self.types, module.weight_types())
         self.out = GpuProgram()
         # A producer's result -> (the add whose residual add its kernel does, the residual).
+        # A rope whose launch rotates a later one too -> that later rope (``launched_with``).
+        self.second_rope = {op.launched_with: op for op in func.ops
+                            if isinstance(op, O.Rope) and op.launched_with is not None}
         self.residual: dict[str, tuple[str, str]] = {
             add.accumulated[0]: (add.result, add.accumulated[1]) for add in func.ops
             if isinstance(add, O.Add) and add.accumulated is not None and add.type.placement == Placement.GPU}
+
+    def rope_pair(self, first: O.Rope, second: O.Rope, name: str) -> None:
+        """Two ropes of the same rotation in one launch (``launched_with``)."""
+        b = self.bind
+        k = self.kernel(name, lambda: layers.rope_pair(name, first.n_heads, second.n_heads, first.head_dim,
+                                                       first.rotated, first.style))
+        self.out.constants[f"rope.{first.result}"] = first.inv_freq()
+        self.launch(first, k, [b.value(first.x, "x1", k), b.value(second.x, "x2", k), b.value(first.pos, "pos", k),
+                               b.constant(f"rope.{first.result}", "inv_freq", k), b.value(first.result, "y1", k),
+                               b.value(second.result, "y2", k)])
 
     def result(self, op: Op, param: str, kernel: Kernel) -> Binding:
         """Where ``op``'s kernel writes: its result's slot, or the add's it does the residual add of."""
@@ -180,6 +193,10 @@ class _Lowering:
                 bias = [b.vector(op.bias, "b", k)] if op.bias else []
                 self.launch(op, k, [b.value(op.x, "x", k), b.vector(op.weight, "w", k), *bias,
                                     b.value(op.result, "y", k)])
+            case O.Rope() if op.launched_with is not None:
+                pass  # rotated by the launch of the rope it names
+            case O.Rope() if op.result in self.second_rope:
+                self.rope_pair(op, self.second_rope[op.result], name)
             case O.Rope():
                 k = self.kernel(name, lambda: layers.rope(name, 1, op.n_heads, op.head_dim, op.rotated, op.style))
                 self.out.constants[f"rope.{op.result}"] = op.inv_freq()

@@ -8,6 +8,7 @@ linear and FFN weights); norms, biases and position tables are float.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,7 +26,7 @@ from picc.ir.core import (
     weight_shape_is,
 )
 from picc.ir.kernel_choice import LAYOUTS, X_FORMATS, Accumulated, MatrixOp
-from picc.ir.types import DType, TensorType, f32
+from picc.ir.types import DType, Placement, TensorType, f32
 
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 
@@ -163,11 +164,16 @@ class Rope(Op):
     ``gptj`` pairs 2i with 2i + 1. ``scaling`` adjusts ``inv_freq`` as transformers does:
     ``linear`` divides it by ``factor``; ``llama3`` divides only the low frequencies, smoothing
     between ``low_freq_factor`` and ``high_freq_factor`` relative to ``original_max_position``.
+
+    ``launched_with`` (set by ``select-kernels`` on the GPU): an earlier rope of the same rotation
+    (a layer's q rope, for its k rope) whose kernel launch computes this one too. An operand only
+    for that: the value computed is the same.
     """
 
     NAME: ClassVar[str] = "rope"
     x: Val
     pos: Val
+    launched_with: Val | None = None
     n_heads: int
     head_dim: int
     rotary_dim: int | None = None
@@ -182,6 +188,22 @@ class Rope(Op):
     @property
     def rotated(self) -> int:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def same_rotation(self, other: Rope) -> bool:
+        """Whether ``other`` rotates by the same angles (position, frequencies, style): what lets
+        one kernel launch rotate both."""
+        return (other.pos, other.head_dim, other.rotated, other.style, other.theta, other.scaling, other.factor,
+                other.low_freq_factor, other.high_freq_factor, other.original_max_position) == (
+                self.pos, self.head_dim, self.rotated, self.style, self.theta, self.scaling, self.factor,
+                self.low_freq_factor, self.high_freq_factor, self.original_max_position)
+
+    def check_producers(self, producer: Callable[[str], Op | None]) -> None:
+        if self.launched_with is not None:
+            partner = producer(self.launched_with)
+            expect(isinstance(partner, Rope) and partner.launched_with is None and partner.same_rotation(self)
+                   and partner.type.placement == Placement.GPU == self.type.placement,
+                   f"launched_with: %{self.launched_with} must be a rope on the GPU, not itself launched with "
+                   "another, rotating by the same angles")
 
     def infer(self, env: TypeEnv) -> TensorType:
         t = _activation_input(env, self.x)

@@ -21,6 +21,8 @@ memory, and nothing downstream infers a choice from a name:
   operand's producer does itself: on the CPU it adds into the residual's buffer
   (:func:`accumulated_adds`), on the GPU a variant of it reads the residual and writes the add's
   result, one launch fewer (:func:`gpu_accumulated_adds`; the producer's kernel name says so).
+* ``launched_with`` (``rope`` on the GPU): a layer's k rope is rotated by the launch of its q
+  rope (:func:`paired_ropes`): one launch fewer a layer.
 * ``kernel`` (every op): the kernel's symbol, a pure function of the op
   (:mod:`picc.passes.kernel_selection`); the backends generate kernels under exactly these names.
 
@@ -148,6 +150,30 @@ def gpu_accumulated_adds(func: Function, sched: Schedule) -> dict[int, str]:
     return chosen
 
 
+def paired_ropes(func: Function) -> dict[int, int]:
+    """GPU ropes (by op index) that the launch of an earlier rope computes too, and which: the
+    nearest earlier GPU rope of the same rotation, itself not paired, whose launch comes after
+    this rope's input is made (a layer's k rope, for its q rope)."""
+    ops = func.ops
+    index = {op.result: i for i, op in enumerate(ops)}
+    ropes = [i for i, op in enumerate(ops) if isinstance(op, O.Rope) and op.type.placement == Placement.GPU]
+    pairs: dict[int, int] = {}
+    taken: set[int] = set()
+    for n, i in enumerate(ropes):
+        second = ops[i]
+        assert isinstance(second, O.Rope)
+        for j in reversed(ropes[:n]):
+            first = ops[j]
+            assert isinstance(first, O.Rope)
+            if j in taken or j in pairs or not first.same_rotation(second):
+                continue
+            if index.get(second.x, len(ops)) < j:
+                pairs[i] = j
+                taken.add(j)
+            break
+    return pairs
+
+
 @dataclass(frozen=True)
 class SelectOptions(PassOptions):
     """``int_dots``: round x to int16 for 4-bit dot products -- ``auto`` where no op decides sparsity,
@@ -177,5 +203,11 @@ def select_kernels(module: Module, ctx: PassContext[SelectOptions]) -> Module:
         ops[i] = replace(ops[i], accumulated_by=which)
     adding = {op.accumulated[0] for op in ops if isinstance(op, O.Add) and op.accumulated is not None}
     kv_ctx = int(module.attr("ctx", mp.DEFAULT_CTX) or mp.DEFAULT_CTX)
-    named = tuple(replace(op, kernel=kernel_of(op, types, kv_ctx, op.result in adding)) for op in ops)
-    return module.with_function(replace(func, ops=named))
+    named = [replace(op, kernel=kernel_of(op, types, kv_ctx, op.result in adding)) for op in ops]
+    for i, j in paired_ropes(replace(func, ops=tuple(named))).items():
+        first, second = named[j], named[i]
+        assert isinstance(first, O.Rope) and isinstance(second, O.Rope)
+        pair = names.gpu_rope_pair(first.style, first.n_heads, second.n_heads, first.head_dim, first.rotated)
+        named[j] = replace(first, kernel=pair)
+        named[i] = replace(second, kernel=pair, launched_with=first.result)
+    return module.with_function(replace(func, ops=tuple(named)))

@@ -104,7 +104,7 @@ def gpu_launch_count(op: Op, ctx: int) -> int:
     attention's cache append and then one kernel (``gpu_layout.fused_attention``), or for a longer
     cache its scores, max, sum, probabilities and output; a predictor's two layers; none for an add
     whose producer's kernel does it (``accumulated_by``); one kernel for the rest."""
-    if isinstance(op, O.Add) and op.accumulated is not None:
+    if (isinstance(op, O.Add) and op.accumulated is not None) or (isinstance(op, O.Rope) and op.launched_with):
         return 0
     if isinstance(op, O.FFN | FusedFFN):
         mode = op.mode if isinstance(op, FusedFFN) else "predictor"
@@ -126,8 +126,8 @@ def workspace_bytes(op: Op, ctx: int, weights: dict[str, TensorType]) -> int:
 
 def gpu_constants(op: Op, weights: WeightStore) -> list[tuple[str, int]]:
     """Constants ``(name, f32 count)`` a GPU op's kernels read besides its weights."""
-    if isinstance(op, O.Rope):
-        return [(f"rope.{op.result}", op.rotated // 2)]
+    if isinstance(op, O.Rope):  # a rope launched with another reads that one's frequencies
+        return [] if op.launched_with else [(f"rope.{op.result}", op.rotated // 2)]
     if isinstance(op, Predict):
         return [(f"threshold.{op.result}", 1)]
     # A gate-first FFN, fused or not yet (partitioning plans the module before fusion).
@@ -177,7 +177,8 @@ def activation_arena(func: Function, on_gpu: Callable[[Op], bool],
     value copied in (or a function argument) is live from the copy (``copy_points``) to its last
     reader. The returned value is live to the end. The GPU runs its ops in this order. An add whose
     operand's producer does it (``accumulated_by``) is written by that producer: its result is
-    live from there, and the operand itself is never written.
+    live from there, and the operand itself is never written. A rope rotated by an earlier rope's
+    launch (``launched_with``) is live from that launch.
     """
     types = func.value_types()
     uploads, downloads = copy_points(func, steps)
@@ -195,9 +196,15 @@ def activation_arena(func: Function, on_gpu: Callable[[Op], bool],
             arriving.setdefault(at, []).append(v)
     # The producer (by index) that writes an add's result instead of its own, on the GPU.
     index = {op.result: i for i, op in enumerate(func.ops)}
-    writes = {index[op.accumulated[0]]: op.result for op in func.ops
-              if isinstance(op, O.Add) and op.accumulated is not None and on_gpu(op)}
-    written_early = set(writes.values())
+    writes: dict[int, list[str]] = {}  # op index -> values its launch writes besides (or instead of) its own
+    skipped: set[str] = set()  # values its own op does not write
+    for op in func.ops:
+        if isinstance(op, O.Add) and op.accumulated is not None and on_gpu(op):
+            writes.setdefault(index[op.accumulated[0]], []).append(op.result)
+            skipped.add(op.accumulated[0])
+        elif isinstance(op, O.Rope) and op.launched_with is not None and on_gpu(op):
+            writes.setdefault(index[op.launched_with], []).append(op.result)
+    written_early = {v for values in writes.values() for v in values}
     live: list[tuple[int, int, str]] = []  # (offset, size, value), sorted by offset
     offsets: dict[str, int] = {}
     size = 0
@@ -218,10 +225,10 @@ def activation_arena(func: Function, on_gpu: Callable[[Op], bool],
         live = [item for item in live if last_use.get(item[2], -1) >= i]
         for v in arriving.get(i, ()):
             place(v)
-        if i in writes:
-            place(writes[i])
-        elif on_gpu(op) and op.result not in written_early:
+        if on_gpu(op) and op.result not in written_early and op.result not in skipped:
             place(op.result)
+        for v in writes.get(i, ()):
+            place(v)
     return offsets, size
 
 
