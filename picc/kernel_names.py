@@ -164,9 +164,13 @@ def gpu_rope(style: str, n_heads: int, head_dim: int, rotated: int) -> str:
     return f"rope_{style}_{n_heads}x{head_dim}_r{rotated}"
 
 
-def gpu_rope_pair(style: str, n_first: int, n_second: int, head_dim: int, rotated: int) -> str:
-    """Two ropes of the same rotation in one launch (a layer's q and k: ``launched_with``)."""
-    return f"rope_{style}_{n_first}x{head_dim}_{n_second}x{head_dim}_r{rotated}"
+def gpu_rope_pair(style: str, n_first: int, n_second: int, head_dim: int, rotated: int,
+                  append_ctx: int | None = None) -> str:
+    """Two ropes of the same rotation in one launch (a layer's q and k: ``launched_with``); with
+    ``append_ctx``, the launch also writes the second and the attention's v to KV caches of that
+    many positions (``appended_by_rope``)."""
+    return (f"rope_{style}_{n_first}x{head_dim}_{n_second}x{head_dim}_r{rotated}"
+            + (f"_append_ctx{append_ctx}" if append_ctx else ""))
 
 
 def gpu_kv_append(width: int, ctx: int) -> str:

@@ -72,6 +72,7 @@ def _variants() -> list[Case]:
         layers.rope("v_rope_partial", 8, 4, 16, 8, "llama"),
         layers.rope_pair("v_rope_pair", 5, 1, 64, None, "llama"),
         layers.rope_pair("v_rope_pair_gptj_partial", 4, 2, 16, 8, "gptj"),
+        layers.rope_pair("v_rope_pair_append", 4, 2, 16, None, "llama", append_ctx=m.max_ctx),
         layers.attention("v_attention_window", 8, 4, 2, 16, m.max_ctx, 0.25, window=5),
         layers.attention_decode("v_attention_decode_window", 4, 2, 16, m.max_ctx, 0.25, window=5),
         layers.merge("v_merge_bias", 64, bias=True),

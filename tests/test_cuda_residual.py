@@ -1,5 +1,6 @@
 """The GPU kernels that also do another op's work: the decode step's residual add
-(``accumulated_by`` on an ``add``) and a layer's k rope (``launched_with`` on a ``rope``).
+(``accumulated_by`` on an ``add``), a layer's k rope (``launched_with`` on a ``rope``) and its
+attention's KV cache append (``appended_by_rope`` on the ``attention``).
 
 On a GPU a decode step is bound by its launches, so ``select-kernels`` gives each residual add to
 the kernel of its operand's producer (a GEMV, a fused FFN, a split layer's merge, a down bias's
@@ -126,3 +127,22 @@ def test_each_layers_k_rope_is_launched_with_its_q_rope(whole):
             assert first.result.endswith("q_rope") and second.result.endswith("k_rope")
             assert first.block == second.block and first.kernel == second.kernel
             assert mp.gpu_launch_count(second, 512) == 0 and mp.gpu_launch_count(first, 512) == 1
+            (att,) = [op for op in ops if isinstance(op, O.Attention) and op.k == second.result]
+            assert att.appended_by_rope and first.kernel.endswith("_append_ctx512")
+            assert mp.gpu_launch_count(att, 512) == 1  # the one-launch attention, no append of its own
+
+
+def test_a_rope_pair_that_appends_writes_the_cache_rows_kv_append_writes() -> None:
+    rng = np.random.default_rng(6)
+    x1, x2, v = (rng.standard_normal((1, n * 16)).astype(np.float32) for n in (4, 2, 2))
+    pos, inv = np.array([5], np.int32), rng.random((8,)).astype(np.float32)
+    caches = {name: rng.standard_normal((16, 32)).astype(np.float32) for name in ("k_cache", "v_cache")}
+    out = build_host(layers.rope_pair("pair_append", 4, 2, 16, None, "llama", append_ctx=16))(
+        x1=x1, x2=x2, v=v, pos=pos, inv_freq=inv, **caches)
+    rows = build_host(layers.kv_append("append", 1, 32, 16))(k=out["y2"], v=v, pos=pos, **caches)
+    plain = build_host(layers.rope_pair("pair_plain", 4, 2, 16, None, "llama"))(x1=x1, x2=x2, pos=pos, inv_freq=inv)
+    for name in ("y1", "y2"):
+        np.testing.assert_array_equal(out[name], plain[name])
+    for name in ("k_cache", "v_cache"):
+        np.testing.assert_array_equal(out[name], rows[name])
+        assert not np.array_equal(out[name][5], caches[name][5])

@@ -81,11 +81,13 @@ def rope(name: str, seq: int, n_heads: int, head_dim: int, rotary_dim: int | Non
 
 
 def rope_pair(name: str, n_first: int, n_second: int, head_dim: int, rotary_dim: int | None = None,
-              style: str = "llama") -> Kernel:
+              style: str = "llama", append_ctx: int | None = None) -> Kernel:
     """:func:`rope` of two vectors at one position in one launch (a layer's q and k): ``x1``
     [1, n_first * head_dim] and ``x2`` [1, n_second * head_dim] -> ``y1``, ``y2``, the same values
-    as two ``rope`` calls. One block of threads over both vectors' features; a thread writes one
-    feature of one of them."""
+    as two ``rope`` calls. With ``append_ctx``, the launch is also :func:`kv_append`'s: ``y2`` and
+    ``v`` [1, n_second * head_dim] go to row ``pos`` of ``k_cache`` and ``v_cache`` [append_ctx,
+    n_second * head_dim] (inout). One block of threads over both vectors' features; a thread
+    writes one feature of one of them."""
     check_positive(n_first=n_first, n_second=n_second, head_dim=head_dim)
     rot = head_dim if rotary_dim is None else rotary_dim
     if style not in ROPE_STYLES or rot % 2 or not 0 < rot <= head_dim:
@@ -96,22 +98,45 @@ def rope_pair(name: str, n_first: int, n_second: int, head_dim: int, rotary_dim:
     def rotate(x: tirx.Buffer, c: PrimExpr, p: PrimExpr, inv: tirx.Buffer) -> PrimExpr:
         return _rotated(lambda f: x[0, f], c, p, lambda i: inv[i], head_dim, rot, style)
 
+    roles = {"x1": "in", "x2": "in", "pos": "in", "inv_freq": "in", "y1": "out", "y2": "out"}
+    if append_ctx is None:
+        @T.prim_func(s_tir=True)
+        def func(x1: T.Buffer((1, w1), "float32"), x2: T.Buffer((1, w2), "float32"),
+                 pos: T.Buffer((1,), "int32"), inv_freq: T.Buffer((half,), "float32"),
+                 y1: T.Buffer((1, w1), "float32"), y2: T.Buffer((1, w2), "float32")):
+            for c in range(w1 + w2):
+                with T.sblock("y"):
+                    vc = T.axis.spatial(w1 + w2, c)
+                    T.reads(x1[0, 0:w1], x2[0, 0:w2], pos[0], inv_freq[0:half])
+                    T.writes(y1[0, 0:w1], y2[0, 0:w2])
+                    if vc < w1:
+                        y1[0, vc] = rotate(x1, vc, pos[0], inv_freq)
+                    else:
+                        y2[0, vc - w1] = rotate(x2, vc - w1, pos[0], inv_freq)
+
+        return kernel_from_func(name, "elementwise", func, roles)
+    check_positive(append_ctx=append_ctx)
+
     @T.prim_func(s_tir=True)
-    def func(x1: T.Buffer((1, w1), "float32"), x2: T.Buffer((1, w2), "float32"), pos: T.Buffer((1,), "int32"),
-             inv_freq: T.Buffer((half,), "float32"), y1: T.Buffer((1, w1), "float32"),
-             y2: T.Buffer((1, w2), "float32")):
+    def appending(x1: T.Buffer((1, w1), "float32"), x2: T.Buffer((1, w2), "float32"),
+                  v: T.Buffer((1, w2), "float32"), pos: T.Buffer((1,), "int32"),
+                  inv_freq: T.Buffer((half,), "float32"), y1: T.Buffer((1, w1), "float32"),
+                  y2: T.Buffer((1, w2), "float32"), k_cache: T.Buffer((append_ctx, w2), "float32"),
+                  v_cache: T.Buffer((append_ctx, w2), "float32")):
         for c in range(w1 + w2):
             with T.sblock("y"):
                 vc = T.axis.spatial(w1 + w2, c)
-                T.reads(x1[0, 0:w1], x2[0, 0:w2], pos[0], inv_freq[0:half])
-                T.writes(y1[0, 0:w1], y2[0, 0:w2])
+                T.reads(x1[0, 0:w1], x2[0, 0:w2], v[0, 0:w2], pos[0], inv_freq[0:half])
+                T.writes(y1[0, 0:w1], y2[0, 0:w2], k_cache[pos[0], 0:w2], v_cache[pos[0], 0:w2])
                 if vc < w1:
                     y1[0, vc] = rotate(x1, vc, pos[0], inv_freq)
                 else:
                     y2[0, vc - w1] = rotate(x2, vc - w1, pos[0], inv_freq)
+                    k_cache[pos[0], vc - w1] = rotate(x2, vc - w1, pos[0], inv_freq)
+                    v_cache[pos[0], vc - w1] = v[0, vc - w1]
 
-    roles = {"x1": "in", "x2": "in", "pos": "in", "inv_freq": "in", "y1": "out", "y2": "out"}
-    return kernel_from_func(name, "elementwise", func, roles)
+    return kernel_from_func(name, "elementwise", appending,
+                            {**roles, "v": "in", "k_cache": "inout", "v_cache": "inout"})
 
 
 def _rotated(x: Callable[[PrimExpr], PrimExpr], c: PrimExpr, p: PrimExpr, inv: Callable[[PrimExpr], PrimExpr],

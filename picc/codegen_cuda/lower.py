@@ -126,19 +126,26 @@ class _Lowering:
         # A rope whose launch rotates a later one too -> that later rope (``launched_with``).
         self.second_rope = {op.launched_with: op for op in func.ops
                             if isinstance(op, O.Rope) and op.launched_with is not None}
+        # The rope of k -> the attention whose cache rows its launch writes (``appended_by_rope``).
+        self.appends = {op.k: op for op in func.ops if isinstance(op, O.Attention) and op.appended_by_rope}
         self.residual: dict[str, tuple[str, str]] = {
             add.accumulated[0]: (add.result, add.accumulated[1]) for add in func.ops
             if isinstance(add, O.Add) and add.accumulated is not None and add.type.placement == Placement.GPU}
 
     def rope_pair(self, first: O.Rope, second: O.Rope, name: str) -> None:
-        """Two ropes of the same rotation in one launch (``launched_with``)."""
+        """Two ropes of the same rotation in one launch (``launched_with``), which also writes the
+        KV cache rows of the attention they feed when that is ``appended_by_rope``."""
         b = self.bind
+        att = self.appends.get(second.result)
+        ctx = self.ctx if att is not None else None
         k = self.kernel(name, lambda: layers.rope_pair(name, first.n_heads, second.n_heads, first.head_dim,
-                                                       first.rotated, first.style))
+                                                       first.rotated, first.style, ctx))
         self.out.constants[f"rope.{first.result}"] = first.inv_freq()
-        self.launch(first, k, [b.value(first.x, "x1", k), b.value(second.x, "x2", k), b.value(first.pos, "pos", k),
+        v = [b.value(att.v, "v", k)] if att is not None else []
+        caches = [b.kv(att.cache, 0, "k_cache", k), b.kv(att.cache, 1, "v_cache", k)] if att is not None else []
+        self.launch(first, k, [b.value(first.x, "x1", k), b.value(second.x, "x2", k), *v, b.value(first.pos, "pos", k),
                                b.constant(f"rope.{first.result}", "inv_freq", k), b.value(first.result, "y1", k),
-                               b.value(second.result, "y2", k)])
+                               b.value(second.result, "y2", k), *caches])
 
     def result(self, op: Op, param: str, kernel: Kernel) -> Binding:
         """Where ``op``'s kernel writes: its result's slot, or the add's it does the residual add of."""
@@ -225,10 +232,11 @@ class _Lowering:
     def attention(self, op: O.Attention, name: str) -> None:
         b = self.bind
         width = self.width(op.k)
-        append = names.gpu_kv_append(width, self.ctx)
-        ka = self.kernel(append, lambda: layers.kv_append(append, 1, width, self.ctx))
-        self.launch(op, ka, [b.value(op.k, "k", ka), b.value(op.v, "v", ka), b.value(op.pos, "pos", ka),
-                             b.kv(op.cache, 0, "k_cache", ka), b.kv(op.cache, 1, "v_cache", ka)])
+        if not op.appended_by_rope:  # else the launch that rotates k writes the cache rows
+            append = names.gpu_kv_append(width, self.ctx)
+            ka = self.kernel(append, lambda: layers.kv_append(append, 1, width, self.ctx))
+            self.launch(op, ka, [b.value(op.k, "k", ka), b.value(op.v, "v", ka), b.value(op.pos, "pos", ka),
+                                 b.kv(op.cache, 0, "k_cache", ka), b.kv(op.cache, 1, "v_cache", ka)])
         shape = (op.n_heads, op.n_kv_heads, op.head_dim, self.ctx, op.scale, op.window)
         # One launch where the head's scores fit in shared memory; else five, through scratch.
         fused = layers.attention_decode_fits(self.ctx)

@@ -264,6 +264,10 @@ class Attention(Op):
     ``alibi = "falcon"`` adds ALiBi biases instead of using rotary positions, as Falcon does:
     scores ``(q . k + b[h, j]) * scale`` with ``b[h, j] = bf16(bf16(slope_h) * j)`` (transformers
     computes the bias in bfloat16; with 16+ heads the rounding visibly changes the logits).
+
+    ``appended_by_rope`` (set by ``select-kernels`` on the GPU): this call's keys and values are
+    written to the cache by the launch that rotates ``k`` (a rope ``launched_with`` the rope of
+    ``q``), not by a launch of the attention's own.
     """
 
     NAME: ClassVar[str] = "attention"
@@ -278,6 +282,14 @@ class Attention(Op):
     cache: str
     window: int | None = None
     alibi: str = "none"
+    appended_by_rope: bool = False
+
+    def check_producers(self, producer: Callable[[str], Op | None]) -> None:
+        if self.appended_by_rope:
+            k, q = producer(self.k), producer(self.q)
+            expect(isinstance(k, Rope) and k.launched_with == self.q and isinstance(q, Rope)
+                   and self.type.placement == Placement.GPU,
+                   f"appended_by_rope: %{self.k} must be a rope launched with %{self.q}'s rope, on the GPU")
 
     def infer(self, env: TypeEnv) -> TensorType:
         q = _activation_input(env, self.q)

@@ -22,7 +22,8 @@ memory, and nothing downstream infers a choice from a name:
   (:func:`accumulated_adds`), on the GPU a variant of it reads the residual and writes the add's
   result, one launch fewer (:func:`gpu_accumulated_adds`; the producer's kernel name says so).
 * ``launched_with`` (``rope`` on the GPU): a layer's k rope is rotated by the launch of its q
-  rope (:func:`paired_ropes`): one launch fewer a layer.
+  rope (:func:`paired_ropes`), and ``appended_by_rope`` (``attention``): that launch also writes
+  the attention's KV cache rows: two launches fewer a layer.
 * ``kernel`` (every op): the kernel's symbol, a pure function of the op
   (:mod:`picc.passes.kernel_selection`); the backends generate kernels under exactly these names.
 
@@ -204,10 +205,19 @@ def select_kernels(module: Module, ctx: PassContext[SelectOptions]) -> Module:
     adding = {op.accumulated[0] for op in ops if isinstance(op, O.Add) and op.accumulated is not None}
     kv_ctx = int(module.attr("ctx", mp.DEFAULT_CTX) or mp.DEFAULT_CTX)
     named = [replace(op, kernel=kernel_of(op, types, kv_ctx, op.result in adding)) for op in ops]
+    index = {op.result: n for n, op in enumerate(named)}
     for i, j in paired_ropes(replace(func, ops=tuple(named))).items():
         first, second = named[j], named[i]
         assert isinstance(first, O.Rope) and isinstance(second, O.Rope)
-        pair = names.gpu_rope_pair(first.style, first.n_heads, second.n_heads, first.head_dim, first.rotated)
+        # The attention the pair feeds, if the pair's launch can write its cache rows: its v is
+        # made on the GPU before that launch.
+        att = next((n for n, op in enumerate(named) if isinstance(op, O.Attention) and op.q == first.result
+                    and op.k == second.result and op.type.placement == Placement.GPU
+                    and index.get(op.v, j) < j and named[index[op.v]].type.placement == Placement.GPU), None)
+        pair = names.gpu_rope_pair(first.style, first.n_heads, second.n_heads, first.head_dim, first.rotated,
+                                   kv_ctx if att is not None else None)
         named[j] = replace(first, kernel=pair)
         named[i] = replace(second, kernel=pair, launched_with=first.result)
+        if att is not None:
+            named[att] = replace(named[att], appended_by_rope=True)
     return module.with_function(replace(func, ops=tuple(named)))

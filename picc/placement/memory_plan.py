@@ -101,16 +101,18 @@ def gpu_launch_count(op: Op, ctx: int) -> int:
     (``picc.codegen_cuda``'s lowering and schedules, which a test holds this to): a fused FFN's
     gather-GEMV, its down-projection AXPY in row slices and their sum, after a predictor-mode
     part's index list or before a gate-first one's up rows, and a whole layer's down bias;
-    attention's cache append and then one kernel (``gpu_layout.fused_attention``), or for a longer
-    cache its scores, max, sum, probabilities and output; a predictor's two layers; none for an add
-    whose producer's kernel does it (``accumulated_by``); one kernel for the rest."""
+    attention's cache append (unless ``appended_by_rope``) and then one kernel
+    (``gpu_layout.fused_attention``), or for a longer cache its scores, max, sum, probabilities and
+    output; a predictor's two layers; none for an add whose producer's kernel does it
+    (``accumulated_by``) or a rope rotated by another's launch (``launched_with``); one kernel for
+    the rest."""
     if (isinstance(op, O.Add) and op.accumulated is not None) or (isinstance(op, O.Rope) and op.launched_with):
         return 0
     if isinstance(op, O.FFN | FusedFFN):
         mode = op.mode if isinstance(op, FusedFFN) else "predictor"
         return (3 if mode == "dense" else 4) + (op.down_bias is not None)
-    if isinstance(op, O.Attention):
-        return 2 if gpu_layout.fused_attention(ctx) else 6
+    if isinstance(op, O.Attention):  # the cache append, unless the rope of k does it
+        return (1 if gpu_layout.fused_attention(ctx) else 5) + (not op.appended_by_rope)
     if isinstance(op, Predict):
         return 2
     return 1
