@@ -40,118 +40,29 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
 from runtime.contracts import Call, CudaManifest, launches_from_json
+from runtime.cuda_driver import (
+    ATTR_CC_MAJOR,
+    ATTR_CC_MINOR,
+    CAPTURE_THREAD_LOCAL,
+    EVENT_DISABLE_TIMING,
+    EVENT_RECORD_EXTERNAL,
+    STREAM_NON_BLOCKING,
+    BoundLaunch,
+    Driver,
+    compile_at_load,
+    dependent_launch_config,
+    u64,
+)
 from runtime.gpu import GpuError, GpuTimes, arena_image
 from runtime.pib import PibFile
 
-_u64 = ctypes.c_uint64
-
-_ATTR_CC_MAJOR, _ATTR_CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_*
-_STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream
-_CAPTURE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' calls stay legal
-_EVENT_RECORD_EXTERNAL = 1  # CU_EVENT_RECORD_EXTERNAL: in a capture, a timing record node
-_EVENT_DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING: an event only waited for is cheaper
-_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-class LaunchAttribute(ctypes.Structure):
-    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union."""
-
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
-
-
-class LaunchConfig(ctypes.Structure):
-    """``CUlaunchConfig`` of ``cuLaunchKernelEx``."""
-
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("count", ctypes.c_uint)]
-
-
-class BoundLaunch(NamedTuple):
-    """One launch of an op's kernel, its arguments bound to the arena once: the function, grid and
-    block, the argument array (and the pointers it points at, kept alive), the entry's name, and
-    the same launch as a dependent launch's config."""
-
-    fn: ctypes.c_void_p
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    args: ctypes.Array
-    pointers: list
-    entry: str
-    config: LaunchConfig
-
-
-def dependent_launch_config(grid: tuple[int, int, int], block: tuple[int, int, int],
-                            stream: ctypes.c_void_p) -> LaunchConfig:
-    """A launch that may start before the kernel ahead of it in ``stream`` is done (programmatic
-    stream serialization): for kernels that wait for their predecessors themselves."""
-    attr = LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1
-    config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0, stream,
-                          ctypes.pointer(attr), 1)
-    config._attr = attr  # type: ignore[attr-defined] - keeps the attribute alive with the config
-    return config
 TIMING_EVERY = 8  # one stage launch in this many is timed on the device (see the module docstring)
-
-
-def libcuda() -> ctypes.CDLL:
-    """The NVIDIA driver library."""
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        raise GpuError(f"cannot load the NVIDIA driver (libcuda.so.1): {e}") from None
-
-
-class Driver:
-    """The driver calls picc makes, each checked (a failure is a GpuError naming the call).
-
-    The one place every call goes through: once :meth:`use` has named a context, a thread's first
-    call makes that context current on it (the driver keeps one per thread; a thread that never set
-    one, like the executor's worker, has none and every call there would fail with
-    ``CUDA_ERROR_INVALID_CONTEXT``). ``lib`` is ``libcuda`` unless a test passes a stand-in.
-    """
-
-    def __init__(self, lib: object | None = None) -> None:
-        self.lib = lib if lib is not None else libcuda()
-        self._ctx: ctypes.c_void_p | None = None
-        self._current = threading.local()  # .ctx: the context this thread made current
-
-    def use(self, ctx: ctypes.c_void_p) -> None:
-        """Make ``ctx`` current on every thread that calls the driver from now on."""
-        self._ctx = ctx
-        self._current.ctx = None
-        self._ensure_current()
-
-    def _ensure_current(self) -> None:
-        if self._ctx is not None and getattr(self._current, "ctx", None) != self._ctx.value:
-            self._check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self._ctx))
-            self._current.ctx = self._ctx.value
-
-    def __call__(self, name: str, *args: object) -> None:
-        self._ensure_current()
-        self._check(name, getattr(self.lib, name)(*args))
-
-    def status(self, name: str, *args: object) -> int:
-        """Call ``name`` and return its result code unchecked (for calls whose failure is an answer)."""
-        self._ensure_current()
-        return int(getattr(self.lib, name)(*args))
-
-    def _check(self, name: str, result: int) -> None:
-        if result != 0:
-            text = ctypes.c_char_p()
-            self.lib.cuGetErrorName(result, ctypes.byref(text))
-            raise GpuError(f"CUDA {name} failed: {(text.value or b'?').decode()} ({result})")
 
 
 class CudaGpu:
@@ -167,8 +78,8 @@ class CudaGpu:
         device = ctypes.c_int()
         cu("cuDeviceGet", ctypes.byref(device), 0)
         major, minor = ctypes.c_int(), ctypes.c_int()
-        cu("cuDeviceGetAttribute", ctypes.byref(major), _ATTR_CC_MAJOR, device)
-        cu("cuDeviceGetAttribute", ctypes.byref(minor), _ATTR_CC_MINOR, device)
+        cu("cuDeviceGetAttribute", ctypes.byref(major), ATTR_CC_MAJOR, device)
+        cu("cuDeviceGetAttribute", ctypes.byref(minor), ATTR_CC_MINOR, device)
         self.device_arch = f"sm_{major.value}{minor.value}"
         self._major = major.value
         self._ctx = ctypes.c_void_p()
@@ -180,7 +91,7 @@ class CudaGpu:
         self._graphs: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}  # by (ops, copies in, out)
         self._seen: set[tuple] = set()
         self._work: dict[object, tuple] = {}  # launch()'s key -> its (ops, copies in, copies out)
-        self.base, self.pinned, self.stream = _u64(), ctypes.c_void_p(), ctypes.c_void_p()
+        self.base, self.pinned, self.stream = u64(), ctypes.c_void_p(), ctypes.c_void_p()
         manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
         plan = pib.plan()
         self.arena_bytes = plan.gpu_bytes
@@ -191,7 +102,7 @@ class CudaGpu:
         cu("cuMemAlloc_v2", ctypes.byref(self.base), ctypes.c_size_t(self.arena_bytes))
         image = arena_image(pib, self.arena_bytes)  # weights and constants in place, the rest zero
         cu("cuMemcpyHtoD_v2", self.base, image.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(image.nbytes))
-        cu("cuStreamCreate", ctypes.byref(self.stream), _STREAM_NON_BLOCKING)
+        cu("cuStreamCreate", ctypes.byref(self.stream), STREAM_NON_BLOCKING)
         self._slots = dict(plan.activation_offsets)
         activations = plan.buffer("activations")
         self._act = activations.offset if activations else 0
@@ -255,7 +166,7 @@ class CudaGpu:
             for call in calls:
                 where = call.offsets()
                 for launch in manifest.kernels[call.kernel]:
-                    pointers = [_u64(self.base.value + where[p]) for p in launch.params]
+                    pointers = [u64(self.base.value + where[p]) for p in launch.params]
                     args = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(p) for p in pointers])
                     config = dependent_launch_config(launch.grid, launch.block, self.stream)
                     bound[op].append(BoundLaunch(self._functions[launch.entry], launch.grid, launch.block, args,
@@ -280,13 +191,13 @@ class CudaGpu:
 
     def _copy_in(self, value: str, nbytes: int) -> None:
         at = self._slots[value]
-        self.cu("cuMemcpyHtoDAsync_v2", _u64(self.base.value + self._act + at),
+        self.cu("cuMemcpyHtoDAsync_v2", u64(self.base.value + self._act + at),
                 ctypes.c_void_p(self.pinned.value + at), ctypes.c_size_t(nbytes), self.stream)
 
     def _copy_out(self, value: str, nbytes: int) -> None:
         at = self._slots[value]
         self.cu("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(self.pinned.value + at),
-                _u64(self.base.value + self._act + at), ctypes.c_size_t(nbytes), self.stream)
+                u64(self.base.value + self._act + at), ctypes.c_size_t(nbytes), self.stream)
 
     def upload(self, value: str, host: np.ndarray) -> None:
         """Queue ``host`` -> ``value``'s slot on the device (not waited for: later work on the
@@ -363,7 +274,7 @@ class CudaGpu:
         if timing and self._spare:
             return self._spare.pop()
         event = ctypes.c_void_p()
-        self.cu("cuEventCreate", ctypes.byref(event), 0 if timing else _EVENT_DISABLE_TIMING)
+        self.cu("cuEventCreate", ctypes.byref(event), 0 if timing else EVENT_DISABLE_TIMING)
         self._events.append(event)
         return event
 
@@ -451,7 +362,7 @@ class CudaGpu:
         """A graph of a stage's copies and launches on the stream, instantiated: ``(graph, executable)``."""
         graph, executable = ctypes.c_void_p(), ctypes.c_void_p()
         launches = self.times.launches
-        self.cu("cuStreamBeginCapture_v2", self.stream, _CAPTURE_THREAD_LOCAL)
+        self.cu("cuStreamBeginCapture_v2", self.stream, CAPTURE_THREAD_LOCAL)
         try:
             self._queue(work)
         finally:  # a capture left open would break every later call on the stream
@@ -474,14 +385,14 @@ class CudaGpu:
             self.cu("cuEventCreate", ctypes.byref(e), 0)
         samples: list[list[float]] = [[] for _ in launches]
         try:
-            self.cu("cuStreamBeginCapture_v2", self.stream, _CAPTURE_THREAD_LOCAL)
+            self.cu("cuStreamBeginCapture_v2", self.stream, CAPTURE_THREAD_LOCAL)
             try:
                 # External: an event record node of the graph (a plain record in a capture only
                 # orders streams, and its time cannot be read).
-                self.cu("cuEventRecordWithFlags", events[0], self.stream, _EVENT_RECORD_EXTERNAL)
+                self.cu("cuEventRecordWithFlags", events[0], self.stream, EVENT_RECORD_EXTERNAL)
                 for i, (_, (fn, grid, block, args, *_)) in enumerate(launches):
                     self.cu("cuLaunchKernel", fn, *grid, *block, 0, self.stream, args, None)
-                    self.cu("cuEventRecordWithFlags", events[i + 1], self.stream, _EVENT_RECORD_EXTERNAL)
+                    self.cu("cuEventRecordWithFlags", events[i + 1], self.stream, EVENT_RECORD_EXTERNAL)
             finally:
                 self.cu("cuStreamEndCapture", self.stream, ctypes.byref(graph))
             self.cu("cuGraphInstantiateWithFlags", ctypes.byref(executable), graph, ctypes.c_ulonglong(0))
@@ -528,26 +439,5 @@ class CudaGpu:
             self.pinned = ctypes.c_void_p()
         if self.base.value:
             self.cu("cuMemFree_v2", self.base)
-            self.base = _u64()
+            self.base = u64()
         self.cu("cuDevicePrimaryCtxRelease", self._device)
-
-
-def compile_at_load(sources: dict[str, str], arch: str) -> dict[str, bytes]:
-    """PTX for ``arch`` of each CUDA source (each compiles alone), with the nvcc on this machine:
-    for a ``.pib`` written where nvcc was missing."""
-    nvcc = shutil.which("nvcc") or next((str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.exists()), None)
-    if nvcc is None:
-        raise GpuError("this .pib holds CUDA sources only (nvcc was missing when it was compiled) and nvcc is not "
-                       "installed here either; install the CUDA toolkit, or recompile where nvcc is")
-    out: dict[str, bytes] = {}
-    with tempfile.TemporaryDirectory(prefix="picc-cuda-") as tmp:
-        for name, source in sources.items():
-            cu, ptx = Path(tmp) / f"{name}.cu", Path(tmp) / f"{name}.ptx"
-            cu.write_text(source)
-            proc = subprocess.run([nvcc, "-ptx", f"-arch={arch}", "-w", "-o", str(ptx), str(cu)],
-                                  capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip())
-                raise GpuError(f"nvcc could not compile kernel {name} for {arch}: {first}")
-            out[name] = ptx.read_bytes()
-    return out

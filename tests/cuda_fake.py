@@ -237,7 +237,7 @@ class FakeCuda:
             self._queue(stream, work)
 
     def _cuLaunchKernelEx(self, config: object, fn: object, params: object, extra: object) -> int | None:
-        from runtime.cuda import LaunchConfig
+        from runtime.cuda_driver import LaunchConfig
 
         c = ctypes.cast(config, ctypes.POINTER(LaunchConfig)).contents
         attrs = [(c.attrs[i].id, c.attrs[i].value[0]) for i in range(c.count)]

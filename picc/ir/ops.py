@@ -7,13 +7,13 @@ linear and FFN weights); norms, biases and position tables are float.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
+from picc.ir import positional
 from picc.ir.core import (
     Op,
     RuleError,
@@ -165,9 +165,8 @@ class Rope(Op):
     ``linear`` divides it by ``factor``; ``llama3`` divides only the low frequencies, smoothing
     between ``low_freq_factor`` and ``high_freq_factor`` relative to ``original_max_position``.
 
-    ``launched_with`` (set by ``select-kernels`` on the GPU): an earlier rope of the same rotation
-    (a layer's q rope, for its k rope) whose kernel launch computes this one too. An operand only
-    for that: the value computed is the same.
+    ``launched_with`` (``select-kernels``, on the GPU): an earlier rope of the same rotation (a
+    layer's q rope, for its k rope) whose launch computes this one too; the value is the same.
     """
 
     NAME: ClassVar[str] = "rope"
@@ -190,12 +189,8 @@ class Rope(Op):
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def same_rotation(self, other: Rope) -> bool:
-        """Whether ``other`` rotates by the same angles (position, frequencies, style): what lets
-        one kernel launch rotate both."""
-        return (other.pos, other.head_dim, other.rotated, other.style, other.theta, other.scaling, other.factor,
-                other.low_freq_factor, other.high_freq_factor, other.original_max_position) == (
-                self.pos, self.head_dim, self.rotated, self.style, self.theta, self.scaling, self.factor,
-                self.low_freq_factor, self.high_freq_factor, self.original_max_position)
+        """Whether ``other`` rotates by the same angles: what lets one kernel launch rotate both."""
+        return all(getattr(self, f) == getattr(other, f) for f in positional.ROTATION)
 
     def check_producers(self, producer: Callable[[str], Op | None]) -> None:
         if self.launched_with is not None:
@@ -225,24 +220,8 @@ class Rope(Op):
 
     def inv_freq(self) -> np.ndarray:
         """Per-pair angular frequency, float32, computed as transformers computes it."""
-        d = self.rotated
-        exponent = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
-        inv = (1.0 / np.power(np.float32(self.theta), exponent)).astype(np.float32)
-        if self.scaling == "linear":
-            inv = inv / np.float32(self.factor)
-        elif self.scaling == "llama3":
-            old = float(self.original_max_position)
-            low_wavelen = old / self.low_freq_factor
-            high_wavelen = old / self.high_freq_factor
-            wavelen = 2 * math.pi / inv
-            scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
-            smooth = (old / wavelen - self.low_freq_factor) / (
-                self.high_freq_factor - self.low_freq_factor
-            )
-            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            inv = np.where(medium, smoothed, scaled)
-        return inv.astype(np.float32)
+        return positional.inv_freq(self.rotated, self.theta, self.scaling, self.factor, self.low_freq_factor,
+                               self.high_freq_factor, self.original_max_position)
 
 
 # ---------------------------------------------------------------- attention
@@ -265,9 +244,8 @@ class Attention(Op):
     scores ``(q . k + b[h, j]) * scale`` with ``b[h, j] = bf16(bf16(slope_h) * j)`` (transformers
     computes the bias in bfloat16; with 16+ heads the rounding visibly changes the logits).
 
-    ``appended_by_rope`` (set by ``select-kernels`` on the GPU): this call's keys and values are
-    written to the cache by the launch that rotates ``k`` (a rope ``launched_with`` the rope of
-    ``q``), not by a launch of the attention's own.
+    ``appended_by_rope`` (``select-kernels``, on the GPU): this call's keys and values go to the
+    cache in the launch that rotates ``k`` (``launched_with`` ``q``'s rope), not in one of its own.
     """
 
     NAME: ClassVar[str] = "attention"
@@ -316,14 +294,7 @@ class Attention(Op):
 
     def alibi_slopes(self) -> np.ndarray:
         """ALiBi slopes per head, as BLOOM/Falcon compute them (also for non-powers of two)."""
-        n = self.n_heads
-        closest = 2 ** math.floor(math.log2(n))
-        base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
-        slopes = [base ** (i + 1) for i in range(closest)]
-        if closest != n:
-            extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
-            slopes += [extra ** (2 * i + 1) for i in range(min(closest, n - closest))]
-        return np.asarray(slopes, dtype=np.float32)
+        return positional.alibi_slopes(self.n_heads)
 
 
 # ---------------------------------------------------------------- elementwise

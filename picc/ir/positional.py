@@ -1,0 +1,45 @@
+"""Position encodings' numbers, as transformers computes them: rotary frequencies (``rope``)
+and ALiBi slopes (``attention``)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+ROTATION = ("pos", "head_dim", "rotated", "style", "theta", "scaling", "factor", "low_freq_factor",
+            "high_freq_factor", "original_max_position")
+"""The fields of a ``rope`` that decide its angles: two ropes equal in all of them rotate alike."""
+
+
+def inv_freq(rotated: int, theta: float, scaling: str, factor: float, low_freq_factor: float,
+             high_freq_factor: float, original_max_position: int) -> np.ndarray:
+    """Per-pair angular frequency, float32: ``theta ** (-2i / rotated)``, then ``linear`` scaling
+    divides it by ``factor`` and ``llama3`` divides only the low frequencies, smoothing between
+    ``low_freq_factor`` and ``high_freq_factor`` relative to ``original_max_position``."""
+    exponent = np.arange(0, rotated, 2, dtype=np.float32) / np.float32(rotated)
+    inv = (1.0 / np.power(np.float32(theta), exponent)).astype(np.float32)
+    if scaling == "linear":
+        inv = inv / np.float32(factor)
+    elif scaling == "llama3":
+        old = float(original_max_position)
+        low_wavelen = old / low_freq_factor
+        high_wavelen = old / high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def alibi_slopes(n_heads: int) -> np.ndarray:
+    """ALiBi slopes per head, as BLOOM/Falcon compute them (also for non-powers of two)."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != n_heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** (2 * i + 1) for i in range(min(closest, n_heads - closest))]
+    return np.asarray(slopes, dtype=np.float32)
