@@ -246,7 +246,7 @@ def cpu_code(module, weights, steps: Schedule, ctx: int,  # noqa: ANN001
     from picc.codegen_cpu.compiler import compiled_object
     from picc.codegen_cpu.lower import lower_module
 
-    if simd not in ("avx512", "avx2"):
+    if simd not in ("avx512-vnni", "avx512", "avx2"):
         raise PiccError(f"the target's CPU has SIMD level {simd!r}; picc's CPU kernels need avx2 or avx512")
     lowered = lower_module(module, weights, steps, ctx)
     ir, obj = compiled_object(build_ir([], lowered.programs, simd), simd)

@@ -90,16 +90,25 @@ def _llvm():  # noqa: ANN202 - the llvmlite.binding module, imported when first 
     return llvm
 
 
-SIMD_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma", "f16c")}
-"""The instruction set extensions each SIMD level of the generated code uses: the one rule the
-targets (from /proc/cpuinfo's flags), the code generator and the runtime (from LLVM's host
-features, which use the same names) decide a CPU's level by."""
+SIMD_NEEDS = {"avx512-vnni": ("avx512f", "avx512bw", "avx512vl", "avx512vnni"),
+              "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma", "f16c")}
+"""The instruction set extensions each SIMD level of the generated code uses, widest first: the one
+rule the targets (from /proc/cpuinfo's flags, ``avx512_vnni`` read as ``avx512vnni``), the code
+generator and the runtime (from LLVM's host features) decide a CPU's level by. ``avx512-vnni`` is
+the AVX-512 code with the int16 dot products' multiply-adds fused into ``vpdpwssd``."""
 
 
 def simd_level(features: Iterable[str]) -> str:
-    """The widest level (``avx512``, ``avx2``) whose extensions are all in ``features``, else ``sse``."""
+    """The widest level (``avx512-vnni``, ``avx512``, ``avx2``) whose extensions are all in
+    ``features``, else ``sse``."""
     have = set(features)
     return next((level for level, need in SIMD_NEEDS.items() if set(need) <= have), "sse")
+
+
+def vector_isa(level: str) -> str:
+    """The vector instruction set the kernels of a SIMD level are written for: ``avx512`` for both
+    AVX-512 levels (VNNI changes only the instructions LLVM may select), else the level."""
+    return "avx512" if level.startswith("avx512") else level
 
 
 def host_features() -> set[str]:

@@ -1063,3 +1063,40 @@ def test_native_thread_team_runs_steps_in_generated_code(monkeypatch):
     finally:
         team.close()
     assert not any(w.is_alive() for w in team._workers)
+
+
+@pytest.mark.parametrize("kind", ["gemv", "sparse_ffn"])
+def test_avx512_vnni_fuses_the_int16_multiply_adds(kind):
+    """The ``avx512-vnni`` level is the AVX-512 kernels' IR compiled with VNNI: LLVM selects
+    ``vpdpwssd`` for the int16 dot products' ``vpmaddwd`` + add, which plain ``avx512`` cannot
+    (compiled here whatever this host has). The rows8 GEMVs' dot products have another shape and
+    are not fused (see docs/codegen_cpu.md)."""
+    import llvmlite.binding as llvm
+
+    from picc.codegen_cpu import build_ir, compiler
+
+    kernel = gemv("q4_1", int_dots=True) if kind == "gemv" else \
+        sparse_ffn("predictor", "swiglu", "q4_1", "q4_1", "q4_1", True, int_dots=True)
+    ir = build_ir([kernel], (), "avx512-vnni")
+    assert ir == build_ir([kernel], (), "avx512")  # the same kernel IR
+    asm = {}
+    for simd in ("avx512", "avx512-vnni"):
+        optimised = llvm.parse_assembly(compiler.CpuModule(ir, simd).ir)
+        asm[simd] = compiler.target_machine(simd).emit_assembly(optimised)
+    assert "vpmaddwd" in asm["avx512"] and "vpdpwssd" not in asm["avx512"]
+    assert "vpdpwssd" in asm["avx512-vnni"]
+    assert asm["avx512-vnni"].count("vpmaddwd") < asm["avx512"].count("vpmaddwd")
+
+
+def test_vnni_object_code_is_recompiled_where_the_host_lacks_vnni(monkeypatch, tmp_path):
+    """A .pib's object code for ``avx512-vnni`` is loaded as it is only on a CPU with VNNI;
+    elsewhere the runtime compiles the file's IR for the CPU it runs on (``MachineCode.rejit``)."""
+    import runtime.cpu as rc
+    from picc.codegen_cpu import build_ir, compiler
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
+    ir, obj = compiler.compiled_object(build_ir([gemv("q4_1", int_dots=True)], (), "avx512-vnni"), "avx512-vnni")
+    have = rc.host_features()
+    assert rc.MachineCode(obj, ir, "avx512-vnni").rejit == (not {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= have)
+    monkeypatch.setattr(rc, "host_features", lambda: have - {"avx512vnni"})
+    assert rc.MachineCode(obj, ir, "avx512-vnni").rejit

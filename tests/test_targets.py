@@ -133,6 +133,8 @@ def test_measure_memory_bandwidth_is_positive() -> None:
 
 @pytest.mark.parametrize(("flags", "simd"), [
     ("fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl", "avx512"),
+    ("fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", "avx512-vnni"),
+    ("fpu sse2 avx avx2 fma f16c avx512f avx512_vnni avx_vnni", "avx2"),  # VNNI without BW / VL
     # AVX-512F alone is not what the AVX-512 kernels use (they need BW and VL too): the AVX2 code.
     ("fpu sse2 avx avx2 fma f16c avx512f", "avx2"),
     ("fpu sse2 avx avx2 fma f16c", "avx2"),
@@ -181,7 +183,7 @@ GPU_FIELDS = "expected one of name, arch, vram, mem_bandwidth, kernel_overhead, 
     ({**VALID, "vram": "11GiB"},
      "vram: unknown field (expected one of name, description, gpu, pcie_bandwidth, pcie_latency, cpu)"),
     (without("gpu", "vram"), "gpu.vram: missing, expected a size like 11GiB"),
-    (without("cpu", "simd"), "cpu.simd: missing, expected one of avx512, avx2, sse"),
+    (without("cpu", "simd"), "cpu.simd: missing, expected one of avx512-vnni, avx512, avx2, sse"),
     (replaced("gpu", "vram", -5), "gpu.vram: expected a size like 11GiB, got -5"),
     (replaced("gpu", "vram", "0GB"), "gpu.vram: expected a size like 11GiB, got '0GB'"),
     (replaced("gpu", "arch", "turing"), "gpu.arch: expected a CUDA architecture like sm_75, got 'turing'"),
@@ -195,7 +197,7 @@ GPU_FIELDS = "expected one of name, arch, vram, mem_bandwidth, kernel_overhead, 
     (replaced("cpu", "cores", "eight"), "cpu.cores: expected a positive integer, got 'eight'"),
     (replaced("cpu", "cores", True), "cpu.cores: expected a positive integer, got True"),
     (replaced("cpu", "cores", 0), "cpu.cores: expected a positive integer, got 0"),
-    (replaced("cpu", "simd", "neon"), "cpu.simd: expected one of avx512, avx2, sse, got 'neon'"),
+    (replaced("cpu", "simd", "neon"), "cpu.simd: expected one of avx512-vnni, avx512, avx2, sse, got 'neon'"),
     (replaced("cpu", "name", 3), "cpu.name: expected a non-empty string, got 3"),
     (replaced("cpu", "kernel_rates", {"q5_k": "9GB/s"}),
      "cpu.kernel_rates.q5_k: unknown field (expected one of f32, f16, q8_0, q4_0, q4_1, q4_0_xi16, q4_1_xi16, "

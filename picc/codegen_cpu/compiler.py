@@ -5,9 +5,11 @@ valid while the module object lives: llvmlite frees the machine code with the en
 through a dangling pointer is a segfault, so keep the module referenced (the ctypes functions it
 returns hold a reference back to it).
 
-``simd`` chooses the instruction set: ``"host"`` (this CPU and all its features), ``"avx512"``
-(x86-64-v4) or ``"avx2"`` (x86-64-v3: AVX2, FMA, F16C; no AVX-512, so the code runs on any
-Haswell-or-later x86). The object code of one SIMD level runs on every CPU that has its features.
+``simd`` chooses the instruction set: ``"host"`` (this CPU and all its features),
+``"avx512-vnni"`` (x86-64-v4 with AVX-512 VNNI: the int16 dot products' ``vpmaddwd`` + add become
+``vpdpwssd``), ``"avx512"`` (x86-64-v4) or ``"avx2"`` (x86-64-v3: AVX2, FMA, F16C; no AVX-512, so
+the code runs on any Haswell-or-later x86). The object code of one SIMD level runs on every CPU
+that has its features; both AVX-512 levels come from the same kernel IR (``vector_isa``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from picc.errors import PiccError
 from picc.fsutil import cache_root, prune_cache, write_bytes_atomic
 from runtime.cpu import host_features, simd_level
 
-SIMD_CHOICES = ("host", "avx512", "avx2")
-_CPU_FOR_SIMD = {"avx512": "x86-64-v4", "avx2": "x86-64-v3"}
+SIMD_CHOICES = ("host", "avx512-vnni", "avx512", "avx2")
+_CPU_FOR_SIMD = {"avx512-vnni": ("x86-64-v4", "+avx512vnni"), "avx512": ("x86-64-v4", ""),
+                 "avx2": ("x86-64-v3", "")}  # (LLVM CPU, extra features)
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -43,9 +46,10 @@ def _init_llvm() -> None:
 
 
 def host_simd() -> str:
-    """``avx512`` when the host has what the AVX-512 kernels use (``runtime.cpu.SIMD_NEEDS``), else
-    ``avx2`` (the floor the kernels are written for)."""
-    return "avx512" if simd_level(host_features()) == "avx512" else "avx2"
+    """The host's AVX-512 level (``avx512-vnni``, ``avx512``) when it has what the AVX-512 kernels
+    use (``runtime.cpu.SIMD_NEEDS``), else ``avx2`` (the floor the kernels are written for)."""
+    level = simd_level(host_features())
+    return level if level.startswith("avx512") else "avx2"
 
 
 def target_machine(simd: str = "host") -> llvm.TargetMachine:
@@ -57,7 +61,7 @@ def target_machine(simd: str = "host") -> llvm.TargetMachine:
     if simd == "host":
         cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
     else:
-        cpu, features = _CPU_FOR_SIMD[simd], ""
+        cpu, features = _CPU_FOR_SIMD[simd]
     return target.create_target_machine(cpu=cpu, features=features, opt=3, reloc="pic", codemodel="jitdefault")
 
 
@@ -157,8 +161,8 @@ OBJECT_CACHE_ENTRIES = 24
 
 
 def compiled_object(ir_text: str, simd: str) -> tuple[str, bytes]:
-    """The optimised IR and the object code of ``ir_text`` for ``simd`` ("avx2" or "avx512",
-    whose CPUs are fixed, unlike "host"'s): what a .pib carries.
+    """The optimised IR and the object code of ``ir_text`` for ``simd`` ("avx2", "avx512" or
+    "avx512-vnni", whose CPUs are fixed, unlike "host"'s): what a .pib carries.
 
     Cached in ``$PICC_CACHE_DIR/cpu-objects``: LLVM takes seconds on a model, and the same CPU
     program comes back whenever a model's CPU part does not change (a recompile, a VRAM budget
@@ -167,7 +171,8 @@ def compiled_object(ir_text: str, simd: str) -> tuple[str, bytes]:
     entry that cannot be read or written, or whose files do not match the digest stored beside
     them, costs only the time of compiling."""
     if simd not in _CPU_FOR_SIMD:
-        raise PiccError(f"codegen_cpu: cached objects are for a fixed SIMD level (avx2, avx512), not {simd!r}")
+        raise PiccError(f"codegen_cpu: cached objects are for a fixed SIMD level ({', '.join(_CPU_FOR_SIMD)}), "
+                        f"not {simd!r}")
     key = hashlib.sha256("\0".join((simd, ".".join(map(str, llvm.llvm_version_info)), llvmlite.__version__,
                                       Path(__file__).read_text(encoding="utf-8"), ir_text)).encode()).hexdigest()
     folder = cache_root() / "cpu-objects"

@@ -2,11 +2,13 @@
 
 Every GPU op names its kernel (``select-kernels``); here each op becomes the launches that
 compute it -- usually that one kernel; attention first appends the token's keys and values to
-the cache (then one kernel, or five with scratch where the cache is too long for that one), a
-predictor-mode FFN part first compacts its mask columns into an index list, a whole FFN layer
-with a down bias adds it after; an ``add`` whose ``accumulated_by`` names an operand launches
-nothing, since that operand's producer runs the variant of its kernel that reads the residual
-(``r``) and writes the add's result -- and every parameter of every launch is bound to a
+the cache, unless its k rope's launch does (``appended_by_rope``), then runs one kernel (or five
+with scratch where the cache is too long for that one); a predictor-mode FFN part first compacts
+its mask columns into an index list, a whole FFN layer with a down bias adds it after; an ``add``
+whose ``accumulated_by`` names an operand launches nothing, since that operand's producer runs
+the variant of its kernel that reads the residual (``r``) and writes the add's result; a rope
+``launched_with`` another launches nothing, the other's launch (``rope_pair``) rotates both --
+and every parameter of every launch is bound to a
 place in the GPU arena of the memory plan: a weight's plane (``runtime.gpu_layout``), a value's
 slot in the activations, a constant, a KV cache, or a scratch buffer in the workspace (where
 ``memory_plan.gpu_scratch`` says). A binding is ``{"offset", "shape", "dtype"}``: the runtime makes

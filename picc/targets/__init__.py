@@ -18,7 +18,7 @@ by the path of a YAML file of the same form::
       name: Intel Core i7-12700K
       cores: 8                        # cores the CPU kernels use, a positive integer
       mem_bandwidth: 38.4GB/s         # host memory read bandwidth
-      simd: avx2                      # avx512 | avx2 | sse
+      simd: avx2                      # avx512-vnni | avx512 | avx2 | sse
       kernel_rates:                   # optional: bytes/s picc's GEMV reads from memory, by weight
         q4_1: 14GB/s                  #   format (f32 f16 q8_0 q4_0 q4_1, q4_X_xi16, q4_X_r8, q4_X_r8_xi16)
 
@@ -67,7 +67,7 @@ import yaml
 from picc.errors import PiccError
 from picc.kernel_names import CPU_RATE_KEYS
 
-SIMD_LEVELS = ("avx512", "avx2", "sse")
+SIMD_LEVELS = ("avx512-vnni", "avx512", "avx2", "sse")
 
 _UNITS = {
     "": 1, "b": 1,

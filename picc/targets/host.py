@@ -42,11 +42,11 @@ def host_cpu_name(cpuinfo: str | None = None) -> str:
 
 
 def host_simd(cpuinfo: str | None = None) -> str:
-    """``avx512``, ``avx2`` or ``sse`` (``runtime.cpu.simd_level``) from the first ``flags`` line of
-    /proc/cpuinfo."""
+    """``avx512-vnni``, ``avx512``, ``avx2`` or ``sse`` (``runtime.cpu.simd_level``) from the first
+    ``flags`` line of /proc/cpuinfo (whose ``avx512_vnni`` is LLVM's ``avx512vnni``)."""
     info = _cpuinfo() if cpuinfo is None else cpuinfo
     m = re.search(r"^flags\s*:\s*(.*)$", info, re.MULTILINE)
-    return simd_level(m.group(1).split() if m else ())
+    return simd_level(f.replace("avx512_vnni", "avx512vnni") for f in (m.group(1).split() if m else ()))
 
 
 def host_vnni(cpuinfo: str | None = None) -> str:
