@@ -29,11 +29,14 @@ What a token costs besides the kernels' own time:
   the next stage, waits for it and hands over what it copied out. Device time is measured with
   CUDA events on one stage launch in ``TIMING_EVERY`` (recording every one would cost more host
   time than it measures) and scaled up; it includes the copies inside the graphs.
+* **Dependent launches** (sm_90 and newer, when the manifest says the kernels wait for their
+  predecessors): a kernel that follows a kernel of its stage goes out through ``cuLaunchKernelEx``
+  with programmatic stream serialization, so its launch overlaps the end of the one before it.
 
-**Threads.** The driver keeps one *current context* per thread, and a split model's GPU part runs
-on the executor's worker thread, not on the thread that opened the session. Every driver call
-therefore goes through :class:`Driver`, which makes this executor's context current on the calling
-thread before its first call there.
+**Threads.** The driver keeps one *current context* per thread, and a split model's prompt runs
+the GPU's part on the executor's worker thread, not on the thread that opened the session. Every
+driver call therefore goes through :class:`~runtime.cuda_driver.Driver`, which makes this
+executor's context current on the calling thread before its first call there.
 """
 
 from __future__ import annotations
