@@ -133,7 +133,8 @@ def test_measure_memory_bandwidth_is_positive() -> None:
 
 @pytest.mark.parametrize(("flags", "simd"), [
     ("fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl", "avx512"),
-    ("fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", "avx512-vnni"),
+    # VNNI is a level of its own (runtime.cpu.simd_level), but the cpu target does not choose it.
+    ("fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", "avx512"),
     ("fpu sse2 avx avx2 fma f16c avx512f avx512_vnni avx_vnni", "avx2"),  # VNNI without BW / VL
     # AVX-512F alone is not what the AVX-512 kernels use (they need BW and VL too): the AVX2 code.
     ("fpu sse2 avx avx2 fma f16c avx512f", "avx2"),
@@ -272,3 +273,11 @@ def test_parse_size_rejects(text: str) -> None:
         parse_size(text, what="--vram")
     assert str(e.value) == (f"--vram {text!r}: expected a size such as 11GB, 11GiB, 11000MB, 512MiB, 0.5GB, "
                             "a plain byte count or 0 (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers of 1024)")
+
+
+def test_vnni_is_a_level_of_its_own() -> None:
+    from runtime.cpu import simd_level, vector_isa
+
+    vnni = simd_level(["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni"])
+    assert vnni == "avx512-vnni" and vector_isa(vnni) == "avx512" == vector_isa("avx512")
+    assert simd_level(["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"]) == "avx512"
