@@ -44,10 +44,10 @@ def host_cpu_name(cpuinfo: str | None = None) -> str:
 def host_simd(cpuinfo: str | None = None) -> str:
     """The SIMD level the ``cpu`` target compiles for: ``avx512``, ``avx2`` or ``sse``
     (``runtime.cpu.simd_level`` of the first ``flags`` line of /proc/cpuinfo, whose ``avx512_vnni``
-    is LLVM's ``avx512vnni``). A CPU with VNNI gets ``avx512`` too: on a Zen 4 the default dense
-    SmolLM2 decoded no faster with VNNI (its rows8 GEMVs cannot use it; the LM head's fused
-    ``vpdpwssd`` chain measured 220 against 244 tok/s, medians of 8 alternating runs), so
-    ``avx512-vnni`` is for a target that asks for it."""
+    is LLVM's ``avx512vnni``). A CPU with VNNI gets ``avx512`` too: the default dense SmolLM2's
+    rows8 kernels cannot use VNNI (their products have another shape), yet compiled with it their
+    inner loops come out scheduled differently, and on a Zen 4 it decoded at 220 against 244 tok/s
+    (medians of 8 alternating runs), so ``avx512-vnni`` is for a target that asks for it."""
     info = _cpuinfo() if cpuinfo is None else cpuinfo
     m = re.search(r"^flags\s*:\s*(.*)$", info, re.MULTILINE)
     level = simd_level(f.replace("avx512_vnni", "avx512vnni") for f in (m.group(1).split() if m else ()))
