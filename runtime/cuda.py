@@ -181,16 +181,15 @@ class CudaGpu:
     def has(self, value: str) -> bool:
         return value in self._slots
 
-    def _stage_in(self, value: str, host: np.ndarray) -> int:
+    def _stage_in(self, value: str, host: np.ndarray) -> None:
         """Write ``host`` into ``value``'s bytes of the staging buffer (first waiting for a queued
-        upload that still reads those bytes); its offset there."""
+        upload that still reads those bytes)."""
         at = self._slots[value]
         end = at + host.nbytes
         if any(a < end and at < b for a, b in self._pending):
             self.synchronize()
         self._staging[at:end] = host.view(np.uint8).reshape(-1)
         self._pending.append((at, end))
-        return at
 
     def _copy_in(self, value: str, nbytes: int) -> None:
         at = self._slots[value]

@@ -58,6 +58,14 @@ class Function:
                 live.update(op.values())
         return replace(self, ops=tuple(reversed(kept)))
 
+    def readers(self) -> dict[str, list[int]]:
+        """The indices of the ops that read each value, in order (once per op)."""
+        found: dict[str, list[int]] = {}
+        for i, op in enumerate(self.ops):
+            for v in dict.fromkeys(op.values()):
+                found.setdefault(v, []).append(i)
+        return found
+
     def uses(self) -> dict[str, int]:
         """How many times each value is read (the returned value counts once)."""
         counts: dict[str, int] = {}

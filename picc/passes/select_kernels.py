@@ -91,10 +91,7 @@ def accumulated_adds(func: Function, sched: Schedule) -> dict[int, str]:
     the kernel's rounded result, as the add computes it). The prefill programs run the add."""
     ops = func.ops
     index = {op.result: i for i, op in enumerate(ops)}
-    readers: dict[str, list[int]] = {}
-    for i, op in enumerate(ops):
-        for v in op.values():
-            readers.setdefault(v, []).append(i)
+    readers = func.readers()
     pinned = crossing_values(sched) | {func.ret}
     stage_of = {v: i for i, stage in enumerate(sched.stages) for v in stage.cpu}  # CPU values only
     chosen: dict[int, str] = {}
@@ -124,10 +121,7 @@ def gpu_accumulated_adds(func: Function, sched: Schedule) -> dict[int, str]:
     decode step is bound by its launches."""
     ops = func.ops
     index = {op.result: i for i, op in enumerate(ops)}
-    readers: dict[str, list[int]] = {}
-    for i, op in enumerate(ops):
-        for v in op.values():
-            readers.setdefault(v, []).append(i)
+    readers = func.readers()
     crossing = crossing_values(sched)
     uploads, _ = mp.copy_points(func, sched)
 
