@@ -2,8 +2,9 @@
 
 The compiler writes the model's tokenizer in its serialized form (``picc.frontend.tokenizer``:
 ``{"format": "picc-tokenizer", "version": 1, "bos_id", "eos_id", "add_bos", "add_eos",
-"backend": tokenizer.json}``), which was made to be read with nothing but the ``tokenizers``
-library: the backend turns text into ids without special tokens, and BOS / EOS are added here.
+"chat_template", "backend": tokenizer.json}``), which was made to be read with nothing but the
+``tokenizers`` library: the backend turns text into ids without special tokens, and BOS / EOS are
+added here. ``chat_template`` (absent in older files: no template) is rendered by ``runtime.chat``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ class TextCodec:
         self.eos_id: int | None = data["eos_id"]
         self.add_bos: bool = bool(data["add_bos"])
         self.add_eos: bool = bool(data.get("add_eos", False))
+        self.chat_template: str | None = data.get("chat_template")
+        # Chat templates write BOS / EOS as text ({{ bos_token }}), so they need their spelling.
+        self.bos_token: str | None = self._spelling(self.bos_id)
+        self.eos_token: str | None = self._spelling(self.eos_id)
+
+    def _spelling(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
 
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
@@ -34,6 +42,15 @@ class TextCodec:
         if self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Ids of a prompt rendered by a chat template, with no BOS / EOS added.
+
+        The template writes every special token the prompt needs (BOS included, where the model
+        wants one), so adding BOS again would double it; transformers' ``apply_chat_template``
+        likewise encodes its rendering with ``add_special_tokens=False``.
+        """
+        return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=False)

@@ -11,7 +11,14 @@ the `tokenizers` library:
 
     {"format": "picc-tokenizer", "version": 1,
      "bos_id": 1, "eos_id": 2, "add_bos": false, "add_eos": false,
+     "chat_template": "{% for message in messages %}..." or null,
      "backend": { ...tokenizer.json... }}
+
+`chat_template` is the model's Jinja chat template as transformers holds it
+(`tokenizer_config.json`, or a GGUF's `tokenizer.chat_template`), so that a
+runtime can turn chat messages into the prompt the model was trained on
+(`runtime.chat.render_chat`). It came after version 1 was fixed; a document
+without it reads as a tokenizer without a template.
 
 Loaders go through `transformers` so that ids match what
 `AutoTokenizer.from_pretrained(...)` gives, which the tests check; they never
@@ -49,7 +56,8 @@ class Tokenizer:
     `backend_json` is a `tokenizer.json` document (normalized to the backend's
     own serialization, so equal tokenizers compare equal). `encode` prepends
     `bos_id` when `add_bos` and appends `eos_id` when `add_eos`; the backend's
-    own post-processor is never applied.
+    own post-processor is never applied. `chat_template` is the model's Jinja
+    chat template, carried as text and never rendered by the compiler.
     """
 
     backend_json: str = field(repr=False)
@@ -57,6 +65,7 @@ class Tokenizer:
     eos_id: int | None
     add_bos: bool
     add_eos: bool = False
+    chat_template: str | None = field(default=None, repr=False)
     backend: tokenizers.Tokenizer = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +84,8 @@ class Tokenizer:
             raise PiccError("tokenizer says to add BOS but has no BOS token")
         if self.add_eos and self.eos_id is None:
             raise PiccError("tokenizer says to add EOS but has no EOS token")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise PiccError(f"tokenizer chat_template must be text, got {type(self.chat_template).__name__}")
 
     @property
     def vocab_size(self) -> int:
@@ -111,6 +122,7 @@ class Tokenizer:
             "eos_id": self.eos_id,
             "add_bos": self.add_bos,
             "add_eos": self.add_eos,
+            "chat_template": self.chat_template,
             "backend": json.loads(self.backend_json),
         }
         return json.dumps(document, ensure_ascii=False)
@@ -133,6 +145,7 @@ class Tokenizer:
                 eos_id=_optional_int(document["eos_id"]),
                 add_bos=bool(document["add_bos"]),
                 add_eos=bool(document["add_eos"]),
+                chat_template=document.get("chat_template"),
             )
         except (KeyError, TypeError) as error:
             raise PiccError(f"picc tokenizer JSON is missing or mistypes {error}") from error
@@ -186,8 +199,9 @@ def _gguf_cache_path(gguf_path: Path) -> Path:
     from importlib.metadata import version
 
     stat = gguf_path.stat()
+    # "chat_template": entries written before the template was kept lack it, so they are not reused.
     key = json.dumps([str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns, version("transformers"),
-                      FORMAT_VERSION])
+                      FORMAT_VERSION, "chat_template"])
     return cache_root() / "tokenizers" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
@@ -236,7 +250,17 @@ def _from_transformers(hf_tokenizer: Any, source: Path) -> Tokenizer:
         eos_id=eos_id,
         add_bos=add_bos,
         add_eos=add_eos,
+        chat_template=_default_chat_template(hf_tokenizer),
     )
+
+
+def _default_chat_template(hf_tokenizer: Any) -> str | None:
+    """The template `apply_chat_template` uses when given none: the only one, or the one named
+    "default" when the model names several (tokenizer_config.json may list e.g. "tool_use")."""
+    template = getattr(hf_tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template if isinstance(template, str) else None
 
 
 @contextlib.contextmanager
