@@ -272,6 +272,22 @@ class CpuExecutor:
         if stage.cpu is not None:
             self.team.run_step(stage.cpu, self._table_ptr)
 
+    def kv_caches(self) -> dict[int, int]:
+        """The KV caches the generated code indexes: ``bufs`` index -> bytes (each layer's k rows
+        then v rows, shared by the step, the decode loop and the chunk programs)."""
+        return {i: spec.nbytes or 0 for i, spec in enumerate(self._manifest.buffers)
+                if spec.kind == "alloc" and spec.name is not None and spec.name.startswith("kv.")}
+
+    def cache_array(self, index: int) -> np.ndarray:
+        """The memory ``bufs[index]`` was allocated with (a KV cache's, say)."""
+        return self._keep[index]
+
+    def bind(self, index: int, array: np.ndarray) -> None:
+        """Point ``bufs[index]`` at ``array`` (a KV cache of the same size, kept alive by the
+        caller): the next steps read and write it instead."""
+        assert array.nbytes >= (self._manifest.buffers[index].nbytes or 0)
+        self._table[index] = array.ctypes.data
+
     def value(self, name: str) -> np.ndarray:
         """The host bytes of value ``name`` (one token), which crosses between the devices."""
         v = self._values[name]

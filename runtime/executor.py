@@ -123,7 +123,8 @@ class Executor:
         self.gpu_kind = self.gpu.kind if self.gpu is not None else None
         self._worker = _GpuWorker() if self.gpu is not None else None
         self.vocab = self.cpu.vocab
-        self.ctx = pib.plan().ctx  # positions the KV caches hold
+        self.plan = pib.plan()
+        self.ctx = self.plan.ctx  # positions the KV caches hold
         self.times = DeviceTimes()
         self._plans: dict[bool, list[tuple]] = {}  # by logits: what each stage launches (a queuing GPU)
 

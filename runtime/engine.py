@@ -1,0 +1,254 @@
+"""The serving engine: one compiled model decoding many sequences, requests joining and leaving
+between steps (continuous batching), each sequence's tokens exactly those of ``picc run``.
+
+One thread owns the model. Each turn of its loop it admits waiting requests into free sequence
+slots (:class:`runtime.sequences.SequencePool`: a KV cache per slot), runs one prompt chunk of one
+prefilling sequence (so a long prompt delays the others by one chunk a turn, not by its whole
+length), then one decode step for every sequence that is decoding, and hands each its next token.
+Cancelled and finished sequences give their slot back at once.
+
+Exactness: a sequence's work is the one-sequence session's, call for call -- its prompt but the
+last token through the chunk programs in chunks of the same boundaries (``Session.feed``), then a
+step per token with the same code on its own caches, the same sampler with a generator seeded per
+request (``Session.generate``). Nothing in a step depends on which other sequences are in the
+pool, so its logits are bit-identical to ``picc run``'s whatever else is served. The steps of
+different sequences run one after another: each reads the weights again (the batched step that
+reads them once for every row is not there yet).
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.cpu import ExecutorError
+from runtime.sampling import SamplingOptions, sample
+from runtime.sequences import SequencePool
+from runtime.session import Session
+
+Emit = Callable[[str, object], None]
+"""How the engine reports to a request's owner, from the engine's thread: ``("token", id)`` for
+each new token, then ``("done", finish_reason)`` (``stop``: EOS; ``length``: ``max_tokens`` or a
+full context; ``cancelled``) or ``("error", message)``."""
+
+RATE_WINDOW = 5.0  # seconds of decode steps the reported tok/s covers
+
+
+class QueueFull(Exception):
+    """The engine's queue holds ``max_queue`` waiting requests already."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to generate: up to ``max_tokens`` tokens after ``prompt`` (ids), sampled with
+    ``options`` from a generator seeded with ``seed`` (None: a random seed)."""
+
+    prompt: list[int]
+    max_tokens: int
+    options: SamplingOptions = SamplingOptions()
+    seed: int | None = None
+    stop_at_eos: bool = True
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request inside the engine: where its prompt and its decoding stand."""
+
+    request: Request
+    emit: Emit
+    slot: int = -1
+    fed: int = 0  # prompt tokens but the last run through the chunk programs
+    pos: int = 0
+    made: int = 0
+    history: list[int] = field(default_factory=list)
+    rng: np.random.Generator | None = None
+    cancelled: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.request.prompt) - 1
+
+
+@dataclass
+class EngineStats:
+    """Counters for the server's metrics, updated by the engine's thread."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    batch: int = 0  # sequences decoding in the last turn
+    recent: collections.deque = field(default_factory=collections.deque)  # (time, tokens) of recent turns
+
+    def rate(self, now: float) -> float:
+        """Decode tokens per second over the last RATE_WINDOW seconds."""
+        while self.recent and self.recent[0][0] < now - RATE_WINDOW:
+            self.recent.popleft()
+        return sum(n for _, n in self.recent) / RATE_WINDOW
+
+
+class Engine:
+    """Serves ``session``'s model to many requests at once: :meth:`submit`, :meth:`cancel`."""
+
+    def __init__(self, session: Session, max_batch: int = 8, max_queue: int | None = None) -> None:
+        self.session = session
+        self.executor = session.executor
+        self.pool = SequencePool(self.executor, max_batch)
+        self.max_batch = max_batch
+        self.max_queue = max_queue if max_queue is not None else 4 * max_batch
+        self.ctx = session.ctx
+        self.eos = session.text.eos_id if session.text is not None else None
+        self.stats = EngineStats()
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._active: list[Sequence] = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="picc-engine")
+        self._thread.start()
+
+    # ---- the requests' side (any thread) ----
+
+    def submit(self, request: Request, emit: Emit) -> Sequence:
+        """Queue ``request``; ``emit`` hears of its tokens. Raises QueueFull, or ValueError for a
+        request that cannot run (the message says why)."""
+        prompt = request.prompt
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        bad = [t for t in prompt if not 0 <= t < self.executor.vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {self.executor.vocab}")
+        if len(prompt) + request.max_tokens > self.ctx:
+            raise ValueError(f"the prompt's {len(prompt)} tokens and max_tokens {request.max_tokens} need "
+                             f"{len(prompt) + request.max_tokens} positions but the context holds {self.ctx}")
+        request.options.check()
+        seq = Sequence(request, emit, history=list(prompt))
+        with self._cond:
+            if self._closing:
+                raise QueueFull("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already")
+            self._waiting.append(seq)
+            self.stats.requests += 1
+            self._cond.notify()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop ``seq`` (a client that went away): its slot is freed before the next step."""
+        with self._cond:
+            seq.cancelled = True
+            self._cond.notify()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def close(self) -> None:
+        """Stop the engine's thread; requests still queued or running end with an error."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        for seq in [*self._waiting, *self._active]:
+            seq.emit("error", "the server is shutting down")
+        self._waiting.clear()
+        self._active.clear()
+
+    # ---- the engine's thread ----
+
+    def _admit(self) -> bool:
+        """Move waiting requests into free slots; False when the engine is closing."""
+        with self._cond:
+            while not self._closing and not self._waiting and not self._active:
+                self._cond.wait()
+            if self._closing:
+                return False
+            kept = [s for s in self._waiting if not s.cancelled]
+            for seq in self._waiting:
+                if seq.cancelled:
+                    seq.emit("done", "cancelled")
+            self._waiting = collections.deque(kept)
+            while self._waiting and self.pool.free:
+                seq = self._waiting.popleft()
+                seq.slot = self.pool.acquire()
+                seq.rng = np.random.default_rng(seq.request.seed if seq.request.seed is not None
+                                                else secrets.randbits(63))
+                self._active.append(seq)
+        return True
+
+    def _loop(self) -> None:
+        while self._admit():
+            with self.executor.pinned():
+                self._turn()
+
+    def _turn(self) -> None:
+        """One turn: drop cancelled sequences, one prompt chunk, a decode step for each decoding one."""
+        for seq in [s for s in self._active if s.cancelled]:
+            self._finish(seq, "done", "cancelled")
+        prefilling = next((s for s in self._active if s.prefilling), None)
+        if prefilling is not None:
+            self._guarded(prefilling, self._prefill_chunk)
+        decoding = [s for s in self._active if not s.prefilling]
+        for seq in decoding:
+            self._guarded(seq, self._decode_step)
+        if decoding:
+            now = time.perf_counter()
+            self.stats.steps += 1
+            self.stats.batch = len(decoding)
+            self.stats.recent.append((now, len(decoding)))
+            self.stats.rate(now)  # drops the turns older than the window
+
+    def _guarded(self, seq: Sequence, work: Callable[[Sequence], None]) -> None:
+        """``work(seq)``; a runtime error ends that sequence (with its message), not the engine."""
+        try:
+            work(seq)
+        except (ExecutorError, ValueError) as e:
+            self._finish(seq, "error", str(e))
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        """The next chunk of ``seq``'s prompt (but its last token), at the boundaries Session.feed uses."""
+        prompt, chunk = seq.request.prompt, self.executor.cpu.chunk
+        part = prompt[seq.fed : min(seq.fed + chunk, len(prompt) - 1)]
+        self.pool.bind(seq.slot)
+        self.executor.prefill(part, seq.pos)
+        seq.fed += len(part)
+        seq.pos += len(part)
+        self.stats.prompt_tokens += len(part)
+
+    def _decode_step(self, seq: Sequence) -> None:
+        """A step on ``seq``'s last token (the prompt's last, at first), then its next token."""
+        token = seq.history[-1]  # the prompt's last token, then each new one
+        if seq.made == 0:
+            self.stats.prompt_tokens += 1
+        self.pool.bind(seq.slot)
+        self.executor.step(token, seq.pos)
+        seq.pos += 1
+        options = seq.request.options
+        if options.greedy:
+            nxt = self.executor.greedy()
+        else:
+            assert seq.rng is not None
+            nxt = sample(self.executor.logits(), options, seq.rng, seq.history)
+        seq.made += 1
+        seq.history.append(nxt)
+        self.stats.generated_tokens += 1
+        seq.emit("token", nxt)
+        if seq.request.stop_at_eos and nxt == self.eos:
+            self._finish(seq, "done", "stop")
+        elif seq.made >= seq.request.max_tokens or seq.pos >= self.ctx:
+            self._finish(seq, "done", "length")
+
+    def _finish(self, seq: Sequence, kind: str, detail: str) -> None:
+        if seq in self._active:
+            self._active.remove(seq)
+            self.pool.release(seq.slot)
+        seq.emit(kind, detail)

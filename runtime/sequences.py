@@ -1,0 +1,85 @@
+"""Per-sequence KV caches: a pool of them, one slot per sequence a server decodes at once.
+
+A compiled model's generated code indexes its KV caches through the ``bufs`` table (one entry per
+layer: k rows, then v rows, ``ctx`` positions each), and every program -- the step, the greedy
+decode loop, the prompt's chunk programs -- reaches them only through it. A pool of ``slots``
+caches per layer therefore gives each sequence its own: :meth:`SequencePool.bind` points the
+table's entries at a slot's caches before that sequence's step, and its arithmetic is exactly the
+one-sequence step's (the same code on the same values), whatever else the pool holds.
+
+Slot 0 is the executor's own caches; the other ``slots - 1`` are allocated here, at start, and
+refused with a clear error when they would not fit in the memory this machine has available. A
+model that keeps a KV cache on the GPU holds one sequence's there: it is served one sequence at a
+time (``slots`` 1).
+"""
+
+from __future__ import annotations
+
+from runtime.cpu import ExecutorError, _zeros
+from runtime.executor import Executor
+
+MEMORY_HEADROOM = 0.8  # the share of MemAvailable the pool may take: the rest is the process's and the OS's
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class SequencePool:
+    """``slots`` sets of KV caches for ``executor``'s model; :meth:`acquire` / :meth:`release`
+    hand slots to sequences, :meth:`bind` makes one the caches the next steps use."""
+
+    def __init__(self, executor: Executor, slots: int) -> None:
+        if slots < 1:
+            raise ExecutorError(f"--max-batch {slots}: expected at least 1")
+        gpu_caches = [b for b in executor.plan.buffers if b.kind == "kv-cache" and b.device == "gpu"]
+        if slots > 1 and gpu_caches:
+            raise ExecutorError(f"--max-batch {slots}: this model keeps {len(gpu_caches)} KV caches on the GPU, "
+                                "which hold one sequence; serve it with --max-batch 1 (or compile it with the "
+                                "caches on the CPU)")
+        cpu = executor.cpu
+        self._cpu = cpu
+        self.caches = cpu.kv_caches()  # bufs index -> bytes
+        self.bytes_per_slot = sum(self.caches.values())
+        extra = (slots - 1) * self.bytes_per_slot
+        free = available_memory()
+        if free is not None and extra > MEMORY_HEADROOM * free:
+            raise ExecutorError(f"--max-batch {slots}: {slots} sequences' KV caches need {extra / 2**30:.2f} GiB more "
+                                f"memory, and this machine has {free / 2**30:.2f} GiB available; use a smaller "
+                                "--max-batch or --ctx")
+        self.slots = slots
+        self._own = [{i: cpu.cache_array(i) for i in self.caches}]
+        self._own += [{i: _zeros(n) for i, n in self.caches.items()} for _ in range(slots - 1)]
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._bound: int | None = None
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        """A free slot (ExecutorError when there is none)."""
+        if not self._free:
+            raise ExecutorError("no free sequence slot")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        """Give ``slot`` back; its caches are reused as they are (a sequence reads only the positions
+        it wrote itself)."""
+        assert 0 <= slot < self.slots and slot not in self._free
+        self._free.append(slot)
+
+    def bind(self, slot: int) -> None:
+        """Make ``slot``'s caches the ones the model's programs read and write from now on."""
+        if slot != self._bound:
+            for index, array in self._own[slot].items():
+                self._cpu.bind(index, array)
+            self._bound = slot
