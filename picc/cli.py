@@ -19,6 +19,7 @@ from picc.cli_commands import (
     cmd_sparsify,
 )
 from picc.cli_runtime import add_gpu_flag, add_runtime_commands, add_threads_flag
+from picc.cli_serve import add_serve_command
 from picc.errors import PiccError
 
 EPILOG_SOURCES = (
@@ -302,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_command(sub)
     _add_inspect_command(sub)
     add_runtime_commands(sub)
+    add_serve_command(sub)
     return p
 
 

@@ -41,7 +41,7 @@ RATE_WINDOW = 5.0  # seconds of decode steps the reported tok/s covers
 
 
 class QueueFull(Exception):
-    """The engine's queue holds ``max_queue`` waiting requests already."""
+    """Every slot is taken and ``max_queue`` requests are waiting for one already."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,9 @@ class Engine:
         with self._cond:
             if self._closing:
                 raise QueueFull("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting already")
+            if len(self._waiting) >= self.max_queue + self.pool.free:  # those beyond the free slots wait
+                raise QueueFull(f"{self.max_batch} sequences are decoding and {self.max_queue} requests are "
+                                "waiting already")
             self._waiting.append(seq)
             self.stats.requests += 1
             self._cond.notify()

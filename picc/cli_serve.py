@@ -1,0 +1,94 @@
+"""``picc serve``: a compiled model behind an OpenAI-compatible HTTP API (``runtime.server``), on
+uvicorn. The socket is bound here first, so that a port in use is a one-line error and ``--port
+0`` can say which port it got."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+from picc.cli_runtime import add_gpu_flag, add_threads_flag, open_session
+from picc.errors import PiccError
+
+
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser(
+        "serve", help="serve a compiled .pib over an OpenAI-compatible HTTP API",
+        description="Serve MODEL.pib over HTTP: POST /v1/completions and /v1/chat/completions (streaming "
+        "with \"stream\": true), GET /v1/models, /health and /metrics (Prometheus). Up to --max-batch "
+        "requests decode at once, each with its own KV cache, and each gets exactly the tokens 'picc run' "
+        "would give it (greedy, or sampling with the request's seed), whatever else is being served. "
+        "Chat requests use the chat template the model's tokenizer carries.")
+    s.add_argument("model", metavar="MODEL.pib")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port, printed at start)")
+    s.add_argument("--max-batch", type=int, default=8,
+                   help="sequences decoded at once, each with its own KV cache of --ctx positions (default 8); "
+                   "refused at start when their caches do not fit in memory")
+    s.add_argument("--max-queue", type=int,
+                   help="requests that may wait for a free sequence before the server answers 429 "
+                   "(default: 4 x --max-batch)")
+    s.add_argument("--ctx", type=int, help="positions per sequence (default: what the model was compiled for)")
+    add_threads_flag(s)
+    s.add_argument("--api-key", default=os.environ.get("PICC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: $PICC_API_KEY; "
+                   "unset: no key)")
+    s.add_argument("--model-name", help="the model's id in the API (default: the file's name without .pib)")
+    add_gpu_flag(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise PiccError(f"--port {port}: expected 0 to 65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise PiccError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise PiccError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from runtime.cpu import ExecutorError
+    from runtime.engine import Engine
+    from runtime.server import ServedModel, create_app
+
+    if args.max_batch < 1 or (args.max_queue is not None and args.max_queue < 0):
+        raise PiccError("--max-batch must be >= 1 and --max-queue >= 0")
+    sock = _bind(args.host, args.port)
+    with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
+        if session.text is None:
+            raise PiccError(f"{args.model}: the model has no tokenizer; a server needs one to read and write text")
+        try:
+            engine = Engine(session, args.max_batch, args.max_queue)
+        except ExecutorError as e:
+            raise PiccError(str(e)) from None
+        try:
+            name = args.model_name or Path(args.model).stem
+            served = ServedModel(engine, session.text, name, int(Path(args.model).stat().st_mtime), args.api_key)
+            host, port = sock.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"picc serve: {name} on http://{shown}:{port}/v1 (max-batch {args.max_batch}, ctx {session.ctx}, "
+                  f"{session.executor.cpu.team.nthreads} threads{', API key required' if args.api_key else ''})",
+                  file=sys.stderr, flush=True)
+            config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=5)
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            engine.close()
+            sock.close()

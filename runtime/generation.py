@@ -1,0 +1,119 @@
+"""One request's generation as the server sees it: engine tokens in, text deltas out, on asyncio.
+
+:class:`TextStream` turns tokens into text as it becomes final -- decoding a window of the last
+tokens (a token's bytes can be half a UTF-8 character, or change how the one before it reads), as
+``picc run``'s stream does -- and holds back text that may be the start of a ``stop`` string, so a
+stop string never reaches the client, not even split across deltas.
+
+:class:`Generation` submits a request to the engine (its refusals -- a full queue, a prompt that
+does not fit -- raise before any response is sent) and yields ``(text, finish_reason)`` pairs as
+the engine's thread reports tokens. Leaving it early (a stop string, a client that disconnected:
+the task is cancelled) cancels the sequence, whose slot the engine then frees before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from runtime.engine import Engine, QueueFull, Request
+from runtime.openai_api import ApiError, invalid
+from runtime.text import TextCodec
+
+RETRY_AFTER_SECONDS = 1
+
+
+class TextStream:
+    """Tokens -> final text, with ``stops`` cut out: :meth:`add` per token, :meth:`finish` at the end."""
+
+    def __init__(self, codec: TextCodec, stops: list[str]) -> None:
+        self.codec, self.stops = codec, stops
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] decoded already: the context the next token is read in
+        self.read = 0
+        self.held = ""  # final text not sent yet: it may begin a stop string
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        """The text ``token`` completes that can be sent; after a stop string, nothing more
+        (:attr:`stopped` is then True)."""
+        if self.stopped:
+            return ""
+        self.ids.append(token)
+        before = self.codec.decode(self.ids[self.prefix : self.read])
+        now = self.codec.decode(self.ids[self.prefix :])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""  # a partial character: wait for the rest of its bytes
+        self.prefix, self.read = self.read, len(self.ids)
+        return self._release(now[len(before) :])
+
+    def finish(self) -> str:
+        """What is left when generation ends (held text, a last partial character)."""
+        if self.stopped:
+            return ""
+        tail = self.codec.decode(self.ids[self.prefix :])[len(self.codec.decode(self.ids[self.prefix : self.read])) :]
+        text, self.held = self.held + tail, ""
+        for stop in self.stops:
+            if stop in text:
+                self.stopped = True
+                text = text[: text.index(stop)]
+        return text
+
+    def _release(self, text: str) -> str:
+        text = self.held + text
+        cut = min((text.index(s) for s in self.stops if s in text), default=-1)
+        if cut >= 0:
+            self.stopped, self.held = True, ""
+            return text[:cut]
+        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+
+class Generation:
+    """A request running on ``engine``: iterate for ``(text, finish_reason)``; ``finish_reason`` is
+    None until the last pair (``stop``: EOS or a stop string; ``length``: ``max_tokens`` or a full
+    context). :attr:`tokens` counts the tokens generated."""
+
+    def __init__(self, engine: Engine, codec: TextCodec, request: Request, stops: list[str]) -> None:
+        self.engine, self.stream = engine, TextStream(codec, stops)
+        self.queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        try:
+            self.seq = engine.submit(request, lambda kind, value: loop.call_soon_threadsafe(
+                self.queue.put_nowait, (kind, value)))
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy ({e}); retry shortly", kind="requests",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except ValueError as e:
+            raise invalid(str(e), "prompt") from None
+        self.tokens = 0
+        self.eos = engine.eos if request.stop_at_eos else None
+
+    async def __aiter__(self) -> AsyncIterator[tuple[str, str | None]]:
+        finished = False
+        try:
+            while True:
+                kind, value = await self.queue.get()
+                if kind == "token":
+                    self.tokens += 1
+                    if value == self.eos:
+                        continue  # the engine ends the sequence after it; EOS is not text
+                    text = self.stream.add(int(value))  # type: ignore[call-overload]
+                    if self.stream.stopped:
+                        finished = True
+                        yield text, "stop"
+                        return
+                    if text:
+                        yield text, None
+                elif kind == "done":
+                    finished = True
+                    text = self.stream.finish()
+                    yield text, "length" if value == "length" and not self.stream.stopped else "stop"
+                    return
+                else:
+                    finished = True
+                    raise ApiError(500, f"generation failed: {value}", kind="server_error", code="engine_error")
+        finally:
+            if not finished or self.stream.stopped:
+                self.engine.cancel(self.seq)

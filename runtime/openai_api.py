@@ -1,0 +1,231 @@
+"""OpenAI's completions and chat completions, as requests checked field by field and responses.
+
+The server (``runtime.server``) reads a request's JSON, and :func:`completion_params` /
+:func:`chat_params` check every field a client sends against what the OpenAI API accepts, raising
+:class:`ApiError` -- OpenAI's error object and its HTTP status -- for the first that is wrong, with
+the field named in ``param``. What passes becomes :class:`Params`, which the server turns into an
+engine request. ``n`` above 1, ``logprobs`` and ``echo`` are refused with a message that says so;
+fields OpenAI defines that do not change what picc computes (``user``, ``presence_penalty`` 0, ...)
+are accepted and ignored. ``top_k`` and ``repetition_penalty`` are the usual extensions (llama.cpp
+and vLLM take them too).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.sampling import SamplingOptions
+
+MAX_STOPS = 4  # OpenAI's limit on "stop" strings
+
+
+class ApiError(Exception):
+    """An OpenAI error object (``{"error": {message, type, param, code}}``) with its HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass
+class Params:
+    """A checked request: the prompt (text, ids or chat messages), how much to generate, how."""
+
+    model: str | None
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int | None = None
+    options: SamplingOptions = SamplingOptions()
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+class _Fields:
+    """Typed reads of a request body's fields; each wrong one an ApiError naming it."""
+
+    def __init__(self, body: object) -> None:
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object")
+        self.body = body
+
+    def get(self, name: str) -> Any:  # noqa: ANN401 - a JSON value
+        return self.body.get(name)
+
+    def number(self, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if not _is_number(v):
+            raise invalid(f"'{name}' must be a number, got {type(v).__name__}", name)
+        if not (lo < v if lo_open else lo <= v) or v > hi:
+            raise invalid(f"'{name}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v}", name)
+        return float(v)
+
+    def integer(self, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if not _is_int(v):
+            raise invalid(f"'{name}' must be an integer, got {type(v).__name__}", name)
+        if v < lo or (hi is not None and v > hi):
+            raise invalid(f"'{name}' must be {'>= ' + str(lo) if hi is None else f'in [{lo}, {hi}]'}, got {v}", name)
+        return v
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise invalid(f"'{name}' must be a boolean, got {type(v).__name__}", name)
+        return v
+
+
+def _common(f: _Fields, max_tokens_name: str = "max_tokens") -> Params:
+    """The fields completions and chat completions share."""
+    model = f.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("'model' must be a string", "model")
+    n = f.integer("n", 1, 1)
+    if n != 1:
+        raise invalid(f"'n' {n}: this server generates one choice per request (send {n} requests)", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if f.number(name, 0.0, -2.0, 2.0) != 0.0:
+            raise invalid(f"'{name}' is not supported (use repetition_penalty)", name)
+    temperature = f.number("temperature", 1.0, 0.0, 2.0)
+    top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = f.integer("top_k", 0, 0)
+    penalty = f.number("repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)
+    seed = f.integer("seed", None, -(2**63), 2**64 - 1)
+    stream = f.boolean("stream")
+    stream_options = f.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict) or not isinstance(stream_options.get("include_usage", False), bool):
+            raise invalid("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
+        if not stream:
+            raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        include_usage = bool(stream_options.get("include_usage", False))
+    max_tokens = f.integer(max_tokens_name, None, 1)
+    return Params(model, max_tokens=max_tokens, options=SamplingOptions(temperature, top_k or 0, top_p, penalty),
+                  seed=None if seed is None else seed % 2**63, stop=_stops(f.get("stop")), stream=stream,
+                  include_usage=include_usage)
+
+
+def _stops(v: object) -> list[str]:
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOPS:
+        raise invalid(f"'stop' takes at most {MAX_STOPS} strings, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise invalid("'stop' strings must not be empty", "stop")
+    return list(stops)
+
+
+def completion_params(body: object) -> Params:
+    """``POST /v1/completions``'s body, checked. The prompt: a string, a list of token ids, or a list
+    holding one string or one list of ids (OpenAI's batch forms with one entry)."""
+    f = _Fields(body)
+    if f.get("echo"):
+        raise invalid("'echo' is not supported", "echo")
+    if f.get("logprobs") is not None:
+        raise invalid("'logprobs' is not supported", "logprobs")
+    if f.get("suffix") is not None:
+        raise invalid("'suffix' is not supported", "suffix")
+    params = _common(f)
+    prompt = f.get("prompt")
+    if prompt is None:
+        raise invalid("'prompt' is required", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt or not all(_is_int(t) for t in prompt):
+            raise invalid("'prompt' must be a string or a non-empty list of token ids (one prompt a request)",
+                          "prompt")
+    elif not isinstance(prompt, str):
+        raise invalid(f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+    params.prompt = prompt
+    if params.max_tokens is None:
+        params.max_tokens = 16  # OpenAI's default for completions
+    return params
+
+
+def chat_params(body: object) -> Params:
+    """``POST /v1/chat/completions``'s body, checked (the messages themselves by the chat template's
+    renderer, ``runtime.chat``). ``max_completion_tokens`` is the newer name of ``max_tokens``."""
+    f = _Fields(body)
+    if f.get("logprobs"):
+        raise invalid("'logprobs' is not supported", "logprobs")
+    for name in ("tools", "functions", "response_format"):
+        if f.get(name) is not None:
+            raise invalid(f"'{name}' is not supported", name)
+    name = "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
+    params = _common(f, name)
+    messages = f.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty list of messages", "messages")
+    params.messages = messages
+    return params
+
+
+def context_error(prompt_tokens: int, max_tokens: int | None, ctx: int, prompt_field: str) -> ApiError | None:
+    """OpenAI's ``context_length_exceeded`` when the prompt, or it and ``max_tokens``, outgrow
+    ``ctx`` (``param``: the prompt's field, or ``max_tokens`` when the prompt alone fits)."""
+    if prompt_tokens + (max_tokens or 1) <= ctx:
+        return None
+    asked = f"{prompt_tokens} tokens in the prompt" + (f" and {max_tokens} to generate" if max_tokens else "")
+    return invalid(f"This model's maximum context length is {ctx} tokens; the request asks for {asked}",
+                   "max_tokens" if prompt_tokens < ctx else prompt_field, "context_length_exceeded")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, model: str, text: str, finish: str | None, *, chunk: bool = False,
+                    created: int | None = None) -> dict:
+    """A ``text_completion`` (or one streamed chunk of it)."""
+    return {"id": rid, "object": "text_completion", "created": created or int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+def chat_body(rid: str, model: str, text: str | None, finish: str | None, *, chunk: bool = False,
+              created: int | None = None, first: bool = False) -> dict:
+    """A ``chat.completion``, or a ``chat.completion.chunk`` (``first``: the one naming the role)."""
+    created = created or int(time.time())
+    if not chunk:
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": finish}]}
+    delta: dict = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}

@@ -1,0 +1,231 @@
+"""``picc serve``'s HTTP side: an OpenAI-compatible API over the serving engine, on FastAPI.
+
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent events
+through sse-starlette when ``stream`` is true, ending with ``data: [DONE]``), ``GET /v1/models``
+(and ``/v1/models/{id}``), ``GET /health`` and ``GET /metrics`` (Prometheus text from
+prometheus_client). With an API key every ``/v1`` route wants ``Authorization: Bearer KEY``.
+
+Every error is OpenAI's error object with OpenAI's status (``runtime.openai_api.ApiError``): 400
+for a body that is not JSON or a field that is wrong, 401 without the key, 404 for an unknown route
+or model, 429 with ``Retry-After`` when the engine's queue is full; an unexpected exception is a 500
+with the same object, never a traceback. A client that disconnects -- mid-stream, or while waiting
+for a whole completion -- cancels its sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException
+
+from runtime.chat import ChatTemplateError, render_chat
+from runtime.engine import Engine
+from runtime.engine import Request as EngineRequest
+from runtime.generation import Generation
+from runtime.metrics import CountRequests, Metrics
+from runtime.openai_api import (
+    ApiError,
+    Params,
+    chat_body,
+    chat_params,
+    completion_body,
+    completion_params,
+    context_error,
+    invalid,
+    new_id,
+    usage,
+)
+from runtime.text import TextCodec
+
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+@dataclass
+class ServedModel:
+    """What the server serves: the engine over one compiled model, its name and tokenizer."""
+
+    engine: Engine
+    codec: TextCodec
+    name: str
+    created: int
+    api_key: str | None = None
+
+
+def create_app(served: ServedModel) -> FastAPI:
+    """The ASGI application serving ``served``."""
+    app = FastAPI(title="picc serve", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = Metrics(served.engine)
+    app.state.metrics = metrics
+    app.add_middleware(CountRequests, metrics=metrics)
+    _errors(app)
+
+    async def authorized(request: Request) -> None:
+        if served.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), served.api_key.encode()):
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    def model_card() -> dict:
+        return {"id": served.name, "object": "model", "created": served.created, "owned_by": "picc"}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": served.name}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
+    async def one_model(model: str) -> dict:
+        _check_model(served, model)
+        return model_card()
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request) -> Response:
+        params = completion_params(await _json(request))
+        _check_model(served, params.model)
+        prompt = params.prompt
+        ids = served.codec.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
+        return await _respond(request, served, metrics, params, ids, "prompt", chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat(request: Request) -> Response:
+        params = chat_params(await _json(request))
+        _check_model(served, params.model)
+        codec = served.codec
+        if codec.chat_template is None:
+            raise invalid(f"model '{served.name}' has no chat template (its tokenizer carries none): use "
+                          "/v1/completions with a prompt", "messages", "chat_template_missing")
+        try:
+            text = render_chat(codec.chat_template, params.messages or [], bos_token=codec.bos_token,
+                               eos_token=codec.eos_token)
+        except ChatTemplateError as e:
+            raise invalid(str(e), "messages") from None
+        return await _respond(request, served, metrics, params, codec.encode_chat(text), "messages", chat=True)
+
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    """Every error as OpenAI's error object."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            error = ApiError(404, f"Unknown route: {request.method} {request.url.path}", code="unknown_url")
+        elif e.status_code == 405:
+            error = ApiError(405, f"Method {request.method} is not allowed on {request.url.path}",
+                             code="method_not_allowed")
+        else:
+            error = ApiError(e.status_code, str(e.detail))
+        return JSONResponse(error.body(), status_code=error.status, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(invalid(str(first.get("msg", "invalid request")), param).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        error = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+
+async def _json(request: Request) -> object:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+
+
+def _check_model(served: ServedModel, model: str | None) -> None:
+    if model is not None and model != served.name:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served.name}'",
+                       param="model", code="model_not_found")
+
+
+async def _respond(request: Request, served: ServedModel, metrics: Metrics, params: Params, ids: list[int],
+                   prompt_field: str, *, chat: bool) -> Response:
+    """Start the generation (refusals raise here, before a response) and answer: a stream of chunks,
+    or the whole completion."""
+    engine = served.engine
+    error = context_error(len(ids), params.max_tokens, engine.ctx, prompt_field)
+    if error is not None:
+        raise error
+    if not ids:
+        raise invalid("the prompt is empty", prompt_field)
+    max_tokens = params.max_tokens or engine.ctx - len(ids)
+    gen = Generation(engine, served.codec, EngineRequest(ids, max_tokens, params.options, params.seed),
+                     params.stop)
+    rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+    body = chat_body if chat else completion_body
+    started = time.perf_counter()
+    if params.stream:
+        return EventSourceResponse(_events(gen, params, served.name, rid, created, len(ids), chat, metrics, started),
+                                   ping=15)
+    text, finish = await _collect(request, gen)
+    metrics.finished(len(ids), gen.tokens, time.perf_counter() - started)
+    return JSONResponse({**body(rid, served.name, text, finish, created=created), "usage": usage(len(ids), gen.tokens)})
+
+
+async def _collect(request: Request, gen: Generation) -> tuple[str, str | None]:
+    """The whole text and finish reason; cancelled (and so the sequence) when the client goes away."""
+
+    async def drain() -> tuple[str, str | None]:
+        parts, last = [], None
+        async for text, finish in gen:
+            parts.append(text)
+            last = finish
+        return "".join(parts), last
+
+    task = asyncio.ensure_future(drain())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise ApiError(499, "the client closed the request", code="client_closed_request")
+
+
+async def _events(gen: Generation, params: Params, model: str, rid: str, created: int, prompt_tokens: int,
+                  chat: bool, metrics: Metrics, started: float) -> AsyncIterator[dict]:
+    """The stream's events: chunks of text (chat: first the role), the last with its finish reason,
+    the usage when asked for, then ``[DONE]``."""
+    if chat:
+        yield {"data": json.dumps(chat_body(rid, model, None, None, chunk=True, created=created, first=True))}
+    body = chat_body if chat else completion_body
+    try:
+        async for text, finish in gen:
+            if text or finish:
+                yield {"data": json.dumps(body(rid, model, text, finish, chunk=True, created=created))}
+    except ApiError as e:
+        yield {"data": json.dumps(e.body())}
+    metrics.finished(prompt_tokens, gen.tokens, time.perf_counter() - started)
+    if params.include_usage:
+        yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                   "created": created, "model": model, "choices": [],
+                                   "usage": usage(prompt_tokens, gen.tokens)})}
+    yield {"data": "[DONE]"}

@@ -1,0 +1,242 @@
+"""``picc serve``: the real server on a free loopback port, spoken to with the official ``openai``
+client and, for what a client library would refuse to send, with raw HTTP (httpx).
+
+The model is a tiny random one with a word-level tokenizer and a small chat template; what the
+server returns is compared with what a session alone generates for the same prompt (``picc run``'s
+path), token for token through the text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+from conftest import tiny_llama, with_tokenizer
+
+from picc.compile import CompileOptions, compile_model, write_compiled
+from picc.ir.types import DType
+from runtime.sampling import SamplingOptions
+from runtime.session import Session
+
+KEY = "test-key"
+CTX = 2048  # long enough that a 2000-token stream is still going while the tests ask the server more
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}the company{% endif %}")
+PROMPTS = ["the company said", "it is", "in the new york stock exchange the", "a year", "and the",
+           "mr. said the company", "of the", "but"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    loaded = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_1))
+    loaded = replace(loaded, tokenizer=replace(loaded.tokenizer, chat_template=TEMPLATE))
+    result = compile_model(loaded, CompileOptions(dense=True, ctx=CTX), say=lambda _: None)
+    path = tmp_path_factory.mktemp("serve") / "tiny.pib"
+    write_compiled(result, path)
+    return path
+
+
+class Server:
+    """``picc serve`` in a subprocess, on the port it reports."""
+
+    def __init__(self, path, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "picc.cli", "serve", str(path), "--port", "0",
+                                      "--threads", "1", *args], stderr=subprocess.PIPE, text=True)
+        line = self.proc.stderr.readline()
+        match = re.search(r"on (http://[\d.]+:\d+)/v1", line)
+        assert match, line + self.proc.stderr.read() if self.proc.poll() is not None else line
+        self.url = match.group(1)
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # keep the pipe drained
+        for _ in range(200):
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    s = Server(model, "--max-batch", "4", "--api-key", KEY)
+    yield s
+    s.close()
+
+
+def alone(path, prompt_ids, n, options=SamplingOptions(), seed=0) -> list[int]:  # noqa: B008
+    with Session(path, 1) as s:
+        return list(s.generate(list(prompt_ids), n, options, seed=seed))
+
+
+def text_of(path, ids) -> str:
+    with Session(path, 1) as s:
+        return s.text.decode([t for t in ids if t != s.text.eos_id])
+
+
+def encode(path, text: str, chat: bool = False) -> list[int]:
+    with Session(path, 1) as s:
+        return s.text.encode_chat(text) if chat else s.text.encode(text)
+
+
+def test_completions_and_chat_through_the_openai_client_are_picc_runs_tokens(server, model):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    ids = encode(model, PROMPTS[0])
+    expected = text_of(model, alone(model, ids, 12))
+    done = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert done.choices[0].text == expected and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 12)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 12
+    # Chat: the template's text, encoded as transformers would (no BOS added to it).
+    chat_ids = encode(model, "user hello there system be brief the company", chat=True)
+    messages = [{"role": "user", "content": "hello there"}, {"role": "system", "content": "be brief"}]
+    expected = text_of(model, alone(model, chat_ids, 10))
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == expected and reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens == len(chat_ids)
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+
+
+def test_concurrent_requests_get_single_run_outputs(server, model):
+    options = SamplingOptions(temperature=0.8, top_p=0.9)
+    expected = {}
+    for i, p in enumerate(PROMPTS):
+        ids = encode(model, p)
+        expected[i] = (text_of(model, alone(model, ids, 20)), text_of(model, alone(model, ids, 20, options, seed=i)))
+    got: dict[int, tuple[str, str]] = {}
+
+    def ask(i: int) -> None:
+        client = server.client()
+        greedy = client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=20, temperature=0)
+        sampled = client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=20, temperature=0.8,
+                                            top_p=0.9, seed=i)
+        got[i] = (greedy.choices[0].text, sampled.choices[0].text)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == expected
+    assert server.metric("picc_active_sequences") == 0 and server.metric("picc_free_slots") == 4
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "code"), [
+    (b"{not json", 400, None, None),
+    (b"[1, 2]", 400, None, None),
+    ({"prompt": 5}, 400, "prompt", None),
+    ({"prompt": "the", "max_tokens": "5"}, 400, "max_tokens", None),
+    ({"prompt": "the", "max_tokens": 0}, 400, "max_tokens", None),
+    ({"prompt": "the", "temperature": 3}, 400, "temperature", None),
+    ({"prompt": "the", "top_p": 0}, 400, "top_p", None),
+    ({"prompt": "the", "stream": "yes"}, 400, "stream", None),
+    ({"prompt": "the", "n": 2}, 400, "n", None),
+    ({"prompt": "the", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ({"prompt": [1] * (CTX + 1)}, 400, "prompt", "context_length_exceeded"),
+    ({"prompt": "the", "max_tokens": CTX}, 400, "max_tokens", "context_length_exceeded"),
+    ({"prompt": [1, 100000]}, 400, "prompt", None),
+    ({"prompt": "the", "model": "gpt-4"}, 404, "model", "model_not_found"),
+])
+def test_bad_completions_get_openai_error_objects(server, body, status, param, code):
+    content = body if isinstance(body, bytes) else json.dumps({"model": "tiny", **body}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=content, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    error = error_of(r)
+    assert error["param"] == param and error["code"] == code and error["message"]
+
+
+def test_keys_routes_and_chat_errors(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "the"}, headers=headers)
+        assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # not under /v1: no key
+    r = httpx.get(server.url + "/v1/nowhere", headers=auth)
+    assert r.status_code == 404 and error_of(r)["code"] == "unknown_url"
+    assert httpx.get(server.url + "/v1/models/other", headers=auth).status_code == 404
+    r = httpx.get(server.url + "/v1/completions", headers=auth)
+    assert r.status_code == 405 and error_of(r)
+    for messages, param in (([], "messages"), ([{"role": "user"}], "messages"), ("hi", "messages")):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages}, headers=auth)
+        assert r.status_code == 400 and error_of(r)["param"] == param
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong").completions.create(model="tiny", prompt="the")
+    assert "picc_requests_total{" in httpx.get(server.url + "/metrics").text
+
+
+def test_stop_strings_end_the_text_before_them(server, model):
+    client = server.client()
+    full = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=20, temperature=0)
+    words = full.choices[0].text.split()
+    stop = " ".join(words[3:5])
+    cut = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert full.choices[0].text.startswith(cut.choices[0].text) and len(cut.choices[0].text) < len(full.choices[0].text)
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_a_full_queue_answers_429_and_a_client_that_leaves_frees_its_sequence(model):
+    s = Server(model, "--max-batch", "1", "--max-queue", "0")
+    try:
+        body = {"model": "tiny", "prompt": "the", "max_tokens": CTX - 48, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # decoding has started
+            r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False})
+            assert r.status_code == 429 and r.headers["retry-after"] and error_of(r)["code"] == "rate_limit_exceeded"
+        for _ in range(100):  # the stream's connection is closed: its sequence is freed
+            if s.metric("picc_free_slots") == 1:
+                break
+            time.sleep(0.05)
+        assert s.metric("picc_free_slots") == 1 and s.metric("picc_active_sequences") == 0
+        assert s.metric("picc_decoded_tokens_total") < CTX - 48  # freed early, not run to its end
+        r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        s.close()
+
+
+def test_serve_errors_are_one_line(model, tmp_path):
+    busy = Server(model)
+    try:
+        port = busy.url.rsplit(":", 1)[1]
+        r = subprocess.run([sys.executable, "-m", "picc.cli", "serve", str(model), "--port", port],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "cannot listen" in r.stderr
+    finally:
+        busy.close()
+    r = subprocess.run([sys.executable, "-m", "picc.cli", "serve", str(model), "--port", "0", "--max-batch", "100000"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "--max-batch 100000" in r.stderr and r.stderr.strip().count("\n") == 0
