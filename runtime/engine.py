@@ -33,11 +33,16 @@ from runtime.sequences import SequencePool
 from runtime.session import Session
 
 Emit = Callable[[str, object], None]
-"""How the engine reports to a request's owner, from the engine's thread: ``("token", id)`` for
-each new token, then ``("done", finish_reason)`` (``stop``: EOS; ``length``: ``max_tokens`` or a
+"""How the engine reports to a request's owner, from the engine's thread: ``("tokens", [ids])``
+for new tokens, then ``("done", finish_reason)`` (``stop``: EOS; ``length``: ``max_tokens`` or a
 full context; ``cancelled``) or ``("error", message)``."""
 
 RATE_WINDOW = 5.0  # seconds of decode steps the reported tok/s covers
+FLUSH_SECONDS = 0.04
+"""A sequence's new tokens go to its owner at most this often (the first at once): each report
+wakes the server's event loop, whose thread then competes for a core with the step's threads,
+which wait for each other at spinning barriers (runtime.threads). Reported per token, a 2-core
+host served SmolLM2 at 170 tok/s, against 279 for picc run; 40 ms is as smooth as text streams."""
 
 
 class QueueFull(Exception):
@@ -69,6 +74,15 @@ class Sequence:
     history: list[int] = field(default_factory=list)
     rng: np.random.Generator | None = None
     cancelled: bool = False
+    pending: list[int] = field(default_factory=list)  # tokens not reported yet
+    reported: float = 0.0  # when tokens were last reported (perf_counter)
+
+    def report(self) -> None:
+        """Hand the pending tokens to the owner."""
+        if self.pending:
+            tokens, self.pending = self.pending, []
+            self.reported = time.perf_counter()
+            self.emit("tokens", tokens)
 
     @property
     def prefilling(self) -> bool:
@@ -201,8 +215,11 @@ class Engine:
         decoding = [s for s in self._active if not s.prefilling]
         for seq in decoding:
             self._guarded(seq, self._decode_step)
+        now = time.perf_counter()
+        for seq in decoding:
+            if seq.pending and now - seq.reported >= FLUSH_SECONDS:
+                seq.report()
         if decoding:
-            now = time.perf_counter()
             self.stats.steps += 1
             self.stats.batch = len(decoding)
             self.stats.recent.append((now, len(decoding)))
@@ -242,13 +259,14 @@ class Engine:
         seq.made += 1
         seq.history.append(nxt)
         self.stats.generated_tokens += 1
-        seq.emit("token", nxt)
+        seq.pending.append(nxt)
         if seq.request.stop_at_eos and nxt == self.eos:
             self._finish(seq, "done", "stop")
         elif seq.made >= seq.request.max_tokens or seq.pos >= self.ctx:
             self._finish(seq, "done", "length")
 
     def _finish(self, seq: Sequence, kind: str, detail: str) -> None:
+        seq.report()
         if seq in self._active:
             self._active.remove(seq)
             self.pool.release(seq.slot)

@@ -95,11 +95,8 @@ class Generation:
         try:
             while True:
                 kind, value = await self.queue.get()
-                if kind == "token":
-                    self.tokens += 1
-                    if value == self.eos:
-                        continue  # the engine ends the sequence after it; EOS is not text
-                    text = self.stream.add(int(value))  # type: ignore[call-overload]
+                if kind == "tokens":
+                    text = self._text(value)  # type: ignore[arg-type]
                     if self.stream.stopped:
                         finished = True
                         yield text, "stop"
@@ -117,3 +114,15 @@ class Generation:
         finally:
             if not finished or self.stream.stopped:
                 self.engine.cancel(self.seq)
+
+    def _text(self, tokens: list[int]) -> str:
+        """The text ``tokens`` add (EOS is not text: the engine ends the sequence after it), up to
+        a stop string; :attr:`tokens` counts them, up to the one that completed the stop string."""
+        parts = []
+        for token in tokens:
+            self.tokens += 1
+            if token != self.eos:
+                parts.append(self.stream.add(token))
+            if self.stream.stopped:
+                break
+        return "".join(parts)

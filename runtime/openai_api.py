@@ -6,8 +6,8 @@ The server (``runtime.server``) reads a request's JSON, and :func:`completion_pa
 the field named in ``param``. What passes becomes :class:`Params`, which the server turns into an
 engine request. ``n`` above 1, ``logprobs`` and ``echo`` are refused with a message that says so;
 fields OpenAI defines that do not change what picc computes (``user``, ``presence_penalty`` 0, ...)
-are accepted and ignored. ``top_k`` and ``repetition_penalty`` are the usual extensions (llama.cpp
-and vLLM take them too).
+are accepted and ignored. ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate
+``max_tokens`` tokens whatever they are: benchmarks) are the usual extensions (vLLM takes them too).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class Params:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False
 
 
 def _is_int(v: object) -> bool:
@@ -130,7 +131,7 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens") -> Params:
     max_tokens = f.integer(max_tokens_name, None, 1)
     return Params(model, max_tokens=max_tokens, options=SamplingOptions(temperature, top_k or 0, top_p, penalty),
                   seed=None if seed is None else seed % 2**63, stop=_stops(f.get("stop")), stream=stream,
-                  include_usage=include_usage)
+                  include_usage=include_usage, ignore_eos=f.boolean("ignore_eos"))
 
 
 def _stops(v: object) -> list[str]:

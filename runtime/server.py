@@ -177,8 +177,8 @@ async def _respond(request: Request, served: ServedModel, metrics: Metrics, para
     if not ids:
         raise invalid("the prompt is empty", prompt_field)
     max_tokens = params.max_tokens or engine.ctx - len(ids)
-    gen = Generation(engine, served.codec, EngineRequest(ids, max_tokens, params.options, params.seed),
-                     params.stop)
+    gen = Generation(engine, served.codec, EngineRequest(ids, max_tokens, params.options, params.seed,
+                                                         stop_at_eos=not params.ignore_eos), params.stop)
     rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
     body = chat_body if chat else completion_body
     started = time.perf_counter()
