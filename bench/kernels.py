@@ -1,6 +1,7 @@
 """Benchmark of the fused sparse FFN kernel against the host's read bandwidth and numpy.
 
     python bench/kernels.py [--reps 7] [--threads 1,2] [--shapes small,large] [--dtypes f16,q4_0,f32]
+    python bench/kernels.py --batched [--batches 1,2,4,8] [--threads 2] [--reps 7]
 
 (``--dtypes`` also takes ``q4_0-int`` / ``q4_1-int``: the kernel variant that dots int16 x.)
 
@@ -20,6 +21,12 @@ layout with int16 x, ``select-kernels``' choice; others rows with float x), and 
 kernel's rate as a share of it ("vs dense"): the ratio the CPU sparsity issue judges (>= 90% at
 10-50% active). On a shared machine the numbers move by tens of percent between runs: compare
 ratios within one run.
+
+``--batched`` times the batched decode kernels instead (``picc.codegen_cpu.kernels_batch``: B
+sequences' x rows against one read of the weights, each row the bits of the one-row kernel) on
+SmolLM2's decode GEMVs and FFN and a 7B-like down projection, the weights from memory (copies
+over 1 GiB, one call each): time per call, and rows per second (batch / time) as a ratio to the
+one-row kernel's rate, the speed-up that batching the decode step gives these kernels.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from picc.codegen_cpu import (  # noqa: E402
     SYNC_BYTES,
     Buf,
     Null,
+    Param,
     Program,
     ThreadTeam,
     aligned_zeros,
@@ -54,7 +62,8 @@ from picc.codegen_cpu import (  # noqa: E402
     effective_simd,
     rowplanes,
 )
-from picc.codegen_cpu.kernels_dense import gemv  # noqa: E402
+from picc.codegen_cpu.kernels_batch import dense_ffn_rows, dense_ffn_rows_scratch_bytes, gemv_rows  # noqa: E402
+from picc.codegen_cpu.kernels_dense import dense_ffn, gemv  # noqa: E402
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
 from picc.codegen_cpu.rows8 import to_rows8  # noqa: E402
 from picc.codegen_cpu.threads import huge_zeros  # noqa: E402
@@ -223,12 +232,95 @@ def dense_gemv_rates(hidden: int, n: int, dtype: str, threads: list[int], reps: 
     return rates
 
 
+# (label, rows, k, dtype, rows8 with int16 x): the decode GEMVs of SmolLM2-135M as select-kernels
+# picks them (q4_1 in the rows8 layout with int16 x; the q8_0 head rows one at a time with float x),
+# and a 7B-like layer's down projection; "ffn": SmolLM2's dense FFN (swiglu, up / gate [1536, 576]).
+BATCHED_CASES = (("SmolLM2 q/o", 576, 576, "q4_1", True), ("SmolLM2 up", 1536, 576, "q4_1", True),
+                 ("SmolLM2 down", 576, 1536, "q4_1", True), ("SmolLM2 head", 49152, 576, "q8_0", False),
+                 ("7B down", 4096, 11008, "q4_1", True), ("SmolLM2 ffn", 1536, 576, "q4_1", True))
+
+
+def _matrix(rng: np.random.Generator, rows: int, k: int, dtype: str, rows8: bool) -> np.ndarray:
+    raw = quant.quantize(rng.normal(0, k**-0.5, size=(rows, k)).astype(np.float32), dtype).reshape(-1).view(np.uint8)
+    return to_rows8(raw, dtype, (rows, k)).reshape(-1) if rows8 else raw
+
+
+def batched_times(case: tuple, threads: int, batches: list[int], reps: int,
+                  rng: np.random.Generator) -> tuple[dict[int | None, float], int]:
+    """Median seconds per call by batch (None: the one-row kernel), and the bytes of weights a
+    call reads. Each configuration is one compiled step that calls its kernel on every copy of
+    the weights in turn (``repeat``), so they come from memory as in a real decode step."""
+    label, rows, k, dtype, rows8 = case
+    ffn = label.endswith("ffn")
+    mats = ([_matrix(rng, rows, k, dtype, rows8) for _ in range(2)] + [_matrix(rng, k, rows, dtype, rows8)] if ffn
+            else [_matrix(rng, rows, k, dtype, rows8)])
+    unit = sum(m.nbytes for m in mats)
+    count = max(1, WORKING_SET // unit)
+    data = huge_zeros(count * unit)
+    flat = np.concatenate(mats)
+    for i in range(count):
+        data[i * unit : (i + 1) * unit] = flat
+    most = max(batches)
+    xw, yw = (k, k) if ffn else (k, rows)  # floats of an x row and of a y row
+    x = rng.normal(size=most * xw).astype(np.float32)
+    scratch = aligned_zeros(dense_ffn_rows_scratch_bytes(rows, most))
+    buffers = [aligned_zeros(SYNC_BYTES), np.array([count], np.int32), x, aligned_zeros(4 * most * yw), data, scratch]
+    weights = [Buf(4, sum(m.nbytes for m in mats[:i]), unit) for i in range(len(mats))]
+    progs = {}
+    for batch in [None, *batches]:
+        prog = Program(f"batched_{batch or 'single'}", sync=0)
+        tail = () if batch is None else (batch, 4 * xw, 4 * yw)
+        if ffn:
+            kernel = (dense_ffn if batch is None else dense_ffn_rows)("swiglu", dtype, dtype, dtype, True, rows8)
+            prog.call(kernel, Buf(2), *weights, Null(), Null(), Null(), Buf(3), Buf(5), rows, k, 0, *tail,
+                      repeat=Param(1, 0))
+        else:
+            kernel = (gemv if batch is None else gemv_rows)(dtype, rows8, rows8)
+            prog.call(kernel, weights[0], Buf(2), Null(), Buf(3), rows, k, 0, *tail, repeat=Param(1, 0))
+        progs[batch] = prog
+    module = compile_kernels([], list(progs.values()))
+    steps = {b: module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]) for b, p in progs.items()}
+    table = buffer_table(buffers)
+    times: dict[int | None, list[float]] = {b: [] for b in steps}
+    with ThreadTeam(threads) as team:
+        for rep in range(reps + 1):  # every configuration once a round (see bench_kernel); round 0 warms up
+            for batch, step in steps.items():
+                start = time.perf_counter()
+                team.run_each(lambda tid, step=step: step(ctypes.addressof(table), tid, threads))
+                if rep:
+                    times[batch].append(time.perf_counter() - start)
+    return {b: statistics.median(t) / count for b, t in times.items()}, unit
+
+
+def batched_main(args: argparse.Namespace) -> None:
+    """The ``--batched`` table: the batched kernels against the one-row kernels, per batch size."""
+    batches = [int(b) for b in args.batches.split(",")]
+    rng = np.random.default_rng(0)
+    print(f"{'kernel':>13} {'shape':>11} {'dtype':>10} {'thr':>3} {'batch':>6} {'us/call':>8} {'GB/s':>6} "
+          f"{'rows/s vs 1-row':>15}")
+    for threads in (int(t) for t in args.threads.split(",")):
+        for case in BATCHED_CASES:
+            label, rows, k, dtype, rows8 = case
+            times, unit = batched_times(case, threads, batches, args.reps, rng)
+            kind = dtype + ("_r8_xi16" if rows8 else "")
+            for batch, secs in times.items():
+                ratio = (batch or 1) * times[None] / secs
+                print(f"{label:>13} {rows:>5}x{k:<5} {kind:>10} {threads:>3} {batch or '1-row':>6} {secs * 1e6:>8.1f} "
+                      f"{unit / secs / 1e9:>6.1f} {ratio:>14.2f}x")
+    print()
+    print("shape: rows x k of the GEMV (ffn: n_ff x hidden of up and gate; down is its transpose); batch 1-row:")
+    print("the one-row kernel (kernels_dense). GB/s: weights read per second (read once per call, whatever the")
+    print("batch); rows/s vs 1-row: (batch / time) / (1 / the one-row kernel's time).")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--shapes", default="small,large")
     parser.add_argument("--dtypes", default="f16,q4_0,f32")
+    parser.add_argument("--batched", action="store_true", help="time the batched decode kernels instead")
+    parser.add_argument("--batches", default="1,2,4,8", help="batch sizes of --batched")
     parser.add_argument("--numpy-only", help=argparse.SUPPRESS)  # internal: one numpy baseline
     args = parser.parse_args()
     if args.numpy_only:
@@ -240,6 +332,12 @@ def main() -> None:
     print(f"machine: {host_cpu_name()}, {host_cores()} cores, {platform.machine()}, "
           f"kernels for {effective_simd('host')} (llvmlite {llvmlite.__version__}, LLVM "
           f"{'.'.join(map(str, llvm.llvm_version_info))}), numpy {np.__version__}")
+    if args.batched:
+        print(f"batched decode kernels, medians of {args.reps} runs, weights from memory (copies over "
+              f"{WORKING_SET / 2**30:.0f} GiB)")
+        print()
+        batched_main(args)
+        return
     bandwidths = [measure_memory_bandwidth()]
     print(f"read bandwidth (every core streaming, picc.targets): {bandwidths[0] / 1e9:.1f} GB/s")
     print(f"VNNI: the host has {host_vnni()}; picc's kernels do not use it (int16 x dots 4-bit rows with "

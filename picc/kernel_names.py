@@ -135,6 +135,20 @@ def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, int_dots: boo
     return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}{rows8_part}{_int_suffix(int_dots, up, gate, down)}"
 
 
+BATCHED_SUFFIX = "_rows"  # (last) the kernel's batched twin: several sequences' x rows, one read of the weights
+
+
+def cpu_gemv_rows(dtype: str, int_dots: bool = False, rows8: bool = False) -> str:
+    """The batched twin of :func:`cpu_gemv`: ``batch`` x rows, each the bits of the one-row kernel."""
+    return cpu_gemv(dtype, int_dots, rows8) + BATCHED_SUFFIX
+
+
+def cpu_dense_ffn_rows(form: str, up: str, gate: str | None, down: str, int_dots: bool = False,
+                       rows8: bool = False) -> str:
+    """The batched twin of :func:`cpu_dense_ffn`."""
+    return cpu_dense_ffn(form, up, gate, down, int_dots, rows8) + BATCHED_SUFFIX
+
+
 # --- GPU: one TVM kernel per operation, shape and weight format -----------------------------------
 
 

@@ -70,23 +70,42 @@ def emit_int_x(fn: Fn, x: str, k: str, dtypes: set[str], rows8: bool = False) ->
     layout), in stack arrays, or None when no row is 4-bit. Rounding moves each element by at most
     half a step, 2^-16 of its block's largest |x|. Call it outside loops (the arrays are allocated
     where it is called)."""
+    if not dtypes & {"q4_0", "q4_1"}:
+        return None
+    nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
+    out = alloc_int_x(fn, nblocks, dtypes, rows8)
+    assert out is not None
+    fill_int_x(fn, x, nblocks, out)
+    return out
+
+
+def alloc_int_x(fn: Fn, nblocks: str, dtypes: set[str], rows8: bool = False) -> IntX | None:
+    """Stack arrays of an :class:`IntX` of ``nblocks`` (i64) blocks, for rows of ``dtypes``
+    (None when no row is 4-bit): apart from :func:`fill_int_x` so that a batched kernel can hold
+    several x's forms one after another (``INT_X_BLOCK_BYTES``: each array's bytes per block)."""
     need_q4_0, need_q4_1 = "q4_0" in dtypes, "q4_1" in dtypes
     if not (need_q4_0 or need_q4_1):
         return None
-    i16, i32 = vec(16, "i16"), vec(16, "i32")
-    nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
     scale = fn.alloca_array(F32, nblocks, "xs")
     if rows8:
-        out = IntX(scale, split=fn.alloca_array(vec(64, "i8"), nblocks, "xsplit"),
-                   isums=fn.alloca_array("i32", nblocks, "xis") if need_q4_0 else None,
-                   sums=fn.alloca_array(F32, nblocks, "xsum") if need_q4_1 else None)
-    else:
-        out = IntX(scale, fn.alloca_array(vec(32, "i16"), nblocks, "xi"),
-                   offsets=fn.alloca_array(vec(8, "i32"), nblocks, "xoff") if need_q4_0 else None,
-                   folded=fn.alloca_array(V8, nblocks, "xfold") if need_q4_1 else None)
+        return IntX(scale, split=fn.alloca_array(vec(64, "i8"), nblocks, "xsplit"),
+                    isums=fn.alloca_array("i32", nblocks, "xis") if need_q4_0 else None,
+                    sums=fn.alloca_array(F32, nblocks, "xsum") if need_q4_1 else None)
+    return IntX(scale, fn.alloca_array(vec(32, "i16"), nblocks, "xi"),
+                offsets=fn.alloca_array(vec(8, "i32"), nblocks, "xoff") if need_q4_0 else None,
+                folded=fn.alloca_array(V8, nblocks, "xfold") if need_q4_1 else None)
+
+
+INT_X_BLOCK_BYTES = {"scale": 4, "q": 64, "offsets": 32, "folded": 32, "split": 64, "isums": 4, "sums": 4}
+"""Bytes per block of each array of an :class:`IntX` (as :func:`alloc_int_x` allocates them)."""
+
+
+def fill_int_x(fn: Fn, x: str, nblocks: str, out: IntX) -> None:
+    """Round ``x`` (``nblocks`` (i64) blocks of 32 floats) into the arrays of ``out``."""
+    i16, i32 = vec(16, "i16"), vec(16, "i32")
     with fn.loop("0", nblocks, "1", "b") as b:
         s, qs = _int16_block(fn, fn.at(x, 4 * BLOCK, b, "xp"))
-        fn.store(F32, s, fn.at(scale, 4, b), 4)
+        fn.store(F32, s, fn.at(out.scale, 4, b), 4)
         if out.q:
             qp = fn.at(out.q, 64, b, "qp")
             for h, qh in enumerate(qs):
@@ -114,7 +133,6 @@ def emit_int_x(fn: Fn, x: str, k: str, dtypes: set[str], rows8: bool = False) ->
             if out.sums:
                 fn.store(F32, fn.v(f"fmul float {fn.v(f'sitofp i32 {total} to float', 'xtf')}, {s}", "xsum"),
                          fn.at(out.sums, 4, b), 4)
-    return out
 
 
 def emit_round_int16(fn: Fn, x: str, out: str, lo: str, hi: str) -> None:

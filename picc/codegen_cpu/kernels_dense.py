@@ -17,6 +17,7 @@ from picc.codegen_cpu.rowformats import check_dtype, emit_row_bytes, emit_row_to
 from picc.codegen_cpu.rowops import emit_tiled_rows
 from picc.codegen_cpu.rows8 import ScaledX, emit_group_bytes, emit_rows8, emit_rows8_row_to_f32, emit_scaled_x
 from picc.errors import PiccError
+from picc.ir.ops import FfnForm
 
 GEMV_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("rows", "i32"), ("k", "i32"),
                ("accumulate", "i32"))
@@ -28,8 +29,9 @@ _TILE = 4  # prefill rows that share each loaded weight vector
 _ROW_PAIR = 2  # weight rows that share each loaded prefill row (see dot_grid)
 
 
-def _finish(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
-    """``out = (accumulate ? out : 0) + (value + bias[r])`` with a null ``bias`` meaning none."""
+def finish_row(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
+    """``out = (accumulate ? out : 0) + (value + bias[r])`` with a null ``bias`` meaning none
+    (shared with the batched twins, :mod:`picc.codegen_cpu.kernels_batch`: the same bits)."""
     total = fn.var(F32, value, "y")
     with fn.if_(fn.v(f"icmp ne ptr {bias}, null", "hasb")):
         total.set(fn.v(f"fadd float {total.get()}, {fn.load(F32, fn.at(bias, 4, r), 4, 'b')}", "yb"))
@@ -38,7 +40,7 @@ def _finish(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
     fn.store(F32, total.get(), out, 4)
 
 
-def _check_rows8(rows8: bool, *dtypes: str) -> None:
+def check_rows8(rows8: bool, *dtypes: str) -> None:
     if rows8 and not set(dtypes) <= names.INT_DOT_DTYPES:
         raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 matrices, not {', '.join(dtypes)}")
 
@@ -59,7 +61,7 @@ def gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel:
     with ``rows8``, a 4-bit W is in the rows8 layout (rows a multiple of 8), read eight rows at a
     time (``rows8.emit_rows8``) and threads split its groups of rows."""
     check_dtype(dtype)
-    _check_rows8(rows8, dtype)
+    check_rows8(rows8, dtype)
     symbol = names.cpu_gemv(dtype, int_dots, rows8)
 
     def emit(simd: str) -> str:
@@ -67,7 +69,7 @@ def gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel:
         rows, k = fn.sext("%rows"), fn.sext("%k")
 
         def finish(r: str, dots: list[str]) -> None:
-            _finish(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp"))
+            finish_row(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp"))
 
         if rows8:
             xr = _rows8_x(fn, "%x", k, {dtype}, int_dots)
@@ -92,6 +94,16 @@ def dense_ffn_scratch_bytes(n: int) -> int:
     return 4 * n
 
 
+def store_h(fn: Fn, spec: FfnForm, r: str, dots: list[str], h: str) -> None:
+    """``h[r]`` of the form from neuron ``r``'s up (and gate) dot products ``dots`` and the
+    ``%up_bias`` (``%gate_bias``): phase 1 of :func:`dense_ffn`, shared with its batched twin
+    (:mod:`picc.codegen_cpu.kernels_batch`) so that the two compute the same bits."""
+    u = plus_bias(fn, dots[0], "%up_bias", r)
+    a = (fn.v(f"call float @picc_act_{spec.act}(float {plus_bias(fn, dots[1], '%gate_bias', r)})", "a")
+         if spec.gated else None)
+    fn.store(F32, emit_h(fn, spec, a, u), fn.at(h, 4, r), 4)
+
+
 @cache
 def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, int_dots: bool = False,
               rows8: bool = False) -> Kernel:
@@ -105,9 +117,8 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
     spec = gated_form(form, gate_dtype)
     for d in (up_dtype, gate_dtype or "f32", down_dtype):
         check_dtype(d)
-    _check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype)
+    check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype)
     symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype, int_dots, rows8)
-    act = f"@picc_act_{spec.act}"
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, DENSE_FFN_PARAMS)
@@ -118,12 +129,10 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
             mats.append((gate_dtype, "%gate", emit_row_bytes(fn, gate_dtype, hidden)))
 
         def h(r: str, dots: list[str]) -> None:
-            u = plus_bias(fn, dots[0], "%up_bias", r)
-            a = fn.v(f"call float {act}(float {plus_bias(fn, dots[1], '%gate_bias', r)})", "a") if spec.gated else None
-            fn.store(F32, emit_h(fn, spec, a, u), fn.at("%scratch", 4, r), 4)
+            store_h(fn, spec, r, dots, "%scratch")
 
         def out(r: str, dots: list[str]) -> None:
-            _finish(fn, dots[0], "%down_bias", r, fn.at("%y", 4, r, "yp"))
+            finish_row(fn, dots[0], "%down_bias", r, fn.at("%y", 4, r, "yp"))
 
         if rows8:
             intx = _rows8_x(fn, "%x", hidden, {up_dtype, gate_dtype or up_dtype}, int_dots)
@@ -182,7 +191,7 @@ def gemm(dtype: str, rows8: bool = False) -> Kernel:
     the same floats.
     """
     check_dtype(dtype)
-    _check_rows8(rows8, dtype)
+    check_rows8(rows8, dtype)
     symbol = names.cpu_gemm(dtype, rows8)
 
     def emit(simd: str) -> str:
@@ -213,7 +222,7 @@ def gemm(dtype: str, rows8: bool = False) -> Kernel:
                 for r, row_dots in zip(rs, dots, strict=True):
                     for i, d in zip(idx, row_dots, strict=True):
                         out = fn.gep(fn.gep("%y", fn.v(f"mul i64 {i}, {yrow}", "yo")), fn.v(f"shl i64 {r}, 2", "rc"))
-                        _finish(fn, d, "%bias", r, out)
+                        finish_row(fn, d, "%bias", r, out)
 
             with fn.loop("0", tiles, str(_TILE), "s") as s:
                 idx = [s] + [fn.v(f"add i64 {s}, {t}", "st") for t in range(1, _TILE)]

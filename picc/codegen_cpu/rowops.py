@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from picc.codegen_cpu.int16x import IntX, emit_int_x, emit_round_int16, int_dot_block
-from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
+from picc.codegen_cpu.irtext import F32, Fn, Var, fconst, vconst, vec
 from picc.codegen_cpu.rowformats import (
     BLOCK,
     BLOCK_BYTES,
@@ -52,10 +52,11 @@ from picc.errors import PiccError
 
 # Defined here, and (re-exported) the names other modules have imported from here.
 __all__ = [
-    "BLOCK", "BLOCK_BYTES", "ELEMENT_BYTES", "NIBBLE_DTYPES", "V16", "Block", "IntX", "Prefetch", "XSums",
-    "check_dtype", "dequantized", "emit_add_block_consts", "emit_axpys", "emit_dots", "emit_int_x",
-    "emit_round_int16", "emit_row_bytes", "emit_row_to_f32", "emit_tiled_rows", "emit_x_sums", "nibble_value_floats",
-    "prefetch_block", "row_bytes", "zero_floats",
+    "BLOCK", "BLOCK_BYTES", "ELEMENT_BYTES", "NIBBLE_DTYPES", "V16", "X_SUMS_BLOCK_BYTES", "Block", "IntX", "Prefetch",
+    "TileDots", "XForms", "XSums", "alloc_x_sums", "check_dtype", "dequantized", "emit_add_block_consts", "emit_axpys",
+    "emit_dots", "emit_dots_xs", "emit_int_x", "emit_round_int16", "emit_row_bytes", "emit_row_to_f32",
+    "emit_tiled_rows", "emit_x_sums", "fill_x_sums", "nibble_value_floats", "prefetch_block", "row_bytes",
+    "walk_row_tiles", "zero_floats",
 ]
 
 
@@ -74,20 +75,39 @@ class XSums:
 def emit_x_sums(fn: Fn, x: str, k: str, dtypes: set[str]) -> XSums | None:
     """The :class:`XSums` of ``x`` (k elements, i64) that rows of ``dtypes`` need, in stack arrays,
     or None when none do. Call it outside loops: the arrays are allocated where it is called."""
+    if not dtypes & NIBBLE_DTYPES:
+        return None
+    nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
+    out = alloc_x_sums(fn, nblocks, dtypes)
+    assert out is not None
+    fill_x_sums(fn, x, nblocks, out)
+    return out
+
+
+X_SUMS_BLOCK_BYTES = {"offsets": 64, "folded": 32}
+"""Bytes per block of each array of an :class:`XSums` (as :func:`alloc_x_sums` allocates them)."""
+
+
+def alloc_x_sums(fn: Fn, nblocks: str, dtypes: set[str]) -> XSums | None:
+    """Stack arrays of an :class:`XSums` of ``nblocks`` (i64) blocks for rows of ``dtypes`` (None
+    when none need them): apart from :func:`fill_x_sums` so that a batched kernel can hold
+    several x's sums one after another."""
     need_off, need_fold = "q4_0" in dtypes, "q4_1" in dtypes
     if not (need_off or need_fold):
         return None
-    nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
-    off = fn.alloca_array(V16, nblocks, "xoff") if need_off else None
-    fold = fn.alloca_array(V8, nblocks, "xfold") if need_fold else None
+    return XSums(fn.alloca_array(V16, nblocks, "xoff") if need_off else None,
+                 fn.alloca_array(V8, nblocks, "xfold") if need_fold else None)
+
+
+def fill_x_sums(fn: Fn, x: str, nblocks: str, out: XSums) -> None:
+    """The sums of ``x`` (``nblocks`` (i64) blocks of 32 floats) into the arrays of ``out``."""
     with fn.loop("0", nblocks, "1", "b") as b:
         xp = fn.at(x, 4 * BLOCK, b, "xp")
         xsum = fn.v(f"fadd {V16} {fn.load(V16, xp, 4, 'xlo')}, {fn.load(V16, fn.gep(xp, '64'), 4, 'xhi')}", "xs")
-        if off:
-            fn.store(V16, fn.v(f"fmul {V16} {xsum}, {vconst(16, fconst(-8.0))}", "xo"), fn.at(off, 64, b), 64)
-        if fold:
-            fn.store(V8, fold8(fn, xsum), fn.at(fold, 32, b), 32)
-    return XSums(off, fold)
+        if out.offsets:
+            fn.store(V16, fn.v(f"fmul {V16} {xsum}, {vconst(16, fconst(-8.0))}", "xo"), fn.at(out.offsets, 64, b), 64)
+        if out.folded:
+            fn.store(V8, fold8(fn, xsum), fn.at(out.folded, 32, b), 32)
 
 
 def _prefetch_group(prefetch: list[tuple[str, str]] | None) -> int:
@@ -154,52 +174,85 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
     int16, :func:`emit_int_x`) the 4-bit rows take the integer path instead (``int_dot_block``);
     their x sums then come from ``intx``.
     """
+    return emit_dots_xs(fn, rows, [(x, xsums, intx)], k, simd, prefetch)[0]
+
+
+XForms = tuple[str, XSums | None, IntX | None]
+"""An x as :func:`emit_dots_xs` reads it: the floats, and their sums or int16 form (or None)."""
+
+
+def emit_dots_xs(fn: Fn, rows: list[tuple[str, str]], xs: list[XForms], k: str, simd: str,
+                 prefetch: Prefetch | None = None) -> list[list[str]]:
+    """:func:`emit_dots` of each x of ``xs`` (a list per x) in one pass over the rows' blocks: a
+    batched kernel's x rows share each block's loads and conversion to floats (the int16 path
+    emits its unpacking per x; LLVM merges the identical instructions), while each x's sum is
+    the one-x function's, operation for operation."""
     need = {dtype for dtype, _ in rows} & NIBBLE_DTYPES
-    if intx is not None:
-        if ("q4_0" in need and not intx.offsets) or ("q4_1" in need and not intx.folded):
-            raise PiccError(f"codegen_cpu: integer dot products of {sorted(need)} rows need x's int16 form for them")
-    elif need and (xsums is None or ("q4_0" in need and not xsums.offsets) or ("q4_1" in need and not xsums.folded)):
-        raise PiccError(f"codegen_cpu: dot products of {sorted(need)} rows need x's sums (emit_x_sums)")
+    for _, xsums, intx in xs:
+        if intx is not None:
+            if ("q4_0" in need and not intx.offsets) or ("q4_1" in need and not intx.folded):
+                raise PiccError(f"codegen_cpu: integer dot products of {sorted(need)} rows need x's int16 form "
+                                "for them")
+        elif need and (xsums is None or ("q4_0" in need and not xsums.offsets)
+                       or ("q4_1" in need and not xsums.folded)):
+            raise PiccError(f"codegen_cpu: dot products of {sorted(need)} rows need x's sums (emit_x_sums)")
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
-    lanes = [16 if dtype == "f32" else 8 for dtype, _ in rows]  # each row's accumulator (see above)
-    accs = [fn.var(vec(n), "zeroinitializer", "acc") for n in lanes]
+    lanes = [16 if dtype == "f32" else 8 for dtype, _ in rows]  # each row's accumulator (see emit_dots)
+    accs = [[fn.var(vec(n), "zeroinitializer", "acc") for n in lanes] for _ in xs]
 
     def block(b: str) -> None:
-        xp = fn.at(x, 4 * BLOCK, b, "xp")
-        xlo, xhi = fn.load(V16, xp, 4, "xlo"), fn.load(V16, fn.gep(xp, "64"), 4, "xhi")
-        xscale = fn.load(F32, fn.at(intx.scale, 4, b), 4, "xsc") if intx is not None and need else None
-        for (dtype, row), acc in zip(rows, accs, strict=True):
-            if intx is not None and xscale is not None and dtype in NIBBLE_DTYPES:
-                acc.set(int_dot_block(fn, dtype, row, b, intx, xscale, acc.get("acc")))
-                continue
-            blk = load_block(fn, dtype, row, b, simd, q4_0_raw=True)
-            if dtype == "f32":
-                acc.set(fn.fma(V16, blk.hi, xhi, fn.fma(V16, blk.lo, xlo, acc.get("acc"))))
-                continue
-            if blk.d is None:  # f16
-                t = fn.fma(V16, blk.hi, xhi, fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t"), "t")
-                acc.set(fn.v(f"fadd {V8} {acc.get('acc')}, {fold8(fn, t)}", "acc"))
-                continue
-            if dtype == "q4_0":
-                start = fn.fma(V16, blk.lo, xlo, fn.load(V16, fn.at(xsums.offsets, 64, b), 64, "xo"), "t")
-            else:
-                start = fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t")
-            t8 = fold8(fn, fn.fma(V16, blk.hi, xhi, start, "t"))
-            value = fn.fma(V8, t8, fn.splat(8, blk.d), acc.get("acc"))
-            if blk.m is not None:
-                value = fn.fma(V8, fn.load(V8, fn.at(xsums.folded, 32, b), 32, "xf"), fn.splat(8, blk.m), value)
-            acc.set(value)
+        loaded = []
+        for x, _, intx in xs:
+            xp = fn.at(x, 4 * BLOCK, b, "xp")
+            xlo, xhi = fn.load(V16, xp, 4, "xlo"), fn.load(V16, fn.gep(xp, "64"), 4, "xhi")
+            loaded.append((xlo, xhi, fn.load(F32, fn.at(intx.scale, 4, b), 4, "xsc")
+                           if intx is not None and need else None))
+        for i, (dtype, row) in enumerate(rows):
+            blk: Block | None = None
+            for (_, xsums, intx), (xlo, xhi, xscale), acc_x in zip(xs, loaded, accs, strict=True):
+                acc = acc_x[i]
+                if intx is not None and xscale is not None and dtype in NIBBLE_DTYPES:
+                    acc.set(int_dot_block(fn, dtype, row, b, intx, xscale, acc.get("acc")))
+                    continue
+                if blk is None:
+                    blk = load_block(fn, dtype, row, b, simd, q4_0_raw=True)
+                acc.set(_float_dot_block(fn, dtype, blk, xlo, xhi, xsums, b, acc))
 
     _blocks_with_prefetch(fn, nblocks, prefetch, block)
-    sums = []
-    for (dtype, row), acc, n in zip(rows, accs, lanes, strict=True):
-        total = fn.var(F32, fn.hsum(n, acc.get("acc")), "dot")
-        if not is_blocked(dtype):
-            with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
-                xj = fn.load(F32, fn.at(x, 4, j), 4, "xj")
-                total.set(fn.fma(F32, load_element(fn, dtype, row, j), xj, total.get("dot")))
-        sums.append(total)
-    return [s.get("dot") for s in sums]
+    out = []
+    for (x, _, _), acc_x in zip(xs, accs, strict=True):
+        sums = []
+        for (dtype, row), acc, n in zip(rows, acc_x, lanes, strict=True):
+            total = fn.var(F32, fn.hsum(n, acc.get("acc")), "dot")
+            if not is_blocked(dtype):
+                with fn.loop(fn.v(f"shl i64 {nblocks}, 5", "tail"), k, "1", "j") as j:
+                    xj = fn.load(F32, fn.at(x, 4, j), 4, "xj")
+                    total.set(fn.fma(F32, load_element(fn, dtype, row, j), xj, total.get("dot")))
+            sums.append(total)
+        out.append([s.get("dot") for s in sums])
+    return out
+
+
+def _float_dot_block(fn: Fn, dtype: str, blk: Block, xlo: str, xhi: str, xsums: XSums | None, b: str,
+                     acc: Var) -> str:
+    """``acc`` plus block ``b`` of a row (``blk``) dotted with x's block (``xlo``, ``xhi``), as
+    :func:`emit_dots` describes per format."""
+    if dtype == "f32":
+        return fn.fma(V16, blk.hi, xhi, fn.fma(V16, blk.lo, xlo, acc.get("acc")))
+    if blk.d is None:  # f16
+        t = fn.fma(V16, blk.hi, xhi, fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t"), "t")
+        return fn.v(f"fadd {V8} {acc.get('acc')}, {fold8(fn, t)}", "acc")
+    if dtype == "q4_0":
+        assert xsums is not None and xsums.offsets is not None
+        start = fn.fma(V16, blk.lo, xlo, fn.load(V16, fn.at(xsums.offsets, 64, b), 64, "xo"), "t")
+    else:
+        start = fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t")
+    t8 = fold8(fn, fn.fma(V16, blk.hi, xhi, start, "t"))
+    value = fn.fma(V8, t8, fn.splat(8, blk.d), acc.get("acc"))
+    if blk.m is not None:
+        assert xsums is not None and xsums.folded is not None
+        value = fn.fma(V8, fn.load(V8, fn.at(xsums.folded, 32, b), 32, "xf"), fn.splat(8, blk.m), value)
+    return value
 
 
 def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: str,
@@ -285,16 +338,34 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
         intx = emit_int_x(fn, x, k, dtypes)
     if xsums is None and intx is None:
         xsums = emit_x_sums(fn, x, k, dtypes)
+
+    def tile_dots(rows: list[tuple[str, str]], idx: list[str], ahead: Prefetch | None) -> None:
+        dots = emit_dots(fn, rows, x, k, simd, ahead, xsums, intx)
+        for t, i in enumerate(idx):
+            consume(i, [dots[m * len(idx) + t] for m in range(len(mats))])
+
+    walk_row_tiles(fn, mats, lo, hi, tile_dots)
+
+
+TileDots = Callable[[list[tuple[str, str]], list[str], Prefetch | None], None]
+"""What :func:`walk_row_tiles` does with a tile: ``(rows, idx, ahead)``, the tile's rows
+``(dtype, row pointer)`` matrix by matrix (``len(idx)`` of each), their row numbers, and the
+rows to prefetch while reading them (or None)."""
+
+
+def walk_row_tiles(fn: Fn, mats: list[tuple[str, str, str]], lo: str, hi: str, tile_dots: TileDots) -> None:
+    """The tiles of rows [lo, hi) (i64) of the matrices ``(dtype, base, row_bytes)`` that
+    :func:`emit_tiled_rows` computes together, each handed to ``tile_dots``: the walk apart from
+    the dot products so that a batched GEMV can dot each tile with several x's while it is in
+    cache."""
+    dtypes = {dtype for dtype, _, _ in mats}
     tile = max(1, _ROWS // len(mats))
 
     def row(base: str, rowb: str, r: str) -> str:
         return fn.gep(base, fn.v(f"mul i64 {r}, {rowb}", "roff"), "row")
 
     def rows_of_tile(idx: list[str], ahead: Prefetch | None) -> None:
-        rows = [(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx]
-        dots = emit_dots(fn, rows, x, k, simd, ahead, xsums, intx)
-        for t, i in enumerate(idx):
-            consume(i, [dots[m * len(idx) + t] for m in range(len(mats))])
+        tile_dots([(dtype, row(base, rowb, i)) for dtype, base, rowb in mats for i in idx], idx, ahead)
 
     def rows_in_tiles(tile: int) -> None:
         nrows = fn.v(f"sub i64 {hi}, {lo}", "nr")

@@ -153,16 +153,31 @@ def emit_scaled_x(fn: Fn, x: str, k: str) -> ScaledX:
     """:class:`ScaledX` of the float ``x`` (k elements, i64), in stack arrays. The scalings are
     powers of two: exact (for |x| above 2^-98, where x 2^-28 would be denormal)."""
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
-    values = fn.alloca_array(F32, k, "xsc")
-    sums = fn.alloca_array(F32, nblocks, "xsum")
+    out = alloc_scaled_x(fn, nblocks, k)
+    fill_scaled_x(fn, x, nblocks, out)
+    return out
+
+
+SCALED_X_BLOCK_BYTES = {"values": 4 * BLOCK, "sums": 4}
+"""Bytes per block of each array of a :class:`ScaledX` (as :func:`alloc_scaled_x` allocates them)."""
+
+
+def alloc_scaled_x(fn: Fn, nblocks: str, nvalues: str) -> ScaledX:
+    """Stack arrays of a :class:`ScaledX` of ``nblocks`` (i64) blocks, ``nvalues`` = 32 ``nblocks``
+    floats: apart from :func:`fill_scaled_x` so that a batched kernel can hold several x's one
+    after another."""
+    return ScaledX(fn.alloca_array(F32, nvalues, "xsc"), fn.alloca_array(F32, nblocks, "xsum"))
+
+
+def fill_scaled_x(fn: Fn, x: str, nblocks: str, out: ScaledX) -> None:
+    """Scale ``x`` (``nblocks`` (i64) blocks of 32 floats) into the arrays of ``out``."""
     factors = [f"<{', '.join(f'float {fconst(_factor(16 * h + i))}' for i in range(16))}>" for h in (0, 1)]
     with fn.loop("0", nblocks, "1", "b") as b:
-        xp, op = fn.at(x, 4 * BLOCK, b, "xp"), fn.at(values, 4 * BLOCK, b, "op")
+        xp, op = fn.at(x, 4 * BLOCK, b, "xp"), fn.at(out.values, 4 * BLOCK, b, "op")
         halves = [fn.load(V16, fn.gep(xp, str(64 * h)), 4, "x") for h in (0, 1)]
         for h, half in enumerate(halves):
             fn.store(V16, fn.v(f"fmul {V16} {half}, {factors[h]}", "xs"), fn.gep(op, str(64 * h)), 4)
-        fn.store(F32, fn.hsum(16, fn.v(f"fadd {V16} {halves[0]}, {halves[1]}", "xt")), fn.at(sums, 4, b), 4)
-    return ScaledX(values, sums)
+        fn.store(F32, fn.hsum(16, fn.v(f"fadd {V16} {halves[0]}, {halves[1]}", "xt")), fn.at(out.sums, 4, b), 4)
 
 
 _FLOAT_CHAINS = 4  # independent FMA chains per block and matrix (2: 18.9 GB/s, 4: 24.2, 8: 21.4)
@@ -302,14 +317,22 @@ def emit_rows8_dots(fn: Fn, mats: list[tuple[str, str]], x: IntX | ScaledX, k: s
     the int16 x of :func:`int16x.emit_int_x` (made with ``rows8=True``), ``sum_b d s (q . x_q
     (- 8 sum x_q)) (+ m s sum x_q)`` per row; or the float x of :func:`emit_scaled_x`,
     ``sum_b d (q . x (- 8 sum x)) (+ m sum x)``. Blocks in order."""
+    return emit_rows8_dots_xs(fn, mats, [x], k)[0]
+
+
+def emit_rows8_dots_xs(fn: Fn, mats: list[tuple[str, str]], xs: list[IntX | ScaledX], k: str) -> list[list[str]]:
+    """:func:`emit_rows8_dots` of each x of ``xs`` (a list per x), in one pass over the groups'
+    blocks: a batched kernel's x rows share each block's loads (and, LLVM merging the identical
+    instructions, its nibble masks and scales), while each x's sum is the one-x function's,
+    operation for operation."""
     for dtype, _ in mats:
         if dtype not in NIBBLE_DTYPES:
             raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 rows, not {dtype}")
     v8, nblocks = vec(8), fn.v(f"lshr i64 {k}, 5", "nblk")
-    accs = [fn.var(v8, "zeroinitializer", "acc") for _ in mats]
+    accs = [[fn.var(v8, "zeroinitializer", "acc") for _ in mats] for _ in xs]
     with fn.loop("0", nblocks, "1", "b") as b:
-        xb = _x_block(fn, x, b)
-        for (dtype, group), acc in zip(mats, accs, strict=True):
+        xbs = [_x_block(fn, x, b) for x in xs]
+        for m_i, (dtype, group) in enumerate(mats):
             blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
             _prefetch(fn, blk, group_block_bytes(dtype))
             chunks = [fn.load("<8 x i32>", fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, "nib")
@@ -317,8 +340,9 @@ def emit_rows8_dots(fn: Fn, mats: list[tuple[str, str]], x: IntX | ScaledX, k: s
             d = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d")
             m = (fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
                  if dtype == "q4_1" else None)
-            acc.set(_dot_block(fn, dtype, chunks, x, xb, b, d, m, acc.get("acc")))
-    return [acc.get("dots") for acc in accs]
+            for x, xb, acc in zip(xs, xbs, accs, strict=True):
+                acc[m_i].set(_dot_block(fn, dtype, chunks, x, xb, b, d, m, acc[m_i].get("acc")))
+    return [[acc.get("dots") for acc in row] for row in accs]
 
 
 def _int_x_block(fn: Fn, intx: IntX, b: str) -> tuple[list[list[str]], str]:

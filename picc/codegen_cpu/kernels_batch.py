@@ -1,0 +1,293 @@
+"""Batched twins of the dense decode kernels: ``batch`` sequences' x rows against one read of the weights.
+
+A server that decodes B sequences in one step calls these instead of B calls of
+:func:`~picc.codegen_cpu.kernels_dense.gemv` and :func:`~picc.codegen_cpu.kernels_dense.dense_ffn`.
+Each sequence must get the bits of the one-sequence step (greedy output token for token; a sparse
+gate flips on 1e-7), so nothing here computes a row differently:
+
+* each x row is made into the form the dot products read (int16 per block, scaled, or its block
+  sums) by the same emitters, row by row, into stack arrays that hold the batch's forms one after
+  another (``alloc_*`` / ``fill_*`` of :mod:`.int16x`, :mod:`.rows8`, :mod:`.rowops`);
+* threads split the rows exactly as the one-row kernel does (groups of eight, or rows), and each
+  thread walks its groups or tiles of rows (:func:`~picc.codegen_cpu.rowops.walk_row_tiles`) as
+  it does; the batch loop is *inside*: each group or tile is dotted with the x rows a few at a
+  time by the very emitters the one-row kernels go through
+  (:func:`~picc.codegen_cpu.rows8.emit_rows8_dots_xs`, :func:`~picc.codegen_cpu.rowops.emit_dots_xs`;
+  ``emit_rows8_dots`` and ``emit_dots`` are their one-x case, and the one-row kernels' IR is what
+  it was before them, byte for byte). Each x row keeps its own accumulators, fed block by block
+  by the same operations in the same order, and a row's sum is that chain of float operations
+  in the IR's order (no fast-math flags): it cannot depend on the batch, the thread, the x rows
+  beside it or the weight rows beside it;
+* the group's or tile's weights come from memory for the first x rows and from L1 / L2 for the
+  others: the step reads its weights once, not B times. The x rows that go through a group's
+  blocks together share each block's loads, and LLVM merges their identical nibble unpacking
+  and scale conversions: these kernels are bound by their arithmetic on two cores, not by memory
+  (SmolLM2's q4_1 rows8 GEMVs read ~30 GB/s of a 55 GB/s machine), so that is most of the gain.
+
+Parameters: the one-row kernel's, then ``batch`` (>= 1), ``x_stride`` and ``y_stride`` (bytes,
+multiples of 4): row b reads ``x + b x_stride`` and writes ``y + b y_stride``; ``accumulate``
+applies to every row, the bias is shared. The x forms live on each thread's stack, 2 to 4 bytes
+per element of every x row (both phases' for the FFN): keep ``batch * k`` under a million or so
+on the 8 MiB stacks of the runtime's threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from functools import cache
+
+from picc import kernel_names as names
+from picc.codegen_cpu.ffn_emitter import gated_form
+from picc.codegen_cpu.int16x import INT_X_BLOCK_BYTES, IntX, alloc_int_x, fill_int_x
+from picc.codegen_cpu.irtext import Fn, chunk_bounds, vec
+from picc.codegen_cpu.kernel import Kernel, kernel_fn
+from picc.codegen_cpu.kernels_dense import (
+    DENSE_FFN_PARAMS,
+    GEMV_PARAMS,
+    check_rows8,
+    dense_ffn_scratch_bytes,
+    finish_row,
+    store_h,
+)
+from picc.codegen_cpu.rowformats import Prefetch, check_dtype, emit_row_bytes
+from picc.codegen_cpu.rowops import (
+    X_SUMS_BLOCK_BYTES,
+    XSums,
+    alloc_x_sums,
+    emit_dots_xs,
+    fill_x_sums,
+    walk_row_tiles,
+)
+from picc.codegen_cpu.rows8 import (
+    GROUP,
+    SCALED_X_BLOCK_BYTES,
+    ScaledX,
+    alloc_scaled_x,
+    emit_group_bytes,
+    emit_rows8_dots_xs,
+    fill_scaled_x,
+)
+
+BATCH_PARAMS = (("batch", "i32"), ("x_stride", "i32"), ("y_stride", "i32"))
+GEMV_ROWS_PARAMS = GEMV_PARAMS + BATCH_PARAMS
+DENSE_FFN_ROWS_PARAMS = DENSE_FFN_PARAMS + BATCH_PARAMS
+Form = IntX | ScaledX | XSums
+_BLOCK_BYTES: dict[type, dict[str, int]] = {IntX: INT_X_BLOCK_BYTES, ScaledX: SCALED_X_BLOCK_BYTES,
+                                            XSums: X_SUMS_BLOCK_BYTES}
+# x rows that go through a rows8 group's blocks together (divided among its matrices: 2 each for
+# up and gate). Rows per second at batch 8 over the one-row kernel, SmolLM2 1536 x 576 up / 576 x
+# 1536 down, 2 threads, Zen 4: 1 at a time 1.47x / 1.28x, 2 1.64 / 1.50, 4 1.48 / 1.54, 8 1.61 / 1.69
+# (noisy to ~0.1: 4 keeps the accumulators and unpacked nibbles within AVX2's 16 registers).
+_X_TILE = 4
+# x rows that go through a tile of rows one at a time together, by SIMD level: SmolLM2's q8_0
+# head at batch 8, Zen 4, 2 threads: AVX-512 1 at a time 1.33x, 2 1.96x, 4 1.81x; the AVX2 build
+# 1.40x with 1 and 1.39x with 2 (its 16 registers already hold four rows' converted blocks).
+_ROW_X_TILE = {"avx512": 2}
+# What a batch consumer gets: (x row b, weight row r, the row's dot products, one per matrix).
+Consume = Callable[[str, str, list[str]], None]
+
+
+def dense_ffn_rows_scratch_bytes(n: int, batch: int) -> int:
+    """``batch`` rows of :func:`dense_ffn`'s scratch (row b's h at ``b * dense_ffn_scratch_bytes(n)``)."""
+    return batch * dense_ffn_scratch_bytes(n)
+
+
+@dataclass(frozen=True, slots=True)
+class XRows:
+    """The x rows of a batch (``batch`` rows ``stride`` bytes apart from ``x``, ``nblocks`` blocks
+    of 32 floats each) and their forms for the dot products, all rows' in each array of ``form``
+    (row b's at block ``b * nblocks``), or None for formats that read x as it is."""
+
+    x: str
+    stride: str
+    nblocks: str
+    form: Form | None
+
+    def row(self, fn: Fn, b: str) -> tuple[str, Form | None]:
+        """Row ``b``'s x pointer and its form (a view into the batch's arrays)."""
+        x = fn.gep(self.x, fn.v(f"mul i64 {b}, {self.stride}", "xoff"), "xrow")
+        if self.form is None:
+            return x, None
+        first = fn.v(f"mul i64 {b}, {self.nblocks}", "xblk")
+        per_block = _BLOCK_BYTES[type(self.form)]
+        moved = {f.name: fn.at(getattr(self.form, f.name), per_block[f.name], first, "xform")
+                 for f in fields(self.form) if getattr(self.form, f.name) is not None}
+        return x, replace(self.form, **moved)
+
+
+def emit_x_rows(fn: Fn, x: str, stride: str, k: str, batch: str, dtypes: set[str], int_dots: bool,
+                rows8: bool) -> XRows:
+    """Each x row's form as the one-row kernel makes it for rows of ``dtypes``: int16 per block
+    (``int_dots``), scaled (``rows8`` with float x), block sums (4-bit rows with float x) or
+    none. Call it outside loops: the arrays are allocated where it is called."""
+    nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
+    total = fn.v(f"mul i64 {nblocks}, {batch}", "nblkall")
+    form: Form | None
+    if int_dots or rows8:
+        form = alloc_int_x(fn, total, dtypes, rows8) if int_dots else None
+        if form is None and rows8:
+            form = alloc_scaled_x(fn, total, fn.v(f"shl i64 {total}, 5", "nx"))
+    else:
+        form = alloc_x_sums(fn, total, dtypes)
+    rows = XRows(x, stride, nblocks, form)
+    if form is not None:
+        with fn.loop("0", batch, "1", "xb") as b:
+            xb, fb = rows.row(fn, b)
+            if isinstance(fb, IntX):
+                fill_int_x(fn, xb, nblocks, fb)
+            elif isinstance(fb, ScaledX):
+                fill_scaled_x(fn, xb, nblocks, fb)
+            else:
+                assert fb is not None
+                fill_x_sums(fn, xb, nblocks, fb)
+    return rows
+
+
+def _in_x_tiles(fn: Fn, batch: str, most: int, body: Callable[[list[str]], None]) -> None:
+    """``body(bs)`` for tiles ``bs`` of x rows covering [0, batch) (i64) once each, in order:
+    ``most`` (a power of two) rows at a time, then at most one tile of each smaller power of two."""
+    start, size = "0", most
+    while size >= 1:
+        end = batch if size == 1 else fn.v(f"sub i64 {batch}, {fn.v(f'srem i64 {batch}, {size}', 'brem')}", "bend")
+        with fn.loop(start, end, str(size), "b") as b:
+            body([b] + [fn.v(f"add i64 {b}, {t}", "bt") for t in range(1, size)])
+        start, size = end, size // 2
+
+
+def emit_rows8_batch(fn: Fn, mats: list[tuple[str, str, str]], rows: XRows, k: str, batch: str, glo: str,
+                     ghi: str, consume: Consume) -> None:
+    """:func:`~picc.codegen_cpu.rows8.emit_rows8` over a batch: for each group g in [glo, ghi)
+    of the rows8 matrices ``(dtype, base, group_bytes)``, then each x row b, the one-row kernel's
+    dot products of the group's eight rows with row b, handed to ``consume(b, row, dots)``.
+    x rows go ``_X_TILE // len(mats)`` at a time through the group's blocks
+    (:func:`~picc.codegen_cpu.rows8.emit_rows8_dots_xs`), sharing each block's loads and nibbles."""
+    with fn.loop(glo, ghi, "1", "g") as g:
+        groups = [(dtype, fn.gep(base, fn.v(f"mul i64 {g}, {gbytes}", "goff"), "grp")) for dtype, base, gbytes in mats]
+        first = fn.v(f"shl i64 {g}, 3", "r0")
+
+        def tile(bs: list[str]) -> None:
+            forms = [rows.row(fn, b)[1] for b in bs]
+            assert all(isinstance(f, IntX | ScaledX) for f in forms)
+            for b, dots in zip(bs, emit_rows8_dots_xs(fn, groups, forms, k), strict=True):  # type: ignore[arg-type]
+                for lane in range(GROUP):
+                    r = fn.v(f"add i64 {first}, {lane}", "r") if lane else first
+                    consume(b, r, [fn.v(f"extractelement {vec(8)} {d}, i64 {lane}", "dot") for d in dots])
+
+        _in_x_tiles(fn, batch, max(1, _X_TILE // len(mats)), tile)
+
+
+def emit_tiled_batch(fn: Fn, mats: list[tuple[str, str, str]], rows: XRows, k: str, batch: str, lo: str, hi: str,
+                     simd: str, consume: Consume) -> None:
+    """:func:`~picc.codegen_cpu.rowops.emit_tiled_rows` over a batch: the same tiles of rows
+    [lo, hi), each dotted with every x row by the one-row kernel's dot code, x rows
+    ``_ROW_X_TILE[simd]`` at a time (:func:`~picc.codegen_cpu.rowops.emit_dots_xs`: they share
+    each block's loads and conversion; the tiles ahead are prefetched alongside)."""
+
+    def tile_dots(trows: list[tuple[str, str]], idx: list[str], ahead: Prefetch | None) -> None:
+        def x_tile(bs: list[str]) -> None:
+            xs = []
+            for b in bs:
+                xb, form = rows.row(fn, b)
+                assert not isinstance(form, ScaledX)
+                xs.append((xb, form, None) if isinstance(form, XSums) or form is None else (xb, None, form))
+            for b, dots in zip(bs, emit_dots_xs(fn, trows, xs, k, simd, ahead), strict=True):
+                for t, i in enumerate(idx):
+                    consume(b, i, [dots[m * len(idx) + t] for m in range(len(mats))])
+
+        _in_x_tiles(fn, batch, _ROW_X_TILE.get(simd, 1), x_tile)
+
+    walk_row_tiles(fn, mats, lo, hi, tile_dots)
+
+
+def _strides(fn: Fn) -> tuple[str, str, str]:
+    return fn.sext("%batch", "batch"), fn.sext("%x_stride", "xstride"), fn.sext("%y_stride", "ystride")
+
+
+def _out(fn: Fn, y: str, y_stride: str, b: str, r: str) -> str:
+    """``&y[b][r]``: float ``r`` of output row ``b``."""
+    return fn.at(fn.gep(y, fn.v(f"mul i64 {b}, {y_stride}", "yoff"), "yrow"), 4, r, "yp")
+
+
+@cache
+def gemv_rows(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel:
+    """:func:`~picc.codegen_cpu.kernels_dense.gemv` for ``batch`` x rows: ``y_b[r] = (accumulate ?
+    y_b[r] : 0) + W[r, :] . x_b + bias[r]``, every row the bits of the one-row kernel, the
+    weights read once (see the module docstring)."""
+    check_dtype(dtype)
+    check_rows8(rows8, dtype)
+    symbol = names.cpu_gemv_rows(dtype, int_dots, rows8)
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, GEMV_ROWS_PARAMS)
+        rows, k = fn.sext("%rows"), fn.sext("%k")
+        batch, x_stride, y_stride = _strides(fn)
+        xs = emit_x_rows(fn, "%x", x_stride, k, batch, {dtype}, int_dots, rows8)
+
+        def finish(b: str, r: str, dots: list[str]) -> None:
+            finish_row(fn, dots[0], "%bias", r, _out(fn, "%y", y_stride, b, r))
+
+        tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
+        if rows8:
+            glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {rows}, 3", "groups"), tid, nthreads)
+            emit_rows8_batch(fn, [(dtype, "%w", emit_group_bytes(fn, dtype, k))], xs, k, batch, glo, ghi, finish)
+        else:
+            lo, hi = chunk_bounds(fn, rows, tid, nthreads)
+            emit_tiled_batch(fn, [(dtype, "%w", emit_row_bytes(fn, dtype, k))], xs, k, batch, lo, hi, simd, finish)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, GEMV_ROWS_PARAMS, emit, gemv_rows.__doc__ or "")
+
+
+@cache
+def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, int_dots: bool = False,
+                   rows8: bool = False) -> Kernel:
+    """:func:`~picc.codegen_cpu.kernels_dense.dense_ffn` for ``batch`` x rows, every row the bits
+    of the one-row kernel, each matrix read once. ``scratch`` holds ``batch`` rows of the one-row
+    kernel's (:func:`dense_ffn_rows_scratch_bytes`): phase 1 writes row b's h there, the barrier,
+    then phase 2 dots down with each row's h (rounded per row as the one-row kernel rounds its h)."""
+    spec = gated_form(form, gate_dtype)
+    for d in (up_dtype, gate_dtype or "f32", down_dtype):
+        check_dtype(d)
+    check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype)
+    symbol = names.cpu_dense_ffn_rows(form, up_dtype, gate_dtype, down_dtype, int_dots, rows8)
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, DENSE_FFN_ROWS_PARAMS)
+        n, hidden = fn.sext("%n"), fn.sext("%hidden")
+        tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
+        batch, x_stride, y_stride = _strides(fn)
+        h_stride = fn.v(f"shl i64 {n}, 2", "hstride")
+        mats = [(up_dtype, "%up", emit_row_bytes(fn, up_dtype, hidden))]
+        if gate_dtype is not None:
+            mats.append((gate_dtype, "%gate", emit_row_bytes(fn, gate_dtype, hidden)))
+
+        def h(b: str, r: str, dots: list[str]) -> None:
+            store_h(fn, spec, r, dots, fn.gep("%scratch", fn.v(f"mul i64 {b}, {h_stride}", "hoff"), "hrow"))
+
+        def out(b: str, r: str, dots: list[str]) -> None:
+            finish_row(fn, dots[0], "%down_bias", r, _out(fn, "%y", y_stride, b, r))
+
+        xs = emit_x_rows(fn, "%x", x_stride, hidden, batch, {d for d, _, _ in mats}, int_dots, rows8)
+        if rows8:
+            glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {n}, 3", "groups"), tid, nthreads)
+            emit_rows8_batch(fn, [(d, base, emit_group_bytes(fn, d, hidden)) for d, base, _ in mats], xs, hidden,
+                             batch, glo, ghi, h)
+        else:
+            lo, hi = chunk_bounds(fn, n, tid, nthreads)
+            emit_tiled_batch(fn, mats, xs, hidden, batch, lo, hi, simd, h)
+        fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+        hs = emit_x_rows(fn, "%scratch", h_stride, n, batch, {down_dtype}, int_dots, rows8)
+        if rows8:
+            glo2, ghi2 = chunk_bounds(fn, fn.v(f"lshr i64 {hidden}, 3", "groups"), tid, nthreads)
+            emit_rows8_batch(fn, [(down_dtype, "%down", emit_group_bytes(fn, down_dtype, n))], hs, n, batch,
+                             glo2, ghi2, out)
+        else:
+            lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
+            emit_tiled_batch(fn, [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))], hs, n, batch, lo2, hi2,
+                             simd, out)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, DENSE_FFN_ROWS_PARAMS, emit, dense_ffn_rows.__doc__ or "")

@@ -1,0 +1,263 @@
+"""The batched decode kernels (picc.codegen_cpu.kernels_batch) against the one-row kernels, bit for bit.
+
+A server decoding B sequences in one step must give each the bits of the one-sequence step (a
+greedy token, a sparse gate's decision on 1e-7), so every output row of a batched kernel is
+compared with the one-row kernel's output for that row's x with ``np.array_equal`` on the float32
+bits: on 1, 2 and 3 threads, batches of 1, 3 and 8, ``accumulate`` 0 and 1, with biases, and x
+and y rows strided with padding between them (NaN in x's padding, which a row must not read; a
+sentinel in y's, which it must not write).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+
+import numpy as np
+import pytest
+from test_codegen_cpu_kernels import run, weights
+
+from picc import quant
+from picc.codegen_cpu import aligned_zeros, build_ir, compile_kernels
+from picc.codegen_cpu.compiler import CpuModule
+from picc.codegen_cpu.kernels_batch import (
+    _BLOCK_BYTES,
+    BATCH_PARAMS,
+    dense_ffn_rows,
+    dense_ffn_rows_scratch_bytes,
+    gemv_rows,
+)
+from picc.codegen_cpu.kernels_dense import dense_ffn, dense_ffn_scratch_bytes, gemv
+from picc.codegen_cpu.rows8 import to_rows8
+from runtime.cpu import host_has
+
+THREADS = (1, 2, 3)
+BATCHES = (1, 3, 8)
+X_PAD, Y_PAD = 7, 5  # floats between rows: strides that are no multiple of a vector or a line
+SENTINEL = np.float32(-12345.5)
+
+# (dtype, int16 x, rows8, rows, k): rows8 q4_0 / q4_1 with both x's; rows one at a time in tiles of
+# consecutive rows with prefetches (q4_*, f32, long f16 / q8_0 rows) or in four ranges (short f16 /
+# q8_0 rows); 37 rows: no multiple of 2, 3 or the tile; k = 100: a tail after the blocks.
+GEMV_CASES = [("q4_0", True, True, 40, 128), ("q4_0", False, True, 40, 128), ("q4_1", True, True, 40, 128),
+              ("q4_1", False, True, 40, 128), ("q8_0", False, False, 37, 96), ("q8_0", False, False, 23, 4096),
+              ("f16", False, False, 37, 100), ("f16", False, False, 23, 2048), ("f32", False, False, 37, 100),
+              ("q4_1", False, False, 37, 96), ("q4_1", True, False, 37, 96), ("q4_0", True, False, 37, 96)]
+# (form, up / gate / down dtype, int16 x, rows8): SmolLM2's FFN (swiglu, q4_1, rows8, int16 x) and its
+# neighbours; relu has no gate.
+FFN_CASES = [("swiglu", "q4_1", True, True), ("relu", "q4_1", True, True), ("swiglu", "q4_0", False, True),
+             ("swiglu", "q4_1", False, False), ("relu", "q4_1", False, False), ("swiglu", "q4_1", True, False),
+             ("swiglu", "f32", False, False)]
+FFN_N, FFN_HIDDEN = 128, 96
+
+
+def gemv_kernels(case: tuple) -> tuple:
+    dtype, int_dots, rows8, _, _ = case
+    return gemv(dtype, int_dots, rows8), gemv_rows(dtype, int_dots, rows8)
+
+
+def ffn_kernels(case: tuple) -> tuple:
+    form, dtype, int_dots, rows8 = case
+    gate = None if form == "relu" else dtype
+    return dense_ffn(form, dtype, gate, dtype, int_dots, rows8), dense_ffn_rows(form, dtype, gate, dtype, int_dots, rows8)
+
+
+ALL = [k for case in GEMV_CASES for k in gemv_kernels(case)] + [k for case in FFN_CASES for k in ffn_kernels(case)]
+
+
+@pytest.fixture(scope="module")
+def host():
+    return compile_kernels(ALL, simd="host")
+
+
+def x_rows(rng: np.random.Generator, batch: int, k: int) -> np.ndarray:
+    """``batch`` x rows of ``k`` floats, NaN padding after each; a third of the rows have a block
+    of small values (its own int16 scale), a third an all-zero block. Most blocks stay ordinary,
+    so that a row summed in another order or with another row's rounding gives other bits."""
+    x = np.full((batch, k + X_PAD), np.nan, np.float32)
+    x[:, :k] = rng.normal(size=(batch, k))
+    if k >= 96:
+        x[1::3, 32:64] *= 1e-3
+        x[2::3, 64:96] = 0.0
+    return x
+
+
+def y_rows(rng: np.random.Generator, batch: int, rows: int, accumulate: int) -> np.ndarray:
+    """Output rows: what ``accumulate`` adds to (random), or NaN to be overwritten; sentinel padding."""
+    y = np.full((batch, rows + Y_PAD), SENTINEL, np.float32)
+    y[:, :rows] = rng.normal(size=(batch, rows)) if accumulate else np.nan
+    return y
+
+
+def assert_rows_equal(batched: np.ndarray, single: np.ndarray, rows: int, what: str) -> None:
+    """Every row's floats, bit for bit, and the padding untouched."""
+    for b in range(single.shape[0]):
+        assert np.array_equal(batched[b, :rows].view(np.uint32), single[b].view(np.uint32)), (what, b)
+    assert np.all(batched[:, rows:] == SENTINEL), what
+
+
+def run_gemv_rows(host, team, case, w, x, bias, y, accumulate) -> None:
+    _, _, _, rows, k = case
+    run(host, team, gemv_kernels(case)[1], w, x, bias, y, rows, k, accumulate, x.shape[0], x.strides[0], y.strides[0])
+
+
+def gemv_weights(case: tuple, seed: int) -> np.ndarray:
+    dtype, _, rows8, rows, k = case
+    raw, _ = weights(np.random.default_rng(seed), (rows, k), dtype)
+    return to_rows8(raw, dtype, (rows, k)) if rows8 else raw
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"{c[0]}{'_r8' * c[2]}{'_xi16' * c[1]}_{c[3]}x{c[4]}")
+def test_gemv_rows_are_the_one_row_gemvs_bits(host, teams, case, threads):
+    _, _, _, rows, k = case
+    single = gemv_kernels(case)[0]
+    w = gemv_weights(case, 50)
+    rng = np.random.default_rng(51)
+    bias = rng.normal(size=rows).astype(np.float32)
+    for batch in BATCHES:
+        for accumulate in (0, 1):
+            x, y = x_rows(rng, batch, k), y_rows(rng, batch, rows, accumulate)
+            expected = np.empty((batch, rows), np.float32)
+            for b in range(batch):
+                yb = y[b, :rows].copy()
+                run(host, teams[threads], single, w, np.ascontiguousarray(x[b, :k]), bias, yb, rows, k, accumulate)
+                expected[b] = yb
+            run_gemv_rows(host, teams[threads], case, w, x, bias, y, accumulate)
+            assert_rows_equal(y, expected, rows, (batch, accumulate))
+    # Without a bias (null): still each row's own bits.
+    x, y = x_rows(rng, 3, k), y_rows(rng, 3, rows, 0)
+    run_gemv_rows(host, teams[threads], case, w, x, None, y, 0)
+    for b in range(3):
+        yb = np.empty(rows, np.float32)
+        run(host, teams[threads], single, w, np.ascontiguousarray(x[b, :k]), None, yb, rows, k, 0)
+        assert np.array_equal(y[b, :rows].view(np.uint32), yb.view(np.uint32)), b
+
+
+@pytest.mark.parametrize("case", [GEMV_CASES[2], GEMV_CASES[5], GEMV_CASES[10]], ids=lambda c: c[0])
+def test_one_rows_x_changes_that_row_only(host, teams, case):
+    # Each row's x is rounded (and summed) on its own: another x in row 5 leaves the other rows'
+    # bits alone, while row 5's result moves.
+    _, _, _, rows, k = case
+    w = gemv_weights(case, 52)
+    rng = np.random.default_rng(53)
+    x = x_rows(rng, 8, k)
+    y, y2 = y_rows(rng, 8, rows, 0), y_rows(rng, 8, rows, 0)
+    run_gemv_rows(host, teams[3], case, w, x, None, y, 0)
+    x[5, :k] = rng.normal(size=k) * 100
+    run_gemv_rows(host, teams[3], case, w, x, None, y2, 0)
+    others = [b for b in range(8) if b != 5]
+    assert np.array_equal(y[others].view(np.uint32), y2[others].view(np.uint32))
+    assert not np.array_equal(y[5], y2[5])
+
+
+class Ffn:
+    """Random dense FFN weights (the source layout, down [hidden, n]) in one format, and biases."""
+
+    def __init__(self, case: tuple, seed: int) -> None:
+        form, dtype, _, rows8 = case
+        rng = np.random.default_rng(seed)
+        n, hidden = FFN_N, FFN_HIDDEN
+        up, _ = weights(rng, (n, hidden), dtype, hidden**-0.5)
+        gate = None if form == "relu" else weights(rng, (n, hidden), dtype, hidden**-0.5)[0]
+        down, _ = weights(rng, (hidden, n), dtype, n**-0.5)
+        if rows8:
+            up, down = to_rows8(up, dtype, (n, hidden)), to_rows8(down, dtype, (hidden, n))
+            gate = None if gate is None else to_rows8(gate, dtype, (n, hidden))
+        self.mats = (up, gate, down)
+        self.biases = (rng.normal(0, 0.1, n).astype(np.float32), None if gate is None else
+                       rng.normal(0, 0.1, n).astype(np.float32), rng.normal(0, 0.1, hidden).astype(np.float32))
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("case", FFN_CASES, ids=lambda c: f"{c[0]}_{c[1]}{'_r8' * c[3]}{'_xi16' * c[2]}")
+def test_dense_ffn_rows_are_the_one_row_ffns_bits(host, teams, case, threads):
+    single, batched = ffn_kernels(case)
+    ffn = Ffn(case, 54)
+    rng = np.random.default_rng(55)
+    team = teams[threads]
+    for batch in BATCHES:
+        for accumulate in (0, 1):
+            x, y = x_rows(rng, batch, FFN_HIDDEN), y_rows(rng, batch, FFN_HIDDEN, accumulate)
+            expected = np.empty((batch, FFN_HIDDEN), np.float32)
+            scratch = aligned_zeros(dense_ffn_scratch_bytes(FFN_N))
+            for b in range(batch):
+                yb = y[b, :FFN_HIDDEN].copy()
+                run(host, team, single, np.ascontiguousarray(x[b, :FFN_HIDDEN]), *ffn.mats, *ffn.biases, yb, scratch,
+                    FFN_N, FFN_HIDDEN, accumulate)
+                expected[b] = yb
+            scratch = aligned_zeros(dense_ffn_rows_scratch_bytes(FFN_N, batch))
+            run(host, team, batched, x, *ffn.mats, *ffn.biases, y, scratch, FFN_N, FFN_HIDDEN, accumulate, batch,
+                x.strides[0], y.strides[0])
+            assert_rows_equal(y, expected, FFN_HIDDEN, (batch, accumulate))
+
+
+def test_parameters_and_scratch():
+    kernel = gemv_rows("q4_1", True, True)
+    assert kernel.symbol == gemv("q4_1", True, True).symbol + "_rows" == "picc_gemv_q4_1_r8_xi16_rows"
+    assert kernel.params == gemv("q4_1", True, True).params + BATCH_PARAMS
+    assert [name for name, _ in BATCH_PARAMS] == ["batch", "x_stride", "y_stride"]
+    ffn = dense_ffn_rows("swiglu", "q4_1", "q4_1", "q4_1", True, True)
+    assert ffn.symbol == "picc_ffn_gemv_swiglu_q4_1_q4_1_q4_1_r8_xi16_rows"
+    assert ffn.params == dense_ffn("swiglu", "q4_1", "q4_1", "q4_1", True, True).params + BATCH_PARAMS
+    assert dense_ffn_rows_scratch_bytes(1536, 8) == 8 * dense_ffn_scratch_bytes(1536)
+    for form, per_block in _BLOCK_BYTES.items():  # every array of each x form moves with the row
+        assert {f.name for f in fields(form)} == set(per_block), form
+
+
+def test_no_fast_math_flags_in_the_batched_kernels():
+    # LLVM may reassociate or contract only float operations that carry these flags; without
+    # them a row's sum is computed in the IR's order, the one-row kernel's.
+    flags = re.compile(r"\b(fast|reassoc|contract|nnan|ninf|nsz|arcp|afn)\b")
+    for simd in ("avx2", "avx512"):
+        for kernel in ALL:
+            text = kernel.emit(simd)
+            assert "fadd" in text or "fma" in text
+            assert not flags.search(text), (kernel.symbol, simd, flags.search(text))
+
+
+@pytest.mark.parametrize("simd", ["avx2", "avx512"])
+def test_other_simd_levels_compile_and_compute_the_same_bits(host, teams, simd):
+    # Every level's build is compiled to machine code; a level this host can run must give the
+    # host build's bits (SmolLM2's kernels: q4_1 rows8 int16 x, and the q8_0 head's rows).
+    batched = [k for k in ALL if k.symbol.endswith("_rows")]
+    module = CpuModule(build_ir(batched, (), simd), simd)
+    asm = module.emit_assembly()
+    for kernel in batched:
+        assert f"{kernel.symbol}:" in asm, kernel.symbol
+    if simd == "avx2":
+        assert "zmm" not in asm
+    if not host_has(simd):
+        pytest.skip(f"this host cannot run {simd} code (compiled only)")
+    rng = np.random.default_rng(56)
+    for case in (GEMV_CASES[2], GEMV_CASES[5]):
+        w, (_, _, _, rows, k) = gemv_weights(case, 57), case
+        x = x_rows(rng, 3, k)
+        ys = [y_rows(rng, 3, rows, 0), y_rows(rng, 3, rows, 0)]
+        for mod, y in zip((host, module), ys, strict=True):
+            run(mod, teams[2], gemv_kernels(case)[1], w, x, None, y, rows, k, 0, 3, x.strides[0], y.strides[0])
+        assert np.array_equal(ys[0].view(np.uint32), ys[1].view(np.uint32)), case
+    ffn_case = FFN_CASES[0]
+    ffn, x = Ffn(ffn_case, 58), x_rows(rng, 3, FFN_HIDDEN)
+    ys = [y_rows(rng, 3, FFN_HIDDEN, 0), y_rows(rng, 3, FFN_HIDDEN, 0)]
+    for mod, y in zip((host, module), ys, strict=True):
+        scratch = aligned_zeros(dense_ffn_rows_scratch_bytes(FFN_N, 3))
+        run(mod, teams[2], ffn_kernels(ffn_case)[1], x, *ffn.mats, *ffn.biases, y, scratch, FFN_N, FFN_HIDDEN, 0, 3,
+            x.strides[0], y.strides[0])
+    assert np.array_equal(ys[0].view(np.uint32), ys[1].view(np.uint32))
+
+
+def test_int16_rows_are_rounded_each_on_its_own(host, teams):
+    # The int16 kernels' rows are the float kernel on each row rounded by its own block scales
+    # (picc.quant.round_to_int16_blocks, the interpreter's rounding), not on a shared rounding:
+    # rows of very different size each keep their precision.
+    case = GEMV_CASES[2]
+    dtype, _, _, rows, k = case
+    raw, w = weights(np.random.default_rng(59), (rows, k), dtype)
+    x = x_rows(np.random.default_rng(60), 3, k)
+    x[1, :k] *= 1e-4
+    y = y_rows(np.random.default_rng(61), 3, rows, 0)
+    run_gemv_rows(host, teams[2], case, to_rows8(raw, dtype, (rows, k)), x, None, y, 0)
+    for b in range(3):
+        ref = w.astype(np.float64) @ quant.round_to_int16_blocks(x[b, :k]).astype(np.float64)
+        assert np.max(np.abs(y[b, :rows] - ref)) <= 2e-6 * np.max(np.abs(ref)), b
