@@ -84,8 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             host, port = sock.getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             print(f"picc serve: {name} on http://{shown}:{port}/v1 (max-batch {args.max_batch}, ctx {session.ctx}, "
-                  f"{session.executor.cpu.team.nthreads} threads{', API key required' if args.api_key else ''})",
-                  file=sys.stderr, flush=True)
+                  f"{session.executor.cpu.team.nthreads} threads, {engine.rows_per_step} sequences per step"
+                  f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
             config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=5)
             uvicorn.Server(config).run(sockets=[sock])

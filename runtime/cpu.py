@@ -220,6 +220,14 @@ class CpuExecutor:
         self._decode_out = self._keep[self._decode.out].view(np.int32) if self._decode else None
         self.chunk = manifest.prefill.chunk
         self._chunk_tokens = self._keep[manifest.prefill.tokens].view(np.int32)
+        self._batch = manifest.batch
+        if self._batch is not None:
+            b = self._batch
+            self._batch_fn = job(b.symbol)
+            self._batch_rows = [self._keep[i].view(np.int32) for i in (b.tokens, b.positions, b.greedy)]
+            self._batch_kv = self._keep[b.kv_table].view(np.uint64).reshape(b.capacity, -1)
+            self._batch_logits = [np.frombuffer(self._keep[b.logits.buffer], np.float32, count=b.logits.n,
+                                                offset=b.logits.offset + s * b.stride) for s in range(b.capacity)]
 
     def _native_team(self) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
         """The generated code's thread-team worker and barrier (runtime.threads; every file of this
@@ -335,6 +343,38 @@ class CpuExecutor:
                 break
             token, pos = tokens[-1], pos + done
         return tokens
+
+    @property
+    def batch_capacity(self) -> int:
+        """Sequences the batch step decodes at once (0: the model has none: a GPU part)."""
+        return self._batch.capacity if self._batch is not None else 0
+
+    @property
+    def batch_caches(self) -> tuple[int, ...]:
+        """The ``bufs`` indices of the KV caches, in the order a batch row's cache pointers go."""
+        return self._batch.caches if self._batch is not None else ()
+
+    def batch_step(self, tokens: list[int], positions: list[int], caches: np.ndarray) -> None:
+        """One decode step for each row: ``tokens[s]`` at ``positions[s]`` with the KV caches whose
+        addresses are ``caches[s]`` (one per :attr:`batch_caches` entry). Each row's logits and
+        greedy token are exactly those of :meth:`step` on its caches (:meth:`batch_logits`,
+        :meth:`batch_greedy`)."""
+        n = len(tokens)
+        if self._batch is None or not 1 <= n <= self._batch.capacity:
+            raise ExecutorError(f"batch_step: {n} rows, the batch step takes 1 to {self.batch_capacity}")
+        token_row, pos_row, _ = self._batch_rows
+        token_row[:n], pos_row[:n] = tokens, positions
+        self._batch_kv[:n, : caches.shape[1]] = caches
+        self.params[self._slots["batch"]] = n
+        self.team.run_step(self._batch_fn, self._table_ptr)
+
+    def batch_logits(self, row: int) -> np.ndarray:
+        """Row ``row``'s logits after :meth:`batch_step` (a view, overwritten by the next one)."""
+        return self._batch_logits[row]
+
+    def batch_greedy(self, rows: int) -> list[int]:
+        """The first ``rows`` rows' greedy tokens after :meth:`batch_step`."""
+        return self._batch_rows[2][:rows].tolist()
 
     def greedy(self) -> int:
         """The last step's most likely token (the first index of the largest logit)."""

@@ -8,8 +8,9 @@ nowhere else (beside the schedule's and the GPU's records in :mod:`runtime.contr
   head for prompt tokens, and the step's profiled twin);
 * where the values that cross to the GPU and the logits live (:class:`ValueBytes`,
   :class:`LogitsRow`);
-* the chunk programs for prompts (:class:`CpuChunkProgram`, ``prefill`` and ``logits_chunk``)
-  and the greedy decode loop (:class:`DecodeLoop`, only where the CPU computes the whole step).
+* the chunk programs for prompts (:class:`CpuChunkProgram`, ``prefill`` and ``logits_chunk``),
+  the greedy decode loop (:class:`DecodeLoop`) and the batch step for a server's sequences
+  (:class:`CpuBatchProgram`), the last two only where the CPU computes the whole step.
 
 The JSON is part of the ``.pib`` format (``runtime.pib.FORMAT_VERSION``, 7 since these records): a
 change of shape here changes the version. A field missing from a file is an error naming the
@@ -245,12 +246,43 @@ class DecodeLoop:
         return cls(str(_field(data, "symbol")), _int(data, "step"), _int(data, "out"), _int(data, "capacity"))
 
 
+@dataclass(frozen=True, slots=True)
+class CpuBatchProgram:
+    """``symbol``: the decode step of up to ``capacity`` sequences at once (``params[batch]`` rows;
+    ``picc.codegen_cpu.lower_batch``). Row s reads its token from ``bufs[tokens]`` (i32 [s]), its
+    position from ``bufs[positions]``, its KV caches through row s of ``bufs[kv_table]`` (one
+    pointer per entry of ``caches``, the ``bufs`` indices of the step's KV caches, in that order),
+    and leaves its logits at ``logits`` plus ``s * stride`` bytes and its greedy token in
+    ``bufs[greedy]`` [s]."""
+
+    symbol: str
+    capacity: int
+    stride: int
+    logits: LogitsRow
+    tokens: int
+    positions: int
+    greedy: int
+    kv_table: int
+    caches: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"symbol": self.symbol, "capacity": self.capacity, "stride": self.stride,
+                "logits": self.logits.to_json(), "tokens": self.tokens, "positions": self.positions,
+                "greedy": self.greedy, "kv_table": self.kv_table, "caches": list(self.caches)}
+
+    @classmethod
+    def from_json(cls, data: object) -> CpuBatchProgram:
+        return cls(str(_field(data, "symbol")), _int(data, "capacity"), _int(data, "stride"),
+                   LogitsRow.from_json(_field(data, "logits")), _int(data, "tokens"), _int(data, "positions"),
+                   _int(data, "greedy"), _int(data, "kv_table"), tuple(int(i) for i in _field(data, "caches")))
+
+
 @dataclass(frozen=True)
 class CpuManifest:
     """The CPU's code of a ``.pib``: its SIMD level, the most threads it may run on, the slots of
     the per-token parameters, the ``bufs`` table, the stages, where the crossing values and the
     logits live, whether the step writes the greedy token to ``params[greedy]``, the chunk
-    programs and the decode loop (None: the model has a GPU part)."""
+    programs, the decode loop and the batch step (both None: the model has a GPU part)."""
 
     simd: str
     max_threads: int
@@ -263,6 +295,7 @@ class CpuManifest:
     prefill: CpuChunkProgram
     logits_chunk: CpuChunkProgram
     decode: DecodeLoop | None
+    batch: CpuBatchProgram | None  # None: the model has a GPU part
 
     def __post_init__(self) -> None:
         if self.logits_chunk.logits is None:
@@ -273,7 +306,8 @@ class CpuManifest:
                 "buffers": [b.to_json() for b in self.buffers], "stages": [st.to_json() for st in self.stages],
                 "values": {name: v.to_json() for name, v in self.values.items()}, "logits": self.logits.to_json(),
                 "greedy": self.greedy, "prefill": self.prefill.to_json(), "logits_chunk": self.logits_chunk.to_json(),
-                "decode": self.decode.to_json() if self.decode is not None else None}
+                "decode": self.decode.to_json() if self.decode is not None else None,
+                "batch": self.batch.to_json() if self.batch is not None else None}
 
     @classmethod
     def from_json(cls, data: object) -> CpuManifest:
@@ -281,7 +315,7 @@ class CpuManifest:
         values = _field(data, "values")
         if not isinstance(params, dict) or not isinstance(values, dict):
             raise ContractError(f"{_SECTION}: 'params' and 'values' are mappings")
-        decode = _field(data, "decode")
+        decode, batch = _field(data, "decode"), _field(data, "batch")
         return cls(str(_field(data, "simd")), _int(data, "max_threads"),
                    {str(k): int(v) for k, v in params.items()},
                    tuple(CpuBuffer.from_json(b) for b in _field(data, "buffers")),
@@ -290,4 +324,5 @@ class CpuManifest:
                    LogitsRow.from_json(_field(data, "logits")), bool(_field(data, "greedy")),
                    CpuChunkProgram.from_json(_field(data, "prefill")),
                    CpuChunkProgram.from_json(_field(data, "logits_chunk")),
-                   DecodeLoop.from_json(decode) if decode is not None else None)
+                   DecodeLoop.from_json(decode) if decode is not None else None,
+                   CpuBatchProgram.from_json(batch) if batch is not None else None)

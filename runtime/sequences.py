@@ -15,6 +15,8 @@ time (``slots`` 1).
 
 from __future__ import annotations
 
+import numpy as np
+
 from runtime.cpu import ExecutorError, _zeros
 from runtime.executor import Executor
 
@@ -58,6 +60,8 @@ class SequencePool:
         self.slots = slots
         self._own = [{i: cpu.cache_array(i) for i in self.caches}]
         self._own += [{i: _zeros(n) for i, n in self.caches.items()} for _ in range(slots - 1)]
+        self._pointers = np.array([[own[i].ctypes.data for i in cpu.batch_caches] for own in self._own],
+                                  dtype=np.uint64).reshape(slots, len(cpu.batch_caches))
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._bound: int | None = None
 
@@ -76,6 +80,15 @@ class SequencePool:
         it wrote itself)."""
         assert 0 <= slot < self.slots and slot not in self._free
         self._free.append(slot)
+
+    @property
+    def batched(self) -> int:
+        """Rows of the model's batch step (0: none; sequences then step one at a time)."""
+        return self._cpu.batch_capacity
+
+    def pointers(self, slots: list[int]) -> np.ndarray:
+        """The KV cache addresses of ``slots``, a row each, in the order the batch step reads them."""
+        return self._pointers[slots]
 
     def bind(self, slot: int) -> None:
         """Make ``slot``'s caches the ones the model's programs read and write from now on."""

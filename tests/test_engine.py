@@ -90,6 +90,7 @@ def serve(path, requests, max_batch=4, joins_after=3):
         for c in got:
             assert c.done.wait(120)
         assert engine.pool.free == max_batch and engine.active == 0  # every slot given back
+        assert engine.stats.batch_steps > 0  # sequences did decode together
         engine.close()
     return got
 
@@ -153,3 +154,29 @@ def test_each_slot_has_its_own_kv_caches(model):
         assert all(np.any(a) for a in arrays[2]) and not any(np.any(a) for a in arrays[1])
         with pytest.raises(ExecutorError, match="available"):
             SequencePool(session.executor, 10**9)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_batch_step_gives_each_row_the_bits_of_its_own_step(model, threads):
+    # Four sequences of different lengths through the batch step, token by token, rows dropping
+    # out as their prompts end: each row's logits are the one-sequence step's, bit for bit.
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[2], PROMPTS[7]]
+    expected = []
+    for p in prompts:
+        with Session(model, threads) as s:
+            expected.append([s.feed([t]).copy() for t in p])
+    with Session(model, threads) as session:
+        cpu = session.executor.cpu
+        assert cpu.batch_capacity >= len(prompts)
+        pool = SequencePool(session.executor, len(prompts))
+        slots = [pool.acquire() for _ in prompts]
+        for t in range(max(map(len, prompts))):
+            rows = [i for i, p in enumerate(prompts) if t < len(p)]
+            cpu.batch_step([prompts[i][t] for i in rows], [t] * len(rows), pool.pointers([slots[i] for i in rows]))
+            greedy = cpu.batch_greedy(len(rows))
+            for r, i in enumerate(rows):
+                np.testing.assert_array_equal(cpu.batch_logits(r).view(np.uint32), expected[i][t].view(np.uint32))
+                assert greedy[r] == int(np.argmax(expected[i][t]))
+        with pytest.raises(ExecutorError, match="batch step takes"):
+            cpu.batch_step([1] * (cpu.batch_capacity + 1), [0] * (cpu.batch_capacity + 1),
+                           pool.pointers([0] * (cpu.batch_capacity + 1)))

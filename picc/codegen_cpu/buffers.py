@@ -31,7 +31,7 @@ from picc.ir.weights import Tensor, WeightStore
 from runtime.cpu_manifest import CpuBuffer
 
 SYNC, PARAMS, ZEROS, ACTIVATIONS, SCRATCH = 0, 1, 2, 3, 4
-PARAM_SLOTS = {"pos": 0, "token": 1, "greedy": 2, "seq": 3, "steps": 4, "eos": 5, "done": 6}
+PARAM_SLOTS = {"pos": 0, "token": 1, "greedy": 2, "seq": 3, "steps": 4, "eos": 5, "done": 6, "batch": 7}
 MAX_THREADS = 64  # the scratch is sized for this many threads
 _KERNEL_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 

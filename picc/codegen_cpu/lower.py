@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from picc.codegen_cpu.buffers import MAX_THREADS, PARAM_SLOTS, CpuBuffers
+from picc.codegen_cpu.lower_batch import BatchLowering
 from picc.codegen_cpu.lower_chunk import ChunkSlots, logits_programs, prefill_programs
 from picc.codegen_cpu.lower_decode import DecodeLowering
 from picc.codegen_cpu.program import GreedyLoop, Program
@@ -28,7 +29,16 @@ from picc.errors import PiccError
 from picc.ir.module import Module
 from picc.ir.weights import Tensor, WeightStore
 from picc.placement.schedule import Schedule
-from runtime.cpu_manifest import CpuBuffer, CpuChunkProgram, CpuManifest, CpuStage, DecodeLoop, LogitsRow, ValueBytes
+from runtime.cpu_manifest import (
+    CpuBatchProgram,
+    CpuBuffer,
+    CpuChunkProgram,
+    CpuManifest,
+    CpuStage,
+    DecodeLoop,
+    LogitsRow,
+    ValueBytes,
+)
 
 
 @dataclass(frozen=True)
@@ -48,11 +58,12 @@ class CpuProgram:
     prefill: CpuChunkProgram
     logits_chunk: CpuChunkProgram
     decode: DecodeLoop | None
+    batch: CpuBatchProgram | None
 
     def manifest(self, simd: str) -> CpuManifest:
         """What the runtime needs besides the code."""
         return CpuManifest(simd, MAX_THREADS, dict(PARAM_SLOTS), self.buffers, self.stages, self.values, self.logits,
-                           self.greedy, self.prefill, self.logits_chunk, self.decode)
+                           self.greedy, self.prefill, self.logits_chunk, self.decode, self.batch)
 
 
 def lower_module(module: Module, weights: WeightStore, sched: Schedule, ctx: int) -> CpuProgram:
@@ -71,5 +82,10 @@ def lower_module(module: Module, weights: WeightStore, sched: Schedule, ctx: int
     prefill, prefill_info = prefill_programs(func, weights, sched, ctx, bufs, slots)
     logits, logits_info = logits_programs(func, weights, sched, ctx, bufs, slots)
     where_logits, values = step.host_places()
-    return CpuProgram([*step.programs, *prefill, *logits], bufs.extra, bufs.layouts, tuple(bufs.entries),
-                      tuple(step.stages), values, where_logits, step.greedy, prefill_info, logits_info, loop)
+    programs = [*step.programs, *prefill, *logits]
+    batch_info = None
+    if loop is not None and not sched.stages[0].gpu:  # on the CPU alone: a server decodes its sequences together
+        batch, batch_info = BatchLowering(step, bufs).lower_batch()
+        programs.append(batch)
+    return CpuProgram(programs, bufs.extra, bufs.layouts, tuple(bufs.entries), tuple(step.stages), values,
+                      where_logits, step.greedy, prefill_info, logits_info, loop, batch_info)

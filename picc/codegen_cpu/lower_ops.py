@@ -25,7 +25,7 @@ from picc import kernel_names as names
 from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, rowplanes
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, CpuBuffers
 from picc.codegen_cpu.kernel import Kernel
-from picc.codegen_cpu.program import Access, Buf, Null, Param, Program
+from picc.codegen_cpu.program import Access, Buf, Null, Param, Program, RowPtr
 from picc.codegen_cpu.rowops import row_bytes
 from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
 from picc.errors import PiccError
@@ -180,8 +180,17 @@ class OpLowering(ABC):
         """The KV cache ``name`` (ctx rows of k, then ctx rows of v), shared by step and prefill."""
         return self.bufs.kv_cache(name, 2 * self.ctx * width * 4)
 
+    def kv_rows(self, name: str, width: int) -> tuple[Buf | RowPtr, Buf | RowPtr]:
+        """Where the attention of KV cache ``name`` finds its k rows and its v rows."""
+        caches = self.kv_cache(name, width)
+        return caches, Buf(caches.index, self.ctx * width * 4)
+
+    def position(self) -> Param:
+        """The position of the (first) token a call computes."""
+        return Param(PARAMS, PARAM_SLOTS["pos"])
+
     def lower(self, op: Op) -> None:  # noqa: C901 - one case per op
-        pos = Param(PARAMS, PARAM_SLOTS["pos"])
+        pos = self.position()
         match op:
             case O.Embed():
                 table = self.weights[op.table]
@@ -205,10 +214,9 @@ class OpLowering(ABC):
                 self.call(op, kernels_misc.rope(op.style), rotated, freq, self.rows(), pos, op.n_heads,
                           op.head_dim, op.rotated, batched=True)
             case O.Attention():
-                kv = self.width(op.k)
-                caches = self.kv_cache(op.cache, kv)
+                k_rows, v_rows = self.kv_rows(op.cache, self.width(op.k))
                 self.call(op, kernels_attention.attention(), self.value(op.q), self.value(op.k), self.value(op.v),
-                          caches, Buf(caches.index, self.ctx * kv * 4), self.activation(op.result), self.rows(), pos,
+                          k_rows, v_rows, self.activation(op.result), self.rows(), pos,
                           op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, batched=True)
             case O.Add():
                 self.add(op)

@@ -44,10 +44,24 @@ class Buf:
 
 @dataclass(frozen=True, slots=True)
 class Param:
-    """An i32 read when the step runs: ``((int32 *) bufs[buffer])[slot]``."""
+    """An i32 read when the step runs: ``((int32 *) bufs[buffer])[slot]``; in a call repeated per
+    row s, ``[slot + s * stride]`` (a value of each row's own: a batch's positions)."""
 
     buffer: int
     slot: int
+    stride: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RowPtr:
+    """A pointer read when the step runs from a table of pointers: ``((ptr *) bufs[table])[entry +
+    s * stride] + offset`` for row s of a repeated call (a batch's rows, each with its own KV
+    cache, wherever the runtime allocated it)."""
+
+    table: int
+    entry: int
+    stride: int
+    offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +69,7 @@ class Null:
     """A null pointer (an absent bias, an unused list)."""
 
 
-Arg = Buf | Param | Null | int | float
+Arg = Buf | RowPtr | Param | Null | int | float
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +149,7 @@ class Program:
                             f"got {len(args)}")
         wanted = {"ptr": "a Buf or Null", "i32": "an int or Param", "f32": "a float"}
         for (name, kind), arg in zip(kernel.params, args, strict=True):
-            ok = {"ptr": isinstance(arg, Buf | Null),
+            ok = {"ptr": isinstance(arg, Buf | RowPtr | Null),
                   "i32": isinstance(arg, Param) or (isinstance(arg, int) and not isinstance(arg, bool)),
                   "f32": isinstance(arg, float | int) and not isinstance(arg, bool)}[kind]
             if not ok:
@@ -164,9 +178,18 @@ class Program:
             slot = tmp(f"getelementptr inbounds ptr, ptr %bufs, i64 {index}")
             return tmp(f"load ptr, ptr {slot}, align 8")
 
-        def param(p: Param) -> str:
-            slot = tmp(f"getelementptr inbounds i32, ptr {buf(p.buffer)}, i64 {p.slot}")
+        def row_index(first: int, stride: int, s: str | None) -> str:
+            """``first + s * stride``: the entry of row ``s`` (``first`` outside a repeated call)."""
+            return str(first) if s is None or not stride else tmp(f"add i64 {tmp(f'mul i64 {s}, {stride}')}, {first}")
+
+        def param(p: Param, s: str | None = None) -> str:
+            slot = tmp(f"getelementptr inbounds i32, ptr {buf(p.buffer)}, i64 {row_index(p.slot, p.stride, s)}")
             return tmp(f"load i32, ptr {slot}, align 4")
+
+        def row_ptr(p: RowPtr, s: str | None) -> str:
+            at = tmp(f"getelementptr inbounds ptr, ptr {buf(p.table)}, i64 {row_index(p.entry, p.stride, s)}")
+            base = tmp(f"load ptr, ptr {at}, align 8")
+            return tmp(f"getelementptr inbounds i8, ptr {base}, i64 {p.offset}") if p.offset else base
 
         sync = buf(self.sync)
         clock = counters = None
@@ -212,8 +235,10 @@ class Program:
                         offset = tmp(f"add i64 {tmp(f'mul i64 {s}, {arg.stride}')}, {arg.offset}")
                     ptr = tmp(f"getelementptr inbounds i8, ptr {base}, i64 {offset}") if offset != "0" else base
                     values.append(f"{ty} {ptr}")
+                elif isinstance(arg, RowPtr):
+                    values.append(f"{ty} {row_ptr(arg, s)}")
                 elif isinstance(arg, Param):
-                    values.append(f"{ty} {param(arg)}")
+                    values.append(f"{ty} {param(arg, s)}")
                 elif kind == "f32":
                     values.append(f"{ty} {fconst(float(arg))}")
                 else:
