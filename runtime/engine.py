@@ -121,6 +121,7 @@ class Engine:
         self.eos = session.text.eos_id if session.text is not None else None
         self.stats = EngineStats()
         self.rows_per_step = self._fastest_rows()
+        self._loop_steps = 1  # greedy steps per call of the decode loop for a sequence alone
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._active: list[Sequence] = []
         self._cond = threading.Condition()
@@ -245,10 +246,13 @@ class Engine:
         if prefilling is not None:
             self._guarded(prefilling, self._prefill_chunk)
         decoding = [s for s in self._active if not s.prefilling]
+        made = sum(s.made for s in decoding)
         rows = self.rows_per_step
         if len(decoding) > 1 and rows > 1:
             for start in range(0, len(decoding), rows):
                 self._batch_step(decoding[start : start + rows])
+        elif len(decoding) == 1 and prefilling is None and not self._waiting and decoding[0].request.options.greedy:
+            self._guarded(decoding[0], self._alone)
         else:
             for seq in decoding:
                 self._guarded(seq, self._decode_step)
@@ -259,7 +263,7 @@ class Engine:
         if decoding:
             self.stats.steps += 1
             self.stats.batch = len(decoding)
-            self.stats.recent.append((now, len(decoding)))
+            self.stats.recent.append((now, sum(s.made for s in decoding) - made))
             self.stats.rate(now)  # drops the turns older than the window
 
     def _guarded(self, seq: Sequence, work: Callable[[Sequence], None]) -> None:
@@ -284,6 +288,20 @@ class Engine:
         self.pool.bind(seq.slot)
         self.executor.step(seq.history[-1], seq.pos)  # the prompt's last token, then each new one
         self._advance(seq, self.executor.greedy, self.executor.logits)
+
+    def _alone(self, seq: Sequence) -> None:
+        """The one sequence, greedy, with nothing waiting: steps in the generated decode loop
+        (``Executor.greedy_steps``, the same steps without a return to Python between them), as
+        many as took about FLUSH_SECONDS the last time, then back to the turn (a request that
+        arrives meanwhile waits that long at most)."""
+        steps = min(self._loop_steps, seq.request.max_tokens - seq.made, self.ctx - seq.pos)
+        self.pool.bind(seq.slot)
+        start = time.perf_counter()
+        tokens = self.executor.greedy_steps(seq.history[-1], seq.pos, steps,
+                                            self.eos if seq.request.stop_at_eos else None)
+        self._loop_steps = max(1, int(FLUSH_SECONDS * len(tokens) / max(time.perf_counter() - start, 1e-9)))
+        for token in tokens:
+            self._advance(seq, lambda token=token: token, self.executor.logits)
 
     def _batch_step(self, seqs: list[Sequence]) -> None:
         """One step of the batch program for ``seqs`` (each row exactly its own step), then each

@@ -120,7 +120,7 @@ def test_cancelled_and_refused_requests_free_their_slots(model):
         most = session.ctx - len(PROMPTS[1])  # as long as the context allows: still running when cancelled
         seqs = []
         for n, c in enumerate(long, 1):
-            seqs.append(engine.submit(Request(PROMPTS[1], most), c))
+            seqs.append(engine.submit(Request(PROMPTS[1], most, SAMPLED), c))  # sampled: a step a turn
             until(lambda n=n: engine.active == n)  # admitted: the queue is empty again
         queued = Collector()
         engine.submit(Request(PROMPTS[0], 4), queued)
