@@ -26,9 +26,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port, printed at start)")
-    s.add_argument("--max-batch", type=int, default=8,
-                   help="sequences decoded at once, each with its own KV cache of --ctx positions (default 8); "
-                   "refused at start when their caches do not fit in memory")
+    s.add_argument("--max-batch", type=int,
+                   help="sequences decoded at once, each with its own KV cache of --ctx positions (default 8; 1 "
+                   "for a model whose KV caches live on the GPU); refused at start when their caches do not fit "
+                   "in memory")
     s.add_argument("--max-queue", type=int,
                    help="requests that may wait for a free sequence before the server answers 429 "
                    "(default: 4 x --max-batch)")
@@ -68,12 +69,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from runtime.engine import Engine
     from runtime.server import ServedModel, create_app
 
-    if args.max_batch < 1 or (args.max_queue is not None and args.max_queue < 0):
+    if (args.max_batch is not None and args.max_batch < 1) or (args.max_queue is not None and args.max_queue < 0):
         raise PiccError("--max-batch must be >= 1 and --max-queue >= 0")
     sock = _bind(args.host, args.port)
     with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
         if session.text is None:
             raise PiccError(f"{args.model}: the model has no tokenizer; a server needs one to read and write text")
+        if args.max_batch is None:  # caches on the GPU hold one sequence (runtime.sequences)
+            gpu_caches = any(b.kind == "kv-cache" and b.device == "gpu" for b in session.executor.plan.buffers)
+            args.max_batch = 1 if gpu_caches else 8
         try:
             engine = Engine(session, args.max_batch, args.max_queue)
         except ExecutorError as e:
@@ -84,7 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             host, port = sock.getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             print(f"picc serve: {name} on http://{shown}:{port}/v1 (max-batch {args.max_batch}, ctx {session.ctx}, "
-                  f"{session.executor.cpu.team.nthreads} threads, {engine.rows_per_step} sequences per step"
+                  f"{session.executor.cpu.team.nthreads} threads, {engine.rows_per_step} "
+                  f"sequence{'s' if engine.rows_per_step != 1 else ''} per step"
                   f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
             config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=5)
