@@ -14,9 +14,13 @@ gate flips on 1e-7), so nothing here computes a row differently:
   time by the very emitters the one-row kernels go through
   (:func:`~picc.codegen_cpu.rows8.emit_rows8_dots_xs`, :func:`~picc.codegen_cpu.rowops.emit_dots_xs`;
   ``emit_rows8_dots`` and ``emit_dots`` are their one-x case, and the one-row kernels' IR is what
-  it was before them, byte for byte). Each x row keeps its own accumulators, fed block by block
-  by the same operations in the same order, and a row's sum is that chain of float operations
-  in the IR's order (no fast-math flags): it cannot depend on the batch, the thread, the x rows
+  it was before them, byte for byte). On AVX-512 the rows8 int16-x dot products take x rows
+  two to a 512-bit vector instead (:mod:`.rows8_pairs`, with ``vpdpbusd`` on ``avx512-vnni``):
+  a block's ``q . x`` is an exact integer, which other instructions sum to the same integer,
+  and the float operations after it are the one-row kernel's, lane by lane (these kernels see
+  the SIMD level itself, ``Kernel.by_level``). Each x row keeps its own accumulators, fed block
+  by block by the same operations in the same order, and a row's sum is that chain of float
+  operations in the IR's order (no fast-math flags): it cannot depend on the batch, the thread, the x rows
   beside it or the weight rows beside it;
 * the group's or tile's weights come from memory for the first x rows and from L1 / L2 for the
   others: the step reads its weights once, not B times. The x rows that go through a group's
@@ -27,8 +31,8 @@ gate flips on 1e-7), so nothing here computes a row differently:
 Parameters: the one-row kernel's, then ``batch`` (>= 1), ``x_stride`` and ``y_stride`` (bytes,
 multiples of 4): row b reads ``x + b x_stride`` and writes ``y + b y_stride``; ``accumulate``
 applies to every row, the bias is shared. The x forms live on each thread's stack, 2 to 4 bytes
-per element of every x row (both phases' for the FFN): keep ``batch * k`` under a million or so
-on the 8 MiB stacks of the runtime's threads.
+per element of every x row (both phases' for the FFN; int16 x in pairs another 2): keep ``batch
+* k`` under a million or so on the 8 MiB stacks of the runtime's threads.
 """
 
 from __future__ import annotations
@@ -82,7 +86,10 @@ _BLOCK_BYTES: dict[type, dict[str, int]] = {IntX: INT_X_BLOCK_BYTES, ScaledX: SC
 # 1536 down, 2 threads, Zen 4: 1 at a time 1.47x / 1.28x, 2 1.64 / 1.50, 4 1.48 / 1.54, 8 1.61 / 1.69
 # (noisy to ~0.1: 4 keeps the accumulators and unpacked nibbles within AVX2's 16 registers).
 _X_TILE = 4
-# The same with x rows two to a vector (rows8_pairs: int16 x on AVX-512), rows per tile (pairs x 2).
+# The same with x rows two to a vector (rows8_pairs: int16 x on AVX-512), by the number of matrices:
+# SmolLM2 q4_1 in L2, one thread, Zen 4, batch 8, cycles per x row and group block (avx512 / VNNI):
+# the 1536 x 576 GEMV 17.4 / 13.3 with 4 rows a tile, 16.4 / 12.5 with 8 (16 the same); its FFN's
+# up and gate with 2 rows a tile 20.5, 4 18.5, 8 19.3 (avx512).
 _PAIR_TILE = {1: 8, 2: 4}
 # x rows that go through a tile of rows one at a time together, by SIMD level: SmolLM2's q8_0
 # head at batch 8, Zen 4, 2 threads: AVX-512 1 at a time 1.33x, 2 1.96x, 4 1.81x; the AVX2 build

@@ -19,12 +19,15 @@ not reorder them (no fast-math flags). A pair's accumulators are split into its 
 at the end (a shuffle moves bits, it computes nothing).
 
 Measured on a 2-core Zen 4 (AVX-512 executed 256 bits at a time), one thread, SmolLM2's 1536 x
-576 q4_1 up projection in L2, batch 8, cycles per x row and group block: 19.5 with rows one to a
-256-bit vector, 15.5 in pairs; with VNNI 12.5 in pairs, and the same (12.5-13) with ``vpdpbusd``
-on 256 bits (x's groups as embedded broadcasts, x's low bytes made signed by a bias): the
-``vpdpbusd`` count per row is the same either way, so the pairs serve both levels. Two x rows'
-``vpmaddubsw`` cost what two 256-bit ones cost on Zen 4; what the pairs save is the broadcast of
-x's groups (one 8-byte broadcast for two rows) and half the instructions around them.
+576 q4_1 GEMV in L2, batch 8, cycles per x row and group block: 19.5 with x rows one to a
+256-bit vector (``rows8.emit_rows8_dots_xs``), 16.4 in pairs, 12.5 in pairs with ``vpdpbusd``.
+Two rows' 512-bit ``vpmaddubsw`` cost what two 256-bit ones cost on Zen 4; the pairs halve the
+broadcasts of x's groups (one 8-byte broadcast feeds two rows) and the instructions around the
+products (the 256-bit code with 14 of its 16 broadcasts a block taken out took 16 cycles; the
+pairs without their float part 14.7). Tried and not kept: ``vpdpbusd`` on 256 bits with x's groups as
+embedded broadcasts and its low bytes made signed (a bias of 128, corrected by 128 times the
+nibbles' sum): 12.5-13 cycles, no better than the pairs, whose ``vpdpbusd`` count per row is the
+same; folding the ``<< 8`` into ``vpmaddwd`` (by 256): no change.
 """
 
 from __future__ import annotations
