@@ -1,7 +1,7 @@
 """Benchmark of the fused sparse FFN kernel against the host's read bandwidth and numpy.
 
     python bench/kernels.py [--reps 7] [--threads 1,2] [--shapes small,large] [--dtypes f16,q4_0,f32]
-    python bench/kernels.py --batched [--batches 1,2,4,8] [--threads 2] [--reps 7]
+    python bench/kernels.py --batched [--batches 1,2,4,8] [--threads 2] [--reps 7] [--simd avx512]
 
 (``--dtypes`` also takes ``q4_0-int`` / ``q4_1-int``: the kernel variant that dots int16 x.)
 
@@ -27,6 +27,8 @@ sequences' x rows against one read of the weights, each row the bits of the one-
 SmolLM2's decode GEMVs and FFN and a 7B-like down projection, the weights from memory (copies
 over 1 GiB, one call each): time per call, and rows per second (batch / time) as a ratio to the
 one-row kernel's rate, the speed-up that batching the decode step gives these kernels.
+``--simd`` compiles them for a SIMD level instead of the host's (the ``cpu`` target compiles for
+``avx512`` on a VNNI host; the batched rows8 int16-x kernels differ between the two AVX-512 levels).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from picc.codegen_cpu import (  # noqa: E402
     effective_simd,
     rowplanes,
 )
+from picc.codegen_cpu.compiler import SIMD_CHOICES  # noqa: E402
 from picc.codegen_cpu.kernels_batch import dense_ffn_rows, dense_ffn_rows_scratch_bytes, gemv_rows  # noqa: E402
 from picc.codegen_cpu.kernels_dense import dense_ffn, gemv  # noqa: E402
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
@@ -246,7 +249,7 @@ def _matrix(rng: np.random.Generator, rows: int, k: int, dtype: str, rows8: bool
 
 
 def batched_times(case: tuple, threads: int, batches: list[int], reps: int,
-                  rng: np.random.Generator) -> tuple[dict[int | None, float], int]:
+                  rng: np.random.Generator, simd: str = "host") -> tuple[dict[int | None, float], int]:
     """Median seconds per call by batch (None: the one-row kernel), and the bytes of weights a
     call reads. Each configuration is one compiled step that calls its kernel on every copy of
     the weights in turn (``repeat``), so they come from memory as in a real decode step."""
@@ -278,7 +281,7 @@ def batched_times(case: tuple, threads: int, batches: list[int], reps: int,
             kernel = (gemv if batch is None else gemv_rows)(dtype, rows8, rows8)
             prog.call(kernel, weights[0], Buf(2), Null(), Buf(3), rows, k, 0, *tail, repeat=Param(1, 0))
         progs[batch] = prog
-    module = compile_kernels([], list(progs.values()))
+    module = compile_kernels([], list(progs.values()), simd)
     steps = {b: module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]) for b, p in progs.items()}
     table = buffer_table(buffers)
     times: dict[int | None, list[float]] = {b: [] for b in steps}
@@ -301,7 +304,7 @@ def batched_main(args: argparse.Namespace) -> None:
     for threads in (int(t) for t in args.threads.split(",")):
         for case in BATCHED_CASES:
             label, rows, k, dtype, rows8 = case
-            times, unit = batched_times(case, threads, batches, args.reps, rng)
+            times, unit = batched_times(case, threads, batches, args.reps, rng, args.simd)
             kind = dtype + ("_r8_xi16" if rows8 else "")
             for batch, secs in times.items():
                 ratio = (batch or 1) * times[None] / secs
@@ -321,6 +324,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="f16,q4_0,f32")
     parser.add_argument("--batched", action="store_true", help="time the batched decode kernels instead")
     parser.add_argument("--batches", default="1,2,4,8", help="batch sizes of --batched")
+    parser.add_argument("--simd", default="host", choices=SIMD_CHOICES, help="the SIMD level of --batched's kernels")
     parser.add_argument("--numpy-only", help=argparse.SUPPRESS)  # internal: one numpy baseline
     args = parser.parse_args()
     if args.numpy_only:
@@ -333,8 +337,8 @@ def main() -> None:
           f"kernels for {effective_simd('host')} (llvmlite {llvmlite.__version__}, LLVM "
           f"{'.'.join(map(str, llvm.llvm_version_info))}), numpy {np.__version__}")
     if args.batched:
-        print(f"batched decode kernels, medians of {args.reps} runs, weights from memory (copies over "
-              f"{WORKING_SET / 2**30:.0f} GiB)")
+        print(f"batched decode kernels for {effective_simd(args.simd)}, medians of {args.reps} runs, weights from "
+              f"memory (copies over {WORKING_SET / 2**30:.0f} GiB)")
         print()
         batched_main(args)
         return

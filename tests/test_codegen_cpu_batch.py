@@ -5,7 +5,9 @@ greedy token, a sparse gate's decision on 1e-7), so every output row of a batche
 compared with the one-row kernel's output for that row's x with ``np.array_equal`` on the float32
 bits: on 1, 2 and 3 threads, batches of 1, 3 and 8, ``accumulate`` 0 and 1, with biases, and x
 and y rows strided with padding between them (NaN in x's padding, which a row must not read; a
-sentinel in y's, which it must not write).
+sentinel in y's, which it must not write). The rows8 int16-x kernels take x rows two to a
+512-bit vector on AVX-512 (``rows8_pairs``, with ``vpdpbusd`` on avx512-vnni) and an odd batch's
+last row alone: each level's build is checked with batches that end in pairs and single rows.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from picc.codegen_cpu.kernels_batch import (
 )
 from picc.codegen_cpu.kernels_dense import dense_ffn, dense_ffn_scratch_bytes, gemv
 from picc.codegen_cpu.rows8 import to_rows8
-from runtime.cpu import host_has
+from runtime.cpu import host_has, vector_isa
 
 THREADS = (1, 2, 3)
 BATCHES = (1, 3, 8)
@@ -209,14 +211,14 @@ def test_no_fast_math_flags_in_the_batched_kernels():
     # LLVM may reassociate or contract only float operations that carry these flags; without
     # them a row's sum is computed in the IR's order, the one-row kernel's.
     flags = re.compile(r"\b(fast|reassoc|contract|nnan|ninf|nsz|arcp|afn)\b")
-    for simd in ("avx2", "avx512"):
+    for level in ("avx2", "avx512", "avx512-vnni"):
         for kernel in ALL:
-            text = kernel.emit(simd)
+            text = kernel.emit(level if kernel.by_level else vector_isa(level))
             assert "fadd" in text or "fma" in text
-            assert not flags.search(text), (kernel.symbol, simd, flags.search(text))
+            assert not flags.search(text), (kernel.symbol, level, flags.search(text))
 
 
-@pytest.mark.parametrize("simd", ["avx2", "avx512"])
+@pytest.mark.parametrize("simd", ["avx2", "avx512", "avx512-vnni"])
 def test_other_simd_levels_compile_and_compute_the_same_bits(host, teams, simd):
     # Every level's build is compiled to machine code; a level this host can run must give the
     # host build's bits (SmolLM2's kernels: q4_1 rows8 int16 x, and the q8_0 head's rows).
@@ -261,3 +263,68 @@ def test_int16_rows_are_rounded_each_on_its_own(host, teams):
     for b in range(3):
         ref = w.astype(np.float64) @ quant.round_to_int16_blocks(x[b, :k]).astype(np.float64)
         assert np.max(np.abs(y[b, :rows] - ref)) <= 2e-6 * np.max(np.abs(ref)), b
+
+
+# x rows in pairs (rows8_pairs): the rows8 int16-x batched kernels, compiled for each level.
+LEVELS = ("avx2", "avx512", "avx512-vnni")
+PAIR_BATCHES = (2, 5, 7, 11, 16)  # tiles of 8 (4 for up and gate), 4 and 2 rows, and a last row alone
+PAIR_GEMVS = [c for c in GEMV_CASES if c[1] and c[2]]
+PAIR_FFNS = [c for c in FFN_CASES if c[2] and c[3]]
+
+
+@pytest.fixture(scope="module")
+def by_level():
+    kernels = [gemv_kernels(c)[1] for c in PAIR_GEMVS] + [ffn_kernels(c)[1] for c in PAIR_FFNS]
+    return {level: CpuModule(build_ir(kernels, (), level), level) for level in LEVELS}
+
+
+def test_only_the_rows8_int16_kernels_differ_between_the_avx512_levels():
+    # Kernels are written for a vector ISA; only those that say so (by_level) see VNNI, so every
+    # other kernel's IR is the same on both AVX-512 levels.
+    assert {k.symbol for k in ALL if k.by_level} == {k.symbol for k in ALL if k.symbol.endswith("_r8_xi16_rows")}
+    for kernel in ALL:
+        same = build_ir([kernel], (), "avx512") == build_ir([kernel], (), "avx512-vnni")
+        assert same != kernel.by_level, kernel.symbol
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_each_level_sums_pairs_with_its_instructions(by_level, level):
+    # What the bit tests below run: 512-bit vpmaddubsw on avx512, vpdpbusd on avx512-vnni, and on
+    # AVX2 the 256-bit code of rows one at a time.
+    asm = by_level[level].emit_assembly()
+    found = (bool(re.search(r"vpmaddubsw\s+%zmm", asm)), "vpdpbusd" in asm, "zmm" in asm)
+    assert found == {"avx2": (False, False, False), "avx512": (True, False, True),
+                     "avx512-vnni": (False, True, True)}[level]
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_pairs_of_x_rows_keep_each_rows_bits(host, by_level, teams, level, threads):
+    if not host_has(level):
+        pytest.skip(f"this host cannot run {level} code (compiled only)")
+    module, team, rng = by_level[level], teams[threads], np.random.default_rng(62)
+    for case in PAIR_GEMVS:
+        (_, _, _, rows, k), (single, batched) = case, gemv_kernels(case)
+        w, bias = gemv_weights(case, 63), rng.normal(size=rows).astype(np.float32)
+        for batch in PAIR_BATCHES:
+            accumulate = batch % 2
+            x, y = x_rows(rng, batch, k), y_rows(rng, batch, rows, accumulate)
+            expected = y[:, :rows].copy()
+            for b in range(batch):
+                run(host, team, single, w, np.ascontiguousarray(x[b, :k]), bias, expected[b], rows, k, accumulate)
+            run(module, team, batched, w, x, bias, y, rows, k, accumulate, batch, x.strides[0], y.strides[0])
+            assert_rows_equal(y, expected, rows, (case, batch))
+    for case in PAIR_FFNS:
+        (single, batched), ffn = ffn_kernels(case), Ffn(case, 64)
+        for batch in PAIR_BATCHES:
+            accumulate = batch % 2
+            x, y = x_rows(rng, batch, FFN_HIDDEN), y_rows(rng, batch, FFN_HIDDEN, accumulate)
+            expected = y[:, :FFN_HIDDEN].copy()
+            scratch = aligned_zeros(dense_ffn_scratch_bytes(FFN_N))
+            for b in range(batch):
+                run(host, team, single, np.ascontiguousarray(x[b, :FFN_HIDDEN]), *ffn.mats, *ffn.biases, expected[b],
+                    scratch, FFN_N, FFN_HIDDEN, accumulate)
+            scratch = aligned_zeros(dense_ffn_rows_scratch_bytes(FFN_N, batch))
+            run(module, team, batched, x, *ffn.mats, *ffn.biases, y, scratch, FFN_N, FFN_HIDDEN, accumulate, batch,
+                x.strides[0], y.strides[0])
+            assert_rows_equal(y, expected, FFN_HIDDEN, (case, batch))

@@ -31,13 +31,12 @@ from picc.codegen_cpu.kernel import Kernel, module_ir
 from picc.codegen_cpu.prelude import SYNC_BYTES
 from picc.codegen_cpu.program import Buf, GreedyLoop, Null, Param, Program, buffer_table
 from picc.codegen_cpu.threads import ThreadTeam, aligned_zeros, huge_zeros
-from runtime.cpu import vector_isa
 
 
 def build_ir(kernels: Sequence[Kernel], programs: Sequence[Program | GreedyLoop] = (), simd: str = "host") -> str:
     """The LLVM IR text of a module with ``kernels`` and ``programs`` (and the kernels they call)."""
     all_kernels = list(kernels) + [k for p in programs for k in p.kernels]
-    return module_ir(all_kernels, [p.emit() for p in programs], vector_isa(effective_simd(simd)))
+    return module_ir(all_kernels, [p.emit() for p in programs], effective_simd(simd))
 
 
 def compile_kernels(kernels: Sequence[Kernel], programs: Sequence[Program | GreedyLoop] = (),

@@ -9,7 +9,8 @@ returns hold a reference back to it).
 ``"avx512-vnni"`` (x86-64-v4 with AVX-512 VNNI: the int16 dot products' ``vpmaddwd`` + add become
 ``vpdpwssd``), ``"avx512"`` (x86-64-v4) or ``"avx2"`` (x86-64-v3: AVX2, FMA, F16C; no AVX-512, so
 the code runs on any Haswell-or-later x86). The object code of one SIMD level runs on every CPU
-that has its features; both AVX-512 levels come from the same kernel IR (``vector_isa``).
+that has its features; both AVX-512 levels come from the same kernel IR (``vector_isa``), but for
+the batched rows8 int16-x kernels, which sum with ``vpdpbusd`` on ``avx512-vnni`` (``Kernel.by_level``).
 """
 
 from __future__ import annotations

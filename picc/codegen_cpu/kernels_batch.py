@@ -14,9 +14,13 @@ gate flips on 1e-7), so nothing here computes a row differently:
   time by the very emitters the one-row kernels go through
   (:func:`~picc.codegen_cpu.rows8.emit_rows8_dots_xs`, :func:`~picc.codegen_cpu.rowops.emit_dots_xs`;
   ``emit_rows8_dots`` and ``emit_dots`` are their one-x case, and the one-row kernels' IR is what
-  it was before them, byte for byte). Each x row keeps its own accumulators, fed block by block
-  by the same operations in the same order, and a row's sum is that chain of float operations
-  in the IR's order (no fast-math flags): it cannot depend on the batch, the thread, the x rows
+  it was before them, byte for byte). On AVX-512 the rows8 int16-x dot products take x rows
+  two to a 512-bit vector instead (:mod:`.rows8_pairs`, with ``vpdpbusd`` on ``avx512-vnni``):
+  a block's ``q . x`` is an exact integer, which other instructions sum to the same integer,
+  and the float operations after it are the one-row kernel's, lane by lane (these kernels see
+  the SIMD level itself, ``Kernel.by_level``). Each x row keeps its own accumulators, fed block
+  by block by the same operations in the same order, and a row's sum is that chain of float
+  operations in the IR's order (no fast-math flags): it cannot depend on the batch, the thread, the x rows
   beside it or the weight rows beside it;
 * the group's or tile's weights come from memory for the first x rows and from L1 / L2 for the
   others: the step reads its weights once, not B times. The x rows that go through a group's
@@ -27,8 +31,8 @@ gate flips on 1e-7), so nothing here computes a row differently:
 Parameters: the one-row kernel's, then ``batch`` (>= 1), ``x_stride`` and ``y_stride`` (bytes,
 multiples of 4): row b reads ``x + b x_stride`` and writes ``y + b y_stride``; ``accumulate``
 applies to every row, the bias is shared. The x forms live on each thread's stack, 2 to 4 bytes
-per element of every x row (both phases' for the FFN): keep ``batch * k`` under a million or so
-on the 8 MiB stacks of the runtime's threads.
+per element of every x row (both phases' for the FFN; int16 x in pairs another 2): keep ``batch
+* k`` under a million or so on the 8 MiB stacks of the runtime's threads.
 """
 
 from __future__ import annotations
@@ -68,18 +72,25 @@ from picc.codegen_cpu.rows8 import (
     emit_rows8_dots_xs,
     fill_scaled_x,
 )
+from picc.codegen_cpu.rows8_pairs import PAIR_X_BLOCK_BYTES, PairX, alloc_pair_x, emit_rows8_pair_dots, fill_pair_x
+from runtime.cpu import vector_isa
 
 BATCH_PARAMS = (("batch", "i32"), ("x_stride", "i32"), ("y_stride", "i32"))
 GEMV_ROWS_PARAMS = GEMV_PARAMS + BATCH_PARAMS
 DENSE_FFN_ROWS_PARAMS = DENSE_FFN_PARAMS + BATCH_PARAMS
 Form = IntX | ScaledX | XSums
 _BLOCK_BYTES: dict[type, dict[str, int]] = {IntX: INT_X_BLOCK_BYTES, ScaledX: SCALED_X_BLOCK_BYTES,
-                                            XSums: X_SUMS_BLOCK_BYTES}
+                                            XSums: X_SUMS_BLOCK_BYTES, PairX: PAIR_X_BLOCK_BYTES}
 # x rows that go through a rows8 group's blocks together (divided among its matrices: 2 each for
 # up and gate). Rows per second at batch 8 over the one-row kernel, SmolLM2 1536 x 576 up / 576 x
 # 1536 down, 2 threads, Zen 4: 1 at a time 1.47x / 1.28x, 2 1.64 / 1.50, 4 1.48 / 1.54, 8 1.61 / 1.69
 # (noisy to ~0.1: 4 keeps the accumulators and unpacked nibbles within AVX2's 16 registers).
 _X_TILE = 4
+# The same with x rows two to a vector (rows8_pairs: int16 x on AVX-512), by the number of matrices:
+# SmolLM2 q4_1 in L2, one thread, Zen 4, batch 8, cycles per x row and group block (avx512 / VNNI):
+# the 1536 x 576 GEMV 17.4 / 13.3 with 4 rows a tile, 16.4 / 12.5 with 8 (16 the same); its FFN's
+# up and gate with 2 rows a tile 20.5, 4 18.5, 8 19.3 (avx512).
+_PAIR_TILE = {1: 8, 2: 4}
 # x rows that go through a tile of rows one at a time together, by SIMD level: SmolLM2's q8_0
 # head at batch 8, Zen 4, 2 threads: AVX-512 1 at a time 1.33x, 2 1.96x, 4 1.81x; the AVX2 build
 # 1.40x with 1 and 1.39x with 2 (its 16 registers already hold four rows' converted blocks).
@@ -93,34 +104,48 @@ def dense_ffn_rows_scratch_bytes(n: int, batch: int) -> int:
     return batch * dense_ffn_scratch_bytes(n)
 
 
+def _view(fn: Fn, form: Form | PairX, first: str) -> Form | PairX:
+    """``form`` from block ``first`` (i64) on: each of its arrays moved as far."""
+    per_block = _BLOCK_BYTES[type(form)]
+    moved = {f.name: fn.at(getattr(form, f.name), per_block[f.name], first, "xform")
+             for f in fields(form) if getattr(form, f.name) is not None}
+    return replace(form, **moved)
+
+
 @dataclass(frozen=True, slots=True)
 class XRows:
     """The x rows of a batch (``batch`` rows ``stride`` bytes apart from ``x``, ``nblocks`` blocks
     of 32 floats each) and their forms for the dot products, all rows' in each array of ``form``
-    (row b's at block ``b * nblocks``), or None for formats that read x as it is."""
+    (row b's at block ``b * nblocks``), or None for formats that read x as it is; ``pairs``, rows
+    2p and 2p + 1 interleaved (:class:`~picc.codegen_cpu.rows8_pairs.PairX`, pair p's at block
+    ``p * nblocks``) where the dot products take x rows two at a time."""
 
     x: str
     stride: str
     nblocks: str
     form: Form | None
+    pairs: PairX | None = None
 
     def row(self, fn: Fn, b: str) -> tuple[str, Form | None]:
         """Row ``b``'s x pointer and its form (a view into the batch's arrays)."""
         x = fn.gep(self.x, fn.v(f"mul i64 {b}, {self.stride}", "xoff"), "xrow")
         if self.form is None:
             return x, None
-        first = fn.v(f"mul i64 {b}, {self.nblocks}", "xblk")
-        per_block = _BLOCK_BYTES[type(self.form)]
-        moved = {f.name: fn.at(getattr(self.form, f.name), per_block[f.name], first, "xform")
-                 for f in fields(self.form) if getattr(self.form, f.name) is not None}
-        return x, replace(self.form, **moved)
+        return x, _view(fn, self.form, fn.v(f"mul i64 {b}, {self.nblocks}", "xblk"))  # type: ignore[return-value]
+
+    def pair(self, fn: Fn, b: str) -> PairX:
+        """Rows ``b`` (even) and ``b + 1`` interleaved (a view into the batch's pair arrays)."""
+        assert self.pairs is not None
+        first = fn.v(f"mul i64 {fn.v(f'lshr i64 {b}, 1', 'xpair')}, {self.nblocks}", "xblk")
+        return _view(fn, self.pairs, first)  # type: ignore[return-value]
 
 
 def emit_x_rows(fn: Fn, x: str, stride: str, k: str, batch: str, dtypes: set[str], int_dots: bool,
-                rows8: bool) -> XRows:
+                rows8: bool, pairs: bool = False) -> XRows:
     """Each x row's form as the one-row kernel makes it for rows of ``dtypes``: int16 per block
     (``int_dots``), scaled (``rows8`` with float x), block sums (4-bit rows with float x) or
-    none. Call it outside loops: the arrays are allocated where it is called."""
+    none; with ``pairs`` (int16 x, rows8), rows 2p and 2p + 1's int16 forms interleaved too.
+    Call it outside loops: the arrays are allocated where it is called."""
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
     total = fn.v(f"mul i64 {nblocks}, {batch}", "nblkall")
     form: Form | None
@@ -130,7 +155,10 @@ def emit_x_rows(fn: Fn, x: str, stride: str, k: str, batch: str, dtypes: set[str
             form = alloc_scaled_x(fn, total, fn.v(f"shl i64 {total}, 5", "nx"))
     else:
         form = alloc_x_sums(fn, total, dtypes)
-    rows = XRows(x, stride, nblocks, form)
+    paired = None
+    if pairs and isinstance(form, IntX) and rows8:
+        paired = alloc_pair_x(fn, fn.v(f"mul i64 {nblocks}, {fn.v(f'lshr i64 {batch}, 1', 'npair')}", "npblk"), dtypes)
+    rows = XRows(x, stride, nblocks, form, paired)
     if form is not None:
         with fn.loop("0", batch, "1", "xb") as b:
             xb, fb = rows.row(fn, b)
@@ -141,6 +169,11 @@ def emit_x_rows(fn: Fn, x: str, stride: str, k: str, batch: str, dtypes: set[str
             else:
                 assert fb is not None
                 fill_x_sums(fn, xb, nblocks, fb)
+    if paired is not None:
+        with fn.loop("0", fn.v(f"and i64 {batch}, -2", "bpairs"), "2", "xp") as b:
+            a, c = rows.row(fn, b)[1], rows.row(fn, fn.v(f"add i64 {b}, 1", "xb1"))[1]
+            assert isinstance(a, IntX) and isinstance(c, IntX)
+            fill_pair_x(fn, (a, c), nblocks, rows.pair(fn, b))
     return rows
 
 
@@ -156,25 +189,33 @@ def _in_x_tiles(fn: Fn, batch: str, most: int, body: Callable[[list[str]], None]
 
 
 def emit_rows8_batch(fn: Fn, mats: list[tuple[str, str, str]], rows: XRows, k: str, batch: str, glo: str,
-                     ghi: str, consume: Consume) -> None:
+                     ghi: str, consume: Consume, vnni: bool = False) -> None:
     """:func:`~picc.codegen_cpu.rows8.emit_rows8` over a batch: for each group g in [glo, ghi)
     of the rows8 matrices ``(dtype, base, group_bytes)``, then each x row b, the one-row kernel's
     dot products of the group's eight rows with row b, handed to ``consume(b, row, dots)``.
     x rows go ``_X_TILE // len(mats)`` at a time through the group's blocks
-    (:func:`~picc.codegen_cpu.rows8.emit_rows8_dots_xs`), sharing each block's loads and nibbles."""
+    (:func:`~picc.codegen_cpu.rows8.emit_rows8_dots_xs`), sharing each block's loads and nibbles;
+    with ``rows.pairs``, ``_PAIR_TILE // len(mats)`` at a time, two to a vector
+    (:func:`~picc.codegen_cpu.rows8_pairs.emit_rows8_pair_dots`, ``vnni``: with ``vpdpbusd``),
+    and an odd batch's last row alone."""
+    most = _PAIR_TILE[len(mats)] if rows.pairs is not None else _X_TILE // len(mats)
     with fn.loop(glo, ghi, "1", "g") as g:
         groups = [(dtype, fn.gep(base, fn.v(f"mul i64 {g}, {gbytes}", "goff"), "grp")) for dtype, base, gbytes in mats]
         first = fn.v(f"shl i64 {g}, 3", "r0")
 
         def tile(bs: list[str]) -> None:
-            forms = [rows.row(fn, b)[1] for b in bs]
-            assert all(isinstance(f, IntX | ScaledX) for f in forms)
-            for b, dots in zip(bs, emit_rows8_dots_xs(fn, groups, forms, k), strict=True):  # type: ignore[arg-type]
+            if rows.pairs is not None and len(bs) > 1:
+                got = emit_rows8_pair_dots(fn, groups, [rows.pair(fn, b) for b in bs[::2]], k, vnni)
+            else:
+                forms = [rows.row(fn, b)[1] for b in bs]
+                assert all(isinstance(f, IntX | ScaledX) for f in forms)
+                got = emit_rows8_dots_xs(fn, groups, forms, k)  # type: ignore[arg-type]
+            for b, dots in zip(bs, got, strict=True):
                 for lane in range(GROUP):
                     r = fn.v(f"add i64 {first}, {lane}", "r") if lane else first
                     consume(b, r, [fn.v(f"extractelement {vec(8)} {d}, i64 {lane}", "dot") for d in dots])
 
-        _in_x_tiles(fn, batch, max(1, _X_TILE // len(mats)), tile)
+        _in_x_tiles(fn, batch, max(1, most), tile)
 
 
 def emit_tiled_batch(fn: Fn, mats: list[tuple[str, str, str]], rows: XRows, k: str, batch: str, lo: str, hi: str,
@@ -200,6 +241,16 @@ def emit_tiled_batch(fn: Fn, mats: list[tuple[str, str, str]], rows: XRows, k: s
     walk_row_tiles(fn, mats, lo, hi, tile_dots)
 
 
+def _pairs(level: str, int_dots: bool, rows8: bool) -> bool:
+    """Whether the rows8 int16-x dot products take x rows two to a vector: on both AVX-512 levels."""
+    return int_dots and rows8 and vector_isa(level) == "avx512"
+
+
+def _vnni(level: str) -> bool:
+    """Whether the pairs' integer sums use ``vpdpbusd`` (AVX-512 VNNI)."""
+    return level == "avx512-vnni"
+
+
 def _strides(fn: Fn) -> tuple[str, str, str]:
     return fn.sext("%batch", "batch"), fn.sext("%x_stride", "xstride"), fn.sext("%y_stride", "ystride")
 
@@ -218,11 +269,12 @@ def gemv_rows(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel
     check_rows8(rows8, dtype)
     symbol = names.cpu_gemv_rows(dtype, int_dots, rows8)
 
-    def emit(simd: str) -> str:
+    def emit(level: str) -> str:
+        simd, pairs = vector_isa(level), _pairs(level, int_dots, rows8)
         fn = kernel_fn(symbol, GEMV_ROWS_PARAMS)
         rows, k = fn.sext("%rows"), fn.sext("%k")
         batch, x_stride, y_stride = _strides(fn)
-        xs = emit_x_rows(fn, "%x", x_stride, k, batch, {dtype}, int_dots, rows8)
+        xs = emit_x_rows(fn, "%x", x_stride, k, batch, {dtype}, int_dots, rows8, pairs)
 
         def finish(b: str, r: str, dots: list[str]) -> None:
             finish_row(fn, dots[0], "%bias", r, _out(fn, "%y", y_stride, b, r))
@@ -230,14 +282,15 @@ def gemv_rows(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         if rows8:
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {rows}, 3", "groups"), tid, nthreads)
-            emit_rows8_batch(fn, [(dtype, "%w", emit_group_bytes(fn, dtype, k))], xs, k, batch, glo, ghi, finish)
+            emit_rows8_batch(fn, [(dtype, "%w", emit_group_bytes(fn, dtype, k))], xs, k, batch, glo, ghi, finish,
+                             _vnni(level))
         else:
             lo, hi = chunk_bounds(fn, rows, tid, nthreads)
             emit_tiled_batch(fn, [(dtype, "%w", emit_row_bytes(fn, dtype, k))], xs, k, batch, lo, hi, simd, finish)
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, GEMV_ROWS_PARAMS, emit, gemv_rows.__doc__ or "")
+    return Kernel(symbol, GEMV_ROWS_PARAMS, emit, gemv_rows.__doc__ or "", by_level=int_dots and rows8)
 
 
 @cache
@@ -253,7 +306,8 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
     check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype)
     symbol = names.cpu_dense_ffn_rows(form, up_dtype, gate_dtype, down_dtype, int_dots, rows8)
 
-    def emit(simd: str) -> str:
+    def emit(level: str) -> str:
+        simd, pairs = vector_isa(level), _pairs(level, int_dots, rows8)
         fn = kernel_fn(symbol, DENSE_FFN_ROWS_PARAMS)
         n, hidden = fn.sext("%n"), fn.sext("%hidden")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
@@ -269,20 +323,20 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
         def out(b: str, r: str, dots: list[str]) -> None:
             finish_row(fn, dots[0], "%down_bias", r, _out(fn, "%y", y_stride, b, r))
 
-        xs = emit_x_rows(fn, "%x", x_stride, hidden, batch, {d for d, _, _ in mats}, int_dots, rows8)
+        xs = emit_x_rows(fn, "%x", x_stride, hidden, batch, {d for d, _, _ in mats}, int_dots, rows8, pairs)
         if rows8:
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {n}, 3", "groups"), tid, nthreads)
             emit_rows8_batch(fn, [(d, base, emit_group_bytes(fn, d, hidden)) for d, base, _ in mats], xs, hidden,
-                             batch, glo, ghi, h)
+                             batch, glo, ghi, h, _vnni(level))
         else:
             lo, hi = chunk_bounds(fn, n, tid, nthreads)
             emit_tiled_batch(fn, mats, xs, hidden, batch, lo, hi, simd, h)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
-        hs = emit_x_rows(fn, "%scratch", h_stride, n, batch, {down_dtype}, int_dots, rows8)
+        hs = emit_x_rows(fn, "%scratch", h_stride, n, batch, {down_dtype}, int_dots, rows8, pairs)
         if rows8:
             glo2, ghi2 = chunk_bounds(fn, fn.v(f"lshr i64 {hidden}, 3", "groups"), tid, nthreads)
             emit_rows8_batch(fn, [(down_dtype, "%down", emit_group_bytes(fn, down_dtype, n))], hs, n, batch,
-                             glo2, ghi2, out)
+                             glo2, ghi2, out, _vnni(level))
         else:
             lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
             emit_tiled_batch(fn, [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))], hs, n, batch, lo2, hi2,
@@ -290,4 +344,4 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, DENSE_FFN_ROWS_PARAMS, emit, dense_ffn_rows.__doc__ or "")
+    return Kernel(symbol, DENSE_FFN_ROWS_PARAMS, emit, dense_ffn_rows.__doc__ or "", by_level=int_dots and rows8)

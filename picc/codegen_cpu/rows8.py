@@ -356,40 +356,60 @@ def _int_x_block(fn: Fn, intx: IntX, b: str) -> tuple[list[list[str]], str]:
     return xs, fn.splat(8, fn.load(F32, fn.at(intx.scale, 4, b), 4, "xsc"))
 
 
+def int_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = GROUP) -> str:
+    """The exact integer ``q . x`` of each int32 lane of a block (``<lanes x i32>``): ``chunks``
+    the block's four nibble chunks (``<4 lanes x i8>``, four bytes a lane), ``xs`` x's four-byte
+    groups, high bytes then low bytes (:func:`_int_x_block`). ``lanes`` 8: AVX2's ``vpmaddubsw``
+    / ``vpmaddwd``; 16: their 512-bit forms, each lane computing what an 8-lane lane computes
+    (two x rows a vector, :mod:`picc.codegen_cpu.rows8_pairs`)."""
+    nbytes, nwords = 4 * lanes, 2 * lanes
+    bytes_t, words, i32 = vec(nbytes, "i8"), vec(nwords, "i16"), vec(lanes, "i32")
+    mask, ones = vconst(nbytes, "15", "i8"), vconst(nwords, "1", "i16")
+    ub_sw, wd = (("avx2.pmadd.ub.sw", "avx2.pmadd.wd") if lanes == GROUP
+                 else ("avx512.pmaddubs.w.512", "avx512.pmaddw.d.512"))
+
+    def pairs(a: str, b: str) -> str:
+        return fn.v(f"call {words} @llvm.x86.{ub_sw}({bytes_t} {a}, {bytes_t} {b})", "pmb")
+
+    def words_to_ints(w: str) -> str:
+        return fn.v(f"call {i32} @llvm.x86.{wd}({words} {w}, {words} {ones})", "pm")
+
+    def add(total: str | None, value: str, ty: str = words) -> str:
+        return value if total is None else fn.v(f"add {ty} {total}, {value}", "tot")
+
+    high: str | None = None  # sum of q x_high: 8 x 2 x 15 x 128 fits int16
+    low: list[str | None] = [None, None]  # of q x_low, in two halves: 4 x 2 x 15 x 255 fits
+    for c, raw in enumerate(chunks):
+        shifted = fn.v(f"lshr {bytes_t} {raw}, {vconst(nbytes, '4', 'i8')}", "sh")
+        for nib, j in ((fn.v(f"and {bytes_t} {raw}, {mask}", "lo4"), c),
+                       (fn.v(f"and {bytes_t} {shifted}, {mask}", "hi4"), 4 + c)):
+            high = add(high, pairs(nib, xs[0][j]))
+            low[c // 2] = add(low[c // 2], pairs(xs[1][j], nib))
+    assert high is not None and low[0] is not None and low[1] is not None
+    dots = fn.v(f"shl {i32} {words_to_ints(high)}, {vconst(lanes, '8', 'i32')}", "hi8")
+    return add(dots, add(words_to_ints(low[0]), words_to_ints(low[1]), i32), i32)
+
+
+def scaled_sum(fn: Fn, dots: str, d: str, scale: str, acc: str, lanes: int = GROUP) -> str:
+    """``acc + float(dots) (d scale)``: the float part of a block of int16 x, the one sequence
+    of float operations every rows8 int16-x dot product goes through (a lane's bits follow)."""
+    v = vec(lanes)
+    t = fn.v(f"sitofp {vec(lanes, 'i32')} {dots} to {v}", "t")
+    return fn.fma(v, t, fn.v(f"fmul {v} {d}, {scale}", "ds"), acc)
+
+
 def _int_block(fn: Fn, dtype: str, chunks: list[str], xs: list[list[str]], scale: str, intx: IntX, b: str,
                d: str, m: str | None, acc: str) -> str:
     """``acc`` plus eight rows' dot products with block ``b`` of the int16 x: ``chunks`` the
     block's four nibble chunks (<32 x i8>), ``xs`` / ``scale`` from :func:`_int_x_block`, ``d`` /
     ``m`` the rows' scales and (q4_1) minimums (<8 x float>)."""
     v8, i32 = vec(8), "<8 x i32>"
-    mask, ones = vconst(32, "15", "i8"), vconst(16, "1", "i16")
-
-    def pairs(a: str, b: str) -> str:
-        return fn.v(f"call {W16} @llvm.x86.avx2.pmadd.ub.sw({B32} {a}, {B32} {b})", "pmb")
-
-    def words_to_ints(w: str) -> str:
-        return fn.v(f"call {i32} @llvm.x86.avx2.pmadd.wd({W16} {w}, {W16} {ones})", "pm")
-
-    def add(total: str | None, value: str, ty: str = W16) -> str:
-        return value if total is None else fn.v(f"add {ty} {total}, {value}", "tot")
-
-    high: str | None = None  # sum of q x_high: 8 x 2 x 15 x 128 fits int16
-    low: list[str | None] = [None, None]  # of q x_low, in two halves: 4 x 2 x 15 x 255 fits
-    for c, raw in enumerate(chunks):
-        shifted = fn.v(f"lshr {B32} {raw}, {vconst(32, '4', 'i8')}", "sh")
-        for nib, j in ((fn.v(f"and {B32} {raw}, {mask}", "lo4"), c),
-                       (fn.v(f"and {B32} {shifted}, {mask}", "hi4"), 4 + c)):
-            high = add(high, pairs(nib, xs[0][j]))
-            low[c // 2] = add(low[c // 2], pairs(xs[1][j], nib))
-    assert high is not None and low[0] is not None and low[1] is not None
-    dots = fn.v(f"shl {i32} {words_to_ints(high)}, {vconst(8, '8', 'i32')}", "hi8")
-    dots = add(dots, add(words_to_ints(low[0]), words_to_ints(low[1]), i32), i32)
+    dots = int_sums(fn, chunks, xs)
     if dtype == "q4_0":
         assert intx.isums is not None
         offset = _splat_i32(fn, fn.load("i32", fn.at(intx.isums, 4, b), 4, "xo"), as_bytes=False)
         dots = fn.v(f"add {i32} {dots}, {offset}", "pm")
-    t = fn.v(f"sitofp {i32} {dots} to {v8}", "t")
-    value = fn.fma(v8, t, fn.v(f"fmul {v8} {d}, {scale}", "ds"), acc)
+    value = scaled_sum(fn, dots, d, scale, acc)
     if m is not None:
         assert intx.sums is not None
         value = fn.fma(v8, m, fn.splat(8, fn.load(F32, fn.at(intx.sums, 4, b), 4, "xs")), value)
