@@ -13,6 +13,9 @@ server's batches do not change a sequence's tokens), that no reply was a 5xx, th
 left behind afterwards (``/metrics``: none active, every slot free) and that the server's memory is
 steady (RSS after the load within 10% of its RSS after the warm-up). Exits 1 when a check fails.
 
+``--batch-steps`` first times the engine's batch step itself (no server): milliseconds per call for
+1, 2, 4 and 8 sequences against the one-sequence step, medians of 20 calls, in one run.
+
 ``--llama GGUF`` runs the same load against llama-cpp-python's OpenAI server (``pip install
 'llama-cpp-python[server]'``; it serves one request at a time) on that GGUF, for the ratio.
 """
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,6 +163,37 @@ def load(url: str, model: str, args: argparse.Namespace, server: Server | None) 
     return phases, facts
 
 
+def batch_steps(model: str, threads: int, calls: int = 20) -> str:
+    """The batch step's time per call for 1..8 rows against the one-row step's, as a table."""
+    sys.path.insert(0, str(ROOT))
+    from runtime.sequences import SequencePool
+    from runtime.session import Session
+
+    lines = ["### the batch step alone", "", "| rows | ms per call | tokens/s | vs the one-sequence step |",
+             "|---|---|---|---|"]
+    with Session(model, threads) as s:
+        ex = s.executor
+        pool = SequencePool(ex, 8)
+        slots = [pool.acquire() for _ in range(8)]
+
+        def median_seconds(run: Callable[[int], None]) -> float:
+            times = []
+            for i in range(calls + 2):
+                start = time.perf_counter()
+                run(i)
+                times.append(time.perf_counter() - start)
+            return statistics.median(times[2:])
+
+        with ex.pinned():
+            one = median_seconds(lambda i: ex.step(5, 10 + i))
+            lines.append(f"| step | {one * 1e3:.2f} | {1 / one:.0f} | 1.00x |")
+            for rows in (1, 2, 4, 8):
+                ptrs = pool.pointers(slots[:rows])
+                t = median_seconds(lambda i, rows=rows, ptrs=ptrs: ex.cpu.batch_step([5] * rows, [10 + i] * rows, ptrs))
+                lines.append(f"| {rows} | {t * 1e3:.2f} | {rows / t:.0f} | {rows * one / t:.2f}x |")
+    return "\n".join(lines)
+
+
 def table(title: str, phases: list[Phase]) -> str:
     base = phases[0].rate if phases else 0.0
     lines = [f"### {title}", "", "| concurrency | requests | p50 latency (s) | p99 latency (s) | aggregate tok/s "
@@ -183,10 +218,13 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=600, help="seconds for the whole load (default 600)")
     ap.add_argument("--llama", metavar="GGUF", help="also load llama-cpp-python's server on this GGUF")
     ap.add_argument("--json", metavar="OUT", help="write the numbers as JSON")
+    ap.add_argument("--batch-steps", action="store_true", help="first time the batch step alone (no server)")
     args = ap.parse_args()
     if not Path(args.model).is_file():
         raise SystemExit(f"serve_load: {args.model} not found (bash scripts/demo.sh compiles build/smollm2.pib)")
     print(f"machine: {machine()}")
+    if args.batch_steps:
+        print(batch_steps(args.model, args.threads))
     name = Path(args.model).stem
     server = Server([sys.executable, "-m", "picc.cli", "serve", args.model, "--port", "0", "--threads",
                      str(args.threads), "--max-batch", str(args.max_batch), "--max-queue", "64"])
