@@ -249,6 +249,9 @@ def _add_compile_command(sub: argparse._SubParsersAction) -> None:
                        help="keep sparsity even where the cost model estimates the dense model faster (by "
                        "default a CPU-only compile of a dense source builds whichever it estimates faster, "
                        "and says which)")
+    s.add_argument("--no-batch-step", action="store_true",
+                   help="leave out the batch step that lets 'picc serve' decode its sequences together (each "
+                   "then steps alone; saves ~2-3 s of LLVM a compile)")
     dots = s.add_mutually_exclusive_group()
     dots.add_argument("--float-dots", action="store_true",
                       help="a dense model's q4_0 / q4_1 matrix-vector products round x to int16 per block of "

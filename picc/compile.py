@@ -47,6 +47,7 @@ class CompileOptions:
     sparse: bool = False  # sparsity even where the cost model estimates the dense model faster
     float_dots: bool = False  # keep float dot products where a dense model could round x to int16
     int_dots: bool = False  # round x to int16 for 4-bit dot products in sparse models too
+    batch_step: bool = True  # the server's batch step (a CPU-only model; ~2-3 s more LLVM a compile)
     solver: str = "greedy"
     sparsity: SparsifyOptions = field(default_factory=SparsifyOptions)
 
@@ -151,7 +152,7 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
         return dense
     steps = schedule(module)
     say(f"generating CPU code ({target.cpu.simd})")
-    sections, tensors, layouts = cpu_code(module, weights, steps, options.ctx, target.cpu.simd)
+    sections, tensors, layouts = cpu_code(module, weights, steps, options.ctx, target.cpu.simd, options.batch_step)
     sections["schedule"] = json.dumps(steps.to_json()).encode("utf-8")
     if target.gpu is not None and "gpu" in steps.devices:
         say(f"generating GPU code ({target.gpu.arch})")
@@ -239,7 +240,7 @@ def _dense_estimate(model: LoadedModel, options: CompileOptions, target: Target)
 
 
 def cpu_code(module, weights, steps: Schedule, ctx: int,  # noqa: ANN001
-             simd: str) -> tuple[dict[str, bytes], dict[str, Tensor], dict[str, str]]:
+             simd: str, batch_step: bool = True) -> tuple[dict[str, bytes], dict[str, Tensor], dict[str, str]]:
     """The CPU's part of the decode step: object code, its LLVM IR, the manifest, extra tensors,
     and the weights its kernels read in another layout than the source's (name -> ``rows8``)."""
     from picc.codegen_cpu import build_ir
@@ -248,7 +249,7 @@ def cpu_code(module, weights, steps: Schedule, ctx: int,  # noqa: ANN001
 
     if simd not in ("avx512-vnni", "avx512", "avx2"):
         raise PiccError(f"the target's CPU has SIMD level {simd!r}; picc's CPU kernels need avx2 or avx512")
-    lowered = lower_module(module, weights, steps, ctx)
+    lowered = lower_module(module, weights, steps, ctx, batch_step=batch_step)
     ir, obj = compiled_object(build_ir([], lowered.programs, simd), simd)
     sections = {"cpu/object": obj, "cpu/ir": ir.encode("utf-8"),
                 "cpu/manifest": json.dumps(lowered.manifest(simd).to_json()).encode("utf-8")}

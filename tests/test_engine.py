@@ -76,7 +76,7 @@ class Collector:
             self.done.set()
 
 
-def serve(path, requests, max_batch=4, joins_after=3):
+def serve(path, requests, max_batch=4, joins_after=3, batched=True):
     """``requests`` through one engine: the first ``joins_after`` at once, the others one by one
     while the first are decoding. Their collectors, in order."""
     with Session(path, 2) as session:
@@ -90,7 +90,7 @@ def serve(path, requests, max_batch=4, joins_after=3):
         for c in got:
             assert c.done.wait(120)
         assert engine.pool.free == max_batch and engine.active == 0  # every slot given back
-        assert engine.stats.batch_steps > 0  # sequences did decode together
+        assert (engine.stats.batch_steps > 0) == batched  # sequences did decode together
         engine.close()
     return got
 
@@ -180,3 +180,13 @@ def test_the_batch_step_gives_each_row_the_bits_of_its_own_step(model, threads):
         with pytest.raises(ExecutorError, match="batch step takes"):
             cpu.batch_step([1] * (cpu.batch_capacity + 1), [0] * (cpu.batch_capacity + 1),
                            pool.pointers([0] * (cpu.batch_capacity + 1)))
+
+
+def test_a_model_without_the_batch_step_steps_its_sequences_one_by_one(tmp_path):
+    # picc compile --no-batch-step: the engine steps each sequence alone, still exactly.
+    path = compiled(tmp_path, "plain", dense=True, batch_step=False)
+    with Session(path, 1) as session:
+        assert session.executor.cpu.batch_capacity == 0
+    requests = [Request(p, 6) for p in PROMPTS[:4]]
+    got = serve(path, requests, max_batch=4, joins_after=4, batched=False)
+    assert [c.tokens for c in got] == [alone(path, p, 6) for p in PROMPTS[:4]]

@@ -46,6 +46,9 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def compiled(model, tmp_path, name: str, **options) -> tuple:
+    """``model`` compiled into a .pib (without the server's batch step unless ``batch_step=True``:
+    tests/test_engine.py tests it, and its kernels cost each distinct compile ~2-3 s of LLVM)."""
+    options.setdefault("batch_step", False)
     result = compile_model(model, CompileOptions(**options), say=lambda _: None)
     path = tmp_path / f"{name}.pib"
     write_compiled(result, path)

@@ -66,8 +66,10 @@ class CpuProgram:
                            self.greedy, self.prefill, self.logits_chunk, self.decode, self.batch)
 
 
-def lower_module(module: Module, weights: WeightStore, sched: Schedule, ctx: int) -> CpuProgram:
-    """The CPU step programs of ``module`` (scheduled by ``sched``) with KV caches for ``ctx`` positions."""
+def lower_module(module: Module, weights: WeightStore, sched: Schedule, ctx: int, *,
+                 batch_step: bool = True) -> CpuProgram:
+    """The CPU step programs of ``module`` (scheduled by ``sched``) with KV caches for ``ctx`` positions;
+    ``batch_step``: with the server's batch step where the model runs on the CPU alone."""
     func = module.function()
     for arg in func.args:
         if arg.name not in ("tokens", "pos"):
@@ -84,7 +86,7 @@ def lower_module(module: Module, weights: WeightStore, sched: Schedule, ctx: int
     where_logits, values = step.host_places()
     programs = [*step.programs, *prefill, *logits]
     batch_info = None
-    if loop is not None and not sched.stages[0].gpu:  # on the CPU alone: a server decodes its sequences together
+    if batch_step and loop is not None and not sched.stages[0].gpu:  # CPU alone: a server batches its sequences
         batch, batch_info = BatchLowering(step, bufs).lower_batch()
         programs.append(batch)
     return CpuProgram(programs, bufs.extra, bufs.layouts, tuple(bufs.entries), tuple(step.stages), values,
