@@ -67,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from runtime.cpu import ExecutorError
     from runtime.engine import Engine
+    from runtime.sequences import gpu_kv_caches
     from runtime.server import ServedModel, create_app
 
     if (args.max_batch is not None and args.max_batch < 1) or (args.max_queue is not None and args.max_queue < 0):
@@ -76,8 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if session.text is None:
             raise PiccError(f"{args.model}: the model has no tokenizer; a server needs one to read and write text")
         if args.max_batch is None:  # caches on the GPU hold one sequence (runtime.sequences)
-            gpu_caches = any(b.kind == "kv-cache" and b.device == "gpu" for b in session.executor.plan.buffers)
-            args.max_batch = 1 if gpu_caches else 8
+            args.max_batch = 1 if gpu_kv_caches(session.executor) else 8
         try:
             engine = Engine(session, args.max_batch, args.max_queue)
         except ExecutorError as e:

@@ -68,7 +68,8 @@ class Metrics:
                                         registry=self.registry)
         self.registry.register(_EngineState(engine))
 
-    def finished(self, prompt_tokens: int, generated: int, seconds: float) -> None:
+    def finished(self, prompt_tokens: int, generated: int) -> None:
+        """A request's tokens, when it ends (its latency is CountRequests')."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generated_tokens.inc(generated)
 

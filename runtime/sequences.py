@@ -35,6 +35,11 @@ def available_memory() -> int | None:
     return None
 
 
+def gpu_kv_caches(executor: Executor) -> int:
+    """How many of the model's KV caches live on the GPU (each holds one sequence's positions)."""
+    return sum(1 for b in executor.plan.buffers if b.kind == "kv-cache" and b.device == "gpu")
+
+
 class SequencePool:
     """``slots`` sets of KV caches for ``executor``'s model; :meth:`acquire` / :meth:`release`
     hand slots to sequences, :meth:`bind` makes one the caches the next steps use."""
@@ -42,9 +47,9 @@ class SequencePool:
     def __init__(self, executor: Executor, slots: int) -> None:
         if slots < 1:
             raise ExecutorError(f"--max-batch {slots}: expected at least 1")
-        gpu_caches = [b for b in executor.plan.buffers if b.kind == "kv-cache" and b.device == "gpu"]
+        gpu_caches = gpu_kv_caches(executor)
         if slots > 1 and gpu_caches:
-            raise ExecutorError(f"--max-batch {slots}: this model keeps {len(gpu_caches)} KV caches on the GPU, "
+            raise ExecutorError(f"--max-batch {slots}: this model keeps {gpu_caches} KV caches on the GPU, "
                                 "which hold one sequence; serve it with --max-batch 1 (or compile it with the "
                                 "caches on the CPU)")
         cpu = executor.cpu

@@ -181,12 +181,11 @@ async def _respond(request: Request, served: ServedModel, metrics: Metrics, para
                                                          stop_at_eos=not params.ignore_eos), params.stop)
     rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
     body = chat_body if chat else completion_body
-    started = time.perf_counter()
     if params.stream:
-        return EventSourceResponse(_events(gen, params, served.name, rid, created, len(ids), chat, metrics, started),
+        return EventSourceResponse(_events(gen, params, served.name, rid, created, len(ids), chat, metrics),
                                    ping=15)
     text, finish = await _collect(request, gen)
-    metrics.finished(len(ids), gen.tokens, time.perf_counter() - started)
+    metrics.finished(len(ids), gen.tokens)
     return JSONResponse({**body(rid, served.name, text, finish, created=created), "usage": usage(len(ids), gen.tokens)})
 
 
@@ -211,7 +210,7 @@ async def _collect(request: Request, gen: Generation) -> tuple[str, str | None]:
 
 
 async def _events(gen: Generation, params: Params, model: str, rid: str, created: int, prompt_tokens: int,
-                  chat: bool, metrics: Metrics, started: float) -> AsyncIterator[dict]:
+                  chat: bool, metrics: Metrics) -> AsyncIterator[dict]:
     """The stream's events: chunks of text (chat: first the role), the last with its finish reason,
     the usage when asked for, then ``[DONE]``."""
     if chat:
@@ -223,7 +222,7 @@ async def _events(gen: Generation, params: Params, model: str, rid: str, created
                 yield {"data": json.dumps(body(rid, model, text, finish, chunk=True, created=created))}
     except ApiError as e:
         yield {"data": json.dumps(e.body())}
-    metrics.finished(prompt_tokens, gen.tokens, time.perf_counter() - started)
+    metrics.finished(prompt_tokens, gen.tokens)
     if params.include_usage:
         yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                    "created": created, "model": model, "choices": [],

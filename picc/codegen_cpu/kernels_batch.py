@@ -42,7 +42,6 @@ from dataclasses import dataclass, fields, replace
 from functools import cache
 
 from picc import kernel_names as names
-from picc.codegen_cpu.ffn_emitter import gated_form
 from picc.codegen_cpu.int16x import INT_X_BLOCK_BYTES, IntX, alloc_int_x, fill_int_x
 from picc.codegen_cpu.irtext import Fn, chunk_bounds, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
@@ -50,6 +49,7 @@ from picc.codegen_cpu.kernels_dense import (
     DENSE_FFN_PARAMS,
     GEMV_PARAMS,
     check_rows8,
+    dense_ffn_form,
     dense_ffn_scratch_bytes,
     finish_row,
     store_h,
@@ -300,10 +300,7 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
     of the one-row kernel, each matrix read once. ``scratch`` holds ``batch`` rows of the one-row
     kernel's (:func:`dense_ffn_rows_scratch_bytes`): phase 1 writes row b's h there, the barrier,
     then phase 2 dots down with each row's h (rounded per row as the one-row kernel rounds its h)."""
-    spec = gated_form(form, gate_dtype)
-    for d in (up_dtype, gate_dtype or "f32", down_dtype):
-        check_dtype(d)
-    check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype)
+    spec = dense_ffn_form(form, up_dtype, gate_dtype, down_dtype, rows8)
     symbol = names.cpu_dense_ffn_rows(form, up_dtype, gate_dtype, down_dtype, int_dots, rows8)
 
     def emit(level: str) -> str:

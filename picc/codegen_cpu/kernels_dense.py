@@ -104,6 +104,16 @@ def store_h(fn: Fn, spec: FfnForm, r: str, dots: list[str], h: str) -> None:
     fn.store(F32, emit_h(fn, spec, a, u), fn.at(h, 4, r), 4)
 
 
+def dense_ffn_form(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, rows8: bool) -> FfnForm:
+    """The gated form of a dense FFN kernel, its matrices' formats and layout checked (one check for
+    the one-row kernel and its batched twin)."""
+    spec = gated_form(form, gate_dtype)
+    for d in (up_dtype, gate_dtype or "f32", down_dtype):
+        check_dtype(d)
+    check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype)
+    return spec
+
+
 @cache
 def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, int_dots: bool = False,
               rows8: bool = False) -> Kernel:
@@ -114,10 +124,7 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
     ``int_dots``: 4-bit rows dot x (and h) rounded to int16 per block, as :func:`gemv`; ``rows8``:
     every matrix in the rows8 layout (n and hidden multiples of 8), as :func:`gemv`.
     """
-    spec = gated_form(form, gate_dtype)
-    for d in (up_dtype, gate_dtype or "f32", down_dtype):
-        check_dtype(d)
-    check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype)
+    spec = dense_ffn_form(form, up_dtype, gate_dtype, down_dtype, rows8)
     symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype, int_dots, rows8)
 
     def emit(simd: str) -> str:
