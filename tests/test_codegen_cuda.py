@@ -52,6 +52,7 @@ from picc.codegen_cuda import (
     unpack,
     write_cuda_sources,
 )
+from picc.codegen_cuda.schedules import arch_params
 from picc.errors import PiccError
 from picc.interpreter import KVCache, activation
 from picc.interpreter import attention as ref_attention
@@ -91,7 +92,10 @@ def test_q4_0_planes_hold_exactly_the_gguf_values() -> None:
     w = randn(rng, 6, 96)
     raw = quant.quantize(w, "q4_0")
     planes = split_q4_0(raw, w.shape)
-    assert planes[0].shape == (6, 48) and planes[1].shape == (6, 3)
+    # the 16 nibble bytes of a block as four little-endian uint32 words (one register each on a GPU)
+    assert planes[0].shape == (6, 12) and planes[0].dtype == np.uint32 and planes[1].shape == (6, 3)
+    np.testing.assert_array_equal(planes[0].view(np.uint8).reshape(6, 3, 16),
+                                  raw.view(np.uint8).reshape(6, 3, 18)[..., 2:])
     np.testing.assert_array_equal(unpack(planes, "q4_0"), quant.dequantize(raw, "q4_0", w.shape))
 
 
@@ -310,8 +314,10 @@ def test_launch_configs_match_the_cuda_source() -> None:
             head = next(ln for ln in art.source.splitlines() if f" {launch.entry}(" in ln)
             assert f"__launch_bounds__({threads})" in head or "__launch_bounds__" not in head
     rows = build_cuda([gemv("lc_rows", 4096, 576, "f16")], "sm_75", nvcc=False)["lc_rows"].launches[0]
-    # One warp per row, four rows per block on sm_75: 4096 rows take 1024 blocks of 4 x 32 threads.
-    assert rows.grid == (1024, 1, 1) and rows.block == (32, 4, 1)
+    # A warp per `rows_per_warp` rows, four warps per block on sm_75: 4096 rows take 4096 / (4 x 2)
+    # blocks of 4 x 32 threads.
+    per_warp = arch_params("sm_75").rows_per_warp
+    assert rows.grid == (4096 // (4 * per_warp), 1, 1) and rows.block == (32, 4, 1)
 
 
 def test_gate_first_needs_a_glu_form() -> None:
@@ -487,6 +493,36 @@ def test_sparse_ffn_source_skips_rows_past_count() -> None:
     assert guard < gather.index("*(uint4*)(W_ug_local_ptr")  # weights are loaded only under the guard
     assert "__shfl_down_sync" in gather
 
+
+
+def _definition(src: str, entry: str) -> str:
+    """The body of kernel ``entry`` in a CUDA source (its definition, not its declaration)."""
+    start = src.index(f"{entry}(", src.index(f"{entry}(") + 1)
+    return src[start:src.index("\n}\n", start)]
+
+
+@pytest.mark.parametrize("fmt", ["f16", "q4_0"])
+def test_gather_gemv_loads_a_row_without_a_branch_per_chunk(fmt: str) -> None:
+    # A data-dependent row (idx[r]) made TVM guard every staged 16-byte load with its own
+    # `if (0 <= idx[r] && idx[r] < n_ff)`: a lane's loads could not be in flight together (on an
+    # H100 the 7B-shape gather-GEMV at 10% active took 35 us, 28 with the row clamped). The row is
+    # clamped into range instead, so the loads follow each other in one basic block.
+    gather = _definition(cuda_source(sparse_ffn("ffn_rows", 1024, 2048, "reglu", fmt), "sm_90"), "ffn_rows_kernel")
+    assert "0 <= idx_ptr" not in gather
+    chunks = {"f16": 4, "q4_0": 1}[fmt] * arch_params("sm_90").rows_per_warp  # a lane's, unrolled
+    assert gather.count("= *(uint4*)(W_ug") == chunks
+
+
+def test_axpy_trips_past_count_load_nothing() -> None:
+    # The down AXPY's threads walk their rows (ascending) a trip of `axpy_unroll` rows at a time;
+    # a trip whose first row is past count is skipped whole, so the AXPY's work follows the active
+    # count instead of visiting every row of the index list.
+    src = cuda_source(sparse_ffn("ffn_trip", 1024, 16384, "swiglu", "f16"), "sm_90")  # 32 rows a thread
+    axpy = _definition(src, "ffn_trip_kernel_1")
+    trips = re.search(r"for \(int (\w+) = 0; \1 < (\d+); \+\+\1\) \{\n(?:\s*int \w+ = .*;\n)*\s*if \((.*)\) \{", axpy)
+    assert trips is not None and "count_ptr[0]" in trips.group(3)
+    assert int(trips.group(2)) == 32 // arch_params("sm_90").axpy_unroll
+    assert axpy.count("half4 v_") == arch_params("sm_90").axpy_unroll  # a trip's rows, unrolled: a load each
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_75", "sm_90"])

@@ -108,7 +108,9 @@ def _gather_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, bias: bo
         args += [(idx, "in"), (count, "in")]
 
         def neuron(r: PrimExpr) -> PrimExpr:
-            return idx[r]
+            # Clamped (a no-op on any list ``compact`` writes): TVM cannot bound a row it reads
+            # from memory, and would guard each staged 16-byte load of it with its own branch.
+            return tirx.min(tirx.max(idx[r], 0), n_ff - 1)
 
         def live(r: PrimExpr) -> PrimExpr:
             return r < count[0]

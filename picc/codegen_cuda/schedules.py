@@ -11,13 +11,15 @@ The building blocks (each a few primitives; read the emitted CUDA beside them):
   row within the block (``rows`` warps per block).
 * ``sliced_axpy``: ``y[k] = sum_r h_r * D[row_r, k]`` over neuron-major rows, in row slices
   (``blockIdx.y``) whose partial rows a second launch adds up: thread ``tx`` owns ``vector``
-  adjacent columns (one vectorised load per row), ``threadIdx.y`` splits the slice's rows and a
-  shared-memory reduction over ``threadIdx.y`` merges them.
+  adjacent columns (one vectorised load per row), ``threadIdx.y`` splits the slice's rows, taken
+  ``axpy_unroll`` at a time (their loads in flight together; a sparse FFN skips a trip whose first
+  row is past ``count``), and a shared-memory reduction over ``threadIdx.y`` merges them.
 * ``block_reduce``: one thread block per row for norms and softmax statistics (in-thread partial
   sums, then a cross-thread reduction).
 * guards: a kernel's ``guards`` wrap the per-row loop nest in ``if (guard)`` (annotation
   ``picc_guard`` on the loop, applied by ``apply_guards`` after scheduling), so skipped rows of
-  an index list or of a gate-first mask load no weights at all.
+  an index list or of a gate-first mask load no weights at all; a schedule adds guards of its own
+  blocks (``TileGuard``: the AXPY's trips).
 
 Attention's schedules (five launches, and decode's one) are in ``schedules_attention.py``.
 """
@@ -28,9 +30,10 @@ from dataclasses import dataclass
 
 from tvm import s_tir, tirx
 from tvm.ir.expr import Expr as PrimExpr
+from tvm.sym import Analyzer
 
 from picc.codegen_cuda.dense import warp_compact
-from picc.codegen_cuda.kernel import Kernel
+from picc.codegen_cuda.kernel import Guard, Kernel
 from picc.errors import PiccError
 from runtime.gpu_layout import element_bytes
 
@@ -46,12 +49,20 @@ class ArchParams:
     """Schedule knobs of one GPU architecture (chosen from the hardware's limits, not tuned).
 
     ``rows``: warps (rows) per GEMV block; ``axpy_split``: threads along the rows of an AXPY block;
-    ``threads``: threads per block of elementwise kernels.
+    ``threads``: threads per block of elementwise kernels; ``unroll_chunks``: a lane's 16-byte
+    chunks of a row unrolled, so all its loads are in flight at once rather than one per loop trip
+    (a row of 4096 f16 is 16 chunks a lane: 16 memory latencies in a row otherwise);
+    ``axpy_unroll``: rows an AXPY thread takes per trip (their loads in flight together);
+    ``rows_per_warp``: rows a warp of a row-dot computes together, sharing each chunk of x it loads
+    (every row reads all of x: 16 KiB a row at hidden 4096, 8 times a q4_0 row's own bytes).
     """
 
     rows: int
     axpy_split: int
     threads: int
+    unroll_chunks: bool = True
+    axpy_unroll: int = 8
+    rows_per_warp: int = 2
 
 
 # Turing (sm_75) runs at most 16 blocks / 1024 threads per SM: 4-warp blocks keep enough blocks
@@ -63,6 +74,15 @@ ARCH_PARAMS: dict[str, ArchParams] = {
     "sm_89": ArchParams(rows=8, axpy_split=8, threads=256),
     "sm_90": ArchParams(rows=8, axpy_split=16, threads=256),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class TileGuard:
+    """A guard the schedule adds to a block it made: the block's iterator names, in order, and
+    ``guard(buffers_by_name, *values)`` over their values (``apply_guards``)."""
+
+    axes: list[str]
+    guard: Guard
 
 
 def arch_params(arch: str) -> ArchParams:
@@ -96,10 +116,13 @@ def row_lanes(chunks: int) -> int:
 
 
 def warp_rows(sch: s_tir.Schedule, name: str, rows: int, staged: list[str], guarded: bool,
-              epilogues: tuple[str, ...] = ()) -> None:
-    """Schedule row-dot block ``name`` one warp per row (see the module docstring).
+              epilogues: tuple[str, ...] = (), unroll: bool = False, per_warp: int = 1) -> None:
+    """Schedule row-dot block ``name`` one warp per ``per_warp`` rows (see the module docstring).
 
     ``rows`` is the number of warps per block; rows shorter than 32 chunks share a warp.
+    ``unroll``: a lane's chunks unrolled (``ArchParams.unroll_chunks``). ``per_warp``
+    (``ArchParams.rows_per_warp``): adjacent rows a warp computes together, each chunk of the
+    vector operand loaded once for all of them; a guarded warp runs when its first row is live.
     """
     block = sch.get_sblock(name)
     *spatial, kv, kl = sch.get_loops(block)
@@ -108,21 +131,34 @@ def warp_rows(sch: s_tir.Schedule, name: str, rows: int, staged: list[str], guar
     ko, tx = sch.split(kv, [None, lanes])
     rf = sch.rfactor(tx, 0)
     s, ko, tx, kl = sch.get_loops(rf)
-    bx, ty = sch.split(s, [None, power_of_two_divisor(int(sch.get(s).extent), rows * 32 // lanes)])
-    sch.reorder(bx, ty, tx, ko, kl)
+    extent = int(sch.get(s).extent)
+    per_warp = power_of_two_divisor(extent, per_warp if lanes == 32 else 1)
+    bx, ty, rr = sch.split(s, [None, power_of_two_divisor(extent // per_warp, rows * 32 // lanes), per_warp])
+    sch.reorder(bx, ty, tx, ko, rr, kl)
     sch.bind(bx, "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
+    operand = staged[-1]  # the vector operand, shared by the warp's rows; the weights are per row
     for buffer in staged:
-        stage_vector(sch, rf, buffer, ko)
+        stage_vector(sch, rf, buffer, ko if buffer == operand else rr)
     sch.unroll(kl)
+    sch.unroll(rr)
     sch.decompose_reduction(rf, ko)
+    if unroll:
+        sch.unroll(ko)
     if guarded:
         sch.annotate(ko, GUARD, name)
     sch.set_scope(rf, 0, "local")
     final = sch.get_sblock(name)
     sch.reverse_compute_at(final, ty)
-    sch.bind(sch.get_loops(final)[-1], "threadIdx.x")
+    *_, inner = sch.get_loops(final)
+    if per_warp > 1:  # the warp's rows, then the reduction over its lanes, which the lanes share
+        row, lane = sch.get_loops(final)[-2:]
+        if int(sch.get(row).extent) != per_warp:
+            row, lane = lane, row
+        sch.reorder(row, lane)
+        inner = lane
+    sch.bind(inner, "threadIdx.x")
     if epilogues:  # bias / activation / threshold of the row, done by its warp
         sch.set_scope(final, 0, "local")
     for epi in epilogues:
@@ -139,21 +175,29 @@ def power_of_two_divisor(n: int, at_most: int) -> int:
     return tile
 
 
-def sliced_axpy(sch: s_tir.Schedule, vector: int, split: int, threads: int) -> None:
+def sliced_axpy(sch: s_tir.Schedule, vector: int, split: int, threads: int, unroll: int = 1,
+                live: Guard | None = None) -> dict[str, TileGuard]:
     """Schedule ``y_part[s, k] = sum_i ...`` and ``y[k] = sum_s y_part[s, k]`` (``ffn.sliced_axpy``).
 
     ``y_part``: a block per (column tile, row slice) (``blockIdx.x``, ``blockIdx.y``); thread ``tx``
     owns ``vector`` adjacent columns (one vectorised load per row), ``threadIdx.y`` takes every
-    ``split``-th row of the slice, and a shared-memory reduction over ``threadIdx.y`` merges them.
-    Every tile divides its extent exactly (``power_of_two_divisor``), so no thread has columns or
-    rows past the buffers. ``y``: a thread per column adds the slices.
+    ``split``-th row of the slice, ``unroll`` of them a trip, and a shared-memory reduction over
+    ``threadIdx.y`` merges them. Every tile divides its extent exactly (``power_of_two_divisor``),
+    so no thread has columns or rows past the buffers. ``y``: a thread per column adds the slices.
+
+    ``live(buffers, row, 0)`` (the gather-GEMV's guard: row ``row`` of the index list is real)
+    makes the AXPY's work follow the active count: a thread's rows ascend, so a trip whose first
+    row is past ``count`` and every trip after it load nothing. Returns that trip guard, for
+    ``apply_guards``.
     """
     block = sch.get_sblock("y_part")
-    _, k, i = sch.get_loops(block)
+    slices, k, i = sch.get_loops(block)
+    n_slices = int(sch.get(slices).extent)
     cols, per_slice = int(sch.get(k).extent), int(sch.get(i).extent)
     vector = power_of_two_divisor(cols, vector)
     lanes = power_of_two_divisor(cols // vector, 32)
     split = power_of_two_divisor(per_slice, split)
+    guards: dict[str, TileGuard] = {}
     if split == 1:  # an odd number of rows a slice: each thread sums its columns over all of them
         s, k, i = sch.get_loops(block)
         bx, tx, vec = sch.split(k, [None, lanes, vector])
@@ -163,34 +207,47 @@ def sliced_axpy(sch: s_tir.Schedule, vector: int, split: int, threads: int) -> N
         sch.reorder(i, vec)
         accumulate_in_register(sch, "y_part", tx, i)
     else:
-        _split_rows(sch, block, lanes, vector, split)
+        guards = _split_rows(sch, block, lanes, vector, split, min(unroll, per_slice // split), n_slices, live)
     k, s = sch.get_loops(sch.get_sblock("y"))
     bx, tx = sch.split(k, [None, power_of_two_divisor(cols, threads)])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
     accumulate_in_register(sch, "y", tx, s)
+    return guards
 
 
-def _split_rows(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int, vector: int, split: int) -> None:
+def _split_rows(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int, vector: int, split: int,
+                unroll: int, n_slices: int, live: Guard | None) -> dict[str, TileGuard]:
     """``y_part`` with its rows split ``split`` ways over ``threadIdx.y`` (see ``sliced_axpy``)."""
     _, _, i = sch.get_loops(block)
     io, iy = sch.split(i, [None, split])
     rf = sch.rfactor(iy, 0)
     s, k, io, iy = sch.get_loops(rf)
     bx, tx, vec = sch.split(k, [None, lanes, vector])
-    sch.reorder(s, bx, tx, iy, io, vec)
+    trip, row = sch.split(io, [None, unroll])
+    sch.reorder(s, bx, tx, iy, trip, row, vec)
     sch.bind(s, "blockIdx.y")
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
     sch.bind(iy, "threadIdx.y")
     sch.vectorize(vec)
-    sch.decompose_reduction(rf, io)
+    sch.decompose_reduction(rf, trip)
+    guards: dict[str, TileGuard] = {}
+    if unroll > 1:
+        sch.unroll(row)
+    if live is not None:
+        # The update block's axes: (the rfactor axis, slice, column) spatial, then the slice's trips.
+        axes = [iv.var.name for iv in sch.get(sch.get_sblock("y_part_rf_update")).iter_vars]
+        guards["y_part_rf_update"] = TileGuard(
+            axes, lambda b, ry, sl, _k, ro: live(b, (ro * split + ry) * n_slices + sl, 0))
+        sch.annotate(row, GUARD, "y_part_rf_update")
     sch.set_scope(rf, 0, "local")
     final = sch.get_sblock("y_part")
     sch.reverse_compute_at(final, tx)
     red, col = sch.get_loops(final)[-2:]
     sch.reorder(col, red)
     sch.bind(red, "threadIdx.y")
+    return guards
 
 
 def block_reduce(sch: s_tir.Schedule, name: str, at: s_tir.schedule.LoopRV | None, threads: int,
@@ -225,16 +282,20 @@ def flat_threads(sch: s_tir.Schedule, name: str, threads: int) -> None:
     sch.bind(tx, "threadIdx.x")
 
 
-def apply_guards(func: tirx.PrimFunc, kernel: Kernel) -> tirx.PrimFunc:
-    """Wrap every loop annotated ``picc_guard`` in ``if (kernel.guards[block](...))``.
+def apply_guards(func: tirx.PrimFunc, kernel: Kernel, tiles: dict[str, TileGuard] | None = None) -> tirx.PrimFunc:
+    """Wrap every loop annotated ``picc_guard`` in ``if (guard(...))``, the guard evaluated at the
+    loop's first trip.
 
-    The guard's index is read from the bindings of the first block under the loop whose spatial
-    iterators include the guarded block's axes (``v_<axis>``), so it is in terms of the loop
-    variables in scope at the guarded loop. (This TVM exposes no Python IR mutator, so the few
-    statement kinds a scheduled kernel holds are rebuilt by hand.)
+    A name in ``kernel.guards`` is a block of the definition: the guard's index is read from the
+    bindings of the first block under the loop whose iterators include that block's spatial axes
+    (``v_<axis>``). A name in ``tiles`` is a block the schedule made (``TileGuard``: its axes and
+    guard). Either way the index is in terms of the loop variables in scope at the guarded loop,
+    with the loop's own variable at its first value. (This TVM exposes no Python IR mutator, so the
+    few statement kinds a scheduled kernel holds are rebuilt by hand.)
     """
     buffers = {b.name: b for b in func.params}  # in this TVM, params are the buffers
-    axes = {name: _spatial_axes(kernel.func, name) for name in kernel.guards}
+    guards = {name: TileGuard(_spatial_axes(kernel.func, name), guard) for name, guard in kernel.guards.items()}
+    guards.update(tiles or {})
 
     def rewrite(node: tirx.Stmt) -> tirx.Stmt:
         if isinstance(node, tirx.For):
@@ -243,13 +304,18 @@ def apply_guards(func: tirx.PrimFunc, kernel: Kernel) -> tirx.PrimFunc:
                 return tirx.For(node.loop_var, node.min, node.extent, node.kind, body, node.thread_binding,
                                 node.annotations)
             name = str(node.annotations[GUARD])
-            index = _binding_of(body, axes[name])
+            guard = guards[name]
+            index = _binding_of(body, guard.axes)
             if index is None:
                 raise PiccError(f"kernel {kernel.name}: no block under the guarded loop of {name} "
-                                f"binds {axes[name]}")
+                                f"binds {guard.axes}")
+            at_first = Analyzer()  # the loop nest's first trip: every loop variable at its first value
+            for loop in [node, *_loops_under(body)]:
+                at_first.bind(loop.loop_var, loop.min)
+            first = [at_first.simplify(i) for i in index]
             annotations = {k: v for k, v in node.annotations.items() if k != GUARD}
             loop = tirx.For(node.loop_var, node.min, node.extent, node.kind, body, node.thread_binding, annotations)
-            return tirx.IfThenElse(kernel.guards[name](buffers, *index), loop, None)
+            return tirx.IfThenElse(guard.guard(buffers, *first), loop, None)
         if isinstance(node, tirx.SeqStmt):
             return tirx.SeqStmt([rewrite(s) for s in node.seq])
         if isinstance(node, s_tir.SBlockRealize):
@@ -262,7 +328,20 @@ def apply_guards(func: tirx.PrimFunc, kernel: Kernel) -> tirx.PrimFunc:
                                    rewrite(node.else_case) if node.else_case is not None else None)
         return node
 
-    return func.with_body(rewrite(func.body)) if kernel.guards else func
+    return func.with_body(rewrite(func.body)) if guards else func
+
+
+def _loops_under(node: tirx.Stmt) -> list[tirx.For]:
+    """Every ``for`` loop inside ``node``, blocks included."""
+    if isinstance(node, tirx.For):
+        return [node, *_loops_under(node.body)]
+    if isinstance(node, s_tir.SBlockRealize):
+        return _loops_under(node.block.body)
+    if isinstance(node, tirx.SeqStmt):
+        return [loop for s in node.seq for loop in _loops_under(s)]
+    if isinstance(node, tirx.IfThenElse):
+        return _loops_under(node.then_case) + (_loops_under(node.else_case) if node.else_case is not None else [])
+    return []
 
 
 def _binding_of(node: tirx.Stmt, names: list[str]) -> list[PrimExpr] | None:
@@ -346,22 +425,29 @@ def _has_block(kernel: Kernel, name: str) -> bool:
 def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
     """The GPU-scheduled TensorIR of ``kernel`` for ``arch`` (sm_75, sm_80, sm_89, sm_90)."""
     p = arch_params(arch)
+    unroll, pair = p.unroll_chunks, p.rows_per_warp
     sch = s_tir.Schedule(kernel.func)
+    tiles: dict[str, TileGuard] = {}
     match kernel.kind:
         case "gemv":
-            warp_rows(sch, "acc", p.rows, [*_weights(kernel, "W"), "x"], False, ("y",))
+            warp_rows(sch, "acc", p.rows, [*_weights(kernel, "W"), "x"], False, ("y",), unroll, pair)
         case "gemm":
-            warp_rows(sch, "acc", p.rows, [*_weights(kernel, "W"), "X"], False, ("Y",))
+            warp_rows(sch, "acc", p.rows, [*_weights(kernel, "W"), "X"], False, ("Y",), unroll, pair)
         case "predictor":
-            warp_rows(sch, "acc1", p.rows, [*_weights(kernel, "fc1"), "x"], False, ("hid",))
-            warp_rows(sch, "acc2", p.rows, [*_weights(kernel, "fc2"), "hid"], False, ("mask",))
+            warp_rows(sch, "acc1", p.rows, [*_weights(kernel, "fc1"), "x"], False, ("hid",), unroll, pair)
+            warp_rows(sch, "acc2", p.rows, [*_weights(kernel, "fc2"), "hid"], False, ("mask",), unroll, pair)
         case "sparse_ffn" | "dense_ffn":
-            warp_rows(sch, "ug", p.rows, [*_weights(kernel, "W_ug"), "x"], "ug" in kernel.guards)
-            sliced_axpy(sch, AXPY_COLUMNS, p.axpy_split, p.threads)
+            live = kernel.guards.get("ug")
+            # The live rows are a prefix (r < count): a warp whose first row is live may compute
+            # every one of its rows (a dead one's value is zero by the definition).
+            warp_rows(sch, "ug", p.rows, [*_weights(kernel, "W_ug"), "x"], live is not None, unroll=unroll,
+                      per_warp=pair)
+            tiles = sliced_axpy(sch, AXPY_COLUMNS, p.axpy_split, p.threads, p.axpy_unroll, live)
         case "gate_first_ffn":
-            warp_rows(sch, "g", p.rows, [*_weights(kernel, "gate"), "x"], False)
-            warp_rows(sch, "u", p.rows, [*_weights(kernel, "up"), "x"], True)
-            sliced_axpy(sch, AXPY_COLUMNS, p.axpy_split, p.threads)
+            warp_rows(sch, "g", p.rows, [*_weights(kernel, "gate"), "x"], False, unroll=unroll, per_warp=pair)
+            # Active neurons are scattered: a warp's guard must decide for its one row alone.
+            warp_rows(sch, "u", p.rows, [*_weights(kernel, "up"), "x"], True, unroll=unroll)
+            sliced_axpy(sch, AXPY_COLUMNS, p.axpy_split, p.threads, p.axpy_unroll)
         case "norm":
             _schedule_norm(sch, kernel, 128)
         case "attention" | "attention_decode":
@@ -378,7 +464,7 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
             return warp_compact(kernel)
         case _:
             raise NotImplementedError(kernel.kind)
-    return apply_guards(sch.mod["main"], kernel)
+    return apply_guards(sch.mod["main"], kernel, tiles)
 
 
 # Row-dot reductions and neuron-major AXPYs per kernel kind (the blocks the CPU schedule touches).
