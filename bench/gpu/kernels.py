@@ -85,9 +85,10 @@ class Kernel:
         return bound
 
     def caller(self, tensors: dict[str, torch.Tensor]):  # noqa: ANN201
-        """A call of the kernel on ``tensors`` (its own pointer arguments, so callers can rotate)."""
+        """A call of the kernel on ``tensors`` (its own pointer arguments, so callers can rotate).
+        The call holds the tensors: their memory must outlive it."""
         bound = self.bound_to(tensors)
-        return lambda: self.launch(bound)
+        return lambda held=tensors: self.launch(bound)
 
     def __call__(self) -> None:
         self.launch(self.bound)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvm import s_tir, tirx
+from tvm.ir.expr import Call
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.sym import Analyzer
 
@@ -54,7 +55,8 @@ class ArchParams:
     (a row of 4096 f16 is 16 chunks a lane: 16 memory latencies in a row otherwise);
     ``axpy_unroll``: rows an AXPY thread takes per trip (their loads in flight together);
     ``rows_per_warp``: rows a warp of a row-dot computes together, sharing each chunk of x it loads
-    (every row reads all of x: 16 KiB a row at hidden 4096, 8 times a q4_0 row's own bytes).
+    (every row reads all of x: 16 KiB a row at hidden 4096, 8 times a q4_0 row's own bytes);
+    ``axpy_eager``: a sparse FFN's AXPY loads a live trip's rows without a condition per row.
     """
 
     rows: int
@@ -63,6 +65,7 @@ class ArchParams:
     unroll_chunks: bool = True
     axpy_unroll: int = 8
     rows_per_warp: int = 2
+    axpy_eager: bool = True
 
 
 # Turing (sm_75) runs at most 16 blocks / 1024 threads per SM: 4-warp blocks keep enough blocks
@@ -282,7 +285,8 @@ def flat_threads(sch: s_tir.Schedule, name: str, threads: int) -> None:
     sch.bind(tx, "threadIdx.x")
 
 
-def apply_guards(func: tirx.PrimFunc, kernel: Kernel, tiles: dict[str, TileGuard] | None = None) -> tirx.PrimFunc:
+def apply_guards(func: tirx.PrimFunc, kernel: Kernel, tiles: dict[str, TileGuard] | None = None,
+                 eager: tuple[str, ...] = ()) -> tirx.PrimFunc:
     """Wrap every loop annotated ``picc_guard`` in ``if (guard(...))``, the guard evaluated at the
     loop's first trip.
 
@@ -292,6 +296,10 @@ def apply_guards(func: tirx.PrimFunc, kernel: Kernel, tiles: dict[str, TileGuard
     guard). Either way the index is in terms of the loop variables in scope at the guarded loop,
     with the loop's own variable at its first value. (This TVM exposes no Python IR mutator, so the
     few statement kinds a scheduled kernel holds are rebuilt by hand.)
+
+    A block named in ``eager`` (``acc = acc + if_then_else(row live, term, 0)``, inside a guarded
+    trip) drops the per-row condition: the schedule's caller vouches that a dead row's term is
+    zero, so its loads may run unconditionally beside the live rows' (in flight together).
     """
     buffers = {b.name: b for b in func.params}  # in this TVM, params are the buffers
     guards = {name: TileGuard(_spatial_axes(kernel.func, name), guard) for name, guard in kernel.guards.items()}
@@ -320,7 +328,8 @@ def apply_guards(func: tirx.PrimFunc, kernel: Kernel, tiles: dict[str, TileGuard
             return tirx.SeqStmt([rewrite(s) for s in node.seq])
         if isinstance(node, s_tir.SBlockRealize):
             b = node.block
-            block = s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, rewrite(b.body), b.init,
+            body = _unconditional(b.body) if b.name_hint in eager else rewrite(b.body)
+            block = s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init,
                                  b.alloc_buffers, b.match_buffers, b.annotations)
             return s_tir.SBlockRealize(node.iter_values, node.predicate, block)
         if isinstance(node, tirx.IfThenElse):
@@ -328,7 +337,16 @@ def apply_guards(func: tirx.PrimFunc, kernel: Kernel, tiles: dict[str, TileGuard
                                    rewrite(node.else_case) if node.else_case is not None else None)
         return node
 
-    return func.with_body(rewrite(func.body)) if guards else func
+    return func.with_body(rewrite(func.body)) if guards or eager else func
+
+
+def _unconditional(store: tirx.Stmt) -> tirx.Stmt:
+    """``acc = acc + if_then_else(c, term, 0)`` as ``acc = acc + term`` (see ``apply_guards``)."""
+    value = store.value if isinstance(store, tirx.BufferStore) else None
+    term = value.b if isinstance(value, tirx.Add) else None
+    if not (isinstance(term, Call) and term.op.name.endswith("if_then_else")):
+        raise PiccError(f"an eager block must add one if_then_else to its accumulator, got {store}")
+    return tirx.BufferStore(store.buffer, tirx.Add(value.a, term.args[1]), store.indices)
 
 
 def _loops_under(node: tirx.Stmt) -> list[tirx.For]:
@@ -428,6 +446,7 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
     unroll, pair = p.unroll_chunks, p.rows_per_warp
     sch = s_tir.Schedule(kernel.func)
     tiles: dict[str, TileGuard] = {}
+    eager: tuple[str, ...] = ()
     match kernel.kind:
         case "gemv":
             warp_rows(sch, "acc", p.rows, [*_weights(kernel, "W"), "x"], False, ("y",), unroll, pair)
@@ -443,6 +462,8 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
             warp_rows(sch, "ug", p.rows, [*_weights(kernel, "W_ug"), "x"], live is not None, unroll=unroll,
                       per_warp=pair)
             tiles = sliced_axpy(sch, AXPY_COLUMNS, p.axpy_split, p.threads, p.axpy_unroll, live)
+            if tiles and p.axpy_eager and kernel.options.get("dead_rows_zero"):
+                eager = tuple(tiles)
         case "gate_first_ffn":
             warp_rows(sch, "g", p.rows, [*_weights(kernel, "gate"), "x"], False, unroll=unroll, per_warp=pair)
             # Active neurons are scattered: a warp's guard must decide for its one row alone.
@@ -464,7 +485,7 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
             return warp_compact(kernel)
         case _:
             raise NotImplementedError(kernel.kind)
-    return apply_guards(sch.mod["main"], kernel, tiles)
+    return apply_guards(sch.mod["main"], kernel, tiles, eager)
 
 
 # Row-dot reductions and neuron-major AXPYs per kernel kind (the blocks the CPU schedule touches).
