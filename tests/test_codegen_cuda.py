@@ -524,6 +524,15 @@ def test_axpy_trips_past_count_load_nothing() -> None:
     assert int(trips.group(2)) == 32 // arch_params("sm_90").axpy_unroll
     assert axpy.count("half4 v_") == arch_params("sm_90").axpy_unroll  # a trip's rows, unrolled: a load each
 
+
+def test_a_live_axpy_trip_loads_its_rows_unconditionally_unless_a_bias_makes_dead_rows_count() -> None:
+    # Without a bias a row past count adds zero even if computed, so a live trip's rows load
+    # without a condition each (in flight together); with a bias h(b) != 0, so each row keeps its own.
+    unroll = arch_params("sm_90").axpy_unroll
+    for bias, per_row in ((False, 0), (True, unroll)):
+        src = cuda_source(sparse_ffn("ffn_eager", 1024, 16384, "swiglu", "f16", bias=bias), "sm_90")
+        assert _definition(src, "ffn_eager_kernel_1").count("< count_ptr[0]") == 1 + per_row
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_75", "sm_90"])
 def test_decode_attention_is_one_launch_that_nvcc_compiles(arch: str) -> None:
