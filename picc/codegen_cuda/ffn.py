@@ -141,7 +141,7 @@ def _gather_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, bias: bo
 
     def term(r: PrimExpr, k: PrimExpr) -> PrimExpr:
         h = _combine(form, proj(r, 0), proj(r, 1) if gated else None)
-        value = h * wf.load(w_down, (neuron(r),), k // v, k % v)
+        value = wf.load(w_down, (neuron(r),), k // v, k % v, scale=h)
         return tirx.if_then_else(live(r), value, f32(0)) if live else value
 
     r = te.placeholder((hidden,), "float32", name="r")
@@ -219,7 +219,7 @@ def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, resid
     v = wf.vector
 
     def term(r: PrimExpr, k: PrimExpr) -> PrimExpr:
-        value = activation(act, g[r]) * u[r] * wf.load(w_down, (r,), k // v, k % v)
+        value = wf.load(w_down, (r,), k // v, k % v, scale=activation(act, g[r]) * u[r])
         return tirx.if_then_else(active(r), value, f32(0))
 
     r = te.placeholder((hidden,), "float32", name="r")

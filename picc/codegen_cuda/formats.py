@@ -78,23 +78,27 @@ class WeightFormat:
                 for name, shape, dtype in self.buffer_specs(prefix, rows, cols)]
 
     def load(self, bufs: list[te.Tensor], row: tuple[PrimExpr, ...], kv: PrimExpr,
-             kl: PrimExpr) -> PrimExpr:
-        """Element ``kv * vector + kl`` of row ``row``, as float32."""
-        if self.name == "f32":
-            return bufs[0][(*row, kv * self.vector + kl)]
-        if self.name == "f16":
-            return bufs[0][(*row, kv * self.vector + kl)].astype("float32")
+             kl: PrimExpr, scale: PrimExpr | None = None) -> PrimExpr:
+        """Element ``kv * vector + kl`` of row ``row``, as float32, times ``scale`` if given.
+
+        A block format folds ``scale`` into its block scale (``(scale * d) * q``): one product a
+        block rather than one an element, which is what the down AXPY's ``h * w`` needs (h is
+        the row's; on a GPU the 4-bit decode is arithmetic-bound)."""
+        if self.name in ("f32", "f16"):
+            w = bufs[0][(*row, kv * self.vector + kl)]
+            w = w if self.name == "f32" else w.astype("float32")
+            return w if scale is None else scale * w
+        d = bufs[1][(*row, kv)].astype("float32")
+        ds = d if scale is None else scale * d
         if self.name == "q8_0":
-            qs, d = bufs
-            return d[(*row, kv)].astype("float32") * qs[(*row, kv * Q4_BLOCK + kl)].astype("float32")
-        qs, d = bufs[:2]
+            return ds * bufs[0][(*row, kv * Q4_BLOCK + kl)].astype("float32")
         byte = kl % _Q4_NIBBLE_BYTES  # byte of the block, then which nibble of it
-        word = qs[(*row, kv * _Q4_WORDS + byte // 4)]
+        word = bufs[0][(*row, kv * _Q4_WORDS + byte // 4)]
         nibble = (word >> ((byte % 4) * 8 + (kl // _Q4_NIBBLE_BYTES) * 4).astype("uint32")) & _u32(15)
         if self.name == "q4_1":
-            m = bufs[2]
-            return d[(*row, kv)].astype("float32") * nibble_float(nibble, 0) + m[(*row, kv)].astype("float32")
-        return d[(*row, kv)].astype("float32") * nibble_float(nibble, 8)
+            m = bufs[2][(*row, kv)].astype("float32")
+            return ds * nibble_float(nibble, 0) + (m if scale is None else scale * m)
+        return ds * nibble_float(nibble, 8)
 
 
 _TWO_23 = 0x4B000000
