@@ -16,6 +16,10 @@ steady (RSS after the load within 10% of its RSS after the warm-up). Exits 1 whe
 ``--batch-steps`` first times the engine's batch step itself (no server): milliseconds per call for
 1, 2, 4 and 8 sequences against the one-sequence step, medians of 20 calls, in one run.
 
+``--ray`` runs the load against ``picc serve --ray`` on a local Ray cluster instead, twice in one
+run: two replicas of one thread each, then one replica of two threads (the same cores, so it shows
+what replicas cost and what they buy on one machine; docs/ray.md).
+
 ``--llama GGUF`` runs the same load against llama-cpp-python's OpenAI server (``pip install
 'llama-cpp-python[server]'``; it serves one request at a time) on that GGUF, for the ratio.
 """
@@ -69,11 +73,12 @@ class Server:
 
     def __init__(self, argv: list[str], url: str | None = None, ready: str | None = None) -> None:
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        if url is None:
-            line = self.proc.stderr.readline()
-            match = re.search(r"on (http://[\d.]+:\d+)/v1", line)
-            if not match:
-                raise SystemExit(f"serve_load: the server did not start: {line}{self.proc.stderr.read()}")
+        if url is None:  # the line saying where it listens (Ray logs a few lines before it)
+            seen = ""
+            while not (match := re.search(r"on (http://[\d.]+:\d+)/v1", line := self.proc.stderr.readline())):
+                seen += line
+                if not line:
+                    raise SystemExit(f"serve_load: the server did not start: {seen}")
             url = match.group(1)
         threading.Thread(target=self.proc.stderr.read, daemon=True).start()
         self.url = url
@@ -207,6 +212,44 @@ def table(title: str, phases: list[Phase]) -> str:
     return "\n".join(lines)
 
 
+def ray_load(args: argparse.Namespace, name: str) -> int:
+    """The load against picc serve --ray, 2 replicas x 1 thread and 1 x 2, each on a new cluster."""
+    import socket
+
+    results, ok = [], True
+    for replicas, threads in ((2, 1), (1, 2)):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = Server([sys.executable, "-m", "picc.cli", "serve", args.model, "--ray", "--replicas", str(replicas),
+                         "--threads", str(threads), "--port", str(port), "--max-batch", str(args.max_batch),
+                         "--max-queue", "64"])
+        try:
+            phases, _ = load(server.url, name, args, None)
+        finally:
+            server.close()
+        results.append((replicas, threads, phases))
+        print(table(f"picc serve --ray {args.model}: {replicas} replica{'s' if replicas > 1 else ''} x {threads} "
+                    f"thread{'s' if threads > 1 else ''} (--max-batch {args.max_batch}, {args.max_tokens} tokens a "
+                    "request)", phases))
+        errors_5xx = sum(n for p in phases for status, n in p.errors.items() if status >= 500)
+        expected = phases[0].texts if phases else {}
+        mismatched = sum(1 for p in phases for i, texts in p.texts.items() if texts != expected.get(i, texts))
+        for what, good in {f"{replicas}x{threads}: no 5xx": errors_5xx == 0,
+                           f"{replicas}x{threads}: replies equal to c=1's": mismatched == 0}.items():
+            print(f"{'ok  ' if good else 'FAIL'} {what}")
+            ok = ok and good
+    (_, _, two), (_, _, one) = results
+    for p, q in zip(two, one, strict=False):
+        print(f"c={p.concurrency}: 2 replicas x 1 thread {p.rate:.1f} tok/s, 1 x 2 threads {q.rate:.1f} tok/s: "
+              f"{p.rate / q.rate if q.rate else 0:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "model": args.model, "ray": [
+            {"replicas": r, "threads": t, "phases": [{"c": p.concurrency, "tok_s": p.rate} for p in ph]}
+            for r, t, ph in results]}, indent=1))
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=str(ROOT / "build" / "smollm2.pib"))
@@ -219,6 +262,7 @@ def main() -> int:
     ap.add_argument("--llama", metavar="GGUF", help="also load llama-cpp-python's server on this GGUF")
     ap.add_argument("--json", metavar="OUT", help="write the numbers as JSON")
     ap.add_argument("--batch-steps", action="store_true", help="first time the batch step alone (no server)")
+    ap.add_argument("--ray", action="store_true", help="load picc serve --ray: 2 replicas x 1 thread, then 1 x 2")
     args = ap.parse_args()
     if not Path(args.model).is_file():
         raise SystemExit(f"serve_load: {args.model} not found (bash scripts/demo.sh compiles build/smollm2.pib)")
@@ -226,6 +270,8 @@ def main() -> int:
     if args.batch_steps:
         print(batch_steps(args.model, args.threads))
     name = Path(args.model).stem
+    if args.ray:
+        return ray_load(args, name)
     server = Server([sys.executable, "-m", "picc.cli", "serve", args.model, "--port", "0", "--threads",
                      str(args.threads), "--max-batch", str(args.max_batch), "--max-queue", "64"])
     try:

@@ -40,6 +40,15 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    "unset: no key)")
     s.add_argument("--model-name", help="the model's id in the API (default: the file's name without .pib)")
     add_gpu_flag(s)
+    ray = s.add_argument_group("Ray Serve", "serve replicas of this server on a Ray cluster (pip install picc[ray]; "
+                               "docs/ray.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="run --replicas replicas of the server on Ray Serve, behind Ray's HTTP proxy at "
+                     "--host:--port (a local Ray cluster unless --ray-address names one)")
+    ray.add_argument("--replicas", type=int, default=1, help="with --ray: replicas, each on --threads CPUs (default 1)")
+    ray.add_argument("--ray-address", help="with --ray: the cluster to join ('auto': the one 'ray start' began here)")
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0,
+                     help="with --ray: GPUs each replica reserves (default 0; 1 for a model compiled with a GPU part)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -72,6 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if (args.max_batch is not None and args.max_batch < 1) or (args.max_queue is not None and args.max_queue < 0):
         raise PiccError("--max-batch must be >= 1 and --max-queue >= 0")
+    if args.ray:
+        return _serve_on_ray(args)
     sock = _bind(args.host, args.port)
     with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
         if session.text is None:
@@ -97,3 +108,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
         finally:
             engine.close()
             sock.close()
+
+
+def _serve_on_ray(args: argparse.Namespace) -> None:
+    if args.replicas < 1 or args.gpus_per_replica < 0:
+        raise PiccError("--replicas must be >= 1 and --gpus-per-replica >= 0")
+    if args.port == 0:
+        raise PiccError("--port 0: Ray's HTTP proxy needs a fixed port")
+    if not Path(args.model).is_file() or Path(args.model).suffix != ".pib":
+        raise PiccError(f"{args.model}: expected a .pib file written by 'picc compile'")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise PiccError("--ray needs Ray Serve: pip install 'picc[ray]'") from None
+    from runtime.ray_serve import ReplicaOptions, run
+    options = ReplicaOptions(str(Path(args.model).resolve()), args.threads, args.ctx, args.gpu, args.max_batch,
+                             args.max_queue, args.api_key, args.model_name or Path(args.model).stem)
+    run(options, replicas=args.replicas, gpus=args.gpus_per_replica, host=args.host, port=args.port,
+        address=args.ray_address, say=lambda line: print(line, file=sys.stderr, flush=True))

@@ -200,6 +200,11 @@ class Engine:
     def active(self) -> int:
         return len(self._active)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine's thread still runs (it ends only when closed, or on a bug)."""
+        return self._thread.is_alive() and not self._closing
+
     def close(self) -> None:
         """Stop the engine's thread; requests still queued or running end with an error."""
         with self._cond:

@@ -81,6 +81,8 @@ def create_app(served: ServedModel) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
+        if not served.engine.alive:
+            raise ApiError(503, "the serving engine has stopped", kind="server_error")
         return {"status": "ok", "model": served.name}
 
     @app.get("/metrics")

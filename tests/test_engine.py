@@ -190,3 +190,22 @@ def test_a_model_without_the_batch_step_steps_its_sequences_one_by_one(tmp_path)
     requests = [Request(p, 6) for p in PROMPTS[:4]]
     got = serve(path, requests, max_batch=4, joins_after=4, batched=False)
     assert [c.tokens for c in got] == [alone(path, p, 6) for p in PROMPTS[:4]]
+
+
+def test_a_stopped_engine_is_not_alive_and_its_replica_says_so(tmp_path):
+    # What Ray Serve's health check asks a replica (runtime.ray_serve.PiccReplica.check_health):
+    # whether its engine's thread still runs.
+    from runtime import ray_serve
+
+    path = compiled(tmp_path, "health", dense=True, batch_step=False)
+    with Session(path, 1) as session:
+        engine = Engine(session, max_batch=1)
+        ray_serve._SERVED["engine"] = engine
+        try:
+            ray_serve.PiccReplica.check_health(None)  # alive: no error
+            engine.close()
+            assert not engine.alive
+            with pytest.raises(RuntimeError, match="engine has stopped"):
+                ray_serve.PiccReplica.check_health(None)
+        finally:
+            ray_serve._SERVED.clear()

@@ -240,3 +240,8 @@ def test_serve_errors_are_one_line(model, tmp_path):
     r = subprocess.run([sys.executable, "-m", "picc.cli", "serve", str(model), "--port", "0", "--max-batch", "100000"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "--max-batch 100000" in r.stderr and r.stderr.strip().count("\n") == 0
+    for args, message in ((["--ray", "--port", "0"], "--port 0: Ray's HTTP proxy needs a fixed port"),
+                          (["--ray", "--replicas", "0"], "--replicas must be >= 1")):
+        r = subprocess.run([sys.executable, "-m", "picc.cli", "serve", str(model), *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and message in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
