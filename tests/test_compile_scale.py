@@ -67,3 +67,34 @@ def test_a_cpu_compile_skips_profiling_when_no_sparse_model_could_win(tmp_path, 
         # --sparse profiles whatever the estimate, and the sparse model is slower than the bound
         sparse = compile_model(model, replace(options, sparse=True), say=lambda _: None)
         assert profiled and sparse.report["estimate_tokens_per_s"] <= best
+
+
+def test_run_many_gives_each_window_what_run_gives_it_and_dequantizes_each_weight_once(monkeypatch):
+    from picc.interpreter import Interpreter
+
+    model = tiny_llama("swiglu", n_layers=3, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0)
+    windows = [[1, 5, 9, 3, 7], [2, 4], [8, 8, 8, 1, 2, 3, 4]]
+    alone, traces = [], []
+    interp = Interpreter(model.module, model.weights.copy())
+    interp.on_ffn = lambda t: traces.append((t.op.result, t.score.copy()))
+    for w in windows:
+        interp.reset()
+        alone.append(interp.run(w))
+    expected, traces = traces, []
+    # a budget of one FFN's three matrices: more than an op reads, far less than the model
+    weights = model.weights.copy()
+    monkeypatch.setattr(W, "F32_CACHE_BYTES", 3 * 128 * 64 * 4)
+    dequantized = []
+    to_f32 = W.Tensor.to_f32
+    monkeypatch.setattr(W.Tensor, "to_f32", lambda t: dequantized.append(t) or to_f32(t))
+    interp = Interpreter(model.module, weights)
+    interp.on_ffn = lambda t: traces.append((t.op.result, t.score.copy()))
+    together = interp.run_many(windows)
+    for a, b in zip(alone, together, strict=True):
+        np.testing.assert_array_equal(a, b)
+    by_layer = sorted(expected, key=lambda t: int(t[0].split(".")[0][1:]))  # layer by layer, windows in order
+    assert [name for name, _ in traces] == [name for name, _ in by_layer]
+    for (_, a), (_, b) in zip(by_layer, traces, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(dequantized) == len({id(t) for t in dequantized}) == len(model.module.weights)
+    assert interp.caches == {}
