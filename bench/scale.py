@@ -5,15 +5,16 @@
 For each model: ``picc compile --target cpu`` (wall time, and the peak resident memory of the
 compiling process, from the kernel's accounting of the child), then ``picc bench`` of the ``.pib``
 (prompt and decode tokens/s, the read bandwidth measured in the same run, and the decode's share
-of it: the weights a token reads times tokens/s, over the bandwidth). ``1b`` and ``7b`` are the
+of it: the weights a token reads times tokens/s, over the bandwidth), and llama.cpp's decode of the
+same GGUF where ``llama-cpp-python`` is installed (``pip install -e .[bench]``). ``1b`` and ``7b`` are the
 synthetic Q4_0 GGUFs of ``bench/synthetic_model.py`` (LLaMA-3.2-1B's blocks, LLaMA-2-7B),
 generated into ``--data`` when missing; ``smollm2`` is the model picc ships (Q4_1).
 
 Then the placement plan of the 7B for ``pc-low`` at 11 GB and ``pc-high`` at 24 GB: the share of
 FFN neurons on the GPU and the cost model's tokens/s, from the passes up to ``partition-neurons``
 (no GPU code is built). Where the 7B is a ReLU model (``--placement-model``), it is profiled first
-(cached by picc after a compile), so the GPU gets the hottest neurons; a dense one places whole
-layers.
+(cached by picc after a compile; ~15 minutes otherwise) and made sparse with exact gate-first
+masks, so the GPU gets the hottest neurons; a dense one places whole layers.
 """
 
 from __future__ import annotations
@@ -63,11 +64,33 @@ def measure(model: str, data: Path, threads: int) -> dict:
     _, bench_peak, out = run_measured([*PICC, "bench", str(pib), "--threads", str(threads), "--json",
                                        "-n", "32", "--prompt-tokens", "16", "--repeat", "3"])
     bench = json.loads(out)
-    return {"model": model, "pib_bytes": pib.stat().st_size, "compile_s": compile_s, "compile_peak_rss": peak,
+    llama = llama_cpp_decode(source(model, data), threads) if model in SHAPES else None
+    return {"llama_cpp_decode_tokens_per_s": llama,
+            "model": model, "pib_bytes": pib.stat().st_size, "compile_s": compile_s, "compile_peak_rss": peak,
             "bench_peak_rss": bench_peak, "prefill_16_s": 16 / bench["prompt_tokens_per_s"],
             "decode_tokens_per_s": bench["decode_tokens_per_s"],
             "weight_bytes_per_token": bench["weight_bytes_per_token"],
             "read_bandwidth": bench["read_bandwidth_bytes_per_s"], "bandwidth_share": bench["bandwidth_share"]}
+
+
+def llama_cpp_decode(path: str, threads: int, n: int = 32, repeat: int = 3) -> float | None:
+    """llama.cpp's median decode tokens/s on the same GGUF (None without llama-cpp-python)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    prompt = [(7 * i + 11) % llm.n_vocab() for i in range(16)]
+    rates = []
+    for _ in range(repeat):
+        llm.reset()
+        llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(n):
+            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+        rates.append(n / (time.perf_counter() - start))
+    del llm
+    return sorted(rates)[len(rates) // 2]
 
 
 def placement(path: str, target: str, vram: str) -> dict:
@@ -85,7 +108,8 @@ def placement(path: str, target: str, vram: str) -> dict:
     options = CompileOptions(target=load_target(target), vram=vram)
     relu = all(op.form in RELU_FORMS for op in ffn_ops(model.module))
     passes = [PassSpec("canonicalize"), PassSpec("neuron-major-down")]
-    passes += SparsifyOptions().passes(None) if relu else []
+    # gate-first: exact masks for a ReLU model, and no predictor training (half an hour on a 7B)
+    passes += SparsifyOptions(mode="gate-first").passes(None) if relu else []
     passes += [_partition(options, options.target), *_fuse(options)]
     weights = model.weights.copy()
     module = run_pipeline(model.module, weights, passes, tokenizer=model.tokenizer)
@@ -119,12 +143,13 @@ def main() -> None:
     rows = [measure(m, args.data, args.threads) for m in args.models.split(",")]
     print(f"{cpu_name()}; picc compile --target cpu, then picc bench --threads {args.threads}")
     print("| model | .pib | compile | peak RSS (compile) | prefill 16 tok | decode tok/s | read bandwidth | "
-          "decode x bytes/token / bandwidth |")
-    print("|---|---|---|---|---|---|---|---|")
+          "decode x bytes/token / bandwidth | llama.cpp decode tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['pib_bytes'] / 2**30:.2f} GiB | {r['compile_s']:.0f} s | "
               f"{r['compile_peak_rss'] / 2**30:.2f} GiB | {r['prefill_16_s']:.2f} s | {r['decode_tokens_per_s']:.1f} | "
-              f"{r['read_bandwidth'] / 1e9:.1f} GB/s | {100 * r['bandwidth_share']:.0f}% |")
+              f"{r['read_bandwidth'] / 1e9:.1f} GB/s | {100 * r['bandwidth_share']:.0f}% | "
+              + (f"{r['llama_cpp_decode_tokens_per_s']:.1f} |" if r["llama_cpp_decode_tokens_per_s"] else "|"))
     plans = []
     if not args.no_placement:
         path = args.placement_model or source("7b", args.data)
