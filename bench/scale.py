@@ -10,7 +10,8 @@ same GGUF where ``llama-cpp-python`` is installed (``pip install -e .[bench]``).
 synthetic Q4_0 GGUFs of ``bench/synthetic_model.py`` (LLaMA-3.2-1B's blocks, LLaMA-2-7B),
 generated into ``--data`` when missing; ``smollm2`` is the model picc ships (Q4_1).
 
-Then the placement plan of the 7B for ``pc-low`` at 11 GB and ``pc-high`` at 24 GB: the share of
+Then the placement plan of the 7B for ``pc-low`` at 11 GB and ``pc-high`` at 24 GB (and ``pc-low``
+at 2 GB, since a Q4_0 7B's 3.8 GB fit 11 GB whole), ``--budgets``: the share of
 FFN neurons on the GPU and the cost model's tokens/s, from the passes up to ``partition-neurons``
 (no GPU code is built). Where the 7B is a ReLU model (``--placement-model``), it is profiled first
 (cached by picc after a compile; ~15 minutes otherwise) and made sparse with exact gate-first
@@ -136,6 +137,8 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=Path("/work/scale-data"), help="where the synthetic models live")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--placement-model", help="the 7B whose pc-low / pc-high plans are shown (default: the 7B)")
+    p.add_argument("--budgets", default="pc-low:11GB,pc-high:24GB,pc-low:2GB",
+                   help="TARGET:VRAM placements of the 7B to show (a Q4_0 7B fits 11 GB whole; 2 GB splits it)")
     p.add_argument("--no-placement", action="store_true")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
@@ -153,7 +156,7 @@ def main() -> None:
     plans = []
     if not args.no_placement:
         path = args.placement_model or source("7b", args.data)
-        plans = [placement(path, "pc-low", "11GB"), placement(path, "pc-high", "24GB")]
+        plans = [placement(path, *budget.split(":")) for budget in args.budgets.split(",")]
         print(f"\nplacement of {path} (FFN neurons on the GPU, and the share of activations they serve)")
         for q in plans:
             print(f"  {q['target']} {q['vram']}: {100 * q['gpu_neuron_share']:.0f}% of FFN neurons "

@@ -252,7 +252,8 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
                                  instruments: Instruments | None, say: Callable[[str], None]) -> Compiled | None:
     """The dense model compiled, without profiling, when the cost model estimates it faster than
     the sparse model could be at its best: every FFN reading only ``density`` of its weights (no
-    predictor, no dense gate) at the fastest rate any CPU kernel reads their format. Profiling a
+    predictor, no dense gate) at the fastest rate a sparse model's CPU kernels read their format
+    (in rows or eight rows at a time; int16 x only with ``int_dots``). Profiling a
     7B model takes most of an hour on two cores, spent in vain where the dense model wins anyway."""
     from picc.kernel_names import cpu_rate_key
     from picc.placement.cost_model import weight_bytes
@@ -265,7 +266,8 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
             for name in (op.up, op.gate, op.down):
                 if name is not None:
                     dtype = model.weights[name].dtype.value
-                    rate = max(target.cpu.read_rate(cpu_rate_key(dtype, int_dots)) for int_dots in (False, True))
+                    rate = max(target.cpu.read_rate(cpu_rate_key(dtype, options.int_dots, rows8))
+                               for rows8 in (False, True))
                     seconds += density * weight_bytes(model.weights, name) / rate
     dense, best = report["estimate_tokens_per_s"], 1.0 / seconds
     if best >= dense:

@@ -45,8 +45,9 @@ def _target(tmp_path, rows8_int_rate: float, other_rate: float) -> str:
 @pytest.mark.parametrize("dense_wins", [True, False])
 def test_a_cpu_compile_skips_profiling_when_no_sparse_model_could_win(tmp_path, monkeypatch, dense_wins):
     # The dense model reads its 4-bit matrices eight rows at a time with integer dots; a sparse
-    # model's gathered rows cannot. When that kernel is 20x faster than every other, even a
-    # sparse model reading 30% less at the best other rate loses, and nothing is profiled.
+    # model's kernels use float dots (unless --int-dots). When that kernel is 20x faster than
+    # every other, even a sparse model reading 30% less at the best other rate loses, and
+    # nothing is profiled.
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
     profiled = []
     calibrate = profile_activations.calibrate
@@ -67,6 +68,10 @@ def test_a_cpu_compile_skips_profiling_when_no_sparse_model_could_win(tmp_path, 
         # --sparse profiles whatever the estimate, and the sparse model is slower than the bound
         sparse = compile_model(model, replace(options, sparse=True), say=lambda _: None)
         assert profiled and sparse.report["estimate_tokens_per_s"] <= best
+        # with --int-dots a sparse model's kernels read at the fast rate too: worth profiling
+        said.clear()
+        compile_model(model, replace(options, int_dots=True), say=said.append)
+        assert not any("without profiling" in line for line in said)
 
 
 def test_run_many_gives_each_window_what_run_gives_it_and_dequantizes_each_weight_once(monkeypatch):
