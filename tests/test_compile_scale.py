@@ -103,3 +103,28 @@ def test_run_many_gives_each_window_what_run_gives_it_and_dequantizes_each_weigh
         np.testing.assert_array_equal(a, b)
     assert len(dequantized) == len({id(t) for t in dequantized}) == len(model.module.weights)
     assert interp.caches == {}
+
+
+def test_a_compile_interrupted_while_writing_leaves_nothing(tmp_path, monkeypatch):
+    from picc.compile import write_compiled
+    from runtime.pib import PibWriter
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0)
+    compiled = compile_model(model, CompileOptions(target="cpu", dense=True), say=lambda _: None)
+    out = tmp_path / "out"
+    out.mkdir()
+    add_tensor, written = PibWriter.add_tensor, []
+
+    def interrupted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        written.append(args[0])
+        if len(written) == 5:
+            raise KeyboardInterrupt
+        return add_tensor(self, *args, **kwargs)
+
+    monkeypatch.setattr(PibWriter, "add_tensor", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_compiled(compiled, out / "model.pib")
+    assert len(written) == 5 and list(out.iterdir()) == []
+    monkeypatch.setattr(PibWriter, "add_tensor", add_tensor)
+    assert write_compiled(compiled, out / "model.pib") > 0 and [p.name for p in out.iterdir()] == ["model.pib"]
