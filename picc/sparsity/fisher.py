@@ -45,15 +45,13 @@ class TorchForward:
         self.torch = torch
         self.func = module.function()
         self.weights = weights
+        self._cache: dict[str, torch.Tensor] = {}
         self.gate_acts: dict[str, torch.Tensor] = {}
 
     def w(self, name: str):  # noqa: ANN201 - torch.Tensor (torch is imported lazily)
-        """The weight as a tensor sharing the store's float32 array (a copy of each would double
-        a large model's footprint; the store's cache keeps them within its budget between uses)."""
-        values = self.weights.f32(name)
-        if not values.flags.writeable:  # a mapped f32 weight: torch wants memory it may write
-            values = values.copy()
-        return self.torch.from_numpy(values)
+        if name not in self._cache:
+            self._cache[name] = self.torch.tensor(self.weights.f32(name))
+        return self._cache[name]
 
     def run(self, tokens: list[int]):  # noqa: ANN201 - torch.Tensor
         torch = self.torch
