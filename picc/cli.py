@@ -264,7 +264,7 @@ def _add_compile_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--solver", choices=("greedy", "ilp"), default="greedy",
                    help="neuron placement: greedy top-k by frequency (default, PowerInfer's) or the ILP "
                    "on the cost model")
-    s.add_argument("-v", "--verbose", action="store_true", help="print the placement report")
+    s.add_argument("-v", "--verbose", action="store_true", help="print the placement report and peak memory")
     add_sparsity_flags(s)
     _add_instrument_flags(s)
     s.set_defaults(func=cmd_compile)

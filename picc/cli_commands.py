@@ -243,6 +243,16 @@ def cmd_compile(args: argparse.Namespace) -> None:
     if args.verbose:
         print(format_report(compiled.report), file=sys.stderr)
     say(summary_line(compiled, out, size))
+    if args.verbose:
+        say(f"peak memory: {_peak_rss() / 2**30:.2f} GiB resident")
+
+
+def _peak_rss() -> int:
+    """Bytes: the most this process (or the largest of the tools it ran) held in memory at once."""
+    import resource
+
+    kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return kib * 1024  # Linux counts kibibytes
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:

@@ -11,7 +11,7 @@ its input rounded to int16 per block of 32: the interpreter rounds that input as
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,6 +156,37 @@ class Interpreter:
             for op in self.func.ops:
                 env[op.result] = self.eval(op, env)
         return env[self.func.ret]
+
+    def run_many(self, windows: Sequence[Sequence[int]], progress: Callable[[int], None] | None = None
+                 ) -> list[np.ndarray]:
+        """``forward`` on each of ``windows`` as a fresh sequence (positions from 0), op by op:
+        every window through an op before the next op, so each weight is read (and dequantized,
+        within ``WeightStore.f32``'s budget) once however many windows there are, and a value or
+        KV cache is dropped after its last use. The results, and ``on_ffn``'s calls with each
+        layer's windows in order, are ``reset(); run(window)``'s for each window. ``progress``
+        gets each op's share of the windows' tokens (the ops' count, in all, per token)."""
+        ops = self.func.ops
+        last_use = {a.name: -1 for a in self.func.args}
+        for i, op in enumerate(ops):
+            last_use.update(dict.fromkeys(op.values(), i))
+        last_use[self.func.ret] = len(ops)
+        cache_done = {op.cache: i for i, op in enumerate(ops) if isinstance(op, O.Attention)}
+        envs = [{"tokens": np.asarray(w, dtype=np.int32), "pos": np.arange(len(w), dtype=np.int32)}
+                for w in windows]
+        caches: list[dict[str, KVCache]] = [{} for _ in windows]
+        with blas_threads(1):
+            for i, op in enumerate(ops):
+                for env, cache in zip(envs, caches, strict=True):
+                    self.caches = cache
+                    env[op.result] = self.eval(op, env)
+                    for name in [n for n in env if last_use.get(n, i) <= i]:
+                        del env[name]
+                    if isinstance(op, O.Attention) and cache_done[op.cache] == i:
+                        del cache[op.cache]  # a fresh window's cache: no later op reads it
+                if progress is not None:
+                    progress(sum(len(w) for w in windows) / len(ops))
+        self.caches = {}
+        return [env[self.func.ret] for env in envs]
 
     def eval(self, op: Op, env: dict[str, np.ndarray]) -> np.ndarray:  # noqa: C901 - one case per op
         w = self.weights.f32

@@ -131,7 +131,7 @@ def load_gguf(path: Path) -> LoadedModel:
         head_dim=head_dim,
         n_ff=int(meta.need(key("feed_forward_length"))),  # type: ignore[arg-type]
         eps=float(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),  # type: ignore[arg-type]
-        ffn_form="swiglu",
+        ffn_form=_ffn_form(meta),
         rope=rope,
         tied="output" not in store,
         bos_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
@@ -143,6 +143,19 @@ def load_gguf(path: Path) -> LoadedModel:
     has_tokenizer = meta.get("tokenizer.ggml.model") is not None
     tokenizer = tokenizer_from_gguf(path) if has_tokenizer else None
     return LoadedModel(module, store, tokenizer, source=str(path))
+
+
+# GGUF has no standard key for the FFN's activation (llama.cpp's ``llama`` is always SwiGLU);
+# picc reads its own, so a ReLU-LLaMA (``relu(gate) * up``) can come as a GGUF too.
+ACTIVATION_KEY = "picc.ffn_activation"
+_GATED_FORMS = {"silu": "swiglu", "relu": "reglu"}
+
+
+def _ffn_form(meta: _Meta) -> str:
+    act = str(meta.get(ACTIVATION_KEY, "silu"))
+    if act not in _GATED_FORMS:
+        raise PiccError(f"{meta.path}: {ACTIVATION_KEY} is {act!r}; expected one of {', '.join(_GATED_FORMS)}")
+    return _GATED_FORMS[act]
 
 
 def _opt_int(value: object) -> int | None:

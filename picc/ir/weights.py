@@ -1,13 +1,16 @@
 """The weight store: the data behind a module's ``weight @name : type`` declarations.
 
 Tensors keep their storage format (quantized blocks stay quantized); ``f32(name)`` gives the exact
-float32 value, computed once. The store only grows: a pass that changes a weight adds it under a
-new name, so every module that was ever valid against the store stays valid.
+float32 value, kept for the next call while the float32 values kept stay under a budget
+(``F32_CACHE_BYTES``: a 7B model's would be 27 GB; the least recently used go first). The store
+only grows: a pass that changes a weight adds it under a new name, so every module that was ever
+valid against the store stays valid.
 """
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,9 @@ from picc.ir.module import Module
 from picc.ir.types import DType, TensorType
 
 _METADATA_KEY = "picc.tensors"
+# The float32 values a store keeps (WeightStore.f32): SmolLM2's all fit (~0.6 GB), a 7B model's
+# layer at a time does (a layer is 0.8 GB in f32), and the interpreter and profiling run op by op.
+F32_CACHE_BYTES = 2 << 30
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -60,7 +66,7 @@ class WeightStore:
 
     def __init__(self, tensors: dict[str, Tensor] | None = None) -> None:
         self._tensors: dict[str, Tensor] = dict(tensors or {})
-        self._f32: dict[str, np.ndarray] = {}
+        self._f32: OrderedDict[str, np.ndarray] = OrderedDict()  # least recently used first
 
     def __contains__(self, name: object) -> bool:
         return name in self._tensors
@@ -92,9 +98,15 @@ class WeightStore:
 
     def f32(self, name: str) -> np.ndarray:
         """The exact float32 value of weight ``name``."""
-        if name not in self._f32:
-            self._f32[name] = self[name].to_f32()
-        return self._f32[name]
+        if name in self._f32:
+            self._f32.move_to_end(name)
+            return self._f32[name]
+        value = self[name].to_f32()
+        self._f32[name] = value
+        kept = sum(v.nbytes for v in self._f32.values())
+        while kept > F32_CACHE_BYTES and len(self._f32) > 1:
+            kept -= self._f32.popitem(last=False)[1].nbytes
+        return value
 
     def check_against(self, module: Module) -> None:
         """Raise ``PiccError`` unless every weight the module declares is here with its type."""
@@ -110,7 +122,7 @@ class WeightStore:
         """A store with the same tensors (shared, not copied) that grows on its own: what a
         pipeline adds to it does not appear here."""
         store = WeightStore(self._tensors)
-        store._f32 = dict(self._f32)
+        store._f32 = OrderedDict(self._f32)
         return store
 
     def subset(self, names: list[str]) -> WeightStore:

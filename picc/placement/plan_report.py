@@ -214,6 +214,9 @@ def format_report(report: dict) -> str:
     if report.get("sparse_estimate_tokens_per_s"):  # the dense model, chosen over the sparse one
         lines.append(f"the same model compiled sparse (--sparse): {report['sparse_estimate_tokens_per_s']:.1f} "
                      "tokens/s estimated")
+    if report.get("sparse_estimate_at_most_tokens_per_s"):  # the dense model, chosen before profiling
+        lines.append("a sparse model (not profiled): at most "
+                     f"{report['sparse_estimate_at_most_tokens_per_s']:.1f} tokens/s estimated")
     rates = report.get("cpu_read_rates", {})  # absent in reports of .pib files from before it
     if rates:
         listed = ", ".join(f"{key} {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['bandwidth_share']:.0f}%)"

@@ -1,0 +1,103 @@
+"""bench/synthetic_model.py at its tiny shape: the files picc's frontends read, the hot neurons
+profiling finds, the refusal without disk room, and nothing left behind by an interrupted run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from picc.errors import PiccError
+from picc.frontend.gguf import load_gguf
+from picc.frontend.hf import load_hf
+from picc.ir import ops as O
+from picc.ir.types import DType
+from picc.sparsity.calib import token_windows
+from picc.sparsity.profiling import profile_model
+
+_PATH = Path(__file__).resolve().parent.parent / "bench" / "synthetic_model.py"
+_spec = importlib.util.spec_from_file_location("synthetic_model", _PATH)
+synth = sys.modules["synthetic_model"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(synth)
+TINY = synth.SHAPES["tiny"]
+
+
+@pytest.fixture(scope="module")
+def relu_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("synth") / "tiny-relu.gguf"
+    assert synth.main(["gguf", str(path), "--shape", "tiny", "--ffn", "relu"]) == 0
+    return path
+
+
+def test_gguf_is_a_q4_0_llama_picc_reads(relu_gguf: Path) -> None:
+    model = load_gguf(relu_gguf)
+    ffns = [op for op in model.module.ops() if isinstance(op, O.FFN)]
+    assert len(ffns) == TINY.n_layers and {op.form for op in ffns} == {"reglu"}
+    assert model.weights["l1.ffn.up"].dtype == DType.Q4_0
+    assert model.weights["l1.ffn.up"].shape == (TINY.n_ff, TINY.hidden)
+    assert model.weights["l0.attn.k"].shape == (TINY.n_kv_heads * TINY.head_dim, TINY.hidden)
+    assert model.weights["output"].shape == (TINY.vocab, TINY.hidden)
+    assert model.weights["l0.attn_norm"].dtype == DType.F32
+    assert relu_gguf.stat().st_size >= synth.nbytes(synth.tensor_specs(TINY), "gguf")
+    ids = model.tokenizer.encode("the market fell")
+    assert ids[0] == 1 and len(ids) > 2 and max(ids) < 8192
+
+
+def test_profiling_finds_a_power_law_of_hot_neurons(relu_gguf: Path) -> None:
+    model = load_gguf(relu_gguf)
+    windows = token_windows(model.tokenizer, "ptb", 512, 128, 0)
+    profile = profile_model(model.module, model.weights, windows)
+    for layer in profile.layers:
+        # built for: ~10% of a layer active, the top 1% of neurons nearly always
+        assert 0.8 < layer.sparsity < 0.97, layer.sparsity
+        assert layer.top_share(0.1) > 0.4, layer.top_share(0.1)
+        assert np.sort(layer.freq)[-2] > 0.8  # the two hottest of 256 neurons fire for most tokens
+        assert np.median(layer.freq) < 0.08
+
+
+def test_hf_directory_is_sharded_and_holds_the_same_model(tmp_path: Path, relu_gguf: Path) -> None:
+    out = tmp_path / "tiny-hf"
+    assert synth.main(["hf", str(out), "--shape", "tiny", "--ffn", "relu", "--shard-size", "300KB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and shards == sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert json.loads((out / "config.json").read_text())["hidden_act"] == "relu"
+    hf, gguf = load_hf(out), load_gguf(relu_gguf)
+    assert hf.weights["l1.ffn.gate"].dtype == DType.F16
+    assert {op.form for op in hf.module.ops() if isinstance(op, O.FFN)} == {"reglu"}
+    # the same values, up to Q4_0's rounding: a step is 1/8 of a block's largest |value|, and the
+    # end opposite the largest clips by up to a step
+    f16, q4 = hf.weights.f32("l1.ffn.gate"), gguf.weights.f32("l1.ffn.gate")
+    step = np.abs(f16).reshape(-1, 32).max(axis=1) / 8
+    assert np.all(np.abs(f16 - q4).reshape(-1, 32) <= step[:, None] * 1.01 + 1e-4)
+    # relu-demo's BPE in both (the HF one adds a space before the text, as relu-demo does)
+    for tokenizer in (hf.tokenizer, gguf.tokenizer):
+        ids = tokenizer.encode("the market fell")
+        assert tokenizer.decode(ids, skip_special_tokens=True).strip() == "the market fell"
+
+
+def test_refuses_without_room_and_says_how_much(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(synth.shutil, "disk_usage", lambda _: type("U", (), {"free": 3_000_000_000})())
+    with pytest.raises(PiccError, match=r"needs 3\.79 GB and only 3\.00 GB are free"):
+        synth.write_gguf(tmp_path / "big.gguf", synth.SHAPES["7b"], "relu", 0)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+def test_an_interrupted_run_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    made = []
+
+    def make_then_fail(spec, shape, seed):  # noqa: ANN001, ANN202
+        made.append(spec.name)
+        if len(made) == 5:
+            raise KeyboardInterrupt
+        return np.zeros(spec.shape, np.float32)
+
+    monkeypatch.setattr(synth, "make_tensor", make_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        synth.main([fmt, str(tmp_path / "out"), "--shape", "tiny"])
+    assert list(tmp_path.iterdir()) == []
