@@ -153,7 +153,7 @@ def _gather_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, bias: bo
     # Without a bias a row past count adds exactly zero even if computed: its dot products are
     # zero (the gather-GEMV stores a skipped row's zeroed sum), every form's h(0, 0) is 0, and its
     # index (0 past count, and clamped) names a real down row. A GPU schedule may then load a live
-    # trip's rows unconditionally (``schedules.apply_guards``' eager blocks).
+    # trip's rows unconditionally (``guards.apply_guards``' eager blocks).
     options = {"vector": v, "dead_rows_zero": int(not bias)}
     return make_kernel(name, "sparse_ffn", [*args, *tail], guards={"ug": guard}, options=options)
 

@@ -2,13 +2,14 @@
 
 The building blocks (each a few primitives; read the emitted CUDA beside them):
 
-* ``warp_rows``: one warp per output row. The reduction ``k = kv * vector + kl`` is split so lane
-  ``tx`` takes chunks ``kv = ko * 32 + tx``; ``rfactor`` gives each lane a private partial sum,
-  and the final block, bound to ``threadIdx.x``, becomes TVM's cross-thread reduction, which
-  lowers to ``__shfl_down_sync``. Weights and the vector operand are staged through registers
-  with ``cache_read(..., "local")`` + ``vectorize``, so every weight load is one 16-byte
-  ``uint4`` (8 f16, 4 f32, or the 16 nibble bytes of a q4_0 block). ``threadIdx.y`` picks the
-  row within the block (``rows`` warps per block).
+* ``warp_rows``: one warp per ``rows_per_warp`` adjacent output rows. The reduction ``k = kv *
+  vector + kl`` is split so lane ``tx`` takes chunks ``kv = ko * 32 + tx``; ``rfactor`` gives
+  each lane a private partial sum per row, and the final block, bound to ``threadIdx.x``, becomes
+  TVM's cross-thread reduction, which lowers to ``__shfl_down_sync``. Weights and the vector
+  operand are staged through registers with ``cache_read(..., "local")`` + ``vectorize``, so every
+  weight load is one 16-byte ``uint4`` (8 f16, 4 f32, or the 16 nibble bytes of a q4_0 block),
+  and a chunk of the vector operand is loaded once for the warp's rows. ``threadIdx.y`` picks the
+  warp within the block (``rows`` warps per block).
 * ``sliced_axpy``: ``y[k] = sum_r h_r * D[row_r, k]`` over neuron-major rows, in row slices
   (``blockIdx.y``) whose partial rows a second launch adds up: thread ``tx`` owns ``vector``
   adjacent columns (one vectorised load per row), ``threadIdx.y`` splits the slice's rows, taken
@@ -16,10 +17,10 @@ The building blocks (each a few primitives; read the emitted CUDA beside them):
   row is past ``count``), and a shared-memory reduction over ``threadIdx.y`` merges them.
 * ``block_reduce``: one thread block per row for norms and softmax statistics (in-thread partial
   sums, then a cross-thread reduction).
-* guards: a kernel's ``guards`` wrap the per-row loop nest in ``if (guard)`` (annotation
-  ``picc_guard`` on the loop, applied by ``apply_guards`` after scheduling), so skipped rows of
-  an index list or of a gate-first mask load no weights at all; a schedule adds guards of its own
-  blocks (``TileGuard``: the AXPY's trips).
+* guards (``guards.py``): a kernel's ``guards`` wrap the per-row loop nest in ``if (guard)``
+  (annotation ``picc_guard`` on the loop, applied by ``apply_guards`` after scheduling), so
+  skipped rows of an index list or of a gate-first mask load no weights at all; a schedule adds
+  guards of its own blocks (``TileGuard``: the AXPY's trips).
 
 Attention's schedules (five launches, and decode's one) are in ``schedules_attention.py``.
 """
@@ -29,17 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvm import s_tir, tirx
-from tvm.ir.expr import Call
-from tvm.ir.expr import Expr as PrimExpr
-from tvm.sym import Analyzer
 
 from picc.codegen_cuda.dense import warp_compact
+from picc.codegen_cuda.guards import GUARD, TileGuard, apply_guards, spatial_axes
 from picc.codegen_cuda.kernel import Guard, Kernel
 from picc.errors import PiccError
 from runtime.gpu_layout import element_bytes
 
 ARCHS = ("sm_75", "sm_80", "sm_89", "sm_90")
-GUARD = "picc_guard"
 # Columns per AXPY thread: TVM's CUDA codegen handles float vectors up to 4 lanes (float4, a
 # 16-byte load for f32 down rows; 8 bytes for f16).
 AXPY_COLUMNS = 4
@@ -77,15 +75,6 @@ ARCH_PARAMS: dict[str, ArchParams] = {
     "sm_89": ArchParams(rows=8, axpy_split=8, threads=256),
     "sm_90": ArchParams(rows=8, axpy_split=16, threads=256),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class TileGuard:
-    """A guard the schedule adds to a block it made: the block's iterator names, in order, and
-    ``guard(buffers_by_name, *values)`` over their values (``apply_guards``)."""
-
-    axes: list[str]
-    guard: Guard
 
 
 def arch_params(arch: str) -> ArchParams:
@@ -285,128 +274,6 @@ def flat_threads(sch: s_tir.Schedule, name: str, threads: int) -> None:
     sch.bind(tx, "threadIdx.x")
 
 
-def apply_guards(func: tirx.PrimFunc, kernel: Kernel, tiles: dict[str, TileGuard] | None = None,
-                 eager: tuple[str, ...] = ()) -> tirx.PrimFunc:
-    """Wrap every loop annotated ``picc_guard`` in ``if (guard(...))``, the guard evaluated at the
-    loop's first trip.
-
-    A name in ``kernel.guards`` is a block of the definition: the guard's index is read from the
-    bindings of the first block under the loop whose iterators include that block's spatial axes
-    (``v_<axis>``). A name in ``tiles`` is a block the schedule made (``TileGuard``: its axes and
-    guard). Either way the index is in terms of the loop variables in scope at the guarded loop,
-    with the loop's own variable at its first value. (This TVM exposes no Python IR mutator, so the
-    few statement kinds a scheduled kernel holds are rebuilt by hand.)
-
-    A block named in ``eager`` (``acc = acc + if_then_else(row live, term, 0)``, inside a guarded
-    trip) drops the per-row condition: the schedule's caller vouches that a dead row's term is
-    zero, so its loads may run unconditionally beside the live rows' (in flight together).
-    """
-    buffers = {b.name: b for b in func.params}  # in this TVM, params are the buffers
-    guards = {name: TileGuard(_spatial_axes(kernel.func, name), guard) for name, guard in kernel.guards.items()}
-    guards.update(tiles or {})
-
-    def rewrite(node: tirx.Stmt) -> tirx.Stmt:
-        if isinstance(node, tirx.For):
-            body = rewrite(node.body)
-            if GUARD not in node.annotations:
-                return tirx.For(node.loop_var, node.min, node.extent, node.kind, body, node.thread_binding,
-                                node.annotations)
-            name = str(node.annotations[GUARD])
-            guard = guards[name]
-            index = _binding_of(body, guard.axes)
-            if index is None:
-                raise PiccError(f"kernel {kernel.name}: no block under the guarded loop of {name} "
-                                f"binds {guard.axes}")
-            at_first = Analyzer()  # the loop nest's first trip: every loop variable at its first value
-            for loop in [node, *_loops_under(body)]:
-                at_first.bind(loop.loop_var, loop.min)
-            first = [at_first.simplify(i) for i in index]
-            annotations = {k: v for k, v in node.annotations.items() if k != GUARD}
-            loop = tirx.For(node.loop_var, node.min, node.extent, node.kind, body, node.thread_binding, annotations)
-            return tirx.IfThenElse(guard.guard(buffers, *first), loop, None)
-        if isinstance(node, tirx.SeqStmt):
-            return tirx.SeqStmt([rewrite(s) for s in node.seq])
-        if isinstance(node, s_tir.SBlockRealize):
-            b = node.block
-            body = _unconditional(b.body) if b.name_hint in eager else rewrite(b.body)
-            block = s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init,
-                                 b.alloc_buffers, b.match_buffers, b.annotations)
-            return s_tir.SBlockRealize(node.iter_values, node.predicate, block)
-        if isinstance(node, tirx.IfThenElse):
-            return tirx.IfThenElse(node.condition, rewrite(node.then_case),
-                                   rewrite(node.else_case) if node.else_case is not None else None)
-        return node
-
-    return func.with_body(rewrite(func.body)) if guards or eager else func
-
-
-def _unconditional(store: tirx.Stmt) -> tirx.Stmt:
-    """``acc = acc + if_then_else(c, term, 0)`` as ``acc = acc + term`` (see ``apply_guards``)."""
-    value = store.value if isinstance(store, tirx.BufferStore) else None
-    term = value.b if isinstance(value, tirx.Add) else None
-    if not (isinstance(term, Call) and term.op.name.endswith("if_then_else")):
-        raise PiccError(f"an eager block must add one if_then_else to its accumulator, got {store}")
-    return tirx.BufferStore(store.buffer, tirx.Add(value.a, term.args[1]), store.indices)
-
-
-def _loops_under(node: tirx.Stmt) -> list[tirx.For]:
-    """Every ``for`` loop inside ``node``, blocks included."""
-    if isinstance(node, tirx.For):
-        return [node, *_loops_under(node.body)]
-    if isinstance(node, s_tir.SBlockRealize):
-        return _loops_under(node.block.body)
-    if isinstance(node, tirx.SeqStmt):
-        return [loop for s in node.seq for loop in _loops_under(s)]
-    if isinstance(node, tirx.IfThenElse):
-        return _loops_under(node.then_case) + (_loops_under(node.else_case) if node.else_case is not None else [])
-    return []
-
-
-def _binding_of(node: tirx.Stmt, names: list[str]) -> list[PrimExpr] | None:
-    """The values bound to iterators ``names`` by the first block under ``node`` that has them all."""
-    if isinstance(node, s_tir.SBlockRealize):
-        bound = {iv.var.name: v for iv, v in zip(node.block.iter_vars, node.iter_values, strict=True)}
-        if all(n in bound for n in names):
-            return [bound[n] for n in names]
-        return _binding_of(node.block.body, names)
-    children: list[tirx.Stmt] = []
-    if isinstance(node, tirx.For):
-        children = [node.body]
-    elif isinstance(node, tirx.SeqStmt):
-        children = list(node.seq)
-    elif isinstance(node, tirx.IfThenElse):
-        children = [node.then_case] + ([node.else_case] if node.else_case is not None else [])
-    for child in children:
-        found = _binding_of(child, names)
-        if found is not None:
-            return found
-    return None
-
-
-def _spatial_axes(func: tirx.PrimFunc, name: str) -> list[str]:
-    block = _find_block(func.body, name)
-    if block is None:
-        raise PiccError(f"kernel has no block named {name!r} to guard")
-    return [iv.var.name for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
-
-
-def _find_block(node: tirx.Stmt, name: str) -> s_tir.SBlock | None:
-    if isinstance(node, s_tir.SBlockRealize):
-        if node.block.name_hint == name:
-            return node.block
-        return _find_block(node.block.body, name)
-    children: list[tirx.Stmt] = []
-    if isinstance(node, tirx.For):
-        children = [node.body]
-    elif isinstance(node, tirx.SeqStmt):
-        children = list(node.seq)
-    for child in children:
-        found = _find_block(child, name)
-        if found is not None:
-            return found
-    return None
-
-
 def _weights(kernel: Kernel, *prefixes: str) -> list[str]:
     """Names of the weight buffers of ``kernel`` starting with one of ``prefixes``."""
     return [p.name for p in kernel.params if p.role == "in" and p.name.startswith(prefixes)]
@@ -434,7 +301,7 @@ def accumulate_in_register(sch: s_tir.Schedule, name: str, at: s_tir.schedule.Lo
 
 def _has_block(kernel: Kernel, name: str) -> bool:
     try:
-        _spatial_axes(kernel.func, name)
+        spatial_axes(kernel.func, name)
     except PiccError:
         return False
     return True
