@@ -13,6 +13,7 @@ and tokenizer into one ``.pib``.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -121,6 +122,12 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
             dense = _dense_unless_sparse_can_win(model, options, target, 1.0 - sparsity, instruments, say)
             if dense is not None:
                 return dense
+        too_big = _fisher_too_big(model, s) if sparsity is not None and not options.sparse else None
+        if too_big is not None:
+            say(f"compiling the dense model without profiling: {too_big} (--sparse tries anyway)")
+            chosen = compile_model(model, replace(options, dense=True), instruments, lambda _: None)
+            chosen.report["notes"].append(f"dense, chosen before profiling: {too_big}")
+            return chosen
         passes += s.passes(sparsity)
     passes += [_partition(options, target), *_fuse(options)]
     start = time.perf_counter()
@@ -246,6 +253,28 @@ def _dense_report(model: LoadedModel, options: CompileOptions, target: Target) -
     module = run_pipeline(model.module, weights, passes)
     plan = mp.plan_memory(module, weights, ctx=options.ctx, budget=int(dict(module.attrs)["vram_budget"]))
     return build_report(module, weights, target, plan)
+
+
+FISHER_MEMORY_SHARE = 0.8
+"""The share of the machine's available memory the Fisher pass's float32 weights may take."""
+
+
+def _fisher_too_big(model: LoadedModel, sparsity: SparsifyOptions) -> str | None:
+    """Why profiling cannot run here, or None: the ``fisher`` threshold rule's pass
+    (``picc.sparsity.fisher``) runs the model through torch with every weight in float32 (27 GB
+    for a 7B model); past the memory this machine has available the kernel would kill the
+    compile. (A cached profile would not need it: ``--sparse`` tries anyway.)"""
+    from picc.sparsity.profiling import scaled_layers
+    from runtime.sequences import available_memory
+
+    if sparsity.rule != "fisher" or not scaled_layers(model.module):
+        return None
+    need = sum(4 * math.prod(model.weights[name].shape) for name in model.weights)
+    have = available_memory()
+    if have is None or need <= FISHER_MEMORY_SHARE * have:
+        return None
+    return (f"its Fisher scales need every weight in float32 (~{need / 2**30:.1f} GiB), more than this machine "
+            f"has available (~{have / 2**30:.1f} GiB)")
 
 
 def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, target: Target, density: float,

@@ -74,6 +74,36 @@ def test_a_cpu_compile_skips_profiling_when_no_sparse_model_could_win(tmp_path, 
         assert not any("without profiling" in line for line in said)
 
 
+def test_a_model_whose_fisher_pass_would_not_fit_in_memory_compiles_dense(tmp_path, monkeypatch):
+    # The Fisher scales hold every weight in float32 (27 GB for a 7B). Where that exceeds what the
+    # machine has, profiling would end with the kernel killing the compile (seen: a SwiGLU 7B on a
+    # 24 GB machine, exit -9), so the compile goes dense and says why; --sparse tries anyway.
+    import runtime.sequences
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    profiled = []
+    calibrate = profile_activations.calibrate
+    monkeypatch.setattr(profile_activations, "calibrate", lambda *a, **k: profiled.append(1) or calibrate(*a, **k))
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0))
+    need = sum(4 * int(np.prod(model.weights[n].shape)) for n in model.weights)
+    target = _target(tmp_path, 40e9, 40e9)  # a sparse model could win: the CPU rule does not skip
+    options = CompileOptions(target=target, sparsity=SparsifyOptions(mode="gate-first", tokens=256, window=64,
+                                                                     target_sparsity=0.3))
+    monkeypatch.setattr(runtime.sequences, "available_memory", lambda: need)  # 0.8 x that: too little
+    said: list[str] = []
+    chosen = compile_model(model, options, say=said.append)
+    assert any("Fisher scales need every weight in float32" in line for line in said) and not profiled
+    assert all(op.mode == "dense" for op in chosen.model.module.ops() if isinstance(op, FusedFFN))
+    assert any("Fisher" in note for note in chosen.report["notes"])
+    compile_model(model, replace(options, sparse=True), say=lambda _: None)
+    assert profiled
+    monkeypatch.setattr(runtime.sequences, "available_memory", lambda: 2 * need)  # room: profiled as before
+    profiled.clear()
+    said.clear()
+    compile_model(model, options, say=said.append)
+    assert profiled and not any("Fisher scales need" in line for line in said)
+
+
 def test_run_many_gives_each_window_what_run_gives_it_and_dequantizes_each_weight_once(monkeypatch):
     from picc.interpreter import Interpreter
 
