@@ -125,9 +125,7 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
         too_big = _fisher_too_big(model, s) if sparsity is not None and not options.sparse else None
         if too_big is not None:
             say(f"compiling the dense model without profiling: {too_big} (--sparse tries anyway)")
-            chosen = compile_model(model, replace(options, dense=True), instruments, lambda _: None)
-            chosen.report["notes"].append(f"dense, chosen before profiling: {too_big}")
-            return chosen
+            return _compiled_dense(model, options, instruments, f"dense, chosen before profiling: {too_big}")
         passes += s.passes(sparsity)
     passes += [_partition(options, target), *_fuse(options)]
     start = time.perf_counter()
@@ -234,10 +232,7 @@ def _dense_if_faster(model: LoadedModel, options: CompileOptions, target: Target
     why = (f"the cost model estimates ~{dense:.0f} tokens/s for the dense model on {target.name}, "
            f"~{sparse:.0f} for the sparse one")
     say(f"compiling the dense model: {why} (--sparse keeps sparsity)")
-    chosen = compile_model(model, replace(options, dense=True), instruments, lambda _: None)
-    chosen.report["notes"].append(f"dense, chosen: {why}")
-    chosen.report["sparse_estimate_tokens_per_s"] = sparse
-    return chosen
+    return _compiled_dense(model, options, instruments, f"dense, chosen: {why}", sparse_estimate_tokens_per_s=sparse)
 
 
 def _dense_estimate(model: LoadedModel, options: CompileOptions, target: Target) -> float:
@@ -304,9 +299,17 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
     why = (f"the cost model estimates ~{dense:.1f} tokens/s for the dense model on {target.name}, at most "
            f"~{best:.1f} for a sparse one at sparsity {1 - density:.2f}")
     say(f"compiling the dense model without profiling: {why} (--sparse keeps sparsity)")
+    return _compiled_dense(model, options, instruments, f"dense, chosen before profiling: {why}",
+                           sparse_estimate_at_most_tokens_per_s=best)
+
+
+def _compiled_dense(model: LoadedModel, options: CompileOptions, instruments: Instruments | None, note: str,
+                    **report: float) -> Compiled:
+    """``model`` compiled ``--dense`` in place of the sparse compile asked for: ``note`` says why
+    in the report's notes, ``report`` adds the estimates behind the choice."""
     chosen = compile_model(model, replace(options, dense=True), instruments, lambda _: None)
-    chosen.report["notes"].append(f"dense, chosen before profiling: {why}")
-    chosen.report["sparse_estimate_at_most_tokens_per_s"] = best
+    chosen.report["notes"].append(note)
+    chosen.report.update(report)
     return chosen
 
 

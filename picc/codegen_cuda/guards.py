@@ -116,18 +116,22 @@ def _binding_of(node: tirx.Stmt, names: list[str]) -> list[PrimExpr] | None:
         if all(n in bound for n in names):
             return [bound[n] for n in names]
         return _binding_of(node.block.body, names)
-    children: list[tirx.Stmt] = []
-    if isinstance(node, tirx.For):
-        children = [node.body]
-    elif isinstance(node, tirx.SeqStmt):
-        children = list(node.seq)
-    elif isinstance(node, tirx.IfThenElse):
-        children = [node.then_case] + ([node.else_case] if node.else_case is not None else [])
-    for child in children:
+    for child in _children(node):
         found = _binding_of(child, names)
         if found is not None:
             return found
     return None
+
+
+def _children(node: tirx.Stmt) -> list[tirx.Stmt]:
+    """The statements directly inside a loop, a sequence or an ``if`` (none for other kinds)."""
+    if isinstance(node, tirx.For):
+        return [node.body]
+    if isinstance(node, tirx.SeqStmt):
+        return list(node.seq)
+    if isinstance(node, tirx.IfThenElse):
+        return [node.then_case] + ([node.else_case] if node.else_case is not None else [])
+    return []
 
 
 def spatial_axes(func: tirx.PrimFunc, name: str) -> list[str]:
@@ -143,12 +147,7 @@ def _find_block(node: tirx.Stmt, name: str) -> s_tir.SBlock | None:
         if node.block.name_hint == name:
             return node.block
         return _find_block(node.block.body, name)
-    children: list[tirx.Stmt] = []
-    if isinstance(node, tirx.For):
-        children = [node.body]
-    elif isinstance(node, tirx.SeqStmt):
-        children = list(node.seq)
-    for child in children:
+    for child in _children(node):
         found = _find_block(child, name)
         if found is not None:
             return found
