@@ -76,7 +76,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from runtime.cpu import ExecutorError
     from runtime.engine import Engine
-    from runtime.sequences import gpu_kv_caches
     from runtime.server import ServedModel, create_app
 
     if (args.max_batch is not None and args.max_batch < 1) or (args.max_queue is not None and args.max_queue < 0):
@@ -87,8 +86,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
         if session.text is None:
             raise PiccError(f"{args.model}: the model has no tokenizer; a server needs one to read and write text")
-        if args.max_batch is None:  # caches on the GPU hold one sequence (runtime.sequences)
-            args.max_batch = 1 if gpu_kv_caches(session.executor) else 8
         try:
             engine = Engine(session, args.max_batch, args.max_queue)
         except ExecutorError as e:
@@ -98,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             served = ServedModel(engine, session.text, name, int(Path(args.model).stat().st_mtime), args.api_key)
             host, port = sock.getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
-            print(f"picc serve: {name} on http://{shown}:{port}/v1 (max-batch {args.max_batch}, ctx {session.ctx}, "
+            print(f"picc serve: {name} on http://{shown}:{port}/v1 (max-batch {engine.max_batch}, ctx {session.ctx}, "
                   f"{session.executor.cpu.team.nthreads} threads, {engine.rows_per_step} "
                   f"sequence{'s' if engine.rows_per_step != 1 else ''} per step"
                   f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)

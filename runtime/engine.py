@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.cpu import ExecutorError
+from runtime.plan import MemoryPlan
 from runtime.sampling import SamplingOptions, sample
-from runtime.sequences import SequencePool
+from runtime.sequences import SequencePool, gpu_kv_caches
 from runtime.session import Session
 
 Emit = Callable[[str, object], None]
@@ -37,6 +38,7 @@ Emit = Callable[[str, object], None]
 for new tokens, then ``("done", finish_reason)`` (``stop``: EOS; ``length``: ``max_tokens`` or a
 full context; ``cancelled``) or ``("error", message)``."""
 
+DEFAULT_MAX_BATCH = 8  # sequences decoded at once unless told (the batch step's sizes go to 16)
 RATE_WINDOW = 5.0  # seconds of decode steps the reported tok/s covers
 FLUSH_SECONDS = 0.04
 """A sequence's new tokens go to its owner at most this often (the first at once): each report
@@ -108,15 +110,23 @@ class EngineStats:
         return sum(n for _, n in self.recent) / RATE_WINDOW
 
 
+def serving_limits(plan: MemoryPlan, max_batch: int | None, max_queue: int | None) -> tuple[int, int]:
+    """The sequences an engine for a model with ``plan`` decodes at once and the requests it lets
+    wait for a slot: as given, else 8 (1 where the model keeps KV caches on the GPU, which hold one
+    sequence) and 4 x that."""
+    if max_batch is None:
+        max_batch = 1 if gpu_kv_caches(plan) else DEFAULT_MAX_BATCH
+    return max_batch, 4 * max_batch if max_queue is None else max_queue
+
+
 class Engine:
     """Serves ``session``'s model to many requests at once: :meth:`submit`, :meth:`cancel`."""
 
-    def __init__(self, session: Session, max_batch: int = 8, max_queue: int | None = None) -> None:
+    def __init__(self, session: Session, max_batch: int | None = None, max_queue: int | None = None) -> None:
         self.session = session
         self.executor = session.executor
-        self.pool = SequencePool(self.executor, max_batch)
-        self.max_batch = max_batch
-        self.max_queue = max_queue if max_queue is not None else 4 * max_batch
+        self.max_batch, self.max_queue = serving_limits(self.executor.plan, max_batch, max_queue)
+        self.pool = SequencePool(self.executor, self.max_batch)
         self.ctx = session.ctx
         self.eos = session.text.eos_id if session.text is not None else None
         self.stats = EngineStats()

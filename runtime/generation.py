@@ -14,6 +14,7 @@ the task is cancelled) cancels the sequence, whose slot the engine then frees be
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from runtime.engine import Engine, QueueFull, Request
@@ -79,9 +80,13 @@ class Generation:
         self.engine, self.stream = engine, TextStream(codec, stops)
         self.queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+
+        def emit(kind: str, value: object) -> None:  # on the engine's thread
+            with contextlib.suppress(RuntimeError):  # the request's event loop has closed: nobody listens
+                loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+
         try:
-            self.seq = engine.submit(request, lambda kind, value: loop.call_soon_threadsafe(
-                self.queue.put_nowait, (kind, value)))
+            self.seq = engine.submit(request, emit)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy ({e}); retry shortly", kind="requests",
                            code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None

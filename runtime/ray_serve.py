@@ -1,26 +1,46 @@
-"""``picc serve --ray``: replicas of ``picc serve`` on Ray Serve, behind Ray's HTTP proxy.
+"""``picc serve --ray``: replicas of ``picc serve`` on Ray Serve, behind a router that speaks OpenAI.
 
-Each replica is a Ray actor (its own process) that opens the same ``.pib``, starts the serving
-engine of ``runtime.engine`` and answers with the ASGI application of ``runtime.server``: the same
-OpenAI-compatible routes, streaming, errors and metrics as one ``picc serve``, and the same tokens
-(a request runs whole on one replica, which is exact whatever else it serves). Ray Serve routes
-requests among the replicas, restarts one whose process died, and asks each replica for its health
+Two deployments. ``PiccReplica`` (``replicas`` of them, each a Ray actor in its own process) opens
+the same ``.pib``, starts the serving engine of ``runtime.engine`` and runs the ASGI application of
+``runtime.server`` on each request it is handed: the same OpenAI-compatible routes, streaming,
+errors and metrics as one ``picc serve``, and the same tokens (a request runs whole on one replica,
+which is exact whatever else it serves). ``PiccRouter`` (one, the ingress behind Ray's HTTP proxy)
+hands each request to a replica through a deployment handle -- Ray routes it to one with a free
+slot -- and relays the answer, so that a replica's failure still reaches the client as OpenAI's
+error object: a 503 with ``Retry-After`` before the answer has started (the ``openai`` client
+retries those), an error event in a stream that had (the replica that would have written them is
+gone; Ray's proxy alone would answer with its own plain 5xx). When every replica's slots are taken
+and ``max_queue`` requests per replica wait already, a request gets picc serve's 429.
+
+Ray Serve restarts a replica whose process died and asks each for its health
 (``PiccReplica.check_health``: a replica whose engine thread has stopped reports itself unhealthy,
 and Ray replaces it).
 
 Ray is an optional dependency (``pip install picc[ray]``); nothing here imports it at module load,
-so the rest of the runtime never needs it.
+so the rest of the runtime never needs it (and ``replica_answer`` is usable without it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from runtime.openai_api import ApiError
 
 APP_NAME = "picc"
 HEALTH_CHECK_SECONDS = 5.0
 """How often Ray asks a replica for its health (and gives up on it after the same time)."""
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_SECONDS = 2.0
+"""How long a replica's app may take to notice its client left (the server polls every 0.25 s)
+and free the sequence, before it is cancelled."""
+ROUTER_MAX_ONGOING = 10_000
+"""Requests the router relays at once: it only waits on replicas, and Ray caps their share."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +57,73 @@ class ReplicaOptions:
     model_name: str | None = None
 
 
-_SERVED: dict[str, object] = {}
-"""The replica's engine (in the replica's process), for its health checks."""
+@dataclass(frozen=True, slots=True)
+class Forwarded:
+    """An HTTP request as the router hands it to a replica (headers as ASGI's byte pairs)."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
 
 
-def build_app(options: ReplicaOptions):  # noqa: ANN201 - an ASGI application (FastAPI)
-    """In a replica's process, once: open the model, start its engine, return the server's app."""
+Head = tuple[int, list[tuple[bytes, bytes]]]
+"""A response's status and headers: what a replica's answer yields first."""
+
+
+async def replica_answer(app, request: Forwarded) -> AsyncIterator[Head | bytes]:  # noqa: ANN001 - an ASGI app
+    """Run ``app`` on ``request`` in this process: yields the response's status and headers, then its
+    body's chunks as the app sends them. Closing the generator early (the router's client went
+    away, and Ray cancelled the request) tells the app the client disconnected, as a server would."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": request.method, "scheme": "http", "path": request.path, "raw_path": request.path.encode(),
+             "root_path": "", "query_string": request.query, "headers": list(request.headers),
+             "client": None, "server": None}
+    sent: asyncio.Queue[dict | None] = asyncio.Queue()
+    gone = asyncio.Event()
+    body_read = False
+
+    async def receive() -> dict:
+        nonlocal body_read
+        if not body_read:
+            body_read = True
+            return {"type": "http.request", "body": request.body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await sent.put(message)
+
+    async def run() -> None:
+        try:
+            await app(scope, receive, send)
+        finally:
+            sent.put_nowait(None)
+
+    task = asyncio.ensure_future(run())
+    try:
+        while (message := await sent.get()) is not None:
+            if message["type"] == "http.response.start":
+                yield message["status"], [(bytes(k), bytes(v)) for k, v in message.get("headers", ())]
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield bytes(message["body"])
+                if not message.get("more_body", False):
+                    break
+        await task
+    finally:
+        gone.set()
+        if not task.done():
+            try:
+                await asyncio.wait_for(task, timeout=DISCONNECT_SECONDS)
+            except (TimeoutError, asyncio.CancelledError):
+                task.cancel()
+
+
+def build_app(options: ReplicaOptions):  # noqa: ANN201 - (engine, session, ASGI application)
+    """In a replica's process, once: open the model, start its engine, make the server's app."""
     from runtime.engine import Engine
-    from runtime.sequences import gpu_kv_caches
     from runtime.server import ServedModel, create_app
     from runtime.session import Session
 
@@ -52,48 +131,115 @@ def build_app(options: ReplicaOptions):  # noqa: ANN201 - an ASGI application (F
     if session.text is None:
         session.close()
         raise ValueError(f"{options.model}: the model has no tokenizer; a server needs one to read and write text")
-    max_batch = options.max_batch or (1 if gpu_kv_caches(session.executor) else 8)
-    engine = Engine(session, max_batch, options.max_queue)
+    engine = Engine(session, options.max_batch, options.max_queue)
     name = options.model_name or Path(options.model).stem
     served = ServedModel(engine, session.text, name, int(Path(options.model).stat().st_mtime), options.api_key)
-    _SERVED["engine"], _SERVED["session"] = engine, session
-    return create_app(served)
+    return engine, session, create_app(served)
 
 
 class PiccReplica:
-    """A replica of the server (the ingress deployment's class; its HTTP side is ``build_app``'s)."""
+    """A replica of the server: answers the requests the router hands it."""
+
+    def __init__(self, options: ReplicaOptions) -> None:
+        self.engine, self.session, self.app = build_app(options)
+
+    async def __call__(self, request: Forwarded) -> AsyncIterator[Head | bytes]:
+        async with contextlib.aclosing(replica_answer(self.app, request)) as answer:
+            async for item in answer:
+                yield item
 
     def check_health(self) -> None:
         """Ray Serve's periodic health check: raises when this replica can no longer serve."""
-        engine = _SERVED.get("engine")
-        if engine is None or not engine.alive:  # type: ignore[attr-defined]
+        if not self.engine.alive:
             raise RuntimeError("picc replica: the serving engine has stopped")
 
     def __del__(self) -> None:
-        engine, session = _SERVED.pop("engine", None), _SERVED.pop("session", None)
-        if engine is not None:
-            engine.close()  # type: ignore[attr-defined]
-        if session is not None:
-            session.close()  # type: ignore[attr-defined]
+        if hasattr(self, "engine"):  # not when opening the model failed
+            self.engine.close()
+            self.session.close()
+
+
+def failure(e: BaseException) -> ApiError:
+    """What a client is told when its request could not be answered by a replica."""
+    from ray.serve.exceptions import BackPressureError
+
+    if isinstance(e, BackPressureError):
+        return ApiError(429, "every replica's sequences are busy and its queue is full; retry later",
+                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return ApiError(503, f"the replica serving this request failed ({type(e).__name__}); retry",
+                    kind="server_error", code="replica_failed", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+
+
+async def relay(replicas, request: Forwarded) -> object:  # noqa: ANN001 - a DeploymentHandle; a starlette Response
+    """The router's response to ``request``, from a replica's answer: a whole body is gathered
+    before it is sent (so a failure anywhere is a clean error object), a stream is passed on as it
+    comes."""
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+
+    try:
+        answer = replicas.remote(request)
+        status, headers = await answer.__anext__()
+        if not _is_event_stream(headers):
+            response = Response(b"".join([chunk async for chunk in answer]), status_code=status)
+            response.raw_headers = headers
+            return response
+    except Exception as e:  # noqa: BLE001 - whatever ended the replica's answer, the client gets an error object
+        error = failure(e)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    async def rest() -> AsyncIterator[bytes]:
+        # A client that leaves cancels this request, and Ray cancels the replica's with it (which
+        # frees the sequence: ``replica_answer``).
+        try:
+            async for chunk in answer:
+                yield chunk
+        except Exception as e:  # noqa: BLE001 - the stream had started: its end is an error event
+            yield f"data: {json.dumps(failure(e).body())}\r\n\r\ndata: [DONE]\r\n\r\n".encode()
+
+    response = StreamingResponse(rest(), status_code=status)
+    response.raw_headers = headers
+    return response
+
+
+class PiccRouter:
+    """The ingress: relays each request to a replica (``replicas``, a deployment handle)."""
+
+    def __init__(self, replicas) -> None:  # noqa: ANN001 - a ray.serve.handle.DeploymentHandle
+        self.replicas = replicas.options(stream=True)
+
+    async def __call__(self, request) -> object:  # noqa: ANN001 - starlette Request -> Response
+        forwarded = Forwarded(request.method, request.url.path, request.url.query.encode("latin-1"),
+                              tuple(request.headers.raw), await request.body())
+        return await relay(self.replicas, forwarded)
 
 
 def application(options: ReplicaOptions, replicas: int = 1, gpus: float = 0.0):  # noqa: ANN201 - serve.Application
     """The Ray Serve application: ``replicas`` replicas of the server, each reserving
-    ``options.threads`` CPUs (one if unset) and ``gpus`` GPUs from the cluster."""
+    ``options.threads`` CPUs (one if unset) and ``gpus`` GPUs from the cluster, behind the router.
+
+    Ray hands a replica at most as many requests as its engine decodes at once, so a request that
+    waits, waits in the router's queue for whichever replica frees a slot first; that queue holds
+    ``max_queue`` requests per replica (at least one: Ray cannot hold none), beyond which a request
+    is answered 429."""
     from ray import serve
 
-    def builder():  # noqa: ANN202 - a function, as Ray Serve wants an app builder to be (not a partial)
-        return build_app(options)
+    from runtime.engine import serving_limits
+    from runtime.pib import PibFile
 
-    ingress = serve.ingress(builder)(PiccReplica)
-    deployment = serve.deployment(
-        ingress, name=APP_NAME, num_replicas=replicas,
+    with PibFile(options.model, verify=False) as pib:
+        slots, queue = serving_limits(pib.plan(), options.max_batch, options.max_queue)
+    replica = serve.deployment(
+        PiccReplica, name="PiccReplica", num_replicas=replicas,
         ray_actor_options={"num_cpus": options.threads or 1, "num_gpus": gpus},
         health_check_period_s=HEALTH_CHECK_SECONDS, health_check_timeout_s=HEALTH_CHECK_SECONDS,
-        # Enough requests in flight per replica for its engine to batch and queue them itself
-        # (its own queue answers 429 when full, as one picc serve does).
-        max_ongoing_requests=4 * (options.max_batch or 8) + (options.max_queue or 4 * (options.max_batch or 8)))
-    return deployment.bind()
+        max_ongoing_requests=slots, max_queued_requests=max(1, replicas * queue))
+    router = serve.deployment(PiccRouter, name="PiccRouter", ray_actor_options={"num_cpus": 0},
+                              max_ongoing_requests=ROUTER_MAX_ONGOING)
+    return router.bind(replica.bind(options))
 
 
 def run(options: ReplicaOptions, *, replicas: int, gpus: float, host: str, port: int,

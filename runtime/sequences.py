@@ -19,6 +19,7 @@ import numpy as np
 
 from runtime.cpu import ExecutorError, _zeros
 from runtime.executor import Executor
+from runtime.plan import MemoryPlan
 
 MEMORY_HEADROOM = 0.8  # the share of MemAvailable the pool may take: the rest is the process's and the OS's
 
@@ -35,9 +36,9 @@ def available_memory() -> int | None:
     return None
 
 
-def gpu_kv_caches(executor: Executor) -> int:
+def gpu_kv_caches(plan: MemoryPlan) -> int:
     """How many of the model's KV caches live on the GPU (each holds one sequence's positions)."""
-    return sum(1 for b in executor.plan.buffers if b.kind == "kv-cache" and b.device == "gpu")
+    return sum(1 for b in plan.buffers if b.kind == "kv-cache" and b.device == "gpu")
 
 
 class SequencePool:
@@ -47,7 +48,7 @@ class SequencePool:
     def __init__(self, executor: Executor, slots: int) -> None:
         if slots < 1:
             raise ExecutorError(f"--max-batch {slots}: expected at least 1")
-        gpu_caches = gpu_kv_caches(executor)
+        gpu_caches = gpu_kv_caches(executor.plan)
         if slots > 1 and gpu_caches:
             raise ExecutorError(f"--max-batch {slots}: this model keeps {gpu_caches} KV caches on the GPU, "
                                 "which hold one sequence; serve it with --max-batch 1 (or compile it with the "

@@ -8,6 +8,7 @@ others decode, and greedy and seeded sampling are both checked.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -20,6 +21,7 @@ from picc.ir.types import DType
 from picc.sparsity.sparsify import SparsifyOptions
 from runtime.cpu import ExecutorError
 from runtime.engine import Engine, QueueFull, Request
+from runtime.generation import Generation
 from runtime.sampling import SamplingOptions
 from runtime.sequences import SequencePool
 from runtime.session import Session
@@ -195,17 +197,44 @@ def test_a_model_without_the_batch_step_steps_its_sequences_one_by_one(tmp_path)
 def test_a_stopped_engine_is_not_alive_and_its_replica_says_so(tmp_path):
     # What Ray Serve's health check asks a replica (runtime.ray_serve.PiccReplica.check_health):
     # whether its engine's thread still runs.
-    from runtime import ray_serve
+    from runtime.ray_serve import PiccReplica
 
     path = compiled(tmp_path, "health", dense=True, batch_step=False)
     with Session(path, 1) as session:
+        replica = PiccReplica.__new__(PiccReplica)  # its model, without Ray (and without its app)
+        replica.engine, replica.session = Engine(session, max_batch=1), session
+        replica.check_health()  # alive: no error
+        replica.engine.close()
+        assert not replica.engine.alive
+        with pytest.raises(RuntimeError, match="engine has stopped"):
+            replica.check_health()
+
+
+def test_a_request_whose_event_loop_closed_does_not_stop_the_engine(tmp_path):
+    # The engine's thread hands tokens to each request's event loop; one that has closed (its
+    # client's loop ended before the request did) must not end the thread, and so every request.
+    path = compiled(tmp_path, "loop", dense=True, batch_step=False)
+    with Session(path, 1) as session:
         engine = Engine(session, max_batch=1)
-        ray_serve._SERVED["engine"] = engine
         try:
-            ray_serve.PiccReplica.check_health(None)  # alive: no error
-            engine.close()
-            assert not engine.alive
-            with pytest.raises(RuntimeError, match="engine has stopped"):
-                ray_serve.PiccReplica.check_health(None)
+            async def start(n: int) -> Generation:
+                return Generation(engine, session.text, Request(session.text.encode("the"), n), [])
+
+            loop = asyncio.new_event_loop()
+            orphan = loop.run_until_complete(start(64))
+            loop.close()
+            for _ in range(200):  # it decodes on, emitting to the closed loop
+                if engine.active == 0:
+                    break
+                time.sleep(0.01)
+            assert engine.alive and orphan.seq is not None
+
+            async def whole(n: int) -> int:
+                gen = await start(n)
+                async for _ in gen:
+                    pass
+                return gen.tokens
+
+            assert asyncio.run(asyncio.wait_for(whole(5), 30)) == 5  # a stopped engine would never answer
         finally:
-            ray_serve._SERVED.clear()
+            engine.close()

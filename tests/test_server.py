@@ -14,34 +14,24 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 
 import httpx
 import openai
 import pytest
-from conftest import tiny_llama, with_tokenizer
+from conftest import served_model
 
-from picc.compile import CompileOptions, compile_model, write_compiled
-from picc.ir.types import DType
 from runtime.sampling import SamplingOptions
 from runtime.session import Session
 
 KEY = "test-key"
 CTX = 2048  # long enough that a 2000-token stream is still going while the tests ask the server more
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}the company{% endif %}")
 PROMPTS = ["the company said", "it is", "in the new york stock exchange the", "a year", "and the",
            "mr. said the company", "of the", "but"]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    loaded = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_1))
-    loaded = replace(loaded, tokenizer=replace(loaded.tokenizer, chat_template=TEMPLATE))
-    result = compile_model(loaded, CompileOptions(dense=True, ctx=CTX), say=lambda _: None)
-    path = tmp_path_factory.mktemp("serve") / "tiny.pib"
-    write_compiled(result, path)
-    return path
+    return served_model(tmp_path_factory.mktemp("serve") / "tiny.pib", CTX)
 
 
 class Server:
