@@ -5,12 +5,11 @@ the same ``.pib``, starts the serving engine of ``runtime.engine`` and runs the 
 ``runtime.server`` on each request it is handed: the same OpenAI-compatible routes, streaming,
 errors and metrics as one ``picc serve``, and the same tokens (a request runs whole on one replica,
 which is exact whatever else it serves). ``PiccRouter`` (one, the ingress behind Ray's HTTP proxy)
-hands each request to a replica through a deployment handle -- Ray routes it to one with a free
-slot -- and relays the answer, so that a replica's failure still reaches the client as OpenAI's
+hands each request to a replica through a deployment handle -- Ray routes it to the less busy of
+two -- and relays the answer, so that a replica's failure still reaches the client as OpenAI's
 error object: a 503 with ``Retry-After`` before the answer has started (the ``openai`` client
 retries those), an error event in a stream that had (the replica that would have written them is
-gone; Ray's proxy alone would answer with its own plain 5xx). When every replica's slots are taken
-and ``max_queue`` requests per replica wait already, a request gets picc serve's 429.
+gone; Ray's proxy alone would answer with its own plain 5xx).
 
 Ray Serve restarts a replica whose process died and asks each for its health
 (``PiccReplica.check_health``: a replica whose engine thread has stopped reports itself unhealthy,
@@ -41,6 +40,9 @@ DISCONNECT_SECONDS = 2.0
 and free the sequence, before it is cancelled."""
 ROUTER_MAX_ONGOING = 10_000
 """Requests the router relays at once: it only waits on replicas, and Ray caps their share."""
+CONTROL_REQUESTS = 8
+"""Requests a replica takes beyond its engine's (decoding and waiting ones): room for the routes
+that do not generate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,12 +162,8 @@ class PiccReplica:
 
 
 def failure(e: BaseException) -> ApiError:
-    """What a client is told when its request could not be answered by a replica."""
-    from ray.serve.exceptions import BackPressureError
-
-    if isinstance(e, BackPressureError):
-        return ApiError(429, "every replica's sequences are busy and its queue is full; retry later",
-                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    """What a client is told when the replica answering its request failed (its process died, or Ray
+    could not reach it)."""
     return ApiError(503, f"the replica serving this request failed ({type(e).__name__}); retry",
                     kind="server_error", code="replica_failed", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
@@ -221,10 +219,10 @@ def application(options: ReplicaOptions, replicas: int = 1, gpus: float = 0.0): 
     """The Ray Serve application: ``replicas`` replicas of the server, each reserving
     ``options.threads`` CPUs (one if unset) and ``gpus`` GPUs from the cluster, behind the router.
 
-    Ray hands a replica at most as many requests as its engine decodes at once, so a request that
-    waits, waits in the router's queue for whichever replica frees a slot first; that queue holds
-    ``max_queue`` requests per replica (at least one: Ray cannot hold none), beyond which a request
-    is answered 429."""
+    Ray hands each request to the less busy of two replicas, and hands a replica as many requests
+    as its engine takes (decoding and waiting: its engine answers 429 beyond them, as one picc
+    serve does) and ``CONTROL_REQUESTS`` more, so that ``/health``, ``/metrics`` and ``/v1/models``
+    are answered while it is full."""
     from ray import serve
 
     from runtime.engine import serving_limits
@@ -236,7 +234,7 @@ def application(options: ReplicaOptions, replicas: int = 1, gpus: float = 0.0): 
         PiccReplica, name="PiccReplica", num_replicas=replicas,
         ray_actor_options={"num_cpus": options.threads or 1, "num_gpus": gpus},
         health_check_period_s=HEALTH_CHECK_SECONDS, health_check_timeout_s=HEALTH_CHECK_SECONDS,
-        max_ongoing_requests=slots, max_queued_requests=max(1, replicas * queue))
+        max_ongoing_requests=slots + queue + CONTROL_REQUESTS)
     router = serve.deployment(PiccRouter, name="PiccRouter", ray_actor_options={"num_cpus": 0},
                               max_ongoing_requests=ROUTER_MAX_ONGOING)
     return router.bind(replica.bind(options))

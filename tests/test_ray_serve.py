@@ -2,17 +2,19 @@
 and stopped here), spoken to through Ray Serve's HTTP proxy with the official ``openai`` client.
 
 A separate suite (marker ``ray``, run with ``pytest -m ray``; Ray from ``pip install picc[ray]``):
-starting Ray and its replicas takes ~30 s on a 2-core machine. What it shows: the same answers as
-a session alone (a request runs whole on one replica), the same error objects (429 when every
-replica is busy and the router's queue is full), clients that leave freeing their slots, and a
-replica killed under load replaced by Ray while the other keeps answering, the requests it took
-with it ending in OpenAI error objects (a 503, or an error event in a stream that had started).
+starting Ray and its replicas takes ~30 s on a 2-core machine. What it shows: ``picc serve``'s own
+client tests (tests/test_server.py: completions, chat, streams and concurrent requests equal to a
+session alone, stop strings, every error object) pass through the deployment; a full replica
+answers 429; clients that leave free their sequences; and a replica killed under load is replaced
+by Ray while the other keeps answering, the requests it took with it ending in OpenAI error
+objects (a 503, or an error event in a stream that had started).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import socket
 import threading
 import time
@@ -21,19 +23,25 @@ import httpx
 import openai
 import pytest
 from conftest import served_model
+from test_server import (  # noqa: F401 - collected here too, against the Ray deployment's ``server``
+    CTX,
+    KEY,
+    test_bad_completions_get_openai_error_objects,
+    test_completions_and_chat_through_the_openai_client_are_picc_runs_tokens,
+    test_concurrent_requests_get_single_run_outputs,
+    test_keys_routes_and_chat_errors,
+    test_stop_strings_end_the_text_before_them,
+)
 
 from runtime.ray_serve import APP_NAME as APP
 from runtime.ray_serve import ReplicaOptions, application
-from runtime.session import Session
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.ray
 
-KEY = "test-key"
-CTX = 2048
 LONG = CTX - 48  # tokens of a request that decodes for seconds (~4 s on a replica's one thread)
-PROMPTS = ["the company said", "it is", "in the new york stock exchange the", "a year"]
+SLOTS, QUEUE = 2, 6  # per replica: test_server's eight concurrent clients fit on either one alone
 READY_SECONDS = 120  # a replica's start (a process, the model, the engine), on a loaded 2-core machine
 
 
@@ -45,16 +53,14 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(model):
-
     with socket.socket() as s:  # a free loopback port for Ray's HTTP proxy
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # One sequence a replica and one request waiting per replica: two streams fill the replicas,
-        # two more wait in the router, a fifth is refused.
-        options = ReplicaOptions(str(model), threads=1, max_batch=1, max_queue=1, api_key=KEY, model_name="tiny")
+        options = ReplicaOptions(str(model), threads=1, max_batch=SLOTS, max_queue=QUEUE, api_key=KEY,
+                                 model_name="tiny")
         serve.run(application(options, replicas=2), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -62,41 +68,24 @@ def url(model):
         ray.shutdown()
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+class RayServer:
+    """test_server's ``Server``, for the deployment: its URL, a client, a metric (of the replica
+    that answers)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
-def alone(path, text: str, n: int, chat: bool = False) -> str:
-    """What a session alone generates greedily from ``text`` (``picc run``'s path), as text."""
-    with Session(path, 1) as s:
-        ids = s.text.encode_chat(text) if chat else s.text.encode(text)
-        out = [t for t in s.generate(ids, n) if t != s.text.eos_id]
-        return s.text.decode(out)
-
-
-def test_completions_chat_and_streams_through_ray_are_a_session_alones(url, model):
-    c = client(url)
-    assert [m.id for m in c.models.list().data] == ["tiny"]
-    for prompt in PROMPTS:  # two replicas: the router spreads these over both
-        done = c.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
-        assert done.choices[0].text == alone(model, prompt, 10) and done.usage.completion_tokens == 10
-    chunks = list(c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=0, stream=True))
-    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == alone(model, PROMPTS[0], 10)
-    messages = [{"role": "user", "content": "hello there"}, {"role": "system", "content": "be brief"}]
-    reply = c.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
-    assert reply.choices[0].message.content == alone(model, "user hello there system be brief the company", 8,
-                                                     chat=True)
-
-
-def test_errors_are_openai_error_objects_through_ray(url):
-    bad = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1},
-                     headers={"Authorization": f"Bearer {KEY}"})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
-    assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
-    unknown = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"},
-                         headers={"Authorization": f"Bearer {KEY}"})
-    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
-    assert httpx.get(url + "/health").json()["status"] == "ok"
+@pytest.fixture(scope="module")
+def server(url):
+    return RayServer(url)
 
 
 def _replicas() -> list[str]:
@@ -120,42 +109,39 @@ def _wait_for_new_replicas(killed: list[str]) -> None:
 
 
 def test_a_full_deployment_answers_429(url):
-    # Each replica decodes one sequence and the router holds one waiting request per replica:
-    # of eight long requests sent at once, two decode, two wait, the others are refused, as one
-    # picc serve refuses those beyond its slots and queue.
+    # Each replica's engine takes SLOTS decoding and QUEUE waiting requests: of 24 long requests
+    # sent at once at least 24 - 2 x (SLOTS + QUEUE) are refused, as one picc serve refuses those
+    # beyond its slots and queue, and the others are answered.
     def ask(_: int) -> httpx.Response:
-        return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": LONG // 4},
+        return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": LONG // 8},
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(ask, range(8)))
-    codes = sorted(r.status_code for r in answers)
-    assert set(codes) == {200, 429} and codes.count(200) >= 2, [(r.status_code, r.text[:300]) for r in answers]
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        answers = list(pool.map(ask, range(24)))
+    codes = [r.status_code for r in answers]
+    assert set(codes) == {200, 429} and codes.count(429) >= 24 - 2 * (SLOTS + QUEUE), codes
     for r in answers:
         if r.status_code == 429:
             assert r.headers["retry-after"] and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
 
 
-def test_clients_that_leave_free_their_replicas_slots(url):
-    # Two long requests fill both replicas' slots; their clients leave, one mid-stream, one while
-    # waiting for a whole completion (its read times out). Had their sequences decoded on (seconds
-    # more), four requests a second later would find both slots taken: two would wait and two be
-    # refused. Freed, all four are answered.
+def test_clients_that_leave_free_their_sequences(server):
+    # Two long requests whose clients leave, one mid-stream, one while waiting for a whole
+    # completion (its read times out): their replicas must stop decoding them at once, not seconds
+    # later at their end. /metrics answers for one replica at a time: ask until several in a row,
+    # from both, say nothing decodes.
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "tiny", "prompt": "the", "max_tokens": LONG}
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=auth,
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=auth,
                       timeout=60) as stream:
-        assert next(stream.iter_lines()).startswith("data: {")  # decoding on one replica
-        with pytest.raises(httpx.ReadTimeout):  # decoding on the other, then gone
-            httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=httpx.Timeout(60, read=1.0))
-    time.sleep(1)
-
-    def ask(_: int) -> int:
-        return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 8},
-                          headers=auth, timeout=60).status_code
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        assert list(pool.map(ask, range(4))) == [200] * 4
+        assert next(stream.iter_lines()).startswith("data: {")  # decoding
+        with pytest.raises(httpx.ReadTimeout):  # decoding too, then gone
+            httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=httpx.Timeout(60, read=1.0))
+    left, idle = time.monotonic(), 0
+    while idle < 8 and time.monotonic() < left + 1.5:  # a sequence left alone decodes for ~4 s
+        idle = idle + 1 if server.metric("picc_active_sequences") == 0 else 0
+        time.sleep(0.05)
+    assert idle == 8
 
 
 def test_a_stream_whose_replica_dies_ends_with_an_error_event(url):
