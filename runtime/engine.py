@@ -38,7 +38,7 @@ Emit = Callable[[str, object], None]
 for new tokens, then ``("done", finish_reason)`` (``stop``: EOS; ``length``: ``max_tokens`` or a
 full context; ``cancelled``) or ``("error", message)``."""
 
-DEFAULT_MAX_BATCH = 8  # sequences decoded at once unless told (the batch step's sizes go to 16)
+DEFAULT_MAX_BATCH = 8  # sequences decoded at once unless told
 RATE_WINDOW = 5.0  # seconds of decode steps the reported tok/s covers
 FLUSH_SECONDS = 0.04
 """A sequence's new tokens go to its owner at most this often (the first at once): each report
