@@ -7,10 +7,13 @@ from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
-def progress_bar(total: int | None, what: str, unit: str = "it") -> Iterator[Callable[[int], None]]:
+def progress_bar(total: int | None, what: str, unit: str = "it",
+                 in_bytes: bool = False) -> Iterator[Callable[[int], None]]:
     """Yield ``advance(n)`` (``total=None`` when the amount of work is not known); draws a tqdm
-    bar on stderr (disabled when stderr is not a tty)."""
+    bar on stderr (disabled when stderr is not a tty). ``in_bytes``: the amounts are bytes,
+    shown in KiB, MiB, GiB."""
     from tqdm import tqdm
 
-    with tqdm(total=total, desc=what, unit=unit, disable=None, leave=False, dynamic_ncols=True) as bar:
+    scale = {"unit": "B", "unit_scale": True, "unit_divisor": 1024} if in_bytes else {"unit": unit}
+    with tqdm(total=total, desc=what, disable=None, leave=False, dynamic_ncols=True, **scale) as bar:
         yield bar.update
