@@ -340,7 +340,10 @@ def partition_neurons(module: Module, ctx: PassContext[PartitionOptions]) -> Mod
     n_layers = len({op.block for op in module.ops() if op.block is not None})
     # decide() plans memory once per layer whose dense part fits, then about five times more: a
     # 7B's plans take ~0.25 s each.
-    with progress_bar(n_layers + 5, "placing under the VRAM budget", "plan") as advance:
-        trials.planned = advance
+    if s.budget == 0 or s.target.gpu is None:  # nothing to plan
         dense, neurons = decide(trials, s)
+    else:
+        with progress_bar(n_layers + 5, "placing under the VRAM budget", "plan") as advance:
+            trials.planned = advance
+            dense, neurons = decide(trials, s)
     return _with_attrs(place(module, ctx.weights, dense, trials.ffns, neurons), s)
