@@ -215,3 +215,32 @@ def test_the_long_stages_of_a_compile_show_progress(tmp_path, monkeypatch):
     weights = sum(compiled.model.weights[d.name].data.nbytes for d in compiled.model.module.weights)
     total, done = bars["writing m.pib"]
     assert total == done and weights <= total < size
+
+
+def test_a_bar_advanced_by_shares_of_a_unit_counts_whole_units(monkeypatch):
+    # Profiling and the Fisher pass advance by an op's share of the windows' tokens; the bar
+    # showed "758.5185185185185/4096 tok".
+    import tqdm
+
+    from picc.progress import progress_bar
+
+    updates: list[object] = []
+
+    class Bar:
+        def __init__(self, **kwargs):  # noqa: ANN003
+            pass
+
+        def __enter__(self):  # noqa: ANN204
+            return self
+
+        def __exit__(self, *exc):  # noqa: ANN002, ANN204
+            return False
+
+        def update(self, n):  # noqa: ANN001, ANN202
+            updates.append(n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    with progress_bar(4096, "profiling", "tok") as advance:
+        for _ in range(27):
+            advance(4096 / 27)
+    assert all(isinstance(n, int) for n in updates) and sum(updates) == 4096

@@ -79,7 +79,7 @@ def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool)
 @cache
 def _rates(width: int) -> tuple[float, float]:
     """Float32 matrix-product rates (flop/s) of numpy on one BLAS thread and of torch, on a
-    256-token window times a ``width``-wide matrix of 2048 rows: the best of three."""
+    256-token window times a ``width``-wide matrix of 2048 rows: the best of eight."""
     import torch
 
     rng = np.random.default_rng(0)
@@ -88,8 +88,9 @@ def _rates(width: int) -> tuple[float, float]:
     flops = 2 * x.shape[0] * w.shape[0] * width
 
     def best(product) -> float:  # noqa: ANN001 - a callable
+        product()  # warm up (torch starts its threads)
         seconds = []
-        for _ in range(3):
+        for _ in range(8):  # the best of several: another process's burst should not look like the machine
             start = time.perf_counter()
             product()
             seconds.append(time.perf_counter() - start)
