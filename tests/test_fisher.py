@@ -109,14 +109,17 @@ def test_fisher_scales_block_by_block_hold_no_more_than_a_block_of_float32_weigh
     shapes = {tuple(model.weights[name].shape) for name in model.weights if len(model.weights[name].shape) == 2}
     assert not any(s[0] == 48 for s in shapes)  # an activation [48, n] is never mistaken for a weight
     alive: list[int] = []
+    advanced: list[float] = []
 
-    def weight_bytes_in_torch(_: float) -> None:
+    def weight_bytes_in_torch(n: float) -> None:
+        advanced.append(n)
         tensors = [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor) and tuple(t.shape) in shapes]
         alive.append(sum({t.data_ptr(): t.nbytes for t in tensors}.values()))
 
     scales = fisher_scales(model.module, model.weights, windows, seed=0, progress=weight_bytes_in_torch)
     # parts: the embedding, 4 blocks, the head; the forward pass stops before the head
     assert len(alive) == 5 + 6 and max(alive) == 0
+    assert sum(advanced) == pytest.approx(windows.n_tokens)  # the bar ends at its total
     expected = _whole_graph_scales(model, windows, seed=0)
     assert set(scales) == set(expected) == {f"l{i}.ffn.out" for i in range(4)}
     for name in scales:

@@ -191,7 +191,8 @@ def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: 
     segments = _segments(func.ops)
     inputs = _segment_inputs(func, segments)
     n_tokens = sum(len(w) for w in windows.windows)
-    step = n_tokens / (3 * len(segments))
+    forward_step = n_tokens / 3 / max(1, len(segments) - 1)  # the forward pass stops before the last
+    backward_step = (n_tokens - forward_step * (len(segments) - 1)) / len(segments)
     # Forward, without a graph: each block's inputs, for every window (the last block's too).
     envs = [{"tokens": torch.tensor(list(w), dtype=torch.long), "pos": torch.arange(len(w))}
             for w in windows.windows]
@@ -202,7 +203,7 @@ def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: 
             envs = [{name: v for name, v in _run(forward, func.ops[start:end], env).items() if name in after}
                     for env in envs]
             if progress:
-                progress(step)
+                progress(forward_step)
         saved.append([{name: env[name] for name in inputs[-1]} for env in envs])
     del envs
     # Backward, from the loss down: each block's forward again from its inputs, with a graph.
@@ -232,7 +233,7 @@ def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: 
             forward.gate_acts = {}
         saved[s] = []
         if progress:
-            progress(2 * step)
+            progress(backward_step)
     if not sums:
         raise PiccError("Fisher scales need gated FFNs (GLU forms); this model has none")
     return {name: np.sqrt(s.numpy() / n_tokens).astype(np.float32) for name, s in sums.items()}
