@@ -1,8 +1,9 @@
 """``picc compile``: the whole pipeline from a model to a ``.pib``.
 
 Stages: canonical FFNs with neuron-major down projections; profiling and sparsity (predictors,
-gate-first or down-only masks, per the sparsity options; skipped with ``dense`` or when the
-source is already sparse, e.g. a ``picc sparsify`` output); placement under the VRAM budget,
+gate-first or down-only masks, per the sparsity options; skipped with ``dense``, when the
+source is already sparse, e.g. a ``picc sparsify`` output, or, unless ``sparse``, when calibrating
+is estimated to outlast ``CALIBRATION_SECONDS`` here); placement under the VRAM budget,
 weighed against the CPU alone; on the CPU alone, the sparse model weighed against the dense one
 (the faster by the cost model's estimate is compiled, unless ``sparse`` or ``dense`` says which);
 the memory plan, the report and the stages of the step; then the CPU's code (llvmlite) and the

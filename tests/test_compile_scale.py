@@ -184,7 +184,8 @@ def test_a_compile_interrupted_while_writing_leaves_nothing(tmp_path, monkeypatc
 
 def test_the_long_stages_of_a_compile_show_progress(tmp_path, monkeypatch):
     # On a 7B these take tens of seconds each: the neuron-major down projections (requantized),
-    # the placement's memory plans, writing the .pib (3.6 GB, some of it converted to rows8).
+    # the placement's memory plans, writing the .pib (3.6 GB, some of it converted to rows8),
+    # hashing the model for the profile cache.
     import tqdm
 
     from picc.compile import write_compiled
@@ -215,6 +216,13 @@ def test_the_long_stages_of_a_compile_show_progress(tmp_path, monkeypatch):
     weights = sum(compiled.model.weights[d.name].data.nbytes for d in compiled.model.module.weights)
     total, done = bars["writing m.pib"]
     assert total == done and weights <= total < size
+    # the profile cache's key reads every weight (from disk, for a mapped 7B not in the page cache)
+    import hashlib
+
+    from picc.digest import hash_model
+
+    hash_model(hashlib.sha256(), model.module, model.weights)
+    assert bars["hashing the model"] == [sum(model.weights[n].data.nbytes for n in model.weights)] * 2
 
 
 def test_a_bar_advanced_by_shares_of_a_unit_counts_whole_units(monkeypatch):
