@@ -248,7 +248,9 @@ def _add_compile_command(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--sparse", action="store_true",
                        help="keep sparsity even where the cost model estimates the dense model faster (by "
                        "default a CPU-only compile of a dense source builds whichever it estimates faster, "
-                       "and says which)")
+                       "and says which), and calibrate even where that is estimated to take more than 10 "
+                       "minutes on this machine (by default the dense model is built then, and the compile "
+                       "says why and which --tokens would fit)")
     s.add_argument("--no-batch-step", action="store_true",
                    help="leave out the batch step that lets 'picc serve' decode its sequences together (each "
                    "then steps alone; saves ~2-3 s of LLVM a compile)")

@@ -1,8 +1,9 @@
 """``picc compile``: the whole pipeline from a model to a ``.pib``.
 
 Stages: canonical FFNs with neuron-major down projections; profiling and sparsity (predictors,
-gate-first or down-only masks, per the sparsity options; skipped with ``dense`` or when the
-source is already sparse, e.g. a ``picc sparsify`` output); placement under the VRAM budget,
+gate-first or down-only masks, per the sparsity options; skipped with ``dense``, when the
+source is already sparse, e.g. a ``picc sparsify`` output, or, unless ``sparse``, when calibrating
+is estimated to outlast ``CALIBRATION_SECONDS`` here); placement under the VRAM budget,
 weighed against the CPU alone; on the CPU alone, the sparse model weighed against the dense one
 (the faster by the cost model's estimate is compiled, unless ``sparse`` or ``dense`` says which);
 the memory plan, the report and the stages of the step; then the CPU's code (llvmlite) and the
@@ -13,7 +14,6 @@ and tokenizer into one ``.pib``.
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -122,10 +122,10 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
             dense = _dense_unless_sparse_can_win(model, options, target, 1.0 - sparsity, instruments, say)
             if dense is not None:
                 return dense
-        too_big = _fisher_too_big(model, s) if sparsity is not None and not options.sparse else None
-        if too_big is not None:
-            say(f"compiling the dense model without profiling: {too_big} (--sparse tries anyway)")
-            return _compiled_dense(model, options, instruments, f"dense, chosen before profiling: {too_big}")
+        costly = None if options.sparse else _calibration_too_costly(model, s, sparsity)
+        if costly is not None:
+            say(f"compiling the dense model without profiling: {costly} (--sparse calibrates anyway)")
+            return _compiled_dense(model, options, instruments, f"dense, chosen before profiling: {costly}")
         passes += s.passes(sparsity)
     passes += [_partition(options, target), *_fuse(options)]
     start = time.perf_counter()
@@ -250,26 +250,32 @@ def _dense_report(model: LoadedModel, options: CompileOptions, target: Target) -
     return build_report(module, weights, target, plan)
 
 
-FISHER_MEMORY_SHARE = 0.8
-"""The share of the machine's available memory the Fisher pass's float32 weights may take."""
+CALIBRATION_SECONDS = 600
+"""The longest calibration ``picc compile`` starts unasked; past it, it builds the dense model."""
+CALIBRATION_MEMORY_SHARE = 0.8
+"""The share of the machine's available memory profiling may hold."""
 
 
-def _fisher_too_big(model: LoadedModel, sparsity: SparsifyOptions) -> str | None:
-    """Why profiling cannot run here, or None: the ``fisher`` threshold rule's pass
-    (``picc.sparsity.fisher``) runs the model through torch with every weight in float32 (27 GB
-    for a 7B model); past the memory this machine has available the kernel would kill the
-    compile. (A cached profile would not need it: ``--sparse`` tries anyway.)"""
-    from picc.sparsity.profiling import scaled_layers
+def _calibration_too_costly(model: LoadedModel, sparsity: SparsifyOptions, target: float | None) -> str | None:
+    """Why calibrating ``model`` is not worth starting here, or None: when the estimate
+    (``picc.sparsity.calibration_cost``) says it would outlast ``CALIBRATION_SECONDS`` (a SwiGLU
+    LLaMA-7B on 2 cores: ~3/4 of an hour for 4096 tokens, against a minute for the dense model)
+    or hold more memory than the machine has. A cached profile would cost nothing: ``--sparse``
+    calibrates (or reads the cache) anyway."""
+    from picc.sparsity.calibration_cost import calibration_cost
     from runtime.sequences import available_memory
 
-    if sparsity.rule != "fisher" or not scaled_layers(model.module):
-        return None
-    need = sum(4 * math.prod(model.weights[name].shape) for name in model.weights)
+    cost = calibration_cost(model, sparsity.tokens, sparsity.rule, target is not None)
     have = available_memory()
-    if have is None or need <= FISHER_MEMORY_SHARE * have:
+    if have is not None and cost.memory_bytes > CALIBRATION_MEMORY_SHARE * have:
+        return (f"profiling it on {sparsity.tokens} tokens would hold ~{cost.memory_bytes / 2**30:.1f} GiB, more "
+                f"than this machine has available (~{have / 2**30:.1f} GiB)")
+    if cost.seconds <= CALIBRATION_SECONDS:
         return None
-    return (f"its Fisher scales need every weight in float32 (~{need / 2**30:.1f} GiB), more than this machine "
-            f"has available (~{have / 2**30:.1f} GiB)")
+    fewer = int(sparsity.tokens * CALIBRATION_SECONDS / cost.seconds) // sparsity.window * sparsity.window
+    hint = f"; --tokens {fewer} would fit" if fewer >= sparsity.window else ""
+    return (f"calibrating it on {sparsity.tokens} tokens would take {cost.describe()} on this machine, past the "
+            f"{CALIBRATION_SECONDS // 60} min a compile spends on it unasked{hint}")
 
 
 def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, target: Target, density: float,

@@ -74,34 +74,56 @@ def test_a_cpu_compile_skips_profiling_when_no_sparse_model_could_win(tmp_path, 
         assert not any("without profiling" in line for line in said)
 
 
-def test_a_model_whose_fisher_pass_would_not_fit_in_memory_compiles_dense(tmp_path, monkeypatch):
-    # The Fisher scales hold every weight in float32 (27 GB for a 7B). Where that exceeds what the
-    # machine has, profiling would end with the kernel killing the compile (seen: a SwiGLU 7B on a
-    # 24 GB machine, exit -9), so the compile goes dense and says why; --sparse tries anyway.
+def test_a_model_whose_calibration_would_take_too_long_or_too_much_memory_compiles_dense(tmp_path, monkeypatch):
+    # Calibrating a SwiGLU 7B on 2 cores takes ~3/4 of an hour (Fisher scales and profiling, both
+    # bound by float32 matrix products), against a minute for the dense model: past
+    # CALIBRATION_SECONDS by the estimate at this machine's measured rates, or past its memory,
+    # the compile goes dense and says why; --sparse calibrates anyway.
     import runtime.sequences
+    from picc import compile as C
+    from picc.sparsity import calibration_cost
 
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
     profiled = []
     calibrate = profile_activations.calibrate
     monkeypatch.setattr(profile_activations, "calibrate", lambda *a, **k: profiled.append(1) or calibrate(*a, **k))
     model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0))
-    need = sum(4 * int(np.prod(model.weights[n].shape)) for n in model.weights)
     target = _target(tmp_path, 40e9, 40e9)  # a sparse model could win: the CPU rule does not skip
     options = CompileOptions(target=target, sparsity=SparsifyOptions(mode="gate-first", tokens=256, window=64,
                                                                      target_sparsity=0.3))
-    monkeypatch.setattr(runtime.sequences, "available_memory", lambda: need)  # 0.8 x that: too little
+    # Per token: 2 layers x (q, o 64 x 64, k, v 32 x 64; 3 x 128 x 64 FFN) + the 128 x 64 head multiply-adds;
+    # profiling stops after the last FFN; Fisher is three forwards.
+    forward = 2 * (3 * 64 * 64 + 3 * 128 * 64) + 128 * 64
+    profiled_macs = forward - 128 * 64
+    slow = 2 * (3 * forward + profiled_macs) * 256 / (C.CALIBRATION_SECONDS * calibration_cost.EFFICIENCY)
     said: list[str] = []
-    chosen = compile_model(model, options, say=said.append)
-    assert any("Fisher scales need every weight in float32" in line for line in said) and not profiled
+    for rate, dense in ((1.01 * slow, False), (0.99 * slow, True)):
+        monkeypatch.setattr(calibration_cost, "_rates", lambda width, r=rate: (r, r))
+        profiled.clear()
+        said.clear()
+        chosen = compile_model(model, options, say=said.append)
+        skipped = [line for line in said if line.startswith("compiling the dense model without profiling")]
+        assert bool(skipped) == dense and bool(profiled) != dense
+    assert "calibrating it on 256 tokens would take ~10 min (Fisher scales ~" in skipped[0]
+    assert "past the 10 min a compile spends on it unasked; --tokens 192 would fit (--sparse calib" in skipped[0]
     assert all(op.mode == "dense" for op in chosen.model.module.ops() if isinstance(op, FusedFFN))
-    assert any("Fisher" in note for note in chosen.report["notes"])
+    assert any("calibrating it on 256 tokens" in note for note in chosen.report["notes"])
     compile_model(model, replace(options, sparse=True), say=lambda _: None)
     assert profiled
-    monkeypatch.setattr(runtime.sequences, "available_memory", lambda: 2 * need)  # room: profiled as before
-    profiled.clear()
+    # 10x too slow: not even one window would fit, and the compile does not suggest fewer tokens
+    monkeypatch.setattr(calibration_cost, "_rates", lambda width: (slow / 10, slow / 10))
     said.clear()
     compile_model(model, options, say=said.append)
-    assert profiled and not any("Fisher scales need" in line for line in said)
+    assert any("~100 min" in line and "would fit" not in line for line in said)
+    # memory: profiling holds every token's scores of each thresholded layer, beside the f32 cache
+    monkeypatch.setattr(calibration_cost, "_rates", lambda width: (1e15, 1e15))
+    need = 2 * 4 * 256 * 128 + W.F32_CACHE_BYTES
+    monkeypatch.setattr(runtime.sequences, "available_memory", lambda: need)  # 0.8 x that: too little
+    said.clear()
+    profiled.clear()
+    compile_model(model, options, say=said.append)
+    assert any(f"would hold ~{need / 2**30:.1f} GiB, more than this machine has" in line for line in said)
+    assert not profiled
 
 
 def test_run_many_gives_each_window_what_run_gives_it_and_dequantizes_each_weight_once(monkeypatch):
@@ -158,3 +180,75 @@ def test_a_compile_interrupted_while_writing_leaves_nothing(tmp_path, monkeypatc
     assert len(written) == 5 and list(out.iterdir()) == []
     monkeypatch.setattr(PibWriter, "add_tensor", add_tensor)
     assert write_compiled(compiled, out / "model.pib") > 0 and [p.name for p in out.iterdir()] == ["model.pib"]
+
+
+def test_the_long_stages_of_a_compile_show_progress(tmp_path, monkeypatch):
+    # On a 7B these take tens of seconds each: the neuron-major down projections (requantized),
+    # the placement's memory plans, writing the .pib (3.6 GB, some of it converted to rows8),
+    # hashing the model for the profile cache.
+    import tqdm
+
+    from picc.compile import write_compiled
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    bars: dict[str, list[int]] = {}  # what -> [total, done]
+
+    class Bar:
+        def __init__(self, total=None, desc="", **kwargs):  # noqa: ANN001, ANN003
+            self.state = bars.setdefault(desc, [total, 0])
+
+        def __enter__(self):  # noqa: ANN204
+            return self
+
+        def __exit__(self, *exc):  # noqa: ANN002, ANN204
+            return False
+
+        def update(self, n=1):  # noqa: ANN001, ANN202
+            self.state[1] += n
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    model = tiny_llama("swiglu", n_layers=3, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0)
+    compiled = compile_model(model, CompileOptions(target="pc-low", vram="64MB", dense=True), say=lambda _: None)
+    size = write_compiled(compiled, tmp_path / "m.pib")
+    assert bars["neuron-major down projections"] == [3, 3]
+    total, done = bars["placing under the VRAM budget"]
+    assert total == 3 + 5 and 3 < done <= total
+    weights = sum(compiled.model.weights[d.name].data.nbytes for d in compiled.model.module.weights)
+    total, done = bars["writing m.pib"]
+    assert total == done and weights <= total < size
+    # the profile cache's key reads every weight (from disk, for a mapped 7B not in the page cache)
+    import hashlib
+
+    from picc.digest import hash_model
+
+    hash_model(hashlib.sha256(), model.module, model.weights)
+    assert bars["hashing the model"] == [sum(model.weights[n].data.nbytes for n in model.weights)] * 2
+
+
+def test_a_bar_advanced_by_shares_of_a_unit_counts_whole_units(monkeypatch):
+    # Profiling and the Fisher pass advance by an op's share of the windows' tokens; the bar
+    # showed "758.5185185185185/4096 tok".
+    import tqdm
+
+    from picc.progress import progress_bar
+
+    updates: list[object] = []
+
+    class Bar:
+        def __init__(self, **kwargs):  # noqa: ANN003
+            pass
+
+        def __enter__(self):  # noqa: ANN204
+            return self
+
+        def __exit__(self, *exc):  # noqa: ANN002, ANN204
+            return False
+
+        def update(self, n):  # noqa: ANN001, ANN202
+            updates.append(n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    with progress_bar(4096, "profiling", "tok") as advance:
+        for _ in range(27):
+            advance(4096 / 27)
+    assert all(isinstance(n, int) for n in updates) and sum(updates) == 4096

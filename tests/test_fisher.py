@@ -78,3 +78,49 @@ def test_fisher_scales_need_gated_ffns():
     windows = token_windows(model.tokenizer, "ptb", 64, window=64)
     with pytest.raises(PiccError, match="Fisher scales need gated FFNs"):
         fisher_scales(model.module, model.weights, windows, seed=0)
+
+
+def _whole_graph_scales(model, windows, seed: int) -> dict[str, np.ndarray]:
+    """The Fisher scales as one autograd graph per window through the whole model (what the
+    block-by-block pass must reproduce)."""
+    forward = TorchForward(model.module, model.weights)
+    generator = torch.Generator().manual_seed(seed)
+    sums: dict[str, torch.Tensor] = {}
+    for window in windows.windows:
+        logits = forward.run(list(window))
+        with torch.no_grad():
+            labels = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+        torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward()
+        for name, act in forward.gate_acts.items():
+            sums[name] = sums.get(name, 0) + (act.grad.double() ** 2).sum(0)
+    return {name: np.sqrt(s.numpy() / windows.n_tokens).astype(np.float32) for name, s in sums.items()}
+
+
+def test_fisher_scales_block_by_block_hold_no_more_than_a_block_of_float32_weights(monkeypatch):
+    # A 7B model's weights in float32 are 27 GB: the pass must not keep them all (it once did, in
+    # torch copies, until the machine killed the compile). Between blocks, no float32 weight may
+    # be alive in torch; the scales equal those of one graph through the whole model.
+    import gc
+
+    from picc.ir.types import DType
+
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=4, n_ff=512, matrix_dtype=DType.Q4_0, biases=True))
+    windows = token_windows(model.tokenizer, "ptb", 144, window=48, seed=1)
+    shapes = {tuple(model.weights[name].shape) for name in model.weights if len(model.weights[name].shape) == 2}
+    assert not any(s[0] == 48 for s in shapes)  # an activation [48, n] is never mistaken for a weight
+    alive: list[int] = []
+    advanced: list[float] = []
+
+    def weight_bytes_in_torch(n: float) -> None:
+        advanced.append(n)
+        tensors = [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor) and tuple(t.shape) in shapes]
+        alive.append(sum({t.data_ptr(): t.nbytes for t in tensors}.values()))
+
+    scales = fisher_scales(model.module, model.weights, windows, seed=0, progress=weight_bytes_in_torch)
+    # parts: the embedding, 4 blocks, the head; the forward pass stops before the head
+    assert len(alive) == 5 + 6 and max(alive) == 0
+    assert sum(advanced) == pytest.approx(windows.n_tokens)  # the bar ends at its total
+    expected = _whole_graph_scales(model, windows, seed=0)
+    assert set(scales) == set(expected) == {f"l{i}.ffn.out" for i in range(4)}
+    for name in scales:
+        np.testing.assert_allclose(scales[name], expected[name], rtol=1e-5, atol=1e-7 * expected[name].max())

@@ -15,7 +15,14 @@ from picc.interpreter import Interpreter
 from picc.ir import parse, print_module, verify
 from picc.passes import parse_pipeline, run_pipeline
 from picc.sparsity.calib import load_text, token_windows
-from picc.sparsity.profiling import calibrate, calibrated_threshold, ffn_ops, profile_model
+from picc.sparsity.profiling import (
+    calibrate,
+    calibrated_threshold,
+    calibrated_threshold_of,
+    ffn_ops,
+    profile_model,
+    profile_sweep,
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +71,55 @@ def test_calibrated_threshold_hits_the_target():
         t = calibrated_threshold(scores, target)
         sparsity = float((scores <= t).mean())
         assert target <= sparsity <= target + 1 / scores.size + 1e-12
+
+
+def test_the_threshold_of_many_arrays_is_that_of_their_concatenation():
+    rng = np.random.default_rng(1)
+    arrays = [rng.exponential(size=(300, 77)).astype(np.float32), np.zeros((5, 77), np.float32),
+              rng.normal(size=(40, 77)).astype(np.float32), np.full((64, 77), 0.5, np.float32),
+              -rng.exponential(size=(3, 77)).astype(np.float32) * 1e-30]
+    together = np.concatenate(arrays)
+    for target in (0.0, 1e-4, 0.02, 0.1, 0.3, 0.5, 0.6, 0.93, 0.999):
+        assert calibrated_threshold_of(arrays, target) == calibrated_threshold(together, target)
+
+
+def test_profiling_holds_the_scores_but_one_layer_of_h_at_a_time(tok):
+    # A SwiGLU layer's profile needs every token's scores (its threshold is a quantile of them, and
+    # the fisher rule's is one over all layers) and |h| (for the down threshold). Held for all 32
+    # layers of a 7B over 4096 tokens, with the fisher rule's concatenation, that was 17 GB; the
+    # down thresholds are now taken as each layer completes and the shared one without a copy.
+    import tracemalloc
+
+    n_layers, n_ff, tokens = 6, 512, 1024
+    model = tiny_llama("swiglu", n_layers=n_layers, n_ff=n_ff, seed=3)
+    model.weights.f32("token_embd")  # nothing of the model's own is allocated in the measurement
+    windows = token_windows(tok, "ptb", tokens, window=64, seed=2)
+    scales = {op.result: np.linspace(0.5, 2, n_ff, dtype=np.float32) for op in ffn_ops(model.module)}
+    layer = tokens * n_ff * 4  # one layer's scores, or its |h|, in float32
+    tracemalloc.start()
+    try:
+        (profile,) = profile_sweep(model.module, model.weights, windows, [0.4], scales=scales)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (n_layers + 4) * layer  # all the scores, one layer's |h| and temporaries (was 3x the scores)
+    scores, h = {}, {}  # every window's, recomputed without the profiling code
+    interp = Interpreter(model.module, model.weights)
+
+    def observe(trace):
+        scores.setdefault(trace.op.result, []).append(trace.score * scales[trace.op.result])
+        h.setdefault(trace.op.result, []).append(np.abs(trace.h))
+
+    interp.on_ffn = observe
+    for w in windows.windows:
+        interp.reset()
+        interp.run(list(w))
+    threshold = calibrated_threshold(np.concatenate([np.concatenate(v).ravel() for v in scores.values()]), 0.4)
+    for got in profile.layers:
+        assert got.threshold == threshold
+        np.testing.assert_array_equal(got.freq, ((np.concatenate(scores[got.ffn]) > threshold).sum(0) / tokens)
+                                      .astype(np.float32))
+        assert got.down_threshold == calibrated_threshold(np.concatenate(h[got.ffn]), 0.4)
 
 
 def brute_force(model, windows, threshold_of, scaled=None):

@@ -28,6 +28,7 @@ weight is placed; the module computes the same function (up to float summation o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -49,6 +50,7 @@ from picc.placement.cost_model import cpu_weight_reads
 from picc.placement.partition import SOLVERS
 from picc.placement.partition.problem import DeviceCosts, FfnLayer, PartitionProblem, make_placement
 from picc.placement.partition.problem import Placement as NeuronPlacement
+from picc.progress import progress_bar
 from picc.targets import Target, load_target, parse_size
 from runtime.plan import ARENA_ALIGN
 
@@ -249,6 +251,7 @@ class _Trials:
         hidden = int(module.function().value_types()[self.ffns[0].x].shape[1]) if self.ffns else 1
         rate = ffn_cpu_read_rate(module, weights, s.target)
         self.costs = DeviceCosts.for_target(s.target, hidden, cpu_read_rate=rate)
+        self.planned: Callable[[int], None] = lambda n: None  # a progress bar's advance, per plan
 
     def problem(self, dense: DenseChoice, budget: int) -> PartitionProblem:
         layers = tuple(ffn_layer(op, self.weights, dense.layer_on_gpu(op.block or 0))
@@ -266,7 +269,9 @@ class _Trials:
         scratch = WeightStore({name: self.weights[name] for name in self.weights})
         placed = place(self.module, scratch, dense, self.ffns, neurons or self.neurons(dense, [0] * len(self.ffns)))
         s = self.s
-        return mp.plan_memory(placed, scratch, ctx=s.ctx, budget=s.budget)
+        plan = mp.plan_memory(placed, scratch, ctx=s.ctx, budget=s.budget)
+        self.planned(1)
+        return plan
 
 
 def _overhead(plan: mp.MemoryPlan) -> int:
@@ -332,5 +337,13 @@ def partition_neurons(module: Module, ctx: PassContext[PartitionOptions]) -> Mod
         raise PiccError(f"%{op.result}: placing neurons on the GPU needs neuron-major down projections "
                         "(a layer may be split between devices); run neuron-major-down before partition-neurons")
     trials = _Trials(module, ctx.weights, s)
-    dense, neurons = decide(trials, s)
+    n_layers = len({op.block for op in module.ops() if op.block is not None})
+    # decide() plans memory once per layer whose dense part fits, then about five times more: a
+    # 7B's plans take ~0.25 s each.
+    if s.budget == 0 or s.target.gpu is None:  # nothing to plan
+        dense, neurons = decide(trials, s)
+    else:
+        with progress_bar(n_layers + 5, "placing under the VRAM budget", "plan") as advance:
+            trials.planned = advance
+            dense, neurons = decide(trials, s)
     return _with_attrs(place(module, ctx.weights, dense, trials.ffns, neurons), s)

@@ -14,12 +14,20 @@ threshold across layers then spends the sparsity where it costs least.
 own next-token distribution (the true Fisher, not the empirical one: it measures the model's
 sensitivity, not its fit to the corpus). The torch forward follows the interpreter op by op;
 ``tests/test_fisher.py`` checks its logits against the interpreter's.
+
+The pass runs decoder block by decoder block over all the calibration windows (as profiling's
+``Interpreter.run_many`` does), keeping only each block's inputs: forward through every block,
+then backward from the loss one block at a time, recomputing the block's forward from its saved
+inputs (checkpointing). The weights are read through ``WeightStore.f32``'s bounded cache and never
+copied, so at any time the float32 weights alive are about one block's (a LLaMA-7B block: 0.8 GB),
+not the model's (27 GB), at the cost of computing each block's forward twice.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -45,13 +53,15 @@ class TorchForward:
         self.torch = torch
         self.func = module.function()
         self.weights = weights
-        self._cache: dict[str, torch.Tensor] = {}
         self.gate_acts: dict[str, torch.Tensor] = {}
 
     def w(self, name: str):  # noqa: ANN201 - torch.Tensor (torch is imported lazily)
-        if name not in self._cache:
-            self._cache[name] = self.torch.tensor(self.weights.f32(name))
-        return self._cache[name]
+        # The store's own float32 array, not a copy: alive while the store's bounded cache or a
+        # graph being run holds it, never for the whole model at once.
+        array = self.weights.f32(name)
+        with warnings.catch_warnings():  # a read-only (mapped) array: torch warns, nothing writes it
+            warnings.simplefilter("ignore", UserWarning)
+            return self.torch.from_numpy(array)
 
     def run(self, tokens: list[int]):  # noqa: ANN201 - torch.Tensor
         torch = self.torch
@@ -170,26 +180,85 @@ def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: 
     """``s_i = sqrt(E[(dL/da_i)^2])`` of every gated FFN's neurons over ``windows``, by FFN name.
 
     L is the cross-entropy of each window's next-token predictions against labels sampled (with
-    ``seed``) from the model's own distribution; the mean is over all calibration tokens.
+    ``seed``) from the model's own distribution, window by window in order; the mean is over all
+    calibration tokens. Block by block with checkpoints (the module's docstring); ``progress``
+    gets shares of the windows' tokens (a third for the forward pass, two for the backward).
     """
     import torch
 
     forward = TorchForward(module, weights)
+    func = forward.func
+    segments = _segments(func.ops)
+    inputs = _segment_inputs(func, segments)
+    n_tokens = sum(len(w) for w in windows.windows)
+    forward_step = n_tokens / 3 / max(1, len(segments) - 1)  # the forward pass stops before the last
+    backward_step = (n_tokens - forward_step * (len(segments) - 1)) / len(segments)
+    # Forward, without a graph: each block's inputs, for every window (the last block's too).
+    envs = [{"tokens": torch.tensor(list(w), dtype=torch.long), "pos": torch.arange(len(w))}
+            for w in windows.windows]
+    saved: list[list[dict]] = []
+    with torch.no_grad():
+        for (start, end), names, after in zip(segments, inputs, inputs[1:], strict=False):
+            saved.append([{name: env[name] for name in names} for env in envs])
+            envs = [{name: v for name, v in _run(forward, func.ops[start:end], env).items() if name in after}
+                    for env in envs]
+            if progress:
+                progress(forward_step)
+        saved.append([{name: env[name] for name in inputs[-1]} for env in envs])
+    del envs
+    # Backward, from the loss down: each block's forward again from its inputs, with a graph.
     generator = torch.Generator().manual_seed(seed)
     sums: dict[str, torch.Tensor] = {}
-    n_tokens = 0
-    for window in windows.windows:
-        logits = forward.run(list(window))
-        with torch.no_grad():
-            labels = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
-        torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward()
-        for name, act in forward.gate_acts.items():
-            assert act.grad is not None
-            sq = (act.grad.double() ** 2).sum(0)
-            sums[name] = sums[name] + sq if name in sums else sq
-        n_tokens += len(window)
+    grads: list[dict] = [{} for _ in windows.windows]
+    for s in reversed(range(len(segments))):
+        start, end = segments[s]
+        for w, grad_out in enumerate(grads):
+            leaves = {name: v.detach().requires_grad_() if v.is_floating_point() else v
+                      for name, v in saved[s][w].items()}
+            env = _run(forward, func.ops[start:end], dict(leaves))
+            if s == len(segments) - 1:
+                logits = env[func.ret]
+                with torch.no_grad():
+                    labels = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+                torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward()
+            else:
+                outs = [(env[name], g) for name, g in grad_out.items() if env[name].requires_grad]
+                if outs:
+                    torch.autograd.backward([o for o, _ in outs], [g for _, g in outs])
+            for name, act in forward.gate_acts.items():
+                assert act.grad is not None
+                sq = (act.grad.double() ** 2).sum(0)
+                sums[name] = sums[name] + sq if name in sums else sq
+            grads[w] = {name: v.grad for name, v in leaves.items() if v.is_floating_point() and v.grad is not None}
+            forward.gate_acts = {}
+        saved[s] = []
         if progress:
-            progress(len(window))
+            progress(backward_step)
     if not sums:
         raise PiccError("Fisher scales need gated FFNs (GLU forms); this model has none")
     return {name: np.sqrt(s.numpy() / n_tokens).astype(np.float32) for name, s in sums.items()}
+
+
+def _run(forward: TorchForward, ops: Sequence[Op], env: dict) -> dict:
+    forward.gate_acts = {}
+    for op in ops:
+        env[op.result] = forward.eval(op, env)
+    return env
+
+
+def _segments(ops: Sequence[Op]) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of consecutive ops of one decoder block (or of none)."""
+    starts = [i for i, op in enumerate(ops) if i == 0 or op.block != ops[i - 1].block]
+    return list(zip(starts, [*starts[1:], len(ops)], strict=True))
+
+
+def _segment_inputs(func, segments: list[tuple[int, int]]) -> list[list[str]]:  # noqa: ANN001 - a Function
+    """Per segment, the values it starts from: defined before it (or arguments) and used in it or
+    after it (the return value counts as used after the last)."""
+    defined = {a.name: -1 for a in func.args} | {op.result: i for i, op in enumerate(func.ops)}
+    last_use: dict[str, int] = {func.ret: len(func.ops)}
+    for i, op in enumerate(func.ops):
+        for name in op.values():
+            last_use[name] = max(last_use.get(name, -1), i)
+    return [[name for name, i in defined.items() if i < start and last_use.get(name, -1) >= start]
+            for start, _ in segments]
