@@ -9,6 +9,7 @@ others decode, and greedy and seeded sampling are both checked.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -22,6 +23,7 @@ from picc.sparsity.sparsify import SparsifyOptions
 from runtime.cpu import ExecutorError
 from runtime.engine import Engine, QueueFull, Request
 from runtime.generation import Generation
+from runtime.pib import PibFile
 from runtime.sampling import SamplingOptions
 from runtime.sequences import SequencePool
 from runtime.session import Session
@@ -182,6 +184,28 @@ def test_the_batch_step_gives_each_row_the_bits_of_its_own_step(model, threads):
         with pytest.raises(ExecutorError, match="batch step takes"):
             cpu.batch_step([1] * (cpu.batch_capacity + 1), [0] * (cpu.batch_capacity + 1),
                            pool.pointers([0] * (cpu.batch_capacity + 1)))
+
+
+def _per_row_loops(ir: str, function: str) -> list[str]:
+    """The bodies of ``function``'s loops over rows or tokens (a kernel called once per row), in
+    the .pib's optimized IR."""
+    start = ir.index(f"@{function}(")
+    text = ir[start : ir.index("\n}\n", start)]
+    return [body for _, body in re.findall(r"\nb(\d+)\.body:[^\n]*\n(.*?)\n  %b\1\.next = ", text, re.S)]
+
+
+def test_the_batch_steps_rows_wait_for_each_other_only_where_they_share_memory(model):
+    # A batch's rows live apart (their values, their KV caches): the threads go on to the next row
+    # without a barrier -- except for a kernel that uses the shared scratch (the sparse FFN). A
+    # prompt's tokens always wait: each reads the KV cache the one before wrote.
+    with PibFile(model) as pib:
+        ir = pib.text("cpu/ir")
+    rows = _per_row_loops(ir, "picc_batch_step")
+    waiting = [body for body in rows if "@picc_barrier" in body]
+    assert len(rows) > 10 and all("@picc_ffn_" in body for body in waiting)  # per row: sparse FFNs only
+    assert bool(waiting) == ("sparse" in model.name)
+    tokens = _per_row_loops(ir, "picc_prefill_chunk")
+    assert all("@picc_barrier" in body for body in tokens)
 
 
 def test_a_model_without_the_batch_step_steps_its_sequences_one_by_one(tmp_path):

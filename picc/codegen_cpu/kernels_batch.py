@@ -93,8 +93,11 @@ _X_TILE = 4
 _PAIR_TILE = {1: 8, 2: 4}
 # x rows that go through a tile of rows one at a time together, by SIMD level: SmolLM2's q8_0
 # head at batch 8, Zen 4, 2 threads: AVX-512 1 at a time 1.33x, 2 1.96x, 4 1.81x; the AVX2 build
-# 1.40x with 1 and 1.39x with 2 (its 16 registers already hold four rows' converted blocks).
-_ROW_X_TILE = {"avx512": 2}
+# 1.40x with 1 and 1.39x with 2 (its 16 registers already hold four rows' converted blocks). Since
+# q8_0 rows stopped folding each block (rowops.emit_dots), one thread, batch 8: AVX-512 2 at a
+# time 1.47x, 4 1.67-2.11x, 8 1.01x (spilled); two threads, 4 at a time: 1.83x and 2.41x where
+# the code before reached 1.42x and 0.99x in the same runs.
+_ROW_X_TILE = {"avx512": 4}
 # What a batch consumer gets: (x row b, weight row r, the row's dot products, one per matrix).
 Consume = Callable[[str, str, list[str]], None]
 

@@ -22,7 +22,7 @@ Only a model that runs on the CPU alone has one (a GPU part runs one sequence's 
 from __future__ import annotations
 
 from picc.codegen_cpu import kernels_batch, kernels_misc
-from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, CpuBuffers
+from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, ZEROS, CpuBuffers
 from picc.codegen_cpu.chunks import aligned
 from picc.codegen_cpu.lower_decode import DecodeLowering
 from picc.codegen_cpu.lower_ops import OpLowering, _int_dots, _layout, _rows8
@@ -87,6 +87,13 @@ class BatchLowering(DecodeLowering):
         """Every one-row kernel once per row (``batched`` kernels too: they see one row here)."""
         super().call(op, kernel, *args, batched=False, writes=writes, access=access)
 
+    def rows_apart(self, args: tuple[object, ...]) -> bool:
+        """The rows of a call are apart when it reaches memory only through row pointers (each
+        row's own KV caches), row-strided buffers (each row's own values) and read-only ones (the
+        weights, the zeros); not a shared scratch or another buffer of the code's own."""
+        read_only = {ZEROS, *self.bufs.weight_index.values()}
+        return all(arg.stride or arg.index in read_only for arg in args if isinstance(arg, Buf))
+
     def _rows_call(self, op: O.Op, kernel, *args: object, writes: set[str]) -> None:  # noqa: ANN001
         """A batched twin: one call for every row (its last arguments: rows, x and y strides)."""
         OpLowering.call(self, op, kernel, *args, self.per_token(), self.stride, self.stride, batched=True,
@@ -127,8 +134,9 @@ class BatchLowering(DecodeLowering):
         for name in self.sched.stages[0].cpu:
             self.lower(self.ops[name])
         ret = self.func.ret
-        self.program.call(kernels_misc.argmax(), self.value(ret), Buf(self.greedy_ids, 0, 4), self.width(ret),
-                          repeat=self.per_token(), label="greedy")
+        args = (self.value(ret), Buf(self.greedy_ids, 0, 4), self.width(ret))
+        self.program.call(kernels_misc.argmax(), *args, repeat=self.per_token(), label="greedy",
+                          rows_apart=self.rows_apart(args))
         self.access.append(Access(frozenset({ret}), frozenset(), False))
         self.program.calls = place_barriers(self.program.calls, self.access)
         logits = LogitsRow(self.rows_memory, self.step_values[ret].offset, self.width(ret))

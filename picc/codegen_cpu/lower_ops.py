@@ -166,7 +166,8 @@ class OpLowering(ABC):
             raise PiccError(f"codegen_cpu: %{op.result} names kernel {op.kernel!r} but the CPU computes it with "
                             f"{kernel.symbol!r}" + ("; run select-kernels first" if op.kernel is None else ""))
         repeat = None if batched else self.per_token()
-        self.program.call(kernel, *args, repeat=repeat, label=op.result)  # type: ignore[arg-type]
+        self.program.call(kernel, *args, repeat=repeat, label=op.result,  # type: ignore[arg-type]
+                          rows_apart=repeat is not None and self.rows_apart(args))
         if access is None:
             extra = writes or set()  # a residual add's buffer: read, then written
             written = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
@@ -175,6 +176,12 @@ class OpLowering(ABC):
         key = self.memory_key
         self.access.append(Access(frozenset(map(key, access.reads)), frozenset(map(key, access.writes)),
                                   access.barrier_free and repeat is None))
+
+    def rows_apart(self, args: tuple[object, ...]) -> bool:
+        """Whether a kernel called per token with ``args`` touches nothing another token's call
+        writes (:meth:`Program.call`): never for a prompt's tokens, which write the KV cache the
+        next one reads."""
+        return False
 
     def kv_cache(self, name: str, width: int) -> Buf:
         """The KV cache ``name`` (ctx rows of k, then ctx rows of v), shared by step and prefill."""

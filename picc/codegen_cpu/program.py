@@ -79,6 +79,7 @@ class Call:
     barrier_after: bool
     repeat: Param | None = None  # run once per token s < repeat, with Bufs advanced by s * stride
     label: str = ""  # what the call computes (the IR value), for profiles
+    rows_apart: bool = False  # repeated, and no row writes memory another row touches: no barrier between rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +135,17 @@ class Program:
         return copy
 
     def call(self, kernel: Kernel, *args: Arg, barrier_after: bool = True, repeat: Param | None = None,
-             label: str = "") -> None:
+             label: str = "", rows_apart: bool = False) -> None:
         """Append a call of ``kernel`` with one argument per :attr:`Kernel.params`.
 
         ``barrier_after=False`` lets the next call start without waiting; only safe when it reads
         nothing this call writes. ``repeat``: call the kernel once per token s of a prefill chunk
         of ``repeat`` tokens (a kernel that sees one token at a time), each ``Buf`` argument
         advanced by ``s * stride`` bytes, with a barrier after every iteration (the iterations
-        share the kernel's scratch).
+        share the kernel's scratch, or a token reads what the one before wrote) -- unless
+        ``rows_apart``: no iteration writes memory another one reads or writes (a batch's rows,
+        each in its own memory, the weights read-only), so the threads go from row to row without
+        waiting, and ``barrier_after`` applies after the last.
         """
         if len(args) != len(kernel.params):
             names = ", ".join(n for n, _ in kernel.params)
@@ -154,7 +158,7 @@ class Program:
                   "f32": isinstance(arg, float | int) and not isinstance(arg, bool)}[kind]
             if not ok:
                 raise PiccError(f"codegen_cpu: {kernel.symbol} argument {name} must be {wanted[kind]}, got {arg!r}")
-        self.calls.append(Call(kernel, tuple(args), barrier_after, repeat, label))
+        self.calls.append(Call(kernel, tuple(args), barrier_after, repeat, label, rows_apart and repeat is not None))
 
     @property
     def kernels(self) -> list[Kernel]:
@@ -245,11 +249,13 @@ class Program:
                     values.append(f"{ty} {int(arg)}")
             values += ["i32 %tid", "i32 %nthreads", f"ptr {sync}"]
             lines.append(f"  call void @{call.kernel.symbol}({', '.join(values)})")
-            if s is not None:
+            if s is not None and not call.rows_apart:
                 lines += [f"  call void @picc_barrier(ptr {sync}, i32 %nthreads)",
                           f"  %b{n}.next = add i64 {s}, 1", f"  br label %b{n}.head", f"b{n}.exit:"]
                 lap(2 * n)  # the calls and their barriers, together
             else:
+                if s is not None:
+                    lines += [f"  %b{n}.next = add i64 {s}, 1", f"  br label %b{n}.head", f"b{n}.exit:"]
                 lap(2 * n)
                 if call.barrier_after and n + 1 < len(self.calls):
                     lines.append(f"  call void @picc_barrier(ptr {sync}, i32 %nthreads)")
