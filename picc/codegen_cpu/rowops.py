@@ -172,11 +172,11 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
     took five, which is what bounds a batched LM head (every x row repeats them), and on AVX2 as
     many instructions as the folded form (``llvm-mca`` on the GEMV's loop: within 3% either way on
     Zen 3 and Skylake, 13% fewer cycles on Ice Lake's AVX-512). The 4-bit formats take ``q`` as
-    stored and move the rest to x's side: q4_0 starts t from ``-8 (x_lo + x_hi)`` (``(q - 8) . x = q . x - 8 sum(x)``), q4_1
-    adds ``m`` times the folded ``x_lo + x_hi`` (``(d q + m) . x = d (q . x) + m sum(x)``). The
-    dot product is the sum of the lanes, halving in a fixed order. With ``intx`` (x rounded to
-    int16, :func:`emit_int_x`) the 4-bit rows take the integer path instead (``int_dot_block``);
-    their x sums then come from ``intx``.
+    stored and move the rest to x's side: q4_0 starts t from ``-8 (x_lo + x_hi)``
+    (``(q - 8) . x = q . x - 8 sum(x)``), q4_1 adds ``m`` times the folded ``x_lo + x_hi``
+    (``(d q + m) . x = d (q . x) + m sum(x)``). The dot product is the sum of the lanes, halving in
+    a fixed order. With ``intx`` (x rounded to int16, :func:`emit_int_x`) the 4-bit rows take the
+    integer path instead (``int_dot_block``); their x sums then come from ``intx``.
     """
     return emit_dots_xs(fn, rows, [(x, xsums, intx)], k, simd, prefetch)[0]
 
