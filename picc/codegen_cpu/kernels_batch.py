@@ -89,8 +89,10 @@ _X_TILE = 4
 # The same with x rows two to a vector (rows8_pairs: int16 x on AVX-512), by the number of matrices:
 # SmolLM2 q4_1 in L2, one thread, Zen 4, batch 8, cycles per x row and group block (avx512 / VNNI):
 # the 1536 x 576 GEMV 17.4 / 13.3 with 4 rows a tile, 16.4 / 12.5 with 8 (16 the same); its FFN's
-# up and gate with 2 rows a tile 20.5, 4 18.5, 8 19.3 (avx512).
-_PAIR_TILE = {1: 8, 2: 4}
+# up and gate with 2 rows a tile 20.5, 4 18.5, 8 19.3 (avx512). From memory, two threads, batch
+# 8, the FFN (up and gate, then down) with 8 rather than 4, alternating, three pairs: 209 / 253,
+# 229 / 246, 260 / 275 us (batch 4: 139 / 146).
+_PAIR_TILE = {1: 8, 2: 8}
 # x rows that go through a tile of rows one at a time together, by SIMD level: SmolLM2's q8_0
 # head at batch 8, Zen 4, 2 threads: AVX-512 1 at a time 1.33x, 2 1.96x, 4 1.81x; the AVX2 build
 # 1.40x with 1 and 1.39x with 2 (its 16 registers already hold four rows' converted blocks). Since
