@@ -10,7 +10,9 @@ few statement kinds a scheduled kernel holds are rebuilt by hand here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tvm import s_tir, tirx
 from tvm.ir.expr import Call
@@ -19,6 +21,8 @@ from tvm.sym import Analyzer
 
 from picc.codegen_cuda.kernel import Guard, Kernel
 from picc.errors import PiccError
+
+T = TypeVar("T")
 
 GUARD = "picc_guard"
 
@@ -98,27 +102,30 @@ def _unconditional(store: tirx.Stmt) -> tirx.Stmt:
 
 def _loops_under(node: tirx.Stmt) -> list[tirx.For]:
     """Every ``for`` loop inside ``node``, blocks included."""
-    if isinstance(node, tirx.For):
-        return [node, *_loops_under(node.body)]
     if isinstance(node, s_tir.SBlockRealize):
         return _loops_under(node.block.body)
-    if isinstance(node, tirx.SeqStmt):
-        return [loop for s in node.seq for loop in _loops_under(s)]
-    if isinstance(node, tirx.IfThenElse):
-        return _loops_under(node.then_case) + (_loops_under(node.else_case) if node.else_case is not None else [])
-    return []
+    own = [node] if isinstance(node, tirx.For) else []
+    return own + [loop for child in _children(node) for loop in _loops_under(child)]
 
 
 def _binding_of(node: tirx.Stmt, names: list[str]) -> list[PrimExpr] | None:
     """The values bound to iterators ``names`` by the first block under ``node`` that has them all."""
+
+    def binding(realize: s_tir.SBlockRealize) -> list[PrimExpr] | None:
+        bound = {iv.var.name: v for iv, v in zip(realize.block.iter_vars, realize.iter_values, strict=True)}
+        return [bound[n] for n in names] if all(n in bound for n in names) else None
+
+    return _first_block(node, binding)
+
+
+def _first_block(node: tirx.Stmt, pick: Callable[[s_tir.SBlockRealize], T | None]) -> T | None:
+    """``pick`` of the first block under ``node`` (depth first, outer blocks before the blocks
+    inside them) for which it is not None."""
     if isinstance(node, s_tir.SBlockRealize):
-        bound = {iv.var.name: v for iv, v in zip(node.block.iter_vars, node.iter_values, strict=True)}
-        if all(n in bound for n in names):
-            return [bound[n] for n in names]
-        return _binding_of(node.block.body, names)
+        found = pick(node)
+        return found if found is not None else _first_block(node.block.body, pick)
     for child in _children(node):
-        found = _binding_of(child, names)
-        if found is not None:
+        if (found := _first_block(child, pick)) is not None:
             return found
     return None
 
@@ -143,12 +150,4 @@ def spatial_axes(func: tirx.PrimFunc, name: str) -> list[str]:
 
 
 def _find_block(node: tirx.Stmt, name: str) -> s_tir.SBlock | None:
-    if isinstance(node, s_tir.SBlockRealize):
-        if node.block.name_hint == name:
-            return node.block
-        return _find_block(node.block.body, name)
-    for child in _children(node):
-        found = _find_block(child, name)
-        if found is not None:
-            return found
-    return None
+    return _first_block(node, lambda realize: realize.block if realize.block.name_hint == name else None)
