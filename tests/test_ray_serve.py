@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import socket
 import threading
 import time
 
 import httpx
-import openai
 import pytest
 from conftest import served_model
 from test_server import (  # noqa: F401 - collected here too, against the Ray deployment's ``server``
     CTX,
     KEY,
+    Endpoint,
     test_bad_completions_get_openai_error_objects,
     test_completions_and_chat_through_the_openai_client_are_picc_runs_tokens,
     test_concurrent_requests_get_single_run_outputs,
@@ -68,24 +67,9 @@ def url(model):
         ray.shutdown()
 
 
-class RayServer:
-    """test_server's ``Server``, for the deployment: its URL, a client, a metric (of the replica
-    that answers)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
-
-
 @pytest.fixture(scope="module")
 def server(url):
-    return RayServer(url)
+    return Endpoint(url)  # metrics: of the replica that answers
 
 
 def _replicas() -> list[str]:

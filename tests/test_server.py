@@ -34,7 +34,21 @@ def model(tmp_path_factory):
     return served_model(tmp_path_factory.mktemp("serve") / "tiny.pib", CTX)
 
 
-class Server:
+class Endpoint:
+    """A server at ``url``: a client for it, and its metrics (those of the process that answers)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+class Server(Endpoint):
     """``picc serve`` in a subprocess, on the port it reports."""
 
     def __init__(self, path, *args: str) -> None:
@@ -43,7 +57,7 @@ class Server:
         line = self.proc.stderr.readline()
         match = re.search(r"on (http://[\d.]+:\d+)/v1", line)
         assert match, line + self.proc.stderr.read() if self.proc.poll() is not None else line
-        self.url = match.group(1)
+        super().__init__(match.group(1))
         threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # keep the pipe drained
         for _ in range(200):
             try:
@@ -51,13 +65,6 @@ class Server:
                     break
             except httpx.TransportError:
                 time.sleep(0.05)
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
     def close(self) -> None:
         self.proc.terminate()
