@@ -1,7 +1,7 @@
 """Benchmark of the fused sparse FFN kernel against the host's read bandwidth and numpy.
 
     python bench/kernels.py [--reps 7] [--threads 1,2] [--shapes small,large] [--dtypes f16,q4_0,f32]
-    python bench/kernels.py --batched [--batches 1,2,4,8] [--threads 2] [--reps 7] [--simd avx512]
+    python bench/kernels.py --batched [--batches 1,2,4,8] [--threads 2] [--reps 7] [--simd avx512] [--x i16,i8]
 
 (``--dtypes`` also takes ``q4_0-int`` / ``q4_1-int``: the kernel variant that dots int16 x.)
 
@@ -28,7 +28,9 @@ SmolLM2's decode GEMVs and FFN and a 7B-like down projection, the weights from m
 over 1 GiB, one call each): time per call, and rows per second (batch / time) as a ratio to the
 one-row kernel's rate, the speed-up that batching the decode step gives these kernels.
 ``--simd`` compiles them for a SIMD level instead of the host's (the ``cpu`` target compiles for
-``avx512`` on a VNNI host; the batched rows8 int16-x kernels differ between the two AVX-512 levels).
+``avx512`` on a VNNI host; the batched rows8 int16-x kernels differ between the two AVX-512 levels);
+``--x`` the formats x is rounded to in the rows8 kernels (``i16``, what a dense compile chooses;
+``i8``, ``picc compile --int8-dots``).
 """
 
 from __future__ import annotations
@@ -167,7 +169,8 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, int_dots: bool
     # active neuron's two rows are one stream; down neuron-major; float dot products, as in every
     # sparse module (a dtype given as e.g. "q4_0-int" times the _xi16 variant, which dense modules
     # use for the CPU part of a split layer).
-    kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved=True, int_dots=int_dots)
+    kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved=True,
+                        x_format="i16" if int_dots else "f32")
     x, y = rng.normal(size=hidden).astype(np.float32), np.zeros(hidden, np.float32)
     mask, count = np.zeros(n, np.uint8), np.zeros(1, np.int32)  # a predictor's output: a byte per neuron
     scratch = aligned_zeros(ffn_scratch_bytes(n, hidden, max(threads)))
@@ -221,7 +224,7 @@ def dense_gemv_rates(hidden: int, n: int, dtype: str, threads: list[int], reps: 
     x = rng.normal(size=hidden).astype(np.float32)
     buffers = [aligned_zeros(SYNC_BYTES), x, aligned_zeros(4 * n), data]
     prog = Program("dense_gemv_step", sync=0)
-    kernel = gemv(dtype, int_dots=four_bit, rows8=four_bit)
+    kernel = gemv(dtype, "i16" if four_bit else "f32", rows8=four_bit)
     for i in range(count):
         prog.call(kernel, Buf(3, i * raw.nbytes), Buf(1), Null(), Buf(2), n, hidden, 0)
     step = compile_kernels([], [prog]).function(prog.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
@@ -248,13 +251,15 @@ def _matrix(rng: np.random.Generator, rows: int, k: int, dtype: str, rows8: bool
     return to_rows8(raw, dtype, (rows, k)).reshape(-1) if rows8 else raw
 
 
-def batched_times(case: tuple, threads: int, batches: list[int], reps: int,
-                  rng: np.random.Generator, simd: str = "host") -> tuple[dict[int | None, float], int]:
+def batched_times(case: tuple, threads: int, batches: list[int], reps: int, rng: np.random.Generator,
+                  simd: str = "host", x_format: str = "i16") -> tuple[dict[int | None, float], int]:
     """Median seconds per call by batch (None: the one-row kernel), and the bytes of weights a
     call reads. Each configuration is one compiled step that calls its kernel on every copy of
-    the weights in turn (``repeat``), so they come from memory as in a real decode step."""
+    the weights in turn (``repeat``), so they come from memory as in a real decode step. The rows8
+    cases round x to ``x_format``; the others dot float x."""
     label, rows, k, dtype, rows8 = case
     ffn = label.endswith("ffn")
+    x_format = x_format if rows8 else "f32"
     mats = ([_matrix(rng, rows, k, dtype, rows8) for _ in range(2)] + [_matrix(rng, k, rows, dtype, rows8)] if ffn
             else [_matrix(rng, rows, k, dtype, rows8)])
     unit = sum(m.nbytes for m in mats)
@@ -274,11 +279,11 @@ def batched_times(case: tuple, threads: int, batches: list[int], reps: int,
         prog = Program(f"batched_{batch or 'single'}", sync=0)
         tail = () if batch is None else (batch, 4 * xw, 4 * yw)
         if ffn:
-            kernel = (dense_ffn if batch is None else dense_ffn_rows)("swiglu", dtype, dtype, dtype, True, rows8)
+            kernel = (dense_ffn if batch is None else dense_ffn_rows)("swiglu", dtype, dtype, dtype, x_format, rows8)
             prog.call(kernel, Buf(2), *weights, Null(), Null(), Null(), Buf(3), Buf(5), rows, k, 0, *tail,
                       repeat=Param(1, 0))
         else:
-            kernel = (gemv if batch is None else gemv_rows)(dtype, rows8, rows8)
+            kernel = (gemv if batch is None else gemv_rows)(dtype, x_format, rows8)
             prog.call(kernel, weights[0], Buf(2), Null(), Buf(3), rows, k, 0, *tail, repeat=Param(1, 0))
         progs[batch] = prog
     module = compile_kernels([], list(progs.values()), simd)
@@ -299,17 +304,18 @@ def batched_main(args: argparse.Namespace) -> None:
     """The ``--batched`` table: the batched kernels against the one-row kernels, per batch size."""
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)
-    print(f"{'kernel':>13} {'shape':>11} {'dtype':>10} {'thr':>3} {'batch':>6} {'us/call':>8} {'GB/s':>6} "
+    print(f"{'kernel':>13} {'shape':>11} {'dtype':>12} {'thr':>3} {'batch':>6} {'us/call':>8} {'GB/s':>6} "
           f"{'rows/s vs 1-row':>15}")
     for threads in (int(t) for t in args.threads.split(",")):
         for case in BATCHED_CASES:
             label, rows, k, dtype, rows8 = case
-            times, unit = batched_times(case, threads, batches, args.reps, rng, args.simd)
-            kind = dtype + ("_r8_xi16" if rows8 else "")
-            for batch, secs in times.items():
-                ratio = (batch or 1) * times[None] / secs
-                print(f"{label:>13} {rows:>5}x{k:<5} {kind:>10} {threads:>3} {batch or '1-row':>6} {secs * 1e6:>8.1f} "
-                      f"{unit / secs / 1e9:>6.1f} {ratio:>14.2f}x")
+            for x_format in args.x.split(",") if rows8 else ("f32",):
+                times, unit = batched_times(case, threads, batches, args.reps, rng, args.simd, x_format)
+                kind = dtype + (f"_r8_x{x_format}" if rows8 else "")
+                for batch, secs in times.items():
+                    ratio = (batch or 1) * times[None] / secs
+                    print(f"{label:>13} {rows:>5}x{k:<5} {kind:>12} {threads:>3} {batch or '1-row':>6} "
+                          f"{secs * 1e6:>8.1f} {unit / secs / 1e9:>6.1f} {ratio:>14.2f}x")
     print()
     print("shape: rows x k of the GEMV (ffn: n_ff x hidden of up and gate; down is its transpose); batch 1-row:")
     print("the one-row kernel (kernels_dense). GB/s: weights read per second (read once per call, whatever the")
@@ -325,6 +331,7 @@ def main() -> None:
     parser.add_argument("--batched", action="store_true", help="time the batched decode kernels instead")
     parser.add_argument("--batches", default="1,2,4,8", help="batch sizes of --batched")
     parser.add_argument("--simd", default="host", choices=SIMD_CHOICES, help="the SIMD level of --batched's kernels")
+    parser.add_argument("--x", default="i16", help="--batched: the formats x is rounded to in rows8 kernels (i16,i8)")
     parser.add_argument("--numpy-only", help=argparse.SUPPRESS)  # internal: one numpy baseline
     args = parser.parse_args()
     if args.numpy_only:

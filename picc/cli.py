@@ -263,6 +263,11 @@ def _add_compile_command(sub: argparse._SubParsersAction) -> None:
                       "SmolLM2 Q4_1 here at the same perplexity, but decisions near a sparsity threshold flip "
                       "more often, so after a few tokens the logits follow float arithmetic only to ~1e-2 "
                       "(float dots: ~1e-6)")
+    s.add_argument("--int8-dots", action="store_true",
+                   help="where x is rounded (a dense model, or --int-dots) and the kernel reads q4_0 / q4_1 "
+                   "rows eight at a time, round to int8 instead of int16 (1/254 of each block's largest |x|, "
+                   "as llama.cpp does): half the integer work, which is what bounds the batched kernels of "
+                   "'picc serve'; the logits then follow float arithmetic only to ~3e-2")
     s.add_argument("--solver", choices=("greedy", "ilp"), default="greedy",
                    help="neuron placement: greedy top-k by frequency (default, PowerInfer's) or the ILP "
                    "on the cost model")

@@ -48,6 +48,7 @@ class CompileOptions:
     sparse: bool = False  # sparsity even where the cost model estimates the dense model faster
     float_dots: bool = False  # keep float dot products where a dense model could round x to int16
     int_dots: bool = False  # round x to int16 for 4-bit dot products in sparse models too
+    int8_dots: bool = False  # round to int8, not int16, where the kernel reads eight rows at a time (rows8)
     batch_step: bool = True  # the server's batch step (a CPU-only model; ~2-3 s more LLVM a compile)
     solver: str = "greedy"
     sparsity: SparsifyOptions = field(default_factory=SparsifyOptions)
@@ -62,8 +63,9 @@ class CompileOptions:
             raise PiccError(f"--ctx {self.ctx}: expected a positive number of positions")
         if self.dense and self.sparse:
             raise PiccError("--dense and --sparse ask for opposite models; give one of them")
-        if self.float_dots and self.int_dots:
-            raise PiccError("--float-dots and --int-dots ask for opposite dot products; give one of them")
+        if self.float_dots and (self.int_dots or self.int8_dots):
+            flag = "--int-dots" if self.int_dots else "--int8-dots"
+            raise PiccError(f"--float-dots and {flag} ask for opposite dot products; give one of them")
         return target
 
 
@@ -91,7 +93,7 @@ def _fuse(options: CompileOptions) -> list[PassSpec]:
     """fuse-gather-gemv, dce and select-kernels, with the dot products ``options`` ask for."""
     dots = "no" if options.float_dots else "yes" if options.int_dots else "auto"
     return [PassSpec("fuse-gather-gemv", FuseOptions()), PassSpec("dce"),
-            PassSpec("select-kernels", SelectOptions(int_dots=dots))]
+            PassSpec("select-kernels", SelectOptions(int_dots=dots, int_x="i8" if options.int8_dots else "i16"))]
 
 
 def compile_model(model: LoadedModel, options: CompileOptions, instruments: Instruments | None = None,
@@ -283,7 +285,7 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
     """The dense model compiled, without profiling, when the cost model estimates it faster than
     the sparse model could be at its best: every FFN reading only ``density`` of its weights (no
     predictor, no dense gate) at the fastest rate a sparse model's CPU kernels read their format
-    (in rows or eight rows at a time; int16 x only with ``int_dots``). Profiling a
+    (in rows or eight rows at a time; rounded x only with ``int_dots``). Profiling a
     7B model takes most of an hour on two cores, spent in vain where the dense model wins anyway."""
     from picc.kernel_names import cpu_rate_key
     from picc.placement.cost_model import weight_bytes
@@ -296,7 +298,8 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
             for name in (op.up, op.gate, op.down):
                 if name is not None:
                     dtype = model.weights[name].dtype.value
-                    rate = max(target.cpu.read_rate(cpu_rate_key(dtype, options.int_dots, rows8))
+                    x_format = ("i8" if options.int8_dots else "i16") if options.int_dots else "f32"
+                    rate = max(target.cpu.read_rate(cpu_rate_key(dtype, x_format, rows8))
                                for rows8 in (False, True))
                     seconds += density * weight_bytes(model.weights, name) / rate
     dense, best = report["estimate_tokens_per_s"], 1.0 / seconds

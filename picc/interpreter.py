@@ -4,9 +4,9 @@ It favours clarity over speed, but works on whole sequences at once so that a 64
 a 135M model takes seconds. ``Interpreter.run`` executes one call of ``forward`` and keeps each
 attention op's KV cache between calls, so prefill followed by decode steps works as in a runtime.
 
-An op with ``x_format = "i16"`` (chosen by ``select-kernels``) dots its 4-bit weight rows with
-its input rounded to int16 per block of 32: the interpreter rounds that input as the kernel does
-(``picc.quant.round_to_int16_blocks``), so it stays the oracle of those kernels.
+An op with ``x_format = "i16"`` or ``"i8"`` (chosen by ``select-kernels``) dots its 4-bit weight
+rows with its input rounded to int16 or int8 per block of 32: the interpreter rounds that input as
+the kernel does (``picc.quant.round_x_blocks``), so it stays the oracle of those kernels.
 """
 
 from __future__ import annotations
@@ -269,10 +269,10 @@ class Interpreter:
 
     def dot_input(self, op: Op, weight: str, x: np.ndarray) -> np.ndarray:
         """``x`` as ``op``'s kernel reads it when it dots it with rows of ``weight``: rounded to
-        int16 per block for the 4-bit rows of an op with ``x_format = "i16"``, else as is."""
+        int16 or int8 per block for the 4-bit rows of an op whose ``x_format`` says so, else as is."""
         if (isinstance(op, O.MatrixOp) and op.rounds_x
                 and self.weights[weight].dtype.value in kernel_names.INT_DOT_DTYPES):
-            return quant.round_to_int16_blocks(x)
+            return quant.round_x_blocks(x, op.x_format)
         return x
 
     def fused_ffn(self, op: FusedFFN, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:

@@ -22,41 +22,49 @@ T = TypeVar("T")
 # --- CPU: one symbol per operation and weight format ---------------------------------------------
 
 
-INT_DOT_DTYPES = frozenset({"q4_0", "q4_1"})  # formats with an integer dot product variant
+INT_DOT_DTYPES = frozenset({"q4_0", "q4_1"})  # formats with integer dot product variants
+X_FORMATS = ("f32", "i16", "i8")  # how x meets 4-bit rows: floats, or rounded to int16 / int8 per block
 INT_DOTS_SUFFIX = "_xi16"
-ROWS8_SUFFIX = "_r8"  # (before INT_DOTS_SUFFIX) the kernel reads its 4-bit matrices eight rows at a time
+ROWS8_SUFFIX = "_r8"  # (before the x suffix) the kernel reads its 4-bit matrices eight rows at a time
 
 
-def _int_suffix(int_dots: bool, *dtypes: str | None) -> str:
-    """The suffix of the variant that dots 4-bit rows with x rounded to int16 (where one is read)."""
-    return INT_DOTS_SUFFIX if int_dots and INT_DOT_DTYPES & set(dtypes) else ""
+def _int_suffix(x_format: str, *dtypes: str | None) -> str:
+    """The suffix of the variant that dots 4-bit rows with x rounded to ``x_format`` (``_xi16``,
+    ``_xi8``) where one is read; none for float x."""
+    if x_format not in X_FORMATS:
+        raise ValueError(f"x_format is one of {X_FORMATS}, not {x_format!r}")
+    return f"_x{x_format}" if x_format != "f32" and INT_DOT_DTYPES & set(dtypes) else ""
 
 
 CPU_WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 # The keys of a CPU's kernel-rate table (``picc.targets``, ``picc.codegen_cpu.rates``): how fast
 # its kernels consume the weights of each format when memory is not the limit: rows one at a
 # time with float x, with int16 x (``_xi16``), and the 4-bit formats eight rows at a time from
-# the rows8 layout with float x (``_r8``) and int16 x (``_r8_xi16``).
+# the rows8 layout with float x (``_r8``), int16 x (``_r8_xi16``) and int8 x (``_r8_xi8``).
 CPU_RATE_KEYS = (CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
                  + tuple(d + ROWS8_SUFFIX for d in sorted(INT_DOT_DTYPES))
-                 + tuple(d + ROWS8_SUFFIX + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES)))
+                 + tuple(d + ROWS8_SUFFIX + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
+                 + tuple(d + ROWS8_SUFFIX + "_xi8" for d in sorted(INT_DOT_DTYPES)))
 
 
 def _rows8_suffix(rows8: bool, *dtypes: str | None) -> str:
     return ROWS8_SUFFIX if rows8 and {d for d in dtypes if d} <= INT_DOT_DTYPES else ""
 
 
-def cpu_rate_variants() -> list[tuple[str, str, bool, bool]]:
-    """Each key of :data:`CPU_RATE_KEYS`, in order, with what it stands for: (key, dtype, int16 x, rows8)."""
-    meaning = {cpu_rate_key(d, i, r): (d, i, r) for d in CPU_WEIGHT_FORMATS for r in (False, True)
-               for i in (False, True) if not ((i or r) and d not in INT_DOT_DTYPES)}
+def cpu_rate_variants() -> list[tuple[str, str, str, bool]]:
+    """Each key of :data:`CPU_RATE_KEYS`, in order, with what it stands for: (key, dtype, x format, rows8)."""
+    meaning = {cpu_rate_key(d, x, r): (d, x, r) for d in CPU_WEIGHT_FORMATS for r in (False, True)
+               for x in X_FORMATS if not ((x != "f32" or r) and d not in INT_DOT_DTYPES)}
     return [(key, *meaning[key]) for key in CPU_RATE_KEYS]
 
 
-def cpu_rate_key(dtype: str, int_dots: bool, rows8: bool = False) -> str:
-    """The rate-table key of a CPU kernel reading ``dtype`` rows (``int_dots``: an ``_xi16``
-    kernel; ``rows8``: one that reads a 4-bit matrix in the rows8 layout)."""
-    return dtype + _rows8_suffix(rows8, dtype) + _int_suffix(int_dots, dtype)
+def cpu_rate_key(dtype: str, x_format: str, rows8: bool = False) -> str:
+    """The rate-table key of a CPU kernel reading ``dtype`` rows (``x_format``: how its x meets
+    4-bit rows; ``rows8``: one that reads a 4-bit matrix in the rows8 layout). Rows one at a
+    time dot int8 x as int16 (the int8 is held as int16), so they share the ``_xi16`` rate."""
+    if x_format == "i8" and not _rows8_suffix(rows8, dtype):
+        x_format = "i16"
+    return dtype + _rows8_suffix(rows8, dtype) + _int_suffix(x_format, dtype)
 
 
 def rows8_fits(dtype: str, rows: int, k: int) -> bool:
@@ -64,9 +72,9 @@ def rows8_fits(dtype: str, rows: int, k: int) -> bool:
     return dtype in INT_DOT_DTYPES and rows > 0 and rows % 8 == 0 and k % 32 == 0
 
 
-def cpu_gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> str:
+def cpu_gemv(dtype: str, x_format: str = "f32", rows8: bool = False) -> str:
     """``rows8`` (4-bit ``dtype``): the matrix in the rows8 layout."""
-    return f"picc_gemv_{dtype}{_rows8_suffix(rows8, dtype)}{_int_suffix(int_dots, dtype)}"
+    return f"picc_gemv_{dtype}{_rows8_suffix(rows8, dtype)}{_int_suffix(x_format, dtype)}"
 
 
 def cpu_gemm(dtype: str, rows8: bool = False) -> str:
@@ -101,22 +109,22 @@ def read_whole(mode: str, up: T, gate: T | None) -> tuple[T, ...]:
     return tuple(m for m in chosen if m is not None)
 
 
-def ffn_rounds_x(int_dots: bool, up: str, gate: str | None) -> bool:
-    """Whether a fused FFN kernel asked for int16 x (``int_dots``) rounds x: only when its up and
-    gate rows (one x for both) are all 4-bit."""
-    return int_dots and {up, gate or up} <= INT_DOT_DTYPES
+def ffn_x_format(x_format: str, up: str, gate: str | None) -> str:
+    """The x format of a fused FFN kernel asked for ``x_format``: as asked when its up and gate
+    rows (one x for both) are all 4-bit, else float."""
+    return x_format if {up, gate or up} <= INT_DOT_DTYPES else "f32"
 
 
 def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
-                  int_dots: bool = False, dense_rows8: bool = False) -> str:
+                  x_format: str = "f32", dense_rows8: bool = False) -> str:
     """The fused FFN kernel; ``interleaved`` reads up and gate rows side by side (``up_gate``);
-    ``int_dots``: up and gate rows dot x rounded to int16 when both are 4-bit (the kernel, and
+    ``x_format``: up and gate rows dot x rounded to it when both are 4-bit (the kernel, and
     its prefill twin, read one x for the two; down is an AXPY: no dot); ``dense_rows8``: the
     4-bit matrices a gate-first or down-only kernel reads whole (the gate; the gate and up) are
     in the rows8 layout."""
     whole = read_whole(mode, up, gate)
     rows8 = _rows8_suffix(dense_rows8, *whole) if whole else ""
-    layout = ("_il" if interleaved else "") + rows8 + _int_suffix(ffn_rounds_x(int_dots, up, gate), up)
+    layout = ("_il" if interleaved else "") + rows8 + _int_suffix(ffn_x_format(x_format, up, gate), up)
     return f"picc_ffn_{mode.replace('-', '_')}_{form}_{up}_{gate or 'none'}_{down}{layout}"
 
 
@@ -127,26 +135,26 @@ def cpu_chunk_ffn(mode: str, form: str, up: str, gate: str | None, down: str, in
                          dense_rows8=dense_rows8).replace("picc_ffn_", "picc_ffn_chunk_", 1)
 
 
-def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, int_dots: bool = False,
+def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, x_format: str = "f32",
                   rows8: bool = False) -> str:
     """A dense FFN in the source model's layout (down [hidden, n_ff]): GEMVs, one kernel.
     ``rows8`` (every matrix 4-bit): its matrices in the rows8 layout."""
     rows8_part = _rows8_suffix(rows8, up, gate, down)
-    return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}{rows8_part}{_int_suffix(int_dots, up, gate, down)}"
+    return f"picc_ffn_gemv_{form}_{up}_{gate or 'none'}_{down}{rows8_part}{_int_suffix(x_format, up, gate, down)}"
 
 
 BATCHED_SUFFIX = "_rows"  # (last) the kernel's batched twin: several sequences' x rows, one read of the weights
 
 
-def cpu_gemv_rows(dtype: str, int_dots: bool = False, rows8: bool = False) -> str:
+def cpu_gemv_rows(dtype: str, x_format: str = "f32", rows8: bool = False) -> str:
     """The batched twin of :func:`cpu_gemv`: ``batch`` x rows, each the bits of the one-row kernel."""
-    return cpu_gemv(dtype, int_dots, rows8) + BATCHED_SUFFIX
+    return cpu_gemv(dtype, x_format, rows8) + BATCHED_SUFFIX
 
 
-def cpu_dense_ffn_rows(form: str, up: str, gate: str | None, down: str, int_dots: bool = False,
+def cpu_dense_ffn_rows(form: str, up: str, gate: str | None, down: str, x_format: str = "f32",
                        rows8: bool = False) -> str:
     """The batched twin of :func:`cpu_dense_ffn`."""
-    return cpu_dense_ffn(form, up, gate, down, int_dots, rows8) + BATCHED_SUFFIX
+    return cpu_dense_ffn(form, up, gate, down, x_format, rows8) + BATCHED_SUFFIX
 
 
 # --- GPU: one TVM kernel per operation, shape and weight format -----------------------------------

@@ -120,26 +120,34 @@ def quantize(x: np.ndarray, dtype: str) -> np.ndarray:
     return out.reshape(out_shape)
 
 
-INT16_X_MAX = 32767
-"""The int16 that a block's largest |x| becomes in :func:`round_to_int16_blocks`."""
+INT_X_MAX = {"i16": 32767, "i8": 127}
+"""The integer that a block's largest |x| becomes in :func:`round_x_blocks`, per x format."""
 
 
-def round_to_int16_blocks(x: np.ndarray) -> np.ndarray:
-    """``x`` (float32, last axis a multiple of 32) as the integer dot products read it: per
-    block of 32, ``q = roundeven(x * (32767 / amax))`` (an int16), then ``q * (amax / 32767)``,
-    every step one float32 rounding, as the ``_xi16`` CPU kernels compute it
-    (``picc.codegen_cpu.rowops.emit_int_x``). An all-zero block stays zero. Each element moves
-    by at most half a step, 2^-16 of its block's largest |x|."""
+def round_x_blocks(x: np.ndarray, x_format: str) -> np.ndarray:
+    """``x`` (float32, last axis a multiple of 32) as the integer dot products of an op with
+    ``x_format`` (``"i16"`` or ``"i8"``) read it: per block of 32, ``q = roundeven(x * (top /
+    amax))`` (``top`` = 32767 or 127), then ``q * (amax / top)``, every step one float32 rounding,
+    as the CPU kernels compute it (``picc.codegen_cpu.int16x.emit_int_x``). An all-zero block
+    stays zero. Each element moves by at most half a step: 2^-16 (int16) or 1/254 (int8) of its
+    block's largest |x|."""
+    if x_format not in INT_X_MAX:
+        raise ValueError(f"x is rounded to one of {sorted(INT_X_MAX)}, not {x_format!r}")
     values = np.asarray(x, dtype=np.float32)
     if values.shape[-1] % 32:
-        raise ValueError(f"rounding to int16 blocks needs a multiple of 32 values per row, got {values.shape[-1]}")
+        raise ValueError(f"rounding to {x_format} blocks needs a multiple of 32 values per row, got {values.shape[-1]}")
     blocks = values.reshape(*values.shape[:-1], -1, 32)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    top = np.float32(INT16_X_MAX)
+    top = np.float32(INT_X_MAX[x_format])
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, top / amax, np.float32(0)).astype(np.float32)
     q = np.rint(blocks * inv)
     return (q * (amax / top)).reshape(values.shape).astype(np.float32)
+
+
+def round_to_int16_blocks(x: np.ndarray) -> np.ndarray:
+    """:func:`round_x_blocks` to int16."""
+    return round_x_blocks(x, "i16")
 
 
 def _check_block_shape(dtype: str, shape: Sequence[int]) -> None:

@@ -38,30 +38,32 @@ BATCHES = (1, 3, 8)
 X_PAD, Y_PAD = 7, 5  # floats between rows: strides that are no multiple of a vector or a line
 SENTINEL = np.float32(-12345.5)
 
-# (dtype, int16 x, rows8, rows, k): rows8 q4_0 / q4_1 with both x's; rows one at a time in tiles of
+# (dtype, x format, rows8, rows, k): rows8 q4_0 / q4_1 with each x; rows one at a time in tiles of
 # consecutive rows with prefetches (q4_*, f32, long f16 / q8_0 rows) or in four ranges (short f16 /
 # q8_0 rows); 37 rows: no multiple of 2, 3 or the tile; k = 100: a tail after the blocks.
-GEMV_CASES = [("q4_0", True, True, 40, 128), ("q4_0", False, True, 40, 128), ("q4_1", True, True, 40, 128),
-              ("q4_1", False, True, 40, 128), ("q8_0", False, False, 37, 96), ("q8_0", False, False, 23, 4096),
-              ("f16", False, False, 37, 100), ("f16", False, False, 23, 2048), ("f32", False, False, 37, 100),
-              ("q4_1", False, False, 37, 96), ("q4_1", True, False, 37, 96), ("q4_0", True, False, 37, 96)]
-# (form, up / gate / down dtype, int16 x, rows8): SmolLM2's FFN (swiglu, q4_1, rows8, int16 x) and its
+GEMV_CASES = [("q4_0", "i16", True, 40, 128), ("q4_0", "f32", True, 40, 128), ("q4_1", "i16", True, 40, 128),
+              ("q4_1", "f32", True, 40, 128), ("q8_0", "f32", False, 37, 96), ("q8_0", "f32", False, 23, 4096),
+              ("f16", "f32", False, 37, 100), ("f16", "f32", False, 23, 2048), ("f32", "f32", False, 37, 100),
+              ("q4_1", "f32", False, 37, 96), ("q4_1", "i16", False, 37, 96), ("q4_0", "i16", False, 37, 96),
+              ("q4_0", "i8", True, 40, 128), ("q4_1", "i8", True, 40, 128)]
+# (form, up / gate / down dtype, x format, rows8): SmolLM2's FFN (swiglu, q4_1, rows8, int16 x) and its
 # neighbours; relu has no gate.
-FFN_CASES = [("swiglu", "q4_1", True, True), ("relu", "q4_1", True, True), ("swiglu", "q4_0", False, True),
-             ("swiglu", "q4_1", False, False), ("relu", "q4_1", False, False), ("swiglu", "q4_1", True, False),
-             ("swiglu", "f32", False, False)]
+FFN_CASES = [("swiglu", "q4_1", "i16", True), ("relu", "q4_1", "i16", True), ("swiglu", "q4_0", "f32", True),
+             ("swiglu", "q4_1", "f32", False), ("relu", "q4_1", "f32", False), ("swiglu", "q4_1", "i16", False),
+             ("swiglu", "f32", "f32", False), ("swiglu", "q4_1", "i8", True), ("relu", "q4_0", "i8", True)]
 FFN_N, FFN_HIDDEN = 128, 96
 
 
 def gemv_kernels(case: tuple) -> tuple:
-    dtype, int_dots, rows8, _, _ = case
-    return gemv(dtype, int_dots, rows8), gemv_rows(dtype, int_dots, rows8)
+    dtype, x_format, rows8, _, _ = case
+    return gemv(dtype, x_format, rows8), gemv_rows(dtype, x_format, rows8)
 
 
 def ffn_kernels(case: tuple) -> tuple:
-    form, dtype, int_dots, rows8 = case
+    form, dtype, x_format, rows8 = case
     gate = None if form == "relu" else dtype
-    return dense_ffn(form, dtype, gate, dtype, int_dots, rows8), dense_ffn_rows(form, dtype, gate, dtype, int_dots, rows8)
+    return (dense_ffn(form, dtype, gate, dtype, x_format, rows8),
+            dense_ffn_rows(form, dtype, gate, dtype, x_format, rows8))
 
 
 ALL = [k for case in GEMV_CASES for k in gemv_kernels(case)] + [k for case in FFN_CASES for k in ffn_kernels(case)]
@@ -110,7 +112,7 @@ def gemv_weights(case: tuple, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"{c[0]}{'_r8' * c[2]}{'_xi16' * c[1]}_{c[3]}x{c[4]}")
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"{c[0]}{'_r8' * c[2]}_x{c[1]}_{c[3]}x{c[4]}")
 def test_gemv_rows_are_the_one_row_gemvs_bits(host, teams, case, threads):
     _, _, _, rows, k = case
     single = gemv_kernels(case)[0]
@@ -172,7 +174,7 @@ class Ffn:
 
 
 @pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("case", FFN_CASES, ids=lambda c: f"{c[0]}_{c[1]}{'_r8' * c[3]}{'_xi16' * c[2]}")
+@pytest.mark.parametrize("case", FFN_CASES, ids=lambda c: f"{c[0]}_{c[1]}{'_r8' * c[3]}_x{c[2]}")
 def test_dense_ffn_rows_are_the_one_row_ffns_bits(host, teams, case, threads):
     single, batched = ffn_kernels(case)
     ffn = Ffn(case, 54)
@@ -195,16 +197,17 @@ def test_dense_ffn_rows_are_the_one_row_ffns_bits(host, teams, case, threads):
 
 
 def test_parameters_and_scratch():
-    kernel = gemv_rows("q4_1", True, True)
-    assert kernel.symbol == gemv("q4_1", True, True).symbol + "_rows" == "picc_gemv_q4_1_r8_xi16_rows"
-    assert kernel.params == gemv("q4_1", True, True).params + BATCH_PARAMS
+    kernel = gemv_rows("q4_1", "i16", True)
+    assert kernel.symbol == gemv("q4_1", "i16", True).symbol + "_rows" == "picc_gemv_q4_1_r8_xi16_rows"
+    assert kernel.params == gemv("q4_1", "i16", True).params + BATCH_PARAMS
     assert [name for name, _ in BATCH_PARAMS] == ["batch", "x_stride", "y_stride"]
-    ffn = dense_ffn_rows("swiglu", "q4_1", "q4_1", "q4_1", True, True)
-    assert ffn.symbol == "picc_ffn_gemv_swiglu_q4_1_q4_1_q4_1_r8_xi16_rows"
-    assert ffn.params == dense_ffn("swiglu", "q4_1", "q4_1", "q4_1", True, True).params + BATCH_PARAMS
+    ffn = dense_ffn_rows("swiglu", "q4_1", "q4_1", "q4_1", "i8", True)
+    assert ffn.symbol == "picc_ffn_gemv_swiglu_q4_1_q4_1_q4_1_r8_xi8_rows"
+    assert ffn.params == dense_ffn("swiglu", "q4_1", "q4_1", "q4_1", "i8", True).params + BATCH_PARAMS
     assert dense_ffn_rows_scratch_bytes(1536, 8) == 8 * dense_ffn_scratch_bytes(1536)
     for form, per_block in _BLOCK_BYTES.items():  # every array of each x form moves with the row
-        assert {f.name for f in fields(form)} == set(per_block), form
+        arrays = {f.name for f in fields(form) if f.type in ("str", "str | None")}
+        assert arrays == set(per_block), form
 
 
 def test_no_fast_math_flags_in_the_batched_kernels():
@@ -249,27 +252,27 @@ def test_other_simd_levels_compile_and_compute_the_same_bits(host, teams, simd):
     assert np.array_equal(ys[0].view(np.uint32), ys[1].view(np.uint32))
 
 
-def test_int16_rows_are_rounded_each_on_its_own(host, teams):
-    # The int16 kernels' rows are the float kernel on each row rounded by its own block scales
-    # (picc.quant.round_to_int16_blocks, the interpreter's rounding), not on a shared rounding:
+@pytest.mark.parametrize("case", [GEMV_CASES[2], GEMV_CASES[13]], ids=lambda c: c[1])
+def test_rounded_rows_are_rounded_each_on_its_own(host, teams, case):
+    # The int16 / int8 kernels' rows are the float kernel on each row rounded by its own block
+    # scales (picc.quant.round_x_blocks, the interpreter's rounding), not on a shared rounding:
     # rows of very different size each keep their precision.
-    case = GEMV_CASES[2]
-    dtype, _, _, rows, k = case
+    dtype, x_format, _, rows, k = case
     raw, w = weights(np.random.default_rng(59), (rows, k), dtype)
     x = x_rows(np.random.default_rng(60), 3, k)
     x[1, :k] *= 1e-4
     y = y_rows(np.random.default_rng(61), 3, rows, 0)
     run_gemv_rows(host, teams[2], case, to_rows8(raw, dtype, (rows, k)), x, None, y, 0)
     for b in range(3):
-        ref = w.astype(np.float64) @ quant.round_to_int16_blocks(x[b, :k]).astype(np.float64)
+        ref = w.astype(np.float64) @ quant.round_x_blocks(x[b, :k], x_format).astype(np.float64)
         assert np.max(np.abs(y[b, :rows] - ref)) <= 2e-6 * np.max(np.abs(ref)), b
 
 
 # x rows in pairs (rows8_pairs): the rows8 int16-x batched kernels, compiled for each level.
 LEVELS = ("avx2", "avx512", "avx512-vnni")
 PAIR_BATCHES = (2, 5, 7, 11, 16)  # tiles of 8 (4 for up and gate), 4 and 2 rows, and a last row alone
-PAIR_GEMVS = [c for c in GEMV_CASES if c[1] and c[2]]
-PAIR_FFNS = [c for c in FFN_CASES if c[2] and c[3]]
+PAIR_GEMVS = [c for c in GEMV_CASES if c[1] != "f32" and c[2]]
+PAIR_FFNS = [c for c in FFN_CASES if c[2] != "f32" and c[3]]
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +284,7 @@ def by_level():
 def test_only_the_rows8_int16_kernels_differ_between_the_avx512_levels():
     # Kernels are written for a vector ISA; only those that say so (by_level) see VNNI, so every
     # other kernel's IR is the same on both AVX-512 levels.
-    assert {k.symbol for k in ALL if k.by_level} == {k.symbol for k in ALL if k.symbol.endswith("_r8_xi16_rows")}
+    assert {k.symbol for k in ALL if k.by_level} == {k.symbol for k in ALL if re.search(r"_r8_xi(16|8)_rows$", k.symbol)}
     for kernel in ALL:
         same = build_ir([kernel], (), "avx512") == build_ir([kernel], (), "avx512-vnni")
         assert same != kernel.by_level, kernel.symbol

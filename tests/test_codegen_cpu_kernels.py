@@ -49,7 +49,7 @@ from picc.codegen_cpu.kernels_misc import (
     mul,
     rms_norm,
     rope,
-    round_int16,
+    round_x,
 )
 from picc.codegen_cpu.program import profile_slots
 from picc.codegen_cpu.rowops import emit_axpys, emit_dots, emit_x_sums
@@ -76,13 +76,13 @@ def ffn_kernels() -> list[Kernel]:
     ks += [sparse_ffn("predictor", f, "f16", "f16" if s.gated else None, "f16") for f, s in FORMS.items()]
     ks += [sparse_ffn("predictor", f, "f16", "f16", "f16", True) for f, s in FORMS.items() if s.gated]
     ks += [dense_ffn(f, d, d if FORMS[f].gated else None, d) for f in ("swiglu", "relu") for d in ("f32", "q4_1")]
-    ks += [dense_ffn("swiglu", d, d, d, int_dots) for d in ("q4_0", "q4_1") for int_dots in (False, True)]
-    ks += [dense_ffn("swiglu", d, d, d, i, True) for d in ("q4_0", "q4_1") for i in (False, True)]
+    ks += [dense_ffn("swiglu", d, d, d, x_format) for d in ("q4_0", "q4_1") for x_format in ("f32", "i16")]
+    ks += [dense_ffn("swiglu", d, d, d, x, True) for d in ("q4_0", "q4_1") for x in ("f32", "i16", "i8")]
     ks += [sparse_ffn(m, "swiglu", d, d, d) for m in ("dense", "gate-first", "down-only") for d in ("f16", "q4_0")]
-    ks += [sparse_ffn(m, "swiglu", d, d, d, il, int_dots=True) for m, il in (("predictor", True), ("gate-first", False))
+    ks += [sparse_ffn(m, "swiglu", d, d, d, il, x_format="i16") for m, il in (("predictor", True), ("gate-first", False))
            for d in ("q4_0", "q4_1")]
-    ks += [sparse_ffn(m, "swiglu", d, d, d, False, i, dense_rows8=True) for d in ("q4_0", "q4_1")
-           for i in (False, True) for m in ("gate-first", "down-only")]
+    ks += [sparse_ffn(m, "swiglu", d, d, d, False, x, dense_rows8=True) for d in ("q4_0", "q4_1")
+           for x in ("f32", "i16", "i8") for m in ("gate-first", "down-only")]
     ks += [sparse_ffn("gate-first", "swiglu", "q4_1", "q4_1", "q4_1")]
     ks += [sparse_ffn("down-only", "relu", d, None, d, dense_rows8=True) for d in ("q4_0", "q4_1")]
     ks += [sparse_ffn("gate-first", "drelu", "f32", "f32", "f32"), sparse_ffn("down-only", "relu", "q8_0", None, "q8_0"),
@@ -90,11 +90,11 @@ def ffn_kernels() -> list[Kernel]:
     return ks
 
 
-KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + [gemv(d, int_dots=True) for d in ("q4_0", "q4_1")]
-           + [gemv(d, i, True) for d in ("q4_0", "q4_1") for i in (False, True)] + [gemm(d, True) for d in ("q4_0", "q4_1")]
+KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + [gemv(d, x_format="i16") for d in ("q4_0", "q4_1")]
+           + [gemv(d, x, True) for d in ("q4_0", "q4_1") for x in ("f32", "i16", "i8")] + [gemm(d, True) for d in ("q4_0", "q4_1")]
            + ffn_kernels()
            + [predictor("f32", "f32"), predictor("f16", "f16"), rms_norm(), layer_norm(), add(), mul(), merge(), argmax(),
-              attention(), round_int16()] + [rope(s, src) for s in ("llama", "gptj") for src in ("freq", "table")]
+              attention(), round_x("i16"), round_x("i8")] + [rope(s, src) for s in ("llama", "gptj") for src in ("freq", "table")]
            + [ffn_activation(f) for f in FORMS])
 # The AVX2 build: one kernel of each kind, every weight format.
 AVX2_KERNELS = ([gemv(d) for d in DTYPES] + [sparse_ffn("predictor", "swiglu", d, d, d) for d in DTYPES]
@@ -215,7 +215,7 @@ def test_integer_dot_gemv_stays_within_the_rounding_of_x(host, teams, dtype, thr
     x[32:64] *= 1e-3  # a block of small values keeps its own scale
     x[64:96] = 0.0  # and an all-zero block has none
     y = np.zeros(rows, np.float32)
-    run(host, teams[threads], gemv(dtype, int_dots=True), raw, x, None, y, rows, k, 0)
+    run(host, teams[threads], gemv(dtype, x_format="i16"), raw, x, None, y, rows, k, 0)
     exact = w.astype(np.float64) @ x
     err = np.abs(y - exact)
     assert np.all(err <= int_x_error_bound(w, x)), (err / int_x_error_bound(w, x)).max()
@@ -225,20 +225,21 @@ def test_integer_dot_gemv_stays_within_the_rounding_of_x(host, teams, dtype, thr
     assert not np.array_equal(y, y_float)
 
 
-def test_rounding_to_int16_is_the_interpreters_bit_for_bit(host, teams):
-    # The prefill program's GEMMs read x rounded by this kernel where the step's _xi16 kernels
-    # round it themselves; the interpreter rounds with picc.quant.round_to_int16_blocks.
+@pytest.mark.parametrize("x_format", ["i16", "i8"])
+def test_rounding_x_is_the_interpreters_bit_for_bit(host, teams, x_format):
+    # The prefill program's GEMMs read x rounded by this kernel where the step's _xi16 / _xi8
+    # kernels round it themselves; the interpreter rounds with picc.quant.round_x_blocks.
     rng = np.random.default_rng(30)
     x = rng.normal(size=(5, 96)).astype(np.float32)
     x[1, 32:64] *= 1e-30  # tiny values keep their own scale
     x[2, :32] = 0.0  # an all-zero block stays zero
     x[3, 64:] = rng.integers(-3, 4, size=32)  # ties, exact values
     out = np.full_like(x, np.nan)
-    run(host, teams[3], round_int16(), x, out, 5, 96)
-    expected = quant.round_to_int16_blocks(x)
+    run(host, teams[3], round_x(x_format), x, out, 5, 96)
+    expected = quant.round_x_blocks(x, x_format)
     np.testing.assert_array_equal(out, expected)
     assert not np.array_equal(expected, x) and np.all(expected[2, :32] == 0)
-    step = np.repeat(np.abs(x).reshape(5, 3, 32).max(axis=2) / 32767, 32, axis=1)
+    step = np.repeat(np.abs(x).reshape(5, 3, 32).max(axis=2) / quant.INT_X_MAX[x_format], 32, axis=1)
     assert np.all(np.abs(expected.astype(np.float64) - x) <= step * (0.5 + 1e-6))
 
 
@@ -254,14 +255,14 @@ def test_integer_dots_are_float_dots_of_the_rounded_x(host, teams, dtype):
     x = rng.normal(size=k).astype(np.float32)
     xq = quant.round_to_int16_blocks(x).astype(np.float64)
     y = np.zeros(rows, np.float32)
-    run(host, teams[2], gemv(dtype, int_dots=True), raw, x, None, y, rows, k, 0)
+    run(host, teams[2], gemv(dtype, x_format="i16"), raw, x, None, y, rows, k, 0)
     errors = {"gemv": (rel_err(y, w.astype(np.float64) @ xq), rel_err(y, w.astype(np.float64) @ x))}
     case = FfnCase("swiglu", (dtype, dtype, dtype), n=128, hidden=k, seed=32)
     rounded = FfnCase("swiglu", (dtype, dtype, dtype), n=128, hidden=k, seed=32)
     rounded.x = quant.round_to_int16_blocks(case.x)
     active = np.random.default_rng(33).random(case.n) < 0.4
     for mode, interleaved in (("predictor", True), ("gate-first", False)):
-        kernel = sparse_ffn(mode, "swiglu", dtype, dtype, dtype, interleaved, int_dots=True)
+        kernel = sparse_ffn(mode, "swiglu", dtype, dtype, dtype, interleaved, x_format="i16")
         assert kernel.symbol.endswith("_xi16")
         thr = gap_threshold(rounded.act_gate(), 0.4) if mode == "gate-first" else 0.0
         chosen = active if mode == "predictor" else np.abs(rounded.act_gate()) > thr
@@ -337,16 +338,21 @@ def test_rows8_gemvs_compute_what_rows_one_at_a_time_do(host, teams, dtype, thre
     y0 = rng.normal(size=rows).astype(np.float32)
     exact = w.astype(np.float64) @ quant.round_to_int16_blocks(x).astype(np.float64) + bias
     y = y0.copy()
-    run(host, teams[threads], gemv(dtype, True, True), to_rows8(raw, dtype, (rows, k)), x, bias, y, rows, k, 1)
+    run(host, teams[threads], gemv(dtype, "i16", True), to_rows8(raw, dtype, (rows, k)), x, bias, y, rows, k, 1)
     assert rel_err(y - y0, exact) <= 2e-6
     y_rows = np.zeros(rows, np.float32)
-    run(host, teams[threads], gemv(dtype, True), raw, x, bias, y_rows, rows, k, 0)
+    run(host, teams[threads], gemv(dtype, "i16"), raw, x, bias, y_rows, rows, k, 0)
     assert rel_err(y_rows, exact) <= 2e-6
     y_float = np.zeros(rows, np.float32)
-    run(host, teams[threads], gemv(dtype, False, True), to_rows8(raw, dtype, (rows, k)), x, bias, y_float, rows, k, 0)
+    run(host, teams[threads], gemv(dtype, "f32", True), to_rows8(raw, dtype, (rows, k)), x, bias, y_float, rows, k, 0)
     assert rel_err(y_float, w.astype(np.float64) @ x + bias) <= 2e-6
+    # int8 x (its low bytes' products skipped): the float product on round_x_blocks(x, "i8").
+    exact8 = w.astype(np.float64) @ quant.round_x_blocks(x, "i8").astype(np.float64) + bias
+    y8 = np.zeros(rows, np.float32)
+    run(host, teams[threads], gemv(dtype, "i8", True), to_rows8(raw, dtype, (rows, k)), x, bias, y8, rows, k, 0)
+    assert rel_err(y8, exact8) <= 2e-6 < rel_err(y8, exact)
     with pytest.raises(PiccError, match="rows8"):
-        gemv("q8_0", True, True)
+        gemv("q8_0", "i16", True)
 
 
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
@@ -371,22 +377,25 @@ def test_integer_dot_dense_ffns_compute_the_rounded_ffn(host, teams, dtype):
     # to int16 moves the result by ~5e-5).
     case = FfnCase("swiglu", (dtype, dtype, dtype), n=128, biases=True, seed=26)
     down_raw, down = weights(np.random.default_rng(27), (case.hidden, 128), dtype)
-    rounded = FfnCase("swiglu", (dtype, dtype, dtype), n=128, biases=True, seed=26)
-    rounded.x = quant.round_to_int16_blocks(case.x)
-    h = quant.round_to_int16_blocks(rounded.h().astype(np.float32)).astype(np.float64)
-    ref_rounded = down.astype(np.float64) @ h + case.down_bias
     ref_float = down.astype(np.float64) @ case.h() + case.down_bias
-    for int_dots, in_rows8 in ((False, False), (False, True), (True, False), (True, True)):
+    refs = {}
+    for x_format in ("i16", "i8"):
+        rounded = FfnCase("swiglu", (dtype, dtype, dtype), n=128, biases=True, seed=26)
+        rounded.x = quant.round_x_blocks(case.x, x_format)
+        h = quant.round_x_blocks(rounded.h().astype(np.float32), x_format).astype(np.float64)
+        refs[x_format] = down.astype(np.float64) @ h + case.down_bias
+    for x_format, in_rows8 in (("f32", False), ("f32", True), ("i16", False), ("i16", True), ("i8", True)):
         y = np.zeros(case.hidden, np.float32)
         scratch = aligned_zeros(dense_ffn_scratch_bytes(case.n))
         up, gate, dn = case.up_raw, case.gate_raw, down_raw
         if in_rows8:
             up, gate = (to_rows8(m, dtype, (case.n, case.hidden)) for m in (up, gate))
             dn = to_rows8(dn, dtype, (case.hidden, case.n))
-        kernel = dense_ffn("swiglu", dtype, dtype, dtype, int_dots, in_rows8)
+        kernel = dense_ffn("swiglu", dtype, dtype, dtype, x_format, in_rows8)
         run(host, teams[3], kernel, case.x, up, gate, dn, case.up_bias, case.gate_bias, case.down_bias, y, scratch,
             case.n, case.hidden, 0)
-        if int_dots:
+        if x_format != "f32":
+            ref_rounded = refs[x_format]
             assert rel_err(y, ref_rounded) <= 1e-5, (kernel.symbol, rel_err(y, ref_rounded))
             assert rel_err(y, ref_float) > 10 * rel_err(y, ref_rounded), kernel.symbol
         else:
@@ -538,19 +547,22 @@ def test_sparse_ffn_drelu_and_relu_thresholds(host, teams):
 def test_gate_first_reads_a_rows8_gate_eight_rows_at_a_time(host, teams, dtype, threads):
     # The dense gate projection of gate-first mode from the rows8 layout (threads split n at
     # multiples of 8: 64 neurons on three threads are 16, 24 and 24), with float x and with
-    # int16 x; the gathered up rows and the down AXPYs as before.
+    # int16 and int8 x (the gathered up rows' dots skip int8's zero low bytes too); the down
+    # AXPYs as before.
     case = FfnCase("swiglu", (dtype, dtype, dtype), n=64, hidden=96, biases=True, seed=44)
-    rounded = FfnCase("swiglu", (dtype, dtype, dtype), n=64, hidden=96, biases=True, seed=44)
-    rounded.x = quant.round_to_int16_blocks(case.x)
+    refs = {"f32": case}
+    for x_format in ("i16", "i8"):
+        refs[x_format] = FfnCase("swiglu", (dtype, dtype, dtype), n=64, hidden=96, biases=True, seed=44)
+        refs[x_format].x = quant.round_x_blocks(case.x, x_format)
     case.gate_raw = to_rows8(case.gate_raw, dtype, (case.n, case.hidden))
-    for int_dots, ref in ((False, case), (True, rounded)):
+    for x_format, ref in refs.items():
         thr = gap_threshold(ref.act_gate(), 0.4)
         chosen = np.abs(ref.act_gate()) > thr
-        kernel = sparse_ffn("gate-first", "swiglu", dtype, dtype, dtype, False, int_dots, dense_rows8=True)
+        kernel = sparse_ffn("gate-first", "swiglu", dtype, dtype, dtype, False, x_format, dense_rows8=True)
         assert "_r8" in kernel.symbol
         y, count = case.run(host, teams[threads], kernel, threshold=thr)
         assert count == chosen.sum()
-        assert rel_err(y, ref.reference(chosen)) <= (2e-6 if int_dots else tol(dtype))
+        assert rel_err(y, ref.reference(chosen)) <= (2e-6 if x_format != "f32" else tol(dtype)), x_format
     with pytest.raises(PiccError, match="rows8"):
         sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, dense_rows8=True)
 
@@ -588,26 +600,26 @@ def test_down_only_reads_its_whole_matrices_eight_rows_at_a_time(host, teams, dt
     gated = FORMS[form].gated
     dts = (dtype, dtype if gated else None, dtype)
     case, rounded = (FfnCase(form, dts, n=64, hidden=96, biases=True, seed=45) for _ in range(2))
-    rounded.x = quant.round_to_int16_blocks(case.x)
+    rounded.x = quant.round_x_blocks(case.x, "i16")
     case.up_raw = to_rows8(case.up_raw, dtype, (case.n, case.hidden))
     if gated:
         case.gate_raw = to_rows8(case.gate_raw, dtype, (case.n, case.hidden))
-    for int_dots, ref in ((False, case), (True, rounded)):
-        if form == "relu" and int_dots:
+    for x_format, ref in (("f32", case), ("i16", rounded)):
+        if form == "relu" and x_format != "f32":
             continue  # compiled only with float x (the kernel list stays short)
         thr = gap_threshold(ref.h(), 0.5)
-        kernel = sparse_ffn("down-only", form, *dts, False, int_dots, dense_rows8=True)
+        kernel = sparse_ffn("down-only", form, *dts, False, x_format, dense_rows8=True)
         y, count = case.run(host, teams[3], kernel, threshold=thr)
         assert count == (np.abs(ref.h()) > thr).sum()
-        assert rel_err(y, ref.reference(np.abs(ref.h()) > thr)) <= (2e-6 if int_dots else tol(dtype))
+        assert rel_err(y, ref.reference(np.abs(ref.h()) > thr)) <= (2e-6 if x_format != "f32" else tol(dtype))
 
 
 def test_fused_ffn_dots_int16_x_only_when_up_and_gate_are_both_4_bit():
     # The step's kernel and its prefill twin read one x for up and gate: rounded for both or neither.
-    assert sparse_ffn("dense", "swiglu", "q4_1", "q4_1", "f16", int_dots=True).symbol.endswith("_xi16")
-    assert sparse_ffn("dense", "relu", "q4_0", None, "q4_0", int_dots=True).symbol.endswith("_xi16")
+    assert sparse_ffn("dense", "swiglu", "q4_1", "q4_1", "f16", x_format="i16").symbol.endswith("_xi16")
+    assert sparse_ffn("dense", "relu", "q4_0", None, "q4_0", x_format="i16").symbol.endswith("_xi16")
     for up, gate in (("q4_1", "q8_0"), ("q8_0", "q4_1"), ("f16", "f16")):
-        assert not sparse_ffn("dense", "swiglu", up, gate, "q4_1", int_dots=True).symbol.endswith("_xi16")
+        assert not sparse_ffn("dense", "swiglu", up, gate, "q4_1", x_format="i16").symbol.endswith("_xi16")
 
 
 def test_sparse_ffn_mixed_formats_and_determinism(host, teams):
@@ -1075,8 +1087,8 @@ def test_avx512_vnni_fuses_the_int16_multiply_adds(kind):
 
     from picc.codegen_cpu import build_ir, compiler
 
-    kernel = gemv("q4_1", int_dots=True) if kind == "gemv" else \
-        sparse_ffn("predictor", "swiglu", "q4_1", "q4_1", "q4_1", True, int_dots=True)
+    kernel = gemv("q4_1", x_format="i16") if kind == "gemv" else \
+        sparse_ffn("predictor", "swiglu", "q4_1", "q4_1", "q4_1", True, x_format="i16")
     ir = build_ir([kernel], (), "avx512-vnni")
     assert ir == build_ir([kernel], (), "avx512")  # the same kernel IR
     asm = {}
@@ -1095,7 +1107,7 @@ def test_vnni_object_code_is_recompiled_where_the_host_lacks_vnni(monkeypatch, t
     from picc.codegen_cpu import build_ir, compiler
 
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
-    ir, obj = compiler.compiled_object(build_ir([gemv("q4_1", int_dots=True)], (), "avx512-vnni"), "avx512-vnni")
+    ir, obj = compiler.compiled_object(build_ir([gemv("q4_1", x_format="i16")], (), "avx512-vnni"), "avx512-vnni")
     have = rc.host_features()
     assert rc.MachineCode(obj, ir, "avx512-vnni").rejit == (not {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= have)
     monkeypatch.setattr(rc, "host_features", lambda: have - {"avx512vnni"})

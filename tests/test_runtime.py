@@ -104,6 +104,29 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     check_prefill(path, pib, tol)
 
 
+@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1])
+def test_int8_dots_round_x_to_int8_as_the_interpreter_does(dtype, tmp_path):
+    # picc compile --int8-dots: the rows8 GEMVs and FFNs dot x (and h) rounded to int8 (_r8_xi8,
+    # whose dot products skip the zero low bytes of its int16 form), the prefill's GEMMs read
+    # rows rounded alike (picc_round_xi8), and the interpreter rounds as they do. Rows one at a
+    # time (k and v, 12 rows of one KV head) keep int16. The bound is int16's: where float noise
+    # moves an element across an int8 rounding boundary the step is 1/254 of its block's largest
+    # |x|; on this model none does (1e-4 holds, as for int16), while SmolLM2's 30 layers over 24
+    # positions drift to ~1e-2 (docs/codegen_cpu.md), inside the 3e-2 that --int8-dots states.
+    model = tiny_llama("swiglu", n_layers=2, hidden=96, n_heads=8, n_kv_heads=1, n_ff=96, matrix_dtype=dtype)
+    path, pib = compiled(model, tmp_path, "int8", dense=True, int8_dots=True)
+    formats = {op.x_format for op in pib.module.ops() if isinstance(op, O.MatrixOp) and op.layout == "rows8"}
+    assert formats == {"i8"}
+    assert {op.x_format for op in pib.module.ops() if isinstance(op, O.Linear) and op.layout == "rows"} == {"i16"}
+    with PibFile(path) as f:
+        assert "_r8_xi8(" in f.text("cpu/ir") and "@picc_round_xi8(" in f.text("cpu/ir")
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+    with pytest.raises(PiccError, match="--float-dots and --int8-dots"):
+        CompileOptions(float_dots=True, int8_dots=True).check()
+
+
 def test_rows8_only_where_every_reader_of_a_matrix_can_read_it(tmp_path):
     # A tied embedding is read row by row (the embedding lookup) and by the LM head: both keep
     # the source layout, the head's GEMV dots rows one at a time. Matrices whose rows do not come

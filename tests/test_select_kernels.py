@@ -17,7 +17,7 @@ from picc.ir.types import DType
 from picc.ir.verifier import verify
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes import parse_pipeline, run_pipeline
-from picc.quant import round_to_int16_blocks
+from picc.quant import round_x_blocks
 
 # A residual block: @w is read by two linears (so it keeps the source layout), @v only by one.
 BEFORE = """\
@@ -82,6 +82,15 @@ def test_int_dots_no_keeps_float_x_and_names_follow():
     assert [op.kernel for op in linears] == ["picc_gemv_q4_1", "picc_gemv_q4_1_r8", "picc_gemv_q4_1"]
 
 
+def test_int_x_i8_rounds_to_int8_where_the_kernel_reads_rows8_only():
+    # int8 x halves the integer work of the rows8 dot products; rows one at a time dot it as
+    # int16 at the same cost, so they keep int16's finer rounding.
+    after = run_pipeline(parse(BEFORE), _store(), parse_pipeline("select-kernels{int_x=i8}"))
+    linears = [op for op in after.ops() if isinstance(op, O.Linear)]
+    assert [op.x_format for op in linears] == ["i16", "i8", "i16"]
+    assert [op.kernel for op in linears] == ["picc_gemv_q4_1_xi16", "picc_gemv_q4_1_r8_xi8", "picc_gemv_q4_1_xi16"]
+
+
 def test_choices_do_not_depend_on_value_names():
     # Renaming every value (here into names that look like decoder layers') changes no choice.
     renamed = BEFORE
@@ -96,17 +105,19 @@ def test_the_interpreter_rounds_x_by_the_attribute_not_the_kernel_name():
     module, store = parse(BEFORE), _store()
     x = np.random.default_rng(1).normal(size=(2, 64)).astype(np.float32)
     op = module.function().ops[0]
-    rounded = replace(op, x_format="i16")  # no kernel named at all
     interp = Interpreter(module, store)
     w = store.f32("w")
-    assert np.array_equal(interp.eval(rounded, {"x": x}), round_to_int16_blocks(x) @ w.T)
+    for x_format in ("i16", "i8"):
+        rounded = replace(op, x_format=x_format)  # no kernel named at all
+        assert np.array_equal(interp.eval(rounded, {"x": x}), round_x_blocks(x, x_format) @ w.T)
+        assert not np.array_equal(round_x_blocks(x, x_format), x)
     assert np.array_equal(interp.eval(op, {"x": x}), x @ w.T)
-    assert not np.array_equal(round_to_int16_blocks(x), x)
+    assert not np.array_equal(round_x_blocks(x, "i8"), round_x_blocks(x, "i16"))
 
 
 def test_bad_choices_are_verifier_errors_and_unfused_modules_are_refused():
     with pytest.raises(Exception, match="x_format must be one of"):
-        verify(parse(EXPECTED.replace('x_format = "i16", layout', 'x_format = "i8", layout')))
+        verify(parse(EXPECTED.replace('x_format = "i16", layout', 'x_format = "i4", layout')))
     with pytest.raises(Exception, match="accumulated_by must be a or b"):
         verify(parse(EXPECTED.replace('accumulated_by = "b"', 'accumulated_by = "c"')))
     # Only a producer whose kernel can add into its output may do the add (%n is an rms_norm).

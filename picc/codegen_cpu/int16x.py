@@ -1,11 +1,18 @@
-"""x rounded to int16 per block of 32, and the integer dot products of 4-bit blocks with it.
+"""x rounded to int16 or int8 per block of 32, and the integer dot products of 4-bit blocks with it.
 
-Models that decide no sparsity may dot 4-bit rows (q4_0, q4_1) with x rounded to int16 instead of
-f32 (the ``int_dots`` / ``_xi16`` kernels): :func:`emit_int_x` rounds x once per x, block by
-block, into the forms the dot products read (rows one at a time, :func:`int_dot_block`, two
-``vpmaddwd`` a block; rows eight at a time in the rows8 layout, :mod:`picc.codegen_cpu.rows8`);
-:func:`emit_round_int16` writes the same rounded floats for the prefill's GEMMs. The rounding is
-``picc.quant.round_to_int16_blocks``'s, step for step, so the interpreter rounds as the kernels do.
+Models that decide no sparsity may dot 4-bit rows (q4_0, q4_1) with x rounded to integers instead
+of f32 (the ``_xi16`` and ``_xi8`` kernels, an op's ``x_format``): :func:`emit_int_x` rounds x
+once per x, block by block, into the forms the dot products read (rows one at a time,
+:func:`int_dot_block`, two ``vpmaddwd`` a block; rows eight at a time in the rows8 layout,
+:mod:`picc.codegen_cpu.rows8`); :func:`emit_round_int16` writes the same rounded floats for the
+prefill's GEMMs. The rounding is ``picc.quant.round_x_blocks``'s, step for step, so the
+interpreter rounds as the kernels do.
+
+int8 x is held as int16 whose low bytes are zero: ``q8 * 256`` with the scale ``(amax / 127) *
+2^-8`` (exact, a power of two), so every reader of the int16 form computes the same numbers from
+it, and the rows8 dot products (:attr:`IntX.int8`) skip the low bytes' products, half their
+integer work. The float results are those of a kernel that kept ``q8`` and ``amax / 127``: a
+power of two moves no float rounding (no value here is near the denormals).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from dataclasses import dataclass
 
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
 from picc.codegen_cpu.rowformats import BLOCK, V8, V16, block_bytes, fold8
-from picc.quant import INT16_X_MAX
+from picc.quant import INT_X_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +35,8 @@ class IntX:
     x as its ``q . x``. For rows eight at a time from the rows8 layout (``picc.codegen_cpu.rows8``):
     ``split``, 64 bytes a block, the 32 high bytes of q (``q >> 8``, signed) then its 32 low
     bytes (``q & 255``, unsigned), in element order; ``isums`` (q4_0), ``-8 sum q`` as one int32
-    a block; ``sums`` (q4_1), ``scale * sum q``, one float a block.
+    a block; ``sums`` (q4_1), ``scale * sum q``, one float a block. ``int8``: x was rounded to
+    int8 (``q = 256 q8``): the low bytes are zero.
     """
 
     scale: str
@@ -38,23 +46,35 @@ class IntX:
     split: str | None = None
     isums: str | None = None
     sums: str | None = None
+    int8: bool = False
 
 
-def _int16_block(fn: Fn, xp: str) -> tuple[str, list[str]]:
-    """Block ``xp`` (32 floats) rounded to int16: its scale (largest |x| / 32767, 0 for an
-    all-zero block) and its two halves of 16 int16, ``roundeven(x * (32767 / largest |x|))``.
-    The arithmetic of ``picc.quant.round_to_int16_blocks``, which the interpreter runs."""
+def x_format_of(intx: IntX | None) -> str:
+    """The x format an :class:`IntX` holds (``"f32"`` for none)."""
+    return "f32" if intx is None else "i8" if intx.int8 else "i16"
+
+
+def _int16_block(fn: Fn, xp: str, x_format: str = "i16") -> tuple[str, list[str]]:
+    """Block ``xp`` (32 floats) rounded to int16: its scale (largest |x| / top, 0 for an
+    all-zero block) and its two halves of 16 int16, ``roundeven(x * (top / largest |x|))``, top
+    32767; for ``x_format`` ``"i8"`` top 127, then the integers times 256 and the scale times
+    2^-8 (the int8 as the int16 form holds it). The arithmetic of ``picc.quant.round_x_blocks``,
+    which the interpreter runs."""
+    top, int8 = INT_X_MAX[x_format], x_format == "i8"
     halves = [fn.load(V16, xp, 4, "xlo"), fn.load(V16, fn.gep(xp, "64"), 4, "xhi")]
     mags = [fn.v(f"call {V16} @llvm.fabs.v16f32({V16} {h})", "ax") for h in halves]
     amax = fn.v(f"call float @llvm.vector.reduce.fmax.v16f32({V16} "
                 f"{fn.v(f'call {V16} @llvm.maxnum.v16f32({V16} {mags[0]}, {V16} {mags[1]})', 'am')})", "amax")
     some = fn.v(f"fcmp ogt float {amax}, 0.0", "some")
-    inv = fn.v(f"select i1 {some}, float {fn.v(f'fdiv float {fconst(INT16_X_MAX)}, {amax}', 'inv')}, float 0.0",
-               "inv")
-    scale = fn.v(f"fdiv float {amax}, {fconst(INT16_X_MAX)}", "s")
+    inv = fn.v(f"select i1 {some}, float {fn.v(f'fdiv float {fconst(top)}, {amax}', 'inv')}, float 0.0", "inv")
+    scale = fn.v(f"fdiv float {amax}, {fconst(top)}", "s")
+    if int8:
+        scale = fn.v(f"fmul float {scale}, {fconst(2.0 ** -8)}", "s")
     invs, qs = fn.splat(16, inv), []
     for h in halves:
         r = fn.v(f"call {V16} @llvm.roundeven.v16f32({V16} {fn.v(f'fmul {V16} {h}, {invs}', 'xq')})", "xr")
+        if int8:
+            r = fn.v(f"fmul {V16} {r}, {vconst(16, fconst(256.0))}", "xr")
         qs.append(fn.v(f"fptosi {V16} {r} to {vec(16, 'i16')}", "xi"))
     return scale, qs
 
@@ -65,22 +85,22 @@ def _int16_values(fn: Fn, qs: list[str], scale: str) -> list[str]:
     return [fn.v(f"fmul {V16} {fn.v(f'sitofp {i16} {q} to {V16}', 'qf')}, {s}", "xv") for q in qs]
 
 
-def emit_int_x(fn: Fn, x: str, k: str, dtypes: set[str], rows8: bool = False) -> IntX | None:
-    """The :class:`IntX` of ``x`` (k elements, i64) for rows of ``dtypes`` (``rows8``: in the rows8
-    layout), in stack arrays, or None when no row is 4-bit. Rounding moves each element by at most
-    half a step, 2^-16 of its block's largest |x|. Call it outside loops (the arrays are allocated
-    where it is called)."""
+def emit_int_x(fn: Fn, x: str, k: str, dtypes: set[str], rows8: bool = False, x_format: str = "i16") -> IntX | None:
+    """The :class:`IntX` of ``x`` (k elements, i64) rounded to ``x_format`` for rows of ``dtypes``
+    (``rows8``: in the rows8 layout), in stack arrays, or None when no row is 4-bit. Rounding
+    moves each element by at most half a step, 2^-16 (int16) or 1/254 (int8) of its block's
+    largest |x|. Call it outside loops (the arrays are allocated where it is called)."""
     if not dtypes & {"q4_0", "q4_1"}:
         return None
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
-    out = alloc_int_x(fn, nblocks, dtypes, rows8)
+    out = alloc_int_x(fn, nblocks, dtypes, rows8, x_format)
     assert out is not None
     fill_int_x(fn, x, nblocks, out)
     return out
 
 
-def alloc_int_x(fn: Fn, nblocks: str, dtypes: set[str], rows8: bool = False) -> IntX | None:
-    """Stack arrays of an :class:`IntX` of ``nblocks`` (i64) blocks, for rows of ``dtypes``
+def alloc_int_x(fn: Fn, nblocks: str, dtypes: set[str], rows8: bool = False, x_format: str = "i16") -> IntX | None:
+    """Stack arrays of an :class:`IntX` of ``nblocks`` (i64) blocks of ``x_format``, for rows of ``dtypes``
     (None when no row is 4-bit): apart from :func:`fill_int_x` so that a batched kernel can hold
     several x's forms one after another (``INT_X_BLOCK_BYTES``: each array's bytes per block)."""
     need_q4_0, need_q4_1 = "q4_0" in dtypes, "q4_1" in dtypes
@@ -90,10 +110,10 @@ def alloc_int_x(fn: Fn, nblocks: str, dtypes: set[str], rows8: bool = False) -> 
     if rows8:
         return IntX(scale, split=fn.alloca_array(vec(64, "i8"), nblocks, "xsplit"),
                     isums=fn.alloca_array("i32", nblocks, "xis") if need_q4_0 else None,
-                    sums=fn.alloca_array(F32, nblocks, "xsum") if need_q4_1 else None)
+                    sums=fn.alloca_array(F32, nblocks, "xsum") if need_q4_1 else None, int8=x_format == "i8")
     return IntX(scale, fn.alloca_array(vec(32, "i16"), nblocks, "xi"),
                 offsets=fn.alloca_array(vec(8, "i32"), nblocks, "xoff") if need_q4_0 else None,
-                folded=fn.alloca_array(V8, nblocks, "xfold") if need_q4_1 else None)
+                folded=fn.alloca_array(V8, nblocks, "xfold") if need_q4_1 else None, int8=x_format == "i8")
 
 
 INT_X_BLOCK_BYTES = {"scale": 4, "q": 64, "offsets": 32, "folded": 32, "split": 64, "isums": 4, "sums": 4}
@@ -104,7 +124,7 @@ def fill_int_x(fn: Fn, x: str, nblocks: str, out: IntX) -> None:
     """Round ``x`` (``nblocks`` (i64) blocks of 32 floats) into the arrays of ``out``."""
     i16, i32 = vec(16, "i16"), vec(16, "i32")
     with fn.loop("0", nblocks, "1", "b") as b:
-        s, qs = _int16_block(fn, fn.at(x, 4 * BLOCK, b, "xp"))
+        s, qs = _int16_block(fn, fn.at(x, 4 * BLOCK, b, "xp"), x_format_of(out))
         fn.store(F32, s, fn.at(out.scale, 4, b), 4)
         if out.q:
             qp = fn.at(out.q, 64, b, "qp")
@@ -135,12 +155,12 @@ def fill_int_x(fn: Fn, x: str, nblocks: str, out: IntX) -> None:
                          fn.at(out.sums, 4, b), 4)
 
 
-def emit_round_int16(fn: Fn, x: str, out: str, lo: str, hi: str) -> None:
+def emit_round_int16(fn: Fn, x: str, out: str, lo: str, hi: str, x_format: str = "i16") -> None:
     """Blocks [lo, hi) (i64) of the floats at ``x`` as the integer dot products read them
     (:func:`_int16_block`'s ``q * scale``), written to ``out`` (which may be ``x``): what the
-    prefill program's GEMMs read where the step's kernels dot int16 x."""
+    prefill program's GEMMs read where the step's kernels dot x rounded to ``x_format``."""
     with fn.loop(lo, hi, "1", "b") as b:
-        s, qs = _int16_block(fn, fn.at(x, 4 * BLOCK, b, "xp"))
+        s, qs = _int16_block(fn, fn.at(x, 4 * BLOCK, b, "xp"), x_format)
         op = fn.at(out, 4 * BLOCK, b, "op")
         for h, v in enumerate(_int16_values(fn, qs, s)):
             fn.store(V16, v, fn.gep(op, str(64 * h)), 4)

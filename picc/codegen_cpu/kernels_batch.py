@@ -113,7 +113,7 @@ def _view(fn: Fn, form: Form | PairX, first: str) -> Form | PairX:
     """``form`` from block ``first`` (i64) on: each of its arrays moved as far."""
     per_block = _BLOCK_BYTES[type(form)]
     moved = {f.name: fn.at(getattr(form, f.name), per_block[f.name], first, "xform")
-             for f in fields(form) if getattr(form, f.name) is not None}
+             for f in fields(form) if f.name in per_block and getattr(form, f.name) is not None}
     return replace(form, **moved)
 
 
@@ -145,24 +145,26 @@ class XRows:
         return _view(fn, self.pairs, first)  # type: ignore[return-value]
 
 
-def emit_x_rows(fn: Fn, x: str, stride: str, k: str, batch: str, dtypes: set[str], int_dots: bool,
+def emit_x_rows(fn: Fn, x: str, stride: str, k: str, batch: str, dtypes: set[str], x_format: str,
                 rows8: bool, pairs: bool = False) -> XRows:
-    """Each x row's form as the one-row kernel makes it for rows of ``dtypes``: int16 per block
-    (``int_dots``), scaled (``rows8`` with float x), block sums (4-bit rows with float x) or
-    none; with ``pairs`` (int16 x, rows8), rows 2p and 2p + 1's int16 forms interleaved too.
+    """Each x row's form as the one-row kernel makes it for rows of ``dtypes``: rounded per block
+    (``x_format`` ``"i16"`` / ``"i8"``), scaled (``rows8`` with float x), block sums (4-bit rows
+    with float x) or none; with ``pairs`` (rounded x, rows8), rows 2p and 2p + 1's forms
+    interleaved too.
     Call it outside loops: the arrays are allocated where it is called."""
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
     total = fn.v(f"mul i64 {nblocks}, {batch}", "nblkall")
     form: Form | None
-    if int_dots or rows8:
-        form = alloc_int_x(fn, total, dtypes, rows8) if int_dots else None
+    if x_format != "f32" or rows8:
+        form = alloc_int_x(fn, total, dtypes, rows8, x_format) if x_format != "f32" else None
         if form is None and rows8:
             form = alloc_scaled_x(fn, total, fn.v(f"shl i64 {total}, 5", "nx"))
     else:
         form = alloc_x_sums(fn, total, dtypes)
     paired = None
     if pairs and isinstance(form, IntX) and rows8:
-        paired = alloc_pair_x(fn, fn.v(f"mul i64 {nblocks}, {fn.v(f'lshr i64 {batch}, 1', 'npair')}", "npblk"), dtypes)
+        paired = alloc_pair_x(fn, fn.v(f"mul i64 {nblocks}, {fn.v(f'lshr i64 {batch}, 1', 'npair')}", "npblk"), dtypes,
+                              form.int8)
     rows = XRows(x, stride, nblocks, form, paired)
     if form is not None:
         with fn.loop("0", batch, "1", "xb") as b:
@@ -246,9 +248,9 @@ def emit_tiled_batch(fn: Fn, mats: list[tuple[str, str, str]], rows: XRows, k: s
     walk_row_tiles(fn, mats, lo, hi, tile_dots)
 
 
-def _pairs(level: str, int_dots: bool, rows8: bool) -> bool:
-    """Whether the rows8 int16-x dot products take x rows two to a vector: on both AVX-512 levels."""
-    return int_dots and rows8 and vector_isa(level) == "avx512"
+def _pairs(level: str, x_format: str, rows8: bool) -> bool:
+    """Whether the rows8 rounded-x dot products take x rows two to a vector: on both AVX-512 levels."""
+    return x_format != "f32" and rows8 and vector_isa(level) == "avx512"
 
 
 def _vnni(level: str) -> bool:
@@ -266,20 +268,20 @@ def _out(fn: Fn, y: str, y_stride: str, b: str, r: str) -> str:
 
 
 @cache
-def gemv_rows(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel:
+def gemv_rows(dtype: str, x_format: str = "f32", rows8: bool = False) -> Kernel:
     """:func:`~picc.codegen_cpu.kernels_dense.gemv` for ``batch`` x rows: ``y_b[r] = (accumulate ?
     y_b[r] : 0) + W[r, :] . x_b + bias[r]``, every row the bits of the one-row kernel, the
     weights read once (see the module docstring)."""
     check_dtype(dtype)
     check_rows8(rows8, dtype)
-    symbol = names.cpu_gemv_rows(dtype, int_dots, rows8)
+    symbol = names.cpu_gemv_rows(dtype, x_format, rows8)
 
     def emit(level: str) -> str:
-        simd, pairs = vector_isa(level), _pairs(level, int_dots, rows8)
+        simd, pairs = vector_isa(level), _pairs(level, x_format, rows8)
         fn = kernel_fn(symbol, GEMV_ROWS_PARAMS)
         rows, k = fn.sext("%rows"), fn.sext("%k")
         batch, x_stride, y_stride = _strides(fn)
-        xs = emit_x_rows(fn, "%x", x_stride, k, batch, {dtype}, int_dots, rows8, pairs)
+        xs = emit_x_rows(fn, "%x", x_stride, k, batch, {dtype}, x_format, rows8, pairs)
 
         def finish(b: str, r: str, dots: list[str]) -> None:
             finish_row(fn, dots[0], "%bias", r, _out(fn, "%y", y_stride, b, r))
@@ -295,21 +297,21 @@ def gemv_rows(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, GEMV_ROWS_PARAMS, emit, gemv_rows.__doc__ or "", by_level=int_dots and rows8)
+    return Kernel(symbol, GEMV_ROWS_PARAMS, emit, gemv_rows.__doc__ or "", by_level=x_format != "f32" and rows8)
 
 
 @cache
-def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, int_dots: bool = False,
+def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, x_format: str = "f32",
                    rows8: bool = False) -> Kernel:
     """:func:`~picc.codegen_cpu.kernels_dense.dense_ffn` for ``batch`` x rows, every row the bits
     of the one-row kernel, each matrix read once. ``scratch`` holds ``batch`` rows of the one-row
     kernel's (:func:`dense_ffn_rows_scratch_bytes`): phase 1 writes row b's h there, the barrier,
     then phase 2 dots down with each row's h (rounded per row as the one-row kernel rounds its h)."""
     spec = dense_ffn_form(form, up_dtype, gate_dtype, down_dtype, rows8)
-    symbol = names.cpu_dense_ffn_rows(form, up_dtype, gate_dtype, down_dtype, int_dots, rows8)
+    symbol = names.cpu_dense_ffn_rows(form, up_dtype, gate_dtype, down_dtype, x_format, rows8)
 
     def emit(level: str) -> str:
-        simd, pairs = vector_isa(level), _pairs(level, int_dots, rows8)
+        simd, pairs = vector_isa(level), _pairs(level, x_format, rows8)
         fn = kernel_fn(symbol, DENSE_FFN_ROWS_PARAMS)
         n, hidden = fn.sext("%n"), fn.sext("%hidden")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
@@ -325,7 +327,7 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
         def out(b: str, r: str, dots: list[str]) -> None:
             finish_row(fn, dots[0], "%down_bias", r, _out(fn, "%y", y_stride, b, r))
 
-        xs = emit_x_rows(fn, "%x", x_stride, hidden, batch, {d for d, _, _ in mats}, int_dots, rows8, pairs)
+        xs = emit_x_rows(fn, "%x", x_stride, hidden, batch, {d for d, _, _ in mats}, x_format, rows8, pairs)
         if rows8:
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {n}, 3", "groups"), tid, nthreads)
             emit_rows8_batch(fn, [(d, base, emit_group_bytes(fn, d, hidden)) for d, base, _ in mats], xs, hidden,
@@ -334,7 +336,7 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
             lo, hi = chunk_bounds(fn, n, tid, nthreads)
             emit_tiled_batch(fn, mats, xs, hidden, batch, lo, hi, simd, h)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
-        hs = emit_x_rows(fn, "%scratch", h_stride, n, batch, {down_dtype}, int_dots, rows8, pairs)
+        hs = emit_x_rows(fn, "%scratch", h_stride, n, batch, {down_dtype}, x_format, rows8, pairs)
         if rows8:
             glo2, ghi2 = chunk_bounds(fn, fn.v(f"lshr i64 {hidden}, 3", "groups"), tid, nthreads)
             emit_rows8_batch(fn, [(down_dtype, "%down", emit_group_bytes(fn, down_dtype, n))], hs, n, batch,
@@ -346,4 +348,5 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, DENSE_FFN_ROWS_PARAMS, emit, dense_ffn_rows.__doc__ or "", by_level=int_dots and rows8)
+    return Kernel(symbol, DENSE_FFN_ROWS_PARAMS, emit, dense_ffn_rows.__doc__ or "",
+                  by_level=x_format != "f32" and rows8)

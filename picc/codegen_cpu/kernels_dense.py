@@ -45,24 +45,26 @@ def check_rows8(rows8: bool, *dtypes: str) -> None:
         raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 matrices, not {', '.join(dtypes)}")
 
 
-def _rows8_x(fn: Fn, x: str, k: str, dtypes: set[str], int_dots: bool) -> IntX | ScaledX:
-    """``x`` as rows8 dot products read it: rounded to int16 and split into bytes, or scaled."""
-    if int_dots:
-        intx = emit_int_x(fn, x, k, dtypes, rows8=True)
+def _rows8_x(fn: Fn, x: str, k: str, dtypes: set[str], x_format: str) -> IntX | ScaledX:
+    """``x`` as rows8 dot products read it: rounded to ``x_format`` and split into bytes, or scaled."""
+    if x_format != "f32":
+        intx = emit_int_x(fn, x, k, dtypes, rows8=True, x_format=x_format)
         assert intx is not None
         return intx
     return emit_scaled_x(fn, x, k)
 
 
 @cache
-def gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel:
+def gemv(dtype: str, x_format: str = "f32", rows8: bool = False) -> Kernel:
     """``y[r] = (accumulate ? y[r] : 0) + W[r, :] . x + bias[r]`` (bias may be null); with
-    ``int_dots``, 4-bit rows dot x rounded to int16 per block (``rowops.emit_tiled_rows``);
+    ``x_format`` ``"i16"`` / ``"i8"``, 4-bit rows dot x rounded to int16 / int8 per block
+    (``rowops.emit_tiled_rows``; int8 pays in the rows8 layout, whose dot products skip the low
+    bytes);
     with ``rows8``, a 4-bit W is in the rows8 layout (rows a multiple of 8), read eight rows at a
     time (``rows8.emit_rows8``) and threads split its groups of rows."""
     check_dtype(dtype)
     check_rows8(rows8, dtype)
-    symbol = names.cpu_gemv(dtype, int_dots, rows8)
+    symbol = names.cpu_gemv(dtype, x_format, rows8)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, GEMV_PARAMS)
@@ -72,13 +74,13 @@ def gemv(dtype: str, int_dots: bool = False, rows8: bool = False) -> Kernel:
             finish_row(fn, dots[0], "%bias", r, fn.at("%y", 4, r, "yp"))
 
         if rows8:
-            xr = _rows8_x(fn, "%x", k, {dtype}, int_dots)
+            xr = _rows8_x(fn, "%x", k, {dtype}, x_format)
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {rows}, 3", "groups"), fn.sext("%tid"), fn.sext("%nthreads"))
             emit_rows8(fn, [(dtype, "%w", emit_group_bytes(fn, dtype, k))], xr, k, glo, ghi, finish)
         else:
             lo, hi = chunk_bounds(fn, rows, fn.sext("%tid"), fn.sext("%nthreads"))
             emit_tiled_rows(fn, [(dtype, "%w", emit_row_bytes(fn, dtype, k))], "%x", k, lo, hi, simd, finish,
-                            int_dots=int_dots)
+                            x_format=x_format)
         fn.ret_void()
         return fn.text()
 
@@ -115,17 +117,17 @@ def dense_ffn_form(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
 
 
 @cache
-def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, int_dots: bool = False,
+def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, x_format: str = "f32",
               rows8: bool = False) -> Kernel:
     """A dense FFN in the source layout (down [hidden, n]): ``y = (accumulate ? y : 0) + (down (h) + down_bias)``.
 
     Threads split the n rows of up (and gate), computing ``h`` of the form into ``scratch`` (4 n
     bytes), meet at the barrier, then split the rows of down: two GEMV phases in one call.
-    ``int_dots``: 4-bit rows dot x (and h) rounded to int16 per block, as :func:`gemv`; ``rows8``:
+    ``x_format``: 4-bit rows dot x (and h) rounded to it per block, as :func:`gemv`; ``rows8``:
     every matrix in the rows8 layout (n and hidden multiples of 8), as :func:`gemv`.
     """
     spec = dense_ffn_form(form, up_dtype, gate_dtype, down_dtype, rows8)
-    symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype, int_dots, rows8)
+    symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype, x_format, rows8)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, DENSE_FFN_PARAMS)
@@ -142,22 +144,22 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
             finish_row(fn, dots[0], "%down_bias", r, fn.at("%y", 4, r, "yp"))
 
         if rows8:
-            intx = _rows8_x(fn, "%x", hidden, {up_dtype, gate_dtype or up_dtype}, int_dots)
+            intx = _rows8_x(fn, "%x", hidden, {up_dtype, gate_dtype or up_dtype}, x_format)
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {n}, 3", "groups"), tid, nthreads)
             emit_rows8(fn, [(d, base, emit_group_bytes(fn, d, hidden)) for d, base, _ in mats], intx, hidden,
                        glo, ghi, h)
         else:
             lo, hi = chunk_bounds(fn, n, tid, nthreads)
-            emit_tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h, int_dots=int_dots)
+            emit_tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h, x_format=x_format)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         if rows8:
-            hx = _rows8_x(fn, "%scratch", n, {down_dtype}, int_dots)
+            hx = _rows8_x(fn, "%scratch", n, {down_dtype}, x_format)
             glo2, ghi2 = chunk_bounds(fn, fn.v(f"lshr i64 {hidden}, 3", "groups"), tid, nthreads)
             emit_rows8(fn, [(down_dtype, "%down", emit_group_bytes(fn, down_dtype, n))], hx, n, glo2, ghi2, out)
         else:
             lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
             down = [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))]
-            emit_tiled_rows(fn, down, "%scratch", n, lo2, hi2, simd, out, int_dots=int_dots)
+            emit_tiled_rows(fn, down, "%scratch", n, lo2, hi2, simd, out, x_format=x_format)
         fn.ret_void()
         return fn.text()
 

@@ -192,27 +192,27 @@ def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, ti
 
 @cache
 def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-               interleaved: bool = False, int_dots: bool = False, dense_rows8: bool = False) -> Kernel:
+               interleaved: bool = False, x_format: str = "f32", dense_rows8: bool = False) -> Kernel:
     """The fused FFN kernel of ``mode`` and ``form`` for the given weight formats (see module doc).
 
-    ``int_dots``: 4-bit up and gate rows (the dense GEMV part of gate-first and down-only, and
-    the gathered rows) dot x rounded to int16 per block (``int16x.emit_int_x``), as the ``_xi16``
-    GEMVs do; the down AXPY reads ``h`` as is. ``dense_rows8`` (gate-first or down-only, n a
-    multiple of 8): the matrices the mode reads whole (the gate; the gate and up), 4-bit, are in
-    the rows8 layout and their dense projections go eight rows at a time (``rows8.emit_rows8``;
-    threads split n at multiples of 8).
+    ``x_format`` ``"i16"`` / ``"i8"``: 4-bit up and gate rows (the dense GEMV part of gate-first
+    and down-only, and the gathered rows) dot x rounded to int16 / int8 per block
+    (``int16x.emit_int_x``), as the ``_xi16`` / ``_xi8`` GEMVs do; the down AXPY reads ``h`` as
+    is. ``dense_rows8`` (gate-first or down-only, n a multiple of 8): the matrices the mode reads
+    whole (the gate; the gate and up), 4-bit, are in the rows8 layout and their dense projections
+    go eight rows at a time (``rows8.emit_rows8``; threads split n at multiples of 8).
 
     ``scratch`` holds :func:`ffn_scratch_bytes` bytes. In the sparse modes ``count`` (when not
     null) receives the number of active neurons (for dReLU in gate-first mode, of those whose gate
     passed, before ``|h| > threshold`` is checked). ``mask`` is read in predictor mode only.
     """
     spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
-    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, int_dots, dense_rows8)
-    int_dots = names.ffn_rounds_x(int_dots, up_dtype, gate_dtype)  # only where 4-bit rows are dotted
+    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, x_format, dense_rows8)
+    x_format = names.ffn_x_format(x_format, up_dtype, gate_dtype)  # rounded only where 4-bit rows are dotted
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, FFN_PARAMS)
-        ffn = _SparseFfn(fn, simd, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8, int_dots)
+        ffn = _SparseFfn(fn, simd, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8, x_format)
         ffn.accumulate_active(ffn.active_list())
         ffn.reduce()
         fn.ret_void()
@@ -226,7 +226,7 @@ class _SparseFfn(FfnEmitter):
     (sizes, the scratch regions, x in the forms the dot products read), and one method per phase."""
 
     def __init__(self, fn: Fn, simd: str, mode: str, spec: FfnForm, up_dtype: str, gate_dtype: str | None,
-                 down_dtype: str, interleaved: bool, dense_rows8: bool, int_dots: bool) -> None:
+                 down_dtype: str, interleaved: bool, dense_rows8: bool, x_format: str) -> None:
         super().__init__(fn, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
         self.simd = simd
         self.n, self.hidden = fn.sext("%n"), fn.sext("%hidden")
@@ -242,7 +242,7 @@ class _SparseFfn(FfnEmitter):
         self.lst = fn.gep(self.seg, nbytes, "lst")
         self.cnt = fn.gep(self.lst, nbytes, "cnt")
         zero_floats(fn, self.ybuf, self.hidden)
-        self._x_forms(int_dots)
+        self._x_forms(x_format)
         self._down_coefficients()
         # Matrices whose rows each active neuron reads in the gather phase (dot products).
         self.dotted = [] if mode == "down-only" else [("%up", up_dtype, self.rb_up)]
@@ -250,11 +250,11 @@ class _SparseFfn(FfnEmitter):
             self.dotted.append(("%gate", gate_dtype, self.rb_gate))
         self.listp: str | None = None
 
-    def _x_forms(self, int_dots: bool) -> None:
-        """x as the dot products read it: int16 or its sums (rows one at a time), rows8's forms."""
+    def _x_forms(self, x_format: str) -> None:
+        """x as the dot products read it: rounded or its sums (rows one at a time), rows8's forms."""
         fn, hidden = self.fn, self.hidden
         dotted_dtypes = {self.up_dtype, self.gate_dtype or self.up_dtype}
-        self.intx = emit_int_x(fn, "%x", hidden, dotted_dtypes) if int_dots else None
+        self.intx = None if x_format == "f32" else emit_int_x(fn, "%x", hidden, dotted_dtypes, x_format=x_format)
         self.xsums = None if self.intx is not None else emit_x_sums(fn, "%x", hidden, dotted_dtypes)
         # 4-bit rows gathered and dotted go eight neurons at a time (see accumulate_active). They and
         # the matrices read whole from the rows8 layout take x in the form the rows8 dot products
@@ -267,7 +267,7 @@ class _SparseFfn(FfnEmitter):
         self.x8: IntX | ScaledX | None = None
         if rows8_dtypes:
             self.x8 = (emit_scaled_x(fn, "%x", hidden) if self.intx is None
-                       else emit_int_x(fn, "%x", hidden, rows8_dtypes, rows8=True))
+                       else emit_int_x(fn, "%x", hidden, rows8_dtypes, rows8=True, x_format=x_format))
 
     def _down_coefficients(self) -> None:
         """Stack arrays for a rowplanes down row's coefficients and the 4-bit rows' constant terms."""

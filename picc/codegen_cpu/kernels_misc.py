@@ -178,22 +178,24 @@ def _elementwise(symbol: str, combine: str) -> Kernel:
 
 
 @cache
-def round_int16() -> Kernel:
-    """``out = x`` rounded as the ``_xi16`` kernels read it (``picc.quant.round_to_int16_blocks``):
+def round_x(x_format: str = "i16") -> Kernel:
+    """``out = x`` rounded as the ``_xi16`` / ``_xi8`` kernels read it (``picc.quant.round_x_blocks``):
     ``seq`` rows of ``n`` floats (n a multiple of 32), back to back; threads split the blocks.
-    The prefill program's GEMMs read it where the step's kernels dot int16 x."""
-    symbol = names.cpu_elementwise("round_xi16")
+    The prefill program's GEMMs read it where the step's kernels dot rounded x."""
+    if x_format not in ("i16", "i8"):
+        raise PiccError(f"codegen_cpu: x is rounded to i16 or i8, not {x_format!r}")
+    symbol = names.cpu_elementwise(f"round_x{x_format}")
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, ROUND_PARAMS)
         seq, n = fn.sext("%seq"), fn.sext("%n")
         blocks = fn.v(f"lshr i64 {fn.v(f'mul i64 {seq}, {n}', 'all')}, 5", "nblk")
         lo, hi = chunk_bounds(fn, blocks, fn.sext("%tid"), fn.sext("%nthreads"))
-        emit_round_int16(fn, "%x", "%out", lo, hi)
+        emit_round_int16(fn, "%x", "%out", lo, hi, x_format)
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, ROUND_PARAMS, emit, round_int16.__doc__ or "")
+    return Kernel(symbol, ROUND_PARAMS, emit, round_x.__doc__ or "")
 
 
 @cache

@@ -25,7 +25,7 @@ from picc.codegen_cpu import kernels_batch, kernels_misc
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, ZEROS, CpuBuffers
 from picc.codegen_cpu.chunks import aligned
 from picc.codegen_cpu.lower_decode import DecodeLowering
-from picc.codegen_cpu.lower_ops import OpLowering, _int_dots, _layout, _rows8
+from picc.codegen_cpu.lower_ops import OpLowering, _layout, _rows8, _x_format
 from picc.codegen_cpu.program import Access, Buf, Param, Program, RowPtr, place_barriers
 from picc.errors import PiccError
 from picc.ir import ops as O
@@ -104,7 +104,7 @@ class BatchLowering(DecodeLowering):
     def linear(self, op: O.Linear) -> None:
         w = self.weights[op.weight]
         y, accumulate, writes = self.output(op)
-        self._rows_call(op, kernels_batch.gemv_rows(w.dtype.value, _int_dots(op), _rows8(op)),
+        self._rows_call(op, kernels_batch.gemv_rows(w.dtype.value, _x_format(op), _rows8(op)),
                         self.weight(op.weight, layout=_layout(op)), self.value(op.x),
                         self.weight(op.bias, as_f32=True), y, int(w.shape[0]), int(w.shape[1]), accumulate,
                         writes=writes)
@@ -114,7 +114,7 @@ class BatchLowering(DecodeLowering):
         n, hidden = int(up.shape[0]), int(up.shape[1])
         gate = self.weights[op.gate].dtype.value if op.gate else None
         kernel = kernels_batch.dense_ffn_rows(op.form, up.dtype.value, gate, self.weights[op.down].dtype.value,
-                                              _int_dots(op), _rows8(op))
+                                              _x_format(op), _rows8(op))
         scratch = self.bufs.need_scratch(kernels_batch.dense_ffn_rows_scratch_bytes(n, self.capacity))
         y, accumulate, writes = self.output(op)
         layout = _layout(op)

@@ -26,7 +26,7 @@ from picc import kernel_names as names
 from picc.codegen_cpu import kernels_dense, kernels_misc, kernels_prefill
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SCRATCH, CpuBuffers
 from picc.codegen_cpu.chunks import ChunkPlan, ChunkRegions, plan_chunk
-from picc.codegen_cpu.lower_ops import _BARRIER_FREE, OpLowering, _int_dots, _layout, _rows8
+from picc.codegen_cpu.lower_ops import _BARRIER_FREE, OpLowering, _layout, _rows8, _x_format
 from picc.codegen_cpu.program import Access, Buf, Param, Program, place_barriers
 from picc.errors import PiccError
 from picc.ir import ops as O
@@ -41,7 +41,7 @@ PREFILL_CHUNK = 32  # prompt tokens per call of the prefill program
 PREFILL_SYMBOL = "picc_prefill_chunk"
 LOGITS_SYMBOL = "picc_logits_chunk"
 
-_XI16 = "<rows rounded to int16>"  # the access name of the chunk programs' int16 slot
+_XI16 = "<rows rounded to int16 or int8>"  # the access name of the chunk programs' rounding slot
 
 
 @dataclass
@@ -72,7 +72,7 @@ class ChunkLowering(OpLowering):
         super().__init__(func, weights, sched, ctx, bufs)
         self.slots, self.plan = slots, plan
         self.regions = ChunkRegions(slots.activations, slots.tokens, PREFILL_CHUNK, self.types, plan.last_read)
-        self.xi16_holds: str | None = None  # the value whose rounded rows the int16 slot holds now
+        self.xi16_holds: tuple[str, str] | None = None  # (value, x format) whose rounded rows the slot holds now
         self.programs: list[Program] = []
 
     # --- where values live: seq rows each in the chunk's buffer -----------------------------------
@@ -115,25 +115,26 @@ class ChunkLowering(OpLowering):
                   self.regions.size * self.width(op.result), batched=True)
 
     def xi16_buffer(self, width: int) -> Buf:
-        """The chunk programs' slot for rows rounded to int16 (grown to ``width`` floats a row)."""
+        """The chunk programs' slot for rows rounded to int16 or int8 (grown to ``width`` floats a row)."""
         if self.slots.xi16 is None:
-            self.slots.xi16 = self.bufs.slot("chunk rows rounded to int16")
+            self.slots.xi16 = self.bufs.slot("chunk rows rounded to int16 or int8")
         self.bufs.grow(self.slots.xi16, 4 * PREFILL_CHUNK * width)
         return Buf(self.slots.xi16, 0, stride=4 * width)
 
     def gemm_input(self, op: Op, value: str, width: int, weight: str) -> tuple[Buf, Access | None]:
         """What a prefill GEMM of ``op`` over ``weight`` reads for ``value`` and the access of that
-        call (None: the op's own). Where the step dots ``weight``'s rows with int16 x (4-bit rows
-        of an ``_xi16`` kernel), the prefill dots the same rounded values
-        (``kernels_misc.round_int16``, once per value while the slot holds it): the programs then
-        compute one function, as the interpreter does."""
-        if not (_int_dots(op) and self.weights[weight].dtype.value in names.INT_DOT_DTYPES):
+        call (None: the op's own). Where the step dots ``weight``'s rows with rounded x (4-bit rows
+        of an ``_xi16`` or ``_xi8`` kernel), the prefill dots the same rounded values
+        (``kernels_misc.round_x``, once per value and format while the slot holds it): the
+        programs then compute one function, as the interpreter does."""
+        x_format = _x_format(op)
+        if not (x_format != "f32" and self.weights[weight].dtype.value in names.INT_DOT_DTYPES):
             return self.value(value), None
         slot = self.xi16_buffer(width)
-        if self.xi16_holds != value:
-            self.call(op, kernels_misc.round_int16(), self.value(value), slot, self.rows(), width, batched=True,
+        if self.xi16_holds != (value, x_format):
+            self.call(op, kernels_misc.round_x(x_format), self.value(value), slot, self.rows(), width, batched=True,
                       access=Access(frozenset({value}), frozenset({_XI16}), True))
-            self.xi16_holds = value
+            self.xi16_holds = (value, x_format)
         return slot, Access(frozenset(set(op.values()) | {_XI16}), frozenset({op.result}),
                             isinstance(op, _BARRIER_FREE))
 
@@ -162,9 +163,9 @@ class ChunkLowering(OpLowering):
                  access=Access(frozenset(reads), frozenset({f"{op.result}.gate"}), True))
         self.call(op, kernels_misc.ffn_activation(op.form), g, u, u, floats, batched=True)
         h, down_access = u, None
-        if _int_dots(op) and self.weights[op.down].dtype.value in names.INT_DOT_DTYPES:
-            # The step's kernel dots the down rows with h rounded to int16: so does the prefill.
-            self.call(op, kernels_misc.round_int16(), u, self.xi16_buffer(n), rows, n, batched=True,
+        if _x_format(op) != "f32" and self.weights[op.down].dtype.value in names.INT_DOT_DTYPES:
+            # The step's kernel dots the down rows with h rounded as x is: so does the prefill.
+            self.call(op, kernels_misc.round_x(_x_format(op)), u, self.xi16_buffer(n), rows, n, batched=True,
                       access=Access(frozenset({op.result}), frozenset({_XI16}), False))
             self.xi16_holds = None
             h, down_access = self.xi16_buffer(n), Access(frozenset({_XI16}), frozenset({op.result}), False)

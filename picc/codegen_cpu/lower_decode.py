@@ -23,7 +23,7 @@ from __future__ import annotations
 from picc.codegen_cpu import kernels_dense, kernels_ffn, kernels_misc
 from picc.codegen_cpu.buffers import ACTIVATIONS, MAX_THREADS, PARAM_SLOTS, PARAMS, SYNC, CpuBuffers
 from picc.codegen_cpu.chunks import aligned, bytes_one_token
-from picc.codegen_cpu.lower_ops import OpLowering, _int_dots, _layout, _rows8
+from picc.codegen_cpu.lower_ops import OpLowering, _layout, _rows8, _x_format
 from picc.codegen_cpu.program import Access, Buf, GreedyLoop, Null, Program, place_barriers, profile_slots
 from picc.errors import PiccError
 from picc.ir import ops as O
@@ -116,7 +116,7 @@ class DecodeLowering(OpLowering):
     def linear(self, op: O.Linear) -> None:
         w = self.weights[op.weight]
         y, accumulate, writes = self.output(op)
-        self.call(op, kernels_dense.gemv(w.dtype.value, _int_dots(op), _rows8(op)),
+        self.call(op, kernels_dense.gemv(w.dtype.value, _x_format(op), _rows8(op)),
                   self.weight(op.weight, layout=_layout(op)),
                   self.value(op.x), self.weight(op.bias, as_f32=True), y, int(w.shape[0]), int(w.shape[1]),
                   accumulate, writes=writes)
@@ -134,7 +134,7 @@ class DecodeLowering(OpLowering):
         n, hidden = int(up.shape[0]), int(up.shape[1])
         gate = self.weights[op.gate].dtype.value if op.gate else None
         kernel = kernels_dense.dense_ffn(op.form, up.dtype.value, gate, self.weights[op.down].dtype.value,
-                                         _int_dots(op), _rows8(op))
+                                         _x_format(op), _rows8(op))
         scratch = self.bufs.need_scratch(kernels_dense.dense_ffn_scratch_bytes(n))
         y, accumulate, writes = self.output(op)
         layout = _layout(op)
@@ -147,7 +147,7 @@ class DecodeLowering(OpLowering):
     def fused_ffn(self, op: FusedFFN) -> None:
         w = self.fused_operands(op)
         kernel = kernels_ffn.sparse_ffn(op.mode, op.form, w.up_dtype, w.gate_dtype, w.down_dtype, op.interleaved,
-                                        _int_dots(op), w.dense_rows8)
+                                        _x_format(op), w.dense_rows8)
         scratch = self.bufs.need_scratch(kernels_ffn.ffn_scratch_bytes(w.n, w.hidden, MAX_THREADS))
         y, accumulate, writes = self.output(op)
         self.call(op, kernel, self.value(op.x), w.up, w.gate, w.down_t, w.up_bias, w.gate_bias,

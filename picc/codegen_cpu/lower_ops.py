@@ -11,7 +11,7 @@ differ between the step (GEMVs, residual adds done by the producer: ``lower_deco
 chunk of tokens (GEMMs: ``lower_chunk``).
 
 Every op names its kernel (``select-kernels``); :meth:`OpLowering.call` checks that the
-kernel it calls is that one. The helpers :func:`_int_dots`, :func:`_rows8` and :func:`_layout`
+kernel it calls is that one. The helpers :func:`_x_format`, :func:`_rows8` and :func:`_layout`
 read what ``select-kernels`` chose for an op (its ``x_format`` and ``layout``).
 """
 
@@ -43,9 +43,9 @@ from picc.placement.schedule import Schedule
 _BARRIER_FREE = (O.Linear, O.Rope, O.Add, O.RMSNorm, O.LayerNorm, O.Embed)
 
 
-def _int_dots(op: Op) -> bool:
-    """Whether ``select-kernels`` chose int16 x for ``op``'s kernel (``x_format``)."""
-    return isinstance(op, O.MatrixOp) and op.rounds_x
+def _x_format(op: Op) -> str:
+    """The x format ``select-kernels`` chose for ``op``'s kernel (``"f32"`` for ops without one)."""
+    return op.x_format if isinstance(op, O.MatrixOp) else "f32"
 
 
 def _rows8(op: Op) -> bool:

@@ -47,10 +47,10 @@ def measure_kernel_rates(threads: int, repeats: int = 5, nbytes: int = _BYTES) -
     rng = np.random.default_rng(0)
     x = rng.normal(size=_K).astype(np.float32)
     programs, shapes = [], []
-    for key, dtype, int_dots, in_rows8 in names.cpu_rate_variants():
+    for key, dtype, x_format, in_rows8 in names.cpu_rate_variants():
         rows = max(_TILE_ROWS, nbytes // row_bytes(dtype, _K) // _TILE_ROWS * _TILE_ROWS)
         prog = Program(f"picc_rate_{key}", sync=0)
-        prog.call(gemv(dtype, int_dots, in_rows8), Buf(2), Buf(1), Null(), Buf(3), rows, _K, 0)
+        prog.call(gemv(dtype, x_format, in_rows8), Buf(2), Buf(1), Null(), Buf(3), rows, _K, 0)
         programs.append(prog)
         shapes.append((dtype, rows, in_rows8))
     module = compile_kernels([], programs)

@@ -322,7 +322,7 @@ _SHORT_ROW_BYTES = 4096
 
 def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo: str, hi: str, simd: str,
                     consume: Callable[[str, list[str]], None], xsums: XSums | None = None,
-                    int_dots: bool = False, intx: IntX | None = None) -> None:
+                    x_format: str = "f32", intx: IntX | None = None) -> None:
     """GEMV rows: for rows r in [lo, hi) (i64), the dot products of row r of each matrix
     ``(dtype, base, row_bytes)`` with ``x`` (k elements), handed to ``consume(r, dots)``.
 
@@ -341,15 +341,15 @@ def emit_tiled_rows(fn: Fn, mats: list[tuple[str, str, str]], x: str, k: str, lo
     and, at 4096-byte rows and over, better than ranges (f16 4096 x 4096: 33.1 vs 31.7). Formats
     bound by their arithmetic (q4_0, q4_1) need the shared x loads and nothing else.
 
-    ``xsums``: x's :func:`emit_x_sums`, made here when not given. ``int_dots``: 4-bit rows dot x
-    rounded to int16 (:func:`emit_int_x`, made here) in integers, two ``vpmaddwd`` a block:
-    1.2-1.4x faster, and within 2^-16 of each block's largest |x| of the float result
-    (``select-kernels`` chooses; the interpreter rounds x as they do). ``intx``: that int16 x,
-    when the caller has made it already (``int_dots`` is then implied).
+    ``xsums``: x's :func:`emit_x_sums`, made here when not given. ``x_format`` ``"i16"`` (or
+    ``"i8"``): 4-bit rows dot x rounded to it (:func:`emit_int_x`, made here) in integers, two
+    ``vpmaddwd`` a block: 1.2-1.4x faster, and within 2^-16 of each block's largest |x| of the
+    float result (``select-kernels`` chooses; the interpreter rounds x as they do). ``intx``:
+    that rounded x, when the caller has made it already (``x_format`` is then implied).
     """
     dtypes = {dtype for dtype, _, _ in mats}
-    if intx is None and int_dots:
-        intx = emit_int_x(fn, x, k, dtypes)
+    if intx is None and x_format != "f32":
+        intx = emit_int_x(fn, x, k, dtypes, x_format=x_format)
     if xsums is None and intx is None:
         xsums = emit_x_sums(fn, x, k, dtypes)
 

@@ -352,16 +352,17 @@ def _int_x_block(fn: Fn, intx: IntX, b: str) -> tuple[list[list[str]], str]:
         raise PiccError("codegen_cpu: rows8 dot products need x's int16 form split into bytes (emit_int_x rows8)")
     sp = fn.at(intx.split, 64, b, "sp")
     xs = [[_splat_i32(fn, fn.load("i32", fn.gep(sp, str(half + 4 * j)), 4, "x4"), as_bytes=True)
-           for j in range(8)] for half in (0, 32)]
+           for j in range(8)] for half in ((0,) if intx.int8 else (0, 32))]
     return xs, fn.splat(8, fn.load(F32, fn.at(intx.scale, 4, b), 4, "xsc"))
 
 
 def int_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = GROUP) -> str:
     """The exact integer ``q . x`` of each int32 lane of a block (``<lanes x i32>``): ``chunks``
     the block's four nibble chunks (``<4 lanes x i8>``, four bytes a lane), ``xs`` x's four-byte
-    groups, high bytes then low bytes (:func:`_int_x_block`). ``lanes`` 8: AVX2's ``vpmaddubsw``
-    / ``vpmaddwd``; 16: their 512-bit forms, each lane computing what an 8-lane lane computes
-    (two x rows a vector, :mod:`picc.codegen_cpu.rows8_pairs`)."""
+    groups, high bytes then low bytes (:func:`_int_x_block`; int8 x: high bytes only, its low
+    bytes are zero). ``lanes`` 8: AVX2's ``vpmaddubsw`` / ``vpmaddwd``; 16: their 512-bit forms,
+    each lane computing what an 8-lane lane computes (two x rows a vector,
+    :mod:`picc.codegen_cpu.rows8_pairs`)."""
     nbytes, nwords = 4 * lanes, 2 * lanes
     bytes_t, words, i32 = vec(nbytes, "i8"), vec(nwords, "i16"), vec(lanes, "i32")
     mask, ones = vconst(nbytes, "15", "i8"), vconst(nwords, "1", "i16")
@@ -384,9 +385,13 @@ def int_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = GROUP)
         for nib, j in ((fn.v(f"and {bytes_t} {raw}, {mask}", "lo4"), c),
                        (fn.v(f"and {bytes_t} {shifted}, {mask}", "hi4"), 4 + c)):
             high = add(high, pairs(nib, xs[0][j]))
-            low[c // 2] = add(low[c // 2], pairs(xs[1][j], nib))
-    assert high is not None and low[0] is not None and low[1] is not None
+            if len(xs) > 1:
+                low[c // 2] = add(low[c // 2], pairs(xs[1][j], nib))
+    assert high is not None
     dots = fn.v(f"shl {i32} {words_to_ints(high)}, {vconst(lanes, '8', 'i32')}", "hi8")
+    if len(xs) == 1:  # int8 x: the low bytes are zero
+        return dots
+    assert low[0] is not None and low[1] is not None
     return add(dots, add(words_to_ints(low[0]), words_to_ints(low[1]), i32), i32)
 
 

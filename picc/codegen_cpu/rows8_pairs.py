@@ -65,17 +65,19 @@ class PairX:
     scale: str
     isums: str | None = None
     sums: str | None = None
+    int8: bool = False
 
 
 PAIR_X_BLOCK_BYTES = {"split": 128, "scale": 8, "isums": 8, "sums": 8}
 """Bytes per block of each array of a :class:`PairX`."""
 
 
-def alloc_pair_x(fn: Fn, nblocks: str, dtypes: set[str]) -> PairX:
-    """Stack arrays of a :class:`PairX` of ``nblocks`` (i64) blocks for rows of ``dtypes``."""
+def alloc_pair_x(fn: Fn, nblocks: str, dtypes: set[str], int8: bool = False) -> PairX:
+    """Stack arrays of a :class:`PairX` of ``nblocks`` (i64) blocks for rows of ``dtypes``
+    (``int8``: of x rounded to int8, whose low bytes are zero)."""
     return PairX(fn.alloca_array(vec(128, "i8"), nblocks, "pxsplit"), fn.alloca_array("<2 x float>", nblocks, "pxs"),
                  isums=fn.alloca_array("<2 x i32>", nblocks, "pxis") if "q4_0" in dtypes else None,
-                 sums=fn.alloca_array("<2 x float>", nblocks, "pxsum") if "q4_1" in dtypes else None)
+                 sums=fn.alloca_array("<2 x float>", nblocks, "pxsum") if "q4_1" in dtypes else None, int8=int8)
 
 
 def fill_pair_x(fn: Fn, rows: tuple[IntX, IntX], nblocks: str, out: PairX) -> None:
@@ -83,6 +85,8 @@ def fill_pair_x(fn: Fn, rows: tuple[IntX, IntX], nblocks: str, out: PairX) -> No
     a, b = rows
     if a.split is None or b.split is None:
         raise PiccError("codegen_cpu: x pairs are made from x's int16 form split into bytes (rows8)")
+    if a.int8 != out.int8 or b.int8 != out.int8:
+        raise PiccError("codegen_cpu: a pair of x rows holds one x format")
     weave = "<" + ", ".join(f"i32 {j // 2 + (LANES if j % 2 else 0)}" for j in range(2 * LANES)) + ">"
     with fn.loop("0", nblocks, "1", "pb") as blk:
         halves = [fn.load(_I16, fn.at(r.split, 64, blk, "sp"), 64, "xsp") for r in (a, b)]
@@ -111,7 +115,7 @@ def _x_block(fn: Fn, pair: PairX, b: str) -> tuple[list[list[str]], str]:
     1's in the odd), high bytes then low bytes, and its two scales."""
     sp = fn.at(pair.split, 128, b, "psp")
     xs = [[fn.v(f"bitcast {_I16} {_broadcast_pair(fn, fn.gep(sp, str(half + 8 * j)), 'i32')} to {_B64}", "px")
-           for j in range(8)] for half in (0, 64)]
+           for j in range(8)] for half in ((0,) if pair.int8 else (0, 64))]
     return xs, _broadcast_pair(fn, fn.at(pair.scale, 8, b), F32)
 
 
@@ -123,7 +127,8 @@ def _doubled(fn: Fn, v: str, ty: str) -> str:
 def _vnni_sums(fn: Fn, chunks: list[str], xs: list[list[str]]) -> str:
     """:func:`rows8.int_sums` with ``vpdpbusd`` (16 lanes): the nibbles as the unsigned operand
     against x's high bytes (signed), x's low bytes (unsigned) against the nibbles (0..15 as
-    signed bytes); int32 sums, split in chains for the instruction's latency."""
+    signed bytes); int32 sums, split in chains for the instruction's latency. int8 x (``xs``
+    holds the high bytes alone): the low bytes' products are zero and skipped."""
     mask, four = vconst(4 * LANES, "15", "i8"), vconst(4 * LANES, "4", "i8")
 
     def dot(acc: str, unsigned: str, signed: str) -> str:
@@ -136,13 +141,14 @@ def _vnni_sums(fn: Fn, chunks: list[str], xs: list[list[str]]) -> str:
         nibbles = (fn.v(f"and {_B64} {raw}, {mask}", "lo4"), fn.v(f"and {_B64} {shifted}, {mask}", "hi4"))
         for nib, j in zip(nibbles, (c, 4 + c), strict=True):
             high[j % _VNNI_CHAINS] = dot(high[j % _VNNI_CHAINS], nib, xs[0][j])
-            low[j % _VNNI_CHAINS] = dot(low[j % _VNNI_CHAINS], xs[1][j], nib)
+            if len(xs) > 1:
+                low[j % _VNNI_CHAINS] = dot(low[j % _VNNI_CHAINS], xs[1][j], nib)
     total_high, total_low = high[0], low[0]
     for i in range(1, _VNNI_CHAINS):
         total_high = fn.v(f"add {_I16} {total_high}, {high[i]}", "ht")
         total_low = fn.v(f"add {_I16} {total_low}, {low[i]}", "lt")
-    eight = vconst(LANES, "8", "i32")
-    return fn.v(f"add {_I16} {fn.v(f'shl {_I16} {total_high}, {eight}', 'hi8')}, {total_low}", "dots")
+    shifted = fn.v(f"shl {_I16} {total_high}, {vconst(LANES, '8', 'i32')}", "hi8")
+    return shifted if len(xs) == 1 else fn.v(f"add {_I16} {shifted}, {total_low}", "dots")
 
 
 def emit_rows8_pair_dots(fn: Fn, mats: list[tuple[str, str]], pairs: list[PairX], k: str,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from picc.ir.core import Op, expect
 
-X_FORMATS = ("f32", "i16")
+X_FORMATS = ("f32", "i16", "i8")
 LAYOUTS = ("rows", "rows8")
 
 
@@ -17,9 +17,10 @@ class MatrixOp(Op):
     with the two choices ``select-kernels`` makes for it, printed in every dump after that pass:
 
     * ``x_format``: how its 4-bit rows (q4_0 / q4_1) are dotted with ``x``: ``"f32"``, or
-      ``"i16"``, ``x`` rounded to int16 per block of 32 first (:func:`picc.quant.round_to_int16_blocks`,
-      each element within 1/254 of its block's largest ``|x|``). The rounding is part of what
-      the op computes: the interpreter rounds as the kernel does. Rows in other formats, and
+      ``"i16"`` / ``"i8"``, ``x`` rounded to int16 / int8 per block of 32 first
+      (:func:`picc.quant.round_x_blocks`, each element within 2^-16 / 1/254 of its block's
+      largest ``|x|``). The rounding is part of what the op computes: the interpreter rounds as
+      the kernel does. Rows in other formats, and
       the down rows a fused FFN adds rather than dots, always meet the float ``x``.
     * ``layout``: how the matrices the kernel reads whole are stored: ``"rows"`` (the source
       format's rows) or ``"rows8"`` (4-bit rows in eights, ``picc.codegen_cpu.rows8``). Storage
@@ -35,7 +36,7 @@ class MatrixOp(Op):
 
     @property
     def rounds_x(self) -> bool:
-        return self.x_format == "i16"
+        return self.x_format != "f32"
 
     @property
     def can_accumulate(self) -> bool:

@@ -55,7 +55,7 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
         case O.LayerNorm():
             return names.cpu_norm("layer_norm")
         case O.Linear():
-            return names.cpu_gemv(t.fmt(op.weight) or "", op.rounds_x, op.layout == "rows8")
+            return names.cpu_gemv(t.fmt(op.weight) or "", op.x_format, op.layout == "rows8")
         case O.Rope():
             return names.cpu_rope(op.style)
         case O.Attention() if op.alibi == "none":
@@ -70,10 +70,10 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
             up = op.up_gate or op.up
             gate = op.up_gate or op.gate
             return names.cpu_fused_ffn(op.mode, op.form, t.fmt(up) or "", t.fmt(gate), t.fmt(op.down) or "",
-                                       op.interleaved, op.rounds_x, op.layout == "rows8")
+                                       op.interleaved, op.x_format, op.layout == "rows8")
         case O.FFN() if not op.neuron_major and type(op) is O.FFN:
             return names.cpu_dense_ffn(op.form, t.fmt(op.up) or "", t.fmt(op.gate), t.fmt(op.down) or "",
-                                       op.rounds_x, op.layout == "rows8")
+                                       op.x_format, op.layout == "rows8")
         case O.FFN():
             raise PiccError(f"%{op.result}: a sparse or neuron-major ffn has no kernel of its own; "
                             "run fuse-gather-gemv before select-kernels")

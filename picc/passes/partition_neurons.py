@@ -122,7 +122,7 @@ def ffn_cpu_read_rate(module: Module, weights: WeightStore, target: Target) -> f
     rows8 layout too; its placement has no choice to make.)
     """
     ops = module.function().ops
-    int_dots = not any(isinstance(op, Predict | SparseFFN) for op in ops)
+    x_format = "f32" if any(isinstance(op, Predict | SparseFFN) for op in ops) else "i16"
 
     def rows8(op: O.FFN) -> tuple[str, ...]:
         whole = kernel_names.read_whole(op.mode, op.up, op.gate) if isinstance(op, SparseFFN) else ()
@@ -130,7 +130,7 @@ def ffn_cpu_read_rate(module: Module, weights: WeightStore, target: Target) -> f
         return whole if fits else ()
 
     reads = [read for op in ops if isinstance(op, O.FFN)
-             for read in cpu_weight_reads(weights, (op.up, op.gate, op.down), int_dots, axpy=op.down, rows8=rows8(op))]
+             for read in cpu_weight_reads(weights, (op.up, op.gate, op.down), x_format, axpy=op.down, rows8=rows8(op))]
     seconds = target.cpu.read_seconds(reads)
     return sum(nbytes for nbytes, _ in reads) / seconds if seconds > 0 else target.cpu.mem_bandwidth
 

@@ -4,9 +4,11 @@ After this pass a dump shows everything that decides what the kernels compute an
 memory, and nothing downstream infers a choice from a name:
 
 * ``x_format`` (``linear``, ``ffn``, ``fused_ffn`` on the CPU): ``"i16"`` where the kernel dots
-  4-bit rows (q4_0 / q4_1) with x rounded to int16 per block of 32, as llama.cpp does (each
-  element within 1/254 of its block's largest ``|x|``; SmolLM2 Q4_1's PTB perplexity +0.27%):
-  twice as fast as float dot products on Zen 3. The rounding is part of what the op computes
+  4-bit rows (q4_0 / q4_1) with x rounded to int16 per block of 32 (each element within 2^-16 of
+  its block's largest ``|x|``): twice as fast as float dot products on Zen 3. ``int_x=i8``
+  rounds to int8 instead (within 1/254, as llama.cpp does) where the kernel reads the rows8
+  layout, whose dot products then do half the integer work; rows one at a time keep int16,
+  which costs them the same. The rounding is part of what the op computes
   (the interpreter rounds as the kernel does). By default (``int_dots=auto``) only modules in
   which nothing decides sparsity round: rounding makes a dot product a step function of x, so
   the float-rounding noise between the runtime and the interpreter (~1e-7) now and then moves an
@@ -58,15 +60,17 @@ def decides_sparsity(op: Op) -> bool:
     return isinstance(op, (Predict, SparseFFN)) or (isinstance(op, FusedFFN) and op.mode != "dense")
 
 
-def _choose(op: Op, t: Types, rounded: bool, shared: frozenset[str]) -> Op:
-    """``op`` with its ``x_format`` and ``layout`` chosen (CPU matrix ops only)."""
+def _choose(op: Op, t: Types, rounded: str | None, shared: frozenset[str]) -> Op:
+    """``op`` with its ``x_format`` and ``layout`` chosen (CPU matrix ops only); ``rounded``: the
+    integer format x is rounded to where its kernel reads the rows8 layout, None for float x."""
     if not isinstance(op, O.MatrixOp) or op.type.placement == Placement.GPU:
         return op
     four_bit = names.INT_DOT_DTYPES
     match op:
         case FusedFFN():
             # Up and gate rows share one rounded x; the down rows are added, not dotted.
-            int_x = names.ffn_rounds_x(True, t.fmt(op.up_gate or op.up) or "", t.fmt(op.up_gate or op.gate))
+            up, gate = t.fmt(op.up_gate or op.up) or "", t.fmt(op.up_gate or op.gate)
+            int_x = names.ffn_x_format("i16", up, gate) != "f32"
             whole = names.read_whole(op.mode, op.up, op.gate)
             rows8 = bool(whole) and rows8_fits(t, whole, shared)
         case O.Linear():
@@ -78,7 +82,8 @@ def _choose(op: Op, t: Types, rounded: bool, shared: frozenset[str]) -> Op:
             rows8 = rows8_fits(t, weights, shared)
         case _:
             return op
-    return replace(op, x_format="i16" if rounded and int_x else "f32", layout="rows8" if rows8 else "rows")
+    x_format = "f32" if rounded is None or not int_x else rounded if rows8 else "i16"
+    return replace(op, x_format=x_format, layout="rows8" if rows8 else "rows")
 
 
 def accumulated_adds(func: Function, sched: Schedule) -> dict[int, str]:
@@ -171,10 +176,12 @@ def paired_ropes(func: Function) -> dict[int, int]:
 
 @dataclass(frozen=True)
 class SelectOptions(PassOptions):
-    """``int_dots``: round x to int16 for 4-bit dot products -- ``auto`` where no op decides sparsity,
-    ``yes`` everywhere, ``no`` nowhere."""
+    """``int_dots``: round x for 4-bit dot products -- ``auto`` where no op decides sparsity,
+    ``yes`` everywhere, ``no`` nowhere; ``int_x``: to what, where the kernel reads the rows8
+    layout (rows one at a time round to int16)."""
 
     int_dots: str = option("auto", choices=("auto", "no", "yes"))
+    int_x: str = option("i16", choices=("i16", "i8"))
 
 
 @register_pass("select-kernels", options=SelectOptions)
@@ -189,7 +196,8 @@ def select_kernels(module: Module, ctx: PassContext[SelectOptions]) -> Module:
         raise PiccError(f"%{unfused.result}: a sparse or neuron-major ffn has no kernel of its own; "
                         "run fuse-gather-gemv before select-kernels")
     types = Types(func.value_types(), module.weight_types())
-    rounded = int_dots == "yes" or (int_dots == "auto" and not any(decides_sparsity(op) for op in func.ops))
+    rounds = int_dots == "yes" or (int_dots == "auto" and not any(decides_sparsity(op) for op in func.ops))
+    rounded = ctx.options.int_x if rounds else None
     readers = Counter(w for op in func.ops for w in set(op.weights()) if w is not None)
     shared = frozenset(w for w, n in readers.items() if n > 1)
     ops = [_choose(op, types, rounded, shared) for op in func.ops]

@@ -19,15 +19,15 @@ def weight_bytes(weights: WeightStore, name: str | None) -> int:
     return 0 if name is None else int(weights[name].data.nbytes)
 
 
-def cpu_weight_reads(weights: WeightStore, names: Iterable[str | None], int_dots: bool,
+def cpu_weight_reads(weights: WeightStore, names: Iterable[str | None], x_format: str,
                      axpy: str | None = None, rows8: Iterable[str | None] = ()) -> list[tuple[int, str]]:
-    """(bytes, CPU rate key) of each named weight as a CPU kernel reads it: with ``int_dots`` (an
-    ``_xi16`` kernel) 4-bit rows are dotted in integers, except the ``axpy`` weight's (a
-    neuron-major down projection, whose rows are AXPYs of h); the ``rows8`` weights are read
-    eight rows at a time from the rows8 layout."""
+    """(bytes, CPU rate key) of each named weight as a CPU kernel reads it: with ``x_format``
+    ``"i16"`` / ``"i8"`` (an ``_xi16`` / ``_xi8`` kernel) 4-bit rows are dotted in integers, except
+    the ``axpy`` weight's (a neuron-major down projection, whose rows are AXPYs of h); the
+    ``rows8`` weights are read eight rows at a time from the rows8 layout."""
     in_rows8 = set(rows8)
     return [(weight_bytes(weights, w),
-             kernel_names.cpu_rate_key(weights[w].dtype.value, int_dots and w != axpy, w in in_rows8))
+             kernel_names.cpu_rate_key(weights[w].dtype.value, "f32" if w == axpy else x_format, w in in_rows8))
             for w in names if w]
 
 

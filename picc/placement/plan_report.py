@@ -49,7 +49,7 @@ def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
         rows8 = names.read_whole(op.mode, op.up, op.gate)
     else:
         rows8 = op.weights()
-    return cpu_weight_reads(weights, op.weights(), isinstance(op, O.MatrixOp) and op.rounds_x,
+    return cpu_weight_reads(weights, op.weights(), op.x_format if isinstance(op, O.MatrixOp) else "f32",
                             axpy=op.down if isinstance(op, FusedFFN) else None, rows8=rows8)
 
 

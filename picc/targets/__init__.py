@@ -20,7 +20,8 @@ by the path of a YAML file of the same form::
       mem_bandwidth: 38.4GB/s         # host memory read bandwidth
       simd: avx2                      # avx512-vnni | avx512 | avx2 | sse
       kernel_rates:                   # optional: bytes/s picc's GEMV reads from memory, by weight
-        q4_1: 14GB/s                  #   format (f32 f16 q8_0 q4_0 q4_1, q4_X_xi16, q4_X_r8, q4_X_r8_xi16)
+        q4_1: 14GB/s                  #   format (f32 f16 q8_0 q4_0 q4_1, q4_X_xi16, q4_X_r8,
+                                      #   q4_X_r8_xi16, q4_X_r8_xi8)
 
 Sizes are a number with an optional unit, case-insensitive, optionally separated by a space:
 ``11GiB``, ``11 GB``, ``512MiB``, ``0.5GB``, ``1073741824``. Decimal units are powers of 1000 (KB,
@@ -37,8 +38,9 @@ conservative guesses; the ``h100`` target's were measured (``bench/gpu``).
 memory delivers them nor than its arithmetic gets through them, and 4-bit formats are bound by
 the arithmetic on small CPUs (``picc.codegen_cpu.rates``). A format without a rate is taken to
 be read at the memory's bandwidth. The ``_xi16`` keys are the 4-bit kernels that dot
-int16-rounded x, rows one at a time; the ``_r8`` and ``_r8_xi16`` keys read 4-bit matrices eight
-rows at a time from the rows8 layout (GEMVs and dense FFNs), with float and int16 x.
+int16-rounded x, rows one at a time; the ``_r8``, ``_r8_xi16`` and ``_r8_xi8`` keys read 4-bit
+matrices eight rows at a time from the rows8 layout (GEMVs and dense FFNs), with float, int16 and
+int8 x.
 
 ``cpu: host`` detects the cores this process may run on (``sched_getaffinity``), the SIMD level
 (``avx512f`` / ``avx2`` in ``/proc/cpuinfo``), measures the memory read bandwidth and times
