@@ -4,7 +4,7 @@ Models that decide no sparsity may dot 4-bit rows (q4_0, q4_1) with x rounded to
 of f32 (the ``_xi16`` and ``_xi8`` kernels, an op's ``x_format``): :func:`emit_int_x` rounds x
 once per x, block by block, into the forms the dot products read (rows one at a time,
 :func:`int_dot_block`, two ``vpmaddwd`` a block; rows eight at a time in the rows8 layout,
-:mod:`picc.codegen_cpu.rows8`); :func:`emit_round_int16` writes the same rounded floats for the
+:mod:`picc.codegen_cpu.rows8`); :func:`emit_round_x` writes the same rounded floats for the
 prefill's GEMMs. The rounding is ``picc.quant.round_x_blocks``'s, step for step, so the
 interpreter rounds as the kernels do.
 
@@ -155,7 +155,7 @@ def fill_int_x(fn: Fn, x: str, nblocks: str, out: IntX) -> None:
                          fn.at(out.sums, 4, b), 4)
 
 
-def emit_round_int16(fn: Fn, x: str, out: str, lo: str, hi: str, x_format: str = "i16") -> None:
+def emit_round_x(fn: Fn, x: str, out: str, lo: str, hi: str, x_format: str = "i16") -> None:
     """Blocks [lo, hi) (i64) of the floats at ``x`` as the integer dot products read them
     (:func:`_int16_block`'s ``q * scale``), written to ``out`` (which may be ``x``): what the
     prefill program's GEMMs read where the step's kernels dot x rounded to ``x_format``."""

@@ -13,7 +13,7 @@ from functools import cache
 
 from picc import kernel_names as names
 from picc.codegen_cpu.ffn_emitter import emit_h, ffn_form
-from picc.codegen_cpu.int16x import emit_round_int16
+from picc.codegen_cpu.int16x import emit_round_x
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.errors import PiccError
@@ -191,7 +191,7 @@ def round_x(x_format: str = "i16") -> Kernel:
         seq, n = fn.sext("%seq"), fn.sext("%n")
         blocks = fn.v(f"lshr i64 {fn.v(f'mul i64 {seq}, {n}', 'all')}, 5", "nblk")
         lo, hi = chunk_bounds(fn, blocks, fn.sext("%tid"), fn.sext("%nthreads"))
-        emit_round_int16(fn, "%x", "%out", lo, hi, x_format)
+        emit_round_x(fn, "%x", "%out", lo, hi, x_format)
         fn.ret_void()
         return fn.text()
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from picc.codegen_cpu.int16x import IntX, emit_int_x, emit_round_int16, int_dot_block
+from picc.codegen_cpu.int16x import IntX, emit_int_x, emit_round_x, int_dot_block
 from picc.codegen_cpu.irtext import F32, Fn, Var, fconst, vconst, vec
 from picc.codegen_cpu.rowformats import (
     BLOCK,
@@ -54,7 +54,7 @@ from picc.errors import PiccError
 __all__ = [
     "BLOCK", "BLOCK_BYTES", "ELEMENT_BYTES", "NIBBLE_DTYPES", "V16", "X_SUMS_BLOCK_BYTES", "Block", "IntX", "Prefetch",
     "TileDots", "XForms", "XSums", "alloc_x_sums", "check_dtype", "dequantized", "emit_add_block_consts", "emit_axpys",
-    "emit_dots", "emit_dots_xs", "emit_int_x", "emit_round_int16", "emit_row_bytes", "emit_row_to_f32",
+    "emit_dots", "emit_dots_xs", "emit_int_x", "emit_round_x", "emit_row_bytes", "emit_row_to_f32",
     "emit_tiled_rows", "emit_x_sums", "fill_x_sums", "nibble_value_floats", "prefetch_block", "row_bytes",
     "walk_row_tiles", "zero_floats",
 ]

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from picc.ir.core import Op, expect
+from picc.kernel_names import X_FORMATS
 
-X_FORMATS = ("f32", "i16", "i8")
 LAYOUTS = ("rows", "rows8")
 
 
