@@ -26,6 +26,7 @@ from picc.frontend.model import LoadedModel
 from picc.ir import ops as O
 from picc.ir.module import Module
 from picc.ir.sparse_ops import SparseFFN
+from picc.ir.types import Placement
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes import Instruments, PassSpec, run_pipeline
 from picc.passes.fuse_gather_gemv import FuseOptions
@@ -355,11 +356,15 @@ def gpu_code(module, weights, plan: mp.MemoryPlan, arch: str,  # noqa: ANN001
     found), the same kernels built for the host (``gpu/host.so``, the host-emulated GPU), and the
     f32 constants the kernels read (``gpu.const.<name>`` tensors). The PTX and cubin hold every
     kernel in one module (``cuda/<arch>/model.ptx``)."""
-    from picc.codegen_cuda.build import build_model_cuda, export_host_library, nvcc_path
-    from picc.codegen_cuda.lower import lower_gpu
     from picc.progress import progress_bar
 
-    lowered = lower_gpu(module, weights, plan)
+    say("  loading TVM (the CUDA code generator)")  # seconds, cold
+    from picc.codegen_cuda.build import build_model_cuda, export_host_library, nvcc_path
+    from picc.codegen_cuda.lower import lower_gpu
+
+    on_gpu = sum(op.type.placement == Placement.GPU for op in module.function().ops)
+    with progress_bar(on_gpu, "lowering the GPU's ops", "op") as advance:
+        lowered = lower_gpu(module, weights, plan, advance)
     kernels = list(lowered.kernels.values())
     nvcc = nvcc_path() is not None
     say(f"  {len(kernels)} GPU kernels for {sum(len(v) for v in lowered.launches.values())} launches per token; "

@@ -13,7 +13,7 @@ from conftest import tiny_llama, with_tokenizer
 from picc.compile import CompileOptions, compile_model
 from picc.ir import weights as W
 from picc.ir.fused_ops import FusedFFN
-from picc.ir.types import DType
+from picc.ir.types import DType, Placement
 from picc.passes import profile_activations
 from picc.placement.plan_report import format_report
 from picc.sparsity.sparsify import SparsifyOptions
@@ -185,7 +185,7 @@ def test_a_compile_interrupted_while_writing_leaves_nothing(tmp_path, monkeypatc
 def test_the_long_stages_of_a_compile_show_progress(tmp_path, monkeypatch):
     # On a 7B these take tens of seconds each: the neuron-major down projections (requantized),
     # the placement's memory plans, writing the .pib (3.6 GB, some of it converted to rows8),
-    # hashing the model for the profile cache.
+    # hashing the model for the profile cache; lowering the GPU's ops takes seconds.
     import tqdm
 
     from picc.compile import write_compiled
@@ -211,6 +211,8 @@ def test_the_long_stages_of_a_compile_show_progress(tmp_path, monkeypatch):
     compiled = compile_model(model, CompileOptions(target="pc-low", vram="64MB", dense=True), say=lambda _: None)
     size = write_compiled(compiled, tmp_path / "m.pib")
     assert bars["neuron-major down projections"] == [3, 3]
+    on_gpu = [op for op in compiled.model.module.ops() if op.type.placement == Placement.GPU]
+    assert on_gpu and bars["lowering the GPU's ops"] == [len(on_gpu)] * 2  # after loading TVM (seconds)
     total, done = bars["placing under the VRAM budget"]
     assert total == 3 + 5 and 3 < done <= total
     weights = sum(compiled.model.weights[d.name].data.nbytes for d in compiled.model.module.weights)

@@ -320,10 +320,14 @@ class _Lowering:
                                  *self.residual_arg(op, kb), self.result(op, "y", kb)])
 
 
-def lower_gpu(module: Module, weights: WeightStore, plan: mp.MemoryPlan) -> GpuProgram:
-    """The kernels and launches of every op ``module`` places on the GPU (see the module docstring)."""
+def lower_gpu(module: Module, weights: WeightStore, plan: mp.MemoryPlan,
+              advance: Callable[[float], None] | None = None) -> GpuProgram:
+    """The kernels and launches of every op ``module`` places on the GPU (see the module docstring);
+    ``advance(1)`` after each (a progress bar's)."""
     lowering = _Lowering(module, weights, plan)
     for op in module.function().ops:
         if op.type.placement == Placement.GPU:
             lowering.lower(op)
+            if advance is not None:
+                advance(1)
     return lowering.out
