@@ -3,7 +3,8 @@
     python bench/kernels.py [--reps 7] [--threads 1,2] [--shapes small,large] [--dtypes f16,q4_0,f32]
     python bench/kernels.py --batched [--batches 1,2,4,8] [--threads 2] [--reps 7] [--simd avx512] [--x i16,i8]
 
-(``--dtypes`` also takes ``q4_0-int`` / ``q4_1-int``: the kernel variant that dots int16 x.)
+(``--dtypes`` also takes ``q4_0-int`` / ``q4_1-int``: the kernel variant that dots int16 x, and
+``q4_0-i8`` / ``q4_1-i8``: int8 x, against the dense GEMV with int8 x too.)
 
 For each FFN shape (SmolLM2: hidden 576, n_ff 1536; a 7B-like layer: 4096 x 11008), weight format
 and thread count, it times one compiled step that runs the kernel (predictor mode, a sorted random
@@ -161,7 +162,7 @@ def l3_bytes() -> int | None:
     return int(text.rstrip("KM")) * scale if text.rstrip("KM").isdigit() else None
 
 
-def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, int_dots: bool, threads: list[int], reps: int,
+def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, x_format: str, threads: list[int], reps: int,
                  rng: np.random.Generator) -> dict[tuple[int, float, bool], float]:
     """Median seconds per layer, by (threads, active fraction, cached): ``cached`` runs every call
     of the step on layer 0 with one active set, so after the first call its rows come from cache."""
@@ -169,8 +170,7 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, int_dots: bool
     # active neuron's two rows are one stream; down neuron-major; float dot products, as in every
     # sparse module (a dtype given as e.g. "q4_0-int" times the _xi16 variant, which dense modules
     # use for the CPU part of a split layer).
-    kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved=True,
-                        x_format="i16" if int_dots else "f32")
+    kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved=True, x_format=x_format)
     x, y = rng.normal(size=hidden).astype(np.float32), np.zeros(hidden, np.float32)
     mask, count = np.zeros(n, np.uint8), np.zeros(1, np.int32)  # a predictor's output: a byte per neuron
     scratch = aligned_zeros(ffn_scratch_bytes(n, hidden, max(threads)))
@@ -209,9 +209,10 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, int_dots: bool
 
 
 def dense_gemv_rates(hidden: int, n: int, dtype: str, threads: list[int], reps: int,
-                     rng: np.random.Generator) -> dict[int, float]:
+                     rng: np.random.Generator, x_format: str = "i16") -> dict[int, float]:
     """Bytes per second, by thread count, that picc's dense GEMV reads an [n, hidden] matrix of
-    ``dtype`` from memory (1 GiB of copies, one GEMV each): the kernel a dense model runs."""
+    ``dtype`` from memory (1 GiB of copies, one GEMV each): the kernel a dense model runs (4-bit
+    rows with x rounded to ``x_format``)."""
     four_bit = dtype in ("q4_0", "q4_1")
     w = rng.normal(0, hidden**-0.5, size=(n, hidden)).astype(np.float32)
     raw = quant.quantize(w, dtype).reshape(-1).view(np.uint8)
@@ -224,7 +225,7 @@ def dense_gemv_rates(hidden: int, n: int, dtype: str, threads: list[int], reps: 
     x = rng.normal(size=hidden).astype(np.float32)
     buffers = [aligned_zeros(SYNC_BYTES), x, aligned_zeros(4 * n), data]
     prog = Program("dense_gemv_step", sync=0)
-    kernel = gemv(dtype, "i16" if four_bit else "f32", rows8=four_bit)
+    kernel = gemv(dtype, x_format if four_bit else "f32", rows8=four_bit)
     for i in range(count):
         prog.call(kernel, Buf(3, i * raw.nbytes), Buf(1), Null(), Buf(2), n, hidden, 0)
     step = compile_kernels([], [prog]).function(prog.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
@@ -365,16 +366,17 @@ def main() -> None:
               f"({3 * 4 * hidden * n / numpy_time / 1e9:.1f} GB/s, {how})")
         for spec in args.dtypes.split(","):
             dtype, _, dots = spec.partition("-")
-            dense = dense_gemv_rates(hidden, n, dtype, threads, args.reps, rng)
+            x_format = {"": "f32", "int": "i16", "i8": "i8"}[dots]
+            dense = dense_gemv_rates(hidden, n, dtype, threads, args.reps, rng, "i8" if dots == "i8" else "i16")
             layers = Layers(hidden, n, dtype, rng)
-            times = bench_kernel(layers, hidden, n, dtype, dots == "int", threads, args.reps, rng)
+            times = bench_kernel(layers, hidden, n, dtype, x_format, threads, args.reps, rng)
             bandwidths.append(measure_memory_bandwidth())
             for (t, frac, cached), secs in times.items():
                 if cached:
                     continue
                 active = 3 * layers.row_bytes * round(frac * n)
                 in_cache = active / times[(t, frac, True)] if l3 and active <= l3 // 2 else None
-                rows.append((f"{hidden}x{n}", spec, "i16" if dots == "int" else "f32", t, frac, secs, active / secs,
+                rows.append((f"{hidden}x{n}", spec, x_format, t, frac, secs, active / secs,
                              in_cache, dense[t], numpy_time / secs))
             del layers
     bw = statistics.median(bandwidths)
@@ -393,9 +395,9 @@ def main() -> None:
               f"they take at most half of the {l3 / 2**20:.0f} MiB L3)")
     else:
         print("cached GB/s: not measured (L3 size unknown)")
-    print("x: how the sparse kernel dots its rows (f32, or i16: x rounded to int16 per block of 32).")
-    print("dense GB/s: picc's dense GEMV of the same matrices (4-bit: rows8 layout, int16 x); vs dense: the "
-          "sparse kernel's GB/s as a share of it.")
+    print("x: how the sparse kernel dots its rows (f32, or i16 / i8: x rounded to int16 / int8 per block of 32).")
+    print("dense GB/s: picc's dense GEMV of the same matrices (4-bit: rows8 layout, int16 x; int8 x for an i8 "
+          "row); vs dense: the sparse kernel's GB/s as a share of it.")
     print("vs numpy: numpy's dense f32 FFN time / this kernel's time on the same shape (> 1: faster).")
 
 
