@@ -294,12 +294,12 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
     report = _dense_report(model, options, target)
     ms = report["estimate_ms_per_token"]
     seconds = (ms["total"] - ms["ffn"]) / 1e3
+    x_format = ("i8" if options.int8_dots else "i16") if options.int_dots else "f32"
     for op in model.module.ops():
         if isinstance(op, O.FFN):
             for name in (op.up, op.gate, op.down):
                 if name is not None:
                     dtype = model.weights[name].dtype.value
-                    x_format = ("i8" if options.int8_dots else "i16") if options.int_dots else "f32"
                     rate = max(target.cpu.read_rate(cpu_rate_key(dtype, x_format, rows8))
                                for rows8 in (False, True))
                     seconds += density * weight_bytes(model.weights, name) / rate
