@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -164,7 +165,7 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
     if weigh and (dense := _dense_if_faster(model, options, target, report, instruments, say)) is not None:
         return dense
     steps = schedule(module)
-    say(f"generating CPU code ({target.cpu.simd})")
+    say(f"generating CPU code ({target.cpu.simd}{_dot_products(module)})")
     sections, tensors, layouts = cpu_code(module, weights, steps, options.ctx, target.cpu.simd, options.batch_step)
     sections["schedule"] = json.dumps(steps.to_json()).encode("utf-8")
     if target.gpu is not None and "gpu" in steps.devices:
@@ -177,6 +178,19 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
                         "dense": options.dense, "solver": options.solver},
             "compile_seconds": round(time.perf_counter() - start, 3)}
     return Compiled(compiled, plan, report, meta, sections, tensors, layouts)
+
+
+def _dot_products(module: Module) -> str:
+    """How the CPU's matrix ops dot 4-bit rows, for the compile's output: ``""`` when none rounds x."""
+    formats = Counter(op.x_format for op in module.ops()
+                      if isinstance(op, O.MatrixOp) and op.type.placement != Placement.GPU)
+    if not formats.keys() - {"f32"}:
+        return ""
+    rounded = [(n, "int8" if x == "i8" else "int16") for x, n in sorted(formats.items(), key=lambda i: -i[1])
+               if x != "f32"]
+    said = ", ".join(f"{n} to {to}" for n, to in rounded[1:])
+    hint = "" if formats["i8"] else "; --int8-dots: int8 where they read eight rows at a time"
+    return f"; {rounded[0][0]} matrix ops dot x rounded to {rounded[0][1]}{', ' + said if said else ''}{hint}"
 
 
 @dataclass(frozen=True)

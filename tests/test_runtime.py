@@ -127,6 +127,20 @@ def test_int8_dots_round_x_to_int8_as_the_interpreter_does(dtype, tmp_path):
         CompileOptions(float_dots=True, int8_dots=True).check()
 
 
+def test_the_compile_says_how_its_matrix_ops_dot_x(tmp_path):
+    # A user who reads the compile's output learns the x format and that --int8-dots exists.
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.Q4_1)
+    said = {}
+    for flags in ({}, {"int8_dots": True}, {"float_dots": True}):
+        lines: list[str] = []
+        compile_model(model, CompileOptions(dense=True, batch_step=False, **flags), say=lines.append)
+        said[tuple(flags)] = next(line for line in lines if line.startswith("generating CPU code"))
+    ops = 2 * 5 + 1  # q, k, v, o and the (fused, dense) FFN of each layer, and the q4_1 head
+    assert f"{ops} matrix ops dot x rounded to int16; --int8-dots" in said[()]
+    assert f"{ops} matrix ops dot x rounded to int8" in said[("int8_dots",)] and "--int8" not in said[("int8_dots",)]
+    assert "rounded" not in said[("float_dots",)]
+
+
 def test_rows8_only_where_every_reader_of_a_matrix_can_read_it(tmp_path):
     # A tied embedding is read row by row (the embedding lookup) and by the LM head: both keep
     # the source layout, the head's GEMV dots rows one at a time. Matrices whose rows do not come
