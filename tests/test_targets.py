@@ -120,6 +120,17 @@ def test_kernel_rates_are_measured_for_every_format() -> None:
     assert set(rates) == set(CPU_RATE_KEYS) and all(0 < r < float("inf") for r in rates.values())
 
 
+def test_each_rate_key_is_timed_with_the_kernel_it_names() -> None:
+    # 4-bit rows one at a time read int8 x as int16 and share the _xi16 key: that key is timed
+    # with the int16 kernel, the _r8_xi8 keys with the int8 one.
+    from picc.kernel_names import CPU_RATE_KEYS, cpu_gemv, cpu_rate_variants
+
+    variants = cpu_rate_variants()
+    assert [key for key, *_ in variants] == list(CPU_RATE_KEYS)
+    for key, dtype, x_format, rows8 in variants:
+        assert cpu_gemv(dtype, x_format, rows8) == f"picc_gemv_{key}", key
+
+
 def test_kernel_rates_in_a_target_file(tmp_path: Path) -> None:
     data = replaced("cpu", "kernel_rates", {"q4_1": "14GB/s", "q4_0_xi16": 2e10})
     cpu = load_target(str(write(tmp_path, data))).cpu
