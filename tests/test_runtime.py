@@ -87,12 +87,13 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     # Dot products differ from the interpreter's only in the order of their sums (1e-4). The 4-bit
     # GEMVs dot x rounded to int16 per block of 32 (the _xi16 kernels), eight rows at a time from
     # matrices the .pib stores in the rows8 layout, and the interpreter rounds x as they do (on
-    # the weights load_pib puts back in rows); the prefill's GEMMs read the same rounded rows.
+    # the weights load_pib puts back in rows); the prefill calls those kernels' batched twins
+    # (the chunk's tokens as their rows; no batch step is built here).
     int_dots = dtype in (DType.Q4_0, DType.Q4_1)
     tol = 1e-4
     with PibFile(path) as f:
         assert ("_r8_xi16(" in f.text("cpu/ir")) == int_dots
-        assert ("@picc_round_xi16(" in f.text("cpu/ir")) == int_dots
+        assert ("_r8_xi16_rows(" in f.text("cpu/ir")) == int_dots
         layouts = {name: f.tensor(name).layout for name in f.tensor_names}
     in_rows8 = {name for name, layout in layouts.items() if layout == "rows8"}
     assert bool(in_rows8) == int_dots and set(layouts.values()) <= {None, "rows8"}
@@ -107,19 +108,19 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
 @pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1])
 def test_int8_dots_round_x_to_int8_as_the_interpreter_does(dtype, tmp_path):
     # picc compile --int8-dots: the rows8 GEMVs and FFNs dot x (and h) rounded to int8 (_r8_xi8,
-    # whose dot products skip the zero low bytes of its int16 form), the prefill's GEMMs read
-    # rows rounded alike (picc_round_xi8), and the interpreter rounds as they do. Rows one at a
+    # whose dot products skip the zero low bytes of its int16 form), the prefill calls their
+    # batched twins (_r8_xi8_rows), and the interpreter rounds as they do. Rows one at a
     # time (k and v, 12 rows of one KV head) keep int16. The bound is int16's: where float noise
     # moves an element across an int8 rounding boundary the step is 1/254 of its block's largest
     # |x|; on this model none does (1e-4 holds, as for int16), while SmolLM2's 30 layers over 24
-    # positions drift to ~1e-2 (docs/codegen_cpu.md), inside the 3e-2 that --int8-dots states.
+    # positions drift 1e-2 to 6e-2 apart, as far as int8 rounding itself moves them (docs/serving.md).
     model = tiny_llama("swiglu", n_layers=2, hidden=96, n_heads=8, n_kv_heads=1, n_ff=96, matrix_dtype=dtype)
     path, pib = compiled(model, tmp_path, "int8", dense=True, int8_dots=True)
     formats = {op.x_format for op in pib.module.ops() if isinstance(op, O.MatrixOp) and op.layout == "rows8"}
     assert formats == {"i8"}
     assert {op.x_format for op in pib.module.ops() if isinstance(op, O.Linear) and op.layout == "rows"} == {"i16"}
     with PibFile(path) as f:
-        assert "_r8_xi8(" in f.text("cpu/ir") and "@picc_round_xi8(" in f.text("cpu/ir")
+        assert "_r8_xi8(" in f.text("cpu/ir") and "_r8_xi8_rows(" in f.text("cpu/ir")
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)
