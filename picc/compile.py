@@ -70,6 +70,11 @@ class CompileOptions:
             raise PiccError(f"--float-dots and {flag} ask for opposite dot products; give one of them")
         return target
 
+    @property
+    def int_x(self) -> str:
+        """What x is rounded to where a kernel reading eight rows at a time rounds it."""
+        return "i8" if self.int8_dots else "i16"
+
 
 @dataclass(frozen=True)
 class Compiled:
@@ -95,7 +100,7 @@ def _fuse(options: CompileOptions) -> list[PassSpec]:
     """fuse-gather-gemv, dce and select-kernels, with the dot products ``options`` ask for."""
     dots = "no" if options.float_dots else "yes" if options.int_dots else "auto"
     return [PassSpec("fuse-gather-gemv", FuseOptions()), PassSpec("dce"),
-            PassSpec("select-kernels", SelectOptions(int_dots=dots, int_x="i8" if options.int8_dots else "i16"))]
+            PassSpec("select-kernels", SelectOptions(int_dots=dots, int_x=options.int_x))]
 
 
 def compile_model(model: LoadedModel, options: CompileOptions, instruments: Instruments | None = None,
@@ -308,7 +313,7 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
     report = _dense_report(model, options, target)
     ms = report["estimate_ms_per_token"]
     seconds = (ms["total"] - ms["ffn"]) / 1e3
-    x_format = ("i8" if options.int8_dots else "i16") if options.int_dots else "f32"
+    x_format = options.int_x if options.int_dots else "f32"
     for op in model.module.ops():
         if isinstance(op, O.FFN):
             for name in (op.up, op.gate, op.down):

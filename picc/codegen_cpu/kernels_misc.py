@@ -17,6 +17,7 @@ from picc.codegen_cpu.int16x import emit_round_x
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.errors import PiccError
+from picc.quant import INT_X_MAX
 
 V16 = vec(16)
 
@@ -182,8 +183,8 @@ def round_x(x_format: str = "i16") -> Kernel:
     """``out = x`` rounded as the ``_xi16`` / ``_xi8`` kernels read it (``picc.quant.round_x_blocks``):
     ``seq`` rows of ``n`` floats (n a multiple of 32), back to back; threads split the blocks.
     The prefill program's GEMMs read it where the step's kernels dot rounded x."""
-    if x_format not in ("i16", "i8"):
-        raise PiccError(f"codegen_cpu: x is rounded to i16 or i8, not {x_format!r}")
+    if x_format not in INT_X_MAX:
+        raise PiccError(f"codegen_cpu: x is rounded to one of {', '.join(INT_X_MAX)}, not {x_format!r}")
     symbol = names.cpu_elementwise(f"round_x{x_format}")
 
     def emit(simd: str) -> str:
