@@ -44,17 +44,17 @@ PREFILL_CHUNK = 32  # prompt tokens per call of the prefill program
 PREFILL_SYMBOL = "picc_prefill_chunk"
 LOGITS_SYMBOL = "picc_logits_chunk"
 
-_XI16 = "<rows rounded to int16 or int8>"  # the access name of the chunk programs' rounding slot
+_ROUNDED = "<rows rounded to int16 or int8>"  # the access name of the chunk programs' rounding slot
 
 
 @dataclass
 class ChunkSlots:
     """The buffers the chunk programs share (one runs at a time): their activations, the chunk's
-    token ids, and the rows rounded to int16 (made when a program first needs them)."""
+    token ids, and the rows rounded to int16 or int8 (made when a program first needs them)."""
 
     activations: int
     tokens: int
-    xi16: int | None = None
+    rounded: int | None = None
 
     @classmethod
     def allocate(cls, bufs: CpuBuffers) -> ChunkSlots:
@@ -75,7 +75,7 @@ class ChunkLowering(OpLowering):
         super().__init__(func, weights, sched, ctx, bufs)
         self.slots, self.plan = slots, plan
         self.regions = ChunkRegions(slots.activations, slots.tokens, PREFILL_CHUNK, self.types, plan.last_read)
-        self.xi16_holds: tuple[str, str] | None = None  # (value, x format) whose rounded rows the slot holds now
+        self.rounded_holds: tuple[str, str] | None = None  # (value, x format) whose rounded rows the slot holds now
         self.programs: list[Program] = []
 
     # --- where values live: seq rows each in the chunk's buffer -----------------------------------
@@ -134,12 +134,12 @@ class ChunkLowering(OpLowering):
         self.call(op, kernels_misc.add(), self.value(op.a), self.value(op.b), self.activation(op.result),
                   self.regions.size * self.width(op.result), batched=True)
 
-    def xi16_buffer(self, width: int) -> Buf:
+    def rounded_buffer(self, width: int) -> Buf:
         """The chunk programs' slot for rows rounded to int16 or int8 (grown to ``width`` floats a row)."""
-        if self.slots.xi16 is None:
-            self.slots.xi16 = self.bufs.slot("chunk rows rounded to int16 or int8")
-        self.bufs.grow(self.slots.xi16, 4 * PREFILL_CHUNK * width)
-        return Buf(self.slots.xi16, 0, stride=4 * width)
+        if self.slots.rounded is None:
+            self.slots.rounded = self.bufs.slot("chunk rows rounded to int16 or int8")
+        self.bufs.grow(self.slots.rounded, 4 * PREFILL_CHUNK * width)
+        return Buf(self.slots.rounded, 0, stride=4 * width)
 
     def gemm_input(self, op: Op, value: str, width: int, weight: str) -> tuple[Buf, Access | None]:
         """What a prefill GEMM of ``op`` over ``weight`` reads for ``value`` and the access of that
@@ -150,12 +150,12 @@ class ChunkLowering(OpLowering):
         x_format = _x_format(op)
         if not (x_format != "f32" and self.weights[weight].dtype.value in names.INT_DOT_DTYPES):
             return self.value(value), None
-        slot = self.xi16_buffer(width)
-        if self.xi16_holds != (value, x_format):
+        slot = self.rounded_buffer(width)
+        if self.rounded_holds != (value, x_format):
             self.call(op, kernels_misc.round_x(x_format), self.value(value), slot, self.rows(), width, batched=True,
-                      access=Access(frozenset({value}), frozenset({_XI16}), True))
-            self.xi16_holds = (value, x_format)
-        return slot, Access(frozenset(set(op.values()) | {_XI16}), frozenset({op.result}),
+                      access=Access(frozenset({value}), frozenset({_ROUNDED}), True))
+            self.rounded_holds = (value, x_format)
+        return slot, Access(frozenset(set(op.values()) | {_ROUNDED}), frozenset({op.result}),
                             isinstance(op, _BARRIER_FREE))
 
     def dense_ffn(self, op: O.FFN) -> None:
@@ -190,17 +190,17 @@ class ChunkLowering(OpLowering):
             # Independent of the up GEMM before it (each writes its own half of the scratch): no
             # barrier between the two. (The up GEMM keeps the op's access and its barrier before.)
             xg, gate_access = self.gemm_input(op, op.x, hidden, op.gate)
-            reads = {op.x} | (gate_access.reads & {_XI16} if gate_access else set())
+            reads = {op.x} | (gate_access.reads & {_ROUNDED} if gate_access else set())
             gemm(op.gate, op.gate_bias, xg, g, n, hidden,
                  access=Access(frozenset(reads), frozenset({f"{op.result}.gate"}), True))
         self.call(op, kernels_misc.ffn_activation(op.form), g, u, u, floats, batched=True)
         h, down_access = u, None
         if _x_format(op) != "f32" and self.weights[op.down].dtype.value in names.INT_DOT_DTYPES:
             # The step's kernel dots the down rows with h rounded as x is: so does the prefill.
-            self.call(op, kernels_misc.round_x(_x_format(op)), u, self.xi16_buffer(n), rows, n, batched=True,
-                      access=Access(frozenset({op.result}), frozenset({_XI16}), False))
-            self.xi16_holds = None
-            h, down_access = self.xi16_buffer(n), Access(frozenset({_XI16}), frozenset({op.result}), False)
+            self.call(op, kernels_misc.round_x(_x_format(op)), u, self.rounded_buffer(n), rows, n, batched=True,
+                      access=Access(frozenset({op.result}), frozenset({_ROUNDED}), False))
+            self.rounded_holds = None
+            h, down_access = self.rounded_buffer(n), Access(frozenset({_ROUNDED}), frozenset({op.result}), False)
         gemm(op.down, op.down_bias, h, self.activation(op.result), hidden, n, down_access)
 
     def fused_ffn(self, op: FusedFFN) -> None:
@@ -236,7 +236,7 @@ class ChunkLowering(OpLowering):
         for i, (gpu, cpu) in enumerate(plan.stages):
             for v in plan.gpu_out[i]:
                 regions.place(v)
-            self.xi16_holds = None
+            self.rounded_holds = None
             self.begin(symbol if len(plan.stages) == 1 else f"{symbol}_{i}")
             for n in cpu:
                 self.lower(self.ops[n])
