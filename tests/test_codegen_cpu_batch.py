@@ -22,6 +22,7 @@ from test_codegen_cpu_kernels import run, weights
 from picc import quant
 from picc.codegen_cpu import aligned_zeros, build_ir, compile_kernels
 from picc.codegen_cpu.compiler import CpuModule
+from picc.codegen_cpu.kernels_attention import attention, attention_rows
 from picc.codegen_cpu.kernels_batch import (
     _BLOCK_BYTES,
     BATCH_PARAMS,
@@ -66,7 +67,8 @@ def ffn_kernels(case: tuple) -> tuple:
             dense_ffn_rows(form, dtype, gate, dtype, x_format, rows8))
 
 
-ALL = [k for case in GEMV_CASES for k in gemv_kernels(case)] + [k for case in FFN_CASES for k in ffn_kernels(case)]
+ALL = ([k for case in GEMV_CASES for k in gemv_kernels(case)] + [k for case in FFN_CASES for k in ffn_kernels(case)]
+       + [attention(), attention_rows()])
 
 
 @pytest.fixture(scope="module")
@@ -331,3 +333,47 @@ def test_pairs_of_x_rows_keep_each_rows_bits(host, by_level, teams, level, threa
             run(module, team, batched, x, *ffn.mats, *ffn.biases, y, scratch, FFN_N, FFN_HIDDEN, accumulate, batch,
                 x.strides[0], y.strides[0])
             assert_rows_equal(y, expected, FFN_HIDDEN, (case, batch))
+
+
+# ------------------------------------------------------------------ attention of a batch's rows
+
+ATTN_HEADS, ATTN_KV, ATTN_CTX = 6, 2, 16
+ATTN_COLUMNS = 3  # pointers per row of the KV table: the layer's in column 1, others between rows
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize(("hd", "window"), [(20, 0), (84, 3), (64, 0)])  # a tail; the wide V pass + 16 + a tail
+def test_attention_rows_are_the_one_row_attentions_bits(host, teams, threads, hd, window):
+    # Each row at its own position (0, mid-cache, the last) with its own caches, reached through a
+    # table of pointers: its output is picc_attention's for that row alone, bit for bit, its k and v
+    # land in its own caches at its position, and nothing else is written.
+    rng, team, width, n = np.random.default_rng(71), teams[threads], ATTN_KV * hd, ATTN_HEADS * hd
+    q_at, k_at, v_at, out_at = 0, n + X_PAD, n + width + 2 * X_PAD, n + 2 * width + 3 * X_PAD
+    stride = 2 * n + 2 * width + 4 * X_PAD  # floats a row: q, k, v and out with padding after each
+    for batch in BATCHES:
+        positions = np.array([(0, ATTN_CTX - 1, 7)[b % 3] for b in range(batch)], np.int32)
+        positions[3::4] = rng.integers(0, ATTN_CTX, size=len(positions[3::4]))
+        rows = np.full((batch, stride), np.nan, np.float32)
+        for at, floats in ((q_at, n), (k_at, width), (v_at, width)):
+            rows[:, at : at + floats] = rng.normal(size=(batch, floats))
+        caches = [rng.normal(size=(2, ATTN_CTX, width)).astype(np.float32) for _ in range(batch)]
+        expected_caches, expected = [c.copy() for c in caches], np.empty((batch, n), np.float32)
+        for b in range(batch):
+            run(host, team, attention(), np.ascontiguousarray(rows[b, q_at : q_at + n]),
+                np.ascontiguousarray(rows[b, k_at : k_at + width]), np.ascontiguousarray(rows[b, v_at : v_at + width]),
+                expected_caches[b][0], expected_caches[b][1], expected[b], 1, int(positions[b]), ATTN_HEADS, ATTN_KV,
+                hd, hd**-0.5, window)
+        table = np.zeros((batch, ATTN_COLUMNS), np.uint64)
+        table[:, 1] = [c.ctypes.data for c in caches]
+        out = rows.copy()
+        base = out.ctypes.data
+        run(host, team, attention_rows(), base + 4 * q_at, base + 4 * k_at, base + 4 * v_at, table.ctypes.data + 8,
+            base + 4 * out_at, batch, positions, ATTN_HEADS, ATTN_KV, hd, hd**-0.5, window, ATTN_CTX,
+            out.strides[0], table.strides[0])
+        for b in range(batch):
+            got = out[b, out_at : out_at + n]
+            assert np.array_equal(got.view(np.uint32), expected[b].view(np.uint32)), (batch, b)
+            assert np.array_equal(caches[b], expected_caches[b]), (batch, b)
+        rest = np.ones(stride, bool)
+        rest[out_at : out_at + n] = False
+        assert np.array_equal(out[:, rest], rows[:, rest], equal_nan=True)

@@ -162,8 +162,9 @@ def test_each_slot_has_its_own_kv_caches(model):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_batch_step_gives_each_row_the_bits_of_its_own_step(model, threads):
-    # Four sequences of different lengths through the batch step, token by token, rows dropping
-    # out as their prompts end: each row's logits are the one-sequence step's, bit for bit.
+    # Four sequences of different lengths through the batch step, token by token, joining one step
+    # after another (each row at its own position) and dropping out as their prompts end: each
+    # row's logits are the one-sequence step's, bit for bit.
     prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[2], PROMPTS[7]]
     expected = []
     for p in prompts:
@@ -174,13 +175,15 @@ def test_the_batch_step_gives_each_row_the_bits_of_its_own_step(model, threads):
         assert cpu.batch_capacity >= len(prompts)
         pool = SequencePool(session.executor, len(prompts))
         slots = [pool.acquire() for _ in prompts]
-        for t in range(max(map(len, prompts))):
-            rows = [i for i, p in enumerate(prompts) if t < len(p)]
-            cpu.batch_step([prompts[i][t] for i in rows], [t] * len(rows), pool.pointers([slots[i] for i in rows]))
+        for step in range(max(i + len(p) for i, p in enumerate(prompts))):
+            rows = [i for i, p in enumerate(prompts) if 0 <= step - i < len(p)]  # sequence i joins at step i
+            cpu.batch_step([prompts[i][step - i] for i in rows], [step - i for i in rows],
+                           pool.pointers([slots[i] for i in rows]))
             greedy = cpu.batch_greedy(len(rows))
             for r, i in enumerate(rows):
-                np.testing.assert_array_equal(cpu.batch_logits(r).view(np.uint32), expected[i][t].view(np.uint32))
-                assert greedy[r] == int(np.argmax(expected[i][t]))
+                np.testing.assert_array_equal(cpu.batch_logits(r).view(np.uint32),
+                                              expected[i][step - i].view(np.uint32))
+                assert greedy[r] == int(np.argmax(expected[i][step - i]))
         with pytest.raises(ExecutorError, match="batch step takes"):
             cpu.batch_step([1] * (cpu.batch_capacity + 1), [0] * (cpu.batch_capacity + 1),
                            pool.pointers([0] * (cpu.batch_capacity + 1)))

@@ -12,13 +12,22 @@ barrier, then computes, for each (row s, query head h) of the thread's share, wi
 
 as ``picc.interpreter.attention`` does (ALiBi is not supported here). The caller guarantees
 ``pos + seq <= ctx``.
+
+:func:`attention_rows` is the decode step of a server's batch of sequences: row b is the token at
+position ``positions[b]`` of its own sequence, whose caches the runtime's table of pointers gives.
+Each (row, head) goes through the very emitter the one-row kernel's items go through
+(:func:`_emit_head`), so a row's output is the one-sequence step's bit for bit; one call for the
+batch keeps every thread busy on the batch's rows x heads items between one barrier, where a call
+per row split each row's few heads between the threads (9 of them on two) and waited at a
+barrier for each.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
-from picc.codegen_cpu.irtext import F32, chunk_bounds, fconst, vec
+from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_misc import vector_sum
 from picc.codegen_cpu.rowops import emit_dots
@@ -27,6 +36,23 @@ V16 = vec(16)
 ATTENTION_PARAMS = (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("kcache", "ptr"), ("vcache", "ptr"), ("out", "ptr"),
                     ("seq", "i32"), ("pos", "i32"), ("n_heads", "i32"), ("n_kv_heads", "i32"), ("head_dim", "i32"),
                     ("scale", "f32"), ("window", "i32"))
+# attention_rows: q, k, v and out rows ``row_stride`` bytes apart; row b's caches at the pointer
+# ``kv + b * kv_stride`` (its k rows; its v rows ``ctx`` cache rows after them), its position
+# ``positions[b]`` (i32).
+ATTENTION_ROWS_PARAMS = (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("kv", "ptr"), ("out", "ptr"),
+                         ("batch", "i32"), ("positions", "ptr"), ("n_heads", "i32"), ("n_kv_heads", "i32"),
+                         ("head_dim", "i32"), ("scale", "f32"), ("window", "i32"), ("ctx", "i32"),
+                         ("row_stride", "i32"), ("kv_stride", "i32"))
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The heads of a call (i64 values): query heads, KV heads, features a head, floats a cache row."""
+
+    heads: str
+    kv: str
+    hd: str
+    width: str
 
 
 @cache
@@ -35,92 +61,150 @@ def attention() -> Kernel:
     ``window`` = 0 means no sliding window."""
     symbol = "picc_attention"
 
-    # The emitter is over 80 lines: its statements follow the kernel's loop nest (heads, cache
-    # rows, softmax, the weighted sum of v) one to one, which splitting would hide.
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, ATTENTION_PARAMS)
-        seq, pos, heads, kv, hd = (fn.sext(f"%{n}") for n in ("seq", "pos", "n_heads", "n_kv_heads", "head_dim"))
+        seq, pos = fn.sext("%seq"), fn.sext("%pos")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
-        width = fn.v(f"mul i64 {kv}, {hd}", "width")  # floats per cache row
+        shape = _shape(fn)
         # -- phase 1: k, v -> cache rows pos.., threads copying 16-float aligned chunks
-        c0, c1 = chunk_bounds(fn, fn.v(f"mul i64 {seq}, {width}", "tot"), tid, nthreads, align=16)
+        c0, c1 = chunk_bounds(fn, fn.v(f"mul i64 {seq}, {shape.width}", "tot"), tid, nthreads, align=16)
         cbytes = fn.v(f"shl i64 {fn.v(f'sub i64 {c1}, {c0}', 'cn')}, 2", "cb")
-        dst0 = fn.v(f"add i64 {fn.v(f'mul i64 {pos}, {width}', 'pw')}, {c0}", "dst")
+        dst0 = fn.v(f"add i64 {fn.v(f'mul i64 {pos}, {shape.width}', 'pw')}, {c0}", "dst")
         for src, cache_ in (("%k", "%kcache"), ("%v", "%vcache")):
-            fn.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr align 4 {fn.at(cache_, 4, dst0)}, "
-                    f"ptr align 4 {fn.at(src, 4, c0)}, i64 {cbytes}, i1 false)")
+            _copy(fn, fn.at(cache_, 4, dst0), fn.at(src, 4, c0), cbytes)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # -- phase 2: (row, head) items
-        group = fn.v(f"sdiv i64 {heads}, {kv}", "group")
-        ctx = fn.v(f"add i64 {pos}, {seq}", "ctx")
-        scores = fn.alloca_array(F32, ctx, "scores")
-        lo, hi = chunk_bounds(fn, fn.v(f"mul i64 {seq}, {heads}", "items"), tid, nthreads)
+        scores = fn.alloca_array(F32, fn.v(f"add i64 {pos}, {seq}", "ctx"), "scores")
+        lo, hi = chunk_bounds(fn, fn.v(f"mul i64 {seq}, {shape.heads}", "items"), tid, nthreads)
         with fn.loop(lo, hi, hint="it") as it:
-            s = fn.v(f"sdiv i64 {it}, {heads}", "s")
-            h = fn.v(f"srem i64 {it}, {heads}", "h")
-            p = fn.v(f"add i64 {pos}, {s}", "p")
-            g = fn.v(f"sdiv i64 {h}, {group}", "g")
-            win = fn.sext("%window")
-            start = fn.var("i64", "0", "start")
-            with fn.if_(fn.v(f"icmp sgt i64 {win}, 0", "haswin")):
-                start.set(fn.max64("0", fn.v(f"add i64 {fn.v(f'sub i64 {p}, {win}', 'pw')}, 1", "ws")))
-            j0 = start.get("j0")
-            count = fn.v(f"sub i64 {fn.v(f'add i64 {p}, 1', 'p1')}, {j0}", "count")
-            qrow = fn.at("%q", 4, fn.v(f"mul i64 {it}, {hd}", "qo"), "qrow")
-            goff = fn.v(f"mul i64 {g}, {hd}", "goff")
-
-            def cache_row(base: str, j: str) -> str:
-                return fn.at(base, 4, fn.v(f"add i64 {fn.v(f'mul i64 {j}, {width}', 'jw')}, {goff}", "co"), "crow")
-
-            # Scores four cached positions at a time: one pass over q for four K rows.
-            count4 = fn.v(f"and i64 {count}, -4", "c4")
-            with fn.loop("0", count4, "4", "j") as j:
-                js = [j] + [fn.v(f"add i64 {j}, {t}", "jt") for t in range(1, 4)]
-                krows = [("f32", cache_row("%kcache", fn.v(f"add i64 {j0}, {jt}", "jj"))) for jt in js]
-                for jt, dot in zip(js, emit_dots(fn, krows, qrow, hd, simd), strict=True):
-                    fn.store(F32, fn.v(f"fmul float {dot}, %scale", "sc"), fn.at(scores, 4, jt), 4)
-            with fn.loop(count4, count, hint="j") as j:
-                (dot,) = emit_dots(fn, [("f32", cache_row("%kcache", fn.v(f"add i64 {j0}, {j}", "jj")))],
-                                   qrow, hd, simd)
-                fn.store(F32, fn.v(f"fmul float {dot}, %scale", "sc"), fn.at(scores, 4, j), 4)
-            top = fn.var(F32, fconst(float("-inf")), "top")
-            with fn.loop("0", count, hint="j") as j:
-                top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, "
-                             f"float {fn.load(F32, fn.at(scores, 4, j), 4, 'sc')})", "top"))
-            m = top.get("m")
-            with fn.loop("0", count, hint="j") as j:
-                sp = fn.at(scores, 4, j)
-                shifted = fn.v(f"fsub float {fn.load(F32, sp, 4, 'sc')}, {m}", "sm")
-                e = fn.v(f"call float @picc_exp(float {shifted})", "e")
-                fn.store(F32, e, sp, 4)
-            total = vector_sum(fn, scores, count)
-            with fn.loop("0", count, hint="j") as j:
-                sp = fn.at(scores, 4, j)
-                fn.store(F32, fn.v(f"fdiv float {fn.load(F32, sp, 4, 'e')}, {total}", "prob"), sp, 4)
-            # out[s, h] = sum_j prob_j v_j: up to 64 features in registers per pass over the
-            # positions (one broadcast of prob_j for all of them), then 16, then one at a time.
-            orow = fn.at("%out", 4, fn.v(f"mul i64 {it}, {hd}", "oo"), "orow")
-            d64 = fn.v(f"and i64 {hd}, -64", "d64")
-            d16 = fn.v(f"and i64 {hd}, -16", "d16")
-            for start, stop, vectors in (("0", d64, 4), (d64, d16, 1)):
-                with fn.loop(start, stop, str(16 * vectors), "d") as d:
-                    accs = [fn.var(V16, "zeroinitializer", "acc") for _ in range(vectors)]
-                    with fn.loop("0", count, hint="j") as j:
-                        vrow = cache_row("%vcache", fn.v(f"add i64 {j0}, {j}", "jj"))
-                        pv = fn.splat(16, fn.load(F32, fn.at(scores, 4, j), 4, "prob"))
-                        for w, acc in enumerate(accs):
-                            vp = fn.at(vrow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw"))
-                            acc.set(fn.fma(V16, pv, fn.load(V16, vp, 4, "v"), acc.get()))
-                    for w, acc in enumerate(accs):
-                        fn.store(V16, acc.get(), fn.at(orow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw")), 4)
-            with fn.loop(d16, hd, hint="d") as d:
-                acc1 = fn.var(F32, fconst(0.0), "acc")
-                with fn.loop("0", count, hint="j") as j:
-                    vrow = cache_row("%vcache", fn.v(f"add i64 {j0}, {j}", "jj"))
-                    acc1.set(fn.fma(F32, fn.load(F32, fn.at(scores, 4, j), 4, "prob"),
-                                    fn.load(F32, fn.at(vrow, 4, d), 4, "v"), acc1.get()))
-                fn.store(F32, acc1.get(), fn.at(orow, 4, d), 4)
+            p = fn.v(f"add i64 {pos}, {fn.v(f'sdiv i64 {it}, {shape.heads}', 's')}", "p")
+            h = fn.v(f"srem i64 {it}, {shape.heads}", "h")
+            head = fn.v(f"mul i64 {it}, {shape.hd}", "qo")
+            _emit_head(fn, simd, shape, fn.at("%q", 4, head, "qrow"), fn.at("%out", 4, head, "orow"), h, p,
+                       ("%kcache", "%vcache"), scores)
         fn.ret_void()
         return fn.text()
 
     return Kernel(symbol, ATTENTION_PARAMS, emit, attention.__doc__ or "")
+
+
+@cache
+def attention_rows() -> Kernel:
+    """:func:`attention` of ``batch`` rows, each a token of its own sequence (see module doc)."""
+    symbol = "picc_attention_rows"
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, ATTENTION_ROWS_PARAMS)
+        batch, ctx, row_stride, kv_stride = (fn.sext(f"%{n}") for n in ("batch", "ctx", "row_stride", "kv_stride"))
+        tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
+        shape = _shape(fn)
+        row_bytes = fn.v(f"shl i64 {shape.width}, 2", "rowb")
+        v_offset = fn.v(f"mul i64 {ctx}, {row_bytes}", "voff")  # bytes from a layer's k rows to its v rows
+
+        def row_of(b: str) -> tuple[str, str, str]:
+            """Row b's position (i64) and its sequence's caches of the layer (k rows, v rows)."""
+            pos = fn.sext(fn.load("i32", fn.at("%positions", 4, b), 4, "pos"), "pos")
+            kc = fn.load("ptr", fn.gep("%kv", fn.v(f"mul i64 {b}, {kv_stride}", "kvo")), 8, "kc")
+            return pos, kc, fn.gep(kc, v_offset, "vc")
+
+        # -- phase 1: each row's k, v -> its caches at its position, threads splitting the rows
+        r0, r1 = chunk_bounds(fn, batch, tid, nthreads)
+        with fn.loop(r0, r1, hint="b") as b:
+            pos, kc, vc = row_of(b)
+            at, dst = fn.v(f"mul i64 {b}, {row_stride}", "ro"), fn.v(f"mul i64 {pos}, {row_bytes}", "po")
+            for src, cache_ in (("%k", kc), ("%v", vc)):
+                _copy(fn, fn.gep(cache_, dst), fn.gep(src, at), row_bytes)
+        fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+        # -- phase 2: (row, head) items, as the one-row kernel's
+        scores = fn.alloca_array(F32, ctx, "scores")
+        lo, hi = chunk_bounds(fn, fn.v(f"mul i64 {batch}, {shape.heads}", "items"), tid, nthreads)
+        with fn.loop(lo, hi, hint="it") as it:
+            b = fn.v(f"sdiv i64 {it}, {shape.heads}", "b")
+            h = fn.v(f"srem i64 {it}, {shape.heads}", "h")
+            pos, kc, vc = row_of(b)
+            head_bytes = fn.v(f"shl i64 {fn.v(f'mul i64 {h}, {shape.hd}', 'ho')}, 2", "hb")
+            head = fn.v(f"add i64 {fn.v(f'mul i64 {b}, {row_stride}', 'ro')}, {head_bytes}", "qo")
+            _emit_head(fn, simd, shape, fn.gep("%q", head, "qrow"), fn.gep("%out", head, "orow"), h, pos,
+                       (kc, vc), scores)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, ATTENTION_ROWS_PARAMS, emit, attention_rows.__doc__ or "")
+
+
+def _shape(fn: Fn) -> Shape:
+    heads, kv, hd = (fn.sext(f"%{n}") for n in ("n_heads", "n_kv_heads", "head_dim"))
+    return Shape(heads, kv, hd, fn.v(f"mul i64 {kv}, {hd}", "width"))
+
+
+def _copy(fn: Fn, dst: str, src: str, nbytes: str) -> None:
+    fn.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr align 4 {dst}, ptr align 4 {src}, i64 {nbytes}, i1 false)")
+
+
+# The emitter is over 60 lines: its statements follow the loop nest of one (row, head) item (cache
+# rows, softmax, the weighted sum of v) one to one, which splitting would hide.
+def _emit_head(fn: Fn, simd: str, shape: Shape, qrow: str, orow: str, h: str, p: str,
+               caches: tuple[str, str], scores: str) -> None:
+    """``orow`` = the attention of query head ``h`` (``qrow``) at position ``p`` over the cache
+    rows up to p (``caches``: the layer's k rows and v rows, ``p + 1`` at least) as the module
+    doc says, with ``scores`` (p + 1 floats) for the probabilities."""
+    kcache, vcache = caches
+    hd = shape.hd
+    g = fn.v(f"sdiv i64 {h}, {fn.v(f'sdiv i64 {shape.heads}, {shape.kv}', 'group')}", "g")
+    win = fn.sext("%window")
+    start = fn.var("i64", "0", "start")
+    with fn.if_(fn.v(f"icmp sgt i64 {win}, 0", "haswin")):
+        start.set(fn.max64("0", fn.v(f"add i64 {fn.v(f'sub i64 {p}, {win}', 'pw')}, 1", "ws")))
+    j0 = start.get("j0")
+    count = fn.v(f"sub i64 {fn.v(f'add i64 {p}, 1', 'p1')}, {j0}", "count")
+    goff = fn.v(f"mul i64 {g}, {hd}", "goff")
+
+    def cache_row(base: str, j: str) -> str:
+        return fn.at(base, 4, fn.v(f"add i64 {fn.v(f'mul i64 {j}, {shape.width}', 'jw')}, {goff}", "co"), "crow")
+
+    # Scores four cached positions at a time: one pass over q for four K rows.
+    count4 = fn.v(f"and i64 {count}, -4", "c4")
+    with fn.loop("0", count4, "4", "j") as j:
+        js = [j] + [fn.v(f"add i64 {j}, {t}", "jt") for t in range(1, 4)]
+        krows = [("f32", cache_row(kcache, fn.v(f"add i64 {j0}, {jt}", "jj"))) for jt in js]
+        for jt, dot in zip(js, emit_dots(fn, krows, qrow, hd, simd), strict=True):
+            fn.store(F32, fn.v(f"fmul float {dot}, %scale", "sc"), fn.at(scores, 4, jt), 4)
+    with fn.loop(count4, count, hint="j") as j:
+        (dot,) = emit_dots(fn, [("f32", cache_row(kcache, fn.v(f"add i64 {j0}, {j}", "jj")))], qrow, hd, simd)
+        fn.store(F32, fn.v(f"fmul float {dot}, %scale", "sc"), fn.at(scores, 4, j), 4)
+    top = fn.var(F32, fconst(float("-inf")), "top")
+    with fn.loop("0", count, hint="j") as j:
+        top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, "
+                     f"float {fn.load(F32, fn.at(scores, 4, j), 4, 'sc')})", "top"))
+    m = top.get("m")
+    with fn.loop("0", count, hint="j") as j:
+        sp = fn.at(scores, 4, j)
+        shifted = fn.v(f"fsub float {fn.load(F32, sp, 4, 'sc')}, {m}", "sm")
+        e = fn.v(f"call float @picc_exp(float {shifted})", "e")
+        fn.store(F32, e, sp, 4)
+    total = vector_sum(fn, scores, count)
+    with fn.loop("0", count, hint="j") as j:
+        sp = fn.at(scores, 4, j)
+        fn.store(F32, fn.v(f"fdiv float {fn.load(F32, sp, 4, 'e')}, {total}", "prob"), sp, 4)
+    # out = sum_j prob_j v_j: up to 64 features in registers per pass over the positions (one
+    # broadcast of prob_j for all of them), then 16, then one at a time.
+    d64 = fn.v(f"and i64 {hd}, -64", "d64")
+    d16 = fn.v(f"and i64 {hd}, -16", "d16")
+    for lo, stop, vectors in (("0", d64, 4), (d64, d16, 1)):
+        with fn.loop(lo, stop, str(16 * vectors), "d") as d:
+            accs = [fn.var(V16, "zeroinitializer", "acc") for _ in range(vectors)]
+            with fn.loop("0", count, hint="j") as j:
+                vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"))
+                pv = fn.splat(16, fn.load(F32, fn.at(scores, 4, j), 4, "prob"))
+                for w, acc in enumerate(accs):
+                    vp = fn.at(vrow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw"))
+                    acc.set(fn.fma(V16, pv, fn.load(V16, vp, 4, "v"), acc.get()))
+            for w, acc in enumerate(accs):
+                fn.store(V16, acc.get(), fn.at(orow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw")), 4)
+    with fn.loop(d16, hd, hint="d") as d:
+        acc1 = fn.var(F32, fconst(0.0), "acc")
+        with fn.loop("0", count, hint="j") as j:
+            vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"))
+            acc1.set(fn.fma(F32, fn.load(F32, fn.at(scores, 4, j), 4, "prob"),
+                            fn.load(F32, fn.at(vrow, 4, d), 4, "v"), acc1.get()))
+        fn.store(F32, acc1.get(), fn.at(orow, 4, d), 4)

@@ -11,7 +11,9 @@ server's batches must not change what a sequence generates (sparse gate decision
 * the linears and dense FFNs call the batched twins of the step's kernels
   (:mod:`.kernels_batch`): each weight group is read from memory once for every row and dotted
   with each row exactly as the one-row kernel dots it, the rows split across threads as there;
-* every other op (norms, rotary embedding, attention, sparse FFNs, the argmax) calls the step's own
+* attention takes the batch in one call (``attention_rows``), each (row, head) computed by the
+  emitter of the step's kernel against the row's own caches;
+* every other op (norms, rotary embedding, sparse FFNs, the argmax) calls the step's own
   kernel once per row (:meth:`Program.call`'s ``repeat``), on that row's memory: row s's values
   live in its own copy of the step's activation buffer (``stride`` bytes apart, each value at the
   step's offset), so a row's kernels see exactly what the step's would.
@@ -21,7 +23,7 @@ Only a model that runs on the CPU alone has one (a GPU part runs one sequence's 
 
 from __future__ import annotations
 
-from picc.codegen_cpu import kernels_batch, kernels_misc
+from picc.codegen_cpu import kernels_attention, kernels_batch, kernels_misc
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, ZEROS, CpuBuffers
 from picc.codegen_cpu.chunks import aligned
 from picc.codegen_cpu.lower_decode import DecodeLowering
@@ -122,6 +124,14 @@ class BatchLowering(DecodeLowering):
                         self.weight(op.gate, layout=layout), self.weight(op.down, layout=layout),
                         self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True),
                         self.weight(op.down_bias, as_f32=True), y, scratch, n, hidden, accumulate, writes=writes)
+
+    def attention(self, op: O.Attention) -> None:
+        """One call for the batch's rows, each against its own caches (``attention_rows``)."""
+        table = Buf(self.kv_table, 8 * self.cache_names.index(op.cache))  # row 0's pointer to the layer's caches
+        OpLowering.call(self, op, kernels_attention.attention_rows(), self.value(op.q), self.value(op.k),
+                        self.value(op.v), table, self.activation(op.result), self.per_token(), Buf(self.positions),
+                        op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, self.ctx,
+                        self.stride, 8 * len(self.cache_names), batched=True)
 
     # --- the program -------------------------------------------------------------------------------
 

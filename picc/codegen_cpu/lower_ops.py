@@ -196,6 +196,12 @@ class OpLowering(ABC):
         """The position of the (first) token a call computes."""
         return Param(PARAMS, PARAM_SLOTS["pos"])
 
+    def attention(self, op: O.Attention) -> None:
+        k_rows, v_rows = self.kv_rows(op.cache, self.width(op.k))
+        self.call(op, kernels_attention.attention(), self.value(op.q), self.value(op.k), self.value(op.v),
+                  k_rows, v_rows, self.activation(op.result), self.rows(), self.position(),
+                  op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, batched=True)
+
     def lower(self, op: Op) -> None:  # noqa: C901 - one case per op
         pos = self.position()
         match op:
@@ -221,10 +227,7 @@ class OpLowering(ABC):
                 self.call(op, kernels_misc.rope(op.style), rotated, freq, self.rows(), pos, op.n_heads,
                           op.head_dim, op.rotated, batched=True)
             case O.Attention():
-                k_rows, v_rows = self.kv_rows(op.cache, self.width(op.k))
-                self.call(op, kernels_attention.attention(), self.value(op.q), self.value(op.k), self.value(op.v),
-                          k_rows, v_rows, self.activation(op.result), self.rows(), pos,
-                          op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, batched=True)
+                self.attention(op)
             case O.Add():
                 self.add(op)
             case Merge():
