@@ -167,11 +167,11 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
     converted halves and four rows spilled two accumulators a block: the f16 GEMV ran at ~9 bytes
     a cycle, in L2 as from L3). f32 rows keep a 16-lane accumulator and add ``w_lo x_lo`` then
     ``w_hi x_hi`` to it: their FMAs read w straight from memory, so nothing spills, and the
-    folded form measured 4-7% slower on SmolLM2 F32. q8_0 rows keep ``t`` in 16 lanes and add
-    ``d t`` to a 16-lane accumulator (no fold): three operations a block for each x where folding
-    took five, which is what bounds a batched LM head (every x row repeats them), and on AVX2 as
-    many instructions as the folded form (``llvm-mca`` on the GEMV's loop: within 3% either way on
-    Zen 3 and Skylake, 13% fewer cycles on Ice Lake's AVX-512). The 4-bit formats take ``q`` as
+    folded form measured 4-7% slower on SmolLM2 F32. q8_0 rows are dequantized first, ``w = d q``
+    (exact in float32: an f16 scale's 11 significant bits times 8 bits of quant), and then go as
+    f32 rows: two FMAs a block for each x, where ``d (q_lo x_lo + q_hi x_hi)`` took three (and
+    folding five), which is what bounds a batched LM head (every x row repeats them; the
+    products with d are made once for all of them). The 4-bit formats take ``q`` as
     stored and move the rest to x's side: q4_0 starts t from ``-8 (x_lo + x_hi)``
     (``(q - 8) . x = q . x - 8 sum(x)``), q4_1 adds ``m`` times the folded ``x_lo + x_hi``
     (``(d q + m) . x = d (q . x) + m sum(x)``). The dot product is the sum of the lanes, halving in
@@ -220,6 +220,8 @@ def emit_dots_xs(fn: Fn, rows: list[tuple[str, str]], xs: list[XForms], k: str, 
                     continue
                 if blk is None:
                     blk = load_block(fn, dtype, row, b, simd, q4_0_raw=True)
+                    if _wide_rows(dtype):
+                        blk = Block(*dequantized(fn, blk))
                 acc.set(_float_dot_block(fn, dtype, blk, xlo, xhi, xsums, b, acc))
 
     _blocks_with_prefetch(fn, nblocks, prefetch, block)
@@ -238,8 +240,8 @@ def emit_dots_xs(fn: Fn, rows: list[tuple[str, str]], xs: list[XForms], k: str, 
 
 
 def _wide_rows(dtype: str) -> bool:
-    """Whether a row's scaled blocks go into a 16-lane accumulator unfolded, as :func:`emit_dots`
-    describes: q8_0 (on every level: all compute the same bits)."""
+    """Whether a row's blocks are dequantized and go into a 16-lane accumulator as f32 rows do,
+    as :func:`emit_dots` describes: q8_0 (on every level: all compute the same bits)."""
     return dtype == "q8_0"
 
 
@@ -247,12 +249,8 @@ def _float_dot_block(fn: Fn, dtype: str, blk: Block, xlo: str, xhi: str, xsums: 
                      acc: Var) -> str:
     """``acc`` plus block ``b`` of a row (``blk``) dotted with x's block (``xlo``, ``xhi``), as
     :func:`emit_dots` describes per format."""
-    if dtype == "f32":
+    if dtype == "f32" or _wide_rows(dtype):
         return fn.fma(V16, blk.hi, xhi, fn.fma(V16, blk.lo, xlo, acc.get("acc")))
-    if _wide_rows(dtype):
-        assert blk.d is not None
-        t = fn.fma(V16, blk.hi, xhi, fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t"), "t")
-        return fn.fma(V16, t, fn.splat(16, blk.d), acc.get("acc"))
     if blk.d is None:  # f16
         t = fn.fma(V16, blk.hi, xhi, fn.v(f"fmul {V16} {blk.lo}, {xlo}", "t"), "t")
         return fn.v(f"fadd {V8} {acc.get('acc')}, {fold8(fn, t)}", "acc")
