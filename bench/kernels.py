@@ -28,8 +28,8 @@ sequences' x rows against one read of the weights, each row the bits of the one-
 SmolLM2's decode GEMVs and FFN and a 7B-like down projection, the weights from memory (copies
 over 1 GiB, one call each): time per call, and rows per second (batch / time) as a ratio to the
 one-row kernel's rate, the speed-up that batching the decode step gives these kernels.
-``--simd`` compiles them for a SIMD level instead of the host's (the ``cpu`` target compiles for
-``avx512`` on a VNNI host; the batched rows8 int16-x kernels differ between the two AVX-512 levels);
+``--simd`` compiles them for a SIMD level instead of the host's (the ``cpu`` target's; the batched
+rows8 int-x kernels differ between the two AVX-512 levels, and alone use VNNI);
 ``--x`` the formats x is rounded to in the rows8 kernels (``i16``, what a dense compile chooses;
 ``i8``, ``picc compile --int8-dots``).
 """
@@ -183,7 +183,7 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, x_format: str,
         for prog, b in zip(progs, (base, first), strict=True):
             prog.call(kernel, Buf(1), Buf(b), Buf(b, layers.row_bytes), Buf(b + 1), Null(), Null(), Null(),
                       Buf(2), Buf(3), Buf(4), Buf(5), n, hidden, 0.0, Null(), 0)
-    module = compile_kernels([], progs)
+    module = compile_kernels([], progs, effective_simd("host"))  # the level and code picc compile makes
     steps = {cached: module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
              for cached, p in zip((False, True), progs, strict=True)}
     table = buffer_table(buffers)
@@ -228,7 +228,8 @@ def dense_gemv_rates(hidden: int, n: int, dtype: str, threads: list[int], reps: 
     kernel = gemv(dtype, x_format if four_bit else "f32", rows8=four_bit)
     for i in range(count):
         prog.call(kernel, Buf(3, i * raw.nbytes), Buf(1), Null(), Buf(2), n, hidden, 0)
-    step = compile_kernels([], [prog]).function(prog.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
+    module = compile_kernels([], [prog], effective_simd("host"))
+    step = module.function(prog.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
     table = buffer_table(buffers)
     rates = {}
     for t in threads:
@@ -352,8 +353,8 @@ def main() -> None:
         return
     bandwidths = [measure_memory_bandwidth()]
     print(f"read bandwidth (every core streaming, picc.targets): {bandwidths[0] / 1e9:.1f} GB/s")
-    print(f"VNNI: the host has {host_vnni()}; picc's kernels do not use it (int16 x dots 4-bit rows with "
-          "vpmaddwd; float x with FMAs)")
+    print(f"VNNI: the host has {host_vnni()}; these kernels do not use it (int16 x dots 4-bit rows with "
+          "vpmaddwd; float x with FMAs): only the batched rows8 ones do (--batched, vpdpbusd at avx512-vnni)")
     print()
     header = (f"{'shape':>11} {'dtype':>10} {'x':>3} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
               f"{'cached GB/s':>11} {'dense GB/s':>10} {'vs dense':>8} {'vs numpy':>8}")

@@ -1078,26 +1078,29 @@ def test_native_thread_team_runs_steps_in_generated_code(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["gemv", "sparse_ffn"])
-def test_avx512_vnni_fuses_the_int16_multiply_adds(kind):
-    """The ``avx512-vnni`` level is the AVX-512 kernels' IR compiled with VNNI: LLVM selects
-    ``vpdpwssd`` for the int16 dot products' ``vpmaddwd`` + add, which plain ``avx512`` cannot
-    (compiled here whatever this host has). The rows8 GEMVs' dot products have another shape and
-    are not fused (see docs/codegen_cpu.md)."""
+def test_on_avx512_vnni_only_the_batched_kernels_use_vnni(kind):
+    """The ``avx512-vnni`` level gives VNNI to the kernels written for it (``by_level``: the batched
+    rows8 ones, ``vpdpbusd``) and to no other: compiled with VNNI, LLVM turned the one-row int16
+    kernels' ``vpmaddwd`` + add into ``vpdpwssd``, and the one-row step decoded slower for it.
+    Their IR and their instructions are plain AVX-512's (compiled here whatever this host has)."""
     import llvmlite.binding as llvm
 
     from picc.codegen_cpu import build_ir, compiler
+    from picc.codegen_cpu.kernels_batch import gemv_rows
 
     kernel = gemv("q4_1", x_format="i16") if kind == "gemv" else \
         sparse_ffn("predictor", "swiglu", "q4_1", "q4_1", "q4_1", True, x_format="i16")
-    ir = build_ir([kernel], (), "avx512-vnni")
-    assert ir == build_ir([kernel], (), "avx512")  # the same kernel IR
+    batched = gemv_rows("q4_1", "i16", rows8=True)
+    assert build_ir([kernel], (), "avx512-vnni") == build_ir([kernel], (), "avx512")  # the same kernel IR
     asm = {}
     for simd in ("avx512", "avx512-vnni"):
-        optimised = llvm.parse_assembly(compiler.CpuModule(ir, simd).ir)
-        asm[simd] = compiler.target_machine(simd).emit_assembly(optimised)
-    assert "vpmaddwd" in asm["avx512"] and "vpdpwssd" not in asm["avx512"]
-    assert "vpdpwssd" in asm["avx512-vnni"]
-    assert asm["avx512-vnni"].count("vpmaddwd") < asm["avx512"].count("vpmaddwd")
+        optimised = llvm.parse_assembly(compiler.CpuModule(build_ir([kernel, batched], (), simd), simd).ir)
+        text = compiler.target_machine(simd).emit_assembly(optimised)
+        asm[simd] = {f: text[text.index(f"{f}:") : text.index(".Lfunc_end", text.index(f"{f}:"))]
+                     for f in (kernel.symbol, batched.symbol)}
+    for simd in asm:
+        assert "vpmaddwd" in asm[simd][kernel.symbol] and "vpdpwssd" not in asm[simd][kernel.symbol], simd
+    assert "vpdpbusd" in asm["avx512-vnni"][batched.symbol] and "vpdpbusd" not in asm["avx512"][batched.symbol]
 
 
 def test_vnni_object_code_is_recompiled_where_the_host_lacks_vnni(monkeypatch, tmp_path):

@@ -12,6 +12,7 @@ import asyncio
 import re
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -209,6 +210,37 @@ def test_the_batch_steps_rows_wait_for_each_other_only_where_they_share_memory(m
     assert bool(waiting) == ("sparse" in model.name)
     tokens = _per_row_loops(ir, "picc_prefill_chunk")
     assert all("@picc_barrier" in body for body in tokens)
+
+
+def test_vnni_code_runs_where_the_host_lacks_vnni(tmp_path, monkeypatch):
+    # An avx512-vnni .pib's object code is for CPUs with VNNI; its IR is what any other CPU compiles
+    # instead (runtime.cpu.MachineCode.rejit), so it holds the VNNI kernels' AVX-512 twins and no
+    # VNNI at all. Compiled from it, the batch step gives every row the object code's bits.
+    import runtime.cpu as rc
+    from picc.targets import load_target
+
+    cpu = load_target("cpu")
+    target = replace(cpu, cpu=replace(cpu.cpu, simd="avx512-vnni"))
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_1))
+    path = tmp_path / "vnni.pib"
+    write_compiled(compile_model(model, CompileOptions(target=target, dense=True), say=lambda _: None), path)
+    with PibFile(path) as pib:
+        ir = pib.text("cpu/ir")
+    assert "_rows(" in ir and "vnni" not in ir and "vpdpbusd" not in ir
+
+    def batch_logits(rejit: bool) -> list[np.ndarray]:
+        with Session(path, 2) as session:
+            assert session.executor.cpu.code.rejit == rejit
+            pool = SequencePool(session.executor, 3)
+            slots = [pool.acquire() for _ in range(3)]
+            session.executor.cpu.batch_step([5, 9, 17], [0, 0, 0], pool.pointers(slots))
+            return [session.executor.cpu.batch_logits(r).copy() for r in range(3)]
+
+    as_compiled = batch_logits(rejit=not rc.host_has("avx512-vnni"))
+    have = rc.host_features()
+    monkeypatch.setattr(rc, "host_features", lambda: have - {"avx512vnni"})
+    for got, expected in zip(batch_logits(rejit=True), as_compiled, strict=True):
+        np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
 
 
 def test_a_model_without_the_batch_step_steps_its_sequences_one_by_one(tmp_path):

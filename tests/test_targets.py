@@ -144,8 +144,8 @@ def test_measure_memory_bandwidth_is_positive() -> None:
 
 @pytest.mark.parametrize(("flags", "simd"), [
     ("fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl", "avx512"),
-    # VNNI is a level of its own (runtime.cpu.simd_level), but the cpu target does not choose it.
-    ("fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", "avx512"),
+    # VNNI is a level of its own (runtime.cpu.simd_level): the batched kernels use it there.
+    ("fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", "avx512-vnni"),
     ("fpu sse2 avx avx2 fma f16c avx512f avx512_vnni avx_vnni", "avx2"),  # VNNI without BW / VL
     # AVX-512F alone is not what the AVX-512 kernels use (they need BW and VL too): the AVX2 code.
     ("fpu sse2 avx avx2 fma f16c avx512f", "avx2"),

@@ -6,11 +6,14 @@ through a dangling pointer is a segfault, so keep the module referenced (the cty
 returns hold a reference back to it).
 
 ``simd`` chooses the instruction set: ``"host"`` (this CPU and all its features),
-``"avx512-vnni"`` (x86-64-v4 with AVX-512 VNNI: the int16 dot products' ``vpmaddwd`` + add become
-``vpdpwssd``), ``"avx512"`` (x86-64-v4) or ``"avx2"`` (x86-64-v3: AVX2, FMA, F16C; no AVX-512, so
-the code runs on any Haswell-or-later x86). The object code of one SIMD level runs on every CPU
-that has its features; both AVX-512 levels come from the same kernel IR (``vector_isa``), but for
-the batched rows8 int16-x kernels, which sum with ``vpdpbusd`` on ``avx512-vnni`` (``Kernel.by_level``).
+``"avx512-vnni"`` (x86-64-v4, and AVX-512 VNNI in the functions that ask for it), ``"avx512"``
+(x86-64-v4) or ``"avx2"`` (x86-64-v3: AVX2, FMA, F16C; no AVX-512, so the code runs on any
+Haswell-or-later x86). The object code of one SIMD level runs on every CPU that has its features;
+both AVX-512 levels come from the same kernel IR (``vector_isa``), but for the batched rows8
+int-x kernels, which sum with ``vpdpbusd`` on ``avx512-vnni`` (``Kernel.by_level``) and alone get
+VNNI (their functions' ``target-features``): compiled for a VNNI CPU, LLVM would turn the other
+kernels' int16 ``vpmaddwd`` + add into ``vpdpwssd``, and the one-row step decoded 3-4% slower
+for it on a Zen 4 (SmolLM2 dense, `picc bench`, alternating).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from picc.fsutil import cache_root, prune_cache, write_bytes_atomic
 from runtime.cpu import host_features, simd_level
 
 SIMD_CHOICES = ("host", "avx512-vnni", "avx512", "avx2")
-_CPU_FOR_SIMD = {"avx512-vnni": ("x86-64-v4", "+avx512vnni"), "avx512": ("x86-64-v4", ""),
-                 "avx2": ("x86-64-v3", "")}  # (LLVM CPU, extra features)
+# (LLVM CPU, extra features): avx512-vnni's VNNI is in its VNNI kernels' own attributes (prelude's #3)
+_CPU_FOR_SIMD = {"avx512-vnni": ("x86-64-v4", ""), "avx512": ("x86-64-v4", ""), "avx2": ("x86-64-v3", "")}
 
 _init_lock = threading.Lock()
 _initialized = False

@@ -298,7 +298,8 @@ def prelude() -> str:
 
 
 def attributes(simd: str) -> str:
-    """Function attribute groups: #0 kernels and steps, #1 inlined math, #2 the barrier and the clock.
+    """Function attribute groups: #0 kernels and steps, #1 inlined math, #2 the barrier and the clock,
+    #3 kernels that use AVX-512 VNNI (``kernel._by_level``: the batched rows8 ones on ``avx512-vnni``).
 
     Kernels are never inlined into a step: it would gain nothing measurable and makes the
     optimiser's time grow with the square of the step's length (15 s for 300 calls).
@@ -312,4 +313,5 @@ def attributes(simd: str) -> str:
         f"attributes #0 = {{ nounwind noinline {vector} }}",
         f"attributes #1 = {{ nounwind alwaysinline {vector} }}",
         "attributes #2 = { nounwind noinline }",
+        f'attributes #3 = {{ nounwind noinline {vector} "target-features"="+avx512vnni" }}',
     ])

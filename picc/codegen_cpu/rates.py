@@ -42,7 +42,7 @@ def measure_kernel_rates(threads: int, repeats: int = 5, nbytes: int = _BYTES) -
     """Bytes of weights per second the GEMV of each key of ``kernel_names.CPU_RATE_KEYS`` reads
     from memory on ``threads`` threads (the median of ``repeats`` runs after a warm-up), over a
     matrix of about ``nbytes``."""
-    from picc.codegen_cpu import compile_kernels
+    from picc.codegen_cpu import compile_kernels, host_simd
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=_K).astype(np.float32)
@@ -53,7 +53,7 @@ def measure_kernel_rates(threads: int, repeats: int = 5, nbytes: int = _BYTES) -
         prog.call(gemv(dtype, x_format, in_rows8), Buf(2), Buf(1), Null(), Buf(3), rows, _K, 0)
         programs.append(prog)
         shapes.append((dtype, rows, in_rows8))
-    module = compile_kernels([], programs)
+    module = compile_kernels([], programs, simd=host_simd())  # the level and code the cpu target compiles
     steps = [module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]) for p in programs]
     # One matrix at a time, in 2 MiB pages, holding real weights: random bits could be
     # denormals, which some CPUs multiply slowly.
