@@ -33,10 +33,12 @@ def test_the_float32_cache_keeps_the_most_recently_used_within_its_budget(monkey
     assert sum(v.nbytes for v in store._f32.values()) <= W.F32_CACHE_BYTES
 
 
-def _target(tmp_path, rows8_int_rate: float, other_rate: float) -> str:
+def _target(tmp_path, rows8_int_rate: float, other_rate: float, rows8_rate: float | None = None,
+            rows_int_rate: float | None = None, name: str = "t") -> str:
     bw = 40e9
-    rates = {"q4_0": other_rate, "q4_0_xi16": other_rate, "q4_0_r8": other_rate, "q4_0_r8_xi16": rows8_int_rate}
-    path = tmp_path / "t.yaml"
+    rates = {"q4_0": other_rate, "q4_0_xi16": rows_int_rate or other_rate, "q4_0_r8": rows8_rate or other_rate,
+             "q4_0_r8_xi16": rows8_int_rate}
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"name": "t", "gpu": None, "cpu": {
         "name": "test CPU", "cores": 2, "mem_bandwidth": bw, "simd": "avx2", "kernel_rates": rates}}))
     return str(path)
@@ -68,10 +70,31 @@ def test_a_cpu_compile_skips_profiling_when_no_sparse_model_could_win(tmp_path, 
         # --sparse profiles whatever the estimate, and the sparse model is slower than the bound
         sparse = compile_model(model, replace(options, sparse=True), say=lambda _: None)
         assert profiled and sparse.report["estimate_tokens_per_s"] <= best
-        # with --int-dots a sparse model's kernels read at the fast rate too: worth profiling
+        # with --int-dots a sparse model's gathered rows read at int16's rate: where that is fast
+        # too, worth profiling
         said.clear()
-        compile_model(model, replace(options, int_dots=True), say=said.append)
+        fast_rows = _target(tmp_path, 40e9, 2e9, rows_int_rate=40e9, name="int")
+        compile_model(model, replace(options, int_dots=True, target=fast_rows), say=said.append)
         assert not any("without profiling" in line for line in said)
+
+
+def test_a_sparse_models_gathered_rows_count_at_the_rate_of_rows_one_at_a_time(tmp_path, monkeypatch):
+    # Active rows are gathered, so a sparse FFN reads them one at a time; only a matrix it reads
+    # whole (a gate-first gate) goes eight rows at a time. The rates of a Zen 4 on the fence: float
+    # x reads rows at 20 GB/s and eight rows at 28, the dense model's integer dots at 32. Counting
+    # 70% of every matrix at 28 GB/s, a sparse model looked faster and was profiled; at the rows'
+    # rate (or reading whole at 28) it cannot be, and the sparse model compiled anyway is slower
+    # than the bound.
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    target = _target(tmp_path, 32e9, 20e9, rows8_rate=28e9)
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0))
+    options = CompileOptions(target=target, sparsity=SparsifyOptions(mode="gate-first", tokens=256, window=64,
+                                                                     target_sparsity=0.3))
+    said: list[str] = []
+    chosen = compile_model(model, options, say=said.append)
+    assert any(line.startswith("compiling the dense model without profiling") for line in said)
+    sparse = compile_model(model, replace(options, sparse=True), say=lambda _: None)
+    assert sparse.report["estimate_tokens_per_s"] <= chosen.report["sparse_estimate_at_most_tokens_per_s"]
 
 
 def test_a_model_whose_calibration_would_take_too_long_or_too_much_memory_compiles_dense(tmp_path, monkeypatch):
