@@ -28,7 +28,7 @@ from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, ZEROS, CpuBuffer
 from picc.codegen_cpu.chunks import aligned
 from picc.codegen_cpu.lower_decode import DecodeLowering
 from picc.codegen_cpu.lower_ops import OpLowering, _layout, _rows8, _x_format
-from picc.codegen_cpu.program import Access, Buf, Param, Program, RowPtr, place_barriers
+from picc.codegen_cpu.program import Access, Buf, Param, Program, place_barriers
 from picc.errors import PiccError
 from picc.ir import ops as O
 from runtime.cpu_manifest import CpuBatchProgram, LogitsRow
@@ -80,19 +80,15 @@ class BatchLowering(DecodeLowering):
     def position(self) -> Param:
         return Param(self.positions, 0, 1)
 
-    def kv_rows(self, name: str, width: int) -> tuple[RowPtr, RowPtr]:
-        column, columns = self.cache_names.index(name), len(self.cache_names)
-        return (RowPtr(self.kv_table, column, columns),
-                RowPtr(self.kv_table, column, columns, self.ctx * width * 4))
-
     def call(self, op, kernel, *args, batched=False, writes=None, access=None) -> None:  # noqa: ANN001
         """Every one-row kernel once per row (``batched`` kernels too: they see one row here)."""
         super().call(op, kernel, *args, batched=False, writes=writes, access=access)
 
     def rows_apart(self, args: tuple[object, ...]) -> bool:
-        """The rows of a call are apart when it reaches memory only through row pointers (each
-        row's own KV caches), row-strided buffers (each row's own values) and read-only ones (the
-        weights, the zeros); not a shared scratch or another buffer of the code's own."""
+        """The rows of a call are apart when it reaches memory only through row-strided buffers
+        (each row's own values) and read-only ones (the weights, the zeros); not a shared scratch
+        or another buffer of the code's own. (Attention, the one op that reaches each row's KV
+        caches, takes the batch in one call.)"""
         read_only = {ZEROS, *self.bufs.weight_index.values()}
         return all(arg.stride or arg.index in read_only for arg in args if isinstance(arg, Buf))
 

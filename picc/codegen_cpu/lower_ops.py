@@ -25,7 +25,7 @@ from picc import kernel_names as names
 from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, rowplanes
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, CpuBuffers
 from picc.codegen_cpu.kernel import Kernel
-from picc.codegen_cpu.program import Access, Buf, Null, Param, Program, RowPtr
+from picc.codegen_cpu.program import Access, Buf, Null, Param, Program
 from picc.codegen_cpu.rowops import row_bytes
 from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
 from picc.errors import PiccError
@@ -187,7 +187,7 @@ class OpLowering(ABC):
         """The KV cache ``name`` (ctx rows of k, then ctx rows of v), shared by step and prefill."""
         return self.bufs.kv_cache(name, 2 * self.ctx * width * 4)
 
-    def kv_rows(self, name: str, width: int) -> tuple[Buf | RowPtr, Buf | RowPtr]:
+    def kv_rows(self, name: str, width: int) -> tuple[Buf, Buf]:
         """Where the attention of KV cache ``name`` finds its k rows and its v rows."""
         caches = self.kv_cache(name, width)
         return caches, Buf(caches.index, self.ctx * width * 4)

@@ -53,23 +53,11 @@ class Param:
 
 
 @dataclass(frozen=True, slots=True)
-class RowPtr:
-    """A pointer read when the step runs from a table of pointers: ``((ptr *) bufs[table])[entry +
-    s * stride] + offset`` for row s of a repeated call (a batch's rows, each with its own KV
-    cache, wherever the runtime allocated it)."""
-
-    table: int
-    entry: int
-    stride: int
-    offset: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class Null:
     """A null pointer (an absent bias, an unused list)."""
 
 
-Arg = Buf | RowPtr | Param | Null | int | float
+Arg = Buf | Param | Null | int | float
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +141,7 @@ class Program:
                             f"got {len(args)}")
         wanted = {"ptr": "a Buf or Null", "i32": "an int or Param", "f32": "a float"}
         for (name, kind), arg in zip(kernel.params, args, strict=True):
-            ok = {"ptr": isinstance(arg, Buf | RowPtr | Null),
+            ok = {"ptr": isinstance(arg, Buf | Null),
                   "i32": isinstance(arg, Param) or (isinstance(arg, int) and not isinstance(arg, bool)),
                   "f32": isinstance(arg, float | int) and not isinstance(arg, bool)}[kind]
             if not ok:
@@ -189,11 +177,6 @@ class Program:
         def param(p: Param, s: str | None = None) -> str:
             slot = tmp(f"getelementptr inbounds i32, ptr {buf(p.buffer)}, i64 {row_index(p.slot, p.stride, s)}")
             return tmp(f"load i32, ptr {slot}, align 4")
-
-        def row_ptr(p: RowPtr, s: str | None) -> str:
-            at = tmp(f"getelementptr inbounds ptr, ptr {buf(p.table)}, i64 {row_index(p.entry, p.stride, s)}")
-            base = tmp(f"load ptr, ptr {at}, align 8")
-            return tmp(f"getelementptr inbounds i8, ptr {base}, i64 {p.offset}") if p.offset else base
 
         sync = buf(self.sync)
         clock = counters = None
@@ -239,8 +222,6 @@ class Program:
                         offset = tmp(f"add i64 {tmp(f'mul i64 {s}, {arg.stride}')}, {arg.offset}")
                     ptr = tmp(f"getelementptr inbounds i8, ptr {base}, i64 {offset}") if offset != "0" else base
                     values.append(f"{ty} {ptr}")
-                elif isinstance(arg, RowPtr):
-                    values.append(f"{ty} {row_ptr(arg, s)}")
                 elif isinstance(arg, Param):
                     values.append(f"{ty} {param(arg, s)}")
                 elif kind == "f32":
