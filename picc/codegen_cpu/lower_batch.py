@@ -23,11 +23,11 @@ Only a model that runs on the CPU alone has one (a GPU part runs one sequence's 
 
 from __future__ import annotations
 
-from picc.codegen_cpu import kernels_attention, kernels_batch, kernels_misc
+from picc.codegen_cpu import kernels_attention, kernels_misc
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, ZEROS, CpuBuffers
 from picc.codegen_cpu.chunks import aligned
 from picc.codegen_cpu.lower_decode import DecodeLowering
-from picc.codegen_cpu.lower_ops import OpLowering, _layout, _rows8, _x_format
+from picc.codegen_cpu.lower_ops import OpLowering
 from picc.codegen_cpu.program import Access, Buf, Param, Program, place_barriers
 from picc.errors import PiccError
 from picc.ir import ops as O
@@ -100,26 +100,14 @@ class BatchLowering(DecodeLowering):
     # --- the ops whose weights the rows share ------------------------------------------------------
 
     def linear(self, op: O.Linear) -> None:
-        w = self.weights[op.weight]
         y, accumulate, writes = self.output(op)
-        self._rows_call(op, kernels_batch.gemv_rows(w.dtype.value, _x_format(op), _rows8(op)),
-                        self.weight(op.weight, layout=_layout(op)), self.value(op.x),
-                        self.weight(op.bias, as_f32=True), y, int(w.shape[0]), int(w.shape[1]), accumulate,
-                        writes=writes)
+        kernel, args = self.batched_linear(op, y, accumulate)
+        self._rows_call(op, kernel, *args, writes=writes)
 
     def dense_ffn(self, op: O.FFN) -> None:
-        up = self.weights[op.up]
-        n, hidden = int(up.shape[0]), int(up.shape[1])
-        gate = self.weights[op.gate].dtype.value if op.gate else None
-        kernel = kernels_batch.dense_ffn_rows(op.form, up.dtype.value, gate, self.weights[op.down].dtype.value,
-                                              _x_format(op), _rows8(op))
-        scratch = self.bufs.need_scratch(kernels_batch.dense_ffn_rows_scratch_bytes(n, self.capacity))
         y, accumulate, writes = self.output(op)
-        layout = _layout(op)
-        self._rows_call(op, kernel, self.value(op.x), self.weight(op.up, layout=layout),
-                        self.weight(op.gate, layout=layout), self.weight(op.down, layout=layout),
-                        self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True),
-                        self.weight(op.down_bias, as_f32=True), y, scratch, n, hidden, accumulate, writes=writes)
+        kernel, args = self.batched_dense_ffn(op, y, accumulate, self.capacity)
+        self._rows_call(op, kernel, *args, writes=writes)
 
     def attention(self, op: O.Attention) -> None:
         """One call for the batch's rows, each against its own caches (``attention_rows``)."""

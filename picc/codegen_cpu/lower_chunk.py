@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from picc import kernel_names as names
-from picc.codegen_cpu import kernels_batch, kernels_dense, kernels_misc, kernels_prefill
+from picc.codegen_cpu import kernels_dense, kernels_misc, kernels_prefill
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SCRATCH, CpuBuffers
 from picc.codegen_cpu.chunks import ChunkPlan, ChunkRegions, plan_chunk
 from picc.codegen_cpu.lower_ops import _BARRIER_FREE, OpLowering, _layout, _rows8, _x_format
@@ -119,10 +119,8 @@ class ChunkLowering(OpLowering):
         w = self.weights[op.weight]
         rows, k = int(w.shape[0]), int(w.shape[1])
         if self._step_rows(op):
-            self._rows_call(op, kernels_batch.gemv_rows(w.dtype.value, _x_format(op), True),
-                            self.weight(op.weight, layout=_layout(op)), self.value(op.x),
-                            self.weight(op.bias, as_f32=True), self.activation(op.result), rows, k, 0,
-                            x_width=k, y_width=rows)
+            kernel, args = self.batched_linear(op, self.activation(op.result), 0)
+            self._rows_call(op, kernel, *args, x_width=k, y_width=rows)
             return
         x, access = self.gemm_input(op, op.x, int(w.shape[1]), op.weight)
         self.call(op, kernels_dense.gemm(w.dtype.value, _rows8(op)), self.weight(op.weight, layout=_layout(op)),
@@ -164,16 +162,8 @@ class ChunkLowering(OpLowering):
         up = self.weights[op.up]
         n, hidden = int(up.shape[0]), int(up.shape[1])
         if self._step_rows(op):
-            kernel = kernels_batch.dense_ffn_rows(op.form, up.dtype.value, self.weights[op.gate].dtype.value
-                                                  if op.gate else None, self.weights[op.down].dtype.value,
-                                                  _x_format(op), True)
-            scratch = self.bufs.need_scratch(kernels_batch.dense_ffn_rows_scratch_bytes(n, self.regions.size))
-            layout = _layout(op)
-            self._rows_call(op, kernel, self.value(op.x), self.weight(op.up, layout=layout),
-                            self.weight(op.gate, layout=layout), self.weight(op.down, layout=layout),
-                            self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True),
-                            self.weight(op.down_bias, as_f32=True), self.activation(op.result), scratch, n, hidden,
-                            0, x_width=hidden, y_width=hidden)
+            kernel, args = self.batched_dense_ffn(op, self.activation(op.result), 0, self.regions.size)
+            self._rows_call(op, kernel, *args, x_width=hidden, y_width=hidden)
             return
         rows, floats = self.rows(), self.regions.size * n
         u, g = self.bufs.need_scratch(2 * 4 * floats), Buf(SCRATCH, 4 * floats)

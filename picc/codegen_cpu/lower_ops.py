@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from picc import kernel_names as names
-from picc.codegen_cpu import kernels_attention, kernels_dense, kernels_ffn, kernels_misc, rowplanes
+from picc.codegen_cpu import kernels_attention, kernels_batch, kernels_dense, kernels_ffn, kernels_misc, rowplanes
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, CpuBuffers
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.program import Access, Buf, Null, Param, Program
@@ -195,6 +195,30 @@ class OpLowering(ABC):
     def position(self) -> Param:
         """The position of the (first) token a call computes."""
         return Param(PARAMS, PARAM_SLOTS["pos"])
+
+    def batched_linear(self, op: O.Linear, y: Buf, accumulate: int) -> tuple[Kernel, tuple[object, ...]]:
+        """The batched twin of ``op``'s step kernel (``kernels_batch.gemv_rows``) and its arguments
+        but the trailing rows and strides, writing ``y``: the batch step's rows and the prefill's
+        tokens call it alike."""
+        w = self.weights[op.weight]
+        return (kernels_batch.gemv_rows(w.dtype.value, _x_format(op), _rows8(op)),
+                (self.weight(op.weight, layout=_layout(op)), self.value(op.x), self.weight(op.bias, as_f32=True), y,
+                 int(w.shape[0]), int(w.shape[1]), accumulate))
+
+    def batched_dense_ffn(self, op: O.FFN, y: Buf, accumulate: int, rows: int) -> tuple[Kernel, tuple[object, ...]]:
+        """:meth:`batched_linear` for a dense FFN (``kernels_batch.dense_ffn_rows``), with scratch
+        for up to ``rows`` rows."""
+        up = self.weights[op.up]
+        n, hidden = int(up.shape[0]), int(up.shape[1])
+        gate = self.weights[op.gate].dtype.value if op.gate else None
+        kernel = kernels_batch.dense_ffn_rows(op.form, up.dtype.value, gate, self.weights[op.down].dtype.value,
+                                              _x_format(op), _rows8(op))
+        scratch = self.bufs.need_scratch(kernels_batch.dense_ffn_rows_scratch_bytes(n, rows))
+        layout = _layout(op)
+        return kernel, (self.value(op.x), self.weight(op.up, layout=layout), self.weight(op.gate, layout=layout),
+                        self.weight(op.down, layout=layout), self.weight(op.up_bias, as_f32=True),
+                        self.weight(op.gate_bias, as_f32=True), self.weight(op.down_bias, as_f32=True), y, scratch,
+                        n, hidden, accumulate)
 
     def attention(self, op: O.Attention) -> None:
         k_rows, v_rows = self.kv_rows(op.cache, self.width(op.k))
