@@ -278,7 +278,7 @@ def gemv_rows(dtype: str, x_format: str = "f32", rows8: bool = False) -> Kernel:
 
     def emit(level: str) -> str:
         simd, pairs = vector_isa(level), _pairs(level, x_format, rows8)
-        fn = kernel_fn(symbol, GEMV_ROWS_PARAMS)
+        fn = kernel_fn(symbol, GEMV_ROWS_PARAMS, level)
         rows, k = fn.sext("%rows"), fn.sext("%k")
         batch, x_stride, y_stride = _strides(fn)
         xs = emit_x_rows(fn, "%x", x_stride, k, batch, {dtype}, x_format, rows8, pairs)
@@ -312,7 +312,7 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
 
     def emit(level: str) -> str:
         simd, pairs = vector_isa(level), _pairs(level, x_format, rows8)
-        fn = kernel_fn(symbol, DENSE_FFN_ROWS_PARAMS)
+        fn = kernel_fn(symbol, DENSE_FFN_ROWS_PARAMS, level)
         n, hidden = fn.sext("%n"), fn.sext("%hidden")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         batch, x_stride, y_stride = _strides(fn)
