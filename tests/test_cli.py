@@ -18,6 +18,13 @@ from picc.ir import parse
 COMMANDS = ["import", "opt", "logits", "generate"]
 
 
+def every_command() -> list[str]:
+    """Every subcommand the parser knows (``picc compile --help`` once crashed on a ``%`` in its
+    help text while the commands listed above were fine)."""
+    (sub,) = [a for a in build_parser()._actions if a.choices and a.dest == "command"]
+    return list(sub.choices)
+
+
 @pytest.fixture
 def tiny_file(tmp_path):
     path = tmp_path / "tiny.picc"
@@ -48,7 +55,7 @@ def test_opt_can_print_the_ir(tiny_file, capsys):
     assert parse(capsys.readouterr().out) == load_model(tiny_file).module
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", every_command())
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])
