@@ -11,8 +11,12 @@ the kernel does (``picc.quant.round_x_blocks``), so it stays the oracle of those
 
 from __future__ import annotations
 
+import copy
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from scipy.special import erf
@@ -157,14 +161,19 @@ class Interpreter:
                 env[op.result] = self.eval(op, env)
         return env[self.func.ret]
 
-    def run_many(self, windows: Sequence[Sequence[int]], progress: Callable[[int], None] | None = None
-                 ) -> list[np.ndarray]:
+    def run_many(self, windows: Sequence[Sequence[int]], progress: Callable[[int], None] | None = None,
+                 workers: int | None = None) -> list[np.ndarray]:
         """``forward`` on each of ``windows`` as a fresh sequence (positions from 0), op by op:
         every window through an op before the next op, so each weight is read (and dequantized,
         within ``WeightStore.f32``'s budget) once however many windows there are, and a value or
         KV cache is dropped after its last use. The results, and ``on_ffn``'s calls with each
         layer's windows in order, are ``reset(); run(window)``'s for each window. ``progress``
-        gets each op's share of the windows' tokens (the ops' count, in all, per token)."""
+        gets each op's share of the windows' tokens (the ops' count, in all, per token).
+
+        ``workers`` windows go through an op at once, on threads (numpy releases the GIL in its
+        products), each with one BLAS thread, so each window's arithmetic is ``run``'s, bit for
+        bit, whatever ``workers`` is; ``on_ffn`` is still called on this thread, in window order.
+        By default as many as this process has cores: a 1B model profiled 1.8x faster on two."""
         ops = self.func.ops
         last_use = {a.name: -1 for a in self.func.args}
         for i, op in enumerate(ops):
@@ -173,20 +182,41 @@ class Interpreter:
         cache_done = {op.cache: i for i, op in enumerate(ops) if isinstance(op, O.Attention)}
         envs = [{"tokens": np.asarray(w, dtype=np.int32), "pos": np.arange(len(w), dtype=np.int32)}
                 for w in windows]
-        caches: list[dict[str, KVCache]] = [{} for _ in windows]
-        with blas_threads(1):
+        traces: list[list[FfnTrace]] = [[] for _ in windows]
+        lanes = [self._lane(trace_list.append if self.on_ffn else None) for trace_list in traces]
+        if workers is None:
+            workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = max(1, min(workers, len(windows)))
+        tokens = sum(len(w) for w in windows)
+
+        def through(op: Op, i: int, k: int) -> int:
+            env, lane = envs[k], lanes[k]
+            env[op.result] = lane.eval(op, env)
+            for name in [n for n in env if last_use.get(n, i) <= i]:
+                del env[name]
+            if isinstance(op, O.Attention) and cache_done[op.cache] == i:
+                del lane.caches[op.cache]  # a fresh window's cache: no later op reads it
+            return k
+
+        with blas_threads(1), ThreadPoolExecutor(workers) as pool:
             for i, op in enumerate(ops):
-                for env, cache in zip(envs, caches, strict=True):
-                    self.caches = cache
-                    env[op.result] = self.eval(op, env)
-                    for name in [n for n in env if last_use.get(n, i) <= i]:
-                        del env[name]
-                    if isinstance(op, O.Attention) and cache_done[op.cache] == i:
-                        del cache[op.cache]  # a fresh window's cache: no later op reads it
+                # In window order, each as soon as it is through (the others go on meanwhile).
+                for k in pool.map(partial(through, op, i), range(len(windows))):
+                    if self.on_ffn is not None:
+                        for trace in traces[k]:
+                            self.on_ffn(trace)
+                    traces[k].clear()
                 if progress is not None:
-                    progress(sum(len(w) for w in windows) / len(ops))
-        self.caches = {}
+                    progress(tokens / len(ops))
         return [env[self.func.ret] for env in envs]
+
+    def _lane(self, on_ffn: Callable[[FfnTrace], None] | None) -> Interpreter:
+        """An interpreter of the same function and weights with caches of its own (one window of
+        ``run_many``) that hands its FFN traces to ``on_ffn``."""
+        lane = copy.copy(self)
+        lane.caches = {}
+        lane.on_ffn = on_ffn
+        return lane
 
     def eval(self, op: Op, env: dict[str, np.ndarray]) -> np.ndarray:  # noqa: C901 - one case per op
         w = self.weights.f32

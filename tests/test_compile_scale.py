@@ -121,7 +121,7 @@ def test_a_model_whose_calibration_would_take_too_long_or_too_much_memory_compil
     slow = 2 * (3 * forward + profiled_macs) * 256 / (C.CALIBRATION_SECONDS * calibration_cost.EFFICIENCY)
     said: list[str] = []
     for rate, dense in ((1.01 * slow, False), (0.99 * slow, True)):
-        monkeypatch.setattr(calibration_cost, "_rates", lambda width, r=rate: (r, r))
+        monkeypatch.setattr(calibration_cost, "_rates", lambda width, lanes, r=rate: (r, r))
         profiled.clear()
         said.clear()
         chosen = compile_model(model, options, say=said.append)
@@ -134,12 +134,12 @@ def test_a_model_whose_calibration_would_take_too_long_or_too_much_memory_compil
     compile_model(model, replace(options, sparse=True), say=lambda _: None)
     assert profiled
     # 10x too slow: not even one window would fit, and the compile does not suggest fewer tokens
-    monkeypatch.setattr(calibration_cost, "_rates", lambda width: (slow / 10, slow / 10))
+    monkeypatch.setattr(calibration_cost, "_rates", lambda width, lanes: (slow / 10, slow / 10))
     said.clear()
     compile_model(model, options, say=said.append)
     assert any("~100 min" in line and "would fit" not in line for line in said)
     # memory: profiling holds every token's scores of each thresholded layer, beside the f32 cache
-    monkeypatch.setattr(calibration_cost, "_rates", lambda width: (1e15, 1e15))
+    monkeypatch.setattr(calibration_cost, "_rates", lambda width, lanes: (1e15, 1e15))
     need = 2 * 4 * 256 * 128 + W.F32_CACHE_BYTES
     monkeypatch.setattr(runtime.sequences, "available_memory", lambda: need)  # 0.8 x that: too little
     said.clear()
@@ -149,7 +149,8 @@ def test_a_model_whose_calibration_would_take_too_long_or_too_much_memory_compil
     assert not profiled
 
 
-def test_run_many_gives_each_window_what_run_gives_it_and_dequantizes_each_weight_once(monkeypatch):
+@pytest.mark.parametrize("workers", [1, 3])
+def test_run_many_gives_each_window_what_run_gives_it_and_dequantizes_each_weight_once(monkeypatch, workers):
     from picc.interpreter import Interpreter
 
     model = tiny_llama("swiglu", n_layers=3, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0)
@@ -169,7 +170,7 @@ def test_run_many_gives_each_window_what_run_gives_it_and_dequantizes_each_weigh
     monkeypatch.setattr(W.Tensor, "to_f32", lambda t: dequantized.append(t) or to_f32(t))
     interp = Interpreter(model.module, weights)
     interp.on_ffn = lambda t: traces.append((t.op.result, t.score.copy()))
-    together = interp.run_many(windows)
+    together = interp.run_many(windows, workers=workers)
     for a, b in zip(alone, together, strict=True):
         np.testing.assert_array_equal(a, b)
     by_layer = sorted(expected, key=lambda t: int(t[0].split(".")[0][1:]))  # layer by layer, windows in order

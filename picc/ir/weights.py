@@ -10,6 +10,7 @@ valid against the store stays valid.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,6 +68,9 @@ class WeightStore:
     def __init__(self, tensors: dict[str, Tensor] | None = None) -> None:
         self._tensors: dict[str, Tensor] = dict(tensors or {})
         self._f32: OrderedDict[str, np.ndarray] = OrderedDict()  # least recently used first
+        # f32 is called from the interpreter's window threads (Interpreter.run_many): one
+        # dequantizes a weight while the others that want it wait, rather than do it again.
+        self._f32_lock = threading.Lock()
 
     def __contains__(self, name: object) -> bool:
         return name in self._tensors
@@ -97,16 +101,17 @@ class WeightStore:
         return candidate
 
     def f32(self, name: str) -> np.ndarray:
-        """The exact float32 value of weight ``name``."""
-        if name in self._f32:
-            self._f32.move_to_end(name)
-            return self._f32[name]
-        value = self[name].to_f32()
-        self._f32[name] = value
-        kept = sum(v.nbytes for v in self._f32.values())
-        while kept > F32_CACHE_BYTES and len(self._f32) > 1:
-            kept -= self._f32.popitem(last=False)[1].nbytes
-        return value
+        """The exact float32 value of weight ``name`` (thread-safe)."""
+        with self._f32_lock:
+            if name in self._f32:
+                self._f32.move_to_end(name)
+                return self._f32[name]
+            value = self[name].to_f32()
+            self._f32[name] = value
+            kept = sum(v.nbytes for v in self._f32.values())
+            while kept > F32_CACHE_BYTES and len(self._f32) > 1:
+                kept -= self._f32.popitem(last=False)[1].nbytes
+            return value
 
     def check_against(self, module: Module) -> None:
         """Raise ``PiccError`` unless every weight the module declares is here with its type."""

@@ -1,25 +1,28 @@
 """What calibrating a model would cost on this machine, estimated before it starts.
 
-``profile-activations`` runs the model's forward over the calibration tokens in numpy (one BLAS
-thread, op by op over all the windows) and, under the ``fisher`` threshold rule, a forward and a
-backward pass in torch block by block (``picc.sparsity.fisher``: each block's forward twice and
-its backward, about three forwards). Both are bound by float32 matrix products, so the estimate is
-their multiply-adds at the rate this machine's numpy (one thread) and torch multiply matrices of
-the model's width, measured here in a fraction of a second, divided by ``EFFICIENCY`` (what the
-passes reach of that rate besides dequantizing weights, attention and norms). Memory: a
-thresholded layer's scores for every calibration token (float32) stay until the thresholds are
-calibrated, beside ``WeightStore.f32``'s cache.
+``profile-activations`` runs the model's forward over the calibration tokens in numpy (op by op
+over all the windows, as many windows at once as there are cores, each on one BLAS thread) and,
+under the ``fisher`` threshold rule, a forward and a backward pass in torch block by block
+(``picc.sparsity.fisher``: each block's forward twice and its backward, about three forwards).
+Both are bound by float32 matrix products, so the estimate is their multiply-adds at the rate
+this machine's numpy (one BLAS thread on each of the windows' threads) and torch multiply
+matrices of the model's width, measured here in a fraction of a second, divided by
+``EFFICIENCY`` (what the passes reach of that rate besides dequantizing weights, attention and
+norms). Memory: a thresholded layer's scores for every calibration token (float32) stay until
+the thresholds are calibrated, beside ``WeightStore.f32``'s cache.
 
-On the 2-core build VM (numpy 84, torch 150 GFLOP/s), 256 tokens of a SwiGLU LLaMA-7B Q4_0 took
-154 s of Fisher scales and 68 s of profiling (efficiencies 0.48 and 0.57; estimated 146 and 77 s),
-so the default 4096 tokens would take about an hour; ``picc compile`` then builds the dense model
-instead, and says so (``--sparse`` calibrates anyway). The 1B shape reached 0.87 and 0.69.
+On the 2-core build VM (numpy 84 GFLOP/s on one thread, torch 150), 256 tokens of a SwiGLU
+LLaMA-7B Q4_0 took 154 s of Fisher scales and 68 s of profiling (efficiencies 0.48 and 0.57;
+estimated 146 and 77 s), so the default 4096 tokens would take about an hour; ``picc compile``
+then builds the dense model instead, and says so (``--sparse`` calibrates anyway). The 1B shape
+reached 0.87 and 0.69.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 
@@ -30,6 +33,7 @@ from picc.frontend.model import LoadedModel
 from picc.ir import ops as O
 from picc.ir.weights import F32_CACHE_BYTES
 from picc.sparsity.profiling import RELU_FORMS, ffn_ops, scaled_layers
+from picc.targets.host import host_cores
 
 EFFICIENCY = 0.5
 """The share of the measured matrix-product rate the calibration passes reach (see above)."""
@@ -52,9 +56,9 @@ class CalibrationCost:
         return f"~{self.seconds / 60:.0f} min ({fisher}profiling ~{self.profile_seconds / 60:.0f})"
 
 
-def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool) -> CalibrationCost:
-    """The cost of calibrating ``model`` on ``tokens`` tokens under threshold ``rule`` (``targeted``:
-    a target sparsity is given, so non-ReLU layers are thresholded)."""
+def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool, window: int = 256) -> CalibrationCost:
+    """The cost of calibrating ``model`` on ``tokens`` tokens in windows of ``window`` under
+    threshold ``rule`` (``targeted``: a target sparsity is given, so non-ReLU layers are thresholded)."""
     module, weights = model.module, model.weights
     ops = list(module.ops())
     last_ffn = max(i for i, op in enumerate(ops) if isinstance(op, O.FFN))
@@ -67,7 +71,8 @@ def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool)
         profiled += macs if i <= last_ffn else 0
     ffns = ffn_ops(module)
     width = weights[ffns[0].up].shape[1]
-    numpy_rate, torch_rate = _rates(width)
+    lanes = max(1, min(host_cores(), -(-tokens // window)))  # windows profiled at once
+    numpy_rate, torch_rate = _rates(width, lanes)
     fisher = rule == "fisher" and targeted and bool(scaled_layers(module))
     thresholded = [op for op in ffns if targeted and op.form not in RELU_FORMS]
     scores = sum(4 * tokens * weights[op.up].shape[0] for op in thresholded)
@@ -77,9 +82,10 @@ def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool)
 
 
 @cache
-def _rates(width: int) -> tuple[float, float]:
-    """Float32 matrix-product rates (flop/s) of numpy on one BLAS thread and of torch, on a
-    256-token window times a ``width``-wide matrix of 2048 rows: the best of eight."""
+def _rates(width: int, lanes: int) -> tuple[float, float]:
+    """Float32 matrix-product rates (flop/s) of numpy, ``lanes`` threads at once on one BLAS thread
+    each (as ``Interpreter.run_many`` runs windows), and of torch, on a 256-token window times a
+    ``width``-wide matrix of 2048 rows: the best of eight."""
     import torch
 
     rng = np.random.default_rng(0)
@@ -96,7 +102,7 @@ def _rates(width: int) -> tuple[float, float]:
             seconds.append(time.perf_counter() - start)
         return flops / min(seconds)
 
-    with blas_threads(1):
-        numpy_rate = best(lambda: x @ w.T)
+    with blas_threads(1), ThreadPoolExecutor(lanes) as pool:
+        numpy_rate = lanes * best(lambda: list(pool.map(lambda _: x @ w.T, range(lanes))))
     tx, tw = torch.from_numpy(x), torch.from_numpy(w)
     return numpy_rate, best(lambda: tx @ tw.T)
