@@ -167,13 +167,16 @@ def test_swiglu_thresholds_reach_the_target_sparsity(tok):
         np.testing.assert_array_equal(layer.freq, freq[layer.ffn].astype(np.float32))
 
 
-def test_fisher_rule_puts_one_threshold_on_scaled_scores(tok):
+def test_fisher_rule_puts_one_threshold_on_scaled_scores(tok, monkeypatch):
     # Each neuron's |act(g)| times its Fisher scale against one threshold for every layer: the
     # recount from the interpreter's scores (no profiling code) gives the same frequencies, the
     # mean sparsity is the target, and the layers differ (CATS would make each one 0.4).
     model = tiny_llama("swiglu", n_layers=3)
     windows = token_windows(tok, "ptb", 512, window=64, seed=2)
-    (profile,) = calibrate(model.module, model.weights, windows, [0.4], rule="fisher")
+    # The scores come from the Fisher pass's own forward (torch), not from a pass of the interpreter.
+    with monkeypatch.context() as m:
+        m.setattr(Interpreter, "run_many", lambda *a, **k: pytest.fail("a second forward pass"))
+        (profile,) = calibrate(model.module, model.weights, windows, [0.4], rule="fisher")
     assert profile.rule == "fisher"
     thresholds = {layer.threshold for layer in profile.layers}
     assert len(thresholds) == 1 and thresholds.pop() > 0
@@ -181,9 +184,13 @@ def test_fisher_rule_puts_one_threshold_on_scaled_scores(tok):
     assert max(layer.sparsity for layer in profile.layers) - min(layer.sparsity for layer in profile.layers) > 0.02
     scale = {layer.ffn: layer.score_scale for layer in profile.layers}
     assert all(s is not None and s.shape == (96,) and (s > 0).all() for s in scale.values())
-    freq, _ = brute_force(model, windows, lambda k, s: profile.layers[0].threshold, scaled=scale)
+    freq, mag = brute_force(model, windows, lambda k, s: profile.layers[0].threshold, scaled=scale)
     for layer in profile.layers:
-        np.testing.assert_array_equal(layer.freq, freq[layer.ffn].astype(np.float32))
+        # torch's float32 products and numpy's may differ in the last bits, so a (token, neuron)
+        # pair whose score is that close to the threshold may fall on either side: at most 2 of
+        # the layer's 49152 pairs (~0.1 expected at 1e-6 relative), not a change of statistics.
+        assert np.abs(layer.freq - freq[layer.ffn]).sum() * windows.n_tokens <= 2
+        np.testing.assert_allclose(layer.mag, mag[layer.ffn], rtol=1e-5)
     (cats,) = calibrate(model.module, model.weights, windows, [0.4], rule="cats")
     assert cats.rule == "cats" and all(layer.score_scale is None for layer in cats.layers)
     assert all(abs(layer.sparsity - 0.4) <= 0.001 for layer in cats.layers)
@@ -264,8 +271,8 @@ def test_calibration_is_cached_by_model_tokens_and_settings(tok, tmp_path, monke
     model = tiny_llama("swiglu", n_layers=2)
     windows = token_windows(tok, "ptb", 256, window=64, seed=1)
     runs = []
-    sweep = profiling.profile_sweep
-    monkeypatch.setattr(profiling, "profile_sweep", lambda *a, **k: runs.append(1) or sweep(*a, **k))
+    observe = profiling._observer  # what every profiling pass (the Fisher rule's too) starts with
+    monkeypatch.setattr(profiling, "_observer", lambda *a, **k: runs.append(1) or observe(*a, **k))
 
     first = calibrate(model.module, model.weights, windows, [0.3, 0.5])
     again = calibrate(model.module, model.weights, windows, [0.3, 0.5])

@@ -20,7 +20,9 @@ The pass runs decoder block by decoder block over all the calibration windows (a
 then backward from the loss one block at a time, recomputing the block's forward from its saved
 inputs (checkpointing). The weights are read through ``WeightStore.f32``'s bounded cache and never
 copied, so at any time the float32 weights alive are about one block's (a LLaMA-7B block: 0.8 GB),
-not the model's (27 GB), at the cost of computing each block's forward twice.
+not the model's (27 GB), at the cost of computing each block's forward twice. The forward pass
+also hands every FFN's scores to an observer (``on_ffn``): the profile under the ``fisher`` rule is
+taken there (``picc.sparsity.profiling.calibrate``), not in a forward pass of its own.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from picc.errors import PiccError
-from picc.interpreter import round_to_bf16
+from picc.interpreter import FfnTrace, round_to_bf16
 from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.module import Module
@@ -44,7 +46,8 @@ class TorchForward:
     """The dense ``forward`` of ``module`` on one window of tokens at positions 0..n-1, in torch.
 
     ``run`` returns the logits; ``gate_acts`` then holds each gated FFN's ``act(gate)`` [seq,
-    n_ff], kept in the graph so that ``.grad`` is filled by a backward pass.
+    n_ff], kept in the graph so that ``.grad`` is filled by a backward pass. ``on_ffn``, when set,
+    sees each ffn op's activity scores and ``h`` as the interpreter's ``on_ffn`` does.
     """
 
     def __init__(self, module: Module, weights: WeightStore) -> None:
@@ -54,6 +57,7 @@ class TorchForward:
         self.func = module.function()
         self.weights = weights
         self.gate_acts: dict[str, torch.Tensor] = {}
+        self.on_ffn: Callable[[FfnTrace], None] | None = None
 
     def w(self, name: str):  # noqa: ANN201 - torch.Tensor (torch is imported lazily)
         # The store's own float32 array, not a copy: alive while the store's bounded cache or a
@@ -160,7 +164,7 @@ class TorchForward:
         if op.up_bias:
             up = up + w(op.up_bias)
         if not op.spec.gated:
-            h = self.activation(op.spec.act, up)
+            h = score = self.activation(op.spec.act, up)
         else:
             assert op.gate is not None
             gate = x @ w(op.gate).T
@@ -171,18 +175,24 @@ class TorchForward:
                 act.retain_grad()
             self.gate_acts[op.result] = act
             h = act * (self.activation(op.spec.act, up) if op.spec.act_on_up else up)
+            score = h if op.spec.act_on_up else act
+        if self.on_ffn is not None:  # the interpreter's activity scores (picc.ir.ops.FFN)
+            self.on_ffn(FfnTrace(op, x.detach().numpy(), score.detach().abs().numpy(), h.detach().numpy(), None))
         y = h @ (w(op.down) if op.neuron_major else w(op.down).T)
         return y + w(op.down_bias) if op.down_bias else y
 
 
 def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: int,
-                  progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+                  progress: Callable[[int], None] | None = None,
+                  on_ffn: Callable[[FfnTrace], None] | None = None) -> dict[str, np.ndarray]:
     """``s_i = sqrt(E[(dL/da_i)^2])`` of every gated FFN's neurons over ``windows``, by FFN name.
 
     L is the cross-entropy of each window's next-token predictions against labels sampled (with
     ``seed``) from the model's own distribution, window by window in order; the mean is over all
     calibration tokens. Block by block with checkpoints (the module's docstring); ``progress``
     gets shares of the windows' tokens (a third for the forward pass, two for the backward).
+    ``on_ffn`` sees every ffn op's scores and ``h`` (:class:`TorchForward`) once for each window,
+    each layer's windows in order: what profiling needs, without a forward pass of its own.
     """
     import torch
 
@@ -197,6 +207,7 @@ def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: 
     envs = [{"tokens": torch.tensor(list(w), dtype=torch.long), "pos": torch.arange(len(w))}
             for w in windows.windows]
     saved: list[list[dict]] = []
+    forward.on_ffn = on_ffn  # each op but the last segment's runs here once for each window
     with torch.no_grad():
         for (start, end), names, after in zip(segments, inputs, inputs[1:], strict=False):
             saved.append([{name: env[name] for name in names} for env in envs])
@@ -206,6 +217,7 @@ def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: 
                 progress(forward_step)
         saved.append([{name: env[name] for name in inputs[-1]} for env in envs])
     del envs
+    forward.on_ffn = None
     # Backward, from the loss down: each block's forward again from its inputs, with a graph.
     generator = torch.Generator().manual_seed(seed)
     sums: dict[str, torch.Tensor] = {}
@@ -215,7 +227,9 @@ def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: 
         for w, grad_out in enumerate(grads):
             leaves = {name: v.detach().requires_grad_() if v.is_floating_point() else v
                       for name, v in saved[s][w].items()}
+            forward.on_ffn = on_ffn if s == len(segments) - 1 else None  # run forward only here
             env = _run(forward, func.ops[start:end], dict(leaves))
+            forward.on_ffn = None
             if s == len(segments) - 1:
                 logits = env[func.ret]
                 with torch.no_grad():

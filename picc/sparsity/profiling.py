@@ -115,8 +115,9 @@ def scaled_layers(module: Module) -> list[str]:
 
 def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
               rule: str = "fisher", cache: bool = True) -> list[Profile]:
-    """:func:`profile_sweep` with progress bars, after the Fisher scales when ``rule`` is ``fisher``
-    and the model has layers it scales. The profiles are cached (:func:`profile_cache_path`):
+    """:func:`profile_sweep` with a progress bar, or, when ``rule`` is ``fisher`` and the model has
+    layers it scales, the Fisher scales and the profile in one pass (:func:`_fisher_profile`).
+    The profiles are cached (:func:`profile_cache_path`):
     calibrating the same model on the same tokens again reads them back (``cache=False``:
     computes them again, and caches the result)."""
     if rule not in THRESHOLD_RULES:
@@ -125,16 +126,27 @@ def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: S
     profiles = _load_profiles(cached) if cache else None
     if profiles is not None:
         return profiles
-    scales: dict[str, np.ndarray] = {}
     wanted = scaled_layers(module)
     if rule == "fisher" and wanted and any(t is not None for t in targets):
-        with progress_bar(windows.n_tokens, "Fisher scales", "tok") as advance:
-            scales = fisher_scales(module, weights, windows, windows.seed, advance)
-        scales = {name: scales[name] for name in wanted}
-    with progress_bar(windows.n_tokens, "profiling", "tok") as advance:
-        profiles = profile_sweep(module, weights, windows, targets, advance, scales)
+        # The Fisher pass's forward over the windows is the profile's forward too: one pass less.
+        with progress_bar(windows.n_tokens, "Fisher scales and profile", "tok") as advance:
+            profiles = _fisher_profile(module, weights, windows, targets, advance, wanted)
+    else:
+        with progress_bar(windows.n_tokens, "profiling", "tok") as advance:
+            profiles = profile_sweep(module, weights, windows, targets, advance)
     _save_profiles(cached, profiles)
     return profiles
+
+
+def _fisher_profile(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
+                    progress: Callable[[int], None], wanted: list[str]) -> list[Profile]:
+    """:func:`profile_sweep`'s profiles under the ``fisher`` rule for the layers in ``wanted``,
+    observed in the Fisher pass's own forward (torch's float32 products instead of the
+    interpreter's numpy ones: the same statistics, not the same bits) rather than in a pass of
+    their own, and scaled once the pass has the scales."""
+    observer = _observer(module, weights, windows, targets, wanted)
+    scales = fisher_scales(module, weights, windows, windows.seed, progress, on_ffn=observer)
+    return _profiles(observer, windows, targets, {name: scales[name] for name in wanted})
 
 
 # ---------------------------------------------------------------- the profile cache
@@ -213,19 +225,31 @@ def profile_sweep(module: Module, weights: WeightStore, windows: Windows,
     ``scales`` (Fisher scales by ffn name, :func:`calibrate`) switches the thresholded layers they
     name to the ``fisher`` rule: their scores are scaled and share one threshold per target.
     """
-    scales = dict(scales or {})
-    ffns = ffn_ops(module)
-    needs_threshold = _check_sweep(ffns, targets, scales)
-    scale_of = [scales.get(op.result) for op in ffns]
-    n_ff = [weights[op.up].shape[0] for op in ffns]
-    observer = _FfnObserver(ffns, n_ff, needs_threshold, scale_of, targets, len(windows.windows))
+    observer = _observer(module, weights, windows, targets, list(scales or {}))
     interp = Interpreter(_profiling_function(module), weights)
     interp.on_ffn = observer
     # Op by op over all the windows: a 7B model's weights are dequantized once, not once a window.
     interp.run_many([list(w) for w in windows.windows], progress)
+    return _profiles(observer, windows, targets, scales or {})
 
-    layers = _layer_profiles(ffns, observer, targets, windows.n_tokens)
-    relu_only = not any(needs_threshold)
+
+def _observer(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
+              scaled: Sequence[str]) -> _FfnObserver:
+    """What watches the ffn ops of ``module`` profiled for ``targets`` (checked, with the layers
+    to be ``scaled``, by :func:`_check_sweep`) over ``windows``."""
+    ffns = ffn_ops(module)
+    needs_threshold = _check_sweep(ffns, targets, scaled)
+    n_ff = [weights[op.up].shape[0] for op in ffns]
+    return _FfnObserver(ffns, n_ff, needs_threshold, targets, len(windows.windows))
+
+
+def _profiles(observer: _FfnObserver, windows: Windows, targets: Sequence[float | None],
+              scales: Mapping[str, np.ndarray]) -> list[Profile]:
+    """The profiles, one per target, of what ``observer`` saw of ``windows`` (``scales``: the
+    Fisher scales of the layers under the ``fisher`` rule)."""
+    scale_of = [scales.get(op.result) for op in observer.ffns]
+    layers = _layer_profiles(observer, scale_of, targets, windows.n_tokens)
+    relu_only = not any(observer.needs_threshold)
     window = max(len(w) for w in windows.windows)
     rule = None if relu_only else "fisher" if scales else "cats"
     return [Profile(tuple(ls), windows.source, windows.n_tokens, window, windows.seed,
@@ -233,7 +257,7 @@ def profile_sweep(module: Module, weights: WeightStore, windows: Windows,
             for ls, target in zip(layers, targets, strict=True)]
 
 
-def _check_sweep(ffns: list[O.FFN], targets: Sequence[float | None], scales: Mapping[str, np.ndarray]) -> list[bool]:
+def _check_sweep(ffns: list[O.FFN], targets: Sequence[float | None], scaled: Sequence[str]) -> list[bool]:
     """Per ffn op, whether it needs a calibrated threshold (it is not a ReLU form); raises
     PiccError for a module without ffn ops, a missing or out-of-range target, or scales given
     for ops that are not thresholded."""
@@ -246,7 +270,7 @@ def _check_sweep(ffns: list[O.FFN], targets: Sequence[float | None], scales: Map
                             f"{', '.join(sorted({op.form for op in ffns}))}); give a target sparsity")
         if target is not None and not 0.0 <= target < 1.0:
             raise PiccError(f"target sparsity must be in [0, 1), got {target}")
-    unknown = sorted(set(scales) - {op.result for op, needs in zip(ffns, needs_threshold, strict=True) if needs})
+    unknown = sorted(set(scaled) - {op.result for op, needs in zip(ffns, needs_threshold, strict=True) if needs})
     if unknown:
         raise PiccError(f"score scales given for {', '.join(unknown)}, which are not thresholded ffn ops")
     return needs_threshold
@@ -255,16 +279,16 @@ def _check_sweep(ffns: list[O.FFN], targets: Sequence[float | None], scales: Map
 class _FfnObserver:
     """``Interpreter.on_ffn`` for profiling: per ffn op, the sum over tokens of each neuron's |h|,
     and either its active count (ReLU forms, active means score > 0) or every token's scores
-    (times the op's Fisher scales, if any), for thresholds calibrated afterwards. A thresholded
+    (scaled afterwards under the ``fisher`` rule), for thresholds calibrated afterwards. A thresholded
     layer's down thresholds (quantiles of its |h|, one per target) are taken as soon as it has
     seen all ``n_windows`` windows, and its |h| dropped: at most one layer's |h| is held (a
     LLaMA-7B's over 4096 tokens: 0.18 GB, against 5.8 GB for all 32)."""
 
     def __init__(self, ffns: list[O.FFN], n_ff: list[int], needs_threshold: list[bool],
-                 scale_of: list[np.ndarray | None], targets: Sequence[float | None], n_windows: int) -> None:
+                 targets: Sequence[float | None], n_windows: int) -> None:
+        self.ffns = ffns
         self.index = {op.result: i for i, op in enumerate(ffns)}
         self.needs_threshold = needs_threshold
-        self.scale_of = scale_of
         self.targets = targets
         self.n_windows = n_windows
         self.windows_seen = [0] * len(ffns)
@@ -278,8 +302,7 @@ class _FfnObserver:
         i = self.index[trace.op.result]
         self.mag_sum[i] += np.abs(trace.h).sum(axis=0, dtype=np.float64)
         if self.needs_threshold[i]:
-            score = trace.score.astype(np.float32)
-            self.scores[i].append(score if self.scale_of[i] is None else score * self.scale_of[i])
+            self.scores[i].append(trace.score.astype(np.float32))
             self.h_abs[i].append(np.abs(trace.h).astype(np.float32))
         else:
             self.relu_active[i] += (trace.score > 0).sum(axis=0)
@@ -292,20 +315,24 @@ class _FfnObserver:
             self.scores[i] = [np.concatenate(self.scores[i])]
 
 
-def _layer_profiles(ffns: list[O.FFN], seen: _FfnObserver, targets: Sequence[float | None],
+def _layer_profiles(seen: _FfnObserver, scale_of: list[np.ndarray | None], targets: Sequence[float | None],
                     n_tokens: int) -> list[list[LayerProfile]]:
-    """Per target, each ffn op's profile from what ``seen`` gathered over ``n_tokens`` tokens.
+    """Per target, each ffn op's profile from what ``seen`` gathered over ``n_tokens`` tokens,
+    the scores of the layers with a Fisher scale (``scale_of``) scaled by it first (in place).
 
     A thresholded layer's threshold for a target is :func:`calibrated_threshold` of its own
     scores (``cats``) or of the scaled scores of every scaled layer together (``fisher``, without
     concatenating them: :func:`calibrated_threshold_of`); its down threshold, ``seen``'s. To bound
     memory, each layer's scores are dropped once used.
     """
-    needs_threshold, scale_of = seen.needs_threshold, seen.scale_of
+    ffns, needs_threshold = seen.ffns, seen.needs_threshold
     assert all(len(s) == 1 for s, needs in zip(seen.scores, needs_threshold, strict=True) if needs), \
         "a thresholded layer did not see every window"
     scored = [s[0] if needs else None for s, needs in zip(seen.scores, needs_threshold, strict=True)]
     seen.scores.clear()
+    for layer_scores, scale in zip(scored, scale_of, strict=True):
+        if layer_scores is not None and scale is not None:
+            layer_scores *= scale
     # The fisher rule: one threshold per target over the scaled scores of all the layers it scales.
     shared: list[float | None] = [None] * len(targets)
     if any(k is not None for k in scale_of):
