@@ -21,6 +21,7 @@ from picc.cli_commands import (
 from picc.cli_runtime import add_gpu_flag, add_runtime_commands, add_threads_flag
 from picc.cli_serve import add_serve_command
 from picc.errors import PiccError
+from picc.sparsity import FISHER_TOKENS
 
 EPILOG_SOURCES = (
     "SOURCE is a model alias (smollm2, relu-demo), a Hugging Face directory (config.json + "
@@ -77,6 +78,10 @@ def _add_threshold_rule(s: argparse.ArgumentParser) -> None:
                    "|act(gate)| by how much it moves the loss and puts one threshold on all layers, so "
                    "sparsity goes where it costs least (SmolLM2 at 30%%: +2.1%% perplexity, against "
                    "+3.4%% for cats); cats: the same sparsity in every layer on unscaled scores")
+    s.add_argument("--fisher-tokens", type=int, default=FISHER_TOKENS, metavar="N",
+                   help=f"the fisher rule takes its gradients on the first N calibration tokens (default "
+                   f"{FISHER_TOKENS}; the profile uses all of --tokens): SmolLM2 at 30%%, +2.07%% perplexity "
+                   "against +2.03%% from 4096, for two thirds of the work")
 
 
 def add_sparsity_flags(s: argparse.ArgumentParser) -> None:

@@ -142,7 +142,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
         raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be read")
     windows = token_windows(model.tokenizer, args.calib, args.tokens, args.window, args.seed)
     (profile,) = profiling.calibrate(model.module, model.weights, windows, [args.target_sparsity],
-                                     args.threshold_rule)
+                                     args.threshold_rule, fisher_tokens=args.fisher_tokens)
     if args.output:
         profiling.save_npz(profile, Path(args.output))
     if args.plot:
@@ -298,7 +298,8 @@ def _sparsify_options(args: argparse.Namespace):  # noqa: ANN202 - SparsifyOptio
     return SparsifyOptions(
         mode=args.sparsity_mode, target_sparsity=args.target_sparsity,
         max_ppl_increase=args.max_ppl_increase, recall=args.recall, budget=args.predictor_budget,
-        predictors=args.predictors, calib=args.calib, rule=args.threshold_rule, tokens=args.tokens, seed=args.seed)
+        predictors=args.predictors, calib=args.calib, rule=args.threshold_rule, tokens=args.tokens,
+        fisher_tokens=args.fisher_tokens, seed=args.seed)
 
 
 def _instruments(args: argparse.Namespace, out=sys.stderr):  # noqa: ANN001, ANN202 - TextIO, Instruments

@@ -287,7 +287,8 @@ def _calibration_too_costly(model: LoadedModel, sparsity: SparsifyOptions, targe
     from picc.sparsity.calibration_cost import calibration_cost
     from runtime.sequences import available_memory
 
-    cost = calibration_cost(model, sparsity.tokens, sparsity.rule, target is not None, sparsity.window)
+    cost = calibration_cost(model, sparsity.tokens, sparsity.rule, target is not None, sparsity.window,
+                            sparsity.fisher_tokens)
     have = available_memory()
     if have is not None and cost.memory_bytes > CALIBRATION_MEMORY_SHARE * have:
         return (f"profiling it on {sparsity.tokens} tokens would hold ~{cost.memory_bytes / 2**30:.1f} GiB, more "

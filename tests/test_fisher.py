@@ -124,3 +124,30 @@ def test_fisher_scales_block_by_block_hold_no_more_than_a_block_of_float32_weigh
     assert set(scales) == set(expected) == {f"l{i}.ffn.out" for i in range(4)}
     for name in scales:
         np.testing.assert_allclose(scales[name], expected[name], rtol=1e-5, atol=1e-7 * expected[name].max())
+
+
+def test_fisher_tokens_take_the_gradients_of_the_first_windows_and_observe_them_all():
+    # The scales from the first windows holding `tokens` are those of those windows alone (the
+    # same labels, drawn window by window in order), bit for bit; the forward still shows every
+    # window's FFNs to the observer, each layer's in window order.
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2))
+    windows = token_windows(model.tokenizer, "ptb", 256, window=64, seed=1)
+    seen = []
+    part = fisher_scales(model.module, model.weights, windows, seed=0, tokens=100,
+                         on_ffn=lambda t: seen.append((t.op.result, t.score.copy())))
+    first = replace(windows, windows=windows.windows[:2])  # 128 tokens: the first two windows hold 100
+    alone = fisher_scales(model.module, model.weights, first, seed=0)
+    every = fisher_scales(model.module, model.weights, windows, seed=0)
+    for name in alone:
+        np.testing.assert_array_equal(part[name], alone[name])
+        assert not np.array_equal(part[name], every[name])
+    assert [name for name, _ in seen] == ["l0.ffn.out"] * 4 + ["l1.ffn.out"] * 4
+    traces = []
+    interp = Interpreter(model.module, model.weights)
+    interp.on_ffn = lambda t: traces.append((t.op.result, t.score))
+    for w in windows.windows:
+        interp.reset()
+        interp.run(list(w))
+    by_layer = sorted(traces, key=lambda t: t[0])  # stable: windows in order within a layer
+    for (_, got), (_, want) in zip(seen, by_layer, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # float32, another summation order

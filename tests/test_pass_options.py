@@ -53,7 +53,7 @@ def test_only_options_that_differ_from_their_defaults_are_printed():
 
 @pytest.mark.parametrize("text, message", [
     ("profile-activations{tokenz=4}", "pipeline: pass 'profile-activations' got option 'tokenz=4'; accepted options: "
-     "calib, tokens, window, seed, target-sparsity, rule, cache"),
+     "calib, tokens, window, seed, target-sparsity, rule, fisher-tokens, cache"),
     ("profile-activations{tokens=many}", "pipeline: pass 'profile-activations': option tokens='many': "
      "expected an integer"),
     ("insert-predictors{recall=most}", "pipeline: pass 'insert-predictors': option recall='most': expected a number"),
@@ -99,7 +99,7 @@ def test_a_target_option_takes_a_loaded_target_and_prints_where_it_came_from(tmp
 def test_help_lists_each_passes_options_with_their_types_and_defaults():
     text = describe_options(PASSES["profile-activations"].options)
     assert text.startswith("calib: str = ptb, tokens: int = 4096, window: int = 256, seed: int = 0, "
-                           "target-sparsity: float, rule: fisher|cats = fisher, cache: on|off = on")
+                           "target-sparsity: float, rule: fisher|cats = fisher, fisher-tokens: int = 2048, cache: on|off = on")
     assert describe_options(PASSES["dce"].options) == ""
 
 

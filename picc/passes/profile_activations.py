@@ -4,7 +4,8 @@ Options (``ProfileOptions``): ``calib`` (a built-in corpus, ``ptb`` by default, 
 ``window`` (tokens per window, default 256), ``seed`` (default 0), ``target-sparsity`` (needed for
 non-ReLU FFNs: their thresholds are calibrated to it), ``rule`` (how: ``fisher``, the default, one
 threshold for all GLU layers on Fisher-scaled scores, each such ffn then carries its
-``score_scale``; or ``cats``, one quantile per layer; see ``picc.sparsity.profiling``), ``cache`` (``off`` to
+``score_scale``; or ``cats``, one quantile per layer; see ``picc.sparsity.profiling``), ``fisher-tokens``
+(how many of the tokens the fisher rule's gradients are taken on, default ``FISHER_TOKENS``), ``cache`` (``off`` to
 compute the profile again rather than read it from ``$PICC_CACHE_DIR/profiles``).
 
 Needs: a verified module with ``ffn`` ops (run ``canonicalize`` first on graph imports) and the
@@ -21,6 +22,7 @@ from picc.errors import PiccError
 from picc.ir.module import Module
 from picc.passes.options import PassOptions, option
 from picc.passes.registry import PassContext, register_pass
+from picc.sparsity import FISHER_TOKENS
 from picc.sparsity.calib import token_windows
 from picc.sparsity.profiling import THRESHOLD_RULES, attach, calibrate
 
@@ -35,6 +37,7 @@ class ProfileOptions(PassOptions):
     seed: int = option(0)
     target_sparsity: float | None = option(None, key="target-sparsity")
     rule: str = option("fisher", choices=THRESHOLD_RULES)
+    fisher_tokens: int = option(FISHER_TOKENS, key="fisher-tokens", at_least=1)
     cache: bool = option(True)
 
     def check(self) -> None:
@@ -50,5 +53,6 @@ def profile_activations(module: Module, ctx: PassContext[ProfileOptions]) -> Mod
         raise PiccError("profile-activations needs the model's tokenizer to read calibration text")
     o = ctx.options
     windows = token_windows(ctx.tokenizer, o.calib, o.tokens, o.window, o.seed)
-    (profile,) = calibrate(module, ctx.weights, windows, [o.target_sparsity], o.rule, cache=o.cache)
+    (profile,) = calibrate(module, ctx.weights, windows, [o.target_sparsity], o.rule, cache=o.cache,
+                           fisher_tokens=o.fisher_tokens)
     return attach(module, ctx.weights, profile)

@@ -9,3 +9,9 @@
 * :mod:`.sparsify` -- ``picc sparsify``: the target sparsity and the pipeline of the two passes;
 * :mod:`.evaluation` -- perplexity and agreement of a sparse module against its dense model.
 """
+
+FISHER_TOKENS = 2048
+"""How many calibration tokens the Fisher scales' gradients are taken on by default (the profile
+takes all of them): SmolLM2 at 30% gate-first, PTB valid, +2.07% perplexity against +2.03% from
+all 4096 (+2.17% from 1024), for two forwards' work a token instead of three. Here, not in
+:mod:`.fisher`, so that the command line's ``--help`` needs no numpy."""

@@ -31,7 +31,8 @@ import numpy as np
 from picc.blas import blas_threads
 from picc.frontend.model import LoadedModel
 from picc.ir import ops as O
-from picc.ir.weights import F32_CACHE_BYTES
+from picc.ir.types import DType
+from picc.ir.weights import F32_CACHE_BYTES, Tensor, WeightStore
 from picc.sparsity.profiling import RELU_FORMS, ffn_ops, scaled_layers
 from picc.targets.host import host_cores
 
@@ -43,8 +44,8 @@ EFFICIENCY = 0.5
 class CalibrationCost:
     """The estimated seconds of each calibration pass and the bytes profiling holds."""
 
-    fisher_seconds: float  # 0 when the fisher rule does not apply
-    profile_seconds: float
+    fisher_seconds: float  # the Fisher pass, which takes the profile too; 0 when the fisher rule does not apply
+    profile_seconds: float  # a profiling pass of its own; 0 under the fisher rule
     memory_bytes: int
 
     @property
@@ -52,23 +53,27 @@ class CalibrationCost:
         return self.fisher_seconds + self.profile_seconds
 
     def describe(self) -> str:
-        fisher = f"Fisher scales ~{self.fisher_seconds / 60:.0f}, " if self.fisher_seconds else ""
-        return f"~{self.seconds / 60:.0f} min ({fisher}profiling ~{self.profile_seconds / 60:.0f})"
+        what = "Fisher scales and the profile in one pass" if self.fisher_seconds else "profiling"
+        return f"~{self.seconds / 60:.0f} min ({what})"
 
 
-def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool, window: int = 256) -> CalibrationCost:
+def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool, window: int = 256,
+                     fisher_tokens: int | None = None) -> CalibrationCost:
     """The cost of calibrating ``model`` on ``tokens`` tokens in windows of ``window`` under
-    threshold ``rule`` (``targeted``: a target sparsity is given, so non-ReLU layers are thresholded)."""
+    threshold ``rule`` (``targeted``: a target sparsity is given, so non-ReLU layers are
+    thresholded), the Fisher scales' gradients taken on ``fisher_tokens`` of them (all: None)."""
     module, weights = model.module, model.weights
     ops = list(module.ops())
     last_ffn = max(i for i, op in enumerate(ops) if isinstance(op, O.FFN))
     profiled = forward = 0  # multiply-adds a token: up to the last FFN (profiling), all (Fisher)
+    profiled_weights, forward_weights = [], []
     for i, op in enumerate(ops):
-        names = (op.weight,) if isinstance(op, O.Linear) else (op.up, op.gate, op.down) \
-            if isinstance(op, O.FFN) else ()
-        macs = sum(math.prod(weights[n].shape) for n in names if n is not None)
-        forward += macs
-        profiled += macs if i <= last_ffn else 0
+        names = [n for n in ((op.weight,) if isinstance(op, O.Linear) else (op.up, op.gate, op.down)
+                             if isinstance(op, O.FFN) else ()) if n is not None]
+        macs = sum(math.prod(weights[n].shape) for n in names)
+        forward, forward_weights = forward + macs, forward_weights + names
+        if i <= last_ffn:
+            profiled, profiled_weights = profiled + macs, profiled_weights + names
     ffns = ffn_ops(module)
     width = weights[ffns[0].up].shape[1]
     lanes = max(1, min(host_cores(), -(-tokens // window)))  # windows profiled at once
@@ -76,9 +81,41 @@ def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool,
     fisher = rule == "fisher" and targeted and bool(scaled_layers(module))
     thresholded = [op for op in ffns if targeted and op.form not in RELU_FORMS]
     scores = sum(4 * tokens * weights[op.up].shape[0] for op in thresholded)
-    return CalibrationCost(fisher_seconds=3 * 2 * forward * tokens / (torch_rate * EFFICIENCY) if fisher else 0.0,
-                           profile_seconds=2 * profiled * tokens / (numpy_rate * EFFICIENCY),
-                           memory_bytes=scores + F32_CACHE_BYTES)
+    if fisher:  # a forward, then each block's forward again and its backward: each weight read twice
+        graded = tokens if fisher_tokens is None else min(tokens, -(-fisher_tokens // window) * window)
+        seconds = 2 * forward * (tokens + 2 * graded) / (torch_rate * EFFICIENCY) \
+            + _dequantizing(weights, forward_weights, 2)
+        return CalibrationCost(seconds, 0.0, scores + F32_CACHE_BYTES)
+    seconds = 2 * profiled * tokens / (numpy_rate * EFFICIENCY) + _dequantizing(weights, profiled_weights, 1)
+    return CalibrationCost(0.0, seconds, scores + F32_CACHE_BYTES)
+
+
+def _dequantizing(weights: WeightStore, names: list[str], passes: int) -> float:
+    """Seconds to dequantize ``names`` to float32 in each of ``passes`` passes (once in all when
+    their float32 values fit ``WeightStore.f32``'s cache), at the rate this machine dequantizes
+    each storage format (measured on up to 1024 rows of the first such weight)."""
+    f32_bytes: dict[DType, int] = {}
+    for name in names:
+        t = weights[name]
+        f32_bytes[t.dtype] = f32_bytes.get(t.dtype, 0) + 4 * math.prod(t.shape)
+    if sum(f32_bytes.values()) <= F32_CACHE_BYTES:
+        passes = 1
+    seconds = 0.0
+    for dtype, nbytes in f32_bytes.items():
+        sample = next(weights[n] for n in names if weights[n].dtype == dtype)
+        seconds += passes * nbytes / _dequantize_rate(sample)
+    return seconds
+
+
+def _dequantize_rate(t: Tensor) -> float:
+    """Float32 bytes a second that dequantizing ``t``'s first rows (at most 1024) gives: the best of three."""
+    rows = Tensor(t.dtype, (min(1024, t.shape[0]), *t.shape[1:]), t.data[:1024])
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        out = rows.to_f32()
+        best = min(best, time.perf_counter() - start)
+    return out.nbytes / max(best, 1e-9)
 
 
 @cache

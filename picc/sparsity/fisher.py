@@ -184,13 +184,16 @@ class TorchForward:
 
 def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: int,
                   progress: Callable[[int], None] | None = None,
-                  on_ffn: Callable[[FfnTrace], None] | None = None) -> dict[str, np.ndarray]:
+                  on_ffn: Callable[[FfnTrace], None] | None = None,
+                  tokens: int | None = None) -> dict[str, np.ndarray]:
     """``s_i = sqrt(E[(dL/da_i)^2])`` of every gated FFN's neurons over ``windows``, by FFN name.
 
     L is the cross-entropy of each window's next-token predictions against labels sampled (with
-    ``seed``) from the model's own distribution, window by window in order; the mean is over all
-    calibration tokens. Block by block with checkpoints (the module's docstring); ``progress``
-    gets shares of the windows' tokens (a third for the forward pass, two for the backward).
+    ``seed``) from the model's own distribution, window by window in order; the mean is over the
+    tokens of the windows whose gradients are taken: the first that hold ``tokens`` (all by
+    default; the scales of fewer are the same sums, stopped earlier). Block by block with
+    checkpoints (the module's docstring); ``progress`` gets shares of the windows' tokens (the
+    forward pass's share, then the backward's: one and two forwards per window they run).
     ``on_ffn`` sees every ffn op's scores and ``h`` (:class:`TorchForward`) once for each window,
     each layer's windows in order: what profiling needs, without a forward pass of its own.
     """
@@ -200,36 +203,42 @@ def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: 
     func = forward.func
     segments = _segments(func.ops)
     inputs = _segment_inputs(func, segments)
-    n_tokens = sum(len(w) for w in windows.windows)
-    forward_step = n_tokens / 3 / max(1, len(segments) - 1)  # the forward pass stops before the last
-    backward_step = (n_tokens - forward_step * (len(segments) - 1)) / len(segments)
-    # Forward, without a graph: each block's inputs, for every window (the last block's too).
+    sizes = [len(w) for w in windows.windows]
+    graded = len(sizes) if tokens is None else max(1, int(np.searchsorted(np.cumsum(sizes), tokens)) + 1)
+    graded = min(graded, len(sizes))
+    n_tokens, n_graded = sum(sizes), sum(sizes[:graded])
+    work = n_tokens + 2 * n_graded  # in forwards of one token
+    forward_step = n_tokens / max(1, len(segments) - 1) * n_tokens / work  # the forward pass stops before the last
+    backward_step = n_tokens * 2 * n_graded / work / len(segments)
+    last_has_ffn = any(isinstance(op, O.FFN) for op in func.ops[segments[-1][0]:])
+    # Forward, without a graph: each block's inputs, for the windows whose gradients are taken.
     envs = [{"tokens": torch.tensor(list(w), dtype=torch.long), "pos": torch.arange(len(w))}
             for w in windows.windows]
     saved: list[list[dict]] = []
-    forward.on_ffn = on_ffn  # each op but the last segment's runs here once for each window
+    forward.on_ffn = on_ffn  # every op runs here once for each window (the last segment's: below)
     with torch.no_grad():
         for (start, end), names, after in zip(segments, inputs, inputs[1:], strict=False):
-            saved.append([{name: env[name] for name in names} for env in envs])
+            saved.append([{name: env[name] for name in names} for env in envs[:graded]])
             envs = [{name: v for name, v in _run(forward, func.ops[start:end], env).items() if name in after}
                     for env in envs]
             if progress:
                 progress(forward_step)
-        saved.append([{name: env[name] for name in inputs[-1]} for env in envs])
+        saved.append([{name: env[name] for name in inputs[-1]} for env in envs[:graded]])
+        if last_has_ffn and on_ffn is not None:  # (ops without blocks: one segment) observed here
+            for env in envs:
+                _run(forward, func.ops[segments[-1][0]:], env)
     del envs
     forward.on_ffn = None
     # Backward, from the loss down: each block's forward again from its inputs, with a graph.
     generator = torch.Generator().manual_seed(seed)
     sums: dict[str, torch.Tensor] = {}
-    grads: list[dict] = [{} for _ in windows.windows]
+    grads: list[dict] = [{} for _ in range(graded)]
     for s in reversed(range(len(segments))):
         start, end = segments[s]
         for w, grad_out in enumerate(grads):
             leaves = {name: v.detach().requires_grad_() if v.is_floating_point() else v
                       for name, v in saved[s][w].items()}
-            forward.on_ffn = on_ffn if s == len(segments) - 1 else None  # run forward only here
             env = _run(forward, func.ops[start:end], dict(leaves))
-            forward.on_ffn = None
             if s == len(segments) - 1:
                 logits = env[func.ret]
                 with torch.no_grad():
@@ -250,7 +259,7 @@ def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: 
             progress(backward_step)
     if not sums:
         raise PiccError("Fisher scales need gated FFNs (GLU forms); this model has none")
-    return {name: np.sqrt(s.numpy() / n_tokens).astype(np.float32) for name, s in sums.items()}
+    return {name: np.sqrt(s.numpy() / n_graded).astype(np.float32) for name, s in sums.items()}
 
 
 def _run(forward: TorchForward, ops: Sequence[Op], env: dict) -> dict:

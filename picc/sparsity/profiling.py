@@ -114,15 +114,15 @@ def scaled_layers(module: Module) -> list[str]:
 
 
 def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
-              rule: str = "fisher", cache: bool = True) -> list[Profile]:
+              rule: str = "fisher", cache: bool = True, fisher_tokens: int | None = None) -> list[Profile]:
     """:func:`profile_sweep` with a progress bar, or, when ``rule`` is ``fisher`` and the model has
-    layers it scales, the Fisher scales and the profile in one pass (:func:`_fisher_profile`).
-    The profiles are cached (:func:`profile_cache_path`):
-    calibrating the same model on the same tokens again reads them back (``cache=False``:
-    computes them again, and caches the result)."""
+    layers it scales, the Fisher scales (from the first windows holding ``fisher_tokens``, all by
+    default) and the profile in one pass (:func:`_fisher_profile`). The profiles are cached
+    (:func:`profile_cache_path`): calibrating the same model on the same tokens again reads them
+    back (``cache=False``: computes them again, and caches the result)."""
     if rule not in THRESHOLD_RULES:
         raise PiccError(f"threshold rule must be one of {', '.join(THRESHOLD_RULES)}, got {rule!r}")
-    cached = profile_cache_path(module, weights, windows, targets, rule)
+    cached = profile_cache_path(module, weights, windows, targets, rule, fisher_tokens)
     profiles = _load_profiles(cached) if cache else None
     if profiles is not None:
         return profiles
@@ -130,7 +130,7 @@ def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: S
     if rule == "fisher" and wanted and any(t is not None for t in targets):
         # The Fisher pass's forward over the windows is the profile's forward too: one pass less.
         with progress_bar(windows.n_tokens, "Fisher scales and profile", "tok") as advance:
-            profiles = _fisher_profile(module, weights, windows, targets, advance, wanted)
+            profiles = _fisher_profile(module, weights, windows, targets, advance, wanted, fisher_tokens)
     else:
         with progress_bar(windows.n_tokens, "profiling", "tok") as advance:
             profiles = profile_sweep(module, weights, windows, targets, advance)
@@ -139,13 +139,13 @@ def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: S
 
 
 def _fisher_profile(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
-                    progress: Callable[[int], None], wanted: list[str]) -> list[Profile]:
+                    progress: Callable[[int], None], wanted: list[str], fisher_tokens: int | None) -> list[Profile]:
     """:func:`profile_sweep`'s profiles under the ``fisher`` rule for the layers in ``wanted``,
     observed in the Fisher pass's own forward (torch's float32 products instead of the
     interpreter's numpy ones: the same statistics, not the same bits) rather than in a pass of
     their own, and scaled once the pass has the scales."""
     observer = _observer(module, weights, windows, targets, wanted)
-    scales = fisher_scales(module, weights, windows, windows.seed, progress, on_ffn=observer)
+    scales = fisher_scales(module, weights, windows, windows.seed, progress, on_ffn=observer, tokens=fisher_tokens)
     return _profiles(observer, windows, targets, {name: scales[name] for name in wanted})
 
 
@@ -158,7 +158,7 @@ _PROFILE_SOURCES = ("sparsity/profiling.py", "sparsity/fisher.py", "interpreter.
 
 
 def profile_cache_path(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
-                       rule: str) -> Path:
+                       rule: str, fisher_tokens: int | None = None) -> Path:
     """Where :func:`calibrate` keeps its profiles of ``module``: ``$PICC_CACHE_DIR/profiles``,
     keyed by the model (IR text and weight bytes), the calibration tokens themselves (so the
     corpus, tokenizer, window and seed), the targets and rule, the profiling code and torch's
@@ -170,7 +170,7 @@ def profile_cache_path(module: Module, weights: WeightStore, windows: Windows, t
     hash_sources(h, _PROFILE_SOURCES)
     hash_model(h, module, weights)
     h.update(json.dumps({"windows": windows.windows, "source": windows.source, "seed": windows.seed,
-                         "targets": list(targets), "rule": rule}).encode())
+                         "targets": list(targets), "rule": rule, "fisher_tokens": fisher_tokens}).encode())
     return cache_root() / "profiles" / f"{h.hexdigest()[:32]}.npz"
 
 

@@ -16,6 +16,7 @@ from picc.passes import Instruments, PassSpec, run_pipeline
 from picc.passes.insert_predictors import InsertOptions
 from picc.passes.profile_activations import ProfileOptions
 from picc.progress import progress_bar
+from picc.sparsity import FISHER_TOKENS
 from picc.sparsity.calib import token_windows
 from picc.sparsity.evaluation import eval_windows, evaluate
 from picc.sparsity.profiling import RELU_FORMS, attach, calibrate, ffn_ops
@@ -35,13 +36,15 @@ class SparsifyOptions:
     calib: str = "ptb"
     rule: str = "fisher"
     tokens: int = 4096
+    fisher_tokens: int = FISHER_TOKENS
     window: int = 256
     seed: int = 0
 
     def passes(self, target: float | None) -> list[PassSpec]:
         """profile-activations (calibrated to ``target`` for non-ReLU FFNs) and insert-predictors."""
         profile = ProfileOptions(calib=self.calib, tokens=self.tokens, window=self.window, seed=self.seed,
-                                 target_sparsity=target, rule=self.rule if target is not None else "fisher")
+                                 target_sparsity=target, rule=self.rule if target is not None else "fisher",
+                                 fisher_tokens=self.fisher_tokens)
         insert = InsertOptions(mode=self.mode, recall=self.recall, budget=self.budget, seed=self.seed,
                                predictors=self.predictors or None)
         return [PassSpec("profile-activations", profile), PassSpec("insert-predictors", insert)]
