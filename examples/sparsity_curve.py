@@ -18,6 +18,7 @@ from picc.frontend import load_model
 from picc.ir.weights import WeightStore
 from picc.passes import PassSpec, run_pipeline
 from picc.passes.insert_predictors import InsertOptions
+from picc.sparsity import FISHER_TOKENS
 from picc.sparsity.calib import token_windows
 from picc.sparsity.evaluation import dense_reference, eval_windows, evaluate
 from picc.sparsity.profiling import THRESHOLD_RULES, attach, calibrate
@@ -32,12 +33,14 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--modes", default="gate-first,down-only")
     parser.add_argument("--rule", default="fisher", choices=THRESHOLD_RULES, help="how thresholds are calibrated")
+    parser.add_argument("--fisher-tokens", type=int, default=FISHER_TOKENS,
+                        help=f"calibration tokens the Fisher scales' gradients are taken on (default {FISHER_TOKENS})")
     args = parser.parse_args()
 
     start = time.perf_counter()
     model = load_model(args.model)
     calib = token_windows(model.tokenizer, "ptb", 4096, 256, seed=0)
-    profiles = calibrate(model.module, model.weights, calib, TARGETS, args.rule)
+    profiles = calibrate(model.module, model.weights, calib, TARGETS, args.rule, fisher_tokens=args.fisher_tokens)
     windows = eval_windows(model.tokenizer, "ptb-valid", args.tokens, args.window)
     reference = dense_reference(model.module, model.weights, windows)
     print(f"{args.model}: PTB valid, {sum(len(w) - 1 for w in windows)} predicted tokens, windows of "

@@ -31,11 +31,13 @@ from picc.ir.types import Placement
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes import Instruments, PassSpec, run_pipeline
 from picc.passes.fuse_gather_gemv import FuseOptions
+from picc.passes.insert_predictors import training_tokens
 from picc.passes.partition_neurons import PartitionOptions
 from picc.passes.select_kernels import SelectOptions
 from picc.placement import memory_plan as mp
 from picc.placement.plan_report import build_report
 from picc.placement.schedule import Schedule, schedule
+from picc.sparsity.profiling import RELU_FORMS
 from picc.sparsity.sparsify import SparsifyOptions, target_sparsity
 from picc.targets import Target, load_target, parse_size
 from runtime.contracts import CudaManifest, launches_to_json
@@ -287,8 +289,12 @@ def _calibration_too_costly(model: LoadedModel, sparsity: SparsifyOptions, targe
     from picc.sparsity.calibration_cost import calibration_cost
     from runtime.sequences import available_memory
 
+    # The layers insert-predictors would train predictors for (auto: the ReLU forms).
+    trained = [] if sparsity.predictors or sparsity.mode not in ("auto", "predictor") else \
+        [op for op in model.module.ops()
+         if isinstance(op, O.FFN) and (sparsity.mode == "predictor" or op.form in RELU_FORMS)]
     cost = calibration_cost(model, sparsity.tokens, sparsity.rule, target is not None, sparsity.window,
-                            sparsity.fisher_tokens)
+                            sparsity.fisher_tokens, trained, training_tokens(model.weights, trained, sparsity.tokens))
     have = available_memory()
     if have is not None and cost.memory_bytes > CALIBRATION_MEMORY_SHARE * have:
         return (f"profiling it on {sparsity.tokens} tokens would hold ~{cost.memory_bytes / 2**30:.1f} GiB, more "

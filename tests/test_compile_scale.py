@@ -149,6 +149,38 @@ def test_a_model_whose_calibration_would_take_too_long_or_too_much_memory_compil
     assert not profiled
 
 
+def test_predictor_training_counts_in_the_calibration_estimate(tmp_path, monkeypatch):
+    # A ReLU model trains predictors after profiling (auto mode): their data (another forward) and
+    # their training count in the estimate, so a model whose profiling alone would fit the budget
+    # but whose predictors would not (a ReLU 7B: ~7 min of profiling, ~40 of predictors) compiles
+    # dense; with exact masks only (no predictors to train) the same profiling fits.
+    from picc import compile as C
+    from picc.passes.insert_predictors import TRAIN_TOKENS, training_tokens
+    from picc.sparsity import calibration_cost
+    from picc.sparsity.predictors import starting_rank, training_flops
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = with_tokenizer(tiny_llama("reglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0))
+    options = CompileOptions(target=_target(tmp_path, 40e9, 40e9), sparsity=SparsifyOptions(tokens=256, window=64))
+    monkeypatch.setattr(calibration_cost, "_rates", lambda width, lanes: (1e15, 1e15))  # profiling: ~free
+    ffns = [op for op in model.module.ops() if op.NAME == "ffn"]
+    tokens = training_tokens(model.weights, ffns, 256)  # predictors train on more than profiling reads
+    assert tokens == TRAIN_TOKENS
+    flops = 2 * training_flops(64, 128, starting_rank(64, 128, 0.5, 1.0), tokens)  # two layers
+    rate = 0.99 * flops / (C.CALIBRATION_SECONDS * calibration_cost.EFFICIENCY * 2)  # just too slow, 2 cores
+    monkeypatch.setattr(calibration_cost, "host_cores", lambda: 2)
+    monkeypatch.setattr(calibration_cost, "_torch_one_thread_rate", lambda: rate)
+    said: list[str] = []
+    chosen = compile_model(model, options, say=said.append)
+    (line,) = [line for line in said if line.startswith("compiling the dense model without profiling")]
+    assert "(profiling ~0, training predictors ~10)" in line
+    assert all(op.mode == "dense" for op in chosen.model.module.ops() if isinstance(op, FusedFFN))
+    said.clear()
+    exact = replace(options, sparsity=replace(options.sparsity, mode="gate-first"))
+    compile_model(model, exact, say=said.append)
+    assert not any(line.startswith("compiling the dense model without profiling") for line in said)
+
+
 @pytest.mark.parametrize("workers", [1, 3])
 def test_run_many_gives_each_window_what_run_gives_it_and_dequantizes_each_weight_once(monkeypatch, workers):
     from picc.interpreter import Interpreter

@@ -106,12 +106,17 @@ def collect_layer_data(module: Module, weights: WeightStore, windows, names: set
 
 
 def default_tokens(module: Module, ctx: PassContext[InsertOptions], ffns: list[O.FFN], calib: str, window: int) -> int:
-    """``TRAIN_TOKENS`` (or the profile's, if more), fewer when the layers' inputs and labels
-    would exceed ``DATA_BYTES`` or the calibration corpus is shorter."""
+    """:func:`training_tokens`, fewer when the calibration corpus is shorter."""
     profiled = int(module.attr("profile_tokens", 4096) or 4096)
-    per_token = sum(4 * ctx.weights[op.up].shape[1] + ctx.weights[op.up].shape[0] for op in ffns)
-    tokens = max(profiled, min(TRAIN_TOKENS, DATA_BYTES // max(per_token, 1)))
+    tokens = training_tokens(ctx.weights, ffns, profiled)
     return min(tokens, max(profiled, corpus_windows(ctx.tokenizer, calib, window) * window))
+
+
+def training_tokens(weights: WeightStore, ffns: list[O.FFN], profiled: int) -> int:
+    """``TRAIN_TOKENS`` (or the ``profiled`` tokens, if more), fewer when the layers' inputs and
+    labels would exceed ``DATA_BYTES``."""
+    per_token = sum(4 * weights[op.up].shape[1] + weights[op.up].shape[0] for op in ffns)
+    return max(profiled, min(TRAIN_TOKENS, DATA_BYTES // max(per_token, 1)))
 
 
 def _train(module: Module, ctx: PassContext[InsertOptions], ffns: list[O.FFN]) -> dict[str, TrainedPredictor]:

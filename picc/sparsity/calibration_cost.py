@@ -33,10 +33,11 @@ from picc.frontend.model import LoadedModel
 from picc.ir import ops as O
 from picc.ir.types import DType
 from picc.ir.weights import F32_CACHE_BYTES, Tensor, WeightStore
+from picc.sparsity.predictors import starting_rank, training_flops
 from picc.sparsity.profiling import RELU_FORMS, ffn_ops, scaled_layers
 from picc.targets.host import host_cores
 
-EFFICIENCY = 0.5
+EFFICIENCY = 0.8
 """The share of the measured matrix-product rate the calibration passes reach (see above)."""
 
 
@@ -47,21 +48,27 @@ class CalibrationCost:
     fisher_seconds: float  # the Fisher pass, which takes the profile too; 0 when the fisher rule does not apply
     profile_seconds: float  # a profiling pass of its own; 0 under the fisher rule
     memory_bytes: int
+    predictor_seconds: float = 0.0  # the predictors' data (a forward pass) and their training
 
     @property
     def seconds(self) -> float:
-        return self.fisher_seconds + self.profile_seconds
+        return self.fisher_seconds + self.profile_seconds + self.predictor_seconds
 
     def describe(self) -> str:
         what = "Fisher scales and the profile in one pass" if self.fisher_seconds else "profiling"
+        if self.predictor_seconds:
+            what += f" ~{(self.seconds - self.predictor_seconds) / 60:.0f}, training predictors " \
+                    f"~{self.predictor_seconds / 60:.0f}"
         return f"~{self.seconds / 60:.0f} min ({what})"
 
 
 def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool, window: int = 256,
-                     fisher_tokens: int | None = None) -> CalibrationCost:
+                     fisher_tokens: int | None = None, predictors: list[O.FFN] | None = None,
+                     predictor_tokens: int = 0) -> CalibrationCost:
     """The cost of calibrating ``model`` on ``tokens`` tokens in windows of ``window`` under
     threshold ``rule`` (``targeted``: a target sparsity is given, so non-ReLU layers are
-    thresholded), the Fisher scales' gradients taken on ``fisher_tokens`` of them (all: None)."""
+    thresholded), the Fisher scales' gradients taken on ``fisher_tokens`` of them (all: None),
+    and of training predictors for the ffn ops ``predictors`` on ``predictor_tokens``."""
     module, weights = model.module, model.weights
     ops = list(module.ops())
     last_ffn = max(i for i, op in enumerate(ops) if isinstance(op, O.FFN))
@@ -78,6 +85,16 @@ def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool,
     width = weights[ffns[0].up].shape[1]
     lanes = max(1, min(host_cores(), -(-tokens // window)))  # windows profiled at once
     numpy_rate, torch_rate = _rates(width, lanes)
+    predictor_seconds = 0.0
+    if predictors:
+        # The data: a forward up to the last FFN over the training tokens (as profiling's).
+        predictor_seconds = 2 * profiled * predictor_tokens / (numpy_rate * EFFICIENCY) \
+            + _dequantizing(weights, profiled_weights, 1)
+        # Training: before profiling the density is unknown, so each layer's first rank is the one a
+        # density of 1/2 with dominant neurons would start from (the search may double it).
+        flops = sum(training_flops(h, n, starting_rank(h, n, 0.5, 1.0), predictor_tokens)
+                    for n, h in (weights[op.up].shape for op in predictors))
+        predictor_seconds += flops / (_torch_one_thread_rate() * host_cores() * EFFICIENCY)
     fisher = rule == "fisher" and targeted and bool(scaled_layers(module))
     thresholded = [op for op in ffns if targeted and op.form not in RELU_FORMS]
     scores = sum(4 * tokens * weights[op.up].shape[0] for op in thresholded)
@@ -85,9 +102,9 @@ def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool,
         graded = tokens if fisher_tokens is None else min(tokens, -(-fisher_tokens // window) * window)
         seconds = 2 * forward * (tokens + 2 * graded) / (torch_rate * EFFICIENCY) \
             + _dequantizing(weights, forward_weights, 2)
-        return CalibrationCost(seconds, 0.0, scores + F32_CACHE_BYTES)
+        return CalibrationCost(seconds, 0.0, scores + F32_CACHE_BYTES, predictor_seconds)
     seconds = 2 * profiled * tokens / (numpy_rate * EFFICIENCY) + _dequantizing(weights, profiled_weights, 1)
-    return CalibrationCost(0.0, seconds, scores + F32_CACHE_BYTES)
+    return CalibrationCost(0.0, seconds, scores + F32_CACHE_BYTES, predictor_seconds)
 
 
 def _dequantizing(weights: WeightStore, names: list[str], passes: int) -> float:
@@ -116,6 +133,27 @@ def _dequantize_rate(t: Tensor) -> float:
         out = rows.to_f32()
         best = min(best, time.perf_counter() - start)
     return out.nbytes / max(best, 1e-9)
+
+
+@cache
+def _torch_one_thread_rate() -> float:
+    """Float32 flop/s of torch on one thread (as predictors train, a layer a thread) on a batch of
+    256 times a 4096 x 512 matrix: the best of five."""
+    import torch
+
+    x, w = torch.randn(256, 4096), torch.randn(512, 4096)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x @ w.T
+        best = math.inf
+        for _ in range(5):
+            start = time.perf_counter()
+            x @ w.T
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * 256 * 512 * 4096 / max(best, 1e-9)
 
 
 @cache

@@ -90,6 +90,17 @@ def starting_rank(hidden: int, n_ff: int, sparsity: float, top20: float) -> int:
     return int(2 ** max(4, math.floor(math.log2(max(guess, 1)))))
 
 
+def training_steps(n_train: int) -> int:
+    """Optimizer steps for ``n_train`` training tokens: ``EPOCHS`` passes within the step limits."""
+    return min(MAX_STEPS, max(MIN_STEPS, EPOCHS * n_train // BATCH))
+
+
+def training_flops(hidden: int, n_ff: int, rank: int, tokens: int) -> float:
+    """Floating-point operations of training one predictor of ``rank`` on ``tokens`` calibration
+    tokens: each step's forward (two products of a batch) and backward (twice that)."""
+    return training_steps(int(0.8 * tokens)) * 6.0 * BATCH * rank * (hidden + n_ff)
+
+
 def logits(p: TrainedPredictor, x: np.ndarray) -> np.ndarray:
     h = np.maximum(x @ p.fc1.T + p.fc1_bias, np.float32(0))
     return h @ p.fc2.T + p.fc2_bias
@@ -137,7 +148,7 @@ def _train_predictor(data: LayerData, rank: int, recall_target: float, seed: int
     pos_weight = torch.tensor(min(8.0, max(1.0, (1 - density) / density)))
     loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=pos_weight)
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    steps = min(MAX_STEPS, max(MIN_STEPS, EPOCHS * len(train) // BATCH))
+    steps = training_steps(len(train))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     train_idx = torch.from_numpy(train)
     for _ in range(steps):
