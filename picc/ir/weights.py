@@ -9,6 +9,7 @@ valid against the store stays valid.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections import OrderedDict
@@ -71,6 +72,7 @@ class WeightStore:
         # f32 is called from the interpreter's window threads (Interpreter.run_many): one
         # dequantizes a weight while the others that want it wait, rather than do it again.
         self._f32_lock = threading.Lock()
+        self._f32_budget: int | None = None  # None: F32_CACHE_BYTES (read when used)
 
     def __contains__(self, name: object) -> bool:
         return name in self._tensors
@@ -108,10 +110,29 @@ class WeightStore:
                 return self._f32[name]
             value = self[name].to_f32()
             self._f32[name] = value
-            kept = sum(v.nbytes for v in self._f32.values())
-            while kept > F32_CACHE_BYTES and len(self._f32) > 1:
-                kept -= self._f32.popitem(last=False)[1].nbytes
+            self._evict()
             return value
+
+    @contextlib.contextmanager
+    def f32_budget(self, nbytes: int) -> Iterator[None]:
+        """Keep at most ``nbytes`` of float32 values inside the block (at least the last one):
+        for a pass that reads each weight once, in order, where the cache's budget would only
+        hold weights it is done with (the Fisher pass: one decoder block's, not 2 GB)."""
+        with self._f32_lock:
+            before, self._f32_budget = self._f32_budget, nbytes
+            self._evict()
+        try:
+            yield
+        finally:
+            with self._f32_lock:
+                self._f32_budget = before
+
+    def _evict(self) -> None:
+        """Drop the least recently used float32 values past the budget (the lock held)."""
+        budget = F32_CACHE_BYTES if self._f32_budget is None else self._f32_budget
+        kept = sum(v.nbytes for v in self._f32.values())
+        while kept > budget and len(self._f32) > 1:
+            kept -= self._f32.popitem(last=False)[1].nbytes
 
     def check_against(self, module: Module) -> None:
         """Raise ``PiccError`` unless every weight the module declares is here with its type."""

@@ -18,9 +18,10 @@ sensitivity, not its fit to the corpus). The torch forward follows the interpret
 The pass runs decoder block by decoder block over all the calibration windows (as profiling's
 ``Interpreter.run_many`` does), keeping only each block's inputs: forward through every block,
 then backward from the loss one block at a time, recomputing the block's forward from its saved
-inputs (checkpointing). The weights are read through ``WeightStore.f32``'s bounded cache and never
-copied, so at any time the float32 weights alive are about one block's (a LLaMA-7B block: 0.8 GB),
-not the model's (27 GB), at the cost of computing each block's forward twice. The forward pass
+inputs (checkpointing). The weights are read through ``WeightStore.f32``'s cache, bounded for the
+pass to the largest block's float32 weights, and never copied, so at any time the float32 weights
+alive are about one block's (a LLaMA-7B block: 0.8 GB), not the model's (27 GB), at the cost of
+computing each block's forward twice. The forward pass
 also hands every FFN's scores to an observer (``on_ffn``): the profile under the ``fisher`` rule is
 taken there (``picc.sparsity.profiling.calibrate``), not in a forward pass of its own.
 """
@@ -197,12 +198,24 @@ def fisher_scales(module: Module, weights: WeightStore, windows: Windows, seed: 
     ``on_ffn`` sees every ffn op's scores and ``h`` (:class:`TorchForward`) once for each window,
     each layer's windows in order: what profiling needs, without a forward pass of its own.
     """
-    import torch
-
     forward = TorchForward(module, weights)
     func = forward.func
     segments = _segments(func.ops)
     inputs = _segment_inputs(func, segments)
+    # Each block's weights are read for every window, then not until the backward pass comes back
+    # to it: the store need keep no more than the largest block's float32 weights.
+    block_bytes = max(sum(4 * math.prod(weights[name].shape) for op in func.ops[start:end] for name in op.weights())
+                      for start, end in segments)
+    with weights.f32_budget(max(block_bytes, 1)):
+        return _fisher_scales(forward, segments, inputs, windows, seed, progress, on_ffn, tokens)
+
+
+def _fisher_scales(forward: TorchForward, segments: list[tuple[int, int]], inputs: list[list[str]], windows: Windows,
+                   seed: int, progress: Callable[[int], None] | None, on_ffn: Callable[[FfnTrace], None] | None,
+                   tokens: int | None) -> dict[str, np.ndarray]:
+    import torch
+
+    func = forward.func
     sizes = [len(w) for w in windows.windows]
     graded = len(sizes) if tokens is None else max(1, int(np.searchsorted(np.cumsum(sizes), tokens)) + 1)
     graded = min(graded, len(sizes))
