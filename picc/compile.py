@@ -283,26 +283,36 @@ CALIBRATION_MEMORY_SHARE = 0.8
 def _calibration_too_costly(model: LoadedModel, sparsity: SparsifyOptions, target: float | None) -> str | None:
     """Why calibrating ``model`` is not worth starting here, or None: when the estimate
     (``picc.sparsity.calibration_cost``) says it would outlast ``CALIBRATION_SECONDS`` (a SwiGLU
-    LLaMA-7B on 2 cores: ~3/4 of an hour for 4096 tokens, against a minute for the dense model)
-    or hold more memory than the machine has. A cached profile would cost nothing: ``--sparse``
+    LLaMA-7B on 2 cores: ~14 minutes for 4096 tokens, against a minute for the dense model; a
+    ReLU one's predictors, most of an hour) or hold more memory than the machine has, with the
+    most ``--tokens`` that would fit. A cached profile would cost nothing: ``--sparse``
     calibrates (or reads the cache) anyway."""
-    from picc.sparsity.calibration_cost import calibration_cost
+    from picc.sparsity.calibration_cost import CalibrationCost, calibration_cost
     from runtime.sequences import available_memory
 
     # The layers insert-predictors would train predictors for (auto: the ReLU forms).
     trained = [] if sparsity.predictors or sparsity.mode not in ("auto", "predictor") else \
         [op for op in model.module.ops()
          if isinstance(op, O.FFN) and (sparsity.mode == "predictor" or op.form in RELU_FORMS)]
-    cost = calibration_cost(model, sparsity.tokens, sparsity.rule, target is not None, sparsity.window,
-                            sparsity.fisher_tokens, trained, training_tokens(model.weights, trained, sparsity.tokens))
+
+    def cost_of(tokens: int) -> CalibrationCost:
+        return calibration_cost(model, tokens, sparsity.rule, target is not None, sparsity.window,
+                                sparsity.fisher_tokens, trained, training_tokens(model.weights, trained, tokens))
+
+    cost = cost_of(sparsity.tokens)
     have = available_memory()
     if have is not None and cost.memory_bytes > CALIBRATION_MEMORY_SHARE * have:
         return (f"profiling it on {sparsity.tokens} tokens would hold ~{cost.memory_bytes / 2**30:.1f} GiB, more "
                 f"than this machine has available (~{have / 2**30:.1f} GiB)")
     if cost.seconds <= CALIBRATION_SECONDS:
         return None
-    fewer = int(sparsity.tokens * CALIBRATION_SECONDS / cost.seconds) // sparsity.window * sparsity.window
-    hint = f"; --tokens {fewer} would fit" if fewer >= sparsity.window else ""
+    # The most whole windows that fit (the cost grows with the tokens, though not in proportion:
+    # the Fisher scales' share and the predictors' training tokens have floors of their own).
+    low, high = 0, sparsity.tokens // sparsity.window
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if cost_of(mid * sparsity.window).seconds <= CALIBRATION_SECONDS else (low, mid - 1)
+    hint = f"; --tokens {low * sparsity.window} would fit" if low else ""
     return (f"calibrating it on {sparsity.tokens} tokens would take {cost.describe()} on this machine, past the "
             f"{CALIBRATION_SECONDS // 60} min a compile spends on it unasked{hint}")
 

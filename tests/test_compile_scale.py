@@ -174,11 +174,30 @@ def test_predictor_training_counts_in_the_calibration_estimate(tmp_path, monkeyp
     chosen = compile_model(model, options, say=said.append)
     (line,) = [line for line in said if line.startswith("compiling the dense model without profiling")]
     assert "(profiling ~0, training predictors ~10)" in line
+    assert "would fit" not in line  # predictors train on 16384 tokens however few --tokens profile
     assert all(op.mode == "dense" for op in chosen.model.module.ops() if isinstance(op, FusedFFN))
     said.clear()
     exact = replace(options, sparsity=replace(options.sparsity, mode="gate-first"))
     compile_model(model, exact, say=said.append)
     assert not any(line.startswith("compiling the dense model without profiling") for line in said)
+
+
+def test_the_tokens_that_would_fit_are_found_by_the_estimate_not_by_proportion(tmp_path, monkeypatch):
+    # The Fisher pass costs a forward of every token and a backward of the first --fisher-tokens:
+    # at 256 tokens and 64 of them 1.3x the budget, 192 tokens (256 / 1.3 in whole windows, as a
+    # proportion would say) still do not fit; 128 do.
+    from picc import compile as C
+    from picc.sparsity import calibration_cost
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.Q4_0))
+    sparsity = SparsifyOptions(mode="gate-first", tokens=256, window=64, target_sparsity=0.3, fisher_tokens=64)
+    forward = 2 * (3 * 64 * 64 + 3 * 128 * 64) + 128 * 64  # multiply-adds a token (see above)
+    rate = 2 * forward * (256 + 2 * 64) / (1.3 * C.CALIBRATION_SECONDS * calibration_cost.EFFICIENCY)
+    monkeypatch.setattr(calibration_cost, "_rates", lambda width, lanes: (rate, rate))
+    said: list[str] = []
+    compile_model(model, CompileOptions(target=_target(tmp_path, 40e9, 40e9), sparsity=sparsity), say=said.append)
+    assert any("would take ~13 min" in line and "--tokens 128 would fit" in line for line in said), said
 
 
 @pytest.mark.parametrize("workers", [1, 3])
