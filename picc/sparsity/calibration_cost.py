@@ -1,21 +1,24 @@
 """What calibrating a model would cost on this machine, estimated before it starts.
 
-``profile-activations`` runs the model's forward over the calibration tokens in numpy (op by op
-over all the windows, as many windows at once as there are cores, each on one BLAS thread) and,
-under the ``fisher`` threshold rule, a forward and a backward pass in torch block by block
-(``picc.sparsity.fisher``: each block's forward twice and its backward, about three forwards).
-Both are bound by float32 matrix products, so the estimate is their multiply-adds at the rate
-this machine's numpy (one BLAS thread on each of the windows' threads) and torch multiply
-matrices of the model's width, measured here in a fraction of a second, divided by
-``EFFICIENCY`` (what the passes reach of that rate besides dequantizing weights, attention and
-norms). Memory: a thresholded layer's scores for every calibration token (float32) stay until
-the thresholds are calibrated, beside ``WeightStore.f32``'s cache.
+Under the ``fisher`` threshold rule, ``profile-activations`` is one torch pass block by block
+(``picc.sparsity.fisher``): a forward over all the calibration tokens, where the profile is
+taken, then each block's forward again and its backward over the first ``fisher_tokens``: one
+forward a token plus two a Fisher token. Under the others it runs the model's forward in numpy (op
+by op over all the windows, as many windows at once as there are cores, each on one BLAS thread);
+where predictors are trained after it (``insert-predictors``), another such forward gathers their
+data, and each layer's predictor trains on a torch thread. All of it is float32 matrix products,
+so the estimate is their multiply-adds at the rate this machine's numpy (one BLAS thread on each
+of the windows' threads) and torch multiply matrices of the model's width, measured here in a
+fraction of a second, divided by ``EFFICIENCY``, plus the time to dequantize the weights read
+(twice in the Fisher pass), at the rate measured on the model's own format. Memory: a
+thresholded layer's scores for every calibration token (float32) stay until the thresholds are
+calibrated, beside ``WeightStore.f32``'s cache.
 
-On the 2-core build VM (numpy 84 GFLOP/s on one thread, torch 150), 256 tokens of a SwiGLU
-LLaMA-7B Q4_0 took 154 s of Fisher scales and 68 s of profiling (efficiencies 0.48 and 0.57;
-estimated 146 and 77 s), so the default 4096 tokens would take about an hour; ``picc compile``
-then builds the dense model instead, and says so (``--sparse`` calibrates anyway). The 1B shape
-reached 0.87 and 0.69.
+On the 2-core build VM (AMD EPYC, Zen 4; torch ~150 GFLOP/s, Q4_0 dequantized at ~0.6-1 GB/s of
+float32), a SwiGLU LLaMA-7B Q4_0 took 826 s to calibrate on 4096 tokens (2048 of them for the
+Fisher scales), estimated at ~14 minutes; a 1B shape in f16, 159 s. Before the dequantization was
+counted apart, the efficiency that matched (0.5) hid it: 256 tokens of the 7B took 154 s of
+Fisher scales, half of it dequantizing each block twice for one window's products.
 """
 
 from __future__ import annotations
