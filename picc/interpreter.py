@@ -12,7 +12,6 @@ the kernel does (``picc.quant.round_x_blocks``), so it stays the oracle of those
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from picc.ir.fused_ops import FusedFFN, Merge
 from picc.ir.module import Module
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.weights import WeightStore
+from picc.targets.host import host_cores
 
 _SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
 
@@ -185,7 +185,7 @@ class Interpreter:
         traces: list[list[FfnTrace]] = [[] for _ in windows]
         lanes = [self._lane(trace_list.append if self.on_ffn else None) for trace_list in traces]
         if workers is None:
-            workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            workers = host_cores()
         workers = max(1, min(workers, len(windows)))
         tokens = sum(len(w) for w in windows)
 

@@ -21,9 +21,9 @@ then backward from the loss one block at a time, recomputing the block's forward
 inputs (checkpointing). The weights are read through ``WeightStore.f32``'s cache, bounded for the
 pass to the largest block's float32 weights, and never copied, so at any time the float32 weights
 alive are about one block's (a LLaMA-7B block: 0.8 GB), not the model's (27 GB), at the cost of
-computing each block's forward twice. The forward pass
-also hands every FFN's scores to an observer (``on_ffn``): the profile under the ``fisher`` rule is
-taken there (``picc.sparsity.profiling.calibrate``), not in a forward pass of its own.
+computing each block's forward twice. The forward pass also hands every FFN's scores to an
+observer (``on_ffn``): the profile under the ``fisher`` rule is taken there
+(``picc.sparsity.profiling.calibrate``), not in a forward pass of its own.
 """
 
 from __future__ import annotations
