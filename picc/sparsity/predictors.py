@@ -30,6 +30,7 @@ MAX_STEPS = 1500
 MIN_STEPS = 300
 EPOCHS = 20  # passes over the train split, within the step limits
 BATCH = 256
+TRAIN_SHARE = 0.8  # of the calibration tokens, the train split (then 10% threshold, 10% test)
 # The GPU's warp-per-row predictor kernel splits each fc2 row into 16-byte chunks across lanes;
 # below rank 16 an f16 row is a single chunk, which its schedule does not handle.
 MIN_RANK = 16
@@ -98,7 +99,7 @@ def training_steps(n_train: int) -> int:
 def training_flops(hidden: int, n_ff: int, rank: int, tokens: int) -> float:
     """Floating-point operations of training one predictor of ``rank`` on ``tokens`` calibration
     tokens: each step's forward (two products of a batch) and backward (twice that)."""
-    return training_steps(int(0.8 * tokens)) * 6.0 * BATCH * rank * (hidden + n_ff)
+    return training_steps(int(TRAIN_SHARE * tokens)) * 6.0 * BATCH * rank * (hidden + n_ff)
 
 
 def logits(p: TrainedPredictor, x: np.ndarray) -> np.ndarray:
@@ -108,7 +109,7 @@ def logits(p: TrainedPredictor, x: np.ndarray) -> np.ndarray:
 
 def split(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     order = np.random.default_rng(seed).permutation(n)
-    a, b = int(0.8 * n), int(0.9 * n)
+    a, b = int(TRAIN_SHARE * n), int(0.9 * n)
     return order[:a], order[a:b], order[b:]
 
 
