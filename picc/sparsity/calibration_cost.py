@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -113,29 +114,36 @@ def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool,
 def _dequantizing(weights: WeightStore, names: list[str], passes: int) -> float:
     """Seconds to dequantize ``names`` to float32 in each of ``passes`` passes (once in all when
     their float32 values fit ``WeightStore.f32``'s cache), at the rate this machine dequantizes
-    each storage format (measured on up to 1024 rows of the first such weight)."""
-    f32_bytes: dict[DType, int] = {}
+    each storage format."""
+    f32_bytes: dict[tuple[DType, int], int] = {}
     for name in names:
         t = weights[name]
-        f32_bytes[t.dtype] = f32_bytes.get(t.dtype, 0) + 4 * math.prod(t.shape)
+        key = (t.dtype, t.shape[-1])
+        f32_bytes[key] = f32_bytes.get(key, 0) + 4 * math.prod(t.shape)
     if sum(f32_bytes.values()) <= F32_CACHE_BYTES:
         passes = 1
-    seconds = 0.0
-    for dtype, nbytes in f32_bytes.items():
-        sample = next(weights[n] for n in names if weights[n].dtype == dtype)
-        seconds += passes * nbytes / _dequantize_rate(sample)
-    return seconds
+    return sum(passes * nbytes / _dequantize_rate(dtype, width) for (dtype, width), nbytes in f32_bytes.items())
 
 
-def _dequantize_rate(t: Tensor) -> float:
-    """Float32 bytes a second that dequantizing ``t``'s first rows (at most 1024) gives: the best of three."""
-    rows = Tensor(t.dtype, (min(1024, t.shape[0]), *t.shape[1:]), t.data[:1024])
-    best = math.inf
-    for _ in range(3):
+@cache
+def _dequantize_rate(dtype: DType, width: int) -> float:
+    """Float32 bytes a second that dequantizing 512 rows of ``width`` stored as ``dtype`` gives:
+    the best of three. Measured once a process, so estimates of several token counts agree."""
+    values = np.random.default_rng(0).standard_normal((512, width), dtype=np.float32)
+    rows = Tensor.from_f32(values, dtype)
+    return values.nbytes / _best_seconds(rows.to_f32, 3)
+
+
+def _best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The shortest of ``repeats`` timed calls of ``run``, after one untimed (torch starts its
+    threads): the best, so that another process's burst does not look like the machine."""
+    run()
+    seconds = []
+    for _ in range(repeats):
         start = time.perf_counter()
-        out = rows.to_f32()
-        best = min(best, time.perf_counter() - start)
-    return out.nbytes / max(best, 1e-9)
+        run()
+        seconds.append(time.perf_counter() - start)
+    return max(min(seconds), 1e-9)
 
 
 @cache
@@ -148,15 +156,9 @@ def _torch_one_thread_rate() -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        x @ w.T
-        best = math.inf
-        for _ in range(5):
-            start = time.perf_counter()
-            x @ w.T
-            best = min(best, time.perf_counter() - start)
+        return 2 * 256 * 512 * 4096 / _best_seconds(lambda: x @ w.T, 5)
     finally:
         torch.set_num_threads(threads)
-    return 2 * 256 * 512 * 4096 / max(best, 1e-9)
 
 
 @cache
@@ -171,16 +173,7 @@ def _rates(width: int, lanes: int) -> tuple[float, float]:
     w = rng.standard_normal((2048, width), dtype=np.float32)
     flops = 2 * x.shape[0] * w.shape[0] * width
 
-    def best(product) -> float:  # noqa: ANN001 - a callable
-        product()  # warm up (torch starts its threads)
-        seconds = []
-        for _ in range(8):  # the best of several: another process's burst should not look like the machine
-            start = time.perf_counter()
-            product()
-            seconds.append(time.perf_counter() - start)
-        return flops / min(seconds)
-
     with blas_threads(1), ThreadPoolExecutor(lanes) as pool:
-        numpy_rate = lanes * best(lambda: list(pool.map(lambda _: x @ w.T, range(lanes))))
+        numpy_rate = lanes * flops / _best_seconds(lambda: list(pool.map(lambda _: x @ w.T, range(lanes))), 8)
     tx, tw = torch.from_numpy(x), torch.from_numpy(w)
-    return numpy_rate, best(lambda: tx @ tw.T)
+    return numpy_rate, flops / _best_seconds(lambda: tx @ tw.T, 8)
