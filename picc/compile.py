@@ -31,13 +31,12 @@ from picc.ir.types import Placement
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes import Instruments, PassSpec, run_pipeline
 from picc.passes.fuse_gather_gemv import FuseOptions
-from picc.passes.insert_predictors import training_tokens
+from picc.passes.insert_predictors import predicted_layers, training_tokens
 from picc.passes.partition_neurons import PartitionOptions
 from picc.passes.select_kernels import SelectOptions
 from picc.placement import memory_plan as mp
 from picc.placement.plan_report import build_report
 from picc.placement.schedule import Schedule, schedule
-from picc.sparsity.profiling import RELU_FORMS
 from picc.sparsity.sparsify import SparsifyOptions, target_sparsity
 from picc.targets import Target, load_target, parse_size
 from runtime.contracts import CudaManifest, launches_to_json
@@ -290,10 +289,9 @@ def _calibration_too_costly(model: LoadedModel, sparsity: SparsifyOptions, targe
     from picc.sparsity.calibration_cost import CalibrationCost, calibration_cost
     from runtime.sequences import available_memory
 
-    # The layers insert-predictors would train predictors for (auto: the ReLU forms).
-    trained = [] if sparsity.predictors or sparsity.mode not in ("auto", "predictor") else \
-        [op for op in model.module.ops()
-         if isinstance(op, O.FFN) and (sparsity.mode == "predictor" or op.form in RELU_FORMS)]
+    # The layers insert-predictors would train predictors for (none when they are imported).
+    trained = [] if sparsity.predictors else \
+        predicted_layers([op for op in model.module.ops() if type(op) is O.FFN], sparsity.mode)
 
     def cost_of(tokens: int) -> CalibrationCost:
         return calibration_cost(model, tokens, sparsity.rule, target is not None, sparsity.window,

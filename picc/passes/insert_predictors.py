@@ -156,6 +156,12 @@ def _train(module: Module, ctx: PassContext[InsertOptions], ffns: list[O.FFN]) -
     return trained
 
 
+def predicted_layers(ffns: list[O.FFN], mode: str) -> list[O.FFN]:
+    """The layers that get predictors under ``mode``: all with ``predictor``, the ReLU forms with
+    ``auto`` (the others' exact masks need none)."""
+    return [op for op in ffns if mode == "predictor" or mode == "auto" and op.form in RELU_FORMS]
+
+
 def _choose(op: O.FFN, mode: str, weights: WeightStore, predictor: TrainedPredictor | None) -> str:
     if mode != "auto":
         return mode
@@ -190,7 +196,7 @@ def insert_predictors(module: Module, ctx: PassContext[InsertOptions]) -> Module
         raise PiccError(f"ffn %{unprofiled[0]} has no profile; run profile-activations first")
     if mode == "gate-first" and (bad := [op for op in ffns if not op.spec.gated]):
         raise PiccError(f"mode gate-first needs gated FFNs; %{bad[0].result} is {bad[0].form!r}")
-    wants_predictor = [op for op in ffns if mode == "predictor" or mode == "auto" and op.form in RELU_FORMS]
+    wants_predictor = predicted_layers(ffns, mode)
     predictors: dict[str, TrainedPredictor] = {}
     if wants_predictor:
         if ctx.options.predictors:
