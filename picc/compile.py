@@ -31,7 +31,12 @@ from picc.ir.types import Placement
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes import Instruments, PassSpec, run_pipeline
 from picc.passes.fuse_gather_gemv import FuseOptions
-from picc.passes.insert_predictors import predicted_layers, training_tokens
+from picc.passes.insert_predictors import (
+    predicted_layers,
+    predictor_budget,
+    training_tokens,
+    trains_on_profiled_tokens,
+)
 from picc.passes.partition_neurons import PartitionOptions
 from picc.passes.select_kernels import SelectOptions
 from picc.placement import memory_plan as mp
@@ -136,7 +141,7 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
         if costly is not None:
             say(f"compiling the dense model without profiling: {costly} (--sparse calibrates anyway)")
             return _compiled_dense(model, options, instruments, f"dense, chosen before profiling: {costly}")
-        passes += s.passes(sparsity)
+        passes += s.passes(sparsity, model)
     passes += [_partition(options, target), *_fuse(options)]
     start = time.perf_counter()
     say(f"pipeline: {','.join(map(str, passes))}")
@@ -283,19 +288,23 @@ def _calibration_too_costly(model: LoadedModel, sparsity: SparsifyOptions, targe
     """Why calibrating ``model`` is not worth starting here, or None: when the estimate
     (``picc.sparsity.calibration_cost``) says it would outlast ``CALIBRATION_SECONDS`` (a SwiGLU
     LLaMA-7B on 2 cores: ~14 minutes for 4096 tokens, against a minute for the dense model; a
-    ReLU one's predictors, most of an hour) or hold more memory than the machine has, with the
+    ReLU one with its predictors, ~16) or hold more memory than the machine has, with the
     most ``--tokens`` that would fit. A cached profile would cost nothing: ``--sparse``
     calibrates (or reads the cache) anyway."""
-    from picc.sparsity.calibration_cost import CalibrationCost, calibration_cost
+    from picc.sparsity.calibration_cost import CalibrationCost, PredictorWork, calibration_cost
     from runtime.sequences import available_memory
 
     # The layers insert-predictors would train predictors for (none when they are imported).
     trained = [] if sparsity.predictors else \
         predicted_layers([op for op in model.module.ops() if type(op) is O.FFN], sparsity.mode)
 
+    budget = predictor_budget(model.weights, trained, sparsity.budget)
+
     def cost_of(tokens: int) -> CalibrationCost:
+        kept = not sparsity.predictors and trains_on_profiled_tokens(model.module, model.weights, sparsity.mode, tokens)
+        work = PredictorWork(trained, training_tokens(model.weights, trained, tokens), budget, own_forward=not kept)
         return calibration_cost(model, tokens, sparsity.rule, target is not None, sparsity.window,
-                                sparsity.fisher_tokens, trained, training_tokens(model.weights, trained, tokens))
+                                sparsity.fisher_tokens, work)
 
     cost = cost_of(sparsity.tokens)
     have = available_memory()
@@ -321,8 +330,8 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
     the sparse model could be at its best: no predictor, and each FFN matrix either read whole,
     eight rows at a time, or only ``density`` of its rows, gathered and so read one at a time,
     whichever is faster at the rates a sparse model's CPU kernels read its format (rounded x only
-    with ``int_dots``). Profiling a 7B model takes most of an hour on two cores, spent in vain
-    where the dense model wins anyway. (Counting the gathered rows at the eight-rows rate, as this
+    with ``int_dots``). Calibrating a 7B model takes a quarter of an hour on two cores, spent in
+    vain where the dense model wins anyway. (Counting the gathered rows at the eight-rows rate, as this
     did before, put a 1B Q4_0 model on the fence: it profiled for 5 minutes on a Zen 4, then chose
     dense at 51 against 39 tokens/s.)"""
     from picc.kernel_names import cpu_rate_key

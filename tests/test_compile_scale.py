@@ -152,7 +152,7 @@ def test_a_model_whose_calibration_would_take_too_long_or_too_much_memory_compil
 def test_predictor_training_counts_in_the_calibration_estimate(tmp_path, monkeypatch):
     # A ReLU model trains predictors after profiling (auto mode): their data (another forward) and
     # their training count in the estimate, so a model whose profiling alone would fit the budget
-    # but whose predictors would not (a ReLU 7B: ~7 min of profiling, ~40 of predictors) compiles
+    # but whose predictors would not (a ReLU 7B: ~6 min of profiling, ~8 of predictors) compiles
     # dense; with exact masks only (no predictors to train) the same profiling fits.
     from picc import compile as C
     from picc.passes.insert_predictors import TRAIN_TOKENS, training_tokens
@@ -166,7 +166,7 @@ def test_predictor_training_counts_in_the_calibration_estimate(tmp_path, monkeyp
     ffns = [op for op in model.module.ops() if op.NAME == "ffn"]
     tokens = training_tokens(model.weights, ffns, 256)  # predictors train on more than profiling reads
     assert tokens == TRAIN_TOKENS
-    flops = 2 * training_flops(64, 128, starting_rank(64, 128, 0.5, 1.0), tokens)  # two layers
+    flops = 2 * calibration_cost.SEARCH_ROUNDS * training_flops(64, 128, starting_rank(64, 128, 0.5, 1.0), tokens)
     rate = 0.99 * flops / (C.CALIBRATION_SECONDS * calibration_cost.EFFICIENCY * 2)  # just too slow, 2 cores
     monkeypatch.setattr(calibration_cost, "host_cores", lambda: 2)
     monkeypatch.setattr(calibration_cost, "_torch_one_thread_rate", lambda: rate)
@@ -180,6 +180,70 @@ def test_predictor_training_counts_in_the_calibration_estimate(tmp_path, monkeyp
     exact = replace(options, sparsity=replace(options.sparsity, mode="gate-first"))
     compile_model(model, exact, say=said.append)
     assert not any(line.startswith("compiling the dense model without profiling") for line in said)
+
+
+def test_predictors_on_the_profiled_tokens_cost_no_forward_of_their_own(tmp_path, monkeypatch):
+    # Where the predictors train on the tokens profiling reads (a ReLU 7B, whose training data would
+    # pass DATA_BYTES at more), profiling keeps the FFN inputs for them: the estimate counts one
+    # forward, not two. Here profiling alone takes 0.6 of the budget (training ~free).
+    import math
+
+    from picc import compile as C
+    from picc.ir import ops as O
+    from picc.passes import insert_predictors as ip
+    from picc.sparsity import calibration_cost
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = with_tokenizer(tiny_llama("reglu", n_layers=2, hidden=64, n_ff=128, matrix_dtype=DType.F32))
+    ops = list(model.module.ops())
+    last_ffn = max(i for i, op in enumerate(ops) if isinstance(op, O.FFN))
+    profiled = sum(math.prod(model.weights[n].shape) for op in ops[: last_ffn + 1]
+                   for n in ((op.weight,) if isinstance(op, O.Linear) else (op.up, op.gate, op.down)
+                             if isinstance(op, O.FFN) else ()))
+    rate = 2 * profiled * 256 / (0.6 * C.CALIBRATION_SECONDS * calibration_cost.EFFICIENCY)
+    monkeypatch.setattr(calibration_cost, "_rates", lambda width, lanes: (rate, rate))
+    monkeypatch.setattr(calibration_cost, "_torch_one_thread_rate", lambda: 1e15)
+    options = CompileOptions(target=_target(tmp_path, 40e9, 40e9), sparsity=SparsifyOptions(tokens=256, window=64))
+
+    def too_costly() -> bool:
+        said: list[str] = []
+        compile_model(model, options, say=said.append)
+        return any(line.startswith("compiling the dense model without profiling") for line in said)
+
+    assert too_costly()  # 16384 training tokens: a forward of 64 times profiling's
+    monkeypatch.setattr(ip, "DATA_BYTES", 1)  # the profiled 256 tokens: profiling's forward serves
+    assert not too_costly()
+
+
+def test_the_estimate_trains_the_ranks_the_predictor_budget_allows(monkeypatch):
+    # Before profiling, each layer is estimated at the rank a half-dense layer starts from; train_all
+    # halves the largest predictors until all fit --predictor-budget, and so must the estimate (a
+    # ReLU LLaMA-7B: rank 1024 from the density, 128 within 10% of its FFN bytes; counting 1024 put
+    # its training at ~32 minutes). Here: rank 64 from the density, and a budget for 32.
+    from picc.passes.insert_predictors import predictor_budget
+    from picc.sparsity import calibration_cost as cc
+    from picc.sparsity.predictors import predictor_params, starting_rank, training_flops
+
+    model = tiny_llama("reglu", n_layers=2, hidden=256, n_ff=512, matrix_dtype=DType.Q4_0)
+    ffns = [op for op in model.module.ops() if op.NAME == "ffn"]
+    assert starting_rank(256, 512, 0.5, 1.0) == 64
+    monkeypatch.setattr(cc, "_rates", lambda width, lanes: (1e15, 1e15))
+    monkeypatch.setattr(cc, "_torch_one_thread_rate", lambda: 1.0)
+    monkeypatch.setattr(cc, "host_cores", lambda: 1)
+
+    def training_seconds(share: float) -> tuple[int, float]:
+        budget = predictor_budget(model.weights, ffns, share)
+        work = cc.PredictorWork(ffns, 4096, budget)
+        return budget, cc.calibration_cost(model, 4096, "cats", False, 256, None, work).predictor_seconds
+
+    roomy, at_64 = training_seconds(0.5)
+    tight, at_32 = training_seconds(0.25)
+    assert 2 * predictor_params(64, 256, 512) <= roomy and 2 * predictor_params(32, 256, 512) <= tight \
+        < predictor_params(64, 256, 512) + predictor_params(32, 256, 512)
+    # The data pass costs the same in both: the difference is the training alone.
+    expected = 2 * cc.SEARCH_ROUNDS * (training_flops(256, 512, 64, 4096) - training_flops(256, 512, 32, 4096)) \
+        / cc.EFFICIENCY
+    assert at_64 - at_32 == pytest.approx(expected, rel=1e-6)
 
 
 def test_the_tokens_that_would_fit_are_found_by_the_estimate_not_by_proportion(tmp_path, monkeypatch):

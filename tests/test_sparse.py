@@ -160,7 +160,11 @@ def test_training_reaches_recall_and_is_deterministic():
 def test_ranks_grow_while_they_save_bytes_within_the_budget():
     layers = {"a": synthetic_layer(hidden=64, n_ff=128, seed=1), "b": synthetic_layer(hidden=64, n_ff=128, seed=2)}
     budget = predictor_params(16, 64, 128) + predictor_params(32, 64, 128)  # room for one doubling
-    trained = train_all(layers, {"a": 16, "b": 16}, 0.97, budget_params=budget, seed=0, ffn_bytes={"a": 1e9, "b": 1e9})
+    rounds: list[int] = []  # each round of the search says how many it trains: the bar's total
+    done: list[str] = []
+    trained = train_all(layers, {"a": 16, "b": 16}, 0.97, budget_params=budget, seed=0,
+                        ffn_bytes={"a": 1e9, "b": 1e9}, progress=done.append, expect=rounds.append)
+    assert rounds[0] == 2 and len(rounds) > 1 and sum(rounds) == len(done)
     assert sum(predictor_params(p.rank, 64, 128) for p in trained.values()) <= budget
     assert sorted(p.rank for p in trained.values()) == [16, 32]  # rank 32 pays at these FFN bytes
     for k, p in trained.items():  # the chosen rank is no worse than the start
@@ -174,6 +178,17 @@ def test_a_cheap_ffn_gets_a_smaller_predictor_than_an_expensive_one():
     big = train_all(layers, {"a": 16}, 0.9, budget_params=10**6, seed=0, ffn_bytes={"a": 1e9})["a"]
     small = train_all(layers, {"a": 32}, 0.9, budget_params=10**6, seed=0, ffn_bytes={"a": 1.0})["a"]
     assert small.rank == MIN_RANK < 32 == big.rank  # 32 = min(hidden, n_ff) / 2, the largest allowed
+
+
+def test_below_a_recall_of_one_the_search_still_tries_a_rank_that_pays():
+    # A predictor may predict fewer neurons than are active when its recall target is below 1 (rank
+    # 16 at 0.8 here: ~40% predicted, ~47% active). Whether a bigger rank could pay is bounded by
+    # the active neurons the target needs found, not all of them, or the search never tries it.
+    layers = {"a": synthetic_layer(hidden=64, n_ff=128, seed=1)}
+    start = train_predictor(layers["a"], 16, 0.8, seed=0)
+    assert start.predicted_density < start.true_density
+    grown = train_all(layers, {"a": 16}, 0.8, budget_params=10**6, seed=0, ffn_bytes={"a": 1e9})["a"]
+    assert grown.rank == 32 and grown.bytes_per_token(1e9) < start.bytes_per_token(1e9)
 
 
 def test_parallel_training_gives_the_same_predictors():
@@ -234,6 +249,36 @@ def test_predictors_are_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(digest, "PACKAGE", changed)
     sparse_model("reglu", "predictor")
     assert len(trained) == 2
+
+
+def test_predictors_train_on_the_profiles_forward_when_they_read_the_same_tokens(monkeypatch, tmp_path):
+    # A model whose training data would pass DATA_BYTES at more tokens than it profiles (a ReLU
+    # LLaMA-7B: 4096 of 16384) trains on the profiled tokens: profiling keeps the ReLU FFN inputs
+    # it saw and insert-predictors does not run that forward again (the 7B's took ~6 minutes).
+    # The predictors are bit for bit those of a forward of its own.
+    import picc.passes.insert_predictors as ip
+    from picc.sparsity.sparsify import SparsifyOptions, sparsify
+
+    model = with_tokenizer(tiny_llama("reglu", n_layers=2, n_ff=128))
+    options = SparsifyOptions(mode="predictor", tokens=512, window=64)
+    monkeypatch.setattr(ip, "DATA_BYTES", 1)  # training_tokens: the profiled ones
+    own_forward = ip.collect_layer_data
+    forwards: list[int] = []
+    monkeypatch.setattr(ip, "collect_layer_data", lambda *a: forwards.append(1) or own_forward(*a))
+    assert "keep-inputs=on" in options.pipeline(None, model)
+    kept = sparsify(model, options, report=lambda _: None)
+    assert forwards == []
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "other-cache"))  # a profile to compute, predictors to train
+    own = run_pipeline(model.module, model.weights, options.passes(None), tokenizer=model.tokenizer)
+    assert forwards == [1] and "keep-inputs" not in options.pipeline(None)
+    predicts = [[op for op in m.ops() if isinstance(op, Predict)] for m in (kept, own)]
+    assert len(predicts[0]) == 2
+    for a, b in zip(*predicts, strict=True):
+        assert a.threshold == b.threshold
+        np.testing.assert_array_equal(model.weights.f32(a.fc2), model.weights.f32(b.fc2))
+    # Where the predictors train on more tokens than profiling reads, profiling keeps nothing.
+    monkeypatch.setattr(ip, "DATA_BYTES", 2 << 30)
+    assert "keep-inputs" not in options.pipeline(None, model)
 
 
 def test_an_unwritable_cache_does_not_fail_the_training(monkeypatch, tmp_path):

@@ -11,6 +11,10 @@ predictors, ``model_{layer}.pt``, to import instead of training), ``cache`` (``o
 keep the profile's accuracy: for ReLU forms the exact ways (gate-first, down-only) and a trained
 predictor; for other forms gate-first (GLU) or down-only at the profiled thresholds.
 
+Predictor training reads each layer's inputs over the training tokens: from a forward of its own,
+or, where an earlier ``profile-activations{keep-inputs=on}`` of the same pipeline run saw exactly
+these tokens (``trains_on_profiled_tokens``), from what it kept (``ctx.artifacts``).
+
 Needs: ``profile-activations`` (every ffn carries ``freq`` and thresholds) and the tokenizer when
 predictors are trained. Guarantees: every chosen ffn is a ``sparse_ffn``, predictor layers read a
 ``predict`` op's mask; ``dense`` layers stay ``ffn``.
@@ -25,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from picc.errors import PiccError
-from picc.interpreter import FfnTrace, Interpreter
+from picc.interpreter import Interpreter
 from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.module import Module, WeightDecl
@@ -38,7 +42,7 @@ from picc.placement import cost_model
 from picc.progress import progress_bar
 from picc.sparsity import predictor_store
 from picc.sparsity.calib import corpus_windows, token_windows
-from picc.sparsity.predictors import LayerData, TrainedPredictor, starting_rank, train_all
+from picc.sparsity.predictors import LayerData, LayerDataRecorder, TrainedPredictor, starting_rank, train_all
 from picc.sparsity.profiling import RELU_FORMS
 
 # relu-demo's predictors at 0.99 recall predicted 20-40% fewer neurons active when trained on
@@ -78,31 +82,20 @@ def _names(ffn: O.FFN) -> tuple[str, str]:
 
 
 def collect_layer_data(module: Module, weights: WeightStore, windows, names: set[str]) -> dict[str, LayerData]:  # noqa: ANN001
-    """FFN inputs and active sets (score > the op's threshold) of the layers in ``names``, each
-    written into its place in arrays of all the tokens (a 7B model's are 3.5 GB: no second copy)."""
+    """FFN inputs and active sets (score > the op's threshold) of the layers in ``names`` over all
+    the tokens of ``windows`` (:class:`~picc.sparsity.predictors.LayerDataRecorder`)."""
     ffns = {op.result: op for op in module.ops() if op.result in names}
-    n = windows.n_tokens
-    data = {k: LayerData(np.empty((n, weights[op.up].shape[1]), np.float32),
-                         np.empty((n, weights[op.up].shape[0]), bool)) for k, op in ffns.items()}
-    filled = dict.fromkeys(names, 0)
-
-    def observe(trace: FfnTrace) -> None:
-        k = trace.op.result
-        if k in names:
-            rows = slice(filled[k], filled[k] + len(trace.x))
-            data[k].x[rows] = trace.x
-            np.greater(trace.score, np.float32(trace.op.threshold or 0.0), out=data[k].active[rows])
-            filled[k] = rows.stop
-
+    record = LayerDataRecorder({k: (weights[op.up].shape[1], weights[op.up].shape[0]) for k, op in ffns.items()},
+                               windows.n_tokens)
     last = max(i for i, op in enumerate(module.function().ops) if op.result in names)
     func = module.function()
     cut = module.with_function(replace(func, ret=func.ops[last].result).pruned())
     interp = Interpreter(cut, weights)
-    interp.on_ffn = observe
+    interp.on_ffn = record
     with progress_bar(windows.n_tokens, "collecting predictor data", "tok") as advance:
         interp.run_many([list(w) for w in windows.windows], advance)  # each weight dequantized once
-    assert all(f == n for f in filled.values()), (filled, n)
-    return data
+    assert record.complete, (record.filled, windows.n_tokens)
+    return record.data
 
 
 def default_tokens(module: Module, ctx: PassContext[InsertOptions], ffns: list[O.FFN], calib: str, window: int) -> int:
@@ -119,6 +112,12 @@ def training_tokens(weights: WeightStore, ffns: list[O.FFN], profiled: int) -> i
     return max(profiled, min(TRAIN_TOKENS, DATA_BYTES // max(per_token, 1)))
 
 
+def predictor_budget(weights: WeightStore, ffns: list[O.FFN], share: float) -> int:
+    """The parameters all predictors of ``ffns`` may hold: ``share`` of the layers' weight bytes
+    (``--predictor-budget``), the predictors stored as float16."""
+    return int(share * sum(cost_model.ffn_weight_bytes(op, weights) for op in ffns) / 2)
+
+
 def _train(module: Module, ctx: PassContext[InsertOptions], ffns: list[O.FFN]) -> dict[str, TrainedPredictor]:
     if ctx.tokenizer is None:
         raise PiccError("insert-predictors needs the model's tokenizer to train predictors")
@@ -129,15 +128,20 @@ def _train(module: Module, ctx: PassContext[InsertOptions], ffns: list[O.FFN]) -
         tokens = default_tokens(module, ctx, ffns, calib, window)
     seed, recall, budget_share = ctx.options.seed, ctx.options.recall, ctx.options.budget
     ffn_bytes = {op.result: cost_model.ffn_weight_bytes(op, ctx.weights) for op in ffns}
-    budget_params = int(budget_share * sum(ffn_bytes.values()) / 2)  # predictors are stored in float16
+    budget_params = predictor_budget(ctx.weights, ffns, budget_share)
     key = predictor_store.cache_key(module, ctx.weights, [op.result for op in ffns],
                                     dict(calib=calib, tokens=tokens, window=window, seed=seed,
                                          recall=recall, budget=budget_share))
     use_cache = ctx.options.cache
+    kept, ctx.artifacts.ffn_inputs = ctx.artifacts.ffn_inputs, None  # read once: 3.6 GB for a 7B
     if use_cache and (cached := predictor_store.load_cached(key)) is not None:
         return cached
-    windows = token_windows(ctx.tokenizer, calib, tokens, window, seed)
-    data = collect_layer_data(module, ctx.weights, windows, {op.result for op in ffns})
+    if kept is not None and (kept.calib, kept.tokens, kept.window, kept.seed) == (calib, tokens, window, seed) \
+            and all(op.result in kept.layers and not op.threshold for op in ffns):
+        data = {op.result: kept.layers[op.result] for op in ffns}  # profiling's forward saw these tokens
+    else:
+        windows = token_windows(ctx.tokenizer, calib, tokens, window, seed)
+        data = collect_layer_data(module, ctx.weights, windows, {op.result for op in ffns})
     start = {}
     for op in ffns:
         freq = ctx.weights.f32(op.freq) if op.freq else data[op.result].active.mean(0)
@@ -145,15 +149,24 @@ def _train(module: Module, ctx: PassContext[InsertOptions], ffns: list[O.FFN]) -
         top20 = float(ranked[: max(1, len(ranked) // 5)].sum() / max(ranked.sum(), 1e-9))
         hidden, n_ff = data[op.result].x.shape[1], data[op.result].active.shape[1]
         start[op.result] = starting_rank(hidden, n_ff, 1.0 - float(freq.mean()), top20)
-    with progress_bar(None, "training predictors", "predictor") as advance:
+    with progress_bar(0, "training predictors", "predictor") as advance:  # the rank search adds rounds
         try:
             trained = train_all(data, start, recall, budget_params, seed, progress=lambda _: advance(1),
-                                ffn_bytes=ffn_bytes, workers=len(os.sched_getaffinity(0)))
+                                ffn_bytes=ffn_bytes, workers=len(os.sched_getaffinity(0)), expect=advance.expect)
         except ValueError as e:
             raise PiccError(str(e)) from None
     if use_cache:
         predictor_store.save_cached(key, trained)
     return trained
+
+
+def trains_on_profiled_tokens(module: Module, weights: WeightStore, mode: str, profiled: int) -> bool:
+    """Whether this pass in ``mode`` (training, not importing, predictors) would train ReLU layers
+    only, on the very tokens ``profile-activations`` reads (``profiled``): the model's training data
+    would pass ``DATA_BYTES`` at more (a LLaMA-7B), so profiling may keep what it saw for them."""
+    layers = predicted_layers([op for op in module.ops() if type(op) is O.FFN], mode)
+    return bool(layers) and all(op.form in RELU_FORMS for op in layers) \
+        and training_tokens(weights, layers, profiled) == profiled
 
 
 def predicted_layers(ffns: list[O.FFN], mode: str) -> list[O.FFN]:

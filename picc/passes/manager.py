@@ -17,7 +17,7 @@ from picc.ir.printer import print_module
 from picc.ir.verifier import VerifyError, verify
 from picc.ir.weights import WeightStore
 from picc.passes.options import PassOptions, format_options, parse_options
-from picc.passes.registry import PASSES, PassContext, PassInfo
+from picc.passes.registry import PASSES, PassContext, PassInfo, PipelineArtifacts
 
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
@@ -108,12 +108,13 @@ def run_pipeline(module: Module, weights: WeightStore, pipeline: list[PassSpec],
         inst.dump_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(inst.dump_dir / "00_input.picc", print_module(module))
     done: list[str] = []
+    artifacts = PipelineArtifacts()
     for index, spec in enumerate(pipeline, 1):
         info = PASSES[spec.name]
         before = f" (after: {', '.join(done)})" if done else " (first pass)"
         start = time.perf_counter()
         try:
-            module = info.fn(module, PassContext(weights, spec.options, tokenizer))
+            module = info.fn(module, PassContext(weights, spec.options, tokenizer, artifacts))
         except PiccError as e:
             raise PiccError(f"pass '{spec.name}' failed{before}: {e}") from None
         except Exception as e:

@@ -6,7 +6,10 @@ non-ReLU FFNs: their thresholds are calibrated to it), ``rule`` (how: ``fisher``
 threshold for all GLU layers on Fisher-scaled scores, each such ffn then carries its
 ``score_scale``; or ``cats``, one quantile per layer; see ``picc.sparsity.profiling``), ``fisher-tokens``
 (how many of the tokens the fisher rule's gradients are taken on, default ``FISHER_TOKENS``), ``cache`` (``off`` to
-compute the profile again rather than read it from ``$PICC_CACHE_DIR/profiles``).
+compute the profile again rather than read it from ``$PICC_CACHE_DIR/profiles``), ``keep-inputs``
+(``on``: keep the inputs and active neurons of the ReLU ffn ops that the profile's forward saw, for
+an ``insert-predictors`` later in the same pipeline that trains on the same tokens, which then
+skips a forward of its own: a ReLU LLaMA-7B's 4096 tokens, ~6 minutes on 2 cores, 3.6 GB held).
 
 Needs: a verified module with ``ffn`` ops (run ``canonicalize`` first on graph imports) and the
 model's tokenizer. Guarantees: every ffn op carries ``freq``/``mag`` weights and its
@@ -21,10 +24,11 @@ from dataclasses import dataclass
 from picc.errors import PiccError
 from picc.ir.module import Module
 from picc.passes.options import PassOptions, option
-from picc.passes.registry import PassContext, register_pass
+from picc.passes.registry import FfnInputs, PassContext, register_pass
 from picc.sparsity import FISHER_TOKENS
 from picc.sparsity.calib import token_windows
-from picc.sparsity.profiling import THRESHOLD_RULES, attach, calibrate
+from picc.sparsity.predictors import LayerDataRecorder
+from picc.sparsity.profiling import RELU_FORMS, THRESHOLD_RULES, attach, calibrate, ffn_ops
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class ProfileOptions(PassOptions):
     rule: str = option("fisher", choices=THRESHOLD_RULES)
     fisher_tokens: int = option(FISHER_TOKENS, key="fisher-tokens", at_least=1)
     cache: bool = option(True)
+    keep_inputs: bool = option(False, key="keep-inputs")
 
     def check(self) -> None:
         super().check()
@@ -53,6 +58,11 @@ def profile_activations(module: Module, ctx: PassContext[ProfileOptions]) -> Mod
         raise PiccError("profile-activations needs the model's tokenizer to read calibration text")
     o = ctx.options
     windows = token_windows(ctx.tokenizer, o.calib, o.tokens, o.window, o.seed)
+    relu = {op.result: (ctx.weights[op.up].shape[1], ctx.weights[op.up].shape[0])
+            for op in ffn_ops(module) if op.form in RELU_FORMS}
+    record = LayerDataRecorder(relu, windows.n_tokens) if o.keep_inputs and relu else None
     (profile,) = calibrate(module, ctx.weights, windows, [o.target_sparsity], o.rule, cache=o.cache,
-                           fisher_tokens=o.fisher_tokens)
+                           fisher_tokens=o.fisher_tokens, record=record)
+    if record is not None and record.complete:  # not when the profile came from the cache
+        ctx.artifacts.ffn_inputs = FfnInputs(o.calib, o.tokens, o.window, o.seed, record.data)
     return attach(module, ctx.weights, profile)

@@ -12,13 +12,37 @@ from picc.passes.options import PassOptions
 
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
+    from picc.sparsity.predictors import LayerData
 
 OptionsT = TypeVar("OptionsT", bound=PassOptions)
 
 
 @dataclass(frozen=True)
+class FfnInputs:
+    """The inputs and active neurons (score > 0) of ReLU ffn ops over calibration windows
+    (``calib``, ``tokens``, ``window``, ``seed`` as ``picc.sparsity.calib.token_windows`` takes
+    them), by ffn name."""
+
+    calib: str
+    tokens: int
+    window: int
+    seed: int
+    layers: dict[str, LayerData]
+
+
+@dataclass
+class PipelineArtifacts:
+    """What a pass computed that a later pass of the same pipeline run may use instead of
+    computing it again; too big for the module (and not part of the computation it describes).
+    A pass run on its own finds it empty."""
+
+    ffn_inputs: FfnInputs | None = None  # profile-activations' forward (keep-inputs), for insert-predictors
+
+
+@dataclass(frozen=True)
 class PassContext(Generic[OptionsT]):
-    """What a pass may use besides the module: the weight store, its options, the tokenizer.
+    """What a pass may use besides the module: the weight store, its options, the tokenizer,
+    and the pipeline run's artifacts.
 
     The options are the pass's own dataclass (``PassContext[ProfileOptions]``), parsed and
     checked before the pass runs. The store is append-only, so a pass that changes a weight adds
@@ -28,6 +52,7 @@ class PassContext(Generic[OptionsT]):
     weights: WeightStore
     options: OptionsT = field(default_factory=PassOptions)  # type: ignore[assignment]
     tokenizer: Tokenizer | None = None
+    artifacts: PipelineArtifacts = field(default_factory=PipelineArtifacts)
 
 
 PassFn = Callable[[Module, PassContext[Any]], Module]

@@ -6,13 +6,14 @@ taken, then each block's forward again and its backward over the first ``fisher_
 forward a token plus two a Fisher token. Under the others it runs the model's forward in numpy (op
 by op over all the windows, as many windows at once as there are cores, each on one BLAS thread);
 where predictors are trained after it (``insert-predictors``), another such forward gathers their
-data, and each layer's predictor trains on a torch thread. All of it is float32 matrix products,
-so the estimate is their multiply-adds at the rate this machine's numpy (one BLAS thread on each
-of the windows' threads) and torch multiply matrices of the model's width, measured here in a
-fraction of a second, divided by ``EFFICIENCY``, plus the time to dequantize the weights read
-(twice in the Fisher pass), at the rate measured on the model's own format. Memory: a
-thresholded layer's scores for every calibration token (float32) stay until the thresholds are
-calibrated, beside ``WeightStore.f32``'s cache.
+data (unless they train on the profiled tokens, whose FFN inputs profiling then keeps for them),
+and each layer's predictor trains on a torch thread, at the rank the predictor budget allows. All
+of it is float32 matrix products, so the estimate is their multiply-adds at the rate this
+machine's numpy (one BLAS thread on each of the windows' threads) and torch multiply matrices of
+the model's width, measured here in a fraction of a second, divided by ``EFFICIENCY``, plus the
+time to dequantize the weights read (twice in the Fisher pass), at the rate measured on the
+model's own format. Memory: a thresholded layer's scores for every calibration token (float32)
+stay until the thresholds are calibrated, beside ``WeightStore.f32``'s cache.
 
 On the 2-core build VM (AMD EPYC, Zen 4; torch ~150 GFLOP/s, Q4_0 dequantized at ~0.6-1 GB/s of
 float32), a SwiGLU LLaMA-7B Q4_0 took 826 s to calibrate on 4096 tokens (2048 of them for the
@@ -37,7 +38,7 @@ from picc.frontend.model import LoadedModel
 from picc.ir import ops as O
 from picc.ir.types import DType
 from picc.ir.weights import F32_CACHE_BYTES, Tensor, WeightStore
-from picc.sparsity.predictors import starting_rank, training_flops
+from picc.sparsity.predictors import MIN_RANK, first_ranks, starting_rank, training_flops
 from picc.sparsity.profiling import RELU_FORMS, ffn_ops, scaled_layers
 from picc.targets.host import host_cores
 
@@ -66,13 +67,24 @@ class CalibrationCost:
         return f"~{self.seconds / 60:.0f} min ({what})"
 
 
+@dataclass(frozen=True)
+class PredictorWork:
+    """The predictors ``insert-predictors`` would train: for the ffn ops ``layers``, on ``tokens``
+    calibration tokens, all of them within ``budget_params`` parameters; ``own_forward``: their data
+    takes a forward of its own (not where profiling keeps what it saw of the same tokens)."""
+
+    layers: list[O.FFN]
+    tokens: int
+    budget_params: int
+    own_forward: bool = True
+
+
 def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool, window: int = 256,
-                     fisher_tokens: int | None = None, predictors: list[O.FFN] | None = None,
-                     predictor_tokens: int = 0) -> CalibrationCost:
+                     fisher_tokens: int | None = None, predictors: PredictorWork | None = None) -> CalibrationCost:
     """The cost of calibrating ``model`` on ``tokens`` tokens in windows of ``window`` under
     threshold ``rule`` (``targeted``: a target sparsity is given, so non-ReLU layers are
     thresholded), the Fisher scales' gradients taken on ``fisher_tokens`` of them (all: None),
-    and of training predictors for the ffn ops ``predictors`` on ``predictor_tokens``."""
+    and of training ``predictors``."""
     module, weights = model.module, model.weights
     ops = list(module.ops())
     last_ffn = max(i for i, op in enumerate(ops) if isinstance(op, O.FFN))
@@ -90,15 +102,12 @@ def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool,
     lanes = max(1, min(host_cores(), -(-tokens // window)))  # windows profiled at once
     numpy_rate, torch_rate = _rates(width, lanes)
     predictor_seconds = 0.0
-    if predictors:
-        # The data: a forward up to the last FFN over the training tokens (as profiling's).
-        predictor_seconds = 2 * profiled * predictor_tokens / (numpy_rate * EFFICIENCY) \
-            + _dequantizing(weights, profiled_weights, 1)
-        # Training: before profiling the density is unknown, so each layer's first rank is the one a
-        # density of 1/2 with dominant neurons would start from (the search may double it).
-        flops = sum(training_flops(h, n, starting_rank(h, n, 0.5, 1.0), predictor_tokens)
-                    for n, h in (weights[op.up].shape for op in predictors))
-        predictor_seconds += flops / (_torch_one_thread_rate() * host_cores() * EFFICIENCY)
+    if predictors and predictors.layers:
+        if predictors.own_forward:  # the data: a forward up to the last FFN over the training tokens
+            predictor_seconds = 2 * profiled * predictors.tokens / (numpy_rate * EFFICIENCY) \
+                + _dequantizing(weights, profiled_weights, 1)
+        predictor_seconds += _training_flops(weights, predictors) / (
+            _torch_one_thread_rate() * host_cores() * EFFICIENCY)
     fisher = rule == "fisher" and targeted and bool(scaled_layers(module))
     thresholded = [op for op in ffns if targeted and op.form not in RELU_FORMS]
     scores = sum(4 * tokens * weights[op.up].shape[0] for op in thresholded)
@@ -109,6 +118,27 @@ def calibration_cost(model: LoadedModel, tokens: int, rule: str, targeted: bool,
         return CalibrationCost(seconds, 0.0, scores + F32_CACHE_BYTES, predictor_seconds)
     seconds = 2 * profiled * tokens / (numpy_rate * EFFICIENCY) + _dequantizing(weights, profiled_weights, 1)
     return CalibrationCost(0.0, seconds, scores + F32_CACHE_BYTES, predictor_seconds)
+
+
+SEARCH_ROUNDS = 2
+"""Predictor training's work, in rounds at the first ranks: the search (``predictors.train_all``)
+trains each layer at ranks doubling from its start up to what pays or the budget allows, or halving
+from it, so about twice a round at the ranks it ends near. The synthetic ReLU LLaMA-7B trained ranks
+128 then 256 (25 of 32 layers): 1.3 rounds at the estimate's first ranks, in 10.3 minutes where
+one round was estimated at 4."""
+
+
+def _training_flops(weights: WeightStore, work: PredictorWork) -> float:
+    """Predictor training (``predictors.train_all``): before profiling the densities are unknown,
+    so each layer starts at the rank a density of 1/2 with dominant neurons would, the largest
+    halved until all fit the budget, as ``train_all`` halves them; ``SEARCH_ROUNDS`` such rounds."""
+    dims = {op.result: (weights[op.up].shape[1], weights[op.up].shape[0]) for op in work.layers}
+    start = {k: starting_rank(h, n, 0.5, 1.0) for k, (h, n) in dims.items()}
+    try:
+        ranks = first_ranks(dims, start, work.budget_params)
+    except ValueError:  # the pass will say so; the smallest ranks until then
+        ranks = dict.fromkeys(dims, MIN_RANK)
+    return SEARCH_ROUNDS * sum(training_flops(*dims[k], ranks[k], work.tokens) for k in dims)
 
 
 def _dequantizing(weights: WeightStore, names: list[str], passes: int) -> float:

@@ -114,12 +114,14 @@ def scaled_layers(module: Module) -> list[str]:
 
 
 def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: Sequence[float | None],
-              rule: str = "fisher", cache: bool = True, fisher_tokens: int | None = None) -> list[Profile]:
+              rule: str = "fisher", cache: bool = True, fisher_tokens: int | None = None,
+              record: Callable[[FfnTrace], None] | None = None) -> list[Profile]:
     """:func:`profile_sweep` with a progress bar, or, when ``rule`` is ``fisher`` and the model has
     layers it scales, the Fisher scales (from the first windows holding ``fisher_tokens``, all by
     default) and the profile in one pass (:func:`_fisher_profile`). The profiles are cached
     (:func:`profile_cache_path`): calibrating the same model on the same tokens again reads them
-    back (``cache=False``: computes them again, and caches the result)."""
+    back (``cache=False``: computes them again, and caches the result). ``record`` sees every ffn
+    op's trace of :func:`profile_sweep`'s forward, where there is one."""
     if rule not in THRESHOLD_RULES:
         raise PiccError(f"threshold rule must be one of {', '.join(THRESHOLD_RULES)}, got {rule!r}")
     cached = profile_cache_path(module, weights, windows, targets, rule, fisher_tokens)
@@ -133,7 +135,7 @@ def calibrate(module: Module, weights: WeightStore, windows: Windows, targets: S
             profiles = _fisher_profile(module, weights, windows, targets, advance, wanted, fisher_tokens)
     else:
         with progress_bar(windows.n_tokens, "profiling", "tok") as advance:
-            profiles = profile_sweep(module, weights, windows, targets, advance)
+            profiles = profile_sweep(module, weights, windows, targets, advance, record=record)
     _save_profiles(cached, profiles)
     return profiles
 
@@ -219,15 +221,17 @@ def profile_model(module: Module, weights: WeightStore, windows: Windows,
 def profile_sweep(module: Module, weights: WeightStore, windows: Windows,
                   targets: Sequence[float | None],
                   progress: Callable[[int], None] | None = None,
-                  scales: Mapping[str, np.ndarray] | None = None) -> list[Profile]:
+                  scales: Mapping[str, np.ndarray] | None = None,
+                  record: Callable[[FfnTrace], None] | None = None) -> list[Profile]:
     """One profile per target sparsity, from a single run of the calibration windows.
 
     ``scales`` (Fisher scales by ffn name, :func:`calibrate`) switches the thresholded layers they
     name to the ``fisher`` rule: their scores are scaled and share one threshold per target.
+    ``record`` sees each ffn op's trace after the profile's observer.
     """
     observer = _observer(module, weights, windows, targets, list(scales or {}))
     interp = Interpreter(_profiling_function(module), weights)
-    interp.on_ffn = observer
+    interp.on_ffn = observer if record is None else lambda trace: (observer(trace), record(trace))
     # Op by op over all the windows: a 7B model's weights are dequantized once, not once a window.
     interp.run_many([list(w) for w in windows.windows], progress)
     return _profiles(observer, windows, targets, scales or {})

@@ -13,7 +13,7 @@ from picc.frontend.model import LoadedModel
 from picc.ir.module import Module
 from picc.ir.weights import WeightStore
 from picc.passes import Instruments, PassSpec, run_pipeline
-from picc.passes.insert_predictors import InsertOptions
+from picc.passes.insert_predictors import InsertOptions, trains_on_profiled_tokens
 from picc.passes.profile_activations import ProfileOptions
 from picc.progress import progress_bar
 from picc.sparsity import FISHER_TOKENS
@@ -40,18 +40,21 @@ class SparsifyOptions:
     window: int = 256
     seed: int = 0
 
-    def passes(self, target: float | None) -> list[PassSpec]:
-        """profile-activations (calibrated to ``target`` for non-ReLU FFNs) and insert-predictors."""
+    def passes(self, target: float | None, model: LoadedModel | None = None) -> list[PassSpec]:
+        """profile-activations (calibrated to ``target`` for non-ReLU FFNs) and insert-predictors;
+        given the ``model``, profiling keeps its FFN inputs where the predictors train on its tokens."""
+        keep = model is not None and not self.predictors and \
+            trains_on_profiled_tokens(model.module, model.weights, self.mode, self.tokens)
         profile = ProfileOptions(calib=self.calib, tokens=self.tokens, window=self.window, seed=self.seed,
                                  target_sparsity=target, rule=self.rule if target is not None else "fisher",
-                                 fisher_tokens=self.fisher_tokens)
+                                 fisher_tokens=self.fisher_tokens, keep_inputs=keep)
         insert = InsertOptions(mode=self.mode, recall=self.recall, budget=self.budget, seed=self.seed,
                                predictors=self.predictors or None)
         return [PassSpec("profile-activations", profile), PassSpec("insert-predictors", insert)]
 
-    def pipeline(self, target: float | None) -> str:
+    def pipeline(self, target: float | None, model: LoadedModel | None = None) -> str:
         """:meth:`passes` as pipeline text."""
-        return ",".join(map(str, self.passes(target)))
+        return ",".join(map(str, self.passes(target, model)))
 
 
 @dataclass(frozen=True)
@@ -129,4 +132,5 @@ def sparsify(model: LoadedModel, options: SparsifyOptions, instruments: Instrume
              report=print) -> Module:  # noqa: ANN001 - report: Callable[[str], None]
     """Profile ``model`` and make its FFNs sparse as ``options`` say."""
     target = target_sparsity(model, options, report)
-    return run_pipeline(model.module, model.weights, options.passes(target), instruments, tokenizer=model.tokenizer)
+    return run_pipeline(model.module, model.weights, options.passes(target, model), instruments,
+                        tokenizer=model.tokenizer)
