@@ -31,12 +31,7 @@ from picc.ir.types import Placement
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes import Instruments, PassSpec, run_pipeline
 from picc.passes.fuse_gather_gemv import FuseOptions
-from picc.passes.insert_predictors import (
-    predicted_layers,
-    predictor_budget,
-    training_tokens,
-    trains_on_profiled_tokens,
-)
+from picc.passes.insert_predictors import predictor_budget, training_tokens, trains_on_profiled_tokens
 from picc.passes.partition_neurons import PartitionOptions
 from picc.passes.select_kernels import SelectOptions
 from picc.placement import memory_plan as mp
@@ -294,14 +289,11 @@ def _calibration_too_costly(model: LoadedModel, sparsity: SparsifyOptions, targe
     from picc.sparsity.calibration_cost import CalibrationCost, PredictorWork, calibration_cost
     from runtime.sequences import available_memory
 
-    # The layers insert-predictors would train predictors for (none when they are imported).
-    trained = [] if sparsity.predictors else \
-        predicted_layers([op for op in model.module.ops() if type(op) is O.FFN], sparsity.mode)
-
+    trained = sparsity.trained_layers(model.module)
     budget = predictor_budget(model.weights, trained, sparsity.budget)
 
     def cost_of(tokens: int) -> CalibrationCost:
-        kept = not sparsity.predictors and trains_on_profiled_tokens(model.module, model.weights, sparsity.mode, tokens)
+        kept = trains_on_profiled_tokens(model.weights, trained, tokens)
         work = PredictorWork(trained, training_tokens(model.weights, trained, tokens), budget, own_forward=not kept)
         return calibration_cost(model, tokens, sparsity.rule, target is not None, sparsity.window,
                                 sparsity.fisher_tokens, work)

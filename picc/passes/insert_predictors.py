@@ -160,11 +160,10 @@ def _train(module: Module, ctx: PassContext[InsertOptions], ffns: list[O.FFN]) -
     return trained
 
 
-def trains_on_profiled_tokens(module: Module, weights: WeightStore, mode: str, profiled: int) -> bool:
-    """Whether this pass in ``mode`` (training, not importing, predictors) would train ReLU layers
-    only, on the very tokens ``profile-activations`` reads (``profiled``): the model's training data
-    would pass ``DATA_BYTES`` at more (a LLaMA-7B), so profiling may keep what it saw for them."""
-    layers = predicted_layers([op for op in module.ops() if type(op) is O.FFN], mode)
+def trains_on_profiled_tokens(weights: WeightStore, layers: list[O.FFN], profiled: int) -> bool:
+    """Whether the predictors this pass trains for ``layers`` (none: it trains none) are of ReLU
+    layers only, trained on the very tokens ``profile-activations`` reads (``profiled``): their
+    data would pass ``DATA_BYTES`` at more (a LLaMA-7B), so profiling may keep what it saw for them."""
     return bool(layers) and all(op.form in RELU_FORMS for op in layers) \
         and training_tokens(weights, layers, profiled) == profiled
 

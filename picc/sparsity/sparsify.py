@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from picc.errors import PiccError
 from picc.frontend.model import LoadedModel
+from picc.ir import ops as O
 from picc.ir.module import Module
 from picc.ir.weights import WeightStore
 from picc.passes import Instruments, PassSpec, run_pipeline
-from picc.passes.insert_predictors import InsertOptions, trains_on_profiled_tokens
+from picc.passes.insert_predictors import InsertOptions, predicted_layers, trains_on_profiled_tokens
 from picc.passes.profile_activations import ProfileOptions
 from picc.progress import progress_bar
 from picc.sparsity import FISHER_TOKENS
@@ -43,14 +44,19 @@ class SparsifyOptions:
     def passes(self, target: float | None, model: LoadedModel | None = None) -> list[PassSpec]:
         """profile-activations (calibrated to ``target`` for non-ReLU FFNs) and insert-predictors;
         given the ``model``, profiling keeps its FFN inputs where the predictors train on its tokens."""
-        keep = model is not None and not self.predictors and \
-            trains_on_profiled_tokens(model.module, model.weights, self.mode, self.tokens)
+        keep = model is not None and trains_on_profiled_tokens(model.weights, self.trained_layers(model.module),
+                                                               self.tokens)
         profile = ProfileOptions(calib=self.calib, tokens=self.tokens, window=self.window, seed=self.seed,
                                  target_sparsity=target, rule=self.rule if target is not None else "fisher",
                                  fisher_tokens=self.fisher_tokens, keep_inputs=keep)
         insert = InsertOptions(mode=self.mode, recall=self.recall, budget=self.budget, seed=self.seed,
                                predictors=self.predictors or None)
         return [PassSpec("profile-activations", profile), PassSpec("insert-predictors", insert)]
+
+    def trained_layers(self, module: Module) -> list[O.FFN]:
+        """The ffn ops of ``module`` that insert-predictors would train predictors for (none when
+        they are imported)."""
+        return [] if self.predictors else predicted_layers([op for op in module.ops() if type(op) is O.FFN], self.mode)
 
     def pipeline(self, target: float | None, model: LoadedModel | None = None) -> str:
         """:meth:`passes` as pipeline text."""
