@@ -73,6 +73,7 @@ from picc.codegen_cpu.kernels_dense import dense_ffn, gemv  # noqa: E402
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
 from picc.codegen_cpu.rows8 import to_rows8  # noqa: E402
 from picc.codegen_cpu.threads import huge_zeros  # noqa: E402
+from picc.kernel_names import kernel_exists  # noqa: E402
 from picc.targets.host import host_cores, host_cpu_name, host_vnni, measure_memory_bandwidth  # noqa: E402
 
 SHAPES = {"small": (576, 1536), "large": (4096, 11008)}
@@ -240,11 +241,13 @@ def dense_gemv_rates(hidden: int, n: int, dtype: str, threads: list[int], reps: 
     return rates
 
 
-# (label, rows, k, dtype, rows8 with int16 x): the decode GEMVs of SmolLM2-135M as select-kernels
-# picks them (q4_1 in the rows8 layout with int16 x; the q8_0 head rows one at a time with float x),
-# and a 7B-like layer's down projection; "ffn": SmolLM2's dense FFN (swiglu, up / gate [1536, 576]).
+# (label, rows, k, dtype, rows8 with rounded x): the decode GEMVs of SmolLM2-135M as select-kernels
+# picks them (q4_1 in the rows8 layout with int16 or int8 x; the q8_0 head rows one at a time with
+# float x, or in the rows8 layout with int8 x), and a 7B-like layer's down projection; "ffn":
+# SmolLM2's dense FFN (swiglu, up / gate [1536, 576]).
 BATCHED_CASES = (("SmolLM2 q/o", 576, 576, "q4_1", True), ("SmolLM2 up", 1536, 576, "q4_1", True),
                  ("SmolLM2 down", 576, 1536, "q4_1", True), ("SmolLM2 head", 49152, 576, "q8_0", False),
+                 ("SmolLM2 head", 49152, 576, "q8_0", True),
                  ("7B down", 4096, 11008, "q4_1", True), ("SmolLM2 ffn", 1536, 576, "q4_1", True))
 
 
@@ -311,7 +314,7 @@ def batched_main(args: argparse.Namespace) -> None:
     for threads in (int(t) for t in args.threads.split(",")):
         for case in BATCHED_CASES:
             label, rows, k, dtype, rows8 = case
-            for x_format in args.x.split(",") if rows8 else ("f32",):
+            for x_format in [x for x in args.x.split(",") if kernel_exists(dtype, x, rows8)] if rows8 else ("f32",):
                 times, unit = batched_times(case, threads, batches, args.reps, rng, args.simd, x_format)
                 kind = dtype + (f"_r8_x{x_format}" if rows8 else "")
                 for batch, secs in times.items():

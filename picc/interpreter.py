@@ -299,9 +299,12 @@ class Interpreter:
 
     def dot_input(self, op: Op, weight: str, x: np.ndarray) -> np.ndarray:
         """``x`` as ``op``'s kernel reads it when it dots it with rows of ``weight``: rounded to
-        int16 or int8 per block for the 4-bit rows of an op whose ``x_format`` says so, else as is."""
-        if (isinstance(op, O.MatrixOp) and op.rounds_x
-                and self.weights[weight].dtype.value in kernel_names.INT_DOT_DTYPES):
+        int16 or int8 per block for the 4-bit rows of an op whose ``x_format`` says so (and int8
+        for q8_0 rows read from the rows8 layout), else as is."""
+        if not (isinstance(op, O.MatrixOp) and op.rounds_x):
+            return x
+        fmt = self.weights[weight].dtype.value
+        if fmt in kernel_names.INT_DOT_DTYPES or (fmt in kernel_names.BYTE_ROWS8_DTYPES and op.layout == "rows8"):
             return quant.round_x_blocks(x, op.x_format)
         return x
 

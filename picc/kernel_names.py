@@ -23,39 +23,55 @@ T = TypeVar("T")
 
 
 INT_DOT_DTYPES = frozenset({"q4_0", "q4_1"})  # formats with integer dot product variants
+# 8-bit rows the rows8 layout holds too, dotted with int8 x only (an LM head's q8_0 rows)
+BYTE_ROWS8_DTYPES = frozenset({"q8_0"})
+ROWS8_DTYPES = INT_DOT_DTYPES | BYTE_ROWS8_DTYPES
 X_FORMATS = ("f32", "i16", "i8")  # how x meets 4-bit rows: floats, or rounded to int16 / int8 per block
 INT_DOTS_SUFFIX = "_xi16"
 ROWS8_SUFFIX = "_r8"  # (before the x suffix) the kernel reads its 4-bit matrices eight rows at a time
 
 
 def _int_suffix(x_format: str, *dtypes: str | None) -> str:
-    """The suffix of the variant that dots 4-bit rows with x rounded to ``x_format`` (``_xi16``,
-    ``_xi8``) where one is read; none for float x."""
+    """The suffix of the variant that dots 4-bit rows (or q8_0 rows, with int8 x) with x rounded to
+    ``x_format`` (``_xi16``, ``_xi8``) where one is read; none for float x."""
     if x_format not in X_FORMATS:
         raise ValueError(f"x_format is one of {X_FORMATS}, not {x_format!r}")
-    return f"_x{x_format}" if x_format != "f32" and INT_DOT_DTYPES & set(dtypes) else ""
+    rounded = INT_DOT_DTYPES | (BYTE_ROWS8_DTYPES if x_format == "i8" else frozenset())
+    return f"_x{x_format}" if x_format != "f32" and rounded & set(dtypes) else ""
 
 
 CPU_WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 # The keys of a CPU's kernel-rate table (``picc.targets``, ``picc.codegen_cpu.rates``): how fast
 # its kernels consume the weights of each format when memory is not the limit: rows one at a
 # time with float x, with int16 x (``_xi16``), and the 4-bit formats eight rows at a time from
-# the rows8 layout with float x (``_r8``), int16 x (``_r8_xi16``) and int8 x (``_r8_xi8``).
+# the rows8 layout with float x (``_r8``), int16 x (``_r8_xi16``) and int8 x (``_r8_xi8``); q8_0
+# from the rows8 layout with int8 x.
 CPU_RATE_KEYS = (CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
                  + tuple(d + ROWS8_SUFFIX for d in sorted(INT_DOT_DTYPES))
                  + tuple(d + ROWS8_SUFFIX + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
-                 + tuple(d + ROWS8_SUFFIX + "_xi8" for d in sorted(INT_DOT_DTYPES)))
+                 + tuple(d + ROWS8_SUFFIX + "_xi8" for d in sorted(ROWS8_DTYPES)))
 
 
 def _rows8_suffix(rows8: bool, *dtypes: str | None) -> str:
-    return ROWS8_SUFFIX if rows8 and {d for d in dtypes if d} <= INT_DOT_DTYPES else ""
+    return ROWS8_SUFFIX if rows8 and {d for d in dtypes if d} <= ROWS8_DTYPES else ""
+
+
+def kernel_exists(dtype: str, x_format: str, rows8: bool) -> bool:
+    """Whether rows of ``dtype`` have a GEMV dotting x in ``x_format`` (from the rows8 layout with
+    ``rows8``): every format with float x one row at a time; 4-bit rows with int16 x, and int8 x
+    from rows8; 4-bit rows from rows8 with any x; q8_0 from rows8 with int8 x alone."""
+    if dtype in BYTE_ROWS8_DTYPES and rows8:
+        return x_format == "i8"
+    if x_format != "f32" or rows8:
+        return dtype in INT_DOT_DTYPES and not (x_format == "i8" and not rows8)
+    return True
 
 
 def cpu_rate_variants() -> list[tuple[str, str, str, bool]]:
-    """Each key of :data:`CPU_RATE_KEYS`, in order, with what it stands for: (key, dtype, x format, rows8)."""
+    """Each key of :data:`CPU_RATE_KEYS`, in order, with what it stands for: (key, dtype, x format, rows8).
+    Rows one at a time read int8 as int16: the ``_xi16`` key."""
     meaning = {cpu_rate_key(d, x, r): (d, x, r) for d in CPU_WEIGHT_FORMATS for r in (False, True)
-               for x in X_FORMATS if not ((x != "f32" or r) and d not in INT_DOT_DTYPES)
-               and not (x == "i8" and not r)}  # rows one at a time read int8 as int16: the _xi16 key
+               for x in X_FORMATS if kernel_exists(d, x, r)}
     return [(key, *meaning[key]) for key in CPU_RATE_KEYS]
 
 
@@ -68,13 +84,16 @@ def cpu_rate_key(dtype: str, x_format: str, rows8: bool = False) -> str:
     return dtype + _rows8_suffix(rows8, dtype) + _int_suffix(x_format, dtype)
 
 
-def rows8_fits(dtype: str, rows: int, k: int) -> bool:
-    """Whether a ``rows`` x ``k`` matrix of ``dtype`` has a rows8 layout: 4-bit, rows a multiple of 8."""
-    return dtype in INT_DOT_DTYPES and rows > 0 and rows % 8 == 0 and k % 32 == 0
+def rows8_fits(dtype: str, rows: int, k: int, x_format: str = "f32") -> bool:
+    """Whether a ``rows`` x ``k`` matrix of ``dtype`` has a rows8 layout whatever x its kernel
+    dots: 4-bit, rows a multiple of 8 (q8_0 rows have one too, read with int8 x alone:
+    ``rows8_fits(..., x_format="i8")``)."""
+    dtypes = ROWS8_DTYPES if x_format == "i8" else INT_DOT_DTYPES
+    return dtype in dtypes and rows > 0 and rows % 8 == 0 and k % 32 == 0
 
 
 def cpu_gemv(dtype: str, x_format: str = "f32", rows8: bool = False) -> str:
-    """``rows8`` (4-bit ``dtype``): the matrix in the rows8 layout."""
+    """``rows8``: the matrix in the rows8 layout (4-bit, or q8_0 with int8 x)."""
     return f"picc_gemv_{dtype}{_rows8_suffix(rows8, dtype)}{_int_suffix(x_format, dtype)}"
 
 
@@ -82,8 +101,9 @@ def cpu_gemm(dtype: str, rows8: bool = False) -> str:
     return f"picc_gemm_{dtype}" + (ROWS8_SUFFIX if rows8 else "")
 
 
-def cpu_embed(dtype: str) -> str:
-    return f"picc_embed_{dtype}"
+def cpu_embed(dtype: str, rows8: bool = False) -> str:
+    """``rows8``: the table in the rows8 layout (a q8_0 table that its LM head reads so)."""
+    return f"picc_embed_{dtype}{_rows8_suffix(rows8, dtype)}"
 
 
 def cpu_norm(kind: str) -> str:

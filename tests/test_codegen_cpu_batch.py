@@ -46,7 +46,7 @@ GEMV_CASES = [("q4_0", "i16", True, 40, 128), ("q4_0", "f32", True, 40, 128), ("
               ("q4_1", "f32", True, 40, 128), ("q8_0", "f32", False, 37, 96), ("q8_0", "f32", False, 23, 4096),
               ("f16", "f32", False, 37, 100), ("f16", "f32", False, 23, 2048), ("f32", "f32", False, 37, 100),
               ("q4_1", "f32", False, 37, 96), ("q4_1", "i16", False, 37, 96), ("q4_0", "i16", False, 37, 96),
-              ("q4_0", "i8", True, 40, 128), ("q4_1", "i8", True, 40, 128)]
+              ("q4_0", "i8", True, 40, 128), ("q4_1", "i8", True, 40, 128), ("q8_0", "i8", True, 40, 128)]
 # (form, up / gate / down dtype, x format, rows8): SmolLM2's FFN (swiglu, q4_1, rows8, int16 x) and its
 # neighbours; relu has no gate.
 FFN_CASES = [("swiglu", "q4_1", "i16", True), ("relu", "q4_1", "i16", True), ("swiglu", "q4_0", "f32", True),
@@ -254,7 +254,7 @@ def test_other_simd_levels_compile_and_compute_the_same_bits(host, teams, simd):
     assert np.array_equal(ys[0].view(np.uint32), ys[1].view(np.uint32))
 
 
-@pytest.mark.parametrize("case", [GEMV_CASES[2], GEMV_CASES[13]], ids=lambda c: c[1])
+@pytest.mark.parametrize("case", [GEMV_CASES[2], GEMV_CASES[13], GEMV_CASES[14]], ids=lambda c: f"{c[0]}_x{c[1]}")
 def test_rounded_rows_are_rounded_each_on_its_own(host, teams, case):
     # The int16 / int8 kernels' rows are the float kernel on each row rounded by its own block
     # scales (picc.quant.round_x_blocks, the interpreter's rounding), not on a shared rounding:
@@ -283,10 +283,12 @@ def by_level():
     return {level: CpuModule(build_ir(kernels, (), level), level) for level in LEVELS}
 
 
-def test_only_the_rows8_int16_kernels_differ_between_the_avx512_levels():
+def test_only_the_rows8_int_x_kernels_differ_between_the_avx512_levels():
     # Kernels are written for a vector ISA; only those that say so (by_level) see VNNI, so every
-    # other kernel's IR is the same on both AVX-512 levels.
-    assert {k.symbol for k in ALL if k.by_level} == {k.symbol for k in ALL if re.search(r"_r8_xi(16|8)_rows$", k.symbol)}
+    # other kernel's IR is the same on both AVX-512 levels: the batched rows8 int-x ones, and the
+    # q8_0 rows8 GEMV one row at a time too (its int8 sums are vpdpbusd's work in either).
+    varying = r"_r8_xi(16|8)_rows$|_q8_0_r8_xi8$"
+    assert {k.symbol for k in ALL if k.by_level} == {k.symbol for k in ALL if re.search(varying, k.symbol)}
     for kernel in ALL:
         same = build_ir([kernel], (), "avx512") == build_ir([kernel], (), "avx512-vnni")
         assert same != kernel.by_level, kernel.symbol

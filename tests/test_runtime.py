@@ -88,15 +88,18 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     # GEMVs dot x rounded to int16 per block of 32 (the _xi16 kernels), eight rows at a time from
     # matrices the .pib stores in the rows8 layout, and the interpreter rounds x as they do (on
     # the weights load_pib puts back in rows); the prefill calls those kernels' batched twins
-    # (the chunk's tokens as their rows; no batch step is built here).
-    int_dots = dtype in (DType.Q4_0, DType.Q4_1)
+    # (the chunk's tokens as their rows; no batch step is built here). A q8_0 LM head dots x
+    # rounded to int8 from the rows8 layout, which the embedding tied to it reads too.
+    int_dots, head_i8 = dtype in (DType.Q4_0, DType.Q4_1), dtype == DType.Q8_0
     tol = 1e-4
     with PibFile(path) as f:
         assert ("_r8_xi16(" in f.text("cpu/ir")) == int_dots
         assert ("_r8_xi16_rows(" in f.text("cpu/ir")) == int_dots
+        assert ("picc_gemv_q8_0_r8_xi8(" in f.text("cpu/ir")) == ("picc_embed_q8_0_r8(" in f.text("cpu/ir")) == head_i8
         layouts = {name: f.tensor(name).layout for name in f.tensor_names}
     in_rows8 = {name for name, layout in layouts.items() if layout == "rows8"}
-    assert bool(in_rows8) == int_dots and set(layouts.values()) <= {None, "rows8"}
+    assert bool(in_rows8) == (int_dots or head_i8) and set(layouts.values()) <= {None, "rows8"}
+    assert not head_i8 or in_rows8 == {"token_embd"}
     for name in in_rows8:  # stored rearranged, read back as the source's rows
         np.testing.assert_array_equal(pib.weights[name].data, model.weights[name].data)
     assert rel_err(runtime_logits(path, TOKENS), reference) <= tol

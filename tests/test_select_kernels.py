@@ -125,3 +125,53 @@ def test_bad_choices_are_verifier_errors_and_unfused_modules_are_refused():
         verify(parse(EXPECTED.replace('add %h, %p {accumulated_by = "b"', 'add %n, %p {accumulated_by = "a"')))
     with pytest.raises(PiccError, match="already selected"):
         run_pipeline(parse(EXPECTED), _store(), parse_pipeline("select-kernels"))
+
+
+# A tied q8_0 LM head: the embedding and the head read one table; @p is another q8_0 matrix.
+TIED = """\
+module @m {ctx = 64}
+
+weight @emb : q8_0[64, 64]
+weight @p : q8_0[64, 64]
+
+func @forward(%tokens: i32[seq]) -> f32[seq, 64] {
+  %x = embed %tokens, @emb : f32[seq, 64]
+  %h = linear %x, @p : f32[seq, 64]
+  %logits = linear %h, @emb : f32[seq, 64]
+  return %logits
+}
+"""
+
+
+def _tied_store() -> WeightStore:
+    rng = np.random.default_rng(2)
+    store = WeightStore()
+    for name in ("emb", "p"):
+        store.add(name, Tensor.from_f32(rng.normal(size=(64, 64)).astype(np.float32) / 8, DType.Q8_0))
+    return store
+
+
+@pytest.mark.parametrize(("options", "head"), [("", "i8"), ("{int_dots=yes}", "i8"), ("{head_x=f32}", "f32"),
+                                               ("{int_dots=no}", "f32")])
+def test_a_q8_0_lm_head_dots_int8_x_from_rows8_and_its_tied_embedding_reads_rows8(options, head):
+    # The head decides nothing after it, so it rounds its x to int8 (reading the rows8 layout,
+    # which the embedding tied to it then reads too) unless rounding is off; a q8_0 matrix inside
+    # the model keeps float x whatever int_x says (rows one at a time have no int8 kernel).
+    after = run_pipeline(parse(TIED), _tied_store(), parse_pipeline(f"select-kernels{options}"))
+    embed, inner, logits = after.ops()
+    assert (inner.x_format, inner.layout, inner.kernel) == ("f32", "rows", "picc_gemv_q8_0")
+    rows8 = head == "i8"
+    assert (logits.x_format, logits.layout) == (head, "rows8" if rows8 else "rows")
+    assert logits.kernel == ("picc_gemv_q8_0_r8_xi8" if rows8 else "picc_gemv_q8_0")
+    assert (embed.layout, embed.kernel) == (("rows8", "picc_embed_q8_0_r8") if rows8 else ("rows", "picc_embed_q8_0"))
+    assert parse(print_module(after)) == after
+    x = np.random.default_rng(3).normal(size=(2, 64)).astype(np.float32)
+    expected = (round_x_blocks(x, "i8") if rows8 else x) @ _tied_store().f32("emb").T
+    assert np.array_equal(Interpreter(after, _tied_store()).eval(logits, {"h": x}), expected)
+
+
+def test_a_q8_0_head_read_by_a_second_matrix_op_keeps_rows():
+    # Another linear reading the table reads rows: the head cannot have the table in rows8.
+    shared = TIED.replace("%h = linear %x, @p", "%h = linear %x, @emb")
+    *_, logits = run_pipeline(parse(shared), _tied_store(), parse_pipeline("select-kernels")).ops()
+    assert (logits.x_format, logits.layout) == ("f32", "rows")

@@ -213,7 +213,7 @@ GPU_FIELDS = "expected one of name, arch, vram, mem_bandwidth, kernel_overhead, 
     (replaced("cpu", "name", 3), "cpu.name: expected a non-empty string, got 3"),
     (replaced("cpu", "kernel_rates", {"q5_k": "9GB/s"}),
      "cpu.kernel_rates.q5_k: unknown field (expected one of f32, f16, q8_0, q4_0, q4_1, q4_0_xi16, q4_1_xi16, "
-     "q4_0_r8, q4_1_r8, q4_0_r8_xi16, q4_1_r8_xi16, q4_0_r8_xi8, q4_1_r8_xi8)"),
+     "q4_0_r8, q4_1_r8, q4_0_r8_xi16, q4_1_r8_xi16, q4_0_r8_xi8, q4_1_r8_xi8, q8_0_r8_xi8)"),
     (replaced("cpu", "kernel_rates", {"q4_1": "fast"}),
      "cpu.kernel_rates.q4_1: expected a positive bandwidth like 14GB/s, got 'fast'"),
     (replaced("cpu", "kernel_rates", ["q4_1"]),

@@ -35,8 +35,10 @@ class IntX:
     x as its ``q . x``. For rows eight at a time from the rows8 layout (``picc.codegen_cpu.rows8``):
     ``split``, 64 bytes a block, the 32 high bytes of q (``q >> 8``, signed) then its 32 low
     bytes (``q & 255``, unsigned), in element order; ``isums`` (q4_0), ``-8 sum q`` as one int32
-    a block; ``sums`` (q4_1), ``scale * sum q``, one float a block. ``int8``: x was rounded to
-    int8 (``q = 256 q8``): the low bytes are zero.
+    a block; ``sums`` (q4_1), ``scale * sum q``, one float a block; ``qsums`` (q8_0 rows in the
+    rows8 layout, int8 x), ``-128 sum q8`` as one int32 a block (what ``vpdpbusd`` adds when it
+    reads the rows' signed bytes as unsigned ones, 128 more each: :mod:`.rows8_q8`). ``int8``: x
+    was rounded to int8 (``q = 256 q8``): the low bytes are zero.
     """
 
     scale: str
@@ -47,6 +49,7 @@ class IntX:
     isums: str | None = None
     sums: str | None = None
     int8: bool = False
+    qsums: str | None = None
 
 
 def x_format_of(intx: IntX | None) -> str:
@@ -90,7 +93,7 @@ def emit_int_x(fn: Fn, x: str, k: str, dtypes: set[str], rows8: bool = False, x_
     (``rows8``: in the rows8 layout), in stack arrays, or None when no row is 4-bit. Rounding
     moves each element by at most half a step, 2^-16 (int16) or 1/254 (int8) of its block's
     largest |x|. Call it outside loops (the arrays are allocated where it is called)."""
-    if not dtypes & {"q4_0", "q4_1"}:
+    if not dtypes & {"q4_0", "q4_1"} and not (rows8 and "q8_0" in dtypes):
         return None
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
     out = alloc_int_x(fn, nblocks, dtypes, rows8, x_format)
@@ -101,22 +104,25 @@ def emit_int_x(fn: Fn, x: str, k: str, dtypes: set[str], rows8: bool = False, x_
 
 def alloc_int_x(fn: Fn, nblocks: str, dtypes: set[str], rows8: bool = False, x_format: str = "i16") -> IntX | None:
     """Stack arrays of an :class:`IntX` of ``nblocks`` (i64) blocks of ``x_format``, for rows of ``dtypes``
-    (None when no row is 4-bit): apart from :func:`fill_int_x` so that a batched kernel can hold
-    several x's forms one after another (``INT_X_BLOCK_BYTES``: each array's bytes per block)."""
-    need_q4_0, need_q4_1 = "q4_0" in dtypes, "q4_1" in dtypes
-    if not (need_q4_0 or need_q4_1):
+    (None when no row is 4-bit, or q8_0 in the rows8 layout): apart from :func:`fill_int_x` so
+    that a batched kernel can hold several x's forms one after another (``INT_X_BLOCK_BYTES``:
+    each array's bytes per block)."""
+    need_q4_0, need_q4_1, need_q8_0 = "q4_0" in dtypes, "q4_1" in dtypes, rows8 and "q8_0" in dtypes
+    if not (need_q4_0 or need_q4_1 or need_q8_0):
         return None
     scale = fn.alloca_array(F32, nblocks, "xs")
     if rows8:
         return IntX(scale, split=fn.alloca_array(vec(64, "i8"), nblocks, "xsplit"),
                     isums=fn.alloca_array("i32", nblocks, "xis") if need_q4_0 else None,
-                    sums=fn.alloca_array(F32, nblocks, "xsum") if need_q4_1 else None, int8=x_format == "i8")
+                    sums=fn.alloca_array(F32, nblocks, "xsum") if need_q4_1 else None, int8=x_format == "i8",
+                    qsums=fn.alloca_array("i32", nblocks, "xqs") if need_q8_0 else None)
     return IntX(scale, fn.alloca_array(vec(32, "i16"), nblocks, "xi"),
                 offsets=fn.alloca_array(vec(8, "i32"), nblocks, "xoff") if need_q4_0 else None,
                 folded=fn.alloca_array(V8, nblocks, "xfold") if need_q4_1 else None, int8=x_format == "i8")
 
 
-INT_X_BLOCK_BYTES = {"scale": 4, "q": 64, "offsets": 32, "folded": 32, "split": 64, "isums": 4, "sums": 4}
+INT_X_BLOCK_BYTES = {"scale": 4, "q": 64, "offsets": 32, "folded": 32, "split": 64, "isums": 4, "sums": 4,
+                     "qsums": 4}
 """Bytes per block of each array of an :class:`IntX` (as :func:`alloc_int_x` allocates them)."""
 
 
@@ -144,12 +150,15 @@ def fill_int_x(fn: Fn, x: str, nblocks: str, out: IntX) -> None:
                 for half, part in ((0, high), (32, qh)):  # trunc keeps the low byte
                     fn.store(vec(16, "i8"), fn.v(f"trunc {i16} {part} to {vec(16, 'i8')}", "xb"),
                              fn.gep(sp, str(half + 16 * h)), 16)
-        if out.isums or out.sums:
+        if out.isums or out.sums or out.qsums:
             wide = [fn.v(f"sext {i16} {qh} to {i32}", "xw") for qh in qs]
             both = fn.v(f"add {i32} {wide[0]}, {wide[1]}", "xt")
             total = fn.v(f"call i32 @llvm.vector.reduce.add.v16i32({i32} {both})", "xtot")
             if out.isums:
                 fn.store("i32", fn.v(f"mul i32 {total}, -8", "xo"), fn.at(out.isums, 4, b), 4)
+            if out.qsums:  # sum q is 256 sum q8 (int8 x): -128 sum q8 is -(sum q) / 2, exactly
+                fn.store("i32", fn.v(f"sub i32 0, {fn.v(f'ashr i32 {total}, 1', 'xh')}", "xq"),
+                         fn.at(out.qsums, 4, b), 4)
             if out.sums:
                 fn.store(F32, fn.v(f"fmul float {fn.v(f'sitofp i32 {total} to float', 'xtf')}, {s}", "xsum"),
                          fn.at(out.sums, 4, b), 4)

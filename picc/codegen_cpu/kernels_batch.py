@@ -216,7 +216,7 @@ def emit_rows8_batch(fn: Fn, mats: list[tuple[str, str, str]], rows: XRows, k: s
             else:
                 forms = [rows.row(fn, b)[1] for b in bs]
                 assert all(isinstance(f, IntX | ScaledX) for f in forms)
-                got = emit_rows8_dots_xs(fn, groups, forms, k)  # type: ignore[arg-type]
+                got = emit_rows8_dots_xs(fn, groups, forms, k, vnni)  # type: ignore[arg-type]
             for b, dots in zip(bs, got, strict=True):
                 for lane in range(GROUP):
                     r = fn.v(f"add i64 {first}, {lane}", "r") if lane else first
@@ -273,11 +273,11 @@ def gemv_rows(dtype: str, x_format: str = "f32", rows8: bool = False) -> Kernel:
     y_b[r] : 0) + W[r, :] . x_b + bias[r]``, every row the bits of the one-row kernel, the
     weights read once (see the module docstring)."""
     check_dtype(dtype)
-    check_rows8(rows8, dtype)
+    check_rows8(rows8, dtype, x_format=x_format)
     symbol = names.cpu_gemv_rows(dtype, x_format, rows8)
 
     def emit(level: str) -> str:
-        simd, pairs = vector_isa(level), _pairs(level, x_format, rows8)
+        simd, pairs = vector_isa(level), _pairs(level, x_format, rows8) and dtype in names.INT_DOT_DTYPES
         fn = kernel_fn(symbol, GEMV_ROWS_PARAMS, level)
         rows, k = fn.sext("%rows"), fn.sext("%k")
         batch, x_stride, y_stride = _strides(fn)

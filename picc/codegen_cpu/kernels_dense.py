@@ -18,6 +18,7 @@ from picc.codegen_cpu.rowops import emit_tiled_rows
 from picc.codegen_cpu.rows8 import ScaledX, emit_group_bytes, emit_rows8, emit_rows8_row_to_f32, emit_scaled_x
 from picc.errors import PiccError
 from picc.ir.ops import FfnForm
+from runtime.cpu import vector_isa
 
 GEMV_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("rows", "i32"), ("k", "i32"),
                ("accumulate", "i32"))
@@ -40,9 +41,15 @@ def finish_row(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
     fn.store(F32, total.get(), out, 4)
 
 
-def check_rows8(rows8: bool, *dtypes: str) -> None:
-    if rows8 and not set(dtypes) <= names.INT_DOT_DTYPES:
-        raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 matrices, not {', '.join(dtypes)}")
+def check_rows8(rows8: bool, *dtypes: str, x_format: str = "f32") -> None:
+    """That the rows8 layout holds ``dtypes`` for a kernel dotting ``x_format``: 4-bit, or q8_0 with int8 x."""
+    held = names.ROWS8_DTYPES if x_format == "i8" else names.INT_DOT_DTYPES
+    if rows8 and not set(dtypes) <= held:
+        raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 matrices (q8_0 ones for int8 x), "
+                        f"not {', '.join(dtypes)} for {x_format} x")
+    if x_format != "f32" and set(dtypes) & names.BYTE_ROWS8_DTYPES and not (rows8 and x_format == "i8"):
+        raise PiccError(f"codegen_cpu: q8_0 rows dot rounded x from the rows8 layout and int8 x alone, not "
+                        f"{x_format} x{'' if rows8 else ' in rows'}")
 
 
 def _rows8_x(fn: Fn, x: str, k: str, dtypes: set[str], x_format: str) -> IntX | ScaledX:
@@ -61,13 +68,16 @@ def gemv(dtype: str, x_format: str = "f32", rows8: bool = False) -> Kernel:
     (``rowops.emit_tiled_rows``; int8 pays in the rows8 layout, whose dot products skip the low
     bytes);
     with ``rows8``, a 4-bit W is in the rows8 layout (rows a multiple of 8), read eight rows at a
-    time (``rows8.emit_rows8``) and threads split its groups of rows."""
+    time (``rows8.emit_rows8``) and threads split its groups of rows; q8_0 rows there dot int8 x,
+    with ``vpdpbusd`` on ``avx512-vnni`` (:mod:`.rows8_q8`: the same integers, the same bits)."""
     check_dtype(dtype)
-    check_rows8(rows8, dtype)
+    check_rows8(rows8, dtype, x_format=x_format)
     symbol = names.cpu_gemv(dtype, x_format, rows8)
+    by_level = rows8 and dtype in names.BYTE_ROWS8_DTYPES
 
-    def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, GEMV_PARAMS)
+    def emit(level: str) -> str:
+        simd = vector_isa(level)
+        fn = kernel_fn(symbol, GEMV_PARAMS, level if by_level else None)
         rows, k = fn.sext("%rows"), fn.sext("%k")
 
         def finish(r: str, dots: list[str]) -> None:
@@ -76,7 +86,8 @@ def gemv(dtype: str, x_format: str = "f32", rows8: bool = False) -> Kernel:
         if rows8:
             xr = _rows8_x(fn, "%x", k, {dtype}, x_format)
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {rows}, 3", "groups"), fn.sext("%tid"), fn.sext("%nthreads"))
-            emit_rows8(fn, [(dtype, "%w", emit_group_bytes(fn, dtype, k))], xr, k, glo, ghi, finish)
+            emit_rows8(fn, [(dtype, "%w", emit_group_bytes(fn, dtype, k))], xr, k, glo, ghi, finish,
+                       vnni=level == "avx512-vnni")
         else:
             lo, hi = chunk_bounds(fn, rows, fn.sext("%tid"), fn.sext("%nthreads"))
             emit_tiled_rows(fn, [(dtype, "%w", emit_row_bytes(fn, dtype, k))], "%x", k, lo, hi, simd, finish,
@@ -84,7 +95,7 @@ def gemv(dtype: str, x_format: str = "f32", rows8: bool = False) -> Kernel:
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, GEMV_PARAMS, emit, gemv.__doc__ or "")
+    return Kernel(symbol, GEMV_PARAMS, emit, gemv.__doc__ or "", by_level=by_level)
 
 
 DENSE_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
@@ -253,10 +264,13 @@ def gemm(dtype: str, rows8: bool = False) -> Kernel:
 
 
 @cache
-def embed(dtype: str) -> Kernel:
-    """``out[s, :] = table[tokens[s], :]`` dequantised to f32 (tokens i32, threads split s)."""
+def embed(dtype: str, rows8: bool = False) -> Kernel:
+    """``out[s, :] = table[tokens[s], :]`` dequantised to f32 (tokens i32, threads split s);
+    ``rows8``: the table in the rows8 layout (the LM head's, tied to it)."""
     check_dtype(dtype)
-    symbol = names.cpu_embed(dtype)
+    if rows8 and dtype not in names.ROWS8_DTYPES:
+        raise PiccError(f"codegen_cpu: the rows8 layout holds no {dtype} table")
+    symbol = names.cpu_embed(dtype, rows8)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, EMBED_PARAMS)
@@ -265,9 +279,12 @@ def embed(dtype: str) -> Kernel:
         rowb = emit_row_bytes(fn, dtype, dim)
         with fn.loop(lo, hi, hint="s") as s:
             tok = fn.sext(fn.load("i32", fn.at("%tokens", 4, s), 4, "tok"), "tok")
-            row = fn.gep("%table", fn.v(f"mul i64 {tok}, {rowb}", "roff"), "row")
             out = fn.gep("%out", fn.v(f"mul i64 {s}, {fn.v(f'shl i64 {dim}, 2', 'ob')}", "oo"), "orow")
-            emit_row_to_f32(fn, dtype, row, out, dim, simd)
+            if rows8:
+                emit_rows8_row_to_f32(fn, dtype, "%table", tok, out, dim, simd)
+            else:
+                emit_row_to_f32(fn, dtype, fn.gep("%table", fn.v(f"mul i64 {tok}, {rowb}", "roff"), "row"), out,
+                                dim, simd)
         fn.ret_void()
         return fn.text()
 

@@ -49,8 +49,9 @@ def _x_format(op: Op) -> str:
 
 
 def _rows8(op: Op) -> bool:
-    """Whether ``op``'s kernel reads its 4-bit matrices in the rows8 layout (``layout``)."""
-    return isinstance(op, O.MatrixOp) and op.layout == "rows8"
+    """Whether ``op``'s kernel reads its matrices in the rows8 layout (``layout``: 4-bit ones, a
+    q8_0 LM head and the embedding tied to it)."""
+    return isinstance(op, O.MatrixOp | O.Embed) and op.layout == "rows8"
 
 
 def _layout(op: Op) -> str | None:
@@ -231,7 +232,8 @@ class OpLowering(ABC):
         match op:
             case O.Embed():
                 table = self.weights[op.table]
-                self.call(op, kernels_dense.embed(table.dtype.value), self.weight(op.table), self.tokens(),
+                self.call(op, kernels_dense.embed(table.dtype.value, _rows8(op)),
+                          self.weight(op.table, layout=_layout(op)), self.tokens(),
                           self.activation(op.result), self.rows(), self.width(op.result), batched=True)
             case O.RMSNorm():
                 self.call(op, kernels_misc.rms_norm(), self.value(op.x), self.weight(op.weight, as_f32=True), Null(),

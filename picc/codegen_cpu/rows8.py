@@ -6,6 +6,7 @@ block* as many bytes as the eight row blocks it replaces::
 
     q4_1  160 B: f16 d of rows 0-7, f16 m of rows 0-7, 4 chunks x 32 B of nibbles
     q4_0  144 B: f16 d of rows 0-7,                    4 chunks x 32 B of nibbles
+    q8_0  272 B: f16 d of rows 0-7,                    8 chunks x 32 B of bytes
 
 Byte ``4r + e`` of chunk ``c`` (row ``r`` < 8, ``e`` < 4) holds element ``4c + e`` of row ``r``
 in its low nibble and element ``16 + 4c + e`` in its high one. Masked with 0x0F, a chunk is four
@@ -44,12 +45,14 @@ from picc import kernel_names as names
 from picc.codegen_cpu.int16x import IntX
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
 from picc.codegen_cpu.rowformats import BLOCK, BLOCK_BYTES, NIBBLE_DTYPES, V16, nibble_value_floats
+from picc.codegen_cpu.rows8_q8 import byte_floats, byte_sums
 from picc.errors import PiccError
 
 LAYOUT = "rows8"
 GROUP = 8  # rows per group
 B32, W16 = vec(32, "i8"), vec(16, "i16")
 _CHUNKS = 4  # 32-byte nibble chunks per group block
+BYTE_CHUNKS = 8  # 32-byte chunks of a q8_0 group block
 _PREFETCH_AHEAD = 2048  # bytes; a group's rows are one stream (1536 x 576 q4_1: 27.1 GB/s without, 37.2)
 
 
@@ -63,9 +66,9 @@ def group_block_bytes(dtype: str) -> int:
 
 
 def _check(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[int, int]:
-    if len(shape) != 2 or not names.rows8_fits(dtype, int(shape[0]), int(shape[1])):
+    if len(shape) != 2 or not names.rows8_fits(dtype, int(shape[0]), int(shape[1]), x_format="i8"):
         raise PiccError(f"rows8 layout: a {dtype} matrix of shape {tuple(shape)} does not fit it "
-                        f"(q4_0 / q4_1, rows a multiple of {GROUP}, columns of {BLOCK})")
+                        f"(q4_0 / q4_1 / q8_0, rows a multiple of {GROUP}, columns of {BLOCK})")
     rows, k = int(shape[0]), int(shape[1])
     if nbytes != rows * (k // BLOCK) * BLOCK_BYTES[dtype]:
         raise PiccError(f"rows8 layout: {nbytes} bytes are not a {dtype} matrix of shape {tuple(shape)}")
@@ -81,8 +84,12 @@ def to_rows8(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     scales = blocks[..., : head // GROUP].transpose(0, 2, 1, 3)  # group, block, row, scale bytes
     for i in range(head // (2 * GROUP)):  # d, then m
         out[..., 2 * GROUP * i : 2 * GROUP * (i + 1)] = scales[..., 2 * i : 2 * i + 2].reshape(rows // GROUP, nb, -1)
-    nibbles = blocks[..., head // GROUP :].transpose(0, 2, 1, 3)  # group, block, row, 16 bytes
-    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # elements 0-31 of each row
+    quants = blocks[..., head // GROUP :].transpose(0, 2, 1, 3)  # group, block, row, 16 (32) bytes
+    if dtype in names.BYTE_ROWS8_DTYPES:  # chunk c: bytes 4c..4c+3 of each row
+        out[..., head:] = quants.reshape(rows // GROUP, nb, GROUP, BYTE_CHUNKS, 4).transpose(0, 1, 3, 2, 4).reshape(
+            rows // GROUP, nb, -1)
+        return out.reshape(rows, nb * bb)
+    q = np.concatenate([quants & 15, quants >> 4], axis=-1)  # elements 0-31 of each row
     for c in range(_CHUNKS):
         lo, hi = q[..., 4 * c : 4 * c + 4], q[..., 16 + 4 * c : 20 + 4 * c]  # group, block, row, 4
         start = head + 32 * c
@@ -99,6 +106,10 @@ def from_rows8(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarr
     for i in range(head // (2 * GROUP)):
         scales = groups[..., 2 * GROUP * i : 2 * GROUP * (i + 1)].reshape(rows // GROUP, nb, GROUP, 2)
         out[..., 2 * i : 2 * i + 2] = scales.transpose(0, 2, 1, 3)
+    if dtype in names.BYTE_ROWS8_DTYPES:
+        chunks = groups[..., head:].reshape(rows // GROUP, nb, BYTE_CHUNKS, GROUP, 4)
+        out[..., head // GROUP :] = chunks.transpose(0, 3, 1, 2, 4).reshape(rows // GROUP, GROUP, nb, -1)
+        return out.reshape(rows, nb * bb)
     q = np.empty((rows // GROUP, nb, GROUP, 2 * 16), np.uint8)
     for c in range(_CHUNKS):
         chunk = groups[..., head + 32 * c : head + 32 * c + 32].reshape(rows // GROUP, nb, GROUP, 4)
@@ -302,32 +313,36 @@ def _x_block(fn: Fn, x: IntX | ScaledX, b: str) -> tuple[list, str]:
 
 
 def _dot_block(fn: Fn, dtype: str, chunks: list[str], x: IntX | ScaledX, xb: tuple[list, str], b: str,
-               d: str, m: str | None, acc: str) -> str:
+               d: str, m: str | None, acc: str, vnni: bool = False) -> str:
     """``acc`` plus eight rows' dot products with block ``b`` of ``x`` (``xb``: :func:`_x_block`),
-    ``chunks`` the block's four nibble chunks as <8 x i32>: :func:`_float_block` or :func:`_int_block`."""
+    ``chunks`` the block's four nibble chunks (q8_0: eight byte chunks) as <8 x i32>:
+    :func:`_float_block` or :func:`_int_block`."""
     if isinstance(x, ScaledX):
         return _float_block(fn, dtype, chunks, xb[0], xb[1], d, m, acc)
     as_bytes = [fn.v(f"bitcast <8 x i32> {c} to {B32}", "nib") for c in chunks]
-    return _int_block(fn, dtype, as_bytes, xb[0], xb[1], x, b, d, m, acc)
+    return _int_block(fn, dtype, as_bytes, xb[0], xb[1], x, b, d, m, acc, vnni)
 
 
-def emit_rows8_dots(fn: Fn, mats: list[tuple[str, str]], x: IntX | ScaledX, k: str) -> list[str]:
+def emit_rows8_dots(fn: Fn, mats: list[tuple[str, str]], x: IntX | ScaledX, k: str, vnni: bool = False) -> list[str]:
     """For each ``(dtype, group)`` (a pointer to one group of eight rows of ``k`` (i64)
     elements in the rows8 layout), the ``<8 x float>`` of its eight rows dotted with ``x``:
     the int16 x of :func:`int16x.emit_int_x` (made with ``rows8=True``), ``sum_b d s (q . x_q
     (- 8 sum x_q)) (+ m s sum x_q)`` per row; or the float x of :func:`emit_scaled_x`,
-    ``sum_b d (q . x (- 8 sum x)) (+ m sum x)``. Blocks in order."""
-    return emit_rows8_dots_xs(fn, mats, [x], k)[0]
+    ``sum_b d (q . x (- 8 sum x)) (+ m sum x)``; q8_0 rows, int8 x alone (``vnni``: its sums
+    with ``vpdpbusd``, :mod:`.rows8_q8`). Blocks in order."""
+    return emit_rows8_dots_xs(fn, mats, [x], k, vnni)[0]
 
 
-def emit_rows8_dots_xs(fn: Fn, mats: list[tuple[str, str]], xs: list[IntX | ScaledX], k: str) -> list[list[str]]:
+def emit_rows8_dots_xs(fn: Fn, mats: list[tuple[str, str]], xs: list[IntX | ScaledX], k: str,
+                       vnni: bool = False) -> list[list[str]]:
     """:func:`emit_rows8_dots` of each x of ``xs`` (a list per x), in one pass over the groups'
     blocks: a batched kernel's x rows share each block's loads (and, LLVM merging the identical
     instructions, its nibble masks and scales), while each x's sum is the one-x function's,
     operation for operation."""
     for dtype, _ in mats:
-        if dtype not in NIBBLE_DTYPES:
-            raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 rows, not {dtype}")
+        if dtype not in NIBBLE_DTYPES and not (dtype == "q8_0" and all(_int8(x) for x in xs)):
+            raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 rows (q8_0 rows dot int8 x), "
+                            f"not {dtype}")
     v8, nblocks = vec(8), fn.v(f"lshr i64 {k}, 5", "nblk")
     accs = [[fn.var(v8, "zeroinitializer", "acc") for _ in mats] for _ in xs]
     with fn.loop("0", nblocks, "1", "b") as b:
@@ -336,13 +351,17 @@ def emit_rows8_dots_xs(fn: Fn, mats: list[tuple[str, str]], xs: list[IntX | Scal
             blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
             _prefetch(fn, blk, group_block_bytes(dtype))
             chunks = [fn.load("<8 x i32>", fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, "nib")
-                      for c in range(_CHUNKS)]
+                      for c in range(BYTE_CHUNKS if dtype == "q8_0" else _CHUNKS)]
             d = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d")
             m = (fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
                  if dtype == "q4_1" else None)
             for x, xb, acc in zip(xs, xbs, accs, strict=True):
-                acc[m_i].set(_dot_block(fn, dtype, chunks, x, xb, b, d, m, acc[m_i].get("acc")))
+                acc[m_i].set(_dot_block(fn, dtype, chunks, x, xb, b, d, m, acc[m_i].get("acc"), vnni))
     return [[acc.get("dots") for acc in row] for row in accs]
+
+
+def _int8(x: IntX | ScaledX) -> bool:
+    return isinstance(x, IntX) and x.int8
 
 
 def _int_x_block(fn: Fn, intx: IntX, b: str) -> tuple[list[list[str]], str]:
@@ -404,11 +423,15 @@ def scaled_sum(fn: Fn, dots: str, d: str, scale: str, acc: str, lanes: int = GRO
 
 
 def _int_block(fn: Fn, dtype: str, chunks: list[str], xs: list[list[str]], scale: str, intx: IntX, b: str,
-               d: str, m: str | None, acc: str) -> str:
+               d: str, m: str | None, acc: str, vnni: bool = False) -> str:
     """``acc`` plus eight rows' dot products with block ``b`` of the int16 x: ``chunks`` the
-    block's four nibble chunks (<32 x i8>), ``xs`` / ``scale`` from :func:`_int_x_block`, ``d`` /
-    ``m`` the rows' scales and (q4_1) minimums (<8 x float>)."""
+    block's four nibble chunks (q8_0: eight byte chunks; <32 x i8>), ``xs`` / ``scale`` from
+    :func:`_int_x_block`, ``d`` / ``m`` the rows' scales and (q4_1) minimums (<8 x float>)."""
     v8, i32 = vec(8), "<8 x i32>"
+    if dtype == "q8_0":
+        qsum = (_splat_i32(fn, fn.load("i32", fn.at(intx.qsums, 4, b), 4, "xq"), as_bytes=False)
+                if vnni and intx.qsums is not None else None)
+        return scaled_sum(fn, byte_sums(fn, chunks, xs[0], qsum, vnni), d, scale, acc)
     dots = int_sums(fn, chunks, xs)
     if dtype == "q4_0":
         assert intx.isums is not None
@@ -422,13 +445,13 @@ def _int_block(fn: Fn, dtype: str, chunks: list[str], xs: list[list[str]], scale
 
 
 def emit_rows8(fn: Fn, mats: list[tuple[str, str, str]], x: IntX | ScaledX, k: str, glo: str, ghi: str,
-               consume: Callable[[str, list[str]], None]) -> None:
+               consume: Callable[[str, list[str]], None], vnni: bool = False) -> None:
     """GEMV rows eight at a time: for groups g in [glo, ghi) (i64) of the rows8 matrices
     ``(dtype, base, group_bytes)``, the dot products of rows ``8g .. 8g + 7`` of each with
     ``x`` (k elements; see :func:`emit_rows8_dots`), handed to ``consume(row, dots)`` row by row."""
     with fn.loop(glo, ghi, "1", "g") as g:
         groups = [(dtype, fn.gep(base, fn.v(f"mul i64 {g}, {gbytes}", "goff"), "grp")) for dtype, base, gbytes in mats]
-        dots = emit_rows8_dots(fn, groups, x, k)
+        dots = emit_rows8_dots(fn, groups, x, k, vnni)
         first = fn.v(f"shl i64 {g}, 3", "r0")
         for lane in range(GROUP):
             r = fn.v(f"add i64 {first}, {lane}", "r") if lane else first
@@ -444,12 +467,13 @@ def emit_rows8_row_to_f32(fn: Fn, dtype: str, base: str, r: str, out: str, k: st
     with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "b") as b:
         blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
         d = fn.v(f"fpext half {fn.load('half', fn.at(blk, 2, lane), 2, 'dh')} to float", "d")
-        words = "<4 x i32> poison"
-        for c in range(_CHUNKS):
+        nchunks = BYTE_CHUNKS if dtype == "q8_0" else _CHUNKS
+        words = f"<{nchunks} x i32> poison"
+        for c in range(nchunks):
             piece = fn.load("i32", fn.at(fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, lane), 4, "nib4")
-            words = "<4 x i32> " + fn.v(f"insertelement {words}, i32 {piece}, i64 {c}", "nibw")
-        raw = fn.v(f"bitcast {words} to {vec(16, 'i8')}", "nib")  # the row's 16 GGUF nibble bytes
-        q = nibble_value_floats(fn, raw, dtype == "q4_0", simd)
+            words = f"<{nchunks} x i32> " + fn.v(f"insertelement {words}, i32 {piece}, i64 {c}", "nibw")
+        raw = fn.v(f"bitcast {words} to {vec(4 * nchunks, 'i8')}", "nib")  # the row's GGUF quant bytes
+        q = byte_floats(fn, raw) if dtype == "q8_0" else nibble_value_floats(fn, raw, dtype == "q4_0", simd)
         ds = fn.splat(16, d)
         values = [fn.v(f"fmul {V16} {half}, {ds}", "w") for half in q]
         if dtype == "q4_1":

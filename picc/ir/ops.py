@@ -14,17 +14,7 @@ from typing import ClassVar
 import numpy as np
 
 from picc.ir import positional
-from picc.ir.core import (
-    Op,
-    RuleError,
-    Sym,
-    TypeEnv,
-    Val,
-    expect,
-    expect_rank,
-    register_op,
-    weight_shape_is,
-)
+from picc.ir.core import Op, RuleError, Sym, TypeEnv, Val, expect, expect_rank, register_op, weight_shape_is
 from picc.ir.kernel_choice import LAYOUTS, X_FORMATS, Accumulated, MatrixOp
 from picc.ir.types import DType, Placement, TensorType, f32
 
@@ -50,13 +40,17 @@ def _float_weight(env: TypeEnv, name: str | None, role: str) -> None:
 @register_op
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Embed(Op):
-    """Token embedding: row ``tokens[i]`` of ``table`` [vocab, dim] for every position i."""
+    """Token embedding: row ``tokens[i]`` of ``table`` [vocab, dim] for every position i.
+    ``layout`` (``select-kernels``): how the table is stored, ``"rows8"`` where an LM head tied to
+    it reads it eight rows at a time (:class:`~picc.ir.kernel_choice.MatrixOp`)."""
 
     NAME: ClassVar[str] = "embed"
     tokens: Val
     table: Sym
+    layout: str = "rows"
 
     def infer(self, env: TypeEnv) -> TensorType:
+        expect(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         t = env.value(self.tokens)
         expect(t.dtype.is_int and t.rank == 1, f"tokens %{self.tokens} must be i32[seq], got {t}")
         w = env.weight(self.table)

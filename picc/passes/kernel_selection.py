@@ -39,17 +39,18 @@ def _no_kernel(op: Op, device: str, hint: str) -> PiccError:
     return PiccError(f"%{op.result}: op {op.NAME} has no {device} kernel{hint}")
 
 
-def rows8_fits(t: Types, weights: tuple[str | None, ...], shared: frozenset[str]) -> bool:
-    """Whether the 4-bit ``weights`` (all given) can be stored in the rows8 layout for one kernel:
-    shapes that fit it, and no other op reading them (an embedding tied to its LM head reads rows)."""
-    return all(w is not None and w not in shared and names.rows8_fits(t.fmt(w) or "", *t.dims(w)) for w in weights)
+def rows8_fits(t: Types, weights: tuple[str | None, ...], shared: frozenset[str], x_format: str = "f32") -> bool:
+    """Whether the 4-bit ``weights`` (all given; q8_0 too with int8 ``x_format``) can be stored in
+    the rows8 layout for one kernel: shapes that fit it, and no other op in ``shared`` reading them."""
+    return all(w is not None and w not in shared and names.rows8_fits(t.fmt(w) or "", *t.dims(w), x_format)
+               for w in weights)
 
 
 def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
     """The CPU kernel that computes ``op``."""
     match op:
         case O.Embed():
-            return names.cpu_embed(t.fmt(op.table) or "")
+            return names.cpu_embed(t.fmt(op.table) or "", op.layout == "rows8")
         case O.RMSNorm():
             return names.cpu_norm("rms_norm")
         case O.LayerNorm():
