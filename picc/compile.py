@@ -187,15 +187,18 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
 
 
 def _dot_products(module: Module) -> str:
-    """How the CPU's matrix ops dot 4-bit rows, for the compile's output: ``""`` when none rounds x."""
-    formats = Counter(op.x_format for op in module.ops()
-                      if isinstance(op, O.MatrixOp) and op.type.placement != Placement.GPU)
+    """How the CPU's matrix ops dot 4-bit rows, for the compile's output: ``""`` when none rounds x.
+    (A q8_0 LM head rounds to int8 by default; ``--int8-dots`` is about the others.)"""
+    ops = [op for op in module.ops() if isinstance(op, O.MatrixOp) and op.type.placement != Placement.GPU]
+    formats = Counter(op.x_format for op in ops)
     if not formats.keys() - {"f32"}:
         return ""
     rounded = [(n, "int8" if x == "i8" else "int16") for x, n in sorted(formats.items(), key=lambda i: -i[1])
                if x != "f32"]
     said = ", ".join(f"{n} to {to}" for n, to in rounded[1:])
-    hint = "" if formats["i8"] else "; --int8-dots: int8 where they read eight rows at a time"
+    head = module.function().ret
+    hint = ("" if any(op.x_format == "i8" for op in ops if op.result != head)
+            else "; --int8-dots: int8 where they read eight rows at a time")
     return f"; {rounded[0][0]} matrix ops dot x rounded to {rounded[0][1]}{', ' + said if said else ''}{hint}"
 
 

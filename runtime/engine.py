@@ -11,9 +11,10 @@ Exactness: a sequence's work is the one-sequence session's, call for call -- its
 last token through the chunk programs in chunks of the same boundaries (``Session.feed``), then a
 step per token with the same code on its own caches, the same sampler with a generator seeded per
 request (``Session.generate``). Nothing in a step depends on which other sequences are in the
-pool, so its logits are bit-identical to ``picc run``'s whatever else is served. The steps of
-different sequences run one after another: each reads the weights again (the batched step that
-reads them once for every row is not there yet).
+pool, so its logits are bit-identical to ``picc run``'s whatever else is served. The decoding
+sequences step together where the model has a batch step (``CpuExecutor.batch_step``: each row
+the one-sequence step's arithmetic, the weights read once for all), ``rows_per_step`` at a time;
+a greedy sequence alone runs the generated decode loop (``Executor.greedy_steps``).
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ from picc.ir.weights import Tensor, WeightStore
 def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_heads: int = 4,
                n_kv_heads: int = 2, n_ff: int = 96, vocab: int = 128, seed: int = 0,
                matrix_dtype: DType = DType.F32, rope: RopeSpec | None = None,
-               window: int | None = None, tied: bool = False, biases: bool = False) -> LoadedModel:
-    """A random LLaMA-style model, built directly as IR (no transformers involved)."""
+               window: int | None = None, tied: bool = False, biases: bool = False,
+               head_dtype: DType | None = None) -> LoadedModel:
+    """A random LLaMA-style model, built directly as IR (no transformers involved); ``head_dtype``:
+    the embedding's and LM head's format (default ``matrix_dtype``), as a 4-bit GGUF's q8_0 head."""
     rng = np.random.default_rng(seed)
     head_dim = hidden // n_heads
     store = WeightStore()
@@ -29,7 +31,7 @@ def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_h
         x = rng.normal(0, scale, size=shape).astype(np.float32)
         store.add(name, Tensor.from_f32(x, dtype))
 
-    add("token_embd", (vocab, hidden), 1.0, matrix_dtype)
+    add("token_embd", (vocab, hidden), 1.0, head_dtype or matrix_dtype)
     gated = form in ("swiglu", "reglu", "geglu", "geglu_tanh", "drelu")
     for i in range(n_layers):
         n = layer_weight_names(i)
@@ -47,7 +49,7 @@ def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_h
         add(n["down"], (hidden, n_ff), n_ff**-0.5, matrix_dtype)
     store.add("output_norm", Tensor.from_f32(1 + 0.1 * rng.normal(size=hidden)))
     if not tied:
-        add("output", (vocab, hidden), hidden**-0.5, matrix_dtype)
+        add("output", (vocab, hidden), hidden**-0.5, head_dtype or matrix_dtype)
     spec = LlamaSpec(
         name="tiny", arch="llama", vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv_heads, head_dim=head_dim, n_ff=n_ff, eps=1e-5, ffn_form=form,

@@ -145,6 +145,27 @@ def test_the_compile_says_how_its_matrix_ops_dot_x(tmp_path):
     assert "rounded" not in said[("float_dots",)]
 
 
+def test_a_q8_0_head_rounds_to_int8_by_default_and_the_compile_says_so(tmp_path):
+    # SmolLM2's shape: 4-bit matrices and a tied q8_0 head. The head dots int8 x (the rest
+    # int16, and --int8-dots is still offered for them); --float-dots keeps it float; either way
+    # the runtime computes the interpreter's function (which rounds alike), the prefill too.
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.Q4_1, head_dtype=DType.Q8_0,
+                       tied=True)
+    lines: list[str] = []
+    result = compile_model(model, CompileOptions(dense=True, batch_step=False), say=lines.append)
+    said = next(line for line in lines if line.startswith("generating CPU code"))
+    assert "matrix ops dot x rounded to int16, 1 to int8; --int8-dots" in said
+    *_, head = result.model.module.ops()
+    assert (head.x_format, head.layout, result.layouts.get("token_embd")) == ("i8", "rows8", "rows8")
+    path, pib = compiled(model, tmp_path, "head", dense=True)
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+    path, pib = compiled(model, tmp_path, "float_head", dense=True, float_dots=True)
+    *_, head = pib.module.ops()
+    assert (head.x_format, head.layout) == ("f32", "rows")
+
+
 def test_rows8_only_where_every_reader_of_a_matrix_can_read_it(tmp_path):
     # A tied embedding is read row by row (the embedding lookup) and by the LM head: both keep
     # the source layout, the head's GEMV dots rows one at a time. Matrices whose rows do not come
