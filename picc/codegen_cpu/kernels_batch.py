@@ -86,6 +86,10 @@ _BLOCK_BYTES: dict[type, dict[str, int]] = {IntX: INT_X_BLOCK_BYTES, ScaledX: SC
 # 1536 down, 2 threads, Zen 4: 1 at a time 1.47x / 1.28x, 2 1.64 / 1.50, 4 1.48 / 1.54, 8 1.61 / 1.69
 # (noisy to ~0.1: 4 keeps the accumulators and unpacked nibbles within AVX2's 16 registers).
 _X_TILE = 4
+# q8_0 rows (an LM head) with vpdpbusd: one accumulator and one int sum per x row, eight chunks
+# shared; SmolLM2's head at batch 8, two threads, Zen 4, three alternating runs: 8 rows a tile
+# 1058 / 1104 / 1181 us, 4 rows 1251 / 1328 / 1458.
+_BYTE_X_TILE = 8
 # The same with x rows two to a vector (rows8_pairs: int16 x on AVX-512), by the number of matrices:
 # SmolLM2 q4_1 in L2, one thread, Zen 4, batch 8, cycles per x row and group block (avx512 / VNNI):
 # the 1536 x 576 GEMV 17.4 / 13.3 with 4 rows a tile, 16.4 / 12.5 with 8 (16 the same); its FFN's
@@ -200,12 +204,14 @@ def emit_rows8_batch(fn: Fn, mats: list[tuple[str, str, str]], rows: XRows, k: s
     """:func:`~picc.codegen_cpu.rows8.emit_rows8` over a batch: for each group g in [glo, ghi)
     of the rows8 matrices ``(dtype, base, group_bytes)``, then each x row b, the one-row kernel's
     dot products of the group's eight rows with row b, handed to ``consume(b, row, dots)``.
-    x rows go ``_X_TILE // len(mats)`` at a time through the group's blocks
+    x rows go ``_X_TILE // len(mats)`` at a time (q8_0 rows with ``vnni``: ``_BYTE_X_TILE``) through the group's blocks
     (:func:`~picc.codegen_cpu.rows8.emit_rows8_dots_xs`), sharing each block's loads and nibbles;
     with ``rows.pairs``, ``_PAIR_TILE // len(mats)`` at a time, two to a vector
     (:func:`~picc.codegen_cpu.rows8_pairs.emit_rows8_pair_dots`, ``vnni``: with ``vpdpbusd``),
     and an odd batch's last row alone."""
-    most = _PAIR_TILE[len(mats)] if rows.pairs is not None else _X_TILE // len(mats)
+    bytes_vnni = vnni and {d for d, _, _ in mats} <= names.BYTE_ROWS8_DTYPES
+    most = (_PAIR_TILE[len(mats)] if rows.pairs is not None else _BYTE_X_TILE if bytes_vnni
+            else _X_TILE // len(mats))
     with fn.loop(glo, ghi, "1", "g") as g:
         groups = [(dtype, fn.gep(base, fn.v(f"mul i64 {g}, {gbytes}", "goff"), "grp")) for dtype, base, gbytes in mats]
         first = fn.v(f"shl i64 {g}, 3", "r0")
