@@ -29,7 +29,7 @@ SmolLM2's decode GEMVs and FFN and a 7B-like down projection, the weights from m
 over 1 GiB, one call each): time per call, and rows per second (batch / time) as a ratio to the
 one-row kernel's rate, the speed-up that batching the decode step gives these kernels.
 ``--simd`` compiles them for a SIMD level instead of the host's (the ``cpu`` target's; the batched
-rows8 int-x kernels differ between the two AVX-512 levels, and alone use VNNI);
+rows8 int-x kernels differ between the two AVX-512 levels, and use VNNI);
 ``--x`` the formats x is rounded to in the rows8 kernels (``i16``, what a dense compile chooses;
 ``i8``, ``picc compile --int8-dots``).
 """
@@ -356,8 +356,8 @@ def main() -> None:
         return
     bandwidths = [measure_memory_bandwidth()]
     print(f"read bandwidth (every core streaming, picc.targets): {bandwidths[0] / 1e9:.1f} GB/s")
-    print(f"VNNI: the host has {host_vnni()}; these kernels do not use it (int16 x dots 4-bit rows with "
-          "vpmaddwd; float x with FMAs): only the batched rows8 ones do (--batched, vpdpbusd at avx512-vnni)")
+    print(f"VNNI: the host has {host_vnni()}; the kernels with rounded x use it at avx512-vnni (vpdpbusd in "
+          "their eight-row dot products; vpmaddwd elsewhere); float x with FMAs")
     print()
     header = (f"{'shape':>11} {'dtype':>10} {'x':>3} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
               f"{'cached GB/s':>11} {'dense GB/s':>10} {'vs dense':>8} {'vs numpy':>8}")

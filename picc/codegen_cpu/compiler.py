@@ -9,8 +9,9 @@ returns hold a reference back to it).
 ``"avx512-vnni"`` (x86-64-v4, and AVX-512 VNNI in the functions that ask for it), ``"avx512"``
 (x86-64-v4) or ``"avx2"`` (x86-64-v3: AVX2, FMA, F16C; no AVX-512, so the code runs on any
 Haswell-or-later x86). The object code of one SIMD level runs on every CPU that has its features;
-both AVX-512 levels come from the same kernel IR (``vector_isa``), but for the batched rows8
-int-x kernels, which sum with ``vpdpbusd`` on ``avx512-vnni`` (``Kernel.by_level``) and alone get
+both AVX-512 levels come from the same kernel IR (``vector_isa``), but for the kernels written
+for the level (``Kernel.by_level``: the batched rows8 int-x kernels, the q8_0 LM head's, the
+sparse FFN with rounded x), which sum with ``vpdpbusd`` on ``avx512-vnni`` and alone get
 VNNI (their functions' ``target-features``): compiled for a VNNI CPU, LLVM would turn the other
 kernels' int16 ``vpmaddwd`` + add into ``vpdpwssd``, and the one-row step decoded 3-4% slower
 for it on a Zen 4 (SmolLM2 dense, `picc bench`, alternating).

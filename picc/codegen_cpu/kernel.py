@@ -32,7 +32,8 @@ class Kernel:
     """A kernel: its symbol, its parameters ``(name, kind)`` before the thread tail, and
     ``emit(simd)``, the IR text of its definition for vector ISA ``"avx512"`` or ``"avx2"``
     (``runtime.cpu.vector_isa``), or, with ``by_level``, for the SIMD level itself (``"avx512-vnni"``
-    too): a kernel whose instructions differ with VNNI (the batched rows8 ones) says so, and every
+    too): a kernel whose instructions differ with VNNI (the batched rows8 ones, the q8_0 rows8
+    GEMV, the sparse FFN with rounded x) says so, and every
     other kernel's IR stays the same on both AVX-512 levels."""
 
     symbol: str

@@ -73,6 +73,7 @@ from picc.codegen_cpu.rows8 import (
     emit_scaled_x,
 )
 from picc.ir.ops import FfnForm
+from runtime.cpu import vector_isa
 
 # Defined here, or (re-exported from ffn_emitter and kernels_predictor, split from this module) the
 # names other modules import from here.
@@ -210,15 +211,16 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
     symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, x_format, dense_rows8)
     x_format = names.ffn_x_format(x_format, up_dtype, gate_dtype)  # rounded only where 4-bit rows are dotted
 
-    def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, FFN_PARAMS)
-        ffn = _SparseFfn(fn, simd, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8, x_format)
+    def emit(level: str) -> str:
+        fn = kernel_fn(symbol, FFN_PARAMS, level if x_format != "f32" else None)
+        ffn = _SparseFfn(fn, vector_isa(level), mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8,
+                         x_format, vnni=level == "avx512-vnni")
         ffn.accumulate_active(ffn.active_list())
         ffn.reduce()
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, FFN_PARAMS, emit, sparse_ffn.__doc__ or "")
+    return Kernel(symbol, FFN_PARAMS, emit, sparse_ffn.__doc__ or "", by_level=x_format != "f32")
 
 
 class _SparseFfn(FfnEmitter):
@@ -226,9 +228,9 @@ class _SparseFfn(FfnEmitter):
     (sizes, the scratch regions, x in the forms the dot products read), and one method per phase."""
 
     def __init__(self, fn: Fn, simd: str, mode: str, spec: FfnForm, up_dtype: str, gate_dtype: str | None,
-                 down_dtype: str, interleaved: bool, dense_rows8: bool, x_format: str) -> None:
+                 down_dtype: str, interleaved: bool, dense_rows8: bool, x_format: str, vnni: bool = False) -> None:
         super().__init__(fn, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
-        self.simd = simd
+        self.simd, self.vnni = simd, vnni  # vnni: rounded x's eight-row sums with vpdpbusd
         self.n, self.hidden = fn.sext("%n"), fn.sext("%hidden")
         self.tid, self.nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         self.emit_row_bytes(self.hidden)
@@ -315,7 +317,7 @@ class _SparseFfn(FfnEmitter):
             whole = [(dt, base, emit_group_bytes(fn, dt, self.hidden)) for dt, base, _ in dense]
             assert self.x8 is not None
             glo, ghi = fn.v(f"lshr i64 {lo}, 3", "glo"), fn.v(f"lshr i64 {hi}, 3", "ghi")
-            emit_rows8(fn, whole, self.x8, self.hidden, glo, ghi, score)
+            emit_rows8(fn, whole, self.x8, self.hidden, glo, ghi, score, self.vnni)
         else:
             emit_tiled_rows(fn, dense, "%x", self.hidden, lo, hi, self.simd, score, self.xsums,  # type: ignore[arg-type]
                             intx=self.intx)
@@ -435,7 +437,7 @@ class _SparseFfn(FfnEmitter):
                         prefetch_block(fn, dt, self.row(mat, rb, i), b)
 
             mats = [(dt, [self.row(mat, rb, i) for i in ids]) for mat, dt, rb in self.dotted]
-            vectors = emit_gathered8_dots(fn, mats, self.x8, self.hidden, prefetch)
+            vectors = emit_gathered8_dots(fn, mats, self.x8, self.hidden, prefetch, self.vnni)
             dots = [fn.v(f"extractelement {vec(GROUP)} {v}, i64 {u}", "dot") for u in range(GROUP) for v in vectors]
             hs = self._h_from(ids, dots)
             for u in range(0, GROUP, 2):

@@ -299,7 +299,7 @@ def prelude() -> str:
 
 def attributes(simd: str) -> str:
     """Function attribute groups: #0 kernels and steps, #1 inlined math, #2 the barrier and the clock,
-    #3 kernels that use AVX-512 VNNI (``kernel.kernel_fn``: the batched rows8 ones on ``avx512-vnni``).
+    #3 kernels that use AVX-512 VNNI (``kernel.kernel_fn``: the ``by_level`` ones on ``avx512-vnni``).
 
     Kernels are never inlined into a step: it would gain nothing measurable and makes the
     optimiser's time grow with the square of the step's length (15 s for 300 calls).

@@ -46,6 +46,7 @@ from picc.codegen_cpu.int16x import IntX
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
 from picc.codegen_cpu.rowformats import BLOCK, BLOCK_BYTES, NIBBLE_DTYPES, V16, nibble_value_floats
 from picc.codegen_cpu.rows8_q8 import byte_floats, byte_sums
+from picc.codegen_cpu.vnni import vnni_sums
 from picc.errors import PiccError
 
 LAYOUT = "rows8"
@@ -278,7 +279,7 @@ def _transpose_chunks(fn: Fn, lanes: list[str]) -> list[str]:
 
 
 def emit_gathered8_dots(fn: Fn, mats: list[tuple[str, list[str]]], x: IntX | ScaledX, k: str,
-                        block_hook: Callable[[str], None] | None = None) -> list[str]:
+                        block_hook: Callable[[str], None] | None = None, vnni: bool = False) -> list[str]:
     """For each ``(dtype, rows)`` (eight 4-bit rows in GGUF's own layout, anywhere in memory: a
     sparse FFN's gathered active rows of one matrix), the <8 x float> of their dot products with
     ``x`` as :func:`emit_rows8_dots` takes it (float, or int16 split into bytes). Each block of
@@ -303,7 +304,7 @@ def emit_gathered8_dots(fn: Fn, mats: list[tuple[str, list[str]]], x: IntX | Sca
                 d, m = _gathered_scale_pairs(fn, blocks)
             else:
                 d, m = _gathered_halves(fn, blocks, 0), None
-            acc.set(_dot_block(fn, dtype, chunks, x, xb, b, d, m, acc.get("acc")))
+            acc.set(_dot_block(fn, dtype, chunks, x, xb, b, d, m, acc.get("acc"), vnni))
     return [acc.get("dots") for acc in accs]
 
 
@@ -375,13 +376,16 @@ def _int_x_block(fn: Fn, intx: IntX, b: str) -> tuple[list[list[str]], str]:
     return xs, fn.splat(8, fn.load(F32, fn.at(intx.scale, 4, b), 4, "xsc"))
 
 
-def int_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = GROUP) -> str:
+def int_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = GROUP, vnni: bool = False) -> str:
     """The exact integer ``q . x`` of each int32 lane of a block (``<lanes x i32>``): ``chunks``
     the block's four nibble chunks (``<4 lanes x i8>``, four bytes a lane), ``xs`` x's four-byte
     groups, high bytes then low bytes (:func:`_int_x_block`; int8 x: high bytes only, its low
     bytes are zero). ``lanes`` 8: AVX2's ``vpmaddubsw`` / ``vpmaddwd``; 16: their 512-bit forms,
     each lane computing what an 8-lane lane computes (two x rows a vector,
-    :mod:`picc.codegen_cpu.rows8_pairs`)."""
+    :mod:`picc.codegen_cpu.rows8_pairs`). ``vnni`` (8 lanes): ``vpdpbusd`` on 256 bits, the same
+    integers (:func:`.vnni.vnni_sums`)."""
+    if vnni:
+        return vnni_sums(fn, chunks, xs, lanes)
     nbytes, nwords = 4 * lanes, 2 * lanes
     bytes_t, words, i32 = vec(nbytes, "i8"), vec(nwords, "i16"), vec(lanes, "i32")
     mask, ones = vconst(nbytes, "15", "i8"), vconst(nwords, "1", "i16")
@@ -432,7 +436,7 @@ def _int_block(fn: Fn, dtype: str, chunks: list[str], xs: list[list[str]], scale
         qsum = (_splat_i32(fn, fn.load("i32", fn.at(intx.qsums, 4, b), 4, "xq"), as_bytes=False)
                 if vnni and intx.qsums is not None else None)
         return scaled_sum(fn, byte_sums(fn, chunks, xs[0], qsum, vnni), d, scale, acc)
-    dots = int_sums(fn, chunks, xs)
+    dots = int_sums(fn, chunks, xs, vnni=vnni)
     if dtype == "q4_0":
         assert intx.isums is not None
         offset = _splat_i32(fn, fn.load("i32", fn.at(intx.isums, 4, b), 4, "xo"), as_bytes=False)

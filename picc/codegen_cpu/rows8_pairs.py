@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from picc.codegen_cpu.int16x import IntX
-from picc.codegen_cpu.irtext import F32, Fn, vconst, vec
+from picc.codegen_cpu.irtext import F32, Fn, vec
 from picc.codegen_cpu.rowformats import NIBBLE_DTYPES
 from picc.codegen_cpu.rows8 import (
     GROUP,
@@ -45,12 +45,12 @@ from picc.codegen_cpu.rows8 import (
     int_sums,
     scaled_sum,
 )
+from picc.codegen_cpu.vnni import vnni_sums
 from picc.errors import PiccError
 
 LANES = 2 * GROUP  # int32 lanes of a 512-bit vector: eight weight rows x two x rows
 _V16, _I16, _B64 = vec(LANES), vec(LANES, "i32"), vec(4 * LANES, "i8")
 _DOUBLE = "<" + ", ".join(f"i32 {i // 2}" for i in range(LANES)) + ">"  # lane r to lanes 2r, 2r + 1
-_VNNI_CHAINS = 2  # independent vpdpbusd chains per sum (vpdpbusd's latency is ~5 cycles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,33 +124,6 @@ def _doubled(fn: Fn, v: str, ty: str) -> str:
     return fn.v(f"shufflevector <8 x {ty}> {v}, <8 x {ty}> poison, <{LANES} x i32> {_DOUBLE}", "dbl")
 
 
-def _vnni_sums(fn: Fn, chunks: list[str], xs: list[list[str]]) -> str:
-    """:func:`rows8.int_sums` with ``vpdpbusd`` (16 lanes): the nibbles as the unsigned operand
-    against x's high bytes (signed), x's low bytes (unsigned) against the nibbles (0..15 as
-    signed bytes); int32 sums, split in chains for the instruction's latency. int8 x (``xs``
-    holds the high bytes alone): the low bytes' products are zero and skipped."""
-    mask, four = vconst(4 * LANES, "15", "i8"), vconst(4 * LANES, "4", "i8")
-
-    def dot(acc: str, unsigned: str, signed: str) -> str:
-        return fn.v(f"call {_I16} @llvm.x86.avx512.vpdpbusd.512({_I16} {acc}, {_B64} {unsigned}, {_B64} {signed})",
-                    "dp")
-
-    high, low = ["zeroinitializer"] * _VNNI_CHAINS, ["zeroinitializer"] * _VNNI_CHAINS
-    for c, raw in enumerate(chunks):
-        shifted = fn.v(f"lshr {_B64} {raw}, {four}", "sh")
-        nibbles = (fn.v(f"and {_B64} {raw}, {mask}", "lo4"), fn.v(f"and {_B64} {shifted}, {mask}", "hi4"))
-        for nib, j in zip(nibbles, (c, 4 + c), strict=True):
-            high[j % _VNNI_CHAINS] = dot(high[j % _VNNI_CHAINS], nib, xs[0][j])
-            if len(xs) > 1:
-                low[j % _VNNI_CHAINS] = dot(low[j % _VNNI_CHAINS], xs[1][j], nib)
-    total_high, total_low = high[0], low[0]
-    for i in range(1, _VNNI_CHAINS):
-        total_high = fn.v(f"add {_I16} {total_high}, {high[i]}", "ht")
-        total_low = fn.v(f"add {_I16} {total_low}, {low[i]}", "lt")
-    shifted = fn.v(f"shl {_I16} {total_high}, {vconst(LANES, '8', 'i32')}", "hi8")
-    return shifted if len(xs) == 1 else fn.v(f"add {_I16} {shifted}, {total_low}", "dots")
-
-
 def emit_rows8_pair_dots(fn: Fn, mats: list[tuple[str, str]], pairs: list[PairX], k: str,
                          vnni: bool) -> list[list[str]]:
     """:func:`rows8.emit_rows8_dots_xs` of the int16 x rows of ``pairs`` (two a pair, in order):
@@ -191,7 +164,7 @@ def _group_block(fn: Fn, dtype: str, blk: str) -> tuple[list[str], str, str | No
 def _pair_block(fn: Fn, dtype: str, chunks: list[str], xs: list[list[str]], scale: str, pair: PairX, b: str, d: str,
                 m: str | None, acc: str, vnni: bool) -> str:
     """``acc`` plus a block of the pair's dot products, lane by lane :func:`rows8._int_block`'s."""
-    dots = _vnni_sums(fn, chunks, xs) if vnni else int_sums(fn, chunks, xs, LANES)
+    dots = vnni_sums(fn, chunks, xs) if vnni else int_sums(fn, chunks, xs, LANES)
     if dtype == "q4_0":
         assert pair.isums is not None
         dots = fn.v(f"add {_I16} {dots}, {_broadcast_pair(fn, fn.at(pair.isums, 8, b), 'i32')}", "pm")

@@ -44,9 +44,10 @@ def host_cpu_name(cpuinfo: str | None = None) -> str:
 def host_simd(cpuinfo: str | None = None) -> str:
     """The SIMD level the ``cpu`` target compiles for: ``avx512-vnni``, ``avx512``, ``avx2`` or
     ``sse`` (``runtime.cpu.simd_level`` of the first ``flags`` line of /proc/cpuinfo, whose
-    ``avx512_vnni`` is LLVM's ``avx512vnni``). On ``avx512-vnni`` only the batched rows8 kernels use
-    VNNI (``vpdpbusd``: the batch step 6-12% faster on a Zen 4); every other kernel is compiled as
-    for ``avx512``, whose one-row step was 3-4% faster than the same kernels compiled with VNNI."""
+    ``avx512_vnni`` is LLVM's ``avx512vnni``). On ``avx512-vnni`` only the kernels written for it use
+    VNNI (``vpdpbusd``: the batched rows8 ones, the batch step 6-12% faster on a Zen 4; the q8_0 LM
+    head; the sparse FFN with rounded x); every other kernel is compiled as for ``avx512``, whose
+    one-row step was 3-4% faster than the same kernels compiled with VNNI."""
     info = _cpuinfo() if cpuinfo is None else cpuinfo
     m = re.search(r"^flags\s*:\s*(.*)$", info, re.MULTILINE)
     return simd_level(f.replace("avx512_vnni", "avx512vnni") for f in (m.group(1).split() if m else ()))
