@@ -197,9 +197,13 @@ def _dot_products(module: Module) -> str:
                if x != "f32"]
     said = ", ".join(f"{n} to {to}" for n, to in rounded[1:])
     head = module.function().ret
-    hint = ("" if any(op.x_format == "i8" for op in ops if op.result != head)
-            else "; --int8-dots: int8 where they read eight rows at a time")
-    return f"; {rounded[0][0]} matrix ops dot x rounded to {rounded[0][1]}{', ' + said if said else ''}{hint}"
+    # --int8-dots turns int16 into int8 where the kernels read eight rows at a time: offered while
+    # some op rounds to int16 and none but the head to int8.
+    offer = formats["i16"] and not any(op.x_format == "i8" for op in ops if op.result != head)
+    hint = "; --int8-dots: int8 where they read eight rows at a time" if offer else ""
+    n, to = rounded[0]
+    return f"; {n} matrix op{'s' if n > 1 else ''} dot{'' if n > 1 else 's'} x rounded to {to}" \
+        f"{', ' + said if said else ''}{hint}"
 
 
 @dataclass(frozen=True)

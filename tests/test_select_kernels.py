@@ -175,3 +175,13 @@ def test_a_q8_0_head_read_by_a_second_matrix_op_keeps_rows():
     shared = TIED.replace("%h = linear %x, @p", "%h = linear %x, @emb")
     *_, logits = run_pipeline(parse(shared), _tied_store(), parse_pipeline("select-kernels")).ops()
     assert (logits.x_format, logits.layout) == ("f32", "rows")
+
+
+def test_the_compile_says_the_head_rounds_and_offers_int8_only_where_it_changes_something():
+    # Only the head rounds (as in a sparse model): nothing rounds to int16, so --int8-dots would
+    # change nothing and is not offered.
+    from picc.compile import _dot_products
+
+    after = run_pipeline(parse(TIED), _tied_store(), parse_pipeline("select-kernels"))
+    assert _dot_products(after) == "; 1 matrix op dots x rounded to int8"
+    assert _dot_products(run_pipeline(parse(TIED), _tied_store(), parse_pipeline("select-kernels{int_dots=no}"))) == ""
