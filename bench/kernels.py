@@ -73,7 +73,7 @@ from picc.codegen_cpu.kernels_dense import dense_ffn, gemv  # noqa: E402
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
 from picc.codegen_cpu.rows8 import to_rows8  # noqa: E402
 from picc.codegen_cpu.threads import huge_zeros  # noqa: E402
-from picc.kernel_names import kernel_exists  # noqa: E402
+from picc.kernel_names import has_rate_key  # noqa: E402
 from picc.targets.host import host_cores, host_cpu_name, host_vnni, measure_memory_bandwidth  # noqa: E402
 
 SHAPES = {"small": (576, 1536), "large": (4096, 11008)}
@@ -314,7 +314,7 @@ def batched_main(args: argparse.Namespace) -> None:
     for threads in (int(t) for t in args.threads.split(",")):
         for case in BATCHED_CASES:
             label, rows, k, dtype, rows8 = case
-            for x_format in [x for x in args.x.split(",") if kernel_exists(dtype, x, rows8)] if rows8 else ("f32",):
+            for x_format in [x for x in args.x.split(",") if has_rate_key(dtype, x, rows8)] if rows8 else ("f32",):
                 times, unit = batched_times(case, threads, batches, args.reps, rng, args.simd, x_format)
                 kind = dtype + (f"_r8_x{x_format}" if rows8 else "")
                 for batch, secs in times.items():

@@ -56,10 +56,11 @@ def _rows8_suffix(rows8: bool, *dtypes: str | None) -> str:
     return ROWS8_SUFFIX if rows8 and {d for d in dtypes if d} <= ROWS8_DTYPES else ""
 
 
-def kernel_exists(dtype: str, x_format: str, rows8: bool) -> bool:
-    """Whether rows of ``dtype`` have a GEMV dotting x in ``x_format`` (from the rows8 layout with
-    ``rows8``): every format with float x one row at a time; 4-bit rows with int16 x, and int8 x
-    from rows8; 4-bit rows from rows8 with any x; q8_0 from rows8 with int8 x alone."""
+def has_rate_key(dtype: str, x_format: str, rows8: bool) -> bool:
+    """Whether the GEMV of ``dtype`` rows dotting x in ``x_format`` (from the rows8 layout with
+    ``rows8``) has a rate key of its own: every format with float x one row at a time; 4-bit rows
+    with int16 x, and int8 x from rows8 (one row at a time int8 is read as int16: its key); 4-bit
+    rows from rows8 with any x; q8_0 from rows8 with int8 x alone (its only GEMV there)."""
     if dtype in BYTE_ROWS8_DTYPES and rows8:
         return x_format == "i8"
     if x_format != "f32" or rows8:
@@ -71,7 +72,7 @@ def cpu_rate_variants() -> list[tuple[str, str, str, bool]]:
     """Each key of :data:`CPU_RATE_KEYS`, in order, with what it stands for: (key, dtype, x format, rows8).
     Rows one at a time read int8 as int16: the ``_xi16`` key."""
     meaning = {cpu_rate_key(d, x, r): (d, x, r) for d in CPU_WEIGHT_FORMATS for r in (False, True)
-               for x in X_FORMATS if kernel_exists(d, x, r)}
+               for x in X_FORMATS if has_rate_key(d, x, r)}
     return [(key, *meaning[key]) for key in CPU_RATE_KEYS]
 
 
