@@ -55,11 +55,12 @@ func @forward(%x: f32[seq, 64]) -> f32[seq, 64] {
 """
 
 
-def _store() -> WeightStore:
-    rng = np.random.default_rng(0)
+def _store(names: tuple[str, ...] = ("w", "v"), dtype: DType = DType.Q4_1, seed: int = 0) -> WeightStore:
+    """Random [64, 64] matrices ``names`` in ``dtype`` (and BEFORE's norm weight @g)."""
+    rng = np.random.default_rng(seed)
     store = WeightStore()
-    for name in ("w", "v"):
-        store.add(name, Tensor.from_f32(rng.normal(size=(64, 64)).astype(np.float32) / 8, DType.Q4_1))
+    for name in names:
+        store.add(name, Tensor.from_f32(rng.normal(size=(64, 64)).astype(np.float32) / 8, dtype))
     store.add("g", Tensor.from_f32(np.ones(64, np.float32)))
     return store
 
@@ -144,11 +145,7 @@ func @forward(%tokens: i32[seq]) -> f32[seq, 64] {
 
 
 def _tied_store() -> WeightStore:
-    rng = np.random.default_rng(2)
-    store = WeightStore()
-    for name in ("emb", "p"):
-        store.add(name, Tensor.from_f32(rng.normal(size=(64, 64)).astype(np.float32) / 8, DType.Q8_0))
-    return store
+    return _store(("emb", "p"), DType.Q8_0, seed=2)
 
 
 @pytest.mark.parametrize(("options", "head"), [("", "i8"), ("{int_dots=yes}", "i8"), ("{head_x=f32}", "f32"),
