@@ -5,8 +5,9 @@ a 135M model takes seconds. ``Interpreter.run`` executes one call of ``forward``
 attention op's KV cache between calls, so prefill followed by decode steps works as in a runtime.
 
 An op with ``x_format = "i16"`` or ``"i8"`` (chosen by ``select-kernels``) dots its 4-bit weight
-rows with its input rounded to int16 or int8 per block of 32: the interpreter rounds that input as
-the kernel does (``picc.quant.round_x_blocks``), so it stays the oracle of those kernels.
+rows (and a q8_0 LM head in the rows8 layout its q8_0 rows) with its input rounded to int16 or
+int8 per block of 32: the interpreter rounds that input as the kernel does
+(``picc.quant.round_x_blocks``), so it stays the oracle of those kernels.
 """
 
 from __future__ import annotations

@@ -144,8 +144,9 @@ class Engine:
         """How many sequences one call of the batch step should take: the batch size (a power of
         two up to ``max_batch``) with the most rows per second, timed here on free slots (the best of
         ``runs`` calls each). Rows are not free: the linears' batched kernels are bound by their
-        arithmetic, and every other op runs once per row (a 2-core Zen 4, SmolLM2: 3.7 ms a step
-        for 1 row, 8.9 for 4, 21.2 for 8 -- two calls of 4 beat one of 8)."""
+        arithmetic, and every other op runs once per row (a 2-core Zen 4, SmolLM2, an early batch
+        step: 3.7 ms a step for 1 row, 8.9 for 4, 21.2 for 8, where two calls of 4 beat one of 8;
+        now 3.0, 5.0-5.5 and 9.1: 8 is chosen)."""
         cpu, most = self.executor.cpu, min(self.max_batch, self.pool.batched)
         if most < 2:
             return 1
