@@ -148,15 +148,18 @@ def _tied_store() -> WeightStore:
     return _store(("emb", "p"), DType.Q8_0, seed=2)
 
 
-@pytest.mark.parametrize(("options", "head"), [("", "i8"), ("{int_dots=yes}", "i8"), ("{head_x=f32}", "f32"),
-                                               ("{int_dots=no}", "f32")])
-def test_a_q8_0_lm_head_dots_int8_x_from_rows8_and_its_tied_embedding_reads_rows8(options, head):
+@pytest.mark.parametrize(("options", "head", "inner_i8"), [
+    ("", "i8", False), ("{int_dots=yes}", "i8", False), ("{head_x=f32}", "f32", False), ("{int_dots=no}", "f32", False),
+    ("{int_x=i8}", "i8", True), ("{int_x=i8,head_x=f32}", "f32", True)])
+def test_a_q8_0_lm_head_dots_int8_x_from_rows8_and_its_tied_embedding_reads_rows8(options, head, inner_i8):
     # The head decides nothing after it, so it rounds its x to int8 (reading the rows8 layout,
     # which the embedding tied to it then reads too) unless rounding is off; a q8_0 matrix inside
-    # the model keeps float x whatever int_x says (rows one at a time have no int8 kernel).
+    # the model reads rows with float x, unless the module rounds to int8 (int_x=i8, picc compile
+    # --int8-dots): then it reads rows8 with int8 x as the head does.
     after = run_pipeline(parse(TIED), _tied_store(), parse_pipeline(f"select-kernels{options}"))
     embed, inner, logits = after.ops()
-    assert (inner.x_format, inner.layout, inner.kernel) == ("f32", "rows", "picc_gemv_q8_0")
+    assert (inner.x_format, inner.layout, inner.kernel) == (
+        ("i8", "rows8", "picc_gemv_q8_0_r8_xi8") if inner_i8 else ("f32", "rows", "picc_gemv_q8_0"))
     rows8 = head == "i8"
     assert (logits.x_format, logits.layout) == (head, "rows8" if rows8 else "rows")
     assert logits.kernel == ("picc_gemv_q8_0_r8_xi8" if rows8 else "picc_gemv_q8_0")
