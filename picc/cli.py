@@ -275,8 +275,8 @@ def _add_compile_command(sub: argparse._SubParsersAction) -> None:
                    "rows eight at a time, round to int8 instead of int16 (1/254 of each block's largest |x|, "
                    "as llama.cpp does): half the integer work, which is what bounds the batched kernels of "
                    "'picc serve'; PTB perplexity +0.2%% on SmolLM2, whose logits move ~3-5e-2 from float "
-                   "x's. q8_0 linears then read eight rows at a time with int8 x too, as a q8_0 LM head "
-                   "does by default")
+                   "x's. q8_0 linears and FFNs then read eight rows at a time with int8 x too, as a q8_0 LM "
+                   "head does by default")
     s.add_argument("--solver", choices=("greedy", "ilp"), default="greedy",
                    help="neuron placement: greedy top-k by frequency (default, PowerInfer's) or the ILP "
                    "on the cost model")

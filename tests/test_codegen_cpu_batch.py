@@ -51,7 +51,8 @@ GEMV_CASES = [("q4_0", "i16", True, 40, 128), ("q4_0", "f32", True, 40, 128), ("
 # neighbours; relu has no gate.
 FFN_CASES = [("swiglu", "q4_1", "i16", True), ("relu", "q4_1", "i16", True), ("swiglu", "q4_0", "f32", True),
              ("swiglu", "q4_1", "f32", False), ("relu", "q4_1", "f32", False), ("swiglu", "q4_1", "i16", False),
-             ("swiglu", "f32", "f32", False), ("swiglu", "q4_1", "i8", True), ("relu", "q4_0", "i8", True)]
+             ("swiglu", "f32", "f32", False), ("swiglu", "q4_1", "i8", True), ("relu", "q4_0", "i8", True),
+             ("swiglu", "q8_0", "i8", True)]
 FFN_N, FFN_HIDDEN = 128, 96
 
 

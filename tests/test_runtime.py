@@ -131,14 +131,15 @@ def test_int8_dots_round_x_to_int8_as_the_interpreter_does(dtype, tmp_path):
         CompileOptions(float_dots=True, int8_dots=True).check()
 
 
-def test_int8_dots_give_a_q8_0_models_linears_the_heads_kernel(tmp_path):
-    # A Q8_0 model with --int8-dots: its linears (q, k, v, o; the head) read q8_0 rows eight at a
-    # time with int8 x, as the LM head does by default; the FFN keeps float x (no q8_0 rows8 FFN).
+def test_int8_dots_give_a_q8_0_models_matrix_ops_the_heads_int8_rows8(tmp_path):
+    # A Q8_0 model with --int8-dots: its linears (q, k, v, o; the head) and its FFNs read q8_0
+    # rows eight at a time with int8 x, as the LM head does by default.
     model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.Q8_0, tied=True)
     path, pib = compiled(model, tmp_path, "q8", dense=True, int8_dots=True)
     linears = [op for op in pib.module.ops() if isinstance(op, O.Linear)]
-    assert {(op.x_format, op.layout) for op in linears} == {("i8", "rows8")} and len(linears) == 2 * 4 + 1
-    assert {op.x_format for op in pib.module.ops() if isinstance(op, O.FFN)} == {"f32"}
+    ffns = [op for op in pib.module.ops() if isinstance(op, O.FFN)]
+    assert {(op.x_format, op.layout) for op in linears + ffns} == {("i8", "rows8")}
+    assert (len(linears), len(ffns)) == (2 * 4 + 1, 2)
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)

@@ -210,7 +210,7 @@ def emit_rows8_batch(fn: Fn, mats: list[tuple[str, str, str]], rows: XRows, k: s
     (:func:`~picc.codegen_cpu.rows8_pairs.emit_rows8_pair_dots`, ``vnni``: with ``vpdpbusd``),
     and an odd batch's last row alone."""
     bytes_vnni = vnni and {d for d, _, _ in mats} <= names.BYTE_ROWS8_DTYPES
-    most = (_PAIR_TILE[len(mats)] if rows.pairs is not None else _BYTE_X_TILE if bytes_vnni
+    most = (_PAIR_TILE[len(mats)] if rows.pairs is not None else _BYTE_X_TILE // len(mats) if bytes_vnni
             else _X_TILE // len(mats))
     with fn.loop(glo, ghi, "1", "g") as g:
         groups = [(dtype, fn.gep(base, fn.v(f"mul i64 {g}, {gbytes}", "goff"), "grp")) for dtype, base, gbytes in mats]
@@ -313,11 +313,12 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
     of the one-row kernel, each matrix read once. ``scratch`` holds ``batch`` rows of the one-row
     kernel's (:func:`dense_ffn_rows_scratch_bytes`): phase 1 writes row b's h there, the barrier,
     then phase 2 dots down with each row's h (rounded per row as the one-row kernel rounds its h)."""
-    spec = dense_ffn_form(form, up_dtype, gate_dtype, down_dtype, rows8)
+    spec = dense_ffn_form(form, up_dtype, gate_dtype, down_dtype, rows8, x_format)
     symbol = names.cpu_dense_ffn_rows(form, up_dtype, gate_dtype, down_dtype, x_format, rows8)
 
     def emit(level: str) -> str:
-        simd, pairs = vector_isa(level), _pairs(level, x_format, rows8)
+        four_bit = {up_dtype, gate_dtype or up_dtype, down_dtype} <= names.INT_DOT_DTYPES
+        simd, pairs = vector_isa(level), _pairs(level, x_format, rows8) and four_bit
         fn = kernel_fn(symbol, DENSE_FFN_ROWS_PARAMS, level)
         n, hidden = fn.sext("%n"), fn.sext("%hidden")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")

@@ -117,13 +117,14 @@ def store_h(fn: Fn, spec: FfnForm, r: str, dots: list[str], h: str) -> None:
     fn.store(F32, emit_h(fn, spec, a, u), fn.at(h, 4, r), 4)
 
 
-def dense_ffn_form(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, rows8: bool) -> FfnForm:
-    """The gated form of a dense FFN kernel, its matrices' formats and layout checked (one check for
-    the one-row kernel and its batched twin)."""
+def dense_ffn_form(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str, rows8: bool,
+                   x_format: str = "f32") -> FfnForm:
+    """The gated form of a dense FFN kernel, its matrices' formats, layout and x format checked
+    (one check for the one-row kernel and its batched twin)."""
     spec = gated_form(form, gate_dtype)
     for d in (up_dtype, gate_dtype or "f32", down_dtype):
         check_dtype(d)
-    check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype)
+    check_rows8(rows8, up_dtype, gate_dtype or up_dtype, down_dtype, x_format=x_format)
     return spec
 
 
@@ -135,13 +136,16 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
     Threads split the n rows of up (and gate), computing ``h`` of the form into ``scratch`` (4 n
     bytes), meet at the barrier, then split the rows of down: two GEMV phases in one call.
     ``x_format``: 4-bit rows dot x (and h) rounded to it per block, as :func:`gemv`; ``rows8``:
-    every matrix in the rows8 layout (n and hidden multiples of 8), as :func:`gemv`.
+    every matrix in the rows8 layout (n and hidden multiples of 8), as :func:`gemv` (q8_0 ones
+    with int8 x).
     """
-    spec = dense_ffn_form(form, up_dtype, gate_dtype, down_dtype, rows8)
+    spec = dense_ffn_form(form, up_dtype, gate_dtype, down_dtype, rows8, x_format)
     symbol = names.cpu_dense_ffn(form, up_dtype, gate_dtype, down_dtype, x_format, rows8)
+    by_level = rows8 and bool({up_dtype, gate_dtype, down_dtype} & names.BYTE_ROWS8_DTYPES)  # as gemv's
 
-    def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, DENSE_FFN_PARAMS)
+    def emit(level: str) -> str:
+        simd, vnni = vector_isa(level), level == "avx512-vnni"
+        fn = kernel_fn(symbol, DENSE_FFN_PARAMS, level if by_level else None)
         n, hidden = fn.sext("%n"), fn.sext("%hidden")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         mats = [(up_dtype, "%up", emit_row_bytes(fn, up_dtype, hidden))]
@@ -158,7 +162,7 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
             intx = _rows8_x(fn, "%x", hidden, {up_dtype, gate_dtype or up_dtype}, x_format)
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {n}, 3", "groups"), tid, nthreads)
             emit_rows8(fn, [(d, base, emit_group_bytes(fn, d, hidden)) for d, base, _ in mats], intx, hidden,
-                       glo, ghi, h)
+                       glo, ghi, h, vnni)
         else:
             lo, hi = chunk_bounds(fn, n, tid, nthreads)
             emit_tiled_rows(fn, mats, "%x", hidden, lo, hi, simd, h, x_format=x_format)
@@ -166,7 +170,8 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
         if rows8:
             hx = _rows8_x(fn, "%scratch", n, {down_dtype}, x_format)
             glo2, ghi2 = chunk_bounds(fn, fn.v(f"lshr i64 {hidden}, 3", "groups"), tid, nthreads)
-            emit_rows8(fn, [(down_dtype, "%down", emit_group_bytes(fn, down_dtype, n))], hx, n, glo2, ghi2, out)
+            emit_rows8(fn, [(down_dtype, "%down", emit_group_bytes(fn, down_dtype, n))], hx, n, glo2, ghi2, out,
+                       vnni)
         else:
             lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
             down = [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))]
@@ -174,7 +179,7 @@ def dense_ffn(form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, DENSE_FFN_PARAMS, emit, dense_ffn.__doc__ or "")
+    return Kernel(symbol, DENSE_FFN_PARAMS, emit, dense_ffn.__doc__ or "", by_level=by_level)
 
 
 def dot_grid(fn: Fn, wrows: list[str], xs: list[str], k: str) -> list[list[str]]:

@@ -92,6 +92,10 @@ def _choose(op: Op, t: Types, rounded: str | None, byte_x: str | None, shared: f
             rows8 = rows8_fits(t, (op.weight,), shared)
         case O.FFN() if type(op) is O.FFN and not op.neuron_major:
             weights = (op.up, op.gate, op.down) if op.gate else (op.up, op.down)
+            if rounded == "i8" and names.BYTE_ROWS8_DTYPES & {t.fmt(w) for w in weights}:
+                # q8_0 rows (a Q8_0 model's FFN) read the rows8 layout with int8 x alone.
+                fits = rows8_fits(t, weights, shared, x_format="i8")
+                return replace(op, x_format="i8", layout="rows8") if fits else op
             int_x = bool(four_bit & {t.fmt(w) for w in weights})
             rows8 = rows8_fits(t, weights, shared)
         case _:
