@@ -62,6 +62,11 @@ def header_bytes(dtype: str) -> int:
     return 2 * GROUP * (2 if dtype == "q4_1" else 1)
 
 
+def _chunk_count(dtype: str) -> int:
+    """32-byte chunks of quants in a group block: four of nibbles (4-bit), eight of bytes (q8_0)."""
+    return BYTE_CHUNKS if dtype in names.BYTE_ROWS8_DTYPES else _CHUNKS
+
+
 def group_block_bytes(dtype: str) -> int:
     return GROUP * BLOCK_BYTES[dtype]
 
@@ -352,7 +357,7 @@ def emit_rows8_dots_xs(fn: Fn, mats: list[tuple[str, str]], xs: list[IntX | Scal
             blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
             _prefetch(fn, blk, group_block_bytes(dtype))
             chunks = [fn.load("<8 x i32>", fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, "nib")
-                      for c in range(BYTE_CHUNKS if dtype == "q8_0" else _CHUNKS)]
+                      for c in range(_chunk_count(dtype))]
             d = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d")
             m = (fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
                  if dtype == "q4_1" else None)
@@ -471,7 +476,7 @@ def emit_rows8_row_to_f32(fn: Fn, dtype: str, base: str, r: str, out: str, k: st
     with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "b") as b:
         blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
         d = fn.v(f"fpext half {fn.load('half', fn.at(blk, 2, lane), 2, 'dh')} to float", "d")
-        nchunks = BYTE_CHUNKS if dtype == "q8_0" else _CHUNKS
+        nchunks = _chunk_count(dtype)
         words = f"<{nchunks} x i32> poison"
         for c in range(nchunks):
             piece = fn.load("i32", fn.at(fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, lane), 4, "nib4")
