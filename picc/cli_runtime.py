@@ -172,7 +172,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         report = pib.json("report")
     bytes_per_token = report.get("bytes_per_token")
     estimate = report.get("estimate_tokens_per_s")  # the cost model's, at compile time
-    prompt_rates, decode_rates = [], []
+    prompt_rates, decode_rates, bandwidths = [], [], []
     if min(args.prompt_tokens, args.n, args.repeat) < 1:
         raise PiccError("--prompt-tokens, -n and --repeat must be >= 1")
     devices: dict | None = None  # the decode steps' device times, summed over the runs
@@ -190,19 +190,25 @@ def cmd_bench(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             session.greedy_tokens(args.n + 1)  # n decode steps
             decode_rates.append(args.n / (time.perf_counter() - start))
+            # The memory's rate right after each run: on a shared host it moves by half within a
+            # minute, so each run is set against its own probe (the share is their median ratio).
+            bandwidths.append(measure_memory_bandwidth())
             run = device_times(session, before)
             devices = run if devices is None or run is None else {
                 k: v if isinstance(v, str | bool) else devices[k] + v for k, v in run.items()}
         threads = session.executor.cpu.team.nthreads
         profile = profile_decode(session, ids, args.n, args.repeat) if args.profile else None
-    bandwidth = measure_memory_bandwidth()
+    bandwidth = statistics.median(bandwidths)
     decode = statistics.median(decode_rates)
+    shares = [(bytes_per_token or 0) * rate / bw for rate, bw in zip(decode_rates, bandwidths, strict=True)]
     result = {"model": args.model, "threads": threads, "repeat": args.repeat,
               "prompt_tokens": args.prompt_tokens, "tokens": args.n,
               "prompt_tokens_per_s": statistics.median(prompt_rates), "decode_tokens_per_s": decode,
               "weight_bytes_per_token": bytes_per_token, "read_bandwidth_bytes_per_s": bandwidth,
               "estimate_tokens_per_s": estimate,
-              "bandwidth_share": (bytes_per_token * decode / bandwidth) if bytes_per_token else None}
+              "bandwidth_share": statistics.median(shares) if bytes_per_token else None,
+              "runs": [{"decode_tokens_per_s": rate, "read_bandwidth_bytes_per_s": bw}
+                       for rate, bw in zip(decode_rates, bandwidths, strict=True)]}
     if devices:  # per decode step, over every run
         steps = args.repeat * args.n
         result["devices"] = {"gpu": devices["gpu"], "dependent_launch": devices["dependent_launch"],
@@ -225,7 +231,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if bytes_per_token:
         share = result["bandwidth_share"]
         print(f"  weights read per token {bytes_per_token / 2**20:.2f} MiB (cost model); host read bandwidth "
-              f"{bandwidth / 1e9:.1f} GB/s; decode reaches {100 * share:.0f}% of that limit"
+              f"{bandwidth / 1e9:.1f} GB/s (probed after each run, {min(bandwidths) / 1e9:.1f}-"
+              f"{max(bandwidths) / 1e9:.1f}); decode reaches {100 * share:.0f}% of the limit measured beside it"
               + (" (over 100%: the weights fit in the CPU's caches)" if share > 1 else ""))
     if devices:
         d = result["devices"]
@@ -331,7 +338,8 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("bench", help="measure prompt and decode speed of a compiled .pib",
                        description="Median prompt and decode tokens/s over repeated runs, the weight bytes a "
-                       "token reads (cost model), the host's measured read bandwidth and the share of it reached.")
+                       "token reads (cost model), the host's read bandwidth probed after each run and the share of "
+                       "it reached (the median over runs of each run's decode against its own probe).")
     s.add_argument("model", metavar="MODEL.pib")
     add_threads_flag(s)
     s.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")

@@ -51,13 +51,19 @@ def activation(name: str, x: np.ndarray) -> np.ndarray:
     raise NotImplementedError(name)
 
 
+def rope_cos_sin(op: O.Rope, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The cosines and sines of ``op``'s angles at positions ``pos``: float32 [len(pos), r/2]
+    each. The CPU kernels read them from tables made by this function, so they rotate with the
+    interpreter's very values."""
+    angles = pos.astype(np.float32)[:, None] * op.inv_freq()[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
 def rope(op: O.Rope, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
     seq = x.shape[0]
     heads = x.reshape(seq, op.n_heads, op.head_dim)
     r = op.rotated
-    angles = pos.astype(np.float32)[:, None] * op.inv_freq()[None, :]  # [seq, r/2]
-    cos = np.cos(angles)[:, None, :]
-    sin = np.sin(angles)[:, None, :]
+    cos, sin = (t[:, None, :] for t in rope_cos_sin(op, pos))  # [seq, 1, r/2]
     part = heads[..., :r]
     if op.style == "llama":
         a, b = part[..., : r // 2], part[..., r // 2 :]

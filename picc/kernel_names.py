@@ -111,8 +111,8 @@ def cpu_norm(kind: str) -> str:
     return f"picc_{kind}"
 
 
-def cpu_rope(style: str, source: str = "freq") -> str:
-    return f"picc_rope_{style}_{source}"
+def cpu_rope(style: str) -> str:
+    return f"picc_rope_{style}"
 
 
 def cpu_elementwise(name: str) -> str:

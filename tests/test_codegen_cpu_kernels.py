@@ -55,7 +55,7 @@ from picc.codegen_cpu.program import profile_slots
 from picc.codegen_cpu.rowops import emit_axpys, emit_dots, emit_x_sums
 from picc.codegen_cpu.rows8 import from_rows8, to_rows8
 from picc.errors import PiccError
-from picc.interpreter import KVCache
+from picc.interpreter import KVCache, rope_cos_sin
 from picc.interpreter import attention as attention_ref
 from picc.interpreter import rope as rope_ref
 from picc.ir import ops as O
@@ -94,7 +94,7 @@ KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + [gemv(d, x_form
            + [gemv(d, x, True) for d in ("q4_0", "q4_1") for x in ("f32", "i16", "i8")] + [gemm(d, True) for d in ("q4_0", "q4_1")]
            + ffn_kernels()
            + [predictor("f32", "f32"), predictor("f16", "f16"), rms_norm(), layer_norm(), add(), mul(), merge(), argmax(),
-              attention(), round_x("i16"), round_x("i8")] + [rope(s, src) for s in ("llama", "gptj") for src in ("freq", "table")]
+              attention(), round_x("i16"), round_x("i8")] + [rope(s) for s in ("llama", "gptj")]
            + [ffn_activation(f) for f in FORMS])
 # The AVX2 build: one kernel of each kind, every weight format.
 AVX2_KERNELS = ([gemv(d) for d in DTYPES] + [sparse_ffn("predictor", "swiglu", d, d, d) for d in DTYPES]
@@ -715,10 +715,9 @@ def test_norms(host, teams, kind):
     assert rel_err(out, ref) <= F32_TOL
 
 
-@pytest.mark.parametrize("source", ("freq", "table"))
 @pytest.mark.parametrize("style", ("llama", "gptj"))
 @pytest.mark.parametrize("rotary_dim", (16, 8))
-def test_rope_matches_interpreter(host, teams, style, source, rotary_dim):
+def test_rope_matches_interpreter(host, teams, style, rotary_dim):
     rng = np.random.default_rng(16)
     seq, pos, heads, hd = 3, 1000, 3, 16  # a large position: the angle's float32 rounding matters
     op = O.Rope(result="r", type=f32(seq, heads * hd), x="x", pos="p", n_heads=heads, head_dim=hd,
@@ -726,15 +725,10 @@ def test_rope_matches_interpreter(host, teams, style, source, rotary_dim):
     x = rng.normal(size=(seq, heads * hd)).astype(np.float32)
     ref = rope_ref(op, x, np.arange(pos, pos + seq, dtype=np.int32))
     out = x.copy()
-    freq = op.inv_freq()
-    if source == "freq":
-        run(host, teams[2], rope(style, "freq"), out, freq, seq, pos, heads, hd, rotary_dim)
-    else:
-        angles = np.arange(pos + seq, dtype=np.float32)[:, None] * freq[None, :]
-        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-        run(host, teams[2], rope(style, "table"), out, cos, sin, seq, pos, heads, hd, rotary_dim)
-    # cosf / sinf may differ from numpy's by an ulp; the tables are numpy's own values.
-    assert rel_err(out, ref) <= (1e-6 if source == "freq" else 1e-7)
+    cos, sin = rope_cos_sin(op, np.arange(pos + seq))  # the tables the lowering stores, rows 0 .. pos + seq
+    run(host, teams[2], rope(style), out, cos, sin, seq, pos, heads, hd, rotary_dim)
+    # The interpreter's cosines and sines, the same products and sums: the same bits.
+    np.testing.assert_array_equal(out, ref)
 
 
 @pytest.mark.parametrize("hd", (20, 84))  # 16 + a tail; 64 (the wide V pass) + 16 + a tail
@@ -798,8 +792,8 @@ def _decode_like_program(buffers: dict[str, int]) -> list[tuple[Kernel, tuple]]:
         (gemv("q4_0"), (b["wq"], b["h"], Null(), b["q"], heads * hd, hid, 0)),
         (gemv("q8_0"), (b["wk"], b["h"], Null(), b["k"], kv * hd, hid, 0)),
         (gemv("f16"), (b["wv"], b["h"], Null(), b["v"], kv * hd, hid, 0)),
-        (rope("llama", "freq"), (b["q"], b["freq"], 1, Param(buffers["params"], 0), heads, hd, hd)),
-        (rope("llama", "freq"), (b["k"], b["freq"], 1, Param(buffers["params"], 0), kv, hd, hd)),
+        (rope("llama"), (b["q"], b["cos"], b["sin"], 1, Param(buffers["params"], 0), heads, hd, hd)),
+        (rope("llama"), (b["k"], b["cos"], b["sin"], 1, Param(buffers["params"], 0), kv, hd, hd)),
         (attention(), (b["q"], b["k"], b["v"], b["kc"], b["vc"], b["att"], 1, Param(buffers["params"], 0), heads, kv,
                        hd, 0.25, 0)),
         (gemv("q4_1"), (b["wo"], b["att"], Null(), b["x"], hid, heads * hd, 1)),
@@ -814,7 +808,7 @@ def _decode_like_program(buffers: dict[str, int]) -> list[tuple[Kernel, tuple]]:
 
 
 def test_program_equals_kernels_one_by_one(host, teams):
-    names = ["sync", "params", "x", "norm", "h", "wq", "wk", "wv", "q", "k", "v", "freq", "kc", "vc", "att", "wo", "up",
+    names = ["sync", "params", "x", "norm", "h", "wq", "wk", "wv", "q", "k", "v", "cos", "sin", "kc", "vc", "att", "wo", "up",
              "gate", "down", "x2", "scratch", "out"]
     index = {name: i for i, name in enumerate(names)}
     calls = _decode_like_program(index)
@@ -825,8 +819,9 @@ def test_program_equals_kernels_one_by_one(host, teams):
 
     def fresh() -> dict[str, np.ndarray]:
         r = np.random.default_rng(21)
+        angles = np.arange(3, dtype=np.float32)[:, None] / 10000 ** (np.arange(0, 16, 2) / 16)  # 3 positions
         data = {"x": r.normal(size=64).astype(np.float32), "norm": np.ones(64, np.float32),
-                "freq": (1.0 / 10000 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)}
+                "cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
         for name, shape, dt in (("wq", (64, 64), "q4_0"), ("wk", (32, 64), "q8_0"), ("wv", (32, 64), "f16"),
                                 ("wo", (64, 64), "q4_1"), ("up", (96, 64), "q4_0"), ("gate", (96, 64), "q4_0"),
                                 ("down", (96, 64), "q4_0")):

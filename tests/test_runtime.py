@@ -239,7 +239,7 @@ def test_code_without_the_native_thread_team_runs_on_python_barriers(tmp_path, m
 
 def test_the_step_has_barriers_only_where_a_kernel_needs_the_last_ones_results(tmp_path):
     model = tiny_llama("swiglu", n_layers=1, hidden=64, n_ff=96, matrix_dtype=DType.F32)
-    path, _ = compiled(model, tmp_path, "dense", dense=True)
+    path, _ = compiled(model, tmp_path, "dense", dense=True, batch_step=True)
     with PibFile(path) as f:
         ir = f.text("cpu/ir")
     step = ir[ir.index("define void @picc_stage_0("):]
@@ -247,14 +247,19 @@ def test_the_step_has_barriers_only_where_a_kernel_needs_the_last_ones_results(t
     calls = [line.split("@")[1].split("(")[0] for line in step.splitlines() if " call " in line and "@" in line]
     # embed | norm | q k v | rope rope | attention | o + residual | norm | ffn + residual | norm | head | argmax
     assert calls == ["picc_embed_f32", "picc_barrier", "picc_rms_norm", "picc_barrier", "picc_gemv_f32",
-                     "picc_gemv_f32", "picc_gemv_f32", "picc_barrier", "picc_rope_llama_freq",
-                     "picc_rope_llama_freq", "picc_barrier", "picc_attention", "picc_barrier", "picc_gemv_f32",
+                     "picc_gemv_f32", "picc_gemv_f32", "picc_barrier", "picc_rope_llama",
+                     "picc_rope_llama", "picc_barrier", "picc_attention", "picc_barrier", "picc_gemv_f32",
                      "picc_barrier", "picc_rms_norm", "picc_barrier", "picc_ffn_gemv_swiglu_f32_f32_f32",
                      "picc_barrier", "picc_rms_norm", "picc_barrier", "picc_gemv_f32", "picc_barrier", "picc_argmax"]
     # The output projection and the FFN add their rows to the residual themselves (accumulate = 1,
     # the argument before tid), the q / k / v projections and the head do not.
     lines = [line for line in step.splitlines() if "@picc_gemv_f32(" in line or "@picc_ffn_" in line]
     assert [line.split(", i32 ")[-3] for line in lines] == ["0", "0", "0", "1", "1", "0"]
+    # The batch step waits where the step does: its per-row loops of one-phase kernels on each
+    # row's own memory (the two ropes) follow one another without a barrier between them.
+    batch = ir[ir.index("define void @picc_batch_step("):]
+    batch = batch[: batch.index("\n}")]
+    assert batch.count("@picc_barrier(") == calls.count("picc_barrier")
 
 
 def test_the_prefill_program_uses_gemms_and_stops_at_the_last_kv_cache(tmp_path):
@@ -266,7 +271,7 @@ def test_the_prefill_program_uses_gemms_and_stops_at_the_last_kv_cache(tmp_path)
     chunk = chunk[: chunk.index("\n}")]
     calls = [line.split("@")[1].split("(")[0] for line in chunk.splitlines()
              if " call " in line and "@" in line and "picc_barrier" not in line]
-    layer = ["picc_rms_norm"] + ["picc_gemm_f32"] * 3 + ["picc_rope_llama_freq"] * 2 + ["picc_attention"]
+    layer = ["picc_rms_norm"] + ["picc_gemm_f32"] * 3 + ["picc_rope_llama"] * 2 + ["picc_attention"]
     ffn = ["picc_gemm_f32", "picc_add", "picc_rms_norm", "picc_gemm_f32", "picc_gemm_f32", "picc_ffn_act_swiglu",
            "picc_gemm_f32", "picc_add"]
     # Layer 1's output projection and FFN, the final norm and the head feed no KV cache: absent.
@@ -458,7 +463,15 @@ def test_bench_profile_times_every_call_of_the_decode_step(tmp_path, capsys):
     path, pib = compiled(model, tmp_path, "profiled", dense=True)
     argv = ["bench", str(path), "--prompt-tokens", "4", "-n", "8", "--repeat", "2", "--threads", "2", "--profile"]
     assert main([*argv, "--json"]) == 0
-    profile = json.loads(capsys.readouterr().out)["profile"]
+    bench = json.loads(capsys.readouterr().out)
+    profile = bench["profile"]
+    # Each run is set against the bandwidth probed right after it (the host's rate moves between
+    # runs); the share is the median of the runs' ratios (of two: their mean).
+    runs = bench["runs"]
+    assert len(runs) == 2
+    ratios = [bench["weight_bytes_per_token"] * r["decode_tokens_per_s"] / r["read_bandwidth_bytes_per_s"] for r in runs]
+    assert bench["bandwidth_share"] == pytest.approx(sum(ratios) / 2, rel=1e-12)
+    assert bench["read_bandwidth_bytes_per_s"] == pytest.approx(sum(r["read_bandwidth_bytes_per_s"] for r in runs) / 2)
     (stage,) = PibFile(path).json("cpu/manifest")["stages"]
     calls = profile["calls"]
     assert [[c["kernel"], c["op"]] for c in calls] == stage["profile"]["calls"]

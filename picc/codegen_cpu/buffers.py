@@ -124,7 +124,7 @@ class CpuBuffers:
         return self.tensor_buffer(converted)
 
     def array(self, name: str, values: np.ndarray) -> Buf:
-        """A constant f32 vector (rotary frequencies) stored as an extra tensor."""
+        """A constant f32 array (the rotary tables) stored as an extra tensor."""
         if name not in self.extra:
             self.extra[name] = Tensor.from_f32(values)
         return self.tensor_buffer(name)

@@ -23,10 +23,8 @@ V16 = vec(16)
 
 NORM_PARAMS = (("x", "ptr"), ("weight", "ptr"), ("bias", "ptr"), ("out", "ptr"), ("seq", "i32"), ("n", "i32"),
                ("eps", "f32"))
-ROPE_PARAMS = (("x", "ptr"), ("freq", "ptr"), ("seq", "i32"), ("pos", "i32"), ("n_heads", "i32"),
+ROPE_PARAMS = (("x", "ptr"), ("cos", "ptr"), ("sin", "ptr"), ("seq", "i32"), ("pos", "i32"), ("n_heads", "i32"),
                ("head_dim", "i32"), ("rotary_dim", "i32"))
-ROPE_TABLE_PARAMS = (("x", "ptr"), ("cos", "ptr"), ("sin", "ptr"), ("seq", "i32"), ("pos", "i32"),
-                     ("n_heads", "i32"), ("head_dim", "i32"), ("rotary_dim", "i32"))
 BINARY_PARAMS = (("a", "ptr"), ("b", "ptr"), ("out", "ptr"), ("n", "i32"))
 ARGMAX_PARAMS = (("x", "ptr"), ("out", "ptr"), ("n", "i32"))
 ROUND_PARAMS = (("x", "ptr"), ("out", "ptr"), ("seq", "i32"), ("n", "i32"))
@@ -104,23 +102,21 @@ def layer_norm() -> Kernel:
 
 
 @cache
-def rope(style: str, source: str = "freq") -> Kernel:
+def rope(style: str) -> Kernel:
     """Rotary embedding of ``x[seq, n_heads * head_dim]`` in place, row s at position ``pos + s``.
 
-    ``source="freq"``: angle ``i`` is ``float(pos + s) * freq[i]`` (``freq`` = inv_freq, f32
-    [rotary_dim / 2]), cos / sin from the C library. ``source="table"``: ``cos`` and ``sin`` are
-    f32 tables [positions, rotary_dim / 2], row ``pos + s`` is used. q and k of the same token can
-    be rotated in one call when they are adjacent in memory (n_heads = q heads + k heads).
+    ``cos`` and ``sin`` are f32 tables [positions, rotary_dim / 2] (``picc.interpreter.rope_cos_sin``), row
+    ``pos + s`` is used: the angles' cosines and sines are computed once, at compile time, as the
+    interpreter computes them, instead of 2 x rotary_dim / 2 C-library calls per rope and token
+    (the q rope and the k rope of each layer, on one thread). q and k of the same token can be
+    rotated in one call when they are adjacent in memory (n_heads = q heads + k heads).
     """
     if style not in ("llama", "gptj"):
         raise PiccError(f"codegen_cpu: rope style {style!r} is not one of llama, gptj")
-    if source not in ("freq", "table"):
-        raise PiccError(f"codegen_cpu: rope source {source!r} is not one of freq, table")
-    params = ROPE_PARAMS if source == "freq" else ROPE_TABLE_PARAMS
-    symbol = names.cpu_rope(style, source)
+    symbol = names.cpu_rope(style)
 
     def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, params)
+        fn = kernel_fn(symbol, ROPE_PARAMS)
         seq, heads, hd, rot = (fn.sext(f"%{n}") for n in ("seq", "n_heads", "head_dim", "rotary_dim"))
         half = fn.v(f"lshr i64 {rot}, 1", "half")
         width = fn.v(f"mul i64 {heads}, {hd}", "width")
@@ -129,14 +125,8 @@ def rope(style: str, source: str = "freq") -> Kernel:
             p = fn.v(f"add i64 {fn.sext('%pos')}, {s}", "p")
             row = fn.gep("%x", fn.v(f"mul i64 {s}, {fn.v(f'shl i64 {width}, 2', 'rb')}", "ro"), "xr")
             with fn.loop("0", half, hint="i") as i:
-                if source == "freq":
-                    angle = fn.v(f"fmul float {fn.v(f'sitofp i64 {p} to float', 'pf')}, "
-                                 f"{fn.load(F32, fn.at('%freq', 4, i), 4, 'f')}", "ang")
-                    c = fn.v(f"call float @cosf(float {angle})", "cos")
-                    sn = fn.v(f"call float @sinf(float {angle})", "sin")
-                else:
-                    t = fn.v(f"add i64 {fn.v(f'mul i64 {p}, {half}', 'tp')}, {i}", "ti")
-                    c, sn = fn.load(F32, fn.at("%cos", 4, t), 4, "cos"), fn.load(F32, fn.at("%sin", 4, t), 4, "sin")
+                t = fn.v(f"add i64 {fn.v(f'mul i64 {p}, {half}', 'tp')}, {i}", "ti")
+                c, sn = fn.load(F32, fn.at("%cos", 4, t), 4, "cos"), fn.load(F32, fn.at("%sin", 4, t), 4, "sin")
                 if style == "llama":
                     ia, ib = i, fn.v(f"add i64 {i}, {half}", "ib")
                 else:
@@ -156,7 +146,7 @@ def rope(style: str, source: str = "freq") -> Kernel:
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, params, emit, rope.__doc__ or "")
+    return Kernel(symbol, ROPE_PARAMS, emit, rope.__doc__ or "")
 
 
 def _elementwise(symbol: str, combine: str) -> Kernel:

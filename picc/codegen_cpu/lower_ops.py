@@ -17,9 +17,12 @@ read what ``select-kernels`` chose for an op (its ``x_format`` and ``layout``).
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import ClassVar
+
+import numpy as np
 
 from picc import kernel_names as names
 from picc.codegen_cpu import kernels_attention, kernels_batch, kernels_dense, kernels_ffn, kernels_misc, rowplanes
@@ -29,6 +32,7 @@ from picc.codegen_cpu.program import Access, Buf, Null, Param, Program
 from picc.codegen_cpu.rowops import row_bytes
 from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
 from picc.errors import PiccError
+from picc.interpreter import rope_cos_sin
 from picc.ir import ops as O
 from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN, Merge
@@ -167,8 +171,9 @@ class OpLowering(ABC):
             raise PiccError(f"codegen_cpu: %{op.result} names kernel {op.kernel!r} but the CPU computes it with "
                             f"{kernel.symbol!r}" + ("; run select-kernels first" if op.kernel is None else ""))
         repeat = None if batched else self.per_token()
+        apart = repeat is not None and self.rows_apart(args)
         self.program.call(kernel, *args, repeat=repeat, label=op.result,  # type: ignore[arg-type]
-                          rows_apart=repeat is not None and self.rows_apart(args))
+                          rows_apart=apart)
         if access is None:
             extra = writes or set()  # a residual add's buffer: read, then written
             written = {op.result, op.x} if isinstance(op, O.Rope) else {op.result}  # rope rotates in place
@@ -176,13 +181,25 @@ class OpLowering(ABC):
                             isinstance(op, _BARRIER_FREE))
         key = self.memory_key
         self.access.append(Access(frozenset(map(key, access.reads)), frozenset(map(key, access.writes)),
-                                  access.barrier_free and repeat is None))
+                                  access.barrier_free and (repeat is None or apart)))
 
     def rows_apart(self, args: tuple[object, ...]) -> bool:
         """Whether a kernel called per token with ``args`` touches nothing another token's call
         writes (:meth:`Program.call`): never for a prompt's tokens, which write the KV cache the
         next one reads."""
         return False
+
+    def rope_tables(self, op: O.Rope) -> tuple[Buf, Buf]:
+        """The cosines and sines of ``op``'s angles at every position of the context, f32 [ctx,
+        rotary_dim / 2] each, as the interpreter computes them; one pair for all the ropes that
+        rotate alike (every layer's q and k, as a rule). They take ``ctx * rotary_dim`` floats,
+        less than one layer's KV cache."""
+        key = hashlib.sha256(op.inv_freq().tobytes()).hexdigest()[:16]
+        names = f"cpu.rope.cos.{key}", f"cpu.rope.sin.{key}"
+        if names[0] not in self.bufs.extra:
+            for name, table in zip(names, rope_cos_sin(op, np.arange(self.ctx)), strict=True):
+                self.bufs.array(name, table)
+        return self.bufs.tensor_buffer(names[0]), self.bufs.tensor_buffer(names[1])
 
     def kv_cache(self, name: str, width: int) -> Buf:
         """The KV cache ``name`` (ctx rows of k, then ctx rows of v), shared by step and prefill."""
@@ -249,8 +266,8 @@ class OpLowering(ABC):
                 if self.uses.get(op.x, 0) != 1:
                     raise PiccError(f"codegen_cpu: %{op.x} is read by more than the rope op; cannot rotate in place")
                 rotated = self.alias(op.result, op.x)
-                freq = self.bufs.array(f"cpu.rope.{op.result}", op.inv_freq())
-                self.call(op, kernels_misc.rope(op.style), rotated, freq, self.rows(), pos, op.n_heads,
+                cos, sin = self.rope_tables(op)
+                self.call(op, kernels_misc.rope(op.style), rotated, cos, sin, self.rows(), pos, op.n_heads,
                           op.head_dim, op.rotated, batched=True)
             case O.Attention():
                 self.attention(op)

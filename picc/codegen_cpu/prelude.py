@@ -2,8 +2,7 @@
 
 All helpers are ``internal``: unused ones vanish in optimization, used ones are inlined. The math
 is written out (no libm calls) so that results are the same on every machine and the object code
-needs nothing from the C library but ``syscall`` (the barrier's futex, x86-64 Linux) and, for
-rotary embedding from frequencies, ``cosf`` / ``sinf``.
+needs nothing from the C library but ``syscall`` (the barrier's futex, x86-64 Linux).
 
 The barrier is a centralised counter barrier with a generation number, the counter-based form of
 sense reversal: a thread reads the generation, then increments the arrival counter; the last to
@@ -274,8 +273,6 @@ declare <16 x float> @llvm.fabs.v16f32(<16 x float>)
 declare <16 x float> @llvm.roundeven.v16f32(<16 x float>)
 declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
 declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)
-declare float @cosf(float)
-declare float @sinf(float)
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
 declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
