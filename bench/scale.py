@@ -1,12 +1,14 @@
 """How picc grows with the model: compile time, peak memory and decode speed at three sizes.
 
-    python bench/scale.py [--models smollm2,1b,7b] [--data /work/scale-data] [--threads 2] [--json out.json]
+    python bench/scale.py [--models smollm2,1b,7b] [--data /work/scale-data] [--threads 2] [--rounds 3]
+                          [--json out.json]
 
 For each model: ``picc compile --target cpu`` (wall time, and the peak resident memory of the
-compiling process, from the kernel's accounting of the child), then ``picc bench`` of the ``.pib``
-(prompt and decode tokens/s, the read bandwidth measured in the same run, and the decode's share
-of it: the weights a token reads times tokens/s, over the bandwidth), and llama.cpp's decode of the
-same GGUF where ``llama-cpp-python`` is installed (``pip install -e .[bench]``). ``1b`` and ``7b`` are the
+compiling process, from the kernel's accounting of the child), then ``--rounds`` rounds of ``picc
+bench`` of the ``.pib`` (prompt and decode tokens/s, the read bandwidth probed beside each run, and
+the decode's share of it: the weights a token reads times tokens/s, over the bandwidth) and
+llama.cpp's decode of the same GGUF where ``llama-cpp-python`` is installed (``pip install -e
+.[bench]``), in turn: medians, and the median of the rounds' ratios. ``1b`` and ``7b`` are the
 synthetic Q4_0 GGUFs of ``bench/synthetic_model.py`` (LLaMA-3.2-1B's blocks, LLaMA-2-7B),
 generated into ``--data`` when missing; ``smollm2`` is the model picc ships (Q4_1).
 
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -59,19 +62,32 @@ def source(model: str, data: Path) -> str:
     return str(path)
 
 
-def measure(model: str, data: Path, threads: int) -> dict:
+def measure(model: str, data: Path, threads: int, rounds: int) -> dict:
+    """Compile ``model``, then ``rounds`` rounds of ``picc bench`` and (for a GGUF, where
+    llama-cpp-python is installed) llama.cpp's decode, in turn: medians over the rounds, and the
+    median of each round's ratio (the machine's speed moves between minutes, both engines with it)."""
     pib = data / f"scale-{model}.pib"
     compile_s, peak, _ = run_measured([*PICC, "compile", source(model, data), "--target", "cpu", "-o", str(pib)])
-    _, bench_peak, out = run_measured([*PICC, "bench", str(pib), "--threads", str(threads), "--json",
-                                       "-n", "32", "--prompt-tokens", "16", "--repeat", "3"])
-    bench = json.loads(out)
-    llama = llama_cpp_decode(source(model, data), threads) if model in SHAPES else None
-    return {"llama_cpp_decode_tokens_per_s": llama,
-            "model": model, "pib_bytes": pib.stat().st_size, "compile_s": compile_s, "compile_peak_rss": peak,
-            "bench_peak_rss": bench_peak, "prefill_16_s": 16 / bench["prompt_tokens_per_s"],
-            "decode_tokens_per_s": bench["decode_tokens_per_s"],
-            "weight_bytes_per_token": bench["weight_bytes_per_token"],
-            "read_bandwidth": bench["read_bandwidth_bytes_per_s"], "bandwidth_share": bench["bandwidth_share"]}
+    benches, llamas, bench_peak = [], [], 0
+    for _ in range(rounds):
+        _, used, out = run_measured([*PICC, "bench", str(pib), "--threads", str(threads), "--json",
+                                     "-n", "32", "--prompt-tokens", "16", "--repeat", "3"])
+        benches.append(json.loads(out))
+        bench_peak = max(bench_peak, used)
+        llama = llama_cpp_decode(source(model, data), threads) if model in SHAPES else None
+        if llama is not None:
+            llamas.append(llama)
+    decode = [b["decode_tokens_per_s"] for b in benches]
+    return {"llama_cpp_decode_tokens_per_s": statistics.median(llamas) if llamas else None,
+            "vs_llama_cpp": statistics.median(d / x for d, x in zip(decode, llamas, strict=True)) if llamas else None,
+            "rounds_decode_tokens_per_s": decode, "rounds_llama_cpp_decode_tokens_per_s": llamas,
+            "model": model, "rounds": rounds, "pib_bytes": pib.stat().st_size, "compile_s": compile_s,
+            "compile_peak_rss": peak, "bench_peak_rss": bench_peak,
+            "prefill_16_s": 16 / statistics.median(b["prompt_tokens_per_s"] for b in benches),
+            "decode_tokens_per_s": statistics.median(decode),
+            "weight_bytes_per_token": benches[0]["weight_bytes_per_token"],
+            "read_bandwidth": statistics.median(b["read_bandwidth_bytes_per_s"] for b in benches),
+            "bandwidth_share": statistics.median(b["bandwidth_share"] for b in benches)}
 
 
 def llama_cpp_decode(path: str, threads: int, n: int = 32, repeat: int = 3) -> float | None:
@@ -136,6 +152,8 @@ def main() -> None:
     p.add_argument("--models", default="smollm2,1b,7b")
     p.add_argument("--data", type=Path, default=Path("/work/scale-data"), help="where the synthetic models live")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of picc bench and llama.cpp's decode, in turn, per model (default 3)")
     p.add_argument("--placement-model", help="the 7B whose pc-low / pc-high plans are shown (default: the 7B)")
     p.add_argument("--budgets", default="pc-low:11GB,pc-high:24GB,pc-low:2GB",
                    help="TARGET:VRAM placements of the 7B to show (a Q4_0 7B fits 11 GB whole; 2 GB splits it)")
@@ -143,16 +161,20 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     args.data.mkdir(parents=True, exist_ok=True)
-    rows = [measure(m, args.data, args.threads) for m in args.models.split(",")]
-    print(f"{cpu_name()}; picc compile --target cpu, then picc bench --threads {args.threads}")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    rows = [measure(m, args.data, args.threads, args.rounds) for m in args.models.split(",")]
+    print(f"{cpu_name()}; picc compile --target cpu, then {args.rounds} round(s) of picc bench --threads "
+          f"{args.threads} and llama.cpp's decode in turn (medians)")
     print("| model | .pib | compile | peak RSS (compile) | prefill 16 tok | decode tok/s | read bandwidth | "
-          "decode x bytes/token / bandwidth | llama.cpp decode tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "decode x bytes/token / bandwidth | llama.cpp decode tok/s | vs llama.cpp (per round) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        llama = r["llama_cpp_decode_tokens_per_s"]
         print(f"| {r['model']} | {r['pib_bytes'] / 2**30:.2f} GiB | {r['compile_s']:.0f} s | "
               f"{r['compile_peak_rss'] / 2**30:.2f} GiB | {r['prefill_16_s']:.2f} s | {r['decode_tokens_per_s']:.1f} | "
               f"{r['read_bandwidth'] / 1e9:.1f} GB/s | {100 * r['bandwidth_share']:.0f}% | "
-              + (f"{r['llama_cpp_decode_tokens_per_s']:.1f} |" if r["llama_cpp_decode_tokens_per_s"] else "|"))
+              + (f"{llama:.1f} | {r['vs_llama_cpp']:.2f}x |" if llama else "| |"))
     plans = []
     if not args.no_placement:
         path = args.placement_model or source("7b", args.data)

@@ -260,6 +260,10 @@ def test_the_step_has_barriers_only_where_a_kernel_needs_the_last_ones_results(t
     batch = ir[ir.index("define void @picc_batch_step("):]
     batch = batch[: batch.index("\n}")]
     assert batch.count("@picc_barrier(") == calls.count("picc_barrier")
+    # A norm's or a rope's row is one thread's work: the threads take the batch's rows whole (each
+    # call a team of one) instead of each row's call leaving the other threads waiting.
+    per_row = [line for line in batch.splitlines() if "@picc_rms_norm(" in line or "@picc_rope_llama(" in line]
+    assert per_row and all(", i32 0, i32 1, ptr " in line for line in per_row)
 
 
 def test_the_prefill_program_uses_gemms_and_stops_at_the_last_kv_cache(tmp_path):

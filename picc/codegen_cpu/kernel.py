@@ -41,6 +41,11 @@ class Kernel:
     emit: Callable[[str], str] = field(compare=False, repr=False)
     doc: str = field(default="", compare=False)
     by_level: bool = field(default=False, compare=False)
+    token_split: bool = field(default=False, compare=False)
+    """Its threads share out the ``seq`` tokens and nothing else, in one phase: a token is one
+    thread's work, done alike whatever ``nthreads`` is (norms, rope, embedding). A server's batch
+    step gives such a kernel's rows to the threads whole (:meth:`Program.emit`), where each row's
+    call would leave all but one thread waiting."""
 
     @property
     def argtypes(self) -> list[type]:

@@ -293,4 +293,4 @@ def embed(dtype: str, rows8: bool = False) -> Kernel:
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, EMBED_PARAMS, emit, embed.__doc__ or "")
+    return Kernel(symbol, EMBED_PARAMS, emit, embed.__doc__ or "", token_split=True)

@@ -86,7 +86,7 @@ def _norm(kind: str) -> Kernel:
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, NORM_PARAMS, emit)
+    return Kernel(symbol, NORM_PARAMS, emit, token_split=True)
 
 
 @cache
@@ -146,7 +146,7 @@ def rope(style: str) -> Kernel:
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, ROPE_PARAMS, emit, rope.__doc__ or "")
+    return Kernel(symbol, ROPE_PARAMS, emit, rope.__doc__ or "", token_split=True)
 
 
 def _elementwise(symbol: str, combine: str) -> Kernel:

@@ -133,7 +133,8 @@ class Program:
         share the kernel's scratch, or a token reads what the one before wrote) -- unless
         ``rows_apart``: no iteration writes memory another one reads or writes (a batch's rows,
         each in its own memory, the weights read-only), so the threads go from row to row without
-        waiting, and ``barrier_after`` applies after the last.
+        waiting, and ``barrier_after`` applies after the last; a :attr:`Kernel.token_split`
+        kernel's rows are then shared out whole, each called by one thread as a team of one.
         """
         if len(args) != len(kernel.params):
             names = ", ".join(n for n, _ in kernel.params)
@@ -157,7 +158,8 @@ class Program:
 
         Over 80 lines: one pass over the calls that writes each call's argument loads, its
         barrier and its profile stamps in the order they appear in the generated function."""
-        lines = [f"define void @{self.name}(ptr %bufs, i32 %tid, i32 %nthreads) #0 {{", "entry:"]
+        lines = [f"define void @{self.name}(ptr %bufs, i32 %tid, i32 %nthreads) #0 {{", "entry:",
+                 "  %tid.64 = sext i32 %tid to i64", "  %nthreads.64 = sext i32 %nthreads to i64"]
         count = 0
 
         def tmp(expr: str) -> str:
@@ -202,12 +204,16 @@ class Program:
         for n, call in enumerate(self.calls):
             lines.append(f"  ; {n}: {call.kernel.symbol}" + (" per token" if call.repeat else ""))
             s = None
+            # Rows apart, a token-split kernel's rows go to the threads whole (row s to thread s mod
+            # nthreads, called as a team of one): the kernel would give each row to one thread anyway.
+            whole = call.rows_apart and call.kernel.token_split
+            first, step = ("%tid.64", "%nthreads.64") if whole else ("0", "1")
             if call.repeat is not None:
                 tokens = tmp(f"sext i32 {param(call.repeat)} to i64")
                 before = f"%b{n}.pre"
                 lines += [f"  br label {before}", f"b{n}.pre:", f"  br label %b{n}.head", f"b{n}.head:"]
                 s = f"%b{n}.s"
-                lines += [f"  {s} = phi i64 [0, {before}], [%b{n}.next, %b{n}.body]",
+                lines += [f"  {s} = phi i64 [{first}, {before}], [%b{n}.next, %b{n}.body]",
                           f"  %b{n}.more = icmp slt i64 {s}, {tokens}",
                           f"  br i1 %b{n}.more, label %b{n}.body, label %b{n}.exit", f"b{n}.body:"]
             values = []
@@ -228,7 +234,7 @@ class Program:
                     values.append(f"{ty} {fconst(float(arg))}")
                 else:
                     values.append(f"{ty} {int(arg)}")
-            values += ["i32 %tid", "i32 %nthreads", f"ptr {sync}"]
+            values += ["i32 0", "i32 1", f"ptr {sync}"] if whole else ["i32 %tid", "i32 %nthreads", f"ptr {sync}"]
             lines.append(f"  call void @{call.kernel.symbol}({', '.join(values)})")
             if s is not None and not call.rows_apart:
                 lines += [f"  call void @picc_barrier(ptr {sync}, i32 %nthreads)",
@@ -236,7 +242,7 @@ class Program:
                 lap(2 * n)  # the calls and their barriers, together
             else:
                 if s is not None:
-                    lines += [f"  %b{n}.next = add i64 {s}, 1", f"  br label %b{n}.head", f"b{n}.exit:"]
+                    lines += [f"  %b{n}.next = add i64 {s}, {step}", f"  br label %b{n}.head", f"b{n}.exit:"]
                 lap(2 * n)
                 if call.barrier_after and n + 1 < len(self.calls):
                     lines.append(f"  call void @picc_barrier(ptr {sync}, i32 %nthreads)")
