@@ -277,6 +277,10 @@ def _add_compile_command(sub: argparse._SubParsersAction) -> None:
                    "'picc serve'; PTB perplexity +0.2%% on SmolLM2, whose logits move ~3-5e-2 from float "
                    "x's. q8_0 linears and FFNs then read eight rows at a time with int8 x too, as a q8_0 LM "
                    "head does by default")
+    s.add_argument("--kv-cache", choices=("f16", "f32"), default="f16",
+                   help="what the KV caches of attention on the CPU hold: f16 (default; keys and values "
+                   "rounded to half precision as they are stored, as llama.cpp does: half the bytes each "
+                   "step reads back, a third of a step at long contexts) or f32; GPU attention keeps f32")
     s.add_argument("--solver", choices=("greedy", "ilp"), default="greedy",
                    help="neuron placement: greedy top-k by frequency (default, PowerInfer's) or the ILP "
                    "on the cost model")

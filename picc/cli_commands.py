@@ -224,7 +224,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
         raise PiccError(f"-o {args.output}: expected a file name ending in .pib")
     options = CompileOptions(target=args.target, vram=args.vram, ctx=args.ctx,
                              dense=args.dense, sparse=args.sparse, float_dots=args.float_dots, int_dots=args.int_dots,
-                             int8_dots=args.int8_dots,
+                             int8_dots=args.int8_dots, kv_cache=args.kv_cache,
                              batch_step=not args.no_batch_step, solver=args.solver,
                              sparsity=_sparsify_options(args))
     options = replace(options, target=options.check())  # checked before the model loads; loaded once

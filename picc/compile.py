@@ -52,6 +52,7 @@ class CompileOptions:
     float_dots: bool = False  # keep float dot products where a dense model could round x to int16
     int_dots: bool = False  # round x to int16 for 4-bit dot products in sparse models too
     int8_dots: bool = False  # round to int8, not int16, where the kernel reads eight rows at a time (rows8)
+    kv_cache: str = "f16"  # what the KV caches of attention on the CPU hold (f16 or f32)
     batch_step: bool = True  # the server's batch step (a CPU-only model; ~2-3 s more LLVM a compile)
     solver: str = "greedy"
     sparsity: SparsifyOptions = field(default_factory=SparsifyOptions)
@@ -101,7 +102,7 @@ def _fuse(options: CompileOptions) -> list[PassSpec]:
     """fuse-gather-gemv, dce and select-kernels, with the dot products ``options`` ask for."""
     dots = "no" if options.float_dots else "yes" if options.int_dots else "auto"
     return [PassSpec("fuse-gather-gemv", FuseOptions()), PassSpec("dce"),
-            PassSpec("select-kernels", SelectOptions(int_dots=dots, int_x=options.int_x))]
+            PassSpec("select-kernels", SelectOptions(int_dots=dots, int_x=options.int_x, kv=options.kv_cache))]
 
 
 def compile_model(model: LoadedModel, options: CompileOptions, instruments: Instruments | None = None,

@@ -106,6 +106,8 @@ class KVCache:
 
 def attention(op: O.Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray,
               cache: KVCache) -> np.ndarray:
+    if op.kv_format == "f16":  # the cache holds half precision: the keys and values it gives back
+        k, v = (t.astype(np.float16).astype(np.float32) for t in (k, v))
     cache.write(pos, k, v)
     seq, length, d = q.shape[0], cache.length, op.head_dim
     kv, group = op.n_kv_heads, op.n_heads // op.n_kv_heads

@@ -111,6 +111,11 @@ def cpu_norm(kind: str) -> str:
     return f"picc_{kind}"
 
 
+def cpu_attention(kv_format: str) -> str:
+    """Attention over a KV cache of ``kv_format`` (f32, or f16)."""
+    return "picc_attention" if kv_format == "f32" else f"picc_attention_kv{kv_format}"
+
+
 def cpu_rope(style: str) -> str:
     return f"picc_rope_{style}"
 

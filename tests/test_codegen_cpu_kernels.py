@@ -94,11 +94,11 @@ KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + [gemv(d, x_form
            + [gemv(d, x, True) for d in ("q4_0", "q4_1") for x in ("f32", "i16", "i8")] + [gemm(d, True) for d in ("q4_0", "q4_1")]
            + ffn_kernels()
            + [predictor("f32", "f32"), predictor("f16", "f16"), rms_norm(), layer_norm(), add(), mul(), merge(), argmax(),
-              attention(), round_x("i16"), round_x("i8")] + [rope(s) for s in ("llama", "gptj")]
+              attention(), attention("f16"), round_x("i16"), round_x("i8")] + [rope(s) for s in ("llama", "gptj")]
            + [ffn_activation(f) for f in FORMS])
 # The AVX2 build: one kernel of each kind, every weight format.
 AVX2_KERNELS = ([gemv(d) for d in DTYPES] + [sparse_ffn("predictor", "swiglu", d, d, d) for d in DTYPES]
-                + [sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"), gemm("q4_1"), attention(), rms_norm(),
+                + [sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"), gemm("q4_1"), attention("f16"), rms_norm(),
                    ffn_activation("geglu")])
 
 
@@ -734,21 +734,26 @@ def test_rope_matches_interpreter(host, teams, style, rotary_dim):
 @pytest.mark.parametrize("hd", (20, 84))  # 16 + a tail; 64 (the wide V pass) + 16 + a tail
 @pytest.mark.parametrize("window", (None, 3))
 @pytest.mark.parametrize("threads", THREADS)
-def test_attention_matches_interpreter(host, teams, threads, window, hd):
+@pytest.mark.parametrize("kv_format", ("f32", "f16"))
+def test_attention_matches_interpreter(host, teams, threads, window, hd, kv_format):
     rng = np.random.default_rng(17)
     heads, kv, ctx = 6, 2, 16  # 5-token chunks: scores four positions at a time, then one
     op = O.Attention(result="a", type=f32(1, heads * hd), q="q", k="k", v="v", pos="p", n_heads=heads,
-                     n_kv_heads=kv, head_dim=hd, scale=hd**-0.5, cache="c", window=window)
-    cache, kcache, vcache = KVCache(kv * hd), np.zeros((ctx, kv * hd), np.float32), np.zeros((ctx, kv * hd), np.float32)
+                     n_kv_heads=kv, head_dim=hd, scale=hd**-0.5, cache="c", window=window, kv_format=kv_format)
+    dtype = np.float16 if kv_format == "f16" else np.float32
+    cache, kcache, vcache = KVCache(kv * hd), np.zeros((ctx, kv * hd), dtype), np.zeros((ctx, kv * hd), dtype)
     pos = 0
     for seq in (5, 1, 1, 3):  # a prefill chunk, then decode steps, then another chunk
         q = rng.normal(size=(seq, heads * hd)).astype(np.float32)
         k, v = (rng.normal(size=(seq, kv * hd)).astype(np.float32) for _ in range(2))
         ref = attention_ref(op, q, k, v, np.arange(pos, pos + seq, dtype=np.int32), cache)
         out = np.zeros_like(q)
-        run(host, teams[threads], attention(), q, k, v, kcache, vcache, out, seq, pos, heads, kv, hd,
+        run(host, teams[threads], attention(kv_format), q, k, v, kcache, vcache, out, seq, pos, heads, kv, hd,
             hd**-0.5, window or 0)
-        np.testing.assert_array_equal(kcache[pos : pos + seq], k)
+        # The cache holds k and v as numpy rounds them (to nearest even), and the interpreter,
+        # which rounds alike, attends over the same values.
+        np.testing.assert_array_equal(kcache[pos : pos + seq], k.astype(dtype))
+        np.testing.assert_array_equal(vcache[pos : pos + seq], v.astype(dtype))
         assert rel_err(out, ref) <= F32_TOL, seq
         pos += seq
 
@@ -935,8 +940,8 @@ def test_avx2_build_computes_the_same_bits(host, avx2, teams):
     outs = []
     for module in (host, avx2):
         outs.append(np.zeros_like(q))
-        run(module, teams[2], attention(), q, k, v, np.zeros((4, 32), np.float32), np.zeros((4, 32), np.float32),
-            outs[-1], 2, 0, 4, 2, 16, 0.25, 0)
+        run(module, teams[2], attention("f16"), q, k, v, np.zeros((4, 32), np.float16),
+            np.zeros((4, 32), np.float16), outs[-1], 2, 0, 4, 2, 16, 0.25, 0)
     np.testing.assert_array_equal(outs[0], outs[1])
     assert "zmm" not in avx2.emit_assembly()  # really no AVX-512 in the AVX2 build
 

@@ -82,7 +82,7 @@ def check_prefill(path, pib, tol: float) -> None:
 @pytest.mark.parametrize("form", ["swiglu", "relu"])
 def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     model = tiny_llama(form, n_layers=2, hidden=64, n_ff=96, matrix_dtype=dtype, tied=dtype == DType.Q8_0)
-    path, pib = compiled(model, tmp_path, "dense", dense=True)
+    path, pib = compiled(model, tmp_path, "dense", dense=True, kv_cache="f32")  # f16 caches: below
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     # Dot products differ from the interpreter's only in the order of their sums (1e-4). The 4-bit
     # GEMVs dot x rounded to int16 per block of 32 (the _xi16 kernels), eight rows at a time from
@@ -108,6 +108,28 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     check_prefill(path, pib, tol)
 
 
+@pytest.mark.parametrize("dtype", [DType.F32, DType.Q4_0])
+def test_f16_kv_caches_round_as_the_interpreter_does(dtype, tmp_path):
+    # The default: the CPU's KV caches hold f16, keys and values rounded as they are stored, and
+    # the interpreter rounds alike (kv_format on the attention ops). Rounding makes a cached
+    # element a step function of its float value: where float noise (~1e-7) moves one across an
+    # f16 rounding boundary it moves by a whole step, 2^-11 of it, and later layers carry that on.
+    # With f32 matrices no element of this model crosses (the f32 bound holds); with int16-rounded
+    # x (Q4_0) some do: 1.1e-4 measured against 3.5e-5 with f32 caches, so 1e-3 here. Without the
+    # interpreter's rounding the F32 model's logits are 2e-4 apart.
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=dtype)
+    path, pib = compiled(model, tmp_path, "kv16", dense=True)
+    assert {op.kv_format for op in pib.module.ops() if isinstance(op, O.Attention)} == {"f16"}
+    tol = 1e-5 if dtype == DType.F32 else 1e-3
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS), reference) <= tol
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= tol
+    check_prefill(path, pib, tol)
+    f32_path, _ = compiled(model, tmp_path, "kv32", dense=True, kv_cache="f32")
+    with Session(path, 1) as s, Session(f32_path, 1) as t:  # each layer's caches take half the bytes
+        assert 2 * sum(s.executor.cpu.kv_caches().values()) == sum(t.executor.cpu.kv_caches().values())
+
+
 @pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1])
 def test_int8_dots_round_x_to_int8_as_the_interpreter_does(dtype, tmp_path):
     # picc compile --int8-dots: the rows8 GEMVs and FFNs dot x (and h) rounded to int8 (_r8_xi8,
@@ -118,7 +140,7 @@ def test_int8_dots_round_x_to_int8_as_the_interpreter_does(dtype, tmp_path):
     # |x|; on this model none does (1e-4 holds, as for int16), while SmolLM2's 30 layers over 24
     # positions drift 1e-2 to 6e-2 apart, as far as int8 rounding itself moves them (docs/serving.md).
     model = tiny_llama("swiglu", n_layers=2, hidden=96, n_heads=8, n_kv_heads=1, n_ff=96, matrix_dtype=dtype)
-    path, pib = compiled(model, tmp_path, "int8", dense=True, int8_dots=True)
+    path, pib = compiled(model, tmp_path, "int8", dense=True, int8_dots=True, kv_cache="f32")
     formats = {op.x_format for op in pib.module.ops() if isinstance(op, O.MatrixOp) and op.layout == "rows8"}
     assert formats == {"i8"}
     assert {op.x_format for op in pib.module.ops() if isinstance(op, O.Linear) and op.layout == "rows"} == {"i16"}
@@ -248,7 +270,7 @@ def test_the_step_has_barriers_only_where_a_kernel_needs_the_last_ones_results(t
     # embed | norm | q k v | rope rope | attention | o + residual | norm | ffn + residual | norm | head | argmax
     assert calls == ["picc_embed_f32", "picc_barrier", "picc_rms_norm", "picc_barrier", "picc_gemv_f32",
                      "picc_gemv_f32", "picc_gemv_f32", "picc_barrier", "picc_rope_llama",
-                     "picc_rope_llama", "picc_barrier", "picc_attention", "picc_barrier", "picc_gemv_f32",
+                     "picc_rope_llama", "picc_barrier", "picc_attention_kvf16", "picc_barrier", "picc_gemv_f32",
                      "picc_barrier", "picc_rms_norm", "picc_barrier", "picc_ffn_gemv_swiglu_f32_f32_f32",
                      "picc_barrier", "picc_rms_norm", "picc_barrier", "picc_gemv_f32", "picc_barrier", "picc_argmax"]
     # The output projection and the FFN add their rows to the residual themselves (accumulate = 1,
@@ -275,7 +297,7 @@ def test_the_prefill_program_uses_gemms_and_stops_at_the_last_kv_cache(tmp_path)
     chunk = chunk[: chunk.index("\n}")]
     calls = [line.split("@")[1].split("(")[0] for line in chunk.splitlines()
              if " call " in line and "@" in line and "picc_barrier" not in line]
-    layer = ["picc_rms_norm"] + ["picc_gemm_f32"] * 3 + ["picc_rope_llama"] * 2 + ["picc_attention"]
+    layer = ["picc_rms_norm"] + ["picc_gemm_f32"] * 3 + ["picc_rope_llama"] * 2 + ["picc_attention_kvf16"]
     ffn = ["picc_gemm_f32", "picc_add", "picc_rms_norm", "picc_gemm_f32", "picc_gemm_f32", "picc_ffn_act_swiglu",
            "picc_gemm_f32", "picc_add"]
     # Layer 1's output projection and FFN, the final norm and the head feed no KV cache: absent.

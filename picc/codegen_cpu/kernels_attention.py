@@ -27,10 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_misc import vector_sum
 from picc.codegen_cpu.rowops import emit_dots
+from picc.placement.memory_plan import KV_BYTES
 
 V16 = vec(16)
 ATTENTION_PARAMS = (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("kcache", "ptr"), ("vcache", "ptr"), ("out", "ptr"),
@@ -56,10 +58,10 @@ class Shape:
 
 
 @cache
-def attention() -> Kernel:
+def attention(kv: str = "f32") -> Kernel:
     """Store k / v in the cache at ``pos``, then causal softmax attention (see module doc);
-    ``window`` = 0 means no sliding window."""
-    symbol = "picc_attention"
+    ``window`` = 0 means no sliding window; ``kv``: what the caches hold (f32, or f16)."""
+    symbol = names.cpu_attention(kv)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, ATTENTION_PARAMS)
@@ -68,10 +70,10 @@ def attention() -> Kernel:
         shape = _shape(fn)
         # -- phase 1: k, v -> cache rows pos.., threads copying 16-float aligned chunks
         c0, c1 = chunk_bounds(fn, fn.v(f"mul i64 {seq}, {shape.width}", "tot"), tid, nthreads, align=16)
-        cbytes = fn.v(f"shl i64 {fn.v(f'sub i64 {c1}, {c0}', 'cn')}, 2", "cb")
+        count = fn.v(f"sub i64 {c1}, {c0}", "cn")
         dst0 = fn.v(f"add i64 {fn.v(f'mul i64 {pos}, {shape.width}', 'pw')}, {c0}", "dst")
         for src, cache_ in (("%k", "%kcache"), ("%v", "%vcache")):
-            _copy(fn, fn.at(cache_, 4, dst0), fn.at(src, 4, c0), cbytes)
+            _store(fn, kv, fn.at(cache_, KV_BYTES[kv], dst0), fn.at(src, 4, c0), count)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # -- phase 2: (row, head) items
         scores = fn.alloca_array(F32, fn.v(f"add i64 {pos}, {seq}", "ctx"), "scores")
@@ -81,7 +83,7 @@ def attention() -> Kernel:
             h = fn.v(f"srem i64 {it}, {shape.heads}", "h")
             head = fn.v(f"mul i64 {it}, {shape.hd}", "qo")
             _emit_head(fn, simd, shape, fn.at("%q", 4, head, "qrow"), fn.at("%out", 4, head, "orow"), h, p,
-                       ("%kcache", "%vcache"), scores)
+                       ("%kcache", "%vcache"), scores, kv)
         fn.ret_void()
         return fn.text()
 
@@ -89,16 +91,16 @@ def attention() -> Kernel:
 
 
 @cache
-def attention_rows() -> Kernel:
+def attention_rows(kv: str = "f32") -> Kernel:
     """:func:`attention` of ``batch`` rows, each a token of its own sequence (see module doc)."""
-    symbol = "picc_attention_rows"
+    symbol = names.cpu_attention(kv) + "_rows"
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, ATTENTION_ROWS_PARAMS)
         batch, ctx, row_stride, kv_stride = (fn.sext(f"%{n}") for n in ("batch", "ctx", "row_stride", "kv_stride"))
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         shape = _shape(fn)
-        row_bytes = fn.v(f"shl i64 {shape.width}, 2", "rowb")
+        row_bytes = fn.v(f"mul i64 {shape.width}, {KV_BYTES[kv]}", "rowb")  # a cache row's
         v_offset = fn.v(f"mul i64 {ctx}, {row_bytes}", "voff")  # bytes from a layer's k rows to its v rows
 
         def row_of(b: str) -> tuple[str, str, str]:
@@ -113,7 +115,7 @@ def attention_rows() -> Kernel:
             pos, kc, vc = row_of(b)
             at, dst = fn.v(f"mul i64 {b}, {row_stride}", "ro"), fn.v(f"mul i64 {pos}, {row_bytes}", "po")
             for src, cache_ in (("%k", kc), ("%v", vc)):
-                _copy(fn, fn.gep(cache_, dst), fn.gep(src, at), row_bytes)
+                _store(fn, kv, fn.gep(cache_, dst), fn.gep(src, at), shape.width)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # -- phase 2: (row, head) items, as the one-row kernel's
         scores = fn.alloca_array(F32, ctx, "scores")
@@ -125,7 +127,7 @@ def attention_rows() -> Kernel:
             head_bytes = fn.v(f"shl i64 {fn.v(f'mul i64 {h}, {shape.hd}', 'ho')}, 2", "hb")
             head = fn.v(f"add i64 {fn.v(f'mul i64 {b}, {row_stride}', 'ro')}, {head_bytes}", "qo")
             _emit_head(fn, simd, shape, fn.gep("%q", head, "qrow"), fn.gep("%out", head, "orow"), h, pos,
-                       (kc, vc), scores)
+                       (kc, vc), scores, kv)
         fn.ret_void()
         return fn.text()
 
@@ -137,17 +139,27 @@ def _shape(fn: Fn) -> Shape:
     return Shape(heads, kv, hd, fn.v(f"mul i64 {kv}, {hd}", "width"))
 
 
-def _copy(fn: Fn, dst: str, src: str, nbytes: str) -> None:
-    fn.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr align 4 {dst}, ptr align 4 {src}, i64 {nbytes}, i1 false)")
+def _store(fn: Fn, kv: str, dst: str, src: str, count: str) -> None:
+    """``count`` (i64) floats at ``src`` into the cache at ``dst``: copied (f32), or rounded to
+    half precision, to nearest even as numpy rounds (f16)."""
+    if kv == "f32":
+        fn.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr align 4 {dst}, ptr align 4 {src}, "
+                f"i64 {fn.v(f'shl i64 {count}, 2', 'nb')}, i1 false)")
+        return
+    c16 = fn.v(f"and i64 {count}, -16", "c16")
+    for ty, half, start, stop, step in ((V16, vec(16, "half"), "0", c16, "16"), (F32, "half", c16, count, "1")):
+        with fn.loop(start, stop, step, "e") as e:
+            value = fn.v(f"fptrunc {ty} {fn.load(ty, fn.at(src, 4, e), 4, 'x')} to {half}", "h")
+            fn.store(half, value, fn.at(dst, 2, e), 2)
 
 
 # The emitter is over 60 lines: its statements follow the loop nest of one (row, head) item (cache
 # rows, softmax, the weighted sum of v) one to one, which splitting would hide.
 def _emit_head(fn: Fn, simd: str, shape: Shape, qrow: str, orow: str, h: str, p: str,
-               caches: tuple[str, str], scores: str) -> None:
+               caches: tuple[str, str], scores: str, kv: str) -> None:
     """``orow`` = the attention of query head ``h`` (``qrow``) at position ``p`` over the cache
-    rows up to p (``caches``: the layer's k rows and v rows, ``p + 1`` at least) as the module
-    doc says, with ``scores`` (p + 1 floats) for the probabilities."""
+    rows up to p (``caches``: the layer's k rows and v rows, ``p + 1`` at least, of ``kv``
+    elements) as the module doc says, with ``scores`` (p + 1 floats) for the probabilities."""
     kcache, vcache = caches
     hd = shape.hd
     g = fn.v(f"sdiv i64 {h}, {fn.v(f'sdiv i64 {shape.heads}, {shape.kv}', 'group')}", "g")
@@ -159,18 +171,27 @@ def _emit_head(fn: Fn, simd: str, shape: Shape, qrow: str, orow: str, h: str, p:
     count = fn.v(f"sub i64 {fn.v(f'add i64 {p}, 1', 'p1')}, {j0}", "count")
     goff = fn.v(f"mul i64 {g}, {hd}", "goff")
 
+    esize = KV_BYTES[kv]
+
     def cache_row(base: str, j: str) -> str:
-        return fn.at(base, 4, fn.v(f"add i64 {fn.v(f'mul i64 {j}, {shape.width}', 'jw')}, {goff}", "co"), "crow")
+        return fn.at(base, esize, fn.v(f"add i64 {fn.v(f'mul i64 {j}, {shape.width}', 'jw')}, {goff}", "co"), "crow")
+
+    def cached(ty: str, row: str, d: str) -> str:
+        """The f32 value(s) ``ty`` (float or <16 x float>) at element ``d`` of a cache row."""
+        if kv == "f32":
+            return fn.load(ty, fn.at(row, 4, d), 4, "v")
+        half = "half" if ty == F32 else vec(16, "half")
+        return fn.v(f"fpext {half} {fn.load(half, fn.at(row, 2, d), 2, 'vh')} to {ty}", "v")
 
     # Scores four cached positions at a time: one pass over q for four K rows.
     count4 = fn.v(f"and i64 {count}, -4", "c4")
     with fn.loop("0", count4, "4", "j") as j:
         js = [j] + [fn.v(f"add i64 {j}, {t}", "jt") for t in range(1, 4)]
-        krows = [("f32", cache_row(kcache, fn.v(f"add i64 {j0}, {jt}", "jj"))) for jt in js]
+        krows = [(kv, cache_row(kcache, fn.v(f"add i64 {j0}, {jt}", "jj"))) for jt in js]
         for jt, dot in zip(js, emit_dots(fn, krows, qrow, hd, simd), strict=True):
             fn.store(F32, fn.v(f"fmul float {dot}, %scale", "sc"), fn.at(scores, 4, jt), 4)
     with fn.loop(count4, count, hint="j") as j:
-        (dot,) = emit_dots(fn, [("f32", cache_row(kcache, fn.v(f"add i64 {j0}, {j}", "jj")))], qrow, hd, simd)
+        (dot,) = emit_dots(fn, [(kv, cache_row(kcache, fn.v(f"add i64 {j0}, {j}", "jj")))], qrow, hd, simd)
         fn.store(F32, fn.v(f"fmul float {dot}, %scale", "sc"), fn.at(scores, 4, j), 4)
     top = fn.var(F32, fconst(float("-inf")), "top")
     with fn.loop("0", count, hint="j") as j:
@@ -197,8 +218,7 @@ def _emit_head(fn: Fn, simd: str, shape: Shape, qrow: str, orow: str, h: str, p:
                 vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"))
                 pv = fn.splat(16, fn.load(F32, fn.at(scores, 4, j), 4, "prob"))
                 for w, acc in enumerate(accs):
-                    vp = fn.at(vrow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw"))
-                    acc.set(fn.fma(V16, pv, fn.load(V16, vp, 4, "v"), acc.get()))
+                    acc.set(fn.fma(V16, pv, cached(V16, vrow, fn.v(f"add i64 {d}, {16 * w}", "dw")), acc.get()))
             for w, acc in enumerate(accs):
                 fn.store(V16, acc.get(), fn.at(orow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw")), 4)
     with fn.loop(d16, hd, hint="d") as d:
@@ -206,5 +226,5 @@ def _emit_head(fn: Fn, simd: str, shape: Shape, qrow: str, orow: str, h: str, p:
         with fn.loop("0", count, hint="j") as j:
             vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"))
             acc1.set(fn.fma(F32, fn.load(F32, fn.at(scores, 4, j), 4, "prob"),
-                            fn.load(F32, fn.at(vrow, 4, d), 4, "v"), acc1.get()))
+                            cached(F32, vrow, d), acc1.get()))
         fn.store(F32, acc1.get(), fn.at(orow, 4, d), 4)

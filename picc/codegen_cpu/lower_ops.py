@@ -39,6 +39,7 @@ from picc.ir.fused_ops import FusedFFN, Merge
 from picc.ir.module import Function
 from picc.ir.sparse_ops import Predict
 from picc.ir.weights import WeightStore
+from picc.placement.memory_plan import kv_cache_bytes
 from picc.placement.schedule import Schedule
 
 # Ops whose kernels have one phase and touch no memory but their operands and result: one may
@@ -201,14 +202,12 @@ class OpLowering(ABC):
                 self.bufs.array(name, table)
         return self.bufs.tensor_buffer(names[0]), self.bufs.tensor_buffer(names[1])
 
-    def kv_cache(self, name: str, width: int) -> Buf:
-        """The KV cache ``name`` (ctx rows of k, then ctx rows of v), shared by step and prefill."""
-        return self.bufs.kv_cache(name, 2 * self.ctx * width * 4)
-
-    def kv_rows(self, name: str, width: int) -> tuple[Buf, Buf]:
-        """Where the attention of KV cache ``name`` finds its k rows and its v rows."""
-        caches = self.kv_cache(name, width)
-        return caches, Buf(caches.index, self.ctx * width * 4)
+    def kv_rows(self, op: O.Attention) -> tuple[Buf, Buf]:
+        """Where ``op`` finds its KV cache's k rows and v rows (ctx rows of k, then ctx rows of v,
+        of its ``kv_format``), one cache shared by the step and the chunk programs."""
+        nbytes = kv_cache_bytes(op, self.width(op.k), self.ctx)
+        caches = self.bufs.kv_cache(op.cache, nbytes)
+        return caches, Buf(caches.index, nbytes // 2)
 
     def position(self) -> Param:
         """The position of the (first) token a call computes."""
@@ -239,8 +238,8 @@ class OpLowering(ABC):
                         n, hidden, accumulate)
 
     def attention(self, op: O.Attention) -> None:
-        k_rows, v_rows = self.kv_rows(op.cache, self.width(op.k))
-        self.call(op, kernels_attention.attention(), self.value(op.q), self.value(op.k), self.value(op.v),
+        k_rows, v_rows = self.kv_rows(op)
+        self.call(op, kernels_attention.attention(op.kv_format), self.value(op.q), self.value(op.k), self.value(op.v),
                   k_rows, v_rows, self.activation(op.result), self.rows(), self.position(),
                   op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, batched=True)
 

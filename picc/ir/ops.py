@@ -221,6 +221,7 @@ class Rope(Op):
 # ---------------------------------------------------------------- attention
 
 ALIBI_KINDS = ("none", "falcon")
+KV_FORMATS = ("f32", "f16")
 
 
 @register_op
@@ -240,6 +241,10 @@ class Attention(Op):
 
     ``appended_by_rope`` (``select-kernels``, on the GPU): this call's keys and values go to the
     cache in the launch that rotates ``k`` (``launched_with`` ``q``'s rope), not in one of its own.
+
+    ``kv_format`` (``select-kernels``, on the CPU): what the cache holds, ``"f32"`` or ``"f16"``
+    (keys and values rounded to half precision as they are written: half the bytes each step
+    reads back). The rounding is part of what the op computes; the interpreter rounds alike.
     """
 
     NAME: ClassVar[str] = "attention"
@@ -255,6 +260,7 @@ class Attention(Op):
     window: int | None = None
     alibi: str = "none"
     appended_by_rope: bool = False
+    kv_format: str = "f32"
 
     def check_producers(self, producer: Callable[[str], Op | None]) -> None:
         if self.appended_by_rope:
@@ -284,6 +290,7 @@ class Attention(Op):
         expect(self.window is None or self.window > 0, f"window must be > 0, got {self.window}")
         expect(bool(self.cache), "cache slot name must not be empty")
         expect(self.alibi in ALIBI_KINDS, f"alibi must be one of {ALIBI_KINDS}, got {self.alibi!r}")
+        expect(self.kv_format in KV_FORMATS, f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         return q
 
     def alibi_slopes(self) -> np.ndarray:

@@ -60,7 +60,7 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
         case O.Rope():
             return names.cpu_rope(op.style)
         case O.Attention() if op.alibi == "none":
-            return "picc_attention"
+            return names.cpu_attention(op.kv_format)
         case O.Add():
             return names.cpu_elementwise("add")
         case Merge():
@@ -101,7 +101,7 @@ def gpu_kernel(op: Op, t: Types, ctx: int, residual: bool = False) -> str:  # no
             return names.gpu_norm("layer_norm", t.width(op.x), op.eps, op.bias is not None)
         case O.Rope():
             return names.gpu_rope(op.style, op.n_heads, op.head_dim, op.rotated)
-        case O.Attention() if op.alibi == "none":
+        case O.Attention() if op.alibi == "none" and op.kv_format == "f32":
             return names.gpu_attention(op.n_heads, op.n_kv_heads, op.head_dim, ctx, op.window, op.scale)
         case O.Add():
             return names.gpu_add(t.width(op.result))

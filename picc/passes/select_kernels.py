@@ -24,6 +24,10 @@ memory, and nothing downstream infers a choice from a name:
   in sparse modules; its batched kernel is 2.6x faster than float x's rows (8 x rows, VNNI; PTB
   perplexity +0.1% on SmolLM2, logits ~1e-2 from the interpreter's where float noise moves an
   element of its x across an int8 rounding boundary).
+* ``kv_format`` (``attention`` on the CPU): ``"f16"`` (``kv=f16``, the default): the KV cache
+  holds keys and values rounded to half precision, as llama.cpp's does, half the bytes a step
+  reads back from it (a third of SmolLM2's step at 450 positions); the interpreter rounds alike.
+  ``kv=f32`` keeps f32. GPU attention keeps f32.
 * ``accumulated_by`` (``add``): the residual adds of the decode step that the kernel of an
   operand's producer does itself: on the CPU it adds into the residual's buffer
   (:func:`accumulated_adds`), on the GPU a variant of it reads the residual and writes the add's
@@ -207,11 +211,13 @@ class SelectOptions(PassOptions):
     """``int_dots``: round x for 4-bit dot products -- ``auto`` where no op decides sparsity,
     ``yes`` everywhere, ``no`` nowhere; ``int_x``: to what, where the kernel reads the rows8
     layout (rows one at a time round to int16); ``head_x``: to what a q8_0 LM head rounds its x
-    (int8, reading the rows8 layout; ``f32``: it does not), unless ``int_dots`` is ``no``."""
+    (int8, reading the rows8 layout; ``f32``: it does not), unless ``int_dots`` is ``no``;
+    ``kv``: what the KV caches of attention on the CPU hold."""
 
     int_dots: str = option("auto", choices=("auto", "no", "yes"))
     int_x: str = option("i16", choices=("i16", "i8"))
     head_x: str = option("i8", choices=("f32", "i8"))
+    kv: str = option("f16", choices=("f32", "f16"))
 
 
 @register_pass("select-kernels", options=SelectOptions)
@@ -232,6 +238,8 @@ def select_kernels(module: Module, ctx: PassContext[SelectOptions]) -> Module:
     head_x = ctx.options.head_x if int_dots != "no" else None
     shared, tied = _shared(func.ops), _shared(op for op in func.ops if not _cpu_embed(op))
     ops = [_choose(op, types, rounded, head_x if op.result == func.ret else rounded, shared, tied) for op in func.ops]
+    ops = [replace(op, kv_format=ctx.options.kv) if isinstance(op, O.Attention) and op.alibi == "none"
+           and op.type.placement != Placement.GPU else op for op in ops]
     rows8_tables = {op.weight for op in ops if isinstance(op, O.Linear) and op.layout == "rows8"}
     ops = [replace(op, layout="rows8") if _cpu_embed(op) and op.table in rows8_tables else op for op in ops]
     chosen_func, steps = replace(func, ops=tuple(ops)), schedule(module)

@@ -42,7 +42,7 @@ from picc.quant import raw_nbytes
 from runtime import gpu_layout
 from runtime.plan import Buffer, MemoryPlan, aligned
 
-KV_BYTES = 4  # the KV cache holds f32, as the interpreter does, so GPU and CPU layers agree
+KV_BYTES = {"f32": 4, "f16": 2}  # bytes per cached element, by the attention op's kv_format
 DEFAULT_CTX = 512
 
 _ELEMENT = {DType.F32: 4, DType.F16: 2, DType.BF16: 2, DType.I32: 4, DType.I64: 8, DType.BOOL: 1}
@@ -144,7 +144,7 @@ def gpu_constants(op: Op, weights: WeightStore) -> list[tuple[str, int]]:
 
 def kv_cache_bytes(op: O.Attention, k_width: int, ctx: int) -> int:
     """K and V for ``ctx`` positions of an attention op whose K rows are ``k_width`` wide."""
-    return 2 * ctx * k_width * KV_BYTES
+    return 2 * ctx * k_width * KV_BYTES[op.kv_format]
 
 
 def copy_points(func: Function, steps: Schedule) -> tuple[dict[str, int], dict[str, int]]:

@@ -141,7 +141,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
         if isinstance(op, O.Attention):
             width = types[op.k].shape[1]
             assert isinstance(width, int)
-            parts.append((mp.kv_cache_bytes(op, width, plan.ctx) // 2, "f32"))  # the cache is half full on average
+            parts.append((mp.kv_cache_bytes(op, width, plan.ctx) // 2, op.kv_format))  # half full on average
         read_bytes += sum(nbytes for nbytes, _ in parts)
         dense["gpu" if device == Placement.GPU else "cpu"] += _read_seconds(target, device, parts) + overhead
     gpu_stages = sum(1 for st in schedule(module).stages if st.gpu)
