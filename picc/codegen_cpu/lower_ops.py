@@ -196,11 +196,11 @@ class OpLowering(ABC):
         rotate alike (every layer's q and k, as a rule). They take ``ctx * rotary_dim`` floats,
         less than one layer's KV cache."""
         key = hashlib.sha256(op.inv_freq().tobytes()).hexdigest()[:16]
-        names = f"cpu.rope.cos.{key}", f"cpu.rope.sin.{key}"
-        if names[0] not in self.bufs.extra:
-            for name, table in zip(names, rope_cos_sin(op, np.arange(self.ctx)), strict=True):
+        cos, sin = f"cpu.rope.cos.{key}", f"cpu.rope.sin.{key}"
+        if cos not in self.bufs.extra:
+            for name, table in zip((cos, sin), rope_cos_sin(op, np.arange(self.ctx)), strict=True):
                 self.bufs.array(name, table)
-        return self.bufs.tensor_buffer(names[0]), self.bufs.tensor_buffer(names[1])
+        return self.bufs.tensor_buffer(cos), self.bufs.tensor_buffer(sin)
 
     def kv_rows(self, op: O.Attention) -> tuple[Buf, Buf]:
         """Where ``op`` finds its KV cache's k rows and v rows (ctx rows of k, then ctx rows of v,
