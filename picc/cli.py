@@ -5,7 +5,11 @@ and ``main``. The compiler's commands run in ``picc.cli_commands``, ``run`` and 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from picc.cli_commands import (
     cmd_compile,
@@ -330,18 +334,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``timeout``, a service manager stopping picc), raised in the main thread
+    so that it unwinds as Ctrl-C does: files being written are removed, not left half-written."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (elsewhere, and
+    after the block, it does what it did before)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` names; the exit status: 0, 1 for a ``PiccError`` (one line on stderr),
-    130 when interrupted, 70 for any other exception (``--debug`` raises them instead)."""
+    130 when interrupted (143 for SIGTERM), 70 for any other exception (``--debug`` raises them
+    instead)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.func(args)
+        with sigterm_raises():
+            args.func(args)
     except PiccError as e:
         if args.debug:
             raise
         print(f"picc: error: {e}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("picc: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("picc: interrupted", file=sys.stderr)
         return 130

@@ -321,6 +321,37 @@ def test_a_compile_interrupted_while_writing_leaves_nothing(tmp_path, monkeypatc
     assert write_compiled(compiled, out / "model.pib") > 0 and [p.name for p in out.iterdir()] == ["model.pib"]
 
 
+def test_sigterm_unwinds_like_ctrl_c_and_leaves_nothing_half_written(tmp_path):
+    # kill / timeout / a service manager send SIGTERM, whose default action ends the process at
+    # once: a 7B compile killed while writing left its 2 GB temp file beside the output. Within
+    # picc's main, SIGTERM raises instead (exit status 143), and the temp file goes as on Ctrl-C.
+    # (In a child process: without the handler, SIGTERM ends the process that gets it.)
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"""
+import os, signal, sys, time
+from pathlib import Path
+from picc.cli import Terminated, sigterm_raises
+from picc.fsutil import atomic_path
+before = signal.getsignal(signal.SIGTERM)
+try:
+    with sigterm_raises(), atomic_path(Path({str(tmp_path / "model.pib")!r})) as tmp:
+        tmp.write_bytes(b"half a model")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises long before this ends
+except Terminated:
+    sys.exit(143 if signal.getsignal(signal.SIGTERM) == before else 1)
+"""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60)
+    assert done.returncode == 143, done.returncode
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # this process's is untouched
+
+
 def test_the_long_stages_of_a_compile_show_progress(tmp_path, monkeypatch):
     # On a 7B these take tens of seconds each: the neuron-major down projections (requantized),
     # the placement's memory plans, writing the .pib (3.6 GB, some of it converted to rows8),
