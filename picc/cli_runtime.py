@@ -200,13 +200,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
         profile = profile_decode(session, ids, args.n, args.repeat) if args.profile else None
     bandwidth = statistics.median(bandwidths)
     decode = statistics.median(decode_rates)
-    shares = [(bytes_per_token or 0) * rate / bw for rate, bw in zip(decode_rates, bandwidths, strict=True)]
     result = {"model": args.model, "threads": threads, "repeat": args.repeat,
               "prompt_tokens": args.prompt_tokens, "tokens": args.n,
               "prompt_tokens_per_s": statistics.median(prompt_rates), "decode_tokens_per_s": decode,
               "weight_bytes_per_token": bytes_per_token, "read_bandwidth_bytes_per_s": bandwidth,
               "estimate_tokens_per_s": estimate,
-              "bandwidth_share": statistics.median(shares) if bytes_per_token else None,
+              "bandwidth_share": statistics.median(bytes_per_token * rate / bw for rate, bw
+                                                   in zip(decode_rates, bandwidths, strict=True))
+              if bytes_per_token else None,
               "runs": [{"decode_tokens_per_s": rate, "read_bandwidth_bytes_per_s": bw}
                        for rate, bw in zip(decode_rates, bandwidths, strict=True)]}
     if devices:  # per decode step, over every run

@@ -31,6 +31,7 @@ from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_misc import vector_sum
+from picc.codegen_cpu.rowformats import load_element
 from picc.codegen_cpu.rowops import emit_dots
 from picc.placement.memory_plan import KV_BYTES
 
@@ -176,12 +177,11 @@ def _emit_head(fn: Fn, simd: str, shape: Shape, qrow: str, orow: str, h: str, p:
     def cache_row(base: str, j: str) -> str:
         return fn.at(base, esize, fn.v(f"add i64 {fn.v(f'mul i64 {j}, {shape.width}', 'jw')}, {goff}", "co"), "crow")
 
-    def cached(ty: str, row: str, d: str) -> str:
-        """The f32 value(s) ``ty`` (float or <16 x float>) at element ``d`` of a cache row."""
+    def cached16(row: str, d: str) -> str:
+        """Elements ``d .. d + 15`` of a cache row as <16 x float> (one at a time: ``load_element``)."""
         if kv == "f32":
-            return fn.load(ty, fn.at(row, 4, d), 4, "v")
-        half = "half" if ty == F32 else vec(16, "half")
-        return fn.v(f"fpext {half} {fn.load(half, fn.at(row, 2, d), 2, 'vh')} to {ty}", "v")
+            return fn.load(V16, fn.at(row, 4, d), 4, "v")
+        return fn.v(f"fpext {vec(16, 'half')} {fn.load(vec(16, 'half'), fn.at(row, 2, d), 2, 'vh')} to {V16}", "v")
 
     # Scores four cached positions at a time: one pass over q for four K rows.
     count4 = fn.v(f"and i64 {count}, -4", "c4")
@@ -218,7 +218,7 @@ def _emit_head(fn: Fn, simd: str, shape: Shape, qrow: str, orow: str, h: str, p:
                 vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"))
                 pv = fn.splat(16, fn.load(F32, fn.at(scores, 4, j), 4, "prob"))
                 for w, acc in enumerate(accs):
-                    acc.set(fn.fma(V16, pv, cached(V16, vrow, fn.v(f"add i64 {d}, {16 * w}", "dw")), acc.get()))
+                    acc.set(fn.fma(V16, pv, cached16(vrow, fn.v(f"add i64 {d}, {16 * w}", "dw")), acc.get()))
             for w, acc in enumerate(accs):
                 fn.store(V16, acc.get(), fn.at(orow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw")), 4)
     with fn.loop(d16, hd, hint="d") as d:
@@ -226,5 +226,5 @@ def _emit_head(fn: Fn, simd: str, shape: Shape, qrow: str, orow: str, h: str, p:
         with fn.loop("0", count, hint="j") as j:
             vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"))
             acc1.set(fn.fma(F32, fn.load(F32, fn.at(scores, 4, j), 4, "prob"),
-                            cached(F32, vrow, d), acc1.get()))
+                            load_element(fn, kv, vrow, d), acc1.get()))
         fn.store(F32, acc1.get(), fn.at(orow, 4, d), 4)
