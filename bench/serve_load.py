@@ -1,17 +1,18 @@
 """A bounded loopback load test of ``picc serve``: latency and aggregate tokens/s by concurrency.
 
     python bench/serve_load.py [MODEL.pib] [--concurrency 1,2,4,8] [--requests 16] [--max-tokens 64]
-                               [--threads 2] [--time-limit 600] [--llama GGUF]
+                               [--threads 2] [--time-limit 600] [--stream] [--llama GGUF]
 
 Starts ``picc serve MODEL.pib --port 0`` (default ``build/smollm2.pib``, what ``scripts/demo.sh``
 compiles), then for each concurrency c, c clients send ``--requests`` completions between them
 (greedy, ``ignore_eos`` so every request decodes ``--max-tokens`` tokens; eight prompts in turn),
-and stops by itself after ``--time-limit`` seconds in all. Reports per c the median and 99th
-percentile latency of a request, the aggregate decode rate (generated tokens / the phase's wall
-time) and its ratio to c = 1; checks that every reply equals the one its prompt got at c = 1 (the
-server's batches do not change a sequence's tokens), that no reply was a 5xx, that no sequence is
-left behind afterwards (``/metrics``: none active, every slot free) and that the server's memory is
-steady (RSS after the load within 10% of its RSS after the warm-up). Exits 1 when a check fails.
+and stops by itself after ``--time-limit`` seconds in all (``--stream``: the completions
+streamed, each event read as it comes). Reports per c the median and 99th percentile latency of a
+request, the aggregate decode rate (generated tokens / the phase's wall time) and its ratio to
+c = 1; checks that every reply equals the one its prompt got at c = 1 (the server's batches do not
+change a sequence's tokens), that no reply was a 5xx, that no sequence is left behind afterwards
+(``/metrics``: none active, every slot free) and that the server's memory is steady (RSS after the
+load within 10% of its RSS after the warm-up). Exits 1 when a check fails.
 
 ``--batch-steps`` first times the engine's batch step itself (no server): milliseconds per call for
 1, 2, 4 and 8 sequences against the one-sequence step, medians of 20 calls, in one run.
@@ -105,16 +106,34 @@ class Server:
             self.proc.kill()
 
 
-def request(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, str, int]:
-    r = client.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                                   "temperature": 0, "ignore_eos": True}, timeout=600)
-    if r.status_code != 200:
-        return r.status_code, "", 0
-    body = r.json()
-    return 200, body["choices"][0]["text"], body["usage"]["completion_tokens"]
+def request(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int,
+            stream: bool = False) -> tuple[int, str, int]:
+    """One greedy completion: its status, text and generated tokens (streamed: the server's
+    events read as they come, the count from the usage it sends last)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if not stream:
+        r = client.post(url + "/v1/completions", json=body, timeout=600)
+        if r.status_code != 200:
+            return r.status_code, "", 0
+        reply = r.json()
+        return 200, reply["choices"][0]["text"], reply["usage"]["completion_tokens"]
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    parts, tokens = [], 0
+    with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            return r.status_code, "", 0
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            parts.extend(choice["text"] for choice in event.get("choices", []))
+    return 200, "".join(parts), tokens
 
 
-def run_phase(url: str, model: str, c: int, requests: int, max_tokens: int, deadline: float) -> Phase:
+def run_phase(url: str, model: str, c: int, requests: int, max_tokens: int, deadline: float,
+              stream: bool = False) -> Phase:
     phase = Phase(c)
     lock = threading.Lock()
     todo = list(range(max(requests, c)))
@@ -127,7 +146,7 @@ def run_phase(url: str, model: str, c: int, requests: int, max_tokens: int, dead
                         return
                     i = todo.pop(0)
                 start = time.perf_counter()
-                status, text, tokens = request(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens)
+                status, text, tokens = request(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens, stream)
                 with lock:
                     if status != 200:
                         phase.errors[status] = phase.errors.get(status, 0) + 1
@@ -161,7 +180,7 @@ def load(url: str, model: str, args: argparse.Namespace, server: Server | None) 
         if time.time() >= deadline:
             print(f"serve_load: time limit reached before concurrency {c}", file=sys.stderr)
             break
-        phases.append(run_phase(url, model, c, args.requests, args.max_tokens, deadline))
+        phases.append(run_phase(url, model, c, args.requests, args.max_tokens, deadline, args.stream))
         p = phases[-1]
         print(f"  c={c}: {len(p.latencies)} requests, {p.rate:.1f} tok/s", file=sys.stderr)
     facts["rss_after"] = server.rss() if server else None
@@ -253,14 +272,17 @@ def ray_load(args: argparse.Namespace, name: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=str(ROOT / "build" / "smollm2.pib"))
-    ap.add_argument("--concurrency", default="1,2,4,8", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--concurrency", default="1,2,4,8", type=lambda s: [int(x) for x in s.split(",")],
+                    help="clients at once, one phase each (comma-separated; default 1,2,4,8)")
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least c)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens each request decodes (default 64)")
+    ap.add_argument("--threads", type=int, default=2, help="the server's compute threads (default 2)")
+    ap.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch (default 8)")
     ap.add_argument("--time-limit", type=float, default=600, help="seconds for the whole load (default 600)")
     ap.add_argument("--llama", metavar="GGUF", help="also load llama-cpp-python's server on this GGUF")
     ap.add_argument("--json", metavar="OUT", help="write the numbers as JSON")
+    ap.add_argument("--stream", action="store_true",
+                    help="stream the completions (server-sent events, read as they come); default: whole replies")
     ap.add_argument("--batch-steps", action="store_true", help="first time the batch step alone (no server)")
     ap.add_argument("--ray", action="store_true", help="load picc serve --ray: 2 replicas x 1 thread, then 1 x 2")
     args = ap.parse_args()
@@ -280,7 +302,7 @@ def main() -> int:
     finally:
         server.close()
     print(table(f"picc serve {args.model} (--max-batch {args.max_batch}, {args.threads} threads, "
-                f"{args.max_tokens} tokens a request)", phases))
+                f"{args.max_tokens} tokens a request{', streamed' if args.stream else ''})", phases))
     expected = phases[0].texts if phases else {}
     mismatched = sum(1 for p in phases for i, texts in p.texts.items() if texts != expected.get(i, texts))
     errors_5xx = sum(n for p in phases for status, n in p.errors.items() if status >= 500)

@@ -180,7 +180,9 @@ async def _respond(request: Request, served: ServedModel, metrics: Metrics, para
         raise invalid("the prompt is empty", prompt_field)
     max_tokens = params.max_tokens or engine.ctx - len(ids)
     gen = Generation(engine, served.codec, EngineRequest(ids, max_tokens, params.options, params.seed,
-                                                         stop_at_eos=not params.ignore_eos), params.stop)
+                                                         stop_at_eos=not params.ignore_eos,
+                                                         progress=params.stream or bool(params.stop)),
+                     params.stop)
     rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
     body = chat_body if chat else completion_body
     if params.stream:

@@ -70,12 +70,14 @@ class Collector:
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.reports = 0  # "tokens" events
         self.end: tuple[str, object] | None = None
         self.done = threading.Event()
 
     def __call__(self, kind: str, value: object) -> None:
         if kind == "tokens":
             self.tokens += value
+            self.reports += 1
         else:
             self.end = (kind, value)
             self.done.set()
@@ -107,6 +109,17 @@ def test_concurrent_requests_decode_exactly_as_single_runs(model):
     for p, k, c in zip(PROMPTS, n, got, strict=True):
         assert c.tokens == alone(model, p, k)
         assert c.end in (("done", "length"), ("done", "stop"))
+
+
+def test_an_owner_that_wants_the_whole_reply_hears_of_it_once(model):
+    # Each report wakes the server's event loop, which competes with the step's threads for the
+    # cores; a reply that is not streamed needs none but the last. (The first token of a request
+    # is reported at once, so without that rule the quiet request would hear twice at least.)
+    requests = [Request(PROMPTS[0], 30, progress=False), Request(PROMPTS[1], 30)]
+    quiet, followed = serve(model, requests, max_batch=2, joins_after=2)
+    assert quiet.reports == 1 and len(quiet.tokens) == 30 and quiet.end == ("done", "length")
+    assert quiet.tokens == alone(model, PROMPTS[0], 30)
+    assert followed.reports >= 2 and len(followed.tokens) == 30
 
 
 def test_seeded_sampling_is_reproducible_per_request(model):
