@@ -352,8 +352,8 @@ def emit_rows8_dots_xs(fn: Fn, mats: list[tuple[str, str]], xs: list[IntX | Scal
     v8, nblocks = vec(8), fn.v(f"lshr i64 {k}, 5", "nblk")
     accs = [[fn.var(v8, "zeroinitializer", "acc") for _ in mats] for _ in xs]
     with fn.loop("0", nblocks, "1", "b") as b:
-        xbs = [_x_block(fn, x, b) for x in xs]
-        for m_i, (dtype, group) in enumerate(mats):
+        blocks = []
+        for dtype, group in mats:
             blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
             _prefetch(fn, blk, group_block_bytes(dtype))
             chunks = [fn.load("<8 x i32>", fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, "nib")
@@ -361,7 +361,10 @@ def emit_rows8_dots_xs(fn: Fn, mats: list[tuple[str, str]], xs: list[IntX | Scal
             d = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d")
             m = (fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
                  if dtype == "q4_1" else None)
-            for x, xb, acc in zip(xs, xbs, accs, strict=True):
+            blocks.append((dtype, chunks, d, m))
+        for x, acc in zip(xs, accs, strict=True):  # x's block made where it is used: see rows8_pairs
+            xb = _x_block(fn, x, b)
+            for m_i, (dtype, chunks, d, m) in enumerate(blocks):
                 acc[m_i].set(_dot_block(fn, dtype, chunks, x, xb, b, d, m, acc[m_i].get("acc"), vnni))
     return [[acc.get("dots") for acc in row] for row in accs]
 

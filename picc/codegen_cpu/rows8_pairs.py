@@ -24,10 +24,15 @@ Measured on a 2-core Zen 4 (AVX-512 executed 256 bits at a time), one thread, Sm
 Two rows' 512-bit ``vpmaddubsw`` cost what two 256-bit ones cost on Zen 4; the pairs halve the
 broadcasts of x's groups (one 8-byte broadcast feeds two rows) and the instructions around the
 products (the 256-bit code with 14 of its 16 broadcasts a block taken out took 16 cycles; the
-pairs without their float part 14.7). Tried and not kept: ``vpdpbusd`` on 256 bits with x's groups as
-embedded broadcasts and its low bytes made signed (a bias of 128, corrected by 128 times the
-nibbles' sum): 12.5-13 cycles, no better than the pairs, whose ``vpdpbusd`` count per row is the
-same; folding the ``<< 8`` into ``vpmaddwd`` (by 256): no change.
+pairs without their float part 14.7). Each pair's x block is made just before the products that
+use it: made for all pairs first (64 broadcast vectors live at once with 8 x rows), LLVM spilled
+~50 vectors a block to the stack, and SmolLM2's batched FFN (batch 8, two threads, VNNI, in one
+process) took 165 us a layer against 146 now, the same bits. Tried and not kept: ``vpdpbusd`` on
+256 bits with x's groups as embedded broadcasts and its low bytes made signed (a bias of 128,
+corrected by 128 times the nibbles' sum): 12.5-13 cycles, no better than the pairs, whose
+``vpdpbusd`` count per row is the same; folding the ``<< 8`` into ``vpmaddwd`` (by 256): no
+change; one ``vpdpbusd`` chain per sum instead of two (145 against 147 us: within the noise), or
+the low bytes' chain started from the high bytes' sum shifted (165 us: one chain twice as long).
 """
 
 from __future__ import annotations
@@ -134,10 +139,11 @@ def emit_rows8_pair_dots(fn: Fn, mats: list[tuple[str, str]], pairs: list[PairX]
             raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 rows, not {dtype}")
     accs = [[fn.var(_V16, "zeroinitializer", "pacc") for _ in mats] for _ in pairs]
     with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "b") as b:
-        xbs = [_x_block(fn, pair, b) for pair in pairs]
-        for m_i, (dtype, group) in enumerate(mats):
-            chunks, d, m = _group_block(fn, dtype, fn.at(group, group_block_bytes(dtype), b, "gblk"))
-            for pair, (xs, scale), acc in zip(pairs, xbs, accs, strict=True):
+        blocks = [(dtype, _group_block(fn, dtype, fn.at(group, group_block_bytes(dtype), b, "gblk")))
+                  for dtype, group in mats]
+        for pair, acc in zip(pairs, accs, strict=True):  # a pair's x block made where it is used
+            xs, scale = _x_block(fn, pair, b)
+            for m_i, (dtype, (chunks, d, m)) in enumerate(blocks):
                 acc[m_i].set(_pair_block(fn, dtype, chunks, xs, scale, pair, b, d, m, acc[m_i].get("pacc"), vnni))
     out = []
     for acc in accs:
