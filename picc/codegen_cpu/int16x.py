@@ -66,8 +66,11 @@ def _int16_block(fn: Fn, xp: str, x_format: str = "i16") -> tuple[str, list[str]
     top, int8 = INT_X_MAX[x_format], x_format == "i8"
     halves = [fn.load(V16, xp, 4, "xlo"), fn.load(V16, fn.gep(xp, "64"), 4, "xhi")]
     mags = [fn.v(f"call {V16} @llvm.fabs.v16f32({V16} {h})", "ax") for h in halves]
-    amax = fn.v(f"call float @llvm.vector.reduce.fmax.v16f32({V16} "
-                f"{fn.v(f'call {V16} @llvm.maxnum.v16f32({V16} {mags[0]}, {V16} {mags[1]})', 'am')})", "amax")
+    # nnan: without it the reduction is fifteen serial scalar maxima, each with a NaN test (the
+    # block's one long dependency chain; 8 x rows of 576 took 4.7 us against 3.1 to round). The
+    # largest of values that are not NaN does not depend on the order it is taken in.
+    amax = fn.v(f"call nnan float @llvm.vector.reduce.fmax.v16f32({V16} "
+                f"{fn.v(f'call nnan {V16} @llvm.maxnum.v16f32({V16} {mags[0]}, {V16} {mags[1]})', 'am')})", "amax")
     some = fn.v(f"fcmp ogt float {amax}, 0.0", "some")
     inv = fn.v(f"select i1 {some}, float {fn.v(f'fdiv float {fconst(top)}, {amax}', 'inv')}, float 0.0", "inv")
     scale = fn.v(f"fdiv float {amax}, {fconst(top)}", "s")
