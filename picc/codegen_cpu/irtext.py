@@ -7,7 +7,9 @@ as if the phis were written by hand.
 
 Floating-point operations are emitted *without* fast-math flags and with explicit ``llvm.fma``
 calls: LLVM may then neither reassociate nor contract them, so a kernel computes the same bits
-whatever the vector width of the target (an AVX2 build equals an AVX-512 build).
+whatever the vector width of the target (an AVX2 build equals an AVX-512 build). The one
+exception is ``nnan`` on the maximum that scales x's rounding (:mod:`.int16x`): a maximum of
+values that are not NaN is the same whatever order it is taken in.
 """
 
 from __future__ import annotations
