@@ -137,9 +137,11 @@ def run_phase(url: str, model: str, c: int, requests: int, max_tokens: int, dead
     phase = Phase(c)
     lock = threading.Lock()
     todo = list(range(max(requests, c)))
+    ready = threading.Barrier(c + 1)  # the clock starts when every client is made (~22 ms each here)
 
     def client_loop() -> None:
         with httpx.Client() as client:
+            ready.wait()
             while time.time() < deadline:
                 with lock:
                     if not todo:
@@ -155,10 +157,11 @@ def run_phase(url: str, model: str, c: int, requests: int, max_tokens: int, dead
                     phase.tokens += tokens
                     phase.texts.setdefault(i % len(PROMPTS), set()).add(text)
 
-    start = time.perf_counter()
     threads = [threading.Thread(target=client_loop) for _ in range(c)]
     for t in threads:
         t.start()
+    ready.wait()
+    start = time.perf_counter()
     for t in threads:
         t.join()
     phase.wall = time.perf_counter() - start
