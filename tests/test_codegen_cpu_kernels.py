@@ -785,6 +785,27 @@ def test_argmax_first_of_ties(host, teams):
         assert out[0] == np.argmax(y)
 
 
+def test_argmax_at_every_length_and_place_ignoring_nans(host, teams):
+    # Four 16-lane chains then 16-wide tails, and the scan 16 at a time then one by one: lengths
+    # on and off those steps, the largest (and a tie after it) in the chains, the 16-wide part
+    # and the last elements, and NaNs anywhere (ignored, as np.nanargmax does).
+    rng = np.random.default_rng(23)
+    out = np.zeros(1, np.int32)
+    for n in (1, 5, 16, 20, 64, 70, 100, 1000, 1037):
+        x = rng.normal(size=n).astype(np.float32)
+        for where in sorted({0, n // 2, max(0, n - 17), n - 1}):
+            y = x.copy()
+            y[where] = 10.0
+            y[n - 1 if where < n - 1 else 0] = 10.0 if where < n - 1 else y[0]  # a later tie
+            if n > 2:
+                y[(where + 1) % n] = np.nan if y[(where + 1) % n] != 10.0 else y[(where + 1) % n]
+            run(host, teams[2], argmax(), y, out, n)
+            assert out[0] == np.nanargmax(y), (n, where)
+    y = np.full(40, -np.inf, np.float32)
+    run(host, teams[2], argmax(), y, out, 40)
+    assert out[0] == 0
+
+
 # ------------------------------------------------------------------ programs, barriers, builds
 
 

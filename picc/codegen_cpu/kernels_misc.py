@@ -248,36 +248,45 @@ def ffn_activation(form: str) -> Kernel:
 
 @cache
 def argmax() -> Kernel:
-    """``out[0] = `` the first index of the largest of ``x[0:n]`` (thread 0 only; NaNs ignored)."""
+    """``out[0] = `` the first index of the largest of ``x[0:n]`` (thread 0 only; NaNs ignored).
+
+    The maximum in four independent 16-lane chains (one chain waited on its own latency), the
+    first index holding it 16 elements to a compare (it was one scalar compare and branch an
+    element): SmolLM2's 49152 logits 17.9 -> 5.3 us on this Zen 4. A maximum is the same whatever
+    order it is taken in, and so is the first index holding it. In a batch step the rows go to
+    the threads whole (``token_split``): thread 0 alone took all eight rows' argmax while the
+    other waited."""
     symbol = "picc_argmax"
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, ARGMAX_PARAMS)
         n = fn.sext("%n")
         with fn.if_(fn.v("icmp eq i32 %tid, 0", "t0")):
-            # Pass 1: the maximum, 16 lanes wide; pass 2: the first index holding it.
+            m = _maximum(fn, n)
             n16 = fn.v(f"and i64 {n}, -16", "n16")
-            ninf = fconst(float("-inf"))
-            best = fn.var(V16, fn.splat(16, ninf), "best")
-            with fn.loop("0", n16, "16", "j") as j:
-                best.set(fn.v(f"call {V16} @llvm.maxnum.v16f32({V16} {best.get()}, "
-                              f"{V16} {fn.load(V16, fn.at('%x', 4, j), 4, 'x')})", "best"))
-            top = fn.var(F32, fn.v(f"call float @llvm.vector.reduce.fmax.v16f32({V16} {best.get()})", "top"), "top")
-            with fn.loop(n16, n, hint="j") as j:
-                top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, "
-                             f"float {fn.load(F32, fn.at('%x', 4, j), 4, 'x')})", "top"))
-            found = fn.var("i64", "0", "found")
-            m = top.get()
-            scan, hit, done = fn.label("scan"), fn.label("hit"), fn.label("found")
+            found = fn.var("i64", n, "found")
+            j = fn.var("i64", "0", "j")
+            scan, body, hit, tail, done = (fn.label(h) for h in ("scan", "scan16", "hit", "tail", "found"))
             fn.br(scan)
             fn.start(scan)
-            j = found.get("j")
-            at_end = fn.v(f"icmp sge i64 {j}, {n}", "end")
-            fn.cbr(at_end, done, hit)
+            at = j.get("j")
+            fn.cbr(fn.v(f"icmp sge i64 {at}, {n16}", "end16"), tail, body)
+            fn.start(body)
+            eq = fn.v(f"fcmp oeq {V16} {fn.load(V16, fn.at('%x', 4, at), 4, 'x')}, {fn.splat(16, m)}", "eq")
+            bits = fn.v(f"zext i16 {fn.v(f'bitcast <16 x i1> {eq} to i16', 'eqb')} to i32", "eqw")
+            j.set(fn.v(f"add i64 {at}, 16", "j16"))
+            fn.cbr(fn.v(f"icmp ne i32 {bits}, 0", "any"), hit, scan)
             fn.start(hit)
-            is_top = fn.v(f"fcmp oeq float {fn.load(F32, fn.at('%x', 4, j), 4, 'x')}, {m}", "eq")
-            found.set(fn.v(f"select i1 {is_top}, i64 {j}, i64 {fn.v(f'add i64 {j}, 1', 'j1')}", "j"))
-            fn.cbr(is_top, done, scan)
+            first = fn.v(f"zext i32 {fn.v(f'call i32 @llvm.cttz.i32(i32 {bits}, i1 true)', 'tz')} to i64", "tz")
+            found.set(fn.v(f"add i64 {at}, {first}", "at"))
+            fn.br(done)
+            fn.start(tail)
+            with fn.loop(n16, n, hint="k") as k:  # the first k with x[k] == m, if found is still n
+                eq = fn.v(f"fcmp oeq float {fn.load(F32, fn.at('%x', 4, k), 4, 'x')}, {m}", "eq")
+                now = found.get("f")
+                first = fn.v(f"and i1 {eq}, {fn.v(f'icmp eq i64 {now}, {n}', 'unset')}", "first")
+                found.set(fn.v(f"select i1 {first}, i64 {k}, i64 {now}", "f"))
+            fn.br(done)
             fn.start(done)
             idx = fn.var("i64", found.get(), "idx")
             with fn.if_(fn.v(f"icmp sge i64 {idx.get()}, {n}", "none")):
@@ -286,4 +295,26 @@ def argmax() -> Kernel:
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, ARGMAX_PARAMS, emit, argmax.__doc__ or "")
+    return Kernel(symbol, ARGMAX_PARAMS, emit, argmax.__doc__ or "", token_split=True)
+
+
+def _maximum(fn: Fn, n: str) -> str:
+    """The largest of ``x[0:n]`` (maxnum: NaNs ignored; -inf for none), four 16-lane chains at a time."""
+    n64, n16 = fn.v(f"and i64 {n}, -64", "n64"), fn.v(f"and i64 {n}, -16", "n16")
+    ninf = fn.splat(16, fconst(float("-inf")))
+    chains = [fn.var(V16, ninf, "best") for _ in range(4)]
+
+    def most(a: str, b: str) -> str:
+        return fn.v(f"call {V16} @llvm.maxnum.v16f32({V16} {a}, {V16} {b})", "best")
+
+    with fn.loop("0", n64, "64", "j") as j:
+        for c, chain in enumerate(chains):
+            chain.set(most(chain.get(), fn.load(V16, fn.at("%x", 4, fn.v(f"add i64 {j}, {16 * c}", "jc")), 4, "x")))
+    best = fn.var(V16, most(most(chains[0].get(), chains[1].get()), most(chains[2].get(), chains[3].get())), "best")
+    with fn.loop(n64, n16, "16", "j") as j:
+        best.set(most(best.get(), fn.load(V16, fn.at("%x", 4, j), 4, "x")))
+    top = fn.var(F32, fn.v(f"call float @llvm.vector.reduce.fmax.v16f32({V16} {best.get()})", "top"), "top")
+    with fn.loop(n16, n, hint="j") as j:
+        top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, float {fn.load(F32, fn.at('%x', 4, j), 4, 'x')})",
+                     "top"))
+    return top.get("m")
