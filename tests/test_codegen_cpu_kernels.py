@@ -737,7 +737,7 @@ def test_rope_matches_interpreter(host, teams, style, rotary_dim):
 @pytest.mark.parametrize("kv_format", ("f32", "f16"))
 def test_attention_matches_interpreter(host, teams, threads, window, hd, kv_format):
     rng = np.random.default_rng(17)
-    heads, kv, ctx = 6, 2, 16  # 5-token chunks: scores four positions at a time, then one
+    heads, kv, ctx = 6, 2, 16  # up to 10 positions: scored four at a time, then one
     op = O.Attention(result="a", type=f32(1, heads * hd), q="q", k="k", v="v", pos="p", n_heads=heads,
                      n_kv_heads=kv, head_dim=hd, scale=hd**-0.5, cache="c", window=window, kv_format=kv_format)
     dtype = np.float16 if kv_format == "f16" else np.float32
@@ -956,13 +956,15 @@ def test_avx2_build_computes_the_same_bits(host, avx2, teams):
     kernel = sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0")
     np.testing.assert_array_equal(case.run(host, teams[2], kernel, threshold=0.1)[0],
                                   case.run(avx2, teams[2], kernel, threshold=0.1)[0])
-    q = rng.normal(size=(2, 64)).astype(np.float32)
-    k, v = rng.normal(size=(2, 32)).astype(np.float32), rng.normal(size=(2, 32)).astype(np.float32)
+    # 11 positions, scored four at a time, then one at a time; head size 20, a 16-element slice
+    # and a tail.
+    q = rng.normal(size=(11, 80)).astype(np.float32)
+    k, v = rng.normal(size=(11, 40)).astype(np.float32), rng.normal(size=(11, 40)).astype(np.float32)
     outs = []
     for module in (host, avx2):
         outs.append(np.zeros_like(q))
-        run(module, teams[2], attention("f16"), q, k, v, np.zeros((4, 32), np.float16),
-            np.zeros((4, 32), np.float16), outs[-1], 2, 0, 4, 2, 16, 0.25, 0)
+        run(module, teams[2], attention("f16"), q, k, v, np.zeros((12, 40), np.float16),
+            np.zeros((12, 40), np.float16), outs[-1], 11, 0, 4, 2, 20, 0.25, 0)
     np.testing.assert_array_equal(outs[0], outs[1])
     assert "zmm" not in avx2.emit_assembly()  # really no AVX-512 in the AVX2 build
 

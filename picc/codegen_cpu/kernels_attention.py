@@ -1,10 +1,10 @@
-"""Causal grouped-query attention over an f32 KV cache (decode, and prefill chunks).
+"""Causal grouped-query attention over an f32 or f16 KV cache (decode, and prefill chunks).
 
 ``q`` is [seq, n_heads * head_dim], ``k`` and ``v`` [seq, n_kv_heads * head_dim]; the caches are
-[ctx, n_kv_heads * head_dim] f32. Row s is the token at position ``pos + s``. The kernel first
-stores k and v into cache rows ``pos .. pos + seq - 1`` (threads split the copy), waits at the
-barrier, then computes, for each (row s, query head h) of the thread's share, with
-``g = h // (n_heads / n_kv_heads)`` and p = pos + s::
+[ctx, n_kv_heads * head_dim] of f32 or f16 (the op's ``kv_format``). Row s is the token at
+position ``pos + s``. The kernel first stores k and v into cache rows ``pos .. pos + seq - 1``
+(threads split the copy), waits at the barrier, then computes, for each (row s, query head h)
+of the thread's share, with ``g = h // (n_heads / n_kv_heads)`` and p = pos + s::
 
     score_j = (q[s, h] . kcache[j, g]) * scale      for lo <= j <= p  (lo = p - window + 1 if window)
     prob_j  = exp(score_j - max score) / sum exp(...)
@@ -24,6 +24,7 @@ barrier for each.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -32,7 +33,6 @@ from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_misc import vector_sum
 from picc.codegen_cpu.rowformats import load_element
-from picc.codegen_cpu.rowops import emit_dots
 from picc.placement.memory_plan import KV_BYTES
 
 V16 = vec(16)
@@ -83,7 +83,7 @@ def attention(kv: str = "f32") -> Kernel:
             p = fn.v(f"add i64 {pos}, {fn.v(f'sdiv i64 {it}, {shape.heads}', 's')}", "p")
             h = fn.v(f"srem i64 {it}, {shape.heads}", "h")
             head = fn.v(f"mul i64 {it}, {shape.hd}", "qo")
-            _emit_head(fn, simd, shape, fn.at("%q", 4, head, "qrow"), fn.at("%out", 4, head, "orow"), h, p,
+            _emit_head(fn, shape, fn.at("%q", 4, head, "qrow"), fn.at("%out", 4, head, "orow"), h, p,
                        ("%kcache", "%vcache"), scores, kv)
         fn.ret_void()
         return fn.text()
@@ -127,7 +127,7 @@ def attention_rows(kv: str = "f32") -> Kernel:
             pos, kc, vc = row_of(b)
             head_bytes = fn.v(f"shl i64 {fn.v(f'mul i64 {h}, {shape.hd}', 'ho')}, 2", "hb")
             head = fn.v(f"add i64 {fn.v(f'mul i64 {b}, {row_stride}', 'ro')}, {head_bytes}", "qo")
-            _emit_head(fn, simd, shape, fn.gep("%q", head, "qrow"), fn.gep("%out", head, "orow"), h, pos,
+            _emit_head(fn, shape, fn.gep("%q", head, "qrow"), fn.gep("%out", head, "orow"), h, pos,
                        (kc, vc), scores, kv)
         fn.ret_void()
         return fn.text()
@@ -154,9 +154,66 @@ def _store(fn: Fn, kv: str, dst: str, src: str, count: str) -> None:
             fn.store(half, value, fn.at(dst, 2, e), 2)
 
 
+SCORE_BLOCK = 4
+"""Cached positions scored together (then one at a time). SmolLM2's shape (9 heads of 64, 3 KV
+heads, f16) at 450 positions, one thread, caches in L3, us a layer: 29 with 4, 31-33 with 2, 47
+with 8 (on AVX-512, whose registers hold eight accumulators), 31 for the kernel before, which
+summed each position's lanes on their own; in a decode step (caches from memory, `picc bench
+--profile`, three alternating pairs) the step 3.82-3.86 against 3.94-4.11 ms."""
+
+
+def _score_rows(fn: Fn, kv: str, rows: list[str], qrow: str, hd: str, out: str,
+                cached16: Callable[[str, str], str]) -> None:
+    """``out[t] = scale * (q . rows[t])`` for the cache rows ``rows`` (1, or a power of two up to 8).
+
+    Each row's products go into 16 lanes over q's 16-element slices in order, fold to 8 (lane i
+    plus lane i + 8), then sum by adjacent pairs (0+1, 2+3, ..), three times, and any elements
+    past the last whole slice follow in order. The rows' pair sums are taken together, a shuffle
+    of two vectors at a time (the lanes of rows 2i and 2i + 1 in one vector), so summing a row
+    costs ~3 vector operations where a horizontal sum of its own took ~8; a row's sum is the same
+    whichever rows it is scored with."""
+    hd16 = fn.v(f"and i64 {hd}, -16", "hd16")
+    accs = [fn.var(V16, "zeroinitializer", "sacc") for _ in rows]
+    with fn.loop("0", hd16, "16", "d") as d:
+        qv = fn.load(V16, fn.at(qrow, 4, d), 4, "q")
+        for acc, row in zip(accs, rows, strict=True):
+            acc.set(fn.fma(V16, cached16(row, d), qv, acc.get("sacc")))
+    lo8, hi8 = ("<" + ", ".join(f"i32 {i + o}" for i in range(8)) + ">" for o in (0, 8))
+    parts = [fn.v(f"fadd {vec(8)} {fn.v(f'shufflevector {V16} {v}, {V16} poison, <8 x i32> {lo8}', 'lo')}, "
+                  f"{fn.v(f'shufflevector {V16} {v}, {V16} poison, <8 x i32> {hi8}', 'hi')}", "fold")
+             for v in (acc.get("sacc") for acc in accs)]
+    lanes, width = 8, 8  # lanes a vector of parts holds; lanes a row still spans
+    while width > 1:
+        if len(parts) > 1:  # two vectors' adjacent pairs into one
+            parts = [_pair_sums(fn, parts[i], parts[i + 1], lanes) for i in range(0, len(parts), 2)]
+        else:
+            parts, lanes = [_pair_sums(fn, parts[0], None, lanes)], lanes // 2
+        width //= 2
+    sums = parts[0]
+    fn.store(vec(lanes), sums, out, 4)
+    with fn.loop(hd16, hd, hint="d") as d:  # the elements past the last 16-element slice, in order
+        qd = fn.load(F32, fn.at(qrow, 4, d), 4, "qd")
+        for t, row in enumerate(rows):
+            at = fn.at(out, 4, str(t)) if t else out
+            fn.store(F32, fn.fma(F32, load_element(fn, kv, row, d), qd, fn.load(F32, at, 4, "s")), at, 4)
+    got = fn.load(vec(lanes), out, 4, "s")
+    fn.store(vec(lanes), fn.v(f"fmul {vec(lanes)} {got}, {fn.splat(lanes, '%scale')}", "sc"), out, 4)
+
+
+def _pair_sums(fn: Fn, a: str, b: str | None, lanes: int) -> str:
+    """Lanes ``2i`` plus ``2i + 1`` of ``a`` then ``b`` (``lanes`` each): ``lanes`` lanes, or
+    ``lanes / 2`` from ``a`` alone."""
+    n = 2 * lanes if b is not None else lanes
+    other = b if b is not None else "poison"
+    even, odd = ("<" + ", ".join(f"i32 {2 * i + o}" for i in range(n // 2)) + ">" for o in (0, 1))
+    pick = [fn.v(f"shufflevector {vec(lanes)} {a}, {vec(lanes)} {other}, <{n // 2} x i32> {m}", "pr")
+            for m in (even, odd)]
+    return fn.v(f"fadd {vec(n // 2)} {pick[0]}, {pick[1]}", "ps")
+
+
 # The emitter is over 60 lines: its statements follow the loop nest of one (row, head) item (cache
 # rows, softmax, the weighted sum of v) one to one, which splitting would hide.
-def _emit_head(fn: Fn, simd: str, shape: Shape, qrow: str, orow: str, h: str, p: str,
+def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
                caches: tuple[str, str], scores: str, kv: str) -> None:
     """``orow`` = the attention of query head ``h`` (``qrow``) at position ``p`` over the cache
     rows up to p (``caches``: the layer's k rows and v rows, ``p + 1`` at least, of ``kv``
@@ -183,16 +240,12 @@ def _emit_head(fn: Fn, simd: str, shape: Shape, qrow: str, orow: str, h: str, p:
             return fn.load(V16, fn.at(row, 4, d), 4, "v")
         return fn.v(f"fpext {vec(16, 'half')} {fn.load(vec(16, 'half'), fn.at(row, 2, d), 2, 'vh')} to {V16}", "v")
 
-    # Scores four cached positions at a time: one pass over q for four K rows.
-    count4 = fn.v(f"and i64 {count}, -4", "c4")
-    with fn.loop("0", count4, "4", "j") as j:
-        js = [j] + [fn.v(f"add i64 {j}, {t}", "jt") for t in range(1, 4)]
-        krows = [(kv, cache_row(kcache, fn.v(f"add i64 {j0}, {jt}", "jj"))) for jt in js]
-        for jt, dot in zip(js, emit_dots(fn, krows, qrow, hd, simd), strict=True):
-            fn.store(F32, fn.v(f"fmul float {dot}, %scale", "sc"), fn.at(scores, 4, jt), 4)
-    with fn.loop(count4, count, hint="j") as j:
-        (dot,) = emit_dots(fn, [(kv, cache_row(kcache, fn.v(f"add i64 {j0}, {j}", "jj")))], qrow, hd, simd)
-        fn.store(F32, fn.v(f"fmul float {dot}, %scale", "sc"), fn.at(scores, 4, j), 4)
+    # Scores SCORE_BLOCK cached positions at a time, then one at a time: the same bits either way.
+    countb = fn.v(f"and i64 {count}, {-SCORE_BLOCK}", "cb")
+    for lo, stop, n in (("0", countb, SCORE_BLOCK), (countb, count, 1)):
+        with fn.loop(lo, stop, str(n), "j") as j:
+            rows = [cache_row(kcache, fn.v(f"add i64 {j0}, {fn.v(f'add i64 {j}, {t}', 'jt')}", "jj")) for t in range(n)]
+            _score_rows(fn, kv, rows, qrow, hd, fn.at(scores, 4, j, "sp"), cached16)
     top = fn.var(F32, fconst(float("-inf")), "top")
     with fn.loop("0", count, hint="j") as j:
         top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, "
