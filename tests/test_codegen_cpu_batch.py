@@ -368,7 +368,7 @@ def test_attention_rows_are_the_one_row_attentions_bits(host, teams, threads, hd
             run(host, team, attention(), np.ascontiguousarray(rows[b, q_at : q_at + n]),
                 np.ascontiguousarray(rows[b, k_at : k_at + width]), np.ascontiguousarray(rows[b, v_at : v_at + width]),
                 expected_caches[b][0], expected_caches[b][1], expected[b], 1, int(positions[b]), ATTN_HEADS, ATTN_KV,
-                hd, hd**-0.5, window)
+                hd, hd**-0.5, window, ATTN_CTX)
         table = np.zeros((batch, ATTN_COLUMNS), np.uint64)
         table[:, 1] = [c.ctypes.data for c in caches]
         out = rows.copy()

@@ -749,11 +749,12 @@ def test_attention_matches_interpreter(host, teams, threads, window, hd, kv_form
         ref = attention_ref(op, q, k, v, np.arange(pos, pos + seq, dtype=np.int32), cache)
         out = np.zeros_like(q)
         run(host, teams[threads], attention(kv_format), q, k, v, kcache, vcache, out, seq, pos, heads, kv, hd,
-            hd**-0.5, window or 0)
-        # The cache holds k and v as numpy rounds them (to nearest even), and the interpreter,
-        # which rounds alike, attends over the same values.
-        np.testing.assert_array_equal(kcache[pos : pos + seq], k.astype(dtype))
-        np.testing.assert_array_equal(vcache[pos : pos + seq], v.astype(dtype))
+            hd**-0.5, window or 0, ctx)
+        # The cache holds k and v as numpy rounds them (to nearest even), each KV head's rows in
+        # its own plane [ctx, hd], and the interpreter, which rounds alike, attends over the same values.
+        for cached, new in ((kcache, k), (vcache, v)):
+            planes = cached.reshape(kv, ctx, hd)[:, pos : pos + seq]
+            np.testing.assert_array_equal(planes, new.reshape(seq, kv, hd).transpose(1, 0, 2).astype(dtype))
         assert rel_err(out, ref) <= F32_TOL, seq
         pos += seq
 
@@ -821,7 +822,7 @@ def _decode_like_program(buffers: dict[str, int]) -> list[tuple[Kernel, tuple]]:
         (rope("llama"), (b["q"], b["cos"], b["sin"], 1, Param(buffers["params"], 0), heads, hd, hd)),
         (rope("llama"), (b["k"], b["cos"], b["sin"], 1, Param(buffers["params"], 0), kv, hd, hd)),
         (attention(), (b["q"], b["k"], b["v"], b["kc"], b["vc"], b["att"], 1, Param(buffers["params"], 0), heads, kv,
-                       hd, 0.25, 0)),
+                       hd, 0.25, 0, 8)),
         (gemv("q4_1"), (b["wo"], b["att"], Null(), b["x"], hid, heads * hd, 1)),
         (sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"),
          (b["x"], b["up"], b["gate"], b["down"], Null(), Null(), Null(), b["x2"], Null(), Null(), b["scratch"], n, hid,
@@ -964,7 +965,7 @@ def test_avx2_build_computes_the_same_bits(host, avx2, teams):
     for module in (host, avx2):
         outs.append(np.zeros_like(q))
         run(module, teams[2], attention("f16"), q, k, v, np.zeros((12, 40), np.float16),
-            np.zeros((12, 40), np.float16), outs[-1], 11, 0, 4, 2, 20, 0.25, 0)
+            np.zeros((12, 40), np.float16), outs[-1], 11, 0, 4, 2, 20, 0.25, 0, 12)
     np.testing.assert_array_equal(outs[0], outs[1])
     assert "zmm" not in avx2.emit_assembly()  # really no AVX-512 in the AVX2 build
 

@@ -1,7 +1,8 @@
 """Causal grouped-query attention over an f32 or f16 KV cache (decode, and prefill chunks).
 
 ``q`` is [seq, n_heads * head_dim], ``k`` and ``v`` [seq, n_kv_heads * head_dim]; the caches are
-[ctx, n_kv_heads * head_dim] of f32 or f16 (the op's ``kv_format``). Row s is the token at
+[n_kv_heads, ctx, head_dim] of f32 or f16 (the op's ``kv_format``): each KV head's rows follow
+each other, so that a head's pass over the positions reads one stream. Row s is the token at
 position ``pos + s``. The kernel first stores k and v into cache rows ``pos .. pos + seq - 1``
 (threads split the copy), waits at the barrier, then computes, for each (row s, query head h)
 of the thread's share, with ``g = h // (n_heads / n_kv_heads)`` and p = pos + s::
@@ -38,10 +39,10 @@ from picc.placement.memory_plan import KV_BYTES
 V16 = vec(16)
 ATTENTION_PARAMS = (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("kcache", "ptr"), ("vcache", "ptr"), ("out", "ptr"),
                     ("seq", "i32"), ("pos", "i32"), ("n_heads", "i32"), ("n_kv_heads", "i32"), ("head_dim", "i32"),
-                    ("scale", "f32"), ("window", "i32"))
+                    ("scale", "f32"), ("window", "i32"), ("ctx", "i32"))
 # attention_rows: q, k, v and out rows ``row_stride`` bytes apart; row b's caches at the pointer
-# ``kv + b * kv_stride`` (its k rows; its v rows ``ctx`` cache rows after them), its position
-# ``positions[b]`` (i32).
+# ``kv + b * kv_stride`` (its k planes; its v planes ``ctx`` cache rows of every KV head after
+# them), its position ``positions[b]`` (i32).
 ATTENTION_ROWS_PARAMS = (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("kv", "ptr"), ("out", "ptr"),
                          ("batch", "i32"), ("positions", "ptr"), ("n_heads", "i32"), ("n_kv_heads", "i32"),
                          ("head_dim", "i32"), ("scale", "f32"), ("window", "i32"), ("ctx", "i32"),
@@ -68,13 +69,15 @@ def attention(kv: str = "f32") -> Kernel:
         fn = kernel_fn(symbol, ATTENTION_PARAMS)
         seq, pos = fn.sext("%seq"), fn.sext("%pos")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
-        shape = _shape(fn)
-        # -- phase 1: k, v -> cache rows pos.., threads copying 16-float aligned chunks
-        c0, c1 = chunk_bounds(fn, fn.v(f"mul i64 {seq}, {shape.width}", "tot"), tid, nthreads, align=16)
-        count = fn.v(f"sub i64 {c1}, {c0}", "cn")
-        dst0 = fn.v(f"add i64 {fn.v(f'mul i64 {pos}, {shape.width}', 'pw')}, {c0}", "dst")
-        for src, cache_ in (("%k", "%kcache"), ("%v", "%vcache")):
-            _store(fn, kv, fn.at(cache_, KV_BYTES[kv], dst0), fn.at(src, 4, c0), count)
+        shape, ctx = _shape(fn), fn.sext("%ctx")
+        # -- phase 1: k, v -> row pos.. of each KV head's plane, threads splitting (token, KV head) items
+        c0, c1 = chunk_bounds(fn, fn.v(f"mul i64 {seq}, {shape.kv}", "tot"), tid, nthreads)
+        with fn.loop(c0, c1, hint="it") as it:
+            s, g = fn.v(f"sdiv i64 {it}, {shape.kv}", "s"), fn.v(f"srem i64 {it}, {shape.kv}", "g")
+            src = fn.v(f"mul i64 {it}, {shape.hd}", "so")  # token s's head g: [seq, n_kv, hd]
+            for k_or_v, cache_ in (("%k", "%kcache"), ("%v", "%vcache")):
+                _store(fn, kv, _plane_row(fn, kv, shape, cache_, ctx, g, fn.v(f"add i64 {pos}, {s}", "ps")),
+                       fn.at(k_or_v, 4, src), shape.hd)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # -- phase 2: (row, head) items
         scores = fn.alloca_array(F32, fn.v(f"add i64 {pos}, {seq}", "ctx"), "scores")
@@ -84,7 +87,7 @@ def attention(kv: str = "f32") -> Kernel:
             h = fn.v(f"srem i64 {it}, {shape.heads}", "h")
             head = fn.v(f"mul i64 {it}, {shape.hd}", "qo")
             _emit_head(fn, shape, fn.at("%q", 4, head, "qrow"), fn.at("%out", 4, head, "orow"), h, p,
-                       ("%kcache", "%vcache"), scores, kv)
+                       ("%kcache", "%vcache"), ctx, scores, kv)
         fn.ret_void()
         return fn.text()
 
@@ -114,9 +117,12 @@ def attention_rows(kv: str = "f32") -> Kernel:
         r0, r1 = chunk_bounds(fn, batch, tid, nthreads)
         with fn.loop(r0, r1, hint="b") as b:
             pos, kc, vc = row_of(b)
-            at, dst = fn.v(f"mul i64 {b}, {row_stride}", "ro"), fn.v(f"mul i64 {pos}, {row_bytes}", "po")
-            for src, cache_ in (("%k", kc), ("%v", vc)):
-                _store(fn, kv, fn.gep(cache_, dst), fn.gep(src, at), shape.width)
+            at = fn.v(f"mul i64 {b}, {row_stride}", "ro")
+            with fn.loop("0", shape.kv, hint="g") as g:
+                head_bytes = fn.v(f"shl i64 {shape.hd}, 2", "hb")
+                src = fn.v(f"add i64 {at}, {fn.v(f'mul i64 {g}, {head_bytes}', 'go')}", "so")
+                for k_or_v, cache_ in (("%k", kc), ("%v", vc)):
+                    _store(fn, kv, _plane_row(fn, kv, shape, cache_, ctx, g, pos), fn.gep(k_or_v, src), shape.hd)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # -- phase 2: (row, head) items, as the one-row kernel's
         scores = fn.alloca_array(F32, ctx, "scores")
@@ -128,7 +134,7 @@ def attention_rows(kv: str = "f32") -> Kernel:
             head_bytes = fn.v(f"shl i64 {fn.v(f'mul i64 {h}, {shape.hd}', 'ho')}, 2", "hb")
             head = fn.v(f"add i64 {fn.v(f'mul i64 {b}, {row_stride}', 'ro')}, {head_bytes}", "qo")
             _emit_head(fn, shape, fn.gep("%q", head, "qrow"), fn.gep("%out", head, "orow"), h, pos,
-                       (kc, vc), scores, kv)
+                       (kc, vc), ctx, scores, kv)
         fn.ret_void()
         return fn.text()
 
@@ -138,6 +144,13 @@ def attention_rows(kv: str = "f32") -> Kernel:
 def _shape(fn: Fn) -> Shape:
     heads, kv, hd = (fn.sext(f"%{n}") for n in ("n_heads", "n_kv_heads", "head_dim"))
     return Shape(heads, kv, hd, fn.v(f"mul i64 {kv}, {hd}", "width"))
+
+
+def _plane_row(fn: Fn, kv: str, shape: Shape, cache: str, ctx: str, g: str, j: str) -> str:
+    """Where row ``j`` of KV head ``g`` is in a layer's k (or v) cache: head g's plane of ``ctx``
+    rows of ``head_dim`` elements, so that a head's rows follow each other in memory."""
+    row = fn.v(f"add i64 {fn.v(f'mul i64 {g}, {ctx}', 'gc')}, {j}", "gj")
+    return fn.at(cache, KV_BYTES[kv], fn.v(f"mul i64 {row}, {shape.hd}", "crow"), "crow")
 
 
 def _store(fn: Fn, kv: str, dst: str, src: str, count: str) -> None:
@@ -214,7 +227,7 @@ def _pair_sums(fn: Fn, a: str, b: str | None, lanes: int) -> str:
 # The emitter is over 60 lines: its statements follow the loop nest of one (row, head) item (cache
 # rows, softmax, the weighted sum of v) one to one, which splitting would hide.
 def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
-               caches: tuple[str, str], scores: str, kv: str) -> None:
+               caches: tuple[str, str], ctx: str, scores: str, kv: str) -> None:
     """``orow`` = the attention of query head ``h`` (``qrow``) at position ``p`` over the cache
     rows up to p (``caches``: the layer's k rows and v rows, ``p + 1`` at least, of ``kv``
     elements) as the module doc says, with ``scores`` (p + 1 floats) for the probabilities."""
@@ -227,12 +240,8 @@ def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
         start.set(fn.max64("0", fn.v(f"add i64 {fn.v(f'sub i64 {p}, {win}', 'pw')}, 1", "ws")))
     j0 = start.get("j0")
     count = fn.v(f"sub i64 {fn.v(f'add i64 {p}, 1', 'p1')}, {j0}", "count")
-    goff = fn.v(f"mul i64 {g}, {hd}", "goff")
-
-    esize = KV_BYTES[kv]
-
     def cache_row(base: str, j: str) -> str:
-        return fn.at(base, esize, fn.v(f"add i64 {fn.v(f'mul i64 {j}, {shape.width}', 'jw')}, {goff}", "co"), "crow")
+        return _plane_row(fn, kv, shape, base, ctx, g, j)
 
     def cached16(row: str, d: str) -> str:
         """Elements ``d .. d + 15`` of a cache row as <16 x float> (one at a time: ``load_element``)."""

@@ -203,8 +203,8 @@ class OpLowering(ABC):
         return self.bufs.tensor_buffer(cos), self.bufs.tensor_buffer(sin)
 
     def kv_rows(self, op: O.Attention) -> tuple[Buf, Buf]:
-        """Where ``op`` finds its KV cache's k rows and v rows (ctx rows of k, then ctx rows of v,
-        of its ``kv_format``), one cache shared by the step and the chunk programs."""
+        """Where ``op`` finds its KV cache's k and v (ctx rows of each KV head's k, head after head,
+        then the same of v, in its ``kv_format``), one cache shared by the step and the chunk programs."""
         nbytes = kv_cache_bytes(op, self.width(op.k), self.ctx)
         caches = self.bufs.kv_cache(op.cache, nbytes)
         return caches, Buf(caches.index, nbytes // 2)
@@ -241,7 +241,7 @@ class OpLowering(ABC):
         k_rows, v_rows = self.kv_rows(op)
         self.call(op, kernels_attention.attention(op.kv_format), self.value(op.q), self.value(op.k), self.value(op.v),
                   k_rows, v_rows, self.activation(op.result), self.rows(), self.position(),
-                  op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, batched=True)
+                  op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, self.ctx, batched=True)
 
     def lower(self, op: Op) -> None:  # noqa: C901 - one case per op
         pos = self.position()
