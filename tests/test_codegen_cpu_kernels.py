@@ -698,18 +698,25 @@ def _or0(bias: np.ndarray | None) -> np.ndarray | float:
 
 
 @pytest.mark.parametrize("kind", ("rms_norm", "layer_norm"))
-def test_norms(host, teams, kind):
+@pytest.mark.parametrize(("seq", "threads"), [(3, 2), (1, 3), (2, 3)])
+def test_norms(host, teams, kind, seq, threads):
+    # Fewer rows than threads (a decode step's one row): every thread takes each row's statistics
+    # and a share of its elements; the same bits as one thread, and in place as out of place.
     rng = np.random.default_rng(15)
-    seq, n, eps = 3, 100, 1e-5
+    n, eps = 100, 1e-5
     x = rng.normal(size=(seq, n)).astype(np.float32)
     w, b = (1 + 0.1 * rng.normal(size=n)).astype(np.float32), rng.normal(size=n).astype(np.float32)
-    out = np.zeros_like(x)
+    kernel, bias = (rms_norm(), None) if kind == "rms_norm" else (layer_norm(), b)
+    out, alone, in_place = np.zeros_like(x), np.zeros_like(x), x.copy()
+    run(host, teams[threads], kernel, x, w, bias, out, seq, n, eps)
+    run(host, teams[1], kernel, x, w, bias, alone, seq, n, eps)
+    run(host, teams[threads], kernel, in_place, w, bias, in_place, seq, n, eps)
+    np.testing.assert_array_equal(out, alone)
+    np.testing.assert_array_equal(in_place, alone)
     xd = x.astype(np.float64)
     if kind == "rms_norm":
-        run(host, teams[2], rms_norm(), x, w, None, out, seq, n, eps)
         ref = xd / np.sqrt((xd**2).mean(-1, keepdims=True) + eps) * w
     else:
-        run(host, teams[2], layer_norm(), x, w, b, out, seq, n, eps)
         c = xd - xd.mean(-1, keepdims=True)
         ref = c / np.sqrt((c**2).mean(-1, keepdims=True) + eps) * w + b
     assert rel_err(out, ref) <= F32_TOL
@@ -717,9 +724,10 @@ def test_norms(host, teams, kind):
 
 @pytest.mark.parametrize("style", ("llama", "gptj"))
 @pytest.mark.parametrize("rotary_dim", (16, 8))
-def test_rope_matches_interpreter(host, teams, style, rotary_dim):
+@pytest.mark.parametrize("seq", (3, 1))  # one row on two threads: they split its heads
+def test_rope_matches_interpreter(host, teams, style, rotary_dim, seq):
     rng = np.random.default_rng(16)
-    seq, pos, heads, hd = 3, 1000, 3, 16  # a large position: the angle's float32 rounding matters
+    pos, heads, hd = 1000, 3, 16  # a large position: the angle's float32 rounding matters
     op = O.Rope(result="r", type=f32(seq, heads * hd), x="x", pos="p", n_heads=heads, head_dim=hd,
                 rotary_dim=rotary_dim, style=style, theta=500000.0)
     x = rng.normal(size=(seq, heads * hd)).astype(np.float32)

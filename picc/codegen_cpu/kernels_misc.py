@@ -54,6 +54,21 @@ def vector_sum(fn: Fn, base: str, n: str, term: str | None = None) -> str:
     return total.get()
 
 
+def rows_or_parts(fn: Fn, seq: str, parts: str, align: int = 1, may: str = "true") -> tuple[tuple[str, str], ...]:
+    """A thread's rows ``[lo, hi)`` of ``seq`` and parts ``[p0, p1)`` of each row's ``parts``
+    (i64): the rows split between the threads where there are as many as threads, else (and
+    ``may``, an i1) every thread takes every row and a share of its parts (``align``-aligned).
+    A decode step's one row had one thread normalise (or rotate) it while the others waited at
+    the barrier after it (SmolLM2: 55 us a token of waiting after its 61 norms)."""
+    tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
+    by_rows = fn.v(f"or i1 {fn.v(f'icmp sge i64 {seq}, {nthreads}', 'many')}, {fn.v(f'xor i1 {may}, true', 'not')}",
+                   "byrows")
+    rows, split = chunk_bounds(fn, seq, tid, nthreads), chunk_bounds(fn, parts, tid, nthreads, align=align)
+    lo, hi = (fn.v(f"select i1 {by_rows}, i64 {r}, i64 {w}", "rb") for r, w in zip(rows, ("0", seq), strict=True))
+    p0, p1 = (fn.v(f"select i1 {by_rows}, i64 {w}, i64 {p}", "pb") for w, p in zip(("0", parts), split, strict=True))
+    return (lo, hi), (p0, p1)
+
+
 def _norm(kind: str) -> Kernel:
     symbol = names.cpu_norm(kind)
 
@@ -61,7 +76,8 @@ def _norm(kind: str) -> Kernel:
         fn = kernel_fn(symbol, NORM_PARAMS)
         seq, n = fn.sext("%seq"), fn.sext("%n")
         nf = fn.v(f"sitofp i64 {n} to float", "nf")
-        lo, hi = chunk_bounds(fn, seq, fn.sext("%tid"), fn.sext("%nthreads"))
+        apart = fn.v("icmp ne ptr %x, %out", "apart")  # in place, a thread's writes would meet another's reads
+        (lo, hi), (e0, e1) = rows_or_parts(fn, seq, n, 16, apart)
         with fn.loop(lo, hi, hint="s") as s:
             off = fn.v(f"mul i64 {s}, {fn.v(f'shl i64 {n}, 2', 'rb')}", "off")
             x, out = fn.gep("%x", off, "xr"), fn.gep("%out", off, "or")
@@ -73,7 +89,7 @@ def _norm(kind: str) -> Kernel:
                 ms = fn.v(f"fdiv float {vector_sum(fn, x, n, center)}, {nf}", "var")
             denom = fn.v(f"call float @llvm.sqrt.f32(float {fn.v(f'fadd float {ms}, %eps', 'mse')})", "den")
             has_bias = fn.v("icmp ne ptr %bias, null", "hasb")
-            with fn.loop("0", n, hint="j") as j:
+            with fn.loop(e0, e1, hint="j") as j:
                 v = fn.load(F32, fn.at(x, 4, j), 4, "x")
                 if center is not None:
                     v = fn.v(f"fsub float {v}, {center}", "xc")
@@ -120,7 +136,7 @@ def rope(style: str) -> Kernel:
         seq, heads, hd, rot = (fn.sext(f"%{n}") for n in ("seq", "n_heads", "head_dim", "rotary_dim"))
         half = fn.v(f"lshr i64 {rot}, 1", "half")
         width = fn.v(f"mul i64 {heads}, {hd}", "width")
-        lo, hi = chunk_bounds(fn, seq, fn.sext("%tid"), fn.sext("%nthreads"))
+        (lo, hi), (h0, h1) = rows_or_parts(fn, seq, heads)
         with fn.loop(lo, hi, hint="s") as s:
             p = fn.v(f"add i64 {fn.sext('%pos')}, {s}", "p")
             row = fn.gep("%x", fn.v(f"mul i64 {s}, {fn.v(f'shl i64 {width}, 2', 'rb')}", "ro"), "xr")
@@ -132,7 +148,7 @@ def rope(style: str) -> Kernel:
                 else:
                     ia = fn.v(f"shl i64 {i}, 1", "ia")
                     ib = fn.v(f"add i64 {ia}, 1", "ib")
-                with fn.loop("0", heads, hint="h") as h:
+                with fn.loop(h0, h1, hint="h") as h:
                     base = fn.v(f"mul i64 {h}, {hd}", "hb")
                     pa = fn.at(row, 4, fn.v(f"add i64 {base}, {ia}", "ja"))
                     pb = fn.at(row, 4, fn.v(f"add i64 {base}, {ib}", "jb"))
