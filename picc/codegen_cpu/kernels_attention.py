@@ -25,7 +25,6 @@ barrier for each.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -33,7 +32,7 @@ from picc import kernel_names as names
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, fconst, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_misc import vector_sum
-from picc.codegen_cpu.rowformats import load_element
+from picc.codegen_cpu.rowformats import load_element, load_floats16
 from picc.placement.memory_plan import KV_BYTES
 
 V16 = vec(16)
@@ -175,8 +174,7 @@ summed each position's lanes on their own; in a decode step (caches from memory,
 --profile`, three alternating pairs) the step 3.82-3.86 against 3.94-4.11 ms."""
 
 
-def _score_rows(fn: Fn, kv: str, rows: list[str], qrow: str, hd: str, out: str,
-                cached16: Callable[[str, str], str]) -> None:
+def _score_rows(fn: Fn, kv: str, rows: list[str], qrow: str, hd: str, out: str) -> None:
     """``out[t] = scale * (q . rows[t])`` for the cache rows ``rows`` (1, or a power of two up to 8).
 
     Each row's products go into 16 lanes over q's 16-element slices in order, fold to 8 (lane i
@@ -190,7 +188,7 @@ def _score_rows(fn: Fn, kv: str, rows: list[str], qrow: str, hd: str, out: str,
     with fn.loop("0", hd16, "16", "d") as d:
         qv = fn.load(V16, fn.at(qrow, 4, d), 4, "q")
         for acc, row in zip(accs, rows, strict=True):
-            acc.set(fn.fma(V16, cached16(row, d), qv, acc.get("sacc")))
+            acc.set(fn.fma(V16, load_floats16(fn, kv, row, d), qv, acc.get("sacc")))
     lo8, hi8 = ("<" + ", ".join(f"i32 {i + o}" for i in range(8)) + ">" for o in (0, 8))
     parts = [fn.v(f"fadd {vec(8)} {fn.v(f'shufflevector {V16} {v}, {V16} poison, <8 x i32> {lo8}', 'lo')}, "
                   f"{fn.v(f'shufflevector {V16} {v}, {V16} poison, <8 x i32> {hi8}', 'hi')}", "fold")
@@ -243,18 +241,12 @@ def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
     def cache_row(base: str, j: str) -> str:
         return _plane_row(fn, kv, shape, base, ctx, g, j)
 
-    def cached16(row: str, d: str) -> str:
-        """Elements ``d .. d + 15`` of a cache row as <16 x float> (one at a time: ``load_element``)."""
-        if kv == "f32":
-            return fn.load(V16, fn.at(row, 4, d), 4, "v")
-        return fn.v(f"fpext {vec(16, 'half')} {fn.load(vec(16, 'half'), fn.at(row, 2, d), 2, 'vh')} to {V16}", "v")
-
     # Scores SCORE_BLOCK cached positions at a time, then one at a time: the same bits either way.
     countb = fn.v(f"and i64 {count}, {-SCORE_BLOCK}", "cb")
     for lo, stop, n in (("0", countb, SCORE_BLOCK), (countb, count, 1)):
         with fn.loop(lo, stop, str(n), "j") as j:
             rows = [cache_row(kcache, fn.v(f"add i64 {j0}, {fn.v(f'add i64 {j}, {t}', 'jt')}", "jj")) for t in range(n)]
-            _score_rows(fn, kv, rows, qrow, hd, fn.at(scores, 4, j, "sp"), cached16)
+            _score_rows(fn, kv, rows, qrow, hd, fn.at(scores, 4, j, "sp"))
     top = fn.var(F32, fconst(float("-inf")), "top")
     with fn.loop("0", count, hint="j") as j:
         top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, "
@@ -280,7 +272,8 @@ def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
                 vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"))
                 pv = fn.splat(16, fn.load(F32, fn.at(scores, 4, j), 4, "prob"))
                 for w, acc in enumerate(accs):
-                    acc.set(fn.fma(V16, pv, cached16(vrow, fn.v(f"add i64 {d}, {16 * w}", "dw")), acc.get()))
+                    vw = load_floats16(fn, kv, vrow, fn.v(f"add i64 {d}, {16 * w}", "dw"))
+                    acc.set(fn.fma(V16, pv, vw, acc.get()))
             for w, acc in enumerate(accs):
                 fn.store(V16, acc.get(), fn.at(orow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw")), 4)
     with fn.loop(d16, hd, hint="d") as d:

@@ -54,7 +54,8 @@ def vector_sum(fn: Fn, base: str, n: str, term: str | None = None) -> str:
     return total.get()
 
 
-def rows_or_parts(fn: Fn, seq: str, parts: str, align: int = 1, may: str = "true") -> tuple[tuple[str, str], ...]:
+def rows_or_parts(fn: Fn, seq: str, parts: str, align: int = 1,
+                  may: str = "true") -> tuple[tuple[str, str], tuple[str, str]]:
     """A thread's rows ``[lo, hi)`` of ``seq`` and parts ``[p0, p1)`` of each row's ``parts``
     (i64): the rows split between the threads where there are as many as threads, else (and
     ``may``, an i1) every thread takes every row and a share of its parts (``align``-aligned).

@@ -105,12 +105,9 @@ def load_block(fn: Fn, dtype: str, row: str, b: str, simd: str, q4_0_raw: bool =
     """Block ``b`` (i64) of ``row``; with ``q4_0_raw``, q4_0's quants as stored (``q``, not ``q - 8``)."""
     bptr = fn.at(row, block_bytes(dtype), b, "blk")
     if dtype in ("f32", "f16"):
-        ty = F32 if dtype == "f32" else "half"
-        size = 4 if dtype == "f32" else 2
-        halves = [fn.load(vec(16, ty), fn.gep(bptr, str(16 * size * h)), size, "w") for h in (0, 1)]
-        if dtype == "f16":
-            halves = [fn.v(f"fpext {vec(16, 'half')} {w} to {V16}", "w") for w in halves]
-        return Block(halves[0], halves[1])
+        first = fn.v(f"shl i64 {b}, 5", "b32")
+        return Block(*(load_floats16(fn, dtype, row, fn.v(f"add i64 {first}, {16 * h}", "bh") if h else first)
+                       for h in (0, 1)))
     # The scale (and q4_1's minimum) as one 4-byte load and one conversion: two scalar f16 loads
     # cost Zen 3 more FP-pipe work (an insert and a convert each) than it is worth.
     dm = fn.v(f"fpext <2 x half> {fn.load('<2 x half>', bptr, 2, 'dmh')} to <2 x float>", "dm")
@@ -136,6 +133,13 @@ def dequantized(fn: Fn, blk: Block) -> tuple[str, str]:
         ms = fn.splat(16, blk.m)
         out = [fn.v(f"fadd {V16} {w}, {ms}", "w") for w in out]
     return out[0], out[1]
+
+
+def load_floats16(fn: Fn, dtype: str, row: str, j: str) -> str:
+    """Elements ``j .. j + 15`` of a plain (f32 / f16) row as <16 x float>."""
+    if dtype == "f32":
+        return fn.load(V16, fn.at(row, 4, j), 4, "w")
+    return fn.v(f"fpext {vec(16, 'half')} {fn.load(vec(16, 'half'), fn.at(row, 2, j), 2, 'w16')} to {V16}", "w")
 
 
 def load_element(fn: Fn, dtype: str, row: str, j: str) -> str:
