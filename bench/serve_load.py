@@ -15,7 +15,9 @@ change a sequence's tokens), that no reply was a 5xx, that no sequence is left b
 load within 10% of its RSS after the warm-up). Exits 1 when a check fails.
 
 ``--batch-steps`` first times the engine's batch step itself (no server): milliseconds per call for
-1, 2, 4 and 8 sequences against the one-sequence step, medians of 20 calls, in one run.
+1, 2, 4 and 8 sequences against the one-sequence step, medians of 20 calls, in one run; with
+``--profile``, then where a call's time goes by kernel for 1 and 8 rows (the batch step's
+profiled twin: a clock around each call and the barrier after it).
 
 ``--ray`` runs the load against ``picc serve --ray`` on a local Ray cluster instead, twice in one
 run: two replicas of one thread each, then one replica of two threads (the same cores, so it shows
@@ -190,8 +192,9 @@ def load(url: str, model: str, args: argparse.Namespace, server: Server | None) 
     return phases, facts
 
 
-def batch_steps(model: str, threads: int, calls: int = 20) -> str:
-    """The batch step's time per call for 1..8 rows against the one-row step's, as a table."""
+def batch_steps(model: str, threads: int, calls: int = 20, profile: bool = False) -> str:
+    """The batch step's time per call for 1..8 rows against the one-row step's, as a table;
+    ``profile``: then where a call's time goes by kernel, for one row and for eight."""
     sys.path.insert(0, str(ROOT))
     from runtime.sequences import SequencePool
     from runtime.session import Session
@@ -211,14 +214,50 @@ def batch_steps(model: str, threads: int, calls: int = 20) -> str:
                 times.append(time.perf_counter() - start)
             return statistics.median(times[2:])
 
+        def batch(rows: int) -> Callable[[int], None]:
+            ptrs = pool.pointers(slots[:rows])
+            return lambda i: ex.cpu.batch_step([5] * rows, [10 + i] * rows, ptrs)
+
         with ex.pinned():
             one = median_seconds(lambda i: ex.step(5, 10 + i))
             lines.append(f"| step | {one * 1e3:.2f} | {1 / one:.0f} | 1.00x |")
             for rows in (1, 2, 4, 8):
-                ptrs = pool.pointers(slots[:rows])
-                t = median_seconds(lambda i, rows=rows, ptrs=ptrs: ex.cpu.batch_step([5] * rows, [10 + i] * rows, ptrs))
+                t = median_seconds(batch(rows))
                 lines.append(f"| {rows} | {t * 1e3:.2f} | {rows / t:.0f} | {rows * one / t:.2f}x |")
+            if profile:
+                lines += ["", *batch_profile(ex.cpu, {rows: batch(rows) for rows in (1, 8)}, calls)]
     return "\n".join(lines)
+
+
+def batch_profile(cpu, runs: dict[int, Callable[[int], None]], calls: int) -> list[str]:  # noqa: ANN001
+    """Lines of a table: us per batch step call by kernel (the call and the wait at the barrier
+    after it, means over the threads and ``calls`` calls at positions 10..), for each row count
+    of ``runs``, and the ratio of the last to the first."""
+    spent: dict[int, dict[str, list[float]]] = {}
+    for rows, run in runs.items():
+        cpu.start_profile(batch=True)
+        try:
+            for i in range(calls):
+                run(i)
+        finally:
+            (got,) = cpu.stop_profile()
+        scale = 1e6 / got.hz / max(got.runs, 1)
+        by_kernel = spent[rows] = {}
+        for (symbol, _), k, w in zip(got.calls, got.kernel.mean(axis=0), got.wait.mean(axis=0), strict=True):
+            entry = by_kernel.setdefault(symbol, [0, 0.0])
+            entry[0] += 1
+            entry[1] += (k + w) * scale
+    first, last = min(spent), max(spent)
+    head = " | ".join(f"{rows} row{'s' * (rows > 1)}, us" for rows in spent)
+    lines = ["where a call's time goes (the batch step profiled; a kernel's calls and the waits after them)", "",
+             f"| kernel | calls | {head} | {last} / {first} |", "|---|---|" + "---|" * (len(spent) + 1)]
+    kernels = sorted(spent[last], key=lambda sym: -spent[last][sym][1])
+    for sym in [*kernels, "all"]:
+        times = [sum(e[1] for e in spent[r].values()) if sym == "all" else spent[r][sym][1] for r in spent]
+        n = sum(e[0] for e in spent[last].values()) if sym == "all" else spent[last][sym][0]
+        lines.append(f"| {sym} | {n} | " + " | ".join(f"{t:.0f}" for t in times) +
+                     f" | {times[-1] / times[0]:.2f}x |")
+    return lines
 
 
 def table(title: str, phases: list[Phase]) -> str:
@@ -287,13 +326,17 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true",
                     help="stream the completions (server-sent events, read as they come); default: whole replies")
     ap.add_argument("--batch-steps", action="store_true", help="first time the batch step alone (no server)")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --batch-steps: where a batch step's time goes, by kernel, for 1 row and for 8")
     ap.add_argument("--ray", action="store_true", help="load picc serve --ray: 2 replicas x 1 thread, then 1 x 2")
     args = ap.parse_args()
     if not Path(args.model).is_file():
         raise SystemExit(f"serve_load: {args.model} not found (bash scripts/demo.sh compiles build/smollm2.pib)")
+    if args.profile and not args.batch_steps:
+        ap.error("--profile profiles the batch step: give --batch-steps too")
     print(f"machine: {machine()}")
     if args.batch_steps:
-        print(batch_steps(args.model, args.threads))
+        print(batch_steps(args.model, args.threads, profile=args.profile))
     name = Path(args.model).stem
     if args.ray:
         return ray_load(args, name)

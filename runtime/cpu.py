@@ -19,6 +19,7 @@ them), where the code has one: a model that runs on the CPU alone.
 ``start_profile()`` swaps each stage's step for its profiled twin (a clock around every kernel
 call and barrier, ``picc.codegen_cpu.program.Program.profiled``) and gives its counters memory;
 ``stop_profile()`` swaps back and returns what they counted (:class:`StageProfile`).
+``start_profile(batch=True)`` does the same for the batch step alone.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.cpu_manifest import ChunkRows, CpuChunkProgram, CpuManifest
+from runtime.cpu_manifest import ChunkRows, CpuChunkProgram, CpuManifest, ProfiledStep
 from runtime.pib import PibFile
 from runtime.threads import ThreadTeam
 
@@ -63,11 +64,15 @@ class ChunkProgram:
     logits: np.ndarray | None
 
 
+BATCH_STAGE = -1  # the stage number of the batch step's profile (StageProfile.stage)
+
+
 @dataclass
 class StageProfile:
-    """What stage ``stage``'s profiled step counted: per call (``calls``: its kernel and the IR
-    value it computes), per thread, the cycles in the call (``kernel[t, n]``) and in the barrier
-    after it (``wait[t, n]``), over ``runs`` steps; ``hz``: the clock's cycles per second."""
+    """What stage ``stage``'s profiled step (:data:`BATCH_STAGE`: the batch step's) counted: per
+    call (``calls``: its kernel and the IR value it computes), per thread, the cycles in the call
+    (``kernel[t, n]``) and in the barrier after it (``wait[t, n]``), over ``runs`` steps; ``hz``:
+    the clock's cycles per second."""
 
     stage: int
     calls: list[tuple[str, str]]
@@ -382,36 +387,56 @@ class CpuExecutor:
             return int(self.params[self._slots["greedy"]])
         return int(np.argmax(self._logits))
 
-    def start_profile(self) -> None:
-        """Run the profiled steps from now on, their counters zeroed (prompt chunks are not profiled)."""
+    def start_profile(self, batch: bool = False) -> None:
+        """Run the profiled steps from now on, their counters zeroed (prompt chunks are not
+        profiled); ``batch``: the batch step's (:meth:`batch_step`) instead of the stages'."""
+        if self._profiling is not None:
+            raise ExecutorError("start_profile() while profiling already")
         self._profiling = []
+        if batch:
+            profile = self._batch.profile if self._batch is not None else None
+            if profile is None:
+                raise ExecutorError(f"{self._path}: has no profiled batch step (compiled before it had one, "
+                                    "or the model has a GPU part)")
+            self._batch_fn = self._job(profile.step)
+            self._profiling.append((BATCH_STAGE, self._counters(profile)))
+            return
         for stage, st in enumerate(self._manifest.stages):
-            if st.profile is None:
-                continue
-            slots = self._manifest.buffers[st.profile.buffer].slots
-            assert slots is not None
-            counters = _zeros(8 * self.team.nthreads * slots).view(np.int64)
-            self._keep[st.profile.buffer] = counters
-            self._table[st.profile.buffer] = counters.ctypes.data
-            self._jobs[stage] = (self._job(st.profile.step), self._jobs[stage][1])
-            self._profiling.append((stage, counters.reshape(self.team.nthreads, -1)))
+            if st.profile is not None:
+                self._jobs[stage] = (self._job(st.profile.step), self._jobs[stage][1])
+                self._profiling.append((stage, self._counters(st.profile)))
+
+    def _counters(self, profile: ProfiledStep) -> np.ndarray:
+        """Zeroed counters for ``profile``'s step, bound to its table entry: a row per thread."""
+        slots = self._manifest.buffers[profile.buffer].slots
+        assert slots is not None
+        counters = _zeros(8 * self.team.nthreads * slots).view(np.int64)
+        self._keep[profile.buffer] = counters
+        self._table[profile.buffer] = counters.ctypes.data
+        return counters.reshape(self.team.nthreads, -1)
 
     def stop_profile(self) -> list[StageProfile]:
-        """Back to the plain steps; what each profiled stage counted since :meth:`start_profile`."""
+        """Back to the plain steps; what each profiled step counted since :meth:`start_profile`
+        (the batch step's: stage :data:`BATCH_STAGE`)."""
         if self._profiling is None:
             raise ExecutorError("stop_profile() without start_profile()")
         if self._hz is None:
             self._hz = self._clock_rate()
-        hz = self._hz
         out = []
         for stage, counters in self._profiling:
-            st = self._manifest.stages[stage]
-            assert st.profile is not None
-            self._jobs[stage] = (self._job(st.step), self._jobs[stage][1])
-            calls = list(st.profile.calls)
+            if stage == BATCH_STAGE:
+                assert self._batch is not None and self._batch.profile is not None
+                self._batch_fn = self._job(self._batch.symbol)
+                profile = self._batch.profile
+            else:
+                st = self._manifest.stages[stage]
+                assert st.profile is not None
+                self._jobs[stage] = (self._job(st.step), self._jobs[stage][1])
+                profile = st.profile
+            calls = list(profile.calls)
             n = len(calls)  # counters per thread: kernel, wait for each call, then the runs (profile_slots)
             out.append(StageProfile(stage, calls, counters[:, 0 : 2 * n : 2].copy(), counters[:, 1 : 2 * n : 2].copy(),
-                                    int(counters[0, 2 * n]), hz))
+                                    int(counters[0, 2 * n]), self._hz))
         self._profiling = None
         return out
 

@@ -253,7 +253,8 @@ class CpuBatchProgram:
     position from ``bufs[positions]``, its KV caches through row s of ``bufs[kv_table]`` (one
     pointer per entry of ``caches``, the ``bufs`` indices of the step's KV caches, in that order),
     and leaves its logits at ``logits`` plus ``s * stride`` bytes and its greedy token in
-    ``bufs[greedy]`` [s]."""
+    ``bufs[greedy]`` [s]. ``profile``: the same step with a clock around each call (files
+    compiled before it had one: None)."""
 
     symbol: str
     capacity: int
@@ -264,17 +265,23 @@ class CpuBatchProgram:
     greedy: int
     kv_table: int
     caches: tuple[int, ...]
+    profile: ProfiledStep | None = None
 
     def to_json(self) -> dict:
-        return {"symbol": self.symbol, "capacity": self.capacity, "stride": self.stride,
+        data = {"symbol": self.symbol, "capacity": self.capacity, "stride": self.stride,
                 "logits": self.logits.to_json(), "tokens": self.tokens, "positions": self.positions,
                 "greedy": self.greedy, "kv_table": self.kv_table, "caches": list(self.caches)}
+        if self.profile is not None:
+            data["profile"] = self.profile.to_json()
+        return data
 
     @classmethod
     def from_json(cls, data: object) -> CpuBatchProgram:
+        profile = data.get("profile") if isinstance(data, dict) else None
         return cls(str(_field(data, "symbol")), _int(data, "capacity"), _int(data, "stride"),
                    LogitsRow.from_json(_field(data, "logits")), _int(data, "tokens"), _int(data, "positions"),
-                   _int(data, "greedy"), _int(data, "kv_table"), tuple(int(i) for i in _field(data, "caches")))
+                   _int(data, "greedy"), _int(data, "kv_table"), tuple(int(i) for i in _field(data, "caches")),
+                   ProfiledStep.from_json(profile) if profile is not None else None)
 
 
 @dataclass(frozen=True)

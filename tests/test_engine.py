@@ -21,7 +21,8 @@ from conftest import tiny_llama, with_tokenizer
 from picc.compile import CompileOptions, compile_model, write_compiled
 from picc.ir.types import DType
 from picc.sparsity.sparsify import SparsifyOptions
-from runtime.cpu import ExecutorError
+from runtime.cpu import BATCH_STAGE, ExecutorError
+from runtime.cpu_manifest import CpuBatchProgram
 from runtime.engine import Engine, QueueFull, Request
 from runtime.generation import Generation
 from runtime.pib import PibFile
@@ -201,6 +202,46 @@ def test_the_batch_step_gives_each_row_the_bits_of_its_own_step(model, threads):
         with pytest.raises(ExecutorError, match="batch step takes"):
             cpu.batch_step([1] * (cpu.batch_capacity + 1), [0] * (cpu.batch_capacity + 1),
                            pool.pointers([0] * (cpu.batch_capacity + 1)))
+
+
+def test_the_profiled_batch_step_computes_the_same_and_counts_every_call(model):
+    # bench/serve_load.py --batch-steps --profile: the batch step's profiled twin gives each row the
+    # plain step's bits, and counts each of its calls (cycles in the kernel, on every thread) in
+    # every run; stop_profile() puts the plain step back.
+    with Session(model, 2) as session:
+        cpu = session.executor.cpu
+        pool = SequencePool(session.executor, 3)
+        slots = [pool.acquire() for _ in range(3)]
+
+        def run() -> list[np.ndarray]:
+            for pos, tokens in enumerate(([1, 5, 9], [7, 2, 3])):
+                cpu.batch_step(tokens, [pos] * 3, pool.pointers(slots))
+            return [cpu.batch_logits(r).copy() for r in range(3)]
+
+        plain = run()
+        cpu.start_profile(batch=True)
+        with pytest.raises(ExecutorError, match="while profiling"):
+            cpu.start_profile()
+        profiled = run()
+        (got,) = cpu.stop_profile()
+        for a, b in zip(plain, profiled, strict=True):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+        assert got.stage == BATCH_STAGE and got.runs == 2
+        assert got.kernel.shape == (2, len(got.calls)) and np.all(got.kernel > 0)
+        assert {"greedy", "logits"} <= {label for _, label in got.calls}
+        assert any(symbol.startswith("picc_attention") for symbol, _ in got.calls)
+        with pytest.raises(ExecutorError, match="without start_profile"):
+            cpu.stop_profile()
+        again = run()  # the plain step again
+        np.testing.assert_array_equal(again[0].view(np.uint32), plain[0].view(np.uint32))
+        cpu.start_profile(batch=True)  # counters from zero each time
+        run()
+        assert cpu.stop_profile()[0].runs == 2
+    with PibFile(model) as pib:
+        data = pib.json("cpu/manifest")["batch"]
+    assert CpuBatchProgram.from_json(data).to_json() == data
+    older = CpuBatchProgram.from_json({k: v for k, v in data.items() if k != "profile"})  # a file from before
+    assert older.profile is None and "profile" not in older.to_json()
 
 
 def _per_row_loops(ir: str, function: str) -> list[str]:

@@ -88,6 +88,6 @@ def lower_module(module: Module, weights: WeightStore, sched: Schedule, ctx: int
     batch_info = None
     if batch_step and loop is not None and not sched.stages[0].gpu:  # CPU alone: a server batches its sequences
         batch, batch_info = BatchLowering(step, bufs).lower_batch()
-        programs.append(batch)
+        programs += batch
     return CpuProgram(programs, bufs.extra, bufs.layouts, tuple(bufs.entries), tuple(step.stages), values,
                       where_logits, step.greedy, prefill_info, logits_info, loop, batch_info)

@@ -28,10 +28,10 @@ from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, ZEROS, CpuBuffer
 from picc.codegen_cpu.chunks import aligned
 from picc.codegen_cpu.lower_decode import DecodeLowering
 from picc.codegen_cpu.lower_ops import OpLowering
-from picc.codegen_cpu.program import Access, Buf, Param, Program, place_barriers
+from picc.codegen_cpu.program import Access, Buf, Param, Program, place_barriers, profile_slots
 from picc.errors import PiccError
 from picc.ir import ops as O
-from runtime.cpu_manifest import CpuBatchProgram, LogitsRow
+from runtime.cpu_manifest import CpuBatchProgram, CpuBuffer, LogitsRow, ProfiledStep
 
 BATCH_CAPACITY = 16  # rows of the batch step: sequences a server decodes in one call
 BATCH_SYMBOL = "picc_batch_step"
@@ -119,8 +119,9 @@ class BatchLowering(DecodeLowering):
 
     # --- the program -------------------------------------------------------------------------------
 
-    def lower_batch(self) -> tuple[Program, CpuBatchProgram]:
-        """The batch step over the one stage's ops, head and argmax included."""
+    def lower_batch(self) -> tuple[list[Program], CpuBatchProgram]:
+        """The batch step over the one stage's ops, head and argmax included, and its profiled
+        twin (``bench/serve_load.py --batch-steps --profile``)."""
         if len(self.sched.stages) != 1 or not self.sched.stages[0].cpu or self.sched.stages[0].gpu:
             raise PiccError("codegen_cpu: a batch step needs a model that runs on the CPU alone")
         self.program = Program(BATCH_SYMBOL, sync=SYNC)
@@ -133,7 +134,11 @@ class BatchLowering(DecodeLowering):
                           rows_apart=self.rows_apart(args))
         self.access.append(Access(frozenset({ret}), frozenset(), False))
         self.program.calls = place_barriers(self.program.calls, self.access)
+        counters = self.bufs.add(CpuBuffer("profile", slots=profile_slots(len(self.program.calls))))
+        profiled = self.program.profiled(counters)
+        calls = tuple((c.kernel.symbol, c.label) for c in self.program.calls)
         logits = LogitsRow(self.rows_memory, self.step_values[ret].offset, self.width(ret))
         caches = tuple(self.bufs.caches[name].index for name in self.cache_names)
-        return self.program, CpuBatchProgram(BATCH_SYMBOL, self.capacity, self.stride, logits, self.token_ids,
-                                             self.positions, self.greedy_ids, self.kv_table, caches)
+        return [self.program, profiled], CpuBatchProgram(
+            BATCH_SYMBOL, self.capacity, self.stride, logits, self.token_ids, self.positions, self.greedy_ids,
+            self.kv_table, caches, ProfiledStep(profiled.name, counters, calls))
