@@ -33,6 +33,12 @@ corrected by 128 times the nibbles' sum): 12.5-13 cycles, no better than the pai
 ``vpdpbusd`` count per row is the same; folding the ``<< 8`` into ``vpmaddwd`` (by 256): no
 change; one ``vpdpbusd`` chain per sum instead of two (145 against 147 us: within the noise), or
 the low bytes' chain started from the high bytes' sum shifted (165 us: one chain twice as long).
+What bounds it (loops of generated code on the same Zen 4): 512-bit ``vpdpbusd`` retires one a
+cycle on FP pipes 0-1, which the FMAs and multiplies share; broadcasts from memory are free, and
+masks, shifts and conversions fit beside them. A pair and group block is 16 ``vpdpbusd`` and
+three float operations there (the scale product and two FMAs, in the one-row kernel's order): a
+floor of 9.5 cycles an x row and block, against 11.5-11.8 measured (docs/serving.md); tuning for
+Zen 4 (``tune-cpu``) or four chains a sum gained nothing.
 """
 
 from __future__ import annotations
