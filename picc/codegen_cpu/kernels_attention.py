@@ -133,7 +133,8 @@ def attention_rows(kv: str = "f32") -> Kernel:
             b = fn.v(f"sdiv i64 {it}, {shape.heads}", "b")
             h = fn.v(f"srem i64 {it}, {shape.heads}", "h")
             pos, kc, vc = row_of(b)
-            def next_item(i: str) -> tuple[str, tuple[str, str]]:
+
+            def next_item(i: str) -> tuple[str, tuple[str, str]]:  # item i's position and caches
                 p2, kc2, vc2 = row_of(fn.v(f"sdiv i64 {i}, {shape.heads}", "b"))
                 return p2, (kc2, vc2)
 
