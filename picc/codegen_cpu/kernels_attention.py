@@ -51,12 +51,14 @@ ATTENTION_ROWS_PARAMS = (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("kv", "ptr")
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """The heads of a call (i64 values): query heads, KV heads, features a head, floats a cache row."""
+    """The heads of a call (i64 values): query heads, KV heads, features a head, floats a cache row,
+    query heads a KV head serves."""
 
     heads: str
     kv: str
     hd: str
     width: str
+    group: str
 
 
 @cache
@@ -82,11 +84,11 @@ def attention(kv: str = "f32") -> Kernel:
         # -- phase 2: (row, head) items
         scores = fn.alloca_array(F32, fn.v(f"add i64 {pos}, {seq}", "ctx"), "scores")
         lo, hi = chunk_bounds(fn, fn.v(f"mul i64 {seq}, {shape.heads}", "items"), tid, nthreads)
+        one = fn.v(f"icmp eq i64 {seq}, 1", "one")  # a chunk's tokens read the rows one after another
         with fn.loop(lo, hi, hint="it") as it:
             p = fn.v(f"add i64 {pos}, {fn.v(f'sdiv i64 {it}, {shape.heads}', 's')}", "p")
             h = fn.v(f"srem i64 {it}, {shape.heads}", "h")
             head = fn.v(f"mul i64 {it}, {shape.hd}", "qo")
-            one = fn.v(f"icmp eq i64 {seq}, 1", "one")  # a chunk's tokens read the rows one after another
             _prefetch_next_group(fn, shape, it, h, hi, ctx, kv, lambda i: (pos, ("%kcache", "%vcache")), one)
             _emit_head(fn, shape, fn.at("%q", 4, head, "qrow"), fn.at("%out", 4, head, "orow"), h, p,
                        ("%kcache", "%vcache"), ctx, scores, kv)
@@ -119,9 +121,8 @@ def attention_rows(kv: str = "f32") -> Kernel:
         r0, r1 = chunk_bounds(fn, batch, tid, nthreads)
         with fn.loop(r0, r1, hint="b") as b:
             pos, kc, vc = row_of(b)
-            at = fn.v(f"mul i64 {b}, {row_stride}", "ro")
+            at, head_bytes = fn.v(f"mul i64 {b}, {row_stride}", "ro"), fn.v(f"shl i64 {shape.hd}, 2", "hb")
             with fn.loop("0", shape.kv, hint="g") as g:
-                head_bytes = fn.v(f"shl i64 {shape.hd}, 2", "hb")
                 src = fn.v(f"add i64 {at}, {fn.v(f'mul i64 {g}, {head_bytes}', 'go')}", "so")
                 for k_or_v, cache_ in (("%k", kc), ("%v", vc)):
                     _store(fn, kv, _plane_row(fn, kv, shape, cache_, ctx, g, pos), fn.gep(k_or_v, src), shape.hd)
@@ -159,16 +160,14 @@ def _prefetch_next_group(fn: Fn, shape: Shape, it: str, h: str, hi: str, ctx: st
     prefetchers do not ramp up on: SmolLM2's batch step (8 rows near position 40, a profile of
     its calls, three alternating pairs) spent 763-811 us a step in attention against 909-919;
     prefetched into L1, or two groups ahead, no change."""
-    group = fn.v(f"sdiv i64 {shape.heads}, {shape.kv}", "group")
-    within = fn.v(f"srem i64 {h}, {group}", "hg")
-    nxt = fn.v(f"add i64 {it}, {group}", "nxt")
+    within = fn.v(f"srem i64 {h}, {shape.group}", "hg")
+    nxt = fn.v(f"add i64 {it}, {shape.group}", "nxt")
     first = fn.v(f"icmp eq i64 {within}, 0", "first")
     more = fn.v(f"and i1 {when}, {fn.v(f'icmp slt i64 {nxt}, {hi}', 'more')}", "more")
     with fn.if_(fn.v(f"and i1 {first}, {more}", "pf"), "pf"):
         p, caches = item(nxt)
-        g = fn.v(f"sdiv i64 {fn.v(f'srem i64 {nxt}, {shape.heads}', 'h')}, {group}", "g")
-        j0 = _window_start(fn, p)
-        count = fn.v(f"sub i64 {fn.v(f'add i64 {p}, 1', 'p1')}, {j0}", "count")
+        g = fn.v(f"sdiv i64 {fn.v(f'srem i64 {nxt}, {shape.heads}', 'h')}, {shape.group}", "g")
+        j0, count = _window(fn, p)
         nbytes = fn.v(f"mul i64 {count}, {fn.v(f'mul i64 {shape.hd}, {KV_BYTES[kv]}', 'rb')}", "pfb")
         for cache_ in caches:
             start = _plane_row(fn, kv, shape, cache_, ctx, g, j0)
@@ -177,18 +176,20 @@ def _prefetch_next_group(fn: Fn, shape: Shape, it: str, h: str, hi: str, ctx: st
                 fn.emit(f"call void @llvm.prefetch.p0(ptr {line}, i32 0, i32 2, i32 1)")
 
 
-def _window_start(fn: Fn, p: str) -> str:
-    """The first cached position the item at position ``p`` attends to (i64)."""
+def _window(fn: Fn, p: str) -> tuple[str, str]:
+    """The first cached position the item at position ``p`` attends to, and how many it attends
+    to, through ``p`` (i64)."""
     win = fn.sext("%window")
     start = fn.var("i64", "0", "start")
     with fn.if_(fn.v(f"icmp sgt i64 {win}, 0", "haswin")):
         start.set(fn.max64("0", fn.v(f"add i64 {fn.v(f'sub i64 {p}, {win}', 'pw')}, 1", "ws")))
-    return start.get("j0")
+    j0 = start.get("j0")
+    return j0, fn.v(f"sub i64 {fn.v(f'add i64 {p}, 1', 'p1')}, {j0}", "count")
 
 
 def _shape(fn: Fn) -> Shape:
     heads, kv, hd = (fn.sext(f"%{n}") for n in ("n_heads", "n_kv_heads", "head_dim"))
-    return Shape(heads, kv, hd, fn.v(f"mul i64 {kv}, {hd}", "width"))
+    return Shape(heads, kv, hd, fn.v(f"mul i64 {kv}, {hd}", "width"), fn.v(f"sdiv i64 {heads}, {kv}", "group"))
 
 
 def _plane_row(fn: Fn, kv: str, shape: Shape, cache: str, ctx: str, g: str, j: str) -> str:
@@ -277,9 +278,9 @@ def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
     elements) as the module doc says, with ``scores`` (p + 1 floats) for the probabilities."""
     kcache, vcache = caches
     hd = shape.hd
-    g = fn.v(f"sdiv i64 {h}, {fn.v(f'sdiv i64 {shape.heads}, {shape.kv}', 'group')}", "g")
-    j0 = _window_start(fn, p)
-    count = fn.v(f"sub i64 {fn.v(f'add i64 {p}, 1', 'p1')}, {j0}", "count")
+    g = fn.v(f"sdiv i64 {h}, {shape.group}", "g")
+    j0, count = _window(fn, p)
+
     def cache_row(base: str, j: str) -> str:
         return _plane_row(fn, kv, shape, base, ctx, g, j)
 
