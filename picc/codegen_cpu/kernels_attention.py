@@ -173,7 +173,7 @@ def _prefetch_next_group(fn: Fn, shape: Shape, it: str, h: str, hi: str, ctx: st
             start = _plane_row(fn, kv, shape, cache_, ctx, g, j0)
             with fn.loop("0", nbytes, "64", "pf") as off:
                 line = fn.v(f"getelementptr i8, ptr {start}, i64 {off}", "pfp")
-                fn.emit(f"call void @llvm.prefetch.p0(ptr {line}, i32 0, i32 2, i32 1)")
+                fn.prefetch(line, "l2")
 
 
 def _window(fn: Fn, p: str) -> tuple[str, str]:

@@ -156,7 +156,7 @@ def prefetch_block(fn: Fn, dtype: str, row: str, b: str) -> None:
     start = fn.v(f"mul i64 {b}, {bb}", "pfo")
     for off in range(0, bb, 64):
         p = fn.gep(row, fn.v(f"add i64 {start}, {off}", "pfo") if off else start, "pfp")
-        fn.emit(f"call void @llvm.prefetch.p0(ptr {p}, i32 0, i32 3, i32 1)")
+        fn.prefetch(p, "l2")
 
 
 Prefetch = list[tuple[str, str]]

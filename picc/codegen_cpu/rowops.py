@@ -124,7 +124,7 @@ def _prefetch_group_lines(fn: Fn, dtype: str, row: str, g: str, group: int) -> N
     one prefetch per group covers the row."""
     last = fn.v(f"add i64 {fn.v(f'mul i64 {g}, {block_bytes(dtype)}', 'pfo')}, {group * block_bytes(dtype) - 1}",
                 "pfo")
-    fn.emit(f"call void @llvm.prefetch.p0(ptr {fn.gep(row, last, 'pfp')}, i32 0, i32 3, i32 1)")
+    fn.prefetch(fn.gep(row, last, 'pfp'), "l2")
 
 
 def _blocks_with_prefetch(fn: Fn, nblocks: str, prefetch: Prefetch | None, block: Callable[[str], None]) -> None:

@@ -138,7 +138,7 @@ def _splat_i32(fn: Fn, value: str, as_bytes: bool) -> str:
 def _prefetch(fn: Fn, blk: str, nbytes: int) -> None:
     for off in range(0, nbytes, 64):
         p = fn.v(f"getelementptr i8, ptr {blk}, i64 {_PREFETCH_AHEAD + off}", "pfp")  # may pass the end: no inbounds
-        fn.emit(f"call void @llvm.prefetch.p0(ptr {p}, i32 0, i32 3, i32 1)")
+        fn.prefetch(p, "l1")
 
 
 @dataclass(frozen=True, slots=True)
