@@ -46,13 +46,14 @@ from runtime.contracts import ContractError
 from runtime.plan import MemoryPlan
 
 MAGIC = b"PICCPIB\0"
-FORMAT_VERSION = 9  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
+FORMAT_VERSION = 10  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
 # 5: chunk programs by stage (hybrid models prefill in chunks too); 6: the GPU's FFN kernels sum their
 # down rows in slices (y_part scratch); version 5's wrote past their outputs on a real GPU; 7: cpu/manifest
 # as the typed records of runtime.cpu_manifest, every field required (the chunk programs, each stage's
 # profiled twin, the decode loop or null): the runtime no longer guesses for files that lack one; 8: GPU
 # kernels that wait for their predecessors themselves (cuda/manifest's dependent_launch) and GPU residual
 # adds done by their producers' kernels; 9: cpu/manifest's batch step (a server's sequences decoded together)
+# 10: rowplanes' 4-bit quants in units of four blocks (sixteen lanes of eight nibbles)
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256

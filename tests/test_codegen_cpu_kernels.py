@@ -303,19 +303,29 @@ def test_rows8_layout_holds_eight_rows_per_block_as_documented(dtype):
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1"])
 def test_rowplanes_layout_puts_each_rows_scales_before_its_quants(dtype):
     rng = np.random.default_rng(41)
-    rows, k = 5, 96
+    rows, k = 5, 32 * 7  # 4-bit quants: a four-block unit, a two-block one and a one-block one
     raw, _ = weights(rng, (rows, k), dtype)
     stored = rowplanes.to_rowplanes(raw, dtype, (rows, k))
     assert stored.shape == (rows, raw.nbytes // rows) and not np.array_equal(stored.reshape(-1), raw.view(np.uint8))
     np.testing.assert_array_equal(rowplanes.from_rowplanes(stored, dtype, (rows, k)), raw.reshape(rows, -1).view(np.uint8))
-    # Row 3: its three f16 scales, then (q4_1) its three minimums, then its blocks' quants in order.
+    # Row 3: its seven f16 scales, then (q4_1) its seven minimums, then its quants.
     bb, nb = quant.BLOCK_BYTES[dtype], k // 32
     blocks = raw.reshape(rows, nb, bb).view(np.uint8)[3]
     head = 4 if dtype == "q4_1" else 2
     np.testing.assert_array_equal(stored[3, : 2 * nb].reshape(nb, 2), blocks[:, :2])
     if dtype == "q4_1":
         np.testing.assert_array_equal(stored[3, 2 * nb : 4 * nb].reshape(nb, 2), blocks[:, 2:4])
-    np.testing.assert_array_equal(stored[3, head * nb :].reshape(nb, bb - head), blocks[:, head:])
+    quants = stored[3, head * nb :]
+    if dtype == "q8_0":  # the blocks' int8 quants in order
+        np.testing.assert_array_equal(quants.reshape(nb, bb - head), blocks[:, head:])
+    else:  # element 32 b + t is byte t's low nibble, element 32 b + 16 + t its high one (GGUF)
+        elements = np.concatenate([blocks[:, head:] & 15, blocks[:, head:] >> 4], axis=1).reshape(-1)
+        for s, u in ((0, 4), (4, 2), (6, 1)):  # sixteen lanes of 8u bits; nibble c of lane l: element 32 s + 16 c + l
+            lanes = quants[16 * s : 16 * (s + u)].reshape(16, u).astype(np.uint64) << (8 * np.arange(u, dtype=np.uint64))
+            lanes = lanes.sum(axis=1)
+            for c in range(2 * u):
+                np.testing.assert_array_equal((lanes >> np.uint64(4 * c)) & np.uint64(15),
+                                              elements[32 * s + 16 * c : 32 * s + 16 * c + 16])
     with pytest.raises(PiccError, match="not a .* matrix of shape"):
         rowplanes.to_rowplanes(raw.reshape(-1)[: raw.nbytes - 1], dtype, (rows, k))
     with pytest.raises(PiccError, match="rows of whole blocks"):
@@ -500,6 +510,19 @@ def test_sparse_ffn_predictor_mode_every_dtype(host, teams, dtype, threads):
             if name == "empty":
                 np.testing.assert_array_equal(y, np.zeros(case.hidden, np.float32))
             assert rel_err(y, case.reference(active)) <= tol(dtype), (name, interleaved)
+
+
+@pytest.mark.parametrize("hidden", [32, 64, 128, 160, 192, 224, 288])
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1"])
+def test_sparse_ffn_axpys_down_rows_of_every_length(host, teams, dtype, hidden):
+    # A rowplanes down row's 4-bit quants come in units of four blocks, then one of two and one
+    # of one: 1 to 9 blocks cover every mix (a one-block unit after a two-block one included),
+    # each with eight-neuron octets, pairs and a last neuron alone (19 active of 40).
+    case = FfnCase("swiglu", (dtype, dtype, dtype), n=40, hidden=hidden, seed=hidden)
+    active = np.zeros(case.n, bool)
+    active[np.random.default_rng(hidden).permutation(case.n)[:19]] = True
+    y, count = case.run(host, teams[1], sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, False), active=active)
+    assert count == 19 and rel_err(y, case.reference(active)) <= tol(dtype)
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -956,7 +979,8 @@ def test_avx2_build_computes_the_same_bits(host, avx2, teams):
             ys.append(np.zeros(37, np.float32))
             run(module, teams[2], gemv(dtype), raw, x, None, ys[-1], 37, width(dtype), 0)
         np.testing.assert_array_equal(ys[0], ys[1], err_msg=dtype)
-        case = FfnCase("swiglu", (dtype, dtype, dtype), seed=24)
+        # 224: a rowplanes down row of a four-, a two- and a one-block unit
+        case = FfnCase("swiglu", (dtype, dtype, dtype), hidden=224 if dtype in rowplanes.DTYPES else None, seed=24)
         active = rng.random(case.n) < 0.4
         kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype)
         np.testing.assert_array_equal(case.run(host, teams[3], kernel, active=active)[0],

@@ -41,10 +41,11 @@ def host():
 class ChunkCase:
     """An FFN of one form, ``seq`` token rows of x, and the float64 reference per token."""
 
-    def __init__(self, form: str, dtype: str, seq: int, n: int = 67, biases: bool = True, seed: int = 0) -> None:
+    def __init__(self, form: str, dtype: str, seq: int, n: int = 67, biases: bool = True, seed: int = 0,
+                 hidden: int | None = None) -> None:
         rng = np.random.default_rng(seed)
         self.spec, self.n, self.seq = FORMS[form], n, seq
-        self.hidden = h = 96 if dtype in ("q8_0", "q4_0", "q4_1") else 100
+        self.hidden = h = hidden or (96 if dtype in ("q8_0", "q4_0", "q4_1") else 100)
         self.x = rng.normal(size=(seq, h)).astype(np.float32)
         self.up_raw, self.up = weights(rng, (n, h), dtype, h**-0.5)
         self.gate_raw, self.gate = weights(rng, (n, h), dtype, h**-0.5) if self.spec.gated else (None, None)
@@ -117,6 +118,18 @@ def test_chunk_ffn_gives_each_token_its_own_active_set(host, teams, mode, form, 
         thr = gap_threshold(scores.ravel(), keep)
         y = case.run(host, teams[threads], kernel, threshold=thr, interleaved=interleaved)
         assert rel_err(y, case.reference(np.abs(scores) > thr)) <= tol(dtype), keep
+
+
+@pytest.mark.parametrize("hidden", [32, 64, 128, 160, 192, 224, 288])
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1"])
+def test_chunk_ffn_reads_down_rows_of_every_length(host, teams, dtype, hidden):
+    # A rowplanes down row's 4-bit quants come in units of four blocks, then one of two and one
+    # of one: 1 to 9 blocks cover every mix (a one-block unit after a two-block one included).
+    case = ChunkCase("swiglu", dtype, seq=5, n=40, hidden=hidden, seed=hidden)
+    kernel = chunk_ffn("predictor", "swiglu", dtype, dtype, dtype, False)
+    active = np.random.default_rng(hidden).random((case.seq, case.n)) < 0.5
+    y = case.run(host, teams[2], kernel, mask=active)
+    assert rel_err(y, case.reference(active)) <= tol(dtype)
 
 
 @pytest.mark.parametrize("form, dtype", [("swiglu", "f16"), ("drelu", "f32")])

@@ -90,6 +90,7 @@ FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("u
 # than a memory round trip. Measured with bench/kernels.py (1 thread, SmolLM2 shape): 1 pair is
 # worse; 2, 4 and 8 are within noise of each other (4 slightly ahead for q4_0).
 _AHEAD = 4
+_OCTET_AXPYS = 4  # down rows an octet's AXPYs add in one pass over ybuf (pairs take two)
 _V16 = vec(16)
 
 
@@ -276,11 +277,7 @@ class _SparseFfn(FfnEmitter):
         self.consts = None  # the 4-bit down rows' per-block constant terms (see emit_axpys)
         self.coefs: list[str] = []  # the scaled block scales of the rowplanes down rows of one AXPY call
         if self.down_dtype in rowplanes.DTYPES:
-            nblk = self.fn.v(f"lshr i64 {self.hidden}, 5", "nblk")
-            self.coefs = [self.fn.alloca_array(F32, nblk, "coef") for _ in range(2)]
-            if self.down_dtype in NIBBLE_DTYPES:
-                self.consts = self.fn.alloca_array(F32, nblk, "consts")
-                zero_floats(self.fn, self.consts, nblk)
+            self.coefs, self.consts = rowplanes.emit_scratch(self.fn, self.down_dtype, self.hidden, _OCTET_AXPYS)
 
     # -- phase 1 (sparse modes): the active list
 
@@ -440,8 +437,9 @@ class _SparseFfn(FfnEmitter):
             vectors = emit_gathered8_dots(fn, mats, self.x8, self.hidden, prefetch, self.vnni)
             dots = [fn.v(f"extractelement {vec(GROUP)} {v}, i64 {u}", "dot") for u in range(GROUP) for v in vectors]
             hs = self._h_from(ids, dots)
-            for u in range(0, GROUP, 2):
-                self._axpys(ids[u:u + 2], hs[u:u + 2], nxt[u:u + 2] if nxt else None)
+            for u in range(0, GROUP, _OCTET_AXPYS):  # one pass over ybuf per four rows
+                span = slice(u, u + _OCTET_AXPYS)
+                self._axpys(ids[span], hs[span], nxt[span] if nxt else None)
         return oct_end
 
     # -- phase 3: the threads' buffers summed into y
