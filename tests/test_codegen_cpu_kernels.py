@@ -1076,7 +1076,7 @@ def test_4bit_rows_need_the_sums_their_constant_parts_moved_to():
         with pytest.raises(PiccError, match=rf"dot products of \['{dtype}'\] rows need x's sums"):
             emit_dots(fn, [(dtype, "%row")], "%x", "64", "avx2")
         with pytest.raises(PiccError, match=f"{dtype} rows need per-block constants"):
-            rowplanes.emit_axpys(fn, [(dtype, "%row", "1.0")], "%y", "64", "avx2", ["%c"], None)
+            rowplanes.emit_axpys(fn, [(dtype, "%row", "1.0")], "%y", "64", ["%c"], None)
         with pytest.raises(PiccError, match="AXPYs of block-format rows read the rowplanes layout"):
             emit_axpys(fn, [(dtype, "%row", "1.0")], "%y", "64", "avx2")
     sums = emit_x_sums(fn, "%x", "64", {"q4_0"})

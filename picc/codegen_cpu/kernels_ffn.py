@@ -384,7 +384,7 @@ class _SparseFfn(FfnEmitter):
             rows = [(down, self.row("%down", self.rb_down, i), h) for i, h in zip(ids, hs, strict=True)]
             pf = [(down, self.row("%down", self.rb_down, i)) for i in ahead or []]
             if self.coefs:
-                rowplanes.emit_axpys(fn, rows, self.ybuf, self.hidden, self.simd, self.coefs, self.consts, pf)
+                rowplanes.emit_axpys(fn, rows, self.ybuf, self.hidden, self.coefs, self.consts, pf)
             else:
                 emit_axpys(fn, rows, self.ybuf, self.hidden, self.simd, pf)
 

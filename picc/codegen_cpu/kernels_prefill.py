@@ -280,7 +280,7 @@ class _ChunkFfn(FfnEmitter):
         for i, buf in zip(neurons, rows, strict=True):
             drow = self.row("%down", self.rb_down, i, "dr", "do")
             if self.planes:
-                rowplanes.emit_row_to_f32(fn, self.down_dtype, drow, self.nblocks, self.b0, buf, self.width, self.simd)
+                rowplanes.emit_row_to_f32(fn, self.down_dtype, drow, self.nblocks, self.b0, buf, self.width)
             else:
                 assert self.first is not None
                 emit_row_to_f32(fn, self.down_dtype, fn.gep(drow, self.first, "dr"), buf, self.width, self.simd)

@@ -231,14 +231,13 @@ def emit_coefficients(fn: Fn, dtype: str, row: str, nblocks: str, a: str, coef: 
             fn.store(V8, fn.v(f"fadd {V8} {fn.load(V8, kp, 4, 'k')}, {term}", "k"), kp, 4)
 
 
-def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: str, coefs: list[str],
+def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, coefs: list[str],
                consts: str | None, prefetch: Prefetch | None = None) -> None:
     """``y[j] += sum(a * row[j] for (dtype, row, a) in rows)`` for j < k (i64, a multiple of 32),
     y f32, rows in the rowplanes layout (``(a d) q`` per block, rows in order): the 4-bit
-    constant terms go to ``consts[b]`` (``k / 32`` floats) for the caller to add
-    (:func:`rowops.emit_add_block_consts`). ``coefs``: a stack array of ``k / 32`` floats times
-    :data:`COEFS_PER_BLOCK` per row (at least as many as ``rows``). ``prefetch``: rows read after
-    these, prefetched along."""
+    constant terms go to ``consts[b]`` for the caller to add (:func:`rowops.emit_add_block_consts`).
+    ``coefs`` and ``consts``: the arrays of :func:`emit_scratch` (at least as many coefficient
+    arrays as ``rows``). ``prefetch``: rows read after these, prefetched along."""
     if len(coefs) < len(rows):
         raise PiccError(f"codegen_cpu: {len(rows)} rowplanes AXPYs need as many coefficient arrays, got {len(coefs)}")
     dtypes = {dtype for dtype, _, _ in rows}
@@ -313,7 +312,7 @@ def _block_axpys(fn: Fn, y: str, b: str, n: int, rows: list[tuple[tuple[str, ...
         fn.store(V16, value, yp, 4)
 
 
-def emit_row_to_f32(fn: Fn, dtype: str, row: str, nblocks: str, b0: str, out: str, k: str, simd: str) -> None:
+def emit_row_to_f32(fn: Fn, dtype: str, row: str, nblocks: str, b0: str, out: str, k: str) -> None:
     """``out[j]`` = element ``32 b0 + j`` of ``row`` (rowplanes, ``nblocks`` i64 blocks), j < k (i64,
     a multiple of 32), dequantised exactly as ``picc.quant`` (:func:`rowformats.dequantized`)."""
     mplane = _plane(fn, dtype, row, nblocks, "m") if _has_m(dtype) else None
