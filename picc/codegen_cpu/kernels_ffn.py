@@ -360,7 +360,8 @@ class _SparseFfn(FfnEmitter):
             return [fn.load(F32, fn.at(self.vals, 4, i), 4, "h") for i in ids]
         rows = [(dt, self.row(mat, rb, i)) for i in ids for mat, dt, rb in self.dotted]
         pf = [(dt, self.row(mat, rb, i)) for i in ahead or [] for mat, dt, rb in self.dotted]
-        return self._h_from(ids, emit_dots(fn, rows, "%x", self.hidden, self.simd, pf, self.xsums, self.intx))
+        dots = emit_dots(fn, rows, "%x", self.hidden, self.simd, pf, self.xsums, self.intx, prefetch_into="l2")
+        return self._h_from(ids, dots)
 
     def _h_from(self, ids: list[str], dots: list[str]) -> list[str]:
         """h of each neuron in ``ids`` from its dot products (up, then gate when dotted)."""
@@ -431,7 +432,7 @@ class _SparseFfn(FfnEmitter):
             def prefetch(b: str, nxt: list[str] | None = nxt) -> None:
                 for i in nxt or []:
                     for mat, dt, rb in self.dotted:
-                        prefetch_block(fn, dt, self.row(mat, rb, i), b)
+                        prefetch_block(fn, dt, self.row(mat, rb, i), b, "l2")
 
             mats = [(dt, [self.row(mat, rb, i) for i in ids]) for mat, dt, rb in self.dotted]
             vectors = emit_gathered8_dots(fn, mats, self.x8, self.hidden, prefetch, self.vnni)

@@ -149,14 +149,14 @@ def load_element(fn: Fn, dtype: str, row: str, j: str) -> str:
     return fn.v(f"fpext half {fn.load('half', fn.at(row, 2, j), 2, 'e16')} to float", "e")
 
 
-def prefetch_block(fn: Fn, dtype: str, row: str, b: str) -> None:
+def prefetch_block(fn: Fn, dtype: str, row: str, b: str, into: str) -> None:
     """Prefetch the cache lines of block ``b`` of ``row`` (one per 64 bytes; blocks under 64
     bytes get one each, which covers every line since consecutive blocks are < 64 bytes apart)."""
     bb = block_bytes(dtype)
     start = fn.v(f"mul i64 {b}, {bb}", "pfo")
     for off in range(0, bb, 64):
         p = fn.gep(row, fn.v(f"add i64 {start}, {off}", "pfo") if off else start, "pfp")
-        fn.prefetch(p, "l2")
+        fn.prefetch(p, into)
 
 
 Prefetch = list[tuple[str, str]]

@@ -118,18 +118,20 @@ def _prefetch_group(prefetch: list[tuple[str, str]] | None) -> int:
     return max(1, 64 // max(block_bytes(dtype) for dtype, _ in prefetch))
 
 
-def _prefetch_group_lines(fn: Fn, dtype: str, row: str, g: str, group: int) -> None:
+def _prefetch_group_lines(fn: Fn, dtype: str, row: str, g: str, group: int, into: str) -> None:
     """Prefetch the line holding the last byte of blocks [g, g + group) of ``row``. Groups span
     at most 64 bytes, so every line a group touches holds its last byte or the previous group's:
     one prefetch per group covers the row."""
     last = fn.v(f"add i64 {fn.v(f'mul i64 {g}, {block_bytes(dtype)}', 'pfo')}, {group * block_bytes(dtype) - 1}",
                 "pfo")
-    fn.prefetch(fn.gep(row, last, 'pfp'), "l2")
+    fn.prefetch(fn.gep(row, last, 'pfp'), into)
 
 
-def _blocks_with_prefetch(fn: Fn, nblocks: str, prefetch: Prefetch | None, block: Callable[[str], None]) -> None:
+def _blocks_with_prefetch(fn: Fn, nblocks: str, prefetch: Prefetch | None, block: Callable[[str], None],
+                          into: str) -> None:
     """``block(b)`` for b < nblocks (i64), the lines of block b of each ``prefetch`` row asked for
-    along the way: blocks shorter than a line ``group`` at a time, with one prefetch a group."""
+    along the way (into ``into``, see ``Fn.prefetch``): blocks shorter than a line ``group`` at a
+    time, with one prefetch a group."""
     group = _prefetch_group(prefetch)
     grouped = "0"
     if group > 1:
@@ -140,21 +142,23 @@ def _blocks_with_prefetch(fn: Fn, nblocks: str, prefetch: Prefetch | None, block
         grouped = fn.v(f"sub i64 {nblocks}, {fn.v(f'urem i64 {nblocks}, {group}', 'rem')}", "grouped")
         with fn.loop("0", grouped, str(group), "g") as g:
             for dtype, row in prefetch or []:
-                _prefetch_group_lines(fn, dtype, row, g, group)
+                _prefetch_group_lines(fn, dtype, row, g, group, into)
             for u in range(group):
                 block(fn.v(f"add i64 {g}, {u}", "b") if u else g)
     with fn.loop(grouped, nblocks, "1", "b") as b:
         for dtype, row in prefetch or []:
-            prefetch_block(fn, dtype, row, b)
+            prefetch_block(fn, dtype, row, b, into)
         block(b)
 
 
 def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
-              prefetch: Prefetch | None = None, xsums: XSums | None = None, intx: IntX | None = None) -> list[str]:
+              prefetch: Prefetch | None = None, xsums: XSums | None = None, intx: IntX | None = None,
+              prefetch_into: str = "l1") -> list[str]:
     """``[sum_j row[j] * x[j] for (dtype, row) in rows]`` for an f32 ``x`` of ``k`` (i64) elements.
 
     Block formats need ``k % 32 == 0``; plain formats sum the ``k % 32`` tail in order after the
-    blocks. ``prefetch`` rows are prefetched block by block alongside (the next rows to come).
+    blocks. ``prefetch`` rows are prefetched block by block alongside (the next rows to come),
+    into ``prefetch_into`` (``Fn.prefetch``: "l2" for rows gathered from scattered places).
     ``xsums``: :func:`emit_x_sums` of ``x`` for the rows' formats (needed by q4_0 and q4_1 rows),
     made once per ``x`` by the caller, outside its loops.
 
@@ -178,7 +182,7 @@ def emit_dots(fn: Fn, rows: list[tuple[str, str]], x: str, k: str, simd: str,
     a fixed order. With ``intx`` (x rounded to int16, :func:`emit_int_x`) the 4-bit rows take the
     integer path instead (``int_dot_block``); their x sums then come from ``intx``.
     """
-    return emit_dots_xs(fn, rows, [(x, xsums, intx)], k, simd, prefetch)[0]
+    return emit_dots_xs(fn, rows, [(x, xsums, intx)], k, simd, prefetch, prefetch_into)[0]
 
 
 XForms = tuple[str, XSums | None, IntX | None]
@@ -186,7 +190,7 @@ XForms = tuple[str, XSums | None, IntX | None]
 
 
 def emit_dots_xs(fn: Fn, rows: list[tuple[str, str]], xs: list[XForms], k: str, simd: str,
-                 prefetch: Prefetch | None = None) -> list[list[str]]:
+                 prefetch: Prefetch | None = None, prefetch_into: str = "l1") -> list[list[str]]:
     """:func:`emit_dots` of each x of ``xs`` (a list per x) in one pass over the rows' blocks: a
     batched kernel's x rows share each block's loads and conversion to floats (the int16 path
     emits its unpacking per x; LLVM merges the identical instructions), while each x's sum is
@@ -224,7 +228,7 @@ def emit_dots_xs(fn: Fn, rows: list[tuple[str, str]], xs: list[XForms], k: str, 
                         blk = Block(*dequantized(fn, blk))
                 acc.set(_float_dot_block(fn, dtype, blk, xlo, xhi, xsums, b, acc))
 
-    _blocks_with_prefetch(fn, nblocks, prefetch, block)
+    _blocks_with_prefetch(fn, nblocks, prefetch, block, prefetch_into)
     out = []
     for (x, _, _), acc_x in zip(xs, accs, strict=True):
         sums = []
@@ -278,7 +282,7 @@ def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, simd: s
     coef = [fn.splat(16, a, hint="a") for _, _, a in rows]
     with fn.loop("0", nblocks, "1", "b") as b:
         for dtype, row in prefetch or []:
-            prefetch_block(fn, dtype, row, b)
+            prefetch_block(fn, dtype, row, b, "l2")  # the rows of a sparse FFN's down projection
         yp = fn.at(y, 4 * BLOCK, b, "yp")
         yhp = fn.gep(yp, "64", "yhp")
         ylo, yhi = fn.load(V16, yp, 4, "ylo"), fn.load(V16, yhp, 4, "yhi")

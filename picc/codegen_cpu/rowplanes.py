@@ -270,7 +270,7 @@ def _prefetch_blocks(fn: Fn, prefetch: Prefetch | None, b: str, count: int) -> N
     """Prefetch blocks ``b .. b + count`` of each row of ``prefetch`` (a row's bytes, spread over its blocks)."""
     for dtype, row in prefetch or []:
         for j in range(count):
-            prefetch_block(fn, dtype, row, fn.v(f"add i64 {b}, {j}", "pb") if j else b)
+            prefetch_block(fn, dtype, row, fn.v(f"add i64 {b}, {j}", "pb") if j else b, "l2")
 
 
 def _unit_axpys(fn: Fn, y: str, planes: list[tuple[str, str]], s: str, u: int) -> None:
