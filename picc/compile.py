@@ -128,6 +128,8 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
         if model.tokenizer is None:
             raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be "
                             "read; pass --dense or a model with a tokenizer")
+        if cpu_only:
+            s = replace(s, gathered_rate=_gathered_rate(model, options, target))
         sparsity = target_sparsity(model, s, say)
         if cpu_only and not options.sparse and sparsity is not None:
             dense = _dense_unless_sparse_can_win(model, options, target, 1.0 - sparsity, instruments, say)
@@ -356,6 +358,29 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
     say(f"compiling the dense model without profiling: {why} (--sparse keeps sparsity)")
     return _compiled_dense(model, options, instruments, f"dense, chosen before profiling: {why}",
                            sparse_estimate_at_most_tokens_per_s=best)
+
+
+def _gathered_rate(model: LoadedModel, options: CompileOptions, target: Target) -> float:
+    """How fast the target CPU's kernels read an FFN's rows gathered one at a time, as a share of
+    how fast they read its matrices whole (eight rows at a time where a matrix has the rows8
+    layout): the FFNs' bytes over the time to read them whole, against the same over the time to
+    read them gathered, at the measured kernel rates (x rounded only with ``int_dots``). Rounded
+    to three places, as the pipeline text shows it; at most 1."""
+    from picc.kernel_names import cpu_rate_key
+    from picc.placement.cost_model import weight_bytes
+
+    x_format = options.int_x if options.int_dots else "f32"
+    whole = gathered = 0.0
+    for op in model.module.ops():
+        if isinstance(op, O.FFN):
+            for name in (op.up, op.gate, op.down):
+                if name is not None:
+                    dtype = model.weights[name].dtype.value
+                    rows, rows8 = (target.cpu.read_rate(cpu_rate_key(dtype, x_format, r8)) for r8 in (False, True))
+                    nbytes = weight_bytes(model.weights, name)
+                    whole += nbytes / max(rows, rows8)
+                    gathered += nbytes / rows
+    return min(1.0, round(whole / gathered, 3)) if gathered else 1.0
 
 
 def _compiled_dense(model: LoadedModel, options: CompileOptions, instruments: Instruments | None, note: str,

@@ -216,6 +216,20 @@ def test_swiglu_auto_is_gate_first():
     assert {o.mode for o in module.ops() if isinstance(o, SparseFFN)} == {"gate-first"}
 
 
+@pytest.mark.parametrize("rate, way", [(0.6, "gate-first"), (0.4, "down-only")])
+def test_swiglu_auto_weighs_gathered_rows_by_their_rate(rate, way):
+    # At 50% sparsity gate-first reads gate whole and half of up and down gathered (1 + 1/rate
+    # matrices' time), down-only gate and up whole and half of down gathered (2 + 0.5/rate): equal
+    # at rate 0.5, gate-first faster above, down-only below.
+    model = with_tokenizer(tiny_llama("swiglu", n_ff=128))
+    module = run_pipeline(model.module, model.weights,
+                          parse_pipeline(f"{PROFILE},insert-predictors{{mode=auto,gathered-rate={rate}}}"),
+                          tokenizer=model.tokenizer)
+    assert {o.mode for o in module.ops() if isinstance(o, SparseFFN)} == {way}
+    with pytest.raises(PiccError, match=r"gathered-rate=1.5: expected a share in \(0, 1\]"):
+        parse_pipeline("insert-predictors{gathered-rate=1.5}")
+
+
 def test_predictors_are_cached(monkeypatch, tmp_path):
     sparse_model("reglu", "predictor")
     import picc.passes.insert_predictors as ip

@@ -7,9 +7,15 @@ default 0.1), ``tokens`` (training tokens, default ``TRAIN_TOKENS`` or the profi
 within ``DATA_BYTES`` of training data), ``seed``, ``predictors`` (a directory of PowerInfer
 predictors, ``model_{layer}.pt``, to import instead of training), ``cache`` (``off`` to retrain).
 
-``auto`` compares, per layer, the bytes a token reads (``picc.placement.cost_model``) among the ways that
+``auto`` compares, per layer, what a token reads (``picc.placement.cost_model``) among the ways that
 keep the profile's accuracy: for ReLU forms the exact ways (gate-first, down-only) and a trained
-predictor; for other forms gate-first (GLU) or down-only at the profiled thresholds.
+predictor; for other forms gate-first (GLU) or down-only at the profiled thresholds. Each way
+costs the bytes of the matrices it reads whole plus those of the active rows divided by
+``gathered-rate``: the rate at which the kernels read rows gathered one at a time, as a share of
+the rate they read whole matrices at (default 1: bytes decide alone; ``picc compile`` passes the
+target CPU's measured ratio, which makes down-only, whose up projection is read whole, the faster
+way for a SwiGLU model on a CPU whose whole-matrix kernels read ~2x as fast as gathered rows).
+A layer stays dense only where no way reads fewer bytes than dense.
 
 Predictor training reads each layer's inputs over the training tokens: from a forward of its own,
 or, where an earlier ``profile-activations{keep-inputs=on}`` of the same pipeline run saw exactly
@@ -64,10 +70,11 @@ class InsertOptions(PassOptions):
     seed: int = option(0)
     predictors: str | None = option(None)
     cache: bool = option(True)
+    gathered_rate: float = option(1.0, key="gathered-rate")
 
     def check(self) -> None:
         super().check()
-        for key, share in (("recall", self.recall), ("budget", self.budget)):
+        for key, share in (("recall", self.recall), ("budget", self.budget), ("gathered-rate", self.gathered_rate)):
             if not 0 < share <= 1:
                 raise PiccError(f"option {key}={share}: expected a share in (0, 1]")
 
@@ -174,21 +181,22 @@ def predicted_layers(ffns: list[O.FFN], mode: str) -> list[O.FFN]:
     return [op for op in ffns if mode == "predictor" or mode == "auto" and op.form in RELU_FORMS]
 
 
-def _choose(op: O.FFN, mode: str, weights: WeightStore, predictor: TrainedPredictor | None) -> str:
+def _choose(op: O.FFN, mode: str, weights: WeightStore, predictor: TrainedPredictor | None,
+            gathered_rate: float = 1.0) -> str:
+    """``mode``, or under ``auto`` the way to know ``op``'s active set that costs least (see the
+    module's notes), or dense where none reads fewer bytes."""
     if mode != "auto":
         return mode
     density = float(weights.f32(op.freq).mean()) if op.freq else 1.0
-    options = {"dense": cost_model.ffn_bytes_per_token(op, weights, "dense", 1.0)}
-    relu = op.form in RELU_FORMS
-    if op.spec.gated:
-        options["gate-first"] = cost_model.ffn_bytes_per_token(op, weights, "gate-first", density)
-    if relu or not op.spec.gated:
-        options["down-only"] = cost_model.ffn_bytes_per_token(op, weights, "down-only", density)
+    ways = (["gate-first"] if op.spec.gated else []) + ["down-only"]
+    reads = {way: cost_model.ffn_reads_per_token(op, weights, way, density) for way in ways}
     if predictor is not None:
-        options["predictor"] = cost_model.ffn_bytes_per_token(
-            op, weights, "predictor", predictor.predicted_density,
-            predictor_bytes=2 * (predictor.fc1.size + predictor.fc2.size))
-    return min(options, key=lambda m: options[m])
+        nbytes = 2 * (predictor.fc1.size + predictor.fc2.size)
+        reads["predictor"] = cost_model.ffn_reads_per_token(op, weights, "predictor", predictor.predicted_density,
+                                                            predictor_bytes=nbytes)
+    if min(sum(r) for r in reads.values()) >= cost_model.ffn_bytes_per_token(op, weights, "dense", 1.0):
+        return "dense"
+    return min(reads, key=lambda way: reads[way][0] + reads[way][1] / gathered_rate)
 
 
 def _add(weights: WeightStore, decls: list[WeightDecl], name: str, values: np.ndarray) -> str:
@@ -222,7 +230,7 @@ def insert_predictors(module: Module, ctx: PassContext[InsertOptions]) -> Module
             new_ops.append(op)
             continue
         predictor = predictors.get(op.result)
-        chosen = _choose(op, mode, ctx.weights, predictor)
+        chosen = _choose(op, mode, ctx.weights, predictor, ctx.options.gathered_rate)
         if chosen == "dense":
             new_ops.append(op)
             continue

@@ -41,15 +41,24 @@ def ffn_bytes_per_token(op: O.FFN, weights: WeightStore, mode: str, density: flo
                         predictor_bytes: int = 0) -> float:
     """Weight bytes one token reads through ``op`` in ``mode`` when ``density`` of its neurons
     are computed."""
+    whole, gathered = ffn_reads_per_token(op, weights, mode, density, predictor_bytes)
+    return whole + gathered
+
+
+def ffn_reads_per_token(op: O.FFN, weights: WeightStore, mode: str, density: float,
+                        predictor_bytes: int = 0) -> tuple[float, float]:
+    """The bytes of :func:`ffn_bytes_per_token` split into those of matrices read whole (the
+    dense matrices of the mode, the predictor) and those of the active rows, gathered one at a
+    time from wherever the active neurons are."""
     up = weight_bytes(weights, op.up) + weight_bytes(weights, op.up_bias)
     gate = weight_bytes(weights, op.gate) + weight_bytes(weights, op.gate_bias)
     down = weight_bytes(weights, op.down)
     if mode == "dense":
-        return float(up + gate + down)
+        return float(up + gate + down), 0.0
     if mode == "gate-first":
-        return gate + density * (up + down)
+        return float(gate), density * (up + down)
     if mode == "down-only":
-        return up + gate + density * down
+        return float(up + gate), density * down
     if mode == "predictor":
-        return predictor_bytes + density * (up + gate + down)
+        return float(predictor_bytes), density * (up + gate + down)
     raise ValueError(f"unknown sparsity mode {mode!r}")

@@ -40,6 +40,7 @@ class SparsifyOptions:
     fisher_tokens: int = FISHER_TOKENS
     window: int = 256
     seed: int = 0
+    gathered_rate: float = 1.0  # insert-predictors' gathered-rate: 1, bytes decide
 
     def passes(self, target: float | None, model: LoadedModel | None = None) -> list[PassSpec]:
         """profile-activations (calibrated to ``target`` for non-ReLU FFNs) and insert-predictors;
@@ -50,7 +51,7 @@ class SparsifyOptions:
                                  target_sparsity=target, rule=self.rule if target is not None else "fisher",
                                  fisher_tokens=self.fisher_tokens, keep_inputs=keep)
         insert = InsertOptions(mode=self.mode, recall=self.recall, budget=self.budget, seed=self.seed,
-                               predictors=self.predictors or None)
+                               predictors=self.predictors or None, gathered_rate=self.gathered_rate)
         return [PassSpec("profile-activations", profile), PassSpec("insert-predictors", insert)]
 
     def trained_layers(self, module: Module) -> list[O.FFN]:
@@ -91,7 +92,8 @@ def sweep(model: LoadedModel, options: SparsifyOptions) -> list[SweepPoint]:
             store = WeightStore({n: model.weights[n] for n in model.weights})
             profiled = attach(model.module, store, profile)
             # Through the pass manager, so that the verifier checks the result like any pass's.
-            insert = PassSpec("insert-predictors", InsertOptions(mode=options.mode, seed=options.seed))
+            insert = PassSpec("insert-predictors", InsertOptions(mode=options.mode, seed=options.seed,
+                                                                 gathered_rate=options.gathered_rate))
             sparse = run_pipeline(profiled, store, [insert], tokenizer=model.tokenizer)
             result = evaluate(sparse, store, held_out, compare_dense=True)
             assert result.ppl_dense is not None
