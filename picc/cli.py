@@ -92,8 +92,9 @@ def add_sparsity_flags(s: argparse.ArgumentParser) -> None:
     """The flags that choose how FFNs become sparse (shared by sparsify and compile)."""
     s.add_argument("--sparsity-mode", default="auto",
                    choices=("auto", "predictor", "gate-first", "down-only", "dense"),
-                   help="how each FFN layer knows its active neurons (default auto: the cost model "
-                   "picks per layer; ReLU FFNs get trained predictors when they pay)")
+                   help="how each FFN layer knows its active neurons (default auto: per layer the "
+                   "way that reads its weights fastest, at the CPU's measured kernel rates when "
+                   "compiling for a CPU alone; ReLU FFNs get trained predictors when they pay)")
     s.add_argument("--target-sparsity", type=float, metavar="S",
                    help="for non-ReLU FFNs: the sparsity the thresholds are calibrated to (default 0.3)")
     s.add_argument("--max-ppl-increase", type=float, metavar="X",
