@@ -17,7 +17,7 @@ import json
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -336,20 +336,11 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
     vain where the dense model wins anyway. (Counting the gathered rows at the eight-rows rate, as this
     did before, put a 1B Q4_0 model on the fence: it profiled for 5 minutes on a Zen 4, then chose
     dense at 51 against 39 tokens/s.)"""
-    from picc.kernel_names import cpu_rate_key
-    from picc.placement.cost_model import weight_bytes
-
     report = _dense_report(model, options, target)
     ms = report["estimate_ms_per_token"]
     seconds = (ms["total"] - ms["ffn"]) / 1e3
-    x_format = options.int_x if options.int_dots else "f32"
-    for op in model.module.ops():
-        if isinstance(op, O.FFN):
-            for name in (op.up, op.gate, op.down):
-                if name is not None:
-                    dtype = model.weights[name].dtype.value
-                    rows, rows8 = (target.cpu.read_rate(cpu_rate_key(dtype, x_format, r8)) for r8 in (False, True))
-                    seconds += weight_bytes(model.weights, name) * min(density / rows, 1.0 / rows8)
+    for nbytes, rows, rows8 in _ffn_matrix_rates(model, options, target):
+        seconds += nbytes * min(density / rows, 1.0 / rows8)
     dense, best = report["estimate_tokens_per_s"], 1.0 / seconds
     if best >= dense:
         return None
@@ -366,21 +357,28 @@ def _gathered_rate(model: LoadedModel, options: CompileOptions, target: Target) 
     layout): the FFNs' bytes over the time to read them whole, against the same over the time to
     read them gathered, at the measured kernel rates (x rounded only with ``int_dots``). Rounded
     to three places, as the pipeline text shows it; at most 1."""
+    whole = gathered = 0.0
+    for nbytes, rows, rows8 in _ffn_matrix_rates(model, options, target):
+        whole += nbytes / max(rows, rows8)
+        gathered += nbytes / rows
+    return min(1.0, round(whole / gathered, 3)) if gathered else 1.0
+
+
+def _ffn_matrix_rates(model: LoadedModel, options: CompileOptions,
+                      target: Target) -> Iterator[tuple[int, float, float]]:
+    """Each FFN matrix's bytes and the rates the target CPU's kernels read its format at, rows one
+    at a time and eight at a time (x rounded only with ``int_dots``)."""
     from picc.kernel_names import cpu_rate_key
     from picc.placement.cost_model import weight_bytes
 
     x_format = options.int_x if options.int_dots else "f32"
-    whole = gathered = 0.0
     for op in model.module.ops():
         if isinstance(op, O.FFN):
             for name in (op.up, op.gate, op.down):
                 if name is not None:
                     dtype = model.weights[name].dtype.value
                     rows, rows8 = (target.cpu.read_rate(cpu_rate_key(dtype, x_format, r8)) for r8 in (False, True))
-                    nbytes = weight_bytes(model.weights, name)
-                    whole += nbytes / max(rows, rows8)
-                    gathered += nbytes / rows
-    return min(1.0, round(whole / gathered, 3)) if gathered else 1.0
+                    yield weight_bytes(model.weights, name), rows, rows8
 
 
 def _compiled_dense(model: LoadedModel, options: CompileOptions, instruments: Instruments | None, note: str,
