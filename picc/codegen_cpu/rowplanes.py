@@ -50,6 +50,7 @@ from picc.codegen_cpu.rowformats import (
     dequantized,
     prefetch_block,
 )
+from picc.codegen_cpu.rowops import zero_floats
 from picc.errors import PiccError
 
 LAYOUT = "rowplanes"
@@ -196,8 +197,7 @@ def emit_scratch(fn: Fn, dtype: str, k: str, rows: int) -> tuple[list[str], str 
     consts = None
     if dtype in NIBBLE_DTYPES:
         consts = fn.alloca_array(F32, padded, "consts")
-        fn.emit(f"call void @llvm.memset.p0.i64(ptr align 4 {consts}, i8 0, i64 {fn.v(f'shl i64 {padded}, 2', 'cb')}, "
-                "i1 false)")
+        zero_floats(fn, consts, padded)
     return coefs, consts
 
 
@@ -251,7 +251,11 @@ def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, coefs: 
     if dtypes == {"q8_0"}:
         with fn.loop("0", nblocks, "1", "b") as b:
             _prefetch_blocks(fn, prefetch, b, 1)
-            _block_axpys(fn, y, b, 2, [(_q8_quants(fn, qp, b), fn.at(coef, 4, b)) for qp, coef in planes])
+            rows = []
+            for qp, coef in planes:
+                cp = fn.at(coef, 4, b)
+                rows.append([(half, cp) for half in _q8_quants(fn, qp, b)])
+            _add_runs(fn, y, b, rows)
         return
     quads = fn.v(f"and i64 {nblocks}, {-_QUAD}", "nquad")
     with fn.loop("0", quads, str(_QUAD), "b") as b:
@@ -289,25 +293,23 @@ def _unit_axpys(fn: Fn, y: str, planes: list[tuple[str, str]], s: str, u: int) -
         values = [_run(fn, lanes, c if isinstance(first, int) else fn.v(f"add i32 {first}, {c}", "c"))
                   for c in range(2 * u)]
         runs.append((values, fn.at(coef, 8, s, "cq")))
-    ybase = fn.at(y, 4 * BLOCK, s, "yu")
-    yps = [fn.gep(ybase, str(64 * r), "yr") if r else ybase for r in range(2 * u)]
-    ys = [fn.load(V16, yp, 4, "y") for yp in yps]
-    for values, cq in runs:
-        for r, value in enumerate(values):
-            scale = fn.splat(16, fn.load(F32, fn.gep(cq, str(4 * r)) if r else cq, 4, "c"))
-            ys[r] = fn.fma(V16, value, scale, ys[r], "y")
-    for yp, value in zip(yps, ys, strict=True):
-        fn.store(V16, value, yp, 4)
+    _add_runs(fn, y, s, [[(value, fn.gep(cq, str(4 * r)) if r else cq) for r, value in enumerate(values)]
+                         for values, cq in runs])
 
 
-def _block_axpys(fn: Fn, y: str, b: str, n: int, rows: list[tuple[tuple[str, ...], str]]) -> None:
-    """Block ``b`` of y (``n`` halves of 16) plus each row's halves times its coefficient at the given pointer."""
+def _add_runs(fn: Fn, y: str, b: str, rows: list[list[tuple[str, str]]]) -> None:
+    """y's runs of 16 elements from block ``b`` on plus, row after row, each run's value times
+    the coefficient at its pointer: ``rows`` is ``[(value, coefficient pointer), ...]`` per row,
+    all rows with the same number of runs."""
     ybase = fn.at(y, 4 * BLOCK, b, "yp")
-    yps = [fn.gep(ybase, str(64 * r), "yr") if r else ybase for r in range(n)]
+    yps = [fn.gep(ybase, str(64 * r), "yr") if r else ybase for r in range(len(rows[0]))]
     ys = [fn.load(V16, yp, 4, "y") for yp in yps]
-    for halves, cp in rows:
-        scale = fn.splat(16, fn.load(F32, cp, 4, "c"))
-        ys = [fn.fma(V16, h, scale, yv, "y") for h, yv in zip(halves, ys, strict=True)]
+    for runs in rows:
+        scales: dict[str, str] = {}  # a coefficient that serves several runs is loaded once
+        for r, (value, cp) in enumerate(runs):
+            if cp not in scales:
+                scales[cp] = fn.splat(16, fn.load(F32, cp, 4, "c"))
+            ys[r] = fn.fma(V16, value, scales[cp], ys[r], "y")
     for yp, value in zip(yps, ys, strict=True):
         fn.store(V16, value, yp, 4)
 
