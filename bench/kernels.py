@@ -9,7 +9,7 @@
 For each FFN shape (SmolLM2: hidden 576, n_ff 1536; a 7B-like layer: 4096 x 11008), weight format
 and thread count, it times one compiled step that runs the kernel (predictor mode, a sorted random
 list of active neurons, new for every run) over 1 GiB of layers, so that the rows come from
-memory as in a real decode step (weights in 2 MiB pages, see ``threads.huge_zeros``). It prints medians of ``--reps``
+memory as in a real decode step (weights in 2 MiB pages, see ``runtime.hostmem``). It prints medians of ``--reps``
 runs: time per layer, GB/s of *active rows read* (up, gate and down rows of the active neurons),
 that rate as a share of the read bandwidth measured in the same run (``picc.targets``: every
 core streaming), the same rate with the rows in cache (one layer's active rows read over and over, shown
@@ -72,9 +72,9 @@ from picc.codegen_cpu.kernels_batch import dense_ffn_rows, dense_ffn_rows_scratc
 from picc.codegen_cpu.kernels_dense import dense_ffn, gemv  # noqa: E402
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
 from picc.codegen_cpu.rows8 import to_rows8  # noqa: E402
-from picc.codegen_cpu.threads import huge_zeros  # noqa: E402
 from picc.kernel_names import has_rate_key  # noqa: E402
 from picc.targets.host import host_cores, host_cpu_name, host_vnni, measure_memory_bandwidth  # noqa: E402
+from runtime.hostmem import huge_zeros  # noqa: E402
 
 SHAPES = {"small": (576, 1536), "large": (4096, 11008)}
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.6, 1.0)

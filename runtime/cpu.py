@@ -4,10 +4,11 @@ The .pib carries the CPU's step programs (one per stage of the hybrid step; one 
 that runs on the CPU alone) as object code for its SIMD level (``cpu/object``), the same code as
 LLVM IR (``cpu/ir``) and a manifest (``cpu/manifest``, :class:`runtime.cpu_manifest.CpuManifest`:
 the stages' symbols, the buffers behind their ``bufs`` table, where crossing values and the logits
-are). Loading maps the weights
-straight from the file, allocates the rest (activations, KV caches, scratch) and fills the table
-once; a stage then costs one call of its program per thread. When this CPU lacks the SIMD level
-the object code was built for (AVX-512 code on an AVX2 machine), the IR is compiled for this CPU
+are). Loading copies the weights out of the file into memory in 2 MiB pages, with the rest
+(activations, KV caches, scratch) beside them (:mod:`runtime.hostmem`; where the kernel has no
+such pages the weights stay mapped from the file), and fills the table once; a stage then costs
+one call of its program per thread. When this CPU lacks the SIMD level the object code was built
+for (AVX-512 code on an AVX2 machine), the IR is compiled for this CPU
 instead. Prompts run through the chunk programs (``prefill``, ``logits_chunk``: per stage, a
 program over a chunk of tokens and the chunk rows the GPU's ops read and write), which
 ``runtime.executor`` drives.
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime import hostmem
 from runtime.cpu_manifest import ChunkRows, CpuChunkProgram, CpuManifest, ProfiledStep
 from runtime.pib import PibFile
 from runtime.threads import ThreadTeam
@@ -159,10 +161,21 @@ class MachineCode:
         return fn
 
 
-def _zeros(nbytes: int, align: int = 64) -> np.ndarray:
-    raw = np.zeros(nbytes + align, dtype=np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start : start + nbytes]
+def _buffers(pib: PibFile, manifest: CpuManifest) -> list[np.ndarray]:
+    """The memory behind each of the manifest's buffers: the weights copied from the file, zeroed
+    memory for the rest (params, sync, function slots, allocations), all cut from one region in
+    2 MiB pages where this kernel gives them (:mod:`runtime.hostmem`); elsewhere the weights stay
+    mapped from the file, as they are, and the rest is ordinary zeroed memory."""
+    specs = manifest.buffers
+    weights = {i: pib.tensor(s.name).data for i, s in enumerate(specs) if s.kind == "weight" and s.name is not None}
+    sizes = [weights[i].nbytes if i in weights else max(s.nbytes or 0, 64) for i, s in enumerate(specs)]
+    if not hostmem.huge_pages_enabled():
+        return [weights[i] if i in weights else hostmem.aligned_zeros(size) for i, size in enumerate(sizes)]
+    arrays = hostmem.carve(sizes)
+    for i, w in weights.items():
+        arrays[i][:] = w.reshape(-1).view(np.uint8)
+    pib.release_pages()  # the copies are what the step reads; the file's pages may leave this process
+    return arrays
 
 
 class CpuExecutor:
@@ -186,20 +199,11 @@ class CpuExecutor:
             raise ExecutorError(f"--threads {threads}: expected 1 to {manifest.max_threads}")
         self.code = MachineCode(pib.section("cpu/object") if pib.has("cpu/object") else None,
                                 pib.text("cpu/ir"), manifest.simd)
-        self._keep: list[np.ndarray] = []
+        self._keep = _buffers(pib, manifest)
+        self.params = next((a.view(np.int32) for a, b in zip(self._keep, manifest.buffers, strict=True)
+                            if b.kind == "params"), np.zeros(16, np.int32))
         table = (ctypes.c_void_p * len(manifest.buffers))()
-        self.params = np.zeros(16, dtype=np.int32)
-        for i, spec in enumerate(manifest.buffers):
-            if spec.kind == "weight":
-                assert spec.name is not None
-                array = pib.tensor(spec.name).data
-            elif spec.kind == "params":
-                array = self.params
-            elif spec.kind == "function":  # a step's address (the decode loop's), set before each run
-                array = _zeros(64)
-            else:  # sync, zeros, alloc: zeroed memory the step owns (profile: while profiling)
-                array = _zeros(max(spec.nbytes or 0, 64))
-            self._keep.append(array)
+        for i, array in enumerate(self._keep):
             table[i] = array.ctypes.data
         self._table = table
         self._slots = manifest.params
@@ -410,7 +414,7 @@ class CpuExecutor:
         """Zeroed counters for ``profile``'s step, bound to its table entry: a row per thread."""
         slots = self._manifest.buffers[profile.buffer].slots
         assert slots is not None
-        counters = _zeros(8 * self.team.nthreads * slots).view(np.int64)
+        counters = hostmem.aligned_zeros(8 * self.team.nthreads * slots).view(np.int64)
         self._keep[profile.buffer] = counters
         self._table[profile.buffer] = counters.ctypes.data
         return counters.reshape(self.team.nthreads, -1)

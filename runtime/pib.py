@@ -180,6 +180,12 @@ class PibFile:
         data = np.frombuffer(self._map, dtype=element, count=t["nbytes"] // element.itemsize, offset=t["offset"])
         return StoredTensor(dtype, shape, data.reshape(storage_shape(dtype, shape)), t.get("layout"))
 
+    def release_pages(self) -> None:
+        """Unmap the file's pages from this process (``MADV_DONTNEED``: they stay in the page cache,
+        and reading the mapping again maps them back): for a caller that has copied what it reads."""
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         """Release the mapping; arrays from ``tensor`` must not be used afterwards."""
         # With views still alive the mapping cannot close now; it goes when they do.

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.cpu import ExecutorError, _zeros
+from runtime.cpu import ExecutorError
 from runtime.executor import Executor
+from runtime.hostmem import aligned_zeros
 from runtime.plan import MemoryPlan
 
 MEMORY_HEADROOM = 0.8  # the share of MemAvailable the pool may take: the rest is the process's and the OS's
@@ -65,7 +66,7 @@ class SequencePool:
                                 "--max-batch or --ctx")
         self.slots = slots
         self._own = [{i: cpu.cache_array(i) for i in self.caches}]
-        self._own += [{i: _zeros(n) for i, n in self.caches.items()} for _ in range(slots - 1)]
+        self._own += [{i: aligned_zeros(n) for i, n in self.caches.items()} for _ in range(slots - 1)]
         self._pointers = np.array([[own[i].ctypes.data for i in cpu.batch_caches] for own in self._own],
                                   dtype=np.uint64).reshape(slots, len(cpu.batch_caches))
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first

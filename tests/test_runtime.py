@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from picc.ir.types import DType
 from picc.pib import load_pib
 from picc.placement.plan_report import format_report
 from picc.sparsity.sparsify import SparsifyOptions
+from runtime import hostmem
 from runtime.contracts import ContractError
 from runtime.cpu import ExecutorError
 from runtime.cpu_manifest import CpuBuffer, CpuManifest
@@ -257,6 +259,47 @@ def test_code_without_the_native_thread_team_runs_on_python_barriers(tmp_path, m
     with Session(path, 2) as s:
         assert not s.executor.cpu.team.native
         np.testing.assert_array_equal(s.feed(list(TOKENS), all_logits=True), native)
+
+
+def _smaps_entry(address: int) -> dict[str, str]:
+    """The fields of /proc/self/smaps for the mapping that holds ``address``."""
+    entry: dict[str, str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            if entry is not None:
+                break
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            if lo <= address < hi:
+                entry = {}
+        elif entry is not None and ":" in head:
+            entry[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    assert entry is not None, hex(address)
+    return entry
+
+
+@pytest.mark.skipif(not hostmem.huge_pages_enabled(), reason="this kernel gives no transparent huge pages")
+def test_weights_live_in_memory_advised_2_mib_pages_and_compute_as_when_mapped(tmp_path, monkeypatch):
+    # The .pib's mapping is file-backed in 4 KiB pages; the executor copies the weights into an
+    # anonymous region advised MADV_HUGEPAGE. Without huge pages the weights stay mapped from the
+    # file: the same bytes, so the same logits, bit for bit.
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.Q4_1)
+    path, _ = compiled(model, tmp_path, "dense", dense=True)
+    with Session(path, 2) as s:
+        cpu = s.executor.cpu
+        weights = [a for a, b in zip(cpu._keep, cpu._manifest.buffers, strict=True) if b.kind == "weight"]
+        assert weights
+        for w in weights:
+            smaps = _smaps_entry(w.ctypes.data)
+            assert smaps["THPeligible"] == "1" and smaps["Anonymous"] != "0 kB", smaps
+            assert w.ctypes.data % 64 == 0
+        copied = s.feed(list(TOKENS), all_logits=True)
+    monkeypatch.setattr(hostmem, "huge_pages_enabled", lambda: False)
+    with Session(path, 2) as s:
+        cpu = s.executor.cpu
+        w = next(a for a, b in zip(cpu._keep, cpu._manifest.buffers, strict=True) if b.kind == "weight")
+        assert _smaps_entry(w.ctypes.data)["Anonymous"] == "0 kB"  # the file's own pages
+        np.testing.assert_array_equal(s.feed(list(TOKENS), all_logits=True), copied)
 
 
 def test_the_step_has_barriers_only_where_a_kernel_needs_the_last_ones_results(tmp_path):

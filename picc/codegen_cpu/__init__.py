@@ -30,7 +30,8 @@ from picc.codegen_cpu.compiler import CpuModule, effective_simd, host_simd
 from picc.codegen_cpu.kernel import Kernel, module_ir
 from picc.codegen_cpu.prelude import SYNC_BYTES
 from picc.codegen_cpu.program import Buf, GreedyLoop, Null, Param, Program, buffer_table
-from picc.codegen_cpu.threads import ThreadTeam, aligned_zeros, huge_zeros
+from picc.codegen_cpu.threads import ThreadTeam
+from runtime.hostmem import aligned_zeros, huge_zeros
 
 
 def build_ir(kernels: Sequence[Kernel], programs: Sequence[Program | GreedyLoop] = (), simd: str = "host") -> str:

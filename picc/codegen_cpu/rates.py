@@ -31,7 +31,8 @@ from picc.codegen_cpu.kernels_dense import gemv
 from picc.codegen_cpu.program import Buf, Null, Program, buffer_table
 from picc.codegen_cpu.rowformats import row_bytes
 from picc.codegen_cpu.rows8 import to_rows8
-from picc.codegen_cpu.threads import ThreadTeam, aligned_zeros, huge_zeros
+from picc.codegen_cpu.threads import ThreadTeam
+from runtime.hostmem import aligned_zeros, huge_zeros
 
 _K = 1024  # row length
 _TILE_ROWS = 256  # rows quantized once and copied over the whole matrix
