@@ -48,7 +48,6 @@ from picc.codegen_cpu.rowformats import (
     Block,
     Prefetch,
     dequantized,
-    prefetch_block,
 )
 from picc.codegen_cpu.rowops import zero_floats
 from picc.errors import PiccError
@@ -57,6 +56,7 @@ LAYOUT = "rowplanes"
 DTYPES = frozenset(BLOCK_BYTES)  # the formats with per-block scales
 _GROUP = 8  # blocks whose coefficients one vector operation makes
 _QUAD = 4  # blocks of a full 4-bit quant unit: sixteen 32-bit lanes of eight nibbles
+_LINE = 64  # bytes of a cache line: the later rows are prefetched a line at a time
 COEFS_PER_BLOCK = {"q8_0": 1, "q4_0": 2, "q4_1": 2}  # coefficient floats a row and block
 V8 = vec(8)
 V16I = vec(16, I32)
@@ -248,9 +248,12 @@ def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, coefs: 
     for (dtype, row, a), coef in zip(rows, coefs, strict=False):
         emit_coefficients(fn, dtype, row, nblocks, a, coef, consts)
         planes.append((_plane(fn, dtype, row, nblocks, "q"), coef))
+    for dtype, row in prefetch or []:  # each later row's last byte (the spans below leave its line)
+        fn.prefetch(fn.gep(row, fn.v(f"sub i64 {fn.v(f'mul i64 {nblocks}, {BLOCK_BYTES[dtype]}', 'rb')}, 1", "end")),
+                    "l2")
     if dtypes == {"q8_0"}:
         with fn.loop("0", nblocks, "1", "b") as b:
-            _prefetch_blocks(fn, prefetch, b, 1)
+            _prefetch_span(fn, prefetch, b, 1)
             rows = []
             for qp, coef in planes:
                 cp = fn.at(coef, 4, b)
@@ -259,22 +262,27 @@ def emit_axpys(fn: Fn, rows: list[tuple[str, str, str]], y: str, k: str, coefs: 
         return
     quads = fn.v(f"and i64 {nblocks}, {-_QUAD}", "nquad")
     with fn.loop("0", quads, str(_QUAD), "b") as b:
-        _prefetch_blocks(fn, prefetch, b, _QUAD)
+        _prefetch_span(fn, prefetch, b, _QUAD)
         _unit_axpys(fn, y, planes, b, _QUAD)
     with fn.if_(fn.v(f"icmp ne i64 {fn.v(f'and i64 {nblocks}, 2', 'two')}, 0", "has2")):
-        _prefetch_blocks(fn, prefetch, quads, 2)
+        _prefetch_span(fn, prefetch, quads, 2)
         _unit_axpys(fn, y, planes, quads, 2)
     last = fn.v(f"sub i64 {nblocks}, 1", "lastb")
     with fn.if_(fn.v(f"icmp ne i64 {fn.v(f'and i64 {nblocks}, 1', 'one')}, 0", "has1")):
-        _prefetch_blocks(fn, prefetch, last, 1)
+        _prefetch_span(fn, prefetch, last, 1)
         _unit_axpys(fn, y, planes, last, 1)
 
 
-def _prefetch_blocks(fn: Fn, prefetch: Prefetch | None, b: str, count: int) -> None:
-    """Prefetch blocks ``b .. b + count`` of each row of ``prefetch`` (a row's bytes, spread over its blocks)."""
+def _prefetch_span(fn: Fn, prefetch: Prefetch | None, b: str, count: int) -> None:
+    """Prefetch (into L2) the ``count`` blocks' worth of bytes from block ``b``'s offset (``b``
+    times the block's size) of each row of ``prefetch``, a line apart: a row's bytes spread over
+    its blocks, one prefetch a cache line. A line a span ends in is the next span's first (or,
+    past the last, the row's last byte's)."""
     for dtype, row in prefetch or []:
-        for j in range(count):
-            prefetch_block(fn, dtype, row, fn.v(f"add i64 {b}, {j}", "pb") if j else b, "l2")
+        span = count * BLOCK_BYTES[dtype]
+        start = fn.v(f"mul i64 {b}, {BLOCK_BYTES[dtype]}", "pfo")
+        for off in range(0, span, _LINE):
+            fn.prefetch(fn.gep(row, fn.v(f"add i64 {start}, {off}", "pfo") if off else start, "pfp"), "l2")
 
 
 def _unit_axpys(fn: Fn, y: str, planes: list[tuple[str, str]], s: str, u: int) -> None:
