@@ -1197,3 +1197,23 @@ def test_vnni_object_code_is_recompiled_where_the_host_lacks_vnni(monkeypatch, t
     assert rc.MachineCode(obj, ir, "avx512-vnni").rejit == (not {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= have)
     monkeypatch.setattr(rc, "host_features", lambda: have - {"avx512vnni"})
     assert rc.MachineCode(obj, ir, "avx512-vnni").rejit
+
+
+def test_a_buffer_table_keeps_its_arrays_alive():
+    # A step writes through the table's pointers: an array made in buffer_table's argument list
+    # (a barrier's state, say) must live as long as the table, or the step writes freed memory
+    # (it corrupted the heap of picc.codegen_cpu.rates' measurement).
+    import gc
+    import weakref
+
+    from picc.codegen_cpu import buffer_table
+
+    array = np.zeros(64, np.uint8)
+    alive = weakref.ref(array)
+    table = buffer_table([array, None, 16])
+    del array
+    gc.collect()
+    assert alive() is not None and table[0] == alive().ctypes.data
+    del table
+    gc.collect()
+    assert alive() is None

@@ -256,11 +256,13 @@ class Program:
 def buffer_table(buffers: Sequence[np.ndarray | int | None]) -> ctypes.Array:
     """The ``bufs`` array of a step: numpy arrays (their data pointer), raw addresses or None.
 
-    The caller must keep the arrays alive while the table is used.
+    The table keeps the arrays alive (an array made in the call's argument list would otherwise
+    be freed while the step still writes to it); memory behind a raw address is the caller's.
     """
     table = (ctypes.c_void_p * len(buffers))()
     for i, b in enumerate(buffers):
         table[i] = None if b is None else b if isinstance(b, int) else b.ctypes.data
+    table._arrays = [b for b in buffers if isinstance(b, np.ndarray)]  # type: ignore[attr-defined]
     return table
 
 
