@@ -352,11 +352,12 @@ def _dense_unless_sparse_can_win(model: LoadedModel, options: CompileOptions, ta
 
 
 def _gathered_rate(model: LoadedModel, options: CompileOptions, target: Target) -> float:
-    """How fast the target CPU's kernels read an FFN's rows gathered one at a time, as a share of
-    how fast they read its matrices whole (eight rows at a time where a matrix has the rows8
-    layout): the FFNs' bytes over the time to read them whole, against the same over the time to
-    read them gathered, at the measured kernel rates (x rounded only with ``int_dots``). Rounded
-    to three places, as the pipeline text shows it; at most 1."""
+    """How fast the target CPU's fused sparse FFN kernels read an FFN's active rows, gathered a
+    neuron at a time (the ``_gathered`` rate keys), as a share of how fast its GEMVs read its
+    matrices whole (eight rows at a time where a matrix has the rows8 layout): the FFNs' bytes
+    over the time to read them whole, against the same over the time to read them gathered, at
+    the measured kernel rates (x rounded only with ``int_dots``). Rounded to three places, as the
+    pipeline text shows it; at most 1."""
     whole = gathered = 0.0
     for nbytes, rows, rows8 in _ffn_matrix_rates(model, options, target):
         whole += nbytes / max(rows, rows8)
@@ -366,8 +367,9 @@ def _gathered_rate(model: LoadedModel, options: CompileOptions, target: Target) 
 
 def _ffn_matrix_rates(model: LoadedModel, options: CompileOptions,
                       target: Target) -> Iterator[tuple[int, float, float]]:
-    """Each FFN matrix's bytes and the rates the target CPU's kernels read its format at, rows one
-    at a time and eight at a time (x rounded only with ``int_dots``)."""
+    """Each FFN matrix's bytes and the rates the target CPU's kernels read its format at: active
+    rows gathered a neuron at a time by a fused sparse FFN, and the whole matrix eight rows at a
+    time where it has the rows8 layout (else one at a time; x rounded only with ``int_dots``)."""
     from picc.kernel_names import cpu_rate_key
     from picc.placement.cost_model import weight_bytes
 
@@ -377,8 +379,9 @@ def _ffn_matrix_rates(model: LoadedModel, options: CompileOptions,
             for name in (op.up, op.gate, op.down):
                 if name is not None:
                     dtype = model.weights[name].dtype.value
-                    rows, rows8 = (target.cpu.read_rate(cpu_rate_key(dtype, x_format, r8)) for r8 in (False, True))
-                    yield weight_bytes(model.weights, name), rows, rows8
+                    gathered = target.cpu.read_rate(cpu_rate_key(dtype, x_format, gathered=True))
+                    rows8 = target.cpu.read_rate(cpu_rate_key(dtype, x_format, rows8=True))
+                    yield weight_bytes(model.weights, name), gathered, rows8
 
 
 def _compiled_dense(model: LoadedModel, options: CompileOptions, instruments: Instruments | None, note: str,

@@ -45,11 +45,17 @@ CPU_WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 # its kernels consume the weights of each format when memory is not the limit: rows one at a
 # time with float x, with int16 x (``_xi16``), and the 4-bit formats eight rows at a time from
 # the rows8 layout with float x (``_r8``), int16 x (``_r8_xi16``) and int8 x (``_r8_xi8``); q8_0
-# from the rows8 layout with int8 x.
-CPU_RATE_KEYS = (CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
-                 + tuple(d + ROWS8_SUFFIX for d in sorted(INT_DOT_DTYPES))
-                 + tuple(d + ROWS8_SUFFIX + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
-                 + tuple(d + ROWS8_SUFFIX + "_xi8" for d in sorted(ROWS8_DTYPES)))
+# from the rows8 layout with int8 x (these are GEMVs: CPU_GEMV_RATE_KEYS); and a fused sparse FFN's
+# active rows, gathered a neuron at a time (``_gathered``: CPU_GATHERED_RATE_KEYS), with float x and
+# (4-bit) int16 x.
+GATHERED_SUFFIX = "_gathered"  # (before the x suffix) rows gathered one neuron at a time
+CPU_GEMV_RATE_KEYS = (CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
+                      + tuple(d + ROWS8_SUFFIX for d in sorted(INT_DOT_DTYPES))
+                      + tuple(d + ROWS8_SUFFIX + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
+                      + tuple(d + ROWS8_SUFFIX + "_xi8" for d in sorted(ROWS8_DTYPES)))
+CPU_GATHERED_RATE_KEYS = (tuple(d + GATHERED_SUFFIX for d in CPU_WEIGHT_FORMATS)
+                          + tuple(d + GATHERED_SUFFIX + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES)))
+CPU_RATE_KEYS = CPU_GEMV_RATE_KEYS + CPU_GATHERED_RATE_KEYS
 
 
 def _rows8_suffix(rows8: bool, *dtypes: str | None) -> str:
@@ -69,19 +75,31 @@ def has_rate_key(dtype: str, x_format: str, rows8: bool) -> bool:
 
 
 def cpu_rate_variants() -> list[tuple[str, str, str, bool]]:
-    """Each key of :data:`CPU_RATE_KEYS`, in order, with what it stands for: (key, dtype, x format, rows8).
-    Rows one at a time read int8 as int16: the ``_xi16`` key."""
+    """Each key of :data:`CPU_GEMV_RATE_KEYS`, in order, with what it stands for: (key, dtype, x
+    format, rows8). Rows one at a time read int8 as int16: the ``_xi16`` key."""
     meaning = {cpu_rate_key(d, x, r): (d, x, r) for d in CPU_WEIGHT_FORMATS for r in (False, True)
                for x in X_FORMATS if has_rate_key(d, x, r)}
-    return [(key, *meaning[key]) for key in CPU_RATE_KEYS]
+    return [(key, *meaning[key]) for key in CPU_GEMV_RATE_KEYS]
 
 
-def cpu_rate_key(dtype: str, x_format: str, rows8: bool = False) -> str:
+def cpu_gathered_rate_variants() -> list[tuple[str, str, str]]:
+    """Each key of :data:`CPU_GATHERED_RATE_KEYS`, in order, with its (key, dtype, x format)."""
+    meaning: dict[str, tuple[str, str]] = {}
+    for d in CPU_WEIGHT_FORMATS:
+        for x in ("f32", "i16"):  # float x first: the one format of rows that are never rounded
+            meaning.setdefault(cpu_rate_key(d, x, gathered=True), (d, x))
+    return [(key, *meaning[key]) for key in CPU_GATHERED_RATE_KEYS]
+
+
+def cpu_rate_key(dtype: str, x_format: str, rows8: bool = False, gathered: bool = False) -> str:
     """The rate-table key of a CPU kernel reading ``dtype`` rows (``x_format``: how its x meets
-    4-bit rows; ``rows8``: one that reads a 4-bit matrix in the rows8 layout). Rows one at a
-    time dot int8 x as int16 (the int8 is held as int16), so they share the ``_xi16`` rate."""
-    if x_format == "i8" and not _rows8_suffix(rows8, dtype):
+    4-bit rows; ``rows8``: one that reads a 4-bit matrix in the rows8 layout; ``gathered``: a
+    fused sparse FFN's active rows, a neuron at a time). Rows one at a time dot int8 x as int16
+    (the int8 is held as int16), so they share the ``_xi16`` rate; so do gathered rows."""
+    if x_format == "i8" and not _rows8_suffix(rows8 and not gathered, dtype):
         x_format = "i16"
+    if gathered:
+        return dtype + GATHERED_SUFFIX + _int_suffix(x_format, dtype)
     return dtype + _rows8_suffix(rows8, dtype) + _int_suffix(x_format, dtype)
 
 

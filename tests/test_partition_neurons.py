@@ -276,7 +276,7 @@ def test_the_partitioner_reads_cpu_ffn_weights_at_their_kernels_rate(tmp_path):
     """Each FFN weight at min(bandwidth, the rate of the kernel that will read it): int16 dots
     for up and gate in a module that decides no sparsity, float ones where it does (a gate-first
     gate eight rows at a time from the rows8 layout), and AXPYs (float) for the neuron-major down
-    rows."""
+    rows; a sparse FFN's gathered rows (gate-first's up and down) at its fused kernel's rate."""
     import yaml
 
     from picc.passes.partition_neurons import ffn_cpu_read_rate
@@ -284,7 +284,7 @@ def test_the_partitioner_reads_cpu_ffn_weights_at_their_kernels_rate(tmp_path):
 
     bw = 20e9
     cpu = {"name": "test CPU", "cores": 2, "mem_bandwidth": bw, "simd": "avx2",
-           "kernel_rates": {"q4_1": bw / 4, "q4_1_xi16": bw / 2, "q4_1_r8": bw / 3}}
+           "kernel_rates": {"q4_1": bw / 4, "q4_1_xi16": bw / 2, "q4_1_r8": bw / 3, "q4_1_gathered": bw / 5}}
     path = tmp_path / "t.yaml"
     gpu = {"name": "Some GPU", "arch": "sm_75", "vram": "1GiB", "mem_bandwidth": "616GB/s"}
     path.write_text(yaml.safe_dump({"name": "t", "gpu": gpu, "pcie_bandwidth": "12GB/s", "cpu": cpu}))
@@ -296,8 +296,8 @@ def test_the_partitioner_reads_cpu_ffn_weights_at_their_kernels_rate(tmp_path):
     sparse = run_pipeline(model.module, model.weights, parse_pipeline(
         "neuron-major-down,profile-activations{tokens=256,window=64,target-sparsity=0.4},"
         "insert-predictors{mode=gate-first}"), tokenizer=model.tokenizer)
-    # up and down (gathered rows, AXPYs) at bw / 4, the gate at bw / 3.
-    assert ffn_cpu_read_rate(sparse, model.weights, target) == pytest.approx(bw / (2 / 3 * 4 + 1 / 3 * 3))
+    # up and down (gathered rows, dotted and AXPYs) at bw / 5, the gate at bw / 3.
+    assert ffn_cpu_read_rate(sparse, model.weights, target) == pytest.approx(bw / (2 / 3 * 5 + 1 / 3 * 3))
     assert ffn_cpu_read_rate(dense, model.weights, load_target("pc-low")) == load_target("pc-low").cpu.mem_bandwidth
     assert DeviceCosts.for_target(target, 64, cpu_read_rate=bw / 4).cpu_bandwidth == bw / 4
     assert DeviceCosts.for_target(target, 64).cpu_bandwidth == bw

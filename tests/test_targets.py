@@ -123,12 +123,28 @@ def test_kernel_rates_are_measured_for_every_format() -> None:
 def test_each_rate_key_is_timed_with_the_kernel_it_names() -> None:
     # 4-bit rows one at a time read int8 x as int16 and share the _xi16 key: that key is timed
     # with the int16 kernel, the _r8_xi8 keys with the int8 one.
-    from picc.kernel_names import CPU_RATE_KEYS, cpu_gemv, cpu_rate_variants
+    # The _gathered keys are the fused sparse FFN's, dotting x as the key says.
+    from picc.kernel_names import (
+        CPU_GATHERED_RATE_KEYS,
+        CPU_GEMV_RATE_KEYS,
+        CPU_RATE_KEYS,
+        cpu_fused_ffn,
+        cpu_gathered_rate_variants,
+        cpu_gemv,
+        cpu_rate_variants,
+    )
 
     variants = cpu_rate_variants()
-    assert [key for key, *_ in variants] == list(CPU_RATE_KEYS)
+    assert [key for key, *_ in variants] == list(CPU_GEMV_RATE_KEYS)
     for key, dtype, x_format, rows8 in variants:
         assert cpu_gemv(dtype, x_format, rows8) == f"picc_gemv_{key}", key
+    gathered = cpu_gathered_rate_variants()
+    assert [key for key, *_ in gathered] == list(CPU_GATHERED_RATE_KEYS)
+    assert set(CPU_RATE_KEYS) == set(CPU_GEMV_RATE_KEYS) | set(CPU_GATHERED_RATE_KEYS)
+    for key, dtype, x_format in gathered:
+        assert key.startswith(f"{dtype}_gathered") and key.endswith("_xi16") == (x_format == "i16"), key
+        symbol = cpu_fused_ffn("predictor", "relu", dtype, None, dtype, False, x_format, False)
+        assert symbol.endswith("_xi16") == (x_format == "i16"), (key, symbol)
 
 
 def test_kernel_rates_in_a_target_file(tmp_path: Path) -> None:
@@ -213,7 +229,8 @@ GPU_FIELDS = "expected one of name, arch, vram, mem_bandwidth, kernel_overhead, 
     (replaced("cpu", "name", 3), "cpu.name: expected a non-empty string, got 3"),
     (replaced("cpu", "kernel_rates", {"q5_k": "9GB/s"}),
      "cpu.kernel_rates.q5_k: unknown field (expected one of f32, f16, q8_0, q4_0, q4_1, q4_0_xi16, q4_1_xi16, "
-     "q4_0_r8, q4_1_r8, q4_0_r8_xi16, q4_1_r8_xi16, q4_0_r8_xi8, q4_1_r8_xi8, q8_0_r8_xi8)"),
+     "q4_0_r8, q4_1_r8, q4_0_r8_xi16, q4_1_r8_xi16, q4_0_r8_xi8, q4_1_r8_xi8, q8_0_r8_xi8, "
+     "f32_gathered, f16_gathered, q8_0_gathered, q4_0_gathered, q4_1_gathered, q4_0_gathered_xi16, q4_1_gathered_xi16)"),
     (replaced("cpu", "kernel_rates", {"q4_1": "fast"}),
      "cpu.kernel_rates.q4_1: expected a positive bandwidth like 14GB/s, got 'fast'"),
     (replaced("cpu", "kernel_rates", ["q4_1"]),

@@ -46,7 +46,7 @@ from picc.passes.kernel_selection import gpu_ffn_unsupported
 from picc.passes.options import PassOptions, option
 from picc.passes.registry import PassContext, register_pass
 from picc.placement import memory_plan as mp
-from picc.placement.cost_model import cpu_weight_reads
+from picc.placement.cost_model import cpu_weight_reads, gathered_matrices
 from picc.placement.partition import SOLVERS
 from picc.placement.partition.problem import DeviceCosts, FfnLayer, PartitionProblem, make_placement
 from picc.placement.partition.problem import Placement as NeuronPlacement
@@ -118,8 +118,9 @@ def ffn_cpu_read_rate(module: Module, weights: WeightStore, target: Target) -> f
     and gate rows (``x_format = "i16"``); down rows, neuron-major once a layer can be split, are AXPYs; what
     a gate-first or down-only FFN reads whole (gate; gate and up), 4-bit, is read eight rows at a
     time from the rows8 layout (taken as the whole layer's: a split one's CPU part may not come
-    in eights). (A CPU-only dense FFN reads the
-    rows8 layout too; its placement has no choice to make.)
+    in eights); the other matrices of a sparse FFN are read a neuron at a time, at its kernel's
+    ``_gathered`` rate. (A CPU-only dense FFN reads the rows8 layout too; its placement has no
+    choice to make.)
     """
     ops = module.function().ops
     x_format = "f32" if any(isinstance(op, Predict | SparseFFN) for op in ops) else "i16"
@@ -129,8 +130,12 @@ def ffn_cpu_read_rate(module: Module, weights: WeightStore, target: Target) -> f
         fits = all(kernel_names.rows8_fits(weights[w].dtype.value, *map(int, weights[w].shape)) for w in whole)
         return whole if fits else ()
 
+    def gathered(op: O.FFN) -> tuple[str, ...]:
+        return gathered_matrices(op.mode, op.up, op.gate, op.down) if isinstance(op, SparseFFN) else ()
+
     reads = [read for op in ops if isinstance(op, O.FFN)
-             for read in cpu_weight_reads(weights, (op.up, op.gate, op.down), x_format, axpy=op.down, rows8=rows8(op))]
+             for read in cpu_weight_reads(weights, (op.up, op.gate, op.down), x_format, axpy=op.down, rows8=rows8(op),
+                                          gathered=gathered(op))]
     seconds = target.cpu.read_seconds(reads)
     return sum(nbytes for nbytes, _ in reads) / seconds if seconds > 0 else target.cpu.mem_bandwidth
 

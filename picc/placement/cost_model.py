@@ -20,15 +20,32 @@ def weight_bytes(weights: WeightStore, name: str | None) -> int:
 
 
 def cpu_weight_reads(weights: WeightStore, names: Iterable[str | None], x_format: str,
-                     axpy: str | None = None, rows8: Iterable[str | None] = ()) -> list[tuple[int, str]]:
+                     axpy: str | None = None, rows8: Iterable[str | None] = (),
+                     gathered: Iterable[str | None] = ()) -> list[tuple[int, str]]:
     """(bytes, CPU rate key) of each named weight as a CPU kernel reads it: with ``x_format``
     ``"i16"`` / ``"i8"`` (an ``_xi16`` / ``_xi8`` kernel) 4-bit rows are dotted in integers, except
     the ``axpy`` weight's (a neuron-major down projection, whose rows are AXPYs of h); the
-    ``rows8`` weights are read eight rows at a time from the rows8 layout."""
-    in_rows8 = set(rows8)
-    return [(weight_bytes(weights, w),
-             kernel_names.cpu_rate_key(weights[w].dtype.value, "f32" if w == axpy else x_format, w in in_rows8))
-            for w in names if w]
+    ``rows8`` weights are read eight rows at a time from the rows8 layout; the ``gathered`` ones
+    are a fused sparse FFN's, whose active rows it reads a neuron at a time (the ``_gathered``
+    rate of its kernel, x as it dots its up rows)."""
+    in_rows8, in_gathered = set(rows8), set(gathered)
+
+    def key(w: str) -> str:
+        dtype = weights[w].dtype.value
+        if w in in_gathered:
+            return kernel_names.cpu_rate_key(dtype, x_format, gathered=True)
+        return kernel_names.cpu_rate_key(dtype, "f32" if w == axpy else x_format, w in in_rows8)
+
+    return [(weight_bytes(weights, w), key(w)) for w in names if w]
+
+
+def gathered_matrices(mode: str, up: str, gate: str | None, down: str) -> tuple[str, ...]:
+    """Of a sparse FFN's matrices, those whose rows it reads for its active neurons alone, a
+    neuron at a time (not in dense mode, nor what the mode reads whole: ``read_whole``)."""
+    if mode == "dense":
+        return ()
+    whole = kernel_names.read_whole(mode, up, gate)
+    return tuple(m for m in (up, gate, down) if m is not None and m not in whole)
 
 
 def ffn_weight_bytes(op: O.FFN, weights: WeightStore) -> int:

@@ -27,7 +27,7 @@ from picc.ir.types import Placement, TensorType
 from picc.ir.weights import WeightStore
 from picc.passes.partition_neurons import ffn_layer
 from picc.placement import memory_plan as mp
-from picc.placement.cost_model import cpu_weight_reads
+from picc.placement.cost_model import cpu_weight_reads, gathered_matrices
 from picc.placement.schedule import schedule
 from picc.targets import Target
 
@@ -49,8 +49,9 @@ def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
         rows8 = names.read_whole(op.mode, op.up, op.gate)
     else:
         rows8 = op.weights()
+    gathered = gathered_matrices(op.mode, op.up, op.gate, op.down) if isinstance(op, FusedFFN) else ()
     return cpu_weight_reads(weights, op.weights(), op.x_format if isinstance(op, O.MatrixOp) else "f32",
-                            axpy=op.down if isinstance(op, FusedFFN) else None, rows8=rows8)
+                            axpy=op.down if isinstance(op, FusedFFN) else None, rows8=rows8, gathered=gathered)
 
 
 def _layer_row(i: int, name: str, layer: dict, where: dict[str, Placement | None], plan: mp.MemoryPlan) -> dict:

@@ -25,7 +25,8 @@ from runtime.cpu import simd_level
 
 # 2: the bandwidth is read by every core at once (1: one stream); 3: kernel rates beside it;
 # 4: int16 x and the rows8 layout's rates (the _xi16 keys are gone).
-HOST_CACHE_VERSION = 4
+# 5: the fused sparse FFN's rates on gathered rows (the _gathered keys).
+HOST_CACHE_VERSION = 5
 
 
 def _cpuinfo() -> str:
