@@ -21,8 +21,9 @@ are one contiguous stream. How the active set is known (``mode``):
 Phases (each thread, barriers between): [sparse modes: rows ``n*t/T..`` of the mask (of the
 dense projections first, in gate-first / down-only mode), compacting the active rows of each
 chunk; then every thread takes its share of the concatenated list] -> for its share of active
-neurons, two at a time: the gathered dot products, ``h``, and the AXPY into the thread's own f32
-buffer (prefetching the rows of a later pair; 4-bit rows go eight neurons at a time first, their
+neurons, two at a time (four in down-only mode, which dots no rows): the gathered dot products,
+``h``, and the AXPY into the thread's own f32 buffer (prefetching the rows of a later group; 4-bit
+dotted rows go eight neurons at a time first, their
 blocks transposed in registers to the rows8 form) -> barrier -> each thread sums the T buffers over its
 share of the columns into ``y`` (fixed order: deterministic).
 Neurons whose ``h`` is exactly 0 are not added (an exact skip that over-predicted ReLU rows earn).

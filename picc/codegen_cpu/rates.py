@@ -28,6 +28,7 @@ import ctypes
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,30 +78,56 @@ def measure_kernel_rates(threads: int, repeats: int = 5, nbytes: int = _BYTES) -
     w = huge_zeros(max(max(rows * row_bytes(dtype, _K) for dtype, rows, _ in shapes),
                        max(2 * count * row_bytes(dtype, _K) * _GATHER_N for _, dtype, count in layers)))
     y = aligned_zeros(4 * max(rows for _, rows, _ in shapes))
-    rates = {}
+    runs = [_gemv_run(rng, key, step, w, x, y, *shape)
+            for key, step, shape in zip(names.CPU_GEMV_RATE_KEYS, steps[: len(programs)], shapes, strict=True)]
+    runs += [_gathered_run(rng, key, step, w, x, dtype, count)
+             for step, (key, dtype, count) in zip(steps[len(programs):], layers, strict=True)]
+    # Round by round, every kernel once in turn (its weights written into w first, and read once
+    # untimed, which writes the written lines back): a slow phase of a shared machine then hits
+    # every rate alike, as the cost model compares them with each other (one kernel's runs after
+    # another's had q4_1_r8_xi16 at 21-40 GB/s between measurements, enough to flip the
+    # compile's choice between the sparse and the dense model).
+    times: dict[str, list[float]] = {run.key: [] for run in runs}
     with ThreadTeam(threads) as team:
+        for _ in range(repeats):
+            for run in runs:
+                run.fill()
+                for timed in (False, True):
+                    start = time.perf_counter()
+                    team.run_each(lambda tid, run=run: run.step(ctypes.addressof(run.table), tid, threads))
+                    if timed:
+                        times[run.key].append(time.perf_counter() - start)
+    for run in runs:
+        run.check()
+    return {run.key: run.nbytes / statistics.median(times[run.key]) for run in runs}
 
-        def median_seconds(step: ctypes._CFuncPtr, table: ctypes.Array) -> float:
-            times = []
-            for rep in range(repeats + 1):  # the first run warms up
-                start = time.perf_counter()
-                team.run_each(lambda tid: step(ctypes.addressof(table), tid, threads))
-                if rep:
-                    times.append(time.perf_counter() - start)
-            return statistics.median(times)
 
-        for key, step, (dtype, rows, in_rows8) in zip(names.CPU_GEMV_RATE_KEYS, steps[: len(programs)], shapes,
-                                                      strict=True):
-            tile = _tile(rng, dtype)
-            if in_rows8:  # whole groups of eight rows: copies of the tile are a rows8 matrix too
-                tile = to_rows8(tile, dtype, (_TILE_ROWS, _K))
-            tile = tile.reshape(-1).view(np.uint8)
-            size = rows * row_bytes(dtype, _K)
-            w[:size].reshape(-1, tile.size)[:] = tile
-            rates[key] = size / median_seconds(step, buffer_table([aligned_zeros(SYNC_BYTES), x, w, y]))
-        for step, (key, dtype, count) in zip(steps[len(programs):], layers, strict=True):
-            rates[key] = _gathered_rate(rng, step, median_seconds, w, x, dtype, count)
-    return rates
+@dataclass
+class _Run:
+    """One rate key's measurement: ``fill`` writes its weights into the shared buffer, ``step``
+    reads ``nbytes`` of them through ``table``, ``check`` raises if it computed something else."""
+
+    key: str
+    step: ctypes._CFuncPtr
+    table: ctypes.Array
+    nbytes: int
+    fill: Callable[[], None]
+    check: Callable[[], None] = lambda: None
+
+
+def _gemv_run(rng: np.random.Generator, key: str, step: ctypes._CFuncPtr, w: np.ndarray, x: np.ndarray,
+              y: np.ndarray, dtype: str, rows: int, in_rows8: bool) -> _Run:
+    """The GEMV of ``key`` over ``rows`` rows: copies of a tile of random rows."""
+    tile = _tile(rng, dtype)
+    if in_rows8:  # whole groups of eight rows: copies of the tile are a rows8 matrix too
+        tile = to_rows8(tile, dtype, (_TILE_ROWS, _K))
+    tile = tile.reshape(-1).view(np.uint8)
+    size = rows * row_bytes(dtype, _K)
+
+    def fill() -> None:
+        w[:size].reshape(-1, tile.size)[:] = tile
+
+    return _Run(key, step, buffer_table([aligned_zeros(SYNC_BYTES), x, w, y]), size, fill)
 
 
 def _tile(rng: np.random.Generator, dtype: str) -> np.ndarray:
@@ -130,25 +157,30 @@ def _gathered_programs(nbytes: int) -> tuple[list[Program], list[tuple[str, str,
     return programs, layers
 
 
-def _gathered_rate(rng: np.random.Generator, step: ctypes._CFuncPtr, median_seconds: Callable[..., float],
-                   w: np.ndarray, x: np.ndarray, dtype: str, count: int) -> float:
-    """Bytes per second of active up and down rows that ``step`` (of :func:`_gathered_programs`)
-    reads with ``_GATHER_ACTIVE`` of each layer's neurons active, a random set (the same in every
-    layer: scattered rows, in order, as a mask gives them)."""
+def _gathered_run(rng: np.random.Generator, key: str, step: ctypes._CFuncPtr, w: np.ndarray, x: np.ndarray,
+                  dtype: str, count: int) -> _Run:
+    """The ``_gathered`` key's step (of :func:`_gathered_programs`): the bytes of active up and
+    down rows it reads with ``_GATHER_ACTIVE`` of each layer's neurons active, a random set (the
+    same in every layer: scattered rows, in order, as a mask gives them)."""
     tile = _tile(rng, dtype)
     down = to_rowplanes(tile, dtype, (_TILE_ROWS, _K)) if dtype in ROWPLANES_DTYPES else tile
     matrix = _GATHER_N * row_bytes(dtype, _K)
-    for layer in range(count):
-        for part, rows in ((0, tile), (1, down)):
-            start = (2 * layer + part) * matrix
-            w[start : start + matrix].reshape(-1, rows.nbytes)[:] = rows.reshape(-1).view(np.uint8)
+
+    def fill() -> None:
+        for layer in range(count):
+            for part, rows in ((0, tile), (1, down)):
+                start = (2 * layer + part) * matrix
+                w[start : start + matrix].reshape(-1, rows.nbytes)[:] = rows.reshape(-1).view(np.uint8)
+
     active = int(_GATHER_N * _GATHER_ACTIVE)
     mask = np.zeros(_GATHER_N, np.uint8)
     mask[rng.choice(_GATHER_N, active, replace=False)] = 1
     found = np.zeros(1, np.int32)
     scratch = aligned_zeros(ffn_scratch_bytes(_GATHER_N, _K, _MAX_THREADS))
     table = buffer_table([aligned_zeros(SYNC_BYTES), x, w, aligned_zeros(4 * _K), mask, found, scratch])
-    seconds = median_seconds(step, table)
-    if found[0] != active:
-        raise PiccError(f"codegen_cpu: the rate step found {found[0]} active neurons of {active}")
-    return 2 * count * active * row_bytes(dtype, _K) / seconds
+
+    def check() -> None:
+        if found[0] != active:
+            raise PiccError(f"codegen_cpu: the rate step found {found[0]} active neurons of {active}")
+
+    return _Run(key, step, table, 2 * count * active * row_bytes(dtype, _K), fill, check)
