@@ -16,9 +16,10 @@ streaming a matrix several times the size of any L3 cache, with every thread the
 for, and reports bytes of weights read per second; and, for the ``_gathered`` keys, the fused
 sparse FFN reading half of its neurons' up and down rows, a neuron at a time, over layers as
 large in all (the rate at which the cost model prices a sparse FFN's active rows: the one-row
-GEMV's, which it used before, moves with prefetch choices that gathered rows do not share). On
-the 2-core Zen 4 (36 GB/s): q4_1 with int16 x 20.9 GB/s gathered, 22.1 a row at a time, 40.5
-eight rows at a time; with float x 19.5 and 19.8. ``picc.targets``
+GEMV's, which it used before, moves with prefetch choices that gathered rows do not share). Three
+measurements on the 2-core Zen 4, two threads: q4_1 with int16 x 13.9-16.8 GB/s gathered,
+16.3-20.3 a row at a time, 25.0-32.5 eight rows at a time (gathered over eight at a time
+0.51-0.55); with float x gathered over eight at a time 0.60-0.70. ``picc.targets``
 measures it once per host and caches it beside the bandwidth.
 """
 
@@ -56,9 +57,10 @@ _MAX_THREADS = 256  # threads a gathered-rate step's scratch has room for
 
 def measure_kernel_rates(threads: int, repeats: int = 5, nbytes: int = _BYTES) -> dict[str, float]:
     """Bytes of weights per second the kernel of each key of ``kernel_names.CPU_RATE_KEYS`` reads
-    from memory on ``threads`` threads (the median of ``repeats`` runs after a warm-up): each
-    GEMV over a matrix of about ``nbytes``, and each ``_gathered`` key's fused sparse FFN over
-    layers of about ``nbytes`` in all (:func:`_gathered_programs`)."""
+    from memory on ``threads`` threads (the median of ``repeats`` rounds, each kernel's timed run
+    after its weights are written and read once): each GEMV over a matrix of about ``nbytes``, and
+    each ``_gathered`` key's fused sparse FFN over layers of about ``nbytes`` in all
+    (:func:`_gathered_programs`)."""
     from picc.codegen_cpu import compile_kernels, host_simd
 
     rng = np.random.default_rng(0)
