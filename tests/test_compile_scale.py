@@ -79,8 +79,9 @@ def test_a_cpu_compile_skips_profiling_when_no_sparse_model_could_win(tmp_path, 
 
 
 def test_a_sparse_models_gathered_rows_count_at_the_rate_of_rows_one_at_a_time(tmp_path, monkeypatch):
-    # Active rows are gathered, so a sparse FFN reads them one at a time; only a matrix it reads
-    # whole (a gate-first gate) goes eight rows at a time. The rates of a Zen 4 on the fence: float
+    # Active rows are gathered, so a sparse FFN reads them one at a time (a target without
+    # _gathered rates: at the one-row GEMV's); only a matrix it reads whole (a gate-first gate)
+    # goes eight rows at a time. The rates of a Zen 4 on the fence: float
     # x reads rows at 20 GB/s and eight rows at 28, the dense model's integer dots at 32. Counting
     # 70% of every matrix at 28 GB/s, a sparse model looked faster and was profiled; at the rows'
     # rate (or reading whole at 28) it cannot be, and the sparse model compiled anyway is slower

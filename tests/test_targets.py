@@ -152,6 +152,10 @@ def test_kernel_rates_in_a_target_file(tmp_path: Path) -> None:
     cpu = load_target(str(write(tmp_path, data))).cpu
     assert cpu.kernel_rates == (("q4_0_xi16", 2e10), ("q4_1", 14e9))
     assert (cpu.read_rate("q4_1"), cpu.read_rate("q4_0_xi16"), cpu.read_rate("f32")) == (14e9, 20e9, 38.4e9)
+    # A gathered key not given reads at the one-row rate of the same rows; given, at its own.
+    assert (cpu.read_rate("q4_1_gathered"), cpu.read_rate("q4_0_gathered_xi16")) == (14e9, 20e9)
+    cpu = load_target(str(write(tmp_path, replaced("cpu", "kernel_rates", {"q4_1": 14e9, "q4_1_gathered": 9e9})))).cpu
+    assert (cpu.read_rate("q4_1_gathered"), cpu.read_rate("q4_1")) == (9e9, 14e9)
 
 
 def test_measure_memory_bandwidth_is_positive() -> None:

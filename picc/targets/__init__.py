@@ -67,7 +67,7 @@ from typing import TypeVar
 import yaml
 
 from picc.errors import PiccError
-from picc.kernel_names import CPU_RATE_KEYS
+from picc.kernel_names import CPU_RATE_KEYS, GATHERED_SUFFIX
 
 SIMD_LEVELS = ("avx512-vnni", "avx512", "avx2", "sse")
 
@@ -107,8 +107,10 @@ class CpuSpec:
 
     def read_rate(self, key: str) -> float:
         """Bytes/s at which a kernel of rate key ``key`` reads its weights: its measured rate
-        (when known), at most the memory's bandwidth."""
-        rate = dict(self.kernel_rates).get(key)
+        (when known; for a ``_gathered`` key not given, the rate of the same rows one at a time,
+        as target files written before those keys had it), at most the memory's bandwidth."""
+        rates = dict(self.kernel_rates)
+        rate = rates.get(key, rates.get(key.replace(GATHERED_SUFFIX, "")))
         return self.mem_bandwidth if rate is None else min(self.mem_bandwidth, rate)
 
     def read_seconds(self, reads: Iterable[tuple[int, str]]) -> float:
