@@ -141,3 +141,38 @@ def half_the_ffn(full) -> int:
     ffn_bytes = sum(b.nbytes for b in full.plan.buffers if b.device == "gpu" and b.name in ffn_weights)
     assert ffn_bytes > 0
     return full.plan.gpu_bytes - ffn_bytes // 2
+
+
+_MEASURED: dict[tuple, object] = {}
+
+
+def _measured_once(name: str, measure):  # noqa: ANN001, ANN202 - wraps either host measurement
+    def measured(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        key = (name, args, tuple(sorted(kwargs.items())))
+        if key not in _MEASURED:
+            _MEASURED[key] = measure(*args, **kwargs)
+        return _MEASURED[key]
+
+    return measured
+
+
+@pytest.fixture(autouse=True)
+def _host_measured_once(monkeypatch):
+    """This host's read bandwidth and kernel rates, measured once for the session: a test that
+    points PICC_CACHE_DIR at a fresh directory (its own predictors, profiles) would otherwise
+    measure them again, ~8 s each time. Tests of the measurement itself patch these functions
+    over this."""
+    from picc.targets import host
+
+    for name in ("measure_memory_bandwidth", "measure_kernel_rates"):
+        monkeypatch.setattr(host, name, _measured_once(name, _HOST_MEASUREMENTS[name]))
+
+
+def _host_measurements() -> dict:
+    from picc.targets import host
+
+    return {"measure_memory_bandwidth": host.measure_memory_bandwidth,
+            "measure_kernel_rates": host.measure_kernel_rates}
+
+
+_HOST_MEASUREMENTS = _host_measurements()
