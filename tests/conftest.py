@@ -14,6 +14,7 @@ from picc.frontend.tokenizer import Tokenizer
 from picc.ir.module import Module
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
+from picc.targets import host
 
 
 def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_heads: int = 4,
@@ -143,14 +144,16 @@ def half_the_ffn(full) -> int:
     return full.plan.gpu_bytes - ffn_bytes // 2
 
 
+# This host's measurements as picc makes them, before any test patches them (see below).
+_HOST_MEASUREMENTS = {name: getattr(host, name) for name in ("measure_memory_bandwidth", "measure_kernel_rates")}
 _MEASURED: dict[tuple, object] = {}
 
 
-def _measured_once(name: str, measure):  # noqa: ANN001, ANN202 - wraps either host measurement
+def _measured_once(name: str):  # noqa: ANN202 - wraps either host measurement
     def measured(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         key = (name, args, tuple(sorted(kwargs.items())))
         if key not in _MEASURED:
-            _MEASURED[key] = measure(*args, **kwargs)
+            _MEASURED[key] = _HOST_MEASUREMENTS[name](*args, **kwargs)
         return _MEASURED[key]
 
     return measured
@@ -162,17 +165,5 @@ def _host_measured_once(monkeypatch):
     points PICC_CACHE_DIR at a fresh directory (its own predictors, profiles) would otherwise
     measure them again, ~8 s each time. Tests of the measurement itself patch these functions
     over this."""
-    from picc.targets import host
-
-    for name in ("measure_memory_bandwidth", "measure_kernel_rates"):
-        monkeypatch.setattr(host, name, _measured_once(name, _HOST_MEASUREMENTS[name]))
-
-
-def _host_measurements() -> dict:
-    from picc.targets import host
-
-    return {"measure_memory_bandwidth": host.measure_memory_bandwidth,
-            "measure_kernel_rates": host.measure_kernel_rates}
-
-
-_HOST_MEASUREMENTS = _host_measurements()
+    for name in _HOST_MEASUREMENTS:
+        monkeypatch.setattr(host, name, _measured_once(name))

@@ -94,7 +94,7 @@ FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("u
 # layers from memory, 1 thread, two runs each): 2 fours ahead 10.6-10.7 GB/s of down rows, 4
 # fours 10.2-13.3, 6 fours 12.8-12.9; without prefetches 4.8.
 _AHEAD = 4
-_OCTET_AXPYS = 4  # down rows an octet's AXPYs add in one pass over ybuf (pairs take two)
+_OCTET_AXPYS = 4  # down rows added in one pass over ybuf: an octet's, four at a time, and down-only's groups
 _V16 = vec(16)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from picc import kernel_names
 from picc.ir import ops as O
+from picc.ir.fused_ops import FUSED_MODES
 from picc.ir.weights import WeightStore
 
 
@@ -66,16 +67,12 @@ def ffn_reads_per_token(op: O.FFN, weights: WeightStore, mode: str, density: flo
                         predictor_bytes: int = 0) -> tuple[float, float]:
     """The bytes of :func:`ffn_bytes_per_token` split into those of matrices read whole (the
     dense matrices of the mode, the predictor) and those of the active rows, gathered one at a
-    time from wherever the active neurons are."""
-    up = weight_bytes(weights, op.up) + weight_bytes(weights, op.up_bias)
-    gate = weight_bytes(weights, op.gate) + weight_bytes(weights, op.gate_bias)
-    down = weight_bytes(weights, op.down)
-    if mode == "dense":
-        return float(up + gate + down), 0.0
-    if mode == "gate-first":
-        return float(gate), density * (up + down)
-    if mode == "down-only":
-        return float(up + gate), density * down
-    if mode == "predictor":
-        return float(predictor_bytes), density * (up + gate + down)
-    raise ValueError(f"unknown sparsity mode {mode!r}")
+    time from wherever the active neurons are (:func:`gathered_matrices`)."""
+    if mode not in FUSED_MODES:
+        raise ValueError(f"unknown sparsity mode {mode!r}")
+    matrices = [(op.up, weight_bytes(weights, op.up) + weight_bytes(weights, op.up_bias)),
+                (op.gate, weight_bytes(weights, op.gate) + weight_bytes(weights, op.gate_bias)),
+                (op.down, weight_bytes(weights, op.down))]
+    gathered = gathered_matrices(mode, op.up, op.gate, op.down)
+    whole = (predictor_bytes if mode == "predictor" else 0) + sum(n for m, n in matrices if m not in gathered)
+    return float(whole), density * sum(n for m, n in matrices if m in gathered)
