@@ -42,6 +42,12 @@ from runtime import gpu_layout
 
 FORMS = FFN_FORMS  # how each FFN form combines its projections: the IR's own table
 
+H_STAGE = "h"
+"""The stage of each neuron's ``h``, which the down AXPY scales its row by: its own block in the
+definition, so that a host build computes it once per neuron (the CPU schedule; inlined per
+element, SiLU's exp was ~70% of a SwiGLU FFN's time on the emulated GPU), while the GPU schedules
+inline it back into the AXPY (:func:`picc.codegen_cuda.schedules.schedule`: the CUDA of before)."""
+
 ROW_TILE = gpu_layout.ROW_TILE
 """Rows (warps) per thread block of the gather-GEMV; index lists are padded to a multiple of it."""
 
@@ -138,10 +144,10 @@ def _gather_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, bias: bo
             return ug[r, j]
 
     v = wf.vector
+    h = te.compute((rows,), lambda r: _combine(form, proj(r, 0), proj(r, 1) if gated else None), name=H_STAGE)
 
     def term(r: PrimExpr, k: PrimExpr) -> PrimExpr:
-        h = _combine(form, proj(r, 0), proj(r, 1) if gated else None)
-        value = wf.load(w_down, (neuron(r),), k // v, k % v, scale=h)
+        value = wf.load(w_down, (neuron(r),), k // v, k % v, scale=h[r])
         return tirx.if_then_else(live(r), value, f32(0)) if live else value
 
     r = te.placeholder((hidden,), "float32", name="r")
@@ -217,9 +223,10 @@ def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, resid
 
     u = row_dot("u", wf, w_up, lambda r, k: x[k], (n_ff,), hidden, when=active)
     v = wf.vector
+    h = te.compute((n_ff,), lambda r: activation(act, g[r]) * u[r], name=H_STAGE)
 
     def term(r: PrimExpr, k: PrimExpr) -> PrimExpr:
-        value = wf.load(w_down, (r,), k // v, k % v, scale=activation(act, g[r]) * u[r])
+        value = wf.load(w_down, (r,), k // v, k % v, scale=h[r])
         return tirx.if_then_else(active(r), value, f32(0))
 
     r = te.placeholder((hidden,), "float32", name="r")
