@@ -52,7 +52,7 @@ from picc.codegen_cuda import (
     unpack,
     write_cuda_sources,
 )
-from picc.codegen_cuda.schedules import arch_params
+from picc.codegen_cuda.schedules import arch_params, cpu_schedule, schedule
 from picc.errors import PiccError
 from picc.interpreter import KVCache, activation
 from picc.interpreter import attention as ref_attention
@@ -272,6 +272,19 @@ def test_unscheduled_definition_and_exported_library_agree_with_numpy(tmp_path: 
     tensors = [tvm.runtime.tensor(inputs.get(p.name, np.zeros(p.shape, p.dtype))) for p in kernel.params]
     lib.get_function("ffn_def")(*tensors)
     assert rel_err(tensors[-1].numpy(), ref) <= QUANT_TOL
+
+
+def test_the_host_build_computes_h_once_a_neuron_and_the_gpu_schedules_inline_it() -> None:
+    # h (SiLU's exp) is a stage of its own in the fused FFNs' definition: the host build computes
+    # it once per neuron, before the AXPY (inlined into it, the emulated GPU took an exp per
+    # weight); the GPU schedules inline it back, so their CUDA is what it was.
+    for kernel in (sparse_ffn("s", 64, 96, "swiglu", "q4_1"), dense_ffn("d", 64, 96, "swiglu", "q4_1"),
+                   gate_first_ffn("g", 64, 96, "swiglu", "q4_1")):
+        host = cpu_schedule(kernel).script()
+        h, axpy, total = (host.index(f'T.sblock("{name}")') for name in ("h", "y_part", "y"))
+        assert "T.exp(" in host[h:axpy] and "T.exp(" not in host[axpy:total], kernel.name
+        for arch in ("sm_75", "sm_90"):
+            assert 'T.sblock("h")' not in schedule(kernel, arch).script(), (kernel.name, arch)
 
 
 @pytest.mark.parametrize(("form", "fmt"), [("reglu", "f16"), ("relu", "q4_1"), ("swiglu", "q8_0")])

@@ -42,11 +42,12 @@ from runtime import gpu_layout
 
 FORMS = FFN_FORMS  # how each FFN form combines its projections: the IR's own table
 
-H_STAGE = "h"
-"""The stage of each neuron's ``h``, which the down AXPY scales its row by: its own block in the
-definition, so that a host build computes it once per neuron (the CPU schedule; inlined per
-element, SiLU's exp was ~70% of a SwiGLU FFN's time on the emulated GPU), while the GPU schedules
-inline it back into the AXPY (:func:`picc.codegen_cuda.schedules.schedule`: the CUDA of before)."""
+H_STAGE, LIVE_STAGE = "h", "live"
+"""The stages of each neuron's ``h``, which the down AXPY scales its row by, and (gate-first) of
+whether it is active: blocks of their own in the definition, so that a host build computes them
+once per neuron (the CPU schedule; inlined per element, SiLU's exp was ~70% of a SwiGLU FFN's time
+on the emulated GPU), while the GPU schedules inline them back into the AXPY
+(:func:`picc.codegen_cuda.schedules.schedule`: the CUDA of before)."""
 
 ROW_TILE = gpu_layout.ROW_TILE
 """Rows (warps) per thread block of the gather-GEMV; index lists are padded to a multiple of it."""
@@ -224,10 +225,11 @@ def gate_first_ffn(name: str, hidden: int, n_ff: int, form: str, fmt: str, resid
     u = row_dot("u", wf, w_up, lambda r, k: x[k], (n_ff,), hidden, when=active)
     v = wf.vector
     h = te.compute((n_ff,), lambda r: activation(act, g[r]) * u[r], name=H_STAGE)
+    live = te.compute((n_ff,), active, name=LIVE_STAGE)
 
     def term(r: PrimExpr, k: PrimExpr) -> PrimExpr:
         value = wf.load(w_down, (r,), k // v, k % v, scale=h[r])
-        return tirx.if_then_else(active(r), value, f32(0))
+        return tirx.if_then_else(live[r], value, f32(0))
 
     r = te.placeholder((hidden,), "float32", name="r")
     y_part, y = sliced_axpy(hidden, n_ff, term, r if residual else None)

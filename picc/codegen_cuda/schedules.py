@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from tvm import s_tir, tirx
 
 from picc.codegen_cuda.dense import warp_compact
-from picc.codegen_cuda.ffn import H_STAGE
+from picc.codegen_cuda.ffn import H_STAGE, LIVE_STAGE
 from picc.codegen_cuda.guards import GUARD, TileGuard, apply_guards, spatial_axes
 from picc.codegen_cuda.kernel import Guard, Kernel
 from picc.errors import PiccError
@@ -315,8 +315,9 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
     sch = s_tir.Schedule(kernel.func)
     tiles: dict[str, TileGuard] = {}
     eager: tuple[str, ...] = ()
-    if kernel.kind in _AXPYS:  # h per element of the AXPY, as the GPU schedules below expect
-        sch.compute_inline(sch.get_sblock(H_STAGE))
+    for stage in (H_STAGE, LIVE_STAGE) if kernel.kind in _AXPYS else ():  # per element of the AXPY, as before
+        if _has_block(kernel, stage):
+            sch.compute_inline(sch.get_sblock(stage))
     match kernel.kind:
         case "gemv":
             warp_rows(sch, "acc", p.rows, [*_weights(kernel, "W"), "x"], False, ("y",), unroll, pair)
