@@ -407,7 +407,7 @@ def cpu_code(module, weights, steps: Schedule, ctx: int,  # noqa: ANN001
     lowered = lower_module(module, weights, steps, ctx, batch_step=batch_step)
     ir, obj = compiled_object(build_ir([], lowered.programs, simd), simd)
     if simd == "avx512-vnni":  # the IR a CPU without VNNI compiles instead: the VNNI kernels' AVX-512 twins
-        ir, _ = compiled_object(build_ir([], lowered.programs, "avx512"), "avx512")
+        ir, _ = compiled_object(build_ir([], lowered.programs, "avx512"), "avx512", object_code=False)
     sections = {"cpu/object": obj, "cpu/ir": ir.encode("utf-8"),
                 "cpu/manifest": json.dumps(lowered.manifest(simd).to_json()).encode("utf-8")}
     return sections, lowered.extra, lowered.layouts

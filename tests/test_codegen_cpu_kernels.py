@@ -1052,6 +1052,30 @@ def test_compiled_objects_are_cached_by_their_ir(tmp_path, monkeypatch, teams):
     assert [len(list((tmp_path / "cpu-objects").glob(f"*{s}"))) for s in (".ll", ".o", ".sha256")] == [1, 1, 1]
 
 
+def test_the_fallback_ir_is_optimised_without_code_generation(tmp_path, monkeypatch):
+    # A VNNI compile's AVX-512 fallback is carried as IR: the same optimised IR as a whole
+    # compile's, no object code made for it (half of LLVM's time), and its cache entry apart from
+    # the object's (a later compile that wants the object still gets one).
+    from picc.codegen_cpu import build_ir, compiler
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path))
+    ir = build_ir([gemv("q4_1", x_format="i16")], (), "avx512")
+    real = compiler.CpuModule
+
+    class NoCodegen(real):
+        def emit_object(self) -> bytes:
+            raise AssertionError("generated object code")
+
+    monkeypatch.setattr(compiler, "CpuModule", NoCodegen)
+    optimised, obj = compiler.compiled_object(ir, "avx512", object_code=False)
+    assert obj == b"" and "define void @picc_gemv_q4_1_xi16" in optimised
+    monkeypatch.setattr(compiler, "CpuModule", lambda *_, **__: pytest.fail("compiled again"))
+    assert compiler.compiled_object(ir, "avx512", object_code=False) == (optimised, b"")  # from the cache
+    monkeypatch.setattr(compiler, "CpuModule", real)
+    whole = compiler.compiled_object(ir, "avx512")
+    assert whole[0] == optimised and whole[1][:4] == b"\x7fELF"
+
+
 def test_bad_inputs_are_one_line_errors(host):
     with pytest.raises(PiccError, match="weight dtype 'q5_k' is not supported"):
         gemv("q5_k")

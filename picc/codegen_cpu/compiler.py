@@ -165,9 +165,11 @@ class CpuModule:
 OBJECT_CACHE_ENTRIES = 24
 
 
-def compiled_object(ir_text: str, simd: str) -> tuple[str, bytes]:
+def compiled_object(ir_text: str, simd: str, *, object_code: bool = True) -> tuple[str, bytes]:
     """The optimised IR and the object code of ``ir_text`` for ``simd`` ("avx2", "avx512" or
-    "avx512-vnni", whose CPUs are fixed, unlike "host"'s): what a .pib carries.
+    "avx512-vnni", whose CPUs are fixed, unlike "host"'s): what a .pib carries. With
+    ``object_code=False``, the optimised IR alone and ``b""``: no code generation, about half of
+    LLVM's time (a VNNI compile's AVX-512 fallback IR, which the .pib carries as IR).
 
     Cached in ``$PICC_CACHE_DIR/cpu-objects``: LLVM takes seconds on a model, and the same CPU
     program comes back whenever a model's CPU part does not change (a recompile, a VRAM budget
@@ -179,7 +181,8 @@ def compiled_object(ir_text: str, simd: str) -> tuple[str, bytes]:
         raise PiccError(f"codegen_cpu: cached objects are for a fixed SIMD level ({', '.join(_CPU_FOR_SIMD)}), "
                         f"not {simd!r}")
     key = hashlib.sha256("\0".join((simd, ".".join(map(str, llvm.llvm_version_info)), llvmlite.__version__,
-                                      Path(__file__).read_text(encoding="utf-8"), ir_text)).encode()).hexdigest()
+                                      Path(__file__).read_text(encoding="utf-8"), ir_text,
+                                      *(() if object_code else ("ir only",)))).encode()).hexdigest()
     folder = cache_root() / "cpu-objects"
     ir_path, obj_path, sum_path = (folder / f"{key[:32]}{suffix}" for suffix in (".ll", ".o", ".sha256"))
     try:
@@ -192,7 +195,7 @@ def compiled_object(ir_text: str, simd: str) -> tuple[str, bytes]:
             sum_path.touch()  # recently used
         return found
     module = CpuModule(ir_text, simd)
-    optimised, obj = module.ir, module.emit_object()
+    optimised, obj = module.ir, module.emit_object() if object_code else b""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         ir_bytes = optimised.encode("utf-8")
