@@ -643,3 +643,30 @@ def test_run_without_a_prompt_reads_prompts_from_stdin(tmp_path, capsys, monkeyp
     monkeypatch.setattr("sys.stdin", io.StringIO("the company\n"))
     assert main(["run", str(path), "-n", "4"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == first
+
+
+
+def test_the_int8_drift_example_rounds_where_it_says(tmp_path):
+    # examples/int_x_drift.py stands the runtime's drift in with an interpreter that adds noise
+    # before each rounding and rounds to int8 in the ops it names: without noise it must compute
+    # exactly what the interpreter computes on a build that rounds there (--int8-dots: every rows8
+    # op's x and h), and with no op named, what it computes on the int16 build.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("int_x_drift", Path(__file__).parents[1] / "examples" / "int_x_drift.py")
+    drift = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drift)
+    model = tiny_llama("swiglu", n_layers=2, hidden=96, n_heads=8, n_kv_heads=1, n_ff=96, matrix_dtype=DType.Q4_1)
+    _, i8 = compiled(model, tmp_path, "i8", dense=True, int8_dots=True)
+    rows8 = [op for op in i8.module.ops() if isinstance(op, O.MatrixOp) and op.x_format == "i8"]
+    assert {type(op) for op in rows8} == {O.Linear, O.FFN}
+    i16_ops = tuple(replace(op, x_format="i16") if op in rows8 else op for op in i8.module.function().ops)
+    i16 = i8.module.with_function(replace(i8.module.function(), ops=i16_ops))
+    everywhere = {op.result: ("x", "h") for op in rows8}
+    emulated = drift.NoisyInterpreter(i16, i8.weights, 0.0, everywhere).run(TOKENS)
+    assert np.array_equal(emulated, Interpreter(i8.module, i8.weights).run(TOKENS))
+    as_is = drift.NoisyInterpreter(i16, i8.weights, 0.0, {}).run(TOKENS)
+    assert np.array_equal(as_is, Interpreter(i16, i8.weights).run(TOKENS))
+    assert not np.array_equal(emulated, as_is)
+    only_x = {op.result: ("x",) for op in rows8}  # a dense FFN's h stays int16
+    assert not np.array_equal(drift.NoisyInterpreter(i16, i8.weights, 0.0, only_x).run(TOKENS), emulated)
