@@ -4,10 +4,12 @@ The server (``runtime.server``) reads a request's JSON, and :func:`completion_pa
 :func:`chat_params` check every field a client sends against what the OpenAI API accepts, raising
 :class:`ApiError` -- OpenAI's error object and its HTTP status -- for the first that is wrong, with
 the field named in ``param``. What passes becomes :class:`Params`, which the server turns into an
-engine request. ``n`` above 1, ``logprobs`` and ``echo`` are refused with a message that says so;
-fields OpenAI defines that do not change what picc computes (``user``, ``presence_penalty`` 0, ...)
-are accepted and ignored. ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate
-``max_tokens`` tokens whatever they are: benchmarks) are the usual extensions (vLLM takes them too).
+engine request. ``n`` or ``best_of`` above 1, ``logprobs``, ``echo`` and a non-empty ``logit_bias``
+are refused with a message that says so; fields OpenAI defines that do not change what picc
+computes (``user``, ``presence_penalty`` 0, ...) are checked and ignored. ``top_k``,
+``repetition_penalty`` and ``ignore_eos`` (generate ``max_tokens`` tokens whatever they are:
+benchmarks) are the usual extensions (vLLM takes them too). Chat messages' roles are OpenAI's
+(:data:`ROLES`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 from runtime.sampling import SamplingOptions
 
 MAX_STOPS = 4  # OpenAI's limit on "stop" strings
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's "top_logprobs"
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the chat roles OpenAI accepts
 
 
 class ApiError(Exception):
@@ -111,6 +115,9 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens") -> Params:
     n = f.integer("n", 1, 1)
     if n != 1:
         raise invalid(f"'n' {n}: this server generates one choice per request (send {n} requests)", "n")
+    if f.get("user") is not None and not isinstance(f.get("user"), str):
+        raise invalid(f"'user' must be a string, got {type(f.get('user')).__name__}", "user")
+    _logit_bias(f.get("logit_bias"))
     for name in ("presence_penalty", "frequency_penalty"):
         if f.number(name, 0.0, -2.0, 2.0) != 0.0:
             raise invalid(f"'{name}' is not supported (use repetition_penalty)", name)
@@ -134,6 +141,21 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens") -> Params:
                   include_usage=include_usage, ignore_eos=f.boolean("ignore_eos"))
 
 
+def _logit_bias(v: object) -> None:
+    """``logit_bias``: checked as OpenAI checks it (token ids to numbers in [-100, 100]); refused
+    unless empty, since it would change the tokens and this server does not apply it."""
+    if v is None:
+        return
+    if not isinstance(v, dict):
+        raise invalid(f"'logit_bias' must be an object of token ids to numbers, got {type(v).__name__}", "logit_bias")
+    for token, bias in v.items():
+        if not token.isdigit() or not _is_number(bias) or not -100 <= bias <= 100:
+            raise invalid(f"'logit_bias' maps token ids to numbers in [-100, 100], got {token!r}: {bias!r}",
+                          "logit_bias")
+    if v:
+        raise invalid("'logit_bias' is not supported", "logit_bias")
+
+
 def _stops(v: object) -> list[str]:
     if v is None:
         return []
@@ -151,12 +173,15 @@ def completion_params(body: object) -> Params:
     """``POST /v1/completions``'s body, checked. The prompt: a string, a list of token ids, or a list
     holding one string or one list of ids (OpenAI's batch forms with one entry)."""
     f = _Fields(body)
-    if f.get("echo"):
+    if f.boolean("echo"):
         raise invalid("'echo' is not supported", "echo")
     if f.get("logprobs") is not None:
         raise invalid("'logprobs' is not supported", "logprobs")
     if f.get("suffix") is not None:
         raise invalid("'suffix' is not supported", "suffix")
+    best_of = f.integer("best_of", 1, 1)
+    if best_of != 1:
+        raise invalid(f"'best_of' {best_of}: this server generates one choice per request", "best_of")
     params = _common(f)
     prompt = f.get("prompt")
     if prompt is None:
@@ -179,16 +204,25 @@ def chat_params(body: object) -> Params:
     """``POST /v1/chat/completions``'s body, checked (the messages themselves by the chat template's
     renderer, ``runtime.chat``). ``max_completion_tokens`` is the newer name of ``max_tokens``."""
     f = _Fields(body)
-    if f.get("logprobs"):
+    logprobs = f.boolean("logprobs")
+    top_logprobs = f.integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if logprobs:
         raise invalid("'logprobs' is not supported", "logprobs")
     for name in ("tools", "functions", "response_format"):
         if f.get(name) is not None:
             raise invalid(f"'{name}' is not supported", name)
+    f.integer("max_tokens", None, 1)  # checked where max_completion_tokens, its newer name, is used
     name = "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
     params = _common(f, name)
     messages = f.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list of messages", "messages")
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role not in ROLES:  # other shapes: the renderer's message says what
+            raise invalid(f"messages[{i}].role '{role}' is not one of {', '.join(ROLES)}", f"messages[{i}].role")
     params.messages = messages
     return params
 

@@ -6,10 +6,12 @@ through sse-starlette when ``stream`` is true, ending with ``data: [DONE]``), ``
 prometheus_client). With an API key every ``/v1`` route wants ``Authorization: Bearer KEY``.
 
 Every error is OpenAI's error object with OpenAI's status (``runtime.openai_api.ApiError``): 400
-for a body that is not JSON or a field that is wrong, 401 without the key, 404 for an unknown route
-or model, 429 with ``Retry-After`` when the engine's queue is full; an unexpected exception is a 500
-with the same object, never a traceback. A client that disconnects -- mid-stream, or while waiting
-for a whole completion -- cancels its sequence.
+for a body that is not JSON (or not valid Unicode) or a field that is wrong, 401 without the key,
+404 for an unknown route or model, 413 for a body larger than :func:`max_body_bytes`, 429 with
+``Retry-After`` when the engine's queue is full; an unexpected exception is a 500 with the same
+object and one line in the server's log, never a traceback. Prompts are tokenized off the event
+loop, so a long one does not hold up the other requests. A client that disconnects -- mid-stream,
+or while waiting for a whole completion -- cancels its sequence.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -47,6 +50,15 @@ from runtime.openai_api import (
 from runtime.text import TextCodec
 
 DISCONNECT_POLL_SECONDS = 0.25
+LOG = logging.getLogger("picc.serve")
+
+
+def max_body_bytes(ctx: int) -> int:
+    """The largest request body the server reads: 4 MiB, or 256 bytes a position of the context
+    for a longer one -- far more than any prompt that fits the context takes (a token is rarely
+    over 16 bytes of text, ~100 with JSON's escapes), and bounded, so that a huge body is refused
+    before it is read, let alone tokenized."""
+    return max(4 << 20, 256 * ctx)
 
 
 @dataclass
@@ -62,11 +74,14 @@ class ServedModel:
 
 def create_app(served: ServedModel) -> FastAPI:
     """The ASGI application serving ``served``."""
-    app = FastAPI(title="picc serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # No redirects from "/v1/completions/" to "/v1/completions": an unknown route is a 404.
+    app = FastAPI(title="picc serve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     metrics = Metrics(served.engine)
     app.state.metrics = metrics
     app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(ContainErrors)  # outermost: CountRequests sees the 500 it makes
     _errors(app)
+    limit = max_body_bytes(served.engine.ctx)
 
     async def authorized(request: Request) -> None:
         if served.api_key is None:
@@ -101,26 +116,32 @@ def create_app(served: ServedModel) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:
-        params = completion_params(await _json(request))
+        params = completion_params(await _json(request, limit))
         _check_model(served, params.model)
         prompt = params.prompt
-        ids = served.codec.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
+        # Off the event loop (the tokenizer lets go of the GIL): a long prompt holds up nobody.
+        ids = await asyncio.to_thread(served.codec.encode, prompt) if isinstance(prompt, str) else list(prompt or [])
         return await _respond(request, served, metrics, params, ids, "prompt", chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(request: Request) -> Response:
-        params = chat_params(await _json(request))
+        params = chat_params(await _json(request, limit))
         _check_model(served, params.model)
         codec = served.codec
         if codec.chat_template is None:
             raise invalid(f"model '{served.name}' has no chat template (its tokenizer carries none): use "
                           "/v1/completions with a prompt", "messages", "chat_template_missing")
-        try:
-            text = render_chat(codec.chat_template, params.messages or [], bos_token=codec.bos_token,
-                               eos_token=codec.eos_token)
-        except ChatTemplateError as e:
-            raise invalid(str(e), "messages") from None
-        return await _respond(request, served, metrics, params, codec.encode_chat(text), "messages", chat=True)
+
+        def prompt_ids() -> list[int]:
+            try:
+                text = render_chat(codec.chat_template, params.messages or [], bos_token=codec.bos_token,
+                                   eos_token=codec.eos_token)
+            except ChatTemplateError as e:
+                raise invalid(str(e), "messages") from None
+            return codec.encode_chat(text)
+
+        ids = await asyncio.to_thread(prompt_ids)
+        return await _respond(request, served, metrics, params, ids, "messages", chat=True)
 
     return app
 
@@ -149,17 +170,69 @@ def _errors(app: FastAPI) -> None:
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return JSONResponse(invalid(str(first.get("msg", "invalid request")), param).body(), status_code=400)
 
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> JSONResponse:
-        error = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
-        return JSONResponse(error.body(), status_code=500)
+
+class ContainErrors:
+    """ASGI middleware: an exception that no handler took becomes OpenAI's error object with status
+    500 and one line in the log. (Starlette's own last resort answers too, but then raises the
+    exception on, so that the server logs its traceback and drops the client's connection.) Once a
+    response has started -- a stream -- it can only end it."""
+
+    def __init__(self, app) -> None:  # noqa: ANN001 - an ASGI app
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # noqa: BLE001 - the last resort, by design
+            what = f"internal error: {type(e).__name__}: {e}"
+            LOG.error("picc serve: %s %s: %s", scope.get("method"), scope.get("path"), what)
+            if not started:
+                response = JSONResponse(ApiError(500, what, kind="server_error").body(), status_code=500)
+                await response(scope, receive, send)
 
 
-async def _json(request: Request) -> object:
+async def _json(request: Request, limit: int) -> object:
+    """The body's JSON: a 413 past ``limit`` bytes (read no further), a 400 where it is not JSON,
+    or holds text that is not Unicode (a lone surrogate escaped as ``\\ud800``)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
+        value = json.loads(body)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, a 5000-digit integer
+        raise invalid(f"the request body is not valid JSON: {_first_line(e)}") from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise invalid(f"the request body holds text that is not valid Unicode: {e.reason} "
+                      f"({e.object[e.start:e.end]!a})") from None
+    except RecursionError:
+        raise invalid("the request body is nested too deeply") from None
+    return value
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server reads ({limit >> 20} MiB)",
+                    code="request_too_large")
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _check_model(served: ServedModel, model: str | None) -> None:

@@ -35,8 +35,13 @@ class TextCodec:
     def _spelling(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
 
+    def _ids(self, text: str) -> list[int]:
+        # encode_batch, unlike encode, lets go of the GIL while it works: a server's event loop and
+        # engine go on meanwhile (a 5 MB prompt takes the tokenizer seconds).
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
     def encode(self, text: str) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self._ids(text)
         if self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if self.add_eos and self.eos_id is not None:
@@ -50,7 +55,7 @@ class TextCodec:
         wants one), so adding BOS again would double it; transformers' ``apply_chat_template``
         likewise encodes its rendering with ``add_special_tokens=False``.
         """
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self._ids(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=False)

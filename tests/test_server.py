@@ -163,6 +163,17 @@ def error_of(response: httpx.Response) -> dict:
     ({"prompt": "the", "max_tokens": CTX}, 400, "max_tokens", "context_length_exceeded"),
     ({"prompt": [1, 100000]}, 400, "prompt", None),
     ({"prompt": "the", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    # What json.loads refuses beyond syntax, and text that is not Unicode: 400s, not 500s.
+    (b'{"prompt": "the", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None, None),
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, None),
+    (b'{"prompt": "a\\ud800b"}', 400, None, None),
+    (b'{"prompt": "the", "model": "\\udc80"}', 400, None, None),
+    # Fields OpenAI defines, checked as it checks them; those that would change the tokens refused.
+    ({"prompt": "the", "logit_bias": 5}, 400, "logit_bias", None),
+    ({"prompt": "the", "logit_bias": {"5": -100}}, 400, "logit_bias", None),
+    ({"prompt": "the", "best_of": 2}, 400, "best_of", None),
+    ({"prompt": "the", "echo": 0}, 400, "echo", None),
+    ({"prompt": "the", "user": 5}, 400, "user", None),
 ])
 def test_bad_completions_get_openai_error_objects(server, body, status, param, code):
     content = body if isinstance(body, bytes) else json.dumps({"model": "tiny", **body}).encode()
@@ -184,12 +195,64 @@ def test_keys_routes_and_chat_errors(server):
     assert httpx.get(server.url + "/v1/models/other", headers=auth).status_code == 404
     r = httpx.get(server.url + "/v1/completions", headers=auth)
     assert r.status_code == 405 and error_of(r)
-    for messages, param in (([], "messages"), ([{"role": "user"}], "messages"), ("hi", "messages")):
-        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages}, headers=auth)
-        assert r.status_code == 400 and error_of(r)["param"] == param
+    r = httpx.post(server.url + "/v1/completions/", json={"prompt": "the"}, headers=auth)
+    assert r.status_code == 404 and error_of(r)["code"] == "unknown_url"  # no redirect to the route
+    hi = [{"role": "user", "content": "hi"}]
+    for body, param in (({"messages": []}, "messages"), ({"messages": [{"role": "user"}]}, "messages"),
+                        ({"messages": "hi"}, "messages"),
+                        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+                        ({"messages": hi, "logprobs": 0}, "logprobs"),
+                        ({"messages": hi, "top_logprobs": 5}, "top_logprobs"),
+                        ({"messages": hi, "max_completion_tokens": 2, "max_tokens": "x"}, "max_tokens")):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth)
+        assert r.status_code == 400 and error_of(r)["param"] == param, r.text
     with pytest.raises(openai.AuthenticationError):
         server.client("wrong").completions.create(model="tiny", prompt="the")
     assert "picc_requests_total{" in httpx.get(server.url + "/metrics").text
+
+
+def test_a_body_past_the_limit_is_refused_before_it_is_read(server):
+    # A 20 MB prompt took the tokenizer 12 s on the event loop, every other request waiting; now
+    # anything past max_body_bytes is a 413, declared (Content-Length) or streamed in chunks.
+    from runtime.server import max_body_bytes
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    big = json.dumps({"prompt": "the " * (max_body_bytes(CTX) // 4)}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=big, headers=auth)
+    assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
+    r = httpx.post(server.url + "/v1/completions", content=iter([big[i : i + 65536] for i in range(0, len(big), 65536)]),
+                   headers=auth)
+    assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "the", "max_tokens": 1},
+                      headers=auth).status_code == 200
+
+
+def test_an_unexpected_error_is_a_500_error_object_and_one_log_line(model, caplog):
+    # Starlette answers an exception no handler takes, but raises it on (a traceback in the log,
+    # the connection dropped); the TestClient raises what escapes the app, so this fails without
+    # the server's own last resort.
+    import copy
+
+    from fastapi.testclient import TestClient
+
+    from runtime.engine import Engine
+    from runtime.server import ServedModel, create_app
+
+    with Session(model, 1) as session:
+        engine = Engine(session, max_batch=1)
+        try:
+            codec = copy.copy(session.text)
+            codec.encode = lambda text: 1 // 0
+            with TestClient(create_app(ServedModel(engine, codec, "tiny", 0))) as client:
+                r = client.post("/v1/completions", json={"prompt": "the"})
+                assert r.status_code == 500
+                error = error_of(r)
+                assert error["type"] == "server_error" and "ZeroDivisionError" in error["message"]
+                assert client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200
+        finally:
+            engine.close()
+    logged = [r for r in caplog.records if r.name == "picc.serve"]
+    assert len(logged) == 1 and "ZeroDivisionError" in logged[0].getMessage() and not logged[0].exc_info
 
 
 def test_stop_strings_end_the_text_before_them(server, model):
