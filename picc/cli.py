@@ -27,11 +27,10 @@ from picc.cli_serve import add_serve_command
 from picc.errors import PiccError
 from picc.sparsity import FISHER_TOKENS
 
-EPILOG_SOURCES = (
-    "SOURCE is a model alias (smollm2, relu-demo), a Hugging Face directory (config.json + "
-    "*.safetensors), a .gguf file, an .onnx file, a .picc file written by 'picc import', or a .pib written "
-    "by 'picc compile'."
-)
+_SOURCES = ("SOURCE is a model alias (smollm2, relu-demo), a Hugging Face directory (config.json + "
+            "*.safetensors), a .gguf file, an .onnx file, a .picc file written by 'picc import'")
+EPILOG_SOURCES = _SOURCES + ", or a .pib written by 'picc compile'."
+EPILOG_UNCOMPILED = _SOURCES + " (not a .pib: it is compiled already)."
 
 
 def _passes_epilog() -> str:
@@ -111,7 +110,7 @@ def add_sparsity_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--tokens", type=int, default=4096,
                    help="calibration tokens for profiling (default 4096); predictors train on up to "
                         "16384 (or these, if more) from the same text")
-    s.add_argument("--seed", type=int, default=0, help="seed for calibration windows and training")
+    s.add_argument("--seed", type=int, default=0, help="seed for calibration windows and training (default 0)")
 
 
 def _add_import_command(sub: argparse._SubParsersAction) -> None:
@@ -120,7 +119,8 @@ def _add_import_command(sub: argparse._SubParsersAction) -> None:
                        description="Import SOURCE into picc IR: writes FILE.picc (text) and "
                        "FILE.picc.weights (its weights and tokenizer).", epilog=EPILOG_SOURCES)
     s.add_argument("source", metavar="SOURCE")
-    s.add_argument("-o", "--output", required=True, metavar="FILE.picc")
+    s.add_argument("-o", "--output", required=True, metavar="FILE.picc",
+                   help="the IR text; its weights and tokenizer go to FILE.picc.weights beside it")
     s.set_defaults(func=cmd_import)
 
 
@@ -148,7 +148,7 @@ def _add_logits_command(sub: argparse._SubParsersAction) -> None:
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--text", help="text to encode with the model's tokenizer")
     g.add_argument("--tokens", help="token ids, comma-separated (e.g. 1,2,3)")
-    s.add_argument("--out", required=True, metavar="FILE.npy")
+    s.add_argument("--out", required=True, metavar="FILE.npy", help="where to write the logits (numpy .npy)")
     s.add_argument("--interpreter", action="store_true", help="run a .pib's IR on the reference interpreter")
     add_threads_flag(s, "CPU threads for a .pib")
     add_gpu_flag(s)
@@ -161,7 +161,8 @@ def _add_generate_command(sub: argparse._SubParsersAction) -> None:
                        description="Generate text from a prompt: prefill, then decode with a KV "
                        "cache, on the reference interpreter.", epilog=EPILOG_SOURCES)
     s.add_argument("source", metavar="SOURCE")
-    s.add_argument("-p", "--prompt", required=True, metavar="TEXT")
+    s.add_argument("-p", "--prompt", required=True, metavar="TEXT",
+                   help="the prompt, encoded with the model's tokenizer")
     s.add_argument("-n", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
     s.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default) is greedy; otherwise softmax sampling at this temperature")
@@ -204,7 +205,8 @@ def _add_sparsify_command(sub: argparse._SubParsersAction) -> None:
                        "a trained predictor (PowerInfer), gate-first or down-only masks, or dense. "
                        "Writes the IR (with predictors) to OUT.picc.", epilog=EPILOG_SOURCES)
     s.add_argument("source", metavar="SOURCE")
-    s.add_argument("-o", "--output", required=True, metavar="OUT.picc")
+    s.add_argument("-o", "--output", required=True, metavar="OUT.picc",
+                   help="the sparse IR; its weights and predictors go to OUT.picc.weights beside it")
     add_sparsity_flags(s)
     _add_instrument_flags(s)
     s.set_defaults(func=cmd_sparsify)
@@ -219,7 +221,8 @@ def _add_eval_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("source", metavar="SOURCE")
     s.add_argument("--ppl", default="ptb-valid", metavar="CORPUS",
                    help="ptb-valid (default), ptb-test, ptb, or a text file / directory")
-    s.add_argument("--max-tokens", type=int, default=16384, help="tokens to evaluate (default 16384)")
+    s.add_argument("--max-tokens", type=int, default=16384,
+                   help="tokens to evaluate (default 16384; a longer --window is cut to it)")
     s.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     s.add_argument("--compare-dense", action="store_true", help="also run the dense model and compare")
     s.add_argument("--json", action="store_true",
@@ -239,10 +242,10 @@ def _add_compile_command(sub: argparse._SubParsersAction) -> None:
                        "as a host build); write OUT.pib with the final IR, weights, plan, report, code and "
                        "tokenizer. A SOURCE that is already sparse (a 'picc sparsify' output) keeps its "
                        "profile and predictors.",
-                       epilog=EPILOG_SOURCES + " Targets: pc-high, pc-low, h100, cpu (this machine), or a YAML "
+                       epilog=EPILOG_UNCOMPILED + " Targets: pc-high, pc-low, h100, cpu (this machine), or a YAML "
                        "file of the same form (see picc/targets/*.yaml).")
     s.add_argument("source", metavar="SOURCE")
-    s.add_argument("-o", "--output", required=True, metavar="OUT.pib")
+    s.add_argument("-o", "--output", required=True, metavar="OUT.pib", help="the compiled model")
     s.add_argument("--target", default="cpu", metavar="NAME|FILE.yaml",
                    help="the machine to compile for (default cpu: this machine, no GPU)")
     s.add_argument("--vram", metavar="SIZE",
@@ -319,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="picc: a compiler that lowers LLMs into a sparse hybrid CPU/GPU IR.",
         epilog=EPILOG_SOURCES,
     )
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    debug = "show the traceback of an internal error"
+    p.add_argument("--debug", action="store_true", help=debug)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     _add_import_command(sub)
     _add_opt_command(sub)
@@ -332,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect_command(sub)
     add_runtime_commands(sub)
     add_serve_command(sub)
+    for command in sub.choices.values():  # also after the command, where an error message suggests it
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug)
     return p
 
 

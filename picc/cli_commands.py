@@ -35,19 +35,45 @@ def _parse_tokens(text: str) -> list[int]:
     return ids
 
 
-def _encode(model, text: str) -> list[int]:  # noqa: ANN001
-    """``text`` as token ids of ``model``'s tokenizer; an error when the model has none."""
+def _encode(model, text: str, instead: str = "") -> list[int]:  # noqa: ANN001
+    """``text`` as token ids of ``model``'s tokenizer; an error when the model has none (``instead``:
+    what to pass instead, where the command has a way)."""
     if model.tokenizer is None:
-        raise PiccError(f"{model.source}: the model has no tokenizer; pass --tokens instead")
+        hint = f"; pass {instead} instead" if instead else ""
+        raise PiccError(f"{model.source}: the model has no tokenizer{hint}")
     return model.tokenizer.encode(text)
+
+
+def _picc_output(output: str, flag: str = "-o") -> Path:
+    """``-o FILE.picc`` of import, opt and sparsify, checked before any work: the name (what the
+    other commands read as a .picc) and that it and FILE.picc.weights can be written."""
+    from picc.frontend.picc_file import weights_path
+    from picc.fsutil import writable
+
+    if not output.endswith(".picc"):
+        raise PiccError(f"{flag} {output}: expected a file name ending in .picc (beside it goes its .picc.weights)")
+    path = writable(output)
+    writable(weights_path(path))
+    return path
+
+
+def _check_seed(seed: int, flag: str = "--seed") -> None:
+    if seed < 0:
+        raise PiccError(f"{flag} {seed}: expected an integer >= 0")
+
+
+def _check_window(window: int) -> None:
+    if window < 2:
+        raise PiccError(f"--window {window}: expected at least 2 tokens (a window predicts its tokens after the first)")
 
 
 def cmd_import(args: argparse.Namespace) -> None:
     """``picc import``: write SOURCE as IR text and its weights."""
     from picc.frontend.picc_file import save_picc
 
+    out = _picc_output(args.output)
     model = _load(args.source)
-    save_picc(model, Path(args.output))
+    save_picc(model, out)
     n = len(model.module.weights)
     print(f"wrote {args.output} ({len(list(model.module.ops()))} ops, {n} weights in "
           f"{args.output}.weights)", file=sys.stderr)
@@ -59,8 +85,13 @@ def cmd_opt(args: argparse.Namespace) -> None:
     from picc.passes import parse_pipeline, run_pipeline
 
     pipeline = parse_pipeline(args.passes)
+    unknown = sorted(set(args.print_after or ()) - {p.name for p in pipeline})
+    if unknown:
+        raise PiccError(f"--print-after {unknown[0]}: not a pass of this pipeline ({args.passes})")
+    out = None if args.output == "-" else _picc_output(args.output)
+    _check_dump_dir(args)
     model = _load(args.input)
-    inst = _instruments(args, out=sys.stderr if args.output == "-" else sys.stdout)
+    inst = _instruments(args, out=sys.stderr if out is None else sys.stdout)
     module = run_pipeline(model.module, model.weights, pipeline, inst, tokenizer=model.tokenizer)
     result = replace(model, module=module)
     if args.output == "-":
@@ -68,18 +99,19 @@ def cmd_opt(args: argparse.Namespace) -> None:
 
         sys.stdout.write(print_module(module))
     else:
-        save_picc(result, Path(args.output))
+        save_picc(result, out)
 
 
 def cmd_logits(args: argparse.Namespace) -> None:
     """``picc logits``: save every position's logits, run by the runtime for a .pib (unless
     ``--interpreter``), else by the reference interpreter."""
-    from picc.fsutil import atomic_path
+    from picc.fsutil import atomic_path, writable
     from picc.generate import check_token_ids
     from picc.interpreter import Interpreter
 
+    out = writable(args.out)
     model = _load(args.source)
-    ids = _parse_tokens(args.tokens) if args.tokens is not None else _encode(model, args.text)
+    ids = _parse_tokens(args.tokens) if args.tokens is not None else _encode(model, args.text, "--tokens")
     check_token_ids(ids, int(model.module.attr("vocab", 0) or 0) or max(ids) + 1)
     if str(args.source).endswith(".pib") and not args.interpreter:
         from picc.cli_runtime import logits_with_runtime
@@ -87,7 +119,6 @@ def cmd_logits(args: argparse.Namespace) -> None:
         logits = logits_with_runtime(args.source, ids, args.threads, args.gpu)
     else:
         logits = Interpreter(model.module, model.weights).run(ids).astype(np.float32)
-    out = Path(args.out)
     with atomic_path(out) as tmp:
         buf = io.BytesIO()
         np.save(buf, logits)
@@ -101,8 +132,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     if args.n < 0:
         raise PiccError(f"-n {args.n}: expected a number of tokens >= 0")
-    if args.temperature < 0:
-        raise PiccError(f"--temperature {args.temperature}: expected a value >= 0")
+    if not 0 <= args.temperature < float("inf"):
+        raise PiccError(f"--temperature {args.temperature}: expected a finite value >= 0")
+    _check_seed(args.seed)
     model = _load(args.source)
     prompt = _encode(model, args.prompt)
     tok = model.tokenizer
@@ -134,13 +166,29 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> None:
     """``picc profile``: calibrate and print (or save, or plot) per-layer FFN sparsity."""
+    from picc.fsutil import writable
     from picc.sparsity import profiling
     from picc.sparsity.calib import token_windows
 
+    _check_window(args.window)
+    _check_seed(args.seed)
+    if args.tokens < 1 or args.fisher_tokens < 1:
+        flag, n = ("--tokens", args.tokens) if args.tokens < 1 else ("--fisher-tokens", args.fisher_tokens)
+        raise PiccError(f"{flag} {n}: expected at least 1")
+    if not 0 <= args.target_sparsity < 1:
+        raise PiccError(f"--target-sparsity {args.target_sparsity}: expected a value in [0, 1)")
+    for output in (args.output, args.plot):
+        if output:
+            writable(output)
     model = _load(args.source)
     if model.tokenizer is None:
         raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be read")
-    windows = token_windows(model.tokenizer, args.calib, args.tokens, args.window, args.seed)
+    window = args.window
+    max_position = model.module.attr("max_position")
+    if isinstance(max_position, int) and window > max_position:
+        print(f"note: windows of {max_position} tokens, the model's context length", file=sys.stderr)
+        window = max_position
+    windows = token_windows(model.tokenizer, args.calib, args.tokens, window, args.seed)
     (profile,) = profiling.calibrate(model.module, model.weights, windows, [args.target_sparsity],
                                      args.threshold_rule, fisher_tokens=args.fisher_tokens)
     if args.output:
@@ -169,9 +217,11 @@ def cmd_sparsify(args: argparse.Namespace) -> None:
     from picc.sparsity.sparsify import sparsify
 
     options = _sparsify_options(args)
+    out = _picc_output(args.output)
+    _check_dump_dir(args)
     model = _load(args.source)
     module = sparsify(model, options, _instruments(args), report=lambda line: print(line, file=sys.stderr))
-    save_picc(replace(model, module=module), Path(args.output))
+    save_picc(replace(model, module=module), out)
     modes: dict[str, int] = {}
     for op in module.ops():
         if op.NAME in ("ffn", "sparse_ffn"):
@@ -186,12 +236,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from picc.progress import progress_bar
     from picc.sparsity.evaluation import eval_windows, evaluate
 
+    if args.max_tokens < 2:
+        raise PiccError(f"--max-tokens {args.max_tokens}: expected at least 2")
+    _check_window(args.window)
     model = _load(args.source)
     if model.tokenizer is None:
         raise PiccError(f"{model.source}: the model has no tokenizer, so {args.ppl} cannot be read")
-    if args.max_tokens < 2:
-        raise PiccError(f"--max-tokens {args.max_tokens}: expected at least 2")
-    window = args.window
+    window = min(args.window, args.max_tokens)  # --max-tokens bounds the work whatever the window
     max_position = model.module.attr("max_position")
     if isinstance(max_position, int) and window > max_position:
         # Past its trained context a model's perplexity says nothing about sparsity.
@@ -217,11 +268,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_compile(args: argparse.Namespace) -> None:
     """``picc compile``: run the whole pipeline for a target and write OUT.pib."""
     from picc.compile import CompileOptions, compile_model, summary_line, write_compiled
+    from picc.fsutil import writable
     from picc.placement.plan_report import format_report
 
-    out = Path(args.output)
-    if out.suffix != ".pib":
+    if not args.output.endswith(".pib"):
         raise PiccError(f"-o {args.output}: expected a file name ending in .pib")
+    out = writable(args.output)  # before the work, not after it
+    _check_dump_dir(args)
+    if args.dense:
+        given = [flag for flag, value in (("--sparsity-mode", args.sparsity_mode != "auto"),
+                                          ("--target-sparsity", args.target_sparsity is not None),
+                                          ("--max-ppl-increase", args.max_ppl_increase is not None),
+                                          ("--predictors", args.predictors is not None)) if value]
+        if given:
+            raise PiccError(f"--dense compiles without sparsity: {given[0]} does not apply")
     options = CompileOptions(target=args.target, vram=args.vram, ctx=args.ctx,
                              dense=args.dense, sparse=args.sparse, float_dots=args.float_dots, int_dots=args.int_dots,
                              int8_dots=args.int8_dots, kv_cache=args.kv_cache,
@@ -233,6 +293,10 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
     say(f"loading {args.source}")
     model = _load(args.source)
+    trained = model.module.attr("max_position")
+    if isinstance(trained, int) and args.ctx > trained:
+        say(f"note: --ctx {args.ctx} is past the {trained} positions {args.source} was trained for; what it "
+            f"generates past position {trained} is not what it learned")
     inst = _instruments(args)
 
     def stage_done(name: str, module: object) -> None:
@@ -258,10 +322,14 @@ def _peak_rss() -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     """``picc inspect``: print a .pib's placement report; optionally plot it or write its CUDA sources."""
-    from picc.fsutil import write_text_atomic
+    from picc.fsutil import writable, write_text_atomic
     from picc.pib import open_pib
     from picc.placement.plan_report import format_report, plot_report
 
+    if args.plot:
+        writable(args.plot)
+    if args.emit_cuda:
+        writable(args.emit_cuda, directory=True)
     with open_pib(Path(args.model)) as pib:
         report = pib.json("report")
         meta = pib.json("meta")
@@ -295,11 +363,28 @@ def _sparsify_options(args: argparse.Namespace):  # noqa: ANN202 - SparsifyOptio
         raise PiccError(f"--target-sparsity {args.target_sparsity}: expected a value in [0, 1)")
     if args.max_ppl_increase is not None and args.max_ppl_increase < 0:
         raise PiccError(f"--max-ppl-increase {args.max_ppl_increase}: expected a value >= 0")
+    if args.target_sparsity is not None and args.max_ppl_increase is not None:
+        raise PiccError("--target-sparsity and --max-ppl-increase: give one (a sparsity, or the "
+                        "perplexity cost that chooses it)")
+    if args.tokens < 1 or args.fisher_tokens < 1:
+        flag, n = ("--tokens", args.tokens) if args.tokens < 1 else ("--fisher-tokens", args.fisher_tokens)
+        raise PiccError(f"{flag} {n}: expected at least 1")
+    _check_seed(args.seed)
+    if args.predictors is not None and not Path(args.predictors).is_dir():
+        raise PiccError(f"--predictors {args.predictors}: no such directory")
     return SparsifyOptions(
         mode=args.sparsity_mode, target_sparsity=args.target_sparsity,
         max_ppl_increase=args.max_ppl_increase, recall=args.recall, budget=args.predictor_budget,
         predictors=args.predictors, calib=args.calib, rule=args.threshold_rule, tokens=args.tokens,
         fisher_tokens=args.fisher_tokens, seed=args.seed)
+
+
+def _check_dump_dir(args: argparse.Namespace) -> None:
+    """``--dump-ir DIR``, checked before the work."""
+    from picc.fsutil import writable
+
+    if args.dump_ir:
+        writable(args.dump_ir, directory=True)
 
 
 def _instruments(args: argparse.Namespace, out=sys.stderr):  # noqa: ANN001, ANN202 - TextIO, Instruments

@@ -91,6 +91,9 @@ def _turn(session, prompt: str, args: argparse.Namespace, options, stream: bool)
         tokens.append(token)
         out.add(token)
     text = out.finish()
+    if len(tokens) < args.n and session.pos >= session.ctx:
+        print(f"\nnote: the context is full ({session.ctx} positions) after {len(tokens)} of -n {args.n} tokens "
+              "(picc compile --ctx N, or run --ctx up to it)", file=sys.stderr)
     return {"prompt_tokens": len(ids), "tokens": tokens, "text": text,
             "prompt_tokens_per_s": timings.prompt_tokens_per_s, "decode_tokens_per_s": timings.decode_tokens_per_s,
             "_timings": timings}
@@ -132,6 +135,8 @@ def device_times(session, before) -> dict | None:  # noqa: ANN001 - a Session an
 def cmd_run(args: argparse.Namespace) -> None:
     if args.n < 0:
         raise PiccError(f"-n {args.n}: expected a number of tokens >= 0")
+    if args.seed < 0:
+        raise PiccError(f"--seed {args.seed}: expected an integer >= 0")
     options = _sampling(args)
     with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
         if args.prompt is not None:
@@ -147,6 +152,8 @@ def cmd_run(args: argparse.Namespace) -> None:
                 sys.stdout.write("\n")
                 print(_summary(result, devices), file=sys.stderr)
             return
+        from runtime.cpu import ExecutorError
+
         print(f"{args.model}: type a prompt and press Enter (Ctrl-D to quit)", file=sys.stderr)
         for line in sys.stdin:
             prompt = line.rstrip("\n")
@@ -154,7 +161,11 @@ def cmd_run(args: argparse.Namespace) -> None:
                 continue
             session.reset()
             before = replace(session.executor.times)
-            result = _turn(session, prompt, args, options, stream=True)
+            try:
+                result = _turn(session, prompt, args, options, stream=True)
+            except ExecutorError as e:  # this prompt's (too long, say): say so, and read the next
+                print(f"picc: error: {e}", file=sys.stderr)
+                continue
             sys.stdout.write("\n")
             print(_summary(result, device_times(session, before)), file=sys.stderr)
 
@@ -326,9 +337,9 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("-p", "--prompt", help="the prompt (default: read prompts from stdin, one per line)")
     s.add_argument("-n", type=int, default=128, help="tokens to generate at most (default 128)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    s.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
-    s.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
+    s.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
+    s.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (default 1: off)")
     s.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0)")
     add_threads_flag(s)
     s.add_argument("--ctx", type=int, help="context positions (default: what the model was compiled for)")

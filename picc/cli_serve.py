@@ -40,14 +40,15 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    "unset: no key)")
     s.add_argument("--model-name", help="the model's id in the API (default: the file's name without .pib)")
     add_gpu_flag(s)
-    ray = s.add_argument_group("Ray Serve", "serve replicas of this server on a Ray cluster (pip install picc[ray]; "
+    ray = s.add_argument_group("Ray Serve", "serve replicas of this server on a Ray cluster (pip install -e '.[ray]'; "
                                "docs/ray.md)")
     ray.add_argument("--ray", action="store_true",
                      help="run --replicas replicas of the server on Ray Serve, behind Ray's HTTP proxy at "
                      "--host:--port (a local Ray cluster unless --ray-address names one)")
-    ray.add_argument("--replicas", type=int, default=1, help="with --ray: replicas, each on --threads CPUs (default 1)")
+    # Their defaults are None so that one given without --ray can be told apart (and refused).
+    ray.add_argument("--replicas", type=int, help="with --ray: replicas, each on --threads CPUs (default 1)")
     ray.add_argument("--ray-address", help="with --ray: the cluster to join ('auto': the one 'ray start' began here)")
-    ray.add_argument("--gpus-per-replica", type=float, default=0.0,
+    ray.add_argument("--gpus-per-replica", type=float,
                      help="with --ray: GPUs each replica reserves (default 0; 1 for a model compiled with a GPU part)")
     s.set_defaults(func=cmd_serve)
 
@@ -82,6 +83,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise PiccError("--max-batch must be >= 1 and --max-queue >= 0")
     if args.ray:
         return _serve_on_ray(args)
+    ray_only = [flag for flag, value in (("--replicas", args.replicas), ("--ray-address", args.ray_address),
+                                         ("--gpus-per-replica", args.gpus_per_replica)) if value is not None]
+    if ray_only:
+        raise PiccError(f"{ray_only[0]} is for --ray: without it one server runs in this process")
     sock = _bind(args.host, args.port)
     with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
         if session.text is None:
@@ -108,7 +113,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _serve_on_ray(args: argparse.Namespace) -> None:
-    if args.replicas < 1 or args.gpus_per_replica < 0:
+    args.replicas = 1 if args.replicas is None else args.replicas
+    args.gpus_per_replica = 0.0 if args.gpus_per_replica is None else args.gpus_per_replica
+    if args.replicas < 1 or not 0 <= args.gpus_per_replica < float("inf"):
         raise PiccError("--replicas must be >= 1 and --gpus-per-replica >= 0")
     if args.port == 0:
         raise PiccError("--port 0: Ray's HTTP proxy needs a fixed port")
@@ -117,7 +124,7 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise PiccError("--ray needs Ray Serve: pip install 'picc[ray]'") from None
+        raise PiccError("--ray needs Ray Serve: pip install -e '.[ray]' (from picc's checkout)") from None
     from runtime.ray_serve import ReplicaOptions, run
     options = ReplicaOptions(str(Path(args.model).resolve()), args.threads, args.ctx, args.gpu, args.max_batch,
                              args.max_queue, args.api_key, args.model_name or Path(args.model).stem)

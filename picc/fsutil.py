@@ -4,6 +4,8 @@ where it lives, entries written whole, and only the most recently used kept."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,17 +25,69 @@ def cache_root() -> Path:
     return Path(os.environ.get("PICC_CACHE_DIR") or Path.home() / ".cache" / "picc")
 
 
+# Errors of writing a file that say nothing about the program: the disk, the quota, the mount
+# (a refused permission is one where it names the file written).
+_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def writable(path: Path | str, *, directory: bool = False) -> Path:
+    """``path`` as a Path once it is known that it can be written, before any work is done for it:
+    a file (its folder exists and may be written, and it is not itself a folder) or, with
+    ``directory``, a folder to create or fill. A ``PiccError`` saying what is wrong otherwise."""
+    path = Path(path)
+    if not str(path) or not path.name:
+        raise PiccError(f"{str(path)!r}: expected a {'directory' if directory else 'file'} name")
+    if directory:
+        if path.exists() and not path.is_dir():
+            raise PiccError(f"{path}: exists and is not a directory")
+        parent = path
+        while not parent.exists():  # the folder is made with its parents
+            parent = parent.parent
+        if not parent.is_dir():
+            raise PiccError(f"{path}: {parent} is not a directory")
+    else:
+        if path.is_dir():
+            raise PiccError(f"{path}: is a directory")
+        parent = path.parent
+        if not parent.is_dir():
+            what = "is not a directory" if parent.exists() else "does not exist"
+            raise PiccError(f"{path}: directory {parent} {what}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PiccError(f"cannot write {path}: {parent} is not writable")
+    return path
+
+
+@functools.cache
+def _file_mode() -> int:
+    """The mode a new file gets under this process's umask (``mkstemp`` makes its files 0600)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return 0o666 & ~int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temp path beside ``path``; on success rename it to ``path``, on error delete it."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise PiccError(f"{path}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Yield a temp path beside ``path``; on success rename it to ``path`` (with the mode a new
+    file gets under the umask), on error delete it. A write that fails for the disk's sake (full,
+    read-only, not permitted) is a ``PiccError`` naming ``path``."""
+    path = writable(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise PiccError(f"cannot write {path}: {e.strerror or e}") from None
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.errno in _WRITE_ERRORS or e.filename in (tmp, str(path)):
+            raise PiccError(f"cannot write {path}: {e.strerror or e}") from None
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

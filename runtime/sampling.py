@@ -9,6 +9,7 @@ whose probability reaches p), then a draw from what is left. Temperature 0 is gr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,15 +24,16 @@ class SamplingOptions:
     repetition_penalty: float = 1.0  # 1: off
 
     def check(self) -> None:
-        """Raise ValueError naming the option when one is out of range."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        """Raise ValueError naming the option when one is out of range (NaN and infinities are)."""
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite value >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition penalty must be > 0 (1 turns it off), got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition penalty must be a finite value > 0 (1 turns it off), got "
+                             f"{self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:

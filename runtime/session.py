@@ -52,8 +52,8 @@ class Session:
         self.pib = PibFile(path)
         self.max_ctx = self.pib.plan().ctx
         if ctx is not None and not 1 <= ctx <= self.max_ctx:
-            raise ExecutorError(f"--ctx {ctx}: this model was compiled for at most {self.max_ctx} positions "
-                                "(picc compile --ctx N)")
+            raise ExecutorError(f"--ctx {ctx}: expected 1 to {self.max_ctx}, the positions this model was "
+                                "compiled for (picc compile --ctx N)")
         self.ctx = ctx or self.max_ctx
         self.executor = Executor(self.pib, threads, gpu)
         self.text = TextCodec(self.pib.text("tokenizer")) if self.pib.has("tokenizer") else None

@@ -156,3 +156,81 @@ def test_parser_knows_all_commands():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     assert set(COMMANDS) <= set(sub.choices)
+
+
+def test_outputs_are_checked_before_any_work(tiny_file, tmp_path, capsys, monkeypatch):
+    # An output that cannot be written used to be found out after the work (a whole compile),
+    # and some not even then: a directory as -o was an internal error, a .picc's weights left
+    # behind; import -o m.txt wrote a file no command reads. Nothing is loaded here: every one of
+    # these fails first.
+    def no_loading(source):
+        raise AssertionError(f"loaded {source} before checking the outputs")
+
+    monkeypatch.setattr("picc.cli_commands._load", no_loading)
+    folder = tmp_path / "folder.pib"
+    folder.mkdir()
+    (tmp_path / "a_file").write_text("")
+    cases = [
+        (["compile", "smollm2", "--dense", "-o", str(folder)], "is a directory"),
+        (["compile", "smollm2", "--dense", "-o", str(tmp_path / "none" / "c.pib")], "does not exist"),
+        (["compile", "smollm2", "--dense", "-o", str(tmp_path / "a_file" / "c.pib")], "is not a directory"),
+        (["compile", "smollm2", "--dense", "-o", str(tmp_path / "c.pib"), "--dump-ir", str(tmp_path / "a_file")],
+         "exists and is not a directory"),
+        (["import", str(tiny_file), "-o", str(tmp_path / "m.txt")], "expected a file name ending in .picc"),
+        (["import", str(tiny_file), "-o", ""], "expected a file name ending in .picc"),
+        (["sparsify", str(tiny_file), "-o", str(tmp_path / "s.pib")], "expected a file name ending in .picc"),
+        (["logits", str(tiny_file), "--tokens", "1", "--out", str(folder)], "is a directory"),
+        (["profile", str(tiny_file), "--plot", str(tmp_path / "none" / "p.png")], "does not exist"),
+        (["opt", str(tiny_file), "-p", "dce", "-o", str(tmp_path / "o.picc"), "--print-after", "cse"],
+         "--print-after cse: not a pass of this pipeline"),
+    ]
+    for argv, message in cases:
+        assert message in _error(argv, capsys), argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "folder.pib", "tiny.picc", "tiny.picc.weights"]
+
+
+def test_options_that_contradict_each_other_or_make_no_sense_are_refused(tiny_file, tmp_path, capsys):
+    out = str(tmp_path / "c.pib")
+    for argv, message in [
+        (["compile", "smollm2", "-o", out, "--target-sparsity", "0.3", "--max-ppl-increase", "0.05"],
+         "--target-sparsity and --max-ppl-increase: give one"),
+        (["compile", "smollm2", "-o", out, "--dense", "--sparsity-mode", "predictor"],
+         "--dense compiles without sparsity: --sparsity-mode does not apply"),
+        (["compile", "smollm2", "-o", out, "--predictors", str(tmp_path / "none")], "no such directory"),
+        (["compile", "smollm2", "-o", out, "--tokens", "0"], "--tokens 0: expected at least 1"),
+        (["generate", str(tiny_file), "-p", "hi", "--temperature", "nan"], "expected a finite value >= 0"),
+        (["generate", str(tiny_file), "-p", "hi", "--seed", "-1"], "--seed -1: expected an integer >= 0"),
+        (["eval", str(tiny_file), "--window", "0"], "--window 0: expected at least 2 tokens"),
+        (["serve", str(tmp_path / "none.pib"), "--replicas", "3"], "--replicas is for --ray"),
+    ]:
+        assert message in _error(argv, capsys), argv
+    assert not list(tmp_path.glob("*.pib"))
+
+
+def test_debug_goes_before_or_after_the_command(tiny_file, tmp_path):
+    # Every internal error says "run with --debug"; after the command it was an unknown argument.
+    for argv in (["--debug", "logits", str(tiny_file)], ["logits", str(tiny_file), "--debug"]):
+        args = build_parser().parse_args([*argv, "--tokens", "1", "--out", str(tmp_path / "x.npy")])
+        assert args.debug is True
+    assert build_parser().parse_args(["logits", str(tiny_file), "--tokens", "1", "--out", "x.npy"]).debug is False
+
+
+def test_a_write_that_fails_is_one_line_and_leaves_nothing(tiny_file, tmp_path, capsys, monkeypatch):
+    # A full disk (or a read-only one) was an internal error with a traceback hint.
+    import errno
+    import os
+    from pathlib import Path
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    out = tmp_path / "x.npy"
+    with monkeypatch.context() as m:
+        m.setattr(Path, "write_bytes", full)
+        err = _error(["logits", str(tiny_file), "--tokens", "1", "--out", str(out)], capsys)
+    assert f"cannot write {out}: No space left on device" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.picc", "tiny.picc.weights"]
+    assert main(["logits", str(tiny_file), "--tokens", "1", "--out", str(out)]) == 0
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask  # as any new file, not mkstemp's 0600

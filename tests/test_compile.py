@@ -248,8 +248,8 @@ def test_bad_arguments_fail_fast_in_one_line_and_write_nothing(relu_sparse, tmp_
         (["--target", "cpu", "--vram", "1GB"], "target 'cpu' has no GPU"),
         (["--target", "pc-low", "--vram", "lots"], "expected a size such as 11GB"),
         # More than the card holds: such a plan could only fail at load, out of device memory.
-        (["--target", "pc-low", "--vram", "64GB"], "59.6 GiB is more than the 11.0 GiB of target 'pc-low'"),
-        (["--target", "pc-low", "--vram", "1e99GB"], "is more than the 11.0 GiB of target 'pc-low'"),
+        (["--target", "pc-low", "--vram", "64GB"], "59.6 GiB is more than the 11.0 GiB of the NVIDIA GeForce RTX 2080 Ti of target pc-low"),
+        (["--target", "pc-low", "--vram", "1e99GB"], "is more than the 11.0 GiB of the NVIDIA GeForce RTX 2080 Ti of target pc-low"),
         (["--target", "nowhere"], "unknown target 'nowhere'"),
         (["--ctx", "0"], "--ctx 0"),
     ]

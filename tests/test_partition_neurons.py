@@ -183,7 +183,7 @@ def test_cpu_target_places_nothing_on_the_gpu(relu_demo_sparse):
 
 def test_a_budget_over_the_gpus_memory_is_refused(relu_demo_sparse):
     model, sparse = relu_demo_sparse
-    with pytest.raises(PiccError, match=r"vram 12GiB: 12.0 GiB is more than the 11.0 GiB of target 'pc-low'"):
+    with pytest.raises(PiccError, match=r"vram 12GiB: 12.0 GiB is more than the 11.0 GiB of the NVIDIA GeForce RTX 2080 Ti of target pc-low"):
         partition(sparse, model.weights, target="pc-low", vram="12GiB")
     partition(sparse, model.weights, target="pc-low", vram="11GiB")  # all of it is fine
 

@@ -603,7 +603,7 @@ def test_runtime_errors_are_one_line(tmp_path, capsys):
         (["run", str(path), "-p", " ".join(["the"] * 20)], "the prompt needs 21 positions but the context holds 8"),
         (["run", str(path), "-p", "the", "--threads", "0"], "--threads 0: expected 1 to"),
         (["run", str(path), "-p", "the", "--top-p", "0"], "top-p must be in (0, 1]"),
-        (["run", str(path), "-p", "the", "--ctx", "9"], "compiled for at most 8 positions"),
+        (["run", str(path), "-p", "the", "--ctx", "9"], "--ctx 9: expected 1 to 8, the positions this model was compiled for"),
         (["run", str(tmp_path / "missing.pib"), "-p", "x"], "no such file"),
         (["bench", str(path), "--prompt-tokens", "6", "-n", "6"], "exceed the 8 positions"),
     ]
@@ -627,6 +627,13 @@ def test_sampling_options_do_what_they_say():
     a = [sample(logits, SamplingOptions(temperature=1.0), np.random.default_rng(7)) for _ in range(20)]
     b = [sample(logits, SamplingOptions(temperature=1.0), np.random.default_rng(7)) for _ in range(20)]
     assert a == b
+    # NaN passed every range check (each comparison false) and ended in numpy's "probabilities
+    # contain NaN"; infinities are not values either.
+    for bad in (SamplingOptions(temperature=float("nan")), SamplingOptions(temperature=float("inf")),
+                SamplingOptions(temperature=1.0, repetition_penalty=float("nan")),
+                SamplingOptions(repetition_penalty=float("inf"))):
+        with pytest.raises(ValueError, match="finite"):
+            bad.check()
 
 
 def test_run_without_a_prompt_reads_prompts_from_stdin(tmp_path, capsys, monkeypatch):
@@ -634,10 +641,15 @@ def test_run_without_a_prompt_reads_prompts_from_stdin(tmp_path, capsys, monkeyp
 
     model = with_tokenizer(tiny_llama("swiglu", n_layers=1, hidden=64, n_ff=96))
     path, _ = compiled(model, tmp_path, "chat", dense=True)
-    monkeypatch.setattr("sys.stdin", io.StringIO("the company\n\nthe market\n"))
+    # A prompt too long for the context is that prompt's error, not the session's end.
+    monkeypatch.setattr("sys.stdin", io.StringIO("the company\n\n" + "the " * 600 + "\nthe market\n"))
     assert main(["run", str(path), "-n", "4"]) == 0
     captured = capsys.readouterr()
     assert captured.err.count("decode:") == 2  # two prompts answered, the blank line skipped
+    assert captured.err.count("picc: error: the prompt needs 601 positions but the context holds 512") == 1
+    # 3 prompt positions (BOS and two words) of 8 leave 5 steps: 6 tokens, the last never fed back.
+    assert main(["run", str(path), "-p", "the company", "--ctx", "8", "-n", "20"]) == 0
+    assert "note: the context is full (8 positions) after 6 of -n 20 tokens" in capsys.readouterr().err
     # Each prompt starts a fresh conversation: the same prompt alone gives the same answer.
     first = captured.out.splitlines()[0]
     monkeypatch.setattr("sys.stdin", io.StringIO("the company\n"))

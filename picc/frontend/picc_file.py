@@ -9,7 +9,7 @@ from pathlib import Path
 
 from picc.errors import PiccError
 from picc.frontend.model import LoadedModel
-from picc.fsutil import write_text_atomic
+from picc.fsutil import writable, write_text_atomic
 from picc.ir.parser import ParseError, parse
 from picc.ir.printer import print_module
 from picc.ir.verifier import VerifyError, verify
@@ -23,12 +23,17 @@ def weights_path(path: Path) -> Path:
 
 
 def save_picc(model: LoadedModel, path: Path) -> None:
-    """Write ``path`` (IR text) and ``path.weights`` (only the weights the module declares)."""
-    path = Path(path)
+    """Write ``path`` (IR text) and ``path.weights`` (only the weights the module declares): both,
+    or neither."""
+    path, weights = writable(path), writable(weights_path(Path(path)))
     store = model.weights.subset([w.name for w in model.module.weights])
     meta = {_TOKENIZER_KEY: model.tokenizer.to_json()} if model.tokenizer else {}
-    store.save(weights_path(path), meta)
-    write_text_atomic(path, print_module(model.module))
+    store.save(weights, meta)
+    try:
+        write_text_atomic(path, print_module(model.module))
+    except BaseException:
+        weights.unlink(missing_ok=True)
+        raise
 
 
 def load_picc(path: Path) -> LoadedModel:

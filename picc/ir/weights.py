@@ -158,6 +158,7 @@ class WeightStore:
 
     def save(self, path: Path, metadata: dict[str, str] | None = None) -> None:
         """Write a safetensors file atomically (a temp file renamed into place)."""
+        from safetensors import SafetensorError
         from safetensors.numpy import save_file
 
         arrays = {name: np.ascontiguousarray(t.data) for name, t in self._tensors.items()}
@@ -165,7 +166,10 @@ class WeightStore:
         meta = dict(metadata or {})
         meta[_METADATA_KEY] = json.dumps(index)
         with atomic_path(Path(path)) as tmp:
-            save_file(arrays, str(tmp), metadata=meta)
+            try:
+                save_file(arrays, str(tmp), metadata=meta)
+            except SafetensorError as e:  # its OSErrors (a full disk) come as this
+                raise PiccError(f"cannot write {path}: {e}") from None
 
     @staticmethod
     def load(path: Path) -> tuple[WeightStore, dict[str, str]]:

@@ -146,7 +146,7 @@ class Target:
             return
         if budget > self.gpu.vram_bytes:
             raise PiccError(f"{what} {text}: {format_size(budget)} is more than the {format_size(self.gpu.vram_bytes)} "
-                            f"of target {self.name!r}'s GPU ({self.gpu.name}); give at most "
+                            f"of the {self.gpu.name} of target {self.name}; give at most "
                             f"{format_size(self.gpu.vram_bytes)}, or a target with a larger GPU")
 
 
