@@ -67,6 +67,22 @@ def _check_window(window: int) -> None:
         raise PiccError(f"--window {window}: expected at least 2 tokens (a window predicts its tokens after the first)")
 
 
+def _within_context(model, window: int) -> int:  # noqa: ANN001 - a LoadedModel
+    """``window``, cut to the model's trained context (with a note): past it, what a model does
+    says nothing about the model."""
+    max_position = model.module.attr("max_position")
+    if isinstance(max_position, int) and window > max_position:
+        print(f"note: windows of {max_position} tokens, the model's context length", file=sys.stderr)
+        return max_position
+    return window
+
+
+def _check_calibration_tokens(args: argparse.Namespace) -> None:
+    for flag, n in (("--tokens", args.tokens), ("--fisher-tokens", args.fisher_tokens)):
+        if n < 1:
+            raise PiccError(f"{flag} {n}: expected at least 1")
+
+
 def cmd_import(args: argparse.Namespace) -> None:
     """``picc import``: write SOURCE as IR text and its weights."""
     from picc.frontend.picc_file import save_picc
@@ -172,9 +188,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
     _check_window(args.window)
     _check_seed(args.seed)
-    if args.tokens < 1 or args.fisher_tokens < 1:
-        flag, n = ("--tokens", args.tokens) if args.tokens < 1 else ("--fisher-tokens", args.fisher_tokens)
-        raise PiccError(f"{flag} {n}: expected at least 1")
+    _check_calibration_tokens(args)
     if not 0 <= args.target_sparsity < 1:
         raise PiccError(f"--target-sparsity {args.target_sparsity}: expected a value in [0, 1)")
     for output in (args.output, args.plot):
@@ -183,12 +197,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     model = _load(args.source)
     if model.tokenizer is None:
         raise PiccError(f"{model.source}: the model has no tokenizer, so calibration text cannot be read")
-    window = args.window
-    max_position = model.module.attr("max_position")
-    if isinstance(max_position, int) and window > max_position:
-        print(f"note: windows of {max_position} tokens, the model's context length", file=sys.stderr)
-        window = max_position
-    windows = token_windows(model.tokenizer, args.calib, args.tokens, window, args.seed)
+    windows = token_windows(model.tokenizer, args.calib, args.tokens, _within_context(model, args.window), args.seed)
     (profile,) = profiling.calibrate(model.module, model.weights, windows, [args.target_sparsity],
                                      args.threshold_rule, fisher_tokens=args.fisher_tokens)
     if args.output:
@@ -242,12 +251,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     model = _load(args.source)
     if model.tokenizer is None:
         raise PiccError(f"{model.source}: the model has no tokenizer, so {args.ppl} cannot be read")
-    window = min(args.window, args.max_tokens)  # --max-tokens bounds the work whatever the window
-    max_position = model.module.attr("max_position")
-    if isinstance(max_position, int) and window > max_position:
-        # Past its trained context a model's perplexity says nothing about sparsity.
-        print(f"note: windows of {max_position} tokens, the model's context length", file=sys.stderr)
-        window = max_position
+    window = _within_context(model, min(args.window, args.max_tokens))  # --max-tokens bounds the work
     windows = eval_windows(model.tokenizer, args.ppl, args.max_tokens, window)
     with progress_bar(sum(len(w) for w in windows), "evaluating", "tok") as advance:
         result = evaluate(model.module, model.weights, windows, args.compare_dense, progress=advance)
@@ -366,9 +370,7 @@ def _sparsify_options(args: argparse.Namespace):  # noqa: ANN202 - SparsifyOptio
     if args.target_sparsity is not None and args.max_ppl_increase is not None:
         raise PiccError("--target-sparsity and --max-ppl-increase: give one (a sparsity, or the "
                         "perplexity cost that chooses it)")
-    if args.tokens < 1 or args.fisher_tokens < 1:
-        flag, n = ("--tokens", args.tokens) if args.tokens < 1 else ("--fisher-tokens", args.fisher_tokens)
-        raise PiccError(f"{flag} {n}: expected at least 1")
+    _check_calibration_tokens(args)
     _check_seed(args.seed)
     if args.predictors is not None and not Path(args.predictors).is_dir():
         raise PiccError(f"--predictors {args.predictors}: no such directory")
