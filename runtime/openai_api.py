@@ -4,12 +4,13 @@ The server (``runtime.server``) reads a request's JSON, and :func:`completion_pa
 :func:`chat_params` check every field a client sends against what the OpenAI API accepts, raising
 :class:`ApiError` -- OpenAI's error object and its HTTP status -- for the first that is wrong, with
 the field named in ``param``. What passes becomes :class:`Params`, which the server turns into an
-engine request. ``n`` or ``best_of`` above 1, ``logprobs``, ``echo`` and a non-empty ``logit_bias``
-are refused with a message that says so; fields OpenAI defines that do not change what picc
-computes (``user``, ``presence_penalty`` 0, ...) are checked and ignored. ``top_k``,
-``repetition_penalty`` and ``ignore_eos`` (generate ``max_tokens`` tokens whatever they are:
-benchmarks) are the usual extensions (vLLM takes them too). Chat messages' roles are OpenAI's
-(:data:`ROLES`).
+engine request for each of its choices: ``n`` of them for each prompt (completions take a list
+of prompts too), choice ``j`` sampled with ``seed + j``. ``best_of`` above 1, ``logprobs``,
+``echo`` and a non-empty ``logit_bias`` are refused with a message that says so; fields OpenAI
+defines that do not change what picc computes (``user``, ``presence_penalty`` 0, ...) are
+checked and ignored. ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate
+``max_tokens`` tokens whatever they are: benchmarks) are the usual extensions (vLLM takes them
+too). Chat messages' roles are OpenAI's (:data:`ROLES`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from runtime.sampling import SamplingOptions
 
 MAX_STOPS = 4  # OpenAI's limit on "stop" strings
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's "top_logprobs"
+MAX_CHOICES = 128  # OpenAI's limit on "n"; the server's queue may refuse fewer (429)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the chat roles OpenAI accepts
 
 
@@ -48,8 +50,9 @@ class Params:
     """A checked request: the prompt (text, ids or chat messages), how much to generate, how."""
 
     model: str | None
-    prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: one or more
     messages: list[dict] | None = None
+    n: int = 1  # choices per prompt
     max_tokens: int | None = None
     options: SamplingOptions = SamplingOptions()
     seed: int | None = None
@@ -112,9 +115,7 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens") -> Params:
     model = f.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("'model' must be a string", "model")
-    n = f.integer("n", 1, 1)
-    if n != 1:
-        raise invalid(f"'n' {n}: this server generates one choice per request (send {n} requests)", "n")
+    n = f.integer("n", 1, 1, MAX_CHOICES)
     if f.get("user") is not None and not isinstance(f.get("user"), str):
         raise invalid(f"'user' must be a string, got {type(f.get('user')).__name__}", "user")
     _logit_bias(f.get("logit_bias"))
@@ -136,7 +137,7 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens") -> Params:
             raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
         include_usage = bool(stream_options.get("include_usage", False))
     max_tokens = f.integer(max_tokens_name, None, 1)
-    return Params(model, max_tokens=max_tokens, options=SamplingOptions(temperature, top_k or 0, top_p, penalty),
+    return Params(model, n=n, max_tokens=max_tokens, options=SamplingOptions(temperature, top_k or 0, top_p, penalty),
                   seed=None if seed is None else seed % 2**63, stop=_stops(f.get("stop")), stream=stream,
                   include_usage=include_usage, ignore_eos=f.boolean("ignore_eos"))
 
@@ -171,7 +172,7 @@ def _stops(v: object) -> list[str]:
 
 def completion_params(body: object) -> Params:
     """``POST /v1/completions``'s body, checked. The prompt: a string, a list of token ids, or a list
-    holding one string or one list of ids (OpenAI's batch forms with one entry)."""
+    of strings or of lists of ids (OpenAI's batch forms: a choice for each)."""
     f = _Fields(body)
     if f.boolean("echo"):
         raise invalid("'echo' is not supported", "echo")
@@ -181,20 +182,25 @@ def completion_params(body: object) -> Params:
         raise invalid("'suffix' is not supported", "suffix")
     best_of = f.integer("best_of", 1, 1)
     if best_of != 1:
-        raise invalid(f"'best_of' {best_of}: this server generates one choice per request", "best_of")
+        raise invalid(f"'best_of' {best_of}: not supported (ask for 'n' choices instead)", "best_of")
     params = _common(f)
     prompt = f.get("prompt")
     if prompt is None:
         raise invalid("'prompt' is required", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        if not prompt or not all(_is_int(t) for t in prompt):
-            raise invalid("'prompt' must be a string or a non-empty list of token ids (one prompt a request)",
-                          "prompt")
-    elif not isinstance(prompt, str):
-        raise invalid(f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
-    params.prompt = prompt
+    def ids(p: object) -> bool:
+        return isinstance(p, list) and bool(p) and all(_is_int(t) for t in p)
+
+    if isinstance(prompt, str) or ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(map(ids, prompt))):
+        prompts = list(prompt)
+    else:
+        raise invalid("'prompt' must be a string, a non-empty list of token ids, or a list of either",
+                      "prompt")
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise invalid(f"{len(prompts)} prompts of {params.n} choices each: at most {MAX_CHOICES} choices a request",
+                      "n")
+    params.prompts = prompts
     if params.max_tokens is None:
         params.max_tokens = 16  # OpenAI's default for completions
     return params
@@ -246,21 +252,30 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, *, chunk: bool = False,
-                    created: int | None = None) -> dict:
-    """A ``text_completion`` (or one streamed chunk of it)."""
+Choice = tuple[int, str | None, str | None]
+"""A choice of a response: its index, its text (a streamed chunk's part of it) and finish reason."""
+
+
+def completion_body(rid: str, model: str, choices: list[Choice], *, chunk: bool = False,
+                    created: int | None = None, first: bool = False) -> dict:
+    """A ``text_completion`` (or one streamed chunk of it; ``first`` chunks are only chat's)."""
     return {"id": rid, "object": "text_completion", "created": created or int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+                        for i, text, finish in choices]}
 
 
-def chat_body(rid: str, model: str, text: str | None, finish: str | None, *, chunk: bool = False,
+def chat_body(rid: str, model: str, choices: list[Choice], *, chunk: bool = False,
               created: int | None = None, first: bool = False) -> dict:
     """A ``chat.completion``, or a ``chat.completion.chunk`` (``first``: the one naming the role)."""
     created = created or int(time.time())
     if not chunk:
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish}]}
-    delta: dict = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": finish} for i, text, finish in choices]}
+
+    def delta(text: str | None) -> dict:
+        return {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": i, "delta": delta(text), "logprobs": None, "finish_reason": finish}
+                        for i, text, finish in choices]}

@@ -118,10 +118,13 @@ def create_app(served: ServedModel) -> FastAPI:
     async def completions(request: Request) -> Response:
         params = completion_params(await _json(request, limit))
         _check_model(served, params.model)
-        prompt = params.prompt
+
+        def prompt_ids() -> list[list[int]]:
+            return [served.codec.encode(p) if isinstance(p, str) else list(p) for p in params.prompts]
+
         # Off the event loop (the tokenizer lets go of the GIL): a long prompt holds up nobody.
-        ids = await asyncio.to_thread(served.codec.encode, prompt) if isinstance(prompt, str) else list(prompt or [])
-        return await _respond(request, served, metrics, params, ids, "prompt", chat=False)
+        prompts = await asyncio.to_thread(prompt_ids)
+        return await _respond(request, served, metrics, params, prompts, "prompt", chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(request: Request) -> Response:
@@ -141,7 +144,7 @@ def create_app(served: ServedModel) -> FastAPI:
             return codec.encode_chat(text)
 
         ids = await asyncio.to_thread(prompt_ids)
-        return await _respond(request, served, metrics, params, ids, "messages", chat=True)
+        return await _respond(request, served, metrics, params, [ids], "messages", chat=True)
 
     return app
 
@@ -241,67 +244,112 @@ def _check_model(served: ServedModel, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-async def _respond(request: Request, served: ServedModel, metrics: Metrics, params: Params, ids: list[int],
-                   prompt_field: str, *, chat: bool) -> Response:
-    """Start the generation (refusals raise here, before a response) and answer: a stream of chunks,
-    or the whole completion."""
+def _start(served: ServedModel, params: Params, prompts: list[list[int]], prompt_field: str) -> list[Generation]:
+    """The request's generations, choice ``p * n + j`` for prompt ``p``'s ``j``-th (seed + j), all
+    submitted or none: a refusal (a full queue, a prompt that does not fit) cancels those already
+    submitted and raises, before any response."""
     engine = served.engine
-    error = context_error(len(ids), params.max_tokens, engine.ctx, prompt_field)
-    if error is not None:
-        raise error
-    if not ids:
-        raise invalid("the prompt is empty", prompt_field)
-    max_tokens = params.max_tokens or engine.ctx - len(ids)
-    gen = Generation(engine, served.codec, EngineRequest(ids, max_tokens, params.options, params.seed,
-                                                         stop_at_eos=not params.ignore_eos,
-                                                         progress=params.stream or bool(params.stop)),
-                     params.stop)
+    for ids in prompts:
+        error = context_error(len(ids), params.max_tokens, engine.ctx, prompt_field)
+        if error is not None:
+            raise error
+        if not ids:
+            raise invalid("the prompt is empty", prompt_field)
+    gens: list[Generation] = []
+    try:
+        for ids in prompts:
+            for j in range(params.n):
+                seed = None if params.seed is None else (params.seed + j) % 2**63
+                request = EngineRequest(ids, params.max_tokens or engine.ctx - len(ids), params.options, seed,
+                                        stop_at_eos=not params.ignore_eos, progress=params.stream or bool(params.stop))
+                gens.append(Generation(engine, served.codec, request, params.stop))
+    except BaseException:
+        for gen in gens:
+            engine.cancel(gen.seq)
+        raise
+    return gens
+
+
+async def _respond(request: Request, served: ServedModel, metrics: Metrics, params: Params,
+                   prompts: list[list[int]], prompt_field: str, *, chat: bool) -> Response:
+    """Start the generations (refusals raise here, before a response) and answer: a stream of
+    chunks, or the whole completion with a choice for each."""
+    gens = _start(served, params, prompts, prompt_field)
+    prompt_tokens = sum(len(ids) for ids in prompts)  # as OpenAI counts: each prompt once, whatever n
     rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
     body = chat_body if chat else completion_body
     if params.stream:
-        return EventSourceResponse(_events(gen, params, served.name, rid, created, len(ids), chat, metrics),
+        return EventSourceResponse(_events(gens, params, served.name, rid, created, prompt_tokens, chat, metrics),
                                    ping=15)
-    text, finish = await _collect(request, gen)
-    metrics.finished(len(ids), gen.tokens)
-    return JSONResponse({**body(rid, served.name, text, finish, created=created), "usage": usage(len(ids), gen.tokens)})
+    choices = await _collect(request, gens)
+    generated = sum(gen.tokens for gen in gens)
+    metrics.finished(prompt_tokens, generated)
+    return JSONResponse({**body(rid, served.name, choices, created=created), "usage": usage(prompt_tokens, generated)})
 
 
-async def _collect(request: Request, gen: Generation) -> tuple[str, str | None]:
-    """The whole text and finish reason; cancelled (and so the sequence) when the client goes away."""
-
-    async def drain() -> tuple[str, str | None]:
-        parts, last = [], None
-        async for text, finish in gen:
-            parts.append(text)
-            last = finish
-        return "".join(parts), last
-
-    task = asyncio.ensure_future(drain())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            raise ApiError(499, "the client closed the request", code="client_closed_request")
+async def _drain(index: int, gen: Generation) -> tuple[int, str, str | None]:
+    parts, last = [], None
+    async for text, finish in gen:
+        parts.append(text)
+        last = finish
+    return index, "".join(parts), last
 
 
-async def _events(gen: Generation, params: Params, model: str, rid: str, created: int, prompt_tokens: int,
-                  chat: bool, metrics: Metrics) -> AsyncIterator[dict]:
-    """The stream's events: chunks of text (chat: first the role), the last with its finish reason,
-    the usage when asked for, then ``[DONE]``."""
-    if chat:
-        yield {"data": json.dumps(chat_body(rid, model, None, None, chunk=True, created=created, first=True))}
-    body = chat_body if chat else completion_body
+async def _collect(request: Request, gens: list[Generation]) -> list[tuple[int, str, str | None]]:
+    """Each choice's whole text and finish reason; cancelled (and so the sequences) when the client
+    goes away."""
+    tasks = [asyncio.ensure_future(_drain(i, gen)) for i, gen in enumerate(gens)]
     try:
-        async for text, finish in gen:
-            if text or finish:
-                yield {"data": json.dumps(body(rid, model, text, finish, chunk=True, created=created))}
-    except ApiError as e:
-        yield {"data": json.dumps(e.body())}
-    metrics.finished(prompt_tokens, gen.tokens)
+        while True:
+            _, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_SECONDS)
+            if not pending:
+                return [task.result() for task in tasks]
+            if await request.is_disconnected():
+                raise ApiError(499, "the client closed the request", code="client_closed_request")
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _events(gens: list[Generation], params: Params, model: str, rid: str, created: int, prompt_tokens: int,
+                  chat: bool, metrics: Metrics) -> AsyncIterator[dict]:
+    """The stream's events: chunks of text (chat: first the role of each choice), the last of each
+    choice with its finish reason, the usage when asked for, then ``[DONE]``. The choices' chunks
+    come as their tokens do, each naming its choice's index."""
+    if chat:
+        first = [(i, None, None) for i in range(len(gens))]
+        yield {"data": json.dumps(chat_body(rid, model, first, chunk=True, created=created, first=True))}
+    body = chat_body if chat else completion_body
+    queue: asyncio.Queue[tuple[int, str, str | None] | ApiError | None] = asyncio.Queue()
+
+    async def forward(index: int, gen: Generation) -> None:
+        try:
+            async for text, finish in gen:
+                if text or finish:
+                    await queue.put((index, text, finish))
+        except ApiError as e:
+            await queue.put(e)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(forward(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, ApiError):
+                yield {"data": json.dumps(item.body())}
+            else:
+                yield {"data": json.dumps(body(rid, model, [item], chunk=True, created=created))}
+    finally:
+        for task in tasks:  # the client went away mid-stream: every choice's sequence is cancelled
+            task.cancel()
+    generated = sum(gen.tokens for gen in gens)
+    metrics.finished(prompt_tokens, generated)
     if params.include_usage:
         yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                    "created": created, "model": model, "choices": [],
-                                   "usage": usage(prompt_tokens, gen.tokens)})}
+                                   "usage": usage(prompt_tokens, generated)})}
     yield {"data": "[DONE]"}

@@ -117,6 +117,39 @@ def test_completions_and_chat_through_the_openai_client_are_picc_runs_tokens(ser
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
 
 
+def test_n_choices_and_lists_of_prompts_are_single_runs_each(server, model):
+    # Choice j of prompt p is the request for prompt p alone with seed + j: sequences of their own,
+    # decoded in the same batches as any others.
+    client = server.client()
+    options = SamplingOptions(temperature=0.8, top_p=0.9)
+    prompts = PROMPTS[:2]
+    expected = [text_of(model, alone(model, encode(model, p), 8, options, seed=5 + j)) for p in prompts for j in range(3)]
+    done = client.completions.create(model="tiny", prompt=prompts, n=3, max_tokens=8, temperature=0.8, top_p=0.9,
+                                     seed=5)
+    assert [c.index for c in done.choices] == list(range(6))
+    assert [c.text for c in done.choices] == expected
+    assert done.usage.prompt_tokens == sum(len(encode(model, p)) for p in prompts)
+    assert done.usage.completion_tokens == 6 * 8
+    streamed = client.completions.create(model="tiny", prompt=prompts, n=3, max_tokens=8, temperature=0.8,
+                                         top_p=0.9, seed=5, stream=True)
+    texts = [""] * 6
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == expected
+    messages = [{"role": "user", "content": "hello there"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=6, temperature=0)
+    assert len(reply.choices) == 2 and reply.choices[0].message.content == reply.choices[1].message.content
+    streamed = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=6, temperature=0,
+                                              stream=True)
+    texts = ["", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [reply.choices[0].message.content] * 2
+    assert server.metric("picc_active_sequences") == 0
+
+
 def test_concurrent_requests_get_single_run_outputs(server, model):
     options = SamplingOptions(temperature=0.8, top_p=0.9)
     expected = {}
@@ -157,7 +190,9 @@ def error_of(response: httpx.Response) -> dict:
     ({"prompt": "the", "temperature": 3}, 400, "temperature", None),
     ({"prompt": "the", "top_p": 0}, 400, "top_p", None),
     ({"prompt": "the", "stream": "yes"}, 400, "stream", None),
-    ({"prompt": "the", "n": 2}, 400, "n", None),
+    ({"prompt": "the", "n": 0}, 400, "n", None),
+    ({"prompt": ["the", "a"], "n": 65}, 400, "n", None),  # 130 choices: past OpenAI's 128
+    ({"prompt": ["the", [1, 2]]}, 400, "prompt", None),  # a list of prompts is all text or all ids
     ({"prompt": "the", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
     ({"prompt": [1] * (CTX + 1)}, 400, "prompt", "context_length_exceeded"),
     ({"prompt": "the", "max_tokens": CTX}, 400, "max_tokens", "context_length_exceeded"),
@@ -285,6 +320,16 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_frees_its_sequence(mo
         assert s.metric("picc_decoded_tokens_total") < CTX - 48  # freed early, not run to its end
         r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        # Two choices where one slot is free: refused whole, the first choice's sequence given back.
+        r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 3, "n": 2})
+        assert r.status_code == 429 and error_of(r)["code"] == "rate_limit_exceeded"
+        for _ in range(100):  # the engine's thread frees the slot before its next turn
+            if s.metric("picc_free_slots") == 1:
+                break
+            time.sleep(0.05)
+        assert s.metric("picc_free_slots") == 1 and s.metric("picc_active_sequences") == 0
+        r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 3})
+        assert r.status_code == 200
     finally:
         s.close()
 
