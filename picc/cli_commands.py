@@ -68,8 +68,8 @@ def _check_window(window: int) -> None:
 
 
 def _within_context(model, window: int) -> int:  # noqa: ANN001 - a LoadedModel
-    """``window``, cut to the model's trained context (with a note): past it, what a model does
-    says nothing about the model."""
+    """``window``, cut to the model's trained context (with a note): past it, perplexity and
+    activation statistics describe the model where it was never trained."""
     max_position = model.module.attr("max_position")
     if isinstance(max_position, int) and window > max_position:
         print(f"note: windows of {max_position} tokens, the model's context length", file=sys.stderr)

@@ -288,6 +288,7 @@ async def _respond(request: Request, served: ServedModel, metrics: Metrics, para
 
 
 async def _drain(index: int, gen: Generation) -> tuple[int, str, str | None]:
+    """Choice ``index``: its whole text and finish reason."""
     parts, last = [], None
     async for text, finish in gen:
         parts.append(text)
