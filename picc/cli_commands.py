@@ -184,11 +184,12 @@ def cmd_profile(args: argparse.Namespace) -> None:
     """``picc profile``: calibrate and print (or save, or plot) per-layer FFN sparsity."""
     from picc.fsutil import writable
     from picc.sparsity import profiling
-    from picc.sparsity.calib import token_windows
+    from picc.sparsity.calib import check_source, token_windows
 
     _check_window(args.window)
     _check_seed(args.seed)
     _check_calibration_tokens(args)
+    check_source(args.calib)
     if not 0 <= args.target_sparsity < 1:
         raise PiccError(f"--target-sparsity {args.target_sparsity}: expected a value in [0, 1)")
     for output in (args.output, args.plot):
@@ -357,6 +358,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 def _sparsify_options(args: argparse.Namespace):  # noqa: ANN202 - SparsifyOptions
     """The sparsity flags as ``SparsifyOptions``, after checking their ranges."""
+    from picc.sparsity.calib import check_source
     from picc.sparsity.sparsify import SparsifyOptions
 
     if not 0 < args.recall <= 1:
@@ -372,6 +374,7 @@ def _sparsify_options(args: argparse.Namespace):  # noqa: ANN202 - SparsifyOptio
                         "perplexity cost that chooses it)")
     _check_calibration_tokens(args)
     _check_seed(args.seed)
+    check_source(args.calib)  # where the compile would choose dense, and never read it, too
     if args.predictors is not None and not Path(args.predictors).is_dir():
         raise PiccError(f"--predictors {args.predictors}: no such directory")
     return SparsifyOptions(

@@ -21,6 +21,14 @@ from picc.fsutil import cache_root, cached, keep_cached
 CORPORA = {"ptb": "train", "ptb-valid": "valid", "ptb-test": "test"}
 
 
+def check_source(source: str) -> None:
+    """Raise the error :func:`load_text` would for a ``source`` that names nothing, without reading
+    it (a command checks its flags before its work)."""
+    if source not in CORPORA and not Path(source).exists():
+        raise PiccError(f"{source!r} is neither a built-in corpus ({', '.join(CORPORA)}) nor an existing "
+                        "text file or directory of .txt files")
+
+
 def load_text(source: str) -> str:
     """The text of corpus ``source`` (a built-in name or a path)."""
     if source in CORPORA:
@@ -37,8 +45,8 @@ def load_text(source: str) -> str:
         return "\n".join(_read(f) for f in files)
     if path.is_file():
         return _read(path)
-    raise PiccError(f"{source!r} is neither a built-in corpus ({', '.join(CORPORA)}) nor an existing "
-                    "text file or directory of .txt files")
+    check_source(source)
+    raise PiccError(f"{source!r}: not a text file or a directory")
 
 
 def _read(path: Path) -> str:
