@@ -182,6 +182,28 @@ class Engine:
     def submit(self, request: Request, emit: Emit) -> Sequence:
         """Queue ``request``; ``emit`` hears of its tokens. Raises QueueFull, or ValueError for a
         request that cannot run (the message says why)."""
+        return self.submit_all([(request, emit)])[0]
+
+    def submit_all(self, requests: list[tuple[Request, Emit]]) -> list[Sequence]:
+        """Queue every one of ``requests`` (each with the ``emit`` that hears of its tokens), or
+        none: QueueFull where the queue has no room for all of them (the choices of one API
+        request), ValueError for one that cannot run."""
+        seqs = [Sequence(request, emit, history=list(self._checked(request))) for request, emit in requests]
+        with self._cond:
+            if self._closing:
+                raise QueueFull("the server is shutting down")
+            room = self.max_queue + self.pool.free - len(self._waiting)  # those beyond the free slots wait
+            if len(seqs) > room:
+                raise QueueFull(f"{self.max_batch} sequences are decoding and {self.max_queue} requests are waiting "
+                                "already" if len(seqs) == 1 else
+                                f"there is room for {max(room, 0)} of the {len(seqs)} sequences asked for")
+            self._waiting.extend(seqs)
+            self.stats.requests += len(seqs)
+            self._cond.notify()
+        return seqs
+
+    def _checked(self, request: Request) -> list[int]:
+        """``request``'s prompt, once it is known that the request can run (else ValueError)."""
         prompt = request.prompt
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -192,22 +214,17 @@ class Engine:
             raise ValueError(f"the prompt's {len(prompt)} tokens and max_tokens {request.max_tokens} need "
                              f"{len(prompt) + request.max_tokens} positions but the context holds {self.ctx}")
         request.options.check()
-        seq = Sequence(request, emit, history=list(prompt))
-        with self._cond:
-            if self._closing:
-                raise QueueFull("the server is shutting down")
-            if len(self._waiting) >= self.max_queue + self.pool.free:  # those beyond the free slots wait
-                raise QueueFull(f"{self.max_batch} sequences are decoding and {self.max_queue} requests are "
-                                "waiting already")
-            self._waiting.append(seq)
-            self.stats.requests += 1
-            self._cond.notify()
-        return seq
+        return prompt
 
     def cancel(self, seq: Sequence) -> None:
-        """Stop ``seq`` (a client that went away): its slot is freed before the next step."""
+        """Stop ``seq`` (a client that went away, a request taken back): still waiting, it leaves
+        the queue at once (a request submitted next finds its place free); decoding, its slot is
+        freed before the next step."""
         with self._cond:
             seq.cancelled = True
+            if seq in self._waiting:
+                self._waiting.remove(seq)
+                seq.emit("done", "cancelled")
             self._cond.notify()
 
     @property

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from runtime.engine import Engine, QueueFull, Request
+from runtime.engine import Engine, QueueFull, Request, Sequence
 from runtime.openai_api import ApiError, invalid
 from runtime.text import TextCodec
 
@@ -77,23 +77,32 @@ class Generation:
     context). :attr:`tokens` counts the tokens generated."""
 
     def __init__(self, engine: Engine, codec: TextCodec, request: Request, stops: list[str]) -> None:
+        self._prepare(engine, codec, request, stops)
+        (self.seq,) = _submitted(lambda: engine.submit_all([(request, self._emit)]))
+
+    @classmethod
+    def all_or_none(cls, engine: Engine, codec: TextCodec, requests: list[Request],
+                    stops: list[str]) -> list[Generation]:
+        """A generation for each of ``requests`` (the choices of one API request), all submitted
+        at once or none (a 429 when the queue has no room for all)."""
+        gens = [cls.__new__(cls) for _ in requests]
+        for gen, request in zip(gens, requests, strict=True):
+            gen._prepare(engine, codec, request, stops)
+        seqs = _submitted(lambda: engine.submit_all([(r, g._emit) for g, r in zip(gens, requests, strict=True)]))
+        for gen, seq in zip(gens, seqs, strict=True):
+            gen.seq = seq
+        return gens
+
+    def _prepare(self, engine: Engine, codec: TextCodec, request: Request, stops: list[str]) -> None:
         self.engine, self.stream = engine, TextStream(codec, stops)
         self.queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def emit(kind: str, value: object) -> None:  # on the engine's thread
-            with contextlib.suppress(RuntimeError):  # the request's event loop has closed: nobody listens
-                loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
-
-        try:
-            self.seq = engine.submit(request, emit)
-        except QueueFull as e:
-            raise ApiError(429, f"the server is busy ({e}); retry shortly", kind="requests",
-                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        except ValueError as e:
-            raise invalid(str(e), "prompt") from None
+        self.loop = asyncio.get_running_loop()
         self.tokens = 0
         self.eos = engine.eos if request.stop_at_eos else None
+
+    def _emit(self, kind: str, value: object) -> None:  # on the engine's thread
+        with contextlib.suppress(RuntimeError):  # the request's event loop has closed: nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
 
     async def __aiter__(self) -> AsyncIterator[tuple[str, str | None]]:
         finished = False
@@ -131,3 +140,14 @@ class Generation:
             if self.stream.stopped:
                 break
         return "".join(parts)
+
+
+def _submitted(submit: Callable[[], list[Sequence]]) -> list[Sequence]:
+    """``submit()``'s sequences; its refusals as OpenAI's errors (429 with ``Retry-After``, 400)."""
+    try:
+        return submit()
+    except QueueFull as e:
+        raise ApiError(429, f"the server is busy ({e}); retry shortly", kind="requests",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except ValueError as e:
+        raise invalid(str(e), "prompt") from None

@@ -246,8 +246,8 @@ def _check_model(served: ServedModel, model: str | None) -> None:
 
 def _start(served: ServedModel, params: Params, prompts: list[list[int]], prompt_field: str) -> list[Generation]:
     """The request's generations, choice ``p * n + j`` for prompt ``p``'s ``j``-th (seed + j), all
-    submitted or none: a refusal (a full queue, a prompt that does not fit) cancels those already
-    submitted and raises, before any response."""
+    submitted at once or none (a refusal -- a full queue, a prompt that does not fit -- raises
+    before any response)."""
     engine = served.engine
     for ids in prompts:
         error = context_error(len(ids), params.max_tokens, engine.ctx, prompt_field)
@@ -255,19 +255,15 @@ def _start(served: ServedModel, params: Params, prompts: list[list[int]], prompt
             raise error
         if not ids:
             raise invalid("the prompt is empty", prompt_field)
-    gens: list[Generation] = []
-    try:
-        for ids in prompts:
-            for j in range(params.n):
-                seed = None if params.seed is None else (params.seed + j) % 2**63
-                request = EngineRequest(ids, params.max_tokens or engine.ctx - len(ids), params.options, seed,
-                                        stop_at_eos=not params.ignore_eos, progress=params.stream or bool(params.stop))
-                gens.append(Generation(engine, served.codec, request, params.stop))
-    except BaseException:
-        for gen in gens:
-            engine.cancel(gen.seq)
-        raise
-    return gens
+    choices, room = len(prompts) * params.n, engine.max_batch + engine.max_queue
+    if choices > room:  # not a 429: retrying would not help
+        raise invalid(f"{choices} choices: this server decodes {engine.max_batch} sequences and queues "
+                      f"{engine.max_queue} more, so at most {room} choices a request", "n")
+    requests = [EngineRequest(ids, params.max_tokens or engine.ctx - len(ids), params.options,
+                              None if params.seed is None else (params.seed + j) % 2**63,
+                              stop_at_eos=not params.ignore_eos, progress=params.stream or bool(params.stop))
+                for ids in prompts for j in range(params.n)]
+    return Generation.all_or_none(engine, served.codec, requests, params.stop)
 
 
 async def _respond(request: Request, served: ServedModel, metrics: Metrics, params: Params,

@@ -141,6 +141,15 @@ def test_cancelled_and_refused_requests_free_their_slots(model):
         for n, c in enumerate(long, 1):
             seqs.append(engine.submit(Request(PROMPTS[1], most, SAMPLED), c))  # sampled: a step a turn
             until(lambda n=n: engine.active == n)  # admitted: the queue is empty again
+        # A request's choices are queued all or none: two where one place is free, none queued
+        # (choices queued one by one and taken back held their places until the engine's next
+        # turn, and a request right after got a 429 too); a queued request taken back leaves at once.
+        with pytest.raises(QueueFull, match="room for 1 of the 2 sequences"):
+            engine.submit_all([(Request(PROMPTS[0], 4), Collector()), (Request(PROMPTS[0], 4), Collector())])
+        assert engine.waiting == 0
+        gone = Collector()
+        engine.cancel(engine.submit(Request(PROMPTS[0], 4), gone))
+        assert engine.waiting == 0 and gone.end == ("done", "cancelled") and not gone.tokens
         queued = Collector()
         engine.submit(Request(PROMPTS[0], 4), queued)
         with pytest.raises(QueueFull):
