@@ -5,8 +5,9 @@ tokens (a token's bytes can be half a UTF-8 character, or change how the one bef
 ``picc run``'s stream does -- and holds back text that may be the start of a ``stop`` string, so a
 stop string never reaches the client, not even split across deltas.
 
-:class:`Generation` submits a request to the engine (its refusals -- a full queue, a prompt that
-does not fit -- raise before any response is sent) and yields ``(text, finish_reason)`` pairs as
+:class:`Generation` submits a request to the engine -- or, :meth:`Generation.all_or_none`, the
+choices of one API request together -- (its refusals -- a full queue, a prompt that does not fit
+-- raise before any response is sent) and yields ``(text, finish_reason)`` pairs as
 the engine's thread reports tokens. Leaving it early (a stop string, a client that disconnected:
 the task is cancelled) cancels the sequence, whose slot the engine then frees before its next step.
 """
