@@ -198,6 +198,7 @@ def test_options_that_contradict_each_other_or_make_no_sense_are_refused(tiny_fi
          "--dense compiles without sparsity: --sparsity-mode does not apply"),
         (["compile", "smollm2", "-o", out, "--predictors", str(tmp_path / "none")], "no such directory"),
         (["compile", "smollm2", "-o", out, "--tokens", "0"], "--tokens 0: expected at least 1"),
+        (["compile", "smollm2", "-o", out, "--target", str(tmp_path)], "is a directory, not a target file"),
         (["compile", "smollm2", "-o", out, "--calib", str(tmp_path / "none.txt")], "is neither a built-in corpus"),
         (["generate", str(tiny_file), "-p", "hi", "--temperature", "nan"], "expected a finite value >= 0"),
         (["generate", str(tiny_file), "-p", "hi", "--seed", "-1"], "--seed -1: expected an integer >= 0"),

@@ -378,6 +378,8 @@ def load_target(name_or_path: str) -> Target:
         except (OSError, UnicodeDecodeError) as e:
             raise PiccError(f"{name_or_path}: cannot read the target file: {e}") from None
         return replace(target_from_dict(_read_yaml(text, name_or_path), name_or_path), source=name_or_path)
+    if path.is_dir():
+        raise PiccError(f"{name_or_path}: is a directory, not a target file (.yaml)")
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
         raise PiccError(f"{name_or_path}: target file not found")
     raise PiccError(f"unknown target {name_or_path!r}: expected one of {', '.join(names)}, or a path to a .yaml file")
