@@ -44,22 +44,23 @@ def _encode(model, text: str, instead: str = "") -> list[int]:  # noqa: ANN001
     return model.tokenizer.encode(text)
 
 
-def _picc_output(output: str, flag: str = "-o") -> Path:
+def _picc_output(output: str) -> Path:
     """``-o FILE.picc`` of import, opt and sparsify, checked before any work: the name (what the
     other commands read as a .picc) and that it and FILE.picc.weights can be written."""
     from picc.frontend.picc_file import weights_path
     from picc.fsutil import writable
 
     if not output.endswith(".picc"):
-        raise PiccError(f"{flag} {output}: expected a file name ending in .picc (beside it goes its .picc.weights)")
+        raise PiccError(f"-o {output}: expected a file name ending in .picc (beside it goes its .picc.weights)")
     path = writable(output)
     writable(weights_path(path))
     return path
 
 
-def _check_seed(seed: int, flag: str = "--seed") -> None:
+def check_seed(seed: int) -> None:
+    """``--seed``: numpy's generators take no negative seed."""
     if seed < 0:
-        raise PiccError(f"{flag} {seed}: expected an integer >= 0")
+        raise PiccError(f"--seed {seed}: expected an integer >= 0")
 
 
 def _check_window(window: int) -> None:
@@ -150,7 +151,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise PiccError(f"-n {args.n}: expected a number of tokens >= 0")
     if not 0 <= args.temperature < float("inf"):
         raise PiccError(f"--temperature {args.temperature}: expected a finite value >= 0")
-    _check_seed(args.seed)
+    check_seed(args.seed)
     model = _load(args.source)
     prompt = _encode(model, args.prompt)
     tok = model.tokenizer
@@ -187,7 +188,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     from picc.sparsity.calib import check_source, token_windows
 
     _check_window(args.window)
-    _check_seed(args.seed)
+    check_seed(args.seed)
     _check_calibration_tokens(args)
     check_source(args.calib)
     if not 0 <= args.target_sparsity < 1:
@@ -373,7 +374,7 @@ def _sparsify_options(args: argparse.Namespace):  # noqa: ANN202 - SparsifyOptio
         raise PiccError("--target-sparsity and --max-ppl-increase: give one (a sparsity, or the "
                         "perplexity cost that chooses it)")
     _check_calibration_tokens(args)
-    _check_seed(args.seed)
+    check_seed(args.seed)
     check_source(args.calib)  # where the compile would choose dense, and never read it, too
     if args.predictors is not None and not Path(args.predictors).is_dir():
         raise PiccError(f"--predictors {args.predictors}: no such directory")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from picc.cli_commands import check_seed
 from picc.errors import PiccError
 
 
@@ -135,8 +136,7 @@ def device_times(session, before) -> dict | None:  # noqa: ANN001 - a Session an
 def cmd_run(args: argparse.Namespace) -> None:
     if args.n < 0:
         raise PiccError(f"-n {args.n}: expected a number of tokens >= 0")
-    if args.seed < 0:
-        raise PiccError(f"--seed {args.seed}: expected an integer >= 0")
+    check_seed(args.seed)
     options = _sampling(args)
     with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
         if args.prompt is not None:
