@@ -1,12 +1,15 @@
 """Benchmark of the fused sparse FFN kernel against the host's read bandwidth and numpy.
 
-    python bench/kernels.py [--reps 7] [--threads 1,2] [--shapes small,large] [--dtypes f16,q4_0,f32]
+    python bench/kernels.py [--reps 7] [--threads 1,2] [--shapes small,medium,large] [--dtypes f16,q4_0,f32]
     python bench/kernels.py --batched [--batches 1,2,4,8] [--threads 2] [--reps 7] [--simd avx512] [--x i16,i8]
 
 (``--dtypes`` also takes ``q4_0-int`` / ``q4_1-int``: the kernel variant that dots int16 x, and
-``q4_0-i8`` / ``q4_1-i8``: int8 x, against the dense GEMV with int8 x too.)
+``q4_0-i8`` / ``q4_1-i8``: int8 x, against the dense GEMV with int8 x too; with rounded x, the
+gathered rows are stored where ``select-kernels`` would store them: from hidden 4096 in the
+dotplanes layout, "/dp" in the table.)
 
-For each FFN shape (SmolLM2: hidden 576, n_ff 1536; a 7B-like layer: 4096 x 11008), weight format
+For each FFN shape (SmolLM2: hidden 576, n_ff 1536; a 1B-like layer: 2048 x 5632; a 7B-like layer:
+4096 x 11008), weight format
 and thread count, it times one compiled step that runs the kernel (predictor mode, a sorted random
 list of active neurons, new for every run) over 1 GiB of layers, so that the rows come from
 memory as in a real decode step (weights in 2 MiB pages, see ``runtime.hostmem``). It prints medians of ``--reps``
@@ -53,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llvmlite  # noqa: E402
 import llvmlite.binding as llvm  # noqa: E402
 
+from picc import kernel_names as names  # noqa: E402
 from picc import quant  # noqa: E402
 from picc.codegen_cpu import (  # noqa: E402
     SYNC_BYTES,
@@ -64,6 +68,7 @@ from picc.codegen_cpu import (  # noqa: E402
     aligned_zeros,
     buffer_table,
     compile_kernels,
+    dotplanes,
     effective_simd,
     rowplanes,
 )
@@ -76,7 +81,7 @@ from picc.kernel_names import has_rate_key  # noqa: E402
 from picc.targets.host import host_cores, host_cpu_name, host_vnni, measure_memory_bandwidth  # noqa: E402
 from runtime.hostmem import huge_zeros  # noqa: E402
 
-SHAPES = {"small": (576, 1536), "large": (4096, 11008)}
+SHAPES = {"small": (576, 1536), "medium": (2048, 5632), "large": (4096, 11008)}
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.6, 1.0)
 # Bytes of weights per step: even the 10% of them read at 10% active is several times a 32 MiB
 # L3, and each timed run reads a fresh random set of rows, so the rows come from memory.
@@ -84,9 +89,10 @@ WORKING_SET = 2**30
 
 
 class Layers:
-    """``count`` copies of one FFN layer's up / gate / down_t in ``dtype``, in 2 MiB pages."""
+    """``count`` copies of one FFN layer's up / gate / down_t in ``dtype``, in 2 MiB pages;
+    ``planes``: up and gate in the dotplanes layout (what the kernel with rounded x reads)."""
 
-    def __init__(self, hidden: int, n: int, dtype: str, rng: np.random.Generator) -> None:
+    def __init__(self, hidden: int, n: int, dtype: str, rng: np.random.Generator, planes: bool = False) -> None:
         w = rng.normal(0, hidden**-0.5, size=(n, hidden)).astype(np.float32)
         raw = quant.quantize(w, dtype).reshape(-1).view(np.uint8)
         self.matrix_bytes = raw.nbytes
@@ -95,8 +101,9 @@ class Layers:
         self.data = huge_zeros(3 * self.count * raw.nbytes)
         # down_t in the layout the kernel reads (the same bytes as up's, regrouped for block formats)
         down_t = rowplanes.to_rowplanes(raw, dtype, (n, hidden)).reshape(-1) if dtype in rowplanes.DTYPES else raw
+        dotted = dotplanes.to_dotplanes(raw, dtype, (n, hidden)).reshape(-1) if planes else raw
         for i in range(3 * self.count):
-            self.data[i * raw.nbytes : (i + 1) * raw.nbytes] = down_t if i % 3 == 2 else raw
+            self.data[i * raw.nbytes : (i + 1) * raw.nbytes] = down_t if i % 3 == 2 else dotted
 
     def up_gate(self, layer: int) -> np.ndarray:
         """Matrices 0 and 1 of the layer, read as one [n, 2, hidden] interleaved up/gate."""
@@ -164,14 +171,15 @@ def l3_bytes() -> int | None:
 
 
 def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, x_format: str, threads: list[int], reps: int,
-                 rng: np.random.Generator) -> dict[tuple[int, float, bool], float]:
+                 rng: np.random.Generator, gathered: str = "rows") -> dict[tuple[int, float, bool], float]:
     """Median seconds per layer, by (threads, active fraction, cached): ``cached`` runs every call
     of the step on layer 0 with one active set, so after the first call its rows come from cache."""
     # As fuse-gather-gemv lays them out: up and gate rows interleaved ([n, 2, hidden]), so an
     # active neuron's two rows are one stream; down neuron-major; float dot products, as in every
     # sparse module (a dtype given as e.g. "q4_0-int" times the _xi16 variant, which dense modules
     # use for the CPU part of a split layer).
-    kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved=True, x_format=x_format)
+    kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype, interleaved=True, x_format=x_format,
+                        gathered=gathered)
     x, y = rng.normal(size=hidden).astype(np.float32), np.zeros(hidden, np.float32)
     mask, count = np.zeros(n, np.uint8), np.zeros(1, np.int32)  # a predictor's output: a byte per neuron
     scratch = aligned_zeros(ffn_scratch_bytes(n, hidden, max(threads)))
@@ -359,7 +367,7 @@ def main() -> None:
     print(f"VNNI: the host has {host_vnni()}; the kernels with rounded x use it at avx512-vnni (vpdpbusd in "
           "their eight-row dot products; vpmaddwd elsewhere); float x with FMAs")
     print()
-    header = (f"{'shape':>11} {'dtype':>10} {'x':>3} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
+    header = (f"{'shape':>11} {'dtype':>10} {'x':>6} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
               f"{'cached GB/s':>11} {'dense GB/s':>10} {'vs dense':>8} {'vs numpy':>8}")
     l3 = l3_bytes()
     rows = []
@@ -372,15 +380,17 @@ def main() -> None:
             dtype, _, dots = spec.partition("-")
             x_format = {"": "f32", "int": "i16", "i8": "i8"}[dots]
             dense = dense_gemv_rates(hidden, n, dtype, threads, args.reps, rng, "i8" if dots == "i8" else "i16")
-            layers = Layers(hidden, n, dtype, rng)
-            times = bench_kernel(layers, hidden, n, dtype, x_format, threads, args.reps, rng)
+            gathered = names.gathered_layout("predictor", x_format, dtype, dtype, hidden)  # select-kernels' choice
+            layers = Layers(hidden, n, dtype, rng, planes=gathered == "dotplanes")
+            times = bench_kernel(layers, hidden, n, dtype, x_format, threads, args.reps, rng, gathered)
             bandwidths.append(measure_memory_bandwidth())
             for (t, frac, cached), secs in times.items():
                 if cached:
                     continue
                 active = 3 * layers.row_bytes * round(frac * n)
                 in_cache = active / times[(t, frac, True)] if l3 and active <= l3 // 2 else None
-                rows.append((f"{hidden}x{n}", spec, x_format, t, frac, secs, active / secs,
+                x_label = x_format + ("/dp" if gathered == "dotplanes" else "")
+                rows.append((f"{hidden}x{n}", spec, x_label, t, frac, secs, active / secs,
                              in_cache, dense[t], numpy_time / secs))
             del layers
     bw = statistics.median(bandwidths)
@@ -390,7 +400,7 @@ def main() -> None:
     print(header)
     for shape, dtype, x, t, frac, secs, rate, in_cache, dense, speedup in rows:
         cached = f"{in_cache / 1e9:.1f}" if in_cache else "-"
-        print(f"{shape:>11} {dtype:>10} {x:>3} {t:>3} {frac:>6.0%} {secs * 1e6:>9.1f} {rate / 1e9:>6.1f} "
+        print(f"{shape:>11} {dtype:>10} {x:>6} {t:>3} {frac:>6.0%} {secs * 1e6:>9.1f} {rate / 1e9:>6.1f} "
               f"{rate / bw:>5.0%} {cached:>11} {dense / 1e9:>10.1f} {rate / dense:>7.0%} {speedup:>7.2f}x")
     print()
     print("GB/s: bytes of the active rows of up, gate and down read per second; %bw: of the median read bandwidth;")
@@ -399,7 +409,8 @@ def main() -> None:
               f"they take at most half of the {l3 / 2**20:.0f} MiB L3)")
     else:
         print("cached GB/s: not measured (L3 size unknown)")
-    print("x: how the sparse kernel dots its rows (f32, or i16 / i8: x rounded to int16 / int8 per block of 32).")
+    print("x: how the sparse kernel dots its rows (f32, or i16 / i8: x rounded to int16 / int8 per block of 32; /dp: "
+          "its gathered rows from the dotplanes layout, one at a time, where select-kernels would store them so).")
     print("dense GB/s: picc's dense GEMV of the same matrices (4-bit: rows8 layout, int16 x; int8 x for an i8 "
           "row); vs dense: the sparse kernel's GB/s as a share of it.")
     print("vs numpy: numpy's dense f32 FFN time / this kernel's time on the same shape (> 1: faster).")

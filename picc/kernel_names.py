@@ -154,6 +154,39 @@ def read_whole(mode: str, up: T, gate: T | None) -> tuple[T, ...]:
     return tuple(m for m in chosen if m is not None)
 
 
+GATHERED_LAYOUTS = ("rows", "dotplanes")  # how a fused FFN's gathered, dotted rows are stored
+DOTPLANES_SUFFIX = "_dp"  # (after the x suffix) the kernel reads its gathered rows from the dotplanes layout
+# The narrowest rows read from the dotplanes layout. bench/kernels.py, q4_0 / q4_1 with int16 x,
+# against the eight-row form of GGUF rows, alternating, Zen 4: hidden 4096 one thread 1.11-1.47x
+# (two threads, bound by memory, within noise), 2048 within noise, 576 0.79-1.02x (a row's fixed
+# costs, its horizontal sums and last pieces, weigh more on short rows).
+DOTPLANES_MIN_HIDDEN = 4096
+
+
+def gathered_dotted(mode: str, up: T, gate: T | None) -> tuple[T, ...]:
+    """Of a fused FFN's ``up`` and ``gate`` (names or formats), those whose active rows it gathers
+    and dots: up (but in down-only mode, which reads it whole), and the gate in predictor and
+    dense modes (gate-first and down-only read it whole)."""
+    chosen = {"predictor": (up, gate), "dense": (up, gate), "gate-first": (up,)}.get(mode, ())
+    return tuple(m for m in chosen if m is not None)
+
+
+def dotplanes_fit(mode: str, x_format: str, up: str, gate: str | None) -> bool:
+    """Whether the dotplanes layout (``picc.codegen_cpu.dotplanes``) can hold a fused FFN's
+    gathered and dotted rows (up; in predictor and dense modes, gate too): x is rounded
+    (``x_format``) and every such row is 4-bit, in one format."""
+    dotted = set(gathered_dotted(mode, up, gate))
+    return ffn_x_format(x_format, up, gate) != "f32" and len(dotted) == 1 and dotted <= INT_DOT_DTYPES
+
+
+def gathered_layout(mode: str, x_format: str, up: str, gate: str | None, hidden: int) -> str:
+    """How ``select-kernels`` stores a fused FFN's gathered and dotted rows: ``"dotplanes"`` where
+    it can (:func:`dotplanes_fit`) and rows are at least ``DOTPLANES_MIN_HIDDEN`` long; else
+    ``"rows"``, the format's own (dotted eight rows at a time)."""
+    fits = dotplanes_fit(mode, x_format, up, gate) and hidden >= DOTPLANES_MIN_HIDDEN
+    return "dotplanes" if fits else "rows"
+
+
 def ffn_x_format(x_format: str, up: str, gate: str | None) -> str:
     """The x format of a fused FFN kernel asked for ``x_format``: as asked when its up and gate
     rows (one x for both) are all 4-bit, else float."""
@@ -161,23 +194,28 @@ def ffn_x_format(x_format: str, up: str, gate: str | None) -> str:
 
 
 def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
-                  x_format: str = "f32", dense_rows8: bool = False) -> str:
+                  x_format: str = "f32", dense_rows8: bool = False, gathered: str = "rows") -> str:
     """The fused FFN kernel; ``interleaved`` reads up and gate rows side by side (``up_gate``);
     ``x_format``: up and gate rows dot x rounded to it when both are 4-bit (the kernel, and
     its prefill twin, read one x for the two; down is an AXPY: no dot); ``dense_rows8``: the
     4-bit matrices a gate-first or down-only kernel reads whole (the gate; the gate and up) are
-    in the rows8 layout."""
+    in the rows8 layout; ``gathered``: the layout of the rows it gathers and dots
+    (:func:`gathered_layout`)."""
+    if gathered not in GATHERED_LAYOUTS:
+        raise ValueError(f"gathered is one of {GATHERED_LAYOUTS}, not {gathered!r}")
     whole = read_whole(mode, up, gate)
     rows8 = _rows8_suffix(dense_rows8, *whole) if whole else ""
     layout = ("_il" if interleaved else "") + rows8 + _int_suffix(ffn_x_format(x_format, up, gate), up)
+    layout += DOTPLANES_SUFFIX if gathered == "dotplanes" else ""
     return f"picc_ffn_{mode.replace('-', '_')}_{form}_{up}_{gate or 'none'}_{down}{layout}"
 
 
 def cpu_chunk_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
-                  dense_rows8: bool = False) -> str:
-    """The fused FFN kernel of the prefill program: a chunk of tokens, each with its own active set."""
-    return cpu_fused_ffn(mode, form, up, gate, down, interleaved,
-                         dense_rows8=dense_rows8).replace("picc_ffn_", "picc_ffn_chunk_", 1)
+                  dense_rows8: bool = False, gathered: str = "rows") -> str:
+    """The fused FFN kernel of the prefill program: a chunk of tokens, each with its own active set
+    (float x: its rows are dequantized, from whichever layout they are stored in)."""
+    return cpu_fused_ffn(mode, form, up, gate, down, interleaved, dense_rows8=dense_rows8,
+                         gathered=gathered).replace("picc_ffn_", "picc_ffn_chunk_", 1)
 
 
 def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, x_format: str = "f32",

@@ -31,7 +31,8 @@ def write_pib(path: Path, model: LoadedModel, *, plan: dict, report: dict, meta:
     """Write ``model`` (its final IR and the weights it declares) with its plan, report,
     ``extra`` sections and ``extra_tensors`` (what generated code reads besides the weights) to
     ``path`` atomically; return the file's size. ``layouts``: weights to store in another layout
-    than GGUF's rows, for the kernels that read them (``picc.codegen_cpu.rows8``, ``.rowplanes``)."""
+    than GGUF's rows, for the kernels that read them (``picc.codegen_cpu.rows8``, ``.rowplanes``,
+    ``.dotplanes``)."""
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         w = PibWriter(f)
@@ -87,10 +88,11 @@ def load_pib(path: Path) -> LoadedModel:
 
 
 def _converters(layout: str, what: str):  # noqa: ANN202 - (to, from) functions of a layout
-    from picc.codegen_cpu import rowplanes, rows8
+    from picc.codegen_cpu import dotplanes, rowplanes, rows8
 
     known = {rows8.LAYOUT: (rows8.to_rows8, rows8.from_rows8),
-             rowplanes.LAYOUT: (rowplanes.to_rowplanes, rowplanes.from_rowplanes)}
+             rowplanes.LAYOUT: (rowplanes.to_rowplanes, rowplanes.from_rowplanes),
+             dotplanes.LAYOUT: (dotplanes.to_dotplanes, dotplanes.from_dotplanes)}
     if layout not in known:
         raise PiccError(f"{what}: unknown storage layout {layout!r} (expected {' or '.join(known)})")
     return known[layout]
@@ -101,6 +103,7 @@ def _to_layout(t: Tensor, layout: str, name: str) -> np.ndarray:
 
 
 def _from_layout(stored: StoredTensor, name: str, path: Path) -> np.ndarray:
-    """A weight the file stores for its kernels (rows8, rowplanes), back in GGUF's rows for the interpreter."""
+    """A weight the file stores for its kernels (rows8, rowplanes, dotplanes), back in GGUF's rows for the
+    interpreter."""
     convert = _converters(stored.layout or "", f"{path}: tensor {name!r}")[1]
     return convert(stored.data, stored.dtype, stored.shape).reshape(stored.data.shape)

@@ -22,8 +22,9 @@ written and read by the records of ``runtime.contracts``, that of ``cpu/manifest
 ``runtime.cpu_manifest``. Tensors are the weights in their storage format (quantized blocks as
 GGUF lays them out), mapped read-only from the file without copying. A tensor with a ``layout``
 is stored in another order for the kernels that read it (the same bytes, rearranged): ``rows8``,
-a 4-bit matrix in groups of eight rows (``picc.codegen_cpu.rows8``), or ``rowplanes``, each row's
-block scales before its quants (``picc.codegen_cpu.rowplanes``).
+a 4-bit matrix in groups of eight rows (``picc.codegen_cpu.rows8``), ``rowplanes``, each row's
+block scales before its quants (``picc.codegen_cpu.rowplanes``), or ``dotplanes``, each row's 4-bit
+quants before its scales (``picc.codegen_cpu.dotplanes``).
 
 A file that is too short, not a .pib, of another format version, truncated, or whose checksum does
 not match is refused with a :class:`PibError` that says which. This module is the runtime's: it
@@ -46,14 +47,15 @@ from runtime.contracts import ContractError
 from runtime.plan import MemoryPlan
 
 MAGIC = b"PICCPIB\0"
-FORMAT_VERSION = 10  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
+FORMAT_VERSION = 11  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
 # 5: chunk programs by stage (hybrid models prefill in chunks too); 6: the GPU's FFN kernels sum their
 # down rows in slices (y_part scratch); version 5's wrote past their outputs on a real GPU; 7: cpu/manifest
 # as the typed records of runtime.cpu_manifest, every field required (the chunk programs, each stage's
 # profiled twin, the decode loop or null): the runtime no longer guesses for files that lack one; 8: GPU
 # kernels that wait for their predecessors themselves (cuda/manifest's dependent_launch) and GPU residual
 # adds done by their producers' kernels; 9: cpu/manifest's batch step (a server's sequences decoded together)
-# 10: rowplanes' 4-bit quants in units of four blocks (sixteen lanes of eight nibbles)
+# 10: rowplanes' 4-bit quants in units of four blocks (sixteen lanes of eight nibbles); 11: the dotplanes
+# layout (a fused FFN's gathered 4-bit rows: nibbles, then scales) and the IR's gathered_layout
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256
@@ -79,7 +81,7 @@ def storage_shape(dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class StoredTensor:
     """A tensor as the file holds it: IR dtype, logical shape, the stored array (a view), and its
-    layout when not GGUF's rows (``rows8``, ``rowplanes``)."""
+    layout when not GGUF's rows (``rows8``, ``rowplanes``, ``dotplanes``)."""
 
     dtype: str
     shape: tuple[int, ...]

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from scipy.special import erf
 
+from picc import kernel_names as names
 from picc import quant
 from picc.codegen_cpu import (
     SYNC_BYTES,
@@ -33,6 +34,7 @@ from picc.codegen_cpu import (
     aligned_zeros,
     buffer_table,
     compile_kernels,
+    dotplanes,
     rowplanes,
 )
 from picc.codegen_cpu.irtext import Fn
@@ -71,6 +73,9 @@ def tol(dtype: str) -> float:
     return F32_TOL if dtype == "f32" else QUANT_TOL
 
 
+PLANES_MODES = (("predictor", True), ("predictor", False), ("gate-first", False))  # int x: dotplanes rows
+
+
 def ffn_kernels() -> list[Kernel]:
     ks = [sparse_ffn("predictor", "swiglu", d, d, d, il) for d in DTYPES for il in (False, True)]
     ks += [sparse_ffn("predictor", f, "f16", "f16" if s.gated else None, "f16") for f, s in FORMS.items()]
@@ -81,6 +86,8 @@ def ffn_kernels() -> list[Kernel]:
     ks += [sparse_ffn(m, "swiglu", d, d, d) for m in ("dense", "gate-first", "down-only") for d in ("f16", "q4_0")]
     ks += [sparse_ffn(m, "swiglu", d, d, d, il, x_format="i16") for m, il in (("predictor", True), ("gate-first", False))
            for d in ("q4_0", "q4_1")]
+    ks += [sparse_ffn(m, "swiglu", d, d, d, il, x_format=x, gathered="dotplanes") for m, il in PLANES_MODES
+           for d in ("q4_0", "q4_1") for x in ("i16", "i8")]
     ks += [sparse_ffn(m, "swiglu", d, d, d, False, x, dense_rows8=True) for d in ("q4_0", "q4_1")
            for x in ("f32", "i16", "i8") for m in ("gate-first", "down-only")]
     ks += [sparse_ffn("gate-first", "swiglu", "q4_1", "q4_1", "q4_1")]
@@ -98,6 +105,8 @@ KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + [gemv(d, x_form
            + [ffn_activation(f) for f in FORMS])
 # The AVX2 build: one kernel of each kind, every weight format.
 AVX2_KERNELS = ([gemv(d) for d in DTYPES] + [sparse_ffn("predictor", "swiglu", d, d, d) for d in DTYPES]
+                + [sparse_ffn(m, "swiglu", d, d, d, il, x_format="i16", gathered="dotplanes") for m, il in PLANES_MODES
+                   for d in ("q4_0", "q4_1")]
                 + [sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"), gemm("q4_1"), attention("f16"), rms_norm(),
                    ffn_activation("geglu")])
 
@@ -332,6 +341,70 @@ def test_rowplanes_layout_puts_each_rows_scales_before_its_quants(dtype):
         rowplanes.to_rowplanes(raw, "f16", (rows, k))
 
 
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_dotplanes_layout_puts_each_rows_nibbles_before_its_scales(dtype):
+    rng = np.random.default_rng(42)
+    rows, k = 6, 32 * 7
+    raw, _ = weights(rng, (rows, k), dtype)
+    stored = dotplanes.to_dotplanes(raw, dtype, (rows, k))
+    assert stored.shape == (rows, raw.nbytes // rows) and not np.array_equal(stored.reshape(-1), raw.view(np.uint8))
+    np.testing.assert_array_equal(dotplanes.from_dotplanes(stored, dtype, (rows, k)), raw.reshape(rows, -1).view(np.uint8))
+    # Row 4: its seven blocks' 16 nibble bytes as GGUF has them, then its f16 scales, then (q4_1) minimums.
+    bb, nb, head = quant.BLOCK_BYTES[dtype], k // 32, 4 if dtype == "q4_1" else 2
+    blocks = raw.reshape(rows, nb, bb).view(np.uint8)[4]
+    np.testing.assert_array_equal(stored[4, : 16 * nb].reshape(nb, 16), blocks[:, head:])
+    np.testing.assert_array_equal(stored[4, 16 * nb : 18 * nb].reshape(nb, 2), blocks[:, :2])
+    if dtype == "q4_1":
+        np.testing.assert_array_equal(stored[4, 18 * nb :].reshape(nb, 2), blocks[:, 2:4])
+    # An interleaved up/gate tensor [n, 2, k] converts row by row, as a [2n, k] matrix does.
+    np.testing.assert_array_equal(dotplanes.to_dotplanes(raw, dtype, (3, 2, k)), stored)
+    with pytest.raises(PiccError, match="not a .* tensor of shape"):
+        dotplanes.to_dotplanes(raw.reshape(-1)[: raw.nbytes - 1], dtype, (rows, k))
+    with pytest.raises(PiccError, match="q4_0 / q4_1 rows"):
+        dotplanes.to_dotplanes(raw, "q8_0", (rows, k))
+
+
+def test_select_kernels_stores_gathered_rows_in_dotplanes_where_they_fit():
+    # Rounded x, 4-bit rows of one format that the mode gathers and dots, rows of 4096 or more.
+    assert names.gathered_layout("predictor", "i16", "q4_1", "q4_1", 4096) == "dotplanes"
+    assert names.gathered_layout("gate-first", "i8", "q4_0", "q4_0", 5120) == "dotplanes"
+    assert names.gathered_layout("gate-first", "i16", "q4_0", "q8_0", 4096) == "rows"  # one x: float unless both 4-bit
+    assert names.gathered_layout("predictor", "i16", "q4_1", "q4_1", 2048) == "rows"  # short rows: eight at a time
+    assert names.gathered_layout("predictor", "f32", "q4_1", "q4_1", 4096) == "rows"
+    assert names.gathered_layout("down-only", "i16", "q4_1", "q4_1", 4096) == "rows"
+    assert names.gathered_layout("predictor", "i16", "q4_0", "q4_1", 4096) == "rows"
+    assert names.gathered_layout("predictor", "i16", "q8_0", "q8_0", 4096) == "rows"
+    assert sparse_ffn("gate-first", "swiglu", "q4_1", "q4_1", "q4_1", x_format="i16", gathered="dotplanes").symbol \
+        .endswith("_xi16_dp")
+    with pytest.raises(PiccError, match="dotplanes layout holds"):
+        sparse_ffn("predictor", "swiglu", "q4_1", "q4_1", "q4_1", gathered="dotplanes")
+
+
+@pytest.mark.parametrize("hidden", [32, 64, 96, 128, 160, 192, 224, 288])
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_sparse_ffn_dots_dotplanes_rows_of_every_length(host, teams, dtype, hidden):
+    # Rows of 1 to 9 blocks (select-kernels stores only rows of 4096 or more so, but a kernel reads any):
+    # pieces of four blocks, then one of two and one of one, in every mix;
+    # int16 and int8 x (whose low bytes the dots skip), against the float op on the rounded x
+    # (the int32 sums are exact; measured ~1e-7, as the eight-row form of GGUF rows). 25 of 40
+    # neurons: pairs and a last one alone on the thread. A dot that read a piece's lanes, scales
+    # or offsets out of place is off by far more (a block's share of a row).
+    active = np.zeros(40, bool)
+    active[np.random.default_rng(hidden).permutation(40)[:25]] = True
+    for x_format in ("i16", "i8"):
+        case = FfnCase("swiglu", (dtype,) * 3, n=40, hidden=hidden, seed=hidden + 1)
+        rounded = FfnCase("swiglu", (dtype,) * 3, n=40, hidden=hidden, seed=hidden + 1)
+        rounded.x = quant.round_x_blocks(case.x, x_format)
+        for mode, il in PLANES_MODES:
+            thr = 0.0 if mode == "predictor" else gap_threshold(rounded.act_gate(), 0.4)
+            chosen = active if mode == "predictor" else np.abs(rounded.act_gate()) > thr
+            kernel = sparse_ffn(mode, "swiglu", dtype, dtype, dtype, il, x_format=x_format, gathered="dotplanes")
+            y, count = case.run(host, teams[1], kernel, active=active, threshold=thr, interleaved=il,
+                                planes=planes_of(mode))
+            assert count == chosen.sum(), (x_format, mode, il)
+            assert rel_err(y, rounded.reference(chosen)) <= 2e-6, (x_format, mode, il)
+
+
 @pytest.mark.parametrize("threads", (1, 3))
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
 def test_rows8_gemvs_compute_what_rows_one_at_a_time_do(host, teams, dtype, threads):
@@ -449,6 +522,7 @@ class FfnCase:
         self.hidden = hidden or (96 if any(quant.BLOCK_SIZE.get(d or "") for d in dtypes) else 100)
         h = self.hidden
         self.x = rng.normal(size=h).astype(np.float32)
+        self.up_dtype, self.gate_dtype = dtypes[0], dtypes[1]
         self.up_raw, self.up = weights(rng, (n, h), dtypes[0], h**-0.5)
         self.gate_raw, self.gate = weights(rng, (n, h), dtypes[1], h**-0.5) if dtypes[1] else (None, None)
         self.down_raw, self.down = weights(rng, (n, h), dtypes[2], n**-0.5)
@@ -473,16 +547,21 @@ class FfnCase:
         return y + (0 if self.down_bias is None else self.down_bias)
 
     def run(self, module, team, kernel, *, active=None, threshold=0.0, score_scale=None, interleaved=False,
-            y0=None):
+            y0=None, planes=()):
         """(y after the call, the kernel's count). ``y`` starts as garbage, which the kernel
-        overwrites, or as ``y0``, which it adds its result to (``accumulate``)."""
+        overwrites, or as ``y0``, which it adds its result to (``accumulate``). ``planes``: the
+        matrices ("up", "gate") the kernel reads in the dotplanes layout (:func:`planes_of`)."""
         y = np.full(self.hidden, np.nan, np.float32) if y0 is None else y0.astype(np.float32)
         mask = np.zeros(self.n, np.uint8) if active is None else active.astype(np.uint8)
         count = np.array([-1], np.int32)
         scratch = aligned_zeros(ffn_scratch_bytes(self.n, self.hidden, team.nthreads))
         up, gate, up_bias, gate_bias = self.up_raw, self.gate_raw, self.up_bias, self.gate_bias
+        if "up" in planes:
+            up = dotplanes.to_dotplanes(up, self.up_dtype, (self.n, self.hidden))
+        if "gate" in planes:
+            gate = dotplanes.to_dotplanes(gate, self.gate_dtype, (self.n, self.hidden))
         if interleaved:  # up_gate [n, 2, row]: the gate argument points one row further
-            both = np.ascontiguousarray(np.stack([self.up_raw.reshape(self.n, -1), self.gate_raw.reshape(self.n, -1)], 1))
+            both = np.ascontiguousarray(np.stack([up.reshape(self.n, -1), gate.reshape(self.n, -1)], 1))
             up, gate = both, both.reshape(-1)[both.shape[2]:]
             if self.up_bias is not None:
                 biases = np.ascontiguousarray(np.stack([self.up_bias, self.gate_bias], 1))
@@ -490,6 +569,11 @@ class FfnCase:
         run(module, team, kernel, self.x, up, gate, self.down_t, up_bias, gate_bias,
             self.down_bias, y, mask, count, scratch, self.n, self.hidden, threshold, score_scale, int(y0 is not None))
         return y, int(count[0])
+
+
+def planes_of(mode: str) -> tuple[str, ...]:
+    """The matrices a fused FFN kernel with ``gathered="dotplanes"`` reads in that layout (as ``lower_ops`` stores them)."""
+    return names.gathered_dotted(mode, "up", "gate")
 
 
 def active_sets(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -985,6 +1069,17 @@ def test_avx2_build_computes_the_same_bits(host, avx2, teams):
         kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype)
         np.testing.assert_array_equal(case.run(host, teams[3], kernel, active=active)[0],
                                       case.run(avx2, teams[3], kernel, active=active)[0], err_msg=dtype)
+    # Rounded x: gathered rows from the dotplanes layout, four blocks a piece in one vector or two
+    # (224: a four-, a two- and a one-block piece), the same float operations lane by lane.
+    for dtype in ("q4_0", "q4_1"):
+        case = FfnCase("swiglu", (dtype,) * 3, hidden=224, seed=26)
+        for mode, il in PLANES_MODES:
+            kernel = sparse_ffn(mode, "swiglu", dtype, dtype, dtype, il, x_format="i16", gathered="dotplanes")
+            thr = 0.0 if mode == "predictor" else gap_threshold(case.act_gate(), 0.4)
+            outs = [case.run(m, teams[2], kernel, active=active[: case.n], threshold=thr, interleaved=il,
+                             planes=planes_of(mode)) for m in (host, avx2)]
+            assert outs[0][1] == outs[1][1] > 0
+            np.testing.assert_array_equal(outs[0][0], outs[1][0], err_msg=f"{dtype} {mode} {il}")
     case = FfnCase("swiglu", ("q4_0",) * 3, seed=25)
     kernel = sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0")
     np.testing.assert_array_equal(case.run(host, teams[2], kernel, threshold=0.1)[0],
@@ -1205,6 +1300,17 @@ def test_on_avx512_vnni_the_int_x_sparse_ffn_sums_eight_rows_with_vpdpbusd():
     with ThreadTeam(2) as team:  # 136 neurons: octets and a pair of leftovers on each thread
         outs = [case.run(compile_kernels([kernel], simd=simd), team, kernel, active=active, interleaved=True)
                 for simd in ("avx512", "avx512-vnni")]
+    assert outs[0][1] == outs[1][1] == active.sum()
+    assert np.array_equal(outs[0][0].view(np.uint32), outs[1][0].view(np.uint32))
+    # Rows one at a time from the dotplanes layout: vpdpbusd there too, the same bits (224: a
+    # four-, a two- and a one-block piece a row).
+    planes = sparse_ffn("predictor", "swiglu", "q4_1", "q4_1", "q4_1", True, x_format="i16", gathered="dotplanes")
+    asm = {simd: _kernel_asm([planes], simd)[planes.symbol] for simd in ("avx512", "avx512-vnni")}
+    assert "vpdpbusd" in asm["avx512-vnni"] and "vpdpbusd" not in asm["avx512"]
+    case = FfnCase("swiglu", ("q4_1",) * 3, n=136, hidden=224, seed=36)
+    with ThreadTeam(2) as team:
+        outs = [case.run(compile_kernels([planes], simd=simd), team, planes, active=active, interleaved=True,
+                         planes=("up", "gate")) for simd in ("avx512", "avx512-vnni")]
     assert outs[0][1] == outs[1][1] == active.sum()
     assert np.array_equal(outs[0][0].view(np.uint32), outs[1][0].view(np.uint32))
 

@@ -24,6 +24,7 @@ from picc.errors import PiccError
 from picc.interpreter import Interpreter
 from picc.ir import ops as O
 from picc.ir.fused_ops import FusedFFN
+from picc.ir.printer import print_module
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import DType
 from picc.pib import load_pib
@@ -446,6 +447,25 @@ def test_int_dots_round_x_in_a_sparse_model_as_the_interpreter_does(tmp_path, mo
     check_prefill(path, pib, 1e-3)
     with pytest.raises(PiccError, match="--float-dots and --int-dots"):
         CompileOptions(float_dots=True, int_dots=True).check()
+
+
+def test_int_dots_read_long_gathered_rows_from_dotplanes(tmp_path, monkeypatch):
+    # Rows of 4096: select-kernels stores the gate-first FFN's gathered up rows in the dotplanes
+    # layout, the .pib holds them so (and gives them back to the interpreter in GGUF's rows), the
+    # step's kernel dots them a row at a time and the prefill dequantizes them from there.
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = with_tokenizer(tiny_llama("reglu", n_layers=1, hidden=4096, n_heads=32, n_kv_heads=4, n_ff=64,
+                                      matrix_dtype=DType.Q4_1))
+    sparsity = SparsifyOptions(mode="gate-first", tokens=256, window=64, budget=0.5)
+    path, pib = compiled(model, tmp_path, "sparse-dotplanes", sparsity=sparsity, int_dots=True, sparse=True)
+    ffns = [op for op in pib.module.ops() if isinstance(op, FusedFFN)]
+    assert ffns and all(op.gathered_layout == "dotplanes" and op.kernel.endswith("_xi16_dp") for op in ffns)
+    assert "gathered_layout = " in print_module(pib.module)
+    with PibFile(path) as f:
+        assert {f.tensor(op.up).layout for op in ffns} == {"dotplanes"}
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-3
+    check_prefill(path, pib, 1e-3)
 
 
 @pytest.mark.parametrize("mode", ["predictor", "gate-first", "down-only"])

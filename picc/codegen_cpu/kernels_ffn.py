@@ -23,9 +23,10 @@ dense projections first, in gate-first / down-only mode), compacting the active 
 chunk; then every thread takes its share of the concatenated list] -> for its share of active
 neurons, two at a time (four in down-only mode, which dots no rows): the gathered dot products,
 ``h``, and the AXPY into the thread's own f32 buffer (prefetching the rows of a later group; 4-bit
-dotted rows go eight neurons at a time first, their
-blocks transposed in registers to the rows8 form) -> barrier -> each thread sums the T buffers over its
-share of the columns into ``y`` (fixed order: deterministic).
+dotted rows go eight neurons at a time first, their blocks transposed in registers to the rows8
+form; or, stored in the dotplanes layout, one neuron at a time, their AXPYs four at a time) ->
+barrier -> each thread sums the T buffers over its share of the columns into ``y`` (fixed order:
+deterministic).
 Neurons whose ``h`` is exactly 0 are not added (an exact skip that over-predicted ReLU rows earn).
 
 The emitter is :class:`_SparseFfn`, one method per phase; what a neuron computes (``h``, the
@@ -38,7 +39,7 @@ from collections.abc import Callable
 from functools import cache
 
 from picc import kernel_names as names
-from picc.codegen_cpu import rowplanes
+from picc.codegen_cpu import dotplanes, rowplanes
 from picc.codegen_cpu.ffn_emitter import (
     FORMS,
     LINE,
@@ -73,6 +74,7 @@ from picc.codegen_cpu.rows8 import (
     emit_rows8,
     emit_scaled_x,
 )
+from picc.errors import PiccError
 from picc.ir.ops import FfnForm
 from runtime.cpu import vector_isa
 
@@ -95,6 +97,7 @@ FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("u
 # fours 10.2-13.3, 6 fours 12.8-12.9; without prefetches 4.8.
 _AHEAD = 4
 _OCTET_AXPYS = 4  # down rows added in one pass over ybuf: an octet's, four at a time, and down-only's groups
+_PLANES_AHEAD = 6  # neurons ahead whose dotplanes rows a neuron's dot products prefetch
 _V16 = vec(16)
 
 
@@ -198,7 +201,8 @@ def _reduce(fn: Fn, ybufs: str, ystride: str, y: str, bias: str, hidden: str, ti
 
 @cache
 def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-               interleaved: bool = False, x_format: str = "f32", dense_rows8: bool = False) -> Kernel:
+               interleaved: bool = False, x_format: str = "f32", dense_rows8: bool = False,
+               gathered: str = "rows") -> Kernel:
     """The fused FFN kernel of ``mode`` and ``form`` for the given weight formats (see module doc).
 
     ``x_format`` ``"i16"`` / ``"i8"``: 4-bit up and gate rows (the dense GEMV part of gate-first
@@ -207,19 +211,27 @@ def sparse_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down
     is. ``dense_rows8`` (gate-first or down-only, n a multiple of 8): the matrices the mode reads
     whole (the gate; the gate and up), 4-bit, are in the rows8 layout and their dense projections
     go eight rows at a time (``rows8.emit_rows8``; threads split n at multiples of 8).
+    ``gathered`` ``"dotplanes"`` (rounded x, 4-bit dotted rows of one format): the rows it gathers
+    and dots are in the dotplanes layout and go one neuron at a time (:mod:`.dotplanes`); else
+    GGUF's rows, eight neurons at a time where they are 4-bit.
 
     ``scratch`` holds :func:`ffn_scratch_bytes` bytes. In the sparse modes ``count`` (when not
     null) receives the number of active neurons (for dReLU in gate-first mode, of those whose gate
     passed, before ``|h| > threshold`` is checked). ``mask`` is read in predictor mode only.
     """
     spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
-    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, x_format, dense_rows8)
+    symbol = names.cpu_fused_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, x_format, dense_rows8,
+                                 gathered)
     x_format = names.ffn_x_format(x_format, up_dtype, gate_dtype)  # rounded only where 4-bit rows are dotted
+    planes = gathered == "dotplanes"
+    if planes and not names.dotplanes_fit(mode, x_format, up_dtype, gate_dtype):
+        raise PiccError(f"codegen_cpu: the dotplanes layout holds 4-bit rows of one format dotted with rounded x; a "
+                        f"{mode} kernel with x {x_format} dots {up_dtype} / {gate_dtype} rows")
 
     def emit(level: str) -> str:
         fn = kernel_fn(symbol, FFN_PARAMS, level if x_format != "f32" else None)
         ffn = _SparseFfn(fn, vector_isa(level), mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8,
-                         x_format, vnni=level == "avx512-vnni")
+                         x_format, vnni=level == "avx512-vnni", planes=planes)
         ffn.accumulate_active(ffn.active_list())
         ffn.reduce()
         fn.ret_void()
@@ -233,7 +245,8 @@ class _SparseFfn(FfnEmitter):
     (sizes, the scratch regions, x in the forms the dot products read), and one method per phase."""
 
     def __init__(self, fn: Fn, simd: str, mode: str, spec: FfnForm, up_dtype: str, gate_dtype: str | None,
-                 down_dtype: str, interleaved: bool, dense_rows8: bool, x_format: str, vnni: bool = False) -> None:
+                 down_dtype: str, interleaved: bool, dense_rows8: bool, x_format: str, vnni: bool = False,
+                 planes: bool = False) -> None:
         super().__init__(fn, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
         self.simd, self.vnni = simd, vnni  # vnni: rounded x's eight-row sums with vpdpbusd
         self.n, self.hidden = fn.sext("%n"), fn.sext("%hidden")
@@ -249,12 +262,13 @@ class _SparseFfn(FfnEmitter):
         self.lst = fn.gep(self.seg, nbytes, "lst")
         self.cnt = fn.gep(self.lst, nbytes, "cnt")
         zero_floats(fn, self.ybuf, self.hidden)
-        self._x_forms(x_format)
-        self._down_coefficients()
         # Matrices whose rows each active neuron reads in the gather phase (dot products).
         self.dotted = [] if mode == "down-only" else [("%up", up_dtype, self.rb_up)]
         if mode in ("predictor", "dense") and gate_dtype is not None:
             self.dotted.append(("%gate", gate_dtype, self.rb_gate))
+        self.planes = planes  # the dotted rows in the dotplanes layout, a neuron at a time
+        self._x_forms(x_format)
+        self._down_coefficients()
         self.listp: str | None = None
 
     def _x_forms(self, x_format: str) -> None:
@@ -268,13 +282,17 @@ class _SparseFfn(FfnEmitter):
         # read (scaled floats, or int16 split into bytes), made once for both.
         gathered = {self.up_dtype} | ({self.gate_dtype} if self.mode in ("predictor", "dense") and self.gate_dtype
                                       else set())
-        self.octets = self.mode != "down-only" and gathered <= NIBBLE_DTYPES
+        self.octets = self.mode != "down-only" and gathered <= NIBBLE_DTYPES and not self.planes
         whole = names.read_whole(self.mode, self.up_dtype, self.gate_dtype) if self.dense_rows8 else ()
-        rows8_dtypes = (gathered if self.octets else set()) | set(whole)
+        rows8_dtypes = (gathered if self.octets or self.planes else set()) | set(whole)
         self.x8: IntX | ScaledX | None = None
         if rows8_dtypes:
             self.x8 = (emit_scaled_x(fn, "%x", hidden) if self.intx is None
                        else emit_int_x(fn, "%x", hidden, rows8_dtypes, rows8=True, x_format=x_format))
+        self.xplanes = None  # x as the dotplanes rows' dot products read it
+        if self.planes:
+            assert isinstance(self.x8, IntX)
+            self.xplanes = dotplanes.emit_x_planes(fn, self.x8, fn.v(f"lshr i64 {hidden}, 5", "nblk"))
 
     def _down_coefficients(self) -> None:
         """Stack arrays for a rowplanes down row's coefficients and the 4-bit rows' constant terms."""
@@ -408,6 +426,9 @@ class _SparseFfn(FfnEmitter):
         group = 2 if self.dotted else _OCTET_AXPYS
         span = fn.v(f"sub i64 {k1}, {k0}", "span")
         last = fn.v(f"sub i64 {k1}, 1", "last")
+        if self.planes:
+            self._in_fours(k0, k1, last)
+            return
         groups_start = self._octets(k0, span, last) if self.octets else k0
         span = fn.v(f"sub i64 {k1}, {groups_start}", "span")
         groups_end = fn.v(f"add i64 {groups_start}, {fn.v(f'and i64 {span}, -{group}', 'whole')}", "gend")
@@ -421,6 +442,36 @@ class _SparseFfn(FfnEmitter):
         with fn.loop(groups_end, k1, hint="k") as k:
             ids = [self._neuron(k)]
             self._axpys(ids, self._h_values(ids, None), None)
+
+    def _in_fours(self, k0: str, k1: str, last: str) -> None:
+        """Active neurons k0..k1 from dotplanes rows: each neuron's rows dotted on their own (its
+        up and gate in one pass, prefetching the rows of the neuron ``_PLANES_AHEAD`` later), the
+        AXPYs four at a time (one pass over ybuf), then the last ones alone. Measured
+        (bench/kernels.py, 4096 x 11008 q4_1, one thread, the dots alone): two neurons' rows in one
+        pass read 1.4x slower from memory than one neuron's; with the AXPYs, two threads read best
+        prefetching six neurons ahead (two or four: ~0.75x the rate; eight or twelve: about the same)."""
+        fn, four = self.fn, _OCTET_AXPYS
+        assert self.xplanes is not None
+        span = fn.v(f"sub i64 {k1}, {k0}", "span")
+        fours_end = fn.v(f"add i64 {k0}, {fn.v(f'and i64 {span}, -{four}', 'whole')}", "fend")
+
+        def later(k: str, by: int) -> list[str]:
+            return [] if self.listp is None else [self._neuron(fn.min64(fn.v(f"add i64 {k}, {by}", "kd"), last))]
+
+        def h_of(k: str, i: str) -> str:
+            rows = [(dt, self.row(mat, rb, i)) for mat, dt, rb in self.dotted]
+            ahead = [self.row(mat, rb, j) for j in later(k, _PLANES_AHEAD) for mat, _, rb in self.dotted]
+            dots = dotplanes.emit_dots(fn, rows, self.xplanes, self.hidden, self.simd, self.vnni, ahead)
+            return self._h_from([i], dots)[0]
+
+        with fn.loop(k0, fours_end, str(four), "k") as k:
+            ks = [fn.v(f"add i64 {k}, {u}", "ku") if u else k for u in range(four)]
+            ids = [self._neuron(ku) for ku in ks]
+            hs = [h_of(ku, i) for ku, i in zip(ks, ids, strict=True)]
+            self._axpys(ids, hs, [j for u in range(four) for j in later(k, four + u)] or None)
+        with fn.loop(fours_end, k1, hint="k") as k:
+            i = self._neuron(k)
+            self._axpys([i], [h_of(k, i)], None)
 
     def _octets(self, k0: str, span: str, last: str) -> str:
         """Active neurons k0.. eight at a time: each dotted matrix's eight rows transposed block by

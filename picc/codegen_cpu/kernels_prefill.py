@@ -32,12 +32,14 @@ from collections.abc import Callable
 from functools import cache
 
 from picc import kernel_names as names
-from picc.codegen_cpu import rowplanes
+from picc.codegen_cpu import dotplanes, rowplanes
+from picc.codegen_cpu.dotplanes import LAYOUT as DOTPLANES
 from picc.codegen_cpu.ffn_emitter import FfnEmitter, any_nonzero, check_ffn_kernel, fabs, load_index, round_line
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.kernels_dense import dot_grid
 from picc.codegen_cpu.rowformats import ELEMENT_BYTES, emit_row_to_f32
+from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
 from picc.codegen_cpu.rows8 import emit_rows8_row_to_f32
 from picc.ir.ops import FfnForm
 
@@ -104,17 +106,19 @@ def _in_groups(fn: Fn, total: str, size: int, group: Callable[[str, int], None],
 
 @cache
 def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-              interleaved: bool = False, dense_rows8: bool = False) -> Kernel:
+              interleaved: bool = False, dense_rows8: bool = False, gathered: str = "rows") -> Kernel:
     """The prefill FFN kernel of ``mode`` and ``form`` (see module doc); ``scratch`` holds
     :func:`chunk_ffn_scratch_bytes` bytes. ``dense_rows8``: the matrices the mode reads whole
     (gate-first: the gate; down-only: the gate and up) are in the rows8 layout (that of
-    ``sparse_ffn``'s ``dense_rows8``), their rows dequantised to the same floats."""
+    ``sparse_ffn``'s ``dense_rows8``), their rows dequantised to the same floats; ``gathered``
+    ``"dotplanes"``: the matrices it gathers (``names.gathered_dotted``) are in the dotplanes
+    layout (that of ``sparse_ffn``'s ``gathered``), likewise."""
     spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
-    symbol = names.cpu_chunk_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
+    symbol = names.cpu_chunk_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8, gathered)
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, CHUNK_FFN_PARAMS)
-        ffn = _ChunkFfn(fn, simd, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
+        ffn = _ChunkFfn(fn, simd, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8, gathered)
         ffn.neuron_phase()
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         ffn.column_phase()
@@ -130,7 +134,7 @@ class _ChunkFfn(FfnEmitter):
     ``c0``, ``width``, ..., are set when it emits them)."""
 
     def __init__(self, fn: Fn, simd: str, mode: str, spec: FfnForm, up_dtype: str, gate_dtype: str | None,
-                 down_dtype: str, interleaved: bool, dense_rows8: bool) -> None:
+                 down_dtype: str, interleaved: bool, dense_rows8: bool, gathered: str = "rows") -> None:
         super().__init__(fn, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
         self.simd = simd
         self.seq, self.n, self.hidden = fn.sext("%seq"), fn.sext("%n"), fn.sext("%hidden")
@@ -142,6 +146,7 @@ class _ChunkFfn(FfnEmitter):
         self.live = fn.gep("%scratch", fn.v(f"shl i64 {floats}, 2", "hb"), "live")  # one byte per neuron
         self.wbufs = [fn.alloca_array(F32, self.hidden, "wrow") for _ in range(2)]  # a pair of dequantised rows
         self.in_rows8 = names.read_whole(mode, "up", "gate") if dense_rows8 else ()
+        self.in_planes = names.gathered_dotted(mode, "up", "gate") if gathered == "dotplanes" else ()
 
     def h_at(self, s: str, i: str) -> str:
         """Where h[s, i] is. H is neuron-major: a neuron's tokens share cache lines."""
@@ -180,22 +185,28 @@ class _ChunkFfn(FfnEmitter):
             def store_act(i: str, s: str, g: str) -> None:
                 fn.store(F32, self.gate_act(i, g), self.h_at(s, i), 4)
 
-            self._rows_of("%gate", self.gate_dtype, self.rb_gate, "gate" in self.in_rows8,  # type: ignore[arg-type]
+            self._rows_of("%gate", self.gate_dtype, self.rb_gate, self._layout("gate"),  # type: ignore[arg-type]
                           needed, store_act)
-        self._rows_of("%up", self.up_dtype, self.rb_up, "up" in self.in_rows8, up_needed, self._store_h)
+        self._rows_of("%up", self.up_dtype, self.rb_up, self._layout("up"), up_needed, self._store_h)
 
-    def _rows_of(self, matrix: str, dtype: str, rowb: str, in_rows8: bool, wanted: Callable[[str], str],
+    def _layout(self, matrix: str) -> str | None:
+        """The layout ``matrix`` ("up", "gate") is stored in: rows8, dotplanes, or GGUF's rows (None)."""
+        return ROWS8 if matrix in self.in_rows8 else DOTPLANES if matrix in self.in_planes else None
+
+    def _rows_of(self, matrix: str, dtype: str, rowb: str, layout: str | None, wanted: Callable[[str], str],
                  consume: Callable[[str, str, str], None]) -> None:
         """``consume(i, s, row_i . x[s])`` for each neuron i of this thread where ``wanted(i)``
-        (``in_rows8``: the matrix is in the rows8 layout)."""
+        (``layout``: :meth:`_layout`)."""
         fn = self.fn
         total = _list_where(fn, self.ids, self.lo, self.hi, wanted, "cnt")
 
         def group(k: str, size: int) -> None:
             neurons = [load_index(fn, self.ids, fn.v(f"add i64 {k}, {g}", "kg")) for g in range(size)]
             for i, buf in zip(neurons, self.wbufs, strict=False):
-                if in_rows8:
+                if layout == ROWS8:
                     emit_rows8_row_to_f32(fn, dtype, matrix, i, buf, self.hidden, self.simd)
+                elif layout == DOTPLANES:
+                    dotplanes.emit_row_to_f32(fn, dtype, self.row(matrix, rowb, i, "p"), buf, self.hidden, self.simd)
                 else:
                     emit_row_to_f32(fn, dtype, self.row(matrix, rowb, i, "p"), buf, self.hidden, self.simd)
             _dots_all_tokens(fn, self.wbufs[:size], self.hidden, self.seq, lambda r, t, d: consume(neurons[r], t, d))

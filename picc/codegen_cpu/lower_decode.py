@@ -147,7 +147,7 @@ class DecodeLowering(OpLowering):
     def fused_ffn(self, op: FusedFFN) -> None:
         w = self.fused_operands(op)
         kernel = kernels_ffn.sparse_ffn(op.mode, op.form, w.up_dtype, w.gate_dtype, w.down_dtype, op.interleaved,
-                                        _x_format(op), w.dense_rows8)
+                                        _x_format(op), w.dense_rows8, op.gathered_layout)
         scratch = self.bufs.need_scratch(kernels_ffn.ffn_scratch_bytes(w.n, w.hidden, MAX_THREADS))
         y, accumulate, writes = self.output(op)
         self.call(op, kernel, self.value(op.x), w.up, w.gate, w.down_t, w.up_bias, w.gate_bias,

@@ -27,6 +27,7 @@ import numpy as np
 from picc import kernel_names as names
 from picc.codegen_cpu import kernels_attention, kernels_batch, kernels_dense, kernels_ffn, kernels_misc, rowplanes
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, CpuBuffers
+from picc.codegen_cpu.dotplanes import LAYOUT as DOTPLANES
 from picc.codegen_cpu.kernel import Kernel
 from picc.codegen_cpu.program import Access, Buf, Null, Param, Program
 from picc.codegen_cpu.rowops import row_bytes
@@ -295,17 +296,21 @@ class OpLowering(ABC):
         down = self.weights[op.down]
         n, hidden = int(down.shape[0]), int(down.shape[1])
         dense_rows8 = _rows8(op)  # for a fused FFN: what its mode reads whole is in the rows8 layout
+        planes = DOTPLANES if op.gathered_layout == "dotplanes" else None  # the rows it gathers and dots
         if op.up_gate is not None:
             # Interleaved rows: the gate of neuron i starts one row after its up row.
             dtype = self.weights[op.up_gate].dtype.value
-            up, gate = self.weight(op.up_gate), self.weight(op.up_gate, offset=row_bytes(dtype, hidden))
+            up, gate = (self.weight(op.up_gate, layout=planes),
+                        self.weight(op.up_gate, offset=row_bytes(dtype, hidden), layout=planes))
             up_bias, gate_bias = (self.weight(op.up_gate_bias, as_f32=True),
                                   self.weight(op.up_gate_bias, as_f32=True, offset=4) if op.up_gate_bias else Null())
             up_dtype, gate_dtype = dtype, dtype
         else:
             assert op.up is not None
             whole = names.read_whole(op.mode, op.up, op.gate) if dense_rows8 else ()
-            up, gate = (self.weight(w, layout=ROWS8 if w in whole else None) for w in (op.up, op.gate))
+            dotted = names.gathered_dotted(op.mode, op.up, op.gate)
+            up, gate = (self.weight(w, layout=ROWS8 if w in whole else planes if w in dotted else None)
+                        for w in (op.up, op.gate))
             up_bias, gate_bias = self.weight(op.up_bias, as_f32=True), self.weight(op.gate_bias, as_f32=True)
             up_dtype = self.weights[op.up].dtype.value
             gate_dtype = self.weights[op.gate].dtype.value if op.gate else None

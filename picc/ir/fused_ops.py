@@ -16,6 +16,7 @@ from picc.ir.core import Op, Sym, TypeEnv, Val, expect, register_op, weight_shap
 from picc.ir.ops import FFN_FORMS, MatrixOp, _activation_input, _float_weight
 from picc.ir.sparse_ops import SPARSITY_MODES, check_mask_producer
 from picc.ir.types import Dim, DType, Placement, TensorType
+from picc.kernel_names import GATHERED_LAYOUTS, dotplanes_fit
 
 FUSED_MODES = ("dense", *SPARSITY_MODES)
 
@@ -41,7 +42,10 @@ class FusedFFN(MatrixOp):
     ``merge`` whose result is ``layer``. ``freq`` (profiled activation frequency per neuron) is
     informative, as on ``ffn``. ``x_format`` applies to the up and gate rows when both are 4-bit
     (the down rows are added, not dotted); ``layout`` to the matrices the mode reads whole
-    (gate-first's gate, down-only's gate and up).
+    (gate-first's gate, down-only's gate and up); ``gathered_layout`` (``select-kernels``) to the
+    rows it gathers and dots (up; gate too in predictor and dense modes): ``"rows"``, or
+    ``"dotplanes"`` where x is rounded (``picc.kernel_names.gathered_layout``: each row's 4-bit
+    nibbles, then its scales, ``picc.codegen_cpu.dotplanes``). Storage only; the values are the same.
     """
 
     NAME: ClassVar[str] = "fused_ffn"
@@ -62,6 +66,7 @@ class FusedFFN(MatrixOp):
     threshold: float = 0.0
     layer: str
     neuron_offset: int = 0
+    gathered_layout: str = "rows"
 
     @property
     def whole_layer(self) -> bool:
@@ -119,6 +124,15 @@ class FusedFFN(MatrixOp):
         expect(self.neuron_offset >= 0, f"neuron_offset must be >= 0, got {self.neuron_offset}")
         expect(self.threshold >= 0, f"threshold must be >= 0, got {self.threshold}")
         self.check_kernel_choice()
+        expect(self.gathered_layout in GATHERED_LAYOUTS,
+               f"gathered_layout must be one of {GATHERED_LAYOUTS}, got {self.gathered_layout!r}")
+        if self.gathered_layout == "dotplanes":
+            up_w, gate_w = self.up_gate or self.up, self.up_gate or self.gate
+            up = env.weight(up_w).dtype.value if up_w else ""
+            gate = env.weight(gate_w).dtype.value if gate_w else None
+            expect(dotplanes_fit(self.mode, self.x_format, up, gate),
+                   f"gathered_layout 'dotplanes' holds 4-bit rows of one format that a {self.mode!r} kernel dots "
+                   f"with rounded x; x_format is {self.x_format!r}, up {up}, gate {gate}")
         if self.mode == "predictor":
             expect(self.mask is not None, "mode 'predictor' needs a mask operand")
             assert self.mask is not None and isinstance(n, int)

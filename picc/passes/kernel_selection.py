@@ -71,7 +71,7 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
             up = op.up_gate or op.up
             gate = op.up_gate or op.gate
             return names.cpu_fused_ffn(op.mode, op.form, t.fmt(up) or "", t.fmt(gate), t.fmt(op.down) or "",
-                                       op.interleaved, op.x_format, op.layout == "rows8")
+                                       op.interleaved, op.x_format, op.layout == "rows8", op.gathered_layout)
         case O.FFN() if not op.neuron_major and type(op) is O.FFN:
             return names.cpu_dense_ffn(op.form, t.fmt(op.up) or "", t.fmt(op.gate), t.fmt(op.down) or "",
                                        op.x_format, op.layout == "rows8")
