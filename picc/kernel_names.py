@@ -158,7 +158,7 @@ GATHERED_LAYOUTS = ("rows", "dotplanes")  # how a fused FFN's gathered, dotted r
 DOTPLANES_SUFFIX = "_dp"  # (after the x suffix) the kernel reads its gathered rows from the dotplanes layout
 # The narrowest rows read from the dotplanes layout. bench/kernels.py, q4_0 / q4_1 with int16 x,
 # against the eight-row form of GGUF rows, alternating, Zen 4: hidden 4096 one thread 1.11-1.47x
-# (two threads, bound by memory, within noise), 2048 within noise, 576 0.79-1.02x (a row's fixed
+# (two threads within noise), 2048 within noise, 576 0.79-1.02x (a row's fixed
 # costs, its horizontal sums and last pieces, weigh more on short rows).
 DOTPLANES_MIN_HIDDEN = 4096
 
