@@ -44,15 +44,12 @@ import numpy as np
 from picc.codegen_cpu.int16x import IntX
 from picc.codegen_cpu.irtext import F32, Fn, Var, vconst, vec
 from picc.codegen_cpu.rowformats import BLOCK, BLOCK_BYTES, NIBBLE_DTYPES, V16, nibble_value_floats
+from picc.codegen_cpu.rowplanes import block_parts, blocks_of, head_bytes
 from picc.errors import PiccError
 
 LAYOUT = "dotplanes"
 _NIBBLES = 16  # bytes of one block's nibbles
 _LINE = 64
-
-
-def _head_bytes(dtype: str) -> int:
-    return 4 if dtype == "q4_1" else 2
 
 
 def _check(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[int, int]:
@@ -70,23 +67,17 @@ def to_dotplanes(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndar
     """A tensor's GGUF blocks (rows of ``shape[-1]`` elements, one after another) in the
     dotplanes layout, ``[rows, row bytes]``."""
     rows, nb = _check(dtype, shape, raw.nbytes)
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, nb, BLOCK_BYTES[dtype])
-    head = _head_bytes(dtype)
-    planes = [blocks[..., head:]] + [blocks[..., at : at + 2] for at in range(0, head, 2)]
-    return np.concatenate([p.reshape(rows, -1) for p in planes], axis=1)
+    scales, quants = block_parts(raw, dtype, rows, nb)
+    return np.concatenate([p.reshape(rows, -1) for p in (quants, *scales)], axis=1)
 
 
 def from_dotplanes(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """The inverse of :func:`to_dotplanes`: the blocks in GGUF's rows, ``[rows, row bytes]``."""
     rows, nb = _check(dtype, shape, data.nbytes)
     flat = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
-    head = _head_bytes(dtype)
-    out = np.empty((rows, nb, BLOCK_BYTES[dtype]), np.uint8)
-    out[..., head:] = flat[:, : _NIBBLES * nb].reshape(rows, nb, _NIBBLES)
-    for at in range(0, head, 2):
-        start = _NIBBLES * nb + at * nb
-        out[..., at : at + 2] = flat[:, start : start + 2 * nb].reshape(rows, nb, 2)
-    return out.reshape(rows, -1)
+    start = _NIBBLES * nb
+    scales = [flat[:, start + at * nb : start + (at + 2) * nb] for at in range(0, head_bytes(dtype), 2)]
+    return blocks_of(scales, flat[:, :start].reshape(rows, nb, _NIBBLES), dtype)
 
 
 @dataclass(frozen=True)
@@ -267,7 +258,7 @@ def emit_dots(fn: Fn, mats: list[tuple[str, str]], xp: XPlanes, k: str, isa: str
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
     rows = _Rows(fn, dtype, [row for _, row in mats], 4 * per, isa)
     ahead = prefetch or []
-    scale_bytes = fn.v(f"mul i64 {nblocks}, {_head_bytes(dtype)}", "scb")
+    scale_bytes = fn.v(f"mul i64 {nblocks}, {head_bytes(dtype)}", "scb")
     dplane = fn.v(f"shl i64 {nblocks}, 4", "dpl")
     for row in ahead:  # the scale planes, a line at a time
         with fn.loop("0", scale_bytes, str(_LINE), "o") as o:

@@ -66,14 +66,14 @@ def _has_m(dtype: str) -> bool:
     return dtype == "q4_1"
 
 
-def _head_bytes(dtype: str) -> int:
+def head_bytes(dtype: str) -> int:
     """Bytes of one block's f16 scale (and q4_1's minimum): the planes before the quants, per block."""
     return 4 if _has_m(dtype) else 2
 
 
 def _quant_bytes(dtype: str) -> int:
     """Bytes of one block's quants."""
-    return BLOCK_BYTES[dtype] - _head_bytes(dtype)
+    return BLOCK_BYTES[dtype] - head_bytes(dtype)
 
 
 def _check(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[int, int]:
@@ -111,35 +111,48 @@ def _reorder_quants(q: np.ndarray, forward: bool) -> np.ndarray:
     return out
 
 
+def block_parts(raw: np.ndarray, dtype: str, rows: int, nb: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """A matrix's GGUF blocks (``rows`` of ``nb`` blocks, any array of their bytes) split into its
+    f16 scale planes (``[rows, nb, 2]`` each: ``d``, then q4_1's ``m``) and its quants (``[rows,
+    nb, quant bytes]``): what the planes layouts regroup (this one, :mod:`.dotplanes`)."""
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, nb, BLOCK_BYTES[dtype])
+    head = head_bytes(dtype)
+    return [blocks[..., at : at + 2] for at in range(0, head, 2)], blocks[..., head:]
+
+
+def blocks_of(scales: list[np.ndarray], quants: np.ndarray, dtype: str) -> np.ndarray:
+    """The inverse of :func:`block_parts`: the blocks in GGUF's rows, ``[rows, row bytes]``."""
+    rows, nb = quants.shape[:2]
+    out = np.empty((rows, nb, BLOCK_BYTES[dtype]), np.uint8)
+    for i, plane in enumerate(scales):
+        out[..., 2 * i : 2 * i + 2] = plane.reshape(rows, nb, 2)
+    out[..., head_bytes(dtype) :] = quants.reshape(rows, nb, -1)
+    return out.reshape(rows, -1)
+
+
 def to_rowplanes(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """A matrix's GGUF blocks (any array of its bytes, rows one after another) in the rowplanes
     layout, ``[rows, row bytes]``."""
     rows, nb = _check(dtype, shape, raw.nbytes)
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, nb, BLOCK_BYTES[dtype])
-    head = _head_bytes(dtype)
-    quants = blocks[..., head:]
+    scales, quants = block_parts(raw, dtype, rows, nb)
     if dtype in NIBBLE_DTYPES:
         quants = _reorder_quants(quants, forward=True)
-    planes = [blocks[..., at : at + 2] for at in range(0, head, 2)] + [quants]
-    return np.concatenate([p.reshape(rows, -1) for p in planes], axis=1)
+    return np.concatenate([p.reshape(rows, -1) for p in (*scales, quants)], axis=1)
 
 
 def from_rowplanes(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """The inverse of :func:`to_rowplanes`: the matrix's blocks in GGUF's rows, ``[rows, row bytes]``."""
     rows, nb = _check(dtype, shape, data.nbytes)
     flat = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
-    head = _head_bytes(dtype)
-    out = np.empty((rows, nb, BLOCK_BYTES[dtype]), np.uint8)
-    for at in range(0, head, 2):
-        out[..., at : at + 2] = flat[:, at * nb : (at + 2) * nb].reshape(rows, nb, 2)
+    head = head_bytes(dtype)
+    scales = [flat[:, at * nb : (at + 2) * nb] for at in range(0, head, 2)]
     quants = flat[:, head * nb :].reshape(rows, nb, -1)
-    out[..., head:] = _reorder_quants(quants, forward=False) if dtype in NIBBLE_DTYPES else quants
-    return out.reshape(rows, -1)
+    return blocks_of(scales, _reorder_quants(quants, forward=False) if dtype in NIBBLE_DTYPES else quants, dtype)
 
 
 def _plane(fn: Fn, dtype: str, row: str, nblocks: str, which: str) -> str:
     """The start of plane ``which`` ("m" or "q") of ``row`` (``nblocks`` i64 blocks in the row)."""
-    before = 2 if which == "m" else _head_bytes(dtype)  # bytes per block of the planes before it
+    before = 2 if which == "m" else head_bytes(dtype)  # bytes per block of the planes before it
     return fn.gep(row, fn.v(f"mul i64 {nblocks}, {before}", "plo"), which + "p")
 
 
