@@ -244,9 +244,9 @@ def emit_dots(fn: Fn, mats: list[tuple[str, str]], xp: XPlanes, k: str, isa: str
               prefetch: list[str] | None = None) -> list[str]:
     """The float dot product with x of each ``(dtype, row)`` (rows of ``k`` (i64) elements in the
     dotplanes layout; every row of one call in one format), in one pass over the blocks: four
-    at a time on AVX-512 (``isa``), two on AVX2, then the row's last ones. ``vnni``: the integer
-    sums with ``vpdpbusd``. ``prefetch``: rows (same format) read next, brought into L2 a line
-    per line of these rows read, their scales at the start."""
+    at a time (one vector on AVX-512, ``isa``; two on AVX2, the same bits), then the row's last
+    ones. ``vnni``: the integer sums with ``vpdpbusd``. ``prefetch``: rows (same format) read
+    next, brought into L2 a line per line of these rows read, their scales at the start."""
     dtypes = {dtype for dtype, _ in mats}
     if len(dtypes) != 1 or not dtypes <= NIBBLE_DTYPES:
         raise PiccError(f"codegen_cpu: dotplanes dot products of one call read q4_0 or q4_1 rows of one format, "
