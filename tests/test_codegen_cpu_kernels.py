@@ -386,9 +386,9 @@ def test_sparse_ffn_dots_dotplanes_rows_of_every_length(host, teams, dtype, hidd
     # Rows of 1 to 9 blocks (select-kernels stores only rows of 4096 or more so, but a kernel reads any):
     # pieces of four blocks, then one of two and one of one, in every mix;
     # int16 and int8 x (whose low bytes the dots skip), against the float op on the rounded x
-    # (the int32 sums are exact; measured ~1e-7, as the eight-row form of GGUF rows). 25 of 40
-    # neurons: pairs and a last one alone on the thread. A dot that read a piece's lanes, scales
-    # or offsets out of place is off by far more (a block's share of a row).
+    # (the int32 sums are exact, the float part rounds: measured up to 9e-7 over these cases). 25
+    # of 40 neurons: six fours and a last one alone on the thread. A dot that read a piece's lanes,
+    # scales or offsets out of place is off by far more (a block's share of a row).
     active = np.zeros(40, bool)
     active[np.random.default_rng(hidden).permutation(40)[:25]] = True
     for x_format in ("i16", "i8"):
