@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from picc.codegen_cpu.int16x import IntX
-from picc.codegen_cpu.irtext import F32, Fn, Var, vconst, vec
-from picc.codegen_cpu.rowformats import BLOCK, BLOCK_BYTES, NIBBLE_DTYPES, V16, nibble_value_floats
+from picc.codegen_cpu.irtext import Fn, Var, vconst, vec
+from picc.codegen_cpu.rowformats import BLOCK, BLOCK_BYTES, NIBBLE_DTYPES, V16, Block, dequantized, nibble_value_floats
 from picc.codegen_cpu.rowplanes import block_parts, blocks_of, head_bytes
 from picc.errors import PiccError
 
@@ -121,11 +121,10 @@ def _in_plane(fn: Fn, planes: str, plane: str, seg: int, offset: str) -> str:
     return fn.gep(planes, fn.v(f"add i64 {fn.v(f'mul i64 {plane}, {seg}', 'po')}, {offset}", "po"), "xpp")
 
 
-def _spread(fn: Fn, value: str, blocks: int, ty: str = F32) -> str:
-    """A ``<blocks x ty>`` with each element repeated over its block's four lanes."""
+def _spread(fn: Fn, value: str, blocks: int) -> str:
+    """A ``<blocks x float>`` with each element repeated over its block's four lanes."""
     pick = ", ".join(f"i32 {lane // 4}" for lane in range(4 * blocks))
-    return fn.v(f"shufflevector {vec(blocks, ty)} {value}, {vec(blocks, ty)} poison, <{4 * blocks} x i32> <{pick}>",
-                "spread")
+    return fn.v(f"shufflevector {vec(blocks)} {value}, {vec(blocks)} poison, <{4 * blocks} x i32> <{pick}>", "spread")
 
 
 def _widen(fn: Fn, value: str, n: int, width: int) -> str:
@@ -182,12 +181,14 @@ class _Rows:
     (q4_1) the ``m sum(x)`` terms, ``width`` lanes and ``width / 4`` blocks wide (on every
     level: AVX2 holds sixteen lanes in two registers, and so computes AVX-512's bits)."""
 
-    def __init__(self, fn: Fn, dtype: str, rows: list[str], width: int, isa: str) -> None:
+    def __init__(self, fn: Fn, dtype: str, rows: list[str], width: int, isa: str, nblocks: str) -> None:
         self.fn, self.dtype, self.rows, self.width, self.isa = fn, dtype, rows, width, isa
+        self.dplane = fn.v(f"shl i64 {nblocks}, 4", "dpl")  # where a row's d, and m, start
+        self.mplane = fn.v(f"mul i64 {nblocks}, 18", "mpl") if dtype == "q4_1" else None
         self.acc = [fn.var(vec(width), "zeroinitializer", "dacc") for _ in rows]
         self.accm = [fn.var(vec(width // 4), "zeroinitializer", "macc") for _ in rows] if dtype == "q4_1" else None
 
-    def piece(self, xp: XPlanes, nblocks: str, b: str, blocks: int, vnni: bool) -> None:
+    def piece(self, xp: XPlanes, b: str, blocks: int, vnni: bool) -> None:
         """Blocks ``b .. b + blocks`` of every row into the accumulators."""
         fn, lanes = self.fn, 4 * blocks
         bytes_t = vec(4 * lanes, "i8")
@@ -197,7 +198,6 @@ class _Rows:
         scale = fn.load(vec(blocks), fn.at(xp.scale, 4, b), 4, "xsc")
         sums = fn.load(vec(blocks), fn.at(xp.sums, 4, b), 4, "xsum") if self.accm is not None and xp.sums else None
         offsets = fn.load(vec(lanes, "i32"), fn.at(xp.offsets, 16, b), 16, "xoff") if xp.offsets else None
-        dplane = fn.v(f"shl i64 {nblocks}, 4", "dpl")
         for r, row in enumerate(self.rows):
             raw = fn.load(bytes_t, fn.gep(row, at), 1, "nib")
             shifted = fn.v(f"lshr {bytes_t} {raw}, {vconst(4 * lanes, '4', 'i8')}", "sh")
@@ -207,13 +207,13 @@ class _Rows:
             if self.dtype == "q4_0":
                 assert offsets is not None
                 dots = fn.v(f"add {vec(lanes, 'i32')} {dots}, {offsets}", "dots")
-            d = self._halves(fn.gep(row, dplane), b, blocks)
+            d = self._halves(fn.gep(row, self.dplane), b, blocks)
             ds = _spread(fn, fn.v(f"fmul {vec(blocks)} {d}, {scale}", "ds"), blocks)
             t = fn.v(f"sitofp {vec(lanes, 'i32')} {dots} to {vec(lanes)}", "t")
             self._add(self.acc[r], t, ds, lanes, self.width)
             if self.accm is not None:
-                assert sums is not None
-                m = self._halves(fn.gep(row, fn.v(f"mul i64 {nblocks}, 18", "mpl")), b, blocks)
+                assert sums is not None and self.mplane is not None
+                m = self._halves(fn.gep(row, self.mplane), b, blocks)
                 self._add(self.accm[r], m, sums, blocks, self.width // 4)
 
     def _add(self, acc: Var, a: str, b: str, n: int, width: int) -> None:
@@ -256,20 +256,19 @@ def emit_dots(fn: Fn, mats: list[tuple[str, str]], xp: XPlanes, k: str, isa: str
         raise PiccError(f"codegen_cpu: x's planes were made without the sums {dtype} rows need")
     per = 4  # blocks a piece
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
-    rows = _Rows(fn, dtype, [row for _, row in mats], 4 * per, isa)
+    rows = _Rows(fn, dtype, [row for _, row in mats], 4 * per, isa, nblocks)
     ahead = prefetch or []
     scale_bytes = fn.v(f"mul i64 {nblocks}, {head_bytes(dtype)}", "scb")
-    dplane = fn.v(f"shl i64 {nblocks}, 4", "dpl")
     for row in ahead:  # the scale planes, a line at a time
         with fn.loop("0", scale_bytes, str(_LINE), "o") as o:
-            fn.prefetch(fn.gep(row, fn.v(f"add i64 {dplane}, {o}", "pfo")), "l2")
+            fn.prefetch(fn.gep(row, fn.v(f"add i64 {rows.dplane}, {o}", "pfo")), "l2")
     whole = fn.v(f"and i64 {nblocks}, {-per}", "whole")
 
     def piece(b: str, blocks: int) -> None:
         at = fn.v(f"shl i64 {b}, 4", "pfo")
         for row in ahead:  # the line of nibbles this piece reads (the last pieces too: short rows)
             fn.prefetch(fn.gep(row, at), "l2")
-        rows.piece(xp, nblocks, b, blocks, vnni)
+        rows.piece(xp, b, blocks, vnni)
 
     with fn.loop("0", whole, str(per), "b") as b:
         piece(b, per)
@@ -290,11 +289,9 @@ def emit_row_to_f32(fn: Fn, dtype: str, row: str, out: str, k: str, simd: str) -
         raw = fn.load(vec(16, "i8"), fn.at(row, _NIBBLES, b), 1, "nib")
         lo, hi = nibble_value_floats(fn, raw, dtype == "q4_0", simd)
         d = fn.v(f"fpext half {fn.load('half', fn.at(dplane, 2, b), 2, 'd16')} to float", "d")
-        ds = fn.splat(16, d)
-        vals = [fn.v(f"fmul {V16} {q}, {ds}", "w") for q in (lo, hi)]
-        if mplane is not None:
-            m = fn.splat(16, fn.v(f"fpext half {fn.load('half', fn.at(mplane, 2, b), 2, 'm16')} to float", "m"))
-            vals = [fn.v(f"fadd {V16} {v}, {m}", "w") for v in vals]
+        m = (fn.v(f"fpext half {fn.load('half', fn.at(mplane, 2, b), 2, 'm16')} to float", "m")
+             if mplane is not None else None)
+        vals = dequantized(fn, Block(lo, hi, d, m))
         op = fn.at(out, 4 * BLOCK, b, "op")
         fn.store(V16, vals[0], op, 4)
         fn.store(V16, vals[1], fn.gep(op, "64"), 4)

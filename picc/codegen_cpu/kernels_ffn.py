@@ -275,8 +275,12 @@ class _SparseFfn(FfnEmitter):
         """x as the dot products read it: rounded or its sums (rows one at a time), rows8's forms."""
         fn, hidden = self.fn, self.hidden
         dotted_dtypes = {self.up_dtype, self.gate_dtype or self.up_dtype}
-        self.intx = None if x_format == "f32" else emit_int_x(fn, "%x", hidden, dotted_dtypes, x_format=x_format)
-        self.xsums = None if self.intx is not None else emit_x_sums(fn, "%x", hidden, dotted_dtypes)
+        rounded = x_format != "f32"
+        # x's form for rows one at a time: the gathered rows not in the dotplanes layout, and a
+        # gate-first gate read whole not in the rows8 layout (rounded once a call: not where unread).
+        rows_form = not self.planes or (self.mode not in ("predictor", "dense") and not self.dense_rows8)
+        self.intx = emit_int_x(fn, "%x", hidden, dotted_dtypes, x_format=x_format) if rounded and rows_form else None
+        self.xsums = None if rounded else emit_x_sums(fn, "%x", hidden, dotted_dtypes)
         # 4-bit rows gathered and dotted go eight neurons at a time (see accumulate_active). They and
         # the matrices read whole from the rows8 layout take x in the form the rows8 dot products
         # read (scaled floats, or int16 split into bytes), made once for both.
@@ -287,8 +291,8 @@ class _SparseFfn(FfnEmitter):
         rows8_dtypes = (gathered if self.octets or self.planes else set()) | set(whole)
         self.x8: IntX | ScaledX | None = None
         if rows8_dtypes:
-            self.x8 = (emit_scaled_x(fn, "%x", hidden) if self.intx is None
-                       else emit_int_x(fn, "%x", hidden, rows8_dtypes, rows8=True, x_format=x_format))
+            self.x8 = (emit_int_x(fn, "%x", hidden, rows8_dtypes, rows8=True, x_format=x_format) if rounded
+                       else emit_scaled_x(fn, "%x", hidden))
         self.xplanes = None  # x as the dotplanes rows' dot products read it
         if self.planes:
             assert isinstance(self.x8, IntX)
