@@ -20,10 +20,11 @@ when they take at most half of the L3 cache: what the kernel's arithmetic allows
 higher than the rate from memory, the kernel is bound by its arithmetic, not by memory), and the
 speed-up over numpy's dense FFN (three f32 GEMVs over the full matrices, the better
 of its BLAS on one thread and on all) on the same shape. Beside each, the rate of picc's own dense
-GEMV over the same matrices in the same run (what a dense model runs: 4-bit formats in the rows8
-layout with int16 x, ``select-kernels``' choice; others rows with float x), and the sparse
-kernel's rate as a share of it ("vs dense"): the ratio the CPU sparsity issue judges (>= 90% at
-10-50% active). On a shared machine the numbers move by tens of percent between runs: compare
+GEMV over the same matrices (what a dense model runs: 4-bit formats in the rows8
+layout with int16 x, ``select-kernels``' choice; others rows with float x), timed once in every
+round of the sparse kernel's configurations so that both medians come from the same minutes, and
+the sparse kernel's rate as a share of it ("vs dense"): the ratio the CPU sparsity issue judges
+(>= 90% at 10-50% active). On a shared machine the numbers move by tens of percent between runs: compare
 ratios within one run.
 
 ``--batched`` times the batched decode kernels instead (``picc.codegen_cpu.kernels_batch``: B
@@ -72,7 +73,7 @@ from picc.codegen_cpu import (  # noqa: E402
     effective_simd,
     rowplanes,
 )
-from picc.codegen_cpu.compiler import SIMD_CHOICES  # noqa: E402
+from picc.codegen_cpu.compiler import SIMD_CHOICES, CpuModule  # noqa: E402
 from picc.codegen_cpu.kernels_batch import dense_ffn_rows, dense_ffn_rows_scratch_bytes, gemv_rows  # noqa: E402
 from picc.codegen_cpu.kernels_dense import dense_ffn, gemv  # noqa: E402
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
@@ -80,6 +81,7 @@ from picc.codegen_cpu.rows8 import to_rows8  # noqa: E402
 from picc.kernel_names import has_rate_key  # noqa: E402
 from picc.targets.host import host_cores, host_cpu_name, host_vnni, measure_memory_bandwidth  # noqa: E402
 from runtime.hostmem import huge_zeros  # noqa: E402
+from runtime.threads import ThreadTeam as RuntimeTeam  # noqa: E402
 
 SHAPES = {"small": (576, 1536), "medium": (2048, 5632), "large": (4096, 11008)}
 FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.6, 1.0)
@@ -170,10 +172,53 @@ def l3_bytes() -> int | None:
     return int(text.rstrip("KM")) * scale if text.rstrip("KM").isdigit() else None
 
 
+def native_team(module: CpuModule, nthreads: int) -> RuntimeTeam:
+    """A team of ``nthreads`` threads that wait for steps in ``module``'s generated code, as the
+    runtime's do (its steps may come from any module that outlives the team)."""
+    worker = module.function("picc_team_worker", [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
+    barrier = module.function("picc_team_barrier", [ctypes.c_void_p, ctypes.c_int32])
+    return RuntimeTeam(nthreads, native=(worker, barrier))
+
+
+class DenseGemv:
+    """picc's dense GEMV over an [n, hidden] matrix of ``dtype`` (copies over 1 GiB, one GEMV each,
+    so that it reads from memory): the kernel a dense model runs (4-bit rows in the rows8 layout
+    with x rounded to ``x_format``), compiled once; :meth:`run` is one step over every copy."""
+
+    def __init__(self, hidden: int, n: int, dtype: str, rng: np.random.Generator, x_format: str = "i16") -> None:
+        four_bit = dtype in ("q4_0", "q4_1")
+        w = rng.normal(0, hidden**-0.5, size=(n, hidden)).astype(np.float32)
+        raw = quant.quantize(w, dtype).reshape(-1).view(np.uint8)
+        if four_bit:
+            raw = to_rows8(raw, dtype, (n, hidden)).reshape(-1)
+        count = max(1, WORKING_SET // raw.nbytes)
+        self.data = huge_zeros(count * raw.nbytes)
+        for i in range(count):
+            self.data[i * raw.nbytes : (i + 1) * raw.nbytes] = raw
+        self.nbytes = count * raw.nbytes  # read by one step
+        x = rng.normal(size=hidden).astype(np.float32)
+        self.buffers = [aligned_zeros(SYNC_BYTES), x, aligned_zeros(4 * n), self.data]
+        prog = Program("dense_gemv_step", sync=0)
+        kernel = gemv(dtype, x_format if four_bit else "f32", rows8=four_bit)
+        for i in range(count):
+            prog.call(kernel, Buf(3, i * raw.nbytes), Buf(1), Null(), Buf(2), n, hidden, 0)
+        self.module = compile_kernels([], [prog], effective_simd("host"))
+        self.step = self.module.function(prog.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
+        self.table = buffer_table(self.buffers)
+
+    def run(self, team: RuntimeTeam) -> float:
+        """Seconds of one step on ``team``'s threads."""
+        start = time.perf_counter()
+        team.run_step(self.step, ctypes.addressof(self.table))
+        return time.perf_counter() - start
+
+
 def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, x_format: str, threads: list[int], reps: int,
-                 rng: np.random.Generator, gathered: str = "rows") -> dict[tuple[int, float, bool], float]:
+                 rng: np.random.Generator, gathered: str = "rows",
+                 dense: DenseGemv | None = None) -> tuple[dict[tuple[int, float, bool], float], dict[int, float]]:
     """Median seconds per layer, by (threads, active fraction, cached): ``cached`` runs every call
-    of the step on layer 0 with one active set, so after the first call its rows come from cache."""
+    of the step on layer 0 with one active set, so after the first call its rows come from cache;
+    and ``dense``'s read rate (bytes per second) by thread count, timed in the same rounds."""
     # As fuse-gather-gemv lays them out: up and gate rows interleaved ([n, 2, hidden]), so an
     # active neuron's two rows are one stream; down neuron-major; float dot products, as in every
     # sparse module (a dtype given as e.g. "q4_0-int" times the _xi16 variant, which dense modules
@@ -197,56 +242,33 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, x_format: str,
              for cached, p in zip((False, True), progs, strict=True)}
     table = buffer_table(buffers)
     times: dict[tuple[int, float, bool], list[float]] = {}
+    dense_times: dict[int, list[float]] = {}
     for t in threads:
-        with ThreadTeam(t) as team:
-            # Repetition by repetition, every configuration once in turn: a slow phase of a shared
-            # machine (seconds long here) then hits every configuration's median alike, instead
-            # of all the runs of one of them.
+        # The runtime's team (its workers wait in generated code, ~10 us a step): a Python
+        # hand-off costs ~200 us a step on two threads, 4% of a step at 10% active.
+        with native_team(module, t) as team:
+            # Round by round, every configuration (and the dense GEMV) once in turn: a slow phase
+            # of a shared machine (seconds long here) then hits every configuration's median
+            # alike, instead of all the runs of one of them, and "vs dense" compares rates taken
+            # in the same minutes.
             for rep in range(reps + 1):  # the first round warms up (page faults, thread start)
+                if dense is not None:
+                    secs = dense.run(team)
+                    if rep:
+                        dense_times.setdefault(t, []).append(secs)
                 for frac in FRACTIONS:
                     size = int(round(frac * n))
                     for cached, step in steps.items():
                         mask[:] = 0
                         mask[rng.choice(n, size, replace=False)] = 1
                         start = time.perf_counter()
-                        team.run_each(lambda tid, step=step, t=t: step(ctypes.addressof(table), tid, t))
+                        team.run_step(step, ctypes.addressof(table))
                         if rep:
                             times.setdefault((t, frac, cached), []).append(time.perf_counter() - start)
                         if count[0] != size:
                             raise RuntimeError(f"the kernel found {count[0]} active neurons, the mask has {size}")
-    return {key: statistics.median(runs) / layers.count for key, runs in times.items()}
-
-
-def dense_gemv_rates(hidden: int, n: int, dtype: str, threads: list[int], reps: int,
-                     rng: np.random.Generator, x_format: str = "i16") -> dict[int, float]:
-    """Bytes per second, by thread count, that picc's dense GEMV reads an [n, hidden] matrix of
-    ``dtype`` from memory (1 GiB of copies, one GEMV each): the kernel a dense model runs (4-bit
-    rows with x rounded to ``x_format``)."""
-    four_bit = dtype in ("q4_0", "q4_1")
-    w = rng.normal(0, hidden**-0.5, size=(n, hidden)).astype(np.float32)
-    raw = quant.quantize(w, dtype).reshape(-1).view(np.uint8)
-    if four_bit:
-        raw = to_rows8(raw, dtype, (n, hidden)).reshape(-1)
-    count = max(1, WORKING_SET // raw.nbytes)
-    data = huge_zeros(count * raw.nbytes)
-    for i in range(count):
-        data[i * raw.nbytes : (i + 1) * raw.nbytes] = raw
-    x = rng.normal(size=hidden).astype(np.float32)
-    buffers = [aligned_zeros(SYNC_BYTES), x, aligned_zeros(4 * n), data]
-    prog = Program("dense_gemv_step", sync=0)
-    kernel = gemv(dtype, x_format if four_bit else "f32", rows8=four_bit)
-    for i in range(count):
-        prog.call(kernel, Buf(3, i * raw.nbytes), Buf(1), Null(), Buf(2), n, hidden, 0)
-    module = compile_kernels([], [prog], effective_simd("host"))
-    step = module.function(prog.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
-    table = buffer_table(buffers)
-    rates = {}
-    for t in threads:
-        with ThreadTeam(t) as team:
-            secs = median_time(lambda t=t, team=team: team.run_each(
-                lambda tid: step(ctypes.addressof(table), tid, t)), reps)
-        rates[t] = count * raw.nbytes / secs
-    return rates
+    rates = {t: dense.nbytes / statistics.median(runs) for t, runs in dense_times.items()} if dense else {}
+    return {key: statistics.median(runs) / layers.count for key, runs in times.items()}, rates
 
 
 # (label, rows, k, dtype, rows8 with rounded x): the decode GEMVs of SmolLM2-135M as select-kernels
@@ -379,10 +401,13 @@ def main() -> None:
         for spec in args.dtypes.split(","):
             dtype, _, dots = spec.partition("-")
             x_format = {"": "f32", "int": "i16", "i8": "i8"}[dots]
-            dense = dense_gemv_rates(hidden, n, dtype, threads, args.reps, rng, "i8" if dots == "i8" else "i16")
+            gemv_x = "i8" if dots == "i8" else "i16"
             gathered = names.gathered_layout("predictor", x_format, dtype, dtype, hidden)  # select-kernels' choice
             layers = Layers(hidden, n, dtype, rng, planes=gathered == "dotplanes")
-            times = bench_kernel(layers, hidden, n, dtype, x_format, threads, args.reps, rng, gathered)
+            dense_gemv = DenseGemv(hidden, n, dtype, rng, gemv_x)
+            times, dense = bench_kernel(layers, hidden, n, dtype, x_format, threads, args.reps, rng, gathered,
+                                        dense_gemv)
+            del dense_gemv
             bandwidths.append(measure_memory_bandwidth())
             for (t, frac, cached), secs in times.items():
                 if cached:
@@ -412,7 +437,7 @@ def main() -> None:
     print("x: how the sparse kernel dots its rows (f32, or i16 / i8: x rounded to int16 / int8 per block of 32; /dp: "
           "its gathered rows from the dotplanes layout, one at a time, where select-kernels would store them so).")
     print("dense GB/s: picc's dense GEMV of the same matrices (4-bit: rows8 layout, int16 x; int8 x for an i8 "
-          "row); vs dense: the sparse kernel's GB/s as a share of it.")
+          "row), timed once a round between the sparse runs; vs dense: the sparse kernel's GB/s as a share of it.")
     print("vs numpy: numpy's dense f32 FFN time / this kernel's time on the same shape (> 1: faster).")
 
 
