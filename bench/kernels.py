@@ -244,8 +244,9 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, x_format: str,
     times: dict[tuple[int, float, bool], list[float]] = {}
     dense_times: dict[int, list[float]] = {}
     for t in threads:
-        # The runtime's team (its workers wait in generated code, ~10 us a step): a Python
-        # hand-off costs ~200 us a step on two threads, 4% of a step at 10% active.
+        # The runtime's team (its workers wait in generated code, ~10 us a step): Python's
+        # hand-off took 0.1-0.2 ms a step on two threads (steps with no active neuron), a few
+        # per cent of a step at 10% active.
         with native_team(module, t) as team:
             # Round by round, every configuration (and the dense GEMV) once in turn: a slow phase
             # of a shared machine (seconds long here) then hits every configuration's median
