@@ -17,7 +17,7 @@ from dataclasses import fields
 
 import numpy as np
 import pytest
-from test_codegen_cpu_kernels import run, weights
+from cpu_kernels import run, weights
 
 from picc import quant
 from picc.codegen_cpu import aligned_zeros, build_ir, compile_kernels

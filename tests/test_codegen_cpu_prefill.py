@@ -2,7 +2,7 @@
 
 ``chunk_ffn`` must give each token of a chunk what the decode kernel gives it alone: the FFN over
 that token's own active set. References are float64 numpy on the same dequantised weights, with
-the tolerances of ``test_codegen_cpu_kernels`` (1e-5 for f32 weights, 1e-4 for the others; see
+the tolerances of ``cpu_kernels`` (1e-5 for f32 weights, 1e-4 for the others; see
 there why). Thresholds sit in gaps between the scores of all tokens (``gap_threshold``), so
 rounding cannot move a decision.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_codegen_cpu_kernels import QUANT_TOL, act64, gap_threshold, rel_err, run, tol, weights
+from cpu_kernels import QUANT_TOL, act64, gap_threshold, rel_err, run, tol, weights
 
 from picc.codegen_cpu import SYNC_BYTES, Buf, Param, Program, aligned_zeros, buffer_table, compile_kernels, rowplanes
 from picc.codegen_cpu.kernels_ffn import FORMS, predictor, predictor_scratch_bytes

@@ -1,0 +1,144 @@
+"""The small CPU kernels (norms, rope, attention, element-wise ops, argmax) against the interpreter
+and numpy (tolerances: ``tests/cpu_kernels.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cpu_kernels import F32_TOL, THREADS, act64, rel_err, run
+
+from picc.codegen_cpu import CpuModule, compile_kernels
+from picc.codegen_cpu.kernels_attention import attention
+from picc.codegen_cpu.kernels_ffn import FORMS
+from picc.codegen_cpu.kernels_misc import add, argmax, ffn_activation, layer_norm, mul, rms_norm, rope
+from picc.interpreter import KVCache, rope_cos_sin
+from picc.interpreter import attention as attention_ref
+from picc.interpreter import rope as rope_ref
+from picc.ir import ops as O
+from picc.ir.types import f32
+
+KERNELS = ([rms_norm(), layer_norm(), add(), mul(), argmax(), attention(), attention("f16")]
+           + [rope(s) for s in ("llama", "gptj")] + [ffn_activation(f) for f in FORMS])
+
+
+@pytest.fixture(scope="module")
+def host() -> CpuModule:
+    return compile_kernels(KERNELS, simd="host")
+
+
+@pytest.mark.parametrize("kind", ("rms_norm", "layer_norm"))
+@pytest.mark.parametrize(("seq", "threads"), [(3, 2), (1, 3), (2, 3)])
+def test_norms(host, teams, kind, seq, threads):
+    # Fewer rows than threads (a decode step's one row): every thread takes each row's statistics
+    # and a share of its elements; the same bits as one thread, and in place as out of place.
+    rng = np.random.default_rng(15)
+    n, eps = 100, 1e-5
+    x = rng.normal(size=(seq, n)).astype(np.float32)
+    w, b = (1 + 0.1 * rng.normal(size=n)).astype(np.float32), rng.normal(size=n).astype(np.float32)
+    kernel, bias = (rms_norm(), None) if kind == "rms_norm" else (layer_norm(), b)
+    out, alone, in_place = np.zeros_like(x), np.zeros_like(x), x.copy()
+    run(host, teams[threads], kernel, x, w, bias, out, seq, n, eps)
+    run(host, teams[1], kernel, x, w, bias, alone, seq, n, eps)
+    run(host, teams[threads], kernel, in_place, w, bias, in_place, seq, n, eps)
+    np.testing.assert_array_equal(out, alone)
+    np.testing.assert_array_equal(in_place, alone)
+    xd = x.astype(np.float64)
+    if kind == "rms_norm":
+        ref = xd / np.sqrt((xd**2).mean(-1, keepdims=True) + eps) * w
+    else:
+        c = xd - xd.mean(-1, keepdims=True)
+        ref = c / np.sqrt((c**2).mean(-1, keepdims=True) + eps) * w + b
+    assert rel_err(out, ref) <= F32_TOL
+
+
+@pytest.mark.parametrize("style", ("llama", "gptj"))
+@pytest.mark.parametrize("rotary_dim", (16, 8))
+@pytest.mark.parametrize("seq", (3, 1))  # one row on two threads: they split its heads
+def test_rope_matches_interpreter(host, teams, style, rotary_dim, seq):
+    rng = np.random.default_rng(16)
+    pos, heads, hd = 1000, 3, 16  # a large position: the angle's float32 rounding matters
+    op = O.Rope(result="r", type=f32(seq, heads * hd), x="x", pos="p", n_heads=heads, head_dim=hd,
+                rotary_dim=rotary_dim, style=style, theta=500000.0)
+    x = rng.normal(size=(seq, heads * hd)).astype(np.float32)
+    ref = rope_ref(op, x, np.arange(pos, pos + seq, dtype=np.int32))
+    out = x.copy()
+    cos, sin = rope_cos_sin(op, np.arange(pos + seq))  # the tables the lowering stores, rows 0 .. pos + seq
+    run(host, teams[2], rope(style), out, cos, sin, seq, pos, heads, hd, rotary_dim)
+    # The interpreter's cosines and sines, the same products and sums: the same bits.
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("hd", (20, 84))  # 16 + a tail; 64 (the wide V pass) + 16 + a tail
+@pytest.mark.parametrize("window", (None, 3))
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("kv_format", ("f32", "f16"))
+def test_attention_matches_interpreter(host, teams, threads, window, hd, kv_format):
+    rng = np.random.default_rng(17)
+    heads, kv, ctx = 6, 2, 16  # up to 10 positions: scored four at a time, then one
+    op = O.Attention(result="a", type=f32(1, heads * hd), q="q", k="k", v="v", pos="p", n_heads=heads,
+                     n_kv_heads=kv, head_dim=hd, scale=hd**-0.5, cache="c", window=window, kv_format=kv_format)
+    dtype = np.float16 if kv_format == "f16" else np.float32
+    cache, kcache, vcache = KVCache(kv * hd), np.zeros((ctx, kv * hd), dtype), np.zeros((ctx, kv * hd), dtype)
+    pos = 0
+    for seq in (5, 1, 1, 3):  # a prefill chunk, then decode steps, then another chunk
+        q = rng.normal(size=(seq, heads * hd)).astype(np.float32)
+        k, v = (rng.normal(size=(seq, kv * hd)).astype(np.float32) for _ in range(2))
+        ref = attention_ref(op, q, k, v, np.arange(pos, pos + seq, dtype=np.int32), cache)
+        out = np.zeros_like(q)
+        run(host, teams[threads], attention(kv_format), q, k, v, kcache, vcache, out, seq, pos, heads, kv, hd,
+            hd**-0.5, window or 0, ctx)
+        # The cache holds k and v as numpy rounds them (to nearest even), each KV head's rows in
+        # its own plane [ctx, hd], and the interpreter, which rounds alike, attends over the same values.
+        for cached, new in ((kcache, k), (vcache, v)):
+            planes = cached.reshape(kv, ctx, hd)[:, pos : pos + seq]
+            np.testing.assert_array_equal(planes, new.reshape(seq, kv, hd).transpose(1, 0, 2).astype(dtype))
+        assert rel_err(out, ref) <= F32_TOL, seq
+        pos += seq
+
+
+def test_add_mul_and_ffn_activations(host, teams):
+    rng = np.random.default_rng(18)
+    n = 1000 + 7
+    a, b = (rng.normal(size=n).astype(np.float32) * 3 for _ in range(2))
+    out = np.zeros(n, np.float32)
+    run(host, teams[3], add(), a, b, out, n)
+    np.testing.assert_array_equal(out, a + b)  # one float32 addition per element, as numpy
+    run(host, teams[3], mul(), a, b, out, n)
+    np.testing.assert_array_equal(out, a * b)
+    for form, spec in FORMS.items():
+        run(host, teams[2], ffn_activation(form), a, b, out, n)
+        up = act64(spec.act, b) if spec.act_on_up or not spec.gated else b
+        ref = act64(spec.act, a) * up if spec.gated else up
+        # exp / erf / tanh are polynomial approximations good to a few float32 ulp.
+        assert rel_err(out, ref) <= 1e-6, form
+
+
+def test_argmax_first_of_ties(host, teams):
+    x = np.random.default_rng(19).normal(size=49157).astype(np.float32)
+    out = np.zeros(1, np.int32)
+    for where in (0, 17, 49156, 30000):
+        y = x.copy()
+        y[where] = y[30001] = 10.0  # a tie: the first index wins, as np.argmax
+        run(host, teams[2], argmax(), y, out, len(y))
+        assert out[0] == np.argmax(y)
+
+
+def test_argmax_at_every_length_and_place_ignoring_nans(host, teams):
+    # Four 16-lane chains then 16-wide tails, and the scan 16 at a time then one by one: lengths
+    # on and off those steps, the largest (and a tie after it) in the chains, the 16-wide part
+    # and the last elements, and NaNs anywhere (ignored, as np.nanargmax does).
+    rng = np.random.default_rng(23)
+    out = np.zeros(1, np.int32)
+    for n in (1, 5, 16, 20, 64, 70, 100, 1000, 1037):
+        x = rng.normal(size=n).astype(np.float32)
+        for where in sorted({0, n // 2, max(0, n - 17), n - 1}):
+            y = x.copy()
+            y[where] = 10.0
+            y[n - 1 if where < n - 1 else 0] = 10.0 if where < n - 1 else y[0]  # a later tie
+            if n > 2:
+                y[(where + 1) % n] = np.nan if y[(where + 1) % n] != 10.0 else y[(where + 1) % n]
+            run(host, teams[2], argmax(), y, out, n)
+            assert out[0] == np.nanargmax(y), (n, where)
+    y = np.full(40, -np.inf, np.float32)
+    run(host, teams[2], argmax(), y, out, 40)
+    assert out[0] == 0
