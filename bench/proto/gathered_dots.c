@@ -19,6 +19,8 @@
 // Prints ns per neuron (an up and a gate row of hidden 4096) and GB/s of those rows read, of the
 // best repetition and the median one; each repetition reads another layer of 1 GiB of them with a new random active set,
 // so its rows come from memory, as bench/kernels.py's do. docs/codegen_cpu.md has the numbers.
+// Run it alone: two copies started together do not time the same seconds (each writes its 1 GiB
+// first, for seconds, then times ~0.1 s), so their rates are not what two cores read at once.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
