@@ -24,7 +24,11 @@ GEMV over the same matrices (what a dense model runs: 4-bit formats in the rows8
 layout with int16 x, ``select-kernels``' choice; others rows with float x), timed once in every
 round of the sparse kernel's configurations so that both medians come from the same minutes, and
 the sparse kernel's rate as a share of it ("vs dense"): the ratio the CPU sparsity issue judges
-(>= 90% at 10-50% active). On a shared machine the numbers move by tens of percent between runs: compare
+(>= 90% at 10-50% active). And, timed in the same rounds, a loop that only reads the same active
+rows (:func:`gathered_read`, the kernel's prefetches and nothing else): the rate at which this
+machine serves rows gathered a neuron at a time, below its streaming rate, and the kernel's share
+of it ("vs read": near 100%, the kernel is bound by the memory's gathered reads; well under, by
+its own work). On a shared machine the numbers move by tens of percent between runs: compare
 ratios within one run.
 
 ``--batched`` times the batched decode kernels instead (``picc.codegen_cpu.kernels_batch``: B
@@ -48,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +79,8 @@ from picc.codegen_cpu import (  # noqa: E402
     rowplanes,
 )
 from picc.codegen_cpu.compiler import SIMD_CHOICES, CpuModule  # noqa: E402
+from picc.codegen_cpu.irtext import chunk_bounds  # noqa: E402
+from picc.codegen_cpu.kernel import Kernel, kernel_fn  # noqa: E402
 from picc.codegen_cpu.kernels_batch import dense_ffn_rows, dense_ffn_rows_scratch_bytes, gemv_rows  # noqa: E402
 from picc.codegen_cpu.kernels_dense import dense_ffn, gemv  # noqa: E402
 from picc.codegen_cpu.kernels_ffn import ffn_scratch_bytes, sparse_ffn  # noqa: E402
@@ -172,6 +179,42 @@ def l3_bytes() -> int | None:
     return int(text.rstrip("KM")) * scale if text.rstrip("KM").isdigit() else None
 
 
+_READ_PARAMS = (("up_gate", "ptr"), ("down", "ptr"), ("active", "ptr"), ("count", "i32"), ("row_bytes", "i32"),
+                ("out", "ptr"))
+_READ_AHEAD = 4  # neurons ahead whose lines the read loop prefetches (as the fused kernel does, into L2)
+
+
+@cache
+def gathered_read() -> Kernel:
+    """A loop that only reads the rows the fused FFN gathers: for each neuron of ``active[0:count]``
+    (thread t its share of the list), its up/gate record (two rows of ``row_bytes``) and its down
+    row, one 512-bit load a line xor-ed into an accumulator, each line of the neuron four later
+    prefetched into L2 as it goes; the accumulator goes to ``out`` (so the loads stay). Its rate
+    is what this machine's memory serves rows gathered a neuron at a time: the reference the
+    fused kernel's rate is shown against beside the dense GEMV's streaming one."""
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn("bench_gathered_read", _READ_PARAMS)
+        v16 = "<16 x i32>"
+        k0, k1 = chunk_bounds(fn, fn.sext("%count"), fn.sext("%tid"), fn.sext("%nthreads"))
+        rb = fn.sext("%row_bytes")
+        last = fn.v(f"sub i64 {k1}, 1", "last")
+        acc = fn.var(v16, "zeroinitializer", "acc")
+        with fn.loop(k0, k1, hint="k") as k:
+            ahead = fn.min64(fn.v(f"add i64 {k}, {_READ_AHEAD}", "ka"), last)
+            i, j = (fn.sext(fn.load("i32", fn.at("%active", 4, at), 4, "n")) for at in (k, ahead))
+            for base, span in (("%up_gate", fn.v(f"shl i64 {rb}, 1", "rec")), ("%down", rb)):
+                row, later = (fn.gep(base, fn.v(f"mul i64 {neuron}, {span}", "off")) for neuron in (i, j))
+                with fn.loop("0", span, "64", "o") as o:
+                    fn.prefetch(fn.gep(later, o), "l2")
+                    acc.set(fn.v(f"xor {v16} {acc.get()}, {fn.load(v16, fn.gep(row, o), 1, 'w')}", "acc"))
+        fn.store(v16, acc.get(), fn.at("%out", 64, fn.sext("%tid")), 64)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel("bench_gathered_read", _READ_PARAMS, emit)
+
+
 def native_team(module: CpuModule, nthreads: int) -> RuntimeTeam:
     """A team of ``nthreads`` threads that wait for steps in ``module``'s generated code, as the
     runtime's do (its steps may come from any module that outlives the team)."""
@@ -215,10 +258,12 @@ class DenseGemv:
 
 def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, x_format: str, threads: list[int], reps: int,
                  rng: np.random.Generator, gathered: str = "rows",
-                 dense: DenseGemv | None = None) -> tuple[dict[tuple[int, float, bool], float], dict[int, float]]:
-    """Median seconds per layer, by (threads, active fraction, cached): ``cached`` runs every call
-    of the step on layer 0 with one active set, so after the first call its rows come from cache;
-    and ``dense``'s read rate (bytes per second) by thread count, timed in the same rounds."""
+                 dense: DenseGemv | None = None) -> tuple[dict[tuple[int, float, str], float], dict[int, float]]:
+    """Median seconds per layer, by (threads, active fraction, run): the fused kernel's rows from
+    ``"memory"``; ``"cached"``, every call of the step on layer 0 with one active set, so after
+    the first call its rows come from cache; ``"read"``, :func:`gathered_read` over the same rows
+    as the ``"memory"`` run. And ``dense``'s read rate (bytes per second) by thread count. All
+    timed in the same rounds."""
     # As fuse-gather-gemv lays them out: up and gate rows interleaved ([n, 2, hidden]), so an
     # active neuron's two rows are one stream; down neuron-major; float dot products, as in every
     # sparse module (a dtype given as e.g. "q4_0-int" times the _xi16 variant, which dense modules
@@ -228,8 +273,10 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, x_format: str,
     x, y = rng.normal(size=hidden).astype(np.float32), np.zeros(hidden, np.float32)
     mask, count = np.zeros(n, np.uint8), np.zeros(1, np.int32)  # a predictor's output: a byte per neuron
     scratch = aligned_zeros(ffn_scratch_bytes(n, hidden, max(threads)))
-    buffers = [aligned_zeros(SYNC_BYTES), x, y, mask, count, scratch]
+    active, read_out = np.zeros(n + 1, np.int32), aligned_zeros(64 * max(threads))  # the list, then its length
+    buffers = [aligned_zeros(SYNC_BYTES), x, y, mask, count, scratch, active, read_out]
     progs = [Program("ffn_step", sync=0), Program("ffn_step_cached", sync=0)]
+    read = Program("read_step", sync=0)
     first = len(buffers)
     for layer in range(layers.count):
         base = len(buffers)
@@ -237,11 +284,13 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, x_format: str,
         for prog, b in zip(progs, (base, first), strict=True):
             prog.call(kernel, Buf(1), Buf(b), Buf(b, layers.row_bytes), Buf(b + 1), Null(), Null(), Null(),
                       Buf(2), Buf(3), Buf(4), Buf(5), n, hidden, 0.0, Null(), 0)
-    module = compile_kernels([], progs, effective_simd("host"))  # the level and code picc compile makes
-    steps = {cached: module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
-             for cached, p in zip((False, True), progs, strict=True)}
+        read.call(gathered_read(), Buf(base), Buf(base + 1), Buf(6), Param(6, n), layers.row_bytes, Buf(7),
+                  barrier_after=False)
+    module = compile_kernels([], [*progs, read], effective_simd("host"))  # the level and code picc compile makes
+    steps = {kind: module.function(p.name, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32])
+             for kind, p in zip(("memory", "cached", "read"), (*progs, read), strict=True)}
     table = buffer_table(buffers)
-    times: dict[tuple[int, float, bool], list[float]] = {}
+    times: dict[tuple[int, float, str], list[float]] = {}
     dense_times: dict[int, list[float]] = {}
     for t in threads:
         # The runtime's team (its workers wait in generated code, ~10 us a step): Python's
@@ -259,14 +308,15 @@ def bench_kernel(layers: Layers, hidden: int, n: int, dtype: str, x_format: str,
                         dense_times.setdefault(t, []).append(secs)
                 for frac in FRACTIONS:
                     size = int(round(frac * n))
-                    for cached, step in steps.items():
+                    for kind, step in steps.items():
                         mask[:] = 0
                         mask[rng.choice(n, size, replace=False)] = 1
+                        active[:size], active[n] = np.flatnonzero(mask), size
                         start = time.perf_counter()
                         team.run_step(step, ctypes.addressof(table))
                         if rep:
-                            times.setdefault((t, frac, cached), []).append(time.perf_counter() - start)
-                        if count[0] != size:
+                            times.setdefault((t, frac, kind), []).append(time.perf_counter() - start)
+                        if kind != "read" and count[0] != size:
                             raise RuntimeError(f"the kernel found {count[0]} active neurons, the mask has {size}")
     rates = {t: dense.nbytes / statistics.median(runs) for t, runs in dense_times.items()} if dense else {}
     return {key: statistics.median(runs) / layers.count for key, runs in times.items()}, rates
@@ -391,7 +441,7 @@ def main() -> None:
           "their eight-row dot products; vpmaddwd elsewhere); float x with FMAs")
     print()
     header = (f"{'shape':>11} {'dtype':>10} {'x':>6} {'thr':>3} {'active':>6} {'us/layer':>9} {'GB/s':>6} {'%bw':>5} "
-              f"{'cached GB/s':>11} {'dense GB/s':>10} {'vs dense':>8} {'vs numpy':>8}")
+              f"{'cached GB/s':>11} {'read GB/s':>9} {'vs read':>7} {'dense GB/s':>10} {'vs dense':>8} {'vs numpy':>8}")
     l3 = l3_bytes()
     rows = []
     for shape in args.shapes.split(","):
@@ -410,24 +460,25 @@ def main() -> None:
                                         dense_gemv)
             del dense_gemv
             bandwidths.append(measure_memory_bandwidth())
-            for (t, frac, cached), secs in times.items():
-                if cached:
+            for (t, frac, kind), secs in times.items():
+                if kind != "memory":
                     continue
                 active = 3 * layers.row_bytes * round(frac * n)
-                in_cache = active / times[(t, frac, True)] if l3 and active <= l3 // 2 else None
+                in_cache = active / times[(t, frac, "cached")] if l3 and active <= l3 // 2 else None
                 x_label = x_format + ("/dp" if gathered == "dotplanes" else "")
                 rows.append((f"{hidden}x{n}", spec, x_label, t, frac, secs, active / secs,
-                             in_cache, dense[t], numpy_time / secs))
+                             in_cache, active / times[(t, frac, "read")], dense[t], numpy_time / secs))
             del layers
     bw = statistics.median(bandwidths)
     print(f"read bandwidth, median of {len(bandwidths)} measurements in this run: {bw / 1e9:.1f} GB/s "
           f"(min {min(bandwidths) / 1e9:.1f}, max {max(bandwidths) / 1e9:.1f})")
     print()
     print(header)
-    for shape, dtype, x, t, frac, secs, rate, in_cache, dense, speedup in rows:
+    for shape, dtype, x, t, frac, secs, rate, in_cache, read, dense, speedup in rows:
         cached = f"{in_cache / 1e9:.1f}" if in_cache else "-"
         print(f"{shape:>11} {dtype:>10} {x:>6} {t:>3} {frac:>6.0%} {secs * 1e6:>9.1f} {rate / 1e9:>6.1f} "
-              f"{rate / bw:>5.0%} {cached:>11} {dense / 1e9:>10.1f} {rate / dense:>7.0%} {speedup:>7.2f}x")
+              f"{rate / bw:>5.0%} {cached:>11} {read / 1e9:>9.1f} {rate / read:>6.0%} {dense / 1e9:>10.1f} "
+              f"{rate / dense:>7.0%} {speedup:>7.2f}x")
     print()
     print("GB/s: bytes of the active rows of up, gate and down read per second; %bw: of the median read bandwidth;")
     if l3:
@@ -437,6 +488,9 @@ def main() -> None:
         print("cached GB/s: not measured (L3 size unknown)")
     print("x: how the sparse kernel dots its rows (f32, or i16 / i8: x rounded to int16 / int8 per block of 32; /dp: "
           "its gathered rows from the dotplanes layout, one at a time, where select-kernels would store them so).")
+    print("read GB/s: a loop that only reads the same active rows (a 512-bit load a line, the neuron four ahead "
+          "prefetched into L2 as the kernel does), timed between the kernel's runs: what this machine serves rows "
+          "gathered a neuron at a time; vs read: the kernel's GB/s as a share of it.")
     print("dense GB/s: picc's dense GEMV of the same matrices (4-bit: rows8 layout, int16 x; int8 x for an i8 "
           "row), timed once a round between the sparse runs; vs dense: the sparse kernel's GB/s as a share of it.")
     print("vs numpy: numpy's dense f32 FFN time / this kernel's time on the same shape (> 1: faster).")
