@@ -181,7 +181,9 @@ def l3_bytes() -> int | None:
 
 _READ_PARAMS = (("up_gate", "ptr"), ("down", "ptr"), ("active", "ptr"), ("count", "i32"), ("row_bytes", "i32"),
                 ("out", "ptr"))
-_READ_AHEAD = 4  # neurons ahead whose lines the read loop prefetches (as the fused kernel does, into L2)
+# Neurons ahead whose lines the read loop prefetches into L2 (the fused kernel: six for its dotted rows,
+# the next four for its AXPYs; a C loop like this one read alike one, two, four or eight ahead).
+_READ_AHEAD = 4
 
 
 @cache
@@ -489,8 +491,8 @@ def main() -> None:
     print("x: how the sparse kernel dots its rows (f32, or i16 / i8: x rounded to int16 / int8 per block of 32; /dp: "
           "its gathered rows from the dotplanes layout, one at a time, where select-kernels would store them so).")
     print("read GB/s: a loop that only reads the same active rows (a 512-bit load a line, the neuron four ahead "
-          "prefetched into L2 as the kernel does), timed between the kernel's runs: what this machine serves rows "
-          "gathered a neuron at a time; vs read: the kernel's GB/s as a share of it.")
+          "prefetched into L2, as the kernel prefetches), timed between the kernel's runs: what this machine "
+          "serves rows gathered a neuron at a time; vs read: the kernel's GB/s as a share of it.")
     print("dense GB/s: picc's dense GEMV of the same matrices (4-bit: rows8 layout, int16 x; int8 x for an i8 "
           "row), timed once a round between the sparse runs; vs dense: the sparse kernel's GB/s as a share of it.")
     print("vs numpy: numpy's dense f32 FFN time / this kernel's time on the same shape (> 1: faster).")
