@@ -5,6 +5,7 @@ the same bytes: each active neuron's up/gate record and its down row, every line
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -13,8 +14,10 @@ import pytest
 
 from picc.codegen_cpu import aligned_zeros, compile_kernels
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import kernels as bench  # noqa: E402
+_PATH = Path(__file__).resolve().parent.parent / "bench" / "kernels.py"
+_spec = importlib.util.spec_from_file_location("bench_kernels", _PATH)
+bench = sys.modules["bench_kernels"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
 
 
 @pytest.fixture(scope="module")
