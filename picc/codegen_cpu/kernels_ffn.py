@@ -263,9 +263,8 @@ class _SparseFfn(FfnEmitter):
         self.cnt = fn.gep(self.lst, nbytes, "cnt")
         zero_floats(fn, self.ybuf, self.hidden)
         # Matrices whose rows each active neuron reads in the gather phase (dot products).
-        self.dotted = [] if mode == "down-only" else [("%up", up_dtype, self.rb_up)]
-        if mode in ("predictor", "dense") and gate_dtype is not None:
-            self.dotted.append(("%gate", gate_dtype, self.rb_gate))
+        self.dotted = list(names.gathered_dotted(mode, ("%up", up_dtype, self.rb_up),
+                                                 ("%gate", gate_dtype, self.rb_gate) if gate_dtype else None))
         self.planes = planes  # the dotted rows in the dotplanes layout, a neuron at a time
         self._x_forms(x_format)
         self._down_coefficients()
@@ -284,9 +283,8 @@ class _SparseFfn(FfnEmitter):
         # 4-bit rows gathered and dotted go eight neurons at a time (see accumulate_active). They and
         # the matrices read whole from the rows8 layout take x in the form the rows8 dot products
         # read (scaled floats, or int16 split into bytes), made once for both.
-        gathered = {self.up_dtype} | ({self.gate_dtype} if self.mode in ("predictor", "dense") and self.gate_dtype
-                                      else set())
-        self.octets = self.mode != "down-only" and gathered <= NIBBLE_DTYPES and not self.planes
+        gathered = {dtype for _, dtype, _ in self.dotted}
+        self.octets = bool(gathered) and gathered <= NIBBLE_DTYPES and not self.planes
         whole = names.read_whole(self.mode, self.up_dtype, self.gate_dtype) if self.dense_rows8 else ()
         rows8_dtypes = (gathered if self.octets or self.planes else set()) | set(whole)
         self.x8: IntX | ScaledX | None = None
