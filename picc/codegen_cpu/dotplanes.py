@@ -121,6 +121,13 @@ def _in_plane(fn: Fn, planes: str, plane: str, seg: int, offset: str) -> str:
     return fn.gep(planes, fn.v(f"add i64 {fn.v(f'mul i64 {plane}, {seg}', 'po')}, {offset}", "po"), "xpp")
 
 
+def _scale_planes(fn: Fn, dtype: str, nblocks: str) -> tuple[str, str | None]:
+    """The byte offsets in a row of ``nblocks`` (i64) blocks of its ``d`` plane and (q4_1) its
+    ``m`` plane, after the nibbles."""
+    d_at = fn.v(f"shl i64 {nblocks}, 4", "dpl")  # _NIBBLES (16) bytes a block
+    return d_at, fn.v(f"mul i64 {nblocks}, {_NIBBLES + 2}", "mpl") if dtype == "q4_1" else None
+
+
 def _spread(fn: Fn, value: str, blocks: int) -> str:
     """A ``<blocks x float>`` with each element repeated over its block's four lanes."""
     pick = ", ".join(f"i32 {lane // 4}" for lane in range(4 * blocks))
@@ -183,8 +190,7 @@ class _Rows:
 
     def __init__(self, fn: Fn, dtype: str, rows: list[str], width: int, isa: str, nblocks: str) -> None:
         self.fn, self.dtype, self.rows, self.width, self.isa = fn, dtype, rows, width, isa
-        self.dplane = fn.v(f"shl i64 {nblocks}, 4", "dpl")  # where a row's d, and m, start
-        self.mplane = fn.v(f"mul i64 {nblocks}, 18", "mpl") if dtype == "q4_1" else None
+        self.dplane, self.mplane = _scale_planes(fn, dtype, nblocks)
         self.acc = [fn.var(vec(width), "zeroinitializer", "dacc") for _ in rows]
         self.accm = [fn.var(vec(width // 4), "zeroinitializer", "macc") for _ in rows] if dtype == "q4_1" else None
 
@@ -283,8 +289,9 @@ def emit_row_to_f32(fn: Fn, dtype: str, row: str, out: str, k: str, simd: str) -
     """``out[j] = row[j]`` for j < k (i64), a dotplanes row dequantised exactly as ``picc.quant``
     (``d * q (+ m)``, q4_0's ``q - 8``)."""
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
-    dplane = fn.gep(row, fn.v(f"shl i64 {nblocks}, 4", "dpl"), "dp")
-    mplane = fn.gep(row, fn.v(f"mul i64 {nblocks}, 18", "mpl"), "mp") if dtype == "q4_1" else None
+    d_at, m_at = _scale_planes(fn, dtype, nblocks)
+    dplane = fn.gep(row, d_at, "dp")
+    mplane = fn.gep(row, m_at, "mp") if m_at is not None else None
     with fn.loop("0", nblocks, "1", "b") as b:
         raw = fn.load(vec(16, "i8"), fn.at(row, _NIBBLES, b), 1, "nib")
         lo, hi = nibble_value_floats(fn, raw, dtype == "q4_0", simd)
