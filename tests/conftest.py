@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import os
+import sys
+
+# The reference interpreter's matrix products go through numpy's OpenBLAS, which picks its kernels
+# by the host's CPU (SkylakeX's on a Zen 4, Haswell's on a Zen 5 it does not know): the same sums
+# in another order, ~1e-7 apart, and where the runtime is compared with the interpreter through a
+# rounding step (int8 x, f16 caches) such differences decide which side of a boundary an element
+# lands on. Every host picc runs on has AVX2 and FMA, Haswell's kernels' needs: with them pinned,
+# the oracle computes the same bits on every host (set before numpy loads OpenBLAS).
+if "numpy" in sys.modules and "OPENBLAS_CORETYPE" not in os.environ:  # pragma: no cover
+    raise RuntimeError("tests/conftest.py: numpy was loaded before OPENBLAS_CORETYPE could be set; "
+                       "run with OPENBLAS_CORETYPE=Haswell")
+os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
+
+from dataclasses import replace  # noqa: E402
 from pathlib import Path
 
 import numpy as np

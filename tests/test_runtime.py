@@ -81,6 +81,34 @@ def check_prefill(path, pib, tol: float) -> None:
         assert rel_err(prefill_logits(path, LONG, CUTS, threads), reference) <= tol, threads
 
 
+# Where x is rounded to int8 (a q8_0 head's, or every rows8 op's with --int8-dots), each rounded
+# element is a step function of its float value, in steps of 1/254 of its block's largest |x|.
+# The runtime's sums and the interpreter's are the same values in another order (~1e-7 apart);
+# where the two straddle a rounding boundary the element moves a whole step, and over a dozen
+# positions the logits by up to ~5e-3 on these models (4.6e-3 measured: one such element in
+# --int8-dots Q4_0, with numpy's OpenBLAS on its Haswell kernels; none on its SkylakeX kernels).
+# Which input straddles is chance. So rounding alike is checked where few elements are rounded:
+# each token alone at position 0 must give the interpreter's logits to 1e-4 for all but a tenth
+# of the tokens (none straddled in 40 tokens on either kernel set; a kernel that rounded x
+# otherwise than the interpreter, to int16 say, misses 1e-4 on every token: ~1e-2 here). Longer
+# prompts and the prefill are held to 3e-2, the end-to-end bound set for int8 x.
+INT8_END_TO_END = 3e-2
+
+
+def check_int8_rounds_alike(path, pib, n_tokens: int = 20) -> None:
+    with Session(path, 2) as s:
+        errors = []
+        for token in range(n_tokens):
+            s.reset()
+            alone = s.feed([token])[None]
+            errors.append(rel_err(alone, Interpreter(pib.module, pib.weights).run([token])))
+    errors = np.array(errors)
+    assert (errors <= 1e-4).sum() >= 0.9 * n_tokens and errors.max() <= INT8_END_TO_END, errors
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= INT8_END_TO_END
+    check_prefill(path, pib, INT8_END_TO_END)
+
+
 @pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.Q8_0, DType.Q4_0, DType.Q4_1])
 @pytest.mark.parametrize("form", ["swiglu", "relu"])
 def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
@@ -137,10 +165,8 @@ def test_f16_kv_caches_round_as_the_interpreter_does(dtype, tmp_path):
 def test_int8_dots_round_x_to_int8_as_the_interpreter_does(dtype, tmp_path):
     # picc compile --int8-dots: the rows8 GEMVs and FFNs dot x (and h) rounded to int8 (_r8_xi8,
     # whose dot products skip the zero low bytes of its int16 form), the prefill calls their
-    # batched twins (_r8_xi8_rows), and the interpreter rounds as they do. Rows one at a
-    # time (k and v, 12 rows of one KV head) keep int16. The bound is int16's: where float noise
-    # moves an element across an int8 rounding boundary the step is 1/254 of its block's largest
-    # |x|; on this model none does (1e-4 holds, as for int16), while SmolLM2's 30 layers over 24
+    # batched twins (_r8_xi8_rows), and the interpreter rounds as they do (check_int8_rounds_alike).
+    # Rows one at a time (k and v, 12 rows of one KV head) keep int16. SmolLM2's 30 layers over 24
     # positions drift 1e-2 to 6e-2 apart, as far as int8 rounding itself moves them (docs/serving.md).
     model = tiny_llama("swiglu", n_layers=2, hidden=96, n_heads=8, n_kv_heads=1, n_ff=96, matrix_dtype=dtype)
     path, pib = compiled(model, tmp_path, "int8", dense=True, int8_dots=True, kv_cache="f32")
@@ -149,9 +175,7 @@ def test_int8_dots_round_x_to_int8_as_the_interpreter_does(dtype, tmp_path):
     assert {op.x_format for op in pib.module.ops() if isinstance(op, O.Linear) and op.layout == "rows"} == {"i16"}
     with PibFile(path) as f:
         assert "_r8_xi8(" in f.text("cpu/ir") and "_r8_xi8_rows(" in f.text("cpu/ir")
-    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
-    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
-    check_prefill(path, pib, 1e-4)
+    check_int8_rounds_alike(path, pib)
     with pytest.raises(PiccError, match="--float-dots and --int8-dots"):
         CompileOptions(float_dots=True, int8_dots=True).check()
 
@@ -165,9 +189,7 @@ def test_int8_dots_give_a_q8_0_models_matrix_ops_the_heads_int8_rows8(tmp_path):
     ffns = [op for op in pib.module.ops() if isinstance(op, O.FFN)]
     assert {(op.x_format, op.layout) for op in linears + ffns} == {("i8", "rows8")}
     assert (len(linears), len(ffns)) == (2 * 4 + 1, 2)
-    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
-    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
-    check_prefill(path, pib, 1e-4)
+    check_int8_rounds_alike(path, pib)
 
 
 def test_the_compile_says_how_its_matrix_ops_dot_x(tmp_path):
@@ -197,9 +219,7 @@ def test_a_q8_0_head_rounds_to_int8_by_default_and_the_compile_says_so(tmp_path)
     *_, head = result.model.module.ops()
     assert (head.x_format, head.layout, result.layouts.get("token_embd")) == ("i8", "rows8", "rows8")
     path, pib = compiled(model, tmp_path, "head", dense=True)
-    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
-    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
-    check_prefill(path, pib, 1e-4)
+    check_int8_rounds_alike(path, pib)
     path, pib = compiled(model, tmp_path, "float_head", dense=True, float_dots=True)
     *_, head = pib.module.ops()
     assert (head.x_format, head.layout) == ("f32", "rows")
@@ -354,9 +374,12 @@ def test_the_prefill_program_uses_gemms_and_stops_at_the_last_kv_cache(tmp_path)
 
 
 def test_float_dots_keep_a_dense_q4_model_at_float_rounding(tmp_path):
-    # picc compile --float-dots: the float GEMVs, held to the float kernels' 1e-4.
+    # picc compile --float-dots: the float GEMVs, held to the float kernels' 1e-4 (5e-7 measured).
+    # f32 caches: with f16 ones an element whose float value the two orders of summing put on
+    # either side of a half-precision rounding boundary moves the logits by ~1e-4 (measured once),
+    # which the f16 caches' own test allows for.
     model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.Q4_1)
-    path, pib = compiled(model, tmp_path, "dense-float", dense=True, float_dots=True)
+    path, pib = compiled(model, tmp_path, "dense-float", dense=True, float_dots=True, kv_cache="f32")
     kernels = {op.kernel for op in pib.module.ops()}
     assert "picc_gemv_q4_1_r8" in kernels
     assert all(op.x_format == "f32" for op in pib.module.ops() if isinstance(op, O.MatrixOp))
