@@ -2,9 +2,10 @@
 between steps (continuous batching), each sequence's tokens exactly those of ``picc run``.
 
 One thread owns the model. Each turn of its loop it admits waiting requests into free sequence
-slots (:class:`runtime.sequences.SequencePool`: a KV cache per slot), runs one prompt chunk of one
-prefilling sequence (so a long prompt delays the others by one chunk a turn, not by its whole
-length), then one decode step for every sequence that is decoding, and hands each its next token.
+slots (:class:`runtime.sequences.SequencePool`: a KV cache per slot), runs prompt chunks of the
+prefilling sequences up to one chunk's tokens in all (so a long prompt delays the others by one
+chunk a turn, not by its whole length, and short prompts that arrive together start together),
+then one decode step for every sequence that is decoding, and hands each its next token.
 Cancelled and finished sequences give their slot back at once.
 
 Exactness: a sequence's work is the one-sequence session's, call for call -- its prompt but the
@@ -279,19 +280,18 @@ class Engine:
                 self._turn()
 
     def _turn(self) -> None:
-        """One turn: drop cancelled sequences, one prompt chunk, a decode step for each decoding one."""
+        """One turn: drop cancelled sequences, prompt chunks (:meth:`_prefill`), a decode step for
+        each decoding sequence."""
         for seq in [s for s in self._active if s.cancelled]:
             self._finish(seq, "done", "cancelled")
-        prefilling = next((s for s in self._active if s.prefilling), None)
-        if prefilling is not None:
-            self._guarded(prefilling, self._prefill_chunk)
+        prefilling = self._prefill()
         decoding = [s for s in self._active if not s.prefilling]
         made = sum(s.made for s in decoding)
         rows = self.rows_per_step
         if len(decoding) > 1 and rows > 1:
             for start in range(0, len(decoding), rows):
                 self._batch_step(decoding[start : start + rows])
-        elif len(decoding) == 1 and prefilling is None and not self._waiting and decoding[0].request.options.greedy:
+        elif len(decoding) == 1 and not prefilling and not self._waiting and decoding[0].request.options.greedy:
             self._guarded(decoding[0], self._alone)
         else:
             for seq in decoding:
@@ -313,10 +313,28 @@ class Engine:
         except (ExecutorError, ValueError) as e:
             self._finish(seq, "error", str(e))
 
+    def _prefill(self) -> bool:
+        """The next prompt chunk of each prefilling sequence in turn, while they come to at most
+        one chunk's tokens together (the first whatever its length): the decoding sequences wait
+        no longer than for one long prompt's chunk, and eight short prompts that arrive together
+        start decoding together, where one chunk a turn had them join the batch one step apart
+        (a step of 1, 2, ... 7 rows costs nearly what a step of 8 does). Whether any ran."""
+        budget, ran = self.executor.cpu.chunk, False
+        for seq in [s for s in self._active if s.prefilling]:
+            if ran and self._next_part(seq) > budget:
+                break
+            budget -= self._next_part(seq)
+            self._guarded(seq, self._prefill_chunk)
+            ran = True
+        return ran
+
+    def _next_part(self, seq: Sequence) -> int:
+        """How many of ``seq``'s prompt tokens its next chunk takes."""
+        return min(self.executor.cpu.chunk, len(seq.request.prompt) - 1 - seq.fed)
+
     def _prefill_chunk(self, seq: Sequence) -> None:
         """The next chunk of ``seq``'s prompt (but its last token), at the boundaries Session.feed uses."""
-        prompt, chunk = seq.request.prompt, self.executor.cpu.chunk
-        part = prompt[seq.fed : min(seq.fed + chunk, len(prompt) - 1)]
+        part = seq.request.prompt[seq.fed : seq.fed + self._next_part(seq)]
         self.pool.bind(seq.slot)
         self.executor.prefill(part, seq.pos)
         seq.fed += len(part)

@@ -112,6 +112,34 @@ def test_concurrent_requests_decode_exactly_as_single_runs(model):
         assert c.end in (("done", "length"), ("done", "stop"))
 
 
+def turns(path, prompts, n) -> int:
+    """The engine's turns with a decode step while ``prompts``, queued at once, each make ``n``
+    tokens (each checked against a session alone)."""
+    with Session(path, 2) as session:
+        engine = Engine(session, max_batch=len(prompts))
+        assert session.executor.cpu.chunk == 32
+        got = [Collector() for _ in prompts]
+        engine.submit_all([(Request(p, n, stop_at_eos=False), c) for p, c in zip(prompts, got, strict=True)])
+        for c in got:
+            assert c.done.wait(120)
+        steps = engine.stats.steps
+        engine.close()
+    for p, c in zip(prompts, got, strict=True):
+        assert c.tokens == alone(path, p, n)
+    return steps
+
+
+def test_short_prompts_that_arrive_together_decode_together(model):
+    # A turn prefills chunks while they come to one chunk's tokens (32; the first whatever its
+    # length). Three short prompts (4, 6 and 2 tokens before the last) and a one-token one all
+    # decode from the first turn: 10 tokens, 10 turns. One chunk a turn had them join a step
+    # apart (12 turns). Two long prompts (30 tokens before the last; and 44: chunks of 32 and 12)
+    # do not share a turn's chunk: the first decodes from the first turn, the other from the
+    # third, 12 turns (both prompts' first chunks in the first turn would have made it 11).
+    assert turns(model, [PROMPTS[i] for i in (0, 2, 3, 4)], 10) == 10
+    assert turns(model, [PROMPTS[5], PROMPTS[1]], 10) == 12
+
+
 def test_an_owner_that_wants_the_whole_reply_hears_of_it_once(model):
     # Each report wakes the server's event loop, which competes with the step's threads for the
     # cores; a reply that is not streamed needs none but the last. (The first token of a request
