@@ -37,7 +37,7 @@ from picc.codegen_cpu.dotplanes import LAYOUT as DOTPLANES
 from picc.codegen_cpu.ffn_emitter import FfnEmitter, any_nonzero, check_ffn_kernel, fabs, load_index, round_line
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
-from picc.codegen_cpu.kernels_dense import dot_grid
+from picc.codegen_cpu.kernels_dense import dot_grid, gemm_tile
 from picc.codegen_cpu.rowformats import ELEMENT_BYTES, emit_row_to_f32
 from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
 from picc.codegen_cpu.rows8 import emit_rows8_row_to_f32
@@ -57,7 +57,8 @@ def chunk_ffn_scratch_bytes(seq: int, n: int) -> int:
     return round_line(4 * seq * n) + round_line(n)
 
 
-def _dots_all_tokens(fn: Fn, wrows: list[str], k: str, seq: str, consume: Callable[[int, str, str], None]) -> None:
+def _dots_all_tokens(fn: Fn, wrows: list[str], k: str, seq: str, consume: Callable[[int, str, str], None],
+                     lanes: int) -> None:
     """``consume(r, s, wrows[r] . x[s])`` for every row r and token s < seq (f32 rows of k floats,
     x rows k apart), four tokens at a time (:func:`~picc.codegen_cpu.kernels_dense.dot_grid`)."""
     xrow = fn.v(f"shl i64 {k}, 2", "xrowb")
@@ -65,11 +66,12 @@ def _dots_all_tokens(fn: Fn, wrows: list[str], k: str, seq: str, consume: Callab
     with fn.loop("0", tiles, str(_TILE), "s") as s:
         idx = [s] + [fn.v(f"add i64 {s}, {t}", "st") for t in range(1, _TILE)]
         xs = [fn.gep("%x", fn.v(f"mul i64 {i}, {xrow}", "xo"), "xr") for i in idx]
-        for r, dots in enumerate(dot_grid(fn, wrows, xs, k)):
+        for r, dots in enumerate(dot_grid(fn, wrows, xs, k, lanes)):
             for i, d in zip(idx, dots, strict=True):
                 consume(r, i, d)
     with fn.loop(tiles, seq, "1", "s") as s:
-        for r, (d,) in enumerate(dot_grid(fn, wrows, [fn.gep("%x", fn.v(f"mul i64 {s}, {xrow}", "xo"), "xr")], k)):
+        xs = [fn.gep("%x", fn.v(f"mul i64 {s}, {xrow}", "xo"), "xr")]
+        for r, (d,) in enumerate(dot_grid(fn, wrows, xs, k, lanes)):
             consume(r, s, d)
 
 
@@ -144,7 +146,8 @@ class _ChunkFfn(FfnEmitter):
         floats = fn.v(f"mul i64 {self.seq}, {self.n}", "sn")
         floats = fn.v(f"and i64 {fn.v(f'add i64 {floats}, 15', 'r')}, -16", "hn")
         self.live = fn.gep("%scratch", fn.v(f"shl i64 {floats}, 2", "hb"), "live")  # one byte per neuron
-        self.wbufs = [fn.alloca_array(F32, self.hidden, "wrow") for _ in range(2)]  # a pair of dequantised rows
+        self.row_tile, self.lanes = gemm_tile(simd)  # dequantised rows dotted together, lanes a vector
+        self.wbufs = [fn.alloca_array(F32, self.hidden, "wrow") for _ in range(self.row_tile)]
         self.in_rows8 = names.read_whole(mode, "up", "gate") if dense_rows8 else ()
         self.in_planes = names.gathered_dotted(mode, "up", "gate") if gathered == "dotplanes" else ()
 
@@ -164,7 +167,7 @@ class _ChunkFfn(FfnEmitter):
     def neuron_phase(self) -> None:
         """H for this thread's neurons: act(gate) of the neurons some token needs, then up and h
         of those some token keeps. Each matrix's rows go through a list of the neurons that need
-        them, two at a time (dot_grid's register tile)."""
+        them, ``gemm_tile``'s rows at a time (dot_grid's register tile)."""
         fn, seq = self.fn, self.seq
         self.lo, self.hi = chunk_bounds(fn, self.n, self.tid, self.nthreads)
         live = fn.gep(self.live, self.lo)
@@ -209,9 +212,10 @@ class _ChunkFfn(FfnEmitter):
                     dotplanes.emit_row_to_f32(fn, dtype, self.row(matrix, rowb, i, "p"), buf, self.hidden, self.simd)
                 else:
                     emit_row_to_f32(fn, dtype, self.row(matrix, rowb, i, "p"), buf, self.hidden, self.simd)
-            _dots_all_tokens(fn, self.wbufs[:size], self.hidden, self.seq, lambda r, t, d: consume(neurons[r], t, d))
+            _dots_all_tokens(fn, self.wbufs[:size], self.hidden, self.seq, lambda r, t, d: consume(neurons[r], t, d),
+                             self.lanes)
 
-        _in_groups(fn, total, 2, group, "pend")
+        _in_groups(fn, total, self.row_tile, group, "pend")
 
     def _gate_score(self, s: str, i: str) -> str:
         """:meth:`gate_score` of token s, neuron i (act(g) stored in H)."""
