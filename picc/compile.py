@@ -39,6 +39,7 @@ from picc.placement.plan_report import build_report
 from picc.placement.schedule import Schedule, schedule
 from picc.sparsity.sparsify import SparsifyOptions, target_sparsity
 from picc.targets import Target, load_target, parse_size
+from picc.targets.host import is_host
 from runtime.contracts import CudaManifest, launches_to_json
 
 
@@ -186,7 +187,12 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
             "options": {"vram": options.vram, "ctx": options.ctx,
                         "dense": options.dense, "solver": options.solver},
             "compile_seconds": round(time.perf_counter() - start, 3)}
-    return Compiled(compiled, plan, report, meta, sections, tensors, layouts)
+    result = Compiled(compiled, plan, report, meta, sections, tensors, layouts)
+    if weigh and not options.sparse and is_host(target.cpu):
+        from picc.decode_trial import faster_on_this_cpu
+
+        return faster_on_this_cpu(model, options, result, instruments, say)
+    return result
 
 
 def _dot_products(module: Module) -> str:

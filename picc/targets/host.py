@@ -63,6 +63,11 @@ def host_vnni(cpuinfo: str | None = None) -> str:
     return ", ".join(found) or "no VNNI"
 
 
+def is_host(cpu) -> bool:  # noqa: ANN001 - a picc.targets.CpuSpec (imported from there)
+    """Whether ``cpu`` describes the machine this runs on: its model, cores and SIMD level."""
+    return (cpu.name, cpu.cores, cpu.simd) == (host_cpu_name(), host_cores(), host_simd())
+
+
 def host_cores() -> int:
     """The cores this process may run on (affinity, so containers and ``taskset`` are honoured)."""
     if hasattr(os, "sched_getaffinity"):
