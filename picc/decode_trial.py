@@ -34,7 +34,7 @@ MAX_BYTES = 2**30
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # token ids every vocabulary has
 
 
-def decode_rates(builds: Sequence[Compiled], say=lambda _: None) -> list[float] | None:  # noqa: ANN001
+def decode_rates(builds: Sequence[Compiled], say: Callable[[str], None] | None = None) -> list[float] | None:
     """Each build's decode tokens/s on this machine (medians of :data:`ROUNDS` alternating runs of
     :data:`STEPS` greedy steps, all the cores this process may use), or None where a build's
     weights are past :data:`MAX_BYTES`. The files are written to a temporary folder, removed after."""
@@ -48,7 +48,8 @@ def decode_rates(builds: Sequence[Compiled], say=lambda _: None) -> list[float] 
         paths = [Path(folder) / f"build{i}.pib" for i in range(len(builds))]
         for build, path in zip(builds, paths, strict=True):
             write_compiled(build, path)
-        say(f"timing {len(builds)} builds on this CPU ({ROUNDS} rounds of {STEPS} decode steps each)")
+        if say is not None:
+            say(f"timing {len(builds)} builds on this CPU ({ROUNDS} rounds of {STEPS} decode steps each)")
         sessions = [Session(path, threads=None) for path in paths]
         try:
             seconds: list[list[float]] = [[] for _ in sessions]
