@@ -39,9 +39,10 @@ def decode_rates(builds: Sequence[Compiled], say: Callable[[str], None] | None =
     :data:`STEPS` greedy steps, all the cores this process may use), or None where a build's
     weights are past :data:`MAX_BYTES`. The files are written to a temporary folder, removed after."""
     from picc.compile import write_compiled
+    from picc.placement.cost_model import weight_bytes
     from runtime.session import Session
 
-    weights = [sum(b.model.weights[name].data.nbytes for name in b.model.weights) for b in builds]
+    weights = [sum(weight_bytes(b.model.weights, name) for name in b.model.weights) for b in builds]
     if max(weights) > MAX_BYTES:
         return None
     with tempfile.TemporaryDirectory(prefix="picc-trial-") as folder:

@@ -321,9 +321,10 @@ class Engine:
         (a step of 1, 2, ... 7 rows costs nearly what a step of 8 does). Whether any ran."""
         budget, ran = self.executor.cpu.chunk, False
         for seq in [s for s in self._active if s.prefilling]:
-            if ran and self._next_part(seq) > budget:
+            part = self._next_part(seq)
+            if ran and part > budget:
                 break
-            budget -= self._next_part(seq)
+            budget -= part
             self._guarded(seq, self._prefill_chunk)
             ran = True
         return ran
