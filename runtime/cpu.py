@@ -165,12 +165,14 @@ def _buffers(pib: PibFile, manifest: CpuManifest) -> list[np.ndarray]:
     """The memory behind each of the manifest's buffers: the weights copied from the file, zeroed
     memory for the rest (params, sync, function slots, allocations), all cut from one region in
     2 MiB pages where this kernel gives them (:mod:`runtime.hostmem`); elsewhere the weights stay
-    mapped from the file, as they are, and the rest is ordinary zeroed memory."""
+    mapped from the file, as they are, and the rest is cut from one region of ordinary pages.
+    Either way the memory the code writes is one page-aligned region (see :meth:`CpuExecutor.crossing_span`)."""
     specs = manifest.buffers
     weights = {i: pib.tensor(s.name).data for i, s in enumerate(specs) if s.kind == "weight" and s.name is not None}
     sizes = [weights[i].nbytes if i in weights else max(s.nbytes or 0, 64) for i, s in enumerate(specs)]
     if not hostmem.huge_pages_enabled():
-        return [weights[i] if i in weights else hostmem.aligned_zeros(size) for i, size in enumerate(sizes)]
+        own = iter(hostmem.carve([size for i, size in enumerate(sizes) if i not in weights]))
+        return [weights[i] if i in weights else next(own) for i in range(len(sizes))]
     arrays = hostmem.carve(sizes)
     for i, w in weights.items():
         arrays[i][:] = w.reshape(-1).view(np.uint8)
@@ -251,6 +253,12 @@ class CpuExecutor:
         self.params[self._slots["pos"]] = pos
         self.params[self._slots["token"]] = token
 
+    def step_argument(self, name: str) -> np.ndarray:
+        """Where :meth:`set_token` put the step's argument ``name`` (``tokens``: the token;
+        ``pos``: its position), as a one-element int32 array, for a GPU that reads it too."""
+        slot = self._slots["token" if name == "tokens" else name]
+        return self.params[slot : slot + 1]
+
     def run_stage(self, stage: int, prefill: bool = False) -> None:
         """Run stage ``stage``'s CPU program (``prefill``: without the output head)."""
         job = self._jobs[stage][1 if prefill else 0]
@@ -309,6 +317,24 @@ class CpuExecutor:
         """The host bytes of value ``name`` (one token), which crosses between the devices."""
         v = self._values[name]
         return self._keep[v.buffer][v.offset : v.offset + v.nbytes]
+
+    def shared_values(self) -> set[str]:
+        """The crossing values whose bytes another value of the step shares (an in-place kernel
+        writes them again): a copy that reads one while the CPU runs on needs a snapshot."""
+        return {name for name, v in self._values.items() if v.shared}
+
+    def crossing_span(self) -> tuple[int, int]:
+        """``(address, nbytes)``: whole pages of this executor's memory holding every crossing
+        value, the logits and the step's arguments, for a GPU to copy to and from directly
+        (page-locked for it). The buffers they live in are cut from one page-aligned region
+        (:func:`_buffers`), so the span rounded out to pages stays inside it."""
+        buffers = ({v.buffer for v in self._values.values()} | {self._manifest.logits.buffer}
+                   | {i for i, b in enumerate(self._manifest.buffers) if b.kind == "params"})
+        start = min(self._keep[i].ctypes.data for i in buffers)
+        end = max(self._keep[i].ctypes.data + self._keep[i].nbytes for i in buffers)
+        start -= start % hostmem.PAGE
+        end += -end % hostmem.PAGE
+        return start, end - start
 
     def step(self, token: int, pos: int, *, logits: bool = True) -> None:
         """Run the model on ``token`` at position ``pos`` (its KV cache holds positions < pos).

@@ -95,12 +95,23 @@ class _IntRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class ValueBytes(_IntRecord):
-    """One token's bytes of a value at byte ``offset`` of ``bufs[buffer]``."""
+class ValueBytes:
+    """One token's bytes of a value at byte ``offset`` of ``bufs[buffer]``. ``shared``: another
+    value of the step lives in the same bytes (an in-place kernel writes them later in the step),
+    so a copy that reads them while the CPU runs on must take its own snapshot first; the other
+    values' bytes are written once a step, by their producer."""
 
     buffer: int
     offset: int
     nbytes: int
+    shared: bool
+
+    def to_json(self) -> dict:
+        return {"buffer": self.buffer, "offset": self.offset, "nbytes": self.nbytes, "shared": self.shared}
+
+    @classmethod
+    def from_json(cls, data: object) -> ValueBytes:
+        return cls(_int(data, "buffer"), _int(data, "offset"), _int(data, "nbytes"), bool(_field(data, "shared")))
 
 
 @dataclass(frozen=True, slots=True)

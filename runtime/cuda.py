@@ -18,11 +18,14 @@ What a token costs besides the kernels' own time:
   kernels read the token and its position from device memory), so the second time a stage runs,
   its launches are captured into a CUDA graph on the executor's stream and from then on the stage
   is one ``cuGraphLaunch``: a few microseconds instead of one ctypes ``cuLaunchKernel`` per kernel.
-* **Copies.** Activations cross through a pinned host buffer laid out like the device's activation
-  slots. A decode stage's copies are part of its graph: the values the stage reads from the CPU
-  are copied in before its kernels, and the values the next stage's CPU part reads are copied out
-  after them, so a stage costs the host one ``cuGraphLaunch`` and one wait, not a driver call
-  and a wait per copy (on an H100 those cost ~17 us a copy).
+* **Copies.** A decode stage's copies are part of its graph: the values the stage reads from the
+  CPU are copied in before its kernels, and the values the next stage's CPU part reads are copied
+  out after them, so a stage costs the host one ``cuGraphLaunch`` and one wait, not a driver call
+  and a wait per copy (on an H100 those cost ~17 us a copy). They copy straight from and into the
+  CPU executor's own memory, page-locked for it (:meth:`CudaGpu.map_host`), so the host does no
+  copying of its own: a value an in-place CPU kernel writes again while its copy is queued (its
+  manifest says ``shared``), and every copy of a prompt's chunk, goes through a pinned staging
+  buffer laid out like the device's activation slots instead (a numpy copy on the host each).
 * **Waits.** :meth:`CudaGpu.launch` queues a stage and returns at once, so the caller's thread
   runs the CPU's part of the stage while the GPU runs its own, with no second host thread (a
   hand-off between Python threads costs tens of microseconds); :meth:`CudaGpu.collect`, before
@@ -93,7 +96,8 @@ class CudaGpu:
         self._events: list[ctypes.c_void_p] = []  # every event made, destroyed by close()
         self._graphs: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}  # by (ops, copies in, out)
         self._seen: set[tuple] = set()
-        self._work: dict[object, tuple] = {}  # launch()'s key -> its (ops, copies in, copies out)
+        # launch()'s key -> its (ops, copies in, copies out) and which copies in and out are staged
+        self._work: dict[object, tuple[tuple, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
         self.base, self.pinned, self.stream = u64(), ctypes.c_void_p(), ctypes.c_void_p()
         manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
         plan = pib.plan()
@@ -118,7 +122,11 @@ class CudaGpu:
         self._spare: list[ctypes.c_void_p] = []  # timing events not in use
         self._timed: list[tuple[ctypes.c_void_p, ctypes.c_void_p]] = []  # recorded, not read yet
         self._launch_calls = 0
-        self._incoming: list[tuple[str, np.ndarray]] = []  # the last launch's downloads, not delivered yet
+        self._incoming: list[tuple[str, np.ndarray]] = []  # the last launch's staged downloads, not delivered yet
+        self._awaiting = False  # the last launch downloads something: collect() waits for it
+        self._mapped: tuple[int, int] | None = None  # host memory copies read and write directly
+        self._snapshot: set[str] = set()  # values uploaded through the staging buffer even so
+        self.host_mapping_error: str | None = None  # why the driver would not page-lock it, if it would not
         self._functions = self._load(pib, manifest)
         # Kernels that wait for their predecessors themselves may be launched before those are done
         # (sm_90 and newer; PICC_CUDA_PDL=0 turns it off, to compare).
@@ -181,6 +189,29 @@ class CudaGpu:
     def has(self, value: str) -> bool:
         return value in self._slots
 
+    def map_host(self, address: int, nbytes: int, snapshot: set[str] | frozenset[str] = frozenset()) -> bool:
+        """Page-lock ``nbytes`` of host memory at ``address`` (the CPU executor's, where the values
+        that cross devices live) for the device to copy to and from directly: from then on a
+        :meth:`launch`'s copy whose host array lies inside it is queued on that array's own bytes,
+        with no staging copy on the host, except uploads of the values in ``snapshot`` (bytes the
+        CPU may write again while the copy waits in the queue). False, and
+        :attr:`host_mapping_error` says why, where the driver refuses (copies stay staged)."""
+        status = self.cu.status("cuMemHostRegister_v2", ctypes.c_void_p(address), ctypes.c_size_t(nbytes), 0)
+        if status != 0:
+            self.host_mapping_error = f"cuMemHostRegister of {nbytes} bytes failed ({status})"
+            return False
+        self._mapped = (address, address + nbytes)
+        self._snapshot = set(snapshot)
+        return True
+
+    def _direct(self, value: str, host: np.ndarray, upload: bool) -> int:
+        """The host address a launch's copy of ``value`` reads or writes in place, or 0: the copy
+        goes through the staging buffer (see :meth:`map_host`)."""
+        if self._mapped is None or (upload and value in self._snapshot):
+            return 0
+        start, (lo, hi) = host.ctypes.data, self._mapped
+        return start if host.flags.c_contiguous and lo <= start and start + host.nbytes <= hi else 0
+
     def _stage_in(self, value: str, host: np.ndarray) -> None:
         """Write ``host`` into ``value``'s bytes of the staging buffer (first waiting for a queued
         upload that still reads those bytes)."""
@@ -191,14 +222,18 @@ class CudaGpu:
         self._staging[at:end] = host.view(np.uint8).reshape(-1)
         self._pending.append((at, end))
 
-    def _copy_in(self, value: str, nbytes: int) -> None:
+    def _copy_in(self, value: str, nbytes: int, host: int = 0) -> None:
+        """Queue the copy of ``value`` to its device slot from host address ``host`` (0: from its
+        bytes of the staging buffer)."""
         at = self._slots[value]
         self.cu("cuMemcpyHtoDAsync_v2", u64(self.base.value + self._act + at),
-                ctypes.c_void_p(self.pinned.value + at), ctypes.c_size_t(nbytes), self.stream)
+                ctypes.c_void_p(host or self.pinned.value + at), ctypes.c_size_t(nbytes), self.stream)
 
-    def _copy_out(self, value: str, nbytes: int) -> None:
+    def _copy_out(self, value: str, nbytes: int, host: int = 0) -> None:
+        """Queue the copy of ``value``'s device slot to host address ``host`` (0: to its bytes of
+        the staging buffer)."""
         at = self._slots[value]
-        self.cu("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(self.pinned.value + at),
+        self.cu("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(host or self.pinned.value + at),
                 u64(self.base.value + self._act + at), ctypes.c_size_t(nbytes), self.stream)
 
     def upload(self, value: str, host: np.ndarray) -> None:
@@ -226,6 +261,7 @@ class CudaGpu:
         waited = self._wait_for_kernels()
         self.synchronize()
         self._deliver(pairs)
+        self.times.transfer_bytes += sum(host.nbytes for _, host in pairs)
         self.times.transfer_seconds += time.perf_counter() - start - waited
 
     def _deliver(self, pairs: list[tuple[str, np.ndarray]]) -> None:
@@ -233,19 +269,20 @@ class CudaGpu:
         for value, host in pairs:
             at = self._slots[value]
             host.view(np.uint8).reshape(-1)[:] = self._staging[at : at + host.nbytes]
-        self.times.transfer_bytes += sum(host.nbytes for _, host in pairs)
 
     def collect(self) -> None:
         """Wait for the last :meth:`launch` and hand over the values it downloaded (nothing to
         do when it downloaded none)."""
-        if not self._incoming:
+        if not self._awaiting:
             return
         self._wait_for_kernels()
+        self._awaiting = False
         self._pending.clear()  # the launch waited for read its staging bytes, as did all before it
-        start = time.perf_counter()
-        self._deliver(self._incoming)
-        self._incoming = []
-        self.times.transfer_seconds += time.perf_counter() - start
+        if self._incoming:
+            start = time.perf_counter()
+            self._deliver(self._incoming)
+            self._incoming = []
+            self.times.transfer_seconds += time.perf_counter() - start
 
     def _wait_for_kernels(self) -> float:
         """Wait until the work of the last :meth:`launch` is done; the seconds it took."""
@@ -293,20 +330,24 @@ class CudaGpu:
         ``ops`` in order, ``downloads`` copied out; :meth:`collect` waits for it and fills the
         download arrays. The first time a stage of these ops and copies runs, it is queued call by
         call; the second time it is captured into a CUDA graph, copies included (their staging
-        bytes are fixed), which every later time replays. ``key``: what identifies this stage
-        among the caller's (the same ops and copies every time it is given), to skip working
-        that out from the lists."""
-        start = time.perf_counter()
-        for value, host in uploads:
-            self._stage_in(value, host)
-        self.times.transfer_seconds += time.perf_counter() - start
-        self.times.transfer_bytes += sum(host.nbytes for _, host in uploads)
+        bytes, and the host arrays of copies made in place, are fixed), which every later time
+        replays. ``key``: what identifies this stage among the caller's (the same ops, copies and
+        host arrays every time it is given), to skip working that out from the lists."""
         if key is None or key not in self._work:
-            work = (tuple(ops), tuple((v, h.nbytes) for v, h in uploads), tuple((v, h.nbytes) for v, h in downloads))
+            ins = tuple((v, h.nbytes, self._direct(v, h, True)) for v, h in uploads)
+            outs = tuple((v, h.nbytes, self._direct(v, h, False)) for v, h in downloads)
+            work = (tuple(ops), ins, outs)
+            staged = (tuple(i for i, c in enumerate(ins) if not c[2]), tuple(i for i, c in enumerate(outs) if not c[2]))
             if key is not None:
-                self._work[key] = work
+                self._work[key] = (work, staged)
         else:
-            work = self._work[key]
+            work, staged = self._work[key]
+        if staged[0]:
+            start = time.perf_counter()
+            for i in staged[0]:
+                self._stage_in(*uploads[i])
+            self.times.transfer_seconds += time.perf_counter() - start
+        self.times.transfer_bytes += sum(host.nbytes for _, host in uploads) + sum(host.nbytes for _, host in downloads)
         graph = self._graphs.get(work)
         if graph is None and self.graphs and work in self._seen:
             graph = self._graphs[work] = self._capture(work)
@@ -327,13 +368,14 @@ class CudaGpu:
             self.cu("cuEventRecord", timed[1], self.stream)
             self._timed.append(timed)
         self.cu("cuEventRecord", self._kernels_done, self.stream)
-        self._incoming = list(downloads)
+        self._awaiting = bool(downloads)
+        self._incoming = [downloads[i] for i in staged[1]]
 
     def _queue(self, work: tuple) -> None:
         """A stage's copies in, kernels and copies out, on the stream (captured or run)."""
         ops, ins, outs = work
-        for value, nbytes in ins:
-            self._copy_in(value, nbytes)
+        for value, nbytes, host in ins:
+            self._copy_in(value, nbytes, host)
         # Only a kernel that follows one of these kernels is a dependent launch: the wait at its
         # start covers kernels before it, not copies (nor whatever came before this call).
         after_kernel = False
@@ -345,8 +387,8 @@ class CudaGpu:
                     self.cu("cuLaunchKernel", k.fn, *k.grid, *k.block, 0, self.stream, k.args, None)
                 after_kernel = True
                 self.times.launches += 1
-        for value, nbytes in outs:
-            self._copy_out(value, nbytes)
+        for value, nbytes, host in outs:
+            self._copy_out(value, nbytes, host)
 
     def _try_dependent_launch(self, work: tuple) -> None:
         """Before the first launch: capture ``work`` with dependent launches into a graph and
@@ -436,6 +478,9 @@ class CudaGpu:
         if self.stream.value:
             self.cu("cuStreamDestroy_v2", self.stream)
             self.stream = ctypes.c_void_p()
+        if self._mapped is not None:  # before the CPU executor lets that memory go
+            self.cu("cuMemHostUnregister", ctypes.c_void_p(self._mapped[0]))
+            self._mapped = None
         if self.pinned.value:
             self.cu("cuMemFreeHost", self.pinned)
             self.pinned = ctypes.c_void_p()

@@ -122,6 +122,8 @@ class Executor:
         self.gpu = _make_gpu(pib, gpu) if uses_gpu else None
         self.gpu_kind = self.gpu.kind if self.gpu is not None else None
         self._worker = _GpuWorker() if self.gpu is not None else None
+        if self.gpu is not None and self.gpu.asynchronous:  # a step's copies straight from and into the CPU's memory
+            self.gpu.map_host(*self.cpu.crossing_span(), snapshot=self.cpu.shared_values())
         self.vocab = self.cpu.vocab
         self.plan = pib.plan()
         self.ctx = self.plan.ctx  # positions the KV caches hold
@@ -131,14 +133,14 @@ class Executor:
     def _inputs(self, token: int, pos: int) -> None:
         self.cpu.set_token(token, pos)
         if self.gpu is not None:  # the function's arguments, where GPU ops read them
-            for name, value in self._arguments(token, pos):
+            for name, value in self._arguments():
                 self.gpu.upload(name, value)
 
-    def _arguments(self, token: int, pos: int) -> list[tuple[str, np.ndarray]]:
-        """The step's arguments that GPU ops read, as the host arrays to copy there."""
+    def _arguments(self) -> list[tuple[str, np.ndarray]]:
+        """The step's arguments that GPU ops read, as the host arrays to copy there: where the
+        CPU's step reads them too (set by ``cpu.set_token``)."""
         assert self.gpu is not None
-        return [(name, np.array([value], np.int32)) for name, value in (("tokens", token), ("pos", pos))
-                if self.gpu.has(name)]
+        return [(name, self.cpu.step_argument(name)) for name in ("tokens", "pos") if self.gpu.has(name)]
 
     def step(self, token: int, pos: int, *, logits: bool = True) -> None:
         """Run the model on ``token`` at position ``pos`` (its KV cache holds positions < pos).
@@ -148,7 +150,7 @@ class Executor:
         gpu, cpu = self.gpu, self.cpu
         if gpu is not None and gpu.asynchronous:
             cpu.set_token(token, pos)
-            self._queued_stages(self._arguments(token, pos), logits)
+            self._queued_stages(self._arguments(), logits)
         else:
             self._inputs(token, pos)
             for i, stage in enumerate(self.stages):

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 HUGE_PAGE = 2 * 2**20
+PAGE = mmap.PAGESIZE  # the ordinary page
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 

@@ -11,7 +11,11 @@ and an emulator would forgive:
   for, in order, so a host buffer changed before its queued copy ran shows up as wrong numbers;
 * **graphs**: launches on a capturing stream are recorded, not run; ``cuGraphLaunch`` replays them;
 * **events** mark a place in a stream's queue: ``cuEventSynchronize`` runs the queue up to there
-  and no further, so work queued after it has not happened yet.
+  and no further, so work queued after it has not happened yet;
+* **asynchronous copies need page-locked host memory** (``cuMemHostAlloc``'s, or memory
+  ``cuMemHostRegister`` locked): a copy from or to other memory is refused. (Stricter than the
+  driver, which makes such a copy synchronous -- and cannot capture it into a graph -- but picc
+  never means to ask for that.) Registering memory twice, or unregistering what was not, fails.
 
 A launched kernel runs through the ``.pib``'s host build of the same kernels (``gpu/host.so``),
 bound to the fake device memory at the addresses the launch passed: so the executor's bindings,
@@ -55,6 +59,8 @@ class FakeCuda:
         self._current = threading.local()
         self.calls: list[tuple[str, str]] = []  # (thread name, call) of every call
         self.blocks: dict[int, np.ndarray] = {}  # device and pinned allocations by address
+        self.locked: dict[int, int] = {}  # page-locked host memory: start -> end
+        self.copies: list[tuple[str, int, int]] = []  # every asynchronous copy queued: (call, host address, bytes)
         self.streams: dict[int, list[Callable[[], None]]] = {}
         self.capturing: dict[int, list[Callable[[], None]]] = {}
         self.graphs: dict[int, list[Callable[[], None]]] = {}
@@ -130,13 +136,30 @@ class FakeCuda:
             self._arena, self._base = self.blocks[address], address
 
     def _cuMemHostAlloc(self, ptr: object, nbytes: object, flags: int) -> None:
-        _out(ptr).value = self._allocate(_value(nbytes))
+        address = _out(ptr).value = self._allocate(_value(nbytes))
+        self.locked[address] = address + _value(nbytes)
+
+    def _cuMemHostRegister_v2(self, ptr: object, nbytes: object, flags: int) -> int | None:
+        start = _value(ptr)
+        end = start + _value(nbytes)
+        if any(a < end and start < b for a, b in self.locked.items()):
+            return 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        self.locked[start] = end
+        return None
+
+    def _cuMemHostUnregister(self, ptr: object) -> int | None:
+        return None if self.locked.pop(_value(ptr), None) is not None else 713  # ..._NOT_REGISTERED
 
     def _cuMemFree_v2(self, ptr: object) -> None:
         self.blocks.pop(_value(ptr))
 
     def _cuMemFreeHost(self, ptr: object) -> None:
         self.blocks.pop(_value(ptr))
+        self.locked.pop(_value(ptr))
+
+    def _page_locked(self, call: str, host: int, nbytes: int) -> bool:
+        self.copies.append((call, host, nbytes))
+        return any(a <= host and host + nbytes <= b for a, b in self.locked.items())
 
     def _cuMemcpyHtoD_v2(self, dst: object, src: object, nbytes: object) -> None:
         ctypes.memmove(_value(dst), _value(src), _value(nbytes))
@@ -145,13 +168,19 @@ class FakeCuda:
         key = _value(stream)
         (self.capturing[key] if key in self.capturing else self.streams[key]).append(work)
 
-    def _cuMemcpyHtoDAsync_v2(self, dst: object, src: object, nbytes: object, stream: object) -> None:
+    def _cuMemcpyHtoDAsync_v2(self, dst: object, src: object, nbytes: object, stream: object) -> int | None:
         d, s, n = _value(dst), _value(src), _value(nbytes)
+        if not self._page_locked("HtoD", s, n):
+            return 1  # CUDA_ERROR_INVALID_VALUE (see the module docstring)
         self._queue(stream, lambda: ctypes.memmove(d, s, n))
+        return None
 
-    def _cuMemcpyDtoHAsync_v2(self, dst: object, src: object, nbytes: object, stream: object) -> None:
+    def _cuMemcpyDtoHAsync_v2(self, dst: object, src: object, nbytes: object, stream: object) -> int | None:
         d, s, n = _value(dst), _value(src), _value(nbytes)
+        if not self._page_locked("DtoH", d, n):
+            return 1
         self._queue(stream, lambda: ctypes.memmove(d, s, n))
+        return None
 
     # --- streams and graphs ---------------------------------------------------------------------------------
 

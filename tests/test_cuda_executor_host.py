@@ -16,6 +16,7 @@ from cuda_fake import FakeCuda
 
 import runtime.cuda
 import runtime.executor
+import runtime.hostmem
 from picc.codegen_cuda import nvcc_path
 from picc.compile import CompileOptions, compile_model, write_compiled
 from picc.interpreter import Interpreter
@@ -306,4 +307,75 @@ def test_a_driver_that_refuses_dependent_launches_gets_plain_ones(pibs, monkeypa
         logits = np.stack([_step(session, t) for t in TOKENS[:3]])
         gpu = session.executor.gpu
         assert not gpu.dependent_launch and "cuLaunchKernelEx" in gpu.dependent_launch_error
+    assert rel_err(logits, reference) <= 1e-3
+
+
+@pytest.mark.parametrize("name", ["split", "whole"])
+def test_a_decode_steps_copies_read_and_write_the_cpus_memory_in_place(pibs, fake_driver, monkeypatch, name):
+    """The executor page-locks the CPU executor's memory where the crossing values, the logits and
+    the step's arguments live, and a decode step's copies go straight between it and the device:
+    the host copies nothing itself (no staging of an upload, no delivery of a download) and every
+    asynchronous copy the driver was given reads or writes that memory. The logits stay the
+    interpreter's."""
+    pib = load_pib(pibs[name])
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS[:5])
+    with Session(pibs[name], threads=2, gpu="cuda") as session:
+        gpu, fake = session.executor.gpu, fake_driver[0]
+        assert gpu.host_mapping_error is None
+        start, nbytes = session.executor.cpu.crossing_span()
+        assert fake.locked[start] == start + nbytes
+        logits = [_step(session, t) for t in TOKENS[:4]]
+        staged = []
+        for method in ("_stage_in", "_deliver"):
+            monkeypatch.setattr(gpu, method, lambda *args, method=method: staged.append(method))
+        logits.append(_step(session, TOKENS[4]))
+        copies = [(call, host) for call, host, _ in fake.copies]
+    assert staged == []
+    assert copies and all(start <= host < start + nbytes for _, host in copies), copies
+    assert {"HtoD", "DtoH"} <= {call for call, _ in copies} if name == "split" else True
+    assert rel_err(np.stack(logits), reference) <= 1e-3
+    assert fake.locked == {}  # unregistered (and the staging buffer freed) at close
+
+
+def test_a_value_that_an_in_place_kernel_writes_is_uploaded_from_a_snapshot(pibs):
+    """A crossing value the CPU may write again while its upload waits in the stream (its manifest
+    says ``shared``) is copied through the staging buffer, so the device gets the bytes it had at
+    the launch; another value is copied from its own bytes, when the stream runs. (The stand-in
+    device runs a queued copy only when it is waited for, as a real one may.)"""
+    pib = PibFile(pibs["split"])
+    fake = FakeCuda(pib)
+    gpu = runtime.cuda.CudaGpu(pib, driver=runtime.cuda.Driver(fake))
+    try:
+        host = runtime.hostmem.huge_zeros(1 << 16)
+        gpu.map_host(host.ctypes.data, host.nbytes, snapshot={"embed"})
+        a, b = host[:256].view(np.float32), host[4096 : 4096 + 256].view(np.float32)
+        a[:], b[:] = 1.0, 2.0
+        gpu.launch([], [("embed", a), ("l0.attn.q", b)], [])  # two values in slots apart
+        a[:], b[:] = 3.0, 4.0  # the CPU runs on before the copies did
+        gpu.wait()
+        out = np.empty(64, np.float32)
+        gpu.download("embed", out)
+        assert (out == 1.0).all()
+        gpu.download("l0.attn.q", out)
+        assert (out == 4.0).all()
+    finally:
+        gpu.close()
+
+
+def test_copies_stay_staged_where_the_driver_will_not_page_lock(pibs, monkeypatch):
+    """Where ``cuMemHostRegister`` fails, the executor says why and copies through its staging
+    buffer as before, with the same logits."""
+    class Refusing(FakeCuda):
+        def _cuMemHostRegister_v2(self, *args: object) -> int:
+            return 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+    def make_gpu(pib: PibFile, mode: str):  # noqa: ANN202
+        return runtime.cuda.CudaGpu(pib, driver=runtime.cuda.Driver(Refusing(pib)))
+
+    monkeypatch.setattr(runtime.executor, "_make_gpu", make_gpu)
+    pib = load_pib(pibs["split"])
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS[:4])
+    with Session(pibs["split"], threads=2, gpu="cuda") as session:
+        logits = np.stack([_step(session, t) for t in TOKENS[:4]])
+        assert "cuMemHostRegister" in session.executor.gpu.host_mapping_error
     assert rel_err(logits, reference) <= 1e-3

@@ -215,5 +215,6 @@ class DecodeLowering(OpLowering):
         values = {}
         for v in sorted(crossing_values(self.sched)):
             b = self.values[v]
-            values[v] = ValueBytes(b.index, b.offset, bytes_one_token(self.types[v]))
+            shared = any(w != v and where == b for w, where in self.values.items())
+            values[v] = ValueBytes(b.index, b.offset, bytes_one_token(self.types[v]), shared)
         return LogitsRow(ret.index, ret.offset, self.width(self.func.ret)), values
