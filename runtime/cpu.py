@@ -166,7 +166,7 @@ def _buffers(pib: PibFile, manifest: CpuManifest) -> list[np.ndarray]:
     memory for the rest (params, sync, function slots, allocations), all cut from one region in
     2 MiB pages where this kernel gives them (:mod:`runtime.hostmem`); elsewhere the weights stay
     mapped from the file, as they are, and the rest is cut from one region of ordinary pages.
-    Either way the memory the code writes is one page-aligned region (see :meth:`CpuExecutor.crossing_span`)."""
+    Either way the memory the code writes is one page-aligned region (see :meth:`CpuExecutor.crossing_spans`)."""
     specs = manifest.buffers
     weights = {i: pib.tensor(s.name).data for i, s in enumerate(specs) if s.kind == "weight" and s.name is not None}
     sizes = [weights[i].nbytes if i in weights else max(s.nbytes or 0, 64) for i, s in enumerate(specs)]
@@ -323,18 +323,33 @@ class CpuExecutor:
         writes them again): a copy that reads one while the CPU runs on needs a snapshot."""
         return {name for name, v in self._values.items() if v.shared}
 
-    def crossing_span(self) -> tuple[int, int]:
-        """``(address, nbytes)``: whole pages of this executor's memory holding every crossing
-        value, the logits and the step's arguments, for a GPU to copy to and from directly
-        (page-locked for it). The buffers they live in are cut from one page-aligned region
-        (:func:`_buffers`), so the span rounded out to pages stays inside it."""
-        buffers = ({v.buffer for v in self._values.values()} | {self._manifest.logits.buffer}
-                   | {i for i, b in enumerate(self._manifest.buffers) if b.kind == "params"})
-        start = min(self._keep[i].ctypes.data for i in buffers)
-        end = max(self._keep[i].ctypes.data + self._keep[i].nbytes for i in buffers)
-        start -= start % hostmem.PAGE
-        end += -end % hostmem.PAGE
-        return start, end - start
+    def crossing_spans(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the whole pages of this executor's memory that a GPU copies to
+        and from (to be page-locked for it): the buffers of the crossing values, the logits, the
+        step's arguments, the chunk's tokens and the chunk rows its GPU part reads and writes;
+        each buffer's pages, merged where they meet. The buffers are cut from one page-aligned
+        region (:func:`_buffers`), so a span rounded out to pages stays inside it; the weights
+        between them are left out."""
+        m = self._manifest
+        buffers = ({v.buffer for v in self._values.values()} | {m.logits.buffer, m.prefill.tokens}
+                   | {i for i, b in enumerate(m.buffers) if b.kind == "params"}
+                   | {r.buffer for program in (m.prefill, m.logits_chunk) for st in program.stages
+                      for r in (*st.gpu_in, *st.gpu_out)}
+                   | {program.logits.buffer for program in (m.prefill, m.logits_chunk) if program.logits is not None})
+        page = hostmem.PAGE
+        spans: list[list[int]] = []
+        for start, end in sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in (self._keep[i] for i in buffers)):
+            start, end = start - start % page, end + -end % page
+            if spans and start <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], end)
+            else:
+                spans.append([start, end])
+        return [(start, end - start) for start, end in spans]
+
+    @property
+    def chunk_tokens(self) -> np.ndarray:
+        """The chunk's token ids (int32), as :meth:`load_chunk` wrote them."""
+        return self._chunk_tokens
 
     def step(self, token: int, pos: int, *, logits: bool = True) -> None:
         """Run the model on ``token`` at position ``pos`` (its KV cache holds positions < pos).

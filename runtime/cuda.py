@@ -122,9 +122,9 @@ class CudaGpu:
         self._spare: list[ctypes.c_void_p] = []  # timing events not in use
         self._timed: list[tuple[ctypes.c_void_p, ctypes.c_void_p]] = []  # recorded, not read yet
         self._launch_calls = 0
-        self._incoming: list[tuple[str, np.ndarray]] = []  # the last launch's staged downloads, not delivered yet
-        self._awaiting = False  # the last launch downloads something: collect() waits for it
-        self._mapped: tuple[int, int] | None = None  # host memory copies read and write directly
+        self._incoming: list[tuple[str, np.ndarray]] = []  # staged downloads queued, not delivered yet
+        self._awaiting = False  # a launch since the last collect() downloads something: it waits for that
+        self._mapped: list[tuple[int, int]] = []  # host memory copies read and write directly
         self._snapshot: set[str] = set()  # values uploaded through the staging buffer even so
         self.host_mapping_error: str | None = None  # why the driver would not page-lock it, if it would not
         self._functions = self._load(pib, manifest)
@@ -189,28 +189,36 @@ class CudaGpu:
     def has(self, value: str) -> bool:
         return value in self._slots
 
-    def map_host(self, address: int, nbytes: int, snapshot: set[str] | frozenset[str] = frozenset()) -> bool:
-        """Page-lock ``nbytes`` of host memory at ``address`` (the CPU executor's, where the values
-        that cross devices live) for the device to copy to and from directly: from then on a
-        :meth:`launch`'s copy whose host array lies inside it is queued on that array's own bytes,
-        with no staging copy on the host, except uploads of the values in ``snapshot`` (bytes the
-        CPU may write again while the copy waits in the queue). False, and
-        :attr:`host_mapping_error` says why, where the driver refuses (copies stay staged)."""
-        status = self.cu.status("cuMemHostRegister_v2", ctypes.c_void_p(address), ctypes.c_size_t(nbytes), 0)
-        if status != 0:
-            self.host_mapping_error = f"cuMemHostRegister of {nbytes} bytes failed ({status})"
-            return False
-        self._mapped = (address, address + nbytes)
+    def map_host(self, spans: Sequence[tuple[int, int]], snapshot: set[str] | frozenset[str] = frozenset()) -> bool:
+        """Page-lock each ``(address, nbytes)`` of ``spans`` (the CPU executor's memory, where the
+        values that cross devices live) for the device to copy to and from directly: from then
+        on a :meth:`launch`'s copy whose host array lies inside one is queued on that array's own
+        bytes, with no staging copy on the host, except uploads of the values in ``snapshot``
+        (bytes the CPU may write again while the copy waits in the queue). False, and
+        :attr:`host_mapping_error` says why, where the driver refuses one (then none is used and
+        copies stay staged)."""
+        for address, nbytes in spans:
+            status = self.cu.status("cuMemHostRegister_v2", ctypes.c_void_p(address), ctypes.c_size_t(nbytes), 0)
+            if status != 0:
+                self.host_mapping_error = f"cuMemHostRegister of {nbytes} bytes failed ({status})"
+                self._unmap()
+                return False
+            self._mapped.append((address, address + nbytes))
         self._snapshot = set(snapshot)
         return True
+
+    def _unmap(self) -> None:
+        for address, _ in self._mapped:
+            self.cu("cuMemHostUnregister", ctypes.c_void_p(address))
+        self._mapped = []
 
     def _direct(self, value: str, host: np.ndarray, upload: bool) -> int:
         """The host address a launch's copy of ``value`` reads or writes in place, or 0: the copy
         goes through the staging buffer (see :meth:`map_host`)."""
-        if self._mapped is None or (upload and value in self._snapshot):
+        if upload and value in self._snapshot or not host.flags.c_contiguous:
             return 0
-        start, (lo, hi) = host.ctypes.data, self._mapped
-        return start if host.flags.c_contiguous and lo <= start and start + host.nbytes <= hi else 0
+        start = host.ctypes.data
+        return start if any(lo <= start and start + host.nbytes <= hi for lo, hi in self._mapped) else 0
 
     def _stage_in(self, value: str, host: np.ndarray) -> None:
         """Write ``host`` into ``value``'s bytes of the staging buffer (first waiting for a queued
@@ -327,12 +335,15 @@ class CudaGpu:
     def launch(self, ops: Sequence[str], uploads: Sequence[tuple[str, np.ndarray]] = (),
                downloads: Sequence[tuple[str, np.ndarray]] = (), key: object = None) -> None:
         """Queue one stage and return: ``uploads`` (value, host array) copied in, the kernels of
-        ``ops`` in order, ``downloads`` copied out; :meth:`collect` waits for it and fills the
-        download arrays. The first time a stage of these ops and copies runs, it is queued call by
-        call; the second time it is captured into a CUDA graph, copies included (their staging
-        bytes, and the host arrays of copies made in place, are fixed), which every later time
-        replays. ``key``: what identifies this stage among the caller's (the same ops, copies and
-        host arrays every time it is given), to skip working that out from the lists."""
+        ``ops`` in order, ``downloads`` copied out; :meth:`collect` waits for it (and every launch
+        queued since the last collect) and fills the download arrays. The first time a stage of
+        these ops and copies runs, it is queued call by call; the second time it is captured into
+        a CUDA graph, copies included (their staging bytes, and the host arrays of copies made in
+        place, are fixed), which every later time replays. ``key``: what identifies this stage
+        among the caller's (the same ops, copies and host arrays every time it is given), to skip
+        working that out from the lists."""
+        if self._incoming:  # staged downloads queued before: their staging bytes are about to be reused
+            self.collect()
         if key is None or key not in self._work:
             ins = tuple((v, h.nbytes, self._direct(v, h, True)) for v, h in uploads)
             outs = tuple((v, h.nbytes, self._direct(v, h, False)) for v, h in downloads)
@@ -368,8 +379,8 @@ class CudaGpu:
             self.cu("cuEventRecord", timed[1], self.stream)
             self._timed.append(timed)
         self.cu("cuEventRecord", self._kernels_done, self.stream)
-        self._awaiting = bool(downloads)
-        self._incoming = [downloads[i] for i in staged[1]]
+        self._awaiting = self._awaiting or bool(downloads)
+        self._incoming += [downloads[i] for i in staged[1]]
 
     def _queue(self, work: tuple) -> None:
         """A stage's copies in, kernels and copies out, on the stream (captured or run)."""
@@ -478,9 +489,7 @@ class CudaGpu:
         if self.stream.value:
             self.cu("cuStreamDestroy_v2", self.stream)
             self.stream = ctypes.c_void_p()
-        if self._mapped is not None:  # before the CPU executor lets that memory go
-            self.cu("cuMemHostUnregister", ctypes.c_void_p(self._mapped[0]))
-            self._mapped = None
+        self._unmap()  # before the CPU executor lets that memory go
         if self.pinned.value:
             self.cu("cuMemFreeHost", self.pinned)
             self.pinned = ctypes.c_void_p()

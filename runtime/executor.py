@@ -11,7 +11,8 @@ runs its kernels on a worker thread, so that it too really runs beside the CPU.
 Prompts run in chunks of tokens, stage by stage (:meth:`Executor.prefill`, :meth:`Executor.logits_of`):
 the CPU's chunk program of a stage computes all the chunk's tokens at once (GEMMs: each weight read
 once a chunk) while the GPU, whose kernels see one token, runs the stage's ops for each token in
-turn, copying that token's inputs from the chunk's rows in the host and its outputs back.
+turn, copying that token's inputs from the chunk's rows in the host and its outputs back (a CUDA
+device gets every token's work queued before the CPU's part starts, and is waited for once).
 
 The GPU is a real CUDA device when there is one and the ``.pib`` carries code for it, else the
 host-emulated GPU (``runtime.gpu``); ``Executor.gpu_kind`` says which, so that the caller can say
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime import hostmem
 from runtime.contracts import GPU, Schedule
 from runtime.cpu import ChunkProgram, ChunkStage, CpuExecutor, ExecutorError
 from runtime.gpu import EmulatedGpu, GpuError, cuda_device_count
@@ -121,9 +123,14 @@ class Executor:
         uses_gpu = any(st.gpu for st in self.stages)
         self.gpu = _make_gpu(pib, gpu) if uses_gpu else None
         self.gpu_kind = self.gpu.kind if self.gpu is not None else None
-        self._worker = _GpuWorker() if self.gpu is not None else None
-        if self.gpu is not None and self.gpu.asynchronous:  # a step's copies straight from and into the CPU's memory
-            self.gpu.map_host(*self.cpu.crossing_span(), snapshot=self.cpu.shared_values())
+        # The worker runs a GPU's part of a stage beside the CPU's where the GPU does not queue work.
+        self._worker = _GpuWorker() if self.gpu is not None and not self.gpu.asynchronous else None
+        # A queuing GPU copies straight from and into the CPU's memory, and a chunk's positions
+        # from a page of their own (token t's at [t]).
+        self._positions = hostmem.page_zeros(4 * self.cpu.chunk).view(np.int32)
+        if self.gpu is not None and self.gpu.asynchronous:
+            spans = [*self.cpu.crossing_spans(), (self._positions.ctypes.data, hostmem.PAGE)]
+            self.gpu.map_host(spans, snapshot=self.cpu.shared_values())
         self.vocab = self.cpu.vocab
         self.plan = pib.plan()
         self.ctx = self.plan.ctx  # positions the KV caches hold
@@ -261,16 +268,43 @@ class Executor:
 
     def _run_chunk(self, program: ChunkProgram, tokens: list[int], pos: int) -> None:
         """One chunk through ``program``: per stage, the CPU's program takes the chunk at once while
-        the GPU (on the worker) runs its ops token by token between the chunk's rows."""
+        the GPU runs its ops token by token between the chunk's rows (queued before the CPU's part
+        on a device that queues work, :meth:`_queue_chunk_stage`; else on the worker)."""
         self.cpu.load_chunk(tokens, pos)
-        for stage in program.stages:
-            self._side_by_side(self._gpu_chunk if stage.gpu else None, (stage, tokens, pos),
-                               self.cpu.run_chunk_stage if stage.cpu is not None else None, (stage,))
+        queued = self.gpu is not None and self.gpu.asynchronous
+        if queued:
+            self._positions[: len(tokens)] = np.arange(pos, pos + len(tokens), dtype=np.int32)
+        for s, stage in enumerate(program.stages):
+            if queued and stage.gpu:
+                assert self.gpu is not None
+                self._queue_chunk_stage(program, s, len(tokens))
+                if stage.cpu is not None:
+                    self._side_by_side(None, None, self.cpu.run_chunk_stage, (stage,))
+                self.gpu.collect()
+                self.gpu.wait()  # the next stage's CPU part may write what this one's copies read
+            else:
+                self._side_by_side(self._gpu_chunk if stage.gpu else None, (stage, tokens, pos),
+                                   self.cpu.run_chunk_stage if stage.cpu is not None else None, (stage,))
         self._sync_gpu_times()
 
+    def _queue_chunk_stage(self, program: ChunkProgram, s: int, n: int) -> None:
+        """Stage ``s`` of ``program``'s GPU part for the chunk's ``n`` tokens, queued back to back on
+        a device that queues work: per token its arguments and input rows copied in, the stage's
+        ops, its output rows copied out, as one launch (a graph from the second chunk on, its
+        copies in place: the chunk's rows, tokens and positions stay where they are), with no
+        wait between tokens."""
+        assert self.gpu is not None
+        stage = program.stages[s]
+        for t in range(n):
+            args = [(name, self.cpu.chunk_tokens[t : t + 1] if name == "tokens" else self._positions[t : t + 1])
+                    for name in stage.gpu_args]
+            self.gpu.launch(stage.gpu, args + [(name, rows[t]) for name, rows in stage.gpu_in],
+                            [(name, rows[t]) for name, rows in stage.gpu_out], key=("chunk", id(program), s, t))
+
     def _gpu_chunk(self, job: tuple[ChunkStage, list[int], int]) -> None:
-        """A chunk stage's GPU ops for each token in turn: its inputs from the chunk's rows into
-        the GPU's one-token slots, the ops, and its outputs back into the rows."""
+        """A chunk stage's GPU ops for each token in turn, on a GPU that runs them as it is called
+        (the emulated one, on the worker): its inputs from the chunk's rows into the GPU's
+        one-token slots, the ops, and its outputs back into the rows."""
         stage, tokens, pos = job
         gpu = self.gpu
         assert gpu is not None

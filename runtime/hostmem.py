@@ -57,6 +57,14 @@ def huge_zeros(nbytes: int) -> np.ndarray:
     return raw[start : start + nbytes]
 
 
+def page_zeros(nbytes: int) -> np.ndarray:
+    """A zeroed uint8 array of ``nbytes`` in anonymous memory of its own, starting on a page and
+    filling whole pages (so that it can be page-locked without touching anything else)."""
+    size = -(-max(nbytes, 1) // PAGE) * PAGE
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(region, dtype=np.uint8)[:nbytes]
+
+
 def carve(sizes: list[int], align: int = 64) -> list[np.ndarray]:
     """Zeroed uint8 arrays of ``sizes`` bytes, each starting on an ``align``-byte boundary, cut from
     one :func:`huge_zeros` region (they keep it alive)."""
