@@ -48,6 +48,7 @@ import ctypes
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -69,6 +70,20 @@ from runtime.gpu import GpuError, GpuTimes, arena_image
 from runtime.pib import PibFile
 
 TIMING_EVERY = 8  # one stage launch in this many is timed on the device (see the module docstring)
+
+
+@dataclass(slots=True)
+class _StageWork:
+    """What :meth:`CudaGpu.launch` queues for one stage, worked out once per key: ``work``, its
+    ops and copies in and out, each copy ``(value, bytes, host address)`` (0: through the staging
+    buffer), which also names its graph; the indices of the staged copies in and out; the bytes
+    copied; and the graph, once captured: ``(graph, executable)``."""
+
+    work: tuple
+    staged_in: tuple[int, ...]
+    staged_out: tuple[int, ...]
+    nbytes: int
+    graph: tuple[ctypes.c_void_p, ctypes.c_void_p] | None = None
 
 
 class CudaGpu:
@@ -96,8 +111,7 @@ class CudaGpu:
         self._events: list[ctypes.c_void_p] = []  # every event made, destroyed by close()
         self._graphs: dict[tuple, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}  # by (ops, copies in, out)
         self._seen: set[tuple] = set()
-        # launch()'s key -> its (ops, copies in, copies out) and which copies in and out are staged
-        self._work: dict[object, tuple[tuple, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        self._work: dict[object, _StageWork] = {}  # by launch()'s key
         self.base, self.pinned, self.stream = u64(), ctypes.c_void_p(), ctypes.c_void_p()
         manifest = CudaManifest.from_json(pib.json("cuda/manifest"))
         plan = pib.plan()
@@ -118,7 +132,7 @@ class CudaGpu:
         self._staging = np.ctypeslib.as_array(ctypes.cast(self.pinned, ctypes.POINTER(ctypes.c_uint8)),
                                               (max(act_bytes, 1),))
         self._pending: list[tuple[int, int]] = []  # staging byte ranges whose upload may be pending
-        self._kernels_done = self._event(timing=False)  # recorded after every launch()
+        self._kernels_done = self._event(timing=False)  # recorded after a launch() that copies out or stages
         self._spare: list[ctypes.c_void_p] = []  # timing events not in use
         self._timed: list[tuple[ctypes.c_void_p, ctypes.c_void_p]] = []  # recorded, not read yet
         self._launch_calls = 0
@@ -344,26 +358,26 @@ class CudaGpu:
         working that out from the lists."""
         if self._incoming:  # staged downloads queued before: their staging bytes are about to be reused
             self.collect()
-        if key is None or key not in self._work:
-            ins = tuple((v, h.nbytes, self._direct(v, h, True)) for v, h in uploads)
-            outs = tuple((v, h.nbytes, self._direct(v, h, False)) for v, h in downloads)
-            work = (tuple(ops), ins, outs)
-            staged = (tuple(i for i, c in enumerate(ins) if not c[2]), tuple(i for i, c in enumerate(outs) if not c[2]))
+        stage = self._work.get(key) if key is not None else None
+        if stage is None:
+            stage = self._stage_work(ops, uploads, downloads)
             if key is not None:
-                self._work[key] = (work, staged)
-        else:
-            work, staged = self._work[key]
-        if staged[0]:
+                self._work[key] = stage
+        if stage.staged_in:
             start = time.perf_counter()
-            for i in staged[0]:
+            for i in stage.staged_in:
                 self._stage_in(*uploads[i])
             self.times.transfer_seconds += time.perf_counter() - start
-        self.times.transfer_bytes += sum(host.nbytes for _, host in uploads) + sum(host.nbytes for _, host in downloads)
-        graph = self._graphs.get(work)
-        if graph is None and self.graphs and work in self._seen:
-            graph = self._graphs[work] = self._capture(work)
-        elif graph is None and self.dependent_launch and not self._seen:
-            self._try_dependent_launch(work)
+        self.times.transfer_bytes += stage.nbytes
+        graph = stage.graph
+        if graph is None:
+            work = stage.work
+            graph = self._graphs.get(work)
+            if graph is None and self.graphs and work in self._seen:
+                graph = self._graphs[work] = self._capture(work)
+            elif graph is None and self.dependent_launch and not self._seen:
+                self._try_dependent_launch(work)
+            stage.graph = graph
         timed = None
         if self._launch_calls % TIMING_EVERY == 0:
             timed = (self._event(), self._event())
@@ -373,14 +387,27 @@ class CudaGpu:
             self.cu("cuGraphLaunch", graph[1], self.stream)
             self.times.graph_launches += 1
         else:
-            self._seen.add(work)
-            self._queue(work)
+            self._seen.add(stage.work)
+            self._queue(stage.work)
         if timed is not None:
             self.cu("cuEventRecord", timed[1], self.stream)
             self._timed.append(timed)
-        self.cu("cuEventRecord", self._kernels_done, self.stream)
-        self._awaiting = self._awaiting or bool(downloads)
-        self._incoming += [downloads[i] for i in staged[1]]
+        if downloads or stage.staged_in:  # what collect() waits for: downloads, staging bytes read
+            self.cu("cuEventRecord", self._kernels_done, self.stream)
+        if downloads:
+            self._awaiting = True
+            if stage.staged_out:
+                self._incoming += [downloads[i] for i in stage.staged_out]
+
+    def _stage_work(self, ops: Sequence[str], uploads: Sequence[tuple[str, np.ndarray]],
+                    downloads: Sequence[tuple[str, np.ndarray]]) -> _StageWork:
+        """What :meth:`launch` queues for these ops and copies (each copy in place where it can be,
+        :meth:`_direct`)."""
+        ins = tuple((v, h.nbytes, self._direct(v, h, True)) for v, h in uploads)
+        outs = tuple((v, h.nbytes, self._direct(v, h, False)) for v, h in downloads)
+        return _StageWork((tuple(ops), ins, outs), tuple(i for i, c in enumerate(ins) if not c[2]),
+                          tuple(i for i, c in enumerate(outs) if not c[2]),
+                          sum(c[1] for c in ins) + sum(c[1] for c in outs))
 
     def _queue(self, work: tuple) -> None:
         """A stage's copies in, kernels and copies out, on the stream (captured or run)."""

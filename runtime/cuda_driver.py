@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -82,27 +83,40 @@ class Driver:
     def __init__(self, lib: object | None = None) -> None:
         self.lib = lib if lib is not None else libcuda()
         self._ctx: ctypes.c_void_p | None = None
+        self._ctx_value: int | None = None  # the context's handle, as threads record it
         self._current = threading.local()  # .ctx: the context this thread made current
+        self._fns: dict[str, Callable[..., int]] = {}  # the library's entry points, looked up once
 
     def use(self, ctx: ctypes.c_void_p) -> None:
         """Make ``ctx`` current on every thread that calls the driver from now on."""
-        self._ctx = ctx
+        self._ctx, self._ctx_value = ctx, ctx.value
         self._current.ctx = None
         self._ensure_current()
 
     def _ensure_current(self) -> None:
-        if self._ctx is not None and getattr(self._current, "ctx", None) != self._ctx.value:
+        if self._ctx is not None and getattr(self._current, "ctx", None) != self._ctx_value:
             self._check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self._ctx))
-            self._current.ctx = self._ctx.value
+            self._current.ctx = self._ctx_value
+
+    def _fn(self, name: str) -> Callable[..., int]:
+        fn = self._fns.get(name)
+        if fn is None:
+            fn = self._fns[name] = getattr(self.lib, name)
+        return fn
 
     def __call__(self, name: str, *args: object) -> None:
-        self._ensure_current()
-        self._check(name, getattr(self.lib, name)(*args))
+        # A decode step makes a few dozen calls: the common case (context current, call
+        # succeeded) is kept to a thread-local read, a dict lookup and the call.
+        if getattr(self._current, "ctx", None) != self._ctx_value:
+            self._ensure_current()
+        result = self._fn(name)(*args)
+        if result != 0:
+            self._check(name, result)
 
     def status(self, name: str, *args: object) -> int:
         """Call ``name`` and return its result code unchecked (for calls whose failure is an answer)."""
         self._ensure_current()
-        return int(getattr(self.lib, name)(*args))
+        return int(self._fn(name)(*args))
 
     def _check(self, name: str, result: int) -> None:
         if result != 0:

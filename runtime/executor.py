@@ -157,7 +157,7 @@ class Executor:
         gpu, cpu = self.gpu, self.cpu
         if gpu is not None and gpu.asynchronous:
             cpu.set_token(token, pos)
-            self._queued_stages(self._arguments(), logits)
+            self._queued_stages(logits)
         else:
             self._inputs(token, pos)
             for i, stage in enumerate(self.stages):
@@ -174,38 +174,39 @@ class Executor:
                 gpu.download(self.logits_value, self.cpu.logits())
         self._sync_gpu_times()
 
-    def _queued_stages(self, arguments: list[tuple[str, np.ndarray]], logits: bool) -> None:
+    def _queued_stages(self, logits: bool) -> None:
         """The stages on a device that queues work (CUDA): each stage's GPU part -- the values it
-        reads from the CPU copied in (the first that launches with the step's ``arguments``), its
-        kernels, and the values the next stage's CPU part reads copied out -- is launched, then
-        this thread runs the stage's CPU part; the next stage first collects what the GPU copied
-        out (waiting for it). What each stage launches is worked out once (:meth:`_queue_plan`)."""
-        gpu, cpu = self.gpu, self.cpu
+        reads from the CPU copied in (the first that launches with the step's token and
+        position), its kernels, and the values the next stage's CPU part reads copied out -- is
+        launched, then this thread runs the stage's CPU part; the next stage first collects what
+        the GPU copied out (waiting for it). What each stage launches, host arrays included, is
+        worked out once (:meth:`_queue_plan`): the host's time a stage is the driver's calls."""
+        gpu = self.gpu
         assert gpu is not None
         plan = self._plans.get(logits) or self._plans.setdefault(logits, self._queue_plan(logits))
-        for i, (first_out, ops, into, out, with_arguments) in enumerate(plan):
+        prefill = not logits
+        for i, (first_out, ops, uploads, downloads, cpu_part) in enumerate(plan):
             gpu.collect()
             if first_out:  # nothing launched before the first stage could copy these out
-                gpu.download_many([(v, self._host(v)) for v in first_out])
-            if ops or into or out or with_arguments:
-                copies_in = [(v, cpu.value(v)) for v in into]
-                gpu.launch(ops, arguments + copies_in if with_arguments else copies_in,
-                           [(v, self._host(v)) for v in out], key=(logits, i))
-            if self.stages[i].cpu:
-                self._side_by_side(None, None, cpu.run_stage, (i, not logits))
+                gpu.download_many(first_out)
+            if ops or uploads or downloads:
+                gpu.launch(ops, uploads, downloads, key=(logits, i))
+            if cpu_part:
+                self._side_by_side(None, None, self.cpu.run_stage, (i, prefill))
         gpu.collect()
         gpu.wait()  # the step's last GPU work (KV rows, say) is done before the next step
 
     def _queue_plan(self, logits: bool) -> list[tuple]:
         """Per stage, for :meth:`_queued_stages`: the values to download before it (the first
-        stage only), its GPU ops, the values copied in before them and out after them (what the
-        next stage's CPU part reads; the logits after the last stage, if the GPU makes them), and
-        whether the step's arguments go with its launch (the first stage that launches does)."""
+        stage only), its GPU ops, the copies in before them (the step's token and position with
+        the first stage that launches) and out after them (what the next stage's CPU part reads;
+        the logits after the last stage, if the GPU makes them), each with its host array, and
+        whether the stage has a CPU part."""
 
         def wanted(values: list[str] | tuple[str, ...]) -> tuple[str, ...]:
             return tuple(v for v in values if logits or v not in self.head)
 
-        plan, arguments = [], True
+        plan, arguments = [], self._arguments()
         for i, stage in enumerate(self.stages):
             if i + 1 < len(self.stages):
                 out = wanted(self.stages[i + 1].to_cpu)
@@ -213,9 +214,11 @@ class Executor:
                 out = (self.logits_value,) if logits and self.logits_on_gpu else ()
             ops, into = wanted(stage.gpu), wanted(stage.to_gpu)
             last = i + 1 == len(self.stages)
-            launches = bool(ops or into or out) or (arguments and last)
-            plan.append((wanted(stage.to_cpu) if i == 0 else (), ops, into, out, arguments and launches))
-            arguments = arguments and not launches
+            launches = bool(ops or into or out) or (bool(arguments) and last)
+            uploads = [*(arguments if launches else []), *((v, self.cpu.value(v)) for v in into)]
+            plan.append(([(v, self._host(v)) for v in wanted(stage.to_cpu)] if i == 0 else [], ops, uploads,
+                         [(v, self._host(v)) for v in out], bool(stage.cpu)))
+            arguments = [] if launches else arguments
         return plan
 
     def _host(self, value: str) -> np.ndarray:
