@@ -301,6 +301,11 @@ def gpu_predictor(hidden: int, rank: int, n: int, fmt: str, b1: bool, b2: bool) 
     return f"predictor_{hidden}x{rank}x{n}_{fmt}" + ("_b1" if b1 else "") + ("_b2" if b2 else "")
 
 
+def gpu_greedy_next(vocab: int, ctx: int) -> str:
+    """The greedy decode loop's kernel after a step of ``vocab`` logits, ``ctx`` positions."""
+    return f"greedy_next_{vocab}_ctx{ctx}"
+
+
 def gpu_compact(n: int, offset: int) -> str:
     """The index list of mask columns ``offset .. offset + n`` (a predictor-mode FFN part's)."""
     return f"compact_{n}" + (f"_from{offset}" if offset else "")

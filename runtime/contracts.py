@@ -23,6 +23,7 @@ from typing import Any
 from runtime.gpu_layout import element_bytes
 
 GPU, CPU = "gpu", "cpu"
+GREEDY_LAUNCH = "@greedy_next"  # gpu/launches' entry of the greedy loop's kernel (not an IR op: no IR name has '@')
 
 
 class ContractError(ValueError):

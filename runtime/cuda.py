@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.contracts import Call, CudaManifest, launches_from_json
+from runtime.contracts import GREEDY_LAUNCH, Call, CudaManifest, launches_from_json
 from runtime.cuda_driver import (
     ATTR_CC_MAJOR,
     ATTR_CC_MINOR,
@@ -66,7 +66,7 @@ from runtime.cuda_driver import (
     dependent_launch_config,
     u64,
 )
-from runtime.gpu import GpuError, GpuTimes, arena_image
+from runtime.gpu import GpuError, GpuTimes, arena_image, slots
 from runtime.pib import PibFile
 
 TIMING_EVERY = 8  # one stage launch in this many is timed on the device (see the module docstring)
@@ -124,7 +124,7 @@ class CudaGpu:
         image = arena_image(pib, self.arena_bytes)  # weights and constants in place, the rest zero
         cu("cuMemcpyHtoD_v2", self.base, image.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(image.nbytes))
         cu("cuStreamCreate", ctypes.byref(self.stream), STREAM_NON_BLOCKING)
-        self._slots = dict(plan.activation_offsets)
+        self._slots = slots(plan)
         activations = plan.buffer("activations")
         self._act = activations.offset if activations else 0
         act_bytes = activations.nbytes if activations else 0
@@ -202,6 +202,13 @@ class CudaGpu:
 
     def has(self, value: str) -> bool:
         return value in self._slots
+
+    @property
+    def loops(self) -> bool:
+        """Whether the greedy decode loop can run here: the file has its kernel and the host
+        memory is page-locked (its state's copies go in place; the staging buffer has no room
+        for them)."""
+        return GREEDY_LAUNCH in self._launches and bool(self._mapped)
 
     def map_host(self, spans: Sequence[tuple[int, int]], snapshot: set[str] | frozenset[str] = frozenset()) -> bool:
         """Page-lock each ``(address, nbytes)`` of ``spans`` (the CPU executor's memory, where the

@@ -31,12 +31,19 @@ from typing import Any
 import numpy as np
 
 from runtime import hostmem
-from runtime.contracts import GPU, Schedule
+from runtime.contracts import GPU, GREEDY_LAUNCH, Schedule
 from runtime.cpu import ChunkProgram, ChunkStage, CpuExecutor, ExecutorError
-from runtime.gpu import EmulatedGpu, GpuError, cuda_device_count
+from runtime.gpu import GREEDY_RECORD, GREEDY_START, EmulatedGpu, GpuError, cuda_device_count
 from runtime.pib import PibFile
 
 GPU_MODES = ("auto", "cuda", "emulate")
+EOS_BATCH = 16  # greedy steps the GPU's loop runs between looks for an end of sequence
+
+
+def _pages(array: np.ndarray) -> tuple[int, int]:
+    """``(address, nbytes)`` of the whole pages of an array that starts on a page
+    (``hostmem.page_zeros``)."""
+    return array.ctypes.data, -(-array.nbytes // hostmem.PAGE) * hostmem.PAGE
 
 
 @dataclass
@@ -123,17 +130,22 @@ class Executor:
         uses_gpu = any(st.gpu for st in self.stages)
         self.gpu = _make_gpu(pib, gpu) if uses_gpu else None
         self.gpu_kind = self.gpu.kind if self.gpu is not None else None
-        # The worker runs a GPU's part of a stage beside the CPU's where the GPU does not queue work.
-        self._worker = _GpuWorker() if self.gpu is not None and not self.gpu.asynchronous else None
-        # A queuing GPU copies straight from and into the CPU's memory, and a chunk's positions
-        # from a page of their own (token t's at [t]).
-        self._positions = hostmem.page_zeros(4 * self.cpu.chunk).view(np.int32)
-        if self.gpu is not None and self.gpu.asynchronous:
-            spans = [*self.cpu.crossing_spans(), (self._positions.ctypes.data, hostmem.PAGE)]
-            self.gpu.map_host(spans, snapshot=self.cpu.shared_values())
         self.vocab = self.cpu.vocab
         self.plan = pib.plan()
         self.ctx = self.plan.ctx  # positions the KV caches hold
+        # The worker runs a GPU's part of a stage beside the CPU's where the GPU does not queue work.
+        self._worker = _GpuWorker() if self.gpu is not None and not self.gpu.asynchronous else None
+        # A queuing GPU copies straight from and into the CPU's memory, a chunk's positions from a
+        # page of their own (token t's at [t]), and the greedy loop's state through pages of its own.
+        self._positions = hostmem.page_zeros(4 * self.cpu.chunk).view(np.int32)
+        self._loop_state = hostmem.page_zeros(4 * (self.ctx + 2)).view(np.int32)  # see _gpu_greedy
+        if self.gpu is not None and self.gpu.asynchronous:
+            spans = [*self.cpu.crossing_spans(), *(_pages(a) for a in (self._positions, self._loop_state))]
+            self.gpu.map_host(spans, snapshot=self.cpu.shared_values())
+        # Greedy steps in a loop on the GPU: the whole step is the GPU's and the file has the loop.
+        self._gpu_ops = [op for st in self.stages for op in st.gpu]
+        self.gpu_loops = (self.gpu is not None and self.gpu.loops and self.logits_on_gpu
+                          and not any(st.cpu for st in self.stages))
         self.times = DeviceTimes()
         self._plans: dict[bool, list[tuple]] = {}  # by logits: what each stage launches (a queuing GPU)
 
@@ -339,6 +351,8 @@ class Executor:
                                 f"cache holds {self.ctx}")
         if self.gpu is None and self.cpu.loops:
             return self.cpu.decode_greedy(token, pos, steps, eos)
+        if self.gpu_loops and steps > 1:
+            return self._gpu_greedy(token, pos, steps, eos)
         tokens: list[int] = []
         for _ in range(steps):
             self.step(token, pos)
@@ -346,6 +360,51 @@ class Executor:
             tokens.append(token)
             if token == eos:
                 break
+        return tokens
+
+    def _gpu_greedy(self, token: int, pos: int, steps: int, eos: int | None) -> list[int]:
+        """:meth:`greedy_steps` on a model whose whole step is the GPU's, in batches (of
+        :data:`EOS_BATCH` steps when there is an ``eos`` to stop at) that the GPU runs without the
+        host between their steps: the first step's token and position copied in, then each step
+        but the batch's last followed by the loop's kernel (``GREEDY_LAUNCH``: the next token and
+        position on the device, the token recorded at its position in the loop's state), the last
+        step's logits and the record copied out; that step's token is the logits' argmax here.
+        On a CUDA device a batch is queued graph after graph and waited for once. A batch may run
+        past ``eos`` (the KV rows it wrote are past the position the caller goes on from)."""
+        gpu = self.gpu
+        assert gpu is not None
+        loop, record = [*self._gpu_ops, GREEDY_LAUNCH], self._loop_state[1:]
+        downloads = [(self.logits_value, self.cpu.logits()), (GREEDY_RECORD, record)]
+        tokens: list[int] = []
+        while len(tokens) < steps:
+            n = min(steps - len(tokens), steps if eos is None else EOS_BATCH)
+            self.cpu.set_token(token, pos)
+            self._loop_state[0] = pos
+            uploads = [*self._arguments(), (GREEDY_START, self._loop_state[:1])]
+            if n == 1:
+                self.step(token, pos)
+            elif gpu.asynchronous:
+                gpu.launch(loop, uploads, key=("greedy", "first"))
+                for _ in range(n - 2):
+                    gpu.launch(loop, key=("greedy", "next"))
+                gpu.launch(self._gpu_ops, (), downloads, key=("greedy", "last"))
+                gpu.collect()
+                gpu.wait()
+            else:
+                for name, host in uploads:
+                    gpu.upload(name, host)
+                for _ in range(n - 1):
+                    gpu.run(loop)
+                gpu.run(self._gpu_ops)
+                gpu.download_many(downloads)
+            made = [int(t) for t in record[pos : pos + n - 1]] + [self.greedy()]
+            if eos in made:
+                made = made[: made.index(eos) + 1]
+            tokens += made
+            token, pos = made[-1], pos + len(made)
+            if made[-1] == eos:
+                break
+        self._sync_gpu_times()
         return tokens
 
     def pinned(self) -> contextlib.AbstractContextManager[None]:

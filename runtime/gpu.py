@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime import gpu_layout
-from runtime.contracts import Call, launches_from_json
+from runtime.contracts import GREEDY_LAUNCH, Call, launches_from_json
 from runtime.pib import PibFile
-from runtime.plan import ARENA_ALIGN
+from runtime.plan import ARENA_ALIGN, GREEDY, MemoryPlan
 
 
 class GpuError(Exception):
@@ -58,6 +58,22 @@ class EmulatedDevice:
         self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
         return block
+
+
+GREEDY_RECORD = "@greedy.record"  # the greedy loop's state: a token per position, then the next position
+GREEDY_START = "@greedy.start"  # its last word: the position of the loop's first step
+
+
+def slots(plan: MemoryPlan) -> dict[str, int]:
+    """Where each value the runtime copies lives, from the start of the GPU's activations: the
+    plan's activation slots and, where the plan has the greedy loop's buffer, its two views
+    (:data:`GREEDY_RECORD`, :data:`GREEDY_START`)."""
+    out = dict(plan.activation_offsets)
+    greedy, activations = plan.buffer(GREEDY), plan.buffer("activations")
+    if greedy is not None and activations is not None:
+        out[GREEDY_RECORD] = greedy.offset - activations.offset
+        out[GREEDY_START] = greedy.offset + 4 * plan.ctx - activations.offset
+    return out
 
 
 @dataclass
@@ -96,7 +112,7 @@ class EmulatedGpu:
         self._launches = self._bind(launches_from_json(pib.json("gpu/launches")))
         activations = plan.buffer("activations")
         self._act = activations.offset if activations else 0
-        self._slots = dict(plan.activation_offsets)
+        self._slots = slots(plan)
 
     # --- memory -------------------------------------------------------------------------------------
 
@@ -118,6 +134,11 @@ class EmulatedGpu:
                 args = [tvm.runtime.from_dlpack(self.view(a.offset, list(a.shape), a.dtype)) for a in call.args]
                 bound[op].append((fn, args))
         return bound
+
+    @property
+    def loops(self) -> bool:
+        """Whether the file has the greedy decode loop's kernel (``GREEDY_LAUNCH``)."""
+        return GREEDY_LAUNCH in self._launches
 
     def _slot(self, value: str) -> int:
         return self._act + self._slots[value]

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from runtime.contracts import ContractError, _get
 
 ARENA_ALIGN = 256  # what cudaMalloc guarantees; 16-byte vector loads and 64-byte CPU lines divide it
+GREEDY = "greedy"  # the GPU buffer of the greedy decode loop: a token per position, then the next position
 PLAN_VERSION = 1
 _SECTION = "plan"
 
@@ -32,7 +33,7 @@ class Buffer:
     """
 
     name: str
-    kind: str  # "weight" | "constant" | "kv-cache" | "activations" | "workspace"
+    kind: str  # "weight" | "constant" | "kv-cache" | "activations" | "workspace" | "greedy"
     device: str  # "gpu" | "cpu"
     nbytes: int
     offset: int = -1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from picc.codegen_cuda import dense, ffn, layers
+from picc.codegen_cuda import dense, ffn, greedy, layers
 from picc.codegen_cuda.kernel import Kernel
 from picc.errors import PiccError
 
@@ -82,6 +82,7 @@ def model_kernels(m: ModelShapes, fmt: str, predictor_fmt: str = "f16") -> list[
         ffn.bias_add(f"{m.name}_bias_add", m.hidden),
         layers.merge(f"{m.name}_merge", m.hidden, bias=False),
         layers.add(f"{m.name}_add", 1, m.hidden),
+        greedy.greedy_next(f"{m.name}_greedy_next", m.vocab, m.max_ctx),
     ]
     spec = ffn.FORMS[m.form]
     if spec.gated and not spec.act_on_up:

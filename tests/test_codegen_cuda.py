@@ -52,6 +52,7 @@ from picc.codegen_cuda import (
     unpack,
     write_cuda_sources,
 )
+from picc.codegen_cuda.greedy import greedy_next
 from picc.codegen_cuda.schedules import arch_params, cpu_schedule, schedule
 from picc.errors import PiccError
 from picc.interpreter import KVCache, activation
@@ -136,6 +137,28 @@ def test_prefill_gemm_host_matches_numpy(fmt: str) -> None:
     args, wd = weight_args("W", w, fmt)
     y = build_host(gemm(f"gemm_{fmt}", 5, 64, 320, fmt, bias=True))(X=xs, b=b, **args)["Y"]
     assert rel_err(y, xs @ wd.T + b) <= TOL[fmt]
+
+
+@pytest.mark.parametrize(("vocab", "start"), [(8192, 7), (1000, 63), (1000, 90)])
+def test_greedy_next_picks_numpys_argmax_and_advances_the_loop(vocab: int, start: int) -> None:
+    """The greedy loop's kernel (its definition, which the host build runs) picks the first index
+    of the largest logit, as ``numpy.argmax`` does, among many ties; records it at the loop's
+    position, which it advances, and writes the next step's token and position. A position past
+    the record is clamped into it (the runtime never passes one)."""
+    ctx = 64
+    rng = np.random.default_rng(vocab + start)
+    for trial in range(4):
+        logits = rng.integers(-3, 4, vocab).astype(np.float32)  # a handful of values: ties everywhere
+        if trial == 1:
+            logits[-1] = 10.0  # the winner in the last, partial, sweep of 256
+        state = np.full(ctx + 1, -1, np.int32)
+        state[ctx] = start
+        out = build_host(greedy_next("greedy", vocab, ctx))(logits=logits, state=state)
+        at = min(start, ctx - 1)
+        best = int(np.argmax(logits))
+        assert out["tokens"][0] == best and out["pos"][0] == at + 1
+        assert out["state"][at] == best and out["state"][ctx] == at + 1
+        assert (np.delete(out["state"][:ctx], at) == -1).all()
 
 
 def test_predictor_mask_and_compaction_match_numpy() -> None:

@@ -17,7 +17,7 @@ from cuda_models import RELU_DEMO, SMOLLM2, ModelShapes, model_kernels
 from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
-from picc.codegen_cuda import ARCHS, Kernel, dense, ffn, layers, padded
+from picc.codegen_cuda import ARCHS, Kernel, dense, ffn, greedy, layers, padded
 from picc.codegen_cuda.bounds import ValueRanges, out_of_bounds
 from picc.codegen_cuda.kernel import kernel_from_func, make_kernel
 
@@ -58,7 +58,8 @@ def _model(m: ModelShapes, formats: tuple[str, ...], predictor_fmt: dict[str, st
 
 def _variants() -> list[Case]:
     """What ``lower_gpu`` emits beyond ``model_kernels``: biases, embedding, layer norm, partial
-    and GPT-J rotary, a sliding window, an FFN part at a neuron offset, q8_0 and GeGLU."""
+    and GPT-J rotary, a sliding window, an FFN part at a neuron offset, q8_0, GeGLU, and the
+    greedy loop's kernel over a vocabulary its threads do not divide."""
     m, n = TINY, TINY.n_ff
     kernels = [
         dense.gemv("v_gemv_bias", 96, 64, "q4_0", bias=True),
@@ -86,6 +87,7 @@ def _variants() -> list[Case]:
         ffn.bias_add("v_bias_add_res", 64, residual=True),
         ffn.dense_ffn("v_dense_ffn_res", 64, n, "swiglu", "q4_0", residual=True),
         ffn.gate_first_ffn("v_gate_first_res", 64, n, "swiglu", "f16", residual=True),
+        greedy.greedy_next("v_greedy_next_odd_vocab", 1000, m.max_ctx),  # the last 256 logits a partial sweep
     ]
     cases = [(k, _promises(k, m)) for k in kernels]
     relu = ffn.sparse_ffn("v_sparse_ffn_res_relu_demo", RELU_DEMO.hidden, RELU_DEMO.n_ff, "reglu", "f16", residual=True)
@@ -134,7 +136,7 @@ def test_every_kernel_stays_inside_its_buffers(model: str, arch: str) -> None:
     assert not violations, "\n".join(violations)
     if model not in ("llama7b_ffn", "attention_decode"):  # the sets cover every kind the compiler emits
         assert {"gemv", "gemm", "predictor", "compact", "sparse_ffn", "dense_ffn", "gate_first_ffn",
-                "norm", "elementwise", "attention", "attention_decode"} <= kinds
+                "norm", "elementwise", "attention", "attention_decode", "greedy_next"} <= kinds
 
 
 # -- the checker fails where it must ---------------------------------------------------------------

@@ -54,7 +54,11 @@ def pibs(tmp_path_factory):
                               say=lambda _: None)
         split = compile_model(model, CompileOptions(target="pc-low", vram=str(half_the_ffn(whole)), sparsity=sparsity),
                               say=lambda _: None)
-        for name, result in (("whole", whole), ("split", split)):
+        # Tied embeddings: the embedding sits beside the LM head on the GPU, so the whole step is
+        # the GPU's (the greedy loop's case).
+        tied = compile_model(with_tokenizer(tiny_llama("reglu", n_layers=2, hidden=64, n_ff=128, seed=5, tied=True)),
+                             CompileOptions(target="pc-low", vram="4MiB", sparsity=sparsity), say=lambda _: None)
+        for name, result in (("whole", whole), ("split", split), ("tied", tied)):
             out[name] = root / f"{name}.pib"
             write_compiled(result, out[name])
         for mode, form, dense in (("gate-first", "swiglu", False), ("gate-first", "swiglu", True)):
@@ -412,3 +416,45 @@ def test_a_prompt_queues_each_chunk_stage_token_after_token_and_waits_once(pibs,
             assert made.count("cuGraphLaunch") == (len(TOKENS) * gpu_stages if prompt else 0)
             if prompt == 2:
                 assert "cuLaunchKernel" not in made and "cuMemcpyHtoDAsync_v2" not in made
+
+
+def _greedy_runs(path, gpu: str, eos_at: int | None = None) -> list[tuple[list[int], np.ndarray]]:
+    """12 greedy steps after a 4-token prompt, one by one and in the GPU's loop (``eos_at``: the
+    step whose one-by-one token then ends the loop's run)."""
+    runs: list[tuple[list[int], np.ndarray]] = []
+    eos = None
+    for loops in (False, True):
+        with Session(path, threads=1, gpu=gpu) as session:
+            ex = session.executor
+            assert ex.gpu_loops
+            ex.gpu_loops = loops
+            session.feed(TOKENS[:4])
+            tokens = ex.greedy_steps(ex.greedy(), session.pos, 12, eos)
+            runs.append((tokens, ex.logits().copy()))
+        if eos_at is not None and not loops:
+            eos = tokens[eos_at]
+    return runs
+
+
+def test_a_whole_gpu_models_greedy_steps_run_in_a_loop_on_the_device(pibs, fake_driver):
+    """Where the whole step is the GPU's, greedy steps run as a loop on the device: each step's
+    graph is followed by the loop's kernel, which picks the next token and position there, so
+    the host launches a graph a step and waits once for the whole run (it waited every step).
+    The tokens and the last logits are those of the steps run one by one."""
+    (plain, plain_logits), (looped, looped_logits) = _greedy_runs(pibs["tied"], "cuda")
+    assert looped == plain and np.array_equal(looped_logits, plain_logits)
+    by_step, in_loop = ([call for _, call in fake.calls] for fake in fake_driver)
+    waits = [calls.count("cuEventSynchronize") + calls.count("cuStreamSynchronize") for calls in (by_step, in_loop)]
+    assert waits[1] + 12 <= waits[0]
+
+
+def test_the_greedy_loop_stops_at_eos_and_runs_on_the_emulated_gpu_too(pibs):
+    """On the emulated GPU the loop runs the host build of the same kernel, with the tokens of the
+    steps run one by one; with an end of sequence, the loop's run ends with it."""
+    for eos_at in (None, 5):
+        (plain, plain_logits), (looped, looped_logits) = _greedy_runs(pibs["tied"], "emulate", eos_at)
+        if eos_at is None:
+            assert looped == plain and np.array_equal(looped_logits, plain_logits)
+        else:
+            eos = plain[eos_at]
+            assert looped == plain[: plain.index(eos) + 1]

@@ -90,7 +90,8 @@ class Folder:
 
     def _record_units(self, name: str, session: Session, pib: PibFile) -> None:
         """Each kernel of the file not seen yet: its arguments before and after its call in one
-        real decode step on the emulated GPU (real activations, KV rows, masks, positions)."""
+        real decode step on the emulated GPU (real activations, KV rows, masks, positions), and,
+        where the file has the greedy loop, in two greedy steps of it."""
         gpu = session.executor.gpu
         arch = CudaManifest.from_json(pib.json("cuda/manifest")).arch
         launches = launches_from_json(pib.json("gpu/launches"))
@@ -117,7 +118,10 @@ class Folder:
                                        "params": [[a.param, list(a.shape), a.dtype, a.offset] for a in call.args]}
 
         gpu.run = run
-        session.executor.step(session.history[-1] if session.history else 1, session.pos)
+        ex = session.executor
+        ex.step(session.history[-1] if session.history else 1, session.pos)
+        if ex.gpu_loops:  # and the greedy loop's kernel, after the steps it follows
+            ex.greedy_steps(ex.greedy(), session.pos + 1, 2)
 
     def kernels(self) -> None:
         """PTX (sm_90) of the fused FFN kernels the kernel benchmark times."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from picc import kernel_names as names
-from picc.codegen_cuda import dense, ffn, layers
+from picc.codegen_cuda import dense, ffn, greedy, layers
 from picc.codegen_cuda.kernel import Kernel
 from picc.errors import PiccError
 from picc.ir import ops as O
@@ -38,7 +38,8 @@ from picc.ir.types import Placement, TensorType
 from picc.ir.weights import WeightStore
 from picc.placement import memory_plan as mp
 from runtime import gpu_layout
-from runtime.contracts import Binding, Call
+from runtime.contracts import GREEDY_LAUNCH, Binding, Call
+from runtime.plan import GREEDY
 
 
 @dataclass
@@ -148,6 +149,18 @@ class _Lowering:
         self.launch(first, k, [b.value(first.x, "x1", k), b.value(second.x, "x2", k), *v, b.value(first.pos, "pos", k),
                                b.constant(f"rope.{first.result}", "inv_freq", k), b.value(first.result, "y1", k),
                                b.value(second.result, "y2", k), *caches])
+
+    def greedy_next(self, logits: str) -> None:
+        """The greedy decode loop's kernel after a step (``picc.codegen_cuda.greedy``), launched by
+        the runtime under ``GREEDY_LAUNCH``: the step's logits in, the next step's ``tokens`` and
+        ``pos`` slots and the plan's ``greedy`` buffer out."""
+        vocab = self.width(logits)
+        name = names.gpu_greedy_next(vocab, self.ctx)
+        k = self.kernel(name, lambda: greedy.greedy_next(name, vocab, self.ctx))
+        b, state = self.bind, self.bind.buffers[GREEDY]
+        self.out.launches[GREEDY_LAUNCH] = [Call(k.name, (
+            b.value(logits, "logits", k), b.value("tokens", "tokens", k), b.value("pos", "pos", k),
+            _binding(k, "state", state.offset, state.nbytes)))]
 
     def result(self, op: Op, param: str, kernel: Kernel) -> Binding:
         """Where ``op``'s kernel writes: its result's slot, or the add's it does the residual add of."""
@@ -330,4 +343,6 @@ def lower_gpu(module: Module, weights: WeightStore, plan: mp.MemoryPlan,
             lowering.lower(op)
             if advance is not None:
                 advance(1)
+    if plan.buffer(GREEDY) is not None:
+        lowering.greedy_next(module.function().ret)
     return lowering.out

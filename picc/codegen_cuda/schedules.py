@@ -33,6 +33,7 @@ from tvm import s_tir, tirx
 
 from picc.codegen_cuda.dense import warp_compact
 from picc.codegen_cuda.ffn import H_STAGE, LIVE_STAGE
+from picc.codegen_cuda.greedy import block_greedy_next
 from picc.codegen_cuda.guards import GUARD, TileGuard, apply_guards, spatial_axes
 from picc.codegen_cuda.kernel import Guard, Kernel
 from picc.errors import PiccError
@@ -354,6 +355,8 @@ def schedule(kernel: Kernel, arch: str) -> tirx.PrimFunc:
             flat_threads(sch, sch.get(sch.get_child_blocks(sch.get_sblock("root"))[-1]).name_hint, p.threads)
         case "compact":
             return warp_compact(kernel)
+        case "greedy_next":
+            return block_greedy_next(kernel)
         case _:
             raise NotImplementedError(kernel.kind)
     return apply_guards(sch.mod["main"], kernel, tiles, eager)

@@ -19,7 +19,10 @@ What lives on the GPU (each buffer starts at a multiple of ``runtime.plan.ARENA_
   offset in it, reused once the value is dead (first fit, in op order, which is the order the GPU
   runs its ops in);
 * one workspace for the kernels' temporaries between their launches, the largest any GPU op
-  needs (``gpu_scratch``: exactly the scratch buffers of the op's kernels).
+  needs (``gpu_scratch``: exactly the scratch buffers of the op's kernels);
+* where the GPU reads the token and makes the logits, the greedy decode loop's state
+  (``runtime.plan.GREEDY``, ``picc.codegen_cuda.greedy``): a token per position and the position
+  to come, ``4 * (ctx + 1)`` bytes.
 
 CPU buffers are listed too (weights are mapped from the file, the KV cache of CPU layers is
 allocated), so ``cpu_bytes`` is the host memory the model holds beside its activations.
@@ -40,7 +43,7 @@ from picc.ir.weights import WeightStore
 from picc.placement.schedule import Schedule, schedule
 from picc.quant import raw_nbytes
 from runtime import gpu_layout
-from runtime.plan import Buffer, MemoryPlan, aligned
+from runtime.plan import GREEDY, Buffer, MemoryPlan, aligned
 
 KV_BYTES = {"f32": 4, "f16": 2}  # bytes per cached element, by the attention op's kv_format
 DEFAULT_CTX = 512
@@ -302,4 +305,7 @@ def plan_memory(module: Module, weights: WeightStore, *, ctx: int, budget: int) 
         offsets, arena = activation_arena(func, lambda op: _is_gpu(op.type), schedule(module))
         add("activations", "activations", True, arena, None)
         add("workspace", "workspace", True, max(workspace_bytes(op, ctx, decls) for op in gpu_ops), None)
+        made_by = {op.result: op for op in func.ops}
+        if "tokens" in offsets and "pos" in offsets and func.ret in made_by and _is_gpu(made_by[func.ret].type):
+            add(GREEDY, "greedy", True, 4 * (ctx + 1), None)
     return MemoryPlan(ctx, budget, tuple(buffers), offsets, placement_notes(func))
