@@ -22,6 +22,7 @@ so.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -142,10 +143,11 @@ class Executor:
         if self.gpu is not None and self.gpu.asynchronous:
             spans = [*self.cpu.crossing_spans(), *(_pages(a) for a in (self._positions, self._loop_state))]
             self.gpu.map_host(spans, snapshot=self.cpu.shared_values())
-        # Greedy steps in a loop on the GPU: the whole step is the GPU's and the file has the loop.
+        # Greedy steps in a loop on the GPU: the whole step is the GPU's and the file has the loop
+        # (PICC_GPU_LOOP=0 turns it off, to compare).
         self._gpu_ops = [op for st in self.stages for op in st.gpu]
         self.gpu_loops = (self.gpu is not None and self.gpu.loops and self.logits_on_gpu
-                          and not any(st.cpu for st in self.stages))
+                          and not any(st.cpu for st in self.stages) and os.environ.get("PICC_GPU_LOOP", "1") != "0")
         self.times = DeviceTimes()
         self._plans: dict[bool, list[tuple]] = {}  # by logits: what each stage launches (a queuing GPU)
 

@@ -458,3 +458,13 @@ def test_the_greedy_loop_stops_at_eos_and_runs_on_the_emulated_gpu_too(pibs):
         else:
             eos = plain[eos_at]
             assert looped == plain[: plain.index(eos) + 1]
+
+
+def test_picc_gpu_loop_0_runs_greedy_steps_one_by_one(pibs, monkeypatch):
+    """``PICC_GPU_LOOP=0`` (the GPU check's comparison) keeps a whole-GPU model's greedy steps one
+    by one."""
+    with Session(pibs["tied"], threads=1, gpu="emulate") as session:
+        assert session.executor.gpu_loops
+    monkeypatch.setenv("PICC_GPU_LOOP", "0")
+    with Session(pibs["tied"], threads=1, gpu="emulate") as session:
+        assert not session.executor.gpu_loops

@@ -104,14 +104,16 @@ def launch_profile(path: Path, gpu: str) -> list[dict]:
     return [{"op": op, "kernel": entry, "us": 1e6 * t} for op, entry, t in timed]
 
 
-def bench(path: Path, threads: int, gpu: str, repeat: int, pdl: bool = True) -> dict:
-    """``picc bench`` of ``path``; ``pdl=False``: with dependent launches off (PICC_CUDA_PDL=0)."""
+def bench(path: Path, threads: int, gpu: str, repeat: int, pdl: bool = True, loop: bool = True) -> dict:
+    """``picc bench`` of ``path``; ``pdl=False``: with dependent launches off (PICC_CUDA_PDL=0);
+    ``loop=False``: greedy steps one by one, not in the GPU's loop (PICC_GPU_LOOP=0)."""
     cmd = [sys.executable, "-c", "import sys; from picc.cli import main; sys.exit(main())", "bench",
            str(path), "--threads", str(threads), "--gpu", gpu, "--repeat", str(repeat), "--json"]
     env = {**os.environ, "PYTHONPATH": str(HERE / "src"), "PICC_CACHE_DIR": "/tmp/picc-cache",
-           "PICC_CUDA_PDL": "1" if pdl else "0"}
+           "PICC_CUDA_PDL": "1" if pdl else "0", "PICC_GPU_LOOP": "1" if loop else "0"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    b = {"name": path.stem + ("" if pdl else " (no PDL)"), "threads": threads, "gpu": gpu, "rc": p.returncode}
+    b = {"name": path.stem + ("" if pdl else " (no PDL)") + ("" if loop else " (no GPU loop)"), "threads": threads,
+         "gpu": gpu, "rc": p.returncode}
     try:
         b.update(json.loads(p.stdout))
     except json.JSONDecodeError:
@@ -153,10 +155,12 @@ def main() -> None:
                 b = bench(path, threads, args.gpu if gpu_bytes else "auto", args.repeat)
                 results["bench"].append(b)
                 print(json.dumps(b)[:600], flush=True)
-            if gpu_bytes and args.gpu == "cuda":  # the same file with every kernel launched plainly
-                b = bench(path, 2, "cuda", args.repeat, pdl=False)
-                results["bench"].append(b)
-                print(json.dumps(b)[:600], flush=True)
+            if gpu_bytes and args.gpu == "cuda":  # the same file with every kernel launched plainly,
+                # and with greedy steps one by one (a file whose whole step is the GPU's loops them)
+                for variant in ({"pdl": False}, {"loop": False}):
+                    b = bench(path, 2, "cuda", args.repeat, **variant)
+                    results["bench"].append(b)
+                    print(json.dumps(b)[:600], flush=True)
     (out / "check.json").write_text(json.dumps(results, indent=1))
     report(results)
     sys.exit(0 if all(r["ok"] for r in results["cases"]) else 1)
