@@ -468,3 +468,13 @@ def test_picc_gpu_loop_0_runs_greedy_steps_one_by_one(pibs, monkeypatch):
     monkeypatch.setenv("PICC_GPU_LOOP", "0")
     with Session(pibs["tied"], threads=1, gpu="emulate") as session:
         assert not session.executor.gpu_loops
+
+
+def test_the_loop_is_compiled_where_the_whole_step_is_the_gpus(pibs):
+    """The tied model's whole step is the GPU's: its file has the loop's kernel and buffer. The
+    untied one embeds on the CPU: no loop, and the plan's notes say why."""
+    tied, untied = PibFile(pibs["tied"]), PibFile(pibs["whole"])
+    assert "@greedy_next" in tied.json("gpu/launches") and tied.plan().buffer("greedy") is not None
+    assert "@greedy_next" not in untied.json("gpu/launches") and untied.plan().buffer("greedy") is None
+    assert any("embedding is on the CPU" in note for note in untied.plan().notes)
+    assert not any("embedding" in note for note in tied.plan().notes)
