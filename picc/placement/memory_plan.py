@@ -262,7 +262,7 @@ def placement_notes(func: Function) -> tuple[str, ...]:
                      f"holds the dense parts of {len(layers) - len(cpu_dense)} of {len(layers)} layers)")
     if on_cpu(func.ops[-1]):
         notes.append("the output norm and LM head are on the CPU")
-    elif [op for op in func.ops if on_cpu(op)] == [op for op in func.ops if isinstance(op, O.Embed)]:
+    elif (cpu_ops := [op for op in func.ops if on_cpu(op)]) and all(isinstance(op, O.Embed) for op in cpu_ops):
         notes.append("the embedding is on the CPU (it is not the LM head's table), so each step starts on the host "
                      "and greedy steps cannot run as a loop on the GPU")
     return tuple(notes)
