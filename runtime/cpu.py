@@ -336,10 +336,8 @@ class CpuExecutor:
                    | {r.buffer for program in (m.prefill, m.logits_chunk) for st in program.stages
                       for r in (*st.gpu_in, *st.gpu_out)}
                    | {program.logits.buffer for program in (m.prefill, m.logits_chunk) if program.logits is not None})
-        page = hostmem.PAGE
         spans: list[list[int]] = []
-        for start, end in sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in (self._keep[i] for i in buffers)):
-            start, end = start - start % page, end + -end % page
+        for start, end in sorted(hostmem.page_span(self._keep[i]) for i in buffers):
             if spans and start <= spans[-1][1]:
                 spans[-1][1] = max(spans[-1][1], end)
             else:

@@ -41,12 +41,6 @@ GPU_MODES = ("auto", "cuda", "emulate")
 EOS_BATCH = 16  # greedy steps the GPU's loop runs between looks for an end of sequence
 
 
-def _pages(array: np.ndarray) -> tuple[int, int]:
-    """``(address, nbytes)`` of the whole pages of an array that starts on a page
-    (``hostmem.page_zeros``)."""
-    return array.ctypes.data, -(-array.nbytes // hostmem.PAGE) * hostmem.PAGE
-
-
 @dataclass
 class DeviceTimes:
     """Where a run's step time went: GPU work, CPU stages, copies between them; and how the GPU's
@@ -141,7 +135,8 @@ class Executor:
         self._positions = hostmem.page_zeros(4 * self.cpu.chunk).view(np.int32)
         self._loop_state = hostmem.page_zeros(4 * (self.ctx + 2)).view(np.int32)  # see _gpu_greedy
         if self.gpu is not None and self.gpu.asynchronous:
-            spans = [*self.cpu.crossing_spans(), *(_pages(a) for a in (self._positions, self._loop_state))]
+            own = [hostmem.page_span(a) for a in (self._positions, self._loop_state)]
+            spans = [*self.cpu.crossing_spans(), *((start, end - start) for start, end in own)]
             self.gpu.map_host(spans, snapshot=self.cpu.shared_values())
         # Greedy steps in a loop on the GPU: the whole step is the GPU's and the file has the loop
         # (PICC_GPU_LOOP=0 turns it off, to compare).

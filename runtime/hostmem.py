@@ -65,6 +65,14 @@ def page_zeros(nbytes: int) -> np.ndarray:
     return np.frombuffer(region, dtype=np.uint8)[:nbytes]
 
 
+def page_span(array: np.ndarray) -> tuple[int, int]:
+    """``(start, end)``: the addresses of the whole pages ``array``'s bytes lie on (for
+    page-locking it; the pages must belong to one mapping, as :func:`page_zeros`' and
+    :func:`carve`'s do)."""
+    start, end = array.ctypes.data, array.ctypes.data + array.nbytes
+    return start - start % PAGE, end + -end % PAGE
+
+
 def carve(sizes: list[int], align: int = 64) -> list[np.ndarray]:
     """Zeroed uint8 arrays of ``sizes`` bytes, each starting on an ``align``-byte boundary, cut from
     one :func:`huge_zeros` region (they keep it alive)."""

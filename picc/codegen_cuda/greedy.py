@@ -2,7 +2,7 @@
 
 For a model whose whole step runs on the GPU (the embedding reads ``tokens`` there and the GPU
 makes the logits), the runtime can queue many greedy decode steps without returning to the host
-between them (``runtime.cuda.CudaGpu.greedy_loop``): each step's launches are followed by
+between them (``runtime.executor.Executor.greedy_steps``): each step's launches are followed by
 ``greedy_next``, which picks the step's most likely token (the first index of the largest logit,
 as ``numpy.argmax``; a NaN logit is never picked), writes it where the next step's embedding reads
 ``tokens``, records it in the plan's ``greedy`` buffer at the step's position, and writes the next
