@@ -211,11 +211,12 @@ def cpu_fused_ffn(mode: str, form: str, up: str, gate: str | None, down: str, in
 
 
 def cpu_chunk_ffn(mode: str, form: str, up: str, gate: str | None, down: str, interleaved: bool,
-                  dense_rows8: bool = False, gathered: str = "rows") -> str:
-    """The fused FFN kernel of the prefill program: a chunk of tokens, each with its own active set
-    (float x: its rows are dequantized, from whichever layout they are stored in)."""
-    return cpu_fused_ffn(mode, form, up, gate, down, interleaved, dense_rows8=dense_rows8,
-                         gathered=gathered).replace("picc_ffn_", "picc_ffn_chunk_", 1)
+                  dense_rows8: bool = False, gathered: str = "rows", x_format: str = "f32") -> str:
+    """The fused FFN kernel of the prefill program: a chunk of tokens, each with its own active set.
+    Its rows8 matrices (``dense_rows8``) dot x as the decode kernel does (rounded to ``x_format``,
+    or float); every other row is dequantized to floats, from whichever layout it is stored in."""
+    return cpu_fused_ffn(mode, form, up, gate, down, interleaved, x_format if dense_rows8 else "f32",
+                         dense_rows8=dense_rows8, gathered=gathered).replace("picc_ffn_", "picc_ffn_chunk_", 1)
 
 
 def cpu_dense_ffn(form: str, up: str, gate: str | None, down: str, x_format: str = "f32",

@@ -13,10 +13,23 @@ import numpy as np
 import pytest
 from cpu_kernels import QUANT_TOL, act64, gap_threshold, rel_err, run, tol, weights
 
-from picc.codegen_cpu import SYNC_BYTES, Buf, Param, Program, aligned_zeros, buffer_table, compile_kernels, rowplanes
-from picc.codegen_cpu.kernels_ffn import FORMS, predictor, predictor_scratch_bytes
+from picc import quant
+from picc.codegen_cpu import (
+    SYNC_BYTES,
+    Buf,
+    Param,
+    Program,
+    aligned_zeros,
+    buffer_table,
+    build_ir,
+    compile_kernels,
+    rowplanes,
+)
+from picc.codegen_cpu.compiler import CpuModule
+from picc.codegen_cpu.kernels_ffn import FORMS, ffn_scratch_bytes, predictor, predictor_scratch_bytes, sparse_ffn
 from picc.codegen_cpu.kernels_prefill import chunk_ffn, chunk_ffn_scratch_bytes
 from picc.codegen_cpu.rows8 import to_rows8
+from runtime.cpu import host_has
 
 DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 THREADS = (1, 2, 3)
@@ -163,6 +176,63 @@ def test_chunk_ffn_reads_rows8_matrices_as_their_rows(host, teams, dtype, mode):
     kernel = chunk_ffn(mode, "swiglu", dtype, dtype, dtype, dense_rows8=True)
     np.testing.assert_array_equal(case.run(host, teams[3], kernel, threshold=thr), rows)
     assert rel_err(rows, case.reference(np.abs(scores) > thr)) <= tol(dtype)
+
+
+# The rows8 matrices dotted with rounded x: (mode, dtype, x format), built for each SIMD level.
+LEVELS = ("avx2", "avx512", "avx512-vnni")
+ROUNDED_CASES = [("down-only", "q4_1", "i16"), ("down-only", "q4_0", "i8"), ("gate-first", "q4_0", "i16"),
+                 ("gate-first", "q4_1", "i8")]
+
+
+def _rounded_pair(mode: str, dtype: str, x_format: str) -> tuple:
+    """(the decode kernel, its prefill twin) of a rows8 SwiGLU FFN with x rounded to ``x_format``."""
+    return (sparse_ffn(mode, "swiglu", dtype, dtype, dtype, False, x_format, dense_rows8=True),
+            chunk_ffn(mode, "swiglu", dtype, dtype, dtype, dense_rows8=True, x_format=x_format))
+
+
+@pytest.fixture(scope="module")
+def by_level():
+    kernels = [k for case in ROUNDED_CASES for k in _rounded_pair(*case)]
+    return {level: CpuModule(build_ir(kernels, (), level), level) for level in LEVELS}
+
+
+@pytest.mark.parametrize("threads", (1, 3))
+@pytest.mark.parametrize("level", LEVELS)
+def test_chunk_ffn_dots_rows8_matrices_with_rounded_x_as_the_decode_kernel(by_level, teams, level, threads):
+    # With rounded x, the matrices a gate-first (gate) or down-only (gate, up) kernel reads whole go
+    # through the decode kernel's integer products, the chunk's tokens together: each token's h is
+    # the one the decode kernel computes for that token alone, so every token's y is the decode
+    # kernel's up to the order of the down rows' sum (2e-6 of the largest |y|: 64 products
+    # summed in f32, ~1e-7 measured). Thresholds sit at the median score, not in a gap, so a
+    # product off by its last bit could flip a neuron (~0.1 of y). Down-only gets raw x (the
+    # kernel rounds it as the decode kernel does); float products of it would miss by ~1e-5.
+    # Gate-first gets the rounded floats the prefill passes it, its gathered up rows dotted as
+    # floats (they differ from the decode kernel's integer sums by float order alone).
+    if not host_has(level):
+        pytest.skip(f"this host cannot run {level} code (compiled only)")
+    module, team = by_level[level], teams[threads]
+    for mode, dtype, x_format in ROUNDED_CASES:
+        decode, chunk = _rounded_pair(mode, dtype, x_format)
+        assert chunk.by_level and chunk.symbol.endswith(f"_xi{x_format[1:]}")
+        for seq in (1, 7, 32):  # one token; x rows in pairs and one alone; a whole chunk
+            case = ChunkCase("swiglu", dtype, seq=seq, n=64, seed=seq + len(mode))
+            if mode == "gate-first":
+                case.x = quant.round_x_blocks(case.x, x_format)
+            case.gate_raw = to_rows8(case.gate_raw, dtype, (case.n, case.hidden))
+            if mode == "down-only":
+                case.up_raw = to_rows8(case.up_raw, dtype, (case.n, case.hidden))
+            rounded = quant.round_x_blocks(case.x, x_format).astype(np.float64)
+            gate = rounded @ case.gate.T.astype(np.float64) + case.gate_bias
+            scores = act64("silu", gate) if mode == "gate-first" else case.h()
+            thr = float(np.median(np.abs(scores)))
+            y = case.run(module, team, chunk, threshold=thr)
+            for s in range(seq):
+                one, count = np.full(case.hidden, np.nan, np.float32), np.array([-1], np.int32)
+                run(module, team, decode, np.ascontiguousarray(case.x[s]), case.up_raw, case.gate_raw, case.down_t,
+                    case.up_bias, case.gate_bias, case.down_bias, one, np.zeros(case.n, np.uint8), count,
+                    aligned_zeros(ffn_scratch_bytes(case.n, case.hidden, threads)), case.n, case.hidden, thr, None, 0)
+                assert 0 < count[0] < case.n
+                assert rel_err(y[s], one.astype(np.float64)) <= 2e-6, (mode, dtype, x_format, seq, s)
 
 
 def test_chunk_ffn_of_one_token_is_deterministic_and_skips_dead_neurons(host, teams):

@@ -254,12 +254,12 @@ def emit_tiled_batch(fn: Fn, mats: list[tuple[str, str, str]], rows: XRows, k: s
     walk_row_tiles(fn, mats, lo, hi, tile_dots)
 
 
-def _pairs(level: str, x_format: str, rows8: bool) -> bool:
+def paired_x(level: str, x_format: str, rows8: bool) -> bool:
     """Whether the rows8 rounded-x dot products take x rows two to a vector: on both AVX-512 levels."""
     return x_format != "f32" and rows8 and vector_isa(level) == "avx512"
 
 
-def _vnni(level: str) -> bool:
+def uses_vnni(level: str) -> bool:
     """Whether the pairs' integer sums use ``vpdpbusd`` (AVX-512 VNNI)."""
     return level == "avx512-vnni"
 
@@ -283,7 +283,7 @@ def gemv_rows(dtype: str, x_format: str = "f32", rows8: bool = False) -> Kernel:
     symbol = names.cpu_gemv_rows(dtype, x_format, rows8)
 
     def emit(level: str) -> str:
-        simd, pairs = vector_isa(level), _pairs(level, x_format, rows8) and dtype in names.INT_DOT_DTYPES
+        simd, pairs = vector_isa(level), paired_x(level, x_format, rows8) and dtype in names.INT_DOT_DTYPES
         fn = kernel_fn(symbol, GEMV_ROWS_PARAMS, level)
         rows, k = fn.sext("%rows"), fn.sext("%k")
         batch, x_stride, y_stride = _strides(fn)
@@ -296,7 +296,7 @@ def gemv_rows(dtype: str, x_format: str = "f32", rows8: bool = False) -> Kernel:
         if rows8:
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {rows}, 3", "groups"), tid, nthreads)
             emit_rows8_batch(fn, [(dtype, "%w", emit_group_bytes(fn, dtype, k))], xs, k, batch, glo, ghi, finish,
-                             _vnni(level))
+                             uses_vnni(level))
         else:
             lo, hi = chunk_bounds(fn, rows, tid, nthreads)
             emit_tiled_batch(fn, [(dtype, "%w", emit_row_bytes(fn, dtype, k))], xs, k, batch, lo, hi, simd, finish)
@@ -318,7 +318,7 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
 
     def emit(level: str) -> str:
         four_bit = {up_dtype, gate_dtype or up_dtype, down_dtype} <= names.INT_DOT_DTYPES
-        simd, pairs = vector_isa(level), _pairs(level, x_format, rows8) and four_bit
+        simd, pairs = vector_isa(level), paired_x(level, x_format, rows8) and four_bit
         fn = kernel_fn(symbol, DENSE_FFN_ROWS_PARAMS, level)
         n, hidden = fn.sext("%n"), fn.sext("%hidden")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
@@ -338,7 +338,7 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
         if rows8:
             glo, ghi = chunk_bounds(fn, fn.v(f"lshr i64 {n}, 3", "groups"), tid, nthreads)
             emit_rows8_batch(fn, [(d, base, emit_group_bytes(fn, d, hidden)) for d, base, _ in mats], xs, hidden,
-                             batch, glo, ghi, h, _vnni(level))
+                             batch, glo, ghi, h, uses_vnni(level))
         else:
             lo, hi = chunk_bounds(fn, n, tid, nthreads)
             emit_tiled_batch(fn, mats, xs, hidden, batch, lo, hi, simd, h)
@@ -347,7 +347,7 @@ def dense_ffn_rows(form: str, up_dtype: str, gate_dtype: str | None, down_dtype:
         if rows8:
             glo2, ghi2 = chunk_bounds(fn, fn.v(f"lshr i64 {hidden}, 3", "groups"), tid, nthreads)
             emit_rows8_batch(fn, [(down_dtype, "%down", emit_group_bytes(fn, down_dtype, n))], hs, n, batch,
-                             glo2, ghi2, out, _vnni(level))
+                             glo2, ghi2, out, uses_vnni(level))
         else:
             lo2, hi2 = chunk_bounds(fn, hidden, tid, nthreads)
             emit_tiled_batch(fn, [(down_dtype, "%down", emit_row_bytes(fn, down_dtype, n))], hs, n, batch, lo2, hi2,

@@ -12,7 +12,10 @@ work, so that each weight row is read from memory once per chunk instead of once
    to ``H`` (scratch, neuron-major [n, seq] f32, so that the tokens of a neuron share cache
    lines in both phases), 0 where the neuron is inactive for token s. Rows nobody in
    the chunk needs are skipped: a predicted neuron no token selected reads nothing; a gate-first
-   neuron whose gate passed for no token skips its up row.
+   neuron whose gate passed for no token skips its up row. The matrices a gate-first or
+   down-only kernel reads whole, stored in the rows8 layout and dotted with rounded x, instead
+   go eight rows at a time through the decode kernel's integer products, the chunk's tokens
+   together (SmolLM2's FFN, 32 tokens, int16 x, Zen 5: down-only 1.4x, gate-first 1.3x).
 2. Barrier. Threads split the hidden columns (32 at a time, so a block format's blocks are not
    shared). The neurons live for some token go eight at a time: their slices of ``down_t`` are
    dequantised once, and each token's row of Y gets ``sum h[s, i] down_t[i]`` over the eight in
@@ -37,11 +40,13 @@ from picc.codegen_cpu.dotplanes import LAYOUT as DOTPLANES
 from picc.codegen_cpu.ffn_emitter import FfnEmitter, any_nonzero, check_ffn_kernel, fabs, load_index, round_line
 from picc.codegen_cpu.irtext import F32, Fn, chunk_bounds, vec
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
+from picc.codegen_cpu.kernels_batch import emit_rows8_batch, emit_x_rows, paired_x, uses_vnni
 from picc.codegen_cpu.kernels_dense import dot_grid, gemm_tile
 from picc.codegen_cpu.rowformats import ELEMENT_BYTES, emit_row_to_f32
+from picc.codegen_cpu.rows8 import GROUP, emit_group_bytes, emit_rows8_row_to_f32
 from picc.codegen_cpu.rows8 import LAYOUT as ROWS8
-from picc.codegen_cpu.rows8 import emit_rows8_row_to_f32
 from picc.ir.ops import FfnForm
+from runtime.cpu import vector_isa
 
 CHUNK_FFN_PARAMS = (("x", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("up_bias", "ptr"),
                     ("gate_bias", "ptr"), ("down_bias", "ptr"), ("y", "ptr"), ("mask", "ptr"), ("scratch", "ptr"),
@@ -53,8 +58,9 @@ _V16 = vec(16)
 
 
 def chunk_ffn_scratch_bytes(seq: int, n: int) -> int:
-    """Bytes of the ``scratch`` :func:`chunk_ffn` needs for ``seq`` tokens and ``n`` neurons."""
-    return round_line(4 * seq * n) + round_line(n)
+    """Bytes of the ``scratch`` :func:`chunk_ffn` needs for ``seq`` tokens and ``n`` neurons: H,
+    the up products of a down-only kernel's rows8 phase beside it, the live marks."""
+    return 2 * round_line(4 * seq * n) + round_line(n)
 
 
 def _dots_all_tokens(fn: Fn, wrows: list[str], k: str, seq: str, consume: Callable[[int, str, str], None],
@@ -108,26 +114,36 @@ def _in_groups(fn: Fn, total: str, size: int, group: Callable[[str, int], None],
 
 @cache
 def chunk_ffn(mode: str, form: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-              interleaved: bool = False, dense_rows8: bool = False, gathered: str = "rows") -> Kernel:
+              interleaved: bool = False, dense_rows8: bool = False, gathered: str = "rows",
+              x_format: str = "f32") -> Kernel:
     """The prefill FFN kernel of ``mode`` and ``form`` (see module doc); ``scratch`` holds
     :func:`chunk_ffn_scratch_bytes` bytes. ``dense_rows8``: the matrices the mode reads whole
     (gate-first: the gate; down-only: the gate and up) are in the rows8 layout (that of
-    ``sparse_ffn``'s ``dense_rows8``), their rows dequantised to the same floats; ``gathered``
-    ``"dotplanes"``: the matrices it gathers (``names.gathered_dotted``) are in the dotplanes
-    layout (that of ``sparse_ffn``'s ``gathered``), likewise."""
+    ``sparse_ffn``'s ``dense_rows8``). With ``x_format`` ``"i16"`` / ``"i8"`` (x rounded per
+    block, the decode kernel's integer products) they are dotted as the decode kernel dots
+    them, eight rows by several tokens at a time (``kernels_batch.emit_rows8_batch``: each
+    token's products the decode kernel's bits for the same x); with float x their rows are
+    dequantised to the floats of the row layout. ``gathered`` ``"dotplanes"``: the matrices it
+    gathers (``names.gathered_dotted``) are in the dotplanes layout (that of ``sparse_ffn``'s
+    ``gathered``), their rows dequantised likewise. Without ``dense_rows8`` every dot product is
+    float and ``x_format`` changes nothing."""
     spec = check_ffn_kernel(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
-    symbol = names.cpu_chunk_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8, gathered)
+    x_format = names.ffn_x_format(x_format, up_dtype, gate_dtype) if dense_rows8 else "f32"
+    symbol = names.cpu_chunk_ffn(mode, form, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8, gathered,
+                                 x_format)
+    by_level = dense_rows8 and x_format != "f32"  # AVX-512 takes x rows in pairs, VNNI sums them
 
-    def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, CHUNK_FFN_PARAMS)
-        ffn = _ChunkFfn(fn, simd, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8, gathered)
+    def emit(level: str) -> str:
+        fn = kernel_fn(symbol, CHUNK_FFN_PARAMS, level if by_level else None)
+        ffn = _ChunkFfn(fn, level, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8, gathered,
+                        x_format)
         ffn.neuron_phase()
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         ffn.column_phase()
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, CHUNK_FFN_PARAMS, emit, chunk_ffn.__doc__ or "")
+    return Kernel(symbol, CHUNK_FFN_PARAMS, emit, chunk_ffn.__doc__ or "", by_level=by_level)
 
 
 class _ChunkFfn(FfnEmitter):
@@ -135,26 +151,33 @@ class _ChunkFfn(FfnEmitter):
     values a phase makes for its helpers, this thread's neurons ``lo``, ``hi`` and its columns
     ``c0``, ``width``, ..., are set when it emits them)."""
 
-    def __init__(self, fn: Fn, simd: str, mode: str, spec: FfnForm, up_dtype: str, gate_dtype: str | None,
-                 down_dtype: str, interleaved: bool, dense_rows8: bool, gathered: str = "rows") -> None:
+    def __init__(self, fn: Fn, level: str, mode: str, spec: FfnForm, up_dtype: str, gate_dtype: str | None,
+                 down_dtype: str, interleaved: bool, dense_rows8: bool, gathered: str = "rows",
+                 x_format: str = "f32") -> None:
         super().__init__(fn, mode, spec, up_dtype, gate_dtype, down_dtype, interleaved, dense_rows8)
-        self.simd = simd
+        self.level, self.simd, self.x_format = level, vector_isa(level), x_format
         self.seq, self.n, self.hidden = fn.sext("%seq"), fn.sext("%n"), fn.sext("%hidden")
         self.tid, self.nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         self.stride = fn.sext("%mask_stride")
         self.emit_row_bytes(self.hidden)
         floats = fn.v(f"mul i64 {self.seq}, {self.n}", "sn")
         floats = fn.v(f"and i64 {fn.v(f'add i64 {floats}, 15', 'r')}, -16", "hn")
-        self.live = fn.gep("%scratch", fn.v(f"shl i64 {floats}, 2", "hb"), "live")  # one byte per neuron
-        self.row_tile, self.lanes = gemm_tile(simd)  # dequantised rows dotted together, lanes a vector
+        self.ups = fn.gep("%scratch", fn.v(f"shl i64 {floats}, 2", "hb"), "ups")  # U: [n, seq] f32, as H
+        self.live = fn.gep("%scratch", fn.v(f"shl i64 {floats}, 3", "lb"), "live")  # one byte per neuron
+        self.row_tile, self.lanes = gemm_tile(self.simd)  # dequantised rows dotted together, lanes a vector
         self.wbufs = [fn.alloca_array(F32, self.hidden, "wrow") for _ in range(self.row_tile)]
         self.in_rows8 = names.read_whole(mode, "up", "gate") if dense_rows8 else ()
+        # With rounded x those go through the decode kernel's integer products (the chunk's x rows
+        # together); with float x, dequantised rows against dot_grid's tile were faster
+        # (SmolLM2's FFN, 32 tokens: 1.2x) than the rows8 float products.
+        self.int_rows8 = self.in_rows8 if x_format != "f32" else ()
         self.in_planes = names.gathered_dotted(mode, "up", "gate") if gathered == "dotplanes" else ()
 
-    def h_at(self, s: str, i: str) -> str:
-        """Where h[s, i] is. H is neuron-major: a neuron's tokens share cache lines."""
+    def h_at(self, s: str, i: str, base: str = "%scratch") -> str:
+        """Where h[s, i] is (``base`` :attr:`ups`: where up's product is). H is neuron-major: a
+        neuron's tokens share cache lines."""
         fn = self.fn
-        return fn.at("%scratch", 4, fn.v(f"add i64 {fn.v(f'mul i64 {i}, {self.seq}', 'is')}, {s}", "is"), "hp")
+        return fn.at(base, 4, fn.v(f"add i64 {fn.v(f'mul i64 {i}, {self.seq}', 'is')}, {s}", "is"), "hp")
 
     def selected(self, s: str, i: str) -> str:
         """An i1: whether token s's mask byte selects neuron i (predictor mode)."""
@@ -166,14 +189,20 @@ class _ChunkFfn(FfnEmitter):
 
     def neuron_phase(self) -> None:
         """H for this thread's neurons: act(gate) of the neurons some token needs, then up and h
-        of those some token keeps. Each matrix's rows go through a list of the neurons that need
-        them, ``gemm_tile``'s rows at a time (dot_grid's register tile)."""
+        of those some token keeps. The matrices the mode reads whole, in the rows8 layout, go a
+        group of eight rows at a time through every token (:meth:`_rows8_whole`); the others'
+        rows through a list of the neurons that need them, ``gemm_tile``'s rows at a time
+        (dot_grid's register tile)."""
         fn, seq = self.fn, self.seq
-        self.lo, self.hi = chunk_bounds(fn, self.n, self.tid, self.nthreads)
+        self.lo, self.hi = chunk_bounds(fn, self.n, self.tid, self.nthreads, align=GROUP if self.int_rows8 else 1)
         live = fn.gep(self.live, self.lo)
         fn.emit(f"call void @llvm.memset.p0.i64(ptr {live}, i8 0, i64 {fn.v(f'sub i64 {self.hi}, {self.lo}', 'nl')}, "
                 "i1 false)")
         self.ids = fn.alloca_array("i32", fn.v(f"sub i64 {self.hi}, {self.lo}", "nl"), "ids")
+        if self.int_rows8:
+            self._rows8_whole()
+            if self.mode == "down-only":
+                return
 
         def needed(i: str) -> str:
             return _any_token(fn, seq, lambda s: self.selected(s, i)) if self.mode == "predictor" else "true"
@@ -184,13 +213,61 @@ class _ChunkFfn(FfnEmitter):
                                                           f"{self.gate_cut}", "pass"))
             return needed(i)
 
-        if self.spec.gated:
+        if self.spec.gated and "gate" not in self.int_rows8:
             def store_act(i: str, s: str, g: str) -> None:
                 fn.store(F32, self.gate_act(i, g), self.h_at(s, i), 4)
 
             self._rows_of("%gate", self.gate_dtype, self.rb_gate, self._layout("gate"),  # type: ignore[arg-type]
                           needed, store_act)
         self._rows_of("%up", self.up_dtype, self.rb_up, self._layout("up"), up_needed, self._store_h)
+
+    def _rows8_whole(self) -> None:
+        """H from the matrices read whole (gate-first: act(gate); down-only: h, and the live
+        marks), as the decode kernel's dense projections compute them for each token
+        (``kernels_ffn._SparseFfn._dense_projections``): eight rows of the gate and up at a time,
+        the chunk's x rows a few at a time through each group's blocks, each product stored as
+        it comes (the gate's, or an ungated up's, in H; a gated up's in U); then each neuron's
+        tokens in one loop that LLVM vectorises (the same operations on each element: the
+        decode kernel's bits)."""
+        fn = self.fn
+        mats = [(dtype, f"%{m}", emit_group_bytes(fn, dtype, self.hidden))
+                for m, dtype in (("gate", self.gate_dtype), ("up", self.up_dtype)) if m in self.int_rows8]
+        xs = emit_x_rows(fn, "%x", fn.v(f"shl i64 {self.hidden}, 2", "xrowb"), self.hidden, self.seq,
+                         {dtype for dtype, _, _ in mats}, self.x_format, rows8=True,
+                         pairs=paired_x(self.level, self.x_format, rows8=True))
+        bases = ["%scratch", self.ups][: len(mats)]
+
+        def consume(s: str, i: str, dots: list[str]) -> None:
+            for base, dot in zip(bases, dots, strict=True):
+                fn.store(F32, dot, self.h_at(s, i, base), 4)
+
+        glo, ghi = fn.v(f"lshr i64 {self.lo}, 3", "glo"), fn.v(f"lshr i64 {self.hi}, 3", "ghi")
+        emit_rows8_batch(fn, mats, xs, self.hidden, self.seq, glo, ghi, consume, uses_vnni(self.level))
+        with fn.loop(self.lo, self.hi, hint="i") as i:
+            if self.mode == "gate-first":
+                with fn.loop("0", self.seq, hint="s") as s:
+                    hp = self.h_at(s, i)
+                    fn.store(F32, self.gate_act(i, fn.load(F32, hp, 4, "g")), hp, 4)
+            else:
+                self._down_only_h(i)
+
+    def _down_only_h(self, i: str) -> None:
+        """Neuron i's h for each token from the products :meth:`_rows8_whole` stored (0 where
+        ``|h|`` is not above the threshold), and its live mark."""
+        fn = self.fn
+        nonzero = fn.var("i8", "0", "nz")
+        with fn.loop("0", self.seq, hint="s") as s:
+            hp = self.h_at(s, i)
+            first = fn.load(F32, hp, 4, "d")
+            a = self.gate_act(i, first) if self.spec.gated else None
+            u = self.up(i, fn.load(F32, self.h_at(s, i, self.ups), 4, "u") if self.spec.gated else first)
+            h = self.h(a, u)
+            h = fn.v(f"select i1 {fn.v(f'fcmp ogt float {fabs(fn, h)}, %threshold', 'keep')}, float {h}, "
+                     "float 0.0", "h")
+            fn.store(F32, h, hp, 4)
+            nz = fn.v(f"zext i1 {fn.v(f'fcmp one float {h}, 0.0', 'nz')} to i8", "nz8")
+            nonzero.set(fn.v(f"or i8 {nonzero.get()}, {nz}", "nz"))
+        fn.store("i8", nonzero.get("nz"), fn.gep(self.live, i), 1)
 
     def _layout(self, matrix: str) -> str | None:
         """The layout ``matrix`` ("up", "gate") is stored in: rows8, dotplanes, or GGUF's rows (None)."""

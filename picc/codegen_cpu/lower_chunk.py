@@ -197,7 +197,7 @@ class ChunkLowering(OpLowering):
         # Every token keeps its own active set; each weight row is read once per chunk.
         w = self.fused_operands(op)
         kernel = kernels_prefill.chunk_ffn(op.mode, op.form, w.up_dtype, w.gate_dtype, w.down_dtype,
-                                           op.interleaved, w.dense_rows8, op.gathered_layout)
+                                           op.interleaved, w.dense_rows8, op.gathered_layout, _x_format(op))
         stride = self.width(op.mask) if op.mask is not None else 0
         scratch = self.bufs.need_scratch(kernels_prefill.chunk_ffn_scratch_bytes(self.regions.size, w.n))
         x, access = self.gemm_input(op, op.x, w.hidden, op.up_gate or op.up or "")
