@@ -49,7 +49,8 @@ def open_session(path: str, threads: int | None, ctx: int | None = None, gpu: st
 def _sampling(args: argparse.Namespace):  # noqa: ANN202 - SamplingOptions
     from runtime.sampling import SamplingOptions
 
-    options = SamplingOptions(args.temperature, args.top_k, args.top_p, args.repeat_penalty)
+    options = SamplingOptions(args.temperature, args.top_k, args.top_p, args.repeat_penalty, args.presence_penalty,
+                              args.frequency_penalty)
     try:
         options.check()
     except ValueError as e:
@@ -339,7 +340,15 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: off)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
-    s.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (default 1: off)")
+    s.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="repetition penalty over the prompt's and the generated tokens, as llama.cpp and "
+                        "transformers apply it (default 1: off)")
+    s.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token generated so far, as OpenAI's API defines it "
+                        "(-2 to 2; default 0: off)")
+    s.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted from a token's logit once for each time it was generated so far, as "
+                        "OpenAI's API defines it (-2 to 2; default 0: off)")
     s.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0)")
     add_threads_flag(s)
     s.add_argument("--ctx", type=int, help="context positions (default: what the model was compiled for)")

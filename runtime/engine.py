@@ -388,7 +388,8 @@ class Engine:
             nxt = greedy()
         else:
             assert seq.rng is not None
-            nxt = sample(logits(), options, seq.rng, seq.history)
+            generated = seq.history[len(seq.history) - seq.made:] if seq.made else []
+            nxt = sample(logits(), options, seq.rng, seq.history, generated)
         seq.made += 1
         seq.history.append(nxt)
         self.stats.generated_tokens += 1

@@ -7,8 +7,9 @@ the field named in ``param``. What passes becomes :class:`Params`, which the ser
 engine request for each of its choices: ``n`` of them for each prompt (completions take a list
 of prompts too), choice ``j`` sampled with ``seed + j``. ``best_of`` above 1, ``logprobs``,
 ``echo`` and a non-empty ``logit_bias`` are refused with a message that says so; fields OpenAI
-defines that do not change what picc computes (``user``, ``presence_penalty`` 0, ...) are
-checked and ignored. ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate
+defines that do not change what picc computes (``user``, an empty ``logit_bias``, ...) are
+checked and ignored. ``presence_penalty`` and ``frequency_penalty`` apply as OpenAI defines them
+(``runtime.sampling``). ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate
 ``max_tokens`` tokens whatever they are: benchmarks) are the usual extensions (vLLM takes them
 too). Chat messages' roles are OpenAI's (:data:`ROLES`).
 """
@@ -119,9 +120,7 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens") -> Params:
     if f.get("user") is not None and not isinstance(f.get("user"), str):
         raise invalid(f"'user' must be a string, got {type(f.get('user')).__name__}", "user")
     _logit_bias(f.get("logit_bias"))
-    for name in ("presence_penalty", "frequency_penalty"):
-        if f.number(name, 0.0, -2.0, 2.0) != 0.0:
-            raise invalid(f"'{name}' is not supported (use repetition_penalty)", name)
+    presence, frequency = (f.number(name, 0.0, -2.0, 2.0) for name in ("presence_penalty", "frequency_penalty"))
     temperature = f.number("temperature", 1.0, 0.0, 2.0)
     top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = f.integer("top_k", 0, 0)
@@ -137,7 +136,8 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens") -> Params:
             raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
         include_usage = bool(stream_options.get("include_usage", False))
     max_tokens = f.integer(max_tokens_name, None, 1)
-    return Params(model, n=n, max_tokens=max_tokens, options=SamplingOptions(temperature, top_k or 0, top_p, penalty),
+    options = SamplingOptions(temperature, top_k or 0, top_p, penalty, presence, frequency)
+    return Params(model, n=n, max_tokens=max_tokens, options=options,
                   seed=None if seed is None else seed % 2**63, stop=_stops(f.get("stop")), stream=stream,
                   include_usage=include_usage, ignore_eos=f.boolean("ignore_eos"))
 

@@ -1,16 +1,20 @@
 """Choosing the next token from a row of logits: greedy, temperature, top-k, top-p, repetition
-penalty, as llama.cpp and transformers define them.
+penalty, as llama.cpp and transformers define them, and OpenAI's presence and frequency penalties.
 
-Order of operations (transformers' logits processors): the repetition penalty on the raw
-logits (a token already seen has a positive logit divided by the penalty, a negative one
-multiplied), then temperature, then top-k, then top-p (the smallest set of most likely tokens
-whose probability reaches p), then a draw from what is left. Temperature 0 is greedy.
+Order of operations (transformers' logits processors, then vLLM's for OpenAI's penalties): the
+repetition penalty on the raw logits (a token already seen, in the prompt or since, has a
+positive logit divided by the penalty, a negative one multiplied), then the frequency and
+presence penalties (a token generated c times so far loses ``c * frequency + (c > 0) *
+presence``: OpenAI's definition, counted over the generated tokens only, as vLLM counts them),
+then temperature, then top-k, then top-p (the smallest set of most likely tokens whose
+probability reaches p), then a draw from what is left. Temperature 0 is greedy: the argmax of
+the penalised logits.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +26,8 @@ class SamplingOptions:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     repetition_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0  # 0: off; OpenAI's range -2..2
+    frequency_penalty: float = 0.0  # 0: off; likewise
 
     def check(self) -> None:
         """Raise ValueError naming the option when one is out of range (NaN and infinities are)."""
@@ -34,11 +40,15 @@ class SamplingOptions:
         if not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition penalty must be a finite value > 0 (1 turns it off), got "
                              f"{self.repetition_penalty}")
+        for name, value in (("presence", self.presence_penalty), ("frequency", self.frequency_penalty)):
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} penalty must be in [-2, 2] (0 turns it off), got {value}")
 
     @property
     def greedy(self) -> bool:
-        """Whether the next token is just the argmax of the logits."""
-        return self.temperature == 0 and self.repetition_penalty == 1.0
+        """Whether the next token is just the argmax of the logits (no penalty moves them)."""
+        return (self.temperature == 0 and self.repetition_penalty == 1.0 and self.presence_penalty == 0
+                and self.frequency_penalty == 0)
 
 
 def sample_next(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
@@ -47,16 +57,20 @@ def sample_next(logits: np.ndarray, temperature: float, rng: np.random.Generator
 
 
 def sample(logits: np.ndarray, options: SamplingOptions, rng: np.random.Generator,
-           seen: Iterable[int] = ()) -> int:
-    """The next token under ``options``; ``seen`` are the ids the repetition penalty applies to."""
+           seen: Iterable[int] = (), generated: Sequence[int] = ()) -> int:
+    """The next token under ``options``; ``seen`` are the ids the repetition penalty applies to
+    (the prompt's and the generated ones), ``generated`` the tokens generated so far (what the
+    presence and frequency penalties count)."""
     options.check()
     z = logits.astype(np.float64)
     if options.repetition_penalty != 1.0:
         ids = np.unique(np.fromiter(seen, dtype=np.int64))
         if ids.size:
-            z = z.copy()
             vals = z[ids]
             z[ids] = np.where(vals > 0, vals / options.repetition_penalty, vals * options.repetition_penalty)
+    if (options.presence_penalty or options.frequency_penalty) and len(generated):
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        z[ids] -= counts * options.frequency_penalty + options.presence_penalty
     if options.temperature == 0:
         return int(np.argmax(z))
     z = z / options.temperature

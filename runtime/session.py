@@ -124,9 +124,11 @@ class Session:
             yield from self._generate_greedy(n, eos, timings)
             return
         rng = np.random.default_rng(seed)
+        generated: list[int] = []  # what the presence and frequency penalties count
         with self.executor.pinned():  # the caller stays on its core for the whole decode
             for i in range(n):
-                token = sample(logits, options, rng, self.history)
+                token = sample(logits, options, rng, self.history, generated)
+                generated.append(token)
                 yield token
                 if token == eos or i + 1 == n or self.pos >= self.ctx:
                     self.history.append(token)

@@ -160,6 +160,19 @@ def test_seeded_sampling_is_reproducible_per_request(model):
     assert any(alone(model, p, 10, SAMPLED, seed=7) != c.tokens for p, c in zip(PROMPTS, got, strict=True))
 
 
+def test_presence_and_frequency_penalties_are_picc_runs_in_a_batch(model):
+    # The penalties count each sequence's own generated tokens, whatever else is in the batch. (The
+    # tiny model seldom repeats a token within 12: a negative presence penalty makes it, and the
+    # frequency penalty then counts the repeats.)
+    penalised = SamplingOptions(presence_penalty=-1.0, frequency_penalty=0.4)
+    requests = [Request(p, 12, penalised) for p in PROMPTS]
+    got = serve(model, requests, max_batch=8, joins_after=5)
+    for i, (p, c) in enumerate(zip(PROMPTS, got, strict=True)):
+        assert c.tokens == alone(model, p, 12, penalised), i
+    # They change the tokens somewhere (else the check above is vacuous).
+    assert any(alone(model, p, 12) != c.tokens for p, c in zip(PROMPTS, got, strict=True))
+
+
 def test_cancelled_and_refused_requests_free_their_slots(model):
     with Session(model, 1) as session:
         engine = Engine(session, max_batch=2, max_queue=1)

@@ -329,6 +329,7 @@ def test_runtime_errors_are_one_line(tmp_path, capsys):
         (["run", str(path), "-p", " ".join(["the"] * 20)], "the prompt needs 21 positions but the context holds 8"),
         (["run", str(path), "-p", "the", "--threads", "0"], "--threads 0: expected 1 to"),
         (["run", str(path), "-p", "the", "--top-p", "0"], "top-p must be in (0, 1]"),
+        (["run", str(path), "-p", "the", "--frequency-penalty", "3"], "frequency penalty must be in [-2, 2]"),
         (["run", str(path), "-p", "the", "--ctx", "9"], "--ctx 9: expected 1 to 8, the positions this model was compiled for"),
         (["run", str(tmp_path / "missing.pib"), "-p", "x"], "no such file"),
         (["bench", str(path), "--prompt-tokens", "6", "-n", "6"], "exceed the 8 positions"),
@@ -359,6 +360,25 @@ def test_sampling_options_do_what_they_say():
                 SamplingOptions(temperature=1.0, repetition_penalty=float("nan")),
                 SamplingOptions(repetition_penalty=float("inf"))):
         with pytest.raises(ValueError, match="finite"):
+            bad.check()
+
+
+def test_presence_and_frequency_penalties_count_the_generated_tokens():
+    # OpenAI's definition: a token generated c times loses c * frequency + (c > 0) * presence.
+    logits = np.array([0.0, 3.0, 2.9, -1.0, 2.8])
+    rng = np.random.default_rng(0)
+    twice = [1, 4, 1]
+    assert sample(logits, SamplingOptions(frequency_penalty=0.04), rng, generated=twice) == 1  # 3 - 0.08 > 2.9
+    assert sample(logits, SamplingOptions(frequency_penalty=0.06), rng, generated=twice) == 2  # 3 - 0.12 < 2.9
+    assert sample(logits, SamplingOptions(presence_penalty=0.09), rng, generated=twice) == 1  # once: 2.91
+    assert sample(logits, SamplingOptions(presence_penalty=0.11), rng, generated=twice) == 2
+    # They count what was generated, not the prompt (which the repetition penalty sees).
+    assert sample(logits, SamplingOptions(presence_penalty=2.0), rng, seen=[1], generated=[4]) == 1
+    # Negative values favour what was generated; a penalty makes the choice more than an argmax.
+    assert sample(logits, SamplingOptions(frequency_penalty=-0.3), rng, generated=[4]) == 4  # 2.8 + 0.3
+    assert not SamplingOptions(presence_penalty=0.5).greedy and not SamplingOptions(frequency_penalty=-1).greedy
+    for bad in (SamplingOptions(presence_penalty=2.5), SamplingOptions(frequency_penalty=float("nan"))):
+        with pytest.raises(ValueError, match=r"penalty must be in \[-2, 2\]"):
             bad.check()
 
 

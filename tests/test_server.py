@@ -117,6 +117,17 @@ def test_completions_and_chat_through_the_openai_client_are_picc_runs_tokens(ser
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
 
 
+def test_presence_and_frequency_penalties_are_picc_runs(server, model):
+    client = server.client()
+    ids = encode(model, PROMPTS[0])
+    penalised = SamplingOptions(presence_penalty=-1.0, frequency_penalty=0.4)  # see tests/test_engine.py
+    expected = text_of(model, alone(model, ids, 12, penalised))
+    assert expected != text_of(model, alone(model, ids, 12))  # the penalties change these tokens
+    done = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                     presence_penalty=-1.0, frequency_penalty=0.4)
+    assert done.choices[0].text == expected
+
+
 def test_n_choices_and_lists_of_prompts_are_single_runs_each(server, model):
     # Choice j of prompt p is the request for prompt p alone with seed + j: sequences of their own,
     # decoded in the same batches as any others.
@@ -208,6 +219,8 @@ def error_of(response: httpx.Response) -> dict:
     ({"prompt": "the", "logit_bias": {"5": -100}}, 400, "logit_bias", None),
     ({"prompt": "the", "best_of": 2}, 400, "best_of", None),
     ({"prompt": "the", "echo": 0}, 400, "echo", None),
+    ({"prompt": "the", "presence_penalty": 2.5}, 400, "presence_penalty", None),
+    ({"prompt": "the", "frequency_penalty": "high"}, 400, "frequency_penalty", None),
     ({"prompt": "the", "user": 5}, 400, "user", None),
 ])
 def test_bad_completions_get_openai_error_objects(server, body, status, param, code):
