@@ -31,14 +31,15 @@ import numpy as np
 
 from runtime.cpu import ExecutorError
 from runtime.plan import MemoryPlan
-from runtime.sampling import SamplingOptions, sample
+from runtime.sampling import SamplingOptions, TokenLogprob, sample, token_logprob
 from runtime.sequences import SequencePool, gpu_kv_caches
 from runtime.session import Session
 
 Emit = Callable[[str, object], None]
 """How the engine reports to a request's owner, from the engine's thread: ``("tokens", [ids])``
-for new tokens, then ``("done", finish_reason)`` (``stop``: EOS; ``length``: ``max_tokens`` or a
-full context; ``cancelled``) or ``("error", message)``."""
+for new tokens (for a request with ``logprobs``, right after ``("logprobs", [TokenLogprob])``
+of the same tokens), then ``("done", finish_reason)`` (``stop``: EOS; ``length``: ``max_tokens``
+or a full context; ``cancelled``) or ``("error", message)``."""
 
 DEFAULT_MAX_BATCH = 8  # sequences decoded at once unless told
 RATE_WINDOW = 5.0  # seconds of decode steps the reported tok/s covers
@@ -69,6 +70,7 @@ class Request:
     seed: int | None = None
     stop_at_eos: bool = True
     progress: bool = True
+    logprobs: int | None = None  # each token's log-probability, and this many most likely tokens'
 
 
 @dataclass(eq=False)
@@ -85,13 +87,17 @@ class Sequence:
     rng: np.random.Generator | None = None
     cancelled: bool = False
     pending: list[int] = field(default_factory=list)  # tokens not reported yet
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, where asked for
     reported: float = 0.0  # when tokens were last reported (perf_counter)
 
     def report(self) -> None:
-        """Hand the pending tokens to the owner."""
+        """Hand the pending tokens (and their log-probabilities) to the owner."""
         if self.pending:
             tokens, self.pending = self.pending, []
             self.reported = time.perf_counter()
+            if self.request.logprobs is not None:
+                logprobs, self.pending_logprobs = self.pending_logprobs, []
+                self.emit("logprobs", logprobs)
             self.emit("tokens", tokens)
 
     @property
@@ -291,7 +297,8 @@ class Engine:
         if len(decoding) > 1 and rows > 1:
             for start in range(0, len(decoding), rows):
                 self._batch_step(decoding[start : start + rows])
-        elif len(decoding) == 1 and not prefilling and not self._waiting and decoding[0].request.options.greedy:
+        elif (len(decoding) == 1 and not prefilling and not self._waiting and decoding[0].request.options.greedy
+              and decoding[0].request.logprobs is None):  # the loop keeps no step's logits
             self._guarded(decoding[0], self._alone)
         else:
             for seq in decoding:
@@ -390,6 +397,8 @@ class Engine:
             assert seq.rng is not None
             generated = seq.history[len(seq.history) - seq.made:] if seq.made else []
             nxt = sample(logits(), options, seq.rng, seq.history, generated)
+        if seq.request.logprobs is not None:
+            seq.pending_logprobs.append(token_logprob(logits(), nxt, seq.request.logprobs))
         seq.made += 1
         seq.history.append(nxt)
         self.stats.generated_tokens += 1

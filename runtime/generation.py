@@ -7,8 +7,9 @@ stop string never reaches the client, not even split across deltas.
 
 :class:`Generation` submits a request to the engine -- or, :meth:`Generation.all_or_none`, the
 choices of one API request together -- (its refusals -- a full queue, a prompt that does not fit
--- raise before any response is sent) and yields ``(text, finish_reason)`` pairs as
-the engine's thread reports tokens. Leaving it early (a stop string, a client that disconnected:
+-- raise before any response is sent) and yields ``(text, finish_reason, logprobs)`` as the
+engine's thread reports tokens (``logprobs``: the log-probabilities of the tokens that made this
+text, where the request asked for them). Leaving it early (a stop string, a client that disconnected:
 the task is cancelled) cancels the sequence, whose slot the engine then frees before its next step.
 """
 
@@ -20,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 from runtime.engine import Engine, QueueFull, Request, Sequence
 from runtime.openai_api import ApiError, invalid
+from runtime.sampling import TokenLogprob
 from runtime.text import TextCodec
 
 RETRY_AFTER_SECONDS = 1
@@ -72,10 +74,15 @@ class TextStream:
         return text[: len(text) - keep]
 
 
+Delta = tuple[str, str | None, list[TokenLogprob]]
+"""What a :class:`Generation` yields: text, the finish reason (None but in the last), and the
+log-probabilities of the tokens consumed since the last (empty unless the request asked)."""
+
+
 class Generation:
-    """A request running on ``engine``: iterate for ``(text, finish_reason)``; ``finish_reason`` is
-    None until the last pair (``stop``: EOS or a stop string; ``length``: ``max_tokens`` or a full
-    context). :attr:`tokens` counts the tokens generated."""
+    """A request running on ``engine``: iterate for :data:`Delta` triples; ``finish_reason`` is
+    None until the last (``stop``: EOS or a stop string; ``length``: ``max_tokens`` or a full
+    context). :attr:`tokens` counts the tokens generated, up to one that completed a stop string."""
 
     def __init__(self, engine: Engine, codec: TextCodec, request: Request, stops: list[str]) -> None:
         self._prepare(engine, codec, request, stops)
@@ -100,28 +107,33 @@ class Generation:
         self.loop = asyncio.get_running_loop()
         self.tokens = 0
         self.eos = engine.eos if request.stop_at_eos else None
+        self.logprobs: list[TokenLogprob] = []  # reported with the next tokens
 
     def _emit(self, kind: str, value: object) -> None:  # on the engine's thread
         with contextlib.suppress(RuntimeError):  # the request's event loop has closed: nobody listens
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
 
-    async def __aiter__(self) -> AsyncIterator[tuple[str, str | None]]:
+    async def __aiter__(self) -> AsyncIterator[Delta]:
         finished = False
         try:
             while True:
                 kind, value = await self.queue.get()
-                if kind == "tokens":
+                if kind == "logprobs":
+                    self.logprobs = value  # type: ignore[assignment]
+                elif kind == "tokens":
+                    before = self.tokens
                     text = self._text(value)  # type: ignore[arg-type]
+                    logprobs, self.logprobs = self.logprobs[: self.tokens - before], []
                     if self.stream.stopped:
                         finished = True
-                        yield text, "stop"
+                        yield text, "stop", logprobs
                         return
-                    if text:
-                        yield text, None
+                    if text or logprobs:
+                        yield text, None, logprobs
                 elif kind == "done":
                     finished = True
                     text = self.stream.finish()
-                    yield text, "length" if value == "length" and not self.stream.stopped else "stop"
+                    yield text, "length" if value == "length" and not self.stream.stopped else "stop", []
                     return
                 else:
                     finished = True

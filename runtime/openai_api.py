@@ -5,8 +5,11 @@ The server (``runtime.server``) reads a request's JSON, and :func:`completion_pa
 :class:`ApiError` -- OpenAI's error object and its HTTP status -- for the first that is wrong, with
 the field named in ``param``. What passes becomes :class:`Params`, which the server turns into an
 engine request for each of its choices: ``n`` of them for each prompt (completions take a list
-of prompts too), choice ``j`` sampled with ``seed + j``. ``best_of`` above 1, ``logprobs``,
-``echo`` and a non-empty ``logit_bias`` are refused with a message that says so; fields OpenAI
+of prompts too), choice ``j`` sampled with ``seed + j``. ``logprobs`` (completions: the number of
+most likely tokens to list, 0-5; chat: ``logprobs`` and ``top_logprobs``) asks for each generated
+token's log-probability, in each API's own shape (:func:`completion_logprobs`,
+:func:`chat_logprobs`). ``best_of`` above 1, ``echo`` (the prompt's log-probabilities) and a
+non-empty ``logit_bias`` are refused with a message that says so; fields OpenAI
 defines that do not change what picc computes (``user``, an empty ``logit_bias``, ...) are
 checked and ignored. ``presence_penalty`` and ``frequency_penalty`` apply as OpenAI defines them
 (``runtime.sampling``). ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate
@@ -18,13 +21,15 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.sampling import SamplingOptions
+from runtime.sampling import SamplingOptions, TokenLogprob
 
 MAX_STOPS = 4  # OpenAI's limit on "stop" strings
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's "top_logprobs"
+MAX_COMPLETION_LOGPROBS = 5  # and on completions' "logprobs"
 MAX_CHOICES = 128  # OpenAI's limit on "n"; the server's queue may refuse fewer (429)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the chat roles OpenAI accepts
 
@@ -61,6 +66,7 @@ class Params:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None  # each token's log-probability and this many alternatives'
 
 
 def _is_int(v: object) -> bool:
@@ -176,8 +182,7 @@ def completion_params(body: object) -> Params:
     f = _Fields(body)
     if f.boolean("echo"):
         raise invalid("'echo' is not supported", "echo")
-    if f.get("logprobs") is not None:
-        raise invalid("'logprobs' is not supported", "logprobs")
+    logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     if f.get("suffix") is not None:
         raise invalid("'suffix' is not supported", "suffix")
     best_of = f.integer("best_of", 1, 1)
@@ -201,6 +206,7 @@ def completion_params(body: object) -> Params:
         raise invalid(f"{len(prompts)} prompts of {params.n} choices each: at most {MAX_CHOICES} choices a request",
                       "n")
     params.prompts = prompts
+    params.logprobs = logprobs
     if params.max_tokens is None:
         params.max_tokens = 16  # OpenAI's default for completions
     return params
@@ -214,8 +220,6 @@ def chat_params(body: object) -> Params:
     top_logprobs = f.integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    if logprobs:
-        raise invalid("'logprobs' is not supported", "logprobs")
     for name in ("tools", "functions", "response_format"):
         if f.get(name) is not None:
             raise invalid(f"'{name}' is not supported", name)
@@ -230,6 +234,7 @@ def chat_params(body: object) -> Params:
         if isinstance(role, str) and role not in ROLES:  # other shapes: the renderer's message says what
             raise invalid(f"messages[{i}].role '{role}' is not one of {', '.join(ROLES)}", f"messages[{i}].role")
     params.messages = messages
+    params.logprobs = (top_logprobs or 0) if logprobs else None
     return params
 
 
@@ -252,16 +257,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-Choice = tuple[int, str | None, str | None]
-"""A choice of a response: its index, its text (a streamed chunk's part of it) and finish reason."""
+Choice = tuple[int, str | None, str | None, dict | None]
+"""A choice of a response: its index, its text (a streamed chunk's part of it), finish reason and
+log-probabilities (:func:`completion_logprobs` / :func:`chat_logprobs`, or None)."""
+
+
+def completion_logprobs(records: list[TokenLogprob], texts: list[str], spell: Callable[[int], str],
+                        offset: int = 0) -> dict:
+    """The completions API's ``logprobs`` of ``records``: each token's text (``texts``: what it
+    adds to the completion), its log-probability, the most likely tokens' (``spell``-ed text ->
+    log-probability) and where each token's text starts (``offset``: the text before these)."""
+    starts = []
+    for text in texts:
+        starts.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [r.logprob for r in records],
+            "top_logprobs": [{spell(i): lp for i, lp in r.top} for r in records], "text_offset": starts}
+
+
+def chat_logprobs(records: list[TokenLogprob], texts: list[str], spell: Callable[[int], str]) -> dict:
+    """The chat API's ``logprobs`` of ``records``: for each token its text (``texts``), log-probability,
+    UTF-8 bytes and the most likely tokens' (``spell``-ed), ``top_logprobs``."""
+
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(text, r.logprob), "top_logprobs": [entry(spell(i), lp) for i, lp in r.top]}
+                        for r, text in zip(records, texts, strict=True)], "refusal": None}
 
 
 def completion_body(rid: str, model: str, choices: list[Choice], *, chunk: bool = False,
                     created: int | None = None, first: bool = False) -> dict:
     """A ``text_completion`` (or one streamed chunk of it; ``first`` chunks are only chat's)."""
     return {"id": rid, "object": "text_completion", "created": created or int(time.time()), "model": model,
-            "choices": [{"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
-                        for i, text, finish in choices]}
+            "choices": [{"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+                        for i, text, finish, logprobs in choices]}
 
 
 def chat_body(rid: str, model: str, choices: list[Choice], *, chunk: bool = False,
@@ -271,11 +301,12 @@ def chat_body(rid: str, model: str, choices: list[Choice], *, chunk: bool = Fals
     if not chunk:
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish} for i, text, finish in choices]}
+                             "logprobs": logprobs, "finish_reason": finish}
+                            for i, text, finish, logprobs in choices]}
 
     def delta(text: str | None) -> dict:
         return {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
 
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": i, "delta": delta(text), "logprobs": None, "finish_reason": finish}
-                        for i, text, finish in choices]}
+            "choices": [{"index": i, "delta": delta(text), "logprobs": logprobs, "finish_reason": finish}
+                        for i, text, finish, logprobs in choices]}

@@ -89,3 +89,29 @@ def sample(logits: np.ndarray, options: SamplingOptions, rng: np.random.Generato
         p = np.where(mask, p, 0.0)
         p /= p.sum()
     return int(rng.choice(p.size, p=p))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the ``top`` most likely tokens'
+    (id, log-probability) pairs, most likely first (ties: the lower id first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
+    """``token``'s log-probability in the softmax of ``logits`` (the model's own distribution: no
+    temperature, penalty or truncation, as vLLM reports them), with the ``top`` most likely tokens'.
+    In float64, from the logits the step computed."""
+    z = logits.astype(np.float64)
+    z -= z.max()
+    log_p = z - math.log(float(np.exp(z).sum()))
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        k = min(top, log_p.size)
+        ids = np.argpartition(-log_p, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -log_p[ids]))]
+        best = tuple((int(i), float(log_p[i])) for i in ids)
+    return TokenLogprob(int(token), float(log_p[token]), best)

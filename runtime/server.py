@@ -37,16 +37,20 @@ from runtime.generation import Generation
 from runtime.metrics import CountRequests, Metrics
 from runtime.openai_api import (
     ApiError,
+    Choice,
     Params,
     chat_body,
+    chat_logprobs,
     chat_params,
     completion_body,
+    completion_logprobs,
     completion_params,
     context_error,
     invalid,
     new_id,
     usage,
 )
+from runtime.sampling import TokenLogprob
 from runtime.text import TextCodec
 
 DISCONNECT_POLL_SECONDS = 0.25
@@ -261,7 +265,8 @@ def _start(served: ServedModel, params: Params, prompts: list[list[int]], prompt
                       f"{engine.max_queue} more, so at most {room} choices a request", "n")
     requests = [EngineRequest(ids, params.max_tokens or engine.ctx - len(ids), params.options,
                               None if params.seed is None else (params.seed + j) % 2**63,
-                              stop_at_eos=not params.ignore_eos, progress=params.stream or bool(params.stop))
+                              stop_at_eos=not params.ignore_eos, progress=params.stream or bool(params.stop),
+                              logprobs=params.logprobs)
                 for ids in prompts for j in range(params.n)]
     return Generation.all_or_none(engine, served.codec, requests, params.stop)
 
@@ -274,28 +279,66 @@ async def _respond(request: Request, served: ServedModel, metrics: Metrics, para
     prompt_tokens = sum(len(ids) for ids in prompts)  # as OpenAI counts: each prompt once, whatever n
     rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
     body = chat_body if chat else completion_body
+    shape = _LogprobShape(served.codec, chat) if params.logprobs is not None else None
     if params.stream:
-        return EventSourceResponse(_events(gens, params, served.name, rid, created, prompt_tokens, chat, metrics),
-                                   ping=15)
-    choices = await _collect(request, gens)
+        return EventSourceResponse(_events(gens, params, served.name, rid, created, prompt_tokens, chat, metrics,
+                                           shape), ping=15)
+    choices = await _collect(request, gens, shape)
     generated = sum(gen.tokens for gen in gens)
     metrics.finished(prompt_tokens, generated)
     return JSONResponse({**body(rid, served.name, choices, created=created), "usage": usage(prompt_tokens, generated)})
 
 
-async def _drain(index: int, gen: Generation) -> tuple[int, str, str | None]:
-    """Choice ``index``: its whole text and finish reason."""
-    parts, last = [], None
-    async for text, finish in gen:
+class _LogprobShape:
+    """One choice's log-probabilities as its API shows them (chat's or completions'). A generated
+    token's text is what it adds to the ones before it (decoded with the last few, as the text
+    stream decodes: a word-level tokenizer's space, a byte-level one's completed character); a
+    listed alternative's, its own decoding. :attr:`offset`: where the next token's text starts."""
+
+    CONTEXT = 4  # tokens before one that its text is decoded after
+
+    def __init__(self, codec: TextCodec, chat: bool) -> None:
+        self.codec, self.chat, self.offset = codec, chat, 0
+        self.ids: list[int] = []
+
+    def spell(self, token: int) -> str:
+        return self.codec.decode([token])
+
+    def _added(self, token: int) -> str:
+        before = self.codec.decode(self.ids[-self.CONTEXT :])
+        after = self.codec.decode([*self.ids[-self.CONTEXT :], token])
+        self.ids.append(token)
+        return after[len(before) :] if after.startswith(before) else after
+
+    def __call__(self, records: list[TokenLogprob]) -> dict:
+        texts = [self._added(r.token) for r in records]
+        if self.chat:
+            return chat_logprobs(records, texts, self.spell)
+        shown = completion_logprobs(records, texts, self.spell, self.offset)
+        self.offset += sum(len(t) for t in texts)
+        return shown
+
+
+def _each(shape: _LogprobShape | None, n: int) -> list[_LogprobShape | None]:
+    """A shape for each of ``n`` choices (each with its own offset), or None for each."""
+    return [None if shape is None else _LogprobShape(shape.codec, shape.chat) for _ in range(n)]
+
+
+async def _drain(index: int, gen: Generation, shape: _LogprobShape | None) -> Choice:
+    """Choice ``index``: its whole text, finish reason and log-probabilities (where asked)."""
+    parts, last, records = [], None, []
+    async for text, finish, logprobs in gen:
         parts.append(text)
+        records += logprobs
         last = finish
-    return index, "".join(parts), last
+    return index, "".join(parts), last, None if shape is None else shape(records)
 
 
-async def _collect(request: Request, gens: list[Generation]) -> list[tuple[int, str, str | None]]:
-    """Each choice's whole text and finish reason; cancelled (and so the sequences) when the client
-    goes away."""
-    tasks = [asyncio.ensure_future(_drain(i, gen)) for i, gen in enumerate(gens)]
+async def _collect(request: Request, gens: list[Generation], shape: _LogprobShape | None) -> list[Choice]:
+    """Each choice's whole text, finish reason and log-probabilities; cancelled (and so the
+    sequences) when the client goes away."""
+    shapes = _each(shape, len(gens))
+    tasks = [asyncio.ensure_future(_drain(i, gen, shapes[i])) for i, gen in enumerate(gens)]
     try:
         while True:
             _, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_SECONDS)
@@ -309,21 +352,24 @@ async def _collect(request: Request, gens: list[Generation]) -> list[tuple[int, 
 
 
 async def _events(gens: list[Generation], params: Params, model: str, rid: str, created: int, prompt_tokens: int,
-                  chat: bool, metrics: Metrics) -> AsyncIterator[dict]:
+                  chat: bool, metrics: Metrics, shape: _LogprobShape | None = None) -> AsyncIterator[dict]:
     """The stream's events: chunks of text (chat: first the role of each choice), the last of each
     choice with its finish reason, the usage when asked for, then ``[DONE]``. The choices' chunks
-    come as their tokens do, each naming its choice's index."""
+    come as their tokens do, each naming its choice's index, with the log-probabilities of the
+    tokens that came since the last (where asked: held-back text may follow its tokens later)."""
     if chat:
-        first = [(i, None, None) for i in range(len(gens))]
+        first = [(i, None, None, None) for i in range(len(gens))]
         yield {"data": json.dumps(chat_body(rid, model, first, chunk=True, created=created, first=True))}
     body = chat_body if chat else completion_body
-    queue: asyncio.Queue[tuple[int, str, str | None] | ApiError | None] = asyncio.Queue()
+    queue: asyncio.Queue[Choice | ApiError | None] = asyncio.Queue()
+    shapes = _each(shape, len(gens))
 
     async def forward(index: int, gen: Generation) -> None:
+        shown = shapes[index]
         try:
-            async for text, finish in gen:
-                if text or finish:
-                    await queue.put((index, text, finish))
+            async for text, finish, logprobs in gen:
+                if text or finish or logprobs:
+                    await queue.put((index, text, finish, None if shown is None else shown(logprobs)))
         except ApiError as e:
             await queue.put(e)
         finally:

@@ -26,7 +26,7 @@ from runtime.cpu_manifest import CpuBatchProgram
 from runtime.engine import Engine, QueueFull, Request
 from runtime.generation import Generation
 from runtime.pib import PibFile
-from runtime.sampling import SamplingOptions
+from runtime.sampling import SamplingOptions, token_logprob
 from runtime.sequences import SequencePool
 from runtime.session import Session
 
@@ -74,11 +74,15 @@ class Collector:
         self.reports = 0  # "tokens" events
         self.end: tuple[str, object] | None = None
         self.done = threading.Event()
+        self.logprobs: list = []  # "logprobs" events, where the request asks
 
     def __call__(self, kind: str, value: object) -> None:
         if kind == "tokens":
             self.tokens += value
             self.reports += 1
+        elif kind == "logprobs":
+            assert len(self.logprobs) == len(self.tokens)  # each report's come before its tokens
+            self.logprobs += value
         else:
             self.end = (kind, value)
             self.done.set()
@@ -158,6 +162,29 @@ def test_seeded_sampling_is_reproducible_per_request(model):
         assert c.tokens == alone(model, p, 10, SAMPLED, seed=100 + i), i
     # A different seed gives a different continuation somewhere (else the check above is vacuous).
     assert any(alone(model, p, 10, SAMPLED, seed=7) != c.tokens for p, c in zip(PROMPTS, got, strict=True))
+
+
+def test_logprobs_are_each_steps_own_distribution(model):
+    # A request with logprobs gets, for each of its tokens, the token's log-probability in the
+    # softmax of its step's logits and the k most likely tokens': the very numbers a session alone
+    # computes from its own logits, which are the same bits; greedy or sampled, batched or not.
+    requests = [Request(p, 8, SAMPLED if i % 2 else SamplingOptions(), seed=i, logprobs=3)
+                for i, p in enumerate(PROMPTS[:4])]
+    got = serve(model, requests, max_batch=4, joins_after=2)
+    for i, (request, c) in enumerate(zip(requests, got, strict=True)):
+        assert [r.token for r in c.logprobs] == c.tokens and len(c.tokens) == 8, i
+        with Session(model, 2) as s:
+            logits = s.feed(list(request.prompt))
+            for record, token in zip(c.logprobs, c.tokens, strict=True):
+                assert record == token_logprob(logits, token, 3), i
+                assert len(record.top) == 3 and record.logprob <= record.top[0][1] <= 0
+                if not i % 2:  # greedy: the most likely token
+                    assert record.top[0][0] == token
+                logits = s.feed([token])
+    # One greedy sequence alone (the engine's generated decode loop keeps no step's logits).
+    (alone_got,) = serve(model, [Request(PROMPTS[0], 6, logprobs=0)], joins_after=1, batched=False)
+    assert [r.token for r in alone_got.logprobs] == alone_got.tokens == alone(model, PROMPTS[0], 6)
+    assert all(r.top == () for r in alone_got.logprobs)
 
 
 def test_presence_and_frequency_penalties_are_picc_runs_in_a_batch(model):

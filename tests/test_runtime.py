@@ -27,7 +27,7 @@ from runtime.contracts import ContractError
 from runtime.cpu import ExecutorError
 from runtime.cpu_manifest import CpuBuffer, CpuManifest
 from runtime.pib import PibFile
-from runtime.sampling import SamplingOptions, sample
+from runtime.sampling import SamplingOptions, sample, token_logprob
 from runtime.session import Session
 
 
@@ -380,6 +380,21 @@ def test_presence_and_frequency_penalties_count_the_generated_tokens():
     for bad in (SamplingOptions(presence_penalty=2.5), SamplingOptions(frequency_penalty=float("nan"))):
         with pytest.raises(ValueError, match=r"penalty must be in \[-2, 2\]"):
             bad.check()
+
+
+def test_token_logprob_is_the_log_softmax_and_its_top_tokens():
+    from scipy.special import log_softmax
+
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=1000) * 4).astype(np.float32)
+    logits[[10, 20]] = logits.max() + 1  # a tie at the top: the lower id first
+    expected = log_softmax(logits.astype(np.float64))
+    record = token_logprob(logits, 7, top=4)
+    assert record.token == 7 and record.logprob == pytest.approx(expected[7], abs=1e-12)
+    order = np.argsort(-expected, kind="stable")[:4]
+    assert [i for i, _ in record.top] == [10, 20, *order[2:4]]
+    assert [lp for _, lp in record.top] == pytest.approx(expected[[10, 20, *order[2:4]]], abs=1e-12)
+    assert token_logprob(logits, 7).top == () and len(token_logprob(logits[:3], 0, top=9).top) == 3
 
 
 def test_run_without_a_prompt_reads_prompts_from_stdin(tmp_path, capsys, monkeypatch):

@@ -20,7 +20,7 @@ import openai
 import pytest
 from conftest import served_model
 
-from runtime.sampling import SamplingOptions
+from runtime.sampling import SamplingOptions, token_logprob
 from runtime.session import Session
 
 KEY = "test-key"
@@ -115,6 +115,54 @@ def test_completions_and_chat_through_the_openai_client_are_picc_runs_tokens(ser
     streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
                                               stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+
+
+def reference_logprobs(path, prompt_ids, tokens, top):
+    """Each token's log-probability record as a session alone computes it from its logits."""
+    with Session(path, 1) as s:
+        logits, records = s.feed(list(prompt_ids)), []
+        for token in tokens:
+            records.append(token_logprob(logits, token, top))
+            logits = s.feed([token])
+    return records
+
+
+def test_logprobs_in_both_apis_are_picc_runs(server, model):
+    client = server.client()
+    ids = encode(model, PROMPTS[0])
+    tokens = alone(model, ids, 6)
+    expected = reference_logprobs(model, ids, tokens, 2)
+    # Each token's text: what it adds to the completion (a word-level tokenizer's space included).
+    spell = [text_of(model, tokens[: k + 1])[len(text_of(model, tokens[:k])) :] for k in range(6)]
+    done = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2)
+    got = done.choices[0].logprobs
+    assert got.token_logprobs == [r.logprob for r in expected]  # JSON carries a float64 exactly
+    assert got.tokens == spell and "".join(got.tokens) == done.choices[0].text
+    assert got.text_offset == [sum(len(t) for t in spell[:k]) for k in range(6)]
+    assert [list(d.values()) for d in got.top_logprobs] == [[lp for _, lp in r.top] for r in expected]
+    # Streamed, the chunks' records add up to the same, their offsets running on across chunks.
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                            logprobs=2, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((s.token_logprobs for s in streamed), []) == got.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == got.text_offset
+    # Chat: each token's text, log-probability, bytes and the top ones' (top_logprobs 0: none).
+    messages = [{"role": "user", "content": "hello there"}]
+    chat_ids = encode(model, "user hello there the company", chat=True)
+    tokens = alone(model, chat_ids, 5)
+    expected = reference_logprobs(model, chat_ids, tokens, 3)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [r.logprob for r in expected]
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == [[lp for _, lp in r.top] for r in expected]
+    assert all(bytes(c.bytes).decode() == c.token for c in content)
+    bare = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                          logprobs=True)
+    assert [c.logprob for c in bare.choices[0].logprobs.content] == [r.logprob for r in expected]
+    assert all(c.top_logprobs == [] for c in bare.choices[0].logprobs.content)
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None
 
 
 def test_presence_and_frequency_penalties_are_picc_runs(server, model):
@@ -220,6 +268,8 @@ def error_of(response: httpx.Response) -> dict:
     ({"prompt": "the", "best_of": 2}, 400, "best_of", None),
     ({"prompt": "the", "echo": 0}, 400, "echo", None),
     ({"prompt": "the", "presence_penalty": 2.5}, 400, "presence_penalty", None),
+    ({"prompt": "the", "logprobs": 6}, 400, "logprobs", None),
+    ({"prompt": "the", "logprobs": True}, 400, "logprobs", None),
     ({"prompt": "the", "frequency_penalty": "high"}, 400, "frequency_penalty", None),
     ({"prompt": "the", "user": 5}, 400, "user", None),
 ])
