@@ -36,10 +36,12 @@ from runtime.sequences import SequencePool, gpu_kv_caches
 from runtime.session import Session
 
 Emit = Callable[[str, object], None]
-"""How the engine reports to a request's owner, from the engine's thread: ``("tokens", [ids])``
-for new tokens (for a request with ``logprobs``, right after ``("logprobs", [TokenLogprob])``
-of the same tokens), then ``("done", finish_reason)`` (``stop``: EOS; ``length``: ``max_tokens``
-or a full context; ``cancelled``) or ``("error", message)``."""
+"""How the engine reports to a request's owner, from the engine's thread: for a request with
+``prompt_logprobs``, once its prompt has run, ``("prompt_logprobs", [TokenLogprob])`` (prompt
+tokens 1 on: the first has nothing before it); ``("tokens", [ids])`` for new tokens (for a request
+with ``logprobs``, right after ``("logprobs", [TokenLogprob])`` of the same tokens); then
+``("done", finish_reason)`` (``stop``: EOS; ``length``: ``max_tokens`` or a full context;
+``cancelled``) or ``("error", message)``."""
 
 DEFAULT_MAX_BATCH = 8  # sequences decoded at once unless told
 RATE_WINDOW = 5.0  # seconds of decode steps the reported tok/s covers
@@ -71,6 +73,7 @@ class Request:
     stop_at_eos: bool = True
     progress: bool = True
     logprobs: int | None = None  # each token's log-probability, and this many most likely tokens'
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
 
 @dataclass(eq=False)
@@ -88,6 +91,8 @@ class Sequence:
     cancelled: bool = False
     pending: list[int] = field(default_factory=list)  # tokens not reported yet
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, where asked for
+    prompt_records: list[TokenLogprob] = field(default_factory=list)  # the prompt's, where asked for
+    started: bool = False  # its prompt has run (but the last token, which the first step runs)
     reported: float = 0.0  # when tokens were last reported (perf_counter)
 
     def report(self) -> None:
@@ -291,6 +296,8 @@ class Engine:
         for seq in [s for s in self._active if s.cancelled]:
             self._finish(seq, "done", "cancelled")
         prefilling = self._prefill()
+        for seq in [s for s in self._active if not s.prefilling and not s.started]:
+            self._start(seq)
         decoding = [s for s in self._active if not s.prefilling]
         made = sum(s.made for s in decoding)
         rows = self.rows_per_step
@@ -336,6 +343,15 @@ class Engine:
             ran = True
         return ran
 
+    def _start(self, seq: Sequence) -> None:
+        """``seq``'s prompt has run: its log-probabilities to the owner, where asked for; with
+        ``max_tokens`` 0 (a prompt scored, nothing generated) that is all."""
+        seq.started = True
+        if seq.request.prompt_logprobs is not None:
+            seq.emit("prompt_logprobs", seq.prompt_records)
+        if seq.request.max_tokens == 0:
+            self._finish(seq, "done", "length")
+
     def _next_part(self, seq: Sequence) -> int:
         """How many of ``seq``'s prompt tokens its next chunk takes."""
         return min(self.executor.cpu.chunk, len(seq.request.prompt) - 1 - seq.fed)
@@ -344,7 +360,13 @@ class Engine:
         """The next chunk of ``seq``'s prompt (but its last token), at the boundaries Session.feed uses."""
         part = seq.request.prompt[seq.fed : seq.fed + self._next_part(seq)]
         self.pool.bind(seq.slot)
-        self.executor.prefill(part, seq.pos)
+        top = seq.request.prompt_logprobs
+        if top is None:
+            self.executor.prefill(part, seq.pos)
+        else:  # the chunk's logits too: each predicts the prompt token after it
+            rows = self.executor.logits_of(part, seq.pos)
+            after = seq.request.prompt[seq.fed + 1 : seq.fed + 1 + len(part)]
+            seq.prompt_records += [token_logprob(row, token, top) for row, token in zip(rows, after, strict=True)]
         seq.fed += len(part)
         seq.pos += len(part)
         self.stats.prompt_tokens += len(part)

@@ -108,6 +108,7 @@ class Generation:
         self.tokens = 0
         self.eos = engine.eos if request.stop_at_eos else None
         self.logprobs: list[TokenLogprob] = []  # reported with the next tokens
+        self.first = request.prompt[0]
 
     def _emit(self, kind: str, value: object) -> None:  # on the engine's thread
         with contextlib.suppress(RuntimeError):  # the request's event loop has closed: nobody listens
@@ -120,6 +121,8 @@ class Generation:
                 kind, value = await self.queue.get()
                 if kind == "logprobs":
                     self.logprobs = value  # type: ignore[assignment]
+                elif kind == "prompt_logprobs":  # before any token: the prompt's, its first unpredicted
+                    yield "", None, [TokenLogprob(self.first, None), *value]  # type: ignore[misc]
                 elif kind == "tokens":
                     before = self.tokens
                     text = self._text(value)  # type: ignore[arg-type]

@@ -8,8 +8,10 @@ engine request for each of its choices: ``n`` of them for each prompt (completio
 of prompts too), choice ``j`` sampled with ``seed + j``. ``logprobs`` (completions: the number of
 most likely tokens to list, 0-5; chat: ``logprobs`` and ``top_logprobs``) asks for each generated
 token's log-probability, in each API's own shape (:func:`completion_logprobs`,
-:func:`chat_logprobs`). ``best_of`` above 1, ``echo`` (the prompt's log-probabilities) and a
-non-empty ``logit_bias`` are refused with a message that says so; fields OpenAI
+:func:`chat_logprobs`). ``echo`` (completions) puts the prompt before the completion, and with ``logprobs`` its
+tokens' log-probabilities before the generated ones' (``max_tokens`` 0 then scores a prompt
+without generating). ``best_of`` above 1 and a non-empty ``logit_bias`` are refused with a
+message that says so; fields OpenAI
 defines that do not change what picc computes (``user``, an empty ``logit_bias``, ...) are
 checked and ignored. ``presence_penalty`` and ``frequency_penalty`` apply as OpenAI defines them
 (``runtime.sampling``). ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate
@@ -67,6 +69,7 @@ class Params:
     include_usage: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # each token's log-probability and this many alternatives'
+    echo: bool = False  # completions: the prompt (and its tokens' log-probabilities) first
 
 
 def _is_int(v: object) -> bool:
@@ -117,8 +120,8 @@ class _Fields:
         return v
 
 
-def _common(f: _Fields, max_tokens_name: str = "max_tokens") -> Params:
-    """The fields completions and chat completions share."""
+def _common(f: _Fields, max_tokens_name: str = "max_tokens", least_tokens: int = 1) -> Params:
+    """The fields completions and chat completions share (``max_tokens`` at least ``least_tokens``)."""
     model = f.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("'model' must be a string", "model")
@@ -141,7 +144,7 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens") -> Params:
         if not stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
         include_usage = bool(stream_options.get("include_usage", False))
-    max_tokens = f.integer(max_tokens_name, None, 1)
+    max_tokens = f.integer(max_tokens_name, None, least_tokens)
     options = SamplingOptions(temperature, top_k or 0, top_p, penalty, presence, frequency)
     return Params(model, n=n, max_tokens=max_tokens, options=options,
                   seed=None if seed is None else seed % 2**63, stop=_stops(f.get("stop")), stream=stream,
@@ -180,15 +183,14 @@ def completion_params(body: object) -> Params:
     """``POST /v1/completions``'s body, checked. The prompt: a string, a list of token ids, or a list
     of strings or of lists of ids (OpenAI's batch forms: a choice for each)."""
     f = _Fields(body)
-    if f.boolean("echo"):
-        raise invalid("'echo' is not supported", "echo")
+    echo = f.boolean("echo")
     logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     if f.get("suffix") is not None:
         raise invalid("'suffix' is not supported", "suffix")
     best_of = f.integer("best_of", 1, 1)
     if best_of != 1:
         raise invalid(f"'best_of' {best_of}: not supported (ask for 'n' choices instead)", "best_of")
-    params = _common(f)
+    params = _common(f, least_tokens=0 if echo else 1)  # echo with max_tokens 0: the prompt alone
     prompt = f.get("prompt")
     if prompt is None:
         raise invalid("'prompt' is required", "prompt")
@@ -206,7 +208,7 @@ def completion_params(body: object) -> Params:
         raise invalid(f"{len(prompts)} prompts of {params.n} choices each: at most {MAX_CHOICES} choices a request",
                       "n")
     params.prompts = prompts
-    params.logprobs = logprobs
+    params.logprobs, params.echo = logprobs, echo
     if params.max_tokens is None:
         params.max_tokens = 16  # OpenAI's default for completions
     return params
@@ -241,7 +243,7 @@ def chat_params(body: object) -> Params:
 def context_error(prompt_tokens: int, max_tokens: int | None, ctx: int, prompt_field: str) -> ApiError | None:
     """OpenAI's ``context_length_exceeded`` when the prompt, or it and ``max_tokens``, outgrow
     ``ctx`` (``param``: the prompt's field, or ``max_tokens`` when the prompt alone fits)."""
-    if prompt_tokens + (max_tokens or 1) <= ctx:
+    if prompt_tokens + (max_tokens if max_tokens is not None else 1) <= ctx:
         return None
     asked = f"{prompt_tokens} tokens in the prompt" + (f" and {max_tokens} to generate" if max_tokens else "")
     return invalid(f"This model's maximum context length is {ctx} tokens; the request asks for {asked}",
@@ -272,7 +274,8 @@ def completion_logprobs(records: list[TokenLogprob], texts: list[str], spell: Ca
         starts.append(offset)
         offset += len(text)
     return {"tokens": texts, "token_logprobs": [r.logprob for r in records],
-            "top_logprobs": [{spell(i): lp for i, lp in r.top} for r in records], "text_offset": starts}
+            "top_logprobs": [None if r.logprob is None else {spell(i): lp for i, lp in r.top} for r in records],
+            "text_offset": starts}
 
 
 def chat_logprobs(records: list[TokenLogprob], texts: list[str], spell: Callable[[int], str]) -> dict:

@@ -93,11 +93,12 @@ def sample(logits: np.ndarray, options: SamplingOptions, rng: np.random.Generato
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token's log-probability under the model, and the ``top`` most likely tokens'
-    (id, log-probability) pairs, most likely first (ties: the lower id first)."""
+    """A token's log-probability under the model given the tokens before it, and the ``top`` most
+    likely tokens' (id, log-probability) pairs, most likely first (ties: the lower id first).
+    ``logprob`` None: a prompt's first token, which nothing before it predicts."""
 
     token: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 

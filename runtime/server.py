@@ -263,10 +263,10 @@ def _start(served: ServedModel, params: Params, prompts: list[list[int]], prompt
     if choices > room:  # not a 429: retrying would not help
         raise invalid(f"{choices} choices: this server decodes {engine.max_batch} sequences and queues "
                       f"{engine.max_queue} more, so at most {room} choices a request", "n")
-    requests = [EngineRequest(ids, params.max_tokens or engine.ctx - len(ids), params.options,
-                              None if params.seed is None else (params.seed + j) % 2**63,
+    requests = [EngineRequest(ids, engine.ctx - len(ids) if params.max_tokens is None else params.max_tokens,
+                              params.options, None if params.seed is None else (params.seed + j) % 2**63,
                               stop_at_eos=not params.ignore_eos, progress=params.stream or bool(params.stop),
-                              logprobs=params.logprobs)
+                              logprobs=params.logprobs, prompt_logprobs=params.logprobs if params.echo else None)
                 for ids in prompts for j in range(params.n)]
     return Generation.all_or_none(engine, served.codec, requests, params.stop)
 
@@ -280,10 +280,14 @@ async def _respond(request: Request, served: ServedModel, metrics: Metrics, para
     rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
     body = chat_body if chat else completion_body
     shape = _LogprobShape(served.codec, chat) if params.logprobs is not None else None
+    # echo: each choice's text starts with its prompt (as sent, or its ids' text)
+    echoes = ([p if isinstance(p, str) else served.codec.decode(ids) for p, ids in zip(params.prompts, prompts,
+                                                                                         strict=True)
+               for _ in range(params.n)] if params.echo else [""] * len(gens))
     if params.stream:
         return EventSourceResponse(_events(gens, params, served.name, rid, created, prompt_tokens, chat, metrics,
-                                           shape), ping=15)
-    choices = await _collect(request, gens, shape)
+                                           shape, echoes), ping=15)
+    choices = await _collect(request, gens, shape, echoes)
     generated = sum(gen.tokens for gen in gens)
     metrics.finished(prompt_tokens, generated)
     return JSONResponse({**body(rid, served.name, choices, created=created), "usage": usage(prompt_tokens, generated)})
@@ -324,9 +328,10 @@ def _each(shape: _LogprobShape | None, n: int) -> list[_LogprobShape | None]:
     return [None if shape is None else _LogprobShape(shape.codec, shape.chat) for _ in range(n)]
 
 
-async def _drain(index: int, gen: Generation, shape: _LogprobShape | None) -> Choice:
-    """Choice ``index``: its whole text, finish reason and log-probabilities (where asked)."""
-    parts, last, records = [], None, []
+async def _drain(index: int, gen: Generation, shape: _LogprobShape | None, echo: str) -> Choice:
+    """Choice ``index``: its whole text (after ``echo``), finish reason and log-probabilities (where
+    asked)."""
+    parts, last, records = [echo], None, []
     async for text, finish, logprobs in gen:
         parts.append(text)
         records += logprobs
@@ -334,11 +339,12 @@ async def _drain(index: int, gen: Generation, shape: _LogprobShape | None) -> Ch
     return index, "".join(parts), last, None if shape is None else shape(records)
 
 
-async def _collect(request: Request, gens: list[Generation], shape: _LogprobShape | None) -> list[Choice]:
+async def _collect(request: Request, gens: list[Generation], shape: _LogprobShape | None,
+                   echoes: list[str]) -> list[Choice]:
     """Each choice's whole text, finish reason and log-probabilities; cancelled (and so the
     sequences) when the client goes away."""
     shapes = _each(shape, len(gens))
-    tasks = [asyncio.ensure_future(_drain(i, gen, shapes[i])) for i, gen in enumerate(gens)]
+    tasks = [asyncio.ensure_future(_drain(i, gen, shapes[i], echoes[i])) for i, gen in enumerate(gens)]
     try:
         while True:
             _, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_SECONDS)
@@ -352,7 +358,7 @@ async def _collect(request: Request, gens: list[Generation], shape: _LogprobShap
 
 
 async def _events(gens: list[Generation], params: Params, model: str, rid: str, created: int, prompt_tokens: int,
-                  chat: bool, metrics: Metrics, shape: _LogprobShape | None = None) -> AsyncIterator[dict]:
+                  chat: bool, metrics: Metrics, shape: _LogprobShape | None, echoes: list[str]) -> AsyncIterator[dict]:
     """The stream's events: chunks of text (chat: first the role of each choice), the last of each
     choice with its finish reason, the usage when asked for, then ``[DONE]``. The choices' chunks
     come as their tokens do, each naming its choice's index, with the log-probabilities of the
@@ -365,9 +371,10 @@ async def _events(gens: list[Generation], params: Params, model: str, rid: str, 
     shapes = _each(shape, len(gens))
 
     async def forward(index: int, gen: Generation) -> None:
-        shown = shapes[index]
+        shown, echo = shapes[index], echoes[index]
         try:
             async for text, finish, logprobs in gen:
+                text, echo = echo + text, ""  # the prompt, echoed, comes with the first chunk
                 if text or finish or logprobs:
                     await queue.put((index, text, finish, None if shown is None else shown(logprobs)))
         except ApiError as e:

@@ -75,6 +75,7 @@ class Collector:
         self.end: tuple[str, object] | None = None
         self.done = threading.Event()
         self.logprobs: list = []  # "logprobs" events, where the request asks
+        self.prompt_logprobs: list | None = None
 
     def __call__(self, kind: str, value: object) -> None:
         if kind == "tokens":
@@ -83,6 +84,9 @@ class Collector:
         elif kind == "logprobs":
             assert len(self.logprobs) == len(self.tokens)  # each report's come before its tokens
             self.logprobs += value
+        elif kind == "prompt_logprobs":
+            assert not self.tokens and self.prompt_logprobs is None  # once, before any token
+            self.prompt_logprobs = value
         else:
             self.end = (kind, value)
             self.done.set()
@@ -185,6 +189,25 @@ def test_logprobs_are_each_steps_own_distribution(model):
     (alone_got,) = serve(model, [Request(PROMPTS[0], 6, logprobs=0)], joins_after=1, batched=False)
     assert [r.token for r in alone_got.logprobs] == alone_got.tokens == alone(model, PROMPTS[0], 6)
     assert all(r.top == () for r in alone_got.logprobs)
+
+
+def test_prompt_logprobs_come_from_the_prompts_chunks(model):
+    # Each prompt token after the first gets its log-probability given the ones before it, from
+    # the logits of the chunk program that runs the prompt (the same chunks as a session's); with
+    # max_tokens 0 that is all a request gets, with more the tokens follow as for any request.
+    long = PROMPTS[1]  # 45 tokens: two chunks
+    requests = [Request(long, 0, prompt_logprobs=2), Request(PROMPTS[0], 3, prompt_logprobs=0, logprobs=0),
+                Request(PROMPTS[2], 0, prompt_logprobs=1)]  # one token: nothing to score
+    got = serve(model, requests, max_batch=4, joins_after=3, batched=False)
+    for request, c in zip(requests, got, strict=True):
+        prompt = request.prompt
+        with Session(model, 2) as s:
+            rows = s.executor.logits_of(prompt[:-1], 0) if len(prompt) > 1 else []
+        expected = [token_logprob(row, token, request.prompt_logprobs)
+                    for row, token in zip(rows, prompt[1:], strict=True)]
+        assert c.prompt_logprobs == expected and len(expected) == len(prompt) - 1
+        assert c.tokens == alone(model, prompt, request.max_tokens) and c.end == ("done", "length")
+    assert got[1].tokens and [r.token for r in got[1].logprobs] == got[1].tokens
 
 
 def test_presence_and_frequency_penalties_are_picc_runs_in_a_batch(model):

@@ -165,6 +165,32 @@ def test_logprobs_in_both_apis_are_picc_runs(server, model):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_gives_the_prompt_and_its_tokens_logprobs_first(server, model):
+    # lm-eval-harness's loglikelihood request: echo, logprobs and max_tokens 0 score a prompt.
+    client = server.client()
+    ids = encode(model, PROMPTS[1])
+    with Session(model, 1) as s:
+        rows = s.executor.logits_of(ids[:-1], 0)
+    expected = [None] + [token_logprob(row, t, 1).logprob for row, t in zip(rows, ids[1:], strict=True)]
+    scored = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == PROMPTS[1] and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == expected and choice.logprobs.top_logprobs[0] is None
+    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
+    assert scored.usage.completion_tokens == 0
+    # With tokens to generate: the prompt, then the completion, and both's records in order.
+    tokens = alone(model, ids, 4)
+    done = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0, echo=True,
+                                     logprobs=0)
+    assert done.choices[0].text == PROMPTS[1] + text_of(model, tokens)
+    assert done.choices[0].logprobs.token_logprobs[: len(ids)] == expected
+    assert done.choices[0].logprobs.token_logprobs[len(ids) :] == [r.logprob for r in
+                                                                  reference_logprobs(model, ids, tokens, 0)]
+    streamed = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                              echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+
+
 def test_presence_and_frequency_penalties_are_picc_runs(server, model):
     client = server.client()
     ids = encode(model, PROMPTS[0])
