@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -279,25 +280,26 @@ async def _respond(request: Request, served: ServedModel, metrics: Metrics, para
     prompt_tokens = sum(len(ids) for ids in prompts)  # as OpenAI counts: each prompt once, whatever n
     rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
     body = chat_body if chat else completion_body
-    shape = _LogprobShape(served.codec, chat) if params.logprobs is not None else None
+    shapes = [_LogprobShape(served.codec, chat) if params.logprobs is not None else None for _ in gens]
     # echo: each choice's text starts with its prompt (as sent, or its ids' text)
     echoes = ([p if isinstance(p, str) else served.codec.decode(ids) for p, ids in zip(params.prompts, prompts,
                                                                                          strict=True)
                for _ in range(params.n)] if params.echo else [""] * len(gens))
     if params.stream:
         return EventSourceResponse(_events(gens, params, served.name, rid, created, prompt_tokens, chat, metrics,
-                                           shape, echoes), ping=15)
-    choices = await _collect(request, gens, shape, echoes)
+                                           shapes, echoes), ping=15)
+    choices = await _collect(request, gens, shapes, echoes)
     generated = sum(gen.tokens for gen in gens)
     metrics.finished(prompt_tokens, generated)
     return JSONResponse({**body(rid, served.name, choices, created=created), "usage": usage(prompt_tokens, generated)})
 
 
 class _LogprobShape:
-    """One choice's log-probabilities as its API shows them (chat's or completions'). A generated
-    token's text is what it adds to the ones before it (decoded with the last few, as the text
-    stream decodes: a word-level tokenizer's space, a byte-level one's completed character); a
-    listed alternative's, its own decoding. :attr:`offset`: where the next token's text starts."""
+    """One choice's log-probabilities as its API shows them (chat's or completions'). A token's
+    text is what it adds to the ones before it (decoded after the last few, as the text stream
+    decodes: a word-level tokenizer's space; a byte-level one's character completed, where the
+    token before it showed U+FFFD); a listed alternative's, its own decoding. :attr:`offset`:
+    where the next token's text starts in the choice's text."""
 
     CONTEXT = 4  # tokens before one that its text is decoded after
 
@@ -312,7 +314,7 @@ class _LogprobShape:
         before = self.codec.decode(self.ids[-self.CONTEXT :])
         after = self.codec.decode([*self.ids[-self.CONTEXT :], token])
         self.ids.append(token)
-        return after[len(before) :] if after.startswith(before) else after
+        return after[len(os.path.commonprefix([before, after])) :]
 
     def __call__(self, records: list[TokenLogprob]) -> dict:
         texts = [self._added(r.token) for r in records]
@@ -321,11 +323,6 @@ class _LogprobShape:
         shown = completion_logprobs(records, texts, self.spell, self.offset)
         self.offset += sum(len(t) for t in texts)
         return shown
-
-
-def _each(shape: _LogprobShape | None, n: int) -> list[_LogprobShape | None]:
-    """A shape for each of ``n`` choices (each with its own offset), or None for each."""
-    return [None if shape is None else _LogprobShape(shape.codec, shape.chat) for _ in range(n)]
 
 
 async def _drain(index: int, gen: Generation, shape: _LogprobShape | None, echo: str) -> Choice:
@@ -339,11 +336,10 @@ async def _drain(index: int, gen: Generation, shape: _LogprobShape | None, echo:
     return index, "".join(parts), last, None if shape is None else shape(records)
 
 
-async def _collect(request: Request, gens: list[Generation], shape: _LogprobShape | None,
+async def _collect(request: Request, gens: list[Generation], shapes: list[_LogprobShape | None],
                    echoes: list[str]) -> list[Choice]:
     """Each choice's whole text, finish reason and log-probabilities; cancelled (and so the
     sequences) when the client goes away."""
-    shapes = _each(shape, len(gens))
     tasks = [asyncio.ensure_future(_drain(i, gen, shapes[i], echoes[i])) for i, gen in enumerate(gens)]
     try:
         while True:
@@ -358,7 +354,8 @@ async def _collect(request: Request, gens: list[Generation], shape: _LogprobShap
 
 
 async def _events(gens: list[Generation], params: Params, model: str, rid: str, created: int, prompt_tokens: int,
-                  chat: bool, metrics: Metrics, shape: _LogprobShape | None, echoes: list[str]) -> AsyncIterator[dict]:
+                  chat: bool, metrics: Metrics, shapes: list[_LogprobShape | None],
+                  echoes: list[str]) -> AsyncIterator[dict]:
     """The stream's events: chunks of text (chat: first the role of each choice), the last of each
     choice with its finish reason, the usage when asked for, then ``[DONE]``. The choices' chunks
     come as their tokens do, each naming its choice's index, with the log-probabilities of the
@@ -368,7 +365,6 @@ async def _events(gens: list[Generation], params: Params, model: str, rid: str, 
         yield {"data": json.dumps(chat_body(rid, model, first, chunk=True, created=created, first=True))}
     body = chat_body if chat else completion_body
     queue: asyncio.Queue[Choice | ApiError | None] = asyncio.Queue()
-    shapes = _each(shape, len(gens))
 
     async def forward(index: int, gen: Generation) -> None:
         shown, echo = shapes[index], echoes[index]
