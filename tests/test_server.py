@@ -165,6 +165,30 @@ def test_logprobs_in_both_apis_are_picc_runs(server, model):
     assert plain.choices[0].logprobs is None
 
 
+def test_a_tokens_text_is_what_it_adds_even_inside_a_character():
+    # Byte-level BPE splits "é" and "ï" over two tokens each. A token's text in the logprobs is
+    # what it adds to the text before it: U+FFFD or nothing for a character's first byte, the
+    # character for its last; never the text before it again.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from runtime.sampling import TokenLogprob
+    from runtime.server import _LogprobShape
+    from runtime.text import TextCodec
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["the cat sat", "café naïve"] * 10, trainers.BpeTrainer(
+        vocab_size=262, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    codec = TextCodec(json.dumps({"format": "picc-tokenizer", "version": 1, "bos_id": None, "eos_id": None,
+                                  "add_bos": False, "backend": json.loads(backend.to_str())}))
+    ids = codec.encode("Café naïve")
+    assert "\ufffd" in codec.decode(ids[2:3])  # the test splits a character, or it shows nothing
+    shown = _LogprobShape(codec, chat=False)([TokenLogprob(t, -1.0) for t in ids])
+    assert "".join(shown["tokens"]).replace("\ufffd", "") == "Café naïve"
+    assert shown["text_offset"] == [sum(len(t) for t in shown["tokens"][:k]) for k in range(len(ids))]
+
+
 def test_echo_gives_the_prompt_and_its_tokens_logprobs_first(server, model):
     # lm-eval-harness's loglikelihood request: echo, logprobs and max_tokens 0 score a prompt.
     client = server.client()
