@@ -8,15 +8,14 @@ engine request for each of its choices: ``n`` of them for each prompt (completio
 of prompts too), choice ``j`` sampled with ``seed + j``. ``logprobs`` (completions: the number of
 most likely tokens to list, 0-5; chat: ``logprobs`` and ``top_logprobs``) asks for each generated
 token's log-probability, in each API's own shape (:func:`completion_logprobs`,
-:func:`chat_logprobs`). ``echo`` (completions) puts the prompt before the completion, and with ``logprobs`` its
-tokens' log-probabilities before the generated ones' (``max_tokens`` 0 then scores a prompt
-without generating). ``best_of`` above 1 and a non-empty ``logit_bias`` are refused with a
-message that says so; fields OpenAI
-defines that do not change what picc computes (``user``, an empty ``logit_bias``, ...) are
-checked and ignored. ``presence_penalty`` and ``frequency_penalty`` apply as OpenAI defines them
-(``runtime.sampling``). ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate
-``max_tokens`` tokens whatever they are: benchmarks) are the usual extensions (vLLM takes them
-too). Chat messages' roles are OpenAI's (:data:`ROLES`).
+:func:`chat_logprobs`). ``echo`` (completions) puts the prompt before the completion, and with
+``logprobs`` its tokens' log-probabilities before the generated ones' (``max_tokens`` 0 then
+scores a prompt without generating). ``logit_bias``, ``presence_penalty`` and
+``frequency_penalty`` apply as OpenAI defines them (``runtime.sampling``). ``best_of`` above 1
+is refused with a message that says so; fields OpenAI defines that do not change what picc
+computes (``user``) are checked and ignored. ``top_k``, ``repetition_penalty`` and ``ignore_eos``
+(generate ``max_tokens`` tokens whatever they are: benchmarks) are the usual extensions (vLLM takes
+them too). Chat messages' roles are OpenAI's (:data:`ROLES`).
 """
 
 from __future__ import annotations
@@ -128,7 +127,7 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens", least_tokens: int =
     n = f.integer("n", 1, 1, MAX_CHOICES)
     if f.get("user") is not None and not isinstance(f.get("user"), str):
         raise invalid(f"'user' must be a string, got {type(f.get('user')).__name__}", "user")
-    _logit_bias(f.get("logit_bias"))
+    logit_bias = _logit_bias(f.get("logit_bias"))
     presence, frequency = (f.number(name, 0.0, -2.0, 2.0) for name in ("presence_penalty", "frequency_penalty"))
     temperature = f.number("temperature", 1.0, 0.0, 2.0)
     top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
@@ -145,25 +144,24 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens", least_tokens: int =
             raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
         include_usage = bool(stream_options.get("include_usage", False))
     max_tokens = f.integer(max_tokens_name, None, least_tokens)
-    options = SamplingOptions(temperature, top_k or 0, top_p, penalty, presence, frequency)
+    options = SamplingOptions(temperature, top_k or 0, top_p, penalty, presence, frequency, logit_bias)
     return Params(model, n=n, max_tokens=max_tokens, options=options,
                   seed=None if seed is None else seed % 2**63, stop=_stops(f.get("stop")), stream=stream,
                   include_usage=include_usage, ignore_eos=f.boolean("ignore_eos"))
 
 
-def _logit_bias(v: object) -> None:
-    """``logit_bias``: checked as OpenAI checks it (token ids to numbers in [-100, 100]); refused
-    unless empty, since it would change the tokens and this server does not apply it."""
+def _logit_bias(v: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``, checked as OpenAI checks it (token ids to numbers in [-100, 100]), as
+    (id, bias) pairs; whether the ids are in the vocabulary the server checks (it knows it)."""
     if v is None:
-        return
+        return ()
     if not isinstance(v, dict):
         raise invalid(f"'logit_bias' must be an object of token ids to numbers, got {type(v).__name__}", "logit_bias")
     for token, bias in v.items():
         if not token.isdigit() or not _is_number(bias) or not -100 <= bias <= 100:
             raise invalid(f"'logit_bias' maps token ids to numbers in [-100, 100], got {token!r}: {bias!r}",
                           "logit_bias")
-    if v:
-        raise invalid("'logit_bias' is not supported", "logit_bias")
+    return tuple(sorted((int(token), float(bias)) for token, bias in v.items()))
 
 
 def _stops(v: object) -> list[str]:

@@ -2,6 +2,7 @@
 penalty, as llama.cpp and transformers define them, and OpenAI's presence and frequency penalties.
 
 Order of operations (transformers' logits processors, then vLLM's for OpenAI's penalties): the
+logit bias (OpenAI's ``logit_bias``: a number added to given tokens' logits), the
 repetition penalty on the raw logits (a token already seen, in the prompt or since, has a
 positive logit divided by the penalty, a negative one multiplied), then the frequency and
 presence penalties (a token generated c times so far loses ``c * frequency + (c > 0) *
@@ -28,6 +29,7 @@ class SamplingOptions:
     repetition_penalty: float = 1.0  # 1: off
     presence_penalty: float = 0.0  # 0: off; OpenAI's range -2..2
     frequency_penalty: float = 0.0  # 0: off; likewise
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), -100..100 each
 
     def check(self) -> None:
         """Raise ValueError naming the option when one is out of range (NaN and infinities are)."""
@@ -43,12 +45,15 @@ class SamplingOptions:
         for name, value in (("presence", self.presence_penalty), ("frequency", self.frequency_penalty)):
             if not -2 <= value <= 2:
                 raise ValueError(f"{name} penalty must be in [-2, 2] (0 turns it off), got {value}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"a logit bias maps a token id >= 0 to a number in [-100, 100], got {token}: {bias}")
 
     @property
     def greedy(self) -> bool:
         """Whether the next token is just the argmax of the logits (no penalty moves them)."""
         return (self.temperature == 0 and self.repetition_penalty == 1.0 and self.presence_penalty == 0
-                and self.frequency_penalty == 0)
+                and self.frequency_penalty == 0 and not self.logit_bias)
 
 
 def sample_next(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
@@ -63,6 +68,8 @@ def sample(logits: np.ndarray, options: SamplingOptions, rng: np.random.Generato
     presence and frequency penalties count)."""
     options.check()
     z = logits.astype(np.float64)
+    for token, bias in options.logit_bias:
+        z[token] += bias
     if options.repetition_penalty != 1.0:
         ids = np.unique(np.fromiter(seen, dtype=np.int64))
         if ids.size:

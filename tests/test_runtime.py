@@ -377,6 +377,13 @@ def test_presence_and_frequency_penalties_count_the_generated_tokens():
     # Negative values favour what was generated; a penalty makes the choice more than an argmax.
     assert sample(logits, SamplingOptions(frequency_penalty=-0.3), rng, generated=[4]) == 4  # 2.8 + 0.3
     assert not SamplingOptions(presence_penalty=0.5).greedy and not SamplingOptions(frequency_penalty=-1).greedy
+    # OpenAI's logit_bias: added to the given tokens' logits, first.
+    assert sample(logits, SamplingOptions(logit_bias=((1, -100.0),)), rng) == 2
+    assert sample(logits, SamplingOptions(logit_bias=((3, 4.5),)), rng) == 3  # -1 + 4.5 > 3
+    assert sample(logits, SamplingOptions(logit_bias=((3, 3.9),)), rng) == 1
+    assert not SamplingOptions(logit_bias=((3, 1.0),)).greedy
+    with pytest.raises(ValueError, match="logit bias"):
+        SamplingOptions(logit_bias=((3, 101.0),)).check()
     for bad in (SamplingOptions(presence_penalty=2.5), SamplingOptions(frequency_penalty=float("nan"))):
         with pytest.raises(ValueError, match=r"penalty must be in \[-2, 2\]"):
             bad.check()

@@ -215,6 +215,18 @@ def test_echo_gives_the_prompt_and_its_tokens_logprobs_first(server, model):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
 
 
+def test_logit_bias_is_picc_runs(server, model):
+    client = server.client()
+    ids = encode(model, PROMPTS[0])
+    first = alone(model, ids, 1)[0]
+    biased = SamplingOptions(logit_bias=((first, -100.0),))  # the greedy first token banned
+    expected = alone(model, ids, 6, biased)
+    assert expected[0] != first
+    done = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                     logit_bias={str(first): -100})
+    assert done.choices[0].text == text_of(model, expected)
+
+
 def test_presence_and_frequency_penalties_are_picc_runs(server, model):
     client = server.client()
     ids = encode(model, PROMPTS[0])
@@ -314,7 +326,8 @@ def error_of(response: httpx.Response) -> dict:
     (b'{"prompt": "the", "model": "\\udc80"}', 400, None, None),
     # Fields OpenAI defines, checked as it checks them; those that would change the tokens refused.
     ({"prompt": "the", "logit_bias": 5}, 400, "logit_bias", None),
-    ({"prompt": "the", "logit_bias": {"5": -100}}, 400, "logit_bias", None),
+    ({"prompt": "the", "logit_bias": {"5": -101}}, 400, "logit_bias", None),
+    ({"prompt": "the", "logit_bias": {"100000": 1}}, 400, "logit_bias", None),  # past the vocabulary
     ({"prompt": "the", "best_of": 2}, 400, "best_of", None),
     ({"prompt": "the", "echo": 0}, 400, "echo", None),
     ({"prompt": "the", "presence_penalty": 2.5}, 400, "presence_penalty", None),
