@@ -1,15 +1,15 @@
 """Choosing the next token from a row of logits: greedy, temperature, top-k, top-p, repetition
-penalty, as llama.cpp and transformers define them, and OpenAI's presence and frequency penalties.
+penalty, as llama.cpp and transformers define them, and OpenAI's logit bias and presence and
+frequency penalties; and a token's log-probability under the model (:func:`token_logprob`).
 
-Order of operations (transformers' logits processors, then vLLM's for OpenAI's penalties): the
-logit bias (OpenAI's ``logit_bias``: a number added to given tokens' logits), the
-repetition penalty on the raw logits (a token already seen, in the prompt or since, has a
-positive logit divided by the penalty, a negative one multiplied), then the frequency and
-presence penalties (a token generated c times so far loses ``c * frequency + (c > 0) *
-presence``: OpenAI's definition, counted over the generated tokens only, as vLLM counts them),
-then temperature, then top-k, then top-p (the smallest set of most likely tokens whose
-probability reaches p), then a draw from what is left. Temperature 0 is greedy: the argmax of
-the penalised logits.
+Order of operations (transformers' logits processors, with OpenAI's fields where vLLM puts
+them): the logit bias (a number added to given tokens' logits), the repetition penalty (a token
+already seen, in the prompt or since, has a positive logit divided by the penalty, a negative one
+multiplied), then the frequency and presence penalties (a token generated c times so far loses
+``c * frequency + (c > 0) * presence``: OpenAI's definition, counted over the generated tokens
+only, as vLLM counts them), then temperature, then top-k, then top-p (the smallest set of most
+likely tokens whose probability reaches p), then a draw from what is left. Temperature 0 is
+greedy: the argmax of the biased and penalised logits.
 """
 
 from __future__ import annotations
