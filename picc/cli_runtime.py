@@ -50,12 +50,26 @@ def _sampling(args: argparse.Namespace):  # noqa: ANN202 - SamplingOptions
     from runtime.sampling import SamplingOptions
 
     options = SamplingOptions(args.temperature, args.top_k, args.top_p, args.repeat_penalty, args.presence_penalty,
-                              args.frequency_penalty)
+                              args.frequency_penalty, _logit_bias(args.logit_bias))
     try:
         options.check()
     except ValueError as e:
         raise PiccError(str(e)) from None
     return options
+
+
+def _logit_bias(items: list[str]) -> tuple[tuple[int, float], ...]:
+    """``--logit-bias ID=BIAS`` flags as (token id, bias) pairs, sorted by id."""
+    bias: dict[int, float] = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise PiccError(f"--logit-bias {item}: expected TOKEN_ID=BIAS, like 13=-100") from None
+        if not sep:
+            raise PiccError(f"--logit-bias {item}: expected TOKEN_ID=BIAS, like 13=-100")
+    return tuple(sorted(bias.items()))
 
 
 class _Stream:
@@ -140,6 +154,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     check_seed(args.seed)
     options = _sampling(args)
     with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
+        session.check_options(options)
         if args.prompt is not None:
             if not args.json:
                 sys.stdout.write(args.prompt)
@@ -349,6 +364,9 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="subtracted from a token's logit once for each time it was generated so far, as "
                         "OpenAI's API defines it (-2 to 2; default 0: off)")
+    s.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (-100 to 100) to that token's logit before sampling, as OpenAI's logit_bias; "
+                        "repeat for more tokens (-100 all but bans one)")
     s.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0)")
     add_threads_flag(s)
     s.add_argument("--ctx", type=int, help="context positions (default: what the model was compiled for)")

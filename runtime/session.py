@@ -106,6 +106,14 @@ class Session:
             timings.prompt_seconds += time.perf_counter() - start
         return np.concatenate(rows) if all_logits else self.executor.logits()
 
+    def check_options(self, options: SamplingOptions) -> None:
+        """ValueError for an option out of range; ExecutorError for a logit bias on a token this
+        model does not have."""
+        options.check()
+        outside = [t for t, _ in options.logit_bias if t >= self.vocab]
+        if outside:
+            raise ExecutorError(f"the logit bias names token {outside[0]}, outside the vocabulary of {self.vocab}")
+
     def generate(self, prompt: list[int], n: int, options: SamplingOptions = SamplingOptions(),  # noqa: B008
                  seed: int = 0, stop_at_eos: bool = True, timings: Timings | None = None) -> Iterator[int]:
         """Feed ``prompt``, then yield up to ``n`` new tokens (fewer at EOS or a full context).
@@ -114,7 +122,7 @@ class Session:
         a loop in generated code), sized to take about :data:`STREAM_SECONDS` each, so that the
         text still streams; other sampling runs a step at a time and samples in Python.
         """
-        options.check()
+        self.check_options(options)
         timings = timings if timings is not None else Timings()
         logits = self.feed(prompt, timings)
         eos = self.text.eos_id if self.text is not None and stop_at_eos else None

@@ -211,6 +211,14 @@ def test_run_cli_generates_greedy_text_like_the_interpreter(tmp_path, capsys):
         assert s.pos == len(prompt) + 11 and s.history == prompt + expected
         with pytest.raises(ExecutorError, match="greedy tokens need"):
             s.greedy_tokens(s.ctx)
+    # --logit-bias (OpenAI's logit_bias, as picc serve takes it): the first greedy token banned.
+    assert main(["run", str(path), "-p", "the company", "-n", "6", "--json", "--logit-bias",
+                 f"{expected[0]}=-100", "--logit-bias", "3=0.5"]) == 0
+    biased = json.loads(capsys.readouterr().out)["tokens"]
+    options = SamplingOptions(logit_bias=((3, 0.5), (expected[0], -100.0)))
+    with Session(path, 2) as s:
+        assert biased == list(s.generate(prompt, 6, options, stop_at_eos=True))[: len(biased)]
+    assert biased[0] != expected[0]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -330,6 +338,8 @@ def test_runtime_errors_are_one_line(tmp_path, capsys):
         (["run", str(path), "-p", "the", "--threads", "0"], "--threads 0: expected 1 to"),
         (["run", str(path), "-p", "the", "--top-p", "0"], "top-p must be in (0, 1]"),
         (["run", str(path), "-p", "the", "--frequency-penalty", "3"], "frequency penalty must be in [-2, 2]"),
+        (["run", str(path), "-p", "the", "--logit-bias", "5"], "--logit-bias 5: expected TOKEN_ID=BIAS"),
+        (["run", str(path), "-p", "the", "--logit-bias", "100000=1"], "names token 100000, outside the vocabulary"),
         (["run", str(path), "-p", "the", "--ctx", "9"], "--ctx 9: expected 1 to 8, the positions this model was compiled for"),
         (["run", str(tmp_path / "missing.pib"), "-p", "x"], "no such file"),
         (["bench", str(path), "--prompt-tokens", "6", "-n", "6"], "exceed the 8 positions"),
