@@ -222,9 +222,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.executor.vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {self.executor.vocab}")
-        outside = [t for t, _ in request.options.logit_bias if t >= self.executor.vocab]
-        if outside:
-            raise ValueError(f"the logit bias names token {outside[0]}, outside a vocabulary of {self.executor.vocab}")
+        error = request.options.vocabulary_error(self.executor.vocab)
+        if error:
+            raise ValueError(error)
         if len(prompt) + request.max_tokens > self.ctx:
             raise ValueError(f"the prompt's {len(prompt)} tokens and max_tokens {request.max_tokens} need "
                              f"{len(prompt) + request.max_tokens} positions but the context holds {self.ctx}")

@@ -49,6 +49,12 @@ class SamplingOptions:
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError(f"a logit bias maps a token id >= 0 to a number in [-100, 100], got {token}: {bias}")
 
+    def vocabulary_error(self, vocab: int) -> str | None:
+        """Why these options cannot sample from ``vocab`` tokens (a logit bias on a token past
+        them), or None."""
+        outside = [t for t, _ in self.logit_bias if t >= vocab]
+        return f"the logit bias names token {outside[0]}, outside the vocabulary of {vocab}" if outside else None
+
     @property
     def greedy(self) -> bool:
         """Whether the next token is just the argmax of the logits (no penalty moves them)."""

@@ -254,10 +254,9 @@ def _start(served: ServedModel, params: Params, prompts: list[list[int]], prompt
     submitted at once or none (a refusal -- a full queue, a prompt that does not fit -- raises
     before any response)."""
     engine = served.engine
-    outside = [t for t, _ in params.options.logit_bias if t >= engine.executor.vocab]
-    if outside:
-        raise invalid(f"'logit_bias' names token {outside[0]}, outside the vocabulary of {engine.executor.vocab}",
-                      "logit_bias")
+    error = params.options.vocabulary_error(engine.executor.vocab)
+    if error:
+        raise invalid(error, "logit_bias")
     for ids in prompts:
         error = context_error(len(ids), params.max_tokens, engine.ctx, prompt_field)
         if error is not None:

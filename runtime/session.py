@@ -110,9 +110,9 @@ class Session:
         """ValueError for an option out of range; ExecutorError for a logit bias on a token this
         model does not have."""
         options.check()
-        outside = [t for t, _ in options.logit_bias if t >= self.vocab]
-        if outside:
-            raise ExecutorError(f"the logit bias names token {outside[0]}, outside the vocabulary of {self.vocab}")
+        error = options.vocabulary_error(self.vocab)
+        if error:
+            raise ExecutorError(error)
 
     def generate(self, prompt: list[int], n: int, options: SamplingOptions = SamplingOptions(),  # noqa: B008
                  seed: int = 0, stop_at_eos: bool = True, timings: Timings | None = None) -> Iterator[int]:

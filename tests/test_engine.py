@@ -249,7 +249,7 @@ def test_cancelled_and_refused_requests_free_their_slots(model):
             engine.submit(Request(PROMPTS[0], session.ctx), Collector())
         with pytest.raises(ValueError, match="out of range"):
             engine.submit(Request([1, 10**6], 4), Collector())
-        with pytest.raises(ValueError, match="outside a vocabulary"):  # numpy's IndexError on the engine's thread
+        with pytest.raises(ValueError, match="outside the vocabulary"):  # numpy's IndexError on the engine's thread
             engine.submit(Request(PROMPTS[0], 4, SamplingOptions(logit_bias=((10**6, 1.0),))), Collector())
         until(lambda: long[0].tokens)
         for seq in seqs:
