@@ -198,11 +198,11 @@ class _ChunkFfn(FfnEmitter):
         live = fn.gep(self.live, self.lo)
         fn.emit(f"call void @llvm.memset.p0.i64(ptr {live}, i8 0, i64 {fn.v(f'sub i64 {self.hi}, {self.lo}', 'nl')}, "
                 "i1 false)")
-        self.ids = fn.alloca_array("i32", fn.v(f"sub i64 {self.hi}, {self.lo}", "nl"), "ids")
         if self.int_rows8:
             self._rows8_whole()
             if self.mode == "down-only":
                 return
+        self.ids = fn.alloca_array("i32", fn.v(f"sub i64 {self.hi}, {self.lo}", "nl"), "ids")  # _rows_of's lists
 
         def needed(i: str) -> str:
             return _any_token(fn, seq, lambda s: self.selected(s, i)) if self.mode == "predictor" else "true"
