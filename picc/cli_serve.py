@@ -34,6 +34,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="requests that may wait for a free sequence before the server answers 429 "
                    "(default: 4 x --max-batch)")
     s.add_argument("--ctx", type=int, help="positions per sequence (default: what the model was compiled for)")
+    s.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="compute every prompt whole (default: a prompt takes the KV cache rows of the 32-token "
+                   "chunks it shares with the start of a prompt run before, as a system prompt or earlier turns "
+                   "of a chat; the tokens are the same either way)")
     add_threads_flag(s)
     s.add_argument("--api-key", default=os.environ.get("PICC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every /v1 request (default: $PICC_API_KEY; "
@@ -92,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if session.text is None:
             raise PiccError(f"{args.model}: the model has no tokenizer; a server needs one to read and write text")
         try:
-            engine = Engine(session, args.max_batch, args.max_queue)
+            engine = Engine(session, args.max_batch, args.max_queue, args.prefix_cache)
         except ExecutorError as e:
             raise PiccError(str(e)) from None
         try:
@@ -127,6 +131,7 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
         raise PiccError("--ray needs Ray Serve: pip install -e '.[ray]' (from picc's checkout)") from None
     from runtime.ray_serve import ReplicaOptions, run
     options = ReplicaOptions(str(Path(args.model).resolve()), args.threads, args.ctx, args.gpu, args.max_batch,
-                             args.max_queue, args.api_key, args.model_name or Path(args.model).stem)
+                             args.max_queue, args.api_key, args.model_name or Path(args.model).stem,
+                             args.prefix_cache)
     run(options, replicas=args.replicas, gpus=args.gpus_per_replica, host=args.host, port=args.port,
         address=args.ray_address, say=lambda line: print(line, file=sys.stderr, flush=True))

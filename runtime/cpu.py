@@ -300,8 +300,15 @@ class CpuExecutor:
     def kv_caches(self) -> dict[int, int]:
         """The KV caches the generated code indexes: ``bufs`` index -> bytes (each layer's k rows
         then v rows, shared by the step, the decode loop and the chunk programs)."""
-        return {i: spec.nbytes or 0 for i, spec in enumerate(self._manifest.buffers)
-                if spec.kind == "alloc" and spec.name is not None and spec.name.startswith("kv.")}
+        return {i: spec.nbytes or 0 for i, spec in enumerate(self._manifest.buffers) if spec.kind == "kv"}
+
+    def kv_planes(self, index: int) -> int:
+        """How many runs of the context's positions KV cache ``bufs[index]`` holds (its KV heads'
+        k rows, then their v rows): position p of each is at ``p * row`` of the run, where ``row``
+        is ``nbytes / planes / ctx``."""
+        planes = self._manifest.buffers[index].planes
+        assert planes is not None
+        return planes
 
     def cache_array(self, index: int) -> np.ndarray:
         """The memory ``bufs[index]`` was allocated with (a KV cache's, say)."""

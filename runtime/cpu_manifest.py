@@ -31,7 +31,8 @@ BUFFER_FIELDS: dict[str, tuple[str, ...]] = {
     "params": ("nbytes",),  # the per-token i32 parameters (PARAM_SLOTS)
     "zeros": ("nbytes",),  # a vector of zeros
     "weight": ("name",),  # a tensor of the .pib, mapped from the file
-    "alloc": ("name", "nbytes"),  # zeroed memory the code owns: activations, KV caches, scratch
+    "alloc": ("name", "nbytes"),  # zeroed memory the code owns: activations, scratch
+    "kv": ("name", "nbytes", "planes"),  # a KV cache, zeroed: ``planes`` runs of the context's positions
     "profile": ("slots",),  # a profiled step's counters: ``slots`` i64 per thread, while profiling
     "function": ("name",),  # the address of a function, set by the runtime (the decode loop's step)
 }
@@ -60,11 +61,12 @@ class CpuBuffer:
     name: str | None = None
     nbytes: int | None = None
     slots: int | None = None
+    planes: int | None = None  # a KV cache's: each KV head's k rows, then each one's v rows
 
     def __post_init__(self) -> None:
         if self.kind not in BUFFER_FIELDS:
             raise ContractError(f"{_SECTION}: unknown buffer kind {self.kind!r}")
-        for key in ("name", "nbytes", "slots"):
+        for key in ("name", "nbytes", "slots", "planes"):
             if (getattr(self, key) is None) == (key in BUFFER_FIELDS[self.kind]):
                 raise ContractError(f"{_SECTION}: a {self.kind} buffer " +
                                     ("needs" if key in BUFFER_FIELDS[self.kind] else "has no") + f" {key!r}")

@@ -16,6 +16,12 @@ pool, so its logits are bit-identical to ``picc run``'s whatever else is served.
 sequences step together where the model has a batch step (``CpuExecutor.batch_step``: each row
 the one-sequence step's arithmetic, the weights read once for all), ``rows_per_step`` at a time;
 a greedy sequence alone runs the generated decode loop (``Executor.greedy_steps``).
+
+Prompts that begin alike (a system prompt, a conversation's earlier turns, the choices of one
+request) compute their shared chunks once: a sequence takes the rows of its prompt's whole chunks
+that a slot already holds (its own, as :meth:`SequencePool.acquire` chooses it, or another's,
+copied), where the chunk programs wrote them for the same tokens at the same boundaries -- the
+rows its own chunks would write, so its tokens stay ``picc run``'s (:mod:`runtime.sequences`).
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, where asked for
     prompt_records: list[TokenLogprob] = field(default_factory=list)  # the prompt's, where asked for
     started: bool = False  # its prompt has run (but the last token, which the first step runs)
+    cached: int = 0  # prompt positions whose KV rows it took from a slot instead of computing them
     reported: float = 0.0  # when tokens were last reported (perf_counter)
 
     def report(self) -> None:
@@ -115,7 +122,8 @@ class EngineStats:
     """Counters for the server's metrics, updated by the engine's thread."""
 
     requests: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # computed
+    cached_tokens: int = 0  # prompt tokens whose KV rows were taken from a slot that held them
     generated_tokens: int = 0
     steps: int = 0
     batch_steps: int = 0  # calls of the batch step (several sequences' steps in one)
@@ -141,8 +149,10 @@ def serving_limits(plan: MemoryPlan, max_batch: int | None, max_queue: int | Non
 class Engine:
     """Serves ``session``'s model to many requests at once: :meth:`submit`, :meth:`cancel`."""
 
-    def __init__(self, session: Session, max_batch: int | None = None, max_queue: int | None = None) -> None:
+    def __init__(self, session: Session, max_batch: int | None = None, max_queue: int | None = None,
+                 prefix_cache: bool = True) -> None:
         self.session = session
+        self.prefix_cache = prefix_cache  # False: every prompt computed whole (to measure what it saves)
         self.executor = session.executor
         self.max_batch, self.max_queue = serving_limits(self.executor.plan, max_batch, max_queue)
         self.pool = SequencePool(self.executor, self.max_batch)
@@ -282,7 +292,7 @@ class Engine:
             self._waiting = collections.deque(kept)
             while self._waiting and self.pool.free:
                 seq = self._waiting.popleft()
-                seq.slot = self.pool.acquire()
+                seq.slot = self.pool.acquire(seq.request.prompt if self._reuses(seq) else None)
                 seq.rng = np.random.default_rng(seq.request.seed if seq.request.seed is not None
                                                 else secrets.randbits(63))
                 self._active.append(seq)
@@ -337,6 +347,8 @@ class Engine:
         start decoding together, where one chunk a turn had them join the batch one step apart
         (a step of 1, 2, ... 7 rows costs nearly what a step of 8 does). Whether any ran."""
         budget, ran = self.executor.cpu.chunk, False
+        for seq in [s for s in self._active if s.prefilling and self._reuses(s)]:
+            self._reuse(seq)
         for seq in [s for s in self._active if s.prefilling]:
             part = self._next_part(seq)
             if ran and part > budget:
@@ -345,6 +357,26 @@ class Engine:
             self._guarded(seq, self._prefill_chunk)
             ran = True
         return ran
+
+    def _reuses(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may take KV rows from a slot: not where it wants its prompt's
+        log-probabilities, which need every chunk's logits."""
+        return self.prefix_cache and seq.request.prompt_logprobs is None
+
+    def _reuse(self, seq: Sequence) -> None:
+        """Skip the chunks of ``seq``'s prompt whose KV rows a slot holds: its own slot's as they
+        are, another's copied (a prompt that begins as one that ran, or is running, before it)."""
+        prompt = seq.request.prompt
+        own = self.pool.cached(seq.slot, prompt)
+        src, n = self.pool.source(prompt)
+        if n <= seq.fed:
+            return
+        if n > own:
+            self.pool.copy(src, seq.slot, max(seq.fed, own), n)
+        self.stats.cached_tokens += n - seq.fed
+        seq.cached += n - seq.fed
+        seq.fed = seq.pos = n
+        self.pool.hold(seq.slot, prompt, n)
 
     def _start(self, seq: Sequence) -> None:
         """``seq``'s prompt has run: its log-probabilities to the owner, where asked for; with
@@ -373,6 +405,7 @@ class Engine:
         seq.fed += len(part)
         seq.pos += len(part)
         self.stats.prompt_tokens += len(part)
+        self.pool.hold(seq.slot, seq.request.prompt, seq.fed)  # logits_of's rows are prefill's: the same ops
 
     def _decode_step(self, seq: Sequence) -> None:
         """A step on ``seq``'s last token (the prompt's last, at first), then its next token."""

@@ -2,8 +2,9 @@
 
 Requests by route and status and their latency (counted by :class:`CountRequests`, an ASGI
 middleware, so refused and failed requests count too), prompt and generated tokens, and the
-engine's state read at each scrape: requests waiting, sequences decoding, the last step's batch,
-decode tokens per second over the last few seconds, free sequence slots.
+engine's state read at each scrape: prompt tokens computed and taken from slots that held them,
+requests waiting, sequences decoding, the last step's batch, decode tokens per second over the
+last few seconds, free sequence slots.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class _EngineState(Collector):
         yield CounterMetricFamily("picc_decoded_tokens", "Tokens the engine decoded, cancelled sequences' included",
                                   value=e.stats.generated_tokens)
         yield CounterMetricFamily("picc_engine_requests", "Requests the engine accepted", value=e.stats.requests)
+        yield CounterMetricFamily("picc_prompt_tokens_computed", "Prompt tokens the engine ran through the model",
+                                  value=e.stats.prompt_tokens)
+        yield CounterMetricFamily("picc_prompt_tokens_cached", "Prompt tokens whose KV rows the engine took from "
+                                  "a slot that held them (a prefix another prompt had run)",
+                                  value=e.stats.cached_tokens)
         for name, doc, value in (
             ("picc_queue_depth", "Requests waiting for a sequence slot", e.waiting),
             ("picc_active_sequences", "Sequences prefilling or decoding", e.active),

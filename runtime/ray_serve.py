@@ -57,6 +57,7 @@ class ReplicaOptions:
     max_queue: int | None = None
     api_key: str | None = None
     model_name: str | None = None
+    prefix_cache: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +134,7 @@ def build_app(options: ReplicaOptions):  # noqa: ANN201 - (engine, session, ASGI
     if session.text is None:
         session.close()
         raise ValueError(f"{options.model}: the model has no tokenizer; a server needs one to read and write text")
-    engine = Engine(session, options.max_batch, options.max_queue)
+    engine = Engine(session, options.max_batch, options.max_queue, options.prefix_cache)
     name = options.model_name or Path(options.model).stem
     served = ServedModel(engine, session.text, name, int(Path(options.model).stat().st_mtime), options.api_key)
     return engine, session, create_app(served)

@@ -11,6 +11,15 @@ Slot 0 is the executor's own caches; the other ``slots - 1`` are allocated here,
 refused with a clear error when they would not fit in the memory this machine has available. A
 model that keeps a KV cache on the GPU holds one sequence's there: it is served one sequence at a
 time (``slots`` 1).
+
+The pool also remembers, per slot, which prompt's chunks its caches hold (:meth:`hold`): rows that
+the chunk programs wrote for whole chunks at the boundaries every prompt is cut at (multiples of
+``chunk`` from position 0). Such a row depends only on the tokens up to its position, so a later
+prompt that begins with the same chunks may take those rows as they are (:meth:`cached`: the
+sequence given the slot, :meth:`acquire` prefers it) or copied from another slot
+(:meth:`source`, :meth:`copy`), and its positions after them are computed as if it had run them
+itself: the same chunks at the same boundaries. Rows a decode step wrote (a reply's) are never
+taken: the step's arithmetic is not the chunk programs'.
 """
 
 from __future__ import annotations
@@ -65,28 +74,67 @@ class SequencePool:
                                 f"memory, and this machine has {free / 2**30:.2f} GiB available; use a smaller "
                                 "--max-batch or --ctx")
         self.slots = slots
+        self.chunk = cpu.chunk
         self._own = [{i: cpu.cache_array(i) for i in self.caches}]
         self._own += [{i: aligned_zeros(n) for i, n in self.caches.items()} for _ in range(slots - 1)]
         self._pointers = np.array([[own[i].ctypes.data for i in cpu.batch_caches] for own in self._own],
                                   dtype=np.uint64).reshape(slots, len(cpu.batch_caches))
-        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        ctx = executor.plan.ctx
+        self._planes = {i: (cpu.kv_planes(i), n // (cpu.kv_planes(i) * ctx)) for i, n in self.caches.items()}
+        assert all(planes * row * ctx == self.caches[i] for i, (planes, row) in self._planes.items())
+        self._held: list[tuple[list[int], int]] = [([], 0)] * slots  # a prompt and its positions in whole chunks
+        self._free = list(range(slots))  # the least recently released first
         self._bound: int | None = None
 
     @property
     def free(self) -> int:
         return len(self._free)
 
-    def acquire(self) -> int:
-        """A free slot (ExecutorError when there is none)."""
+    def acquire(self, prompt: list[int] | None = None) -> int:
+        """A free slot (ExecutorError when there is none): for ``prompt``, the one that holds most of
+        its chunks (:meth:`cached`), else the least recently released, whose record then keeps
+        only what ``prompt`` may take; without one, the least recently released, forgotten."""
         if not self._free:
             raise ExecutorError("no free sequence slot")
-        return self._free.pop()
+        slot = max(self._free, key=lambda s: self.cached(s, prompt)) if prompt is not None else self._free[0]
+        self._free.remove(slot)
+        self.hold(slot, prompt or [], self.cached(slot, prompt) if prompt is not None else 0)
+        return slot
 
     def release(self, slot: int) -> None:
         """Give ``slot`` back; its caches are reused as they are (a sequence reads only the positions
-        it wrote itself)."""
+        it wrote itself, or rows :meth:`cached` says it may take)."""
         assert 0 <= slot < self.slots and slot not in self._free
         self._free.append(slot)
+
+    def hold(self, slot: int, prompt: list[int], fed: int) -> None:
+        """Record that ``slot``'s caches hold the rows the chunk programs wrote for ``prompt``'s first
+        ``fed`` positions, from position 0 at the usual boundaries (the whole chunks are kept)."""
+        self._held[slot] = (prompt, fed // self.chunk * self.chunk)
+
+    def cached(self, slot: int, prompt: list[int] | None) -> int:
+        """How many of ``prompt``'s first positions ``slot``'s caches hold as ``prompt``'s own chunks
+        would write them: whole chunks of the same tokens, and never its last token (the step that
+        runs it leaves the logits)."""
+        if prompt is None:
+            return 0
+        held, n = self._held[slot]
+        n, chunk, same = min(n, (len(prompt) - 1) // self.chunk * self.chunk), self.chunk, 0
+        while same < n and held[same : same + chunk] == prompt[same : same + chunk]:
+            same += chunk
+        return same
+
+    def source(self, prompt: list[int]) -> tuple[int, int]:
+        """The slot, free or not, whose caches hold most of ``prompt``'s chunks, and how many
+        positions (:meth:`cached`)."""
+        return max(((s, self.cached(s, prompt)) for s in range(self.slots)), key=lambda sn: sn[1])
+
+    def copy(self, src: int, dst: int, start: int, stop: int) -> None:
+        """Copy positions ``start .. stop - 1`` of every KV cache from slot ``src`` to slot ``dst``."""
+        for i, (planes, row) in self._planes.items():
+            frm = self._own[src][i][: self.caches[i]].reshape(planes, -1)
+            to = self._own[dst][i][: self.caches[i]].reshape(planes, -1)
+            to[:, start * row : stop * row] = frm[:, start * row : stop * row]
 
     @property
     def batched(self) -> int:

@@ -294,7 +294,8 @@ async def _respond(request: Request, served: ServedModel, metrics: Metrics, para
     choices = await _collect(request, gens, shapes, echoes)
     generated = sum(gen.tokens for gen in gens)
     metrics.finished(prompt_tokens, generated)
-    return JSONResponse({**body(rid, served.name, choices, created=created), "usage": usage(prompt_tokens, generated)})
+    return JSONResponse({**body(rid, served.name, choices, created=created),
+                         "usage": usage(prompt_tokens, generated, _cached(gens, params.n))})
 
 
 class _LogprobShape:
@@ -356,6 +357,12 @@ async def _collect(request: Request, gens: list[Generation], shapes: list[_Logpr
             task.cancel()
 
 
+def _cached(gens: list[Generation], n: int) -> int:
+    """The prompt tokens that took their KV rows from a slot, counted as the usage counts the prompts:
+    once each, by its first choice (its other choices take the rows that one computes)."""
+    return sum(gen.seq.cached for gen in gens[::n])
+
+
 async def _events(gens: list[Generation], params: Params, model: str, rid: str, created: int, prompt_tokens: int,
                   chat: bool, metrics: Metrics, shapes: list[_LogprobShape | None],
                   echoes: list[str]) -> AsyncIterator[dict]:
@@ -400,5 +407,5 @@ async def _events(gens: list[Generation], params: Params, model: str, rid: str, 
     if params.include_usage:
         yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                    "created": created, "model": model, "choices": [],
-                                   "usage": usage(prompt_tokens, generated)})}
+                                   "usage": usage(prompt_tokens, generated, _cached(gens, params.n))})}
     yield {"data": "[DONE]"}

@@ -210,6 +210,81 @@ def test_prompt_logprobs_come_from_the_prompts_chunks(model):
     assert got[1].tokens and [r.token for r in got[1].logprobs] == got[1].tokens
 
 
+def _exact(model, request: Request, c: Collector) -> None:
+    """``c`` got a session's own tokens for ``request`` and, for each, the log-probabilities of the
+    session's own logits (float64 of the same bits: a logit one ulp off changes them)."""
+    assert c.tokens == alone(model, request.prompt, request.max_tokens, request.options, request.seed)
+    with Session(model, 2) as s:
+        logits = s.feed(list(request.prompt))
+        for record, token in zip(c.logprobs, c.tokens, strict=True):
+            assert record == token_logprob(logits, token, request.logprobs)
+            logits = s.feed([token])
+    assert len(c.logprobs) == len(c.tokens) == request.max_tokens
+
+
+LONG = [1, *((5 * i + 2) % 61 for i in range(80))]  # 81 tokens: two whole chunks before the last token
+
+
+def test_prompts_that_begin_alike_compute_their_shared_chunks_once(model, monkeypatch):
+    # A prompt takes the KV rows of the whole chunks it shares with the start of a prompt that ran
+    # before it: in place, in the slot it is given (the free one that holds most of it), or copied
+    # from another slot, whose sequence may still be running; the rest of it runs at the chunk
+    # boundaries a session's would. Its tokens and log-probabilities are a session's own.
+    def request(prompt, n=6, **kw):
+        return Request(prompt, n, SAMPLED, seed=len(prompt), logprobs=2, **kw)
+
+    with Session(model, 2) as session:
+        engine = Engine(session, max_batch=3)
+        copies = []
+        copy = engine.pool.copy
+        monkeypatch.setattr(engine.pool, "copy", lambda *a: (copies.append(a[2:]), copy(*a)))
+
+        def one(r):
+            c = Collector()
+            seq = engine.submit(r, c)
+            assert c.done.wait(60)
+            return seq, c
+
+        first, again = request(LONG), request([*LONG[:70], 3, 4, 5])  # 73 tokens: the first two chunks alike
+        done = [(first, *one(first)), (again, *one(again))]
+        assert [seq.cached for _, seq, _ in done] == [0, 64] and copies == []  # in place
+        # One that runs a third chunk past LONG's, and while it decodes one that shares all three.
+        longer = request([*LONG, *[7] * 40], n=40)
+        c_longer = Collector()
+        seq_longer = engine.submit(longer, c_longer)
+        until(lambda: c_longer.tokens)
+        during = request([*longer.prompt[:100], 9])
+        done += [(during, *one(during))]
+        assert c_longer.done.wait(60)
+        done += [(longer, seq_longer, c_longer)]
+        assert seq_longer.cached == 64 and done[2][1].cached == 96 and copies == [(0, 96)]
+        # The choices of one request: the first computes each chunk, the others copy it a turn later.
+        fresh = [3, *((11 * i + 5) % 61 for i in range(70))]
+        choices = [Request(fresh, 6, SAMPLED, seed=j, logprobs=2) for j in range(3)]
+        got = [Collector() for _ in choices]
+        seqs = engine.submit_all(list(zip(choices, got, strict=True)))
+        assert all(c.done.wait(60) for c in got)
+        assert [seq.cached for seq in seqs] == [0, 64, 64]
+        done += list(zip(choices, seqs, got, strict=True))
+        # A prompt whose log-probabilities were asked for computes every chunk (they come from the
+        # chunks' logits) and leaves rows that a later prompt takes: the chunk program with the
+        # head writes the rows the one without it writes.
+        scored = Request([2, *fresh[1:]], 0, prompt_logprobs=1)
+        after = request([*scored.prompt, 8])
+        done += [(after, *one(after))] if one(scored)[0].cached == 0 else []
+        assert done[-1][0] is after and done[-1][1].cached == 64
+        assert engine.stats.cached_tokens == 64 + 96 + 64 + 2 * 64 + 64
+        engine.close()
+    for r, _, c in done:
+        _exact(model, r, c)
+    with Session(model, 2) as session:  # the cache switched off: every prompt computed whole
+        engine = Engine(session, max_batch=3, prefix_cache=False)
+        seqs = [engine.submit(r, Collector()) for r in (first, first)]
+        until(lambda: engine.active == 0 and not engine.waiting)
+        assert [s.cached for s in seqs] == [0, 0] and engine.stats.cached_tokens == 0
+        engine.close()
+
+
 def test_presence_and_frequency_penalties_are_picc_runs_in_a_batch(model):
     # The penalties count each sequence's own generated tokens, whatever else is in the batch. (The
     # tiny model seldom repeats a token within 12: a negative presence penalty makes it, and the
@@ -407,6 +482,27 @@ def test_a_model_without_the_batch_step_steps_its_sequences_one_by_one(tmp_path)
     requests = [Request(p, 6) for p in PROMPTS[:4]]
     got = serve(path, requests, max_batch=4, joins_after=4, batched=False)
     assert [c.tokens for c in got] == [alone(path, p, 6) for p in PROMPTS[:4]]
+
+
+def test_a_model_with_its_kv_caches_on_the_gpu_takes_shared_chunks_in_place(tmp_path):
+    # Caches on the (emulated) GPU hold one sequence: it is served one at a time, and a prompt
+    # that begins as the last one did takes the rows the GPU's ops left, still exactly.
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=128, seed=3))
+    path = tmp_path / "gpu.pib"
+    write_compiled(compile_model(model, CompileOptions(target="pc-low", vram="4MiB", dense=True),
+                                 say=lambda _: None), path)
+    requests = [Request(p, 6, SAMPLED, seed=1) for p in (LONG, [*LONG[:70], 3, 4], LONG)]
+    with Session(path, 2, gpu="emulate") as session:
+        engine = Engine(session)
+        assert engine.max_batch == 1 and not engine.pool.caches  # every KV cache on the GPU
+        got = [Collector() for _ in requests]
+        seqs = [engine.submit(r, c) for r, c in zip(requests, got, strict=True)]
+        assert all(c.done.wait(60) for c in got)
+        engine.close()
+    assert [s.cached for s in seqs] == [0, 64, 64]
+    for r, c in zip(requests, got, strict=True):
+        with Session(path, 2, gpu="emulate") as s:
+            assert c.tokens == list(s.generate(r.prompt, r.max_tokens, r.options, seed=r.seed))
 
 
 def test_a_stopped_engine_is_not_alive_and_its_replica_says_so(tmp_path):

@@ -76,10 +76,11 @@ class CpuBuffers:
     def own(self, nbytes: int, name: str) -> Buf:
         return Buf(self.slot(name, nbytes))
 
-    def kv_cache(self, name: str, nbytes: int) -> Buf:
-        """The KV cache ``name`` (k rows, then v rows), shared by the step and the chunk programs."""
+    def kv_cache(self, name: str, nbytes: int, planes: int) -> Buf:
+        """The KV cache ``name``, shared by the step and the chunk programs: ``planes`` runs of the
+        context's positions (each KV head's k rows, then each one's v rows), ``nbytes`` in all."""
         if name not in self.caches:
-            self.caches[name] = self.own(nbytes, f"kv.{name}")
+            self.caches[name] = Buf(self.add(CpuBuffer("kv", name=f"kv.{name}", nbytes=nbytes, planes=planes)))
         return self.caches[name]
 
     def weight(self, name: str | None, *, as_f32: bool = False, offset: int = 0,

@@ -207,7 +207,7 @@ class OpLowering(ABC):
         """Where ``op`` finds its KV cache's k and v (ctx rows of each KV head's k, head after head,
         then the same of v, in its ``kv_format``), one cache shared by the step and the chunk programs."""
         nbytes = kv_cache_bytes(op, self.width(op.k), self.ctx)
-        caches = self.bufs.kv_cache(op.cache, nbytes)
+        caches = self.bufs.kv_cache(op.cache, nbytes, 2 * op.n_kv_heads)
         return caches, Buf(caches.index, nbytes // 2)
 
     def position(self) -> Param:
