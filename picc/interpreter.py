@@ -242,8 +242,9 @@ class Interpreter:
                 return table[rows]
             case O.RMSNorm():
                 x = env[op.x]
+                x = x.reshape(*x.shape[:-1], -1, op.group) if op.group else x
                 ms = np.mean(x * x, axis=-1, keepdims=True)
-                return (x / np.sqrt(ms + np.float32(op.eps))) * w(op.weight)
+                return ((x / np.sqrt(ms + np.float32(op.eps))) * w(op.weight)).reshape(env[op.x].shape)
             case O.LayerNorm():
                 x = env[op.x]
                 mean = x.mean(axis=-1, keepdims=True)

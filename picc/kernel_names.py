@@ -125,8 +125,9 @@ def cpu_embed(dtype: str, rows8: bool = False) -> str:
     return f"picc_embed_{dtype}{_rows8_suffix(rows8, dtype)}"
 
 
-def cpu_norm(kind: str) -> str:
-    return f"picc_{kind}"
+def cpu_norm(kind: str, grouped: bool = False) -> str:
+    """A norm over each row, or (``grouped``) over each run of a given length within a row."""
+    return f"picc_{kind}" + ("_grouped" if grouped else "")
 
 
 def cpu_attention(kv_format: str) -> str:
@@ -262,8 +263,9 @@ def _number(x: float) -> str:
     return f"{x:g}".replace("-", "m").replace("+", "").replace(".", "p")
 
 
-def gpu_norm(kind: str, n: int, eps: float, bias: bool = False) -> str:
-    return f"{kind}_{n}_eps{_number(eps)}" + ("_bias" if bias else "")
+def gpu_norm(kind: str, n: int, eps: float, bias: bool = False, group: int | None = None) -> str:
+    """A norm over rows of ``n``, or over each run of ``group`` elements of them."""
+    return f"{kind}_{n}" + (f"_g{group}" if group else "") + f"_eps{_number(eps)}" + ("_bias" if bias else "")
 
 
 def gpu_rope(style: str, n_heads: int, head_dim: int, rotated: int) -> str:

@@ -35,6 +35,7 @@ class ModelShapes:
     max_ctx: int = 2048
     predictor_rank: int = 64
     prefill: int = 32
+    qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalised, the heads as the norm's rows
 
     def __post_init__(self) -> None:
         if self.norm not in ("rms", "layer"):
@@ -55,6 +56,9 @@ def model_kernels(m: ModelShapes, fmt: str, predictor_fmt: str = "f16") -> list[
             out.append(layers.rms_norm(f"{m.name}_rms_norm_{tag}", seq, m.hidden, m.eps))
         else:
             out.append(layers.layer_norm(f"{m.name}_layer_norm_{tag}", seq, m.hidden, m.eps))
+        if m.qk_norm:
+            out += [layers.rms_norm(f"{m.name}_q_norm_{tag}", seq * m.n_heads, m.head_dim, m.eps),
+                    layers.rms_norm(f"{m.name}_k_norm_{tag}", seq * m.n_kv_heads, m.head_dim, m.eps)]
         out += [
             layers.rope(f"{m.name}_rope_q_{tag}", seq, m.n_heads, m.head_dim, m.rotary_dim, m.rope_style),
             layers.rope(f"{m.name}_rope_k_{tag}", seq, m.n_kv_heads, m.head_dim, m.rotary_dim, m.rope_style),

@@ -58,7 +58,7 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "opt", "falcon")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -100,6 +100,22 @@ _BASE: dict[str, dict[str, Any]] = {
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        sliding_window=4,
+        max_window_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "qwen3": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
         max_position_embeddings=128,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
@@ -194,6 +210,18 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "layer-types": dict(use_sliding_window=True, layer_types=["sliding_attention", "full_attention"]),
         "mha": dict(num_key_value_heads=4, _hub_style="qwen2"),
     },
+    "qwen3": {
+        # q and k RMS-normalised a head at a time (q_norm / k_norm, [head_dim]) before the rope
+        "base": {},
+        "tied": dict(tie_word_embeddings=True),
+        "attn-bias": dict(attention_bias=True),  # q, k, v and o
+        # a head wider than hidden / heads (Qwen3-0.6B: 16 heads of 128 in a hidden of 1024)
+        "head-dim": dict(head_dim=32),
+        # config.json without "head_dim": Qwen3Config's default 128, not hidden / heads
+        "head-dim-default": dict(head_dim=128, _hub_style="drop-head-dim"),
+        "sliding": dict(use_sliding_window=True, _hub_style="qwen2"),  # layer 1 slides
+        "norm-eps": dict(rms_norm_eps=0.5),  # the q and k norms' eps too
+    },
     "opt": {
         "pre-ln": {},  # opt-125m / 1.3b / ... layout
         "post-ln": dict(do_layer_norm_before=False),
@@ -274,6 +302,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "mistral": {},
     "qwen2": {},
+    "qwen3": {},
     "opt": {},
     "falcon": {},
 }
@@ -298,6 +327,8 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("qwen2", "base", "sliding"),
     ("qwen2", "sliding", "sliding-all"),
     ("qwen2", "sliding", "layer-types"),
+    ("qwen3", "base", "sliding"),
+    ("qwen3", "base", "norm-eps"),
     ("opt", "pre-ln", "post-ln"),
     ("opt", "pre-ln", "gelu"),
     ("opt", "proj-dim", "proj-dim-pre-ln"),
@@ -341,6 +372,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "opt": (tf.OPTConfig, tf.OPTForCausalLM),
         "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
     }[family]
@@ -390,6 +422,8 @@ def _rewrite_hub_style(cfg_path: pathlib.Path, style: str) -> None:
             cfg["rope_scaling"] = {key: rtype, **rp}
     elif style == "drop-sliding-window":
         cfg.pop("sliding_window", None)
+    elif style == "drop-head-dim":
+        assert cfg.pop("head_dim") == 128
     elif style in ("qwen2", "qwen2-keep-window"):
         cfg.pop("layer_types", None)
         if style == "qwen2-keep-window":

@@ -22,7 +22,7 @@ from picc.codegen_cuda.bounds import ValueRanges, out_of_bounds
 from picc.codegen_cuda.kernel import kernel_from_func, make_kernel
 
 TINY = ModelShapes("tiny", hidden=64, n_ff=128, n_heads=4, n_kv_heads=2, head_dim=16, vocab=256, max_ctx=64,
-                   predictor_rank=32, prefill=8)
+                   predictor_rank=32, prefill=8, qk_norm=True)
 LLAMA_7B = ModelShapes("llama7b", hidden=4096, n_ff=11008, n_heads=32, n_kv_heads=32, head_dim=128, vocab=32000)
 
 Case = tuple[Kernel, ValueRanges]

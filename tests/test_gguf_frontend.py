@@ -1,8 +1,9 @@
-"""The GGUF frontend on small files written here, from random HF LLaMAs, the way llama.cpp does.
+"""The GGUF frontend on small files written here, from random HF LLaMAs, Qwen2s and Qwen3s, the way
+llama.cpp does.
 
-llama.cpp's converter permutes the rows of q/k per head for its interleaved rope and stores
-tensors with reversed dims; importing such a file must reproduce transformers' logits for the
-original HF model. Tolerance: relative L2 <= 1e-4 (float32 on both sides, only the summation
+llama.cpp's converter permutes the rows of a LLaMA's q/k per head for its interleaved rope (not a
+Qwen's, which it runs with the half-split rope) and stores tensors with reversed dims; importing
+such a file must reproduce transformers' logits for the original HF model. Tolerance: relative L2 <= 1e-4 (float32 on both sides, only the summation
 order differs).
 """
 
@@ -31,7 +32,8 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=None,
                drop_keys=()):
-    """Write the HF llama in ``hf_dir`` as a GGUF file, matrices in ``quant_type``."""
+    """Write the HF model in ``hf_dir`` (a llama, or a qwen2 / qwen3 with ``arch`` saying so) as a
+    GGUF file, matrices in ``quant_type``."""
     import json
 
     from safetensors.numpy import load_file
@@ -49,6 +51,9 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         "rms_eps": (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]),
         "rope_freq_base": (w.add_rope_freq_base, cfg["rope_parameters"]["rope_theta"]),
     }
+    if cfg.get("head_dim"):
+        meta["key_length"] = (w.add_key_length, cfg["head_dim"])
+    permute = llama_cpp_permute if arch == "llama" else lambda x, heads: x
     for key, (add, value) in meta.items():
         if key not in drop_keys:
             add(value)
@@ -67,9 +72,15 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        tensor(f"blk.{i}.attn_q.weight", llama_cpp_permute(sd[p + "self_attn.q_proj.weight"], h), quant_type)
-        tensor(f"blk.{i}.attn_k.weight", llama_cpp_permute(sd[p + "self_attn.k_proj.weight"], kv), quant_type)
+        tensor(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], h), quant_type)
+        tensor(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], kv), quant_type)
         tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], quant_type)
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
+            if p + f"self_attn.{theirs}.bias" in sd:
+                tensor(f"blk.{i}.{ours}.bias", sd[p + f"self_attn.{theirs}.bias"])
+        for ours in ("q_norm", "k_norm"):
+            if p + f"self_attn.{ours}.weight" in sd:
+                tensor(f"blk.{i}.attn_{ours}.weight", sd[p + f"self_attn.{ours}.weight"])
         tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], quant_type)
         tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
@@ -148,6 +159,21 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     assert rel_l2(got, want) <= 1e-4
 
 
+@pytest.mark.parametrize("family, qt", [("qwen2", Q.F32), ("qwen3", Q.F32), ("qwen3", Q.Q4_1)])
+def test_qwen_ggufs_match_transformers(family, qt, tmp_path):
+    # Rows as transformers has them (no permutation) and the half-split rope; Qwen2's q, k, v
+    # biases; Qwen3's norms of each head's q and k, with heads wider than hidden / heads.
+    hf_dir = tmp_path / family
+    make_model(family, "head-dim" if family == "qwen3" else "base", hf_dir)
+    model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=family, quant_type=qt))
+    verify(model.module)
+    assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {"llama"}
+    assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == 4 * (family == "qwen3")
+    reference = round_trip_hf_weights(hf_dir, tmp_path / "hf_q", qt) if qt != Q.F32 else hf_dir
+    got = Interpreter(model.module, model.weights).run(TOKENS)
+    assert rel_l2(got, reference_logits(reference, TOKENS)) <= 1e-4
+
+
 def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
     hf_dir, _ = hf_llama
     model = load_model(write_gguf(hf_dir, tmp_path / "t.gguf", tie=True))
@@ -157,7 +183,7 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported (supported: llama)"),
+    (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported (supported: llama, qwen2, qwen3)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),

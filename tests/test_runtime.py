@@ -61,6 +61,27 @@ def test_dense_models_match_the_interpreter(dtype, form, tmp_path):
     check_prefill(path, pib, tol)
 
 
+def test_qwen3s_heads_are_normalised_one_at_a_time_by_every_program(tmp_path):
+    # Qwen3 RMS-normalises each head's q and k (rms_norm with a group): the step and the chunk
+    # programs call the grouped norm kernel, which takes a token's heads as rows of their own (the
+    # threads split them), here with heads wider than hidden / heads (32 x 4 in 64). A norm over the
+    # whole row, or over another run length, moves the logits by far more than the tolerance.
+    from hf_models import make_model
+
+    from picc.frontend import load_model
+
+    make_model("qwen3", "head-dim", tmp_path / "hf")
+    path, pib = compiled(load_model(tmp_path / "hf"), tmp_path, "qwen3", dense=True, kv_cache="f32")
+    with PibFile(path) as f:
+        assert f.text("cpu/ir").count("call void @picc_rms_norm_grouped(") >= 2 * 2 * 2  # q, k; 2 layers; 2+ programs
+    norms = [op for op in pib.module.ops() if isinstance(op, O.RMSNorm) and op.group is not None]
+    assert len(norms) == 4 and {op.group for op in norms} == {32}
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    for threads in (1, 2):
+        assert rel_err(runtime_logits(path, TOKENS, threads), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+
+
 def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path):
     # feed(all_logits=True) (picc logits) runs all but the last token through picc_logits_chunk,
     # 32 at a time: the same logits as one step per token (GEMMs instead of GEMVs: the sums

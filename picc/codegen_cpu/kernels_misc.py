@@ -70,12 +70,17 @@ def rows_or_parts(fn: Fn, seq: str, parts: str, align: int = 1,
     return (lo, hi), (p0, p1)
 
 
-def _norm(kind: str) -> Kernel:
-    symbol = names.cpu_norm(kind)
+def _norm(kind: str, grouped: bool = False) -> Kernel:
+    symbol = names.cpu_norm(kind, grouped)
+    params = (*NORM_PARAMS, ("group", "i32")) if grouped else NORM_PARAMS
 
     def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, NORM_PARAMS)
+        fn = kernel_fn(symbol, params)
         seq, n = fn.sext("%seq"), fn.sext("%n")
+        if grouped:  # each row's runs of group elements are rows of their own, back to back
+            group = fn.sext("%group")
+            seq = fn.v(f"mul i64 {seq}, {fn.v(f'sdiv i64 {n}, {group}', 'runs')}", "gseq")
+            n = group
         nf = fn.v(f"sitofp i64 {n} to float", "nf")
         apart = fn.v("icmp ne ptr %x, %out", "apart")  # in place, a thread's writes would meet another's reads
         (lo, hi), (e0, e1) = rows_or_parts(fn, seq, n, 16, apart)
@@ -103,13 +108,15 @@ def _norm(kind: str) -> Kernel:
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, NORM_PARAMS, emit, token_split=True)
+    return Kernel(symbol, params, emit, token_split=True)
 
 
 @cache
-def rms_norm() -> Kernel:
-    """``out[s] = x[s] / sqrt(mean(x[s]^2) + eps) * weight (+ bias)`` per row (f32; bias may be null)."""
-    return _norm("rms_norm")
+def rms_norm(grouped: bool = False) -> Kernel:
+    """``out[s] = x[s] / sqrt(mean(x[s]^2) + eps) * weight (+ bias)`` per row (f32; bias may be null);
+    ``grouped``: a last argument ``group``, and each run of ``group`` elements of a row normalised
+    on its own with ``weight`` [group] (Qwen3's q and k norms, a head at a time)."""
+    return _norm("rms_norm", grouped)
 
 
 @cache

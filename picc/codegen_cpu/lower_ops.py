@@ -253,8 +253,10 @@ class OpLowering(ABC):
                           self.weight(op.table, layout=_layout(op)), self.tokens(),
                           self.activation(op.result), self.rows(), self.width(op.result), batched=True)
             case O.RMSNorm():
-                self.call(op, kernels_misc.rms_norm(), self.value(op.x), self.weight(op.weight, as_f32=True), Null(),
-                          self.activation(op.result), self.rows(), self.width(op.x), float(op.eps), batched=True)
+                group = (op.group,) if op.group is not None else ()
+                self.call(op, kernels_misc.rms_norm(op.group is not None), self.value(op.x),
+                          self.weight(op.weight, as_f32=True), Null(), self.activation(op.result), self.rows(),
+                          self.width(op.x), float(op.eps), *group, batched=True)
             case O.LayerNorm():
                 self.call(op, kernels_misc.layer_norm(), self.value(op.x), self.weight(op.weight, as_f32=True),
                           self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),

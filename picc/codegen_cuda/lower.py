@@ -208,7 +208,9 @@ class _Lowering:
                 self.launch(op, k, [*b.weight(op.weight, "W", k), b.value(op.x, "x", k), *bias,
                                     *self.residual_arg(op, k), self.result(op, "y", k)])
             case O.RMSNorm():
-                k = self.kernel(name, lambda: layers.rms_norm(name, 1, self.width(op.x), op.eps))
+                # Grouped: the token's runs of group elements are the kernel's rows.
+                rows, width = (self.width(op.x) // op.group, op.group) if op.group else (1, self.width(op.x))
+                k = self.kernel(name, lambda: layers.rms_norm(name, rows, width, op.eps))
                 self.launch(op, k, [b.value(op.x, "x", k), b.vector(op.weight, "w", k), b.value(op.result, "y", k)])
             case O.LayerNorm():
                 k = self.kernel(name, lambda: layers.layer_norm(name, 1, self.width(op.x), op.eps, op.bias is not None))

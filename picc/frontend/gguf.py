@@ -1,9 +1,13 @@
-"""GGUF frontend: ``llama``-architecture GGUF files, quantized tensors kept in their quant type.
+"""GGUF frontend: ``llama``, ``qwen2`` and ``qwen3`` GGUF files, quantized tensors kept in their
+quant type.
 
-llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that each head's rotary pairs
-are adjacent ((2i, 2i+1), llama.cpp's "normal" rope). picc keeps the tensors exactly as stored and
-uses the ``gptj`` (interleaved) rope style, which computes the same function as transformers'
-half-split rope on the un-permuted weights.
+For ``llama`` files llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that each
+head's rotary pairs are adjacent ((2i, 2i+1), llama.cpp's "normal" rope). picc keeps the tensors
+exactly as stored and uses the ``gptj`` (interleaved) rope style, which computes the same function
+as transformers' half-split rope on the un-permuted weights. ``qwen2`` and ``qwen3`` files keep
+transformers' rows (llama.cpp runs them with its "neox" rope, the half-split one): picc's ``llama``
+style. Qwen2 has biases on q, k and v; Qwen3 normalises each head's q and k (``attn_q_norm``,
+``attn_k_norm``, [head_dim]) before the rope.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from picc.frontend.model import LoadedModel
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+_ROPE_STYLES = {"llama": "gptj", "qwen2": "llama", "qwen3": "llama"}  # see the module's docstring
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0}
 
@@ -31,6 +36,7 @@ _LAYER_NAMES = {
     "attn_q.weight": "attn.q", "attn_k.weight": "attn.k", "attn_v.weight": "attn.v",
     "attn_output.weight": "attn.o", "attn_q.bias": "attn.q_bias", "attn_k.bias": "attn.k_bias",
     "attn_v.bias": "attn.v_bias", "attn_output.bias": "attn.o_bias",
+    "attn_q_norm.weight": "attn.q_norm", "attn_k_norm.weight": "attn.k_norm",
     "ffn_up.weight": "ffn.up", "ffn_gate.weight": "ffn.gate", "ffn_down.weight": "ffn.down",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
@@ -81,7 +87,7 @@ def read_tensors(file: GgufFile, path: Path) -> WeightStore:
 
 
 def load_gguf(path: Path) -> LoadedModel:
-    """Import a llama-architecture GGUF file."""
+    """Import a GGUF file of an architecture in SUPPORTED_ARCHS."""
     from picc.frontend.tokenizer import tokenizer_from_gguf
 
     path = Path(path)
@@ -114,7 +120,7 @@ def load_gguf(path: Path) -> LoadedModel:
         raise PiccError(f"{path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
     rope = RopeSpec(
         theta=float(meta.get(key("rope.freq_base"), 10000.0)),  # type: ignore[arg-type]
-        style="gptj",
+        style=_ROPE_STYLES[arch],
         rotary_dim=None if rope_dim == head_dim else rope_dim,
         scaling=scaling,
         factor=float(meta.get(key("rope.scaling.factor"), 1.0)) if scaling == "linear" else 1.0,  # type: ignore[arg-type]
@@ -137,6 +143,7 @@ def load_gguf(path: Path) -> LoadedModel:
         bos_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
         eos_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
         max_position=_opt_int(meta.get(key("context_length"))),
+        qk_norm=arch == "qwen3",
     )
     module = build_llama(spec, store)
     # A GGUF without tokenizer metadata still imports; it runs on token ids only.

@@ -35,6 +35,7 @@ ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "opt": "OPTForCausalLM",
     "falcon": "FalconForCausalLM",
 }
@@ -60,7 +61,7 @@ def load_hf(path: Path) -> LoadedModel:
         raise PiccError(f"{cfg.path}: quantized checkpoints (quantization_config, method "
                         f"{method!r}) are not supported; picc imports f32, f16 and bf16 weights")
     name = re.sub(r"[^\w.]", "_", path.resolve().name) or "model"
-    importer = {"llama": _llama_family, "mistral": _llama_family, "qwen2": _llama_family,
+    importer = {"llama": _llama_family, "mistral": _llama_family, "qwen2": _llama_family, "qwen3": _llama_family,
                 "opt": _opt, "falcon": _falcon}[model_type]
     module, store = importer(cfg, path, name)
     tokenizer = None
@@ -120,15 +121,16 @@ def _rows(t: Tensor, rows: np.ndarray) -> Tensor:
     return Tensor(t.dtype, (len(rows), *t.shape[1:]), data)
 
 
-# ---------------------------------------------------------------- LLaMA, Mistral, Qwen2
+# ---------------------------------------------------------------- LLaMA, Mistral, Qwen2, Qwen3
 
-_KV_HEADS_DEFAULT = {"llama": None, "mistral": 8, "qwen2": 32}
-MAX_POSITION_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
-SPECIAL_IDS_DEFAULT = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None)}
+_KV_HEADS_DEFAULT = {"llama": None, "mistral": 8, "qwen2": 32, "qwen3": 32}
+MAX_POSITION_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+SPECIAL_IDS_DEFAULT = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None), "qwen3": (None, None)}
+HEAD_DIM_DEFAULT = {"qwen3": 128}  # the others: hidden_size / num_attention_heads
 
 
 def qwen2_windows(cfg: HFConfig, n_layers: int) -> tuple[int | None, ...]:
-    """Qwen2's per-layer sliding windows (``Qwen2Config.__post_init__``).
+    """Qwen2's and Qwen3's per-layer sliding windows (``Qwen2Config.__post_init__``).
 
     ``use_sliding_window: false`` nulls ``sliding_window`` (real Qwen2 configs carry a window
     they do not use); without ``layer_types``, layers from ``max_window_layers`` on slide.
@@ -143,7 +145,7 @@ def qwen2_windows(cfg: HFConfig, n_layers: int) -> tuple[int | None, ...]:
     known = {"full_attention": None, "attention": None, "sliding_attention": window}
     for t in types:
         if t not in known:
-            raise PiccError(f"{cfg.path}: layer type {json.dumps(t)} is not supported for qwen2 "
+            raise PiccError(f"{cfg.path}: layer type {json.dumps(t)} is not supported for {cfg.raw['model_type']} "
                             "(supported: full_attention, sliding_attention)")
     if "sliding_attention" in types and window is None:
         raise PiccError(f"{cfg.path}: layer_types has sliding_attention layers but no window "
@@ -164,19 +166,20 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     if n_heads % n_kv:
         raise PiccError(f"{cfg.path}: num_attention_heads {n_heads} is not a multiple of "
                         f"num_key_value_heads {n_kv}")
-    head_dim = cfg.opt_integer("head_dim", None) or hidden // n_heads
+    head_dim = cfg.opt_integer("head_dim", HEAD_DIM_DEFAULT.get(family)) or hidden // n_heads
     max_position = cfg.integer("max_position_embeddings", MAX_POSITION_DEFAULT[family])
-    # Llama ignores sliding_window; Mistral slides every layer (default 4096); Qwen2 per layer.
+    # Llama ignores sliding_window; Mistral slides every layer (default 4096); Qwen2 and 3 per layer.
     windows: tuple[int | None, ...] = ()
     if family == "mistral":
         window = cfg.opt_integer("sliding_window", 4096)
         windows = (window,) * n_layers if window is not None else ()
-    elif family == "qwen2":
+    elif family in ("qwen2", "qwen3"):
         windows = qwen2_windows(cfg, n_layers)
         windows = windows if any(w is not None for w in windows) else ()
     # Biases: Llama by config (q, k, v and o together; gate, up and down together); Mistral
-    # never, whatever the config says; Qwen2 always on q, k, v and nowhere else.
-    attn_bias = family == "llama" and cfg.flag("attention_bias", False)
+    # never, whatever the config says; Qwen2 always on q, k, v and nowhere else; Qwen3 on q, k,
+    # v and o by config.
+    attn_bias = family in ("llama", "qwen3") and cfg.flag("attention_bias", False)
     qkv_bias = attn_bias or family == "qwen2"
     mlp_bias = family == "llama" and cfg.flag("mlp_bias", False)
     bos, eos = special_ids(cfg, directory, *SPECIAL_IDS_DEFAULT[family])
@@ -186,7 +189,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
         n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", 1e-6),
         ffn_form=ffn_form(cfg, "hidden_act", "silu", gated=True),
         rope=rope_from_config(cfg, head_dim, max_position), tied=False, window=windows,
-        bos_id=bos, eos_id=eos, max_position=max_position,
+        bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=family == "qwen3",
     )
 
     ckpt = Checkpoint(directory)
@@ -206,6 +209,9 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
             add(n[key], f"{hf}self_attn.{proj}.weight", (rows, hidden))
             if qkv_bias:
                 add(n[f"{key}_bias"], f"{hf}self_attn.{proj}.bias", (rows,))
+        if spec.qk_norm:
+            add(n["q_norm"], hf + "self_attn.q_norm.weight", (head_dim,))
+            add(n["k_norm"], hf + "self_attn.k_norm.weight", (head_dim,))
         add(n["o"], hf + "self_attn.o_proj.weight", (hidden, q_rows))
         if attn_bias:
             add(n["o_bias"], hf + "self_attn.o_proj.bias", (hidden,))

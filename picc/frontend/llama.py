@@ -1,4 +1,4 @@
-"""The LLaMA-family decoder (LLaMA, Mistral, Qwen2, and GGUF ``llama`` files) as picc IR.
+"""The LLaMA-family decoder (LLaMA, Mistral, Qwen2, Qwen3, and GGUF ``llama`` files) as picc IR.
 
 Frontends translate their checkpoint into a ``LlamaSpec`` and a weight store whose tensors use
 picc's weight names (``l3.attn.q``, ``l3.ffn.up``, ...); ``build_llama`` emits the IR.
@@ -50,6 +50,7 @@ class LlamaSpec:
     rope: RopeSpec
     tied: bool
     window: tuple[int | None, ...] = ()  # per layer; empty means no sliding window anywhere
+    qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalised (weights [head_dim]) before the rope
     bos_id: int | None = None
     eos_id: int | None = None
     max_position: int | None = None
@@ -63,7 +64,7 @@ def layer_weight_names(i: int) -> dict[str, str]:
         "attn_norm_bias": f"{p}.attn_norm_bias", "ffn_norm_bias": f"{p}.ffn_norm_bias",
         "q": f"{p}.attn.q", "k": f"{p}.attn.k", "v": f"{p}.attn.v", "o": f"{p}.attn.o",
         "q_bias": f"{p}.attn.q_bias", "k_bias": f"{p}.attn.k_bias", "v_bias": f"{p}.attn.v_bias",
-        "o_bias": f"{p}.attn.o_bias",
+        "o_bias": f"{p}.attn.o_bias", "q_norm": f"{p}.attn.q_norm", "k_norm": f"{p}.attn.k_norm",
         "up": f"{p}.ffn.up", "gate": f"{p}.ffn.gate", "down": f"{p}.ffn.down",
         "up_bias": f"{p}.ffn.up_bias", "gate_bias": f"{p}.ffn.gate_bias",
         "down_bias": f"{p}.ffn.down_bias",
@@ -152,6 +153,9 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         q = b.op(O.Linear, f"{p}.attn.q", x=h, weight=n["q"], bias=maybe(n["q_bias"]))
         k = b.op(O.Linear, f"{p}.attn.k", x=h, weight=n["k"], bias=maybe(n["k_bias"]))
         v = b.op(O.Linear, f"{p}.attn.v", x=h, weight=n["v"], bias=maybe(n["v_bias"]))
+        if spec.qk_norm:
+            q = b.op(O.RMSNorm, f"{p}.attn.q_norm", x=q, weight=n["q_norm"], eps=spec.eps, group=spec.head_dim)
+            k = b.op(O.RMSNorm, f"{p}.attn.k_norm", x=k, weight=n["k_norm"], eps=spec.eps, group=spec.head_dim)
         q = b.op(O.Rope, f"{p}.attn.q_rope", x=q, pos=pos, n_heads=spec.n_heads,
                  head_dim=spec.head_dim, **rope_attrs)
         k = b.op(O.Rope, f"{p}.attn.k_rope", x=k, pos=pos, n_heads=spec.n_kv_heads,

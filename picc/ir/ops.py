@@ -83,16 +83,23 @@ class PosEmbed(Op):
 @register_op
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RMSNorm(Op):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis (LLaMA's RMSNorm)."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis (LLaMA's RMSNorm); with ``group``,
+    over each run of ``group`` elements of it separately, ``weight`` [group] (Qwen3's norm of each
+    attention head's q and k)."""
 
     NAME: ClassVar[str] = "rms_norm"
     x: Val
     weight: Sym
     eps: float
+    group: int | None = None
 
     def infer(self, env: TypeEnv) -> TensorType:
         t = _activation_input(env, self.x)
-        weight_shape_is(env, self.weight, (t.shape[1],), "weight")
+        width = t.shape[1]
+        if self.group is not None:
+            expect(self.group > 0 and isinstance(width, int) and width % self.group == 0,
+                   f"group must be > 0 and divide the width {width}, got {self.group}")
+        weight_shape_is(env, self.weight, (self.group or width,), "weight")
         _float_weight(env, self.weight, "weight")
         expect(self.eps > 0, f"eps must be > 0, got {self.eps}")
         return t

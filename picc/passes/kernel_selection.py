@@ -52,7 +52,7 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
         case O.Embed():
             return names.cpu_embed(t.fmt(op.table) or "", op.layout == "rows8")
         case O.RMSNorm():
-            return names.cpu_norm("rms_norm")
+            return names.cpu_norm("rms_norm", op.group is not None)
         case O.LayerNorm():
             return names.cpu_norm("layer_norm")
         case O.Linear():
@@ -96,7 +96,7 @@ def gpu_kernel(op: Op, t: Types, ctx: int, residual: bool = False) -> str:  # no
             rows, cols = t.dims(op.weight)
             return names.gpu_gemv(rows, cols, t.fmt(op.weight) or "", op.bias is not None, residual)
         case O.RMSNorm():
-            return names.gpu_norm("rms_norm", t.width(op.x), op.eps)
+            return names.gpu_norm("rms_norm", t.width(op.x), op.eps, group=op.group)
         case O.LayerNorm():
             return names.gpu_norm("layer_norm", t.width(op.x), op.eps, op.bias is not None)
         case O.Rope():

@@ -88,7 +88,9 @@ class TorchForward:
                 return w(op.table)[env[op.pos] + op.offset]
             case O.RMSNorm():
                 x = env[op.x]
-                return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + op.eps) * w(op.weight)
+                x = x.reshape(*x.shape[:-1], -1, op.group) if op.group else x
+                y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + op.eps) * w(op.weight)
+                return y.reshape(env[op.x].shape)
             case O.LayerNorm():
                 x = env[op.x]
                 bias = w(op.bias) if op.bias else None
