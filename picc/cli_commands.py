@@ -299,6 +299,8 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
     say(f"loading {args.source}")
     model = _load(args.source)
+    for note in model.notes:
+        say(f"note: {note}")
     trained = model.module.attr("max_position")
     if isinstance(trained, int) and args.ctx > trained:
         say(f"note: --ctx {args.ctx} is past the {trained} positions {args.source} was trained for; what it "

@@ -35,9 +35,11 @@ def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_h
                n_kv_heads: int = 2, n_ff: int = 96, vocab: int = 128, seed: int = 0,
                matrix_dtype: DType = DType.F32, rope: RopeSpec | None = None,
                window: int | None = None, tied: bool = False, biases: bool = False,
-               head_dtype: DType | None = None) -> LoadedModel:
+               head_dtype: DType | None = None, layer_dtypes: dict[str, DType] | None = None) -> LoadedModel:
     """A random LLaMA-style model, built directly as IR (no transformers involved); ``head_dtype``:
-    the embedding's and LM head's format (default ``matrix_dtype``), as a 4-bit GGUF's q8_0 head."""
+    the embedding's and LM head's format (default ``matrix_dtype``), as a 4-bit GGUF's q8_0 head;
+    ``layer_dtypes``: other formats for some of each layer's matrices (``{"v": DType.Q8_0}``)."""
+    layer_dtypes = layer_dtypes or {}
     rng = np.random.default_rng(seed)
     head_dim = hidden // n_heads
     store = WeightStore()
@@ -54,14 +56,14 @@ def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_h
         store.add(n["ffn_norm"], Tensor.from_f32(1 + 0.1 * rng.normal(size=hidden)))
         for key, rows in (("q", n_heads * head_dim), ("k", n_kv_heads * head_dim),
                           ("v", n_kv_heads * head_dim)):
-            add(n[key], (rows, hidden), hidden**-0.5, matrix_dtype)
+            add(n[key], (rows, hidden), hidden**-0.5, layer_dtypes.get(key, matrix_dtype))
             if biases:
                 add(n[f"{key}_bias"], (rows,), 0.1)
-        add(n["o"], (hidden, n_heads * head_dim), hidden**-0.5, matrix_dtype)
-        add(n["up"], (n_ff, hidden), hidden**-0.5, matrix_dtype)
+        add(n["o"], (hidden, n_heads * head_dim), hidden**-0.5, layer_dtypes.get("o", matrix_dtype))
+        add(n["up"], (n_ff, hidden), hidden**-0.5, layer_dtypes.get("up", matrix_dtype))
         if gated:
-            add(n["gate"], (n_ff, hidden), hidden**-0.5, matrix_dtype)
-        add(n["down"], (hidden, n_ff), n_ff**-0.5, matrix_dtype)
+            add(n["gate"], (n_ff, hidden), hidden**-0.5, layer_dtypes.get("gate", matrix_dtype))
+        add(n["down"], (hidden, n_ff), n_ff**-0.5, layer_dtypes.get("down", matrix_dtype))
     store.add("output_norm", Tensor.from_f32(1 + 0.1 * rng.normal(size=hidden)))
     if not tied:
         add("output", (vocab, hidden), hidden**-0.5, head_dtype or matrix_dtype)

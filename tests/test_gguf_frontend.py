@@ -174,6 +174,155 @@ def test_qwen_ggufs_match_transformers(family, qt, tmp_path):
     assert rel_l2(got, reference_logits(reference, TOKENS)) <= 1e-4
 
 
+def llama_cpp_rope_factors(cfg: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: a Llama 3 rope scaling as one
+    factor per rotary pair (rope_freqs.weight), by which llama.cpp divides the pair's frequency."""
+    import math
+
+    rope = cfg["rope_parameters"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old = rope["original_max_position_embeddings"]
+    low, high = old / rope["low_freq_factor"], old / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            factors.append(1)
+        elif wavelen > low:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def test_llama3_rope_factors_are_read_as_the_scaling_they_come_from(tmp_path):
+    # A Llama 3 GGUF carries its rope scaling as rope_freqs.weight (a factor per rotary pair):
+    # picc recovers the llama3 scaling that makes them (here 1, two smoothed, five x 8), and the
+    # logits are transformers' for the HF model the file was converted from. No factors (all 1):
+    # no scaling.
+    import json
+
+    hf_dir = tmp_path / "hf"
+    make_model("llama", "rope-llama3", hf_dir)
+    factors = llama_cpp_rope_factors(json.loads((hf_dir / "config.json").read_text()))
+    assert (factors == 1).sum() == 1 and ((factors > 1) & (factors < 8)).sum() == 2 and (factors == 8).sum() == 5
+    model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", extra={"rope_freqs.weight": (factors, Q.F32)}))
+    rope = next(op for op in model.module.ops() if op.NAME == "rope")
+    assert (rope.scaling, rope.factor, rope.original_max_position) == ("llama3", 8.0, 64)
+    got = Interpreter(model.module, model.weights).run(TOKENS)
+    assert rel_l2(got, reference_logits(hf_dir, TOKENS)) <= 1e-4
+    plain = load_model(write_gguf(hf_dir, tmp_path / "p.gguf", extra={"rope_freqs.weight": (np.ones(8), Q.F32)}))
+    assert {op.scaling for op in plain.module.ops() if op.NAME == "rope"} == {"none"}
+
+
+def k_quant_bytes(qt, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of K-quant ``qt`` (Q4_K or Q6_K: gguf cannot quantize them) with sane f16 scales."""
+    rng = np.random.default_rng(seed)
+    block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)
+    scale = (rng.uniform(0.002, 0.02, size=(len(raw), 1)) * rng.choice([-1, 1], size=(len(raw), 1))).astype(np.float16)
+    if qt == Q.Q4_K:  # d, dmin first
+        raw[:, 0:2] = np.abs(scale).view(np.uint8)
+        raw[:, 2:4] = (np.abs(scale) / 2).astype(np.float16).view(np.uint8)
+    else:  # Q6_K: d last
+        raw[:, -2:] = scale.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_q4_k_blocks_become_q4_1_blocks_with_the_same_quants():
+    # Each 32-element sub-block of Q4_K is d sc q - dmin m: a Q4_1 block whose scale and offset
+    # are rounded to f16, so each weight moves by at most 2^-11 of (15 |d sc| + |dmin m|).
+    from picc.frontend.gguf import converted
+
+    raw = k_quant_bytes(Q.Q4_K, 8, 512)
+    tensor = converted("Q4_K", raw, (8, 512), "t")
+    assert tensor.dtype == DType.Q4_1 and tensor.shape == (8, 512)
+    want = gguf.quants.dequantize(raw, Q.Q4_K).reshape(8, 512)
+    blocks = raw.reshape(-1, 144)
+    d, dmin = (blocks[:, i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+    sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    bound = (2.0**-11 * (15 * np.abs(d * sc) + np.abs(dmin * mn)) + 2.0**-24).reshape(8, 16, 1)
+    error = np.abs(tensor.to_f32() - want).reshape(8, 16, 32)
+    assert np.all(error <= bound) and error.max() > 0  # the f16 rounding is there, and bounded
+
+
+@pytest.mark.parametrize("type_name, target", [("Q6_K", DType.Q8_0), ("Q5_0", DType.Q8_0), ("Q5_1", DType.Q8_0),
+                                               ("Q3_K", DType.Q4_1), ("Q2_K", DType.Q4_1)])
+def test_other_quants_are_decoded_and_quantized_again(type_name, target):
+    # Decoded by the gguf package, quantized as picc quantizes (ggml's Q8_0 / Q4_1): each weight
+    # within half a step of its block's new grid, plus the f16 rounding of the block's scale.
+    from picc.frontend.gguf import converted
+
+    qt = getattr(Q, type_name)
+    values = np.random.default_rng(1).normal(0, 0.05, size=(4, 512)).astype(np.float32)
+    raw = k_quant_bytes(qt, 4, 512) if qt == Q.Q6_K else np.zeros(0)
+    if qt != Q.Q6_K:  # K quants gguf can decode but not encode: random blocks; the others: encoded
+        raw = (gguf.quants.quantize(values, qt) if type_name in ("Q5_0", "Q5_1") else
+               np.random.default_rng(2).integers(0, 256, size=(4, 512 // 256 * gguf.GGML_QUANT_SIZES[qt][1]),
+                                                 dtype=np.uint8))
+        if type_name in ("Q3_K", "Q2_K"):  # their f16 scales (d, dmin) are the last bytes of a block
+            block = raw.reshape(-1, gguf.GGML_QUANT_SIZES[qt][1])
+            block[:, -2:] = np.float16(0.01).reshape(1, 1).view(np.uint8)
+            if type_name == "Q2_K":
+                block[:, -4:-2] = np.float16(0.01).reshape(1, 1).view(np.uint8)
+    tensor = converted(type_name, raw, (4, 512), "t")
+    assert tensor.dtype == target
+    want = gguf.quants.dequantize(raw, qt).reshape(4, 512)
+    amax = np.abs(want.reshape(4, 16, 32)).max(axis=2, keepdims=True)
+    steps = 127 if target == DType.Q8_0 else 15 / 2  # Q4_1: the range over 15 steps, at most 2 max|x| wide
+    bound = amax / steps / 2 * (1 + 1e-3) + amax * 2.0**-10
+    assert np.all(np.abs(tensor.to_f32() - want).reshape(4, 16, 32) <= bound)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # random blocks are not zero-mean: silu saturates
+def test_a_gguf_of_k_quants_loads_as_q4_1_and_q8_0(tmp_path):
+    # A Q4_K_M-like file (Q4_K matrices, Q6_K for v, down and the head): imported with notes that
+    # say what was converted, and it computes what an F32 file of the converted values computes
+    # (1e-5: the order of sums): every tensor lands where it belongs. (How far a conversion moves
+    # each weight: the two tests above.)
+    from picc.frontend.gguf import converted
+
+    hidden, n_ff, vocab = 256, 512, 64
+    parts = {"blk.0.attn_q.weight": (Q.Q4_K, hidden, hidden), "blk.0.attn_k.weight": (Q.Q4_K, hidden, hidden),
+             "blk.0.attn_v.weight": (Q.Q6_K, hidden, hidden), "blk.0.attn_output.weight": (Q.Q4_K, hidden, hidden),
+             "blk.0.ffn_gate.weight": (Q.Q4_K, n_ff, hidden), "blk.0.ffn_up.weight": (Q.Q4_K, n_ff, hidden),
+             "blk.0.ffn_down.weight": (Q.Q6_K, hidden, n_ff), "output.weight": (Q.Q6_K, vocab, hidden)}
+    norms = {"blk.0.attn_norm.weight": hidden, "blk.0.ffn_norm.weight": hidden, "output_norm.weight": hidden}
+
+    def write(path, as_f32: bool):
+        w = gguf.GGUFWriter(str(path), "llama")
+        for add, value in ((w.add_block_count, 1), (w.add_embedding_length, hidden), (w.add_feed_forward_length, n_ff),
+                           (w.add_head_count, 4), (w.add_head_count_kv, 4), (w.add_layer_norm_rms_eps, 1e-5)):
+            add(value)
+        w.add_tensor("token_embd.weight", np.random.default_rng(4).normal(0, 1, (vocab, hidden)).astype(np.float32))
+        for i, (name, (qt, rows, cols)) in enumerate(parts.items()):
+            raw = k_quant_bytes(qt, rows, cols, seed=i)
+            if as_f32:
+                w.add_tensor(name, converted(qt.name, raw, (rows, cols), name).to_f32())
+            else:
+                w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qt)
+        rng = np.random.default_rng(3)
+        for name, n in norms.items():
+            w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    model = load_model(write(tmp_path / "k.gguf", as_f32=False))
+    types = model.module.weight_types()
+    assert types["l0.ffn.up"].dtype == DType.Q4_1 and types["l0.ffn.down"].dtype == DType.Q8_0
+    assert model.notes == ("5 Q4_K tensors converted to Q4_1 (the same 4-bit values), which picc's kernels read",
+                           "3 Q6_K tensors converted to Q8_0 (decoded and quantized again), which picc's kernels read")
+    reference = load_model(write(tmp_path / "f.gguf", as_f32=True))
+    tokens = [3, 9, 27, 50, 1, 14]
+    got = Interpreter(model.module, model.weights).run(tokens)
+    assert rel_l2(got, Interpreter(reference.module, reference.weights).run(tokens)) <= 1e-5
+
+
 def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
     hf_dir, _ = hf_llama
     model = load_model(write_gguf(hf_dir, tmp_path / "t.gguf", tie=True))
@@ -187,8 +336,9 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),
-    (dict(extra={"rope_freqs.weight": (np.ones(8), Q.F32)}),
-     "per-frequency rope factors (rope_freqs.weight"),
+    (dict(extra={"rope_freqs.weight": (np.linspace(1, 3, 8), Q.F32)}),
+     "rope_freqs.weight does not hold llama3 rope scaling factors"),
+    (dict(extra={"rope_freqs.weight": (np.ones(5), Q.F32)}), "rope_freqs.weight must hold 8 positive factors"),
 ])
 def test_unsupported_files_are_refused_in_one_line(hf_llama, tmp_path, kwargs, message):
     hf_dir, _ = hf_llama
@@ -204,13 +354,13 @@ def test_unsupported_quant_type_is_named(hf_llama, tmp_path):
     path = tmp_path / "q5.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 22), np.uint8), raw_shape=(4, 22), raw_dtype=Q.Q5_0)
+    w.add_tensor("token_embd.weight", np.zeros((4, 40), np.uint8), raw_shape=(4, 40), raw_dtype=Q.Q8_1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(PiccError, match=r"tensor 'token_embd.weight' has quant type Q5_0; supported: F32, F16, BF16, "
-                                        r"Q4_0, Q4_1, Q8_0"):
+    with pytest.raises(PiccError, match=r"tensor 'token_embd.weight' has quant type Q8_1, which picc cannot decode; "
+                                        r"supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, and the K and I quants"):
         load_model(path)
 
 

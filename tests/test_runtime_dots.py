@@ -269,6 +269,29 @@ def test_sparse_models_match_the_interpreters_sparse_execution(mode, tmp_path, m
     check_prefill(path, pib, 1e-3)
 
 
+@pytest.mark.parametrize("how", ["dense", "int8", "gate-first", "down-only"])
+def test_q4_1_layers_with_q8_0_matrices_compile_in_every_mode(how, tmp_path, monkeypatch):
+    # A Q4_K_M GGUF imports as Q4_1 matrices with Q8_0 ones among them (v and down, from Q6_K).
+    # A dense FFN whose down rows are q8_0 keeps float x (q8_0 rows dot int8 x alone, from the
+    # rows8 layout), where a compile used to ask for int16 x and fail; the v GEMVs dot int8 x as
+    # an LM head does. Every mode matches the interpreter.
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = with_tokenizer(tiny_llama("reglu" if how in ("gate-first", "down-only") else "swiglu", n_layers=2,
+                                      hidden=64, n_ff=128, matrix_dtype=DType.Q4_1,
+                                      layer_dtypes={"v": DType.Q8_0, "down": DType.Q8_0}))
+    options = (dict(dense=True, int8_dots=how == "int8", kv_cache="f32") if how in ("dense", "int8") else
+               dict(sparse=True, sparsity=SparsifyOptions(mode=how, tokens=512, window=64, budget=0.5)))
+    path, pib = compiled(model, tmp_path, how, **options)
+    ffns = [op for op in pib.module.ops() if op.NAME in ("ffn", "fused_ffn")]
+    assert ffns and all(op.x_format == ("i8" if how == "int8" else "f32") for op in ffns)
+    if how == "int8":
+        check_rounds_alike(path, pib)
+        return
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+
+
 def test_the_int8_drift_example_rounds_where_it_says(tmp_path):
     # examples/int_x_drift.py stands the runtime's drift in with an interpreter that adds noise
     # before each rounding and rounds to int8 in the ops it names: without noise it must compute

@@ -13,14 +13,17 @@ style. Qwen2 has biases on q, k and v; Qwen3 normalises each head's q and k (``a
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from picc import quant
 from picc.errors import PiccError
 from picc.frontend.gguf_file import GgufFile
 from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama
 from picc.frontend.model import LoadedModel
+from picc.ir import positional
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
 
@@ -31,6 +34,7 @@ _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": D
 
 _GLOBAL_NAMES = {"token_embd.weight": "token_embd", "output_norm.weight": "output_norm",
                  "output.weight": "output"}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3's rope scaling, one factor per rotary pair (llama3_rope)
 _LAYER_NAMES = {
     "attn_norm.weight": "attn_norm", "ffn_norm.weight": "ffn_norm",
     "attn_q.weight": "attn.q", "attn_k.weight": "attn.k", "attn_v.weight": "attn.v",
@@ -69,21 +73,85 @@ class _Meta:
         return value
 
 
-def read_tensors(file: GgufFile, path: Path) -> WeightStore:
-    store = WeightStore()
+def read_tensors(file: GgufFile, path: Path) -> tuple[WeightStore, dict[str, int]]:
+    """The file's tensors under picc's names, and how many of each quant type picc converted
+    (:func:`converted`) instead of keeping."""
+    store, changed = WeightStore(), {}
     for t in file.tensors:
+        if t.name == ROPE_FREQS:
+            continue  # part of the rope op's attributes (llama3_rope), not a weight
         name = picc_name(t.name)
         if name is None:
             raise PiccError(f"{path}: tensor {t.name!r} is not part of a llama model picc knows "
                             f"(known: {', '.join(list(_GLOBAL_NAMES) + ['blk.N.' + k for k in _LAYER_NAMES])})")
+        shape = tuple(reversed(t.dims))
         dtype = _GGML_TYPES.get(t.type_name)
         if dtype is None:
-            raise PiccError(f"{path}: tensor {t.name!r} has quant type {t.type_name}; "
-                            f"supported: {', '.join(_GGML_TYPES)}")
-        shape = tuple(reversed(t.dims))
-        data = t.data.view(np.uint16) if dtype == DType.BF16 else t.data
-        store.add(name, Tensor(dtype, shape, data.reshape(shape[0], -1) if len(shape) == 2 else data.reshape(shape)))
-    return store
+            tensor = converted(t.type_name, t.data, shape, f"{path}: tensor {t.name!r}")
+            changed[t.type_name] = changed.get(t.type_name, 0) + 1
+        else:
+            data = t.data.view(np.uint16) if dtype == DType.BF16 else t.data
+            tensor = Tensor(dtype, shape, data.reshape(shape[0], -1) if len(shape) == 2 else data.reshape(shape))
+        store.add(name, tensor)
+    return store, changed
+
+
+def converted(type_name: str, raw: np.ndarray, shape: tuple[int, ...], what: str) -> Tensor:
+    """A tensor of a quant type picc's kernels do not read, as one they do. Q4_K's 32-element
+    sub-blocks are each an affine 4-bit block (``d sc q - dmin m``): they become Q4_1 blocks with
+    the same quants, each block's scale and offset rounded to f16 (Q4_K_M files are mostly
+    Q4_K). The other types are decoded (by the gguf package) and quantized again: those of 5 bits
+    a weight or more (Q5_0, Q5_1, Q5_K, Q6_K) to Q8_0, the rest (Q2_K, Q3_K, IQ4_NL, ...) to
+    Q4_1, which adds at most half a step of the new grid to each weight."""
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name, None)
+    supported = ", ".join([*_GGML_TYPES, "and the K and I quants, converted"])
+    if qtype is None or len(shape) != 2 or shape[1] % 32:
+        raise PiccError(f"{what} has quant type {type_name}; supported: {supported}")
+    if type_name == "Q4_K":
+        return Tensor(DType.Q4_1, shape, _q4_k_as_q4_1(np.ascontiguousarray(raw).view(np.uint8), what)
+                      .reshape(shape[0], -1))
+    try:
+        values = gguf.quants.dequantize(np.ascontiguousarray(raw).view(np.uint8), qtype).reshape(shape)
+    except NotImplementedError:
+        raise PiccError(f"{what} has quant type {type_name}, which picc cannot decode; supported: "
+                        f"{supported}") from None
+    target = _target(type_name)
+    return Tensor(DType(target), shape, quant.quantize(values, target).reshape(shape[0], -1))
+
+
+def _target(type_name: str) -> str:
+    """The type :func:`converted` makes of a tensor of GGML quant type ``type_name``."""
+    import gguf
+
+    if type_name == "Q4_K":
+        return "q4_1"
+    block, nbytes = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, type_name)]
+    return "q8_0" if 8 * nbytes / block >= 5 else "q4_1"
+
+
+def _q4_k_as_q4_1(raw: np.ndarray, what: str) -> np.ndarray:
+    """Q4_K super-blocks (d, dmin: f16; 12 bytes of eight 6-bit scales and minimums; 128 bytes of
+    quants, 64 elements to each 32 bytes: the low nibbles, then the high ones) as Q4_1 blocks (d,
+    m: f16; 16 bytes, element i in the low nibble of byte i, element i + 16 in its high one)."""
+    blocks = raw.reshape(-1, 144)
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    packed = blocks[:, 4:16].reshape(n, 3, 4)
+    low, high, both = packed[:, 0], packed[:, 1], packed[:, 2]
+    scales = np.concatenate([low & 0x3F, (both & 0x0F) | ((low >> 2) & 0x30)], axis=1)
+    mins = np.concatenate([high & 0x3F, (both >> 4) | ((high >> 2) & 0x30)], axis=1)
+    quants = blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    quants = (quants & 0x0F).reshape(n * 8, 32)
+    scale = (d * scales).astype(np.float16).reshape(-1, 1)
+    offset = (-(dmin * mins)).astype(np.float16).reshape(-1, 1)
+    if not (np.all(np.isfinite(scale)) and np.all(np.isfinite(offset))):
+        raise PiccError(f"{what}: a Q4_K block's scale does not fit in f16")
+    out = np.concatenate([scale.view(np.uint8), offset.view(np.uint8), quants[:, :16] | (quants[:, 16:] << 4)],
+                         axis=1)
+    return np.ascontiguousarray(out).reshape(-1)
 
 
 def load_gguf(path: Path) -> LoadedModel:
@@ -102,10 +170,11 @@ def load_gguf(path: Path) -> LoadedModel:
     if arch not in SUPPORTED_ARCHS:
         raise PiccError(f"{path}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    if "rope_freqs.weight" in {t.name for t in file.tensors}:
-        raise PiccError(f"{path}: per-frequency rope factors (rope_freqs.weight, llama3 rope "
-                        "scaling in GGUF) are not supported yet")
-    store = read_tensors(file, path)
+    store, changed = read_tensors(file, path)
+    rope_factors = next((np.asarray(t.data, np.float32).reshape(-1) for t in file.tensors
+                         if t.name == ROPE_FREQS and t.type_name in ("F32", "F16")), None)
+    if rope_factors is None and any(t.name == ROPE_FREQS for t in file.tensors):
+        raise PiccError(f"{path}: {ROPE_FREQS} must be F32 or F16")
 
     def key(k: str) -> str:
         return f"{arch}.{k}"
@@ -118,13 +187,18 @@ def load_gguf(path: Path) -> LoadedModel:
     scaling = str(meta.get(key("rope.scaling.type"), "none"))
     if scaling not in ("none", "linear"):
         raise PiccError(f"{path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
+    theta = float(meta.get(key("rope.freq_base"), 10000.0))  # type: ignore[arg-type]
     rope = RopeSpec(
-        theta=float(meta.get(key("rope.freq_base"), 10000.0)),  # type: ignore[arg-type]
+        theta=theta,
         style=_ROPE_STYLES[arch],
         rotary_dim=None if rope_dim == head_dim else rope_dim,
         scaling=scaling,
         factor=float(meta.get(key("rope.scaling.factor"), 1.0)) if scaling == "linear" else 1.0,  # type: ignore[arg-type]
     )
+    if rope_factors is not None:
+        if scaling != "none":
+            raise PiccError(f"{path}: rope_freqs.weight and rope scaling {scaling!r} together are not supported")
+        rope = llama3_rope(rope_factors, rope, rope_dim, path)
     vocab = store["token_embd"].shape[0]
     spec = LlamaSpec(
         name=re.sub(r"[^\w.]", "_", path.stem),
@@ -149,7 +223,52 @@ def load_gguf(path: Path) -> LoadedModel:
     # A GGUF without tokenizer metadata still imports; it runs on token ids only.
     has_tokenizer = meta.get("tokenizer.ggml.model") is not None
     tokenizer = tokenizer_from_gguf(path) if has_tokenizer else None
-    return LoadedModel(module, store, tokenizer, source=str(path))
+    notes = tuple(f"{count} {kind} tensor{'s' if count > 1 else ''} converted to {_target(kind).upper()} "
+                  + ("(the same 4-bit values)" if kind == "Q4_K" else "(decoded and quantized again)")
+                  + ", which picc's kernels read" for kind, count in sorted(changed.items()))
+    return LoadedModel(module, store, tokenizer, source=str(path), notes=notes)
+
+
+def llama3_rope(factors: np.ndarray, rope: RopeSpec, rotated: int, path: Path) -> RopeSpec:
+    """``rope`` with the llama3 scaling whose per-pair factors are ``factors`` (``rope_freqs.weight``).
+
+    llama.cpp's converter writes Llama 3's rope scaling as one factor per rotary pair, by which
+    the pair's frequency is divided: 1 for short wavelengths, ``factor`` for long ones, and in
+    between ``1 / ((1 - s) / factor + s)`` with ``s`` linear in ``1 / wavelength``. Only the
+    ratios of ``original_max_position`` to ``low_freq_factor`` and ``high_freq_factor`` shape
+    that, so the pairs in between (at least two: Llama 3's have three to seven) give them with
+    ``low_freq_factor`` 1; the frequencies this makes must be the file's to 1e-5, else the file
+    is refused.
+    """
+    half = rotated // 2
+    if factors.shape != (half,) or not np.all(np.isfinite(factors)) or factors.min() <= 0:
+        raise PiccError(f"{path}: rope_freqs.weight must hold {half} positive factors (one per rotary pair), "
+                        f"got shape {factors.shape}")
+    f = factors.astype(np.float64)
+    if np.all(f == 1):
+        return rope
+    factor = float(f.max())
+    inv = rope.theta ** -(np.arange(0, rotated, 2, dtype=np.float64) / rotated)
+    between = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    fit = None
+    if between.sum() >= 2 and factor > 1:
+        s = (1 / f[between] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(inv[between] / (2 * np.pi), s, 1)  # s = a / wavelength + b
+        if b < 0 and a > 0:
+            fit = replace(rope, scaling="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=1 - 1 / b,
+                          original_max_position=round(-a / b))
+    want = (inv / f).astype(np.float32)
+    if fit is None or not np.allclose(_inv_freq(fit, rotated), want, rtol=1e-5, atol=0):
+        raise PiccError(f"{path}: rope_freqs.weight does not hold llama3 rope scaling factors (1 for short "
+                        "wavelengths, a constant for long ones, smoothed in between); other per-frequency "
+                        "factors are not supported")
+    return fit
+
+
+def _inv_freq(rope: RopeSpec, rotated: int) -> np.ndarray:
+    """The per-pair frequencies of ``rope`` (the rope op's ``inv_freq``)."""
+    return positional.inv_freq(rotated, rope.theta, rope.scaling, rope.factor, rope.low_freq_factor,
+                               rope.high_freq_factor, rope.original_max_position)
 
 
 # GGUF has no standard key for the FFN's activation (llama.cpp's ``llama`` is always SwiGLU);

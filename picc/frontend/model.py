@@ -20,3 +20,4 @@ class LoadedModel:
     weights: WeightStore
     tokenizer: Tokenizer | None
     source: str
+    notes: tuple[str, ...] = ()  # what the import changed that a user should know (tensors requantized)

@@ -106,7 +106,10 @@ def _choose(op: Op, t: Types, rounded: str | None, byte_x: str | None, shared: f
                 # q8_0 rows (a Q8_0 model's FFN) read the rows8 layout with int8 x alone.
                 fits = rows8_fits(t, weights, shared, x_format="i8")
                 return replace(op, x_format="i8", layout="rows8") if fits else op
-            int_x = bool(four_bit & {t.fmt(w) for w in weights})
+            # Rounded x where 4-bit rows are dotted, unless q8_0 rows (a Q4_K_M file's down
+            # projection, converted to Q8_0) are too: those take only int8 x from the rows8 layout.
+            formats = {t.fmt(w) for w in weights}
+            int_x = bool(four_bit & formats) and not names.BYTE_ROWS8_DTYPES & formats
             rows8 = rows8_fits(t, weights, shared)
         case _:
             return op
