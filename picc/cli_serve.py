@@ -35,9 +35,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    "(default: 4 x --max-batch)")
     s.add_argument("--ctx", type=int, help="positions per sequence (default: what the model was compiled for)")
     s.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="compute every prompt whole (default: a prompt takes the KV cache rows of the 32-token "
-                   "chunks it shares with the start of a prompt run before, as a system prompt or earlier turns "
-                   "of a chat; the tokens are the same either way)")
+                   help="compute every prompt whole (default: a prompt takes the KV cache rows it shares with the "
+                   "start of one run before, a system prompt or a chat's earlier turns, where they are the rows it "
+                   "would compute; the tokens are the same either way)")
     add_threads_flag(s)
     s.add_argument("--api-key", default=os.environ.get("PICC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every /v1 request (default: $PICC_API_KEY; "

@@ -230,6 +230,7 @@ class CpuExecutor:
         self._decode_fn = job(self._decode.symbol) if self._decode else None
         self._decode_out = self._keep[self._decode.out].view(np.int32) if self._decode else None
         self.chunk = manifest.prefill.chunk
+        self.step_bits = manifest.prefill.step_bits  # the chunk programs compute each token's step bits
         self._chunk_tokens = self._keep[manifest.prefill.tokens].view(np.int32)
         self._batch = manifest.batch
         if self._batch is not None:

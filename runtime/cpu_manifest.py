@@ -220,15 +220,20 @@ class CpuChunkStage:
 class CpuChunkProgram:
     """The step for up to ``chunk`` tokens (ids in ``bufs[tokens]``, their count in
     ``params[seq]``), stage by stage; ``logits``: where the first token's logits row is (the
-    others follow it), when the program computes them."""
+    others follow it), when the program computes them. ``step_bits``: every token's values are
+    the decode step's bit for bit, whatever the chunk (its matrix ops are the step kernels'
+    batched twins, no GEMM and no chunk FFN), so the KV rows a step writes are the rows the
+    program writes, and a server may take either for the other."""
 
     stages: tuple[CpuChunkStage, ...]
     tokens: int
     chunk: int
     logits: LogitsRow | None = None
+    step_bits: bool = False
 
     def to_json(self) -> dict:
-        data: dict = {"stages": [st.to_json() for st in self.stages], "tokens": self.tokens, "chunk": self.chunk}
+        data: dict = {"stages": [st.to_json() for st in self.stages], "tokens": self.tokens, "chunk": self.chunk,
+                      "step_bits": self.step_bits}
         if self.logits is not None:
             data["logits"] = self.logits.to_json()
         return data
@@ -237,7 +242,7 @@ class CpuChunkProgram:
     def from_json(cls, data: object) -> CpuChunkProgram:
         logits = LogitsRow.from_json(data["logits"]) if isinstance(data, dict) and "logits" in data else None
         return cls(tuple(CpuChunkStage.from_json(st) for st in _field(data, "stages")),
-                   _int(data, "tokens"), _int(data, "chunk"), logits)
+                   _int(data, "tokens"), _int(data, "chunk"), logits, bool(_field(data, "step_bits")))
 
 
 @dataclass(frozen=True, slots=True)

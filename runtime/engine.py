@@ -17,11 +17,12 @@ sequences step together where the model has a batch step (``CpuExecutor.batch_st
 the one-sequence step's arithmetic, the weights read once for all), ``rows_per_step`` at a time;
 a greedy sequence alone runs the generated decode loop (``Executor.greedy_steps``).
 
-Prompts that begin alike (a system prompt, a conversation's earlier turns, the choices of one
-request) compute their shared chunks once: a sequence takes the rows of its prompt's whole chunks
-that a slot already holds (its own, as :meth:`SequencePool.acquire` chooses it, or another's,
-copied), where the chunk programs wrote them for the same tokens at the same boundaries -- the
-rows its own chunks would write, so its tokens stay ``picc run``'s (:mod:`runtime.sequences`).
+Prompts that begin alike (a system prompt, a conversation's earlier turns and replies, the
+choices of one request) compute what they share once: a sequence takes the KV rows of its
+prompt's beginning that a slot already holds (its own, as :meth:`SequencePool.acquire` chooses
+it, or another's, copied) where they are the rows its own run would write, so its tokens stay
+``picc run``'s: rows of whole chunks at the same boundaries, or, where the chunk programs compute
+the step's bits, any rows, a reply's included (:mod:`runtime.sequences`).
 """
 
 from __future__ import annotations
@@ -459,6 +460,8 @@ class Engine:
             seq.pending_logprobs.append(token_logprob(logits(), nxt, seq.request.logprobs))
         seq.made += 1
         seq.history.append(nxt)
+        if self.pool.unit == 1:  # the step's rows are the chunk programs' (CpuChunkProgram.step_bits)
+            self.pool.hold(seq.slot, seq.history, seq.pos)
         self.stats.generated_tokens += 1
         seq.pending.append(nxt)
         if seq.request.stop_at_eos and nxt == self.eos:

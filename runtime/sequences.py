@@ -12,14 +12,16 @@ refused with a clear error when they would not fit in the memory this machine ha
 model that keeps a KV cache on the GPU holds one sequence's there: it is served one sequence at a
 time (``slots`` 1).
 
-The pool also remembers, per slot, which prompt's chunks its caches hold (:meth:`hold`): rows that
-the chunk programs wrote for whole chunks at the boundaries every prompt is cut at (multiples of
-``chunk`` from position 0). Such a row depends only on the tokens up to its position, so a later
-prompt that begins with the same chunks may take those rows as they are (:meth:`cached`: the
-sequence given the slot, :meth:`acquire` prefers it) or copied from another slot
-(:meth:`source`, :meth:`copy`), and its positions after them are computed as if it had run them
-itself: the same chunks at the same boundaries. Rows a decode step wrote (a reply's) are never
-taken: the step's arithmetic is not the chunk programs'.
+The pool also remembers, per slot, which tokens' KV rows its caches hold (:meth:`hold`). A row
+depends only on the tokens up to its position, so a later prompt that begins with the same
+tokens may take those rows as they are (:meth:`cached`: the sequence given the slot,
+:meth:`acquire` prefers it) or copied from another slot (:meth:`source`, :meth:`copy`), and
+compute only the rest -- where the rows it takes are the ones it would have computed, bit for
+bit. Where the chunk programs compute the decode step's bits (``CpuChunkProgram.step_bits``),
+every row is, whichever program wrote it: a prompt takes any prefix, a reply's rows included
+(``unit`` 1). Elsewhere only rows the chunk programs wrote for whole chunks at the boundaries
+every prompt is cut at (multiples of the chunk from position 0) are taken (``unit``: the chunk),
+and the positions after them are computed in the chunks the prompt's own run would use.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class SequencePool:
                                 f"memory, and this machine has {free / 2**30:.2f} GiB available; use a smaller "
                                 "--max-batch or --ctx")
         self.slots = slots
-        self.chunk = cpu.chunk
+        self.unit = 1 if cpu.step_bits else cpu.chunk  # rows are taken this many at a time
         self._own = [{i: cpu.cache_array(i) for i in self.caches}]
         self._own += [{i: aligned_zeros(n) for i, n in self.caches.items()} for _ in range(slots - 1)]
         self._pointers = np.array([[own[i].ctypes.data for i in cpu.batch_caches] for own in self._own],
@@ -91,14 +93,22 @@ class SequencePool:
         return len(self._free)
 
     def acquire(self, prompt: list[int] | None = None) -> int:
-        """A free slot (ExecutorError when there is none): for ``prompt``, the one that holds most of
-        its chunks (:meth:`cached`), else the least recently released, whose record then keeps
-        only what ``prompt`` may take; without one, the least recently released, forgotten."""
+        """A free slot (ExecutorError when there is none). For ``prompt``: the one that holds most of
+        it (:meth:`cached`, the least recently released of equals), to take those rows in place --
+        unless that would write over more than a unit of other rows it holds (a conversation that
+        went another way) while another slot is free: then the free slot holding least, into which
+        the sequence copies the rows (:meth:`source`). Its record keeps only what ``prompt`` may
+        take. Without a prompt: the least recently released, forgotten."""
         if not self._free:
             raise ExecutorError("no free sequence slot")
-        slot = max(self._free, key=lambda s: self.cached(s, prompt)) if prompt is not None else self._free[0]
+        slot = self._free[0]
+        if prompt is not None:
+            slot = max(self._free, key=lambda s: self.cached(s, prompt))
+            others = [s for s in self._free if s != slot]
+            if others and self._held[slot][1] - self.cached(slot, prompt) > self.unit:
+                slot = min(others, key=lambda s: self._held[s][1])
         self._free.remove(slot)
-        self.hold(slot, prompt or [], self.cached(slot, prompt) if prompt is not None else 0)
+        self.hold(slot, prompt or [], self.cached(slot, prompt))
         return slot
 
     def release(self, slot: int) -> None:
@@ -107,21 +117,24 @@ class SequencePool:
         assert 0 <= slot < self.slots and slot not in self._free
         self._free.append(slot)
 
-    def hold(self, slot: int, prompt: list[int], fed: int) -> None:
-        """Record that ``slot``'s caches hold the rows the chunk programs wrote for ``prompt``'s first
-        ``fed`` positions, from position 0 at the usual boundaries (the whole chunks are kept)."""
-        self._held[slot] = (prompt, fed // self.chunk * self.chunk)
+    def hold(self, slot: int, tokens: list[int], written: int) -> None:
+        """Record that ``slot``'s caches hold the rows of ``tokens``' first ``written`` positions, from
+        position 0 (written by the chunk programs at the usual boundaries, or by steps where
+        ``unit`` is 1; only whole units are kept)."""
+        self._held[slot] = (tokens, written // self.unit * self.unit)
 
     def cached(self, slot: int, prompt: list[int] | None) -> int:
-        """How many of ``prompt``'s first positions ``slot``'s caches hold as ``prompt``'s own chunks
-        would write them: whole chunks of the same tokens, and never its last token (the step that
+        """How many of ``prompt``'s first positions ``slot``'s caches hold as ``prompt``'s own run
+        would write them: whole units of the same tokens, and never its last token (the step that
         runs it leaves the logits)."""
         if prompt is None:
             return 0
         held, n = self._held[slot]
-        n, chunk, same = min(n, (len(prompt) - 1) // self.chunk * self.chunk), self.chunk, 0
-        while same < n and held[same : same + chunk] == prompt[same : same + chunk]:
-            same += chunk
+        n, block, same = min(n, (len(prompt) - 1) // self.unit * self.unit), max(self.unit, 32), 0
+        while same + block <= n and held[same : same + block] == prompt[same : same + block]:
+            same += block  # whole blocks at list-compare speed, then a unit at a time
+        while same + self.unit <= n and held[same : same + self.unit] == prompt[same : same + self.unit]:
+            same += self.unit
         return same
 
     def source(self, prompt: list[int]) -> tuple[int, int]:

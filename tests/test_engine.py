@@ -225,16 +225,24 @@ def _exact(model, request: Request, c: Collector) -> None:
 LONG = [1, *((5 * i + 2) % 61 for i in range(80))]  # 81 tokens: two whole chunks before the last token
 
 
-def test_prompts_that_begin_alike_compute_their_shared_chunks_once(model, monkeypatch):
-    # A prompt takes the KV rows of the whole chunks it shares with the start of a prompt that ran
-    # before it: in place, in the slot it is given (the free one that holds most of it), or copied
-    # from another slot, whose sequence may still be running; the rest of it runs at the chunk
-    # boundaries a session's would. Its tokens and log-probabilities are a session's own.
+def test_prompts_that_begin_alike_compute_what_they_share_once(model, monkeypatch):
+    # A prompt takes the KV rows of its beginning that a slot holds: in place, in the slot it is
+    # given (the free one that holds most of it), or copied from another slot, whose sequence may
+    # still be running. The dense model's chunk programs compute the step's bits (rows8, int16 x),
+    # so any rows are taken ("unit" 1); the gate-first model's chunk FFN does not, so only rows of
+    # whole chunks (32), and the rest of the prompt runs at the chunk boundaries a session's would.
+    # Either way the tokens and log-probabilities are a session's own.
     def request(prompt, n=6, **kw):
         return Request(prompt, n, SAMPLED, seed=len(prompt), logprobs=2, **kw)
 
     with Session(model, 2) as session:
         engine = Engine(session, max_batch=3)
+        unit = engine.pool.unit
+        assert unit == (1 if "dense" in model.name else 32)
+
+        def whole(n: int) -> int:
+            return n // unit * unit
+
         copies = []
         copy = engine.pool.copy
         monkeypatch.setattr(engine.pool, "copy", lambda *a: (copies.append(a[2:]), copy(*a)))
@@ -245,10 +253,13 @@ def test_prompts_that_begin_alike_compute_their_shared_chunks_once(model, monkey
             assert c.done.wait(60)
             return seq, c
 
-        first, again = request(LONG), request([*LONG[:70], 3, 4, 5])  # 73 tokens: the first two chunks alike
+        first, again = request(LONG), request([*LONG[:70], 3, 4, 5])  # 73 tokens, 70 alike
         done = [(first, *one(first)), (again, *one(again))]
-        assert [seq.cached for _, seq, _ in done] == [0, 64] and copies == []  # in place
-        # One that runs a third chunk past LONG's, and while it decodes one that shares all three.
+        assert [seq.cached for _, seq, _ in done] == [0, whole(70)]
+        # In place where the slot holds nothing more (LONG's two chunks); else copied to another
+        # slot, which keeps first's 86 rows (its prompt, then its reply) for a prompt that wants them.
+        assert copies == ([] if unit == 32 else [(0, 70)])
+        # One that runs a third chunk past LONG's, and while it decodes one that shares 100 tokens.
         longer = request([*LONG, *[7] * 40], n=40)
         c_longer = Collector()
         seq_longer = engine.submit(longer, c_longer)
@@ -257,14 +268,14 @@ def test_prompts_that_begin_alike_compute_their_shared_chunks_once(model, monkey
         done += [(during, *one(during))]
         assert c_longer.done.wait(60)
         done += [(longer, seq_longer, c_longer)]
-        assert seq_longer.cached == 64 and done[2][1].cached == 96 and copies == [(0, 96)]
+        assert seq_longer.cached == whole(81) and done[2][1].cached == whole(100) and copies[-1][1] == whole(100)
         # The choices of one request: the first computes each chunk, the others copy it a turn later.
         fresh = [3, *((11 * i + 5) % 61 for i in range(70))]
         choices = [Request(fresh, 6, SAMPLED, seed=j, logprobs=2) for j in range(3)]
         got = [Collector() for _ in choices]
         seqs = engine.submit_all(list(zip(choices, got, strict=True)))
         assert all(c.done.wait(60) for c in got)
-        assert [seq.cached for seq in seqs] == [0, 64, 64]
+        assert [seq.cached for seq in seqs] == [0, 64, 64]  # whole chunks, as the first computes them
         done += list(zip(choices, seqs, got, strict=True))
         # A prompt whose log-probabilities were asked for computes every chunk (they come from the
         # chunks' logits) and leaves rows that a later prompt takes: the chunk program with the
@@ -272,8 +283,8 @@ def test_prompts_that_begin_alike_compute_their_shared_chunks_once(model, monkey
         scored = Request([2, *fresh[1:]], 0, prompt_logprobs=1)
         after = request([*scored.prompt, 8])
         done += [(after, *one(after))] if one(scored)[0].cached == 0 else []
-        assert done[-1][0] is after and done[-1][1].cached == 64
-        assert engine.stats.cached_tokens == 64 + 96 + 64 + 2 * 64 + 64
+        assert done[-1][0] is after and done[-1][1].cached == whole(70)  # scored's last token never ran
+        assert engine.stats.cached_tokens == sum(seq.cached for _, seq, _ in done) > 0
         engine.close()
     for r, _, c in done:
         _exact(model, r, c)
@@ -283,6 +294,30 @@ def test_prompts_that_begin_alike_compute_their_shared_chunks_once(model, monkey
         until(lambda: engine.active == 0 and not engine.waiting)
         assert [s.cached for s in seqs] == [0, 0] and engine.stats.cached_tokens == 0
         engine.close()
+
+
+def test_a_conversations_next_turn_takes_the_replys_rows_where_chunks_compute_the_steps_bits(model):
+    # The next turn of a chat is the last prompt, its reply, and a new message. Where the chunk
+    # programs compute the step's bits (the dense model) the rows the decode steps wrote for the
+    # reply are the rows a chunk would write, and they are taken too: all but the new message is
+    # cached. Elsewhere (gate-first) only the last prompt's whole chunks are. Exact either way.
+    with Session(model, 2) as session:
+        engine = Engine(session, max_batch=2)
+        turns, history = [], list(LONG[:40])
+        for message in ([5, 6, 7], [9, 10], [11, 12, 13, 14]):
+            c = Collector()
+            r = Request([*history, *message], 7, SAMPLED, seed=len(turns), logprobs=2)
+            seq = engine.submit(r, c)
+            assert c.done.wait(60)
+            turns.append((r, seq, c))
+            history = [*r.prompt, *c.tokens]
+        engine.close()
+    for i, (_, seq, _) in enumerate(turns[1:]):
+        last, reply = turns[i][0].prompt, turns[i][2].tokens
+        written = len(last) + len(reply) - 1  # the last reply token was never stepped
+        assert seq.cached == (written if engine.pool.unit == 1 else (len(last) - 1) // 32 * 32)
+    for r, _, c in turns:
+        _exact(model, r, c)
 
 
 def test_presence_and_frequency_penalties_are_picc_runs_in_a_batch(model):
@@ -498,8 +533,10 @@ def test_a_model_with_its_kv_caches_on_the_gpu_takes_shared_chunks_in_place(tmp_
         got = [Collector() for _ in requests]
         seqs = [engine.submit(r, c) for r, c in zip(requests, got, strict=True)]
         assert all(c.done.wait(60) for c in got)
+        unit = engine.pool.unit
         engine.close()
-    assert [s.cached for s in seqs] == [0, 64, 64]
+    assert unit == 1  # every op on the GPU, token by token: the chunk programs keep the step's bits
+    assert [s.cached for s in seqs] == [0, 70, 70]  # one slot: the second's reply wrote over the first's
     for r, c in zip(requests, got, strict=True):
         with Session(path, 2, gpu="emulate") as s:
             assert c.tokens == list(s.generate(r.prompt, r.max_tokens, r.options, seed=r.seed))

@@ -102,6 +102,33 @@ def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path)
     assert rel_err(np.concatenate([chunked, after]), reference) <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", [DType.Q4_1, DType.Q4_0, DType.F32])
+def test_chunk_programs_say_whether_they_compute_the_steps_bits_and_do(dtype, tmp_path):
+    # CpuChunkProgram.step_bits, on which a server takes the KV rows of a reply's steps for a prompt
+    # (runtime.sequences): where every matrix op of the chunk is a step kernel's batched twin
+    # (4-bit rows8 with int16 x) the chunk programs leave the step's KV rows and logits bit for bit,
+    # at any chunk boundaries; an f32 model's GEMMs sum in other orders, and it says so.
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=dtype)
+    path, pib = compiled(model, tmp_path, "bits", dense=True)
+    with Session(path, 2) as s:
+        cpu = s.executor.cpu
+        assert cpu.step_bits == (dtype != DType.F32)
+        if not cpu.step_bits:
+            return
+        s.executor.prefill(LONG[:3], 0)
+        chunked = s.executor.logits_of(LONG[3:], 3)  # boundaries at 3, 35: not a session's
+        rows = {i: cpu.cache_array(i)[:n].copy() for i, n in cpu.kv_caches().items()}
+    with Session(path, 2) as s:
+        stepped = np.concatenate([s.feed([t], all_logits=True) for t in LONG])
+        cpu = s.executor.cpu
+        for i, n in cpu.kv_caches().items():  # every position: chunks of 3, 32, 10 in one, steps in the other
+            planes = cpu.kv_planes(i)
+            got, want = rows[i].reshape(planes, -1), cpu.cache_array(i)[:n].reshape(planes, -1)
+            per = got.shape[1] // s.max_ctx
+            np.testing.assert_array_equal(got[:, : len(LONG) * per], want[:, : len(LONG) * per])
+    np.testing.assert_array_equal(chunked.view(np.uint32), stepped[3:].view(np.uint32))
+
+
 def test_code_without_the_native_thread_team_runs_on_python_barriers(tmp_path, monkeypatch):
     # .pib files compiled before picc_team_worker existed: the same steps, handed over by Python.
     from runtime.cpu import CpuExecutor

@@ -272,9 +272,9 @@ def test_n_choices_and_lists_of_prompts_are_single_runs_each(server, model):
 
 
 def test_usage_counts_the_prompt_tokens_taken_from_an_earlier_prompt(server, model):
-    # A conversation's second turn starts as its first did: the whole chunks of 32 tokens they
-    # share are not computed again (usage.prompt_tokens_details.cached_tokens, the metric), and
-    # the reply is still picc run's.
+    # A conversation's second turn starts as its first did: the 66 tokens they share are not
+    # computed again (usage.prompt_tokens_details.cached_tokens, the metric; the model's chunk
+    # programs compute the step's bits, so any rows are taken), and the reply is still picc run's.
     client = server.client()
     first = encode(model, " ".join(reversed(PROMPTS)) * 4)[:70]
     second = [*first[:66], *first[:9]]
@@ -284,10 +284,12 @@ def test_usage_counts_the_prompt_tokens_taken_from_an_earlier_prompt(server, mod
         done = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0)
         assert done.choices[0].text == text_of(model, alone(model, ids, 5))
         cached.append(done.usage.prompt_tokens_details.cached_tokens)
-    assert cached == [0, 64] and server.metric("picc_prompt_tokens_cached_total") == before + 64
+    # (The first takes at most the few tokens other tests' prompts began with: BOS, a word.)
+    assert cached[0] < 4 and cached[1] == 66
+    assert server.metric("picc_prompt_tokens_cached_total") == before + sum(cached)
     chunks = list(client.completions.create(model="tiny", prompt=second, max_tokens=5, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(second) - 1  # all it can take: it ran
 
 
 def test_concurrent_requests_get_single_run_outputs(server, model):

@@ -16,6 +16,10 @@ as its rows, each token the step's bits, the weights read once; 1.4-2.7x the GEM
 shapes); elsewhere the chunk's GEMMs read the same rounded rows the step's kernel dots
 (:meth:`ChunkLowering.gemm_input`).
 
+Where every matrix op is such a twin (no GEMM, no chunk FFN), the programs compute each token's
+step bits at any chunk boundaries, and the manifest says so (``CpuChunkProgram.step_bits``): a
+server then takes the KV rows a reply's steps wrote for a later prompt (``runtime.sequences``).
+
 In a hybrid step each is one program per stage (``picc_prefill_chunk_<i>``), and the manifest says
 which of the chunk's rows the GPU's ops of the stage read and write, token by token (which values
 a chunk computes and where their rows live: :mod:`picc.codegen_cpu.chunks`).
@@ -77,6 +81,7 @@ class ChunkLowering(OpLowering):
         self.regions = ChunkRegions(slots.activations, slots.tokens, PREFILL_CHUNK, self.types, plan.last_read)
         self.rounded_holds: tuple[str, str] | None = None  # (value, x format) whose rounded rows the slot holds now
         self.programs: list[Program] = []
+        self.step_bits = True  # no op yet computed otherwise than the step computes it (CpuChunkProgram)
 
     # --- where values live: seq rows each in the chunk's buffer -----------------------------------
 
@@ -122,6 +127,7 @@ class ChunkLowering(OpLowering):
             kernel, args = self.batched_linear(op, self.activation(op.result), 0)
             self._rows_call(op, kernel, *args, x_width=k, y_width=rows)
             return
+        self.step_bits = False  # a GEMM sums in another order than the step's GEMV
         x, access = self.gemm_input(op, op.x, int(w.shape[1]), op.weight)
         self.call(op, kernels_dense.gemm(w.dtype.value, _rows8(op)), self.weight(op.weight, layout=_layout(op)),
                   x, self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
@@ -165,6 +171,7 @@ class ChunkLowering(OpLowering):
             kernel, args = self.batched_dense_ffn(op, self.activation(op.result), 0, self.regions.size)
             self._rows_call(op, kernel, *args, x_width=hidden, y_width=hidden)
             return
+        self.step_bits = False
         rows, floats = self.rows(), self.regions.size * n
         u, g = self.bufs.need_scratch(2 * 4 * floats), Buf(SCRATCH, 4 * floats)
         x, up_access = self.gemm_input(op, op.x, hidden, op.up)
@@ -195,6 +202,7 @@ class ChunkLowering(OpLowering):
 
     def fused_ffn(self, op: FusedFFN) -> None:
         # Every token keeps its own active set; each weight row is read once per chunk.
+        self.step_bits = False  # the chunk's products, not the step kernel's (~1e-7 apart)
         w = self.fused_operands(op)
         kernel = kernels_prefill.chunk_ffn(op.mode, op.form, w.up_dtype, w.gate_dtype, w.down_dtype,
                                            op.interleaved, w.dense_rows8, op.gathered_layout, _x_format(op))
@@ -247,7 +255,7 @@ class ChunkLowering(OpLowering):
             if where.stride != 4 * self.width(result):
                 raise PiccError(f"codegen_cpu: %{result}'s rows in the chunk are not f32 rows back to back")
             logits = LogitsRow(where.index, where.offset, self.width(result))
-        return CpuChunkProgram(tuple(stages), regions.tokens, PREFILL_CHUNK, logits)
+        return CpuChunkProgram(tuple(stages), regions.tokens, PREFILL_CHUNK, logits, self.step_bits)
 
 
 def _chunk_programs(func: Function, weights: WeightStore, sched: Schedule, ctx: int, bufs: CpuBuffers,
