@@ -58,7 +58,7 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "opt", "falcon")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -122,6 +122,21 @@ _BASE: dict[str, dict[str, Any]] = {
         use_sliding_window=False,
         sliding_window=4,
         max_window_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "phi3": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        original_max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
     "opt": dict(
@@ -222,6 +237,16 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "sliding": dict(use_sliding_window=True, _hub_style="qwen2"),  # layer 1 slides
         "norm-eps": dict(rms_norm_eps=0.5),  # the q and k norms' eps too
     },
+    "phi3": {
+        # q, k, v in one qkv_proj and gate, up in one gate_up_proj (the gate's rows first)
+        "base": {},
+        "gqa": dict(num_key_value_heads=2),  # Phi-3-medium's grouped heads
+        "sliding": dict(sliding_window=4),  # Phi-3-mini-4k slides every layer (2047)
+        # Phi-4-mini rotates 3/4 of each head (here 12 of 16 features), the rest passes through
+        "partial-rope": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.75}),
+        "tied": dict(tie_word_embeddings=True),
+    },
     "opt": {
         "pre-ln": {},  # opt-125m / 1.3b / ... layout
         "post-ln": dict(do_layer_norm_before=False),
@@ -303,6 +328,15 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "mistral": {},
     "qwen2": {},
     "qwen3": {},
+    "phi3": {
+        # Phi-3-mini-128k and Phi-3.5 / Phi-4-mini: a factor per frequency, short or long by the
+        # sequence's length (stateful, as dynamic NTK), and cos/sin scaled
+        "longrope": dict(
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                             "long_factor": [2.0] * 8, "original_max_position_embeddings": 128},
+        ),
+    },
     "opt": {},
     "falcon": {},
 }
@@ -329,6 +363,8 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("qwen2", "sliding", "layer-types"),
     ("qwen3", "base", "sliding"),
     ("qwen3", "base", "norm-eps"),
+    ("phi3", "base", "sliding"),
+    ("phi3", "base", "partial-rope"),
     ("opt", "pre-ln", "post-ln"),
     ("opt", "pre-ln", "gelu"),
     ("opt", "proj-dim", "proj-dim-pre-ln"),
@@ -373,6 +409,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "opt": (tf.OPTConfig, tf.OPTForCausalLM),
         "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
     }[family]

@@ -53,6 +53,9 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     }
     if cfg.get("head_dim"):
         meta["key_length"] = (w.add_key_length, cfg["head_dim"])
+    partial = cfg["rope_parameters"].get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        meta["rope_dims"] = (w.add_rope_dimension_count, int(cfg["hidden_size"] // h * partial))
     permute = llama_cpp_permute if arch == "llama" else lambda x, heads: x
     for key, (add, value) in meta.items():
         if key not in drop_keys:
@@ -72,9 +75,13 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        tensor(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], h), quant_type)
-        tensor(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], kv), quant_type)
-        tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], quant_type)
+        if arch == "phi3":  # fused as in the checkpoint
+            tensor(f"blk.{i}.attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"], quant_type)
+            tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"], quant_type)
+        else:
+            tensor(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], h), quant_type)
+            tensor(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], kv), quant_type)
+            tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], quant_type)
         for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
             if p + f"self_attn.{theirs}.bias" in sd:
                 tensor(f"blk.{i}.{ours}.bias", sd[p + f"self_attn.{theirs}.bias"])
@@ -84,7 +91,8 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], quant_type)
         tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            tensor(f"blk.{i}.ffn_{ours}.weight", sd[p + f"mlp.{theirs}.weight"], quant_type)
+            if p + f"mlp.{theirs}.weight" in sd:
+                tensor(f"blk.{i}.ffn_{ours}.weight", sd[p + f"mlp.{theirs}.weight"], quant_type)
     tensor("output_norm.weight", sd["model.norm.weight"])
     if not tie:
         tensor("output.weight", sd["lm_head.weight"], quant_type)
@@ -159,12 +167,14 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     assert rel_l2(got, want) <= 1e-4
 
 
-@pytest.mark.parametrize("family, qt", [("qwen2", Q.F32), ("qwen3", Q.F32), ("qwen3", Q.Q4_1)])
-def test_qwen_ggufs_match_transformers(family, qt, tmp_path):
+@pytest.mark.parametrize("family, qt", [("qwen2", Q.F32), ("qwen3", Q.F32), ("qwen3", Q.Q4_1), ("phi3", Q.F32),
+                                        ("phi3", Q.Q8_0)])
+def test_qwen_and_phi3_ggufs_match_transformers(family, qt, tmp_path):
     # Rows as transformers has them (no permutation) and the half-split rope; Qwen2's q, k, v
-    # biases; Qwen3's norms of each head's q and k, with heads wider than hidden / heads.
+    # biases; Qwen3's norms of each head's q and k, with heads wider than hidden / heads; Phi-3's
+    # fused qkv and gate-up matrices, split, and its rope over 12 of each head's 16 features.
     hf_dir = tmp_path / family
-    make_model(family, "head-dim" if family == "qwen3" else "base", hf_dir)
+    make_model(family, {"qwen3": "head-dim", "phi3": "partial-rope"}.get(family, "base"), hf_dir)
     model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=family, quant_type=qt))
     verify(model.module)
     assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {"llama"}
@@ -332,13 +342,14 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported (supported: llama, qwen2, qwen3)"),
+    (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported (supported: llama, qwen2, qwen3, phi3)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),
     (dict(extra={"rope_freqs.weight": (np.linspace(1, 3, 8), Q.F32)}),
      "rope_freqs.weight does not hold llama3 rope scaling factors"),
     (dict(extra={"rope_freqs.weight": (np.ones(5), Q.F32)}), "rope_freqs.weight must hold 8 positive factors"),
+    (dict(extra={"rope_factors_long.weight": (np.ones(8), Q.F32)}), "longrope scaling (rope_factors_long"),
 ])
 def test_unsupported_files_are_refused_in_one_line(hf_llama, tmp_path, kwargs, message):
     hf_dir, _ = hf_llama

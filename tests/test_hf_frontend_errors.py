@@ -101,6 +101,11 @@ def test_extra_rope_variants_are_refused(tmp_path, variant):
     refused(tmp_path / variant, f'rope type "{rope_type}" is not supported (supported: default, linear, llama3)')
 
 
+def test_phi3_longrope_is_refused(tmp_path):
+    make_model("phi3", "longrope", tmp_path / "m")
+    refused(tmp_path / "m", 'rope type "longrope" is not supported (supported: default, linear, llama3)')
+
+
 def test_legacy_rope_scaling_types_are_refused(base, tmp_path):
     path = edited_copy(base[("falcon", "new-arch")], tmp_path / "m", drop=("rope_parameters",),
                        config={"rope_theta": 10000.0, "rope_scaling": {"type": "longrope", "factor": 2.0}})

@@ -82,6 +82,21 @@ def test_qwen3s_heads_are_normalised_one_at_a_time_by_every_program(tmp_path):
     check_prefill(path, pib, 1e-4)
 
 
+def test_phi3s_partial_rope_rotates_three_quarters_of_each_head(tmp_path):
+    # Phi-4-mini's rope: the first 12 of 16 features of each head rotated (half-split among
+    # them), the other 4 passed through; the step and the chunk programs against the interpreter.
+    from hf_models import make_model
+
+    from picc.frontend import load_model
+
+    make_model("phi3", "partial-rope", tmp_path / "hf")
+    path, pib = compiled(load_model(tmp_path / "hf"), tmp_path, "phi3", dense=True, kv_cache="f32")
+    assert {op.rotated for op in pib.module.ops() if isinstance(op, O.Rope)} == {12}
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+
+
 def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path):
     # feed(all_logits=True) (picc logits) runs all but the last token through picc_logits_chunk,
     # 32 at a time: the same logits as one step per token (GEMMs instead of GEMVs: the sums

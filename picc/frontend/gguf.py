@@ -7,7 +7,9 @@ exactly as stored and uses the ``gptj`` (interleaved) rope style, which computes
 as transformers' half-split rope on the un-permuted weights. ``qwen2`` and ``qwen3`` files keep
 transformers' rows (llama.cpp runs them with its "neox" rope, the half-split one): picc's ``llama``
 style. Qwen2 has biases on q, k and v; Qwen3 normalises each head's q and k (``attn_q_norm``,
-``attn_k_norm``, [head_dim]) before the rope.
+``attn_k_norm``, [head_dim]) before the rope. ``phi3`` files keep transformers' rows too, with q, k
+and v in one ``attn_qkv`` and the gate's rows then up's in one ``ffn_up``, as in the checkpoint:
+picc splits them.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from picc.ir import positional
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
-_ROPE_STYLES = {"llama": "gptj", "qwen2": "llama", "qwen3": "llama"}  # see the module's docstring
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+_ROPE_STYLES = {"llama": "gptj", "qwen2": "llama", "qwen3": "llama", "phi3": "llama"}  # see the module's docstring
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0}
 
@@ -41,6 +43,7 @@ _LAYER_NAMES = {
     "attn_output.weight": "attn.o", "attn_q.bias": "attn.q_bias", "attn_k.bias": "attn.k_bias",
     "attn_v.bias": "attn.v_bias", "attn_output.bias": "attn.o_bias",
     "attn_q_norm.weight": "attn.q_norm", "attn_k_norm.weight": "attn.k_norm",
+    "attn_qkv.weight": "attn.qkv",  # Phi-3's q, k and v in one matrix (split by load_gguf)
     "ffn_up.weight": "ffn.up", "ffn_gate.weight": "ffn.gate", "ffn_down.weight": "ffn.down",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
@@ -170,6 +173,9 @@ def load_gguf(path: Path) -> LoadedModel:
     if arch not in SUPPORTED_ARCHS:
         raise PiccError(f"{path}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    if any(t.name.startswith("rope_factors_") for t in file.tensors):
+        raise PiccError(f"{path}: longrope scaling (rope_factors_long / rope_factors_short: Phi-3-128k, Phi-3.5) "
+                        "is not supported")
     store, changed = read_tensors(file, path)
     rope_factors = next((np.asarray(t.data, np.float32).reshape(-1) for t in file.tensors
                          if t.name == ROPE_FREQS and t.type_name in ("F32", "F16")), None)
@@ -199,17 +205,20 @@ def load_gguf(path: Path) -> LoadedModel:
         if scaling != "none":
             raise PiccError(f"{path}: rope_freqs.weight and rope scaling {scaling!r} together are not supported")
         rope = llama3_rope(rope_factors, rope, rope_dim, path)
+    n_layers, n_ff = int(meta.need(key("block_count"))), int(meta.need(key("feed_forward_length")))  # type: ignore[arg-type]
+    if arch == "phi3":
+        store = _split_phi3(store, n_layers, n_heads * head_dim, n_kv * head_dim, n_ff, path)
     vocab = store["token_embd"].shape[0]
     spec = LlamaSpec(
         name=re.sub(r"[^\w.]", "_", path.stem),
         arch=arch,
         vocab=vocab,
         hidden=hidden,
-        n_layers=int(meta.need(key("block_count"))),  # type: ignore[arg-type]
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
-        n_ff=int(meta.need(key("feed_forward_length"))),  # type: ignore[arg-type]
+        n_ff=n_ff,
         eps=float(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),  # type: ignore[arg-type]
         ffn_form=_ffn_form(meta),
         rope=rope,
@@ -227,6 +236,26 @@ def load_gguf(path: Path) -> LoadedModel:
                   + ("(the same 4-bit values)" if kind == "Q4_K" else "(decoded and quantized again)")
                   + ", which picc's kernels read" for kind, count in sorted(changed.items()))
     return LoadedModel(module, store, tokenizer, source=str(path), notes=notes)
+
+
+def _split_phi3(store: WeightStore, n_layers: int, q_rows: int, kv_rows: int, n_ff: int, path: Path) -> WeightStore:
+    """``store`` with each layer's fused ``attn_qkv`` as q, k and v and fused ``ffn_up`` as the gate
+    (its first ``n_ff`` rows) and up."""
+    tensors = {name: store[name] for name in store}
+    for i in range(n_layers):
+        for fused, parts in ((f"l{i}.attn.qkv", ((f"l{i}.attn.q", q_rows), (f"l{i}.attn.k", kv_rows),
+                                                   (f"l{i}.attn.v", kv_rows))),
+                             (f"l{i}.ffn.up", ((f"l{i}.ffn.gate", n_ff), (f"l{i}.ffn.up", n_ff)))):
+            whole, want = tensors.pop(fused, None), sum(rows for _, rows in parts)
+            if whole is None or whole.shape[0] != want:
+                gguf_name = f"blk.{i}." + ("attn_qkv.weight" if fused.endswith("qkv") else "ffn_up.weight")
+                raise PiccError(f"{path}: phi3 tensor {gguf_name!r} must hold {want} rows (q, k, v or gate, up), "
+                                + ("but it is missing" if whole is None else f"got {whole.shape[0]}"))
+            start = 0
+            for name, rows in parts:
+                tensors[name] = whole.take_rows(np.arange(start, start + rows))
+                start += rows
+    return WeightStore(tensors)
 
 
 def llama3_rope(factors: np.ndarray, rope: RopeSpec, rotated: int, path: Path) -> RopeSpec:

@@ -36,6 +36,7 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "opt": "OPTForCausalLM",
     "falcon": "FalconForCausalLM",
 }
@@ -62,7 +63,7 @@ def load_hf(path: Path) -> LoadedModel:
                         f"{method!r}) are not supported; picc imports f32, f16 and bf16 weights")
     name = re.sub(r"[^\w.]", "_", path.resolve().name) or "model"
     importer = {"llama": _llama_family, "mistral": _llama_family, "qwen2": _llama_family, "qwen3": _llama_family,
-                "opt": _opt, "falcon": _falcon}[model_type]
+                "phi3": _llama_family, "opt": _opt, "falcon": _falcon}[model_type]
     module, store = importer(cfg, path, name)
     tokenizer = None
     if any((path / f).is_file() for f in TOKENIZER_FILES):
@@ -115,17 +116,13 @@ def special_ids(cfg: HFConfig, directory: Path, bos: int | None,
     return (gen.token_id("bos_token_id", ids[0]), gen.token_id("eos_token_id", ids[1]))
 
 
-def _rows(t: Tensor, rows: np.ndarray) -> Tensor:
-    """The given rows of a weight (or elements of a bias), in the weight's dtype."""
-    data = np.ascontiguousarray(np.asarray(t.data)[rows])
-    return Tensor(t.dtype, (len(rows), *t.shape[1:]), data)
+# ---------------------------------------------------------------- LLaMA, Mistral, Qwen2, Qwen3, Phi-3
 
-
-# ---------------------------------------------------------------- LLaMA, Mistral, Qwen2, Qwen3
-
-_KV_HEADS_DEFAULT = {"llama": None, "mistral": 8, "qwen2": 32, "qwen3": 32}
-MAX_POSITION_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
-SPECIAL_IDS_DEFAULT = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None), "qwen3": (None, None)}
+_KV_HEADS_DEFAULT = {"llama": None, "mistral": 8, "qwen2": 32, "qwen3": 32, "phi3": None}
+MAX_POSITION_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
+SPECIAL_IDS_DEFAULT = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None), "qwen3": (None, None),
+                       "phi3": (1, 32000)}
+EPS_DEFAULT = {"phi3": 1e-5}  # the others: 1e-6
 HEAD_DIM_DEFAULT = {"qwen3": 128}  # the others: hidden_size / num_attention_heads
 
 
@@ -168,10 +165,11 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
                         f"num_key_value_heads {n_kv}")
     head_dim = cfg.opt_integer("head_dim", HEAD_DIM_DEFAULT.get(family)) or hidden // n_heads
     max_position = cfg.integer("max_position_embeddings", MAX_POSITION_DEFAULT[family])
-    # Llama ignores sliding_window; Mistral slides every layer (default 4096); Qwen2 and 3 per layer.
+    # Llama ignores sliding_window; Mistral slides every layer (default 4096), Phi-3 too (default
+    # none); Qwen2 and 3 per layer.
     windows: tuple[int | None, ...] = ()
-    if family == "mistral":
-        window = cfg.opt_integer("sliding_window", 4096)
+    if family in ("mistral", "phi3"):
+        window = cfg.opt_integer("sliding_window", 4096 if family == "mistral" else None)
         windows = (window,) * n_layers if window is not None else ()
     elif family in ("qwen2", "qwen3"):
         windows = qwen2_windows(cfg, n_layers)
@@ -186,9 +184,9 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     tie = cfg.flag("tie_word_embeddings", False)
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", 1e-6),
+        n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", EPS_DEFAULT.get(family, 1e-6)),
         ffn_form=ffn_form(cfg, "hidden_act", "silu", gated=True),
-        rope=rope_from_config(cfg, head_dim, max_position), tied=False, window=windows,
+        rope=rope_from_config(cfg, head_dim, max_position, partial=family == "phi3"), tied=False, window=windows,
         bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=family == "qwen3",
     )
 
@@ -199,13 +197,24 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     def add(picc: str, hf: str, shape: tuple[int, ...]) -> None:
         store.add(picc, ckpt.tensor(p + hf, shape))
 
+    def split(hf: str, shape: tuple[int, ...], parts: tuple[tuple[str, int], ...]) -> None:
+        """A fused matrix (Phi-3's qkv_proj, gate_up_proj) as its parts' rows, in order."""
+        fused, start = ckpt.tensor(p + hf, shape), 0
+        for picc, rows in parts:
+            store.add(picc, fused.take_rows(np.arange(start, start + rows)))
+            start += rows
+
     add("token_embd", "embed_tokens.weight", (vocab, hidden))
     q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
     for i in range(n_layers):
         n, hf = layer_weight_names(i), f"layers.{i}."
         add(n["attn_norm"], hf + "input_layernorm.weight", (hidden,))
-        for key, proj, rows in (("q", "q_proj", q_rows), ("k", "k_proj", kv_rows),
-                                ("v", "v_proj", kv_rows)):
+        projections = (("q", "q_proj", q_rows), ("k", "k_proj", kv_rows), ("v", "v_proj", kv_rows))
+        if family == "phi3":  # one qkv_proj: q's rows, k's, v's
+            split(hf + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, hidden),
+                  tuple((n[key], rows) for key, _, rows in projections))
+            projections = ()
+        for key, proj, rows in projections:
             add(n[key], f"{hf}self_attn.{proj}.weight", (rows, hidden))
             if qkv_bias:
                 add(n[f"{key}_bias"], f"{hf}self_attn.{proj}.bias", (rows,))
@@ -216,8 +225,12 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
         if attn_bias:
             add(n["o_bias"], hf + "self_attn.o_proj.bias", (hidden,))
         add(n["ffn_norm"], hf + "post_attention_layernorm.weight", (hidden,))
-        for key, proj, shape in (("gate", "gate_proj", (n_ff, hidden)), ("up", "up_proj", (n_ff, hidden)),
-                                 ("down", "down_proj", (hidden, n_ff))):
+        mlp = (("gate", "gate_proj", (n_ff, hidden)), ("up", "up_proj", (n_ff, hidden)),
+               ("down", "down_proj", (hidden, n_ff)))
+        if family == "phi3":  # one gate_up_proj: the gate's rows, then up's
+            split(hf + "mlp.gate_up_proj.weight", (2 * n_ff, hidden), ((n["gate"], n_ff), (n["up"], n_ff)))
+            mlp = mlp[2:]
+        for key, proj, shape in mlp:
             add(n[key], f"{hf}mlp.{proj}.weight", shape)
             if mlp_bias:
                 add(n[f"{key}_bias"], f"{hf}mlp.{proj}.bias", shape[:1])
@@ -386,9 +399,9 @@ def _falcon(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightSt
         w = get(qkv + ".weight", (fused_rows, hidden))
         b = get(qkv + ".bias", (fused_rows,)) if bias else None
         for key, rows in zip(("q", "k", "v"), split, strict=True):
-            store.add(n[key], _rows(w, rows))
+            store.add(n[key], w.take_rows(rows))
             if b is not None:
-                store.add(n[f"{key}_bias"], _rows(b, rows))
+                store.add(n[f"{key}_bias"], b.take_rows(rows))
         linear(n["o"], hf + "self_attention.dense", (hidden, hidden))
         linear(n["up"], hf + "mlp.dense_h_to_4h", (n_ff, hidden))
         linear(n["down"], hf + "mlp.dense_4h_to_h", (hidden, n_ff))

@@ -137,14 +137,15 @@ def ffn_form(cfg: HFConfig, key: str, default: str, *, gated: bool) -> str:
     return _GATED_FORMS[act] if gated else act
 
 
-def rope_from_config(cfg: HFConfig, head_dim: int, max_position: int) -> RopeSpec:
+def rope_from_config(cfg: HFConfig, head_dim: int, max_position: int, *, partial: bool = False) -> RopeSpec:
     """The rope op's settings from ``rope_parameters`` or the legacy ``rope_theta``/``rope_scaling``.
 
     As ``convert_rope_params_to_dict`` and ``standardize_rope_params``: a non-empty
     ``rope_scaling`` wins over ``rope_parameters``; ``rope_theta`` (top level, else 10000) and a
     top-level ``partial_rotary_factor`` fill in missing keys; ``rope_type`` beats the legacy
     ``type``; for llama3 a top-level ``original_max_position_embeddings`` beats the dict's, which
-    defaults to ``max_position_embeddings``.
+    defaults to ``max_position_embeddings``. ``partial``: the family rotates only the first
+    ``head_dim * partial_rotary_factor`` features of a head with default rope (Phi-3's does).
     """
     legacy = cfg.raw.get("rope_scaling")
     source = "rope_scaling" if legacy else "rope_parameters"
@@ -174,10 +175,15 @@ def rope_from_config(cfg: HFConfig, head_dim: int, max_position: int) -> RopeSpe
         return float(v)
 
     theta = positive("rope_theta")
-    if rope_type == "default":
-        # transformers ignores partial_rotary_factor for default rope: it always rotates head_dim.
-        return RopeSpec(theta=theta)
     prf = params.get("partial_rotary_factor", 1.0)
+    if rope_type == "default":
+        # transformers ignores partial_rotary_factor for LLaMA's default rope (it always rotates
+        # head_dim); Phi-3 rotates int(head_dim * factor) and passes the rest through.
+        if not partial or prf == 1.0:
+            return RopeSpec(theta=theta)
+        if isinstance(prf, bool) or not isinstance(prf, int | float) or not 0 < prf < 1 or int(head_dim * prf) % 2:
+            raise cfg.bad("partial_rotary_factor", prf, f"a number in (0, 1] that leaves an even share of {head_dim}")
+        return RopeSpec(theta=theta, rotary_dim=int(head_dim * prf))
     if prf != 1.0:
         # transformers shrinks inv_freq for the scaled types but not the rotation: its forward fails.
         raise PiccError(f"{cfg.path}: partial_rotary_factor {json.dumps(prf)} with rope type "

@@ -52,6 +52,11 @@ class Tensor:
             return np.asarray(self.data, dtype=np.float32).reshape(self.shape)
         return quant.dequantize(np.asarray(self.data), self.dtype.value, self.shape)
 
+    def take_rows(self, rows: np.ndarray) -> Tensor:
+        """The given rows of a matrix (or elements of a vector), in its dtype: a fused matrix's parts."""
+        data = np.ascontiguousarray(np.asarray(self.data)[rows])
+        return Tensor(self.dtype, (len(rows), *self.shape[1:]), data)
+
     @staticmethod
     def from_f32(x: np.ndarray, dtype: DType = DType.F32) -> Tensor:
         """Store float data ``x`` as ``dtype`` (quantizing it when ``dtype`` is quantized)."""
