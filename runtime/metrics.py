@@ -27,7 +27,7 @@ from runtime.engine import Engine
 
 disable_created_metrics()  # no *_created series: a scrape shows what a dashboard plots
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 class _EngineState(Collector):

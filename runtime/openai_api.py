@@ -119,11 +119,29 @@ class _Fields:
         return v
 
 
-def _common(f: _Fields, max_tokens_name: str = "max_tokens", least_tokens: int = 1) -> Params:
-    """The fields completions and chat completions share (``max_tokens`` at least ``least_tokens``)."""
+def _model(f: _Fields) -> str | None:
     model = f.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("'model' must be a string", "model")
+    return model
+
+
+def _messages(f: _Fields) -> list:
+    """Chat ``messages``: a non-empty list whose roles are OpenAI's (the rest the chat template's
+    renderer checks, ``runtime.chat``)."""
+    messages = f.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty list of messages", "messages")
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role not in ROLES:  # other shapes: the renderer's message says what
+            raise invalid(f"messages[{i}].role '{role}' is not one of {', '.join(ROLES)}", f"messages[{i}].role")
+    return messages
+
+
+def _common(f: _Fields, max_tokens_name: str = "max_tokens", least_tokens: int = 1) -> Params:
+    """The fields completions and chat completions share (``max_tokens`` at least ``least_tokens``)."""
+    model = _model(f)
     n = f.integer("n", 1, 1, MAX_CHOICES)
     if f.get("user") is not None and not isinstance(f.get("user"), str):
         raise invalid(f"'user' must be a string, got {type(f.get('user')).__name__}", "user")
@@ -226,16 +244,45 @@ def chat_params(body: object) -> Params:
     f.integer("max_tokens", None, 1)  # checked where max_completion_tokens, its newer name, is used
     name = "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
     params = _common(f, name)
-    messages = f.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("'messages' must be a non-empty list of messages", "messages")
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if isinstance(role, str) and role not in ROLES:  # other shapes: the renderer's message says what
-            raise invalid(f"messages[{i}].role '{role}' is not one of {', '.join(ROLES)}", f"messages[{i}].role")
-    params.messages = messages
+    params.messages = _messages(f)
     params.logprobs = (top_logprobs or 0) if logprobs else None
     return params
+
+
+@dataclass
+class TokenizeParams:
+    """``POST /tokenize``'s body (vLLM's): text, or chat messages to render first."""
+
+    model: str | None
+    prompt: str | None
+    messages: list | None
+    add_special_tokens: bool  # text: the BOS (EOS) the model's tokenizer adds to a prompt
+    add_generation_prompt: bool  # messages: end with the header of an assistant turn
+
+
+def tokenize_params(body: object) -> TokenizeParams:
+    f = _Fields(body)
+    model = _model(f)
+    if (f.get("prompt") is None) == (f.get("messages") is None):
+        raise invalid("give 'prompt' (text) or 'messages' (a chat), one of them", "prompt")
+    prompt = f.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise invalid(f"'prompt' must be a string, got {type(prompt).__name__}", "prompt")
+    messages = _messages(f) if prompt is None else None
+    return TokenizeParams(model, prompt, messages, f.boolean("add_special_tokens", True),
+                          f.boolean("add_generation_prompt", True))
+
+
+def detokenize_params(body: object, vocab: int) -> tuple[str | None, list[int]]:
+    """``POST /detokenize``'s body (vLLM's): the model and the ``tokens``, ids of the vocabulary."""
+    f = _Fields(body)
+    tokens = f.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise invalid("'tokens' must be a list of token ids", "tokens")
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is out of range for a vocabulary of {vocab}", "tokens")
+    return _model(f), tokens
 
 
 def context_error(prompt_tokens: int, max_tokens: int | None, ctx: int, prompt_field: str) -> ApiError | None:

@@ -47,8 +47,10 @@ from runtime.openai_api import (
     completion_logprobs,
     completion_params,
     context_error,
+    detokenize_params,
     invalid,
     new_id,
+    tokenize_params,
     usage,
 )
 from runtime.sampling import TokenLogprob
@@ -135,23 +137,47 @@ def create_app(served: ServedModel) -> FastAPI:
     async def chat(request: Request) -> Response:
         params = chat_params(await _json(request, limit))
         _check_model(served, params.model)
-        codec = served.codec
-        if codec.chat_template is None:
-            raise invalid(f"model '{served.name}' has no chat template (its tokenizer carries none): use "
-                          "/v1/completions with a prompt", "messages", "chat_template_missing")
-
-        def prompt_ids() -> list[int]:
-            try:
-                text = render_chat(codec.chat_template, params.messages or [], bos_token=codec.bos_token,
-                                   eos_token=codec.eos_token)
-            except ChatTemplateError as e:
-                raise invalid(str(e), "messages") from None
-            return codec.encode_chat(text)
-
-        ids = await asyncio.to_thread(prompt_ids)
+        ids = await _chat_ids(served, params.messages or [])
         return await _respond(request, served, metrics, params, [ids], "messages", chat=True)
 
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(request: Request) -> dict:
+        """vLLM's: a prompt's ids (or a chat's, as the chat route would render it), to count them."""
+        params = tokenize_params(await _json(request, limit))
+        _check_model(served, params.model)
+        if params.messages is not None:
+            ids = await _chat_ids(served, params.messages, params.add_generation_prompt)
+        else:
+            ids = await asyncio.to_thread(served.codec.encode, params.prompt or "", params.add_special_tokens)
+        return {"count": len(ids), "max_model_len": served.engine.ctx, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(request: Request) -> dict:
+        model, tokens = detokenize_params(await _json(request, limit), served.engine.executor.vocab)
+        _check_model(served, model)
+        return {"prompt": served.codec.decode(tokens)}
+
     return app
+
+
+async def _chat_ids(served: ServedModel, messages: list, add_generation_prompt: bool = True) -> list[int]:
+    """``messages`` rendered by the model's chat template and encoded, off the event loop (the
+    tokenizer lets go of the GIL: a long prompt holds up nobody); a 400 where the model has no
+    template or the template refuses them."""
+    codec = served.codec
+    if codec.chat_template is None:
+        raise invalid(f"model '{served.name}' has no chat template (its tokenizer carries none): use "
+                      "/v1/completions with a prompt", "messages", "chat_template_missing")
+
+    def ids() -> list[int]:
+        try:
+            text = render_chat(codec.chat_template, messages, bos_token=codec.bos_token, eos_token=codec.eos_token,
+                               add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:
+            raise invalid(str(e), "messages") from None
+        return codec.encode_chat(text)
+
+    return await asyncio.to_thread(ids)
 
 
 def _errors(app: FastAPI) -> None:

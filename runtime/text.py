@@ -40,11 +40,12 @@ class TextCodec:
         # engine go on meanwhile (a 5 MB prompt takes the tokenizer seconds).
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Ids of prompt ``text``: with the BOS (and EOS) the model's tokenizer adds, unless not ``special``."""
         ids = self._ids(text)
-        if self.add_bos and self.bos_id is not None:
+        if special and self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
-        if self.add_eos and self.eos_id is not None:
+        if special and self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
 

@@ -393,6 +393,40 @@ def test_keys_routes_and_chat_errors(server):
     assert "picc_requests_total{" in httpx.get(server.url + "/metrics").text
 
 
+def test_tokenize_and_detokenize_are_the_models_own(server, model):
+    # vLLM's /tokenize and /detokenize: a prompt's ids as a completion would run them (its BOS
+    # unless add_special_tokens is false), a chat's as the chat route renders it (the usage of a
+    # chat completion counts the same), and ids back to text; errors as the other routes give them.
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def post(route: str, body: dict) -> httpx.Response:
+        return httpx.post(server.url + route, json=body, headers=auth)
+
+    text = "the company said it is"
+    got = post("/tokenize", {"model": "tiny", "prompt": text}).json()
+    assert got == {"count": len(encode(model, text)), "max_model_len": CTX, "tokens": encode(model, text)}
+    bare = post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert [got["tokens"][0], *bare] == got["tokens"] != bare  # the tiny model's tokenizer adds BOS
+    messages = [{"role": "user", "content": "hello there"}, {"role": "system", "content": "be brief"}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == encode(model, "user hello there system be brief the company", chat=True)
+    done = server.client().chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert done.usage.prompt_tokens == chat["count"]
+    plain = post("/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert plain == encode(model, "user hello there system be brief", chat=True)
+    assert post("/detokenize", {"tokens": got["tokens"]}).json() == {"prompt": text_of(model, got["tokens"])}
+    for route, body, status, param in (("/tokenize", {}, 400, "prompt"),
+                                       ("/tokenize", {"prompt": "the", "messages": messages}, 400, "prompt"),
+                                       ("/tokenize", {"prompt": 5}, 400, "prompt"),
+                                       ("/tokenize", {"messages": [{"role": "wizard"}]}, 400, "messages[0].role"),
+                                       ("/tokenize", {"prompt": "the", "model": "other"}, 404, "model"),
+                                       ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
+                                       ("/detokenize", {"tokens": "1 2"}, 400, "tokens")):
+        r = post(route, body)
+        assert r.status_code == status and error_of(r)["param"] == param, (route, body, r.text)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "the"}).status_code == 401
+
+
 def test_a_body_past_the_limit_is_refused_before_it_is_read(server):
     # A 20 MB prompt took the tokenizer 12 s on the event loop, every other request waiting; now
     # anything past max_body_bytes is a 413, declared (Content-Length) or streamed in chunks.
