@@ -58,7 +58,7 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "opt", "falcon")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -136,6 +136,21 @@ _BASE: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         sliding_window=None,
+        pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "smollm3": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        no_rope_layer_interval=2,  # layer 1 without rope (SmolLM3-3B: every 4th)
+        bos_token_id=1,
+        eos_token_id=2,
         pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
@@ -247,6 +262,14 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
                                               "partial_rotary_factor": 0.75}),
         "tied": dict(tie_word_embeddings=True),
     },
+    "smollm3": {
+        # tied embeddings by default; the no-rope layers derived from no_rope_layer_interval
+        "base": dict(_hub_style="smollm3"),
+        "all-rope": dict(no_rope_layers=[1, 1]),
+        "untied": dict(tie_word_embeddings=False),
+        "biases": dict(attention_bias=True, mlp_bias=True),
+        "sliding": dict(use_sliding_window=True, sliding_window=4, _hub_style="smollm3"),  # the no-rope layer slides
+    },
     "opt": {
         "pre-ln": {},  # opt-125m / 1.3b / ... layout
         "post-ln": dict(do_layer_norm_before=False),
@@ -328,6 +351,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "mistral": {},
     "qwen2": {},
     "qwen3": {},
+    "smollm3": {},
     "phi3": {
         # Phi-3-mini-128k and Phi-3.5 / Phi-4-mini: a factor per frequency, short or long by the
         # sequence's length (stateful, as dynamic NTK), and cos/sin scaled
@@ -365,6 +389,8 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("qwen3", "base", "norm-eps"),
     ("phi3", "base", "sliding"),
     ("phi3", "base", "partial-rope"),
+    ("smollm3", "base", "all-rope"),
+    ("smollm3", "base", "sliding"),
     ("opt", "pre-ln", "post-ln"),
     ("opt", "pre-ln", "gelu"),
     ("opt", "proj-dim", "proj-dim-pre-ln"),
@@ -410,6 +436,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
         "opt": (tf.OPTConfig, tf.OPTForCausalLM),
         "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
     }[family]
@@ -459,6 +486,9 @@ def _rewrite_hub_style(cfg_path: pathlib.Path, style: str) -> None:
             cfg["rope_scaling"] = {key: rtype, **rp}
     elif style == "drop-sliding-window":
         cfg.pop("sliding_window", None)
+    elif style == "smollm3":  # hub configs name the interval, not the derived lists
+        cfg.pop("no_rope_layers", None)
+        cfg.pop("layer_types", None)
     elif style == "drop-head-dim":
         assert cfg.pop("head_dim") == 128
     elif style in ("qwen2", "qwen2-keep-window"):

@@ -37,6 +37,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "opt": "OPTForCausalLM",
     "falcon": "FalconForCausalLM",
 }
@@ -63,7 +64,7 @@ def load_hf(path: Path) -> LoadedModel:
                         f"{method!r}) are not supported; picc imports f32, f16 and bf16 weights")
     name = re.sub(r"[^\w.]", "_", path.resolve().name) or "model"
     importer = {"llama": _llama_family, "mistral": _llama_family, "qwen2": _llama_family, "qwen3": _llama_family,
-                "phi3": _llama_family, "opt": _opt, "falcon": _falcon}[model_type]
+                "phi3": _llama_family, "smollm3": _llama_family, "opt": _opt, "falcon": _falcon}[model_type]
     module, store = importer(cfg, path, name)
     tokenizer = None
     if any((path / f).is_file() for f in TOKENIZER_FILES):
@@ -118,10 +119,12 @@ def special_ids(cfg: HFConfig, directory: Path, bos: int | None,
 
 # ---------------------------------------------------------------- LLaMA, Mistral, Qwen2, Qwen3, Phi-3
 
-_KV_HEADS_DEFAULT = {"llama": None, "mistral": 8, "qwen2": 32, "qwen3": 32, "phi3": None}
-MAX_POSITION_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
+_KV_HEADS_DEFAULT = {"llama": None, "mistral": 8, "qwen2": 32, "qwen3": 32, "phi3": None, "smollm3": 4}
+MAX_POSITION_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096,
+                        "smollm3": 32768}
 SPECIAL_IDS_DEFAULT = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None), "qwen3": (None, None),
-                       "phi3": (1, 32000)}
+                       "phi3": (1, 32000), "smollm3": (128000, 128001)}
+TIED_DEFAULT = {"smollm3": True}  # the others: False
 EPS_DEFAULT = {"phi3": 1e-5}  # the others: 1e-6
 HEAD_DIM_DEFAULT = {"qwen3": 128}  # the others: hidden_size / num_attention_heads
 
@@ -151,6 +154,28 @@ def qwen2_windows(cfg: HFConfig, n_layers: int) -> tuple[int | None, ...]:
     return tuple(known[t] for t in types)
 
 
+def smollm3_layers(cfg: HFConfig, n_layers: int) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:
+    """SmolLM3's per-layer rope and sliding windows (``SmolLM3Config.__post_init__``): a layer
+    rotates q and k where ``no_rope_layers`` says 1 (default: all but every
+    ``no_rope_layer_interval``-th); it slides where ``layer_types`` says so, by default the layers
+    without rope when ``use_sliding_window`` is true."""
+    flags = cfg.raw.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.integer("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if not isinstance(flags, list) or len(flags) != n_layers or any(f not in (0, 1) for f in flags):
+        raise cfg.bad("no_rope_layers", flags, f"a list of {n_layers} zeros and ones (num_hidden_layers)")
+    window = cfg.opt_integer("sliding_window", None) if cfg.flag("use_sliding_window", False) else None
+    types = cfg.raw.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if window is not None and not f else "full_attention" for f in flags]
+    known = ("full_attention", "sliding_attention")
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in known for t in types):
+        raise cfg.bad("layer_types", types, f"a list of {n_layers} of {', '.join(known)}")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return tuple(bool(f) for f in flags), windows if any(w is not None for w in windows) else ()
+
+
 def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore]:
     family = str(cfg.raw["model_type"])
     vocab, hidden = cfg.integer("vocab_size"), cfg.integer("hidden_size")
@@ -174,20 +199,23 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     elif family in ("qwen2", "qwen3"):
         windows = qwen2_windows(cfg, n_layers)
         windows = windows if any(w is not None for w in windows) else ()
-    # Biases: Llama by config (q, k, v and o together; gate, up and down together); Mistral
-    # never, whatever the config says; Qwen2 always on q, k, v and nowhere else; Qwen3 on q, k,
-    # v and o by config.
-    attn_bias = family in ("llama", "qwen3") and cfg.flag("attention_bias", False)
+    rope_layers: tuple[bool, ...] = ()
+    if family == "smollm3":
+        rope_layers, windows = smollm3_layers(cfg, n_layers)
+    # Biases: Llama and SmolLM3 by config (q, k, v and o together; gate, up and down together);
+    # Mistral never, whatever the config says; Qwen2 always on q, k, v and nowhere else; Qwen3 on
+    # q, k, v and o by config.
+    attn_bias = family in ("llama", "qwen3", "smollm3") and cfg.flag("attention_bias", False)
     qkv_bias = attn_bias or family == "qwen2"
-    mlp_bias = family == "llama" and cfg.flag("mlp_bias", False)
+    mlp_bias = family in ("llama", "smollm3") and cfg.flag("mlp_bias", False)
     bos, eos = special_ids(cfg, directory, *SPECIAL_IDS_DEFAULT[family])
-    tie = cfg.flag("tie_word_embeddings", False)
+    tie = cfg.flag("tie_word_embeddings", TIED_DEFAULT.get(family, False))
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", EPS_DEFAULT.get(family, 1e-6)),
         ffn_form=ffn_form(cfg, "hidden_act", "silu", gated=True),
         rope=rope_from_config(cfg, head_dim, max_position, partial=family == "phi3"), tied=False, window=windows,
-        bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=family == "qwen3",
+        bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=family == "qwen3", rope_layers=rope_layers,
     )
 
     ckpt = Checkpoint(directory)

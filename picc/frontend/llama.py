@@ -1,4 +1,4 @@
-"""The LLaMA-family decoder (LLaMA, Mistral, Qwen2, Qwen3, and GGUF ``llama`` files) as picc IR.
+"""The LLaMA-family decoder (LLaMA, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, and GGUF files) as picc IR.
 
 Frontends translate their checkpoint into a ``LlamaSpec`` and a weight store whose tensors use
 picc's weight names (``l3.attn.q``, ``l3.ffn.up``, ...); ``build_llama`` emits the IR.
@@ -51,6 +51,7 @@ class LlamaSpec:
     tied: bool
     window: tuple[int | None, ...] = ()  # per layer; empty means no sliding window anywhere
     qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalised (weights [head_dim]) before the rope
+    rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k (SmolLM3's NoPE layers); empty: all
     bos_id: int | None = None
     eos_id: int | None = None
     max_position: int | None = None
@@ -156,10 +157,11 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         if spec.qk_norm:
             q = b.op(O.RMSNorm, f"{p}.attn.q_norm", x=q, weight=n["q_norm"], eps=spec.eps, group=spec.head_dim)
             k = b.op(O.RMSNorm, f"{p}.attn.k_norm", x=k, weight=n["k_norm"], eps=spec.eps, group=spec.head_dim)
-        q = b.op(O.Rope, f"{p}.attn.q_rope", x=q, pos=pos, n_heads=spec.n_heads,
-                 head_dim=spec.head_dim, **rope_attrs)
-        k = b.op(O.Rope, f"{p}.attn.k_rope", x=k, pos=pos, n_heads=spec.n_kv_heads,
-                 head_dim=spec.head_dim, **rope_attrs)
+        if not spec.rope_layers or spec.rope_layers[i]:
+            q = b.op(O.Rope, f"{p}.attn.q_rope", x=q, pos=pos, n_heads=spec.n_heads,
+                     head_dim=spec.head_dim, **rope_attrs)
+            k = b.op(O.Rope, f"{p}.attn.k_rope", x=k, pos=pos, n_heads=spec.n_kv_heads,
+                     head_dim=spec.head_dim, **rope_attrs)
         window = spec.window[i] if spec.window else None
         ctx = b.op(O.Attention, f"{p}.attn.ctx", q=q, k=k, v=v, pos=pos, n_heads=spec.n_heads,
                    n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim,
