@@ -365,7 +365,7 @@ class Engine:
         return self.prefix_cache and seq.request.prompt_logprobs is None
 
     def _reuse(self, seq: Sequence) -> None:
-        """Skip the chunks of ``seq``'s prompt whose KV rows a slot holds: its own slot's as they
+        """Skip the beginning of ``seq``'s prompt whose KV rows a slot holds: its own slot's as they
         are, another's copied (a prompt that begins as one that ran, or is running, before it)."""
         prompt = seq.request.prompt
         own = self.pool.cached(seq.slot, prompt)

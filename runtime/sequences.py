@@ -84,7 +84,7 @@ class SequencePool:
         ctx = executor.plan.ctx
         self._planes = {i: (cpu.kv_planes(i), n // (cpu.kv_planes(i) * ctx)) for i, n in self.caches.items()}
         assert all(planes * row * ctx == self.caches[i] for i, (planes, row) in self._planes.items())
-        self._held: list[tuple[list[int], int]] = [([], 0)] * slots  # a prompt and its positions in whole chunks
+        self._held: list[tuple[list[int], int]] = [([], 0)] * slots  # tokens, and how many of their rows (hold)
         self._free = list(range(slots))  # the least recently released first
         self._bound: int | None = None
 
@@ -138,8 +138,8 @@ class SequencePool:
         return same
 
     def source(self, prompt: list[int]) -> tuple[int, int]:
-        """The slot, free or not, whose caches hold most of ``prompt``'s chunks, and how many
-        positions (:meth:`cached`)."""
+        """The slot, free or not, whose caches hold most of ``prompt``, and how many positions
+        (:meth:`cached`)."""
         return max(((s, self.cached(s, prompt)) for s in range(self.slots)), key=lambda sn: sn[1])
 
     def copy(self, src: int, dst: int, start: int, stop: int) -> None:

@@ -1,5 +1,5 @@
-"""GGUF frontend: ``llama``, ``qwen2`` and ``qwen3`` GGUF files, quantized tensors kept in their
-quant type.
+"""GGUF frontend: ``llama``, ``qwen2``, ``qwen3`` and ``phi3`` GGUF files, quantized tensors kept in
+their quant type where picc's kernels read it, converted to one they read where not (:func:`converted`).
 
 For ``llama`` files llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that each
 head's rotary pairs are adjacent ((2i, 2i+1), llama.cpp's "normal" rope). picc keeps the tensors

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -63,8 +63,7 @@ def load_hf(path: Path) -> LoadedModel:
         raise PiccError(f"{cfg.path}: quantized checkpoints (quantization_config, method "
                         f"{method!r}) are not supported; picc imports f32, f16 and bf16 weights")
     name = re.sub(r"[^\w.]", "_", path.resolve().name) or "model"
-    importer = {"llama": _llama_family, "mistral": _llama_family, "qwen2": _llama_family, "qwen3": _llama_family,
-                "phi3": _llama_family, "smollm3": _llama_family, "opt": _opt, "falcon": _falcon}[model_type]
+    importer = _llama_family if model_type in LLAMA_FAMILIES else {"opt": _opt, "falcon": _falcon}[model_type]
     module, store = importer(cfg, path, name)
     tokenizer = None
     if any((path / f).is_file() for f in TOKENIZER_FILES):
@@ -117,16 +116,35 @@ def special_ids(cfg: HFConfig, directory: Path, bos: int | None,
     return (gen.token_id("bos_token_id", ids[0]), gen.token_id("eos_token_id", ids[1]))
 
 
-# ---------------------------------------------------------------- LLaMA, Mistral, Qwen2, Qwen3, Phi-3
+# ---------------------------------------------------------------- LLaMA, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3
 
-_KV_HEADS_DEFAULT = {"llama": None, "mistral": 8, "qwen2": 32, "qwen3": 32, "phi3": None, "smollm3": 4}
-MAX_POSITION_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096,
-                        "smollm3": 32768}
-SPECIAL_IDS_DEFAULT = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None), "qwen3": (None, None),
-                       "phi3": (1, 32000), "smollm3": (128000, 128001)}
-TIED_DEFAULT = {"smollm3": True}  # the others: False
-EPS_DEFAULT = {"phi3": 1e-5}  # the others: 1e-6
-HEAD_DIM_DEFAULT = {"qwen3": 128}  # the others: hidden_size / num_attention_heads
+@dataclass(frozen=True, slots=True)
+class LlamaFamily:
+    """What sets a LLaMA-like family apart at import: its transformers config class's defaults,
+    which biases it has, and the parts of the layer only it has (sliding windows: ``_windows``)."""
+
+    kv_heads: int | None  # num_key_value_heads' default (None: num_attention_heads)
+    max_position: int  # max_position_embeddings' default
+    special_ids: tuple[int | None, int | None]  # bos_token_id's and eos_token_id's defaults
+    tied: bool = False  # tie_word_embeddings' default
+    eps: float = 1e-6  # rms_norm_eps' default
+    head_dim: int | None = None  # head_dim's default (None: hidden_size / num_attention_heads)
+    attn_bias: bool = False  # attention_bias puts biases on q, k, v and o
+    qkv_bias: bool = False  # q, k and v always have biases, o never
+    mlp_bias: bool = False  # mlp_bias puts biases on gate, up and down
+    qk_norm: bool = False  # each head's q and k RMS-normalised before the rope (Qwen3)
+    partial_rope: bool = False  # default rope honours partial_rotary_factor (Phi-3)
+    fused: bool = False  # qkv_proj and gate_up_proj instead of q/k/v_proj and gate/up_proj (Phi-3)
+
+
+LLAMA_FAMILIES = {
+    "llama": LlamaFamily(None, 2048, (1, 2), attn_bias=True, mlp_bias=True),
+    "mistral": LlamaFamily(8, 131072, (1, 2)),  # no biases, whatever the config says
+    "qwen2": LlamaFamily(32, 32768, (None, None), qkv_bias=True),
+    "qwen3": LlamaFamily(32, 32768, (None, None), head_dim=128, attn_bias=True, qk_norm=True),
+    "phi3": LlamaFamily(None, 4096, (1, 32000), eps=1e-5, partial_rope=True, fused=True),
+    "smollm3": LlamaFamily(4, 32768, (128000, 128001), tied=True, attn_bias=True, mlp_bias=True),
+}
 
 
 def qwen2_windows(cfg: HFConfig, n_layers: int) -> tuple[int | None, ...]:
@@ -176,22 +194,10 @@ def smollm3_layers(cfg: HFConfig, n_layers: int) -> tuple[tuple[bool, ...], tupl
     return tuple(bool(f) for f in flags), windows if any(w is not None for w in windows) else ()
 
 
-def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore]:
-    family = str(cfg.raw["model_type"])
-    vocab, hidden = cfg.integer("vocab_size"), cfg.integer("hidden_size")
-    n_layers, n_heads = cfg.integer("num_hidden_layers"), cfg.integer("num_attention_heads")
-    n_ff = cfg.integer("intermediate_size")
-    n_kv = cfg.opt_integer("num_key_value_heads", _KV_HEADS_DEFAULT[family]) or n_heads
-    if family == "llama" and hidden % n_heads:
-        raise PiccError(f"{cfg.path}: hidden_size {hidden} is not a multiple of num_attention_heads "
-                        f"{n_heads} (LlamaConfig requires it, even with head_dim)")
-    if n_heads % n_kv:
-        raise PiccError(f"{cfg.path}: num_attention_heads {n_heads} is not a multiple of "
-                        f"num_key_value_heads {n_kv}")
-    head_dim = cfg.opt_integer("head_dim", HEAD_DIM_DEFAULT.get(family)) or hidden // n_heads
-    max_position = cfg.integer("max_position_embeddings", MAX_POSITION_DEFAULT[family])
-    # Llama ignores sliding_window; Mistral slides every layer (default 4096), Phi-3 too (default
-    # none); Qwen2 and 3 per layer.
+def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | None, ...], tuple[bool, ...]]:
+    """Each layer's sliding window (empty: none anywhere) and whether it rotates q and k (empty:
+    all do). Llama ignores sliding_window; Mistral slides every layer (default 4096), Phi-3 too
+    (default none); Qwen2 and 3 per layer; SmolLM3 per layer, and leaves the rope out of some."""
     windows: tuple[int | None, ...] = ()
     if family in ("mistral", "phi3"):
         window = cfg.opt_integer("sliding_window", 4096 if family == "mistral" else None)
@@ -199,23 +205,39 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     elif family in ("qwen2", "qwen3"):
         windows = qwen2_windows(cfg, n_layers)
         windows = windows if any(w is not None for w in windows) else ()
-    rope_layers: tuple[bool, ...] = ()
-    if family == "smollm3":
+    elif family == "smollm3":
         rope_layers, windows = smollm3_layers(cfg, n_layers)
-    # Biases: Llama and SmolLM3 by config (q, k, v and o together; gate, up and down together);
-    # Mistral never, whatever the config says; Qwen2 always on q, k, v and nowhere else; Qwen3 on
-    # q, k, v and o by config.
-    attn_bias = family in ("llama", "qwen3", "smollm3") and cfg.flag("attention_bias", False)
-    qkv_bias = attn_bias or family == "qwen2"
-    mlp_bias = family in ("llama", "smollm3") and cfg.flag("mlp_bias", False)
-    bos, eos = special_ids(cfg, directory, *SPECIAL_IDS_DEFAULT[family])
-    tie = cfg.flag("tie_word_embeddings", TIED_DEFAULT.get(family, False))
+        return windows, rope_layers
+    return windows, ()
+
+
+def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore]:
+    family = str(cfg.raw["model_type"])
+    rules = LLAMA_FAMILIES[family]
+    vocab, hidden = cfg.integer("vocab_size"), cfg.integer("hidden_size")
+    n_layers, n_heads = cfg.integer("num_hidden_layers"), cfg.integer("num_attention_heads")
+    n_ff = cfg.integer("intermediate_size")
+    n_kv = cfg.opt_integer("num_key_value_heads", rules.kv_heads) or n_heads
+    if family == "llama" and hidden % n_heads:
+        raise PiccError(f"{cfg.path}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                        f"{n_heads} (LlamaConfig requires it, even with head_dim)")
+    if n_heads % n_kv:
+        raise PiccError(f"{cfg.path}: num_attention_heads {n_heads} is not a multiple of "
+                        f"num_key_value_heads {n_kv}")
+    head_dim = cfg.opt_integer("head_dim", rules.head_dim) or hidden // n_heads
+    max_position = cfg.integer("max_position_embeddings", rules.max_position)
+    windows, rope_layers = _windows(cfg, family, n_layers)
+    attn_bias = rules.attn_bias and cfg.flag("attention_bias", False)
+    qkv_bias = attn_bias or rules.qkv_bias
+    mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False)
+    bos, eos = special_ids(cfg, directory, *rules.special_ids)
+    tie = cfg.flag("tie_word_embeddings", rules.tied)
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", EPS_DEFAULT.get(family, 1e-6)),
+        n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", rules.eps),
         ffn_form=ffn_form(cfg, "hidden_act", "silu", gated=True),
-        rope=rope_from_config(cfg, head_dim, max_position, partial=family == "phi3"), tied=False, window=windows,
-        bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=family == "qwen3", rope_layers=rope_layers,
+        rope=rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope), tied=False, window=windows,
+        bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=rules.qk_norm, rope_layers=rope_layers,
     )
 
     ckpt = Checkpoint(directory)
@@ -238,7 +260,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
         n, hf = layer_weight_names(i), f"layers.{i}."
         add(n["attn_norm"], hf + "input_layernorm.weight", (hidden,))
         projections = (("q", "q_proj", q_rows), ("k", "k_proj", kv_rows), ("v", "v_proj", kv_rows))
-        if family == "phi3":  # one qkv_proj: q's rows, k's, v's
+        if rules.fused:  # one qkv_proj: q's rows, k's, v's
             split(hf + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, hidden),
                   tuple((n[key], rows) for key, _, rows in projections))
             projections = ()
@@ -255,7 +277,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
         add(n["ffn_norm"], hf + "post_attention_layernorm.weight", (hidden,))
         mlp = (("gate", "gate_proj", (n_ff, hidden)), ("up", "up_proj", (n_ff, hidden)),
                ("down", "down_proj", (hidden, n_ff)))
-        if family == "phi3":  # one gate_up_proj: the gate's rows, then up's
+        if rules.fused:  # one gate_up_proj: the gate's rows, then up's
             split(hf + "mlp.gate_up_proj.weight", (2 * n_ff, hidden), ((n["gate"], n_ff), (n["up"], n_ff)))
             mlp = mlp[2:]
         for key, proj, shape in mlp:

@@ -76,14 +76,14 @@ def sidecar_metadata(directory: Path) -> Metadata:
     Hugging Face's config.json (read as the HF frontend reads it), else genai_config.json."""
     config = directory / "config.json"
     if config.is_file():
-        from picc.frontend.hf import MAX_POSITION_DEFAULT, SPECIAL_IDS_DEFAULT, special_ids
+        from picc.frontend.hf import LLAMA_FAMILIES, special_ids
 
         cfg = HFConfig.read(directory)
         family = cfg.raw.get("model_type")
-        if family in SPECIAL_IDS_DEFAULT:
-            bos, eos = special_ids(cfg, directory, *SPECIAL_IDS_DEFAULT[str(family)])
-            return Metadata(str(family), bos, eos,
-                            cfg.integer("max_position_embeddings", MAX_POSITION_DEFAULT[str(family)]),
+        if family in LLAMA_FAMILIES:
+            rules = LLAMA_FAMILIES[str(family)]
+            bos, eos = special_ids(cfg, directory, *rules.special_ids)
+            return Metadata(str(family), bos, eos, cfg.integer("max_position_embeddings", rules.max_position),
                             _config_windows(cfg))
         if family == "opt":
             bos, eos = special_ids(cfg, directory, 2, 2)
