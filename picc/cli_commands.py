@@ -341,6 +341,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     with open_pib(Path(args.model)) as pib:
         report = pib.json("report")
         meta = pib.json("meta")
+        step_bits = bool(pib.json("cpu/manifest")["prefill"]["step_bits"])
         if args.emit_cuda:
             sources = [name for name in pib.sections if name.startswith("cuda/") and name.endswith(".cu")]
             if not sources:
@@ -357,6 +358,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         return
     print(f"{args.model}: compiled from {meta.get('source')} by picc {meta.get('picc_version')}")
     print(format_report(report))
+    print("prompts: the chunk programs compute each token's decode-step bits, so picc serve takes a reply's KV rows "
+          "for the next turn's prompt" if step_bits else "prompts: the chunk programs' sums are not the decode "
+          "step's, so picc serve takes KV rows of whole 32-token prompt chunks only (docs/serving.md)")
 
 
 def _sparsify_options(args: argparse.Namespace):  # noqa: ANN202 - SparsifyOptions

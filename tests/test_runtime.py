@@ -124,13 +124,15 @@ def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [DType.Q4_1, DType.Q4_0, DType.F32])
-def test_chunk_programs_say_whether_they_compute_the_steps_bits_and_do(dtype, tmp_path):
+def test_chunk_programs_say_whether_they_compute_the_steps_bits_and_do(dtype, tmp_path, capsys):
     # CpuChunkProgram.step_bits, on which a server takes the KV rows of a reply's steps for a prompt
     # (runtime.sequences): where every matrix op of the chunk is a step kernel's batched twin
     # (4-bit rows8 with int16 x) the chunk programs leave the step's KV rows and logits bit for bit,
     # at any chunk boundaries; an f32 model's GEMMs sum in other orders, and it says so.
     model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=dtype)
     path, pib = compiled(model, tmp_path, "bits", dense=True)
+    assert main(["inspect", str(path)]) == 0
+    assert ("compute each token's decode-step bits" in capsys.readouterr().out) == (dtype != DType.F32)
     with Session(path, 2) as s:
         cpu = s.executor.cpu
         assert cpu.step_bits == (dtype != DType.F32)
