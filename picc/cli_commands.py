@@ -333,6 +333,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     from picc.fsutil import writable, write_text_atomic
     from picc.pib import open_pib
     from picc.placement.plan_report import format_report, plot_report
+    from runtime.cpu_manifest import CpuManifest
 
     if args.plot:
         writable(args.plot)
@@ -341,7 +342,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     with open_pib(Path(args.model)) as pib:
         report = pib.json("report")
         meta = pib.json("meta")
-        step_bits = bool(pib.json("cpu/manifest")["prefill"]["step_bits"])
+        step_bits = CpuManifest.from_json(pib.json("cpu/manifest")).prefill.step_bits
         if args.emit_cuda:
             sources = [name for name in pib.sections if name.startswith("cuda/") and name.endswith(".cu")]
             if not sources:

@@ -367,17 +367,10 @@ class Engine:
     def _reuse(self, seq: Sequence) -> None:
         """Skip the beginning of ``seq``'s prompt whose KV rows a slot holds: its own slot's as they
         are, another's copied (a prompt that begins as one that ran, or is running, before it)."""
-        prompt = seq.request.prompt
-        own = self.pool.cached(seq.slot, prompt)
-        src, n = self.pool.source(prompt)
-        if n <= seq.fed:
-            return
-        if n > own:
-            self.pool.copy(src, seq.slot, max(seq.fed, own), n)
+        n = self.pool.take(seq.slot, seq.request.prompt, seq.fed)
         self.stats.cached_tokens += n - seq.fed
         seq.cached += n - seq.fed
         seq.fed = seq.pos = n
-        self.pool.hold(seq.slot, prompt, n)
 
     def _start(self, seq: Sequence) -> None:
         """``seq``'s prompt has run: its log-probabilities to the owner, where asked for; with

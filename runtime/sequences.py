@@ -15,7 +15,7 @@ time (``slots`` 1).
 The pool also remembers, per slot, which tokens' KV rows its caches hold (:meth:`hold`). A row
 depends only on the tokens up to its position, so a later prompt that begins with the same
 tokens may take those rows as they are (:meth:`cached`: the sequence given the slot,
-:meth:`acquire` prefers it) or copied from another slot (:meth:`source`, :meth:`copy`), and
+:meth:`acquire` prefers it) or copied from another slot (:meth:`take`), and
 compute only the rest -- where the rows it takes are the ones it would have computed, bit for
 bit. Where the chunk programs compute the decode step's bits (``CpuChunkProgram.step_bits``),
 every row is, whichever program wrote it: a prompt takes any prefix, a reply's rows included
@@ -82,8 +82,9 @@ class SequencePool:
         self._pointers = np.array([[own[i].ctypes.data for i in cpu.batch_caches] for own in self._own],
                                   dtype=np.uint64).reshape(slots, len(cpu.batch_caches))
         ctx = executor.plan.ctx
-        self._planes = {i: (cpu.kv_planes(i), n // (cpu.kv_planes(i) * ctx)) for i, n in self.caches.items()}
-        assert all(planes * row * ctx == self.caches[i] for i, (planes, row) in self._planes.items())
+        planes = {i: cpu.kv_planes(i) for i in self.caches}
+        self._planes = {i: (planes[i], n // (planes[i] * ctx)) for i, n in self.caches.items()}  # planes, row bytes
+        assert all(p * row * ctx == self.caches[i] for i, (p, row) in self._planes.items())
         self._held: list[tuple[list[int], int]] = [([], 0)] * slots  # tokens, and how many of their rows (hold)
         self._free = list(range(slots))  # the least recently released first
         self._bound: int | None = None
@@ -97,18 +98,19 @@ class SequencePool:
         it (:meth:`cached`, the least recently released of equals), to take those rows in place --
         unless that would write over more than a unit of other rows it holds (a conversation that
         went another way) while another slot is free: then the free slot holding least, into which
-        the sequence copies the rows (:meth:`source`). Its record keeps only what ``prompt`` may
+        the sequence copies the rows (:meth:`take`). Its record keeps only what ``prompt`` may
         take. Without a prompt: the least recently released, forgotten."""
         if not self._free:
             raise ExecutorError("no free sequence slot")
+        cached = {s: self.cached(s, prompt) for s in self._free}
         slot = self._free[0]
         if prompt is not None:
-            slot = max(self._free, key=lambda s: self.cached(s, prompt))
+            slot = max(self._free, key=cached.__getitem__)
             others = [s for s in self._free if s != slot]
-            if others and self._held[slot][1] - self.cached(slot, prompt) > self.unit:
+            if others and self._held[slot][1] - cached[slot] > self.unit:
                 slot = min(others, key=lambda s: self._held[s][1])
         self._free.remove(slot)
-        self.hold(slot, prompt or [], self.cached(slot, prompt))
+        self.hold(slot, prompt or [], cached[slot])
         return slot
 
     def release(self, slot: int) -> None:
@@ -137,10 +139,18 @@ class SequencePool:
             same += self.unit
         return same
 
-    def source(self, prompt: list[int]) -> tuple[int, int]:
-        """The slot, free or not, whose caches hold most of ``prompt``, and how many positions
-        (:meth:`cached`)."""
-        return max(((s, self.cached(s, prompt)) for s in range(self.slots)), key=lambda sn: sn[1])
+    def take(self, slot: int, prompt: list[int], fed: int) -> int:
+        """Give ``slot``, whose caches hold ``prompt``'s first ``fed`` positions, the rows of more of
+        its beginning where the pool holds them: its own as they are, else copied from the slot,
+        free or not, that holds most (:meth:`cached`). How many positions it holds now."""
+        held = [self.cached(s, prompt) for s in range(self.slots)]
+        src = max(range(self.slots), key=held.__getitem__)
+        if held[src] <= fed:
+            return fed
+        if held[src] > held[slot]:
+            self.copy(src, slot, max(fed, held[slot]), held[src])
+        self.hold(slot, prompt, held[src])
+        return held[src]
 
     def copy(self, src: int, dst: int, start: int, stop: int) -> None:
         """Copy positions ``start .. stop - 1`` of every KV cache from slot ``src`` to slot ``dst``."""
