@@ -334,6 +334,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     from picc.pib import open_pib
     from picc.placement.plan_report import format_report, plot_report
     from runtime.cpu_manifest import CpuManifest
+    from runtime.text import TextCodec
 
     if args.plot:
         writable(args.plot)
@@ -343,6 +344,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         report = pib.json("report")
         meta = pib.json("meta")
         step_bits = CpuManifest.from_json(pib.json("cpu/manifest")).prefill.step_bits
+        text = TextCodec(pib.text("tokenizer")) if pib.has("tokenizer") else None
         if args.emit_cuda:
             sources = [name for name in pib.sections if name.startswith("cuda/") and name.endswith(".cu")]
             if not sources:
@@ -359,6 +361,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         return
     print(f"{args.model}: compiled from {meta.get('source')} by picc {meta.get('picc_version')}")
     print(format_report(report))
+    if text is not None:
+        stops = ", ".join(f"{text.backend.id_to_token(t)} ({t})" for t in sorted(text.stop_ids)) or "none"
+        print(f"replies end at: {stops}")
     print("prompts: the chunk programs compute each token's decode-step bits, so picc serve takes a reply's KV rows "
           "for the next turn's prompt" if step_bits else "prompts: the chunk programs' sums are not the decode "
           "step's, so picc serve takes KV rows of whole 32-token prompt chunks only (docs/serving.md)")

@@ -33,17 +33,19 @@ def generate_ids(model: LoadedModel, prompt: list[int], n: int, temperature: flo
                  seed: int = 0, stop_at_eos: bool = True,
                  clock: Callable[[], float] | None = None) -> Iterator[int]:
     """Yield up to ``n`` new token ids; greedy when ``temperature`` is 0 (as transformers does,
-    generation ends after the end-of-sequence token when ``stop_at_eos``)."""
+    generation ends after a stop token when ``stop_at_eos``: the tokenizer's ``stop_ids``, or the
+    module's EOS for a model without a tokenizer)."""
     vocab = int(model.module.attr("vocab", 0) or 0)
     if vocab:
         check_token_ids(prompt, vocab)
     eos = model.module.attr("eos_id")
+    stops = set(model.tokenizer.stop_ids) if model.tokenizer is not None else {eos} - {None}
     interp = Interpreter(model.module, model.weights)
     rng = np.random.default_rng(seed)
     logits = interp.run(prompt)
     for _ in range(n):
         token = sample_next(logits[-1], temperature, rng)
         yield token
-        if stop_at_eos and token == eos:
+        if stop_at_eos and token in stops:
             return
         logits = interp.run([token])

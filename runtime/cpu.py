@@ -29,13 +29,13 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from runtime import hostmem
-from runtime.cpu_manifest import ChunkRows, CpuChunkProgram, CpuManifest, ProfiledStep
+from runtime.cpu_manifest import STOP_SLOTS, ChunkRows, CpuChunkProgram, CpuManifest, ProfiledStep
 from runtime.pib import PibFile
 from runtime.threads import ThreadTeam
 
@@ -159,6 +159,14 @@ class MachineCode:
         fn = prototype(address)
         fn._owner = self  # a function pointer must not outlive the code it points into
         return fn
+
+
+def through_stop(tokens: list[int], stops: Collection[int]) -> list[int]:
+    """``tokens`` up to and with the first of ``stops`` among them (all of them: none is)."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1]
+    return tokens
 
 
 def _buffers(pib: PibFile, manifest: CpuManifest) -> list[np.ndarray]:
@@ -376,26 +384,32 @@ class CpuExecutor:
         """Whether greedy decode steps can run in a loop in generated code (:meth:`decode_greedy`)."""
         return self._decode is not None
 
-    def decode_greedy(self, token: int, pos: int, steps: int, eos: int | None = None) -> list[int]:
+    def decode_greedy(self, token: int, pos: int, steps: int, stops: Collection[int] = ()) -> list[int]:
         """``steps`` decode steps, the first on ``token`` at ``pos`` and each next one on the greedy
-        token of the one before, stopping after a step whose greedy token is ``eos``: their greedy
-        tokens. One call of generated code per ``capacity`` steps (the loop's output buffer); the
-        logits are the last step's."""
+        token of the one before, stopping after a step whose greedy token is one of ``stops``:
+        their greedy tokens. One call of generated code per ``capacity`` steps (the loop's output
+        buffer); the logits are the last step's. The loop compares with :data:`STOP_SLOTS` stop
+        tokens; with more, it may run past one of the others, and the tokens are cut after it
+        (the KV rows written past it are beyond the position the caller goes on from)."""
         spec, fn, out = self._decode, self._decode_fn, self._decode_out
         if spec is None:
             raise ExecutorError(f"{self._path}: has no decode loop (the model has a GPU part)")
         assert fn is not None and out is not None  # set with spec
         params, slots = self.params, self._slots
+        first = slots["stops"]
+        listed = sorted(stops)[:STOP_SLOTS]
+        params[first : first + STOP_SLOTS] = listed + [-1] * (STOP_SLOTS - len(listed))
         tokens: list[int] = []
         while len(tokens) < steps:
             want = min(steps - len(tokens), spec.capacity)
             params[slots["token"]], params[slots["pos"]] = token, pos
-            params[slots["steps"]], params[slots["eos"]], params[slots["done"]] = want, -1 if eos is None else eos, 0
+            params[slots["steps"]], params[slots["done"]] = want, 0
             self._table[spec.step] = ctypes.cast(self._jobs[0][0], ctypes.c_void_p).value  # or its profiled twin
             self.team.run_step(fn, self._table_ptr)
             done = int(params[slots["done"]])
-            tokens += out[:done].tolist()
-            if done < want or tokens[-1] == eos:
+            made = through_stop(out[:done].tolist(), stops)
+            tokens += made
+            if len(made) < want or made[-1] in stops:  # a stop token ended it
                 break
             token, pos = tokens[-1], pos + done
         return tokens

@@ -38,6 +38,10 @@ BUFFER_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """The kinds of ``bufs`` entries and the fields each has (in their JSON order)."""
 
+STOP_SLOTS = 8
+"""The decode loop's stop tokens: ``params[stops]`` and the next, -1 where unused (a model may
+end a reply with any of several tokens: Llama 3's ``<|eot_id|>`` and ``<|eom_id|>``)."""
+
 
 def _field(data: object, key: str) -> Any:  # noqa: ANN401 - JSON values
     return _get(data, key, _SECTION)

@@ -158,7 +158,7 @@ class Engine:
         self.max_batch, self.max_queue = serving_limits(self.executor.plan, max_batch, max_queue)
         self.pool = SequencePool(self.executor, self.max_batch)
         self.ctx = session.ctx
-        self.eos = session.text.eos_id if session.text is not None else None
+        self.stops = session.text.stop_ids if session.text is not None else frozenset()  # ids that end a reply
         self.stats = EngineStats()
         self.rows_per_step = self._fastest_rows()
         self._loop_steps = 1  # greedy steps per call of the decode loop for a sequence alone
@@ -416,7 +416,7 @@ class Engine:
         self.pool.bind(seq.slot)
         start = time.perf_counter()
         tokens = self.executor.greedy_steps(seq.history[-1], seq.pos, steps,
-                                            self.eos if seq.request.stop_at_eos else None)
+                                            self.stops if seq.request.stop_at_eos else ())
         self._loop_steps = max(1, int(FLUSH_SECONDS * len(tokens) / max(time.perf_counter() - start, 1e-9)))
         for token in tokens:
             self._advance(seq, lambda token=token: token, self.executor.logits)
@@ -457,7 +457,7 @@ class Engine:
             self.pool.hold(seq.slot, seq.history, seq.pos)
         self.stats.generated_tokens += 1
         seq.pending.append(nxt)
-        if seq.request.stop_at_eos and nxt == self.eos:
+        if seq.request.stop_at_eos and nxt in self.stops:
             self._finish(seq, "done", "stop")
         elif seq.made >= seq.request.max_tokens or seq.pos >= self.ctx:
             self._finish(seq, "done", "length")

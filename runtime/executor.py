@@ -25,7 +25,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ import numpy as np
 
 from runtime import hostmem
 from runtime.contracts import GPU, GREEDY_LAUNCH, Schedule
-from runtime.cpu import ChunkProgram, ChunkStage, CpuExecutor, ExecutorError
+from runtime.cpu import ChunkProgram, ChunkStage, CpuExecutor, ExecutorError, through_stop
 from runtime.gpu import GREEDY_RECORD, GREEDY_START, EmulatedGpu, GpuError, cuda_device_count
 from runtime.pib import PibFile
 
@@ -338,43 +338,44 @@ class Executor:
             return int(np.argmax(self.cpu.logits()))
         return self.cpu.greedy()
 
-    def greedy_steps(self, token: int, pos: int, steps: int, eos: int | None = None) -> list[int]:
+    def greedy_steps(self, token: int, pos: int, steps: int, stops: Collection[int] = ()) -> list[int]:
         """``steps`` decode steps, the first on ``token`` at ``pos`` and each next one on the greedy
-        token of the one before, stopping after a step whose greedy token is ``eos``: their greedy
-        tokens (the logits are the last step's). On a model that runs on the CPU alone, in a loop in
-        generated code (``CpuExecutor.decode_greedy``); elsewhere a step at a time."""
+        token of the one before, stopping after a step whose greedy token is one of ``stops``:
+        their greedy tokens (the logits are the last step's). On a model that runs on the CPU
+        alone, in a loop in generated code (``CpuExecutor.decode_greedy``); elsewhere a step at a
+        time."""
         if pos + steps > self.ctx:  # the loop writes a KV cache row a step, unchecked
             raise ExecutorError(f"{steps} decode steps from position {pos} need {pos + steps} positions but the KV "
                                 f"cache holds {self.ctx}")
         if self.gpu is None and self.cpu.loops:
-            return self.cpu.decode_greedy(token, pos, steps, eos)
+            return self.cpu.decode_greedy(token, pos, steps, stops)
         if self.gpu_loops and steps > 1:
-            return self._gpu_greedy(token, pos, steps, eos)
+            return self._gpu_greedy(token, pos, steps, stops)
         tokens: list[int] = []
         for _ in range(steps):
             self.step(token, pos)
             token, pos = self.greedy(), pos + 1
             tokens.append(token)
-            if token == eos:
+            if token in stops:
                 break
         return tokens
 
-    def _gpu_greedy(self, token: int, pos: int, steps: int, eos: int | None) -> list[int]:
+    def _gpu_greedy(self, token: int, pos: int, steps: int, stops: Collection[int]) -> list[int]:
         """:meth:`greedy_steps` on a model whose whole step is the GPU's, in batches (of
-        :data:`EOS_BATCH` steps when there is an ``eos`` to stop at) that the GPU runs without the
+        :data:`EOS_BATCH` steps when there are ``stops`` to stop at) that the GPU runs without the
         host between their steps: the first step's token and position copied in, then each step
         but the batch's last followed by the loop's kernel (``GREEDY_LAUNCH``: the next token and
         position on the device, the token recorded at its position in the loop's state), the last
         step's logits and the record copied out; that step's token is the logits' argmax here.
         On a CUDA device a batch is queued graph after graph and waited for once. A batch may run
-        past ``eos`` (the KV rows it wrote are past the position the caller goes on from)."""
+        past a stop token (the KV rows it wrote are past the position the caller goes on from)."""
         gpu = self.gpu
         assert gpu is not None
         loop, record = [*self._gpu_ops, GREEDY_LAUNCH], self._loop_state[1:]
         downloads = [(self.logits_value, self.cpu.logits()), (GREEDY_RECORD, record)]
         tokens: list[int] = []
         while len(tokens) < steps:
-            n = min(steps - len(tokens), steps if eos is None else EOS_BATCH)
+            n = min(steps - len(tokens), EOS_BATCH if stops else steps)
             self.cpu.set_token(token, pos)
             self._loop_state[0] = pos
             uploads = [*self._arguments(), (GREEDY_START, self._loop_state[:1])]
@@ -394,12 +395,10 @@ class Executor:
                     gpu.run(loop)
                 gpu.run(self._gpu_ops)
                 gpu.download_many(downloads)
-            made = [int(t) for t in record[pos : pos + n - 1]] + [self.greedy()]
-            if eos in made:
-                made = made[: made.index(eos) + 1]
+            made = through_stop([int(t) for t in record[pos : pos + n - 1]] + [self.greedy()], stops)
             tokens += made
             token, pos = made[-1], pos + len(made)
-            if made[-1] == eos:
+            if len(made) < n or made[-1] in stops:
                 break
         self._sync_gpu_times()
         return tokens

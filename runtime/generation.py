@@ -106,7 +106,7 @@ class Generation:
         self.queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.tokens = 0
-        self.eos = engine.eos if request.stop_at_eos else None
+        self.stops = engine.stops if request.stop_at_eos else frozenset()
         self.logprobs: list[TokenLogprob] = []  # reported with the next tokens
         self.first = request.prompt[0]
 
@@ -146,12 +146,12 @@ class Generation:
                 self.engine.cancel(self.seq)
 
     def _text(self, tokens: list[int]) -> str:
-        """The text ``tokens`` add (EOS is not text: the engine ends the sequence after it), up to
+        """The text ``tokens`` add (a stop token is not text: the engine ends the sequence after it), up to
         a stop string; :attr:`tokens` counts them, up to the one that completed the stop string."""
         parts = []
         for token in tokens:
             self.tokens += 1
-            if token != self.eos:
+            if token not in self.stops:
                 parts.append(self.stream.add(token))
             if self.stream.stopped:
                 break

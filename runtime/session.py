@@ -116,7 +116,8 @@ class Session:
 
     def generate(self, prompt: list[int], n: int, options: SamplingOptions = SamplingOptions(),  # noqa: B008
                  seed: int = 0, stop_at_eos: bool = True, timings: Timings | None = None) -> Iterator[int]:
-        """Feed ``prompt``, then yield up to ``n`` new tokens (fewer at EOS or a full context).
+        """Feed ``prompt``, then yield up to ``n`` new tokens (fewer after a stop token -- EOS or
+        another that ends the model's replies -- or at a full context).
 
         Greedy decoding runs its steps in batches (:meth:`Executor.greedy_steps`: on a CPU model,
         a loop in generated code), sized to take about :data:`STREAM_SECONDS` each, so that the
@@ -125,11 +126,11 @@ class Session:
         self.check_options(options)
         timings = timings if timings is not None else Timings()
         logits = self.feed(prompt, timings)
-        eos = self.text.eos_id if self.text is not None and stop_at_eos else None
+        stops = self.text.stop_ids if self.text is not None and stop_at_eos else frozenset()
         if n < 1:
             return
         if options.greedy:
-            yield from self._generate_greedy(n, eos, timings)
+            yield from self._generate_greedy(n, stops, timings)
             return
         rng = np.random.default_rng(seed)
         generated: list[int] = []  # what the presence and frequency penalties count
@@ -138,7 +139,7 @@ class Session:
                 token = sample(logits, options, rng, self.history, generated)
                 generated.append(token)
                 yield token
-                if token == eos or i + 1 == n or self.pos >= self.ctx:
+                if token in stops or i + 1 == n or self.pos >= self.ctx:
                     self.history.append(token)
                     return
                 start = time.perf_counter()
@@ -148,17 +149,17 @@ class Session:
                 logits = self.executor.logits()
                 self._count(timings, 1, time.perf_counter() - start)
 
-    def _generate_greedy(self, n: int, eos: int | None, timings: Timings) -> Iterator[int]:
+    def _generate_greedy(self, n: int, stops: frozenset[int], timings: Timings) -> Iterator[int]:
         """:meth:`generate`'s greedy tokens after the prompt was fed: a batch of steps at a time,
         each batch as long as the last one's tokens took about STREAM_SECONDS (the first: 1)."""
         token = self.executor.greedy()
         yield token
         made, batch = 1, 1
         with self.executor.pinned():
-            while token != eos and made < n and self.pos < self.ctx:
+            while token not in stops and made < n and self.pos < self.ctx:
                 steps = min(batch, n - made, self.ctx - self.pos)
                 start = time.perf_counter()
-                tokens = self.executor.greedy_steps(token, self.pos, steps, eos)
+                tokens = self.executor.greedy_steps(token, self.pos, steps, stops)
                 elapsed = time.perf_counter() - start
                 self._count(timings, len(tokens), elapsed)
                 self.pos += len(tokens)

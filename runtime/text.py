@@ -1,10 +1,12 @@
 """Text <-> token ids in the runtime, from the tokenizer a .pib carries.
 
 The compiler writes the model's tokenizer in its serialized form (``picc.frontend.tokenizer``:
-``{"format": "picc-tokenizer", "version": 1, "bos_id", "eos_id", "add_bos", "add_eos",
+``{"format": "picc-tokenizer", "version": 1, "bos_id", "eos_id", "stop_ids", "add_bos", "add_eos",
 "chat_template", "backend": tokenizer.json}``), which was made to be read with nothing but the
 ``tokenizers`` library: the backend turns text into ids without special tokens, and BOS / EOS are
-added here. ``chat_template`` (absent in older files: no template) is rendered by ``runtime.chat``.
+added here. ``stop_ids`` are the tokens that end a reply (EOS and any others the model names;
+absent in older files: EOS alone). ``chat_template`` (absent in older files: no template) is
+rendered by ``runtime.chat``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class TextCodec:
         self.backend = tokenizers.Tokenizer.from_str(json.dumps(data["backend"]))
         self.bos_id: int | None = data["bos_id"]
         self.eos_id: int | None = data["eos_id"]
+        stops = data.get("stop_ids", [] if self.eos_id is None else [self.eos_id])
+        self.stop_ids: frozenset[int] = frozenset(int(t) for t in stops)
         self.add_bos: bool = bool(data["add_bos"])
         self.add_eos: bool = bool(data.get("add_eos", False))
         self.chat_template: str | None = data.get("chat_template")

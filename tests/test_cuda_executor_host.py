@@ -422,17 +422,17 @@ def _greedy_runs(path, gpu: str, eos_at: int | None = None) -> list[tuple[list[i
     """12 greedy steps after a 4-token prompt, one by one and in the GPU's loop (``eos_at``: the
     step whose one-by-one token then ends the loop's run)."""
     runs: list[tuple[list[int], np.ndarray]] = []
-    eos = None
+    stops: set[int] = set()
     for loops in (False, True):
         with Session(path, threads=1, gpu=gpu) as session:
             ex = session.executor
             assert ex.gpu_loops
             ex.gpu_loops = loops
             session.feed(TOKENS[:4])
-            tokens = ex.greedy_steps(ex.greedy(), session.pos, 12, eos)
+            tokens = ex.greedy_steps(ex.greedy(), session.pos, 12, stops)
             runs.append((tokens, ex.logits().copy()))
         if eos_at is not None and not loops:
-            eos = tokens[eos_at]
+            stops = {tokens[eos_at]}
     return runs
 
 

@@ -137,6 +137,31 @@ def turns(path, prompts, n) -> int:
     return steps
 
 
+def test_a_reply_ends_at_the_first_of_the_models_stop_tokens(model):
+    # A model may end its replies with several tokens (Llama 3 Instruct: <|eot_id|> and
+    # <|eom_id|>; Phi-3: <|end|> and <|endoftext|>): each ends a sequence, in the batch step and in
+    # the decode loop of a sequence alone, and the reply is the single run's up to it.
+    free = [alone(model, p, 24) for p in PROMPTS[:3]]
+    with Session(model, 2) as session:
+        stops = frozenset(session.text.stop_ids | {free[0][6], free[1][9]})
+        session.text.stop_ids = stops
+        engine = Engine(session, max_batch=4)
+        got = [Collector() for _ in range(4)]
+        for prompt, c in zip(PROMPTS[:3], got[:3], strict=True):
+            engine.submit(Request(prompt, 24), c)
+        for c in got[:3]:
+            assert c.done.wait(120)
+        engine.submit(Request(PROMPTS[0], 24), got[3])  # alone: the decode loop
+        assert got[3].done.wait(120)
+        assert engine.stats.batch_steps > 0
+        engine.close()
+    for run, c in zip([*free, free[0]], got, strict=True):
+        cut = next((i + 1 for i, t in enumerate(run) if t in stops), len(run))
+        assert c.tokens == run[:cut]
+        assert c.end == ("done", "stop" if cut < 24 else "length")
+    assert len(got[0].tokens) <= 7 and len(got[1].tokens) <= 10  # the added tokens did end them
+
+
 def test_short_prompts_that_arrive_together_decode_together(model):
     # A turn prefills chunks while they come to one chunk's tokens (32; the first whatever its
     # length). Three short prompts (4, 6 and 2 tokens before the last) and a one-token one all

@@ -129,10 +129,13 @@ def test_chunk_programs_say_whether_they_compute_the_steps_bits_and_do(dtype, tm
     # (runtime.sequences): where every matrix op of the chunk is a step kernel's batched twin
     # (4-bit rows8 with int16 x) the chunk programs leave the step's KV rows and logits bit for bit,
     # at any chunk boundaries; an f32 model's GEMMs sum in other orders, and it says so.
-    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=dtype)
-    path, pib = compiled(model, tmp_path, "bits", dense=True)
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, matrix_dtype=dtype))
+    tok = replace(model.tokenizer, stop_ids=(5, 2))
+    path, pib = compiled(replace(model, tokenizer=tok), tmp_path, "bits", dense=True)
     assert main(["inspect", str(path)]) == 0
-    assert ("compute each token's decode-step bits" in capsys.readouterr().out) == (dtype != DType.F32)
+    printed = capsys.readouterr().out
+    assert ("compute each token's decode-step bits" in printed) == (dtype != DType.F32)
+    assert f"replies end at: {tok.id_to_token(2)} (2), {tok.id_to_token(5)} (5)\n" in printed
     with Session(path, 2) as s:
         cpu = s.executor.cpu
         assert cpu.step_bits == (dtype != DType.F32)
@@ -296,8 +299,10 @@ def test_run_cli_generates_greedy_text_like_the_interpreter(tmp_path, capsys):
 def test_greedy_decode_loops_in_generated_code_like_a_step_at_a_time(threads, tmp_path, monkeypatch):
     # picc_decode runs greedy steps without returning to Python: the same tokens, positions and
     # final logits as the runtime's step-at-a-time loop, across calls of the loop (its output
-    # holds `capacity` tokens: 3 here, so 40 steps take 14 calls), and it stops after EOS.
+    # holds `capacity` tokens: 3 here, so 40 steps take 14 calls), and it stops after the first
+    # of the stop tokens it is given (a model may have several: Llama 3's <|eot_id|>, <|eom_id|>).
     from runtime.cpu import CpuExecutor
+    from runtime.cpu_manifest import STOP_SLOTS
 
     model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96))
     path, _ = compiled(model, tmp_path, "dense", dense=True)
@@ -310,9 +315,23 @@ def test_greedy_decode_loops_in_generated_code_like_a_step_at_a_time(threads, tm
         s.executor.cpu._decode = replace(s.executor.cpu._decode, capacity=3)
         looped = s.executor.greedy_steps(first, s.pos, 40)
         looped_logits = s.executor.logits().copy()
-        stop = looped[20]
-        until_eos = looped[: looped.index(stop) + 1]
-        assert s.executor.greedy_steps(first, s.pos, 40, eos=stop) == until_eos
+    # A stop token is the largest of looped[10:30] (its first time ends the run), another one
+    # comes later, and unused ids fill the loop's slots: given them too, the loop compares with
+    # the smallest STOP_SLOTS and runs past `stop`, and its tokens are cut after it. Otherwise
+    # the loop's last step is the stop's: its logits are those of the steps one at a time.
+    stop = max(looped[10:30])
+    until_stop = looped[: looped.index(stop) + 1]
+    later = next(t for t in looped[looped.index(stop) + 1 :] if t not in until_stop)
+    unused = [t for t in range(stop) if t not in looped][:STOP_SLOTS]
+    assert len(unused) == STOP_SLOTS and len(until_stop) < 40
+    stop_sets = [{stop}, {later, stop}, {stop, *unused}]
+    with Session(path, threads) as s:
+        s.feed(list(TOKENS))
+        s.executor.cpu._decode = replace(s.executor.cpu._decode, capacity=3)
+        stop_logits = []
+        for stops in stop_sets:
+            assert s.executor.greedy_steps(first, s.pos, 40, stops) == until_stop, stops
+            stop_logits.append(s.executor.logits().copy())
         with pytest.raises(ExecutorError, match="KV cache holds"):  # never past the cache's last row
             s.executor.greedy_steps(first, s.ctx - 2, 3)
     monkeypatch.setattr(CpuExecutor, "loops", property(lambda self: False))
@@ -320,16 +339,20 @@ def test_greedy_decode_loops_in_generated_code_like_a_step_at_a_time(threads, tm
         s.feed(list(TOKENS))
         assert s.executor.greedy_steps(first, s.pos, 40) == looped
         np.testing.assert_array_equal(s.executor.logits(), looped_logits)
-        assert s.executor.greedy_steps(first, s.pos, 40, eos=stop) == until_eos
-    # generate() decodes greedy text in growing batches of the loop and stops after EOS
-    # (given as the 13th token): the step-at-a-time tokens, history and positions.
+        for stops, logits in zip(stop_sets, stop_logits, strict=True):
+            assert s.executor.greedy_steps(first, s.pos, 40, stops) == until_stop, stops
+            if len(stops) <= STOP_SLOTS:
+                np.testing.assert_array_equal(s.executor.logits(), logits)
+    # generate() decodes greedy text in growing batches of the loop and stops after a stop token
+    # (the 13th token, or one of two): the step-at-a-time tokens, history and positions.
     monkeypatch.undo()
     eos = looped[12]
     expected = [first, *looped[: looped.index(eos) + 1]]
-    with Session(path, threads) as s:
-        s.text.eos_id = eos
-        assert list(s.generate(list(TOKENS), 40)) == expected
-        assert s.history == TOKENS + expected and s.pos == len(TOKENS) + len(expected) - 1
+    for stops in ({eos}, {eos, later}):
+        with Session(path, threads) as s:
+            s.text.stop_ids = frozenset(stops)
+            assert list(s.generate(list(TOKENS), 40)) == expected
+            assert s.history == TOKENS + expected and s.pos == len(TOKENS) + len(expected) - 1
 
 
 def test_bench_profile_times_every_call_of_the_decode_step(tmp_path, capsys):

@@ -168,6 +168,64 @@ def test_hf_dir_whose_tokenizer_adds_bos(tmp_path: Path) -> None:
     assert Tokenizer.from_json(loaded.to_json()).encode("abc") == loaded.encode("abc")
 
 
+def test_hf_dir_stops_at_every_eos_that_generate_stops_at(tmp_path: Path) -> None:
+    # transformers' generate stops at each id of generation_config.json's eos_token_id (Llama 3
+    # Instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>; Phi-3: <|endoftext|>, <|end|>), else at
+    # config.json's; the tokenizer's EOS ends a reply too.
+    from transformers import GenerationConfig
+
+    write_tiny_hf_dir(tmp_path)
+    assert tokenizer_from_hf_dir(tmp_path).stop_ids == (2,)  # no config: the tokenizer's EOS
+    ab = vocab_id(tokenizer_from_hf_dir(tmp_path), "ab")
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    assert tokenizer_from_hf_dir(tmp_path).stop_ids == (2, 5)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ab, 0]}))
+    loaded = tokenizer_from_hf_dir(tmp_path)
+    assert set(GenerationConfig.from_pretrained(tmp_path).eos_token_id) < set(loaded.stop_ids)
+    assert loaded.stop_ids == tuple(sorted({0, 2, ab}))  # generation_config's list, and EOS 2
+    assert Tokenizer.from_json(loaded.to_json()) == loaded
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
+    with pytest.raises(PiccError, match="eos_token_id"):
+        tokenizer_from_hf_dir(tmp_path)
+
+
+def test_a_document_without_stop_ids_stops_at_eos(smollm2: Tokenizer) -> None:
+    # Documents written before stop_ids (version 1 all the same) stop at EOS alone, in the
+    # compiler and in the runtime; stop ids outside the vocabulary are refused.
+    from runtime.text import TextCodec
+
+    document = json.loads(smollm2.to_json())
+    assert document["stop_ids"] == list(smollm2.stop_ids) and smollm2.eos_id in smollm2.stop_ids
+    assert TextCodec(json.dumps(document)).stop_ids == frozenset(smollm2.stop_ids)
+    del document["stop_ids"]
+    assert Tokenizer.from_json(json.dumps(document)).stop_ids == (smollm2.eos_id,)
+    assert TextCodec(json.dumps(document)).stop_ids == {smollm2.eos_id}
+    document["stop_ids"] = [2, 10**6]
+    with pytest.raises(PiccError, match="stop id 1000000 is outside the vocabulary"):
+        Tokenizer.from_json(json.dumps(document))
+
+
+def test_a_gguf_stops_where_llama_cpp_ends_generation(smollm2: Tokenizer, gguf_path: Path) -> None:
+    # GGUF metadata names EOS and seldom the end of a turn: llama.cpp also ends generation at the
+    # vocabulary's end-of-turn tokens by their text (SmolLM2's <|endoftext|> beside its EOS
+    # <|im_end|>), and at tokenizer.ggml.eot_token_id / eom_token_id where a file has them.
+    from picc.frontend.gguf import END_OF_TURN, _end_of_generation, _Meta
+    from picc.frontend.gguf_file import GgufFile
+
+    meta = _Meta(GgufFile(gguf_path), gguf_path)
+    spelled = {smollm2.id_to_token(t) for t in _end_of_generation(meta, smollm2)}
+    assert spelled == {"<|im_end|>", "<|endoftext|>"} and smollm2.id_to_token(smollm2.eos_id) == "<|im_end|>"
+    assert {t for t in spelled if t in END_OF_TURN} == spelled
+
+    class Named:  # a file that names its end-of-turn and end-of-message tokens
+        def get(self, key: str) -> object:
+            return {"tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 40,
+                    "tokenizer.ggml.eom_token_id": 41}.get(key)
+
+    end_of_text = smollm2.token_to_id("<|endoftext|>")
+    assert set(_end_of_generation(Named(), smollm2)) == {end_of_text, 2, 40, 41}  # type: ignore[arg-type]
+
+
 def vocab_id(tokenizer: Tokenizer, token: str) -> int:
     token_id = tokenizer.token_to_id(token)
     assert token_id is not None

@@ -28,10 +28,11 @@ from picc.codegen_cpu.program import Buf, Null
 from picc.errors import PiccError
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
-from runtime.cpu_manifest import CpuBuffer
+from runtime.cpu_manifest import STOP_SLOTS, CpuBuffer
 
 SYNC, PARAMS, ZEROS, ACTIVATIONS, SCRATCH = 0, 1, 2, 3, 4
-PARAM_SLOTS = {"pos": 0, "token": 1, "greedy": 2, "seq": 3, "steps": 4, "eos": 5, "done": 6, "batch": 7}
+PARAM_SLOTS = {"pos": 0, "token": 1, "greedy": 2, "seq": 3, "steps": 4, "done": 5, "batch": 6, "stops": 8}
+"""Where each per-token parameter is (i32 index); ``stops`` is the first of :data:`STOP_SLOTS`."""
 MAX_THREADS = 64  # the scratch is sized for this many threads
 _KERNEL_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 
@@ -43,7 +44,8 @@ class CpuBuffers:
 
     def __init__(self, weights: WeightStore, zeros: int) -> None:
         self.weights = weights
-        self.entries: list[CpuBuffer] = [CpuBuffer("sync", nbytes=SYNC_BYTES), CpuBuffer("params", nbytes=64),
+        self.entries: list[CpuBuffer] = [CpuBuffer("sync", nbytes=SYNC_BYTES),
+                                         CpuBuffer("params", nbytes=4 * (PARAM_SLOTS["stops"] + STOP_SLOTS)),
                                          CpuBuffer("zeros", nbytes=zeros)]
         self.extra: dict[str, Tensor] = {}
         self.layouts: dict[str, str] = {}

@@ -34,7 +34,7 @@ from picc.ir.types import Placement
 from picc.ir.weights import WeightStore
 from picc.placement.schedule import Schedule, crossing_values
 from runtime.contracts import Stage
-from runtime.cpu_manifest import CpuBuffer, CpuStage, DecodeLoop, LogitsRow, ProfiledStep, ValueBytes
+from runtime.cpu_manifest import STOP_SLOTS, CpuBuffer, CpuStage, DecodeLoop, LogitsRow, ProfiledStep, ValueBytes
 
 DECODE_SYMBOL = "picc_decode"
 DECODE_CAPACITY = 256  # greedy tokens per call of the decode loop (its output buffer)
@@ -204,7 +204,8 @@ class DecodeLowering(OpLowering):
             return None
         step = self.bufs.add(CpuBuffer("function", name="the decode step"))
         out = self.bufs.slot("greedy tokens", 4 * DECODE_CAPACITY)
-        self.programs.append(GreedyLoop(DECODE_SYMBOL, step, PARAMS, out, SYNC, tuple(PARAM_SLOTS.items())))
+        self.programs.append(GreedyLoop(DECODE_SYMBOL, step, PARAMS, out, SYNC, tuple(PARAM_SLOTS.items()),
+                                        STOP_SLOTS))
         return DecodeLoop(DECODE_SYMBOL, step, out, DECODE_CAPACITY)
 
     def host_places(self) -> tuple[LogitsRow, dict[str, ValueBytes]]:

@@ -275,8 +275,9 @@ class GreedyLoop:
     token in ``params[token]`` at ``params[pos]``. After each step, thread 0 stores the step's
     greedy token (``params[greedy]``) in ``bufs[out][i]`` and feeds it to the next step (token,
     pos + 1, ``params[done]`` = steps run); it stops early after a step whose greedy token is
-    ``params[eos]`` (-1: none). Two barriers a step: after it (its argmax is written) and after
-    thread 0's update (every thread reads the new token before the next step starts).
+    one of the ``stops`` stop tokens from ``params[stops]`` on (-1: an unused slot). Two barriers
+    a step: after it (its argmax is written) and after thread 0's update (every thread reads the
+    new token before the next step starts).
 
     One call instead of one per token: a decode loop in Python costs ~13 us a token on a 2-core
     KVM guest (the hand-off to the thread team, ctypes, bookkeeping), 5% of a relu-demo token.
@@ -287,7 +288,8 @@ class GreedyLoop:
     params: int
     out: int
     sync: int
-    slots: tuple[tuple[str, int], ...]  # the params slots: pos, token, greedy, steps, eos, done
+    slots: tuple[tuple[str, int], ...]  # the params slots: pos, token, greedy, steps, done, stops
+    stops: int  # how many stop-token slots follow params[stops]
 
     @property
     def kernels(self) -> list[Kernel]:
@@ -304,10 +306,12 @@ class GreedyLoop:
                  *entry(self.sync, "sync"), *entry(self.params, "params"), *entry(self.out, "out"),
                  *entry(self.step, "step")]
         lines += [f"  %p.{name} = getelementptr inbounds i32, ptr %params, i64 {slot[name]}"
-                  for name in ("pos", "token", "greedy", "steps", "eos", "done")]
-        lines += ["  %steps = load i32, ptr %p.steps, align 4",
-                  "  %eos = load i32, ptr %p.eos, align 4",
-                  "  %lead = icmp eq i32 %tid, 0",
+                  for name in ("pos", "token", "greedy", "steps", "done")]
+        lines += ["  %steps = load i32, ptr %p.steps, align 4", "  %lead = icmp eq i32 %tid, 0"]
+        for k in range(self.stops):
+            lines += [f"  %p.stop{k} = getelementptr inbounds i32, ptr %params, i64 {slot['stops'] + k}",
+                      f"  %stop{k} = load i32, ptr %p.stop{k}, align 4"]
+        lines += [
                   "  br label %head",
                   "head:",
                   "  %i = phi i32 [0, %entry], [%next, %fed]",
@@ -331,9 +335,12 @@ class GreedyLoop:
                   "  br label %fed",
                   "fed:",
                   "  call void @picc_barrier(ptr %sync, i32 %nthreads)",
-                  "  %t = load i32, ptr %p.token, align 4",
-                  "  %stop = icmp eq i32 %t, %eos",
-                  "  br i1 %stop, label %exit, label %head",
+                  "  %t = load i32, ptr %p.token, align 4"]
+        hit = "false"
+        for k in range(self.stops):
+            lines += [f"  %is{k} = icmp eq i32 %t, %stop{k}", f"  %hit{k} = or i1 {hit}, %is{k}"]
+            hit = f"%hit{k}"
+        lines += [f"  br i1 {hit}, label %exit, label %head",
                   "exit:",
                   "  ret void", "}", ""]
         return "\n".join(lines)

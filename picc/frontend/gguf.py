@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from picc.frontend.model import LoadedModel
 from picc.ir import positional
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
+
+if TYPE_CHECKING:
+    from picc.frontend.tokenizer import Tokenizer
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
 _ROPE_STYLES = {"llama": "gptj", "qwen2": "llama", "qwen3": "llama", "phi3": "llama"}  # see the module's docstring
@@ -157,6 +161,21 @@ def _q4_k_as_q4_1(raw: np.ndarray, what: str) -> np.ndarray:
     return np.ascontiguousarray(out).reshape(-1)
 
 
+END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+               "_<EOT>", "<|end_of_text|>")
+"""Tokens llama.cpp ends generation at by their text (GGUF files seldom name them): a chat model's
+end of turn, which its metadata's EOS often is not (Llama 3 Instruct ends turns with <|eot_id|>,
+Phi-3 with <|end|>)."""
+
+
+def _end_of_generation(meta: _Meta, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids that end generation, as llama.cpp decides them: EOS, the metadata's end of turn and
+    end of message, and the vocabulary's :data:`END_OF_TURN` tokens."""
+    named = (_opt_int(meta.get(f"tokenizer.ggml.{key}_token_id")) for key in ("eos", "eot", "eom"))
+    spelled = (tokenizer.token_to_id(text) for text in END_OF_TURN)
+    return tuple(sorted({t for t in (*named, *spelled) if t is not None}))
+
+
 def load_gguf(path: Path) -> LoadedModel:
     """Import a GGUF file of an architecture in SUPPORTED_ARCHS."""
     from picc.frontend.tokenizer import tokenizer_from_gguf
@@ -232,6 +251,8 @@ def load_gguf(path: Path) -> LoadedModel:
     # A GGUF without tokenizer metadata still imports; it runs on token ids only.
     has_tokenizer = meta.get("tokenizer.ggml.model") is not None
     tokenizer = tokenizer_from_gguf(path) if has_tokenizer else None
+    if tokenizer is not None:
+        tokenizer = replace(tokenizer, stop_ids=_end_of_generation(meta, tokenizer))
     notes = tuple(f"{count} {kind} tensor{'s' if count > 1 else ''} converted to {_target(kind).upper()} "
                   + ("(the same 4-bit values)" if kind == "Q4_K" else "(decoded and quantized again)")
                   + ", which picc's kernels read" for kind, count in sorted(changed.items()))

@@ -126,6 +126,14 @@ class HFConfig:
             return v
         raise self.bad(key, v, "a token id, a list of token ids or null")
 
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        """``eos_token_id`` as ``generate`` stops at it: every id of a list, one id, or none."""
+        v = self._value(key, None)
+        ids = v if isinstance(v, list) else [] if v is None else [v]
+        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            return tuple(ids)
+        raise self.bad(key, v, "a token id, a list of token ids or null")
+
 
 def ffn_form(cfg: HFConfig, key: str, default: str, *, gated: bool) -> str:
     """The picc FFN form for activation field ``key``: ``act`` itself, or its GLU form."""

@@ -11,8 +11,15 @@ the `tokenizers` library:
 
     {"format": "picc-tokenizer", "version": 1,
      "bos_id": 1, "eos_id": 2, "add_bos": false, "add_eos": false,
+     "stop_ids": [2, 7],
      "chat_template": "{% for message in messages %}..." or null,
      "backend": { ...tokenizer.json... }}
+
+`stop_ids` are the tokens that end generation: EOS and any others the model
+names (generation_config.json's list of `eos_token_id`s, as transformers'
+`generate` stops at each: Llama 3's `<|eot_id|>`, Phi-3's `<|end|>`; a GGUF's
+end-of-turn tokens, as llama.cpp finds them). A document without it (it came
+after version 1 was fixed) stops at EOS alone.
 
 `chat_template` is the model's Jinja chat template as transformers holds it
 (`tokenizer_config.json`, or a GGUF's `tokenizer.chat_template`), so that a
@@ -32,7 +39,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +65,7 @@ class Tokenizer:
     `bos_id` when `add_bos` and appends `eos_id` when `add_eos`; the backend's
     own post-processor is never applied. `chat_template` is the model's Jinja
     chat template, carried as text and never rendered by the compiler.
+    `stop_ids` are the ids that end generation, sorted, EOS among them.
     """
 
     backend_json: str = field(repr=False)
@@ -66,6 +74,7 @@ class Tokenizer:
     add_bos: bool
     add_eos: bool = False
     chat_template: str | None = field(default=None, repr=False)
+    stop_ids: tuple[int, ...] = ()
     backend: tokenizers.Tokenizer = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,8 +85,9 @@ class Tokenizer:
         object.__setattr__(self, "backend", backend)
         object.__setattr__(self, "backend_json", backend.to_str())
         vocab_size = self.vocab_size
-        for name in ("bos_id", "eos_id"):
-            token_id = getattr(self, name)
+        stops = tuple(sorted(set(self.stop_ids) | ({self.eos_id} if self.eos_id is not None else set())))
+        object.__setattr__(self, "stop_ids", stops)
+        for name, token_id in [("bos_id", self.bos_id), ("eos_id", self.eos_id), *(("stop id", t) for t in stops)]:
             if token_id is not None and not 0 <= token_id < vocab_size:
                 raise PiccError(f"tokenizer {name} {token_id} is outside the vocabulary of {vocab_size}")
         if self.add_bos and self.bos_id is None:
@@ -122,6 +132,7 @@ class Tokenizer:
             "eos_id": self.eos_id,
             "add_bos": self.add_bos,
             "add_eos": self.add_eos,
+            "stop_ids": list(self.stop_ids),
             "chat_template": self.chat_template,
             "backend": json.loads(self.backend_json),
         }
@@ -146,6 +157,7 @@ class Tokenizer:
                 add_bos=bool(document["add_bos"]),
                 add_eos=bool(document["add_eos"]),
                 chat_template=document.get("chat_template"),
+                stop_ids=tuple(_optional_int(t) for t in document.get("stop_ids", ())),
             )
         except (KeyError, TypeError) as error:
             raise PiccError(f"picc tokenizer JSON is missing or mistypes {error}") from error
@@ -168,7 +180,29 @@ def tokenizer_from_hf_dir(path: str | os.PathLike[str]) -> Tokenizer:
                 f"{directory}: expected tokenizer files transformers can load "
                 f"(tokenizer.json, tokenizer.model, ...): {_first_line(error)}"
             ) from error
-    return _from_transformers(hf_tokenizer, source=directory)
+    tokenizer = _from_transformers(hf_tokenizer, source=directory)
+    return replace(tokenizer, stop_ids=hf_stop_ids(directory))
+
+
+def hf_stop_ids(directory: Path) -> tuple[int, ...]:
+    """The EOS ids ``generate`` stops at: generation_config.json's ``eos_token_id`` (a list
+    in most chat models), else config.json's, else an ONNX export's genai_config.json's."""
+    from picc.frontend.hf_config import HFConfig
+
+    for name in ("generation_config.json", "config.json"):
+        if (directory / name).is_file():
+            ids = HFConfig.read_json(directory / name).token_ids("eos_token_id")
+            if ids:
+                return ids
+    genai = directory / "genai_config.json"
+    if genai.is_file():
+        try:
+            model = json.loads(genai.read_text())["model"]
+            ids = model.get("eos_token_id")
+            return tuple(_optional_int(t) for t in (ids if isinstance(ids, list) else [ids]) if t is not None)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise PiccError(f"{genai}: not a readable genai config ({type(e).__name__}: {e})") from None
+    return ()
 
 
 def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
