@@ -93,19 +93,17 @@ class _Stream:
         return text
 
 
-def _turn(session, prompt: str, args: argparse.Namespace, options, stream: bool) -> dict:  # noqa: ANN001
+def _turn(session, ids: list[int], args: argparse.Namespace, options, stream: bool) -> dict:  # noqa: ANN001
+    """Feed ``ids`` and generate: the reply streamed (its stop token is not text), its numbers."""
     from runtime.session import Timings
 
-    if session.text is None:
-        raise PiccError(f"{args.model}: the model has no tokenizer, so text cannot be encoded; give token ids to "
-                        f"'picc logits {args.model} --tokens 1,2,3' instead")
-    ids = session.text.encode(prompt)
     timings = Timings()
     out = _Stream(session.text, sys.stdout if stream else open_null())
     tokens = []
     for token in session.generate(ids, args.n, options, args.seed, timings=timings):
         tokens.append(token)
-        out.add(token)
+        if token not in session.text.stop_ids:
+            out.add(token)
     text = out.finish()
     if len(tokens) < args.n and session.pos >= session.ctx:
         print(f"\nnote: the context is full ({session.ctx} positions) after {len(tokens)} of -n {args.n} tokens "
@@ -113,6 +111,48 @@ def _turn(session, prompt: str, args: argparse.Namespace, options, stream: bool)
     return {"prompt_tokens": len(ids), "tokens": tokens, "text": text,
             "prompt_tokens_per_s": timings.prompt_tokens_per_s, "decode_tokens_per_s": timings.decode_tokens_per_s,
             "_timings": timings}
+
+
+def _text_of(session, args: argparse.Namespace):  # noqa: ANN001, ANN202 - a TextCodec
+    if session.text is None:
+        raise PiccError(f"{args.model}: the model has no tokenizer, so text cannot be encoded; give token ids to "
+                        f"'picc logits {args.model} --tokens 1,2,3' instead")
+    return session.text
+
+
+class _Chat:
+    """``picc run --chat``: the conversation so far, rendered by the model's chat template for each
+    turn; a turn feeds only what the rendering adds to the tokens already in the KV cache (the
+    reply's rows stay where they differ from nothing the template writes)."""
+
+    def __init__(self, session, args: argparse.Namespace) -> None:  # noqa: ANN001
+        self.session, self.text = session, _text_of(session, args)
+        if self.text.chat_template is None:
+            raise PiccError(f"{args.model}: the model has no chat template (its tokenizer carries none); run it "
+                            "without --chat, on plain prompts")
+        self.messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+
+    def prompt(self, user: str) -> list[int]:
+        """The tokens to feed for ``user``'s message, after rewinding to what the cache shares."""
+        from runtime.chat import ChatTemplateError, render_chat
+
+        messages = [*self.messages, {"role": "user", "content": user}]
+        try:
+            rendered = render_chat(self.text.chat_template, messages, bos_token=self.text.bos_token,
+                                   eos_token=self.text.eos_token, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise PiccError(f"the chat template refuses the conversation: {e}") from None
+        ids = self.text.encode_chat(rendered)
+        fed = self.session.history[: self.session.pos]
+        same = 0
+        while same < min(len(ids) - 1, len(fed)) and ids[same] == fed[same]:
+            same += 1
+        self.session.rewind(same)
+        self.messages = messages
+        return ids[same:]
+
+    def replied(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
 
 
 def open_null():  # noqa: ANN201 - a text sink
@@ -151,15 +191,20 @@ def device_times(session, before) -> dict | None:  # noqa: ANN001 - a Session an
 def cmd_run(args: argparse.Namespace) -> None:
     if args.n < 0:
         raise PiccError(f"-n {args.n}: expected a number of tokens >= 0")
+    if args.system is not None and not args.chat:
+        raise PiccError("--system: only with --chat (plain prompts have no roles)")
     check_seed(args.seed)
     options = _sampling(args)
     with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
         session.check_options(options)
+        chat = _Chat(session, args) if args.chat else None
+        text = _text_of(session, args)
         if args.prompt is not None:
-            if not args.json:
+            if not args.json and chat is None:
                 sys.stdout.write(args.prompt)
             before = replace(session.executor.times)
-            result = _turn(session, args.prompt, args, options, stream=not args.json)
+            result = _turn(session, chat.prompt(args.prompt) if chat else text.encode(args.prompt), args, options,
+                           stream=not args.json)
             devices = device_times(session, before)
             if args.json:
                 out = {k: v for k, v in result.items() if not k.startswith("_")}
@@ -170,18 +215,23 @@ def cmd_run(args: argparse.Namespace) -> None:
             return
         from runtime.cpu import ExecutorError
 
-        print(f"{args.model}: type a prompt and press Enter (Ctrl-D to quit)", file=sys.stderr)
+        what = "a message" if chat else "a prompt"
+        print(f"{args.model}: type {what} and press Enter (Ctrl-D to quit)", file=sys.stderr)
         for line in sys.stdin:
             prompt = line.rstrip("\n")
             if not prompt:
                 continue
-            session.reset()
             before = replace(session.executor.times)
             try:
-                result = _turn(session, prompt, args, options, stream=True)
+                if chat is None:
+                    session.reset()
+                ids = chat.prompt(prompt) if chat else text.encode(prompt)
+                result = _turn(session, ids, args, options, stream=True)
             except ExecutorError as e:  # this prompt's (too long, say): say so, and read the next
                 print(f"picc: error: {e}", file=sys.stderr)
                 continue
+            if chat is not None:
+                chat.replied(result["text"])
             sys.stdout.write("\n")
             print(_summary(result, device_times(session, before)), file=sys.stderr)
 
@@ -348,9 +398,16 @@ def add_gpu_flag(parser: argparse.ArgumentParser) -> None:
 def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("run", help="generate text with a compiled .pib",
                        description="Load MODEL.pib, feed the prompt, and stream the generated text; then a "
-                       "timing summary like llama.cpp's. Without -p, an interactive prompt loop.")
+                       "timing summary like llama.cpp's. Without -p, an interactive prompt loop. With --chat, "
+                       "a conversation: each line is a user's message, rendered with the earlier turns by the "
+                       "model's chat template, and only what is new is fed. Generation ends at the model's stop "
+                       "tokens (picc inspect lists them) or after -n tokens.")
     s.add_argument("model", metavar="MODEL.pib")
     s.add_argument("-p", "--prompt", help="the prompt (default: read prompts from stdin, one per line)")
+    s.add_argument("--chat", action="store_true",
+                   help="chat: prompts are a user's messages, in the model's chat template, and each turn "
+                        "continues the conversation (its KV rows kept)")
+    s.add_argument("--system", metavar="TEXT", help="with --chat: the system message that opens the conversation")
     s.add_argument("-n", type=int, default=128, help="tokens to generate at most (default 128)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: off)")

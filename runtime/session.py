@@ -69,6 +69,15 @@ class Session:
         self.pos = 0
         self.history = []
 
+    def rewind(self, pos: int) -> None:
+        """Keep the conversation's first ``pos`` tokens and forget what came after (their cache
+        rows are written over): a chat's next prompt repeats the conversation so far, and only
+        where it differs from what was fed must it be fed."""
+        if not 0 <= pos <= self.pos:
+            raise ExecutorError(f"rewind to position {pos}: expected 0 to {self.pos}, the positions fed")
+        self.pos = pos
+        self.history = self.history[:pos]
+
     def _check(self, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:

@@ -10,6 +10,7 @@ A sparse FFN is also sensitive to a score sitting at its threshold, which orderi
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -439,6 +440,8 @@ def test_runtime_errors_are_one_line(tmp_path, capsys):
         (["run", str(path), "-p", "the", "--logit-bias", "100000=1"], "names token 100000, outside the vocabulary"),
         (["run", str(path), "-p", "the", "--ctx", "9"], "--ctx 9: expected 1 to 8, the positions this model was compiled for"),
         (["run", str(tmp_path / "missing.pib"), "-p", "x"], "no such file"),
+        (["run", str(path), "-p", "the", "--chat"], "the model has no chat template (its tokenizer carries none)"),
+        (["run", str(path), "-p", "the", "--system", "x"], "--system: only with --chat"),
         (["bench", str(path), "--prompt-tokens", "6", "-n", "6"], "exceed the 8 positions"),
     ]
     for argv, message in cases:
@@ -530,3 +533,40 @@ def test_run_without_a_prompt_reads_prompts_from_stdin(tmp_path, capsys, monkeyp
     monkeypatch.setattr("sys.stdin", io.StringIO("the company\n"))
     assert main(["run", str(path), "-n", "4"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == first
+
+
+def test_run_chat_continues_the_conversation_and_feeds_only_what_is_new(tmp_path, capsys, monkeypatch):
+    # picc run --chat: each line is a user's message; the turn's prompt is the whole conversation
+    # in the model's chat template (the earlier replies as assistant messages), and only where it
+    # differs from the tokens in the KV cache is it fed. The replies are those of a fresh session
+    # on the whole rendering (the served model's chunk programs compute the steps' bits).
+    import io
+
+    from conftest import served_model
+
+    from runtime.chat import render_chat
+
+    path = served_model(tmp_path / "chat.pib", 256)
+    lines = ["the market", "said the company"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["run", str(path), "--chat", "--system", "be brief", "-n", "6"]) == 0
+    captured = capsys.readouterr()
+    replies = captured.out.splitlines()
+    fed = [int(n) for n in re.findall(r"prompt: (\d+) tokens", captured.err)]
+    messages, expected, whole = [{"role": "system", "content": "be brief"}], [], []
+    with Session(path, 2) as s:
+        for line in lines:
+            messages.append({"role": "user", "content": line})
+            text = render_chat(s.text.chat_template, messages, bos_token=s.text.bos_token, eos_token=s.text.eos_token,
+                               add_generation_prompt=True)
+            ids = s.text.encode_chat(text)
+            s.reset()
+            reply = s.text.decode([t for t in s.generate(ids, 6) if t not in s.text.stop_ids])
+            messages.append({"role": "assistant", "content": reply})
+            expected.append(reply)
+            whole.append(len(ids))
+    assert replies == expected and len(fed) == 2
+    assert fed[0] == whole[0] and fed[1] < whole[1] - 3  # the system and first user messages' tokens kept
+    # -p with --chat is one turn: the reply alone, not the prompt before it.
+    assert main(["run", str(path), "--chat", "--system", "be brief", "-p", "the market", "-n", "6"]) == 0
+    assert capsys.readouterr().out == expected[0] + "\n"
