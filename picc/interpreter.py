@@ -52,11 +52,14 @@ def activation(name: str, x: np.ndarray) -> np.ndarray:
 
 
 def rope_cos_sin(op: O.Rope, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The cosines and sines of ``op``'s angles at positions ``pos``: float32 [len(pos), r/2]
-    each. The CPU kernels read them from tables made by this function, so they rotate with the
-    interpreter's very values."""
+    """The cosines and sines of ``op``'s angles at positions ``pos`` (times its
+    ``attention_factor``): float32 [len(pos), r/2] each. The CPU kernels read them from tables
+    made by this function, so they rotate with the interpreter's very values."""
     angles = pos.astype(np.float32)[:, None] * op.inv_freq()[None, :]
-    return np.cos(angles), np.sin(angles)
+    cos, sin = np.cos(angles), np.sin(angles)
+    if op.attention_factor != 1.0:
+        cos, sin = cos * np.float32(op.attention_factor), sin * np.float32(op.attention_factor)
+    return cos, sin
 
 
 def rope(op: O.Rope, x: np.ndarray, pos: np.ndarray) -> np.ndarray:

@@ -59,7 +59,8 @@ FORMAT_VERSION = 15  # 2: staged CPU programs and the hybrid schedule; 3: tensor
 # 12: cpu/manifest's crossing values say whether another value shares their bytes (copied without a snapshot)
 # 13: cpu/manifest's KV caches are buffers of their own kind with their layout (a server copies a prompt's rows)
 # 14: cpu/manifest's chunk programs say whether they compute the step's bits (a server takes a reply's rows too)
-# 15: the decode loop stops at any of several tokens (params[stops], STOP_SLOTS of them; no params[eos])
+# 15: the decode loop stops at any of several tokens (params[stops], STOP_SLOTS of them; no params[eos]), and
+# the GPU's rope kernels read the cosines' and sines' factor after the frequencies (longrope's attention factor)
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256

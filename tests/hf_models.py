@@ -76,6 +76,8 @@ _TINY = dict(  # the shape every LLaMA-like family's variants share
     max_position_embeddings=128,
 )
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
+             "short_factor": [1.0, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 8.0], "long_factor": [2.0] * 8}
 _QWEN = dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
              sliding_window=4, max_window_layers=1, rope_parameters=_ROPE)
 
@@ -197,6 +199,12 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "partial-rope": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "partial_rotary_factor": 0.75}),
         "tied": dict(tie_word_embeddings=True),
+        # Phi-3.5-mini and Phi-3-mini-128k: a factor per frequency (the short ones up to
+        # original_max_position_embeddings) and cos/sin scaled by sqrt(1 + ln(256/128) / ln(128))
+        "longrope": dict(max_position_embeddings=256, rope_parameters=_LONGROPE),
+        # Phi-4-mini: the same on 3/4 of each head (6 factors for 12 of 16 features)
+        "longrope-partial": dict(max_position_embeddings=256, rope_parameters=dict(
+            _LONGROPE, partial_rotary_factor=0.75, short_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0], long_factor=[3.0] * 6)),
     },
     "smollm3": {
         # tied embeddings by default; the no-rope layers derived from no_rope_layer_interval
@@ -288,15 +296,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "qwen2": {},
     "qwen3": {},
     "smollm3": {},
-    "phi3": {
-        # Phi-3-mini-128k and Phi-3.5 / Phi-4-mini: a factor per frequency, short or long by the
-        # sequence's length (stateful, as dynamic NTK), and cos/sin scaled
-        "longrope": dict(
-            max_position_embeddings=256,
-            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                             "long_factor": [2.0] * 8, "original_max_position_embeddings": 128},
-        ),
-    },
+    "phi3": {},
     "opt": {},
     "falcon": {},
 }
@@ -325,6 +325,8 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("qwen3", "base", "norm-eps"),
     ("phi3", "base", "sliding"),
     ("phi3", "base", "partial-rope"),
+    ("phi3", "base", "longrope"),
+    ("phi3", "partial-rope", "longrope-partial"),
     ("smollm3", "base", "all-rope"),
     ("smollm3", "base", "sliding"),
     ("opt", "pre-ln", "post-ln"),

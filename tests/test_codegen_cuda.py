@@ -53,6 +53,7 @@ from picc.codegen_cuda import (
     write_cuda_sources,
 )
 from picc.codegen_cuda.greedy import greedy_next
+from picc.codegen_cuda.layers import rope_table
 from picc.codegen_cuda.schedules import arch_params, cpu_schedule, schedule
 from picc.errors import PiccError
 from picc.interpreter import KVCache, activation
@@ -378,14 +379,18 @@ def test_rms_and_layer_norm_host_match_interpreter() -> None:
 
 
 @pytest.mark.parametrize("style,rotary,scaling", [("llama", None, "none"), ("gptj", None, "none"),
-                                                  ("llama", 32, "llama3"), ("gptj", 16, "linear")])
+                                                  ("llama", 32, "llama3"), ("gptj", 16, "linear"),
+                                                  ("llama", 48, "longrope")])
 def test_rope_host_matches_interpreter(style: str, rotary: int | None, scaling: str) -> None:
+    # longrope: a factor per pair and the cosines and sines scaled (Phi-4-mini rotates 3/4 of a head)
     rng = np.random.default_rng(8)
     seq, heads, d = 4, 3, 64
+    longrope = dict(freq_factors=tuple(1 + rng.random(24)), attention_factor=1.19) if scaling == "longrope" else {}
     op = O.Rope(result="y", type=f32(seq, heads * d), x="x", pos="pos", n_heads=heads, head_dim=d,
-                rotary_dim=rotary, style=style, scaling=scaling, factor=8.0, original_max_position=256)
+                rotary_dim=rotary, style=style, scaling=scaling, factor=8.0, original_max_position=256, **longrope)
     x, pos = randn(rng, seq, heads * d), np.array([0, 1, 17, 1000], np.int32)
-    y = build_host(rope(f"rope_{style}_{rotary}", seq, heads, d, rotary, style))(x=x, pos=pos, inv_freq=op.inv_freq())["y"]
+    y = build_host(rope(f"rope_{style}_{rotary}", seq, heads, d, rotary, style))(x=x, pos=pos,
+                                                                                inv_freq=rope_table(op))["y"]
     # Angles up to 1000 rad: cos/sin of the same float32 angle agree to a few ulp between libms.
     assert rel_err(y, ref_rope(op, x, pos)) <= F32_TOL
 

@@ -106,7 +106,7 @@ def test_a_rope_pair_writes_what_two_ropes_write(style: str, rotary: int | None)
     x1 = rng.standard_normal((1, 4 * 16)).astype(np.float32)
     x2 = rng.standard_normal((1, 2 * 16)).astype(np.float32)
     pos = np.array([23], np.int32)
-    inv = rng.random(((rotary or 16) // 2,)).astype(np.float32)
+    inv = rng.random(((rotary or 16) // 2 + 1,)).astype(np.float32)  # the frequencies, then a factor
     pair = build_host(layers.rope_pair(f"pair_{style}", 4, 2, 16, rotary, style))(x1=x1, x2=x2, pos=pos, inv_freq=inv)
     one = build_host(layers.rope(f"one_{style}", 1, 4, 16, rotary, style))(x=x1, pos=pos, inv_freq=inv)["y"]
     two = build_host(layers.rope(f"two_{style}", 1, 2, 16, rotary, style))(x=x2, pos=pos, inv_freq=inv)["y"]
@@ -135,7 +135,7 @@ def test_each_layers_k_rope_is_launched_with_its_q_rope(whole):
 def test_a_rope_pair_that_appends_writes_the_cache_rows_kv_append_writes() -> None:
     rng = np.random.default_rng(6)
     x1, x2, v = (rng.standard_normal((1, n * 16)).astype(np.float32) for n in (4, 2, 2))
-    pos, inv = np.array([5], np.int32), rng.random((8,)).astype(np.float32)
+    pos, inv = np.array([5], np.int32), rng.random((9,)).astype(np.float32)
     caches = {name: rng.standard_normal((16, 32)).astype(np.float32) for name in ("k_cache", "v_cache")}
     out = build_host(layers.rope_pair("pair_append", 4, 2, 16, None, "llama", append_ctx=16))(
         x1=x1, x2=x2, v=v, pos=pos, inv_freq=inv, **caches)

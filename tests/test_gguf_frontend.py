@@ -9,6 +9,8 @@ order differs).
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 import pytest
@@ -56,6 +58,15 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     partial = cfg["rope_parameters"].get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         meta["rope_dims"] = (w.add_rope_dimension_count, int(cfg["hidden_size"] // h * partial))
+    rope = cfg["rope_parameters"]
+    if rope["rope_type"] == "longrope":  # as convert_hf_to_gguf.py's Phi3MiniModel writes it
+        original = cfg.get("original_max_position_embeddings", rope["original_max_position_embeddings"])
+        scale = cfg["max_position_embeddings"] / original
+        meta["context_length"] = (w.add_context_length, cfg["max_position_embeddings"])
+        meta["original_context"] = (w.add_rope_scaling_orig_ctx_len, original)
+        meta["attn_factor"] = (w.add_rope_scaling_attn_factors, math.sqrt(1 + math.log(scale) / math.log(original)))
+        extra = {"rope_factors_long.weight": (np.array(rope["long_factor"]), Q.F32),
+                 "rope_factors_short.weight": (np.array(rope["short_factor"]), Q.F32), **(extra or {})}
     permute = llama_cpp_permute if arch == "llama" else lambda x, heads: x
     for key, (add, value) in meta.items():
         if key not in drop_keys:
@@ -167,15 +178,21 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     assert rel_l2(got, want) <= 1e-4
 
 
-@pytest.mark.parametrize("family, qt", [("qwen2", Q.F32), ("qwen3", Q.F32), ("qwen3", Q.Q4_1), ("phi3", Q.F32),
-                                        ("phi3", Q.Q8_0)])
-def test_qwen_and_phi3_ggufs_match_transformers(family, qt, tmp_path):
+@pytest.mark.parametrize("family, variant, qt, drop", [
+    ("qwen2", "base", Q.F32, ()), ("qwen3", "head-dim", Q.F32, ()), ("qwen3", "head-dim", Q.Q4_1, ()),
+    ("phi3", "partial-rope", Q.F32, ()), ("phi3", "partial-rope", Q.Q8_0, ()),
+    ("phi3", "longrope-partial", Q.F32, ()), ("phi3", "longrope", Q.Q8_0, ("attn_factor",))])
+def test_qwen_and_phi3_ggufs_match_transformers(family, variant, qt, drop, tmp_path):
     # Rows as transformers has them (no permutation) and the half-split rope; Qwen2's q, k, v
     # biases; Qwen3's norms of each head's q and k, with heads wider than hidden / heads; Phi-3's
-    # fused qkv and gate-up matrices, split, and its rope over 12 of each head's 16 features.
+    # fused qkv and gate-up matrices, split, and its rope over 12 of each head's 16 features;
+    # Phi-3.5's and Phi-4-mini's longrope: the short factors, the attention factor from the file
+    # (or, where it lacks one, from the context lengths).
     hf_dir = tmp_path / family
-    make_model(family, {"qwen3": "head-dim", "phi3": "partial-rope"}.get(family, "base"), hf_dir)
-    model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=family, quant_type=qt))
+    make_model(family, variant, hf_dir)
+    model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=family, quant_type=qt, drop_keys=drop))
+    if variant.startswith("longrope"):
+        assert model.module.attr("max_position") == 128 and "longrope: the short factors" in model.notes[-1]
     verify(model.module)
     assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {"llama"}
     assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == 4 * (family == "qwen3")
@@ -349,7 +366,10 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
     (dict(extra={"rope_freqs.weight": (np.linspace(1, 3, 8), Q.F32)}),
      "rope_freqs.weight does not hold llama3 rope scaling factors"),
     (dict(extra={"rope_freqs.weight": (np.ones(5), Q.F32)}), "rope_freqs.weight must hold 8 positive factors"),
-    (dict(extra={"rope_factors_long.weight": (np.ones(8), Q.F32)}), "longrope scaling (rope_factors_long"),
+    (dict(extra={"rope_factors_long.weight": (np.ones(8), Q.F32)}),
+     "longrope needs both rope_factors_short.weight and rope_factors_long.weight"),
+    (dict(extra={"rope_factors_long.weight": (np.ones(8), Q.F32), "rope_factors_short.weight": (np.ones(8), Q.F32)}),
+     "longrope needs llama.rope.scaling.original_context_length"),
 ])
 def test_unsupported_files_are_refused_in_one_line(hf_llama, tmp_path, kwargs, message):
     hf_dir, _ = hf_llama

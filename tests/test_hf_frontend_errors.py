@@ -27,7 +27,7 @@ def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_base")
     paths = {}
     for family, variant in (("llama", "swiglu"), ("llama", "tied"), ("qwen2", "base"), ("opt", "pre-ln"),
-                            ("falcon", "new-arch"), ("falcon", "classic")):
+                            ("falcon", "new-arch"), ("falcon", "classic"), ("phi3", "base")):
         make_model(family, variant, root / family / variant)
         paths[(family, variant)] = root / family / variant
     return paths
@@ -98,18 +98,30 @@ def test_extra_rope_variants_are_refused(tmp_path, variant):
     """dynamic NTK (stateful in transformers) and YaRN: a clear refusal, not other numbers."""
     make_model("llama", variant, tmp_path / variant)
     rope_type = variant.removeprefix("rope-")
-    refused(tmp_path / variant, f'rope type "{rope_type}" is not supported (supported: default, linear, llama3)')
+    refused(tmp_path / variant, f'rope type "{rope_type}" is not supported (supported: default, linear, llama3, '
+            'longrope)')
 
 
-def test_phi3_longrope_is_refused(tmp_path):
-    make_model("phi3", "longrope", tmp_path / "m")
-    refused(tmp_path / "m", 'rope type "longrope" is not supported (supported: default, linear, llama3)')
+def test_longrope_needs_a_factor_per_rotary_pair_and_a_rope_that_rotates_them(base, tmp_path):
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    path = edited_copy(base[("phi3", "base")], tmp_path / "short", config={
+        "rope_parameters": dict(longrope, short_factor=[1.0] * 7)})
+    refused(path, "field 'rope_parameters.short_factor' must be a list of 8 numbers > 0 (one per rotary pair)")
+    path = edited_copy(base[("phi3", "base")], tmp_path / "long", config={
+        "rope_parameters": dict(longrope, long_factor=[2.0] * 7 + [0.0])})
+    refused(path, "field 'rope_parameters.long_factor' must be a list of 8 numbers > 0")
+    # LLaMA's rope rotates the whole head whatever partial_rotary_factor says: transformers
+    # computes a quarter head's frequencies for it and fails; Phi-3's rotates the quarter.
+    path = edited_copy(base[("llama", "swiglu")], tmp_path / "llama", config={
+        "rope_parameters": dict(longrope, partial_rotary_factor=0.5, short_factor=[1.0] * 4, long_factor=[1.0] * 4)})
+    refused(path, "partial_rotary_factor 0.5 with rope type 'longrope' is not supported")
 
 
 def test_legacy_rope_scaling_types_are_refused(base, tmp_path):
     path = edited_copy(base[("falcon", "new-arch")], tmp_path / "m", drop=("rope_parameters",),
-                       config={"rope_theta": 10000.0, "rope_scaling": {"type": "longrope", "factor": 2.0}})
-    refused(path, 'rope type "longrope" is not supported')
+                       config={"rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    refused(path, 'rope type "dynamic" is not supported')
 
 
 def test_llama3_rope_needs_its_keys(base, tmp_path):

@@ -195,22 +195,28 @@ def test_ffns_without_a_gpu_kernel_stay_on_the_cpu(mode, form, tmp_path, monkeyp
         assert session.executor.gpu_peak_bytes == result.plan.gpu_bytes > 0
 
 
-def test_qwen3s_head_norms_run_on_the_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family, variant", [("qwen3", "head-dim"), ("phi3", "longrope-partial")])
+def test_qwen3s_head_norms_and_phi3s_longrope_run_on_the_gpu(family, variant, tmp_path, monkeypatch):
     # The GPU's rms_norm kernel takes a token's heads as its rows for Qwen3's q and k norms
-    # (rms_norm with a group; the host build of the same TensorIR on the emulated device).
+    # (rms_norm with a group); its rope reads longrope's factor of the cosines and sines after the
+    # frequencies (the host build of the same TensorIR on the emulated device).
     from hf_models import make_model
 
     from picc.frontend import load_model
 
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
-    make_model("qwen3", "head-dim", tmp_path / "hf")
-    path = tmp_path / "qwen3.pib"
+    make_model(family, variant, tmp_path / "hf")
+    path = tmp_path / f"{family}.pib"
     write_compiled(compile_model(load_model(tmp_path / "hf"), CompileOptions(target="pc-low", vram="4MiB", dense=True),
                                  say=lambda _: None), path)
     pib = load_pib(path)
-    grouped = [op for op in pib.module.ops() if op.NAME == "rms_norm" and op.group]
-    assert len(grouped) == 4 and all(op.type.placement == Placement.GPU for op in grouped)
-    assert {op.kernel.split("_eps")[0] for op in grouped} == {"rms_norm_128_g32", "rms_norm_64_g32"}  # q, k
+    if family == "qwen3":
+        grouped = [op for op in pib.module.ops() if op.NAME == "rms_norm" and op.group]
+        assert len(grouped) == 4 and all(op.type.placement == Placement.GPU for op in grouped)
+        assert {op.kernel.split("_eps")[0] for op in grouped} == {"rms_norm_128_g32", "rms_norm_64_g32"}  # q, k
+    else:
+        ropes = [op for op in pib.module.ops() if op.NAME == "rope"]
+        assert ropes and all(op.type.placement == Placement.GPU and op.attention_factor > 1 for op in ropes)
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     with Session(path, threads=2, gpu="emulate") as session:
         assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4

@@ -61,6 +61,8 @@ def test_attributes_keep_their_types():
     dict(form="reglu", matrix_dtype=DType.Q4_1, rope=RopeSpec(scaling="linear", factor=2.0)),
     dict(form="gelu", matrix_dtype=DType.Q8_0,
          rope=RopeSpec(theta=5e5, style="gptj", scaling="llama3", factor=8.0, rotary_dim=8)),
+    dict(form="swiglu", rope=RopeSpec(scaling="longrope", rotary_dim=6, freq_factors=(1.0, 1.0625, 2.5e-3),
+                                      attention_factor=1.1902380714238083)),
 ])
 def test_built_modules_round_trip(kwargs):
     module = tiny_llama(**kwargs).module
@@ -98,6 +100,10 @@ def test_one_op_per_line_and_layers_separated():
     ("module @m\nfunc @f(%a: f32[1, 2]) {\n  %x = rms_norm %a, @w {eps = \"big\"} : f32[1, 2]\n"
      "  return %x\n}\n", "expected a value of type float"),
     ("module @m\nweight @w : f32[2] @tpu\n", "expected a placement"),
+    ("module @m\nfunc @f(%a: f32[1, 16], %p: i32[1]) {\n  %x = rope %a, %p {n_heads = 2, head_dim = 8, "
+     "scaling = \"longrope\", freq_factors = [1.0, \"x\"]} : f32[1, 16]\n  return %x\n}\n", "expected a number"),
+    ("module @m\nfunc @f(%a: f32[1, 16], %p: i32[1]) {\n  %x = rope %a, %p {n_heads = 2, head_dim = 8, "
+     "scaling = \"longrope\", freq_factors = 1.0} : f32[1, 16]\n  return %x\n}\n", "expected a list of numbers, like [1.0, 2.5]"),
 ])
 def test_parse_errors_say_where_and_what(text, message):
     with pytest.raises(ParseError) as e:

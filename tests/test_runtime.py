@@ -83,12 +83,14 @@ def test_qwen3s_heads_are_normalised_one_at_a_time_by_every_program(tmp_path):
     check_prefill(path, pib, 1e-4)
 
 
-@pytest.mark.parametrize("family, variant", [("phi3", "partial-rope"), ("smollm3", "sliding")])
+@pytest.mark.parametrize("family, variant", [("phi3", "partial-rope"), ("phi3", "longrope-partial"),
+                                             ("smollm3", "sliding")])
 def test_hf_families_layers_compile_as_they_compute(family, variant, tmp_path):
     # Phi-4-mini's rope: the first 12 of 16 features of each head rotated (half-split among them),
-    # the other 4 passed through. SmolLM3: a layer without rope (attention straight on the
-    # projections), which slides a window of 4 here. The step and the chunk programs against the
-    # interpreter.
+    # the other 4 passed through; with longrope, each frequency divided by its factor and the
+    # cosines and sines scaled (the CPU's tables). SmolLM3: a layer without rope (attention
+    # straight on the projections), which slides a window of 4 here. The step and the chunk
+    # programs against the interpreter.
     from hf_models import make_model
 
     from picc.frontend import load_model
@@ -99,6 +101,7 @@ def test_hf_families_layers_compile_as_they_compute(family, variant, tmp_path):
     windows = [op.window for op in pib.module.ops() if isinstance(op, O.Attention)]
     assert ({op.rotated for op in ropes}, len(ropes), windows) == (({12}, 4, [None, None]) if family == "phi3" else
                                                                    ({16}, 2, [None, 4]))
+    assert {op.attention_factor > 1 for op in ropes} == {variant == "longrope-partial"}
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)

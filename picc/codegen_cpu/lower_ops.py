@@ -196,7 +196,7 @@ class OpLowering(ABC):
         rotary_dim / 2] each, as the interpreter computes them; one pair for all the ropes that
         rotate alike (every layer's q and k, as a rule). They take ``ctx * rotary_dim`` floats,
         less than one layer's KV cache."""
-        key = hashlib.sha256(op.inv_freq().tobytes()).hexdigest()[:16]
+        key = hashlib.sha256(op.inv_freq().tobytes() + np.float32(op.attention_factor).tobytes()).hexdigest()[:16]
         cos, sin = f"cpu.rope.cos.{key}", f"cpu.rope.sin.{key}"
         if cos not in self.bufs.extra:
             for name, table in zip((cos, sin), rope_cos_sin(op, np.arange(self.ctx)), strict=True):

@@ -2,7 +2,8 @@
 
 All take a sequence dimension ``seq`` (1 for decode, the prompt length for prefill) and follow
 ``picc.interpreter`` exactly: norms over the last axis; rotary angles ``pos * inv_freq`` in
-float32 with ``inv_freq`` passed in (``Rope.inv_freq()``, so every scaling variant is covered);
+float32 with ``inv_freq`` passed in (:func:`rope_table`: ``Rope.inv_freq()``, so every scaling
+variant is covered, and the factor the cosines and sines are multiplied by);
 attention with grouped K/V heads over a float32 cache ``[max_ctx, n_kv_heads * head_dim]``, the
 query at position ``p`` seeing cached positions ``j <= p`` (and ``p - j < window``).
 """
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.script import tirx as T
 
 from picc.codegen_cuda.kernel import Kernel, check_positive, f32, kernel_from_func, make_kernel
 from picc.errors import PiccError
+from picc.ir import ops as O
 from runtime import gpu_layout
 
 ROPE_STYLES = ("llama", "gptj")
@@ -56,9 +59,16 @@ def layer_norm(name: str, seq: int, hidden: int, eps: float, bias: bool = True) 
     return make_kernel(name, "norm", [*args, (y, "out")])
 
 
+def rope_table(op: O.Rope) -> np.ndarray:
+    """What a rope kernel reads as ``inv_freq``: the op's rot/2 frequencies, then its
+    ``attention_factor`` (the cosines and sines are multiplied by it; 1 but for longrope)."""
+    return np.append(op.inv_freq(), np.float32(op.attention_factor)).astype(np.float32)
+
+
 def rope(name: str, seq: int, n_heads: int, head_dim: int, rotary_dim: int | None = None,
          style: str = "llama") -> Kernel:
-    """Rotary embedding of x [seq, n_heads * head_dim] at ``pos`` [seq] with ``inv_freq`` [rot/2].
+    """Rotary embedding of x [seq, n_heads * head_dim] at ``pos`` [seq] with ``inv_freq`` [rot/2 + 1]
+    (:func:`rope_table`).
 
     ``llama`` pairs feature i with i + rot/2 of each head, ``gptj`` pairs 2i with 2i + 1;
     features past ``rotary_dim`` pass through.
@@ -71,7 +81,7 @@ def rope(name: str, seq: int, n_heads: int, head_dim: int, rotary_dim: int | Non
     half = rot // 2
     x = te.placeholder((seq, n_heads * head_dim), "float32", name="x")
     pos = te.placeholder((seq,), "int32", name="pos")
-    inv = te.placeholder((half,), "float32", name="inv_freq")
+    inv = te.placeholder((half + 1,), "float32", name="inv_freq")
 
     def out(s: PrimExpr, c: PrimExpr) -> PrimExpr:
         return _rotated(lambda f: x[s, f], c, pos[s], lambda i: inv[i], head_dim, rot, style)
@@ -102,12 +112,12 @@ def rope_pair(name: str, n_first: int, n_second: int, head_dim: int, rotary_dim:
     if append_ctx is None:
         @T.prim_func(s_tir=True)
         def func(x1: T.Buffer((1, w1), "float32"), x2: T.Buffer((1, w2), "float32"),
-                 pos: T.Buffer((1,), "int32"), inv_freq: T.Buffer((half,), "float32"),
+                 pos: T.Buffer((1,), "int32"), inv_freq: T.Buffer((half + 1,), "float32"),
                  y1: T.Buffer((1, w1), "float32"), y2: T.Buffer((1, w2), "float32")):
             for c in range(w1 + w2):
                 with T.sblock("y"):
                     vc = T.axis.spatial(w1 + w2, c)
-                    T.reads(x1[0, 0:w1], x2[0, 0:w2], pos[0], inv_freq[0:half])
+                    T.reads(x1[0, 0:w1], x2[0, 0:w2], pos[0], inv_freq[0 : half + 1])
                     T.writes(y1[0, 0:w1], y2[0, 0:w2])
                     if vc < w1:
                         y1[0, vc] = rotate(x1, vc, pos[0], inv_freq)
@@ -120,13 +130,13 @@ def rope_pair(name: str, n_first: int, n_second: int, head_dim: int, rotary_dim:
     @T.prim_func(s_tir=True)
     def appending(x1: T.Buffer((1, w1), "float32"), x2: T.Buffer((1, w2), "float32"),
                   v: T.Buffer((1, w2), "float32"), pos: T.Buffer((1,), "int32"),
-                  inv_freq: T.Buffer((half,), "float32"), y1: T.Buffer((1, w1), "float32"),
+                  inv_freq: T.Buffer((half + 1,), "float32"), y1: T.Buffer((1, w1), "float32"),
                   y2: T.Buffer((1, w2), "float32"), k_cache: T.Buffer((append_ctx, w2), "float32"),
                   v_cache: T.Buffer((append_ctx, w2), "float32")):
         for c in range(w1 + w2):
             with T.sblock("y"):
                 vc = T.axis.spatial(w1 + w2, c)
-                T.reads(x1[0, 0:w1], x2[0, 0:w2], v[0, 0:w2], pos[0], inv_freq[0:half])
+                T.reads(x1[0, 0:w1], x2[0, 0:w2], v[0, 0:w2], pos[0], inv_freq[0 : half + 1])
                 T.writes(y1[0, 0:w1], y2[0, 0:w2], k_cache[pos[0], 0:w2], v_cache[pos[0], 0:w2])
                 if vc < w1:
                     y1[0, vc] = rotate(x1, vc, pos[0], inv_freq)
@@ -142,7 +152,8 @@ def rope_pair(name: str, n_first: int, n_second: int, head_dim: int, rotary_dim:
 def _rotated(x: Callable[[PrimExpr], PrimExpr], c: PrimExpr, p: PrimExpr, inv: Callable[[PrimExpr], PrimExpr],
              head_dim: int, rot: int, style: str) -> PrimExpr:
     """Feature ``c`` of a rotary embedding at position ``p``: ``x(f)`` reads feature ``f`` of the
-    input, ``inv(i)`` frequency ``i`` (see :func:`rope`)."""
+    input, ``inv(i)`` frequency ``i`` and ``inv(rot / 2)`` the cosines' and sines' factor (see
+    :func:`rope`)."""
     half = rot // 2
     base, i = c - c % head_dim, c % head_dim
     if style == "llama":
@@ -152,7 +163,7 @@ def _rotated(x: Callable[[PrimExpr], PrimExpr], c: PrimExpr, p: PrimExpr, inv: C
         pair, first = i // 2, i % 2 == 0
         partner = tirx.if_then_else(first, i + 1, i - 1)
     angle = p.astype("float32") * inv(tirx.min(pair, half - 1))
-    cos, sin = tirx.cos(angle), tirx.sin(angle)
+    cos, sin = tirx.cos(angle) * inv(half), tirx.sin(angle) * inv(half)
     a = x(c)
     b = x(base + tirx.min(partner, head_dim - 1))
     rotated = tirx.if_then_else(first, a * cos - b * sin, a * cos + b * sin)

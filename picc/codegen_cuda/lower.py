@@ -143,7 +143,7 @@ class _Lowering:
         ctx = self.ctx if att is not None else None
         k = self.kernel(name, lambda: layers.rope_pair(name, first.n_heads, second.n_heads, first.head_dim,
                                                        first.rotated, first.style, ctx))
-        self.out.constants[f"rope.{first.result}"] = first.inv_freq()
+        self.out.constants[f"rope.{first.result}"] = layers.rope_table(first)
         v = [b.value(att.v, "v", k)] if att is not None else []
         caches = [b.kv(att.cache, 0, "k_cache", k), b.kv(att.cache, 1, "v_cache", k)] if att is not None else []
         self.launch(first, k, [b.value(first.x, "x1", k), b.value(second.x, "x2", k), *v, b.value(first.pos, "pos", k),
@@ -223,7 +223,7 @@ class _Lowering:
                 self.rope_pair(op, self.second_rope[op.result], name)
             case O.Rope():
                 k = self.kernel(name, lambda: layers.rope(name, 1, op.n_heads, op.head_dim, op.rotated, op.style))
-                self.out.constants[f"rope.{op.result}"] = op.inv_freq()
+                self.out.constants[f"rope.{op.result}"] = layers.rope_table(op)
                 self.launch(op, k, [b.value(op.x, "x", k), b.value(op.pos, "pos", k),
                                     b.constant(f"rope.{op.result}", "inv_freq", k), b.value(op.result, "y", k)])
             case O.Attention():

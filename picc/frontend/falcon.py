@@ -74,13 +74,7 @@ def build_falcon(spec: FalconSpec, store: WeightStore) -> Module:
         return b.op(O.LayerNorm, result, x=x, weight=weight, bias=maybe(f"{weight}_bias"),
                     eps=spec.eps)
 
-    rope_attrs: dict[str, object] = {}
-    if spec.rope is not None:
-        r = spec.rope
-        rope_attrs = dict(style=r.style, theta=r.theta, rotary_dim=r.rotary_dim, scaling=r.scaling,
-                          factor=r.factor, low_freq_factor=r.low_freq_factor,
-                          high_freq_factor=r.high_freq_factor,
-                          original_max_position=r.original_max_position)
+    rope_attrs = spec.rope.op_attrs() if spec.rope is not None else {}
     hd = spec.head_dim
     x = b.op(O.Embed, "embed", tokens=tokens, table="token_embd")
     for i in range(spec.n_layers):

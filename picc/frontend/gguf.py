@@ -14,7 +14,9 @@ picc splits them.
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +26,7 @@ import numpy as np
 from picc import quant
 from picc.errors import PiccError
 from picc.frontend.gguf_file import GgufFile
-from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama
+from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama, longrope_notes
 from picc.frontend.model import LoadedModel
 from picc.ir import positional
 from picc.ir.types import DType
@@ -41,6 +43,8 @@ _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": D
 _GLOBAL_NAMES = {"token_embd.weight": "token_embd", "output_norm.weight": "output_norm",
                  "output.weight": "output"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's rope scaling, one factor per rotary pair (llama3_rope)
+LONGROPE_SHORT, LONGROPE_LONG = "rope_factors_short.weight", "rope_factors_long.weight"  # Phi-3.5's (_longrope)
+ROPE_TENSORS = (ROPE_FREQS, LONGROPE_SHORT, LONGROPE_LONG)
 _LAYER_NAMES = {
     "attn_norm.weight": "attn_norm", "ffn_norm.weight": "ffn_norm",
     "attn_q.weight": "attn.q", "attn_k.weight": "attn.k", "attn_v.weight": "attn.v",
@@ -85,8 +89,8 @@ def read_tensors(file: GgufFile, path: Path) -> tuple[WeightStore, dict[str, int
     (:func:`converted`) instead of keeping."""
     store, changed = WeightStore(), {}
     for t in file.tensors:
-        if t.name == ROPE_FREQS:
-            continue  # part of the rope op's attributes (llama3_rope), not a weight
+        if t.name in ROPE_TENSORS:
+            continue  # part of the rope op's attributes (llama3_rope, _longrope), not a weight
         name = picc_name(t.name)
         if name is None:
             raise PiccError(f"{path}: tensor {t.name!r} is not part of a llama model picc knows "
@@ -192,14 +196,13 @@ def load_gguf(path: Path) -> LoadedModel:
     if arch not in SUPPORTED_ARCHS:
         raise PiccError(f"{path}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    if any(t.name.startswith("rope_factors_") for t in file.tensors):
-        raise PiccError(f"{path}: longrope scaling (rope_factors_long / rope_factors_short: Phi-3-128k, Phi-3.5) "
-                        "is not supported")
     store, changed = read_tensors(file, path)
-    rope_factors = next((np.asarray(t.data, np.float32).reshape(-1) for t in file.tensors
-                         if t.name == ROPE_FREQS and t.type_name in ("F32", "F16")), None)
-    if rope_factors is None and any(t.name == ROPE_FREQS for t in file.tensors):
-        raise PiccError(f"{path}: {ROPE_FREQS} must be F32 or F16")
+    factors = {t.name: np.asarray(t.data, np.float32).reshape(-1) for t in file.tensors
+               if t.name in ROPE_TENSORS and t.type_name in ("F32", "F16")}
+    for name in ROPE_TENSORS:
+        if name not in factors and any(t.name == name for t in file.tensors):
+            raise PiccError(f"{path}: {name} must be F32 or F16")
+    rope_factors = factors.get(ROPE_FREQS)
 
     def key(k: str) -> str:
         return f"{arch}.{k}"
@@ -224,6 +227,12 @@ def load_gguf(path: Path) -> LoadedModel:
         if scaling != "none":
             raise PiccError(f"{path}: rope_freqs.weight and rope scaling {scaling!r} together are not supported")
         rope = llama3_rope(rope_factors, rope, rope_dim, path)
+    max_position = _opt_int(meta.get(key("context_length")))
+    if LONGROPE_SHORT in factors or LONGROPE_LONG in factors:
+        if scaling != "none" or rope_factors is not None:
+            raise PiccError(f"{path}: longrope factors and other rope scaling together are not supported")
+        rope = _longrope(meta, key, factors, rope, rope_dim, max_position, path)
+        max_position = rope.original_max_position
     n_layers, n_ff = int(meta.need(key("block_count"))), int(meta.need(key("feed_forward_length")))  # type: ignore[arg-type]
     if arch == "phi3":
         store = _split_phi3(store, n_layers, n_heads * head_dim, n_kv * head_dim, n_ff, path)
@@ -244,7 +253,7 @@ def load_gguf(path: Path) -> LoadedModel:
         tied="output" not in store,
         bos_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
         eos_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
-        max_position=_opt_int(meta.get(key("context_length"))),
+        max_position=max_position,
         qk_norm=arch == "qwen3",
     )
     module = build_llama(spec, store)
@@ -255,7 +264,7 @@ def load_gguf(path: Path) -> LoadedModel:
         tokenizer = replace(tokenizer, stop_ids=_end_of_generation(meta, tokenizer))
     notes = tuple(f"{count} {kind} tensor{'s' if count > 1 else ''} converted to {_target(kind).upper()} "
                   + ("(the same 4-bit values)" if kind == "Q4_K" else "(decoded and quantized again)")
-                  + ", which picc's kernels read" for kind, count in sorted(changed.items()))
+                  + ", which picc's kernels read" for kind, count in sorted(changed.items())) + longrope_notes(module)
     return LoadedModel(module, store, tokenizer, source=str(path), notes=notes)
 
 
@@ -315,10 +324,36 @@ def llama3_rope(factors: np.ndarray, rope: RopeSpec, rotated: int, path: Path) -
     return fit
 
 
+def _longrope(meta: _Meta, key: Callable[[str], str], factors: dict[str, np.ndarray], rope: RopeSpec,
+              rotated: int, context: int | None, path: Path) -> RopeSpec:
+    """Phi-3.5's, Phi-4-mini's and Phi-3-128k's longrope as llama.cpp runs it at contexts up to
+    ``rope.scaling.original_context_length``: the short factors (``rope_factors_short``), the
+    cosines and sines times ``rope.scaling.attn_factor`` (convert_hf_to_gguf.py writes
+    transformers' default, ``sqrt(1 + ln(context / original) / ln(original))``, computed here
+    where a file lacks it). llama.cpp takes the long factors for longer contexts; picc does not."""
+    short = factors.get(LONGROPE_SHORT)
+    if short is None or LONGROPE_LONG not in factors:
+        raise PiccError(f"{path}: longrope needs both {LONGROPE_SHORT} and {LONGROPE_LONG}")
+    if short.shape != (rotated // 2,) or not np.all(short > 0):
+        raise PiccError(f"{path}: {LONGROPE_SHORT} must hold {rotated // 2} positive factors (one per rotary "
+                        f"pair), got shape {short.shape}")
+    original = _opt_int(meta.get(key("rope.scaling.original_context_length")))
+    if original is None or original < 2:
+        raise PiccError(f"{path}: longrope needs {key('rope.scaling.original_context_length')} (an integer >= 2)")
+    attention = meta.get(key("rope.scaling.attn_factor"))
+    if attention is None:
+        scale = (context or original) / original
+        attention = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+    if not float(attention) > 0:  # type: ignore[arg-type]
+        raise PiccError(f"{path}: {key('rope.scaling.attn_factor')} must be > 0, got {attention}")
+    return replace(rope, scaling="longrope", original_max_position=original,
+                   freq_factors=tuple(float(f) for f in short), attention_factor=float(attention))  # type: ignore[arg-type]
+
+
 def _inv_freq(rope: RopeSpec, rotated: int) -> np.ndarray:
     """The per-pair frequencies of ``rope`` (the rope op's ``inv_freq``)."""
     return positional.inv_freq(rotated, rope.theta, rope.scaling, rope.factor, rope.low_freq_factor,
-                               rope.high_freq_factor, rope.original_max_position)
+                               rope.high_freq_factor, rope.original_max_position, rope.freq_factors)
 
 
 # GGUF has no standard key for the FFN's activation (llama.cpp's ``llama`` is always SwiGLU);

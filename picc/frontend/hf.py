@@ -25,7 +25,7 @@ from picc.errors import PiccError
 from picc.frontend.falcon import FalconSpec, build_falcon, fused_qkv_rows
 from picc.frontend.hf_checkpoint import Checkpoint
 from picc.frontend.hf_config import HFConfig, ffn_form, rope_from_config
-from picc.frontend.llama import LlamaSpec, build_llama, layer_weight_names
+from picc.frontend.llama import LlamaSpec, build_llama, layer_weight_names, longrope_notes
 from picc.frontend.model import LoadedModel
 from picc.frontend.opt import UNIT_NORM, OptSpec, build_opt
 from picc.ir.module import Module
@@ -65,12 +65,13 @@ def load_hf(path: Path) -> LoadedModel:
     name = re.sub(r"[^\w.]", "_", path.resolve().name) or "model"
     importer = _llama_family if model_type in LLAMA_FAMILIES else {"opt": _opt, "falcon": _falcon}[model_type]
     module, store = importer(cfg, path, name)
+    notes = longrope_notes(module)
     tokenizer = None
     if any((path / f).is_file() for f in TOKENIZER_FILES):
         from picc.frontend.tokenizer import tokenizer_from_hf_dir
 
         tokenizer = tokenizer_from_hf_dir(path)
-    return LoadedModel(module, store, tokenizer, source=str(path))
+    return LoadedModel(module, store, tokenizer, source=str(path), notes=notes)
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -232,11 +233,12 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False)
     bos, eos = special_ids(cfg, directory, *rules.special_ids)
     tie = cfg.flag("tie_word_embeddings", rules.tied)
+    rope = rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope)
+    max_position = rope.positions(max_position)
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", rules.eps),
-        ffn_form=ffn_form(cfg, "hidden_act", "silu", gated=True),
-        rope=rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope), tied=False, window=windows,
+        ffn_form=ffn_form(cfg, "hidden_act", "silu", gated=True), rope=rope, tied=False, window=windows,
         bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=rules.qk_norm, rope_layers=rope_layers,
     )
 
@@ -409,12 +411,13 @@ def _falcon(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightSt
     bias = cfg.truthy("bias", False)
     bos, eos = special_ids(cfg, directory, 11, 11)
     tie = cfg.flag("tie_word_embeddings", True)
+    rope = None if alibi else rope_from_config(cfg, head_dim, max_position)
     spec = FalconSpec(
         name=name, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=groups, n_ff=n_ff, eps=cfg.number("layer_norm_epsilon", 1e-5),
         ffn_form=ffn_form(cfg, "activation", "gelu", gated=False), parallel=parallel,
-        rope=None if alibi else rope_from_config(cfg, head_dim, max_position), tied=False,
-        bos_id=bos, eos_id=eos, max_position=max_position,
+        rope=rope, tied=False, bos_id=bos, eos_id=eos,
+        max_position=rope.positions(max_position) if rope is not None else max_position,
     )
 
     ckpt = Checkpoint(directory)

@@ -14,6 +14,8 @@ by accident.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +40,7 @@ HF_ACTIVATIONS: dict[str, str] = {
 }
 _GATED_FORMS = {"relu": "reglu", "silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,34 @@ class HFConfig:
         raise self.bad(key, v, "a token id, a list of token ids or null")
 
 
+def _longrope(cfg: HFConfig, params: dict, source: str, theta: float, head_dim: int, rotary_dim: int | None,
+              max_position: int, positive: Callable[[str], float]) -> RopeSpec:
+    """``_compute_longrope_parameters`` for contexts up to ``original_max_position_embeddings``,
+    where transformers takes the short factors; ``attention_factor`` (the cosines' and sines'
+    factor) defaults to ``sqrt(1 + ln(factor) / ln(original))``, ``factor`` to
+    ``max_position_embeddings / original``. Past the original length transformers switches to
+    the long factors, for every position, and picc does not (the caller caps the model's
+    positions at the original length)."""
+    rotated = rotary_dim or head_dim
+    original = positive("original_max_position_embeddings")
+    if original != int(original) or original < 2:
+        raise cfg.bad(f"{source}.original_max_position_embeddings", original, "an integer >= 2")
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        v = params.get(key)
+        if (not isinstance(v, list) or len(v) != rotated // 2
+                or not all(isinstance(f, int | float) and not isinstance(f, bool) and f > 0 for f in v)):
+            raise cfg.bad(f"{source}.{key}", v, f"a list of {rotated // 2} numbers > 0 (one per rotary pair)")
+        factors[key] = tuple(float(f) for f in v)
+    factor = positive("factor") if params.get("factor") is not None else max_position / original
+    if params.get("attention_factor") is not None:
+        attention = positive("attention_factor")
+    else:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeSpec(theta=theta, rotary_dim=rotary_dim, scaling="longrope", original_max_position=int(original),
+                    freq_factors=factors["short_factor"], attention_factor=attention)
+
+
 def ffn_form(cfg: HFConfig, key: str, default: str, *, gated: bool) -> str:
     """The picc FFN form for activation field ``key``: ``act`` itself, or its GLU form."""
     name = cfg.raw.get(key, default)
@@ -184,15 +214,18 @@ def rope_from_config(cfg: HFConfig, head_dim: int, max_position: int, *, partial
 
     theta = positive("rope_theta")
     prf = params.get("partial_rotary_factor", 1.0)
-    if rope_type == "default":
-        # transformers ignores partial_rotary_factor for LLaMA's default rope (it always rotates
-        # head_dim); Phi-3 rotates int(head_dim * factor) and passes the rest through.
-        if not partial or prf == 1.0:
-            return RopeSpec(theta=theta)
+    # transformers ignores partial_rotary_factor for LLaMA's default rope (it always rotates
+    # head_dim); Phi-3 rotates int(head_dim * factor) and passes the rest through, with its
+    # default rope and with longrope (Phi-4-mini).
+    if partial and prf != 1.0 and rope_type in ("default", "longrope"):
         if isinstance(prf, bool) or not isinstance(prf, int | float) or not 0 < prf < 1 or int(head_dim * prf) % 2:
             raise cfg.bad("partial_rotary_factor", prf, f"a number in (0, 1] that leaves an even share of {head_dim}")
-        return RopeSpec(theta=theta, rotary_dim=int(head_dim * prf))
-    if prf != 1.0:
+        rotary_dim: int | None = int(head_dim * prf)
+    else:
+        rotary_dim = None
+    if rope_type == "default":
+        return RopeSpec(theta=theta, rotary_dim=rotary_dim)
+    if prf != 1.0 and rotary_dim is None:
         # transformers shrinks inv_freq for the scaled types but not the rotation: its forward fails.
         raise PiccError(f"{cfg.path}: partial_rotary_factor {json.dumps(prf)} with rope type "
                         f"{rope_type!r} is not supported (transformers cannot run it either)")
@@ -201,6 +234,8 @@ def rope_from_config(cfg: HFConfig, head_dim: int, max_position: int, *, partial
     if "original_max_position_embeddings" in cfg.raw:
         params["original_max_position_embeddings"] = cfg.raw["original_max_position_embeddings"]
     params.setdefault("original_max_position_embeddings", max_position)
+    if rope_type == "longrope":
+        return _longrope(cfg, params, source, theta, head_dim, rotary_dim, max_position, positive)
     low, high = positive("low_freq_factor"), positive("high_freq_factor")
     if high <= low:
         raise PiccError(f"{cfg.path}: {source} needs high_freq_factor > low_freq_factor for llama3 "

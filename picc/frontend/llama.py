@@ -30,6 +30,20 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    freq_factors: tuple[float, ...] = ()  # longrope: a factor per rotary pair
+    attention_factor: float = 1.0  # longrope: the cosines' and sines' factor
+
+    def op_attrs(self) -> dict[str, object]:
+        """The ``rope`` op's attributes for these settings."""
+        return {f: getattr(self, f) for f in ("style", "theta", "rotary_dim", "scaling", "factor", "low_freq_factor",
+                                              "high_freq_factor", "original_max_position", "freq_factors",
+                                              "attention_factor")}
+
+    def positions(self, max_position: int) -> int:
+        """The positions a model of ``max_position_embeddings`` runs at with these settings:
+        longrope's short factors hold up to the original length (transformers takes the long
+        ones past it, for every position; picc does not)."""
+        return self.original_max_position if self.scaling == "longrope" else max_position
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,12 +154,7 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
     start = start_decoder(store)
     decls, b, tokens, pos, maybe = start.decls, start.b, start.tokens, start.pos, start.maybe
     x = b.op(O.Embed, "embed", tokens=tokens, table="token_embd")
-    rope = spec.rope
-    rope_attrs = dict(
-        style=rope.style, theta=rope.theta, rotary_dim=rope.rotary_dim, scaling=rope.scaling,
-        factor=rope.factor, low_freq_factor=rope.low_freq_factor,
-        high_freq_factor=rope.high_freq_factor, original_max_position=rope.original_max_position,
-    )
+    rope_attrs = spec.rope.op_attrs()
     for i in range(spec.n_layers):
         b.in_block(i)
         n = layer_weight_names(i)
@@ -181,3 +190,12 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
     logits = b.op(O.Linear, "logits", x=x, weight=head)
     module = Module(spec.name, module_attrs(spec), decls, (b.finish(logits),))
     return module.with_used_weights_only()
+
+
+def longrope_notes(module: Module) -> tuple[str, ...]:
+    """What ``picc compile`` says of a model with longrope scaling: which factors picc uses."""
+    rope = next((op for op in module.function().ops if isinstance(op, O.Rope) and op.scaling == "longrope"), None)
+    if rope is None:
+        return ()
+    return (f"longrope: the short factors, which hold up to {rope.original_max_position} positions (the model's "
+            "context here); picc does not switch to the long factors past them, as transformers and llama.cpp do",)

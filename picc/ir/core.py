@@ -42,8 +42,8 @@ class Sym(str):
     __slots__ = ()
 
 
-Attr = int | float | str | bool | None
-"""What an attribute may hold."""
+Attr = int | float | str | bool | tuple[float, ...] | None
+"""What an attribute may hold (a tuple: numbers per something, such as a rope's per-pair factors)."""
 
 
 class RuleError(Exception):
@@ -57,7 +57,7 @@ class FieldKind:
     name: str
     kind: str  # "value" | "weight" | "attr"
     optional: bool
-    attr_type: type | None  # for attributes: int, float, str or bool
+    attr_type: type | None  # for attributes: int, float, str, bool or tuple (of floats)
     default: Attr
 
 
@@ -135,6 +135,8 @@ def register_op(cls: type[Op]) -> type[Op]:
             kinds.append(FieldKind(f.name, "weight", optional, None, None))
         elif base in _ATTR_TYPES:
             kinds.append(FieldKind(f.name, "attr", optional, base, default))
+        elif base == tuple[float, ...]:
+            kinds.append(FieldKind(f.name, "attr", optional, tuple, default))
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {hint}")
     OPS[cls.NAME] = cls

@@ -152,7 +152,7 @@ class Linear(MatrixOp):
 # ---------------------------------------------------------------- rotary embedding
 
 ROPE_STYLES = ("llama", "gptj")
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "longrope")
 
 
 @register_op
@@ -164,7 +164,10 @@ class Rope(Op):
     ``pos * inv_freq[i]``. Style ``llama`` pairs feature i with i + rotary_dim/2 (rotate_half);
     ``gptj`` pairs 2i with 2i + 1. ``scaling`` adjusts ``inv_freq`` as transformers does:
     ``linear`` divides it by ``factor``; ``llama3`` divides only the low frequencies, smoothing
-    between ``low_freq_factor`` and ``high_freq_factor`` relative to ``original_max_position``.
+    between ``low_freq_factor`` and ``high_freq_factor`` relative to ``original_max_position``;
+    ``longrope`` divides each by its own ``freq_factors[i]`` (Phi-3.5's and Phi-4-mini's short or
+    long factors). The cosines and sines are multiplied by ``attention_factor`` (longrope's
+    scaling of attention, as transformers applies it: the rotated features only).
 
     ``launched_with`` (``select-kernels``, on the GPU): an earlier rope of the same rotation (a
     layer's q rope, for its k rope) whose launch computes this one too; the value is the same.
@@ -184,6 +187,8 @@ class Rope(Op):
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    freq_factors: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     @property
     def rotated(self) -> int:
@@ -217,12 +222,18 @@ class Rope(Op):
         expect(self.theta > 0 and self.factor > 0, "theta and factor must be > 0")
         expect(self.scaling != "llama3" or self.high_freq_factor > self.low_freq_factor,
                "llama3 scaling needs high_freq_factor > low_freq_factor")
+        expect((self.scaling == "longrope") == bool(self.freq_factors)
+               and (not self.freq_factors or len(self.freq_factors) == self.rotated // 2),
+               f"freq_factors: one per rotary pair ({self.rotated // 2}) with longrope scaling, none otherwise; "
+               f"got {len(self.freq_factors)} with {self.scaling!r}")
+        expect(all(f > 0 for f in self.freq_factors) and self.attention_factor > 0,
+               "freq_factors and attention_factor must be > 0")
         return t
 
     def inv_freq(self) -> np.ndarray:
         """Per-pair angular frequency, float32, computed as transformers computes it."""
         return positional.inv_freq(self.rotated, self.theta, self.scaling, self.factor, self.low_freq_factor,
-                               self.high_freq_factor, self.original_max_position)
+                                   self.high_freq_factor, self.original_max_position, self.freq_factors)
 
 
 # ---------------------------------------------------------------- attention

@@ -122,6 +122,14 @@ class _Line:
         if tok is None:
             raise self.error("an attribute value")
         self.i += 1
+        if tok.text == "[" and want in (None, tuple):
+            numbers: list[float] = []
+            while not self.peek("]"):
+                if numbers:
+                    self.take(",")
+                numbers.append(float(self.take(kind="number", what="a number")))
+            self.take("]")
+            return tuple(numbers)
         try:
             if tok.kind == "string" and want in (None, str):
                 return str(json.loads(tok.text))
@@ -136,7 +144,8 @@ class _Line:
         except ValueError:
             pass
         self.i -= 1
-        raise self.error(f"a value of type {want.__name__}" if want else "an attribute value")
+        raise self.error("a list of numbers, like [1.0, 2.5]" if want is tuple else
+                         f"a value of type {want.__name__}" if want else "an attribute value")
 
     def attr_dict(self, kinds: dict[str, FieldKind] | None) -> dict[str, Attr]:
         attrs: dict[str, Attr] = {}

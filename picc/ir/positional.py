@@ -8,17 +8,22 @@ import math
 import numpy as np
 
 ROTATION = ("pos", "head_dim", "rotated", "style", "theta", "scaling", "factor", "low_freq_factor",
-            "high_freq_factor", "original_max_position")
+            "high_freq_factor", "original_max_position", "freq_factors", "attention_factor")
 """The fields of a ``rope`` that decide its angles: two ropes equal in all of them rotate alike."""
 
 
 def inv_freq(rotated: int, theta: float, scaling: str, factor: float, low_freq_factor: float,
-             high_freq_factor: float, original_max_position: int) -> np.ndarray:
+             high_freq_factor: float, original_max_position: int, freq_factors: tuple[float, ...] = ()) -> np.ndarray:
     """Per-pair angular frequency, float32: ``theta ** (-2i / rotated)``, then ``linear`` scaling
-    divides it by ``factor`` and ``llama3`` divides only the low frequencies, smoothing between
-    ``low_freq_factor`` and ``high_freq_factor`` relative to ``original_max_position``."""
+    divides it by ``factor``, ``llama3`` divides only the low frequencies, smoothing between
+    ``low_freq_factor`` and ``high_freq_factor`` relative to ``original_max_position``, and
+    ``longrope`` is ``1 / (freq_factors[i] * theta ** (2i / rotated))`` (rounded as transformers
+    rounds it)."""
     exponent = np.arange(0, rotated, 2, dtype=np.float32) / np.float32(rotated)
-    inv = (1.0 / np.power(np.float32(theta), exponent)).astype(np.float32)
+    power = np.power(np.float32(theta), exponent).astype(np.float32)
+    if scaling == "longrope":
+        return (np.float32(1) / (np.asarray(freq_factors, np.float32) * power)).astype(np.float32)
+    inv = (1.0 / power).astype(np.float32)
     if scaling == "linear":
         inv = inv / np.float32(factor)
     elif scaling == "llama3":

@@ -32,6 +32,8 @@ def format_attr(value: Attr) -> str:
         return json.dumps(value)
     if isinstance(value, float):
         return repr(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(repr(float(v)) for v in value) + "]"
     return str(value)
 
 

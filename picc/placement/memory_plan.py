@@ -11,7 +11,8 @@ What lives on the GPU (each buffer starts at a multiple of ``runtime.plan.ARENA_
   part of each FFN, the LM head if placed) in the GPU layout of ``runtime.gpu_layout``: matrices
   in their storage format (block formats split into planes), vectors in f32;
 * the KV cache of every attention op placed there: ``ctx`` positions of K and V, f32;
-* constants the GPU kernels read: the rotary frequencies of every rope op placed there and the
+* constants the GPU kernels read: the rotary frequencies of every rope op placed there (and the
+  factor of its cosines and sines: ``codegen_cuda.layers.rope_table``), the
   threshold of every predictor and gate-first FFN there, and the ones an unscaled gate-first FFN
   scales its scores by (f32);
 * one activation arena for a token (the runtime runs one token per step, prompt tokens too):
@@ -132,7 +133,7 @@ def workspace_bytes(op: Op, ctx: int, weights: dict[str, TensorType]) -> int:
 def gpu_constants(op: Op, weights: WeightStore) -> list[tuple[str, int]]:
     """Constants ``(name, f32 count)`` a GPU op's kernels read besides its weights."""
     if isinstance(op, O.Rope):  # a rope launched with another reads that one's frequencies
-        return [] if op.launched_with else [(f"rope.{op.result}", op.rotated // 2)]
+        return [] if op.launched_with else [(f"rope.{op.result}", op.rotated // 2 + 1)]
     if isinstance(op, Predict):
         return [(f"threshold.{op.result}", 1)]
     # A gate-first FFN, fused or not yet (partitioning plans the module before fusion).

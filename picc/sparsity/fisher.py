@@ -130,7 +130,8 @@ class TorchForward:
         seq, r = x.shape[0], op.rotated
         heads = x.reshape(seq, op.n_heads, op.head_dim)
         angles = pos.to(torch.float32)[:, None] * torch.from_numpy(op.inv_freq())[None, :]
-        cos, sin = torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+        scale = float(op.attention_factor)
+        cos, sin = torch.cos(angles)[:, None, :] * scale, torch.sin(angles)[:, None, :] * scale
         part = heads[..., :r]
         if op.style == "llama":
             a, b = part[..., : r // 2], part[..., r // 2 :]
