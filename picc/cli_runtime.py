@@ -148,11 +148,18 @@ class _Chat:
         while same < min(len(ids) - 1, len(fed)) and ids[same] == fed[same]:
             same += 1
         self.session.rewind(same)
-        self.messages = messages
+        self.asked = messages
         return ids[same:]
 
     def replied(self, text: str) -> None:
-        self.messages.append({"role": "assistant", "content": text})
+        """The turn :meth:`prompt` began is over: the question and ``text`` join the conversation
+        (a turn that failed, its prompt too long for the context, leaves it as it was)."""
+        self.messages = [*self.asked, {"role": "assistant", "content": text}]
+
+    def reset(self) -> None:
+        """``/reset``: a new conversation (with the same system message)."""
+        self.messages = self.messages[:1] if self.messages and self.messages[0]["role"] == "system" else []
+        self.session.reset()
 
 
 def open_null():  # noqa: ANN201 - a text sink
@@ -215,11 +222,14 @@ def cmd_run(args: argparse.Namespace) -> None:
             return
         from runtime.cpu import ExecutorError
 
-        what = "a message" if chat else "a prompt"
+        what = "a message (/reset: a new conversation)" if chat else "a prompt"
         print(f"{args.model}: type {what} and press Enter (Ctrl-D to quit)", file=sys.stderr)
         for line in sys.stdin:
             prompt = line.rstrip("\n")
             if not prompt:
+                continue
+            if chat is not None and prompt.strip() == "/reset":
+                chat.reset()
                 continue
             before = replace(session.executor.times)
             try:
@@ -228,7 +238,8 @@ def cmd_run(args: argparse.Namespace) -> None:
                 ids = chat.prompt(prompt) if chat else text.encode(prompt)
                 result = _turn(session, ids, args, options, stream=True)
             except ExecutorError as e:  # this prompt's (too long, say): say so, and read the next
-                print(f"picc: error: {e}", file=sys.stderr)
+                more = "; /reset starts a new conversation" if chat is not None else ""
+                print(f"picc: error: {e}{more}", file=sys.stderr)
                 continue
             if chat is not None:
                 chat.replied(result["text"])

@@ -570,6 +570,14 @@ def test_run_chat_continues_the_conversation_and_feeds_only_what_is_new(tmp_path
             whole.append(len(ids))
     assert replies == expected and len(fed) == 2
     assert fed[0] == whole[0] and fed[1] < whole[1] - 3  # the system and first user messages' tokens kept
+    # A message too long for the context is that turn's error; the conversation goes on without
+    # it, and /reset starts another (with the same system message): the first reply again.
+    long = " ".join(["the"] * 300)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{lines[0]}\n{long}\n{lines[1]}\n/reset\n{lines[0]}\n"))
+    assert main(["run", str(path), "--chat", "--system", "be brief", "-n", "6", "--ctx", "64"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [*expected, expected[0]]
+    assert "needs" in captured.err and "/reset starts a new conversation" in captured.err
     # -p with --chat is one turn: the reply alone, not the prompt before it.
     assert main(["run", str(path), "--chat", "--system", "be brief", "-p", "the market", "-n", "6"]) == 0
     assert capsys.readouterr().out == expected[0] + "\n"
