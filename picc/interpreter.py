@@ -234,8 +234,8 @@ class Interpreter:
         w = self.weights.f32
         match op:
             case O.Embed():
-                table = w(op.table)
-                return table[env[op.tokens]]
+                rows = w(op.table)[env[op.tokens]]
+                return rows * np.float32(op.scale) if op.scale != 1.0 else rows
             case O.PosEmbed():
                 table, rows = w(op.table), env[op.pos] + op.offset
                 if rows.size and int(rows.max()) >= table.shape[0]:

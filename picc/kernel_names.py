@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 # --- CPU: one symbol per operation and weight format ---------------------------------------------
@@ -120,9 +122,10 @@ def cpu_gemm(dtype: str, rows8: bool = False) -> str:
     return f"picc_gemm_{dtype}" + (ROWS8_SUFFIX if rows8 else "")
 
 
-def cpu_embed(dtype: str, rows8: bool = False) -> str:
-    """``rows8``: the table in the rows8 layout (a q8_0 table that its LM head reads so)."""
-    return f"picc_embed_{dtype}{_rows8_suffix(rows8, dtype)}"
+def cpu_embed(dtype: str, rows8: bool = False, scaled: bool = False) -> str:
+    """``rows8``: the table in the rows8 layout (a q8_0 table that its LM head reads so);
+    ``scaled``: each row times a scale the call passes (Gemma's)."""
+    return f"picc_embed_{dtype}{_rows8_suffix(rows8, dtype)}" + ("_scaled" if scaled else "")
 
 
 def cpu_norm(kind: str, grouped: bool = False) -> str:
@@ -254,8 +257,10 @@ def gpu_gemv(rows: int, cols: int, fmt: str, bias: bool, residual: bool = False)
     return f"gemv_{rows}x{cols}_{fmt}" + ("_bias" if bias else "") + (RESIDUAL if residual else "")
 
 
-def gpu_embed(vocab: int, dim: int, fmt: str) -> str:
-    return f"embed_{vocab}x{dim}_{fmt}"
+def gpu_embed(vocab: int, dim: int, fmt: str, scale: float = 1.0) -> str:
+    """``scale``: each row times it (Gemma's), a constant of the kernel: its f32 bits in the name."""
+    bits = int(np.float32(scale).view(np.uint32))
+    return f"embed_{vocab}x{dim}_{fmt}" + (f"_s{bits:08x}" if scale != 1.0 else "")
 
 
 def _number(x: float) -> str:

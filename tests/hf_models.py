@@ -58,7 +58,7 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "opt", "falcon")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3_text", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -92,6 +92,13 @@ _BASE: dict[str, dict[str, Any]] = {
     "smollm3": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                     no_rope_layer_interval=2,  # layer 1 without rope (SmolLM3-3B: every 4th)
                     rope_parameters=_ROPE),
+    # Gemma 3 (1B's layout): layer 0 slides (a window of 4), layer 1 attends to everything, each
+    # with its own rope; heads wider than hidden / heads, q . k scaled by query_pre_attn_scalar
+    "gemma3_text": dict(_TINY, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, pad_token_id=0,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
     "opt": dict(
         vocab_size=256,
         hidden_size=64,
@@ -206,6 +213,16 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "longrope-partial": dict(max_position_embeddings=256, rope_parameters=dict(
             _LONGROPE, partial_rotary_factor=0.75, short_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0], long_factor=[3.0] * 6)),
     },
+    "gemma3_text": {
+        "base": {},
+        # a hub config.json: rope_theta, rope_local_base_freq and rope_scaling, sliding_window_pattern
+        "hub": dict(_hub_style="gemma3"),
+        # Gemma 3 4B / 12B / 27B: the global layers' rope scaled by 8
+        "scaled-global": dict(rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+        "untied": dict(tie_word_embeddings=False),
+    },
     "smollm3": {
         # tied embeddings by default; the no-rope layers derived from no_rope_layer_interval
         "base": dict(_hub_style="smollm3"),
@@ -297,6 +314,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3": {},
     "smollm3": {},
     "phi3": {},
+    "gemma3_text": {},
     "opt": {},
     "falcon": {},
 }
@@ -328,6 +346,7 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("phi3", "base", "longrope"),
     ("phi3", "partial-rope", "longrope-partial"),
     ("smollm3", "base", "all-rope"),
+    ("gemma3_text", "base", "scaled-global"),
     ("smollm3", "base", "sliding"),
     ("opt", "pre-ln", "post-ln"),
     ("opt", "pre-ln", "gelu"),
@@ -375,6 +394,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
+        "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "opt": (tf.OPTConfig, tf.OPTForCausalLM),
         "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
     }[family]
@@ -427,6 +447,13 @@ def _rewrite_hub_style(cfg_path: pathlib.Path, style: str) -> None:
     elif style == "smollm3":  # hub configs name the interval, not the derived lists
         cfg.pop("no_rope_layers", None)
         cfg.pop("layer_types", None)
+    elif style == "gemma3":  # Gemma 3 1B's config.json on the hub (written by transformers 4.x)
+        rp = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = rp["full_attention"]["rope_theta"]
+        cfg["rope_local_base_freq"] = rp["sliding_attention"]["rope_theta"]
+        cfg["rope_scaling"] = None
+        assert cfg.pop("layer_types") == ["sliding_attention", "full_attention"]
+        cfg["sliding_window_pattern"] = 2
     elif style == "drop-head-dim":
         assert cfg.pop("head_dim") == 128
     elif style in ("qwen2", "qwen2-keep-window"):

@@ -27,7 +27,8 @@ def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_base")
     paths = {}
     for family, variant in (("llama", "swiglu"), ("llama", "tied"), ("qwen2", "base"), ("opt", "pre-ln"),
-                            ("falcon", "new-arch"), ("falcon", "classic"), ("phi3", "base")):
+                            ("falcon", "new-arch"), ("falcon", "classic"), ("phi3", "base"),
+                            ("gemma3_text", "base")):
         make_model(family, variant, root / family / variant)
         paths[(family, variant)] = root / family / variant
     return paths
@@ -116,6 +117,18 @@ def test_longrope_needs_a_factor_per_rotary_pair_and_a_rope_that_rotates_them(ba
     path = edited_copy(base[("llama", "swiglu")], tmp_path / "llama", config={
         "rope_parameters": dict(longrope, partial_rotary_factor=0.5, short_factor=[1.0] * 4, long_factor=[1.0] * 4)})
     refused(path, "partial_rotary_factor 0.5 with rope type 'longrope' is not supported")
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported (Gemma 3 has none)"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention (an embedding model's) is not supported"),
+    ({"layer_types": ["sliding_attention"]}, "field 'layer_types' must be a list of 2 of full_attention, sliding"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+     "field 'rope_parameters' must be an object of full_attention and sliding_attention rope parameters"),
+])
+def test_gemma3_options_picc_does_not_compute_are_refused(base, tmp_path, edit, message):
+    refused(edited_copy(base[("gemma3_text", "base")], tmp_path / "m", config=edit), message)
 
 
 def test_legacy_rope_scaling_types_are_refused(base, tmp_path):

@@ -195,11 +195,13 @@ def test_ffns_without_a_gpu_kernel_stay_on_the_cpu(mode, form, tmp_path, monkeyp
         assert session.executor.gpu_peak_bytes == result.plan.gpu_bytes > 0
 
 
-@pytest.mark.parametrize("family, variant", [("qwen3", "head-dim"), ("phi3", "longrope-partial")])
+@pytest.mark.parametrize("family, variant", [("qwen3", "head-dim"), ("phi3", "longrope-partial"),
+                                             ("gemma3_text", "base")])
 def test_qwen3s_head_norms_and_phi3s_longrope_run_on_the_gpu(family, variant, tmp_path, monkeypatch):
     # The GPU's rms_norm kernel takes a token's heads as its rows for Qwen3's q and k norms
     # (rms_norm with a group); its rope reads longrope's factor of the cosines and sines after the
-    # frequencies (the host build of the same TensorIR on the emulated device).
+    # frequencies; Gemma 3's embedding kernel scales the rows (the host build of the same TensorIR
+    # on the emulated device).
     from hf_models import make_model
 
     from picc.frontend import load_model
@@ -214,9 +216,12 @@ def test_qwen3s_head_norms_and_phi3s_longrope_run_on_the_gpu(family, variant, tm
         grouped = [op for op in pib.module.ops() if op.NAME == "rms_norm" and op.group]
         assert len(grouped) == 4 and all(op.type.placement == Placement.GPU for op in grouped)
         assert {op.kernel.split("_eps")[0] for op in grouped} == {"rms_norm_128_g32", "rms_norm_64_g32"}  # q, k
-    else:
+    elif family == "phi3":
         ropes = [op for op in pib.module.ops() if op.NAME == "rope"]
         assert ropes and all(op.type.placement == Placement.GPU and op.attention_factor > 1 for op in ropes)
+    else:
+        (embed,) = [op for op in pib.module.ops() if op.NAME == "embed"]
+        assert embed.type.placement == Placement.GPU and embed.scale == 8.0 and embed.kernel.endswith("_s41000000")
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     with Session(path, threads=2, gpu="emulate") as session:
         assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4

@@ -107,6 +107,29 @@ def test_hf_families_layers_compile_as_they_compute(family, variant, tmp_path):
     check_prefill(path, pib, 1e-4)
 
 
+def test_gemma3s_layer_compiles_as_it_computes(tmp_path):
+    # Gemma 3: the embedding's rows times sqrt(hidden) (a scaled embedding kernel, the table left
+    # as the tied LM head reads it), the attention's and the FFN's outputs normalised before their
+    # residual adds, a rope per layer (theta 1e4 on the sliding layer, 1e6 on the global one) and
+    # q . k scaled by query_pre_attn_scalar. The step and the chunk programs against the interpreter.
+    from hf_models import make_model
+
+    from picc.frontend import load_model
+
+    make_model("gemma3_text", "base", tmp_path / "hf")
+    model = load_model(tmp_path / "hf")
+    path, pib = compiled(model, tmp_path, "gemma3", dense=True, kv_cache="f32")
+    with PibFile(path) as f:
+        assert "call void @picc_embed_f32_scaled(" in f.text("cpu/ir")
+    ops = list(model.module.ops())
+    assert [op.scale for op in ops if isinstance(op, O.Embed)] == [pytest.approx(8.0)]  # sqrt(64)
+    assert sorted({op.theta for op in ops if isinstance(op, O.Rope)}) == [1e4, 1e6]
+    assert sum(isinstance(op, O.RMSNorm) and op.result.endswith(("post_attn_norm", "post_ffn_norm")) for op in ops) == 4
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+
+
 def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path):
     # feed(all_logits=True) (picc logits) runs all but the last token through picc_logits_chunk,
     # 32 at a time: the same logits as one step per token (GEMMs instead of GEMVs: the sums

@@ -25,6 +25,7 @@ GEMV_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("rows
 GEMM_PARAMS = (("w", "ptr"), ("x", "ptr"), ("bias", "ptr"), ("y", "ptr"), ("seq", "i32"), ("rows", "i32"),
                ("k", "i32"), ("accumulate", "i32"))
 EMBED_PARAMS = (("table", "ptr"), ("tokens", "ptr"), ("out", "ptr"), ("seq", "i32"), ("dim", "i32"))
+EMBED_SCALED_PARAMS = (*EMBED_PARAMS, ("scale", "f32"))
 
 _TILE = 4  # prefill rows that share each loaded weight vector
 _ROW_PAIR = 2  # weight rows that share each loaded prefill row (see dot_grid)
@@ -279,16 +280,18 @@ def gemm(dtype: str, rows8: bool = False) -> Kernel:
 
 
 @cache
-def embed(dtype: str, rows8: bool = False) -> Kernel:
+def embed(dtype: str, rows8: bool = False, scaled: bool = False) -> Kernel:
     """``out[s, :] = table[tokens[s], :]`` dequantised to f32 (tokens i32, threads split s);
-    ``rows8``: the table in the rows8 layout (the LM head's, tied to it)."""
+    ``rows8``: the table in the rows8 layout (the LM head's, tied to it); ``scaled``: then times
+    ``scale`` (f32, as the interpreter multiplies)."""
     check_dtype(dtype)
     if rows8 and dtype not in names.ROWS8_DTYPES:
         raise PiccError(f"codegen_cpu: the rows8 layout holds no {dtype} table")
-    symbol = names.cpu_embed(dtype, rows8)
+    symbol = names.cpu_embed(dtype, rows8, scaled)
+    params = EMBED_SCALED_PARAMS if scaled else EMBED_PARAMS
 
     def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, EMBED_PARAMS)
+        fn = kernel_fn(symbol, params)
         seq, dim = fn.sext("%seq"), fn.sext("%dim")
         lo, hi = chunk_bounds(fn, seq, fn.sext("%tid"), fn.sext("%nthreads"))
         rowb = emit_row_bytes(fn, dtype, dim)
@@ -300,7 +303,11 @@ def embed(dtype: str, rows8: bool = False) -> Kernel:
             else:
                 emit_row_to_f32(fn, dtype, fn.gep("%table", fn.v(f"mul i64 {tok}, {rowb}", "roff"), "row"), out,
                                 dim, simd)
+            if scaled:  # one pass over the row, a token's (the step's, or a prompt chunk's)
+                with fn.loop("0", dim, hint="c") as c:
+                    at = fn.at(out, 4, c)
+                    fn.store("float", fn.v(f"fmul float {fn.load('float', at, 4)}, %scale", "sc"), at, 4)
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, EMBED_PARAMS, emit, embed.__doc__ or "", token_split=True)
+    return Kernel(symbol, params, emit, embed.__doc__ or "", token_split=True)

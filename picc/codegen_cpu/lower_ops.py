@@ -249,9 +249,10 @@ class OpLowering(ABC):
         match op:
             case O.Embed():
                 table = self.weights[op.table]
-                self.call(op, kernels_dense.embed(table.dtype.value, _rows8(op)),
+                scale = (float(op.scale),) if op.scale != 1.0 else ()
+                self.call(op, kernels_dense.embed(table.dtype.value, _rows8(op), bool(scale)),
                           self.weight(op.table, layout=_layout(op)), self.tokens(),
-                          self.activation(op.result), self.rows(), self.width(op.result), batched=True)
+                          self.activation(op.result), self.rows(), self.width(op.result), *scale, batched=True)
             case O.RMSNorm():
                 group = (op.group,) if op.group is not None else ()
                 self.call(op, kernels_misc.rms_norm(op.group is not None), self.value(op.x),

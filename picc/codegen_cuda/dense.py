@@ -63,13 +63,19 @@ def gemv(name: str, rows: int, cols: int, fmt: str, bias: bool = False, residual
     return make_kernel(name, "gemv", [*args, (y, "out")])
 
 
-def embed(name: str, seq: int, vocab: int, dim: int, fmt: str) -> Kernel:
-    """``y[s] = table[tokens[s]]`` decoded to f32: the embedding when it shares the LM head's table."""
+def embed(name: str, seq: int, vocab: int, dim: int, fmt: str, scale: float = 1.0) -> Kernel:
+    """``y[s] = table[tokens[s]]`` decoded to f32 (times ``scale``, Gemma's, where it is not 1):
+    the embedding when it shares the LM head's table."""
     check_positive(seq=seq, vocab=vocab, dim=dim)
     wf = WeightFormat(fmt)
     table = wf.placeholders("W", (vocab,), dim)
     tokens = te.placeholder((seq,), "int32", name="tokens")
-    y = te.compute((seq, dim), lambda s, c: wf.load(table, (tokens[s],), c // wf.vector, c % wf.vector), name="y")
+
+    def row(s: PrimExpr, c: PrimExpr) -> PrimExpr:
+        value = wf.load(table, (tokens[s],), c // wf.vector, c % wf.vector)
+        return value * f32(scale) if scale != 1.0 else value
+
+    y = te.compute((seq, dim), row, name="y")
     return make_kernel(name, "elementwise", [*[(t, "in") for t in table], (tokens, "in"), (y, "out")])
 
 

@@ -197,7 +197,7 @@ class _Lowering:
         match op:
             case O.Embed():
                 vocab, dim = (int(d) for d in self.weights[op.table].shape)
-                k = self.kernel(name, lambda: dense.embed(name, 1, vocab, dim, self.fmt(op.table)))
+                k = self.kernel(name, lambda: dense.embed(name, 1, vocab, dim, self.fmt(op.table), op.scale))
                 self.launch(op, k, [*b.weight(op.table, "W", k), b.value(op.tokens, "tokens", k),
                                     b.value(op.result, "y", k)])
             case O.Linear():

@@ -25,10 +25,11 @@ from picc.errors import PiccError
 from picc.frontend.falcon import FalconSpec, build_falcon, fused_qkv_rows
 from picc.frontend.hf_checkpoint import Checkpoint
 from picc.frontend.hf_config import HFConfig, ffn_form, rope_from_config
-from picc.frontend.llama import LlamaSpec, build_llama, layer_weight_names, longrope_notes
+from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama, layer_weight_names, longrope_notes
 from picc.frontend.model import LoadedModel
 from picc.frontend.opt import UNIT_NORM, OptSpec, build_opt
 from picc.ir.module import Module
+from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
 
 ARCHITECTURES: dict[str, str] = {
@@ -38,6 +39,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "opt": "OPTForCausalLM",
     "falcon": "FalconForCausalLM",
 }
@@ -136,6 +138,7 @@ class LlamaFamily:
     qk_norm: bool = False  # each head's q and k RMS-normalised before the rope (Qwen3)
     partial_rope: bool = False  # default rope honours partial_rotary_factor (Phi-3)
     fused: bool = False  # qkv_proj and gate_up_proj instead of q/k/v_proj and gate/up_proj (Phi-3)
+    gemma: bool = False  # Gemma 3's layer: norms of 1 + w, four a layer, the embedding scaled, a rope per layer type
 
 
 LLAMA_FAMILIES = {
@@ -145,6 +148,7 @@ LLAMA_FAMILIES = {
     "qwen3": LlamaFamily(32, 32768, (None, None), head_dim=128, attn_bias=True, qk_norm=True),
     "phi3": LlamaFamily(None, 4096, (1, 32000), eps=1e-5, partial_rope=True, fused=True),
     "smollm3": LlamaFamily(4, 32768, (128000, 128001), tied=True, attn_bias=True, mlp_bias=True),
+    "gemma3_text": LlamaFamily(4, 131072, (2, 1), tied=True, head_dim=256, attn_bias=True, qk_norm=True, gemma=True),
 }
 
 
@@ -209,7 +213,48 @@ def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | Non
     elif family == "smollm3":
         rope_layers, windows = smollm3_layers(cfg, n_layers)
         return windows, rope_layers
+    elif family == "gemma3_text":
+        windows = tuple(cfg.opt_integer("sliding_window", 4096) if t == "sliding_attention" else None
+                        for t in gemma3_layer_types(cfg, n_layers))
+        windows = windows if any(w is not None for w in windows) else ()
     return windows, ()
+
+
+def gemma3_layer_types(cfg: HFConfig, n_layers: int) -> list[str]:
+    """``layer_types``, or (hub configs) every ``sliding_window_pattern``-th layer full and the
+    others sliding (``Gemma3TextConfig.__post_init__``, default 6)."""
+    types = cfg.raw.get("layer_types")
+    if types is None:
+        pattern = cfg.integer("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    known = ("full_attention", "sliding_attention")
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in known for t in types):
+        raise cfg.bad("layer_types", types, f"a list of {n_layers} of {', '.join(known)}")
+    return types
+
+
+def gemma3_ropes(cfg: HFConfig, head_dim: int, max_position: int, n_layers: int) -> tuple[RopeSpec, ...]:
+    """Each layer's rope (``Gemma3TextConfig.convert_rope_params_to_dict``): one per layer type,
+    ``rope_parameters`` nested by type, or (hub configs) ``rope_theta`` (default 1e6) and
+    ``rope_scaling`` for the full-attention layers and ``rope_local_base_freq`` (default 1e4) for
+    the sliding ones."""
+    params = cfg.raw.get("rope_parameters")
+    if params is None:
+        legacy = cfg.raw.get("rope_scaling") or {}
+        if not isinstance(legacy, dict):
+            raise cfg.bad("rope_scaling", legacy, "an object or null")
+        params = {"full_attention": {"rope_type": "default", "rope_theta": cfg.raw.get("rope_theta", 1e6), **legacy},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": cfg.raw.get("rope_local_base_freq", 1e4)}}
+    if not isinstance(params, dict) or set(params) != {"full_attention", "sliding_attention"}:
+        raise cfg.bad("rope_parameters", params, "an object of full_attention and sliding_attention rope parameters")
+    ropes = {}
+    for kind, default in (("full_attention", 1e6), ("sliding_attention", 1e4)):
+        one = params[kind]
+        if not isinstance(one, dict):
+            raise cfg.bad(f"rope_parameters.{kind}", one, "an object")
+        one = {"rope_theta": default, **one}
+        ropes[kind] = rope_from_config(HFConfig(cfg.path, {"rope_parameters": one}), head_dim, max_position)
+    return tuple(ropes[t] for t in gemma3_layer_types(cfg, n_layers))
 
 
 def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore]:
@@ -233,12 +278,20 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False)
     bos, eos = special_ids(cfg, directory, *rules.special_ids)
     tie = cfg.flag("tie_word_embeddings", rules.tied)
-    rope = rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope)
-    max_position = rope.positions(max_position)
+    gemma: dict = {}
+    if rules.gemma:
+        _refuse_gemma3_options(cfg)
+        ropes = gemma3_ropes(cfg, head_dim, max_position, n_layers)
+        gemma = dict(layer_ropes=ropes, sandwich=True, attn_scale=cfg.number("query_pre_attn_scalar", 256.0) ** -0.5)
+        rope = ropes[0]
+    else:
+        rope = rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope)
+    max_position = min(r.positions(max_position) for r in gemma.get("layer_ropes", (rope,)))
+    act = ("hidden_activation", "gelu_pytorch_tanh") if rules.gemma else ("hidden_act", "silu")
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", rules.eps),
-        ffn_form=ffn_form(cfg, "hidden_act", "silu", gated=True), rope=rope, tied=False, window=windows,
+        ffn_form=ffn_form(cfg, *act, gated=True), rope=rope, tied=False, window=windows, **gemma,
         bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=rules.qk_norm, rope_layers=rope_layers,
     )
 
@@ -248,6 +301,11 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
 
     def add(picc: str, hf: str, shape: tuple[int, ...]) -> None:
         store.add(picc, ckpt.tensor(p + hf, shape))
+
+    def norm(picc: str, hf: str, shape: tuple[int, ...]) -> None:
+        """A norm's weight: Gemma's multiply by 1 + w, in f32 as its forward computes it."""
+        w = ckpt.tensor(p + hf, shape)
+        store.add(picc, Tensor.from_f32(1.0 + w.to_f32()) if rules.gemma else w)
 
     def split(hf: str, shape: tuple[int, ...], parts: tuple[tuple[str, int], ...]) -> None:
         """A fused matrix (Phi-3's qkv_proj, gate_up_proj) as its parts' rows, in order."""
@@ -260,7 +318,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
     for i in range(n_layers):
         n, hf = layer_weight_names(i), f"layers.{i}."
-        add(n["attn_norm"], hf + "input_layernorm.weight", (hidden,))
+        norm(n["attn_norm"], hf + "input_layernorm.weight", (hidden,))
         projections = (("q", "q_proj", q_rows), ("k", "k_proj", kv_rows), ("v", "v_proj", kv_rows))
         if rules.fused:  # one qkv_proj: q's rows, k's, v's
             split(hf + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, hidden),
@@ -271,12 +329,17 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
             if qkv_bias:
                 add(n[f"{key}_bias"], f"{hf}self_attn.{proj}.bias", (rows,))
         if spec.qk_norm:
-            add(n["q_norm"], hf + "self_attn.q_norm.weight", (head_dim,))
-            add(n["k_norm"], hf + "self_attn.k_norm.weight", (head_dim,))
+            norm(n["q_norm"], hf + "self_attn.q_norm.weight", (head_dim,))
+            norm(n["k_norm"], hf + "self_attn.k_norm.weight", (head_dim,))
         add(n["o"], hf + "self_attn.o_proj.weight", (hidden, q_rows))
         if attn_bias:
             add(n["o_bias"], hf + "self_attn.o_proj.bias", (hidden,))
-        add(n["ffn_norm"], hf + "post_attention_layernorm.weight", (hidden,))
+        if rules.gemma:  # post_attention_layernorm is the attention's output norm
+            norm(n["post_attn_norm"], hf + "post_attention_layernorm.weight", (hidden,))
+            norm(n["ffn_norm"], hf + "pre_feedforward_layernorm.weight", (hidden,))
+            norm(n["post_ffn_norm"], hf + "post_feedforward_layernorm.weight", (hidden,))
+        else:
+            add(n["ffn_norm"], hf + "post_attention_layernorm.weight", (hidden,))
         mlp = (("gate", "gate_proj", (n_ff, hidden)), ("up", "up_proj", (n_ff, hidden)),
                ("down", "down_proj", (hidden, n_ff)))
         if rules.fused:  # one gate_up_proj: the gate's rows, then up's
@@ -286,9 +349,30 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
             add(n[key], f"{hf}mlp.{proj}.weight", shape)
             if mlp_bias:
                 add(n[f"{key}_bias"], f"{hf}mlp.{proj}.bias", shape[:1])
-    add("output_norm", "norm.weight", (hidden,))
+    norm("output_norm", "norm.weight", (hidden,))
     spec = replace(spec, tied=_lm_head(ckpt, store, (vocab, hidden), tie))
+    if rules.gemma:
+        spec = replace(spec, embed_scale=_gemma_embed_scale(hidden, store["token_embd"].dtype))
     return build_llama(spec, store), store
+
+
+def _refuse_gemma3_options(cfg: HFConfig) -> None:
+    """What Gemma 3 configs may ask for and picc does not do (Gemma 2's soft-capping, the
+    embedding models' bidirectional attention)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.raw.get(key) is not None:
+            raise PiccError(f"{cfg.path}: {key} {json.dumps(cfg.raw[key])} is not supported (Gemma 3 has none)")
+    if cfg.raw.get("use_bidirectional_attention"):
+        raise PiccError(f"{cfg.path}: use_bidirectional_attention (an embedding model's) is not supported")
+
+
+def _gemma_embed_scale(hidden: int, dtype: DType) -> float:
+    """``sqrt(hidden)`` as Gemma's embedding multiplies by it: an f32 tensor cast to the table's
+    dtype (bf16 checkpoints run with 34.0 for hidden 1152, not 33.94)."""
+    import torch
+
+    scale = torch.tensor(hidden**0.5)  # float32, as Gemma3TextScaledWordEmbedding holds it
+    return float(scale.to({DType.BF16: torch.bfloat16, DType.F16: torch.float16}.get(dtype, torch.float32)))
 
 
 # ---------------------------------------------------------------- OPT

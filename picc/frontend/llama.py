@@ -66,6 +66,10 @@ class LlamaSpec:
     window: tuple[int | None, ...] = ()  # per layer; empty means no sliding window anywhere
     qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalised (weights [head_dim]) before the rope
     rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k (SmolLM3's NoPE layers); empty: all
+    layer_ropes: tuple[RopeSpec, ...] = ()  # per layer, its own rotation (Gemma 3's local and global); empty: rope
+    embed_scale: float = 1.0  # the embedding's rows times it (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # the attention's scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim's
+    sandwich: bool = False  # Gemma: the attention's and the FFN's outputs RMS-normalised before their residual adds
     bos_id: int | None = None
     eos_id: int | None = None
     max_position: int | None = None
@@ -80,6 +84,7 @@ def layer_weight_names(i: int) -> dict[str, str]:
         "q": f"{p}.attn.q", "k": f"{p}.attn.k", "v": f"{p}.attn.v", "o": f"{p}.attn.o",
         "q_bias": f"{p}.attn.q_bias", "k_bias": f"{p}.attn.k_bias", "v_bias": f"{p}.attn.v_bias",
         "o_bias": f"{p}.attn.o_bias", "q_norm": f"{p}.attn.q_norm", "k_norm": f"{p}.attn.k_norm",
+        "post_attn_norm": f"{p}.post_attn_norm", "post_ffn_norm": f"{p}.post_ffn_norm",
         "up": f"{p}.ffn.up", "gate": f"{p}.ffn.gate", "down": f"{p}.ffn.down",
         "up_bias": f"{p}.ffn.up_bias", "gate_bias": f"{p}.ffn.gate_bias",
         "down_bias": f"{p}.ffn.down_bias",
@@ -153,12 +158,13 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
     """The IR of a LLaMA-style decoder whose weights are in ``store`` under picc's names."""
     start = start_decoder(store)
     decls, b, tokens, pos, maybe = start.decls, start.b, start.tokens, start.pos, start.maybe
-    x = b.op(O.Embed, "embed", tokens=tokens, table="token_embd")
-    rope_attrs = spec.rope.op_attrs()
+    x = b.op(O.Embed, "embed", tokens=tokens, table="token_embd", scale=spec.embed_scale)
+    scale = spec.attn_scale if spec.attn_scale is not None else 1.0 / math.sqrt(spec.head_dim)
     for i in range(spec.n_layers):
         b.in_block(i)
         n = layer_weight_names(i)
         p = f"l{i}"
+        rope_attrs = (spec.layer_ropes[i] if spec.layer_ropes else spec.rope).op_attrs()
         h = b.op(O.RMSNorm, f"{p}.attn_norm", x=x, weight=n["attn_norm"], eps=spec.eps)
         q = b.op(O.Linear, f"{p}.attn.q", x=h, weight=n["q"], bias=maybe(n["q_bias"]))
         k = b.op(O.Linear, f"{p}.attn.k", x=h, weight=n["k"], bias=maybe(n["k_bias"]))
@@ -174,8 +180,10 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         window = spec.window[i] if spec.window else None
         ctx = b.op(O.Attention, f"{p}.attn.ctx", q=q, k=k, v=v, pos=pos, n_heads=spec.n_heads,
                    n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim,
-                   scale=1.0 / math.sqrt(spec.head_dim), cache=f"l{i}", window=window)
+                   scale=scale, cache=f"l{i}", window=window)
         o = b.op(O.Linear, f"{p}.attn.out", x=ctx, weight=n["o"], bias=maybe(n["o_bias"]))
+        if spec.sandwich:
+            o = b.op(O.RMSNorm, f"{p}.post_attn_norm", x=o, weight=n["post_attn_norm"], eps=spec.eps)
         x = b.op(O.Add, f"{p}.attn.resid", a=x, b=o)
         h = b.op(O.RMSNorm, f"{p}.ffn_norm", x=x, weight=n["ffn_norm"], eps=spec.eps)
         gated = O.FFN_FORMS[spec.ffn_form].gated
@@ -183,6 +191,8 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
                  down=n["down"], up_bias=maybe(n["up_bias"]),
                  gate_bias=maybe(n["gate_bias"]) if gated else None,
                  down_bias=maybe(n["down_bias"]), form=spec.ffn_form)
+        if spec.sandwich:
+            f = b.op(O.RMSNorm, f"{p}.post_ffn_norm", x=f, weight=n["post_ffn_norm"], eps=spec.eps)
         x = b.op(O.Add, f"{p}.out", a=x, b=f)
     b.in_block(None)
     x = b.op(O.RMSNorm, "final_norm", x=x, weight="output_norm", eps=spec.eps)

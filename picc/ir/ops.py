@@ -40,17 +40,21 @@ def _float_weight(env: TypeEnv, name: str | None, role: str) -> None:
 @register_op
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Embed(Op):
-    """Token embedding: row ``tokens[i]`` of ``table`` [vocab, dim] for every position i.
-    ``layout`` (``select-kernels``): how the table is stored, ``"rows8"`` where an LM head tied to
-    it reads it eight rows at a time (:class:`~picc.ir.kernel_choice.MatrixOp`)."""
+    """Token embedding: row ``tokens[i]`` of ``table`` [vocab, dim] for every position i, times
+    ``scale`` (Gemma's ``sqrt(hidden)``, rounded as its checkpoint's dtype rounds it; the table
+    itself stays as an LM head tied to it reads it). ``layout`` (``select-kernels``): how the
+    table is stored, ``"rows8"`` where an LM head tied to it reads it eight rows at a time
+    (:class:`~picc.ir.kernel_choice.MatrixOp`)."""
 
     NAME: ClassVar[str] = "embed"
     tokens: Val
     table: Sym
+    scale: float = 1.0
     layout: str = "rows"
 
     def infer(self, env: TypeEnv) -> TensorType:
         expect(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        expect(self.scale > 0, f"scale must be > 0, got {self.scale}")
         t = env.value(self.tokens)
         expect(t.dtype.is_int and t.rank == 1, f"tokens %{self.tokens} must be i32[seq], got {t}")
         w = env.weight(self.table)

@@ -50,7 +50,7 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
     """The CPU kernel that computes ``op``."""
     match op:
         case O.Embed():
-            return names.cpu_embed(t.fmt(op.table) or "", op.layout == "rows8")
+            return names.cpu_embed(t.fmt(op.table) or "", op.layout == "rows8", op.scale != 1.0)
         case O.RMSNorm():
             return names.cpu_norm("rms_norm", op.group is not None)
         case O.LayerNorm():
@@ -91,7 +91,7 @@ def gpu_kernel(op: Op, t: Types, ctx: int, residual: bool = False) -> str:  # no
     match op:
         case O.Embed():
             vocab, dim = t.dims(op.table)
-            return names.gpu_embed(vocab, dim, t.fmt(op.table) or "")
+            return names.gpu_embed(vocab, dim, t.fmt(op.table) or "", op.scale)
         case O.Linear():
             rows, cols = t.dims(op.weight)
             return names.gpu_gemv(rows, cols, t.fmt(op.weight) or "", op.bias is not None, residual)

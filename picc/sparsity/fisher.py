@@ -82,7 +82,7 @@ class TorchForward:
         match op:
             case O.Embed():
                 # A leaf that needs a gradient, so the graph records everything after it.
-                rows = w(op.table)[env[op.tokens]]
+                rows = w(op.table)[env[op.tokens]] * op.scale
                 return rows.requires_grad_() if torch.is_grad_enabled() else rows
             case O.PosEmbed():
                 return w(op.table)[env[op.pos] + op.offset]
