@@ -222,6 +222,9 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
         "untied": dict(tie_word_embeddings=False),
+        # Gemma 3 1B's pattern as llama.cpp hard-codes it (five sliding layers, then a global one),
+        # and its query_pre_attn_scalar, head_dim (GGUF files carry neither: llama.cpp takes head_dim)
+        "six-layers": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32),
     },
     "smollm3": {
         # tied embeddings by default; the no-rope layers derived from no_rope_layer_interval

@@ -51,15 +51,19 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         "head_count": (w.add_head_count, h),
         "head_count_kv": (w.add_head_count_kv, kv),
         "rms_eps": (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]),
-        "rope_freq_base": (w.add_rope_freq_base, cfg["rope_parameters"]["rope_theta"]),
+        "rope_freq_base": (w.add_rope_freq_base, cfg["rope_parameters"].get(
+            "rope_theta", cfg["rope_parameters"].get("full_attention", {}).get("rope_theta"))),
     }
+    gemma = arch == "gemma3"  # norms stored as 1 + w, as convert_hf_to_gguf.py's Gemma3Model writes them
+    if gemma:
+        meta["sliding_window"] = (w.add_sliding_window, cfg["sliding_window"])
     if cfg.get("head_dim"):
         meta["key_length"] = (w.add_key_length, cfg["head_dim"])
     partial = cfg["rope_parameters"].get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         meta["rope_dims"] = (w.add_rope_dimension_count, int(cfg["hidden_size"] // h * partial))
     rope = cfg["rope_parameters"]
-    if rope["rope_type"] == "longrope":  # as convert_hf_to_gguf.py's Phi3MiniModel writes it
+    if rope.get("rope_type") == "longrope":  # as convert_hf_to_gguf.py's Phi3MiniModel writes it
         original = cfg.get("original_max_position_embeddings", rope["original_max_position_embeddings"])
         scale = cfg["max_position_embeddings"] / original
         meta["context_length"] = (w.add_context_length, cfg["max_position_embeddings"])
@@ -74,6 +78,8 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
 
     def tensor(name, x, qt=Q.F32):
         x = np.ascontiguousarray(x, dtype=np.float32)
+        if gemma and name.endswith("norm.weight"):
+            x = x + 1
         if qt == Q.F32 or x.ndim == 1:
             w.add_tensor(name, x)
         elif qt == Q.F16:
@@ -100,7 +106,12 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
             if p + f"self_attn.{ours}.weight" in sd:
                 tensor(f"blk.{i}.attn_{ours}.weight", sd[p + f"self_attn.{ours}.weight"])
         tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], quant_type)
-        tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        if gemma:
+            tensor(f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+            tensor(f"blk.{i}.ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
+            tensor(f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
+        else:
+            tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             if p + f"mlp.{theirs}.weight" in sd:
                 tensor(f"blk.{i}.ffn_{ours}.weight", sd[p + f"mlp.{theirs}.weight"], quant_type)
@@ -181,21 +192,27 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
 @pytest.mark.parametrize("family, variant, qt, drop", [
     ("qwen2", "base", Q.F32, ()), ("qwen3", "head-dim", Q.F32, ()), ("qwen3", "head-dim", Q.Q4_1, ()),
     ("phi3", "partial-rope", Q.F32, ()), ("phi3", "partial-rope", Q.Q8_0, ()),
-    ("phi3", "longrope-partial", Q.F32, ()), ("phi3", "longrope", Q.Q8_0, ("attn_factor",))])
+    ("phi3", "longrope-partial", Q.F32, ()), ("phi3", "longrope", Q.Q8_0, ("attn_factor",)),
+    ("gemma3_text", "six-layers", Q.F32, ()), ("gemma3_text", "six-layers", Q.Q4_1, ())])
 def test_qwen_and_phi3_ggufs_match_transformers(family, variant, qt, drop, tmp_path):
     # Rows as transformers has them (no permutation) and the half-split rope; Qwen2's q, k, v
     # biases; Qwen3's norms of each head's q and k, with heads wider than hidden / heads; Phi-3's
     # fused qkv and gate-up matrices, split, and its rope over 12 of each head's 16 features;
     # Phi-3.5's and Phi-4-mini's longrope: the short factors, the attention factor from the file
-    # (or, where it lacks one, from the context lengths).
+    # (or, where it lacks one, from the context lengths). Gemma 3 as llama.cpp runs it: norms of
+    # 1 + w as stored, every sixth layer global with the file's rope, the others sliding with base
+    # 1e4, the embedding scaled by sqrt(hidden).
     hf_dir = tmp_path / family
     make_model(family, variant, hf_dir)
-    model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=family, quant_type=qt, drop_keys=drop))
+    arch = {"gemma3_text": "gemma3"}.get(family, family)
+    tie = family == "gemma3_text"  # no output.weight: the head is the embedding
+    model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, quant_type=qt, drop_keys=drop, tie=tie))
     if variant.startswith("longrope"):
         assert model.module.attr("max_position") == 128 and "longrope: the short factors" in model.notes[-1]
     verify(model.module)
     assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {"llama"}
-    assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == 4 * (family == "qwen3")
+    grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer
+    assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == grouped
     reference = round_trip_hf_weights(hf_dir, tmp_path / "hf_q", qt) if qt != Q.F32 else hf_dir
     got = Interpreter(model.module, model.weights).run(TOKENS)
     assert rel_l2(got, reference_logits(reference, TOKENS)) <= 1e-4
@@ -359,7 +376,7 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported (supported: llama, qwen2, qwen3, phi3)"),
+    (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported (supported: llama, qwen2, qwen3, phi3, gemma3)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),

@@ -9,7 +9,9 @@ transformers' rows (llama.cpp runs them with its "neox" rope, the half-split one
 style. Qwen2 has biases on q, k and v; Qwen3 normalises each head's q and k (``attn_q_norm``,
 ``attn_k_norm``, [head_dim]) before the rope. ``phi3`` files keep transformers' rows too, with q, k
 and v in one ``attn_qkv`` and the gate's rows then up's in one ``ffn_up``, as in the checkpoint:
-picc splits them.
+picc splits them. ``gemma3`` files (Gemma 3 1B's text model) keep transformers' rows, their norms
+already ``1 + w`` (llama.cpp's converter adds the 1), and are run as llama.cpp runs them
+(:func:`_gemma3`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from picc.ir.weights import Tensor, WeightStore
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
-_ROPE_STYLES = {"llama": "gptj", "qwen2": "llama", "qwen3": "llama", "phi3": "llama"}  # see the module's docstring
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+_ROPE_STYLES = {"llama": "gptj", "qwen2": "llama", "qwen3": "llama", "phi3": "llama", "gemma3": "llama"}  # see above
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0}
 
@@ -51,6 +53,7 @@ _LAYER_NAMES = {
     "attn_output.weight": "attn.o", "attn_q.bias": "attn.q_bias", "attn_k.bias": "attn.k_bias",
     "attn_v.bias": "attn.v_bias", "attn_output.bias": "attn.o_bias",
     "attn_q_norm.weight": "attn.q_norm", "attn_k_norm.weight": "attn.k_norm",
+    "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm",  # Gemma 3's
     "attn_qkv.weight": "attn.qkv",  # Phi-3's q, k and v in one matrix (split by load_gguf)
     "ffn_up.weight": "ffn.up", "ffn_gate.weight": "ffn.gate", "ffn_down.weight": "ffn.down",
 }
@@ -254,8 +257,10 @@ def load_gguf(path: Path) -> LoadedModel:
         bos_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
         eos_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
         max_position=max_position,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
     )
+    if arch == "gemma3":
+        spec = _gemma3(spec, meta, key, path)
     module = build_llama(spec, store)
     # A GGUF without tokenizer metadata still imports; it runs on token ids only.
     has_tokenizer = meta.get("tokenizer.ggml.model") is not None
@@ -266,6 +271,29 @@ def load_gguf(path: Path) -> LoadedModel:
                   + ("(the same 4-bit values)" if kind == "Q4_K" else "(decoded and quantized again)")
                   + ", which picc's kernels read" for kind, count in sorted(changed.items())) + longrope_notes(module)
     return LoadedModel(module, store, tokenizer, source=str(path), notes=notes)
+
+
+GEMMA3_SWA_PATTERN = 6  # llama.cpp's: every sixth layer attends to everything, the others slide
+GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's rope base for the sliding layers (the file names the global one)
+
+
+def _gemma3(spec: LlamaSpec, meta: _Meta, key: Callable[[str], str], path: Path) -> LlamaSpec:
+    """A ``gemma3`` file's model as llama.cpp runs it: the embedding times ``sqrt(hidden)`` (f32),
+    GELU-tanh gated FFNs, the attention's and the FFN's outputs normalised, windows of
+    ``attention.sliding_window`` on all but every sixth layer, whose rope is the file's (base and
+    linear scaling) where the sliding layers' is base 1e4 unscaled, and q . k scaled by
+    ``1 / sqrt(head_dim)``, or ``1 / sqrt(hidden / heads)`` in the 62-layer 27B (its
+    ``query_pre_attn_scalar``)."""
+    softcap = meta.get(key("final_logit_softcapping"))
+    if softcap:
+        raise PiccError(f"{path}: {key('final_logit_softcapping')} {softcap} is not supported (Gemma 3 has none)")
+    window = _opt_int(meta.get(key("attention.sliding_window")))
+    full = [window is None or (i + 1) % GEMMA3_SWA_PATTERN == 0 for i in range(spec.n_layers)]
+    local = replace(spec.rope, theta=GEMMA3_LOCAL_THETA, scaling="none", factor=1.0)
+    scale_of = spec.hidden / spec.n_heads if spec.n_layers == 62 else spec.head_dim
+    return replace(spec, ffn_form="geglu_tanh", sandwich=True, embed_scale=float(np.float32(math.sqrt(spec.hidden))),
+                   attn_scale=1.0 / math.sqrt(scale_of), layer_ropes=tuple(spec.rope if f else local for f in full),
+                   window=tuple(None if f else window for f in full) if window is not None else ())
 
 
 def _split_phi3(store: WeightStore, n_layers: int, q_rows: int, kv_rows: int, n_ff: int, path: Path) -> WeightStore:
