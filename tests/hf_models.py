@@ -58,7 +58,7 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3_text", "opt", "falcon")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3_text", "gemma3", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -99,6 +99,11 @@ _BASE: dict[str, dict[str, Any]] = {
                         hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, pad_token_id=0,
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+    # Gemma 3 4B's layout: Gemma3ForConditionalGeneration, the text model beside a (tiny) SigLIP
+    # vision tower; text_config as the 4B's leaves out the heads and the vocabulary (defaults)
+    "gemma3": dict(text_config=None, vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                         num_attention_heads=2, image_size=28, patch_size=14),
+                   mm_tokens_per_image=4, image_token_index=250, boi_token_index=251, eoi_token_index=252),
     "opt": dict(
         vocab_size=256,
         hidden_size=64,
@@ -226,6 +231,12 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         # and its query_pre_attn_scalar, head_dim (GGUF files carry neither: llama.cpp takes head_dim)
         "six-layers": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32),
     },
+    "gemma3": {
+        "base": dict(text_config="gemma3_text"),
+        # the hub's 4B: rope_scaling (linear, 8) on the global layers, legacy keys, tensors under
+        # language_model.model. as transformers 4.x saved them
+        "hub": dict(text_config="gemma3_text:scaled-global", _hub_style="gemma3-vlm"),
+    },
     "smollm3": {
         # tied embeddings by default; the no-rope layers derived from no_rope_layer_interval
         "base": dict(_hub_style="smollm3"),
@@ -318,6 +329,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm3": {},
     "phi3": {},
     "gemma3_text": {},
+    "gemma3": {},
     "opt": {},
     "falcon": {},
 }
@@ -384,6 +396,9 @@ def variant_config(family: str, variant: str) -> dict[str, Any]:
         raise ValueError(f"unknown {family} variant {variant!r}; expected one of {list(specs)}")
     kw = copy.deepcopy(_BASE[family])
     kw.update(copy.deepcopy(specs[variant]))
+    if isinstance(kw.get("text_config"), str):  # a vision-language model: its text model is a family's variant
+        text_family, _, text_variant = kw["text_config"].partition(":")
+        kw["text_config"] = variant_config(text_family, text_variant or "base")
     return kw
 
 
@@ -398,6 +413,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "gemma3": (tf.Gemma3Config, tf.Gemma3ForConditionalGeneration),
         "opt": (tf.OPTConfig, tf.OPTForCausalLM),
         "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
     }[family]
@@ -457,6 +473,15 @@ def _rewrite_hub_style(cfg_path: pathlib.Path, style: str) -> None:
         cfg["rope_scaling"] = None
         assert cfg.pop("layer_types") == ["sliding_attention", "full_attention"]
         cfg["sliding_window_pattern"] = 2
+    elif style == "gemma3-vlm":  # the hub's Gemma 3 4B: config.json and tensor names of transformers 4.x
+        text = cfg["text_config"]
+        rp = text.pop("rope_parameters")
+        text["rope_theta"] = rp["full_attention"]["rope_theta"]
+        text["rope_local_base_freq"] = rp["sliding_attention"]["rope_theta"]
+        text["rope_scaling"] = {k: v for k, v in rp["full_attention"].items() if k != "rope_theta"}
+        _rename_tensors(cfg_path.parent, {"model.language_model.": "language_model.model.",
+                                          "model.vision_tower.": "vision_tower.",
+                                          "model.multi_modal_projector.": "multi_modal_projector."})
     elif style == "drop-head-dim":
         assert cfg.pop("head_dim") == 128
     elif style in ("qwen2", "qwen2-keep-window"):
@@ -467,6 +492,20 @@ def _rewrite_hub_style(cfg_path: pathlib.Path, style: str) -> None:
     else:  # pragma: no cover
         raise ValueError(style)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _rename_tensors(directory: pathlib.Path, prefixes: dict[str, str]) -> None:
+    """Rename the tensors of ``directory/model.safetensors`` whose names begin with a key of
+    ``prefixes`` (to that key's value)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    renamed = {}
+    for name, value in tensors.items():
+        old = next((k for k in prefixes if name.startswith(k)), None)
+        renamed[prefixes[old] + name[len(old):] if old else name] = value
+    save_file(renamed, str(path), metadata={"format": "pt"})
 
 
 def make_model(family: str, variant: str, path: pathlib.Path, seed: int = 0) -> None:

@@ -40,6 +40,7 @@ ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "opt": "OPTForCausalLM",
     "falcon": "FalconForCausalLM",
 }
@@ -65,7 +66,8 @@ def load_hf(path: Path) -> LoadedModel:
         raise PiccError(f"{cfg.path}: quantized checkpoints (quantization_config, method "
                         f"{method!r}) are not supported; picc imports f32, f16 and bf16 weights")
     name = re.sub(r"[^\w.]", "_", path.resolve().name) or "model"
-    importer = _llama_family if model_type in LLAMA_FAMILIES else {"opt": _opt, "falcon": _falcon}[model_type]
+    importer = _llama_family if model_type in LLAMA_FAMILIES else {"opt": _opt, "falcon": _falcon,
+                                                                    "gemma3": _gemma3_text_of}[model_type]
     module, store = importer(cfg, path, name)
     notes = longrope_notes(module)
     tokenizer = None
@@ -257,9 +259,14 @@ def gemma3_ropes(cfg: HFConfig, head_dim: int, max_position: int, n_layers: int)
     return tuple(ropes[t] for t in gemma3_layer_types(cfg, n_layers))
 
 
-def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore]:
+def _llama_family(cfg: HFConfig, directory: Path, name: str,
+                  prefixes: tuple[str, ...] = ()) -> tuple[Module, WeightStore]:
+    """A LLaMA-like family's model; ``prefixes``: where its tensors may be (the first that holds
+    the embedding), instead of ``model.`` or none."""
     family = str(cfg.raw["model_type"])
     rules = LLAMA_FAMILIES[family]
+    if rules.gemma:
+        cfg = HFConfig(cfg.path, {**GEMMA3_TEXT_DEFAULTS, **cfg.raw})
     vocab, hidden = cfg.integer("vocab_size"), cfg.integer("hidden_size")
     n_layers, n_heads = cfg.integer("num_hidden_layers"), cfg.integer("num_attention_heads")
     n_ff = cfg.integer("intermediate_size")
@@ -296,7 +303,10 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     )
 
     ckpt = Checkpoint(directory)
-    p = _prefix(ckpt, "model.", "", "embed_tokens.weight")
+    if prefixes:
+        p = next((pre for pre in prefixes if pre + "embed_tokens.weight" in ckpt), prefixes[0])
+    else:
+        p = _prefix(ckpt, "model.", "", "embed_tokens.weight")
     store = WeightStore()
 
     def add(picc: str, hf: str, shape: tuple[int, ...]) -> None:
@@ -354,6 +364,26 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, We
     if rules.gemma:
         spec = replace(spec, embed_scale=_gemma_embed_scale(hidden, store["token_embd"].dtype))
     return build_llama(spec, store), store
+
+
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                        "num_hidden_layers": 26, "num_attention_heads": 8}
+"""Gemma3TextConfig's defaults for the fields LLaMA's configs always carry: the 4B, 12B and 27B
+checkpoints' text_config leaves out those equal to them (4B: the heads and the vocabulary)."""
+
+
+def _gemma3_text_of(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightStore]:
+    """Gemma 3 4B, 12B and 27B (``Gemma3ForConditionalGeneration``): its language model alone,
+    from ``text_config``, the token ids and the tying from the top level, the weights under
+    ``model.language_model.`` (as transformers 5 saves them) or ``language_model.model.`` (the hub's
+    files, saved by 4.x). The vision tower and its projector are not imported: prompts are text."""
+    text = cfg.raw.get("text_config")
+    if not isinstance(text, dict):
+        raise cfg.bad("text_config", text, "an object (the language model's config)")
+    top = {k: cfg.raw[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg.raw}
+    raw = {**text, **top, "model_type": "gemma3_text"}
+    return _llama_family(HFConfig(cfg.path, raw), directory, name,
+                         prefixes=("model.language_model.", "language_model.model."))
 
 
 def _refuse_gemma3_options(cfg: HFConfig) -> None:
