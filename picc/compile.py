@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from picc.errors import PiccError
+from picc.frontend.llama import longrope_for_context
 from picc.frontend.model import LoadedModel
 from picc.ir import ops as O
 from picc.ir.module import Module
@@ -116,6 +117,10 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
                         "compile the model it came from")
     if not any(isinstance(op, O.FFN) for op in model.module.ops()):
         raise PiccError(f"{model.source}: no FFN layers found; picc compiles decoder LLMs")
+    if (module := longrope_for_context(model.module, options.ctx)) is not model.module:
+        say(f"longrope: --ctx {options.ctx} is past the short factors' positions, so every position rotates "
+            "with the long factors (as llama.cpp chooses)")
+        model = replace(model, module=module)
     # A dense model for the CPU keeps its own down layout (a quantized down would be requantized);
     # neurons that may move to a GPU need it neuron-major.
     cpu_only = target.gpu is None or (options.vram is not None and parse_size(options.vram) == 0)

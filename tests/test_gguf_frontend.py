@@ -208,7 +208,8 @@ def test_qwen_and_phi3_ggufs_match_transformers(family, variant, qt, drop, tmp_p
     tie = family == "gemma3_text"  # no output.weight: the head is the embedding
     model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, quant_type=qt, drop_keys=drop, tie=tie))
     if variant.startswith("longrope"):
-        assert model.module.attr("max_position") == 128 and "longrope: the short factors" in model.notes[-1]
+        assert model.module.attr("max_position") == 256 and "longrope: a --ctx up to 128" in model.notes[-1]
+        assert all(len(op.long_factors) == len(op.freq_factors) for op in model.module.ops() if op.NAME == "rope")
     verify(model.module)
     assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {"llama"}
     grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer

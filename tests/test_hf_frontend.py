@@ -91,6 +91,29 @@ def test_variant_matches_transformers(zoo, family, variant):
     assert rel_l2(got, want) <= TOL
 
 
+@pytest.mark.parametrize("variant", ["longrope", "longrope-partial"])
+def test_longrope_contexts_past_the_original_length_take_the_long_factors(zoo, variant):
+    """transformers rotates a sequence longer than original_max_position_embeddings (128 here)
+    with the long factors at every position; a compile for a longer context does the same
+    (llama.cpp's choice: a KV cache's rows are not rotated again as a sequence grows), a shorter
+    one keeps the short factors."""
+    from picc.compile import CompileOptions, compile_model
+    from picc.frontend.llama import longrope_for_context
+
+    model = zoo.load("phi3", variant)
+    ids = [(7 * i + 3) % 250 + 1 for i in range(150)]
+    want = reference_logits(zoo.path("phi3", variant), ids)
+    assert longrope_for_context(model.module, 128) is model.module
+    longer = longrope_for_context(model.module, 256)
+    assert rel_l2(Interpreter(longer, model.weights).run(ids), want) <= TOL
+    assert rel_l2(Interpreter(model.module, model.weights).run(ids), want) > 100 * TOL  # the short factors
+    said: list[str] = []
+    compiled = compile_model(model, CompileOptions(dense=True, ctx=256, batch_step=False), say=said.append)
+    assert any(line.startswith("longrope: --ctx 256 is past the short factors' positions") for line in said)
+    ropes = [op for op in compiled.model.module.ops() if isinstance(op, O.Rope)]
+    assert ropes and all(op.freq_factors == op.long_factors != () for op in ropes)
+
+
 # ---------------------------------------------------------------- the config reaches the IR
 
 

@@ -235,7 +235,6 @@ def load_gguf(path: Path) -> LoadedModel:
         if scaling != "none" or rope_factors is not None:
             raise PiccError(f"{path}: longrope factors and other rope scaling together are not supported")
         rope = _longrope(meta, key, factors, rope, rope_dim, max_position, path)
-        max_position = rope.original_max_position
     n_layers, n_ff = int(meta.need(key("block_count"))), int(meta.need(key("feed_forward_length")))  # type: ignore[arg-type]
     if arch == "phi3":
         store = _split_phi3(store, n_layers, n_heads * head_dim, n_kv * head_dim, n_ff, path)
@@ -354,17 +353,18 @@ def llama3_rope(factors: np.ndarray, rope: RopeSpec, rotated: int, path: Path) -
 
 def _longrope(meta: _Meta, key: Callable[[str], str], factors: dict[str, np.ndarray], rope: RopeSpec,
               rotated: int, context: int | None, path: Path) -> RopeSpec:
-    """Phi-3.5's, Phi-4-mini's and Phi-3-128k's longrope as llama.cpp runs it at contexts up to
-    ``rope.scaling.original_context_length``: the short factors (``rope_factors_short``), the
-    cosines and sines times ``rope.scaling.attn_factor`` (convert_hf_to_gguf.py writes
-    transformers' default, ``sqrt(1 + ln(context / original) / ln(original))``, computed here
-    where a file lacks it). llama.cpp takes the long factors for longer contexts; picc does not."""
-    short = factors.get(LONGROPE_SHORT)
-    if short is None or LONGROPE_LONG not in factors:
+    """Phi-3.5's, Phi-4-mini's and Phi-3-128k's longrope as llama.cpp runs it: the short factors
+    (``rope_factors_short``) for contexts up to ``rope.scaling.original_context_length``, the long
+    ones past it (``longrope_for_context``), the cosines and sines times
+    ``rope.scaling.attn_factor`` (convert_hf_to_gguf.py writes transformers' default,
+    ``sqrt(1 + ln(context / original) / ln(original))``, computed here where a file lacks it)."""
+    short, long = factors.get(LONGROPE_SHORT), factors.get(LONGROPE_LONG)
+    if short is None or long is None:
         raise PiccError(f"{path}: longrope needs both {LONGROPE_SHORT} and {LONGROPE_LONG}")
-    if short.shape != (rotated // 2,) or not np.all(short > 0):
-        raise PiccError(f"{path}: {LONGROPE_SHORT} must hold {rotated // 2} positive factors (one per rotary "
-                        f"pair), got shape {short.shape}")
+    for name, f in ((LONGROPE_SHORT, short), (LONGROPE_LONG, long)):
+        if f.shape != (rotated // 2,) or not np.all(f > 0):
+            raise PiccError(f"{path}: {name} must hold {rotated // 2} positive factors (one per rotary pair), got "
+                            f"shape {f.shape}")
     original = _opt_int(meta.get(key("rope.scaling.original_context_length")))
     if original is None or original < 2:
         raise PiccError(f"{path}: longrope needs {key('rope.scaling.original_context_length')} (an integer >= 2)")
@@ -375,7 +375,8 @@ def _longrope(meta: _Meta, key: Callable[[str], str], factors: dict[str, np.ndar
     if not float(attention) > 0:  # type: ignore[arg-type]
         raise PiccError(f"{path}: {key('rope.scaling.attn_factor')} must be > 0, got {attention}")
     return replace(rope, scaling="longrope", original_max_position=original,
-                   freq_factors=tuple(float(f) for f in short), attention_factor=float(attention))  # type: ignore[arg-type]
+                   freq_factors=tuple(float(f) for f in short), long_factors=tuple(float(f) for f in long),
+                   attention_factor=float(attention))  # type: ignore[arg-type]
 
 
 def _inv_freq(rope: RopeSpec, rotated: int) -> np.ndarray:

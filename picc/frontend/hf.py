@@ -293,7 +293,6 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         rope = ropes[0]
     else:
         rope = rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope)
-    max_position = min(r.positions(max_position) for r in gemma.get("layer_ropes", (rope,)))
     act = ("hidden_activation", "gelu_pytorch_tanh") if rules.gemma else ("hidden_act", "silu")
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
@@ -531,7 +530,7 @@ def _falcon(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, WeightSt
         n_kv_heads=groups, n_ff=n_ff, eps=cfg.number("layer_norm_epsilon", 1e-5),
         ffn_form=ffn_form(cfg, "activation", "gelu", gated=False), parallel=parallel,
         rope=rope, tied=False, bos_id=bos, eos_id=eos,
-        max_position=rope.positions(max_position) if rope is not None else max_position,
+        max_position=max_position,
     )
 
     ckpt = Checkpoint(directory)

@@ -142,9 +142,8 @@ def _longrope(cfg: HFConfig, params: dict, source: str, theta: float, head_dim: 
     """``_compute_longrope_parameters`` for contexts up to ``original_max_position_embeddings``,
     where transformers takes the short factors; ``attention_factor`` (the cosines' and sines'
     factor) defaults to ``sqrt(1 + ln(factor) / ln(original))``, ``factor`` to
-    ``max_position_embeddings / original``. Past the original length transformers switches to
-    the long factors, for every position, and picc does not (the caller caps the model's
-    positions at the original length)."""
+    ``max_position_embeddings / original``. The long factors go with them: a compile for a longer
+    context takes them (``longrope_for_context``)."""
     rotated = rotary_dim or head_dim
     original = positive("original_max_position_embeddings")
     if original != int(original) or original < 2:
@@ -162,7 +161,8 @@ def _longrope(cfg: HFConfig, params: dict, source: str, theta: float, head_dim: 
     else:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeSpec(theta=theta, rotary_dim=rotary_dim, scaling="longrope", original_max_position=int(original),
-                    freq_factors=factors["short_factor"], attention_factor=attention)
+                    freq_factors=factors["short_factor"], long_factors=factors["long_factor"],
+                    attention_factor=attention)
 
 
 def ffn_form(cfg: HFConfig, key: str, default: str, *, gated: bool) -> str:

@@ -7,7 +7,7 @@ picc's weight names (``l3.attn.q``, ``l3.ffn.up``, ...); ``build_llama`` emits t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from picc.ir import ops as O
@@ -30,20 +30,15 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
-    freq_factors: tuple[float, ...] = ()  # longrope: a factor per rotary pair
+    freq_factors: tuple[float, ...] = ()  # longrope: a factor per rotary pair (the short ones)
+    long_factors: tuple[float, ...] = ()  # longrope: those of contexts past original_max_position
     attention_factor: float = 1.0  # longrope: the cosines' and sines' factor
 
     def op_attrs(self) -> dict[str, object]:
         """The ``rope`` op's attributes for these settings."""
         return {f: getattr(self, f) for f in ("style", "theta", "rotary_dim", "scaling", "factor", "low_freq_factor",
                                               "high_freq_factor", "original_max_position", "freq_factors",
-                                              "attention_factor")}
-
-    def positions(self, max_position: int) -> int:
-        """The positions a model of ``max_position_embeddings`` runs at with these settings:
-        longrope's short factors hold up to the original length (transformers takes the long
-        ones past it, for every position; picc does not)."""
-        return self.original_max_position if self.scaling == "longrope" else max_position
+                                              "long_factors", "attention_factor")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,5 +202,19 @@ def longrope_notes(module: Module) -> tuple[str, ...]:
     rope = next((op for op in module.function().ops if isinstance(op, O.Rope) and op.scaling == "longrope"), None)
     if rope is None:
         return ()
-    return (f"longrope: the short factors, which hold up to {rope.original_max_position} positions (the model's "
-            "context here); picc does not switch to the long factors past them, as transformers and llama.cpp do",)
+    return (f"longrope: a --ctx up to {rope.original_max_position} rotates with the short factors, a longer one "
+            "with the long factors at every position, as llama.cpp chooses (transformers switches a sequence to "
+            f"them once it passes {rope.original_max_position} tokens)",)
+
+
+def longrope_for_context(module: Module, ctx: int) -> Module:
+    """``module`` for a KV cache of ``ctx`` positions: its longrope ropes with their long factors
+    where ``ctx`` is past the original length (llama.cpp's choice, for every position: a cache's
+    rows cannot be rotated again as a sequence grows, which is what transformers does)."""
+    func = module.function()
+    ops = tuple(replace(op, freq_factors=op.long_factors)
+                if isinstance(op, O.Rope) and op.long_factors and ctx > op.original_max_position else op
+                for op in func.ops)
+    if ops == func.ops:
+        return module
+    return replace(module, functions=tuple(replace(f, ops=ops) if f is func else f for f in module.functions))

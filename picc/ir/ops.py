@@ -169,9 +169,11 @@ class Rope(Op):
     ``gptj`` pairs 2i with 2i + 1. ``scaling`` adjusts ``inv_freq`` as transformers does:
     ``linear`` divides it by ``factor``; ``llama3`` divides only the low frequencies, smoothing
     between ``low_freq_factor`` and ``high_freq_factor`` relative to ``original_max_position``;
-    ``longrope`` divides each by its own ``freq_factors[i]`` (Phi-3.5's and Phi-4-mini's short or
-    long factors). The cosines and sines are multiplied by ``attention_factor`` (longrope's
-    scaling of attention, as transformers applies it: the rotated features only).
+    ``longrope`` divides each by its own ``freq_factors[i]`` (Phi-3.5's and Phi-4-mini's short
+    factors; ``long_factors``: the ones a context past ``original_max_position`` takes instead,
+    :func:`picc.frontend.llama.longrope_for_context`). The cosines and sines are multiplied by
+    ``attention_factor`` (longrope's scaling of attention, as transformers applies it: the rotated
+    features only).
 
     ``launched_with`` (``select-kernels``, on the GPU): an earlier rope of the same rotation (a
     layer's q rope, for its k rope) whose launch computes this one too; the value is the same.
@@ -192,6 +194,7 @@ class Rope(Op):
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     freq_factors: tuple[float, ...] = ()
+    long_factors: tuple[float, ...] = ()
     attention_factor: float = 1.0
 
     @property
@@ -230,8 +233,11 @@ class Rope(Op):
                and (not self.freq_factors or len(self.freq_factors) == self.rotated // 2),
                f"freq_factors: one per rotary pair ({self.rotated // 2}) with longrope scaling, none otherwise; "
                f"got {len(self.freq_factors)} with {self.scaling!r}")
-        expect(all(f > 0 for f in self.freq_factors) and self.attention_factor > 0,
-               "freq_factors and attention_factor must be > 0")
+        expect(not self.long_factors or len(self.long_factors) == len(self.freq_factors),
+               f"long_factors: one per rotary pair ({self.rotated // 2}), with longrope's freq_factors; "
+               f"got {len(self.long_factors)}")
+        expect(all(f > 0 for f in self.freq_factors + self.long_factors) and self.attention_factor > 0,
+               "freq_factors, long_factors and attention_factor must be > 0")
         return t
 
     def inv_freq(self) -> np.ndarray:
