@@ -50,7 +50,7 @@ def _sampling(args: argparse.Namespace):  # noqa: ANN202 - SamplingOptions
     from runtime.sampling import SamplingOptions
 
     options = SamplingOptions(args.temperature, args.top_k, args.top_p, args.repeat_penalty, args.presence_penalty,
-                              args.frequency_penalty, _logit_bias(args.logit_bias))
+                              args.frequency_penalty, _logit_bias(args.logit_bias), min_p=args.min_p)
     try:
         options.check()
     except ValueError as e:
@@ -423,6 +423,9 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: off)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
+    s.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than MIN_P times the most likely one, as llama.cpp's --min-p "
+                        "(default 0: off)")
     s.add_argument("--repeat-penalty", type=float, default=1.0,
                    help="repetition penalty over the prompt's and the generated tokens, as llama.cpp and "
                         "transformers apply it (default 1: off)")

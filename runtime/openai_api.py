@@ -13,9 +13,9 @@ token's log-probability, in each API's own shape (:func:`completion_logprobs`,
 scores a prompt without generating). ``logit_bias``, ``presence_penalty`` and
 ``frequency_penalty`` apply as OpenAI defines them (``runtime.sampling``). ``best_of`` above 1
 is refused with a message that says so; fields OpenAI defines that do not change what picc
-computes (``user``) are checked and ignored. ``top_k``, ``repetition_penalty`` and ``ignore_eos``
-(generate ``max_tokens`` tokens whatever they are: benchmarks) are the usual extensions (vLLM takes
-them too). Chat messages' roles are OpenAI's (:data:`ROLES`).
+computes (``user``) are checked and ignored. ``top_k``, ``min_p``, ``repetition_penalty`` and
+``ignore_eos`` (generate ``max_tokens`` tokens whatever they are: benchmarks) are the usual
+extensions (vLLM takes them too). Chat messages' roles are OpenAI's (:data:`ROLES`).
 """
 
 from __future__ import annotations
@@ -150,6 +150,7 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens", least_tokens: int =
     temperature = f.number("temperature", 1.0, 0.0, 2.0)
     top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = f.integer("top_k", 0, 0)
+    min_p = f.number("min_p", 0.0, 0.0, 1.0)
     penalty = f.number("repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)
     seed = f.integer("seed", None, -(2**63), 2**64 - 1)
     stream = f.boolean("stream")
@@ -162,7 +163,7 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens", least_tokens: int =
             raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
         include_usage = bool(stream_options.get("include_usage", False))
     max_tokens = f.integer(max_tokens_name, None, least_tokens)
-    options = SamplingOptions(temperature, top_k or 0, top_p, penalty, presence, frequency, logit_bias)
+    options = SamplingOptions(temperature, top_k or 0, top_p, penalty, presence, frequency, logit_bias, min_p=min_p)
     return Params(model, n=n, max_tokens=max_tokens, options=options,
                   seed=None if seed is None else seed % 2**63, stop=_stops(f.get("stop")), stream=stream,
                   include_usage=include_usage, ignore_eos=f.boolean("ignore_eos"))

@@ -8,8 +8,10 @@ already seen, in the prompt or since, has a positive logit divided by the penalt
 multiplied), then the frequency and presence penalties (a token generated c times so far loses
 ``c * frequency + (c > 0) * presence``: OpenAI's definition, counted over the generated tokens
 only, as vLLM counts them), then temperature, then top-k, then top-p (the smallest set of most
-likely tokens whose probability reaches p), then a draw from what is left. Temperature 0 is
-greedy: the argmax of the biased and penalised logits.
+likely tokens whose probability reaches p), then min-p (tokens less likely than ``min_p`` times
+the most likely one are dropped: transformers' ``MinPLogitsWarper``, llama.cpp's and vLLM's
+``min_p``), then a draw from what is left. Temperature 0 is greedy: the argmax of the biased and
+penalised logits.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class SamplingOptions:
     presence_penalty: float = 0.0  # 0: off; OpenAI's range -2..2
     frequency_penalty: float = 0.0  # 0: off; likewise
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), -100..100 each
+    min_p: float = 0.0  # 0: off; keep tokens at least min_p times as likely as the most likely one
 
     def check(self) -> None:
         """Raise ValueError naming the option when one is out of range (NaN and infinities are)."""
@@ -39,6 +42,8 @@ class SamplingOptions:
             raise ValueError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min-p must be in [0, 1] (0 turns it off), got {self.min_p}")
         if not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition penalty must be a finite value > 0 (1 turns it off), got "
                              f"{self.repetition_penalty}")
@@ -100,6 +105,9 @@ def sample(logits: np.ndarray, options: SamplingOptions, rng: np.random.Generato
         mask = np.zeros_like(p, dtype=bool)
         mask[keep] = True
         p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    if options.min_p > 0:
+        p = np.where(p >= options.min_p * p.max(), p, 0.0)
         p /= p.sum()
     return int(rng.choice(p.size, p=p))
 

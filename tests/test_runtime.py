@@ -485,6 +485,17 @@ def test_sampling_options_do_what_they_say():
     # p(1), p(2) ~ 0.35, 0.32 of the whole: top-p 0.5 keeps exactly those two.
     draws = {sample(logits, SamplingOptions(temperature=1.0, top_p=0.5), rng) for _ in range(300)}
     assert draws == {1, 2}
+    # min-p keeps the tokens at least min_p times as likely as the most likely one: the set
+    # transformers' MinPLogitsWarper keeps (p ~ 0.36, 0.33, 0.30, 0.02, 0.007 for ids 1, 2, 4, 0, 3).
+    import torch
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    for min_p, kept in ((0.85, {1, 2}), (0.5, {1, 2, 4})):
+        draws = {sample(logits, SamplingOptions(temperature=1.0, min_p=min_p), rng) for _ in range(400)}
+        warped = MinPLogitsWarper(min_p)(None, torch.tensor(logits[None], dtype=torch.float32))[0]
+        assert draws == kept == set(np.flatnonzero(np.isfinite(warped.numpy())).tolist())
+    with pytest.raises(ValueError, match="min-p must be in"):
+        SamplingOptions(min_p=1.5).check()
     # A strong repetition penalty moves greedy off a seen token.
     assert sample(logits, SamplingOptions(repetition_penalty=10.0), rng, seen=[1]) == 2
     a = [sample(logits, SamplingOptions(temperature=1.0), np.random.default_rng(7)) for _ in range(20)]

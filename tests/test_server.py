@@ -242,17 +242,17 @@ def test_n_choices_and_lists_of_prompts_are_single_runs_each(server, model):
     # Choice j of prompt p is the request for prompt p alone with seed + j: sequences of their own,
     # decoded in the same batches as any others.
     client = server.client()
-    options = SamplingOptions(temperature=0.8, top_p=0.9)
+    options = SamplingOptions(temperature=0.8, top_p=0.9, min_p=0.1)  # min_p changes these draws
     prompts = PROMPTS[:2]
     expected = [text_of(model, alone(model, encode(model, p), 8, options, seed=5 + j)) for p in prompts for j in range(3)]
     done = client.completions.create(model="tiny", prompt=prompts, n=3, max_tokens=8, temperature=0.8, top_p=0.9,
-                                     seed=5)
+                                     seed=5, extra_body={"min_p": 0.1})
     assert [c.index for c in done.choices] == list(range(6))
     assert [c.text for c in done.choices] == expected
     assert done.usage.prompt_tokens == sum(len(encode(model, p)) for p in prompts)
     assert done.usage.completion_tokens == 6 * 8
     streamed = client.completions.create(model="tiny", prompt=prompts, n=3, max_tokens=8, temperature=0.8,
-                                         top_p=0.9, seed=5, stream=True)
+                                         top_p=0.9, seed=5, stream=True, extra_body={"min_p": 0.1})
     texts = [""] * 6
     for chunk in streamed:
         for choice in chunk.choices:
@@ -331,6 +331,7 @@ def error_of(response: httpx.Response) -> dict:
     ({"prompt": "the", "max_tokens": 0}, 400, "max_tokens", None),
     ({"prompt": "the", "temperature": 3}, 400, "temperature", None),
     ({"prompt": "the", "top_p": 0}, 400, "top_p", None),
+    ({"prompt": "the", "min_p": 1.5}, 400, "min_p", None),
     ({"prompt": "the", "stream": "yes"}, 400, "stream", None),
     ({"prompt": "the", "n": 0}, 400, "n", None),
     ({"prompt": ["the", "a"], "n": 65}, 400, "n", None),  # 130 choices: past OpenAI's 128
