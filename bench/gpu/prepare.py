@@ -9,7 +9,9 @@ tokenizers, torch and the CUDA driver), so everything it needs is made here:
   predictor, gate-first and dense mode, whole on the GPU and split between the devices, as PTX
   (pc-low, sm_75: JIT-compiled for the device) and as cubin (h100, sm_90); relu-demo for the
   h100 target split at 12 MiB, whole on the GPU, and on the CPU alone (the baseline the split
-  one must beat);
+  one must beat); tiny Gemma 3 and Phi-4-mini-like models (transformers' layouts, random weights)
+  whole on the GPU: the embedding kernel that scales its rows, the rope kernel that scales its
+  cosines and sines (longrope);
 * ``ref/cases.json`` and ``ref/<case>.npy``: per file, the interpreter's logits of a prompt (every
   position) and the host-emulated GPU's greedy tokens;
 * ``units/``: every distinct kernel of those files with the arena's contents before and after one
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from conftest import half_the_ffn, tiny_llama, with_tokenizer  # noqa: E402
+from hf_models import make_model  # noqa: E402
 
 from picc.codegen_cuda import build_cuda, dense_ffn, sparse_ffn  # noqa: E402
 from picc.compile import CompileOptions, compile_model, write_compiled  # noqa: E402
@@ -175,6 +178,13 @@ def main() -> None:
             whole = compile_model(model, options("4MiB"), say=lambda _: None)
             for tag, vram in (("whole", "4MiB"), ("split", str(half_the_ffn(whole)))):
                 add(f"tiny_{mode}_{target}_{tag}", model, options(vram), TOKENS)
+    for family, variant in (("gemma3_text", "base"), ("phi3", "longrope-partial")):
+        name = f"{family}_{variant}_h100_whole"
+        if not wanted or name.startswith(wanted):
+            make_model(family, variant, args.out / "hf" / family)
+            add(name, load_model(args.out / "hf" / family), CompileOptions(target="h100", vram="4MiB", dense=True),
+                TOKENS)
+            shutil.rmtree(args.out / "hf")
     relu = load_model("relu-demo")
     ids = [int(i) for i in relu.tokenizer.encode(RELU_PROMPT)]
     for tag, vram in (("split", "12MiB"), ("whole", "64MiB"), ("cpu", "0")):
