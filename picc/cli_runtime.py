@@ -122,8 +122,9 @@ def _text_of(session, args: argparse.Namespace):  # noqa: ANN001, ANN202 - a Tex
 
 class _Chat:
     """``picc run --chat``: the conversation so far, rendered by the model's chat template for each
-    turn; a turn feeds only what the rendering adds to the tokens already in the KV cache (the
-    reply's rows stay where they differ from nothing the template writes)."""
+    turn; a turn feeds the rendering's tokens from the first that differs from those in the KV
+    cache (the earlier turns' rows are kept, the last reply's as far as the template writes it
+    back as it was generated)."""
 
     def __init__(self, session, args: argparse.Namespace) -> None:  # noqa: ANN001
         self.session, self.text = session, _text_of(session, args)

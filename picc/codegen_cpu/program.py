@@ -311,8 +311,7 @@ class GreedyLoop:
         for k in range(self.stops):
             lines += [f"  %p.stop{k} = getelementptr inbounds i32, ptr %params, i64 {slot['stops'] + k}",
                       f"  %stop{k} = load i32, ptr %p.stop{k}, align 4"]
-        lines += [
-                  "  br label %head",
+        lines += ["  br label %head",
                   "head:",
                   "  %i = phi i32 [0, %entry], [%next, %fed]",
                   "  %more = icmp slt i32 %i, %steps",
