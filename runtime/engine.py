@@ -77,7 +77,8 @@ class Request:
     max_tokens: int
     options: SamplingOptions = SamplingOptions()
     seed: int | None = None
-    stop_at_eos: bool = True
+    stop_at_eos: bool = True  # the model's stop tokens end the sequence
+    stop_ids: frozenset[int] = frozenset()  # more tokens that end it, whatever stop_at_eos says
     progress: bool = True
     logprobs: int | None = None  # each token's log-probability, and this many most likely tokens'
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
@@ -415,8 +416,7 @@ class Engine:
         steps = min(self._loop_steps, seq.request.max_tokens - seq.made, self.ctx - seq.pos)
         self.pool.bind(seq.slot)
         start = time.perf_counter()
-        tokens = self.executor.greedy_steps(seq.history[-1], seq.pos, steps,
-                                            self.stops if seq.request.stop_at_eos else ())
+        tokens = self.executor.greedy_steps(seq.history[-1], seq.pos, steps, self.stops_of(seq.request))
         self._loop_steps = max(1, int(FLUSH_SECONDS * len(tokens) / max(time.perf_counter() - start, 1e-9)))
         for token in tokens:
             self._advance(seq, lambda token=token: token, self.executor.logits)
@@ -457,10 +457,15 @@ class Engine:
             self.pool.hold(seq.slot, seq.history, seq.pos)
         self.stats.generated_tokens += 1
         seq.pending.append(nxt)
-        if seq.request.stop_at_eos and nxt in self.stops:
+        if nxt in self.stops_of(seq.request):
             self._finish(seq, "done", "stop")
         elif seq.made >= seq.request.max_tokens or seq.pos >= self.ctx:
             self._finish(seq, "done", "length")
+
+    def stops_of(self, request: Request) -> frozenset[int]:
+        """The tokens that end ``request``'s sequence: the model's (unless it ignores them) and
+        its own."""
+        return (self.stops | request.stop_ids) if request.stop_at_eos else request.stop_ids
 
     def _finish(self, seq: Sequence, kind: str, detail: str) -> None:
         seq.report()

@@ -106,7 +106,7 @@ class Generation:
         self.queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.tokens = 0
-        self.stops = engine.stops if request.stop_at_eos else frozenset()
+        self.stop_ids = engine.stops_of(request)
         self.logprobs: list[TokenLogprob] = []  # reported with the next tokens
         self.first = request.prompt[0]
 
@@ -151,7 +151,7 @@ class Generation:
         parts = []
         for token in tokens:
             self.tokens += 1
-            if token not in self.stops:
+            if token not in self.stop_ids:
                 parts.append(self.stream.add(token))
             if self.stream.stopped:
                 break

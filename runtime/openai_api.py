@@ -13,8 +13,9 @@ token's log-probability, in each API's own shape (:func:`completion_logprobs`,
 scores a prompt without generating). ``logit_bias``, ``presence_penalty`` and
 ``frequency_penalty`` apply as OpenAI defines them (``runtime.sampling``). ``best_of`` above 1
 is refused with a message that says so; fields OpenAI defines that do not change what picc
-computes (``user``) are checked and ignored. ``top_k``, ``min_p``, ``repetition_penalty`` and
-``ignore_eos`` (generate ``max_tokens`` tokens whatever they are: benchmarks) are the usual
+computes (``user``) are checked and ignored. ``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos`` (generate ``max_tokens`` tokens whatever they are: benchmarks) and
+``stop_token_ids`` (more tokens that end a choice, even with ``ignore_eos``) are the usual
 extensions (vLLM takes them too). Chat messages' roles are OpenAI's (:data:`ROLES`).
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 from runtime.sampling import SamplingOptions, TokenLogprob
 
 MAX_STOPS = 4  # OpenAI's limit on "stop" strings
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids a request may give
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's "top_logprobs"
 MAX_COMPLETION_LOGPROBS = 5  # and on completions' "logprobs"
 MAX_CHOICES = 128  # OpenAI's limit on "n"; the server's queue may refuse fewer (429)
@@ -67,6 +69,7 @@ class Params:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
     logprobs: int | None = None  # each token's log-probability and this many alternatives'
     echo: bool = False  # completions: the prompt (and its tokens' log-probabilities) first
 
@@ -166,7 +169,8 @@ def _common(f: _Fields, max_tokens_name: str = "max_tokens", least_tokens: int =
     options = SamplingOptions(temperature, top_k or 0, top_p, penalty, presence, frequency, logit_bias, min_p=min_p)
     return Params(model, n=n, max_tokens=max_tokens, options=options,
                   seed=None if seed is None else seed % 2**63, stop=_stops(f.get("stop")), stream=stream,
-                  include_usage=include_usage, ignore_eos=f.boolean("ignore_eos"))
+                  include_usage=include_usage, ignore_eos=f.boolean("ignore_eos"),
+                  stop_token_ids=_stop_token_ids(f.get("stop_token_ids")))
 
 
 def _logit_bias(v: object) -> tuple[tuple[int, float], ...]:
@@ -194,6 +198,16 @@ def _stops(v: object) -> list[str]:
     if any(not s for s in stops):
         raise invalid("'stop' strings must not be empty", "stop")
     return list(stops)
+
+
+def _stop_token_ids(v: object) -> frozenset[int]:
+    if v is None:
+        return frozenset()
+    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+        raise invalid("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(v)}", "stop_token_ids")
+    return frozenset(v)
 
 
 def completion_params(body: object) -> Params:

@@ -283,6 +283,9 @@ def _start(served: ServedModel, params: Params, prompts: list[list[int]], prompt
     error = params.options.vocabulary_error(engine.executor.vocab)
     if error:
         raise invalid(error, "logit_bias")
+    if any(t >= engine.executor.vocab for t in params.stop_token_ids):
+        raise invalid(f"'stop_token_ids' names token {max(params.stop_token_ids)}, outside the vocabulary of "
+                      f"{engine.executor.vocab}", "stop_token_ids")
     for ids in prompts:
         error = context_error(len(ids), params.max_tokens, engine.ctx, prompt_field)
         if error is not None:
@@ -295,7 +298,8 @@ def _start(served: ServedModel, params: Params, prompts: list[list[int]], prompt
                       f"{engine.max_queue} more, so at most {room} choices a request", "n")
     requests = [EngineRequest(ids, engine.ctx - len(ids) if params.max_tokens is None else params.max_tokens,
                               params.options, None if params.seed is None else (params.seed + j) % 2**63,
-                              stop_at_eos=not params.ignore_eos, progress=params.stream or bool(params.stop),
+                              stop_at_eos=not params.ignore_eos, stop_ids=params.stop_token_ids,
+                              progress=params.stream or bool(params.stop),
                               logprobs=params.logprobs, prompt_logprobs=params.logprobs if params.echo else None)
                 for ids in prompts for j in range(params.n)]
     return Generation.all_or_none(engine, served.codec, requests, params.stop)

@@ -160,6 +160,21 @@ def test_a_reply_ends_at_the_first_of_the_models_stop_tokens(model):
         assert c.tokens == run[:cut]
         assert c.end == ("done", "stop" if cut < 24 else "length")
     assert len(got[0].tokens) <= 7 and len(got[1].tokens) <= 10  # the added tokens did end them
+    # A request's own stop tokens (the server's stop_token_ids) end it too, even one that ignores
+    # the model's: the single run up to the first of them.
+    with Session(model, 2) as session:
+        session.text.stop_ids = frozenset({free[0][2]})
+        engine = Engine(session, max_batch=4)
+        mine = [Collector() for _ in range(2)]
+        for c, prompt in zip(mine, PROMPTS[1:3], strict=True):
+            engine.submit(Request(prompt, 24, stop_at_eos=False, stop_ids=frozenset({free[2][5]})), c)
+        for c in mine:
+            assert c.done.wait(120)
+        engine.close()
+    for run, c in zip(free[1:], mine, strict=True):
+        cut = next((i + 1 for i, t in enumerate(run) if t == free[2][5]), len(run))
+        assert c.tokens == run[:cut] and c.end == ("done", "stop" if cut < 24 else "length")
+    assert len(mine[1].tokens) <= 6
 
 
 def test_short_prompts_that_arrive_together_decode_together(model):

@@ -238,6 +238,20 @@ def test_presence_and_frequency_penalties_are_picc_runs(server, model):
     assert done.choices[0].text == expected
 
 
+def test_stop_token_ids_end_a_choice_even_with_ignore_eos(server, model):
+    # vLLM's stop_token_ids: the choice ends after the first of them (not text, like EOS), with
+    # finish_reason "stop", whether or not the request ignores the model's own stop tokens.
+    client = server.client()
+    free = alone(model, encode(model, PROMPTS[0]), 12)
+    stop = free[4]
+    cut = free.index(stop) + 1
+    for ignore_eos in (False, True):
+        done = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                         extra_body={"stop_token_ids": [stop], "ignore_eos": ignore_eos})
+        assert done.choices[0].finish_reason == "stop" and done.usage.completion_tokens == cut
+        assert done.choices[0].text == text_of(model, free[: cut - 1])
+
+
 def test_n_choices_and_lists_of_prompts_are_single_runs_each(server, model):
     # Choice j of prompt p is the request for prompt p alone with seed + j: sequences of their own,
     # decoded in the same batches as any others.
@@ -332,6 +346,9 @@ def error_of(response: httpx.Response) -> dict:
     ({"prompt": "the", "temperature": 3}, 400, "temperature", None),
     ({"prompt": "the", "top_p": 0}, 400, "top_p", None),
     ({"prompt": "the", "min_p": 1.5}, 400, "min_p", None),
+    ({"prompt": "the", "stop_token_ids": [1, "2"]}, 400, "stop_token_ids", None),
+    ({"prompt": "the", "stop_token_ids": list(range(65))}, 400, "stop_token_ids", None),
+    ({"prompt": "the", "stop_token_ids": [100000]}, 400, "stop_token_ids", None),
     ({"prompt": "the", "stream": "yes"}, 400, "stream", None),
     ({"prompt": "the", "n": 0}, 400, "n", None),
     ({"prompt": ["the", "a"], "n": 65}, 400, "n", None),  # 130 choices: past OpenAI's 128
