@@ -108,6 +108,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
                   f"{session.executor.cpu.team.nthreads} threads, {engine.rows_per_step} "
                   f"sequence{'s' if engine.rows_per_step != 1 else ''} per step"
                   f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
+            if session.text.sampling:  # a request's own fields win
+                print("picc serve: the model's sampling defaults (generation_config.json) for requests that leave "
+                      "them out: " + ", ".join(f"{k} {v:g}" for k, v in session.text.sampling.items()),
+                      file=sys.stderr, flush=True)
             config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=5)
             uvicorn.Server(config).run(sockets=[sock])

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from runtime.sampling import SamplingOptions, TokenLogprob
@@ -142,19 +143,22 @@ def _messages(f: _Fields) -> list:
     return messages
 
 
-def _common(f: _Fields, max_tokens_name: str = "max_tokens", least_tokens: int = 1) -> Params:
-    """The fields completions and chat completions share (``max_tokens`` at least ``least_tokens``)."""
+def _common(f: _Fields, defaults: Mapping[str, float], max_tokens_name: str = "max_tokens",
+            least_tokens: int = 1) -> Params:
+    """The fields completions and chat completions share (``max_tokens`` at least ``least_tokens``);
+    ``defaults``: the model's sampling parameters for the fields the request leaves out (vLLM's
+    ``--generation-config auto``), else OpenAI's."""
     model = _model(f)
     n = f.integer("n", 1, 1, MAX_CHOICES)
     if f.get("user") is not None and not isinstance(f.get("user"), str):
         raise invalid(f"'user' must be a string, got {type(f.get('user')).__name__}", "user")
     logit_bias = _logit_bias(f.get("logit_bias"))
     presence, frequency = (f.number(name, 0.0, -2.0, 2.0) for name in ("presence_penalty", "frequency_penalty"))
-    temperature = f.number("temperature", 1.0, 0.0, 2.0)
-    top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = f.integer("top_k", 0, 0)
-    min_p = f.number("min_p", 0.0, 0.0, 1.0)
-    penalty = f.number("repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)
+    temperature = f.number("temperature", defaults.get("temperature", 1.0), 0.0, 2.0)
+    top_p = f.number("top_p", defaults.get("top_p", 1.0), 0.0, 1.0, lo_open=True)
+    top_k = f.integer("top_k", int(defaults.get("top_k", 0)), 0)
+    min_p = f.number("min_p", defaults.get("min_p", 0.0), 0.0, 1.0)
+    penalty = f.number("repetition_penalty", defaults.get("repetition_penalty", 1.0), 0.0, 10.0, lo_open=True)
     seed = f.integer("seed", None, -(2**63), 2**64 - 1)
     stream = f.boolean("stream")
     stream_options = f.get("stream_options")
@@ -210,7 +214,7 @@ def _stop_token_ids(v: object) -> frozenset[int]:
     return frozenset(v)
 
 
-def completion_params(body: object) -> Params:
+def completion_params(body: object, defaults: Mapping[str, float] = MappingProxyType({})) -> Params:
     """``POST /v1/completions``'s body, checked. The prompt: a string, a list of token ids, or a list
     of strings or of lists of ids (OpenAI's batch forms: a choice for each)."""
     f = _Fields(body)
@@ -221,7 +225,7 @@ def completion_params(body: object) -> Params:
     best_of = f.integer("best_of", 1, 1)
     if best_of != 1:
         raise invalid(f"'best_of' {best_of}: not supported (ask for 'n' choices instead)", "best_of")
-    params = _common(f, least_tokens=0 if echo else 1)  # echo with max_tokens 0: the prompt alone
+    params = _common(f, defaults, least_tokens=0 if echo else 1)  # echo with max_tokens 0: the prompt alone
     prompt = f.get("prompt")
     if prompt is None:
         raise invalid("'prompt' is required", "prompt")
@@ -245,7 +249,7 @@ def completion_params(body: object) -> Params:
     return params
 
 
-def chat_params(body: object) -> Params:
+def chat_params(body: object, defaults: Mapping[str, float] = MappingProxyType({})) -> Params:
     """``POST /v1/chat/completions``'s body, checked (the messages themselves by the chat template's
     renderer, ``runtime.chat``). ``max_completion_tokens`` is the newer name of ``max_tokens``."""
     f = _Fields(body)
@@ -258,7 +262,7 @@ def chat_params(body: object) -> Params:
             raise invalid(f"'{name}' is not supported", name)
     f.integer("max_tokens", None, 1)  # checked where max_completion_tokens, its newer name, is used
     name = "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
-    params = _common(f, name)
+    params = _common(f, defaults, name)
     params.messages = _messages(f)
     params.logprobs = (top_logprobs or 0) if logprobs else None
     return params

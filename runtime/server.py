@@ -123,7 +123,7 @@ def create_app(served: ServedModel) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:
-        params = completion_params(await _json(request, limit))
+        params = completion_params(await _json(request, limit), served.codec.sampling)
         _check_model(served, params.model)
 
         def prompt_ids() -> list[list[int]]:
@@ -135,7 +135,7 @@ def create_app(served: ServedModel) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(request: Request) -> Response:
-        params = chat_params(await _json(request, limit))
+        params = chat_params(await _json(request, limit), served.codec.sampling)
         _check_model(served, params.model)
         ids = await _chat_ids(served, params.messages or [])
         return await _respond(request, served, metrics, params, [ids], "messages", chat=True)

@@ -29,6 +29,8 @@ class TextCodec:
         self.eos_id: int | None = data["eos_id"]
         stops = data.get("stop_ids", [] if self.eos_id is None else [self.eos_id])
         self.stop_ids: frozenset[int] = frozenset(int(t) for t in stops)
+        # The model's recommended sampling parameters (a server's defaults): absent in older files.
+        self.sampling: dict[str, float] = {str(k): float(v) for k, v in (data.get("sampling") or {}).items()}
         self.add_bos: bool = bool(data["add_bos"])
         self.add_eos: bool = bool(data.get("add_eos", False))
         self.chat_template: str | None = data.get("chat_template")

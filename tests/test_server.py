@@ -58,7 +58,8 @@ class Server(Endpoint):
         match = re.search(r"on (http://[\d.]+:\d+)/v1", line)
         assert match, line + self.proc.stderr.read() if self.proc.poll() is not None else line
         super().__init__(match.group(1))
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # keep the pipe drained
+        self.log = [line]  # what it says on stderr, read as it comes (keeping the pipe drained)
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
         for _ in range(200):
             try:
                 if httpx.get(self.url + "/health").status_code == 200:
@@ -250,6 +251,33 @@ def test_stop_token_ids_end_a_choice_even_with_ignore_eos(server, model):
                                          extra_body={"stop_token_ids": [stop], "ignore_eos": ignore_eos})
         assert done.choices[0].finish_reason == "stop" and done.usage.completion_tokens == cut
         assert done.choices[0].text == text_of(model, free[: cut - 1])
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):
+    # vLLM's --generation-config auto: a model whose generation_config.json recommends sampling
+    # parameters (Qwen3: temperature 0.6, top_p 0.95, top_k 20) is sampled so where the request
+    # names none; a request's own fields win (temperature 0: greedy).
+    path = served_model(tmp_path / "sampled.pib", 256, sampling=(("temperature", 0.7), ("top_k", 5.0)))
+    recommended = SamplingOptions(temperature=0.7, top_k=5)
+    ids = encode(path, PROMPTS[0])
+    s = Server(path, "--max-batch", "2")
+    try:
+        said = "the model's sampling defaults (generation_config.json) for requests that leave them out: " \
+               "temperature 0.7, top_k 5"
+        until = time.monotonic() + 10
+        while not any(said in line for line in s.log) and time.monotonic() < until:
+            time.sleep(0.01)
+        assert any(said in line for line in s.log), s.log
+        client = s.client()
+        for seed in (1, 2):
+            done = client.completions.create(model="sampled", prompt=PROMPTS[0], max_tokens=8, seed=seed)
+            assert done.choices[0].text == text_of(path, alone(path, ids, 8, recommended, seed=seed))
+        greedy = client.completions.create(model="sampled", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        assert greedy.choices[0].text == text_of(path, alone(path, ids, 8))
+    finally:
+        s.close()
+    assert text_of(path, alone(path, ids, 8, recommended, seed=1)) != text_of(path, alone(path, ids, 8,
+                                                                               SamplingOptions(temperature=1.0), seed=1))
 
 
 def test_n_choices_and_lists_of_prompts_are_single_runs_each(server, model):

@@ -189,6 +189,26 @@ def test_hf_dir_stops_at_every_eos_that_generate_stops_at(tmp_path: Path) -> Non
         tokenizer_from_hf_dir(tmp_path)
 
 
+def test_hf_dir_carries_the_sampling_its_generation_config_recommends(tmp_path: Path) -> None:
+    # generation_config.json's temperature, top_p, top_k, min_p and repetition_penalty (what vLLM
+    # takes as a request's defaults): kept as given, checked as a request's are.
+    from runtime.text import TextCodec
+
+    write_tiny_hf_dir(tmp_path)
+    assert tokenizer_from_hf_dir(tmp_path).sampling == ()
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_new_tokens": 9}))
+    loaded = tokenizer_from_hf_dir(tmp_path)
+    assert loaded.sampling == (("temperature", 0.6), ("top_p", 0.95), ("top_k", 20.0))
+    assert TextCodec(loaded.to_json()).sampling == {"temperature": 0.6, "top_p": 0.95, "top_k": 20.0}
+    assert Tokenizer.from_json(loaded.to_json()) == loaded
+    for bad, message in (({"top_p": 1.5}, r"top-p must be in \(0, 1\]"), ({"top_k": 2.5}, "top_k must be a whole"),
+                         ({"temperature": "hot"}, "must be numbers")):
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(PiccError, match=message):
+            tokenizer_from_hf_dir(tmp_path)
+
+
 def test_a_document_without_stop_ids_stops_at_eos(smollm2: Tokenizer) -> None:
     # Documents written before stop_ids (version 1 all the same) stop at EOS alone, in the
     # compiler and in the runtime; stop ids outside the vocabulary are refused.

@@ -11,7 +11,7 @@ the `tokenizers` library:
 
     {"format": "picc-tokenizer", "version": 1,
      "bos_id": 1, "eos_id": 2, "add_bos": false, "add_eos": false,
-     "stop_ids": [2, 7],
+     "stop_ids": [2, 7], "sampling": {"temperature": 0.6, "top_k": 20},
      "chat_template": "{% for message in messages %}..." or null,
      "backend": { ...tokenizer.json... }}
 
@@ -19,7 +19,10 @@ the `tokenizers` library:
 names (generation_config.json's list of `eos_token_id`s, as transformers'
 `generate` stops at each: Llama 3's `<|eot_id|>`, Phi-3's `<|end|>`; a GGUF's
 end-of-turn tokens, as llama.cpp finds them). A document without it (it came
-after version 1 was fixed) stops at EOS alone.
+after version 1 was fixed) stops at EOS alone. `sampling` holds the sampling
+parameters the model's authors recommend (generation_config.json's
+`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, as vLLM reads
+them), which a server takes where a request names none; absent: none.
 
 `chat_template` is the model's Jinja chat template as transformers holds it
 (`tokenizer_config.json`, or a GGUF's `tokenizer.chat_template`), so that a
@@ -66,6 +69,7 @@ class Tokenizer:
     own post-processor is never applied. `chat_template` is the model's Jinja
     chat template, carried as text and never rendered by the compiler.
     `stop_ids` are the ids that end generation, sorted, EOS among them.
+    `sampling` the model's recommended sampling parameters, (name, value) pairs.
     """
 
     backend_json: str = field(repr=False)
@@ -75,6 +79,7 @@ class Tokenizer:
     add_eos: bool = False
     chat_template: str | None = field(default=None, repr=False)
     stop_ids: tuple[int, ...] = ()
+    sampling: tuple[tuple[str, float], ...] = ()
     backend: tokenizers.Tokenizer = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -133,6 +138,7 @@ class Tokenizer:
             "add_bos": self.add_bos,
             "add_eos": self.add_eos,
             "stop_ids": list(self.stop_ids),
+            "sampling": dict(self.sampling),
             "chat_template": self.chat_template,
             "backend": json.loads(self.backend_json),
         }
@@ -158,6 +164,7 @@ class Tokenizer:
                 add_eos=bool(document["add_eos"]),
                 chat_template=document.get("chat_template"),
                 stop_ids=tuple(_optional_int(t) for t in document.get("stop_ids", ())),
+                sampling=tuple((str(k), float(v)) for k, v in (document.get("sampling") or {}).items()),
             )
         except (KeyError, TypeError) as error:
             raise PiccError(f"picc tokenizer JSON is missing or mistypes {error}") from error
@@ -181,7 +188,33 @@ def tokenizer_from_hf_dir(path: str | os.PathLike[str]) -> Tokenizer:
                 f"(tokenizer.json, tokenizer.model, ...): {_first_line(error)}"
             ) from error
     tokenizer = _from_transformers(hf_tokenizer, source=directory)
-    return replace(tokenizer, stop_ids=hf_stop_ids(directory))
+    return replace(tokenizer, stop_ids=hf_stop_ids(directory), sampling=hf_sampling(directory))
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""What vLLM takes from generation_config.json as a request's defaults."""
+
+
+def hf_sampling(directory: Path) -> tuple[tuple[str, float], ...]:
+    """generation_config.json's :data:`SAMPLING_KEYS` (those it has), checked as a request's are."""
+    from runtime.sampling import SamplingOptions
+
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return ()
+    from picc.frontend.hf_config import HFConfig
+
+    raw = HFConfig.read_json(path).raw
+    found = {k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None}
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in found.values()):
+        raise PiccError(f"{path}: {', '.join(found)} must be numbers, got {json.dumps(found)}")
+    if found.get("top_k", 0) != int(found.get("top_k", 0)):
+        raise PiccError(f"{path}: top_k must be a whole number, got {found['top_k']}")
+    try:  # the keys are SamplingOptions' own names
+        SamplingOptions(**{k: int(v) if k == "top_k" else v for k, v in found.items()}).check()
+    except ValueError as e:
+        raise PiccError(f"{path}: {e}") from None
+    return tuple((k, float(v)) for k, v in found.items())
 
 
 def hf_stop_ids(directory: Path) -> tuple[int, ...]:
