@@ -90,6 +90,7 @@ class Sequence:
 
     request: Request
     emit: Emit
+    stops: frozenset[int] = frozenset()  # the tokens that end it (Engine.stops_of its request)
     slot: int = -1
     fed: int = 0  # prompt tokens but the last run through the chunk programs
     pos: int = 0
@@ -212,7 +213,8 @@ class Engine:
         """Queue every one of ``requests`` (each with the ``emit`` that hears of its tokens), or
         none: QueueFull where the queue has no room for all of them (the choices of one API
         request), ValueError for one that cannot run."""
-        seqs = [Sequence(request, emit, history=list(self._checked(request))) for request, emit in requests]
+        seqs = [Sequence(request, emit, self.stops_of(request), history=list(self._checked(request)))
+                for request, emit in requests]
         with self._cond:
             if self._closing:
                 raise QueueFull("the server is shutting down")
@@ -416,7 +418,7 @@ class Engine:
         steps = min(self._loop_steps, seq.request.max_tokens - seq.made, self.ctx - seq.pos)
         self.pool.bind(seq.slot)
         start = time.perf_counter()
-        tokens = self.executor.greedy_steps(seq.history[-1], seq.pos, steps, self.stops_of(seq.request))
+        tokens = self.executor.greedy_steps(seq.history[-1], seq.pos, steps, seq.stops)
         self._loop_steps = max(1, int(FLUSH_SECONDS * len(tokens) / max(time.perf_counter() - start, 1e-9)))
         for token in tokens:
             self._advance(seq, lambda token=token: token, self.executor.logits)
@@ -457,7 +459,7 @@ class Engine:
             self.pool.hold(seq.slot, seq.history, seq.pos)
         self.stats.generated_tokens += 1
         seq.pending.append(nxt)
-        if nxt in self.stops_of(seq.request):
+        if nxt in seq.stops:
             self._finish(seq, "done", "stop")
         elif seq.made >= seq.request.max_tokens or seq.pos >= self.ctx:
             self._finish(seq, "done", "length")
