@@ -107,6 +107,12 @@ class KVCache:
         self.length = max(self.length, end)
 
 
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """``cap * tanh(x / cap)`` in f32, in transformers' order (divide, tanh, multiply)."""
+    c = np.float32(cap)
+    return np.tanh(x / c) * c
+
+
 def attention(op: O.Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray,
               cache: KVCache) -> np.ndarray:
     if op.kv_format == "f16":  # the cache holds half precision: the keys and values it gives back
@@ -125,6 +131,8 @@ def attention(op: O.Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos:
         bias = round_to_bf16(slopes[:, None] * np.arange(length, dtype=np.float32)[None, :])
         scores += bias[:, None, :]
     scores *= np.float32(op.scale)
+    if op.softcap is not None:
+        scores = softcap(scores, op.softcap)
     j = np.arange(length)[None, :]
     p = pos[:, None].astype(np.int64)
     visible = j <= p
@@ -265,6 +273,8 @@ class Interpreter:
                 return attention(op, env[op.q], env[op.k], env[op.v], env[op.pos], cache)
             case O.Relu() | O.Silu() | O.Gelu() | O.GeluTanh():
                 return activation(op.NAME, env[op.x])
+            case O.Softcap():
+                return softcap(env[op.x], op.cap)
             case O.Add():
                 return env[op.a] + env[op.b]
             case O.Mul():

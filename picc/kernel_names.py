@@ -133,9 +133,11 @@ def cpu_norm(kind: str, grouped: bool = False) -> str:
     return f"picc_{kind}" + ("_grouped" if grouped else "")
 
 
-def cpu_attention(kv_format: str) -> str:
-    """Attention over a KV cache of ``kv_format`` (f32, or f16)."""
-    return "picc_attention" if kv_format == "f32" else f"picc_attention_kv{kv_format}"
+def cpu_attention(kv_format: str, softcap: bool = False) -> str:
+    """Attention over a KV cache of ``kv_format`` (f32, or f16); ``softcap``: the variant that
+    soft-caps its scores (a trailing ``softcap`` argument)."""
+    plain = "picc_attention" if kv_format == "f32" else f"picc_attention_kv{kv_format}"
+    return plain + ("_softcap" if softcap else "")
 
 
 def cpu_rope(style: str) -> str:
@@ -259,8 +261,12 @@ def gpu_gemv(rows: int, cols: int, fmt: str, bias: bool, residual: bool = False)
 
 def gpu_embed(vocab: int, dim: int, fmt: str, scale: float = 1.0) -> str:
     """``scale``: each row times it (Gemma's), a constant of the kernel: its f32 bits in the name."""
-    bits = int(np.float32(scale).view(np.uint32))
-    return f"embed_{vocab}x{dim}_{fmt}" + (f"_s{bits:08x}" if scale != 1.0 else "")
+    return f"embed_{vocab}x{dim}_{fmt}" + (f"_s{_f32_bits(scale)}" if scale != 1.0 else "")
+
+
+def _f32_bits(x: float) -> str:
+    """A kernel's float constant in its name: its f32 bits in hex, one name for one value."""
+    return f"{int(np.float32(x).view(np.uint32)):08x}"
 
 
 def _number(x: float) -> str:
@@ -290,15 +296,21 @@ def gpu_kv_append(width: int, ctx: int) -> str:
     return f"kv_append_{width}_ctx{ctx}"
 
 
-def gpu_attention(n_heads: int, n_kv_heads: int, head_dim: int, ctx: int, window: int | None, scale: float) -> str:
-    """The scale is in the name only when it is not the usual ``head_dim ** -0.5``."""
+def gpu_attention(n_heads: int, n_kv_heads: int, head_dim: int, ctx: int, window: int | None, scale: float,
+                  softcap: float | None = None) -> str:
+    """The scale is in the name only when it is not the usual ``head_dim ** -0.5``; a soft cap
+    of the scores (Gemma 2's) by its f32 bits."""
     usual = abs(scale - head_dim**-0.5) <= 1e-7 * scale
     return (f"attention_{n_heads}x{n_kv_heads}x{head_dim}_ctx{ctx}" + (f"_w{window}" if window else "")
-            + ("" if usual else f"_s{_number(scale)}"))
+            + ("" if usual else f"_s{_number(scale)}") + (f"_c{_f32_bits(softcap)}" if softcap is not None else ""))
 
 
 def gpu_add(n: int) -> str:
     return f"add_{n}"
+
+
+def gpu_softcap(n: int, cap: float) -> str:
+    return f"softcap_{n}_c{_f32_bits(cap)}"
 
 
 def gpu_merge(n: int, bias: bool, residual: bool = False) -> str:

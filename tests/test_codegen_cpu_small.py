@@ -10,14 +10,15 @@ from cpu_kernels import F32_TOL, THREADS, act64, rel_err, run
 from picc.codegen_cpu import CpuModule, compile_kernels
 from picc.codegen_cpu.kernels_attention import attention
 from picc.codegen_cpu.kernels_ffn import FORMS
-from picc.codegen_cpu.kernels_misc import add, argmax, ffn_activation, layer_norm, mul, rms_norm, rope
+from picc.codegen_cpu.kernels_misc import add, argmax, ffn_activation, layer_norm, mul, rms_norm, rope, softcap
 from picc.interpreter import KVCache, rope_cos_sin
 from picc.interpreter import attention as attention_ref
 from picc.interpreter import rope as rope_ref
 from picc.ir import ops as O
 from picc.ir.types import f32
 
-KERNELS = ([rms_norm(), layer_norm(), add(), mul(), argmax(), attention(), attention("f16")]
+KERNELS = ([rms_norm(), layer_norm(), add(), mul(), argmax(), softcap(), attention(), attention("f16"),
+            attention("f32", softcap=True), attention("f16", softcap=True)]
            + [rope(s) for s in ("llama", "gptj")] + [ffn_activation(f) for f in FORMS])
 
 
@@ -72,11 +73,13 @@ def test_rope_matches_interpreter(host, teams, style, rotary_dim, seq):
 @pytest.mark.parametrize("window", (None, 3))
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("kv_format", ("f32", "f16"))
-def test_attention_matches_interpreter(host, teams, threads, window, hd, kv_format):
+@pytest.mark.parametrize("cap", (None, 0.7))  # Gemma 2's soft cap, here where scores (~N(0, 1)) bend
+def test_attention_matches_interpreter(host, teams, threads, window, hd, kv_format, cap):
     rng = np.random.default_rng(17)
     heads, kv, ctx = 6, 2, 16  # up to 10 positions: scored four at a time, then one
     op = O.Attention(result="a", type=f32(1, heads * hd), q="q", k="k", v="v", pos="p", n_heads=heads,
-                     n_kv_heads=kv, head_dim=hd, scale=hd**-0.5, cache="c", window=window, kv_format=kv_format)
+                     n_kv_heads=kv, head_dim=hd, scale=hd**-0.5, cache="c", window=window, kv_format=kv_format,
+                     softcap=cap)
     dtype = np.float16 if kv_format == "f16" else np.float32
     cache, kcache, vcache = KVCache(kv * hd), np.zeros((ctx, kv * hd), dtype), np.zeros((ctx, kv * hd), dtype)
     pos = 0
@@ -85,8 +88,8 @@ def test_attention_matches_interpreter(host, teams, threads, window, hd, kv_form
         k, v = (rng.normal(size=(seq, kv * hd)).astype(np.float32) for _ in range(2))
         ref = attention_ref(op, q, k, v, np.arange(pos, pos + seq, dtype=np.int32), cache)
         out = np.zeros_like(q)
-        run(host, teams[threads], attention(kv_format), q, k, v, kcache, vcache, out, seq, pos, heads, kv, hd,
-            hd**-0.5, window or 0, ctx)
+        run(host, teams[threads], attention(kv_format, cap is not None), q, k, v, kcache, vcache, out, seq, pos,
+            heads, kv, hd, hd**-0.5, window or 0, ctx, *([cap] if cap else []))
         # The cache holds k and v as numpy rounds them (to nearest even), each KV head's rows in
         # its own plane [ctx, hd], and the interpreter, which rounds alike, attends over the same values.
         for cached, new in ((kcache, k), (vcache, v)):
@@ -111,6 +114,18 @@ def test_add_mul_and_ffn_activations(host, teams):
         ref = act64(spec.act, a) * up if spec.gated else up
         # exp / erf / tanh are polynomial approximations good to a few float32 ulp.
         assert rel_err(out, ref) <= 1e-6, form
+
+
+def test_softcap(host, teams):
+    # Gemma 2's capped logits: cap * tanh(x / cap), from the linear middle to the saturated ends;
+    # picc_tanh is good to ~1e-7 absolute (relative to the cap here), as GELU's.
+    x = np.linspace(-40, 40, 1000 + 7, dtype=np.float32)
+    out = np.zeros_like(x)
+    run(host, teams[3], softcap(), x, out, x.size, 3.0)
+    want = 3.0 * np.tanh(x.astype(np.float64) / 3.0)
+    assert np.abs(out - want).max() <= 3.0 * 2e-7
+    run(host, teams[2], softcap(), x, x, x.size, 3.0)  # in place
+    np.testing.assert_array_equal(x, out)
 
 
 def test_argmax_first_of_ties(host, teams):

@@ -227,6 +227,31 @@ def test_qwen3s_head_norms_and_phi3s_longrope_run_on_the_gpu(family, variant, tm
         assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
 
 
+@pytest.mark.parametrize("ctx", [64, 100])
+def test_gemma2s_soft_caps_run_on_the_gpu(tmp_path, monkeypatch, ctx):
+    # The GPU's attention kernels cap the scores (cap * tanh(s / cap)) in their one-launch form
+    # and their five-launch form (a cache not a multiple of 32 positions), and a softcap kernel caps
+    # the logits that the greedy kernel then reads: the host build of the same TensorIR on the
+    # emulated device against the interpreter. Caps where these scores and logits (~N(0, 1)) bend.
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_llama("geglu_tanh", n_layers=2, hidden=64, n_ff=96, softcaps=(0.7, 0.8))
+    path = tmp_path / "gemma2.pib"
+    write_compiled(compile_model(model, CompileOptions(target="pc-low", vram="4MiB", dense=True, ctx=ctx),
+                                 say=lambda _: None), path)
+    pib = load_pib(path)
+    kernels = {op.NAME: op.kernel for op in pib.module.ops() if op.NAME in ("attention", "softcap")}
+    assert all(op.type.placement == Placement.GPU for op in pib.module.ops() if op.NAME in kernels)
+    assert kernels["attention"].endswith("_c3f333333") and kernels["softcap"] == "softcap_128_c3f4ccccd"
+    with PibFile(path) as f:  # the one-launch kernel, or the five stages through scratch
+        (call,) = f.json("gpu/launches")["l0.attn.ctx"]
+        assert ("smax" in {a["param"] for a in call["args"]}) == (ctx == 100)
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    with Session(path, threads=2, gpu="emulate") as session:
+        assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
+        session.reset()
+        assert session.feed(TOKENS[:3]).argmax() == reference[2].argmax()  # the greedy kernel reads the capped logits
+
+
 def test_emulated_device_refuses_to_go_over_its_budget():
     device = EmulatedDevice(1000)
     block = device.allocate(600)

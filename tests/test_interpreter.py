@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -122,6 +124,27 @@ def test_attention_matches_torch_sdpa_with_gqa():
     tv = torch.from_numpy(v).view(seq, kv, d).transpose(0, 1).repeat_interleave(h // kv, 0)
     want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=0.3)
     np.testing.assert_allclose(got, want.transpose(0, 1).reshape(seq, h * d).numpy(), atol=1e-5)
+
+
+def test_soft_capped_attention_is_transformers_eager_attention():
+    # Gemma 2's attn_logit_softcapping as transformers' eager_attention_forward computes it: the
+    # scaled scores divided by the cap, tanh, times the cap, then the causal mask and the softmax.
+    seq, h, kv, d, cap = 7, 6, 2, 8, 0.9
+    q, k, v = (RNG.normal(size=(seq, n * d)).astype(np.float32) for n in (h, kv, kv))
+    op = O.Attention(result="o", type=f32(seq, h * d), q="q", k="k", v="v", pos="p", n_heads=h,
+                     n_kv_heads=kv, head_dim=d, scale=0.3, cache="c", softcap=cap)
+    from picc.interpreter import KVCache, attention
+
+    got = attention(op, q, k, v, np.arange(seq, dtype=np.int32), KVCache(kv * d))
+    tq = torch.from_numpy(q).view(seq, h, d).transpose(0, 1)
+    tk = torch.from_numpy(k).view(seq, kv, d).transpose(0, 1).repeat_interleave(h // kv, 0)
+    tv = torch.from_numpy(v).view(seq, kv, d).transpose(0, 1).repeat_interleave(h // kv, 0)
+    scores = torch.tanh(tq @ tk.transpose(1, 2) * 0.3 / cap) * cap
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(scores, dim=-1) @ tv
+    np.testing.assert_allclose(got, want.transpose(0, 1).reshape(seq, h * d).numpy(), atol=1e-6)
+    uncapped = attention(replace(op, softcap=None), q, k, v, np.arange(seq, dtype=np.int32), KVCache(kv * d))
+    assert np.abs(uncapped - got).max() > 1e-2
 
 
 def test_quantized_weights_run_through_exact_dequantization():

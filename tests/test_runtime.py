@@ -130,6 +130,44 @@ def test_gemma3s_layer_compiles_as_it_computes(tmp_path):
     check_prefill(path, pib, 1e-4)
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_gemma2s_soft_caps_compile_as_they_compute(tmp_path, sparse):
+    # Gemma 2 caps the attention's scores and the final logits at cap * tanh(x / cap): the
+    # attention kernels' _softcap variants and a softcap kernel after the head, in the step, the
+    # chunk programs and the server's batch step, against the interpreter (dense, and sparse
+    # gate-first FFNs). Caps where this model's scores and logits (~N(0, 1)) bend.
+    from picc.sparsity.sparsify import SparsifyOptions
+    from runtime.sequences import SequencePool
+
+    model = with_tokenizer(tiny_llama("geglu_tanh", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.F32,
+                                      softcaps=(0.7, 0.8)))
+    plain = Interpreter(tiny_llama("geglu_tanh", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.F32).module,
+                        model.weights).run(TOKENS)
+    options = dict(sparse=True, sparsity=SparsifyOptions(mode="gate-first", tokens=256, window=64, target_sparsity=0.3,
+                                                         fisher_tokens=64)) if sparse else dict(dense=True)
+    path, pib = compiled(model, tmp_path, "gemma2", batch_step=True, **options)
+    assert [getattr(op, "mode", None) for op in pib.module.ops() if op.NAME == "fused_ffn"] == ["gate-first"] * 2 * sparse
+    with PibFile(path) as f:
+        ir = f.text("cpu/ir")
+    for program in ("picc_stage_0", "picc_batch_step"):
+        body = ir[ir.index(f"define void @{program}("):]
+        body = body[: body.index("\n}")]
+        assert body.count("@picc_attention_kvf16_softcap") == 2 and body.count("call void @picc_softcap(") == 1
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert np.abs(reference).max() < 0.8 and rel_err(reference, plain) > 0.1  # the caps bend them
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+    with Session(path, 2) as s:
+        expected = [s.feed([t]).copy() for t in TOKENS[:3]]
+    with Session(path, 2) as session:
+        cpu, pool = session.executor.cpu, SequencePool(session.executor, 2)
+        slots = [pool.acquire() for _ in range(2)]
+        for step, token in enumerate(TOKENS[:3]):  # two rows, the same tokens: each row the step's bits
+            cpu.batch_step([token, token], [step, step], pool.pointers(slots))
+            for row in range(2):
+                np.testing.assert_array_equal(cpu.batch_logits(row).view(np.uint32), expected[step].view(np.uint32))
+
+
 def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path):
     # feed(all_logits=True) (picc logits) runs all but the last token through picc_logits_chunk,
     # 32 at a time: the same logits as one step per token (GEMMs instead of GEMVs: the sums

@@ -12,7 +12,8 @@ of the thread's share, with ``g = h // (n_heads / n_kv_heads)`` and p = pos + s:
     out[s, h] = sum_j prob_j * vcache[j, g]
 
 as ``picc.interpreter.attention`` does (ALiBi is not supported here). The caller guarantees
-``pos + seq <= ctx``.
+``pos + seq <= ctx``. The ``_softcap`` variants take a last argument ``softcap`` (f32) and score
+``softcap * tanh(score_j / softcap)`` (Gemma 2).
 
 :func:`attention_rows` is the decode step of a server's batch of sequences: row b is the token at
 position ``positions[b]`` of its own sequence, whose caches the runtime's table of pointers gives.
@@ -47,6 +48,7 @@ ATTENTION_ROWS_PARAMS = (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("kv", "ptr")
                          ("batch", "i32"), ("positions", "ptr"), ("n_heads", "i32"), ("n_kv_heads", "i32"),
                          ("head_dim", "i32"), ("scale", "f32"), ("window", "i32"), ("ctx", "i32"),
                          ("row_stride", "i32"), ("kv_stride", "i32"))
+SOFTCAP_PARAM = (("softcap", "f32"),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +64,15 @@ class Shape:
 
 
 @cache
-def attention(kv: str = "f32") -> Kernel:
+def attention(kv: str = "f32", softcap: bool = False) -> Kernel:
     """Store k / v in the cache at ``pos``, then causal softmax attention (see module doc);
-    ``window`` = 0 means no sliding window; ``kv``: what the caches hold (f32, or f16)."""
-    symbol = names.cpu_attention(kv)
+    ``window`` = 0 means no sliding window; ``kv``: what the caches hold (f32, or f16);
+    ``softcap``: the scores soft-capped by the last argument."""
+    symbol = names.cpu_attention(kv, softcap)
+    params = ATTENTION_PARAMS + (SOFTCAP_PARAM if softcap else ())
 
     def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, ATTENTION_PARAMS)
+        fn = kernel_fn(symbol, params)
         seq, pos = fn.sext("%seq"), fn.sext("%pos")
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         shape, ctx = _shape(fn), fn.sext("%ctx")
@@ -91,20 +95,21 @@ def attention(kv: str = "f32") -> Kernel:
             head = fn.v(f"mul i64 {it}, {shape.hd}", "qo")
             _prefetch_next_group(fn, shape, it, h, hi, ctx, kv, lambda i: (pos, ("%kcache", "%vcache")), one)
             _emit_head(fn, shape, fn.at("%q", 4, head, "qrow"), fn.at("%out", 4, head, "orow"), h, p,
-                       ("%kcache", "%vcache"), ctx, scores, kv)
+                       ("%kcache", "%vcache"), ctx, scores, kv, softcap)
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, ATTENTION_PARAMS, emit, attention.__doc__ or "")
+    return Kernel(symbol, params, emit, attention.__doc__ or "")
 
 
 @cache
-def attention_rows(kv: str = "f32") -> Kernel:
+def attention_rows(kv: str = "f32", softcap: bool = False) -> Kernel:
     """:func:`attention` of ``batch`` rows, each a token of its own sequence (see module doc)."""
-    symbol = names.cpu_attention(kv) + "_rows"
+    symbol = names.cpu_attention(kv, softcap) + "_rows"
+    params = ATTENTION_ROWS_PARAMS + (SOFTCAP_PARAM if softcap else ())
 
     def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, ATTENTION_ROWS_PARAMS)
+        fn = kernel_fn(symbol, params)
         batch, ctx, row_stride, kv_stride = (fn.sext(f"%{n}") for n in ("batch", "ctx", "row_stride", "kv_stride"))
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         shape = _shape(fn)
@@ -143,11 +148,11 @@ def attention_rows(kv: str = "f32") -> Kernel:
             head_bytes = fn.v(f"shl i64 {fn.v(f'mul i64 {h}, {shape.hd}', 'ho')}, 2", "hb")
             head = fn.v(f"add i64 {fn.v(f'mul i64 {b}, {row_stride}', 'ro')}, {head_bytes}", "qo")
             _emit_head(fn, shape, fn.gep("%q", head, "qrow"), fn.gep("%out", head, "orow"), h, pos,
-                       (kc, vc), ctx, scores, kv)
+                       (kc, vc), ctx, scores, kv, softcap)
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, ATTENTION_ROWS_PARAMS, emit, attention_rows.__doc__ or "")
+    return Kernel(symbol, params, emit, attention_rows.__doc__ or "")
 
 
 def _prefetch_next_group(fn: Fn, shape: Shape, it: str, h: str, hi: str, ctx: str, kv: str,
@@ -272,10 +277,12 @@ def _pair_sums(fn: Fn, a: str, b: str | None, lanes: int) -> str:
 # The emitter is over 60 lines: its statements follow the loop nest of one (row, head) item (cache
 # rows, softmax, the weighted sum of v) one to one, which splitting would hide.
 def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
-               caches: tuple[str, str], ctx: str, scores: str, kv: str) -> None:
+               caches: tuple[str, str], ctx: str, scores: str, kv: str, softcap: bool) -> None:
     """``orow`` = the attention of query head ``h`` (``qrow``) at position ``p`` over the cache
     rows up to p (``caches``: the layer's k rows and v rows, ``p + 1`` at least, of ``kv``
-    elements) as the module doc says, with ``scores`` (p + 1 floats) for the probabilities."""
+    elements) as the module doc says, with ``scores`` (p + 1 floats) for the probabilities;
+    ``softcap``: the scores capped by ``%softcap`` (divided, tanh, multiplied, as transformers
+    orders it) as the maximum is taken."""
     kcache, vcache = caches
     hd = shape.hd
     g = fn.v(f"sdiv i64 {h}, {shape.group}", "g")
@@ -292,8 +299,12 @@ def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
             _score_rows(fn, kv, rows, qrow, hd, fn.at(scores, 4, j, "sp"))
     top = fn.var(F32, fconst(float("-inf")), "top")
     with fn.loop("0", count, hint="j") as j:
-        top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, "
-                     f"float {fn.load(F32, fn.at(scores, 4, j), 4, 'sc')})", "top"))
+        score = fn.load(F32, fn.at(scores, 4, j), 4, "sc")
+        if softcap:
+            t = fn.v(f"call float @picc_tanh(float {fn.v(f'fdiv float {score}, %softcap', 'sd')})", "th")
+            score = fn.v(f"fmul float {t}, %softcap", "capped")
+            fn.store(F32, score, fn.at(scores, 4, j), 4)
+        top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, float {score})", "top"))
     m = top.get("m")
     with fn.loop("0", count, hint="j") as j:
         sp = fn.at(scores, 4, j)

@@ -249,6 +249,28 @@ def merge() -> Kernel:
     return Kernel(symbol, MERGE_PARAMS, emit, merge.__doc__ or "")
 
 
+SOFTCAP_PARAMS = (("x", "ptr"), ("out", "ptr"), ("n", "i32"), ("cap", "f32"))
+
+
+@cache
+def softcap() -> Kernel:
+    """``out[j] = cap * tanh(x[j] / cap)`` for j < n (out may be x): Gemma 2's capped logits;
+    threads split the elements."""
+    symbol = names.cpu_elementwise("softcap")
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, SOFTCAP_PARAMS)
+        lo, hi = chunk_bounds(fn, fn.sext("%n"), fn.sext("%tid"), fn.sext("%nthreads"), align=16)
+        with fn.loop(lo, hi, hint="j") as j:
+            scaled = fn.v(f"fdiv float {fn.load(F32, fn.at('%x', 4, j), 4, 'x')}, %cap", "xs")
+            t = fn.v(f"call float @picc_tanh(float {scaled})", "t")
+            fn.store(F32, fn.v(f"fmul float {t}, %cap", "y"), fn.at("%out", 4, j), 4)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, SOFTCAP_PARAMS, emit, softcap.__doc__ or "")
+
+
 @cache
 def ffn_activation(form: str) -> Kernel:
     """``out[j] = h`` of FFN ``form`` from ``a = gate[j]`` and ``b = up[j]`` (``act(b)`` for the

@@ -240,9 +240,16 @@ class OpLowering(ABC):
 
     def attention(self, op: O.Attention) -> None:
         k_rows, v_rows = self.kv_rows(op)
-        self.call(op, kernels_attention.attention(op.kv_format), self.value(op.q), self.value(op.k), self.value(op.v),
-                  k_rows, v_rows, self.activation(op.result), self.rows(), self.position(),
-                  op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, self.ctx, batched=True)
+        softcap = (float(op.softcap),) if op.softcap is not None else ()
+        self.call(op, kernels_attention.attention(op.kv_format, bool(softcap)), self.value(op.q), self.value(op.k),
+                  self.value(op.v), k_rows, v_rows, self.activation(op.result), self.rows(), self.position(),
+                  op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, self.ctx, *softcap,
+                  batched=True)
+
+    def softcap(self, op: O.Softcap) -> None:
+        """Capped logits, a call per token."""
+        self.call(op, kernels_misc.softcap(), self.value(op.x), self.activation(op.result), self.width(op.result),
+                  float(op.cap))
 
     def lower(self, op: Op) -> None:  # noqa: C901 - one case per op
         pos = self.position()
@@ -276,6 +283,8 @@ class OpLowering(ABC):
                 self.attention(op)
             case O.Add():
                 self.add(op)
+            case O.Softcap():
+                self.softcap(op)
             case Merge():
                 self.call(op, kernels_misc.merge(), self.value(op.a), self.value(op.b),
                           self.weight(op.bias, as_f32=True), self.activation(op.result), self.width(op.result))

@@ -179,6 +179,14 @@ def add(name: str, seq: int, n: int) -> Kernel:
     return make_kernel(name, "elementwise", [(a, "in"), (b, "in"), (y, "out")])
 
 
+def softcap(name: str, seq: int, n: int, cap: float) -> Kernel:
+    """``y = cap * tanh(x / cap)`` over [seq, n] (Gemma 2's capped logits)."""
+    check_positive(seq=seq, n=n)
+    x = te.placeholder((seq, n), "float32", name="x")
+    y = te.compute((seq, n), lambda s, c: tirx.tanh(x[s, c] / f32(cap)) * f32(cap), name="y")
+    return make_kernel(name, "elementwise", [(x, "in"), (y, "out")])
+
+
 def merge(name: str, n: int, bias: bool, residual: bool = False) -> Kernel:
     """``y = a + b (+ bias) (+ r)``: the partial sums of a split FFN layer, its down bias and, with
     ``residual``, the decode step's residual add (``r + merged``, the add's bits)."""
@@ -218,7 +226,7 @@ def kv_append(name: str, seq: int, width: int, max_ctx: int) -> Kernel:
 
 
 def attention(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int,
-              scale: float, window: int | None = None) -> Kernel:
+              scale: float, window: int | None = None, softcap: float | None = None) -> Kernel:
     """Causal GQA attention of q [seq, n_heads * head_dim] over the caches (after ``kv_append``).
 
     Parameters: ``q``, ``pos`` [seq] i32, ``k_cache``, ``v_cache`` [max_ctx, n_kv * head_dim],
@@ -227,7 +235,7 @@ def attention(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int,
     positions are never computed (their scratch entries hold 0). Five launches on the GPU, one a
     stage; ``attention_decode`` is the one-launch kernel of a decode step.
     """
-    t = _attention_stages(name, seq, n_heads, n_kv_heads, head_dim, max_ctx, scale, window)
+    t = _attention_stages(name, seq, n_heads, n_kv_heads, head_dim, max_ctx, scale, window, softcap)
     args = [(t["q"], "in"), (t["pos"], "in"), (t["k_cache"], "in"), (t["v_cache"], "in"), (t["scores"], "scratch"),
             (t["smax"], "scratch"), (t["ssum"], "scratch"), (t["probs"], "scratch"), (t["out"], "out")]
     return make_kernel(name, "attention", args, guards={"scores": _scores_guard(window)},
@@ -235,7 +243,7 @@ def attention(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int,
 
 
 def attention_decode(name: str, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, scale: float,
-                     window: int | None = None) -> Kernel:
+                     window: int | None = None, softcap: float | None = None) -> Kernel:
     """``attention`` of one query (seq = 1) in one GPU launch: the same stages, but the scores,
     softmax statistics and probabilities are the kernel's own (shared memory on the GPU, a block
     per head; ``schedules_attention.schedule_attention_decode``), so it takes no scratch.
@@ -247,7 +255,7 @@ def attention_decode(name: str, n_heads: int, n_kv_heads: int, head_dim: int, ma
     if not attention_decode_fits(max_ctx):
         raise PiccError(f"{name}: a one-launch decode attention over max_ctx={max_ctx} positions does not fit "
                         f"in shared memory (or its tiles); use attention")
-    t = _attention_stages(name, 1, n_heads, n_kv_heads, head_dim, max_ctx, scale, window)
+    t = _attention_stages(name, 1, n_heads, n_kv_heads, head_dim, max_ctx, scale, window, softcap)
     args = [(t["q"], "in"), (t["pos"], "in"), (t["k_cache"], "in"), (t["v_cache"], "in"), (t["out"], "out")]
     return make_kernel(name, "attention_decode", args, guards={"scores": _scores_guard(window)},
                        options={"head_dim": head_dim})
@@ -260,10 +268,10 @@ def attention_decode_fits(max_ctx: int) -> bool:
 
 
 def _attention_stages(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int,
-                      scale: float, window: int | None) -> dict[str, te.Tensor]:
+                      scale: float, window: int | None, softcap: float | None = None) -> dict[str, te.Tensor]:
     """The tensors of attention by name: placeholders ``q``, ``pos``, ``k_cache``, ``v_cache`` and
     the stages ``scores``, ``smax``, ``ssum``, ``probs``, ``out`` (the arithmetic of
-    ``picc.interpreter.attention``)."""
+    ``picc.interpreter.attention``, the scores soft-capped where ``softcap`` is given)."""
     check_positive(seq=seq, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, max_ctx=max_ctx)
     if n_heads % n_kv_heads:
         raise PiccError(f"{name}: n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
@@ -286,7 +294,8 @@ def _attention_stages(name: str, seq: int, n_heads: int, n_kv_heads: int, head_d
         name="scores")
 
     def scaled(s: PrimExpr, h: PrimExpr, j: PrimExpr) -> PrimExpr:
-        return scores[s, h, j] * f32(scale)
+        x = scores[s, h, j] * f32(scale)
+        return x if softcap is None else tirx.tanh(x / f32(softcap)) * f32(softcap)
 
     jm = te.reduce_axis((0, max_ctx), name="jm")
     smax = te.compute((seq, n_heads), lambda s, h: te.max(

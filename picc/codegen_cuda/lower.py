@@ -233,6 +233,9 @@ class _Lowering:
             case O.Add():
                 k = self.kernel(name, lambda: layers.add(name, 1, self.width(op.result)))
                 self.launch(op, k, [b.value(op.a, "a", k), b.value(op.b, "b", k), b.value(op.result, "y", k)])
+            case O.Softcap():
+                k = self.kernel(name, lambda: layers.softcap(name, 1, self.width(op.result), op.cap))
+                self.launch(op, k, [b.value(op.x, "x", k), b.value(op.result, "y", k)])
             case Merge():
                 k = self.kernel(name, lambda: layers.merge(name, self.width(op.result), op.bias is not None,
                                                            op.result in self.residual))
@@ -254,7 +257,7 @@ class _Lowering:
             ka = self.kernel(append, lambda: layers.kv_append(append, 1, width, self.ctx))
             self.launch(op, ka, [b.value(op.k, "k", ka), b.value(op.v, "v", ka), b.value(op.pos, "pos", ka),
                                  b.kv(op.cache, 0, "k_cache", ka), b.kv(op.cache, 1, "v_cache", ka)])
-        shape = (op.n_heads, op.n_kv_heads, op.head_dim, self.ctx, op.scale, op.window)
+        shape = (op.n_heads, op.n_kv_heads, op.head_dim, self.ctx, op.scale, op.window, op.softcap)
         # One launch where the head's scores fit in shared memory; else five, through scratch.
         fused = layers.attention_decode_fits(self.ctx)
         if fused:

@@ -65,6 +65,8 @@ class LlamaSpec:
     embed_scale: float = 1.0  # the embedding's rows times it (Gemma: sqrt(hidden))
     attn_scale: float | None = None  # the attention's scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim's
     sandwich: bool = False  # Gemma: the attention's and the FFN's outputs RMS-normalised before their residual adds
+    attn_softcap: float | None = None  # Gemma 2: the attention's scores soft-capped, cap * tanh(s / cap)
+    logit_softcap: float | None = None  # Gemma 2: the final logits soft-capped alike
     bos_id: int | None = None
     eos_id: int | None = None
     max_position: int | None = None
@@ -175,7 +177,7 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         window = spec.window[i] if spec.window else None
         ctx = b.op(O.Attention, f"{p}.attn.ctx", q=q, k=k, v=v, pos=pos, n_heads=spec.n_heads,
                    n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim,
-                   scale=scale, cache=f"l{i}", window=window)
+                   scale=scale, cache=f"l{i}", window=window, softcap=spec.attn_softcap)
         o = b.op(O.Linear, f"{p}.attn.out", x=ctx, weight=n["o"], bias=maybe(n["o_bias"]))
         if spec.sandwich:
             o = b.op(O.RMSNorm, f"{p}.post_attn_norm", x=o, weight=n["post_attn_norm"], eps=spec.eps)
@@ -193,6 +195,8 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
     x = b.op(O.RMSNorm, "final_norm", x=x, weight="output_norm", eps=spec.eps)
     head = "token_embd" if spec.tied else "output"
     logits = b.op(O.Linear, "logits", x=x, weight=head)
+    if spec.logit_softcap is not None:
+        logits = b.op(O.Softcap, "logits_capped", x=logits, cap=spec.logit_softcap)
     module = Module(spec.name, module_attrs(spec), decls, (b.finish(logits),))
     return module.with_used_weights_only()
 

@@ -261,7 +261,8 @@ class Attention(Op):
     uses K/V head ``h // (n_heads / n_kv_heads)``. The keys and values of this call are written to
     the cache slot named ``cache`` at positions ``pos``; then the query at position p attends to
     every cached position j <= p (and p - j < window, when ``window`` is set) with scores
-    ``(q . k) * scale``, softmax over j.
+    ``(q . k) * scale``, softmax over j. With ``softcap`` (Gemma 2's ``attn_logit_softcapping``)
+    a score s is ``softcap * tanh(s / softcap)`` before the softmax.
 
     ``alibi = "falcon"`` adds ALiBi biases instead of using rotary positions, as Falcon does:
     scores ``(q . k + b[h, j]) * scale`` with ``b[h, j] = bf16(bf16(slope_h) * j)`` (transformers
@@ -286,6 +287,7 @@ class Attention(Op):
     scale: float
     cache: str
     window: int | None = None
+    softcap: float | None = None
     alibi: str = "none"
     appended_by_rope: bool = False
     kv_format: str = "f32"
@@ -316,6 +318,7 @@ class Attention(Op):
         expect(p.dtype.is_int and p.shape == (q.shape[0],),
                f"positions %{self.pos} must be i32[{q.shape[0]}], got {p}")
         expect(self.window is None or self.window > 0, f"window must be > 0, got {self.window}")
+        expect(self.softcap is None or self.softcap > 0, f"softcap must be > 0, got {self.softcap}")
         expect(bool(self.cache), "cache slot name must not be empty")
         expect(self.alibi in ALIBI_KINDS, f"alibi must be one of {ALIBI_KINDS}, got {self.alibi!r}")
         expect(self.kv_format in KV_FORMATS, f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
@@ -367,6 +370,19 @@ class GeluTanh(_Unary):
     """The tanh approximation of GELU: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
 
     NAME: ClassVar[str] = "gelu_tanh"
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Softcap(_Unary):
+    """``cap * tanh(x / cap)``: Gemma 2's soft cap of its final logits (``final_logit_softcapping``)."""
+
+    NAME: ClassVar[str] = "softcap"
+    cap: float
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        expect(self.cap > 0, f"cap must be > 0, got {self.cap}")
+        return _Unary.infer(self, env)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

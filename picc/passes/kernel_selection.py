@@ -60,9 +60,11 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
         case O.Rope():
             return names.cpu_rope(op.style)
         case O.Attention() if op.alibi == "none":
-            return names.cpu_attention(op.kv_format)
+            return names.cpu_attention(op.kv_format, op.softcap is not None)
         case O.Add():
             return names.cpu_elementwise("add")
+        case O.Softcap():
+            return names.cpu_elementwise("softcap")
         case Merge():
             return names.cpu_elementwise("merge")
         case Predict():
@@ -102,9 +104,11 @@ def gpu_kernel(op: Op, t: Types, ctx: int, residual: bool = False) -> str:  # no
         case O.Rope():
             return names.gpu_rope(op.style, op.n_heads, op.head_dim, op.rotated)
         case O.Attention() if op.alibi == "none" and op.kv_format == "f32":
-            return names.gpu_attention(op.n_heads, op.n_kv_heads, op.head_dim, ctx, op.window, op.scale)
+            return names.gpu_attention(op.n_heads, op.n_kv_heads, op.head_dim, ctx, op.window, op.scale, op.softcap)
         case O.Add():
             return names.gpu_add(t.width(op.result))
+        case O.Softcap():
+            return names.gpu_softcap(t.width(op.result), op.cap)
         case Merge():
             return names.gpu_merge(t.width(op.result), op.bias is not None, residual)
         case Predict():

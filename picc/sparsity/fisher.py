@@ -104,6 +104,8 @@ class TorchForward:
                 return self.attention(op, env[op.q], env[op.k], env[op.v])
             case O.Relu() | O.Silu() | O.Gelu() | O.GeluTanh():
                 return self.activation(op.NAME, env[op.x])
+            case O.Softcap():
+                return self.torch.tanh(env[op.x] / op.cap) * op.cap
             case O.Add():
                 return env[op.a] + env[op.b]
             case O.Mul():
@@ -154,6 +156,8 @@ class TorchForward:
             bias = round_to_bf16(slopes[:, None] * np.arange(seq, dtype=np.float32)[None, :])
             scores = scores + torch.from_numpy(bias)[:, None, :]
         scores = scores * op.scale
+        if op.softcap is not None:
+            scores = torch.tanh(scores / op.softcap) * op.softcap
         i = torch.arange(seq)
         visible = i[None, :] <= i[:, None]
         if op.window is not None:
