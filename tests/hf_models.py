@@ -58,7 +58,8 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3_text", "gemma3", "opt", "falcon")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", "gemma3", "opt",
+            "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -92,6 +93,13 @@ _BASE: dict[str, dict[str, Any]] = {
     "smollm3": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                     no_rope_layer_interval=2,  # layer 1 without rope (SmolLM3-3B: every 4th)
                     rope_parameters=_ROPE),
+    # Gemma 2: Gemma 3's layer without the q and k norms, one rope for all layers, and soft caps on
+    # the attention's scores and on the logits, small enough to bend these tiny models' (scores
+    # of median 8, logits of median 2): 10 * tanh(s / 10), 3 * tanh(l / 3)
+    "gemma2": dict(_TINY, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                   hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, pad_token_id=0,
+                   attn_logit_softcapping=10.0, final_logit_softcapping=3.0, rope_parameters=_ROPE),
     # Gemma 3 (1B's layout): layer 0 slides (a window of 4), layer 1 attends to everything, each
     # with its own rope; heads wider than hidden / heads, q . k scaled by query_pre_attn_scalar
     "gemma3_text": dict(_TINY, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, sliding_window=4,
@@ -218,6 +226,17 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "longrope-partial": dict(max_position_embeddings=256, rope_parameters=dict(
             _LONGROPE, partial_rotary_factor=0.75, short_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0], long_factor=[3.0] * 6)),
     },
+    "gemma2": {
+        "base": {},
+        "no-softcap": dict(attn_logit_softcapping=None, final_logit_softcapping=None),
+        # a hub config.json (transformers 4.x): rope_theta, no layer_types (layer i slides when i is even)
+        "hub": dict(_hub_style="gemma2"),
+        "untied": dict(tie_word_embeddings=False),
+        # llama.cpp's pattern (every even layer slides) from the default layer_types, and
+        # query_pre_attn_scalar = head_dim (GGUF files carry no query_pre_attn_scalar: llama.cpp
+        # takes head_dim)
+        "six-layers": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32, _hub_style="drop-layer-types"),
+    },
     "gemma3_text": {
         "base": {},
         # a hub config.json: rope_theta, rope_local_base_freq and rope_scaling, sliding_window_pattern
@@ -230,6 +249,9 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         # Gemma 3 1B's pattern as llama.cpp hard-codes it (five sliding layers, then a global one),
         # and its query_pre_attn_scalar, head_dim (GGUF files carry neither: llama.cpp takes head_dim)
         "six-layers": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32),
+        # Gemma3TextConfig's soft caps (null in the released models): transformers caps the logits
+        # and ignores the attention's cap
+        "softcap": dict(attn_logit_softcapping=10.0, final_logit_softcapping=3.0),
     },
     "gemma3": {
         "base": dict(text_config="gemma3_text"),
@@ -328,6 +350,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3": {},
     "smollm3": {},
     "phi3": {},
+    "gemma2": {},
     "gemma3_text": {},
     "gemma3": {},
     "opt": {},
@@ -361,7 +384,9 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("phi3", "base", "longrope"),
     ("phi3", "partial-rope", "longrope-partial"),
     ("smollm3", "base", "all-rope"),
+    ("gemma2", "base", "no-softcap"),
     ("gemma3_text", "base", "scaled-global"),
+    ("gemma3_text", "base", "softcap"),
     ("smollm3", "base", "sliding"),
     ("opt", "pre-ln", "post-ln"),
     ("opt", "pre-ln", "gelu"),
@@ -380,6 +405,7 @@ SAME_LOGITS: list[tuple[str, str, str]] = [
     ("llama", "rope-llama3", "rope-llama3-legacy"),
     ("qwen2", "base", "sliding-off"),
     ("mistral", "base", "no-window-key"),  # default window 4096 > test length
+    ("gemma2", "base", "hub"),  # the default layer types of two layers are base's
 ]
 
 
@@ -412,6 +438,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "gemma3": (tf.Gemma3Config, tf.Gemma3ForConditionalGeneration),
         "opt": (tf.OPTConfig, tf.OPTForCausalLM),
@@ -466,6 +493,10 @@ def _rewrite_hub_style(cfg_path: pathlib.Path, style: str) -> None:
     elif style == "smollm3":  # hub configs name the interval, not the derived lists
         cfg.pop("no_rope_layers", None)
         cfg.pop("layer_types", None)
+    elif style in ("gemma2", "drop-layer-types"):  # Gemma 2: the default layer types, not written out
+        assert cfg.pop("layer_types") == ["sliding_attention", "full_attention"] * (cfg["num_hidden_layers"] // 2)
+        if style == "gemma2":  # and the hub's config.json (transformers 4.x): rope_theta
+            cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
     elif style == "gemma3":  # Gemma 3 1B's config.json on the hub (written by transformers 4.x)
         rp = cfg.pop("rope_parameters")
         cfg["rope_theta"] = rp["full_attention"]["rope_theta"]

@@ -14,6 +14,7 @@ import math
 import gguf
 import numpy as np
 import pytest
+from hf_edit import edited_copy
 from hf_models import make_model, reference_logits
 
 from picc import quant
@@ -34,8 +35,8 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=None,
                drop_keys=()):
-    """Write the HF model in ``hf_dir`` (a llama, or a qwen2 / qwen3 with ``arch`` saying so) as a
-    GGUF file, matrices in ``quant_type``."""
+    """Write the HF model in ``hf_dir`` (a llama, or a qwen2 / qwen3 / phi3 / gemma2 / gemma3 with
+    ``arch`` saying so) as a GGUF file, matrices in ``quant_type``."""
     import json
 
     from safetensors.numpy import load_file
@@ -54,9 +55,14 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         "rope_freq_base": (w.add_rope_freq_base, cfg["rope_parameters"].get(
             "rope_theta", cfg["rope_parameters"].get("full_attention", {}).get("rope_theta"))),
     }
-    gemma = arch == "gemma3"  # norms stored as 1 + w, as convert_hf_to_gguf.py's Gemma3Model writes them
+    # Gemma: the window, and norms stored as 1 + w (below), as convert_hf_to_gguf.py's Gemma2Model
+    # and Gemma3Model write them; Gemma2Model writes both soft caps too
+    gemma = arch in ("gemma2", "gemma3")
     if gemma:
         meta["sliding_window"] = (w.add_sliding_window, cfg["sliding_window"])
+    if arch == "gemma2":
+        meta["attn_softcap"] = (w.add_attn_logit_softcapping, cfg["attn_logit_softcapping"])
+        meta["final_softcap"] = (w.add_final_logit_softcapping, cfg["final_logit_softcapping"])
     if cfg.get("head_dim"):
         meta["key_length"] = (w.add_key_length, cfg["head_dim"])
     partial = cfg["rope_parameters"].get("partial_rotary_factor", 1.0)
@@ -193,6 +199,7 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     ("qwen2", "base", Q.F32, ()), ("qwen3", "head-dim", Q.F32, ()), ("qwen3", "head-dim", Q.Q4_1, ()),
     ("phi3", "partial-rope", Q.F32, ()), ("phi3", "partial-rope", Q.Q8_0, ()),
     ("phi3", "longrope-partial", Q.F32, ()), ("phi3", "longrope", Q.Q8_0, ("attn_factor",)),
+    ("gemma2", "six-layers", Q.F32, ()), ("gemma2", "six-layers", Q.Q4_1, ()),
     ("gemma3_text", "six-layers", Q.F32, ()), ("gemma3_text", "six-layers", Q.Q4_1, ())])
 def test_qwen_and_phi3_ggufs_match_transformers(family, variant, qt, drop, tmp_path):
     # Rows as transformers has them (no permutation) and the half-split rope; Qwen2's q, k, v
@@ -201,11 +208,12 @@ def test_qwen_and_phi3_ggufs_match_transformers(family, variant, qt, drop, tmp_p
     # Phi-3.5's and Phi-4-mini's longrope: the short factors, the attention factor from the file
     # (or, where it lacks one, from the context lengths). Gemma 3 as llama.cpp runs it: norms of
     # 1 + w as stored, every sixth layer global with the file's rope, the others sliding with base
-    # 1e4, the embedding scaled by sqrt(hidden).
+    # 1e4, the embedding scaled by sqrt(hidden). Gemma 2 likewise, with one rope, no q and k norms,
+    # every even layer sliding and the file's soft caps on the scores and the logits.
     hf_dir = tmp_path / family
     make_model(family, variant, hf_dir)
     arch = {"gemma3_text": "gemma3"}.get(family, family)
-    tie = family == "gemma3_text"  # no output.weight: the head is the embedding
+    tie = family in ("gemma2", "gemma3_text")  # no output.weight: the head is the embedding
     model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, quant_type=qt, drop_keys=drop, tie=tie))
     if variant.startswith("longrope"):
         assert model.module.attr("max_position") == 256 and "longrope: a --ctx up to 128" in model.notes[-1]
@@ -217,6 +225,55 @@ def test_qwen_and_phi3_ggufs_match_transformers(family, variant, qt, drop, tmp_p
     reference = round_trip_hf_weights(hf_dir, tmp_path / "hf_q", qt) if qt != Q.F32 else hf_dir
     got = Interpreter(model.module, model.weights).run(TOKENS)
     assert rel_l2(got, reference_logits(reference, TOKENS)) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_gemma2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "gemma2"
+    make_model("gemma2", "six-layers", path)
+    return path
+
+
+def test_a_gemma2_gguf_soft_caps_and_slides_as_llama_cpp_does(hf_gemma2, tmp_path):
+    # The file's soft caps on every layer's scores and on the logits (the function's result), a
+    # window on the even layers only (llama.cpp's set_swa_pattern(2)), one rope for all layers, q . k
+    # scaled by 1 / sqrt(head_dim). Without the keys: llama.cpp's defaults, caps of 50 and 30 and a
+    # window of 4096. A cap of 0 is refused, by name.
+    module = load_model(write_gguf(hf_gemma2, tmp_path / "m.gguf", arch="gemma2", tie=True)).module
+    attention = [op for op in module.ops() if op.NAME == "attention"]
+    assert [op.window for op in attention] == [4, None] * 3
+    assert {(op.softcap, op.scale) for op in attention} == {(10.0, 1 / math.sqrt(32))}
+    func = module.function()
+    capped = func.producer(func.ret)
+    assert capped.NAME == "softcap" and capped.cap == 3.0 and func.producer(capped.x).NAME == "linear"
+    assert {(op.theta, op.scaling) for op in module.ops() if op.NAME == "rope"} == {(10000.0, "none")}
+    bare = load_model(write_gguf(hf_gemma2, tmp_path / "d.gguf", arch="gemma2", tie=True,
+                                 drop_keys=("attn_softcap", "final_softcap", "sliding_window"))).module
+    assert [(op.window, op.softcap) for op in bare.ops() if op.NAME == "attention"] == [(4096, 50.0), (None, 50.0)] * 3
+    assert [op.cap for op in bare.ops() if op.NAME == "softcap"] == [30.0]
+    zero = edited_copy(hf_gemma2, tmp_path / "zero", config={"final_logit_softcapping": 0.0})
+    with pytest.raises(PiccError, match=r"z\.gguf: gemma2\.final_logit_softcapping must be a number > 0, got 0\.0$"):
+        load_model(write_gguf(zero, tmp_path / "z.gguf", arch="gemma2", tie=True))
+
+
+def test_the_46_layer_gemma2_scales_q_k_by_hidden_over_heads(hf_gemma2, tmp_path):
+    # llama.cpp takes a 46-layer gemma2 file for Gemma 2 27B, whose query_pre_attn_scalar is
+    # hidden / heads (4608 / 32 = 144), not head_dim (128), and scales q . k by that: here
+    # 1 / sqrt(64 / 4), which transformers computes for the same model with query_pre_attn_scalar 16.
+    def deeper(sd):  # layer i is layer i % 6 of the six-layer model
+        layers = {k: v for k, v in sd.items() if k.startswith("model.layers.")}
+        out = {k: v for k, v in sd.items() if k not in layers}
+        for i in range(46):
+            prefix = f"model.layers.{i % 6}."
+            out |= {f"model.layers.{i}." + k.removeprefix(prefix): v for k, v in layers.items() if k.startswith(prefix)}
+        return out
+
+    hf_dir = edited_copy(hf_gemma2, tmp_path / "hf46", config={"num_hidden_layers": 46, "query_pre_attn_scalar": 16},
+                         tensors=deeper)
+    model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch="gemma2", tie=True))
+    assert {op.scale for op in model.module.ops() if op.NAME == "attention"} == {0.25}
+    got = Interpreter(model.module, model.weights).run(TOKENS)
+    assert rel_l2(got, reference_logits(hf_dir, TOKENS)) <= 1e-4
 
 
 def llama_cpp_rope_factors(cfg: dict) -> np.ndarray:
@@ -377,7 +434,8 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported (supported: llama, qwen2, qwen3, phi3, gemma3)"),
+    (dict(arch="gpt2"),
+     "GGUF architecture 'gpt2' is not supported (supported: llama, qwen2, qwen3, phi3, gemma2, gemma3)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),

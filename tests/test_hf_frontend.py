@@ -143,12 +143,36 @@ WINDOWS = [
     ("qwen2", "sliding-all", (4, 4)),
     ("qwen2", "sliding-off", (None, None)),  # use_sliding_window false beats sliding_window: 4
     ("qwen2", "layer-types", (4, None)),  # explicit layer_types beat max_window_layers
+    ("gemma2", "base", (4, None)),
+    ("gemma2", "six-layers", (4, None) * 3),  # without layer_types: every even layer slides
 ]
 
 
 @pytest.mark.parametrize("family,variant,windows", WINDOWS)
 def test_sliding_windows(zoo, family, variant, windows):
     assert attn_windows(zoo.load(family, variant)) == windows
+
+
+@pytest.mark.parametrize("variant,caps", [("base", (10.0, 3.0)), ("untied", (10.0, 3.0)),
+                                          ("no-softcap", (None, None))])
+def test_gemma2_soft_caps_reach_the_ir(zoo, variant, caps):
+    """attn_logit_softcapping on every attention op, final_logit_softcapping as a softcap op on the
+    logits, which the function returns; null: neither."""
+    model = zoo.load("gemma2", variant)
+    assert {op.softcap for op in ops_of(model, O.Attention)} == {caps[0]}
+    func = model.module.function()
+    assert [op.cap for op in ops_of(model, O.Softcap)] == ([caps[1]] if caps[1] else [])
+    assert isinstance(func.producer(func.ret), O.Softcap if caps[1] else O.Linear)
+
+
+def test_gemma2_config_without_the_optional_keys_takes_gemma2configs_defaults(zoo, tmp_path):
+    """Soft caps 50 and 30, q . k scaled by 256 ** -0.5, a window of 4096 (Gemma2Config's)."""
+    path = edited_copy(zoo.path("gemma2", "base"), tmp_path / "m", drop=(
+        "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "sliding_window"))
+    model = load_model(path)
+    assert {(op.softcap, op.scale) for op in ops_of(model, O.Attention)} == {(50.0, 1 / 16)}
+    assert [op.cap for op in ops_of(model, O.Softcap)] == [30.0] and attn_windows(model) == (4096, None)
+    assert rel_l2(picc_logits(model), reference_logits(path, IDS)) <= TOL
 
 
 LLAMA3 = dict(scaling="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -28,7 +28,7 @@ def base(tmp_path_factory):
     paths = {}
     for family, variant in (("llama", "swiglu"), ("llama", "tied"), ("qwen2", "base"), ("opt", "pre-ln"),
                             ("falcon", "new-arch"), ("falcon", "classic"), ("phi3", "base"),
-                            ("gemma3_text", "base")):
+                            ("gemma2", "base"), ("gemma3_text", "base")):
         make_model(family, variant, root / family / variant)
         paths[(family, variant)] = root / family / variant
     return paths
@@ -120,15 +120,25 @@ def test_longrope_needs_a_factor_per_rotary_pair_and_a_rope_that_rotates_them(ba
 
 
 @pytest.mark.parametrize("edit, message", [
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported (Gemma 3 has none)"),
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention (an embedding model's) is not supported"),
+    ({"final_logit_softcapping": 0.0}, "field 'final_logit_softcapping' must be a number > 0 or null, got 0.0"),
     ({"layer_types": ["sliding_attention"]}, "field 'layer_types' must be a list of 2 of full_attention, sliding"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
      "field 'rope_parameters' must be an object of full_attention and sliding_attention rope parameters"),
 ])
 def test_gemma3_options_picc_does_not_compute_are_refused(base, tmp_path, edit, message):
     refused(edited_copy(base[("gemma3_text", "base")], tmp_path / "m", config=edit), message)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention (an embedding model's) is not supported"),
+    ({"attn_logit_softcapping": 0.0}, "field 'attn_logit_softcapping' must be a number > 0 or null, got 0.0"),
+    ({"final_logit_softcapping": "30.0"}, 'field \'final_logit_softcapping\' must be a number > 0 or null, got "30.0"'),
+    ({"final_logit_softcapping": True}, "field 'final_logit_softcapping' must be a number > 0 or null, got true"),
+    ({"layer_types": ["full_attention"] * 3}, "field 'layer_types' must be a list of 2 of full_attention, sliding"),
+])
+def test_gemma2_options_picc_does_not_compute_and_bad_soft_caps_are_refused(base, tmp_path, edit, message):
+    refused(edited_copy(base[("gemma2", "base")], tmp_path / "m", config=edit), message)
 
 
 def test_legacy_rope_scaling_types_are_refused(base, tmp_path):
@@ -154,6 +164,9 @@ IMPOSSIBLE = [
      "layer_types has sliding_attention layers but no window"),
     ("llama", "swiglu", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor 0.5 with rope type 'linear' is not supported"),
+    ("gemma2", "base", {"sliding_window": None}, "layer_types has sliding_attention layers but sliding_window is null"),
+    ("gemma3_text", "base", {"sliding_window": None},
+     "layer_types has sliding_attention layers but sliding_window is null"),
 ]
 
 
@@ -169,6 +182,9 @@ def test_combinations_transformers_cannot_run(base, tmp_path, family, variant, e
     ("falcon", "new-arch", {"head_dim": 16}, "field 'head_dim' is not allowed for falcon"),
     ("llama", "swiglu", {"hidden_size": 60, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16},
      "hidden_size 60 is not a multiple of num_attention_heads 8"),
+    ("gemma2", "base", {"hidden_size": 60, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16},
+     "hidden_size 60 is not a multiple of num_attention_heads 8 (Gemma2Config requires it"),
+    ("gemma2", "base", {"query_pre_attn_scalar": 24.0}, "field 'query_pre_attn_scalar' must be an integer >= 1, got 24.0"),
 ])
 def test_configs_transformers_rejects(base, tmp_path, family, variant, edit, fragment):
     path = edited_copy(base[(family, variant)], tmp_path / "m", config=edit)

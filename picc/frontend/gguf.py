@@ -1,5 +1,6 @@
-"""GGUF frontend: ``llama``, ``qwen2``, ``qwen3`` and ``phi3`` GGUF files, quantized tensors kept in
-their quant type where picc's kernels read it, converted to one they read where not (:func:`converted`).
+"""GGUF frontend: ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``gemma2`` and ``gemma3`` GGUF files,
+quantized tensors kept in their quant type where picc's kernels read it, converted to one they read
+where not (:func:`converted`).
 
 For ``llama`` files llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that each
 head's rotary pairs are adjacent ((2i, 2i+1), llama.cpp's "normal" rope). picc keeps the tensors
@@ -9,9 +10,9 @@ transformers' rows (llama.cpp runs them with its "neox" rope, the half-split one
 style. Qwen2 has biases on q, k and v; Qwen3 normalises each head's q and k (``attn_q_norm``,
 ``attn_k_norm``, [head_dim]) before the rope. ``phi3`` files keep transformers' rows too, with q, k
 and v in one ``attn_qkv`` and the gate's rows then up's in one ``ffn_up``, as in the checkpoint:
-picc splits them. ``gemma3`` files (Gemma 3 1B's text model) keep transformers' rows, their norms
-already ``1 + w`` (llama.cpp's converter adds the 1), and are run as llama.cpp runs them
-(:func:`_gemma3`).
+picc splits them. ``gemma2`` files and ``gemma3`` ones (Gemma 3 1B's text model) keep transformers'
+rows, their norms already ``1 + w`` (llama.cpp's converter adds the 1), and are run as llama.cpp
+runs them (:func:`_gemma2`, :func:`_gemma3`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from picc.ir.weights import Tensor, WeightStore
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
-_ROPE_STYLES = {"llama": "gptj", "qwen2": "llama", "qwen3": "llama", "phi3": "llama", "gemma3": "llama"}  # see above
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+_ROPE_STYLES = {"llama": "gptj", "qwen2": "llama", "qwen3": "llama", "phi3": "llama", "gemma2": "llama",
+                "gemma3": "llama"}  # see above
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0}
 
@@ -53,7 +55,7 @@ _LAYER_NAMES = {
     "attn_output.weight": "attn.o", "attn_q.bias": "attn.q_bias", "attn_k.bias": "attn.k_bias",
     "attn_v.bias": "attn.v_bias", "attn_output.bias": "attn.o_bias",
     "attn_q_norm.weight": "attn.q_norm", "attn_k_norm.weight": "attn.k_norm",
-    "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm",  # Gemma 3's
+    "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm",  # Gemma 2's and 3's
     "attn_qkv.weight": "attn.qkv",  # Phi-3's q, k and v in one matrix (split by load_gguf)
     "ffn_up.weight": "ffn.up", "ffn_gate.weight": "ffn.gate", "ffn_down.weight": "ffn.down",
 }
@@ -258,7 +260,9 @@ def load_gguf(path: Path) -> LoadedModel:
         max_position=max_position,
         qk_norm=arch in ("qwen3", "gemma3"),
     )
-    if arch == "gemma3":
+    if arch == "gemma2":
+        spec = _gemma2(spec, meta, key, path)
+    elif arch == "gemma3":
         spec = _gemma3(spec, meta, key, path)
     module = build_llama(spec, store)
     # A GGUF without tokenizer metadata still imports; it runs on token ids only.
@@ -272,26 +276,53 @@ def load_gguf(path: Path) -> LoadedModel:
     return LoadedModel(module, store, tokenizer, source=str(path), notes=notes)
 
 
+def _gemma(spec: LlamaSpec, layers_27b: int) -> LlamaSpec:
+    """What llama.cpp's Gemma 2 and 3 share: the embedding times ``sqrt(hidden)`` (f32), GELU-tanh
+    gated FFNs, the attention's and the FFN's outputs normalised, and q . k scaled by
+    ``1 / sqrt(head_dim)``, or ``1 / sqrt(hidden / heads)`` in the 27B (the only model with
+    ``layers_27b`` layers; its ``query_pre_attn_scalar``). llama.cpp's src/llama-model.cpp sets
+    ``f_attention_scale`` so in ``load_hparams`` (LLM_ARCH_GEMMA2: 46 layers, LLM_ARCH_GEMMA3: 62),
+    after gemma_pytorch's config.py; src/models/gemma2-iswa.cpp and gemma3.cpp scale q by it."""
+    scale_of = spec.hidden // spec.n_heads if spec.n_layers == layers_27b else spec.head_dim
+    return replace(spec, ffn_form="geglu_tanh", sandwich=True, embed_scale=float(np.float32(math.sqrt(spec.hidden))),
+                   attn_scale=1.0 / math.sqrt(scale_of))
+
+
+GEMMA2_WINDOW = 4096  # llama.cpp's n_swa where a gemma2 file names no attention.sliding_window
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # llama.cpp's defaults (hparams)
+
+
+def _gemma2(spec: LlamaSpec, meta: _Meta, key: Callable[[str], str], path: Path) -> LlamaSpec:
+    """A ``gemma2`` file's model as llama.cpp runs it (:func:`_gemma`): one rope (the file's) for all
+    layers, a window of ``attention.sliding_window`` on every even layer (``set_swa_pattern(2)``),
+    the attention's scores soft-capped by ``attn_logit_softcapping`` and the logits by
+    ``final_logit_softcapping``: ``cap * tanh(x / cap)``, 50 and 30 where the file names none."""
+    window = _opt_int(meta.get(key("attention.sliding_window"), GEMMA2_WINDOW))
+    caps = []
+    for name, default in GEMMA2_SOFTCAPS.items():
+        cap = meta.get(key(name), default)
+        if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf:
+            raise PiccError(f"{path}: {key(name)} must be a number > 0, got {cap!r}")
+        caps.append(float(cap))
+    return replace(_gemma(spec, 46), window=tuple(None if i % 2 else window for i in range(spec.n_layers)),
+                   attn_softcap=caps[0], logit_softcap=caps[1])
+
+
 GEMMA3_SWA_PATTERN = 6  # llama.cpp's: every sixth layer attends to everything, the others slide
 GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's rope base for the sliding layers (the file names the global one)
 
 
 def _gemma3(spec: LlamaSpec, meta: _Meta, key: Callable[[str], str], path: Path) -> LlamaSpec:
-    """A ``gemma3`` file's model as llama.cpp runs it: the embedding times ``sqrt(hidden)`` (f32),
-    GELU-tanh gated FFNs, the attention's and the FFN's outputs normalised, windows of
+    """A ``gemma3`` file's model as llama.cpp runs it (:func:`_gemma`): windows of
     ``attention.sliding_window`` on all but every sixth layer, whose rope is the file's (base and
-    linear scaling) where the sliding layers' is base 1e4 unscaled, and q . k scaled by
-    ``1 / sqrt(head_dim)``, or ``1 / sqrt(hidden / heads)`` in the 62-layer 27B (its
-    ``query_pre_attn_scalar``)."""
+    linear scaling) where the sliding layers' is base 1e4 unscaled."""
     softcap = meta.get(key("final_logit_softcapping"))
     if softcap:
         raise PiccError(f"{path}: {key('final_logit_softcapping')} {softcap} is not supported (Gemma 3 has none)")
     window = _opt_int(meta.get(key("attention.sliding_window")))
     full = [window is None or (i + 1) % GEMMA3_SWA_PATTERN == 0 for i in range(spec.n_layers)]
     local = replace(spec.rope, theta=GEMMA3_LOCAL_THETA, scaling="none", factor=1.0)
-    scale_of = spec.hidden / spec.n_heads if spec.n_layers == 62 else spec.head_dim
-    return replace(spec, ffn_form="geglu_tanh", sandwich=True, embed_scale=float(np.float32(math.sqrt(spec.hidden))),
-                   attn_scale=1.0 / math.sqrt(scale_of), layer_ropes=tuple(spec.rope if f else local for f in full),
+    return replace(_gemma(spec, 62), layer_ropes=tuple(spec.rope if f else local for f in full),
                    window=tuple(None if f else window for f in full) if window is not None else ())
 
 

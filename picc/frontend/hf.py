@@ -15,6 +15,7 @@ picc refuses with a one-line ``PiccError`` instead.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,6 +40,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "opt": "OPTForCausalLM",
@@ -140,7 +142,7 @@ class LlamaFamily:
     qk_norm: bool = False  # each head's q and k RMS-normalised before the rope (Qwen3)
     partial_rope: bool = False  # default rope honours partial_rotary_factor (Phi-3)
     fused: bool = False  # qkv_proj and gate_up_proj instead of q/k/v_proj and gate/up_proj (Phi-3)
-    gemma: bool = False  # Gemma 3's layer: norms of 1 + w, four a layer, the embedding scaled, a rope per layer type
+    gemma: bool = False  # Gemma's layer: norms of 1 + w, four a layer, the embedding scaled, q . k scaled its way
 
 
 LLAMA_FAMILIES = {
@@ -150,6 +152,7 @@ LLAMA_FAMILIES = {
     "qwen3": LlamaFamily(32, 32768, (None, None), head_dim=128, attn_bias=True, qk_norm=True),
     "phi3": LlamaFamily(None, 4096, (1, 32000), eps=1e-5, partial_rope=True, fused=True),
     "smollm3": LlamaFamily(4, 32768, (128000, 128001), tied=True, attn_bias=True, mlp_bias=True),
+    "gemma2": LlamaFamily(4, 8192, (2, 1), tied=True, head_dim=256, attn_bias=True, gemma=True),
     "gemma3_text": LlamaFamily(4, 131072, (2, 1), tied=True, head_dim=256, attn_bias=True, qk_norm=True, gemma=True),
 }
 
@@ -204,7 +207,8 @@ def smollm3_layers(cfg: HFConfig, n_layers: int) -> tuple[tuple[bool, ...], tupl
 def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | None, ...], tuple[bool, ...]]:
     """Each layer's sliding window (empty: none anywhere) and whether it rotates q and k (empty:
     all do). Llama ignores sliding_window; Mistral slides every layer (default 4096), Phi-3 too
-    (default none); Qwen2 and 3 per layer; SmolLM3 per layer, and leaves the rope out of some."""
+    (default none); Qwen2 and 3 per layer; SmolLM3 per layer, and leaves the rope out of some;
+    Gemma 2 and 3 per layer type."""
     windows: tuple[int | None, ...] = ()
     if family in ("mistral", "phi3"):
         window = cfg.opt_integer("sliding_window", 4096 if family == "mistral" else None)
@@ -215,19 +219,24 @@ def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | Non
     elif family == "smollm3":
         rope_layers, windows = smollm3_layers(cfg, n_layers)
         return windows, rope_layers
-    elif family == "gemma3_text":
-        windows = tuple(cfg.opt_integer("sliding_window", 4096) if t == "sliding_attention" else None
-                        for t in gemma3_layer_types(cfg, n_layers))
+    elif family in ("gemma2", "gemma3_text"):
+        types = gemma_layer_types(cfg, n_layers)
+        window = cfg.opt_integer("sliding_window", 4096)
+        if window is None and "sliding_attention" in types:
+            raise PiccError(f"{cfg.path}: layer_types has sliding_attention layers but sliding_window is null; "
+                            "transformers cannot run this either")
+        windows = tuple(window if t == "sliding_attention" else None for t in types)
         windows = windows if any(w is not None for w in windows) else ()
     return windows, ()
 
 
-def gemma3_layer_types(cfg: HFConfig, n_layers: int) -> list[str]:
-    """``layer_types``, or (hub configs) every ``sliding_window_pattern``-th layer full and the
-    others sliding (``Gemma3TextConfig.__post_init__``, default 6)."""
+def gemma_layer_types(cfg: HFConfig, n_layers: int) -> list[str]:
+    """``layer_types``, or every ``pattern``-th layer full and the others sliding: Gemma 2's every
+    second (``Gemma2Config.__post_init__``), Gemma 3's every ``sliding_window_pattern``-th (hub
+    configs; ``Gemma3TextConfig.__post_init__``, default 6)."""
     types = cfg.raw.get("layer_types")
     if types is None:
-        pattern = cfg.integer("sliding_window_pattern", 6)
+        pattern = 2 if cfg.raw["model_type"] == "gemma2" else cfg.integer("sliding_window_pattern", 6)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     known = ("full_attention", "sliding_attention")
     if not isinstance(types, list) or len(types) != n_layers or any(t not in known for t in types):
@@ -256,7 +265,7 @@ def gemma3_ropes(cfg: HFConfig, head_dim: int, max_position: int, n_layers: int)
             raise cfg.bad(f"rope_parameters.{kind}", one, "an object")
         one = {"rope_theta": default, **one}
         ropes[kind] = rope_from_config(HFConfig(cfg.path, {"rope_parameters": one}), head_dim, max_position)
-    return tuple(ropes[t] for t in gemma3_layer_types(cfg, n_layers))
+    return tuple(ropes[t] for t in gemma_layer_types(cfg, n_layers))
 
 
 def _llama_family(cfg: HFConfig, directory: Path, name: str,
@@ -265,15 +274,16 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     the embedding), instead of ``model.`` or none."""
     family = str(cfg.raw["model_type"])
     rules = LLAMA_FAMILIES[family]
-    if rules.gemma:
+    if family == "gemma3_text":
         cfg = HFConfig(cfg.path, {**GEMMA3_TEXT_DEFAULTS, **cfg.raw})
     vocab, hidden = cfg.integer("vocab_size"), cfg.integer("hidden_size")
     n_layers, n_heads = cfg.integer("num_hidden_layers"), cfg.integer("num_attention_heads")
     n_ff = cfg.integer("intermediate_size")
     n_kv = cfg.opt_integer("num_key_value_heads", rules.kv_heads) or n_heads
-    if family == "llama" and hidden % n_heads:
+    if family in ("llama", "gemma2") and hidden % n_heads:
         raise PiccError(f"{cfg.path}: hidden_size {hidden} is not a multiple of num_attention_heads "
-                        f"{n_heads} (LlamaConfig requires it, even with head_dim)")
+                        f"{n_heads} ({ARCHITECTURES[family].removesuffix('ForCausalLM')}Config requires it, "
+                        "even with head_dim)")
     if n_heads % n_kv:
         raise PiccError(f"{cfg.path}: num_attention_heads {n_heads} is not a multiple of "
                         f"num_key_value_heads {n_kv}")
@@ -286,13 +296,19 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     bos, eos = special_ids(cfg, directory, *rules.special_ids)
     tie = cfg.flag("tie_word_embeddings", rules.tied)
     gemma: dict = {}
-    if rules.gemma:
-        _refuse_gemma3_options(cfg)
+    if rules.gemma:  # soft caps: Gemma 2's; Gemma 3 caps the logits where its config says so
+        _refuse_gemma_options(cfg)  # and never the scores (transformers' Gemma3Attention ignores its cap)
+        two = family == "gemma2"
+        gemma = dict(sandwich=True, attn_softcap=_softcap(cfg, "attn_logit_softcapping", 50.0) if two else None,
+                     logit_softcap=_softcap(cfg, "final_logit_softcapping", 30.0 if two else None))
+    if family == "gemma3_text":
         ropes = gemma3_ropes(cfg, head_dim, max_position, n_layers)
-        gemma = dict(layer_ropes=ropes, sandwich=True, attn_scale=cfg.number("query_pre_attn_scalar", 256.0) ** -0.5)
+        gemma.update(layer_ropes=ropes, attn_scale=cfg.number("query_pre_attn_scalar", 256.0) ** -0.5)
         rope = ropes[0]
     else:
         rope = rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope)
+    if family == "gemma2":  # Gemma 3's layer with one rope and no q and k norms
+        gemma.update(attn_scale=cfg.integer("query_pre_attn_scalar", 256) ** -0.5)
     act = ("hidden_activation", "gelu_pytorch_tanh") if rules.gemma else ("hidden_act", "silu")
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
@@ -385,14 +401,22 @@ def _gemma3_text_of(cfg: HFConfig, directory: Path, name: str) -> tuple[Module, 
                          prefixes=("model.language_model.", "language_model.model."))
 
 
-def _refuse_gemma3_options(cfg: HFConfig) -> None:
-    """What Gemma 3 configs may ask for and picc does not do (Gemma 2's soft-capping, the
-    embedding models' bidirectional attention)."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.raw.get(key) is not None:
-            raise PiccError(f"{cfg.path}: {key} {json.dumps(cfg.raw[key])} is not supported (Gemma 3 has none)")
+def _refuse_gemma_options(cfg: HFConfig) -> None:
+    """What Gemma configs may ask for and picc does not do: the embedding models' bidirectional
+    attention."""
     if cfg.raw.get("use_bidirectional_attention"):
         raise PiccError(f"{cfg.path}: use_bidirectional_attention (an embedding model's) is not supported")
+
+
+def _softcap(cfg: HFConfig, key: str, default: float) -> float | None:
+    """Gemma 2's soft cap ``key`` (``cap * tanh(s / cap)``): a finite number > 0, or null for none
+    (transformers divides by it: a cap of 0 would flatten every score to 0)."""
+    cap = cfg.raw.get(key, default)
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf:
+        raise cfg.bad(key, cap, "a number > 0 or null")
+    return float(cap)
 
 
 def _gemma_embed_scale(hidden: int, dtype: DType) -> float:
