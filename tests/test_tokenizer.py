@@ -246,6 +246,32 @@ def test_a_gguf_stops_where_llama_cpp_ends_generation(smollm2: Tokenizer, gguf_p
     assert set(_end_of_generation(Named(), smollm2)) == {end_of_text, 2, 40, 41}  # type: ignore[arg-type]
 
 
+def test_a_gguf_recommends_the_sampling_llama_cpp_takes_as_its_defaults(gguf_path: Path) -> None:
+    # general.sampling.temp, top_p, top_k and min_p (llama.cpp's defaults where a user sets none)
+    # become the tokenizer's sampling, as generation_config.json's do; float32 values as the
+    # decimals written; penalty_repeat is left out (llama.cpp's looks back 64 tokens only). SmolLM2's
+    # file names none; a value no request could carry is refused, naming the file.
+    import numpy as np
+
+    from picc.frontend.gguf import _Meta, _sampling
+    from picc.frontend.gguf_file import GgufFile
+
+    assert _sampling(_Meta(GgufFile(gguf_path), gguf_path), gguf_path) == ()
+
+    class Recommending:
+        def __init__(self, **values: object) -> None:
+            self.values = {f"general.sampling.{k}": v for k, v in values.items()}
+
+        def get(self, key: str) -> object:
+            return self.values.get(key)
+
+    meta = Recommending(temp=float(np.float32(0.6)), top_p=np.float32(0.95), top_k=20, min_p=0.0, penalty_repeat=1.1)
+    assert _sampling(meta, gguf_path) == (("temperature", 0.6), ("top_p", 0.95), ("top_k", 20.0),  # type: ignore[arg-type]
+                                          ("min_p", 0.0))
+    with pytest.raises(PiccError, match=r"\.gguf: top-p must be in \(0, 1\], got 1\.5$"):
+        _sampling(Recommending(top_p=1.5), gguf_path)  # type: ignore[arg-type]
+
+
 def vocab_id(tokenizer: Tokenizer, token: str) -> int:
     token_id = tokenizer.token_to_id(token)
     assert token_id is not None

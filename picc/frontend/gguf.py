@@ -185,6 +185,23 @@ def _end_of_generation(meta: _Meta, tokenizer: Tokenizer) -> tuple[int, ...]:
     return tuple(sorted({t for t in (*named, *spelled) if t is not None}))
 
 
+GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                 "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p"}
+"""The file's recommended sampling parameters that llama.cpp takes as its defaults, by the names
+of a request's. Not ``penalty_repeat``: llama.cpp's penalty looks back ``penalty_last_n`` tokens
+(64), a request's ``repetition_penalty`` at the whole sequence."""
+
+
+def _sampling(meta: _Meta, path: Path) -> tuple[tuple[str, float], ...]:
+    """:data:`GGUF_SAMPLING` as the file has them; a float32 value as the shortest decimal that
+    is it (the 0.6 a model card says, not 0.6000000238)."""
+    from picc.frontend.tokenizer import checked_sampling
+
+    found = {name: meta.get(key) for key, name in GGUF_SAMPLING.items() if meta.get(key) is not None}
+    shortest = {k: float(str(np.float32(v))) if isinstance(v, float | np.floating) else v for k, v in found.items()}
+    return checked_sampling(shortest, path)
+
+
 def load_gguf(path: Path) -> LoadedModel:
     """Import a GGUF file of an architecture in SUPPORTED_ARCHS."""
     from picc.frontend.tokenizer import tokenizer_from_gguf
@@ -269,7 +286,7 @@ def load_gguf(path: Path) -> LoadedModel:
     has_tokenizer = meta.get("tokenizer.ggml.model") is not None
     tokenizer = tokenizer_from_gguf(path) if has_tokenizer else None
     if tokenizer is not None:
-        tokenizer = replace(tokenizer, stop_ids=_end_of_generation(meta, tokenizer))
+        tokenizer = replace(tokenizer, stop_ids=_end_of_generation(meta, tokenizer), sampling=_sampling(meta, path))
     notes = tuple(f"{count} {kind} tensor{'s' if count > 1 else ''} converted to {_target(kind).upper()} "
                   + ("(the same 4-bit values)" if kind == "Q4_K" else "(decoded and quantized again)")
                   + ", which picc's kernels read" for kind, count in sorted(changed.items())) + longrope_notes(module)

@@ -197,24 +197,30 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 def hf_sampling(directory: Path) -> tuple[tuple[str, float], ...]:
     """generation_config.json's :data:`SAMPLING_KEYS` (those it has), checked as a request's are."""
-    from runtime.sampling import SamplingOptions
-
     path = directory / "generation_config.json"
     if not path.is_file():
         return ()
     from picc.frontend.hf_config import HFConfig
 
     raw = HFConfig.read_json(path).raw
-    found = {k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None}
+    return checked_sampling({k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None}, path)
+
+
+def checked_sampling(found: dict[str, object], source: Path) -> tuple[tuple[str, float], ...]:
+    """A model's recommended sampling parameters (``found``, by :data:`SAMPLING_KEYS`' names, read
+    from ``source``) as :attr:`Tokenizer.sampling` holds them, checked as a request's are."""
+    from runtime.sampling import SamplingOptions
+
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in found.values()):
-        raise PiccError(f"{path}: {', '.join(found)} must be numbers, got {json.dumps(found)}")
-    if found.get("top_k", 0) != int(found.get("top_k", 0)):
-        raise PiccError(f"{path}: top_k must be a whole number, got {found['top_k']}")
+        raise PiccError(f"{source}: {', '.join(found)} must be numbers, got {json.dumps(found)}")
+    numbers = {k: float(v) for k, v in found.items()}  # type: ignore[arg-type] - checked above
+    if numbers.get("top_k", 0) != int(numbers.get("top_k", 0)):
+        raise PiccError(f"{source}: top_k must be a whole number, got {found['top_k']}")
     try:  # the keys are SamplingOptions' own names
-        SamplingOptions(**{k: int(v) if k == "top_k" else v for k, v in found.items()}).check()
+        SamplingOptions(**{k: int(v) if k == "top_k" else v for k, v in numbers.items()}).check()
     except ValueError as e:
-        raise PiccError(f"{path}: {e}") from None
-    return tuple((k, float(v)) for k, v in found.items())
+        raise PiccError(f"{source}: {e}") from None
+    return tuple(numbers.items())
 
 
 def hf_stop_ids(directory: Path) -> tuple[int, ...]:
