@@ -58,8 +58,8 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", "gemma3", "opt",
-            "falcon")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "gemma3_text", "gemma3",
+            "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -93,6 +93,11 @@ _BASE: dict[str, dict[str, Any]] = {
     "smollm3": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                     no_rope_layer_interval=2,  # layer 1 without rope (SmolLM3-3B: every 4th)
                     rope_parameters=_ROPE),
+    # Granite 3's multipliers (2B's: embedding 12, residual 0.22; the attention's scale 1 / head_dim,
+    # not its square root; its logits / 8, here / 2, which leaves these tiny logits spread)
+    "granite": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_parameters=_ROPE,
+                    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 16,
+                    logits_scaling=2.0),
     # Gemma 2: Gemma 3's layer without the q and k norms, one rope for all layers, and soft caps on
     # the attention's scores and on the logits, small enough to bend these tiny models' (scores
     # of median 8, logits of median 2): 10 * tanh(s / 10), 3 * tanh(l / 3)
@@ -226,6 +231,15 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "longrope-partial": dict(max_position_embeddings=256, rope_parameters=dict(
             _LONGROPE, partial_rotary_factor=0.75, short_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0], long_factor=[3.0] * 6)),
     },
+    "granite": {
+        "base": {},
+        "untied": dict(tie_word_embeddings=False),
+        "biases": dict(attention_bias=True, mlp_bias=True),
+        "norm-eps": dict(rms_norm_eps=0.5),  # an eps that the residual multiplier's rescaling must follow
+        # GraniteConfig's defaults: every multiplier 1 (LLaMA's layer with an attention scale of 1)
+        "unscaled": dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
+                         logits_scaling=1.0),
+    },
     "gemma2": {
         "base": {},
         "no-softcap": dict(attn_logit_softcapping=None, final_logit_softcapping=None),
@@ -350,6 +364,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3": {},
     "smollm3": {},
     "phi3": {},
+    "granite": {},
     "gemma2": {},
     "gemma3_text": {},
     "gemma3": {},
@@ -385,6 +400,7 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("phi3", "partial-rope", "longrope-partial"),
     ("smollm3", "base", "all-rope"),
     ("gemma2", "base", "no-softcap"),
+    ("granite", "base", "unscaled"),
     ("gemma3_text", "base", "scaled-global"),
     ("gemma3_text", "base", "softcap"),
     ("smollm3", "base", "sliding"),
@@ -439,6 +455,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "gemma3": (tf.Gemma3Config, tf.Gemma3ForConditionalGeneration),
         "opt": (tf.OPTConfig, tf.OPTForCausalLM),

@@ -60,6 +60,11 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     gemma = arch in ("gemma2", "gemma3")
     if gemma:
         meta["sliding_window"] = (w.add_sliding_window, cfg["sliding_window"])
+    if arch == "granite":  # convert_hf_to_gguf.py's GraniteModel
+        meta["embedding_scale"] = (w.add_embedding_scale, cfg["embedding_multiplier"])
+        meta["residual_scale"] = (w.add_residual_scale, cfg["residual_multiplier"])
+        meta["attention_scale"] = (w.add_attention_scale, cfg["attention_multiplier"])
+        meta["logit_scale"] = (w.add_logit_scale, cfg["logits_scaling"])
     if arch == "gemma2":
         meta["attn_softcap"] = (w.add_attn_logit_softcapping, cfg["attn_logit_softcapping"])
         meta["final_softcap"] = (w.add_final_logit_softcapping, cfg["final_logit_softcapping"])
@@ -77,7 +82,7 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         meta["attn_factor"] = (w.add_rope_scaling_attn_factors, math.sqrt(1 + math.log(scale) / math.log(original)))
         extra = {"rope_factors_long.weight": (np.array(rope["long_factor"]), Q.F32),
                  "rope_factors_short.weight": (np.array(rope["short_factor"]), Q.F32), **(extra or {})}
-    permute = llama_cpp_permute if arch == "llama" else lambda x, heads: x
+    permute = llama_cpp_permute if arch in ("llama", "granite") else lambda x, heads: x
     for key, (add, value) in meta.items():
         if key not in drop_keys:
             add(value)
@@ -200,8 +205,9 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     ("phi3", "partial-rope", Q.F32, ()), ("phi3", "partial-rope", Q.Q8_0, ()),
     ("phi3", "longrope-partial", Q.F32, ()), ("phi3", "longrope", Q.Q8_0, ("attn_factor",)),
     ("gemma2", "six-layers", Q.F32, ()), ("gemma2", "six-layers", Q.Q4_1, ()),
+    ("granite", "norm-eps", Q.F32, ()), ("granite", "base", Q.Q4_1, ()),
     ("gemma3_text", "six-layers", Q.F32, ()), ("gemma3_text", "six-layers", Q.Q4_1, ())])
-def test_qwen_and_phi3_ggufs_match_transformers(family, variant, qt, drop, tmp_path):
+def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, qt, drop, tmp_path):
     # Rows as transformers has them (no permutation) and the half-split rope; Qwen2's q, k, v
     # biases; Qwen3's norms of each head's q and k, with heads wider than hidden / heads; Phi-3's
     # fused qkv and gate-up matrices, split, and its rope over 12 of each head's 16 features;
@@ -209,17 +215,18 @@ def test_qwen_and_phi3_ggufs_match_transformers(family, variant, qt, drop, tmp_p
     # (or, where it lacks one, from the context lengths). Gemma 3 as llama.cpp runs it: norms of
     # 1 + w as stored, every sixth layer global with the file's rope, the others sliding with base
     # 1e4, the embedding scaled by sqrt(hidden). Gemma 2 likewise, with one rope, no q and k norms,
-    # every even layer sliding and the file's soft caps on the scores and the logits.
+    # every even layer sliding and the file's soft caps on the scores and the logits. Granite:
+    # Llama's permuted rows and its four scales.
     hf_dir = tmp_path / family
     make_model(family, variant, hf_dir)
     arch = {"gemma3_text": "gemma3"}.get(family, family)
-    tie = family in ("gemma2", "gemma3_text")  # no output.weight: the head is the embedding
+    tie = family in ("gemma2", "gemma3_text", "granite")  # no output.weight: the head is the embedding
     model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, quant_type=qt, drop_keys=drop, tie=tie))
     if variant.startswith("longrope"):
         assert model.module.attr("max_position") == 256 and "longrope: a --ctx up to 128" in model.notes[-1]
         assert all(len(op.long_factors) == len(op.freq_factors) for op in model.module.ops() if op.NAME == "rope")
     verify(model.module)
-    assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {"llama"}
+    assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {"gptj" if family == "granite" else "llama"}
     grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer
     assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == grouped
     reference = round_trip_hf_weights(hf_dir, tmp_path / "hf_q", qt) if qt != Q.F32 else hf_dir
@@ -435,7 +442,7 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"),
-     "GGUF architecture 'gpt2' is not supported (supported: llama, qwen2, qwen3, phi3, gemma2, gemma3)"),
+     "GGUF architecture 'gpt2' is not supported (supported: llama, granite, qwen2, qwen3, phi3, gemma2, gemma3)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),

@@ -28,7 +28,7 @@ def base(tmp_path_factory):
     paths = {}
     for family, variant in (("llama", "swiglu"), ("llama", "tied"), ("qwen2", "base"), ("opt", "pre-ln"),
                             ("falcon", "new-arch"), ("falcon", "classic"), ("phi3", "base"),
-                            ("gemma2", "base"), ("gemma3_text", "base")):
+                            ("gemma2", "base"), ("gemma3_text", "base"), ("granite", "base")):
         make_model(family, variant, root / family / variant)
         paths[(family, variant)] = root / family / variant
     return paths
@@ -128,6 +128,15 @@ def test_longrope_needs_a_factor_per_rotary_pair_and_a_rope_that_rotates_them(ba
 ])
 def test_gemma3_options_picc_does_not_compute_are_refused(base, tmp_path, edit, message):
     refused(edited_copy(base[("gemma3_text", "base")], tmp_path / "m", config=edit), message)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"residual_multiplier": 0}, "field 'residual_multiplier' must be a number > 0, got 0"),
+    ({"logits_scaling": -8.0}, "field 'logits_scaling' must be a number > 0, got -8.0"),
+    ({"embedding_multiplier": "12"}, "field 'embedding_multiplier' must be a number, got \"12\""),
+])
+def test_granite_multipliers_that_are_not_positive_numbers_are_refused(base, tmp_path, edit, message):
+    refused(edited_copy(base[("granite", "base")], tmp_path / "m", config=edit), message)
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -2,7 +2,8 @@
 quantized tensors kept in their quant type where picc's kernels read it, converted to one they read
 where not (:func:`converted`).
 
-For ``llama`` files llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that each
+For ``llama`` files (and ``granite`` ones, Llama's layer with four multipliers: :func:`_granite`)
+llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that each
 head's rotary pairs are adjacent ((2i, 2i+1), llama.cpp's "normal" rope). picc keeps the tensors
 exactly as stored and uses the ``gptj`` (interleaved) rope style, which computes the same function
 as transformers' half-split rope on the un-permuted weights. ``qwen2`` and ``qwen3`` files keep
@@ -38,9 +39,9 @@ from picc.ir.weights import Tensor, WeightStore
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-_ROPE_STYLES = {"llama": "gptj", "qwen2": "llama", "qwen3": "llama", "phi3": "llama", "gemma2": "llama",
-                "gemma3": "llama"}  # see above
+SUPPORTED_ARCHS = ("llama", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+_ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "qwen2": "llama", "qwen3": "llama", "phi3": "llama",
+                "gemma2": "llama", "gemma3": "llama"}  # see above
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0}
 
@@ -277,7 +278,9 @@ def load_gguf(path: Path) -> LoadedModel:
         max_position=max_position,
         qk_norm=arch in ("qwen3", "gemma3"),
     )
-    if arch == "gemma2":
+    if arch == "granite":
+        spec, store = _granite(spec, store, meta, key, path)
+    elif arch == "gemma2":
         spec = _gemma2(spec, meta, key, path)
     elif arch == "gemma3":
         spec = _gemma3(spec, meta, key, path)
@@ -291,6 +294,26 @@ def load_gguf(path: Path) -> LoadedModel:
                   + ("(the same 4-bit values)" if kind == "Q4_K" else "(decoded and quantized again)")
                   + ", which picc's kernels read" for kind, count in sorted(changed.items())) + longrope_notes(module)
     return LoadedModel(module, store, tokenizer, source=str(path), notes=notes)
+
+
+def _granite(spec: LlamaSpec, store: WeightStore, meta: _Meta, key: Callable[[str], str],
+             path: Path) -> tuple[LlamaSpec, WeightStore]:
+    """A ``granite`` file's model: Llama's layer with ``embedding_scale``, ``residual_scale``,
+    ``attention.scale`` and ``logit_scale`` (llama.cpp's names for GraniteConfig's multipliers;
+    1, 1, head_dim's and 1 where a file names none or 0, as llama.cpp reads them) as the HF frontend maps them
+    (``picc.frontend.hf._granite``: the embedding scaled by ``embedding / residual``, every
+    norm's eps divided by ``residual^2``, the final norm's weight by ``logit_scale``)."""
+    scales = {}
+    for name in ("embedding_scale", "residual_scale", "attention.scale", "logit_scale"):
+        value = meta.get(key(name)) or (1.0 if name != "attention.scale" else 1 / math.sqrt(spec.head_dim))  # 0: unset
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise PiccError(f"{path}: {key(name)} must be a number > 0, got {value!r}")
+        scales[name] = float(value)
+    m = scales["residual_scale"]
+    norm = Tensor.from_f32(store["output_norm"].to_f32() / np.float32(scales["logit_scale"]))
+    store = WeightStore({n: norm if n == "output_norm" else store[n] for n in store})
+    return replace(spec, eps=spec.eps / m**2, embed_scale=scales["embedding_scale"] / m,
+                   attn_scale=scales["attention.scale"]), store
 
 
 def _gemma(spec: LlamaSpec, layers_27b: int) -> LlamaSpec:

@@ -40,6 +40,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
@@ -152,6 +153,7 @@ LLAMA_FAMILIES = {
     "qwen3": LlamaFamily(32, 32768, (None, None), head_dim=128, attn_bias=True, qk_norm=True),
     "phi3": LlamaFamily(None, 4096, (1, 32000), eps=1e-5, partial_rope=True, fused=True),
     "smollm3": LlamaFamily(4, 32768, (128000, 128001), tied=True, attn_bias=True, mlp_bias=True),
+    "granite": LlamaFamily(None, 2048, (1, 2), attn_bias=True, mlp_bias=True),
     "gemma2": LlamaFamily(4, 8192, (2, 1), tied=True, head_dim=256, attn_bias=True, gemma=True),
     "gemma3_text": LlamaFamily(4, 131072, (2, 1), tied=True, head_dim=256, attn_bias=True, qk_norm=True, gemma=True),
 }
@@ -317,6 +319,10 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=rules.qk_norm, rope_layers=rope_layers,
     )
 
+    logits_scaling = 1.0
+    if family == "granite":
+        spec, logits_scaling = _granite(cfg, spec)
+
     ckpt = Checkpoint(directory)
     if prefixes:
         p = next((pre for pre in prefixes if pre + "embed_tokens.weight" in ckpt), prefixes[0])
@@ -328,9 +334,14 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         store.add(picc, ckpt.tensor(p + hf, shape))
 
     def norm(picc: str, hf: str, shape: tuple[int, ...]) -> None:
-        """A norm's weight: Gemma's multiply by 1 + w, in f32 as its forward computes it."""
+        """A norm's weight: Gemma's multiply by 1 + w, in f32 as its forward computes it; the
+        final norm's divided by Granite's logits_scaling."""
         w = ckpt.tensor(p + hf, shape)
-        store.add(picc, Tensor.from_f32(1.0 + w.to_f32()) if rules.gemma else w)
+        if rules.gemma:
+            w = Tensor.from_f32(1.0 + w.to_f32())
+        elif picc == "output_norm" and logits_scaling != 1.0:
+            w = Tensor.from_f32(w.to_f32() / np.float32(logits_scaling))
+        store.add(picc, w)
 
     def split(hf: str, shape: tuple[int, ...], parts: tuple[tuple[str, int], ...]) -> None:
         """A fused matrix (Phi-3's qkv_proj, gate_up_proj) as its parts' rows, in order."""
@@ -379,6 +390,26 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     if rules.gemma:
         spec = replace(spec, embed_scale=_gemma_embed_scale(hidden, store["token_embd"].dtype))
     return build_llama(spec, store), store
+
+
+def _granite(cfg: HFConfig, spec: LlamaSpec) -> tuple[LlamaSpec, float]:
+    """Granite's multipliers on LLaMA's layer, as the ops LLaMA's IR has, and the final norm's
+    divisor (``logits_scaling``: the LM head is linear in it).
+
+    Granite adds ``m * branch`` (``residual_multiplier``) where LLaMA adds the branch. With
+    ``u = x / m`` the stream is LLaMA's, ``u + branch``, because each RMSNorm reads ``m u`` as
+    it reads ``u`` with ``eps / m^2``: so the embedding is scaled by ``embedding_multiplier / m``
+    and every norm's eps divided by ``m^2`` (no matrix is rescaled; float rounding apart, the same
+    function). ``attention_multiplier`` is the attention's scale."""
+    mult = {k: cfg.number(k, 1.0) for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                            "logits_scaling")}
+    for key, value in mult.items():
+        if not 0 < value < math.inf:
+            raise cfg.bad(key, value, "a number > 0")
+    m = mult["residual_multiplier"]
+    spec = replace(spec, eps=spec.eps / m**2, embed_scale=mult["embedding_multiplier"] / m,
+                   attn_scale=mult["attention_multiplier"])
+    return spec, mult["logits_scaling"]
 
 
 GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
