@@ -58,8 +58,8 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "gemma3_text", "gemma3",
-            "opt", "falcon")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text",
+            "gemma3", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -98,6 +98,10 @@ _BASE: dict[str, dict[str, Any]] = {
     "granite": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_parameters=_ROPE,
                     embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 16,
                     logits_scaling=2.0),
+    # OLMo 2: the attention's and the MLP's outputs normalised (not their inputs), q and k each
+    # normalised over the whole projection before the rope
+    "olmo2": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=_ROPE,
+                  pad_token_id=1, eos_token_id=2),
     # Gemma 2: Gemma 3's layer without the q and k norms, one rope for all layers, and soft caps on
     # the attention's scores and on the logits, small enough to bend these tiny models' (scores
     # of median 8, logits of median 2): 10 * tanh(s / 10), 3 * tanh(l / 3)
@@ -240,6 +244,12 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "unscaled": dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
                          logits_scaling=1.0),
     },
+    "olmo2": {
+        "base": {},
+        "biases": dict(attention_bias=True),
+        "tied": dict(tie_word_embeddings=True),
+        "norm-eps": dict(rms_norm_eps=0.5),  # the q and k norms' eps too
+    },
     "gemma2": {
         "base": {},
         "no-softcap": dict(attn_logit_softcapping=None, final_logit_softcapping=None),
@@ -365,6 +375,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm3": {},
     "phi3": {},
     "granite": {},
+    "olmo2": {},
     "gemma2": {},
     "gemma3_text": {},
     "gemma3": {},
@@ -401,6 +412,7 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("smollm3", "base", "all-rope"),
     ("gemma2", "base", "no-softcap"),
     ("granite", "base", "unscaled"),
+    ("olmo2", "base", "norm-eps"),
     ("gemma3_text", "base", "scaled-global"),
     ("gemma3_text", "base", "softcap"),
     ("smollm3", "base", "sliding"),
@@ -456,6 +468,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "gemma3": (tf.Gemma3Config, tf.Gemma3ForConditionalGeneration),
         "opt": (tf.OPTConfig, tf.OPTForCausalLM),

@@ -102,7 +102,8 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     tensor("token_embd.weight", sd["model.embed_tokens.weight"], quant_type)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        if p + "input_layernorm.weight" in sd:  # OLMo 2 has none
+            tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
         if arch == "phi3":  # fused as in the checkpoint
             tensor(f"blk.{i}.attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"], quant_type)
             tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"], quant_type)
@@ -117,9 +118,10 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
             if p + f"self_attn.{ours}.weight" in sd:
                 tensor(f"blk.{i}.attn_{ours}.weight", sd[p + f"self_attn.{ours}.weight"])
         tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], quant_type)
-        if gemma:
+        if gemma or arch == "olmo2":  # the outputs' norms; Gemma's MLP's input norm too
             tensor(f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
-            tensor(f"blk.{i}.ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
+            if gemma:
+                tensor(f"blk.{i}.ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
             tensor(f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
         else:
             tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
@@ -206,6 +208,7 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     ("phi3", "longrope-partial", Q.F32, ()), ("phi3", "longrope", Q.Q8_0, ("attn_factor",)),
     ("gemma2", "six-layers", Q.F32, ()), ("gemma2", "six-layers", Q.Q4_1, ()),
     ("granite", "norm-eps", Q.F32, ()), ("granite", "base", Q.Q4_1, ()),
+    ("olmo2", "norm-eps", Q.F32, ()), ("olmo2", "base", Q.Q4_1, ()),
     ("gemma3_text", "six-layers", Q.F32, ()), ("gemma3_text", "six-layers", Q.Q4_1, ())])
 def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, qt, drop, tmp_path):
     # Rows as transformers has them (no permutation) and the half-split rope; Qwen2's q, k, v
@@ -216,7 +219,8 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
     # 1 + w as stored, every sixth layer global with the file's rope, the others sliding with base
     # 1e4, the embedding scaled by sqrt(hidden). Gemma 2 likewise, with one rope, no q and k norms,
     # every even layer sliding and the file's soft caps on the scores and the logits. Granite:
-    # Llama's permuted rows and its four scales.
+    # Llama's permuted rows and its four scales. OLMo 2: its norms after the attention and the MLP,
+    # and over q's and k's whole projections.
     hf_dir = tmp_path / family
     make_model(family, variant, hf_dir)
     arch = {"gemma3_text": "gemma3"}.get(family, family)
@@ -227,7 +231,7 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
         assert all(len(op.long_factors) == len(op.freq_factors) for op in model.module.ops() if op.NAME == "rope")
     verify(model.module)
     assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {"gptj" if family == "granite" else "llama"}
-    grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer
+    grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer (OLMo 2's: not by heads)
     assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == grouped
     reference = round_trip_hf_weights(hf_dir, tmp_path / "hf_q", qt) if qt != Q.F32 else hf_dir
     got = Interpreter(model.module, model.weights).run(TOKENS)
@@ -442,7 +446,8 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"),
-     "GGUF architecture 'gpt2' is not supported (supported: llama, granite, qwen2, qwen3, phi3, gemma2, gemma3)"),
+     "GGUF architecture 'gpt2' is not supported (supported: llama, granite, qwen2, qwen3, phi3, olmo2, gemma2, "
+     "gemma3)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),

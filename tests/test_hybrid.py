@@ -196,12 +196,13 @@ def test_ffns_without_a_gpu_kernel_stay_on_the_cpu(mode, form, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("family, variant", [("qwen3", "head-dim"), ("phi3", "longrope-partial"),
-                                             ("gemma3_text", "base")])
-def test_qwen3s_head_norms_and_phi3s_longrope_run_on_the_gpu(family, variant, tmp_path, monkeypatch):
+                                             ("gemma3_text", "base"), ("olmo2", "base"), ("granite", "base")])
+def test_hf_families_layers_run_on_the_gpu(family, variant, tmp_path, monkeypatch):
     # The GPU's rms_norm kernel takes a token's heads as its rows for Qwen3's q and k norms
     # (rms_norm with a group); its rope reads longrope's factor of the cosines and sines after the
-    # frequencies; Gemma 3's embedding kernel scales the rows (the host build of the same TensorIR
-    # on the emulated device).
+    # frequencies; Gemma 3's embedding kernel scales the rows; OLMo 2's q and k norms take the whole
+    # projection; Granite's multipliers are an embedding scale and small eps (the host build of the
+    # same TensorIR on the emulated device).
     from hf_models import make_model
 
     from picc.frontend import load_model
@@ -219,6 +220,12 @@ def test_qwen3s_head_norms_and_phi3s_longrope_run_on_the_gpu(family, variant, tm
     elif family == "phi3":
         ropes = [op for op in pib.module.ops() if op.NAME == "rope"]
         assert ropes and all(op.type.placement == Placement.GPU and op.attention_factor > 1 for op in ropes)
+    elif family == "olmo2":
+        whole = [op for op in pib.module.ops() if op.NAME == "rms_norm" and op.result.endswith(("q_norm", "k_norm"))]
+        assert len(whole) == 4 and all(op.type.placement == Placement.GPU and op.group is None for op in whole)
+    elif family == "granite":
+        (embed,) = [op for op in pib.module.ops() if op.NAME == "embed"]
+        assert embed.type.placement == Placement.GPU and embed.scale == pytest.approx(12 / 0.22)
     else:
         (embed,) = [op for op in pib.module.ops() if op.NAME == "embed"]
         assert embed.type.placement == Placement.GPU and embed.scale == 8.0 and embed.kernel.endswith("_s41000000")

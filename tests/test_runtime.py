@@ -107,6 +107,28 @@ def test_hf_families_layers_compile_as_they_compute(family, variant, tmp_path):
     check_prefill(path, pib, 1e-4)
 
 
+@pytest.mark.parametrize("family", ["olmo2", "granite", "gemma2"])
+def test_olmo2s_granites_and_gemma2s_layers_compile_as_they_compute(family, tmp_path):
+    # OLMo 2: no norm before the attention or the MLP, one after each, q and k normalised over the
+    # whole projection (a norm of 64 features, not of each head's 16). Granite: its multipliers as
+    # the embedding's scale, the norms' eps and the attention's scale. Gemma 2: soft caps, sandwich
+    # norms, a sliding layer. The step and the chunk programs against the interpreter.
+    from hf_models import make_model
+
+    from picc.frontend import load_model
+
+    make_model(family, "base", tmp_path / "hf")
+    model = load_model(tmp_path / "hf")
+    path, pib = compiled(model, tmp_path, family, dense=True, kv_cache="f32")
+    norms = [op for op in model.module.ops() if isinstance(op, O.RMSNorm)]
+    assert len(norms) == {"olmo2": 4 * 2 + 1, "granite": 2 * 2 + 1, "gemma2": 4 * 2 + 1}[family]
+    if family == "olmo2":
+        assert {op.group for op in norms if op.result.endswith(("q_norm", "k_norm"))} == {None}
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+
+
 def test_gemma3s_layer_compiles_as_it_computes(tmp_path):
     # Gemma 3: the embedding's rows times sqrt(hidden) (a scaled embedding kernel, the table left
     # as the tied LM head reads it), the attention's and the FFN's outputs normalised before their

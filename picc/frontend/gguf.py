@@ -11,9 +11,10 @@ transformers' rows (llama.cpp runs them with its "neox" rope, the half-split one
 style. Qwen2 has biases on q, k and v; Qwen3 normalises each head's q and k (``attn_q_norm``,
 ``attn_k_norm``, [head_dim]) before the rope. ``phi3`` files keep transformers' rows too, with q, k
 and v in one ``attn_qkv`` and the gate's rows then up's in one ``ffn_up``, as in the checkpoint:
-picc splits them. ``gemma2`` files and ``gemma3`` ones (Gemma 3 1B's text model) keep transformers'
-rows, their norms already ``1 + w`` (llama.cpp's converter adds the 1), and are run as llama.cpp
-runs them (:func:`_gemma2`, :func:`_gemma3`).
+picc splits them. ``olmo2`` files keep transformers' rows and OLMo 2's layer (its norms after the
+attention and the MLP, q's and k's over the whole projection). ``gemma2`` files and ``gemma3``
+ones (Gemma 3 1B's text model) keep transformers' rows, their norms already ``1 + w`` (llama.cpp's
+converter adds the 1), and are run as llama.cpp runs them (:func:`_gemma2`, :func:`_gemma3`).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from picc.ir.weights import Tensor, WeightStore
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
-SUPPORTED_ARCHS = ("llama", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "granite", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
 _ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "qwen2": "llama", "qwen3": "llama", "phi3": "llama",
-                "gemma2": "llama", "gemma3": "llama"}  # see above
+                "olmo2": "llama", "gemma2": "llama", "gemma3": "llama"}  # see above
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0}
 
@@ -280,6 +281,8 @@ def load_gguf(path: Path) -> LoadedModel:
     )
     if arch == "granite":
         spec, store = _granite(spec, store, meta, key, path)
+    elif arch == "olmo2":  # the attention's and the MLP's outputs normalised; q's and k's norms over all heads
+        spec = replace(spec, qk_norm=True, qk_norm_whole=True, pre_norm=False, sandwich=True)
     elif arch == "gemma2":
         spec = _gemma2(spec, meta, key, path)
     elif arch == "gemma3":

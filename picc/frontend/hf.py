@@ -41,6 +41,7 @@ ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
@@ -144,6 +145,8 @@ class LlamaFamily:
     partial_rope: bool = False  # default rope honours partial_rotary_factor (Phi-3)
     fused: bool = False  # qkv_proj and gate_up_proj instead of q/k/v_proj and gate/up_proj (Phi-3)
     gemma: bool = False  # Gemma's layer: norms of 1 + w, four a layer, the embedding scaled, q . k scaled its way
+    olmo: bool = False  # OLMo 2's layer: the attention's and the MLP's outputs normalised, not their inputs;
+    # q's and k's norms over the whole projection
 
 
 LLAMA_FAMILIES = {
@@ -154,6 +157,7 @@ LLAMA_FAMILIES = {
     "phi3": LlamaFamily(None, 4096, (1, 32000), eps=1e-5, partial_rope=True, fused=True),
     "smollm3": LlamaFamily(4, 32768, (128000, 128001), tied=True, attn_bias=True, mlp_bias=True),
     "granite": LlamaFamily(None, 2048, (1, 2), attn_bias=True, mlp_bias=True),
+    "olmo2": LlamaFamily(None, 2048, (None, 50279), eps=1e-5, attn_bias=True, qk_norm=True, olmo=True),
     "gemma2": LlamaFamily(4, 8192, (2, 1), tied=True, head_dim=256, attn_bias=True, gemma=True),
     "gemma3_text": LlamaFamily(4, 131072, (2, 1), tied=True, head_dim=256, attn_bias=True, qk_norm=True, gemma=True),
 }
@@ -297,7 +301,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False)
     bos, eos = special_ids(cfg, directory, *rules.special_ids)
     tie = cfg.flag("tie_word_embeddings", rules.tied)
-    gemma: dict = {}
+    gemma: dict = dict(sandwich=True, pre_norm=False, qk_norm_whole=True) if rules.olmo else {}
     if rules.gemma:  # soft caps: Gemma 2's; Gemma 3 caps the logits where its config says so
         _refuse_gemma_options(cfg)  # and never the scores (transformers' Gemma3Attention ignores its cap)
         two = family == "gemma2"
@@ -354,7 +358,8 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
     for i in range(n_layers):
         n, hf = layer_weight_names(i), f"layers.{i}."
-        norm(n["attn_norm"], hf + "input_layernorm.weight", (hidden,))
+        if spec.pre_norm:
+            norm(n["attn_norm"], hf + "input_layernorm.weight", (hidden,))
         projections = (("q", "q_proj", q_rows), ("k", "k_proj", kv_rows), ("v", "v_proj", kv_rows))
         if rules.fused:  # one qkv_proj: q's rows, k's, v's
             split(hf + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, hidden),
@@ -365,14 +370,15 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
             if qkv_bias:
                 add(n[f"{key}_bias"], f"{hf}self_attn.{proj}.bias", (rows,))
         if spec.qk_norm:
-            norm(n["q_norm"], hf + "self_attn.q_norm.weight", (head_dim,))
-            norm(n["k_norm"], hf + "self_attn.k_norm.weight", (head_dim,))
+            norm(n["q_norm"], hf + "self_attn.q_norm.weight", (q_rows if spec.qk_norm_whole else head_dim,))
+            norm(n["k_norm"], hf + "self_attn.k_norm.weight", (kv_rows if spec.qk_norm_whole else head_dim,))
         add(n["o"], hf + "self_attn.o_proj.weight", (hidden, q_rows))
         if attn_bias:
             add(n["o_bias"], hf + "self_attn.o_proj.bias", (hidden,))
-        if rules.gemma:  # post_attention_layernorm is the attention's output norm
+        if spec.sandwich:  # post_attention_layernorm is the attention's output norm
             norm(n["post_attn_norm"], hf + "post_attention_layernorm.weight", (hidden,))
-            norm(n["ffn_norm"], hf + "pre_feedforward_layernorm.weight", (hidden,))
+            if spec.pre_norm:
+                norm(n["ffn_norm"], hf + "pre_feedforward_layernorm.weight", (hidden,))
             norm(n["post_ffn_norm"], hf + "post_feedforward_layernorm.weight", (hidden,))
         else:
             add(n["ffn_norm"], hf + "post_attention_layernorm.weight", (hidden,))

@@ -1,4 +1,5 @@
-"""The LLaMA-family decoder (LLaMA, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, and GGUF files) as picc IR.
+"""The LLaMA-family decoder (LLaMA, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, Gemma 2 and 3, OLMo 2,
+and GGUF files) as picc IR.
 
 Frontends translate their checkpoint into a ``LlamaSpec`` and a weight store whose tensors use
 picc's weight names (``l3.attn.q``, ``l3.ffn.up``, ...); ``build_llama`` emits the IR.
@@ -60,6 +61,8 @@ class LlamaSpec:
     tied: bool
     window: tuple[int | None, ...] = ()  # per layer; empty means no sliding window anywhere
     qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalised (weights [head_dim]) before the rope
+    qk_norm_whole: bool = False  # OLMo 2: q's and k's norms over the whole projection (weights [heads * head_dim])
+    pre_norm: bool = True  # the attention and the FFN read the normalised stream; OLMo 2: the stream itself
     rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k (SmolLM3's NoPE layers); empty: all
     layer_ropes: tuple[RopeSpec, ...] = ()  # per layer, its own rotation (Gemma 3's local and global); empty: rope
     embed_scale: float = 1.0  # the embedding's rows times it (Gemma: sqrt(hidden))
@@ -162,13 +165,14 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         n = layer_weight_names(i)
         p = f"l{i}"
         rope_attrs = (spec.layer_ropes[i] if spec.layer_ropes else spec.rope).op_attrs()
-        h = b.op(O.RMSNorm, f"{p}.attn_norm", x=x, weight=n["attn_norm"], eps=spec.eps)
+        h = b.op(O.RMSNorm, f"{p}.attn_norm", x=x, weight=n["attn_norm"], eps=spec.eps) if spec.pre_norm else x
         q = b.op(O.Linear, f"{p}.attn.q", x=h, weight=n["q"], bias=maybe(n["q_bias"]))
         k = b.op(O.Linear, f"{p}.attn.k", x=h, weight=n["k"], bias=maybe(n["k_bias"]))
         v = b.op(O.Linear, f"{p}.attn.v", x=h, weight=n["v"], bias=maybe(n["v_bias"]))
         if spec.qk_norm:
-            q = b.op(O.RMSNorm, f"{p}.attn.q_norm", x=q, weight=n["q_norm"], eps=spec.eps, group=spec.head_dim)
-            k = b.op(O.RMSNorm, f"{p}.attn.k_norm", x=k, weight=n["k_norm"], eps=spec.eps, group=spec.head_dim)
+            group = None if spec.qk_norm_whole else spec.head_dim
+            q = b.op(O.RMSNorm, f"{p}.attn.q_norm", x=q, weight=n["q_norm"], eps=spec.eps, group=group)
+            k = b.op(O.RMSNorm, f"{p}.attn.k_norm", x=k, weight=n["k_norm"], eps=spec.eps, group=group)
         if not spec.rope_layers or spec.rope_layers[i]:
             q = b.op(O.Rope, f"{p}.attn.q_rope", x=q, pos=pos, n_heads=spec.n_heads,
                      head_dim=spec.head_dim, **rope_attrs)
@@ -182,7 +186,7 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         if spec.sandwich:
             o = b.op(O.RMSNorm, f"{p}.post_attn_norm", x=o, weight=n["post_attn_norm"], eps=spec.eps)
         x = b.op(O.Add, f"{p}.attn.resid", a=x, b=o)
-        h = b.op(O.RMSNorm, f"{p}.ffn_norm", x=x, weight=n["ffn_norm"], eps=spec.eps)
+        h = b.op(O.RMSNorm, f"{p}.ffn_norm", x=x, weight=n["ffn_norm"], eps=spec.eps) if spec.pre_norm else x
         gated = O.FFN_FORMS[spec.ffn_form].gated
         f = b.op(O.FFN, f"{p}.ffn.out", x=h, up=n["up"], gate=n["gate"] if gated else None,
                  down=n["down"], up_bias=maybe(n["up_bias"]),
