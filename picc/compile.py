@@ -115,7 +115,8 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
     if any(op.type.placement is not None for op in model.module.ops()):
         raise PiccError(f"{model.source}: already compiled for a target (its IR is placed); "
                         "compile the model it came from")
-    if not any(isinstance(op, O.FFN) for op in model.module.ops()):
+    ffns = any(isinstance(op, O.FFN) for op in model.module.ops())
+    if not ffns and not any(isinstance(op, O.MoE) for op in model.module.ops()):
         raise PiccError(f"{model.source}: no FFN layers found; picc compiles decoder LLMs")
     if (module := longrope_for_context(model.module, options.ctx)) is not model.module:
         say(f"longrope: --ctx {options.ctx} is past the short factors' positions, so every position rotates "
@@ -128,6 +129,8 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
     s = options.sparsity
     if options.dense:
         say("dense: FFNs stay dense (the baseline)")
+    elif not ffns:
+        say("dense: every FFN is a mixture of experts, whose neurons picc does not sparsify")
     elif _is_sparse(model):
         say(f"{model.source} is already sparse: keeping its profile and predictors")
     else:

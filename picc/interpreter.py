@@ -275,6 +275,8 @@ class Interpreter:
                 return activation(op.NAME, env[op.x])
             case O.Softcap():
                 return softcap(env[op.x], op.cap)
+            case O.MoE():
+                return self.moe(op, env[op.x])
             case O.Add():
                 return env[op.a] + env[op.b]
             case O.Mul():
@@ -319,6 +321,28 @@ class Interpreter:
         # A neuron-major down is an AXPY over the active rows (no dot product, h as is).
         y = h @ w(op.down) if op.neuron_major else self.dot_input(op, op.down, h) @ w(op.down).T
         return y + w(op.down_bias) if op.down_bias else y
+
+    def moe(self, op: O.MoE, x: np.ndarray) -> np.ndarray:
+        """Each token through its router's ``top_k`` experts (ranked by the router's logits, the
+        order of their softmax), their outputs weighted by the softmax and summed in that order."""
+        w = self.weights.f32
+        logits = x @ w(op.router).T
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        up, down = w(op.up), w(op.down)
+        gate = w(op.gate) if op.gate else None
+        n_ff, hidden = up.shape[0] // op.n_experts, x.shape[1]
+        out = np.zeros_like(x)
+        for s in range(x.shape[0]):
+            chosen = np.argsort(-logits[s], kind="stable")[: op.top_k]
+            weights = probs[s, chosen]
+            if op.norm_topk:
+                weights = weights / weights.sum()
+            for e, weight in zip(chosen, weights, strict=True):
+                rows = slice(e * n_ff, (e + 1) * n_ff)
+                h, _ = _activations(op.spec, up[rows] @ x[s], gate[rows] @ x[s] if gate is not None else None)
+                out[s] += weight * (down[e * hidden : (e + 1) * hidden] @ h)
+        return out
 
     def dot_input(self, op: Op, weight: str, x: np.ndarray) -> np.ndarray:
         """``x`` as ``op``'s kernel reads it when it dots it with rows of ``weight``: rounded to

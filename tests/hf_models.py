@@ -58,8 +58,8 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "olmo2", "gemma2", "gemma3_text",
-            "gemma3", "opt", "falcon")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmoe", "phi3", "smollm3", "granite", "olmo2",
+            "gemma2", "gemma3_text", "gemma3", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -88,6 +88,13 @@ _BASE: dict[str, dict[str, Any]] = {
                     rope_parameters=_ROPE),
     "qwen2": _QWEN,
     "qwen3": dict(_QWEN, head_dim=16),
+    # Qwen3-MoE: Qwen3's attention, each layer's MLP eight experts of 32 neurons, two a token
+    "qwen3_moe": dict(_QWEN, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # OLMoE: LLaMA's layer with q and k normalised over the whole projection, and eight experts
+    # of intermediate_size neurons, two a token, their softmax weights not renormalised
+    "olmoe": dict(_TINY, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters=_ROPE,
+                  num_experts=8, num_experts_per_tok=2, pad_token_id=1, eos_token_id=2),
     "phi3": dict(_TINY, num_key_value_heads=4, original_max_position_embeddings=128, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, sliding_window=None, pad_token_id=0, rope_parameters=_ROPE),
     "smollm3": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -235,6 +242,16 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "longrope-partial": dict(max_position_embeddings=256, rope_parameters=dict(
             _LONGROPE, partial_rotary_factor=0.75, short_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0], long_factor=[3.0] * 6)),
     },
+    "qwen3_moe": {
+        "base": {},
+        "unnormalised": dict(norm_topk_prob=False),
+        "dense-layer": dict(mlp_only_layers=[0]),  # layer 0 keeps a dense MLP of intermediate_size
+        "three-of-eight": dict(num_experts_per_tok=3),
+    },
+    "olmoe": {
+        "base": {},
+        "normalised": dict(norm_topk_prob=True),
+    },
     "granite": {
         "base": {},
         "untied": dict(tie_word_embeddings=False),
@@ -375,6 +392,8 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm3": {},
     "phi3": {},
     "granite": {},
+    "qwen3_moe": {},
+    "olmoe": {},
     "olmo2": {},
     "gemma2": {},
     "gemma3_text": {},
@@ -412,6 +431,9 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("smollm3", "base", "all-rope"),
     ("gemma2", "base", "no-softcap"),
     ("granite", "base", "unscaled"),
+    ("qwen3_moe", "base", "unnormalised"),
+    ("qwen3_moe", "base", "three-of-eight"),
+    ("olmoe", "base", "normalised"),
     ("olmo2", "base", "norm-eps"),
     ("gemma3_text", "base", "scaled-global"),
     ("gemma3_text", "base", "softcap"),
@@ -468,6 +490,8 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "gemma3": (tf.Gemma3Config, tf.Gemma3ForConditionalGeneration),

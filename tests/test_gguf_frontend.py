@@ -60,6 +60,11 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     gemma = arch in ("gemma2", "gemma3")
     if gemma:
         meta["sliding_window"] = (w.add_sliding_window, cfg["sliding_window"])
+    if arch == "qwen3moe":  # convert_hf_to_gguf.py's Qwen3MoeModel
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        meta["expert_count"] = (w.add_expert_count, experts)
+        meta["expert_used_count"] = (w.add_expert_used_count, cfg["num_experts_per_tok"])
+        meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])
     if arch == "granite":  # convert_hf_to_gguf.py's GraniteModel
         meta["embedding_scale"] = (w.add_embedding_scale, cfg["embedding_multiplier"])
         meta["residual_scale"] = (w.add_residual_scale, cfg["residual_multiplier"])
@@ -95,8 +100,8 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
             w.add_tensor(name, x)
         elif qt == Q.F16:
             w.add_tensor(name, x.astype(np.float16))
-        else:
-            raw = quant.quantize(x, qt.name.lower())
+        else:  # a matrix's rows, or each of a mixture's [experts, rows, cols]
+            raw = quant.quantize(x.reshape(-1, x.shape[-1]), qt.name.lower()).reshape(*x.shape[:-1], -1)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qt)
 
     tensor("token_embd.weight", sd["model.embed_tokens.weight"], quant_type)
@@ -128,6 +133,12 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             if p + f"mlp.{theirs}.weight" in sd:
                 tensor(f"blk.{i}.ffn_{ours}.weight", sd[p + f"mlp.{theirs}.weight"], quant_type)
+            if p + "mlp.gate.weight" in sd:  # a mixture: each expert's matrices as one [experts, rows, cols]
+                count = meta["expert_count"][1]
+                stacked = np.stack([sd[f"{p}mlp.experts.{e}.{theirs}.weight"] for e in range(count)])
+                tensor(f"blk.{i}.ffn_{ours}_exps.weight", stacked, quant_type)
+        if p + "mlp.gate.weight" in sd:
+            tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
     tensor("output_norm.weight", sd["model.norm.weight"])
     if not tie:
         tensor("output.weight", sd["lm_head.weight"], quant_type)
@@ -176,7 +187,7 @@ def round_trip_hf_weights(hf_dir, out_dir, qt):
     sd = load_file(str(hf_dir / "model.safetensors"))
     name = qt.name.lower()
     for key, w in sd.items():
-        if w.ndim == 2:
+        if w.ndim == 2 and not key.endswith("mlp.gate.weight"):  # a mixture's router stays f32, as llama.cpp keeps it
             sd[key] = quant.dequantize(quant.quantize(w, name), name, w.shape)
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
@@ -209,6 +220,7 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     ("gemma2", "six-layers", Q.F32, ()), ("gemma2", "six-layers", Q.Q4_1, ()),
     ("granite", "norm-eps", Q.F32, ()), ("granite", "base", Q.Q4_1, ()),
     ("olmo2", "norm-eps", Q.F32, ()), ("olmo2", "base", Q.Q4_1, ()),
+    ("qwen3_moe", "base", Q.F32, ()), ("qwen3_moe", "three-of-eight", Q.Q4_1, ()),
     ("gemma3_text", "six-layers", Q.F32, ()), ("gemma3_text", "six-layers", Q.Q4_1, ())])
 def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, qt, drop, tmp_path):
     # Rows as transformers has them (no permutation) and the half-split rope; Qwen2's q, k, v
@@ -220,10 +232,11 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
     # 1e4, the embedding scaled by sqrt(hidden). Gemma 2 likewise, with one rope, no q and k norms,
     # every even layer sliding and the file's soft caps on the scores and the logits. Granite:
     # Llama's permuted rows and its four scales. OLMo 2: its norms after the attention and the MLP,
-    # and over q's and k's whole projections.
+    # and over q's and k's whole projections. Qwen3-MoE: each layer's experts as three 3-D tensors,
+    # their weights renormalised as llama.cpp does.
     hf_dir = tmp_path / family
     make_model(family, variant, hf_dir)
-    arch = {"gemma3_text": "gemma3"}.get(family, family)
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(family, family)
     tie = family in ("gemma2", "gemma3_text", "granite")  # no output.weight: the head is the embedding
     model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, quant_type=qt, drop_keys=drop, tie=tie))
     if variant.startswith("longrope"):
@@ -232,6 +245,9 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
     verify(model.module)
     assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {"gptj" if family == "granite" else "llama"}
     grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer (OLMo 2's: not by heads)
+    if family == "qwen3_moe":  # its head_dim is 16
+        grouped, moes = 0, [op for op in model.module.ops() if op.NAME == "moe"]
+        assert [(op.n_experts, op.top_k, op.norm_topk) for op in moes] == [(8, 3 if "three" in variant else 2, True)] * 2
     assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == grouped
     reference = round_trip_hf_weights(hf_dir, tmp_path / "hf_q", qt) if qt != Q.F32 else hf_dir
     got = Interpreter(model.module, model.weights).run(TOKENS)
@@ -446,8 +462,8 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"),
-     "GGUF architecture 'gpt2' is not supported (supported: llama, granite, qwen2, qwen3, phi3, olmo2, gemma2, "
-     "gemma3)"),
+     "GGUF architecture 'gpt2' is not supported (supported: llama, granite, qwen2, qwen3, qwen3moe, phi3, olmo2, "
+     "gemma2, gemma3)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),

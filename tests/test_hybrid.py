@@ -259,6 +259,29 @@ def test_gemma2s_soft_caps_run_on_the_gpu(tmp_path, monkeypatch, ctx):
         assert session.feed(TOKENS[:3]).argmax() == reference[2].argmax()  # the greedy kernel reads the capped logits
 
 
+def test_a_mixtures_experts_stay_on_the_cpu_beside_the_gpus_layers(tmp_path, monkeypatch):
+    # The GPU has no kernel for a mixture of experts: compiled for pc-low, the attention runs on
+    # the (emulated) GPU and each layer's experts on the CPU in between, their weights in the
+    # CPU's memory; the logits are the interpreter's.
+    from hf_models import make_model
+
+    from picc.frontend import load_model
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    make_model("qwen3_moe", "base", tmp_path / "hf")
+    path = tmp_path / "moe.pib"
+    write_compiled(compile_model(load_model(tmp_path / "hf"), CompileOptions(target="pc-low", vram="4MiB", dense=True),
+                                 say=lambda _: None), path)
+    pib = load_pib(path)
+    where = {op.NAME: op.type.placement for op in pib.module.ops() if op.NAME in ("attention", "moe")}
+    assert where == {"attention": Placement.GPU, "moe": Placement.CPU}
+    experts = {w.name: w.type.placement for w in pib.module.weights if ".moe." in w.name}
+    assert experts and set(experts.values()) == {Placement.CPU}
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    with Session(path, threads=2, gpu="emulate") as session:
+        assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
+
+
 def test_emulated_device_refuses_to_go_over_its_budget():
     device = EmulatedDevice(1000)
     block = device.allocate(600)

@@ -129,6 +129,44 @@ def test_olmo2s_granites_and_gemma2s_layers_compile_as_they_compute(family, tmp_
     check_prefill(path, pib, 1e-4)
 
 
+@pytest.mark.parametrize("family, variant", [("qwen3_moe", "dense-layer"), ("olmoe", "base")])
+def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
+    # Each token through its router's top experts (a picc_moe kernel a token): the step, the
+    # chunk programs (a call per token) and the server's batch step (a call per row, each the
+    # step's bits) against the interpreter. Qwen3-MoE's layer 0 keeps a dense MLP; OLMoE's
+    # weights are not renormalised. Compiled by default (no --dense): the dense MLP may go sparse,
+    # the experts stay as they are; all-expert OLMoE says so.
+    from hf_models import make_model
+
+    from picc.compile import CompileOptions, compile_model, write_compiled
+    from picc.frontend import load_model
+    from picc.pib import load_pib
+    from runtime.sequences import SequencePool
+
+    make_model(family, variant, tmp_path / "hf")
+    model = with_tokenizer(load_model(tmp_path / "hf"))
+    said: list[str] = []
+    result = compile_model(model, CompileOptions(kv_cache="f32"), say=said.append)
+    path = tmp_path / f"{family}.pib"
+    write_compiled(result, path)
+    pib = load_pib(path)
+    moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
+    assert [op.kernel for op in moes] == ["picc_moe_swiglu_f32_f32_f32_f32"] * (1 if family == "qwen3_moe" else 2)
+    assert any("every FFN is a mixture of experts" in line for line in said) == (family == "olmoe")
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+    with Session(path, 2) as s:
+        expected = [s.feed([t]).copy() for t in TOKENS[:3]]
+    with Session(path, 2) as session:
+        cpu, pool = session.executor.cpu, SequencePool(session.executor, 2)
+        slots = [pool.acquire() for _ in range(2)]
+        for step, token in enumerate(TOKENS[:3]):
+            cpu.batch_step([token, token], [step, step], pool.pointers(slots))
+            for row in range(2):
+                np.testing.assert_array_equal(cpu.batch_logits(row).view(np.uint32), expected[step].view(np.uint32))
+
+
 def test_gemma3s_layer_compiles_as_it_computes(tmp_path):
     # Gemma 3: the embedding's rows times sqrt(hidden) (a scaled embedding kernel, the table left
     # as the tied LM head reads it), the attention's and the FFN's outputs normalised before their

@@ -25,7 +25,15 @@ from typing import ClassVar
 import numpy as np
 
 from picc import kernel_names as names
-from picc.codegen_cpu import kernels_attention, kernels_batch, kernels_dense, kernels_ffn, kernels_misc, rowplanes
+from picc.codegen_cpu import (
+    kernels_attention,
+    kernels_batch,
+    kernels_dense,
+    kernels_ffn,
+    kernels_misc,
+    kernels_moe,
+    rowplanes,
+)
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, CpuBuffers
 from picc.codegen_cpu.dotplanes import LAYOUT as DOTPLANES
 from picc.codegen_cpu.kernel import Kernel
@@ -246,6 +254,18 @@ class OpLowering(ABC):
                   op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, self.ctx, *softcap,
                   batched=True)
 
+    def moe(self, op: O.MoE) -> None:
+        """A mixture of experts, a call per token (its router's choice is the token's own)."""
+        up = self.weights[op.up]
+        n, hidden = int(up.shape[0]) // op.n_experts, int(up.shape[1])
+        dtype = {w: self.weights[w].dtype.value for w in (op.router, op.up, op.down)}
+        gate = self.weights[op.gate].dtype.value if op.gate else None
+        kernel = kernels_moe.moe(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down])
+        scratch = self.bufs.need_scratch(kernels_moe.moe_scratch_bytes(op.n_experts, op.top_k, n))
+        self.call(op, kernel, self.value(op.x), self.weight(op.router), self.weight(op.up), self.weight(op.gate),
+                  self.weight(op.down), self.activation(op.result), scratch, op.n_experts, op.top_k, n, hidden,
+                  int(op.norm_topk))
+
     def softcap(self, op: O.Softcap) -> None:
         """Capped logits, a call per token."""
         self.call(op, kernels_misc.softcap(), self.value(op.x), self.activation(op.result), self.width(op.result),
@@ -285,6 +305,8 @@ class OpLowering(ABC):
                 self.add(op)
             case O.Softcap():
                 self.softcap(op)
+            case O.MoE():
+                self.moe(op)
             case Merge():
                 self.call(op, kernels_misc.merge(), self.value(op.a), self.value(op.b),
                           self.weight(op.bias, as_f32=True), self.activation(op.result), self.width(op.result))

@@ -31,7 +31,7 @@ import numpy as np
 from picc import quant
 from picc.errors import PiccError
 from picc.frontend.gguf_file import GgufFile
-from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama, longrope_notes
+from picc.frontend.llama import LlamaSpec, MoeSpec, RopeSpec, build_llama, longrope_notes
 from picc.frontend.model import LoadedModel
 from picc.ir import positional
 from picc.ir.types import DType
@@ -40,9 +40,9 @@ from picc.ir.weights import Tensor, WeightStore
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
-SUPPORTED_ARCHS = ("llama", "granite", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")
-_ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "qwen2": "llama", "qwen3": "llama", "phi3": "llama",
-                "olmo2": "llama", "gemma2": "llama", "gemma3": "llama"}  # see above
+SUPPORTED_ARCHS = ("llama", "granite", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "gemma2", "gemma3")
+_ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "qwen2": "llama", "qwen3": "llama", "qwen3moe": "llama",
+                "phi3": "llama", "olmo2": "llama", "gemma2": "llama", "gemma3": "llama"}  # see above
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0}
 
@@ -60,6 +60,9 @@ _LAYER_NAMES = {
     "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm",  # Gemma 2's and 3's
     "attn_qkv.weight": "attn.qkv",  # Phi-3's q, k and v in one matrix (split by load_gguf)
     "ffn_up.weight": "ffn.up", "ffn_gate.weight": "ffn.gate", "ffn_down.weight": "ffn.down",
+    # a mixture's router and its experts' matrices, [n_experts, rows, cols] read as one [n_experts * rows, cols]
+    "ffn_gate_inp.weight": "moe.router", "ffn_up_exps.weight": "moe.up", "ffn_gate_exps.weight": "moe.gate",
+    "ffn_down_exps.weight": "moe.down",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -103,6 +106,8 @@ def read_tensors(file: GgufFile, path: Path) -> tuple[WeightStore, dict[str, int
             raise PiccError(f"{path}: tensor {t.name!r} is not part of a llama model picc knows "
                             f"(known: {', '.join(list(_GLOBAL_NAMES) + ['blk.N.' + k for k in _LAYER_NAMES])})")
         shape = tuple(reversed(t.dims))
+        if len(shape) == 3:  # experts: their matrices' rows one after another (picc.ir.ops.MoE)
+            shape = (shape[0] * shape[1], shape[2])
         dtype = _GGML_TYPES.get(t.type_name)
         if dtype is None:
             tensor = converted(t.type_name, t.data, shape, f"{path}: tensor {t.name!r}")
@@ -277,7 +282,8 @@ def load_gguf(path: Path) -> LoadedModel:
         bos_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
         eos_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
         max_position=max_position,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
+        moe=_moe(meta, key, n_ff, path) if arch == "qwen3moe" else None,
     )
     if arch == "granite":
         spec, store = _granite(spec, store, meta, key, path)
@@ -297,6 +303,18 @@ def load_gguf(path: Path) -> LoadedModel:
                   + ("(the same 4-bit values)" if kind == "Q4_K" else "(decoded and quantized again)")
                   + ", which picc's kernels read" for kind, count in sorted(changed.items())) + longrope_notes(module)
     return LoadedModel(module, store, tokenizer, source=str(path), notes=notes)
+
+
+def _moe(meta: _Meta, key: Callable[[str], str], n_ff: int, path: Path) -> MoeSpec:
+    """A ``qwen3moe`` file's experts: ``expert_count`` of ``expert_feed_forward_length`` neurons
+    (llama.cpp's default: ``feed_forward_length / expert_used_count``), ``expert_used_count`` a
+    token, their softmax weights renormalised (llama.cpp's ``build_moe_ffn(.., norm_w = true)``)."""
+    n_experts, top_k = (_opt_int(meta.get(key(k))) or 0 for k in ("expert_count", "expert_used_count"))
+    if not 0 < top_k <= n_experts:
+        raise PiccError(f"{path}: {key('expert_used_count')} {top_k} and {key('expert_count')} {n_experts}: "
+                        "expected 1 to expert_count experts a token")
+    width = _opt_int(meta.get(key("expert_feed_forward_length"))) or n_ff // top_k
+    return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=True)
 
 
 def _granite(spec: LlamaSpec, store: WeightStore, meta: _Meta, key: Callable[[str], str],

@@ -26,7 +26,7 @@ from picc.errors import PiccError
 from picc.frontend.falcon import FalconSpec, build_falcon, fused_qkv_rows
 from picc.frontend.hf_checkpoint import Checkpoint
 from picc.frontend.hf_config import HFConfig, ffn_form, rope_from_config
-from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama, layer_weight_names, longrope_notes
+from picc.frontend.llama import LlamaSpec, MoeSpec, RopeSpec, build_llama, layer_weight_names, longrope_notes
 from picc.frontend.model import LoadedModel
 from picc.frontend.opt import UNIT_NORM, OptSpec, build_opt
 from picc.ir.module import Module
@@ -38,6 +38,8 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -147,6 +149,8 @@ class LlamaFamily:
     gemma: bool = False  # Gemma's layer: norms of 1 + w, four a layer, the embedding scaled, q . k scaled its way
     olmo: bool = False  # OLMo 2's layer: the attention's and the MLP's outputs normalised, not their inputs;
     # q's and k's norms over the whole projection
+    qk_norm_whole: bool = False  # q's and k's norms over the whole projection (OLMo 2, OLMoE)
+    moe: bool = False  # experts in place of the MLP (``moe_spec``)
 
 
 LLAMA_FAMILIES = {
@@ -154,10 +158,14 @@ LLAMA_FAMILIES = {
     "mistral": LlamaFamily(8, 131072, (1, 2)),  # no biases, whatever the config says
     "qwen2": LlamaFamily(32, 32768, (None, None), qkv_bias=True),
     "qwen3": LlamaFamily(32, 32768, (None, None), head_dim=128, attn_bias=True, qk_norm=True),
+    "qwen3_moe": LlamaFamily(4, 32768, (None, None), attn_bias=True, qk_norm=True, moe=True),
+    "olmoe": LlamaFamily(None, 4096, (None, 50279), eps=1e-5, attn_bias=True, qk_norm=True, qk_norm_whole=True,
+                         moe=True),
     "phi3": LlamaFamily(None, 4096, (1, 32000), eps=1e-5, partial_rope=True, fused=True),
     "smollm3": LlamaFamily(4, 32768, (128000, 128001), tied=True, attn_bias=True, mlp_bias=True),
     "granite": LlamaFamily(None, 2048, (1, 2), attn_bias=True, mlp_bias=True),
-    "olmo2": LlamaFamily(None, 2048, (None, 50279), eps=1e-5, attn_bias=True, qk_norm=True, olmo=True),
+    "olmo2": LlamaFamily(None, 2048, (None, 50279), eps=1e-5, attn_bias=True, qk_norm=True, qk_norm_whole=True,
+                         olmo=True),
     "gemma2": LlamaFamily(4, 8192, (2, 1), tied=True, head_dim=256, attn_bias=True, gemma=True),
     "gemma3_text": LlamaFamily(4, 131072, (2, 1), tied=True, head_dim=256, attn_bias=True, qk_norm=True, gemma=True),
 }
@@ -218,6 +226,9 @@ def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | Non
     windows: tuple[int | None, ...] = ()
     if family in ("mistral", "phi3"):
         window = cfg.opt_integer("sliding_window", 4096 if family == "mistral" else None)
+        windows = (window,) * n_layers if window is not None else ()
+    elif family == "qwen3_moe":  # every layer slides where use_sliding_window says so (Qwen3MoeConfig)
+        window = cfg.opt_integer("sliding_window", 4096) if cfg.flag("use_sliding_window", False) else None
         windows = (window,) * n_layers if window is not None else ()
     elif family in ("qwen2", "qwen3"):
         windows = qwen2_windows(cfg, n_layers)
@@ -301,7 +312,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False)
     bos, eos = special_ids(cfg, directory, *rules.special_ids)
     tie = cfg.flag("tie_word_embeddings", rules.tied)
-    gemma: dict = dict(sandwich=True, pre_norm=False, qk_norm_whole=True) if rules.olmo else {}
+    gemma: dict = dict(sandwich=True, pre_norm=False) if rules.olmo else {}
     if rules.gemma:  # soft caps: Gemma 2's; Gemma 3 caps the logits where its config says so
         _refuse_gemma_options(cfg)  # and never the scores (transformers' Gemma3Attention ignores its cap)
         two = family == "gemma2"
@@ -321,6 +332,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", rules.eps),
         ffn_form=ffn_form(cfg, *act, gated=True), rope=rope, tied=False, window=windows, **gemma,
         bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=rules.qk_norm, rope_layers=rope_layers,
+        qk_norm_whole=rules.qk_norm_whole, moe=moe_spec(cfg, family, n_layers) if rules.moe else None,
     )
 
     logits_scaling = 1.0
@@ -354,6 +366,17 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
             store.add(picc, fused.take_rows(np.arange(start, start + rows)))
             start += rows
 
+    def experts(n: dict[str, str], mlp: str) -> None:
+        """A layer's router (``gate``) and its experts' matrices, each stacked into one."""
+        assert spec.moe is not None
+        e_ff = spec.moe.n_ff
+        add(n["router"], mlp + "gate.weight", (spec.moe.n_experts, hidden))
+        matrices = (("experts_gate", "gate_proj", (e_ff, hidden)), ("experts_up", "up_proj", (e_ff, hidden)),
+                    ("experts_down", "down_proj", (hidden, e_ff)))
+        for key, proj, shape in matrices:
+            store.add(n[key], Tensor.stacked([ckpt.tensor(f"{p}{mlp}experts.{e}.{proj}.weight", shape)
+                                              for e in range(spec.moe.n_experts)]))
+
     add("token_embd", "embed_tokens.weight", (vocab, hidden))
     q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
     for i in range(n_layers):
@@ -382,6 +405,9 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
             norm(n["post_ffn_norm"], hf + "post_feedforward_layernorm.weight", (hidden,))
         else:
             add(n["ffn_norm"], hf + "post_attention_layernorm.weight", (hidden,))
+        if spec.moe is not None and (not spec.moe.layers or spec.moe.layers[i]):
+            experts(n, hf + "mlp.")
+            continue
         mlp = (("gate", "gate_proj", (n_ff, hidden)), ("up", "up_proj", (n_ff, hidden)),
                ("down", "down_proj", (hidden, n_ff)))
         if rules.fused:  # one gate_up_proj: the gate's rows, then up's
@@ -396,6 +422,31 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     if rules.gemma:
         spec = replace(spec, embed_scale=_gemma_embed_scale(hidden, store["token_embd"].dtype))
     return build_llama(spec, store), store
+
+
+def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
+    """The experts of a Qwen3-MoE or OLMoE config: ``num_experts`` FFNs of
+    ``moe_intermediate_size`` (Qwen3-MoE; OLMoE's are ``intermediate_size``), ``num_experts_per_tok``
+    of them a token, their weights renormalised where ``norm_topk_prob``; Qwen3-MoE's layers in
+    ``mlp_only_layers``, or not at a multiple of ``decoder_sparse_step``, keep a dense MLP."""
+    qwen = family == "qwen3_moe"
+    key = "num_local_experts" if "num_local_experts" in cfg.raw else "num_experts"  # transformers saves either
+    n_experts = cfg.integer(key, 128 if qwen else 64)
+    top_k = cfg.integer("num_experts_per_tok", 8)
+    if top_k > n_experts:
+        raise PiccError(f"{cfg.path}: num_experts_per_tok {top_k} is more than num_experts {n_experts}")
+    layers: tuple[bool, ...] = ()
+    if qwen:
+        dense = cfg.raw.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < n_layers for i in dense):
+            raise cfg.bad("mlp_only_layers", dense, f"a list of layer numbers below {n_layers}")
+        step = cfg.integer("decoder_sparse_step", 1)
+        layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+    if cfg.raw.get("clip_qkv") is not None:
+        raise PiccError(f"{cfg.path}: clip_qkv {json.dumps(cfg.raw['clip_qkv'])} is not supported")
+    width = cfg.integer("moe_intermediate_size" if qwen else "intermediate_size", 768)
+    return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=cfg.flag("norm_topk_prob", False),
+                   layers=layers if not all(layers) else ())
 
 
 def _granite(cfg: HFConfig, spec: LlamaSpec) -> tuple[LlamaSpec, float]:

@@ -43,6 +43,17 @@ class RopeSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A mixture of experts in place of a layer's FFN (the ``moe`` op's attributes)."""
+
+    n_experts: int
+    top_k: int
+    n_ff: int  # an expert's neurons
+    norm_topk: bool
+    layers: tuple[bool, ...] = ()  # per layer, whether its FFN is the experts (Qwen3-MoE's mlp_only_layers); empty: all
+
+
+@dataclass(frozen=True, slots=True)
 class LlamaSpec:
     """Everything that shapes a LLaMA-style decoder's computation."""
 
@@ -70,6 +81,7 @@ class LlamaSpec:
     sandwich: bool = False  # Gemma: the attention's and the FFN's outputs RMS-normalised before their residual adds
     attn_softcap: float | None = None  # Gemma 2: the attention's scores soft-capped, cap * tanh(s / cap)
     logit_softcap: float | None = None  # Gemma 2: the final logits soft-capped alike
+    moe: MoeSpec | None = None  # Mixtral, Qwen3-MoE, OLMoE: experts instead of the FFN
     bos_id: int | None = None
     eos_id: int | None = None
     max_position: int | None = None
@@ -88,6 +100,8 @@ def layer_weight_names(i: int) -> dict[str, str]:
         "up": f"{p}.ffn.up", "gate": f"{p}.ffn.gate", "down": f"{p}.ffn.down",
         "up_bias": f"{p}.ffn.up_bias", "gate_bias": f"{p}.ffn.gate_bias",
         "down_bias": f"{p}.ffn.down_bias",
+        "router": f"{p}.moe.router", "experts_up": f"{p}.moe.up", "experts_gate": f"{p}.moe.gate",
+        "experts_down": f"{p}.moe.down",
     }
 
 
@@ -188,10 +202,15 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         x = b.op(O.Add, f"{p}.attn.resid", a=x, b=o)
         h = b.op(O.RMSNorm, f"{p}.ffn_norm", x=x, weight=n["ffn_norm"], eps=spec.eps) if spec.pre_norm else x
         gated = O.FFN_FORMS[spec.ffn_form].gated
-        f = b.op(O.FFN, f"{p}.ffn.out", x=h, up=n["up"], gate=n["gate"] if gated else None,
-                 down=n["down"], up_bias=maybe(n["up_bias"]),
-                 gate_bias=maybe(n["gate_bias"]) if gated else None,
-                 down_bias=maybe(n["down_bias"]), form=spec.ffn_form)
+        if spec.moe is not None and (not spec.moe.layers or spec.moe.layers[i]):
+            f = b.op(O.MoE, f"{p}.moe.out", x=h, router=n["router"], up=n["experts_up"],
+                     gate=n["experts_gate"] if gated else None, down=n["experts_down"], n_experts=spec.moe.n_experts,
+                     top_k=spec.moe.top_k, form=spec.ffn_form, norm_topk=spec.moe.norm_topk)
+        else:
+            f = b.op(O.FFN, f"{p}.ffn.out", x=h, up=n["up"], gate=n["gate"] if gated else None,
+                     down=n["down"], up_bias=maybe(n["up_bias"]),
+                     gate_bias=maybe(n["gate_bias"]) if gated else None,
+                     down_bias=maybe(n["down_bias"]), form=spec.ffn_form)
         if spec.sandwich:
             f = b.op(O.RMSNorm, f"{p}.post_ffn_norm", x=f, weight=n["post_ffn_norm"], eps=spec.eps)
         x = b.op(O.Add, f"{p}.out", a=x, b=f)

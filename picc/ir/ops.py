@@ -542,3 +542,60 @@ class FFN(MatrixOp):
 
 
 __all__ = ["ACTIVATIONS", "FFN_FORMS", "LAYOUTS", "X_FORMATS", "MatrixOp", "RuleError"]
+
+
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoE(Op):
+    """A mixture of experts (Mixtral, Qwen3-MoE, OLMoE): ``n_experts`` FFNs of one ``form``, of
+    which each token runs the ``top_k`` its router ranks first.
+
+    ``router`` is [n_experts, hidden]; ``up`` and ``gate`` are the experts' matrices one after
+    another, [n_experts * n_ff, hidden] (expert e's rows ``e n_ff ..``), ``down`` likewise
+    [n_experts * hidden, n_ff] (expert e's [hidden, n_ff] at rows ``e hidden ..``). For a token x:
+    ``p = softmax(router x)``; the experts of the ``top_k`` largest ``p`` (the lower index first
+    among equals), with weights ``p_e``, divided by their sum where ``norm_topk``; the output is
+    ``sum_e w_e down_e(h_e)`` with ``h_e`` as an ``ffn`` of ``form`` computes it from x. Not an
+    ``ffn``: its neurons are not profiled, predicted or split; its weights stay on the CPU.
+    """
+
+    NAME: ClassVar[str] = "moe"
+    x: Val
+    router: Sym
+    up: Sym
+    gate: Sym | None = None
+    down: Sym
+    n_experts: int
+    top_k: int
+    form: str
+    norm_topk: bool = False
+
+    @property
+    def spec(self) -> FfnForm:
+        return FFN_FORMS[self.form]
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        t = _activation_input(env, self.x)
+        hidden = t.shape[1]
+        expect(self.form in FFN_FORMS, f"form must be one of {tuple(FFN_FORMS)}, got {self.form!r}")
+        expect(self.n_experts > 0 and 0 < self.top_k <= self.n_experts,
+               f"top_k must be in 1..n_experts, got top_k={self.top_k}, n_experts={self.n_experts}")
+        weight_shape_is(env, self.router, (self.n_experts, hidden), "router")
+        up = env.weight(self.up)
+        expect_rank(f"up @{self.up}", up, 2)
+        rows, cols = up.shape
+        expect(cols == hidden and isinstance(rows, int) and rows % self.n_experts == 0,
+               f"up @{self.up} must be [n_experts * n_ff, {hidden}], got {up}")
+        n_ff = rows // self.n_experts
+        expect((self.gate is not None) == self.spec.gated,
+               f"form {self.form!r} " + ("needs a gate weight" if self.spec.gated else "has no gate, but one is given"))
+        weight_shape_is(env, self.gate, (rows, hidden), "gate")
+        weight_shape_is(env, self.down, (self.n_experts * hidden, n_ff), "down")
+        return t
+
+    def n_ff(self, env: TypeEnv) -> int:
+        """Neurons of one expert."""
+        rows = env.weight(self.up).shape[0]
+        assert isinstance(rows, int)
+        return rows // self.n_experts
+

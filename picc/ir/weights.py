@@ -58,6 +58,16 @@ class Tensor:
         return Tensor(self.dtype, (len(rows), *self.shape[1:]), data)
 
     @staticmethod
+    def stacked(parts: list[Tensor]) -> Tensor:
+        """Matrices of one dtype and row length, their rows one after another, in that dtype
+        (a mixture's experts as one matrix)."""
+        if len({(t.dtype, t.shape[1:]) for t in parts}) != 1:
+            raise PiccError(f"cannot stack {', '.join(str(t.type) for t in parts)}: dtypes or row lengths differ")
+        data = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in parts])
+        return Tensor(parts[0].dtype, (sum(t.shape[0] for t in parts), *parts[0].shape[1:]),
+                      data.reshape(-1, *np.asarray(parts[0].data).shape[1:]))
+
+    @staticmethod
     def from_f32(x: np.ndarray, dtype: DType = DType.F32) -> Tensor:
         """Store float data ``x`` as ``dtype`` (quantizing it when ``dtype`` is quantized)."""
         x = np.ascontiguousarray(x, dtype=np.float32)

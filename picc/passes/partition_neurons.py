@@ -223,6 +223,8 @@ def place(module: Module, weights: WeightStore, dense: DenseChoice, ffns: list[O
             new = _split_ffn(op, placement, index[op.result], dense_where == GPU, weights, decls)
         elif isinstance(op, O.FFN):
             new = [replace(op, type=_placed(op.type, GPU if hot[op.result] else CPU))]
+        elif isinstance(op, O.MoE):  # no GPU kernel: the experts stay in the CPU's memory
+            new = [replace(op, type=_placed(op.type, CPU))]
         elif isinstance(op, Predict) and op.ffn in split:
             perm = placement.layers[index[op.ffn]].perm
             fc2 = _take(weights, decls, op.fc2, perm, "permuted", dense_where)

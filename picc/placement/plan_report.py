@@ -42,7 +42,13 @@ def _read_seconds(target: Target, where: Placement | None, parts: list[tuple[int
 
 def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
     """Each weight of ``op`` as (bytes, the rate key of the kernel reading it). A fused FFN's down
-    rows are neuron-major AXPYs; a dense FFN in the source layout dots its down rows with h."""
+    rows are neuron-major AXPYs; a dense FFN in the source layout dots its down rows with h; a
+    mixture of experts reads its router and ``top_k`` of its ``n_experts`` experts a token."""
+    if isinstance(op, O.MoE):
+        share = op.top_k / op.n_experts
+        reads = cpu_weight_reads(weights, op.weights(), "f32")
+        return [(nbytes if name == op.router else round(nbytes * share), key)
+                for name, (nbytes, key) in zip(op.weights(), reads, strict=True)]
     if not isinstance(op, O.MatrixOp) or op.layout != "rows8":
         rows8: tuple[str | None, ...] = ()
     elif isinstance(op, FusedFFN):

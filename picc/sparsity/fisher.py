@@ -112,6 +112,8 @@ class TorchForward:
                 return env[op.a] * env[op.b]
             case O.FFN():
                 return self.ffn(op, env[op.x])
+            case O.MoE():
+                return self.moe(op, env[op.x])
         raise PiccError(f"Fisher scales: op {op.NAME!r} (%{op.result}) has no torch forward; "
                         "run them before sparsifying passes")
 
@@ -165,6 +167,29 @@ class TorchForward:
         scores = scores.masked_fill(~visible, float("-inf"))
         out = torch.softmax(scores, dim=-1) @ vh
         return out.transpose(0, 1).reshape(seq, op.n_heads * d)
+
+    def moe(self, op: O.MoE, x):  # noqa: ANN001, ANN201 - torch.Tensor
+        """The interpreter's mixture (the experts' neurons are not scored: not an ``ffn``)."""
+        torch, w = self.torch, self.w
+        probs = torch.softmax(x @ w(op.router).T, dim=-1)
+        weights, chosen = torch.topk(probs, op.top_k, dim=-1)
+        if op.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        up, down = w(op.up), w(op.down)
+        gate = w(op.gate) if op.gate else None
+        n_ff, hidden = up.shape[0] // op.n_experts, x.shape[1]
+        rows = []
+        for s in range(x.shape[0]):
+            y = torch.zeros(hidden, dtype=x.dtype)
+            for weight, e in zip(weights[s], chosen[s].tolist(), strict=True):
+                part = slice(e * n_ff, (e + 1) * n_ff)
+                u = up[part] @ x[s]
+                h = self.activation(op.spec.act, u) if not op.spec.gated else (
+                    self.activation(op.spec.act, gate[part] @ x[s])
+                    * (self.activation(op.spec.act, u) if op.spec.act_on_up else u))
+                y = y + weight * (down[e * hidden : (e + 1) * hidden] @ h)
+            rows.append(y)
+        return torch.stack(rows)
 
     def ffn(self, op: O.FFN, x):  # noqa: ANN001, ANN201 - torch.Tensor
         w = self.w

@@ -1,0 +1,107 @@
+"""The mixture-of-experts kernel (``picc_moe_*``) against a float64 reference of the interpreter's
+arithmetic: every weight format, its ungated forms, 1-3 threads, renormalised or not, ties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cpu_kernels import act64, run, weights
+
+from picc.codegen_cpu import build_ir, compile_kernels
+from picc.codegen_cpu.compiler import CpuModule, effective_simd
+from picc.codegen_cpu.kernels_moe import moe, moe_scratch_bytes
+from picc.errors import PiccError
+from picc.ir.ops import FFN_FORMS
+
+E, N, HIDDEN = 8, 64, 96  # experts, an expert's neurons, the hidden size (multiples of 32: block formats)
+CASES = [("swiglu", dt) for dt in ("f32", "f16", "q8_0", "q4_0", "q4_1")] + [("relu", "q4_1"), ("geglu_tanh", "f16")]
+KERNELS = [moe(form, "f32", dt, dt if FFN_FORMS[form].gated else None, dt) for form, dt in CASES]
+
+
+@pytest.fixture(scope="module")
+def host():
+    return compile_kernels(KERNELS, simd="host")
+
+
+class Experts:
+    """Random router and experts for ``form`` in ``dtype``, and the float values they decode to."""
+
+    def __init__(self, form: str, dtype: str, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.form, self.spec = form, FFN_FORMS[form]
+        self.router = rng.normal(0, HIDDEN**-0.5, size=(E, HIDDEN)).astype(np.float32)  # logits ~N(0, 1): no one wins all
+        self.up_raw, self.up = weights(rng, (E * N, HIDDEN), dtype, HIDDEN**-0.5)
+        self.gate_raw, self.gate = weights(rng, (E * N, HIDDEN), dtype, HIDDEN**-0.5) if self.spec.gated else (None, None)
+        self.down_raw, self.down = weights(rng, (E * HIDDEN, N), dtype, N**-0.5)
+        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, dtype)
+
+    def reference(self, x: np.ndarray, k: int, norm: bool) -> np.ndarray:
+        """The interpreter's mixture in float64: the top k by logit (lower index first among
+        equals), softmax weights, renormalised where ``norm``."""
+        logits = self.router.astype(np.float64) @ x
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        chosen = np.argsort(-logits, kind="stable")[:k]
+        w = probs[chosen] / (probs[chosen].sum() if norm else 1.0)
+        y = np.zeros(HIDDEN)
+        for e, we in zip(chosen, w, strict=True):
+            rows = slice(e * N, (e + 1) * N)
+            up = self.up[rows].astype(np.float64) @ x
+            h = act64(self.spec.act, self.gate[rows].astype(np.float64) @ x) * up if self.spec.gated else act64(
+                self.spec.act, up)
+            y += we * (self.down[e * HIDDEN : (e + 1) * HIDDEN].astype(np.float64) @ h)
+        return y
+
+    def run(self, module, team, x: np.ndarray, k: int, norm: bool) -> np.ndarray:  # noqa: ANN001
+        y = np.full(HIDDEN, np.nan, np.float32)  # every element written
+        scratch = np.zeros(moe_scratch_bytes(E, k, N) // 4, np.float32)
+        run(module, team, self.kernel, x, self.router, self.up_raw, self.gate_raw, self.down_raw, y, scratch, E, k, N,
+            HIDDEN, int(norm))
+        return y
+
+
+@pytest.mark.parametrize("form, dtype", CASES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_mixture_is_the_interpreters(host, teams, form, dtype, threads):
+    # The router's top k experts of the token, their softmax weights (renormalised or not), each
+    # expert's FFN from its own rows of the stacked matrices. Float32 sums in another order than
+    # float64's: 1e-5 of the output's largest element (the formats' rounding is in the reference's
+    # weights: they are the decoded values).
+    experts, rng = Experts(form, dtype, 31), np.random.default_rng(32)
+    outs = []
+    for k, norm in ((2, True), (3, False), (E, True), (1, False)):
+        x = rng.normal(size=HIDDEN).astype(np.float32)
+        y, want = experts.run(host, teams[threads], x, k, norm), experts.reference(x, k, norm)
+        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (k, norm)
+        outs.append(y)
+    assert np.abs(outs[0] - experts.run(host, teams[threads], x, 2, True)).max() > 0  # the choice follows x
+
+
+def test_equal_logits_choose_the_lower_expert(host, teams):
+    # Experts 2, 5 and 6 have one router row: with k = 2 the first two of them are chosen, as the
+    # interpreter's stable sort chooses, and the output is theirs (not expert 6's).
+    experts = Experts("swiglu", "f32", 33)
+    x = np.abs(np.random.default_rng(34).normal(size=HIDDEN)).astype(np.float32)
+    experts.router[2] = np.abs(experts.router[2]) + 1  # the largest logit, three times
+    experts.router[[5, 6]] = experts.router[2]
+    y = experts.run(host, teams[2], x, 2, True)
+    want = experts.reference(x, 2, True)
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+    experts.router[5] *= 0.5  # now 2 and 6
+    assert np.abs(experts.run(host, teams[2], x, 2, True) - y).max() > 1e-3
+
+
+def test_a_gate_is_given_exactly_when_the_form_has_one():
+    with pytest.raises(PiccError, match="needs gate weights"):
+        moe("swiglu", "f32", "q4_1", None, "q4_1")
+    with pytest.raises(PiccError, match="takes no gate weights"):
+        moe("relu", "f32", "q4_1", "q4_1", "q4_1")
+
+
+@pytest.mark.parametrize("simd", [level for level in ("avx2", "avx512", "avx512-vnni") if level != effective_simd("host")])
+def test_the_other_simd_levels_compile(simd):
+    asm = CpuModule(build_ir(KERNELS, (), simd), simd).emit_assembly()
+    for kernel in KERNELS:
+        assert f"{kernel.symbol}:" in asm, kernel.symbol
+    if simd == "avx2":
+        assert "zmm" not in asm
