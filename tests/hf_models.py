@@ -58,7 +58,7 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmoe", "phi3", "smollm3", "granite", "olmo2",
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "olmoe", "phi3", "smollm3", "granite", "olmo2",
             "gemma2", "gemma3_text", "gemma3", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
@@ -88,6 +88,10 @@ _BASE: dict[str, dict[str, Any]] = {
                     rope_parameters=_ROPE),
     "qwen2": _QWEN,
     "qwen3": dict(_QWEN, head_dim=16),
+    # Mixtral: Mistral's layer with eight experts (block_sparse_moe's w1, w3, w2) of
+    # intermediate_size neurons, two a token, their softmax weights renormalised
+    "mixtral": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+                    rope_parameters=_ROPE, num_local_experts=8, num_experts_per_tok=2),
     # Qwen3-MoE: Qwen3's attention, each layer's MLP eight experts of 32 neurons, two a token
     "qwen3_moe": dict(_QWEN, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
@@ -242,6 +246,11 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "longrope-partial": dict(max_position_embeddings=256, rope_parameters=dict(
             _LONGROPE, partial_rotary_factor=0.75, short_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0], long_factor=[3.0] * 6)),
     },
+    "mixtral": {
+        "base": {},
+        "sliding-window": dict(sliding_window=4),
+        "three-of-eight": dict(num_experts_per_tok=3),
+    },
     "qwen3_moe": {
         "base": {},
         "unnormalised": dict(norm_topk_prob=False),
@@ -392,6 +401,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm3": {},
     "phi3": {},
     "granite": {},
+    "mixtral": {},
     "qwen3_moe": {},
     "olmoe": {},
     "olmo2": {},
@@ -431,6 +441,8 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("smollm3", "base", "all-rope"),
     ("gemma2", "base", "no-softcap"),
     ("granite", "base", "unscaled"),
+    ("mixtral", "base", "sliding-window"),
+    ("mixtral", "base", "three-of-eight"),
     ("qwen3_moe", "base", "unnormalised"),
     ("qwen3_moe", "base", "three-of-eight"),
     ("olmoe", "base", "normalised"),
@@ -491,6 +503,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),

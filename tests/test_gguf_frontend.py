@@ -60,11 +60,12 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     gemma = arch in ("gemma2", "gemma3")
     if gemma:
         meta["sliding_window"] = (w.add_sliding_window, cfg["sliding_window"])
-    if arch == "qwen3moe":  # convert_hf_to_gguf.py's Qwen3MoeModel
+    if "num_experts_per_tok" in cfg:  # convert_hf_to_gguf.py's Qwen3MoeModel, or LlamaModel's Mixtral
         experts = cfg.get("num_experts", cfg.get("num_local_experts"))
         meta["expert_count"] = (w.add_expert_count, experts)
         meta["expert_used_count"] = (w.add_expert_used_count, cfg["num_experts_per_tok"])
-        meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])
+        if arch == "qwen3moe":
+            meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])
     if arch == "granite":  # convert_hf_to_gguf.py's GraniteModel
         meta["embedding_scale"] = (w.add_embedding_scale, cfg["embedding_multiplier"])
         meta["residual_scale"] = (w.add_residual_scale, cfg["residual_multiplier"])
@@ -133,12 +134,15 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             if p + f"mlp.{theirs}.weight" in sd:
                 tensor(f"blk.{i}.ffn_{ours}.weight", sd[p + f"mlp.{theirs}.weight"], quant_type)
-            if p + "mlp.gate.weight" in sd:  # a mixture: each expert's matrices as one [experts, rows, cols]
+            moe = next((m for m in ("mlp.", "block_sparse_moe.") if p + m + "gate.weight" in sd), None)
+            if moe is not None:  # a mixture: each expert's matrices as one [experts, rows, cols]
                 count = meta["expert_count"][1]
-                stacked = np.stack([sd[f"{p}mlp.experts.{e}.{theirs}.weight"] for e in range(count)])
+                hf = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[theirs] if moe == "block_sparse_moe." else theirs
+                stacked = np.stack([sd[f"{p}{moe}experts.{e}.{hf}.weight"] for e in range(count)])
                 tensor(f"blk.{i}.ffn_{ours}_exps.weight", stacked, quant_type)
-        if p + "mlp.gate.weight" in sd:
-            tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
+        for moe in ("mlp.", "block_sparse_moe."):
+            if p + moe + "gate.weight" in sd:
+                tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + moe + "gate.weight"])
     tensor("output_norm.weight", sd["model.norm.weight"])
     if not tie:
         tensor("output.weight", sd["lm_head.weight"], quant_type)
@@ -187,7 +191,7 @@ def round_trip_hf_weights(hf_dir, out_dir, qt):
     sd = load_file(str(hf_dir / "model.safetensors"))
     name = qt.name.lower()
     for key, w in sd.items():
-        if w.ndim == 2 and not key.endswith("mlp.gate.weight"):  # a mixture's router stays f32, as llama.cpp keeps it
+        if w.ndim == 2 and not key.endswith(("mlp.gate.weight", "moe.gate.weight")):  # a router stays f32, as in llama.cpp
             sd[key] = quant.dequantize(quant.quantize(w, name), name, w.shape)
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
@@ -221,6 +225,7 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     ("granite", "norm-eps", Q.F32, ()), ("granite", "base", Q.Q4_1, ()),
     ("olmo2", "norm-eps", Q.F32, ()), ("olmo2", "base", Q.Q4_1, ()),
     ("qwen3_moe", "base", Q.F32, ()), ("qwen3_moe", "three-of-eight", Q.Q4_1, ()),
+    ("mixtral", "base", Q.F32, ()), ("mixtral", "three-of-eight", Q.Q4_0, ()),
     ("gemma3_text", "six-layers", Q.F32, ()), ("gemma3_text", "six-layers", Q.Q4_1, ())])
 def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, qt, drop, tmp_path):
     # Rows as transformers has them (no permutation) and the half-split rope; Qwen2's q, k, v
@@ -236,16 +241,17 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
     # their weights renormalised as llama.cpp does.
     hf_dir = tmp_path / family
     make_model(family, variant, hf_dir)
-    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(family, family)
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(family, family)
     tie = family in ("gemma2", "gemma3_text", "granite")  # no output.weight: the head is the embedding
     model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, quant_type=qt, drop_keys=drop, tie=tie))
     if variant.startswith("longrope"):
         assert model.module.attr("max_position") == 256 and "longrope: a --ctx up to 128" in model.notes[-1]
         assert all(len(op.long_factors) == len(op.freq_factors) for op in model.module.ops() if op.NAME == "rope")
     verify(model.module)
-    assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {"gptj" if family == "granite" else "llama"}
+    assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {
+        "gptj" if family in ("granite", "mixtral") else "llama"}
     grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer (OLMo 2's: not by heads)
-    if family == "qwen3_moe":  # its head_dim is 16
+    if family in ("qwen3_moe", "mixtral"):  # (Qwen3-MoE's head_dim is 16)
         grouped, moes = 0, [op for op in model.module.ops() if op.NAME == "moe"]
         assert [(op.n_experts, op.top_k, op.norm_topk) for op in moes] == [(8, 3 if "three" in variant else 2, True)] * 2
     assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == grouped

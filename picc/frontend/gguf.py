@@ -283,7 +283,7 @@ def load_gguf(path: Path) -> LoadedModel:
         eos_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
         max_position=max_position,
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
-        moe=_moe(meta, key, n_ff, path) if arch == "qwen3moe" else None,
+        moe=_moe(meta, key, arch, n_ff, path),
     )
     if arch == "granite":
         spec, store = _granite(spec, store, meta, key, path)
@@ -305,15 +305,21 @@ def load_gguf(path: Path) -> LoadedModel:
     return LoadedModel(module, store, tokenizer, source=str(path), notes=notes)
 
 
-def _moe(meta: _Meta, key: Callable[[str], str], n_ff: int, path: Path) -> MoeSpec:
-    """A ``qwen3moe`` file's experts: ``expert_count`` of ``expert_feed_forward_length`` neurons
-    (llama.cpp's default: ``feed_forward_length / expert_used_count``), ``expert_used_count`` a
-    token, their softmax weights renormalised (llama.cpp's ``build_moe_ffn(.., norm_w = true)``)."""
+def _moe(meta: _Meta, key: Callable[[str], str], arch: str, n_ff: int, path: Path) -> MoeSpec | None:
+    """A file's experts, where it has ``expert_count`` (a ``qwen3moe`` file always; a ``llama``
+    one for Mixtral): ``expert_used_count`` of them a token, their softmax weights renormalised
+    (llama.cpp's ``build_moe_ffn(.., norm_w = true)`` for both), of ``expert_feed_forward_length``
+    neurons (qwen3moe; llama.cpp's default ``feed_forward_length / expert_used_count``) or
+    ``feed_forward_length`` (llama)."""
     n_experts, top_k = (_opt_int(meta.get(key(k))) or 0 for k in ("expert_count", "expert_used_count"))
+    if arch != "qwen3moe" and n_experts == 0:
+        return None
+    if arch not in ("qwen3moe", "llama"):
+        raise PiccError(f"{path}: {arch} files with experts ({key('expert_count')} {n_experts}) are not supported")
     if not 0 < top_k <= n_experts:
         raise PiccError(f"{path}: {key('expert_used_count')} {top_k} and {key('expert_count')} {n_experts}: "
                         "expected 1 to expert_count experts a token")
-    width = _opt_int(meta.get(key("expert_feed_forward_length"))) or n_ff // top_k
+    width = _opt_int(meta.get(key("expert_feed_forward_length"))) or (n_ff // top_k if arch == "qwen3moe" else n_ff)
     return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=True)
 
 

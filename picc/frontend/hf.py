@@ -36,6 +36,7 @@ from picc.ir.weights import Tensor, WeightStore
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -156,6 +157,7 @@ class LlamaFamily:
 LLAMA_FAMILIES = {
     "llama": LlamaFamily(None, 2048, (1, 2), attn_bias=True, mlp_bias=True),
     "mistral": LlamaFamily(8, 131072, (1, 2)),  # no biases, whatever the config says
+    "mixtral": LlamaFamily(8, 131072, (1, 2), eps=1e-5, moe=True),
     "qwen2": LlamaFamily(32, 32768, (None, None), qkv_bias=True),
     "qwen3": LlamaFamily(32, 32768, (None, None), head_dim=128, attn_bias=True, qk_norm=True),
     "qwen3_moe": LlamaFamily(4, 32768, (None, None), attn_bias=True, qk_norm=True, moe=True),
@@ -224,7 +226,7 @@ def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | Non
     (default none); Qwen2 and 3 per layer; SmolLM3 per layer, and leaves the rope out of some;
     Gemma 2 and 3 per layer type."""
     windows: tuple[int | None, ...] = ()
-    if family in ("mistral", "phi3"):
+    if family in ("mistral", "mixtral", "phi3"):
         window = cfg.opt_integer("sliding_window", 4096 if family == "mistral" else None)
         windows = (window,) * n_layers if window is not None else ()
     elif family == "qwen3_moe":  # every layer slides where use_sliding_window says so (Qwen3MoeConfig)
@@ -367,12 +369,14 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
             start += rows
 
     def experts(n: dict[str, str], mlp: str) -> None:
-        """A layer's router (``gate``) and its experts' matrices, each stacked into one."""
+        """A layer's router (``gate``) and its experts' matrices, each stacked into one (Mixtral's
+        w1, w3 and w2 are the gate, up and down projections)."""
         assert spec.moe is not None
         e_ff = spec.moe.n_ff
         add(n["router"], mlp + "gate.weight", (spec.moe.n_experts, hidden))
-        matrices = (("experts_gate", "gate_proj", (e_ff, hidden)), ("experts_up", "up_proj", (e_ff, hidden)),
-                    ("experts_down", "down_proj", (hidden, e_ff)))
+        gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        matrices = (("experts_gate", gate, (e_ff, hidden)), ("experts_up", up, (e_ff, hidden)),
+                    ("experts_down", down, (hidden, e_ff)))
         for key, proj, shape in matrices:
             store.add(n[key], Tensor.stacked([ckpt.tensor(f"{p}{mlp}experts.{e}.{proj}.weight", shape)
                                               for e in range(spec.moe.n_experts)]))
@@ -406,7 +410,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         else:
             add(n["ffn_norm"], hf + "post_attention_layernorm.weight", (hidden,))
         if spec.moe is not None and (not spec.moe.layers or spec.moe.layers[i]):
-            experts(n, hf + "mlp.")
+            experts(n, hf + ("block_sparse_moe." if family == "mixtral" else "mlp."))
             continue
         mlp = (("gate", "gate_proj", (n_ff, hidden)), ("up", "up_proj", (n_ff, hidden)),
                ("down", "down_proj", (hidden, n_ff)))
@@ -425,14 +429,15 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
 
 
 def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
-    """The experts of a Qwen3-MoE or OLMoE config: ``num_experts`` FFNs of
-    ``moe_intermediate_size`` (Qwen3-MoE; OLMoE's are ``intermediate_size``), ``num_experts_per_tok``
-    of them a token, their weights renormalised where ``norm_topk_prob``; Qwen3-MoE's layers in
-    ``mlp_only_layers``, or not at a multiple of ``decoder_sparse_step``, keep a dense MLP."""
+    """The experts of a Qwen3-MoE, OLMoE or Mixtral config: ``num_experts`` FFNs of
+    ``moe_intermediate_size`` (Qwen3-MoE; the others' are ``intermediate_size``),
+    ``num_experts_per_tok`` of them a token, their weights renormalised where ``norm_topk_prob``
+    (always, in Mixtral); Qwen3-MoE's layers in ``mlp_only_layers``, or not at a multiple of
+    ``decoder_sparse_step``, keep a dense MLP."""
     qwen = family == "qwen3_moe"
     key = "num_local_experts" if "num_local_experts" in cfg.raw else "num_experts"  # transformers saves either
-    n_experts = cfg.integer(key, 128 if qwen else 64)
-    top_k = cfg.integer("num_experts_per_tok", 8)
+    n_experts = cfg.integer(key, {"qwen3_moe": 128, "olmoe": 64, "mixtral": 8}[family])
+    top_k = cfg.integer("num_experts_per_tok", 2 if family == "mixtral" else 8)
     if top_k > n_experts:
         raise PiccError(f"{cfg.path}: num_experts_per_tok {top_k} is more than num_experts {n_experts}")
     layers: tuple[bool, ...] = ()
@@ -445,7 +450,8 @@ def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
     if cfg.raw.get("clip_qkv") is not None:
         raise PiccError(f"{cfg.path}: clip_qkv {json.dumps(cfg.raw['clip_qkv'])} is not supported")
     width = cfg.integer("moe_intermediate_size" if qwen else "intermediate_size", 768)
-    return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=cfg.flag("norm_topk_prob", False),
+    norm = family == "mixtral" or cfg.flag("norm_topk_prob", False)
+    return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=norm,
                    layers=layers if not all(layers) else ())
 
 
