@@ -178,8 +178,9 @@ def main() -> None:
             whole = compile_model(model, options("4MiB"), say=lambda _: None)
             for tag, vram in (("whole", "4MiB"), ("split", str(half_the_ffn(whole)))):
                 add(f"tiny_{mode}_{target}_{tag}", model, options(vram), TOKENS)
-    for family, variant in (("gemma3_text", "base"), ("phi3", "longrope-partial"), ("gemma2", "base")):
-        name = f"{family}_{variant}_h100_whole"
+    for family, variant, tag in (("gemma3_text", "base", "whole"), ("phi3", "longrope-partial", "whole"),
+                                 ("gemma2", "base", "whole"), ("qwen3_moe", "base", "moe-on-cpu")):
+        name = f"{family}_{variant}_h100_{tag}"
         if not wanted or name.startswith(wanted):
             make_model(family, variant, args.out / "hf" / family)
             add(name, load_model(args.out / "hf" / family), CompileOptions(target="h100", vram="4MiB", dense=True),
