@@ -208,12 +208,19 @@ class OnnxRuntimeEngine(Engine):
 class LlamaCppEngine(Engine):
     name = "llama.cpp"
 
-    def __init__(self, threads: int, fmt: str) -> None:
+    def __init__(self, threads: int, fmt: str, path: Path | None = None) -> None:
         from llama_cpp import Llama
 
         self.format = fmt
-        self.llm = Llama(model_path=str(gguf_file(fmt)), n_ctx=512, n_threads=threads, n_threads_batch=threads,
-                         verbose=False)
+        self.llm = Llama(model_path=str(path or gguf_file(fmt)), n_ctx=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+
+    def logits(self):  # noqa: ANN201 - np.ndarray
+        """The last evaluated token's logits. (llama-cpp-python fills ``scores`` only with
+        ``logits_all``: without it, as here, its rows stay zero, and their argmax is token 0.)"""
+        import numpy as np
+
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),)).copy()
 
     def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
         llm = self.llm
@@ -221,11 +228,11 @@ class LlamaCppEngine(Engine):
         start = time.perf_counter()
         llm.eval(prompt)
         prompt_s = time.perf_counter() - start
-        tokens = [int(llm.scores[llm.n_tokens - 1].argmax())]
+        tokens = [int(self.logits().argmax())]
         start = time.perf_counter()
         for _ in range(n - 1):
             llm.eval([tokens[-1]])
-            tokens.append(int(llm.scores[llm.n_tokens - 1].argmax()))
+            tokens.append(int(self.logits().argmax()))
         return prompt_s, time.perf_counter() - start, tokens
 
 

@@ -2,6 +2,7 @@
 
     python bench/synthetic_model.py gguf /work/scale-data/llama7b-q4_0.gguf --shape 7b [--ffn relu]
     python bench/synthetic_model.py hf /work/scale-data/llama1b-f16 --shape 1b [--shard-size 1GB]
+    python bench/synthetic_model.py gguf build/bench/moe.gguf --shape moe --experts 32 --experts-used 4
 
 ``gguf``: a ``llama``-architecture GGUF with every matrix in Q4_0 (as ``llama-quantize --pure``
 writes it: LLaMA-2-7B's shape makes 3.8 GB) and the norms in F32. ``hf``: a Hugging Face directory
@@ -19,6 +20,10 @@ noise of variance ``1/d``, so its pre-activation is about ``N(b_i / sqrt(2), 1)`
 every token, most for one in fifty (about 10% of a layer active on average, ReLU-LLaMA's order).
 ``--ffn relu`` makes the FFNs ``relu(gate) * up`` (ReLU-LLaMA; marked by the GGUF key
 ``picc.ffn_activation``, which picc's GGUF frontend reads), ``swiglu`` ``silu(gate) * up``.
+``--experts E --experts-used K`` (GGUF): each FFN a mixture of E experts of ``n_ff`` neurons, K a
+token, as a Mixtral file has them (``ffn_gate_inp``, ``ffn_gate_exps`` [E, n_ff, hidden], ...):
+the router's rows are ``u`` plus noise, so each token's choice depends on its noise, and the
+experts' gate rows carry no bias (their neurons are not profiled).
 
 Tensors are made and written one at a time, into a temp file (or folder) renamed into place when
 complete: memory stays at a few hundred MB whatever the shape, and an interrupted run leaves
@@ -72,6 +77,7 @@ SHAPES = {
     "7b": Shape(4096, 11008, 32, 32, 32, 32000),  # LLaMA-2-7B
     "1b": Shape(2048, 8192, 16, 32, 8, 32000),  # LLaMA-3.2-1B's blocks, LLaMA-2's vocabulary
     "tiny": Shape(64, 256, 2, 4, 2, 8192),  # the generator's test
+    "moe": Shape(1024, 1024, 8, 16, 8, 8192),  # with --experts: n_ff is an expert's (bench/moe.py)
 }
 
 
@@ -86,8 +92,9 @@ class Spec:
     layer: int = -1
 
 
-def tensor_specs(shape: Shape) -> list[Spec]:
-    """Every tensor of the model in GGUF's order and naming (HF names come from :func:`hf_name`)."""
+def tensor_specs(shape: Shape, experts: int = 0) -> list[Spec]:
+    """Every tensor of the model in GGUF's order and naming (HF names come from :func:`hf_name`);
+    with ``experts``, each FFN a mixture of them (GGUF only)."""
     d, kv = shape.hidden, shape.n_kv_heads * shape.head_dim
     # The FFN's output std is about std * sqrt(active neurons * E[act^2]); ~10% active, E ~ 1.
     down_std = RESIDUAL_SHARE / math.sqrt(0.1 * shape.n_ff)
@@ -101,6 +108,17 @@ def tensor_specs(shape: Shape) -> list[Spec]:
             Spec(b + "attn_v.weight", (kv, d), "normal", 1 / math.sqrt(d), i),
             Spec(b + "attn_output.weight", (d, d), "normal", RESIDUAL_SHARE / math.sqrt(d), i),
             Spec(b + "ffn_norm.weight", (d,), "ones", layer=i),
+        ]
+        if experts:
+            specs += [
+                Spec(b + "ffn_gate_inp.weight", (experts, d), "embed", layer=i),  # u plus noise: a router
+                Spec(b + "ffn_gate_exps.weight", (experts, shape.n_ff, d), "normal", 1 / math.sqrt(d), i),
+                Spec(b + "ffn_up_exps.weight", (experts, shape.n_ff, d), "normal", 1 / math.sqrt(d), i),
+                Spec(b + "ffn_down_exps.weight", (experts, d, shape.n_ff), "normal", RESIDUAL_SHARE / math.sqrt(
+                    shape.n_ff), i),
+            ]
+            continue
+        specs += [
             Spec(b + "ffn_gate.weight", (shape.n_ff, d), "gate", 1 / math.sqrt(d), i),
             Spec(b + "ffn_up.weight", (shape.n_ff, d), "normal", 1 / math.sqrt(d), i),
             Spec(b + "ffn_down.weight", (d, shape.n_ff), "normal", down_std, i),
@@ -125,7 +143,7 @@ def make_tensor(spec: Spec, shape: Shape, seed: int) -> np.ndarray:
     u = shared_direction(shape.hidden, seed)
     x = rng.standard_normal(spec.shape, dtype=np.float32)
     if spec.kind == "embed":
-        return x + u  # noise and the shared direction, each of rms 1
+        return x + u  # noise and the shared direction, each of rms 1 (a router's rows: its logits mostly u's)
     x *= np.float32(spec.std)
     if spec.kind == "gate":
         b = np.sqrt(2.0) * ndtri(activation_frequencies(spec.shape[0], rng))
@@ -144,10 +162,11 @@ def zlib_crc(name: str) -> int:
 
 
 def stored_dtype(spec: Spec, fmt: str) -> DType:
-    """Q4_0 for the GGUF's matrices (F32 norms); f16 for everything in an HF directory."""
+    """Q4_0 for the GGUF's matrices (F32 norms and routers, as llama-quantize keeps them); f16 for
+    everything in an HF directory."""
     if fmt == "hf":
         return DType.F16
-    return DType.F32 if len(spec.shape) == 1 else DType.Q4_0
+    return DType.F32 if len(spec.shape) == 1 or "gate_inp" in spec.name else DType.Q4_0
 
 
 def nbytes(specs: list[Spec], fmt: str) -> int:
@@ -203,10 +222,10 @@ def write_gguf_tokenizer(writer, vocab: int) -> None:  # noqa: ANN001 - a gguf.G
 
 # ----------------------------------------------------------------------------- writers
 
-def write_gguf(path: Path, shape: Shape, ffn: str, seed: int) -> None:
+def write_gguf(path: Path, shape: Shape, ffn: str, seed: int, experts: int = 0, experts_used: int = 0) -> None:
     import gguf
 
-    specs = tensor_specs(shape)
+    specs = tensor_specs(shape, experts)
     check_room(path.parent, nbytes(specs, "gguf"))
     with atomic_path(path) as tmp:
         w = gguf.GGUFWriter(tmp, "llama")
@@ -222,11 +241,16 @@ def write_gguf(path: Path, shape: Shape, ffn: str, seed: int) -> None:
         w.add_layer_norm_rms_eps(1e-5)
         w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
         w.add_string(ACTIVATION_KEY, "relu" if ffn == "relu" else "silu")
+        if experts:
+            w.add_expert_count(experts)
+            w.add_expert_used_count(experts_used)
         write_gguf_tokenizer(w, shape.vocab)
         for s in specs:
             dtype = stored_dtype(s, "gguf")
             raw = quant.raw_shape(dtype.value, s.shape)
             size = quant.raw_nbytes(dtype.value, s.shape)
+            if len(s.shape) == 3:  # experts: [experts, rows, cols] of the rows' blocks
+                raw = (s.shape[0], *quant.raw_shape(dtype.value, s.shape[1:]))
             if dtype == DType.F32:
                 w.add_tensor_info(s.name, s.shape, np.dtype(np.float32), size)
             else:
@@ -318,12 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ffn", choices=("relu", "swiglu"), default="swiglu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-size", default="1GB", help="hf: the most bytes of weights in one shard")
+    p.add_argument("--experts", type=int, default=0, help="gguf: each FFN a mixture of this many experts")
+    p.add_argument("--experts-used", type=int, default=2, help="gguf: the experts a token runs (default 2)")
     args = p.parse_args(argv)
     shape = SHAPES[args.shape]
+    if args.experts and (args.format != "gguf" or not 0 < args.experts_used <= args.experts):
+        print("error: --experts needs gguf and 1 <= --experts-used <= --experts", file=sys.stderr)
+        return 1
     start = time.perf_counter()
     try:
         if args.format == "gguf":
-            write_gguf(args.out, shape, args.ffn, args.seed)
+            write_gguf(args.out, shape, args.ffn, args.seed, args.experts, args.experts_used)
         else:
             from picc.targets import parse_size
 
@@ -331,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     except PiccError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out} ({nbytes(tensor_specs(shape), args.format) / 1e9:.2f} GB of weights) "
+    print(f"wrote {args.out} ({nbytes(tensor_specs(shape, args.experts), args.format) / 1e9:.2f} GB of weights) "
           f"in {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -122,6 +122,9 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
         say(f"longrope: --ctx {options.ctx} is past the short factors' positions, so every position rotates "
             "with the long factors (as llama.cpp chooses)")
         model = replace(model, module=module)
+    if not ffns and not options.dense:  # nothing to sparsify, nor to weigh against its dense build
+        say("every FFN is a mixture of experts, whose neurons picc does not sparsify: compiling the model as it is")
+        options = replace(options, dense=True, sparse=False)
     # A dense model for the CPU keeps its own down layout (a quantized down would be requantized);
     # neurons that may move to a GPU need it neuron-major.
     cpu_only = target.gpu is None or (options.vram is not None and parse_size(options.vram) == 0)
@@ -129,8 +132,6 @@ def compile_model(model: LoadedModel, options: CompileOptions, instruments: Inst
     s = options.sparsity
     if options.dense:
         say("dense: FFNs stay dense (the baseline)")
-    elif not ffns:
-        say("dense: every FFN is a mixture of experts, whose neurons picc does not sparsify")
     elif _is_sparse(model):
         say(f"{model.source} is already sparse: keeping its profile and predictors")
     else:

@@ -332,6 +332,11 @@ class Interpreter:
         up, down = w(op.up), w(op.down)
         gate = w(op.gate) if op.gate else None
         n_ff, hidden = up.shape[0] // op.n_experts, x.shape[1]
+
+        def rounded(values: np.ndarray, weight: str) -> np.ndarray:  # as the kernel dots weight's rows
+            four_bit = op.x_format != "f32" and self.weights[weight].dtype.value in kernel_names.INT_DOT_DTYPES
+            return quant.round_x_blocks(values, op.x_format) if four_bit else values
+
         out = np.zeros_like(x)
         for s in range(x.shape[0]):
             chosen = np.argsort(-logits[s], kind="stable")[: op.top_k]
@@ -340,8 +345,9 @@ class Interpreter:
                 weights = weights / weights.sum()
             for e, weight in zip(chosen, weights, strict=True):
                 rows = slice(e * n_ff, (e + 1) * n_ff)
-                h, _ = _activations(op.spec, up[rows] @ x[s], gate[rows] @ x[s] if gate is not None else None)
-                out[s] += weight * (down[e * hidden : (e + 1) * hidden] @ h)
+                g = rounded(x[s], op.gate) @ gate[rows].T if op.gate and gate is not None else None
+                h, _ = _activations(op.spec, rounded(x[s], op.up) @ up[rows].T, g)
+                out[s] += weight * (rounded(h, op.down) @ down[e * hidden : (e + 1) * hidden].T)
         return out
 
     def dot_input(self, op: Op, weight: str, x: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
 """The mixture-of-experts kernel (``picc_moe_*``) against a float64 reference of the interpreter's
-arithmetic: every weight format, its ungated forms, 1-3 threads, renormalised or not, ties."""
+arithmetic: every weight format, with float x and (4-bit rows) int16 x, its ungated forms, 1-3
+threads, renormalised or not, ties."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 from cpu_kernels import act64, run, weights
 
+from picc import quant
 from picc.codegen_cpu import build_ir, compile_kernels
 from picc.codegen_cpu.compiler import CpuModule, effective_simd
 from picc.codegen_cpu.kernels_moe import moe, moe_scratch_bytes
@@ -14,8 +16,9 @@ from picc.errors import PiccError
 from picc.ir.ops import FFN_FORMS
 
 E, N, HIDDEN = 8, 64, 96  # experts, an expert's neurons, the hidden size (multiples of 32: block formats)
-CASES = [("swiglu", dt) for dt in ("f32", "f16", "q8_0", "q4_0", "q4_1")] + [("relu", "q4_1"), ("geglu_tanh", "f16")]
-KERNELS = [moe(form, "f32", dt, dt if FFN_FORMS[form].gated else None, dt) for form, dt in CASES]
+CASES = ([("swiglu", dt, "f32") for dt in ("f32", "f16", "q8_0", "q4_0", "q4_1")]
+         + [("swiglu", dt, "i16") for dt in ("q4_0", "q4_1")] + [("relu", "q4_1", "i16"), ("geglu_tanh", "f16", "f32")])
+KERNELS = [moe(form, "f32", dt, dt if FFN_FORMS[form].gated else None, dt, x) for form, dt, x in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -26,30 +29,35 @@ def host():
 class Experts:
     """Random router and experts for ``form`` in ``dtype``, and the float values they decode to."""
 
-    def __init__(self, form: str, dtype: str, seed: int) -> None:
+    def __init__(self, form: str, dtype: str, seed: int, x_format: str = "f32") -> None:
         rng = np.random.default_rng(seed)
-        self.form, self.spec = form, FFN_FORMS[form]
+        self.form, self.spec, self.x_format = form, FFN_FORMS[form], x_format
         self.router = rng.normal(0, HIDDEN**-0.5, size=(E, HIDDEN)).astype(np.float32)  # logits ~N(0, 1): no one wins all
         self.up_raw, self.up = weights(rng, (E * N, HIDDEN), dtype, HIDDEN**-0.5)
         self.gate_raw, self.gate = weights(rng, (E * N, HIDDEN), dtype, HIDDEN**-0.5) if self.spec.gated else (None, None)
         self.down_raw, self.down = weights(rng, (E * HIDDEN, N), dtype, N**-0.5)
-        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, dtype)
+        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, dtype, x_format)
+
+    def rounded(self, v: np.ndarray) -> np.ndarray:
+        """``v`` as the experts' rows are dotted with it: rounded to int16 per block (4-bit rows)."""
+        return quant.round_x_blocks(v.astype(np.float32), self.x_format) if self.x_format != "f32" else v
 
     def reference(self, x: np.ndarray, k: int, norm: bool) -> np.ndarray:
         """The interpreter's mixture in float64: the top k by logit (lower index first among
-        equals), softmax weights, renormalised where ``norm``."""
+        equals), softmax weights, renormalised where ``norm``; x and h rounded as the kernel reads
+        them."""
         logits = self.router.astype(np.float64) @ x
         probs = np.exp(logits - logits.max())
         probs /= probs.sum()
         chosen = np.argsort(-logits, kind="stable")[:k]
         w = probs[chosen] / (probs[chosen].sum() if norm else 1.0)
-        y = np.zeros(HIDDEN)
+        y, xr = np.zeros(HIDDEN), self.rounded(x).astype(np.float64)
         for e, we in zip(chosen, w, strict=True):
             rows = slice(e * N, (e + 1) * N)
-            up = self.up[rows].astype(np.float64) @ x
-            h = act64(self.spec.act, self.gate[rows].astype(np.float64) @ x) * up if self.spec.gated else act64(
+            up = self.up[rows].astype(np.float64) @ xr
+            h = act64(self.spec.act, self.gate[rows].astype(np.float64) @ xr) * up if self.spec.gated else act64(
                 self.spec.act, up)
-            y += we * (self.down[e * HIDDEN : (e + 1) * HIDDEN].astype(np.float64) @ h)
+            y += we * (self.down[e * HIDDEN : (e + 1) * HIDDEN].astype(np.float64) @ self.rounded(h))
         return y
 
     def run(self, module, team, x: np.ndarray, k: int, norm: bool) -> np.ndarray:  # noqa: ANN001
@@ -60,14 +68,14 @@ class Experts:
         return y
 
 
-@pytest.mark.parametrize("form, dtype", CASES)
+@pytest.mark.parametrize("form, dtype, x_format", CASES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_mixture_is_the_interpreters(host, teams, form, dtype, threads):
+def test_the_mixture_is_the_interpreters(host, teams, form, dtype, x_format, threads):
     # The router's top k experts of the token, their softmax weights (renormalised or not), each
     # expert's FFN from its own rows of the stacked matrices. Float32 sums in another order than
     # float64's: 1e-5 of the output's largest element (the formats' rounding is in the reference's
-    # weights: they are the decoded values).
-    experts, rng = Experts(form, dtype, 31), np.random.default_rng(32)
+    # weights: they are the decoded values; int16 x's in its x and h, rounded as the kernel does).
+    experts, rng = Experts(form, dtype, 31, x_format), np.random.default_rng(32)
     outs = []
     for k, norm in ((2, True), (3, False), (E, True), (1, False)):
         x = rng.normal(size=HIDDEN).astype(np.float32)

@@ -101,3 +101,26 @@ def test_an_interrupted_run_leaves_nothing(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(KeyboardInterrupt):
         synth.main([fmt, str(tmp_path / "out"), "--shape", "tiny"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_q4_0_mixture_of_experts_runs_as_the_interpreter_computes_it(tmp_path: Path) -> None:
+    # --experts: a Mixtral-style llama file (F32 routers, [experts, rows, cols] Q4_0 matrices).
+    # Compiled by default, each layer's experts dot their 4-bit rows with x and h rounded to int16
+    # (a _xi16 kernel), which the interpreter rounds alike: the step and the chunk programs
+    # against it, as for every other int16-x kernel (1e-4).
+    from runtime_cases import TOKENS, check_prefill, compiled, rel_err, runtime_logits
+
+    from picc.interpreter import Interpreter
+
+    path = tmp_path / "tiny-moe.gguf"
+    assert synth.main(["gguf", str(path), "--shape", "tiny", "--experts", "4", "--experts-used", "2"]) == 0
+    model = load_gguf(path)
+    assert model.weights["l1.moe.up"].dtype == DType.Q4_0 and model.weights["l1.moe.router"].dtype == DType.F32
+    assert model.weights["l1.moe.up"].shape == (4 * TINY.n_ff, TINY.hidden)
+    pib_path, pib = compiled(model, tmp_path, "moe")
+    moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
+    assert len(moes) == TINY.n_layers and {op.kernel for op in moes} == {"picc_moe_swiglu_f32_q4_0_q4_0_q4_0_xi16"}
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(pib_path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(pib_path, pib, 1e-4)
+    assert synth.main(["hf", str(tmp_path / "hf"), "--shape", "tiny", "--experts", "4"]) == 1  # GGUF only

@@ -16,8 +16,10 @@ ranks first, in four steps and two barriers:
 The experts' matrices are stacked (expert e's rows of up and gate at ``e n``, of down at
 ``e hidden``); a chosen expert's rows are found by offsets computed at run time, so the kernel
 reads the rows of its ``top_k`` experts and the router, nothing else. Rows are dotted with float
-x (:func:`~picc.codegen_cpu.rowops.emit_tiled_rows`), in the source layout. The sums' order is
-the interpreter's up to float rounding (it adds the experts' outputs, then the residual).
+x (:func:`~picc.codegen_cpu.rowops.emit_tiled_rows`), in the source layout, or, with ``x_format``
+``"i16"``, 4-bit rows with x (and each expert's h) rounded to int16 per block, in integers (as
+the ``_xi16`` GEMVs). The sums' order is the interpreter's up to float rounding (it adds the
+experts' outputs, then the residual).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from functools import cache
 
 from picc import kernel_names as names
 from picc.codegen_cpu.ffn_emitter import emit_h, gated_form
+from picc.codegen_cpu.int16x import alloc_int_x, emit_int_x, fill_int_x
 from picc.codegen_cpu.irtext import F32, I32, Fn, chunk_bounds, fconst
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.rowformats import check_dtype, emit_row_bytes
 from picc.codegen_cpu.rowops import alloc_x_sums, emit_tiled_rows, emit_x_sums, fill_x_sums
+from picc.errors import PiccError
 
 MOE_PARAMS = (("x", "ptr"), ("router", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("y", "ptr"),
               ("scratch", "ptr"), ("n_experts", "i32"), ("top_k", "i32"), ("n", "i32"), ("hidden", "i32"),
@@ -42,13 +46,17 @@ def moe_scratch_bytes(n_experts: int, top_k: int, n: int) -> int:
 
 
 @cache
-def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, down_dtype: str) -> Kernel:
+def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
+        x_format: str = "f32") -> Kernel:
     """``y = sum_j w_j down_e_j(h_e_j(x))`` over the router's top ``top_k`` of ``n_experts``
     experts of ``n`` neurons (see module doc); ``norm``: the weights divided by their sum."""
     spec = gated_form(form, gate_dtype)
     for d in (router_dtype, up_dtype, gate_dtype or up_dtype, down_dtype):
         check_dtype(d)
-    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype)
+    if x_format not in ("f32", "i16"):
+        raise PiccError(f"codegen_cpu: a mixture's rows are dotted with f32 or i16 x, not {x_format!r}")
+    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format)
+    rounds = x_format != "f32"
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, MOE_PARAMS)
@@ -64,7 +72,9 @@ def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, dow
         # 2. the top k and their weights, in every thread
         chosen, weights = _top_k(fn, logits, n_exp, k)
         # 3. each chosen expert's h
-        x_sums = emit_x_sums(fn, "%x", hidden, {up_dtype, gate_dtype or up_dtype})
+        experts_x = {up_dtype, gate_dtype or up_dtype}
+        x_int = emit_int_x(fn, "%x", hidden, experts_x) if rounds else None
+        x_sums = None if x_int is not None else emit_x_sums(fn, "%x", hidden, experts_x)
         lo, hi = chunk_bounds(fn, n, tid, nthreads)
         mats = [(up_dtype, "%up"), *([(gate_dtype, "%gate")] if gate_dtype else [])]
         row_bytes = [emit_row_bytes(fn, d, hidden) for d, _ in mats]
@@ -79,14 +89,15 @@ def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, dow
                 a = fn.v(f"call float @picc_act_{spec.act}(float {dots[1]})", "a") if spec.gated else None
                 fn.store(F32, emit_h(fn, spec, a, dots[0]), fn.at(h, 4, r), 4)
 
-            emit_tiled_rows(fn, experts, "%x", hidden, lo, hi, simd, store_h, xsums=x_sums)
+            emit_tiled_rows(fn, experts, "%x", hidden, lo, hi, simd, store_h, xsums=x_sums, intx=x_int)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # 4. y, expert after expert
         lo, hi = chunk_bounds(fn, hidden, tid, nthreads)
         with fn.loop(lo, hi, hint="r") as r:
             fn.store(F32, fconst(0.0), fn.at("%y", 4, r), 4)
         nblocks = fn.v(f"lshr i64 {n}, 5", "nblk")
-        h_sums = alloc_x_sums(fn, nblocks, {down_dtype})
+        h_int = alloc_int_x(fn, nblocks, {down_dtype}) if rounds else None
+        h_sums = None if h_int is not None else alloc_x_sums(fn, nblocks, {down_dtype})
         down_bytes = emit_row_bytes(fn, down_dtype, n)
         with fn.loop("0", k, hint="j") as j:
             e = fn.sext(fn.load(I32, fn.at(chosen, 4, j), 4, "e"), "e")
@@ -94,14 +105,17 @@ def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, dow
             down = fn.gep("%down", fn.v(f"mul i64 {fn.v(f'mul i64 {e}, {hidden}', 'drow0')}, {down_bytes}", "doff"),
                           "down")
             h = fn.at(h_all, 4, fn.v(f"mul i64 {j}, {n}", "hj"), "hrow")
-            if h_sums is not None:
+            if h_int is not None:
+                fill_int_x(fn, h, nblocks, h_int)
+            elif h_sums is not None:
                 fill_x_sums(fn, h, nblocks, h_sums)
 
             def add_row(r: str, dots: list[str], w: str = w) -> None:
                 yp = fn.at("%y", 4, r, "yp")
                 fn.store(F32, fn.fma(F32, w, dots[0], fn.load(F32, yp, 4, "y")), yp, 4)
 
-            emit_tiled_rows(fn, [(down_dtype, down, down_bytes)], h, n, lo, hi, simd, add_row, xsums=h_sums)
+            emit_tiled_rows(fn, [(down_dtype, down, down_bytes)], h, n, lo, hi, simd, add_row, xsums=h_sums,
+                            intx=h_int)
         fn.ret_void()
         return fn.text()
 

@@ -260,7 +260,7 @@ class OpLowering(ABC):
         n, hidden = int(up.shape[0]) // op.n_experts, int(up.shape[1])
         dtype = {w: self.weights[w].dtype.value for w in (op.router, op.up, op.down)}
         gate = self.weights[op.gate].dtype.value if op.gate else None
-        kernel = kernels_moe.moe(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down])
+        kernel = kernels_moe.moe(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format)
         scratch = self.bufs.need_scratch(kernels_moe.moe_scratch_bytes(op.n_experts, op.top_k, n))
         self.call(op, kernel, self.value(op.x), self.weight(op.router), self.weight(op.up), self.weight(op.gate),
                   self.weight(op.down), self.activation(op.result), scratch, op.n_experts, op.top_k, n, hidden,

@@ -557,6 +557,9 @@ class MoE(Op):
     among equals), with weights ``p_e``, divided by their sum where ``norm_topk``; the output is
     ``sum_e w_e down_e(h_e)`` with ``h_e`` as an ``ffn`` of ``form`` computes it from x. Not an
     ``ffn``: its neurons are not profiled, predicted or split; its weights stay on the CPU.
+
+    ``x_format`` (``select-kernels``): ``"i16"`` where the experts' 4-bit rows are dotted with x
+    (and h) rounded to int16 per block, as a ``MatrixOp``'s; the interpreter rounds alike.
     """
 
     NAME: ClassVar[str] = "moe"
@@ -569,6 +572,7 @@ class MoE(Op):
     top_k: int
     form: str
     norm_topk: bool = False
+    x_format: str = "f32"
 
     @property
     def spec(self) -> FfnForm:
@@ -577,6 +581,7 @@ class MoE(Op):
     def infer(self, env: TypeEnv) -> TensorType:
         t = _activation_input(env, self.x)
         hidden = t.shape[1]
+        expect(self.x_format in ("f32", "i16"), f"x_format must be f32 or i16, got {self.x_format!r}")
         expect(self.form in FFN_FORMS, f"form must be one of {tuple(FFN_FORMS)}, got {self.form!r}")
         expect(self.n_experts > 0 and 0 < self.top_k <= self.n_experts,
                f"top_k must be in 1..n_experts, got top_k={self.top_k}, n_experts={self.n_experts}")

@@ -83,9 +83,12 @@ def _choose(op: Op, t: Types, rounded: str | None, byte_x: str | None, shared: f
     integer format x is rounded to where its kernel reads the rows8 layout, None for float x;
     ``byte_x``: the same for q8_0 rows; ``shared``: weights more than one op reads, ``tied``: the
     same but for embeddings on the CPU (which can read a q8_0 table in the rows8 layout)."""
+    four_bit = names.INT_DOT_DTYPES
+    if isinstance(op, O.MoE):  # the experts' rows one at a time: int16 x where any is 4-bit
+        experts = {t.fmt(w) for w in (op.up, op.gate, op.down) if w}
+        return replace(op, x_format="i16") if rounded is not None and four_bit & experts else op
     if not isinstance(op, O.MatrixOp) or op.type.placement == Placement.GPU:
         return op
-    four_bit = names.INT_DOT_DTYPES
     match op:
         case O.Linear() if t.fmt(op.weight) in names.BYTE_ROWS8_DTYPES:
             # q8_0 rows (an LM head) dot int8 x from the rows8 layout, or float x in rows.
