@@ -153,6 +153,8 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
     assert [op.kernel for op in moes] == ["picc_moe_swiglu_f32_f32_f32_f32"] * (1 if family == "qwen3_moe" else 2)
     assert any("every FFN is a mixture of experts" in line for line in said) == (family != "qwen3_moe")
+    layers = 1 if family == "qwen3_moe" else 2  # picc inspect's note, as the table shows FFNs only
+    assert f"{layers} layer{'s' * (layers > 1)} a mixture of experts (2 of 8 a token)" in " ".join(result.report["notes"])
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)

@@ -104,6 +104,16 @@ def _transfers(func: Function, types: dict[str, TensorType], where: dict[str, Pl
     return transfers, transfer_s
 
 
+def _moe_notes(func: Function) -> list[str]:
+    """A line on the mixtures of experts, which the table of FFN layers does not show."""
+    moes = [op for op in func.ops if isinstance(op, O.MoE)]
+    if not moes:
+        return []
+    kinds = sorted({(op.top_k, op.n_experts) for op in moes})
+    return [f"{len(moes)} layer{'s' if len(moes) > 1 else ''} a mixture of experts "
+            f"({', '.join(f'{k} of {n}' for k, n in kinds)} a token), on the CPU: dense, not in the table"]
+
+
 def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.MemoryPlan) -> dict:
     """The placement report (see the module docstring); ``picc inspect --json`` prints it."""
     func = module.function()
@@ -162,7 +172,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
     return {
         "target": target.name, "vram_budget_bytes": plan.budget, "gpu_bytes": plan.gpu_bytes,
         "cpu_bytes": plan.cpu_bytes, "gpu_bytes_by_kind": gpu_kinds, "ctx": plan.ctx,
-        "notes": list(plan.notes), "layers": rows,
+        "notes": list(plan.notes) + _moe_notes(func), "layers": rows,
         "estimate_tokens_per_s": 1.0 / total if total > 0 else 0.0,
         "estimate_ms_per_token": {
             "total": 1e3 * total, "dense_gpu": 1e3 * dense["gpu"], "dense_cpu": 1e3 * dense["cpu"],
