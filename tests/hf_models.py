@@ -58,8 +58,8 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "olmoe", "phi3", "smollm3", "granite", "olmo2",
-            "gemma2", "gemma3_text", "gemma3", "opt", "falcon")
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "olmoe", "phi3", "smollm3", "granite",
+            "granitemoe", "olmo2", "gemma2", "gemma3_text", "gemma3", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -109,6 +109,11 @@ _BASE: dict[str, dict[str, Any]] = {
     "granite": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_parameters=_ROPE,
                     embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 16,
                     logits_scaling=2.0),
+    # Granite-MoE (Granite 3.0 1B-A400M's layout): Granite's multipliers, eight experts of 32
+    # neurons in 3-D input_linear / output_linear, two a token
+    "granitemoe": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=_ROPE,
+                       intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=12.0,
+                       residual_multiplier=0.22, attention_multiplier=1 / 16, logits_scaling=2.0),
     # OLMo 2: the attention's and the MLP's outputs normalised (not their inputs), q and k each
     # normalised over the whole projection before the rope
     "olmo2": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=_ROPE,
@@ -270,6 +275,11 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "unscaled": dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
                          logits_scaling=1.0),
     },
+    "granitemoe": {
+        "base": {},
+        "unscaled": dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
+                         logits_scaling=1.0),
+    },
     "olmo2": {
         "base": {},
         "biases": dict(attention_bias=True),
@@ -401,6 +411,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm3": {},
     "phi3": {},
     "granite": {},
+    "granitemoe": {},
     "mixtral": {},
     "qwen3_moe": {},
     "olmoe": {},
@@ -441,6 +452,7 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("smollm3", "base", "all-rope"),
     ("gemma2", "base", "no-softcap"),
     ("granite", "base", "unscaled"),
+    ("granitemoe", "base", "unscaled"),
     ("mixtral", "base", "sliding-window"),
     ("mixtral", "base", "three-of-eight"),
     ("qwen3_moe", "base", "unnormalised"),
@@ -502,6 +514,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+        "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),

@@ -66,7 +66,7 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         meta["expert_used_count"] = (w.add_expert_used_count, cfg["num_experts_per_tok"])
         if arch == "qwen3moe":
             meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])
-    if arch == "granite":  # convert_hf_to_gguf.py's GraniteModel
+    if arch in ("granite", "granitemoe"):  # convert_hf_to_gguf.py's GraniteModel (and GraniteMoeModel)
         meta["embedding_scale"] = (w.add_embedding_scale, cfg["embedding_multiplier"])
         meta["residual_scale"] = (w.add_residual_scale, cfg["residual_multiplier"])
         meta["attention_scale"] = (w.add_attention_scale, cfg["attention_multiplier"])
@@ -88,7 +88,7 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         meta["attn_factor"] = (w.add_rope_scaling_attn_factors, math.sqrt(1 + math.log(scale) / math.log(original)))
         extra = {"rope_factors_long.weight": (np.array(rope["long_factor"]), Q.F32),
                  "rope_factors_short.weight": (np.array(rope["short_factor"]), Q.F32), **(extra or {})}
-    permute = llama_cpp_permute if arch in ("llama", "granite") else lambda x, heads: x
+    permute = llama_cpp_permute if arch in ("llama", "granite", "granitemoe") else lambda x, heads: x
     for key, (add, value) in meta.items():
         if key not in drop_keys:
             add(value)
@@ -143,6 +143,13 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         for moe in ("mlp.", "block_sparse_moe."):
             if p + moe + "gate.weight" in sd:
                 tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + moe + "gate.weight"])
+        if p + "block_sparse_moe.input_linear.weight" in sd:  # GraniteMoeModel splits each expert's gate, up
+            both = sd[p + "block_sparse_moe.input_linear.weight"]
+            half = both.shape[1] // 2
+            tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + "block_sparse_moe.router.layer.weight"])
+            tensor(f"blk.{i}.ffn_gate_exps.weight", both[:, :half], quant_type)
+            tensor(f"blk.{i}.ffn_up_exps.weight", both[:, half:], quant_type)
+            tensor(f"blk.{i}.ffn_down_exps.weight", sd[p + "block_sparse_moe.output_linear.weight"], quant_type)
     tensor("output_norm.weight", sd["model.norm.weight"])
     if not tie:
         tensor("output.weight", sd["lm_head.weight"], quant_type)
@@ -191,7 +198,10 @@ def round_trip_hf_weights(hf_dir, out_dir, qt):
     sd = load_file(str(hf_dir / "model.safetensors"))
     name = qt.name.lower()
     for key, w in sd.items():
-        if w.ndim == 2 and not key.endswith(("mlp.gate.weight", "moe.gate.weight")):  # a router stays f32, as in llama.cpp
+        if w.ndim == 3:  # Granite-MoE's experts, each matrix's rows
+            sd[key] = quant.dequantize(quant.quantize(w.reshape(-1, w.shape[-1]), name), name,
+                                       (w.shape[0] * w.shape[1], w.shape[2])).reshape(w.shape)
+        if w.ndim == 2 and not key.endswith(("mlp.gate.weight", "moe.gate.weight", "router.layer.weight")):  # routers: f32
             sd[key] = quant.dequantize(quant.quantize(w, name), name, w.shape)
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
@@ -226,6 +236,7 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     ("olmo2", "norm-eps", Q.F32, ()), ("olmo2", "base", Q.Q4_1, ()),
     ("qwen3_moe", "base", Q.F32, ()), ("qwen3_moe", "three-of-eight", Q.Q4_1, ()),
     ("mixtral", "base", Q.F32, ()), ("mixtral", "three-of-eight", Q.Q4_0, ()),
+    ("granitemoe", "base", Q.F32, ()), ("granitemoe", "base", Q.Q4_1, ()),
     ("gemma3_text", "six-layers", Q.F32, ()), ("gemma3_text", "six-layers", Q.Q4_1, ())])
 def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, qt, drop, tmp_path):
     # Rows as transformers has them (no permutation) and the half-split rope; Qwen2's q, k, v
@@ -242,16 +253,16 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
     hf_dir = tmp_path / family
     make_model(family, variant, hf_dir)
     arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(family, family)
-    tie = family in ("gemma2", "gemma3_text", "granite")  # no output.weight: the head is the embedding
+    tie = family in ("gemma2", "gemma3_text", "granite", "granitemoe")  # no output.weight: the head is the embedding
     model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, quant_type=qt, drop_keys=drop, tie=tie))
     if variant.startswith("longrope"):
         assert model.module.attr("max_position") == 256 and "longrope: a --ctx up to 128" in model.notes[-1]
         assert all(len(op.long_factors) == len(op.freq_factors) for op in model.module.ops() if op.NAME == "rope")
     verify(model.module)
     assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {
-        "gptj" if family in ("granite", "mixtral") else "llama"}
+        "gptj" if family in ("granite", "granitemoe", "mixtral") else "llama"}
     grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer (OLMo 2's: not by heads)
-    if family in ("qwen3_moe", "mixtral"):  # (Qwen3-MoE's head_dim is 16)
+    if family in ("qwen3_moe", "mixtral", "granitemoe"):  # (Qwen3-MoE's head_dim is 16)
         grouped, moes = 0, [op for op in model.module.ops() if op.NAME == "moe"]
         assert [(op.n_experts, op.top_k, op.norm_topk) for op in moes] == [(8, 3 if "three" in variant else 2, True)] * 2
     assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == grouped
@@ -468,8 +479,8 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"),
-     "GGUF architecture 'gpt2' is not supported (supported: llama, granite, qwen2, qwen3, qwen3moe, phi3, olmo2, "
-     "gemma2, gemma3)"),
+     "GGUF architecture 'gpt2' is not supported (supported: llama, granite, granitemoe, qwen2, qwen3, qwen3moe, "
+     "phi3, olmo2, gemma2, gemma3)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),

@@ -129,12 +129,13 @@ def test_olmo2s_granites_and_gemma2s_layers_compile_as_they_compute(family, tmp_
     check_prefill(path, pib, 1e-4)
 
 
-@pytest.mark.parametrize("family, variant", [("qwen3_moe", "dense-layer"), ("olmoe", "base"), ("mixtral", "base")])
+@pytest.mark.parametrize("family, variant", [("qwen3_moe", "dense-layer"), ("olmoe", "base"), ("mixtral", "base"),
+                                             ("granitemoe", "base")])
 def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     # Each token through its router's top experts (a picc_moe kernel a token): the step, the
     # chunk programs (a call per token) and the server's batch step (a call per row, each the
     # step's bits) against the interpreter. Qwen3-MoE's layer 0 keeps a dense MLP; OLMoE's
-    # weights are not renormalised, Mixtral's are. Compiled by default (no --dense): the dense MLP may go sparse,
+    # weights are not renormalised, Mixtral's and Granite-MoE's are (with Granite's multipliers). Compiled by default (no --dense): the dense MLP may go sparse,
     # the experts stay as they are; all-expert OLMoE says so.
     from hf_models import make_model
 

@@ -40,9 +40,11 @@ from picc.ir.weights import Tensor, WeightStore
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
-SUPPORTED_ARCHS = ("llama", "granite", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "gemma2", "gemma3")
-_ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "qwen2": "llama", "qwen3": "llama", "qwen3moe": "llama",
-                "phi3": "llama", "olmo2": "llama", "gemma2": "llama", "gemma3": "llama"}  # see above
+SUPPORTED_ARCHS = ("llama", "granite", "granitemoe", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "gemma2",
+                   "gemma3")
+# see above: llama.cpp's converter permutes the q and k rows of llama (and Granite) files, keeps the others'
+_ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "granitemoe": "gptj", "qwen2": "llama", "qwen3": "llama",
+                "qwen3moe": "llama", "phi3": "llama", "olmo2": "llama", "gemma2": "llama", "gemma3": "llama"}
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0}
 
@@ -285,7 +287,7 @@ def load_gguf(path: Path) -> LoadedModel:
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         moe=_moe(meta, key, arch, n_ff, path),
     )
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         spec, store = _granite(spec, store, meta, key, path)
     elif arch == "olmo2":  # the attention's and the MLP's outputs normalised; q's and k's norms over all heads
         spec = replace(spec, qk_norm=True, qk_norm_whole=True, pre_norm=False, sandwich=True)
@@ -306,15 +308,15 @@ def load_gguf(path: Path) -> LoadedModel:
 
 
 def _moe(meta: _Meta, key: Callable[[str], str], arch: str, n_ff: int, path: Path) -> MoeSpec | None:
-    """A file's experts, where it has ``expert_count`` (a ``qwen3moe`` file always; a ``llama``
-    one for Mixtral): ``expert_used_count`` of them a token, their softmax weights renormalised
-    (llama.cpp's ``build_moe_ffn(.., norm_w = true)`` for both), of ``expert_feed_forward_length``
-    neurons (qwen3moe; llama.cpp's default ``feed_forward_length / expert_used_count``) or
-    ``feed_forward_length`` (llama)."""
+    """A file's experts, where it has ``expert_count`` (``qwen3moe`` and ``granitemoe`` files
+    always; a ``llama`` one for Mixtral): ``expert_used_count`` of them a token, their softmax
+    weights renormalised (llama.cpp's ``build_moe_ffn(.., norm_w = true)`` for all three), of
+    ``expert_feed_forward_length`` neurons (qwen3moe; llama.cpp's default ``feed_forward_length /
+    expert_used_count``) or ``feed_forward_length`` (llama, granitemoe)."""
     n_experts, top_k = (_opt_int(meta.get(key(k))) or 0 for k in ("expert_count", "expert_used_count"))
-    if arch != "qwen3moe" and n_experts == 0:
+    if arch not in ("qwen3moe", "granitemoe") and n_experts == 0:
         return None
-    if arch not in ("qwen3moe", "llama"):
+    if arch not in ("qwen3moe", "granitemoe", "llama"):
         raise PiccError(f"{path}: {arch} files with experts ({key('expert_count')} {n_experts}) are not supported")
     if not 0 < top_k <= n_experts:
         raise PiccError(f"{path}: {key('expert_used_count')} {top_k} and {key('expert_count')} {n_experts}: "
@@ -325,7 +327,7 @@ def _moe(meta: _Meta, key: Callable[[str], str], arch: str, n_ff: int, path: Pat
 
 def _granite(spec: LlamaSpec, store: WeightStore, meta: _Meta, key: Callable[[str], str],
              path: Path) -> tuple[LlamaSpec, WeightStore]:
-    """A ``granite`` file's model: Llama's layer with ``embedding_scale``, ``residual_scale``,
+    """A ``granite`` (or ``granitemoe``) file's model: Llama's layer with ``embedding_scale``, ``residual_scale``,
     ``attention.scale`` and ``logit_scale`` (llama.cpp's names for GraniteConfig's multipliers;
     1, 1, head_dim's and 1 where a file names none or 0, as llama.cpp reads them) as the HF frontend maps them
     (``picc.frontend.hf._granite``: the embedding scaled by ``embedding / residual``, every

@@ -44,6 +44,7 @@ ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -166,6 +167,7 @@ LLAMA_FAMILIES = {
     "phi3": LlamaFamily(None, 4096, (1, 32000), eps=1e-5, partial_rope=True, fused=True),
     "smollm3": LlamaFamily(4, 32768, (128000, 128001), tied=True, attn_bias=True, mlp_bias=True),
     "granite": LlamaFamily(None, 2048, (1, 2), attn_bias=True, mlp_bias=True),
+    "granitemoe": LlamaFamily(None, 2048, (1, 2), attn_bias=True, moe=True),
     "olmo2": LlamaFamily(None, 2048, (None, 50279), eps=1e-5, attn_bias=True, qk_norm=True, qk_norm_whole=True,
                          olmo=True),
     "gemma2": LlamaFamily(4, 8192, (2, 1), tied=True, head_dim=256, attn_bias=True, gemma=True),
@@ -338,7 +340,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     )
 
     logits_scaling = 1.0
-    if family == "granite":
+    if family in ("granite", "granitemoe"):
         spec, logits_scaling = _granite(cfg, spec)
 
     ckpt = Checkpoint(directory)
@@ -370,9 +372,20 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
 
     def experts(n: dict[str, str], mlp: str) -> None:
         """A layer's router (``gate``) and its experts' matrices, each stacked into one (Mixtral's
-        w1, w3 and w2 are the gate, up and down projections)."""
+        w1, w3 and w2 are the gate, up and down projections; Granite-MoE's are 3-D already)."""
         assert spec.moe is not None
-        e_ff = spec.moe.n_ff
+        e_ff, count = spec.moe.n_ff, spec.moe.n_experts
+        if family == "granitemoe":  # input_linear: each expert's gate rows, then its up rows
+            add(n["router"], mlp + "router.layer.weight", (count, hidden))
+            both = ckpt.tensor(f"{p}{mlp}input_linear.weight", (count, 2 * e_ff, hidden))
+            rows = Tensor(both.dtype, (count * 2 * e_ff, hidden), np.asarray(both.data).reshape(count * 2 * e_ff, -1))
+            first = np.arange(count)[:, None] * 2 * e_ff + np.arange(e_ff)[None, :]
+            store.add(n["experts_gate"], rows.take_rows(first.reshape(-1)))
+            store.add(n["experts_up"], rows.take_rows((first + e_ff).reshape(-1)))
+            down = ckpt.tensor(f"{p}{mlp}output_linear.weight", (count, hidden, e_ff))
+            store.add(n["experts_down"], Tensor(down.dtype, (count * hidden, e_ff),
+                                                np.asarray(down.data).reshape(count * hidden, -1)))
+            return
         add(n["router"], mlp + "gate.weight", (spec.moe.n_experts, hidden))
         gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         matrices = (("experts_gate", gate, (e_ff, hidden)), ("experts_up", up, (e_ff, hidden)),
@@ -410,7 +423,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         else:
             add(n["ffn_norm"], hf + "post_attention_layernorm.weight", (hidden,))
         if spec.moe is not None and (not spec.moe.layers or spec.moe.layers[i]):
-            experts(n, hf + ("block_sparse_moe." if family == "mixtral" else "mlp."))
+            experts(n, hf + ("block_sparse_moe." if family in ("mixtral", "granitemoe") else "mlp."))
             continue
         mlp = (("gate", "gate_proj", (n_ff, hidden)), ("up", "up_proj", (n_ff, hidden)),
                ("down", "down_proj", (hidden, n_ff)))
@@ -429,15 +442,16 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
 
 
 def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
-    """The experts of a Qwen3-MoE, OLMoE or Mixtral config: ``num_experts`` FFNs of
+    """The experts of a Qwen3-MoE, OLMoE, Mixtral or Granite-MoE config: ``num_experts`` FFNs of
     ``moe_intermediate_size`` (Qwen3-MoE; the others' are ``intermediate_size``),
     ``num_experts_per_tok`` of them a token, their weights renormalised where ``norm_topk_prob``
-    (always, in Mixtral); Qwen3-MoE's layers in ``mlp_only_layers``, or not at a multiple of
-    ``decoder_sparse_step``, keep a dense MLP."""
+    (always in Mixtral; Granite-MoE takes the softmax of the k logits, the same weights);
+    Qwen3-MoE's layers in ``mlp_only_layers``, or not at a multiple of ``decoder_sparse_step``,
+    keep a dense MLP."""
     qwen = family == "qwen3_moe"
     key = "num_local_experts" if "num_local_experts" in cfg.raw else "num_experts"  # transformers saves either
-    n_experts = cfg.integer(key, {"qwen3_moe": 128, "olmoe": 64, "mixtral": 8}[family])
-    top_k = cfg.integer("num_experts_per_tok", 2 if family == "mixtral" else 8)
+    n_experts = cfg.integer(key, {"qwen3_moe": 128, "olmoe": 64, "mixtral": 8, "granitemoe": 8}[family])
+    top_k = cfg.integer("num_experts_per_tok", 2 if family in ("mixtral", "granitemoe") else 8)
     if top_k > n_experts:
         raise PiccError(f"{cfg.path}: num_experts_per_tok {top_k} is more than num_experts {n_experts}")
     layers: tuple[bool, ...] = ()
@@ -450,7 +464,7 @@ def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
     if cfg.raw.get("clip_qkv") is not None:
         raise PiccError(f"{cfg.path}: clip_qkv {json.dumps(cfg.raw['clip_qkv'])} is not supported")
     width = cfg.integer("moe_intermediate_size" if qwen else "intermediate_size", 768)
-    norm = family == "mixtral" or cfg.flag("norm_topk_prob", False)
+    norm = family in ("mixtral", "granitemoe") or cfg.flag("norm_topk_prob", False)  # granitemoe: softmax of the k
     return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=norm,
                    layers=layers if not all(layers) else ())
 
