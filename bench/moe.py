@@ -7,7 +7,8 @@ The file is ``bench/synthetic_model.py``'s ``moe`` shape (hidden 1024, 8 layers,
 Mixtral-style ``llama`` file), written once into ``build/bench``. picc compiles it for this host
 (``picc compile --target cpu``, its default choices); llama.cpp runs it through llama-cpp-python.
 Each round runs both, one after the other (the order alternating), a 64-token prompt then 128
-greedy tokens; the table gives the medians over the rounds and their ratio, how far apart the
+greedy tokens; the table gives the prompt's and the decode's medians over the rounds and their
+ratios, how far apart the
 two engines' logits after the prompt are, and how many of the greedy tokens they produce alike
 (random weights give flat logits, whose largest two are close: the tokens part where the two
 engines' roundings do, llama.cpp's x in 8 bits, picc's in 16).
@@ -52,14 +53,16 @@ def main() -> None:
     engines: list[Engine] = [llama, picc]
     prompt = [int(t) for t in picc.session.text.encode(" ".join(["the market closed higher on friday"] * 16))[:64]]
     decode: dict[str, list[float]] = {e.name: [] for e in engines}
+    prompts: dict[str, list[float]] = {e.name: [] for e in engines}
     tokens: dict[str, list[int]] = {}
     for e in engines:
         e.run(prompt, 8)  # untimed: page in the weights, start the threads
     for r in range(args.rounds):
         for e in engines[r % 2:] + engines[: r % 2]:
             time.sleep(0.5)
-            _, seconds, out = e.run(prompt, args.n)
+            prompt_s, seconds, out = e.run(prompt, args.n)
             decode[e.name].append((args.n - 1) / seconds)
+            prompts[e.name].append(len(prompt) / prompt_s)
             tokens[e.name] = out
     same = next((i for i, (a, b) in enumerate(zip(*tokens.values(), strict=True)) if a != b), args.n)
     llama.llm.reset()
@@ -71,13 +74,13 @@ def main() -> None:
     size = path.stat().st_size / 1e6
     print(f"\n{machine()}\n{path.name}: {size:.0f} MB, {args.experts} experts a layer, {args.experts_used} a token; "
           f"picc's build: {picc.modes or 'dense'}\n")
-    print(f"| engine | decode tok/s (median of {args.rounds}) | vs llama.cpp | per round: median (range) |")
-    print("|---|---|---|---|")
-    base = statistics.median(decode["llama.cpp"])
+    print("| engine | prompt tok/s | vs llama.cpp | decode tok/s | vs llama.cpp | decode per round: median (range) |")
+    print("|---|---|---|---|---|---|")
     for e in engines:
-        rate = statistics.median(decode[e.name])
+        rate, pre = statistics.median(decode[e.name]), statistics.median(prompts[e.name])
         ratios = [a / b for a, b in zip(decode[e.name], decode["llama.cpp"], strict=True)]
-        print(f"| {e.name} | {rate:.1f} | {rate / base:.2f}x | {statistics.median(ratios):.2f}x "
+        print(f"| {e.name} | {pre:.0f} | {pre / statistics.median(prompts['llama.cpp']):.2f}x | {rate:.1f} | "
+              f"{rate / statistics.median(decode['llama.cpp']):.2f}x | {statistics.median(ratios):.2f}x "
               f"({min(ratios):.2f}-{max(ratios):.2f}) |")
     print(f"\nlogits after the prompt: largest difference {apart:.1e} of the largest logit; "
           f"greedy tokens alike: the first {same} of {args.n}")

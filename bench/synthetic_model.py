@@ -22,8 +22,10 @@ every token, most for one in fifty (about 10% of a layer active on average, ReLU
 ``picc.ffn_activation``, which picc's GGUF frontend reads), ``swiglu`` ``silu(gate) * up``.
 ``--experts E --experts-used K`` (GGUF): each FFN a mixture of E experts of ``n_ff`` neurons, K a
 token, as a Mixtral file has them (``ffn_gate_inp``, ``ffn_gate_exps`` [E, n_ff, hidden], ...):
-the router's rows are ``u`` plus noise, so each token's choice depends on its noise, and the
-experts' gate rows carry no bias (their neurons are not profiled).
+the router's rows are noise of variance ``1/d``, so its logits are about ``N(0, 1)`` and each
+token's choice follows the noise of its own embedding (a router that saw ``u`` in every token
+would give every token the same experts, with all the weight on the first); the experts' gate
+rows carry no bias (their neurons are not profiled).
 
 Tensors are made and written one at a time, into a temp file (or folder) renamed into place when
 complete: memory stays at a few hundred MB whatever the shape, and an interrupted run leaves
@@ -111,7 +113,7 @@ def tensor_specs(shape: Shape, experts: int = 0) -> list[Spec]:
         ]
         if experts:
             specs += [
-                Spec(b + "ffn_gate_inp.weight", (experts, d), "embed", layer=i),  # u plus noise: a router
+                Spec(b + "ffn_gate_inp.weight", (experts, d), "normal", 1 / math.sqrt(d), i),
                 Spec(b + "ffn_gate_exps.weight", (experts, shape.n_ff, d), "normal", 1 / math.sqrt(d), i),
                 Spec(b + "ffn_up_exps.weight", (experts, shape.n_ff, d), "normal", 1 / math.sqrt(d), i),
                 Spec(b + "ffn_down_exps.weight", (experts, d, shape.n_ff), "normal", RESIDUAL_SHARE / math.sqrt(
@@ -143,7 +145,7 @@ def make_tensor(spec: Spec, shape: Shape, seed: int) -> np.ndarray:
     u = shared_direction(shape.hidden, seed)
     x = rng.standard_normal(spec.shape, dtype=np.float32)
     if spec.kind == "embed":
-        return x + u  # noise and the shared direction, each of rms 1 (a router's rows: its logits mostly u's)
+        return x + u  # noise and the shared direction, each of rms 1
     x *= np.float32(spec.std)
     if spec.kind == "gate":
         b = np.sqrt(2.0) * ndtri(activation_frequencies(spec.shape[0], rng))

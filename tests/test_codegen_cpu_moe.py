@@ -11,14 +11,15 @@ from cpu_kernels import act64, run, weights
 from picc import quant
 from picc.codegen_cpu import build_ir, compile_kernels
 from picc.codegen_cpu.compiler import CpuModule, effective_simd
-from picc.codegen_cpu.kernels_moe import moe, moe_scratch_bytes
+from picc.codegen_cpu.kernels_moe import moe, moe_chunk, moe_chunk_scratch_bytes, moe_scratch_bytes
 from picc.errors import PiccError
 from picc.ir.ops import FFN_FORMS
 
 E, N, HIDDEN = 8, 64, 96  # experts, an expert's neurons, the hidden size (multiples of 32: block formats)
 CASES = ([("swiglu", dt, "f32") for dt in ("f32", "f16", "q8_0", "q4_0", "q4_1")]
          + [("swiglu", dt, "i16") for dt in ("q4_0", "q4_1")] + [("relu", "q4_1", "i16"), ("geglu_tanh", "f16", "f32")])
-KERNELS = [moe(form, "f32", dt, dt if FFN_FORMS[form].gated else None, dt, x) for form, dt, x in CASES]
+KERNELS = [make(form, "f32", dt, dt if FFN_FORMS[form].gated else None, dt, x)
+           for form, dt, x in CASES for make in (moe, moe_chunk)]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,26 @@ def test_the_mixture_is_the_interpreters(host, teams, form, dtype, x_format, thr
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (k, norm)
         outs.append(y)
     assert np.abs(outs[0] - experts.run(host, teams[threads], x, 2, True)).max() > 0  # the choice follows x
+
+
+@pytest.mark.parametrize("form, dtype, x_format", [CASES[1], CASES[5], CASES[7]])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_chunk_of_tokens_gets_each_tokens_bits(host, teams, form, dtype, x_format, threads):
+    # The prefill's kernel takes the experts in turn for all the chunk's tokens (their rows read
+    # once): each token's output is the one-token kernel's, bit for bit, its rows strided as the
+    # chunk's buffers are, and nothing past a row's hidden floats is written.
+    experts, rng = Experts(form, dtype, 35, x_format), np.random.default_rng(36)
+    chunk = moe_chunk(form, "f32", dtype, dtype if experts.spec.gated else None, dtype, x_format)
+    for seq, k, norm in ((5, 2, True), (1, 3, False), (7, E, True)):
+        x = np.zeros((seq, HIDDEN + 32), np.float32)  # rows 32 floats longer than a token's x
+        x[:, :HIDDEN] = rng.normal(size=(seq, HIDDEN))
+        want = np.stack([experts.run(host, teams[threads], np.ascontiguousarray(row[:HIDDEN]), k, norm) for row in x])
+        y = np.full((seq, HIDDEN + 16), np.nan, np.float32)
+        scratch = np.zeros(moe_chunk_scratch_bytes(E, k, N, HIDDEN, seq) // 4, np.float32)
+        run(host, teams[threads], chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
+            scratch, E, k, N, HIDDEN, int(norm), seq, x.strides[0], y.strides[0])
+        assert np.array_equal(y[:, :HIDDEN].view(np.uint32), want.view(np.uint32)), (seq, k)
+        assert np.isnan(y[:, HIDDEN:]).all()
 
 
 def test_equal_logits_choose_the_lower_expert(host, teams):

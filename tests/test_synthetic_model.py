@@ -107,10 +107,14 @@ def test_a_q4_0_mixture_of_experts_runs_as_the_interpreter_computes_it(tmp_path:
     # --experts: a Mixtral-style llama file (F32 routers, [experts, rows, cols] Q4_0 matrices).
     # Compiled by default, each layer's experts dot their 4-bit rows with x and h rounded to int16
     # (a _xi16 kernel), which the interpreter rounds alike: the step and the chunk programs
-    # against it, as for every other int16-x kernel (1e-4).
-    from runtime_cases import TOKENS, check_prefill, compiled, rel_err, runtime_logits
+    # against it, as for every other int16-x kernel (1e-4). The chunk programs take a prompt's
+    # tokens through the experts together (an expert's rows read once), each token's logits the
+    # step's bits, so a server may take their KV rows for a reply's.
+    from runtime_cases import LONG, TOKENS, check_prefill, compiled, rel_err, runtime_logits
 
     from picc.interpreter import Interpreter
+    from runtime.pib import PibFile
+    from runtime.session import Session
 
     path = tmp_path / "tiny-moe.gguf"
     assert synth.main(["gguf", str(path), "--shape", "tiny", "--experts", "4", "--experts-used", "2"]) == 0
@@ -123,4 +127,12 @@ def test_a_q4_0_mixture_of_experts_runs_as_the_interpreter_computes_it(tmp_path:
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(pib_path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(pib_path, pib, 1e-4)
+    with PibFile(pib_path) as f:
+        assert "call void @picc_moe_swiglu_f32_q4_0_q4_0_q4_0_xi16_chunk(" in f.text("cpu/ir")
+    with Session(pib_path, 2) as s:
+        assert s.executor.cpu.step_bits
+        chunked = s.feed(list(LONG), all_logits=True)
+    with Session(pib_path, 2) as s:
+        stepped = np.concatenate([s.feed([t], all_logits=True) for t in LONG])
+    np.testing.assert_array_equal(chunked.view(np.uint32), stepped.view(np.uint32))
     assert synth.main(["hf", str(tmp_path / "hf"), "--shape", "tiny", "--experts", "4"]) == 1  # GGUF only

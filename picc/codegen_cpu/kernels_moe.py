@@ -24,25 +24,64 @@ experts' outputs, then the residual).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 from picc import kernel_names as names
 from picc.codegen_cpu.ffn_emitter import emit_h, gated_form
-from picc.codegen_cpu.int16x import alloc_int_x, emit_int_x, fill_int_x
+from picc.codegen_cpu.int16x import alloc_int_x, fill_int_x
 from picc.codegen_cpu.irtext import F32, I32, Fn, chunk_bounds, fconst
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.rowformats import check_dtype, emit_row_bytes
-from picc.codegen_cpu.rowops import alloc_x_sums, emit_tiled_rows, emit_x_sums, fill_x_sums
+from picc.codegen_cpu.rowops import alloc_x_sums, emit_tiled_rows, fill_x_sums
 from picc.errors import PiccError
+from picc.ir.ops import FfnForm
 
 MOE_PARAMS = (("x", "ptr"), ("router", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("y", "ptr"),
               ("scratch", "ptr"), ("n_experts", "i32"), ("top_k", "i32"), ("n", "i32"), ("hidden", "i32"),
               ("norm", "i32"))
+# moe_chunk: the same for ``seq`` tokens, x and y rows ``x_stride`` and ``y_stride`` bytes apart
+MOE_CHUNK_PARAMS = MOE_PARAMS + (("seq", "i32"), ("x_stride", "i32"), ("y_stride", "i32"))
 
 
 def moe_scratch_bytes(n_experts: int, top_k: int, n: int) -> int:
     """The router's logits (padded to a 64-byte line), then ``h`` of each chosen expert."""
-    return 4 * (-(-n_experts // 16) * 16 + top_k * n)
+    return 4 * (_padded(n_experts) + top_k * n)
+
+
+def moe_chunk_scratch_bytes(n_experts: int, top_k: int, n: int, hidden: int, seq: int) -> int:
+    """Each token's logits (padded), its chosen experts' h, and their down rows' dot products."""
+    return 4 * seq * (_padded(n_experts) + top_k * n + top_k * hidden)
+
+
+def _padded(n_experts: int) -> int:
+    return -(-n_experts // 16) * 16
+
+
+@dataclass(frozen=True)
+class _Experts:
+    """What the phases of both kernels share: the form, the formats, the rows' layout in bytes."""
+
+    spec: FfnForm
+    router: str
+    up: str
+    gate: str | None
+    down: str
+    rounds: bool
+
+    def check(self) -> None:
+        for d in (self.router, self.up, self.gate or self.up, self.down):
+            check_dtype(d)
+
+
+def _kernel(form: str, router: str, up: str, gate: str | None, down: str, x_format: str) -> _Experts:
+    spec = gated_form(form, gate)
+    if x_format not in ("f32", "i16"):
+        raise PiccError(f"codegen_cpu: a mixture's rows are dotted with f32 or i16 x, not {x_format!r}")
+    experts = _Experts(spec, router, up, gate, down, x_format != "f32")
+    experts.check()
+    return experts
 
 
 @cache
@@ -50,81 +89,189 @@ def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, dow
         x_format: str = "f32") -> Kernel:
     """``y = sum_j w_j down_e_j(h_e_j(x))`` over the router's top ``top_k`` of ``n_experts``
     experts of ``n`` neurons (see module doc); ``norm``: the weights divided by their sum."""
-    spec = gated_form(form, gate_dtype)
-    for d in (router_dtype, up_dtype, gate_dtype or up_dtype, down_dtype):
-        check_dtype(d)
-    if x_format not in ("f32", "i16"):
-        raise PiccError(f"codegen_cpu: a mixture's rows are dotted with f32 or i16 x, not {x_format!r}")
+    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format)
     symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format)
-    rounds = x_format != "f32"
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, MOE_PARAMS)
-        n_exp, k, n, hidden = (fn.sext(f"%{p}") for p in ("n_experts", "top_k", "n", "hidden"))
-        tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
-        logits = "%scratch"
-        h_all = fn.at("%scratch", 4, fn.v(f"and i64 {fn.v(f'add i64 {n_exp}, 15', 'e16')}, -16", "epad"), "h")
+        p = _Phases(fn, ex, simd)
         # 1. the router's logits
-        lo, hi = chunk_bounds(fn, n_exp, tid, nthreads)
-        emit_tiled_rows(fn, [(router_dtype, "%router", emit_row_bytes(fn, router_dtype, hidden))], "%x", hidden,
-                        lo, hi, simd, lambda r, dots: fn.store(F32, dots[0], fn.at(logits, 4, r), 4))
+        p.router_logits("%x", p.logits)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # 2. the top k and their weights, in every thread
-        chosen, weights = _top_k(fn, logits, n_exp, k)
+        chosen, weights, taken = p.choice_arrays(1)
+        _top_k(fn, p.logits, p.n_exp, p.k, chosen, weights, taken)
         # 3. each chosen expert's h
-        experts_x = {up_dtype, gate_dtype or up_dtype}
-        x_int = emit_int_x(fn, "%x", hidden, experts_x) if rounds else None
-        x_sums = None if x_int is not None else emit_x_sums(fn, "%x", hidden, experts_x)
-        lo, hi = chunk_bounds(fn, n, tid, nthreads)
-        mats = [(up_dtype, "%up"), *([(gate_dtype, "%gate")] if gate_dtype else [])]
-        row_bytes = [emit_row_bytes(fn, d, hidden) for d, _ in mats]
-        with fn.loop("0", k, hint="j") as j:
-            e = fn.sext(fn.load(I32, fn.at(chosen, 4, j), 4, "e"), "e")
-            first = fn.v(f"mul i64 {e}, {n}", "row0")  # the expert's first row of up and gate
-            experts = [(d, fn.gep(base, fn.v(f"mul i64 {first}, {rb}", "off"), "mat"), rb)
-                       for (d, base), rb in zip(mats, row_bytes, strict=True)]
-            h = fn.at(h_all, 4, fn.v(f"mul i64 {j}, {n}", "hj"), "hrow")
-
-            def store_h(r: str, dots: list[str], h: str = h) -> None:
-                a = fn.v(f"call float @picc_act_{spec.act}(float {dots[1]})", "a") if spec.gated else None
-                fn.store(F32, emit_h(fn, spec, a, dots[0]), fn.at(h, 4, r), 4)
-
-            emit_tiled_rows(fn, experts, "%x", hidden, lo, hi, simd, store_h, xsums=x_sums, intx=x_int)
+        with fn.loop("0", p.k, hint="j") as j:
+            p.expert_h(fn.load(I32, fn.at(chosen, 4, j), 4, "e"), "%x", p.h_row(j))
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # 4. y, expert after expert
-        lo, hi = chunk_bounds(fn, hidden, tid, nthreads)
-        with fn.loop(lo, hi, hint="r") as r:
+        with fn.loop(p.lo_y, p.hi_y, hint="r") as r:
             fn.store(F32, fconst(0.0), fn.at("%y", 4, r), 4)
-        nblocks = fn.v(f"lshr i64 {n}, 5", "nblk")
-        h_int = alloc_int_x(fn, nblocks, {down_dtype}) if rounds else None
-        h_sums = None if h_int is not None else alloc_x_sums(fn, nblocks, {down_dtype})
-        down_bytes = emit_row_bytes(fn, down_dtype, n)
-        with fn.loop("0", k, hint="j") as j:
-            e = fn.sext(fn.load(I32, fn.at(chosen, 4, j), 4, "e"), "e")
+        with fn.loop("0", p.k, hint="j") as j:
             w = fn.load(F32, fn.at(weights, 4, j), 4, "w")
-            down = fn.gep("%down", fn.v(f"mul i64 {fn.v(f'mul i64 {e}, {hidden}', 'drow0')}, {down_bytes}", "doff"),
-                          "down")
-            h = fn.at(h_all, 4, fn.v(f"mul i64 {j}, {n}", "hj"), "hrow")
-            if h_int is not None:
-                fill_int_x(fn, h, nblocks, h_int)
-            elif h_sums is not None:
-                fill_x_sums(fn, h, nblocks, h_sums)
 
             def add_row(r: str, dots: list[str], w: str = w) -> None:
                 yp = fn.at("%y", 4, r, "yp")
                 fn.store(F32, fn.fma(F32, w, dots[0], fn.load(F32, yp, 4, "y")), yp, 4)
 
-            emit_tiled_rows(fn, [(down_dtype, down, down_bytes)], h, n, lo, hi, simd, add_row, xsums=h_sums,
-                            intx=h_int)
+            p.expert_down(fn.load(I32, fn.at(chosen, 4, j), 4, "e"), p.h_row(j), add_row)
         fn.ret_void()
         return fn.text()
 
     return Kernel(symbol, MOE_PARAMS, emit, moe.__doc__ or "")
 
 
-def _top_k(fn: Fn, logits: str, n_exp: str, k: str) -> tuple[str, str]:
-    """The ``k`` largest of ``n_exp`` logits (the lower index first among equals) and their
-    softmax weights, normalised over the k where ``%norm``: two stack arrays (i32, f32)."""
+@cache
+def moe_chunk(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
+              x_format: str = "f32") -> Kernel:
+    """:func:`moe` for each of ``seq`` tokens (a prompt's chunk), its bits for each token, the
+    experts taken in turn: the rows of an expert that some tokens chose are dotted with those
+    tokens' x one after another (from the cache, after the first), where token after token
+    read their experts from memory each time. Each token's down dot products are kept and
+    added in its own order of experts at the end, so that its output is the one-token kernel's."""
+    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format)
+    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format) + "_chunk"
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, MOE_CHUNK_PARAMS)
+        p = _Phases(fn, ex, simd)
+        seq = fn.sext("%seq")
+        x_stride, y_stride = fn.sext("%x_stride"), fn.sext("%y_stride")
+        e_pad = fn.v(f"and i64 {fn.v(f'add i64 {p.n_exp}, 15', 'e16')}, -16", "epad")
+        h_all = fn.at("%scratch", 4, fn.v(f"mul i64 {seq}, {e_pad}", "lall"), "hall")
+        d_all = fn.at(h_all, 4, fn.v(f"mul i64 {seq}, {fn.v(f'mul i64 {p.k}, {p.n}', 'kn')}", "hsz"), "dall")
+
+        def x_of(t: str) -> str:
+            return fn.gep("%x", fn.v(f"mul i64 {t}, {x_stride}", "xo"), "xt")
+
+        def slot(t: str, j: str) -> str:  # token t's j-th choice
+            return fn.v(f"add i64 {fn.v(f'mul i64 {t}, {p.k}', 'tk')}, {j}", "slot")
+
+        # 1. every token's logits
+        with fn.loop("0", seq, hint="t") as t:
+            p.router_logits(x_of(t), fn.at("%scratch", 4, fn.v(f"mul i64 {t}, {e_pad}", "lo"), "lrow"))
+        fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+        # 2. every token's choice, in every thread
+        chosen, weights, taken = p.choice_arrays(seq)
+        with fn.loop("0", seq, hint="t") as t:
+            at = fn.v(f"mul i64 {t}, {p.k}", "tk")
+            _top_k(fn, fn.at("%scratch", 4, fn.v(f"mul i64 {t}, {e_pad}", "lo"), "lrow"), p.n_exp, p.k,
+                   fn.at(chosen, 4, at, "ch"), fn.at(weights, 4, at, "wt"), taken)
+        # 3. h of each (token, choice), expert after expert
+        with fn.loop("0", p.n_exp, hint="e") as e, fn.loop("0", seq, hint="t") as t, \
+                fn.loop("0", p.k, hint="j") as j:
+            s = slot(t, j)
+            e32 = fn.v(f"trunc i64 {e} to i32", "e32")
+            with fn.if_(fn.v(f"icmp eq i32 {fn.load(I32, fn.at(chosen, 4, s), 4, 'c')}, {e32}", "mine"), "use"):
+                p.expert_h(e32, x_of(t), fn.at(h_all, 4, fn.v(f"mul i64 {s}, {p.n}", "ho"), "hrow"))
+        fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
+        # 4. the down rows' dot products of each (token, choice), expert after expert
+        with fn.loop("0", p.n_exp, hint="e") as e, fn.loop("0", seq, hint="t") as t, \
+                fn.loop("0", p.k, hint="j") as j:
+            s = slot(t, j)
+            e32 = fn.v(f"trunc i64 {e} to i32", "e32")
+            with fn.if_(fn.v(f"icmp eq i32 {fn.load(I32, fn.at(chosen, 4, s), 4, 'c')}, {e32}", "mine"), "use"):
+                d = fn.at(d_all, 4, fn.v(f"mul i64 {s}, {p.hidden}", "do"), "drow")
+                p.expert_down(e32, fn.at(h_all, 4, fn.v(f"mul i64 {s}, {p.n}", "ho"), "hrow"),
+                              lambda r, dots, d=d: fn.store(F32, dots[0], fn.at(d, 4, r), 4))
+        # 5. each token's y from its own rows of the dot products (no barrier: the thread's rows)
+        with fn.loop("0", seq, hint="t") as t, fn.loop(p.lo_y, p.hi_y, hint="r") as r:
+            acc = fn.var(F32, fconst(0.0), "y")
+            with fn.loop("0", p.k, hint="j") as j:
+                s = slot(t, j)
+                at = fn.v(f"add i64 {fn.v(f'mul i64 {s}, {p.hidden}', 'do')}, {r}", "dr")
+                dot = fn.load(F32, fn.at(d_all, 4, at), 4, "d")
+                acc.set(fn.fma(F32, fn.load(F32, fn.at(weights, 4, s), 4, "w"), dot, acc.get()))
+            yrow = fn.gep("%y", fn.v(f"mul i64 {t}, {y_stride}", "yo"), "yt")
+            fn.store(F32, acc.get(), fn.at(yrow, 4, r), 4)
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, MOE_CHUNK_PARAMS, emit, moe_chunk.__doc__ or "")
+
+
+class _Phases:
+    """The phases of a mixture's kernels in ``fn`` (see module doc), for any x and its rows."""
+
+    def __init__(self, fn: Fn, ex: _Experts, simd: str) -> None:
+        self.fn, self.ex, self.simd = fn, ex, simd
+        self.n_exp, self.k, self.n, self.hidden = (fn.sext(f"%{p}") for p in ("n_experts", "top_k", "n", "hidden"))
+        tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
+        self.logits = "%scratch"
+        e_pad = fn.v(f"and i64 {fn.v(f'add i64 {self.n_exp}, 15', 'e16')}, -16", "epad")
+        self.h_all = fn.at("%scratch", 4, e_pad, "h")
+        self.lo_r, self.hi_r = chunk_bounds(fn, self.n_exp, tid, nthreads)
+        self.lo_n, self.hi_n = chunk_bounds(fn, self.n, tid, nthreads)
+        self.lo_y, self.hi_y = chunk_bounds(fn, self.hidden, tid, nthreads)
+        self.router_bytes = emit_row_bytes(fn, ex.router, self.hidden)
+        self.mats = [(ex.up, "%up"), *([(ex.gate, "%gate")] if ex.gate else [])]
+        self.row_bytes = [emit_row_bytes(fn, d, self.hidden) for d, _ in self.mats]
+        self.down_bytes = emit_row_bytes(fn, ex.down, self.n)
+        # x's and h's forms for the dot products, in the thread's stack, filled where each is dotted
+        hblocks, xblocks = fn.v(f"lshr i64 {self.n}, 5", "nblk"), fn.v(f"lshr i64 {self.hidden}, 5", "xblk")
+        experts_x = {ex.up, ex.gate or ex.up}
+        self.router_sums = alloc_x_sums(fn, xblocks, {ex.router})
+        self.x_int = alloc_int_x(fn, xblocks, experts_x) if ex.rounds else None
+        self.x_sums = None if self.x_int is not None else alloc_x_sums(fn, xblocks, experts_x)
+        self.h_int = alloc_int_x(fn, hblocks, {ex.down}) if ex.rounds else None
+        self.h_sums = None if self.h_int is not None else alloc_x_sums(fn, hblocks, {ex.down})
+        self.xblocks, self.hblocks = xblocks, hblocks
+
+    def h_row(self, j: str) -> str:
+        return self.fn.at(self.h_all, 4, self.fn.v(f"mul i64 {j}, {self.n}", "hj"), "hrow")
+
+    def choice_arrays(self, tokens: int | str) -> tuple[str, str, str]:
+        """Stack arrays for ``tokens`` tokens' choices and weights (k each) and the taken flags."""
+        fn = self.fn
+        count = fn.v(f"mul i64 {tokens}, {self.k}", "nk")
+        return fn.alloca_array(I32, count, "chosen"), fn.alloca_array(F32, count, "weights"), \
+            fn.alloca_array("i8", self.n_exp, "taken")
+
+    def router_logits(self, x: str, out: str) -> None:
+        """The thread's share of x's router logits into ``out``."""
+        fn = self.fn
+        if self.router_sums is not None:
+            fill_x_sums(fn, x, self.xblocks, self.router_sums)
+        emit_tiled_rows(fn, [(self.ex.router, "%router", self.router_bytes)], x, self.hidden, self.lo_r, self.hi_r,
+                        self.simd, lambda r, dots: fn.store(F32, dots[0], fn.at(out, 4, r), 4),
+                        xsums=self.router_sums)
+
+    def expert_h(self, e: str, x: str, h: str) -> None:
+        """The thread's share of expert ``e``'s (i32) ``h`` of ``x`` into ``h``."""
+        fn, spec = self.fn, self.ex.spec
+        if self.x_int is not None:
+            fill_int_x(fn, x, self.xblocks, self.x_int)
+        elif self.x_sums is not None:
+            fill_x_sums(fn, x, self.xblocks, self.x_sums)
+        first = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.n}", "row0")  # the expert's first row of up and gate
+        experts = [(d, fn.gep(base, fn.v(f"mul i64 {first}, {rb}", "off"), "mat"), rb)
+                   for (d, base), rb in zip(self.mats, self.row_bytes, strict=True)]
+
+        def store_h(r: str, dots: list[str]) -> None:
+            a = fn.v(f"call float @picc_act_{spec.act}(float {dots[1]})", "a") if spec.gated else None
+            fn.store(F32, emit_h(fn, spec, a, dots[0]), fn.at(h, 4, r), 4)
+
+        emit_tiled_rows(fn, experts, x, self.hidden, self.lo_n, self.hi_n, self.simd, store_h, xsums=self.x_sums,
+                        intx=self.x_int)
+
+    def expert_down(self, e: str, h: str, consume: Callable[[str, list[str]], None]) -> None:
+        """The thread's share of the output rows of expert ``e``'s (i32) down rows dotted with ``h``."""
+        fn = self.fn
+        if self.h_int is not None:
+            fill_int_x(fn, h, self.hblocks, self.h_int)
+        elif self.h_sums is not None:
+            fill_x_sums(fn, h, self.hblocks, self.h_sums)
+        first = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.hidden}", "drow0")
+        down = fn.gep("%down", fn.v(f"mul i64 {first}, {self.down_bytes}", "doff"), "down")
+        emit_tiled_rows(fn, [(self.ex.down, down, self.down_bytes)], h, self.n, self.lo_y, self.hi_y, self.simd,
+                        consume, xsums=self.h_sums, intx=self.h_int)
+
+
+def _top_k(fn: Fn, logits: str, n_exp: str, k: str, chosen: str, weights: str, taken: str) -> None:
+    """The ``k`` largest of ``n_exp`` logits (the lower index first among equals) into ``chosen``
+    (i32) and their softmax weights into ``weights``, normalised over the k where ``%norm``;
+    ``taken``: ``n_exp`` bytes of scratch."""
     top = fn.var(F32, fconst(float("-inf")), "top")
     with fn.loop("0", n_exp, hint="e") as e:
         logit = fn.load(F32, fn.at(logits, 4, e), 4, "l")
@@ -134,8 +281,6 @@ def _top_k(fn: Fn, logits: str, n_exp: str, k: str) -> tuple[str, str]:
     with fn.loop("0", n_exp, hint="e") as e:
         shifted = fn.v(f"fsub float {fn.load(F32, fn.at(logits, 4, e), 4, 'l')}, {m}", "ls")
         total.set(fn.v(f"fadd float {total.get()}, {fn.v(f'call float @picc_exp(float {shifted})', 'p')}", "total"))
-    chosen, weights = fn.alloca_array(I32, k, "chosen"), fn.alloca_array(F32, k, "weights")
-    taken = fn.alloca_array("i8", n_exp, "taken")
     with fn.loop("0", n_exp, hint="e") as e:
         fn.store("i8", "0", fn.at(taken, 1, e), 1)
     chosen_sum = fn.var(F32, fconst(0.0), "wsum")
@@ -162,4 +307,3 @@ def _top_k(fn: Fn, logits: str, n_exp: str, k: str) -> tuple[str, str]:
         with fn.loop("0", k, hint="j") as j:
             wp = fn.at(weights, 4, j)
             fn.store(F32, fn.v(f"fdiv float {fn.load(F32, wp, 4, 'w')}, {s}", "wn"), wp, 4)
-    return chosen, weights

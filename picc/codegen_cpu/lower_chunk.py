@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from picc import kernel_names as names
-from picc.codegen_cpu import kernels_dense, kernels_misc, kernels_prefill
+from picc.codegen_cpu import kernels_dense, kernels_misc, kernels_moe, kernels_prefill
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SCRATCH, CpuBuffers
 from picc.codegen_cpu.chunks import ChunkPlan, ChunkRegions, plan_chunk
 from picc.codegen_cpu.lower_ops import _BARRIER_FREE, OpLowering, _layout, _rows8, _x_format
@@ -132,6 +132,20 @@ class ChunkLowering(OpLowering):
         self.call(op, kernels_dense.gemm(w.dtype.value, _rows8(op)), self.weight(op.weight, layout=_layout(op)),
                   x, self.weight(op.bias, as_f32=True), self.activation(op.result), self.rows(),
                   int(w.shape[0]), int(w.shape[1]), 0, batched=True, access=access)
+
+    def moe(self, op: O.MoE) -> None:
+        """The chunk's tokens through their experts in one call (``kernels_moe.moe_chunk``): an
+        expert's rows read once for the tokens that chose it, each token's output the step's bits."""
+        up = self.weights[op.up]
+        n, hidden = int(up.shape[0]) // op.n_experts, int(up.shape[1])
+        dtype = {w: self.weights[w].dtype.value for w in (op.router, op.up, op.down)}
+        gate = self.weights[op.gate].dtype.value if op.gate else None
+        kernel = kernels_moe.moe_chunk(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format)
+        scratch = self.bufs.need_scratch(kernels_moe.moe_chunk_scratch_bytes(op.n_experts, op.top_k, n, hidden,
+                                                                              self.regions.size))
+        self._rows_call(op, kernel, self.value(op.x), self.weight(op.router), self.weight(op.up), self.weight(op.gate),
+                        self.weight(op.down), self.activation(op.result), scratch, op.n_experts, op.top_k, n, hidden,
+                        int(op.norm_topk), x_width=hidden, y_width=hidden)
 
     def add(self, op: O.Add) -> None:
         # Elementwise over the chunk's whole buffer (rows past seq are computed and never read).
