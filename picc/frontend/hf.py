@@ -149,8 +149,7 @@ class LlamaFamily:
     partial_rope: bool = False  # default rope honours partial_rotary_factor (Phi-3)
     fused: bool = False  # qkv_proj and gate_up_proj instead of q/k/v_proj and gate/up_proj (Phi-3)
     gemma: bool = False  # Gemma's layer: norms of 1 + w, four a layer, the embedding scaled, q . k scaled its way
-    olmo: bool = False  # OLMo 2's layer: the attention's and the MLP's outputs normalised, not their inputs;
-    # q's and k's norms over the whole projection
+    olmo: bool = False  # OLMo 2's layer: the attention's and the MLP's outputs normalised, not their inputs
     qk_norm_whole: bool = False  # q's and k's norms over the whole projection (OLMo 2, OLMoE)
     moe: bool = False  # experts in place of the MLP (``moe_spec``)
 
@@ -316,25 +315,25 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False)
     bos, eos = special_ids(cfg, directory, *rules.special_ids)
     tie = cfg.flag("tie_word_embeddings", rules.tied)
-    gemma: dict = dict(sandwich=True, pre_norm=False) if rules.olmo else {}
+    layer: dict = dict(sandwich=True, pre_norm=False) if rules.olmo else {}  # the family's own layer
     if rules.gemma:  # soft caps: Gemma 2's; Gemma 3 caps the logits where its config says so
         _refuse_gemma_options(cfg)  # and never the scores (transformers' Gemma3Attention ignores its cap)
         two = family == "gemma2"
-        gemma = dict(sandwich=True, attn_softcap=_softcap(cfg, "attn_logit_softcapping", 50.0) if two else None,
+        layer = dict(sandwich=True, attn_softcap=_softcap(cfg, "attn_logit_softcapping", 50.0) if two else None,
                      logit_softcap=_softcap(cfg, "final_logit_softcapping", 30.0 if two else None))
     if family == "gemma3_text":
         ropes = gemma3_ropes(cfg, head_dim, max_position, n_layers)
-        gemma.update(layer_ropes=ropes, attn_scale=cfg.number("query_pre_attn_scalar", 256.0) ** -0.5)
+        layer.update(layer_ropes=ropes, attn_scale=cfg.number("query_pre_attn_scalar", 256.0) ** -0.5)
         rope = ropes[0]
     else:
         rope = rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope)
     if family == "gemma2":  # Gemma 3's layer with one rope and no q and k norms
-        gemma.update(attn_scale=cfg.integer("query_pre_attn_scalar", 256) ** -0.5)
+        layer.update(attn_scale=cfg.integer("query_pre_attn_scalar", 256) ** -0.5)
     act = ("hidden_activation", "gelu_pytorch_tanh") if rules.gemma else ("hidden_act", "silu")
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", rules.eps),
-        ffn_form=ffn_form(cfg, *act, gated=True), rope=rope, tied=False, window=windows, **gemma,
+        ffn_form=ffn_form(cfg, *act, gated=True), rope=rope, tied=False, window=windows, **layer,
         bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=rules.qk_norm, rope_layers=rope_layers,
         qk_norm_whole=rules.qk_norm_whole, moe=moe_spec(cfg, family, n_layers) if rules.moe else None,
     )
