@@ -241,10 +241,13 @@ def cpu_gemv_rows(dtype: str, x_format: str = "f32", rows8: bool = False) -> str
     return cpu_gemv(dtype, x_format, rows8) + BATCHED_SUFFIX
 
 
-def cpu_moe(form: str, router: str, up: str, gate: str | None, down: str, x_format: str = "f32") -> str:
+def cpu_moe(form: str, router: str, up: str, gate: str | None, down: str, x_format: str = "f32",
+            rows8: bool = False) -> str:
     """A mixture of experts for one token (router, top-k, the chosen experts); ``x_format``
-    ``"i16"``: the experts' 4-bit rows dotted with x and h rounded to int16."""
-    return f"picc_moe_{form}_{router}_{up}_{gate or 'none'}_{down}" + _int_suffix(x_format, up, gate, down)
+    ``"i16"``: the experts' 4-bit rows dotted with x and h rounded to int16; ``rows8``: the experts'
+    matrices in the rows8 layout."""
+    return (f"picc_moe_{form}_{router}_{up}_{gate or 'none'}_{down}" + _rows8_suffix(rows8, up, gate, down)
+            + _int_suffix(x_format, up, gate, down))
 
 
 def cpu_dense_ffn_rows(form: str, up: str, gate: str | None, down: str, x_format: str = "f32",

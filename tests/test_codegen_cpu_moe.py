@@ -12,14 +12,17 @@ from picc import quant
 from picc.codegen_cpu import build_ir, compile_kernels
 from picc.codegen_cpu.compiler import CpuModule, effective_simd
 from picc.codegen_cpu.kernels_moe import moe, moe_chunk, moe_chunk_scratch_bytes, moe_scratch_bytes
+from picc.codegen_cpu.rows8 import to_rows8
 from picc.errors import PiccError
 from picc.ir.ops import FFN_FORMS
 
 E, N, HIDDEN = 8, 64, 96  # experts, an expert's neurons, the hidden size (multiples of 32: block formats)
-CASES = ([("swiglu", dt, "f32") for dt in ("f32", "f16", "q8_0", "q4_0", "q4_1")]
-         + [("swiglu", dt, "i16") for dt in ("q4_0", "q4_1")] + [("relu", "q4_1", "i16"), ("geglu_tanh", "f16", "f32")])
-KERNELS = [make(form, "f32", dt, dt if FFN_FORMS[form].gated else None, dt, x)
-           for form, dt, x in CASES for make in (moe, moe_chunk)]
+CASES = ([("swiglu", dt, "f32", False) for dt in ("f32", "f16", "q8_0", "q4_0", "q4_1")]
+         + [("swiglu", dt, "i16", False) for dt in ("q4_0", "q4_1")] + [("relu", "q4_1", "i16", False)]
+         + [("geglu_tanh", "f16", "f32", False)]
+         + [("swiglu", dt, "i16", True) for dt in ("q4_0", "q4_1")])  # the experts in the rows8 layout
+KERNELS = [make(form, "f32", dt, dt if FFN_FORMS[form].gated else None, dt, x, rows8)
+           for form, dt, x, rows8 in CASES for make in (moe, moe_chunk)]
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +33,19 @@ def host():
 class Experts:
     """Random router and experts for ``form`` in ``dtype``, and the float values they decode to."""
 
-    def __init__(self, form: str, dtype: str, seed: int, x_format: str = "f32") -> None:
+    def __init__(self, form: str, dtype: str, seed: int, x_format: str = "f32", rows8: bool = False) -> None:
         rng = np.random.default_rng(seed)
         self.form, self.spec, self.x_format = form, FFN_FORMS[form], x_format
         self.router = rng.normal(0, HIDDEN**-0.5, size=(E, HIDDEN)).astype(np.float32)  # logits ~N(0, 1): no one wins all
         self.up_raw, self.up = weights(rng, (E * N, HIDDEN), dtype, HIDDEN**-0.5)
         self.gate_raw, self.gate = weights(rng, (E * N, HIDDEN), dtype, HIDDEN**-0.5) if self.spec.gated else (None, None)
         self.down_raw, self.down = weights(rng, (E * HIDDEN, N), dtype, N**-0.5)
-        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, dtype, x_format)
+        if rows8:  # the kernel reads the stacked matrices eight rows to a group
+            self.up_raw = to_rows8(self.up_raw, dtype, (E * N, HIDDEN))
+            self.gate_raw = to_rows8(self.gate_raw, dtype, (E * N, HIDDEN)) if self.spec.gated else None
+            self.down_raw = to_rows8(self.down_raw, dtype, (E * HIDDEN, N))
+        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, dtype, x_format, rows8)
+        self.chunk = moe_chunk(form, "f32", dtype, dtype if self.spec.gated else None, dtype, x_format, rows8)
 
     def rounded(self, v: np.ndarray) -> np.ndarray:
         """``v`` as the experts' rows are dotted with it: rounded to int16 per block (4-bit rows)."""
@@ -69,14 +77,14 @@ class Experts:
         return y
 
 
-@pytest.mark.parametrize("form, dtype, x_format", CASES)
+@pytest.mark.parametrize("form, dtype, x_format, rows8", CASES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_mixture_is_the_interpreters(host, teams, form, dtype, x_format, threads):
+def test_the_mixture_is_the_interpreters(host, teams, form, dtype, x_format, rows8, threads):
     # The router's top k experts of the token, their softmax weights (renormalised or not), each
     # expert's FFN from its own rows of the stacked matrices. Float32 sums in another order than
     # float64's: 1e-5 of the output's largest element (the formats' rounding is in the reference's
     # weights: they are the decoded values; int16 x's in its x and h, rounded as the kernel does).
-    experts, rng = Experts(form, dtype, 31, x_format), np.random.default_rng(32)
+    experts, rng = Experts(form, dtype, 31, x_format, rows8), np.random.default_rng(32)
     outs = []
     for k, norm in ((2, True), (3, False), (E, True), (1, False)):
         x = rng.normal(size=HIDDEN).astype(np.float32)
@@ -86,14 +94,14 @@ def test_the_mixture_is_the_interpreters(host, teams, form, dtype, x_format, thr
     assert np.abs(outs[0] - experts.run(host, teams[threads], x, 2, True)).max() > 0  # the choice follows x
 
 
-@pytest.mark.parametrize("form, dtype, x_format", [CASES[1], CASES[5], CASES[7]])
+@pytest.mark.parametrize("form, dtype, x_format, rows8", [CASES[1], CASES[5], CASES[7], CASES[-1]])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_chunk_of_tokens_gets_each_tokens_bits(host, teams, form, dtype, x_format, threads):
+def test_a_chunk_of_tokens_gets_each_tokens_bits(host, teams, form, dtype, x_format, rows8, threads):
     # The prefill's kernel takes the experts in turn for all the chunk's tokens (their rows read
     # once): each token's output is the one-token kernel's, bit for bit, its rows strided as the
     # chunk's buffers are, and nothing past a row's hidden floats is written.
-    experts, rng = Experts(form, dtype, 35, x_format), np.random.default_rng(36)
-    chunk = moe_chunk(form, "f32", dtype, dtype if experts.spec.gated else None, dtype, x_format)
+    experts, rng = Experts(form, dtype, 35, x_format, rows8), np.random.default_rng(36)
+    chunk = experts.chunk
     for seq, k, norm in ((5, 2, True), (1, 3, False), (7, E, True)):
         x = np.zeros((seq, HIDDEN + 32), np.float32)  # rows 32 floats longer than a token's x
         x[:, :HIDDEN] = rng.normal(size=(seq, HIDDEN))

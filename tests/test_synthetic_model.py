@@ -105,8 +105,8 @@ def test_an_interrupted_run_leaves_nothing(tmp_path: Path, monkeypatch: pytest.M
 
 def test_a_q4_0_mixture_of_experts_runs_as_the_interpreter_computes_it(tmp_path: Path) -> None:
     # --experts: a Mixtral-style llama file (F32 routers, [experts, rows, cols] Q4_0 matrices).
-    # Compiled by default, each layer's experts dot their 4-bit rows with x and h rounded to int16
-    # (a _xi16 kernel), which the interpreter rounds alike: the step and the chunk programs
+    # Compiled by default, each layer's experts are stored eight rows to a group and dot them with
+    # x and h rounded to int16 (a _r8_xi16 kernel), which the interpreter rounds alike: the step and the chunk programs
     # against it, as for every other int16-x kernel (1e-4). The chunk programs take a prompt's
     # tokens through the experts together (an expert's rows read once), each token's logits the
     # step's bits, so a server may take their KV rows for a reply's.
@@ -123,12 +123,12 @@ def test_a_q4_0_mixture_of_experts_runs_as_the_interpreter_computes_it(tmp_path:
     assert model.weights["l1.moe.up"].shape == (4 * TINY.n_ff, TINY.hidden)
     pib_path, pib = compiled(model, tmp_path, "moe")
     moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
-    assert len(moes) == TINY.n_layers and {op.kernel for op in moes} == {"picc_moe_swiglu_f32_q4_0_q4_0_q4_0_xi16"}
+    assert len(moes) == TINY.n_layers and {op.kernel for op in moes} == {"picc_moe_swiglu_f32_q4_0_q4_0_q4_0_r8_xi16"}
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(pib_path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(pib_path, pib, 1e-4)
     with PibFile(pib_path) as f:
-        assert "call void @picc_moe_swiglu_f32_q4_0_q4_0_q4_0_xi16_chunk(" in f.text("cpu/ir")
+        assert "call void @picc_moe_swiglu_f32_q4_0_q4_0_q4_0_r8_xi16_chunk(" in f.text("cpu/ir")
     with Session(pib_path, 2) as s:
         assert s.executor.cpu.step_bits
         chunked = s.feed(list(LONG), all_logits=True)

@@ -18,7 +18,9 @@ The experts' matrices are stacked (expert e's rows of up and gate at ``e n``, of
 reads the rows of its ``top_k`` experts and the router, nothing else. Rows are dotted with float
 x (:func:`~picc.codegen_cpu.rowops.emit_tiled_rows`), in the source layout, or, with ``x_format``
 ``"i16"``, 4-bit rows with x (and each expert's h) rounded to int16 per block, in integers (as
-the ``_xi16`` GEMVs). The sums' order is the interpreter's up to float rounding (it adds the
+the ``_xi16`` GEMVs); with ``rows8`` too, the experts' 4-bit matrices in the rows8 layout, eight
+rows at a time (:func:`~picc.codegen_cpu.rows8.emit_rows8`, as the ``_r8_xi16`` GEMVs; an
+expert's rows are a whole number of groups). The sums' order is the interpreter's up to float rounding (it adds the
 experts' outputs, then the residual).
 """
 
@@ -35,8 +37,10 @@ from picc.codegen_cpu.irtext import F32, I32, Fn, chunk_bounds, fconst
 from picc.codegen_cpu.kernel import Kernel, kernel_fn
 from picc.codegen_cpu.rowformats import check_dtype, emit_row_bytes
 from picc.codegen_cpu.rowops import alloc_x_sums, emit_tiled_rows, fill_x_sums
+from picc.codegen_cpu.rows8 import emit_group_bytes, emit_rows8
 from picc.errors import PiccError
 from picc.ir.ops import FfnForm
+from runtime.cpu import vector_isa
 
 MOE_PARAMS = (("x", "ptr"), ("router", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("y", "ptr"),
               ("scratch", "ptr"), ("n_experts", "i32"), ("top_k", "i32"), ("n", "i32"), ("hidden", "i32"),
@@ -69,32 +73,36 @@ class _Experts:
     gate: str | None
     down: str
     rounds: bool
+    rows8: bool
 
     def check(self) -> None:
         for d in (self.router, self.up, self.gate or self.up, self.down):
             check_dtype(d)
+        if self.rows8 and not (self.rounds and {self.up, self.gate or self.up, self.down} <= names.INT_DOT_DTYPES):
+            raise PiccError("codegen_cpu: a mixture's experts are read in the rows8 layout when they are 4-bit, "
+                            "with int16 x")
 
 
-def _kernel(form: str, router: str, up: str, gate: str | None, down: str, x_format: str) -> _Experts:
+def _kernel(form: str, router: str, up: str, gate: str | None, down: str, x_format: str, rows8: bool) -> _Experts:
     spec = gated_form(form, gate)
     if x_format not in ("f32", "i16"):
         raise PiccError(f"codegen_cpu: a mixture's rows are dotted with f32 or i16 x, not {x_format!r}")
-    experts = _Experts(spec, router, up, gate, down, x_format != "f32")
+    experts = _Experts(spec, router, up, gate, down, x_format != "f32", rows8)
     experts.check()
     return experts
 
 
 @cache
 def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-        x_format: str = "f32") -> Kernel:
+        x_format: str = "f32", rows8: bool = False) -> Kernel:
     """``y = sum_j w_j down_e_j(h_e_j(x))`` over the router's top ``top_k`` of ``n_experts``
     experts of ``n`` neurons (see module doc); ``norm``: the weights divided by their sum."""
-    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format)
-    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format)
+    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8)
+    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8)
 
-    def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, MOE_PARAMS)
-        p = _Phases(fn, ex, simd)
+    def emit(level: str) -> str:
+        fn = kernel_fn(symbol, MOE_PARAMS, level if rows8 else None)
+        p = _Phases(fn, ex, level)
         # 1. the router's logits
         p.router_logits("%x", p.logits)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
@@ -119,23 +127,23 @@ def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, dow
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, MOE_PARAMS, emit, moe.__doc__ or "")
+    return Kernel(symbol, MOE_PARAMS, emit, moe.__doc__ or "", by_level=rows8)
 
 
 @cache
 def moe_chunk(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-              x_format: str = "f32") -> Kernel:
+              x_format: str = "f32", rows8: bool = False) -> Kernel:
     """:func:`moe` for each of ``seq`` tokens (a prompt's chunk), its bits for each token, the
     experts taken in turn: the rows of an expert that some tokens chose are dotted with those
     tokens' x one after another (from the cache, after the first), where token after token
     read their experts from memory each time. Each token's down dot products are kept and
     added in its own order of experts at the end, so that its output is the one-token kernel's."""
-    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format)
-    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format) + "_chunk"
+    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8)
+    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8) + "_chunk"
 
-    def emit(simd: str) -> str:
-        fn = kernel_fn(symbol, MOE_CHUNK_PARAMS)
-        p = _Phases(fn, ex, simd)
+    def emit(level: str) -> str:
+        fn = kernel_fn(symbol, MOE_CHUNK_PARAMS, level if rows8 else None)
+        p = _Phases(fn, ex, level)
         seq = fn.sext("%seq")
         x_stride, y_stride = fn.sext("%x_stride"), fn.sext("%y_stride")
         e_pad = fn.v(f"and i64 {fn.v(f'add i64 {p.n_exp}, 15', 'e16')}, -16", "epad")
@@ -188,14 +196,16 @@ def moe_chunk(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | Non
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, MOE_CHUNK_PARAMS, emit, moe_chunk.__doc__ or "")
+    return Kernel(symbol, MOE_CHUNK_PARAMS, emit, moe_chunk.__doc__ or "", by_level=rows8)
 
 
 class _Phases:
-    """The phases of a mixture's kernels in ``fn`` (see module doc), for any x and its rows."""
+    """The phases of a mixture's kernels in ``fn`` (see module doc), for any x and its rows;
+    ``level``: the SIMD level of the code (VNNI's integer products for rows8 experts at
+    ``avx512-vnni``)."""
 
-    def __init__(self, fn: Fn, ex: _Experts, simd: str) -> None:
-        self.fn, self.ex, self.simd = fn, ex, simd
+    def __init__(self, fn: Fn, ex: _Experts, level: str) -> None:
+        self.fn, self.ex, self.simd, self.vnni = fn, ex, vector_isa(level), level == "avx512-vnni"
         self.n_exp, self.k, self.n, self.hidden = (fn.sext(f"%{p}") for p in ("n_experts", "top_k", "n", "hidden"))
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         self.logits = "%scratch"
@@ -204,17 +214,24 @@ class _Phases:
         self.lo_r, self.hi_r = chunk_bounds(fn, self.n_exp, tid, nthreads)
         self.lo_n, self.hi_n = chunk_bounds(fn, self.n, tid, nthreads)
         self.lo_y, self.hi_y = chunk_bounds(fn, self.hidden, tid, nthreads)
+        # rows8: the threads' shares of an expert's groups of eight rows (up and gate; down); the
+        # output rows a thread writes are then its groups' (lo_y, hi_y: whatever the layout)
+        self.lo_gn, self.hi_gn = chunk_bounds(fn, fn.v(f"lshr i64 {self.n}, 3", "groups"), tid, nthreads)
+        self.lo_gy, self.hi_gy = chunk_bounds(fn, fn.v(f"lshr i64 {self.hidden}, 3", "groups"), tid, nthreads)
+        if ex.rows8:
+            self.lo_y, self.hi_y = fn.v(f"shl i64 {self.lo_gy}, 3", "ylo"), fn.v(f"shl i64 {self.hi_gy}, 3", "yhi")
         self.router_bytes = emit_row_bytes(fn, ex.router, self.hidden)
         self.mats = [(ex.up, "%up"), *([(ex.gate, "%gate")] if ex.gate else [])]
-        self.row_bytes = [emit_row_bytes(fn, d, self.hidden) for d, _ in self.mats]
-        self.down_bytes = emit_row_bytes(fn, ex.down, self.n)
+        # bytes of one row (rows) or one group of eight (rows8)
+        self.row_bytes = [(emit_group_bytes if ex.rows8 else emit_row_bytes)(fn, d, self.hidden) for d, _ in self.mats]
+        self.down_bytes = (emit_group_bytes if ex.rows8 else emit_row_bytes)(fn, ex.down, self.n)
         # x's and h's forms for the dot products, in the thread's stack, filled where each is dotted
         hblocks, xblocks = fn.v(f"lshr i64 {self.n}, 5", "nblk"), fn.v(f"lshr i64 {self.hidden}, 5", "xblk")
         experts_x = {ex.up, ex.gate or ex.up}
         self.router_sums = alloc_x_sums(fn, xblocks, {ex.router})
-        self.x_int = alloc_int_x(fn, xblocks, experts_x) if ex.rounds else None
+        self.x_int = alloc_int_x(fn, xblocks, experts_x, rows8=ex.rows8) if ex.rounds else None
         self.x_sums = None if self.x_int is not None else alloc_x_sums(fn, xblocks, experts_x)
-        self.h_int = alloc_int_x(fn, hblocks, {ex.down}) if ex.rounds else None
+        self.h_int = alloc_int_x(fn, hblocks, {ex.down}, rows8=ex.rows8) if ex.rounds else None
         self.h_sums = None if self.h_int is not None else alloc_x_sums(fn, hblocks, {ex.down})
         self.xblocks, self.hblocks = xblocks, hblocks
 
@@ -244,7 +261,8 @@ class _Phases:
             fill_int_x(fn, x, self.xblocks, self.x_int)
         elif self.x_sums is not None:
             fill_x_sums(fn, x, self.xblocks, self.x_sums)
-        first = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.n}", "row0")  # the expert's first row of up and gate
+        rows = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.n}", "row0")  # the expert's first row of up and gate
+        first = fn.v(f"lshr i64 {rows}, 3", "grp0") if self.ex.rows8 else rows
         experts = [(d, fn.gep(base, fn.v(f"mul i64 {first}, {rb}", "off"), "mat"), rb)
                    for (d, base), rb in zip(self.mats, self.row_bytes, strict=True)]
 
@@ -252,8 +270,12 @@ class _Phases:
             a = fn.v(f"call float @picc_act_{spec.act}(float {dots[1]})", "a") if spec.gated else None
             fn.store(F32, emit_h(fn, spec, a, dots[0]), fn.at(h, 4, r), 4)
 
-        emit_tiled_rows(fn, experts, x, self.hidden, self.lo_n, self.hi_n, self.simd, store_h, xsums=self.x_sums,
-                        intx=self.x_int)
+        if self.ex.rows8:
+            assert self.x_int is not None
+            emit_rows8(fn, experts, self.x_int, self.hidden, self.lo_gn, self.hi_gn, store_h, self.vnni)
+        else:
+            emit_tiled_rows(fn, experts, x, self.hidden, self.lo_n, self.hi_n, self.simd, store_h,
+                            xsums=self.x_sums, intx=self.x_int)
 
     def expert_down(self, e: str, h: str, consume: Callable[[str, list[str]], None]) -> None:
         """The thread's share of the output rows of expert ``e``'s (i32) down rows dotted with ``h``."""
@@ -262,10 +284,16 @@ class _Phases:
             fill_int_x(fn, h, self.hblocks, self.h_int)
         elif self.h_sums is not None:
             fill_x_sums(fn, h, self.hblocks, self.h_sums)
-        first = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.hidden}", "drow0")
-        down = fn.gep("%down", fn.v(f"mul i64 {first}, {self.down_bytes}", "doff"), "down")
-        emit_tiled_rows(fn, [(self.ex.down, down, self.down_bytes)], h, self.n, self.lo_y, self.hi_y, self.simd,
-                        consume, xsums=self.h_sums, intx=self.h_int)
+        rows = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.hidden}", "drow0")
+        first = fn.v(f"lshr i64 {rows}, 3", "dgrp0") if self.ex.rows8 else rows
+        down = [(self.ex.down, fn.gep("%down", fn.v(f"mul i64 {first}, {self.down_bytes}", "doff"), "down"),
+                 self.down_bytes)]
+        if self.ex.rows8:
+            assert self.h_int is not None
+            emit_rows8(fn, down, self.h_int, self.n, self.lo_gy, self.hi_gy, consume, self.vnni)
+        else:
+            emit_tiled_rows(fn, down, h, self.n, self.lo_y, self.hi_y, self.simd, consume, xsums=self.h_sums,
+                            intx=self.h_int)
 
 
 def _top_k(fn: Fn, logits: str, n_exp: str, k: str, chosen: str, weights: str, taken: str) -> None:

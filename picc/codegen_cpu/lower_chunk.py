@@ -140,12 +140,13 @@ class ChunkLowering(OpLowering):
         n, hidden = int(up.shape[0]) // op.n_experts, int(up.shape[1])
         dtype = {w: self.weights[w].dtype.value for w in (op.router, op.up, op.down)}
         gate = self.weights[op.gate].dtype.value if op.gate else None
-        kernel = kernels_moe.moe_chunk(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format)
+        kernel = kernels_moe.moe_chunk(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format,
+                                       _rows8(op))
         scratch = self.bufs.need_scratch(kernels_moe.moe_chunk_scratch_bytes(op.n_experts, op.top_k, n, hidden,
                                                                               self.regions.size))
-        self._rows_call(op, kernel, self.value(op.x), self.weight(op.router), self.weight(op.up), self.weight(op.gate),
-                        self.weight(op.down), self.activation(op.result), scratch, op.n_experts, op.top_k, n, hidden,
-                        int(op.norm_topk), x_width=hidden, y_width=hidden)
+        self._rows_call(op, kernel, self.value(op.x), self.weight(op.router), *self.experts(op),
+                        self.activation(op.result), scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk),
+                        x_width=hidden, y_width=hidden)
 
     def add(self, op: O.Add) -> None:
         # Elementwise over the chunk's whole buffer (rows past seq are computed and never read).

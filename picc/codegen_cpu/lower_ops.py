@@ -65,7 +65,7 @@ def _x_format(op: Op) -> str:
 def _rows8(op: Op) -> bool:
     """Whether ``op``'s kernel reads its matrices in the rows8 layout (``layout``: 4-bit ones, a
     q8_0 LM head and the embedding tied to it)."""
-    return isinstance(op, O.MatrixOp | O.Embed) and op.layout == "rows8"
+    return isinstance(op, O.MatrixOp | O.Embed | O.MoE) and op.layout == "rows8"
 
 
 def _layout(op: Op) -> str | None:
@@ -260,11 +260,18 @@ class OpLowering(ABC):
         n, hidden = int(up.shape[0]) // op.n_experts, int(up.shape[1])
         dtype = {w: self.weights[w].dtype.value for w in (op.router, op.up, op.down)}
         gate = self.weights[op.gate].dtype.value if op.gate else None
-        kernel = kernels_moe.moe(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format)
+        kernel = kernels_moe.moe(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format,
+                                 _rows8(op))
         scratch = self.bufs.need_scratch(kernels_moe.moe_scratch_bytes(op.n_experts, op.top_k, n))
-        self.call(op, kernel, self.value(op.x), self.weight(op.router), self.weight(op.up), self.weight(op.gate),
-                  self.weight(op.down), self.activation(op.result), scratch, op.n_experts, op.top_k, n, hidden,
-                  int(op.norm_topk))
+        self.call(op, kernel, self.value(op.x), self.weight(op.router), *self.experts(op), self.activation(op.result),
+                  scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk))
+
+    def experts(self, op: O.MoE) -> tuple[Buf | Null, Buf | Null, Buf | Null]:
+        """A mixture's up, gate (Null where the form has none) and down matrices, in the layout
+        its kernels read."""
+        layout = _layout(op)
+        return (self.weight(op.up, layout=layout), self.weight(op.gate, layout=layout),
+                self.weight(op.down, layout=layout))
 
     def softcap(self, op: O.Softcap) -> None:
         """Capped logits, a call per token."""

@@ -560,6 +560,8 @@ class MoE(Op):
 
     ``x_format`` (``select-kernels``): ``"i16"`` where the experts' 4-bit rows are dotted with x
     (and h) rounded to int16 per block, as a ``MatrixOp``'s; the interpreter rounds alike.
+    ``layout``: ``"rows8"`` where the three matrices are stored eight rows to a group (4-bit, an
+    expert's rows a whole number of groups) and read so with int16 x.
     """
 
     NAME: ClassVar[str] = "moe"
@@ -573,6 +575,7 @@ class MoE(Op):
     form: str
     norm_topk: bool = False
     x_format: str = "f32"
+    layout: str = "rows"
 
     @property
     def spec(self) -> FfnForm:
@@ -582,6 +585,8 @@ class MoE(Op):
         t = _activation_input(env, self.x)
         hidden = t.shape[1]
         expect(self.x_format in ("f32", "i16"), f"x_format must be f32 or i16, got {self.x_format!r}")
+        expect(self.layout in LAYOUTS and (self.layout == "rows" or self.x_format == "i16"),
+               f"layout must be rows, or rows8 with i16 x, got {self.layout!r} with {self.x_format!r}")
         expect(self.form in FFN_FORMS, f"form must be one of {tuple(FFN_FORMS)}, got {self.form!r}")
         expect(self.n_experts > 0 and 0 < self.top_k <= self.n_experts,
                f"top_k must be in 1..n_experts, got top_k={self.top_k}, n_experts={self.n_experts}")
