@@ -245,8 +245,8 @@ def cpu_moe(form: str, router: str, up: str, gate: str | None, down: str, x_form
             rows8: bool = False) -> str:
     """A mixture of experts for one token (router, top-k, the chosen experts); ``x_format``
     ``"i16"``: the experts' 4-bit rows dotted with x and h rounded to int16; ``rows8``: the experts'
-    matrices in the rows8 layout."""
-    return (f"picc_moe_{form}_{router}_{up}_{gate or 'none'}_{down}" + _rows8_suffix(rows8, up, gate, down)
+    4-bit matrices in the rows8 layout."""
+    return (f"picc_moe_{form}_{router}_{up}_{gate or 'none'}_{down}" + (ROWS8_SUFFIX if rows8 else "")
             + _int_suffix(x_format, up, gate, down))
 
 

@@ -20,9 +20,10 @@ E, N, HIDDEN = 8, 64, 96  # experts, an expert's neurons, the hidden size (multi
 CASES = ([("swiglu", dt, "f32", False) for dt in ("f32", "f16", "q8_0", "q4_0", "q4_1")]
          + [("swiglu", dt, "i16", False) for dt in ("q4_0", "q4_1")] + [("relu", "q4_1", "i16", False)]
          + [("geglu_tanh", "f16", "f32", False)]
-         + [("swiglu", dt, "i16", True) for dt in ("q4_0", "q4_1")])  # the experts in the rows8 layout
-KERNELS = [make(form, "f32", dt, dt if FFN_FORMS[form].gated else None, dt, x, rows8)
-           for form, dt, x, rows8 in CASES for make in (moe, moe_chunk)]
+         + [("swiglu", dt, "i16", True) for dt in ("q4_0", "q4_1")]  # the experts in the rows8 layout
+         + [("swiglu", "q4_1/q8_0", "i16", True)])  # a Q4_K_M file's: q8_0 down rows one at a time
+KERNELS = [make(form, "f32", dt.split("/")[0], dt.split("/")[0] if FFN_FORMS[form].gated else None,
+                dt.split("/")[-1], x, rows8) for form, dt, x, rows8 in CASES for make in (moe, moe_chunk)]
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +35,27 @@ class Experts:
     """Random router and experts for ``form`` in ``dtype``, and the float values they decode to."""
 
     def __init__(self, form: str, dtype: str, seed: int, x_format: str = "f32", rows8: bool = False) -> None:
+        """``dtype``: the experts' format, or ``"up-gate/down"``'s two."""
+        dtype, down = dtype.split("/")[0], dtype.split("/")[-1]
+        self.dtype, self.down_dtype = dtype, down
         rng = np.random.default_rng(seed)
         self.form, self.spec, self.x_format = form, FFN_FORMS[form], x_format
         self.router = rng.normal(0, HIDDEN**-0.5, size=(E, HIDDEN)).astype(np.float32)  # logits ~N(0, 1): no one wins all
         self.up_raw, self.up = weights(rng, (E * N, HIDDEN), dtype, HIDDEN**-0.5)
         self.gate_raw, self.gate = weights(rng, (E * N, HIDDEN), dtype, HIDDEN**-0.5) if self.spec.gated else (None, None)
-        self.down_raw, self.down = weights(rng, (E * HIDDEN, N), dtype, N**-0.5)
+        self.down_raw, self.down = weights(rng, (E * HIDDEN, N), down, N**-0.5)
         if rows8:  # the kernel reads the stacked matrices eight rows to a group
             self.up_raw = to_rows8(self.up_raw, dtype, (E * N, HIDDEN))
             self.gate_raw = to_rows8(self.gate_raw, dtype, (E * N, HIDDEN)) if self.spec.gated else None
-            self.down_raw = to_rows8(self.down_raw, dtype, (E * HIDDEN, N))
-        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, dtype, x_format, rows8)
-        self.chunk = moe_chunk(form, "f32", dtype, dtype if self.spec.gated else None, dtype, x_format, rows8)
+            if down in quant.BLOCK_SIZE and down != "q8_0":
+                self.down_raw = to_rows8(self.down_raw, down, (E * HIDDEN, N))
+        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8)
+        self.chunk = moe_chunk(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8)
 
-    def rounded(self, v: np.ndarray) -> np.ndarray:
-        """``v`` as the experts' rows are dotted with it: rounded to int16 per block (4-bit rows)."""
-        return quant.round_x_blocks(v.astype(np.float32), self.x_format) if self.x_format != "f32" else v
+    def rounded(self, v: np.ndarray, dtype: str) -> np.ndarray:
+        """``v`` as rows of ``dtype`` are dotted with it: rounded to int16 per block (4-bit rows)."""
+        four_bit = self.x_format != "f32" and dtype in ("q4_0", "q4_1")
+        return quant.round_x_blocks(v.astype(np.float32), self.x_format) if four_bit else v
 
     def reference(self, x: np.ndarray, k: int, norm: bool) -> np.ndarray:
         """The interpreter's mixture in float64: the top k by logit (lower index first among
@@ -60,13 +66,13 @@ class Experts:
         probs /= probs.sum()
         chosen = np.argsort(-logits, kind="stable")[:k]
         w = probs[chosen] / (probs[chosen].sum() if norm else 1.0)
-        y, xr = np.zeros(HIDDEN), self.rounded(x).astype(np.float64)
+        y, xr = np.zeros(HIDDEN), self.rounded(x, self.dtype).astype(np.float64)
         for e, we in zip(chosen, w, strict=True):
             rows = slice(e * N, (e + 1) * N)
             up = self.up[rows].astype(np.float64) @ xr
             h = act64(self.spec.act, self.gate[rows].astype(np.float64) @ xr) * up if self.spec.gated else act64(
                 self.spec.act, up)
-            y += we * (self.down[e * HIDDEN : (e + 1) * HIDDEN].astype(np.float64) @ self.rounded(h))
+            y += we * (self.down[e * HIDDEN : (e + 1) * HIDDEN].astype(np.float64) @ self.rounded(h, self.down_dtype))
         return y
 
     def run(self, module, team, x: np.ndarray, k: int, norm: bool) -> np.ndarray:  # noqa: ANN001

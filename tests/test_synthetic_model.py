@@ -136,3 +136,34 @@ def test_a_q4_0_mixture_of_experts_runs_as_the_interpreter_computes_it(tmp_path:
         stepped = np.concatenate([s.feed([t], all_logits=True) for t in LONG])
     np.testing.assert_array_equal(chunked.view(np.uint32), stepped.view(np.uint32))
     assert synth.main(["hf", str(tmp_path / "hf"), "--shape", "tiny", "--experts", "4"]) == 1  # GGUF only
+
+
+def test_a_mixture_whose_down_rows_are_q8_0_reads_its_4_bit_rows_eight_at_a_time(tmp_path: Path) -> None:
+    # A Q4_K_M file's experts: up and gate 4-bit, down q8_0 in some layers (Q6_K, converted). The
+    # 4-bit matrices go to the rows8 layout, the q8_0 down rows stay rows, dotted with float h:
+    # the step and the chunk programs against the interpreter.
+    from dataclasses import replace
+
+    from runtime_cases import TOKENS, check_prefill, compiled, rel_err, runtime_logits
+
+    from picc.frontend.model import LoadedModel
+    from picc.interpreter import Interpreter
+    from picc.ir.module import WeightDecl
+    from picc.ir.types import TensorType
+    from picc.ir.weights import Tensor, WeightStore
+
+    path = tmp_path / "tiny-moe.gguf"
+    assert synth.main(["gguf", str(path), "--shape", "tiny", "--experts", "4", "--experts-used", "2"]) == 0
+    model = load_gguf(path)
+    down = {f"l{i}.moe.down" for i in range(TINY.n_layers)}
+    store = WeightStore({n: Tensor.from_f32(model.weights.f32(n), DType.Q8_0) if n in down else model.weights[n]
+                         for n in model.weights})
+    decls = tuple(WeightDecl(d.name, TensorType(DType.Q8_0, d.type.shape)) if d.name in down else d
+                  for d in model.module.weights)
+    mixed = LoadedModel(replace(model.module, weights=decls), store, model.tokenizer, source=str(path))
+    pib_path, pib = compiled(mixed, tmp_path, "mixed")
+    moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
+    assert {(op.kernel, op.layout) for op in moes} == {("picc_moe_swiglu_f32_q4_0_q4_0_q8_0_r8_xi16", "rows8")}
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(pib_path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(pib_path, pib, 1e-4)

@@ -20,7 +20,8 @@ x (:func:`~picc.codegen_cpu.rowops.emit_tiled_rows`), in the source layout, or, 
 ``"i16"``, 4-bit rows with x (and each expert's h) rounded to int16 per block, in integers (as
 the ``_xi16`` GEMVs); with ``rows8`` too, the experts' 4-bit matrices in the rows8 layout, eight
 rows at a time (:func:`~picc.codegen_cpu.rows8.emit_rows8`, as the ``_r8_xi16`` GEMVs; an
-expert's rows are a whole number of groups). The sums' order is the interpreter's up to float rounding (it adds the
+expert's rows are a whole number of groups), the others (a Q4_K_M file's q8_0 down rows) one at
+a time. The sums' order is the interpreter's up to float rounding (it adds the
 experts' outputs, then the residual).
 """
 
@@ -75,11 +76,20 @@ class _Experts:
     rounds: bool
     rows8: bool
 
+    @property
+    def rows8_in(self) -> bool:
+        """Up (and gate) in the rows8 layout: ``rows8`` and 4-bit."""
+        return self.rows8 and {self.up, self.gate or self.up} <= names.INT_DOT_DTYPES
+
+    @property
+    def rows8_down(self) -> bool:
+        return self.rows8 and self.down in names.INT_DOT_DTYPES
+
     def check(self) -> None:
         for d in (self.router, self.up, self.gate or self.up, self.down):
             check_dtype(d)
-        if self.rows8 and not (self.rounds and {self.up, self.gate or self.up, self.down} <= names.INT_DOT_DTYPES):
-            raise PiccError("codegen_cpu: a mixture's experts are read in the rows8 layout when they are 4-bit, "
+        if self.rows8 and not (self.rounds and (self.rows8_in or self.rows8_down)):
+            raise PiccError("codegen_cpu: a mixture's experts are read in the rows8 layout where they are 4-bit, "
                             "with int16 x")
 
 
@@ -218,20 +228,21 @@ class _Phases:
         # output rows a thread writes are then its groups' (lo_y, hi_y: whatever the layout)
         self.lo_gn, self.hi_gn = chunk_bounds(fn, fn.v(f"lshr i64 {self.n}, 3", "groups"), tid, nthreads)
         self.lo_gy, self.hi_gy = chunk_bounds(fn, fn.v(f"lshr i64 {self.hidden}, 3", "groups"), tid, nthreads)
-        if ex.rows8:
+        if ex.rows8_down:
             self.lo_y, self.hi_y = fn.v(f"shl i64 {self.lo_gy}, 3", "ylo"), fn.v(f"shl i64 {self.hi_gy}, 3", "yhi")
         self.router_bytes = emit_row_bytes(fn, ex.router, self.hidden)
         self.mats = [(ex.up, "%up"), *([(ex.gate, "%gate")] if ex.gate else [])]
         # bytes of one row (rows) or one group of eight (rows8)
-        self.row_bytes = [(emit_group_bytes if ex.rows8 else emit_row_bytes)(fn, d, self.hidden) for d, _ in self.mats]
-        self.down_bytes = (emit_group_bytes if ex.rows8 else emit_row_bytes)(fn, ex.down, self.n)
+        in_bytes = emit_group_bytes if ex.rows8_in else emit_row_bytes
+        self.row_bytes = [in_bytes(fn, d, self.hidden) for d, _ in self.mats]
+        self.down_bytes = (emit_group_bytes if ex.rows8_down else emit_row_bytes)(fn, ex.down, self.n)
         # x's and h's forms for the dot products, in the thread's stack, filled where each is dotted
         hblocks, xblocks = fn.v(f"lshr i64 {self.n}, 5", "nblk"), fn.v(f"lshr i64 {self.hidden}, 5", "xblk")
         experts_x = {ex.up, ex.gate or ex.up}
         self.router_sums = alloc_x_sums(fn, xblocks, {ex.router})
-        self.x_int = alloc_int_x(fn, xblocks, experts_x, rows8=ex.rows8) if ex.rounds else None
+        self.x_int = alloc_int_x(fn, xblocks, experts_x, rows8=ex.rows8_in) if ex.rounds else None
         self.x_sums = None if self.x_int is not None else alloc_x_sums(fn, xblocks, experts_x)
-        self.h_int = alloc_int_x(fn, hblocks, {ex.down}, rows8=ex.rows8) if ex.rounds else None
+        self.h_int = alloc_int_x(fn, hblocks, {ex.down}, rows8=ex.rows8_down) if ex.rounds else None
         self.h_sums = None if self.h_int is not None else alloc_x_sums(fn, hblocks, {ex.down})
         self.xblocks, self.hblocks = xblocks, hblocks
 
@@ -262,7 +273,7 @@ class _Phases:
         elif self.x_sums is not None:
             fill_x_sums(fn, x, self.xblocks, self.x_sums)
         rows = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.n}", "row0")  # the expert's first row of up and gate
-        first = fn.v(f"lshr i64 {rows}, 3", "grp0") if self.ex.rows8 else rows
+        first = fn.v(f"lshr i64 {rows}, 3", "grp0") if self.ex.rows8_in else rows
         experts = [(d, fn.gep(base, fn.v(f"mul i64 {first}, {rb}", "off"), "mat"), rb)
                    for (d, base), rb in zip(self.mats, self.row_bytes, strict=True)]
 
@@ -270,7 +281,7 @@ class _Phases:
             a = fn.v(f"call float @picc_act_{spec.act}(float {dots[1]})", "a") if spec.gated else None
             fn.store(F32, emit_h(fn, spec, a, dots[0]), fn.at(h, 4, r), 4)
 
-        if self.ex.rows8:
+        if self.ex.rows8_in:
             assert self.x_int is not None
             emit_rows8(fn, experts, self.x_int, self.hidden, self.lo_gn, self.hi_gn, store_h, self.vnni)
         else:
@@ -285,10 +296,10 @@ class _Phases:
         elif self.h_sums is not None:
             fill_x_sums(fn, h, self.hblocks, self.h_sums)
         rows = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.hidden}", "drow0")
-        first = fn.v(f"lshr i64 {rows}, 3", "dgrp0") if self.ex.rows8 else rows
+        first = fn.v(f"lshr i64 {rows}, 3", "dgrp0") if self.ex.rows8_down else rows
         down = [(self.ex.down, fn.gep("%down", fn.v(f"mul i64 {first}, {self.down_bytes}", "doff"), "down"),
                  self.down_bytes)]
-        if self.ex.rows8:
+        if self.ex.rows8_down:
             assert self.h_int is not None
             emit_rows8(fn, down, self.h_int, self.n, self.lo_gy, self.hi_gy, consume, self.vnni)
         else:

@@ -268,10 +268,13 @@ class OpLowering(ABC):
 
     def experts(self, op: O.MoE) -> tuple[Buf | Null, Buf | Null, Buf | Null]:
         """A mixture's up, gate (Null where the form has none) and down matrices, in the layout
-        its kernels read."""
-        layout = _layout(op)
-        return (self.weight(op.up, layout=layout), self.weight(op.gate, layout=layout),
-                self.weight(op.down, layout=layout))
+        its kernels read: rows8 for the 4-bit ones of a rows8 op."""
+
+        def of(w: str | None) -> Buf | Null:
+            four_bit = w is not None and self.weights[w].dtype.value in names.INT_DOT_DTYPES
+            return self.weight(w, layout=_layout(op) if four_bit else None)
+
+        return of(op.up), of(op.gate), of(op.down)
 
     def softcap(self, op: O.Softcap) -> None:
         """Capped logits, a call per token."""

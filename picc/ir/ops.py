@@ -560,8 +560,8 @@ class MoE(Op):
 
     ``x_format`` (``select-kernels``): ``"i16"`` where the experts' 4-bit rows are dotted with x
     (and h) rounded to int16 per block, as a ``MatrixOp``'s; the interpreter rounds alike.
-    ``layout``: ``"rows8"`` where the three matrices are stored eight rows to a group (4-bit, an
-    expert's rows a whole number of groups) and read so with int16 x.
+    ``layout``: ``"rows8"`` where the 4-bit ones of the three matrices are stored eight rows to a
+    group (an expert's rows a whole number of groups) and read so with int16 x.
     """
 
     NAME: ClassVar[str] = "moe"

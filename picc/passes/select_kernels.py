@@ -84,12 +84,12 @@ def _choose(op: Op, t: Types, rounded: str | None, byte_x: str | None, shared: f
     ``byte_x``: the same for q8_0 rows; ``shared``: weights more than one op reads, ``tied``: the
     same but for embeddings on the CPU (which can read a q8_0 table in the rows8 layout)."""
     four_bit = names.INT_DOT_DTYPES
-    if isinstance(op, O.MoE):  # int16 x where an expert matrix is 4-bit; rows8 where all are, in whole groups
-        matrices = tuple(w for w in (op.up, op.gate, op.down) if w)
-        if rounded is None or not four_bit & {t.fmt(w) for w in matrices}:
+    if isinstance(op, O.MoE):  # int16 x where an expert matrix is 4-bit; rows8 for those, in whole groups
+        four = tuple(w for w in (op.up, op.gate, op.down) if w and t.fmt(w) in four_bit)
+        if rounded is None or not four:
             return op
         n, hidden = t.dims(op.up)[0] // op.n_experts, t.dims(op.up)[1]
-        rows8 = n % 8 == 0 and hidden % 8 == 0 and rows8_fits(t, matrices, shared)
+        rows8 = n % 8 == 0 and hidden % 8 == 0 and rows8_fits(t, four, shared)
         return replace(op, x_format="i16", layout="rows8" if rows8 else "rows")
     if not isinstance(op, O.MatrixOp) or op.type.placement == Placement.GPU:
         return op
