@@ -47,6 +47,22 @@ def prefill_logits(path, ids, cuts, threads: int = 1) -> np.ndarray:
     return np.array(rows)
 
 
+def check_batch_rows(path, tokens, threads: int = 2) -> None:
+    """Two sequences of the same ``tokens`` through the server's batch step: each row's logits are
+    the one-sequence step's, bit for bit."""
+    from runtime.sequences import SequencePool
+
+    with Session(path, threads) as s:
+        expected = [s.feed([t]).copy() for t in tokens]
+    with Session(path, threads) as session:
+        cpu, pool = session.executor.cpu, SequencePool(session.executor, 2)
+        slots = [pool.acquire() for _ in range(2)]
+        for step, token in enumerate(tokens):
+            cpu.batch_step([token, token], [step, step], pool.pointers(slots))
+            for row in range(2):
+                np.testing.assert_array_equal(cpu.batch_logits(row).view(np.uint32), expected[step].view(np.uint32))
+
+
 def check_prefill(path, pib, tol: float) -> None:
     reference = Interpreter(pib.module, pib.weights).run(LONG)[[c - 1 for c in CUTS]]
     for threads in (1, 2):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import tiny_llama, with_tokenizer
-from runtime_cases import LONG, TOKENS, check_prefill, compiled, rel_err, runtime_logits
+from runtime_cases import LONG, TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
 
 from picc.cli import main
 from picc.interpreter import Interpreter
@@ -142,7 +142,6 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     from picc.compile import CompileOptions, compile_model, write_compiled
     from picc.frontend import load_model
     from picc.pib import load_pib
-    from runtime.sequences import SequencePool
 
     make_model(family, variant, tmp_path / "hf")
     model = with_tokenizer(load_model(tmp_path / "hf"))
@@ -159,15 +158,7 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)
-    with Session(path, 2) as s:
-        expected = [s.feed([t]).copy() for t in TOKENS[:3]]
-    with Session(path, 2) as session:
-        cpu, pool = session.executor.cpu, SequencePool(session.executor, 2)
-        slots = [pool.acquire() for _ in range(2)]
-        for step, token in enumerate(TOKENS[:3]):
-            cpu.batch_step([token, token], [step, step], pool.pointers(slots))
-            for row in range(2):
-                np.testing.assert_array_equal(cpu.batch_logits(row).view(np.uint32), expected[step].view(np.uint32))
+    check_batch_rows(path, TOKENS[:3])
 
 
 def test_gemma3s_layer_compiles_as_it_computes(tmp_path):
@@ -200,7 +191,6 @@ def test_gemma2s_soft_caps_compile_as_they_compute(tmp_path, sparse):
     # chunk programs and the server's batch step, against the interpreter (dense, and sparse
     # gate-first FFNs). Caps where this model's scores and logits (~N(0, 1)) bend.
     from picc.sparsity.sparsify import SparsifyOptions
-    from runtime.sequences import SequencePool
 
     model = with_tokenizer(tiny_llama("geglu_tanh", n_layers=2, hidden=64, n_ff=96, matrix_dtype=DType.F32,
                                       softcaps=(0.7, 0.8)))
@@ -220,15 +210,7 @@ def test_gemma2s_soft_caps_compile_as_they_compute(tmp_path, sparse):
     assert np.abs(reference).max() < 0.8 and rel_err(reference, plain) > 0.1  # the caps bend them
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)
-    with Session(path, 2) as s:
-        expected = [s.feed([t]).copy() for t in TOKENS[:3]]
-    with Session(path, 2) as session:
-        cpu, pool = session.executor.cpu, SequencePool(session.executor, 2)
-        slots = [pool.acquire() for _ in range(2)]
-        for step, token in enumerate(TOKENS[:3]):  # two rows, the same tokens: each row the step's bits
-            cpu.batch_step([token, token], [step, step], pool.pointers(slots))
-            for row in range(2):
-                np.testing.assert_array_equal(cpu.batch_logits(row).view(np.uint32), expected[step].view(np.uint32))
+    check_batch_rows(path, TOKENS[:3])
 
 
 def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path):

@@ -136,12 +136,7 @@ class ChunkLowering(OpLowering):
     def moe(self, op: O.MoE) -> None:
         """The chunk's tokens through their experts in one call (``kernels_moe.moe_chunk``): an
         expert's rows read once for the tokens that chose it, each token's output the step's bits."""
-        up = self.weights[op.up]
-        n, hidden = int(up.shape[0]) // op.n_experts, int(up.shape[1])
-        dtype = {w: self.weights[w].dtype.value for w in (op.router, op.up, op.down)}
-        gate = self.weights[op.gate].dtype.value if op.gate else None
-        kernel = kernels_moe.moe_chunk(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format,
-                                       _rows8(op))
+        kernel, n, hidden = self.moe_kernel(op, kernels_moe.moe_chunk)
         scratch = self.bufs.need_scratch(kernels_moe.moe_chunk_scratch_bytes(op.n_experts, op.top_k, n, hidden,
                                                                               self.regions.size))
         self._rows_call(op, kernel, self.value(op.x), self.weight(op.router), *self.experts(op),

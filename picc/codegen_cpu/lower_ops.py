@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -256,15 +257,19 @@ class OpLowering(ABC):
 
     def moe(self, op: O.MoE) -> None:
         """A mixture of experts, a call per token (its router's choice is the token's own)."""
-        up = self.weights[op.up]
-        n, hidden = int(up.shape[0]) // op.n_experts, int(up.shape[1])
-        dtype = {w: self.weights[w].dtype.value for w in (op.router, op.up, op.down)}
-        gate = self.weights[op.gate].dtype.value if op.gate else None
-        kernel = kernels_moe.moe(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format,
-                                 _rows8(op))
+        kernel, n, hidden = self.moe_kernel(op, kernels_moe.moe)
         scratch = self.bufs.need_scratch(kernels_moe.moe_scratch_bytes(op.n_experts, op.top_k, n))
         self.call(op, kernel, self.value(op.x), self.weight(op.router), *self.experts(op), self.activation(op.result),
                   scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk))
+
+    def moe_kernel(self, op: O.MoE, make: Callable[..., Kernel]) -> tuple[Kernel, int, int]:
+        """``make`` (``kernels_moe.moe`` or ``moe_chunk``) for ``op``'s formats and layout, an
+        expert's neurons and the hidden size."""
+        rows, hidden = (int(d) for d in self.weights[op.up].shape)
+        dtype = {w: self.weights[w].dtype.value for w in (op.router, op.up, op.down)}
+        gate = self.weights[op.gate].dtype.value if op.gate else None
+        kernel = make(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format, _rows8(op))
+        return kernel, rows // op.n_experts, hidden
 
     def experts(self, op: O.MoE) -> tuple[Buf | Null, Buf | Null, Buf | Null]:
         """A mixture's up, gate (Null where the form has none) and down matrices, in the layout
