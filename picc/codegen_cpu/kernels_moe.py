@@ -1,6 +1,7 @@
-"""A mixture of experts for one token (``picc.ir.ops.MoE``): the router, its top-k, the experts.
+"""A mixture of experts (``picc.ir.ops.MoE``): the router, its top-k, the experts, for a token
+(:func:`moe`) and for a prompt's chunk of tokens (:func:`moe_chunk`, the same bits a token).
 
-One call computes ``y = sum_j w_j down_e_j(h_e_j(x))`` over the ``top_k`` experts the router
+One call of :func:`moe` computes ``y = sum_j w_j down_e_j(h_e_j(x))`` over the ``top_k`` experts the router
 ranks first, in four steps and two barriers:
 
 1. Threads split the router's ``n_experts`` rows: its logits go to the scratch.
@@ -21,8 +22,8 @@ x (:func:`~picc.codegen_cpu.rowops.emit_tiled_rows`), in the source layout, or, 
 the ``_xi16`` GEMVs); with ``rows8`` too, the experts' 4-bit matrices in the rows8 layout, eight
 rows at a time (:func:`~picc.codegen_cpu.rows8.emit_rows8`, as the ``_r8_xi16`` GEMVs; an
 expert's rows are a whole number of groups), the others (a Q4_K_M file's q8_0 down rows) one at
-a time. The sums' order is the interpreter's up to float rounding (it adds the
-experts' outputs, then the residual).
+a time. The sums' order is the interpreter's up to float rounding (it adds the experts' outputs,
+then the residual).
 """
 
 from __future__ import annotations
