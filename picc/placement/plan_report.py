@@ -44,9 +44,10 @@ def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
     """Each weight of ``op`` as (bytes, the rate key of the kernel reading it). A fused FFN's down
     rows are neuron-major AXPYs; a dense FFN in the source layout dots its down rows with h; a
     mixture of experts reads its router and ``top_k`` of its ``n_experts`` experts a token."""
-    if isinstance(op, O.MoE):
+    if isinstance(op, O.MoE):  # the experts as its kernel reads them (rows8: the 4-bit ones)
         share = op.top_k / op.n_experts
-        reads = cpu_weight_reads(weights, op.weights(), "f32")
+        rows8 = [w for w in (op.up, op.gate, op.down) if w and weights[w].dtype.value in names.INT_DOT_DTYPES]
+        reads = cpu_weight_reads(weights, op.weights(), op.x_format, rows8=rows8 if op.layout == "rows8" else ())
         return [(nbytes if name == op.router else round(nbytes * share), key)
                 for name, (nbytes, key) in zip(op.weights(), reads, strict=True)]
     if not isinstance(op, O.MatrixOp) or op.layout != "rows8":
