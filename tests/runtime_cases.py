@@ -47,20 +47,23 @@ def prefill_logits(path, ids, cuts, threads: int = 1) -> np.ndarray:
     return np.array(rows)
 
 
-def check_batch_rows(path, tokens, threads: int = 2) -> None:
-    """Two sequences of the same ``tokens`` through the server's batch step: each row's logits are
-    the one-sequence step's, bit for bit."""
+def check_batch_rows(path, tokens, threads: int = 2, others=None) -> None:
+    """Two sequences through the server's batch step, ``tokens`` and ``others`` (default: the
+    same tokens): each row's logits are its one-sequence step's, bit for bit."""
     from runtime.sequences import SequencePool
 
-    with Session(path, threads) as s:
-        expected = [s.feed([t]).copy() for t in tokens]
+    rows = [list(tokens), list(others if others is not None else tokens)]
+    expected = []
+    for row in rows:
+        with Session(path, threads) as s:
+            expected.append([s.feed([t]).copy() for t in row])
     with Session(path, threads) as session:
         cpu, pool = session.executor.cpu, SequencePool(session.executor, 2)
         slots = [pool.acquire() for _ in range(2)]
-        for step, token in enumerate(tokens):
-            cpu.batch_step([token, token], [step, step], pool.pointers(slots))
-            for row in range(2):
-                np.testing.assert_array_equal(cpu.batch_logits(row).view(np.uint32), expected[step].view(np.uint32))
+        for step in range(len(rows[0])):
+            cpu.batch_step([row[step] for row in rows], [step, step], pool.pointers(slots))
+            for r in range(2):
+                np.testing.assert_array_equal(cpu.batch_logits(r).view(np.uint32), expected[r][step].view(np.uint32))
 
 
 def check_prefill(path, pib, tol: float) -> None:

@@ -158,6 +158,10 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)
+    with PibFile(path) as f:  # the batch step takes its rows through the experts in one call, as a chunk's
+        ir = f.text("cpu/ir")
+    batch = ir[ir.index("define void @picc_batch_step("):]
+    assert batch[: batch.index("\n}")].count("@picc_moe_swiglu_f32_f32_f32_f32_chunk(") == len(moes)
     check_batch_rows(path, TOKENS[:3])
 
 

@@ -109,8 +109,8 @@ def test_a_q4_0_mixture_of_experts_runs_as_the_interpreter_computes_it(tmp_path:
     # x and h rounded to int16 (a _r8_xi16 kernel), which the interpreter rounds alike: the step and the chunk programs
     # against it, as for every other int16-x kernel (1e-4). The chunk programs take a prompt's
     # tokens through the experts together (an expert's rows read once), each token's logits the
-    # step's bits, so a server may take their KV rows for a reply's.
-    from runtime_cases import LONG, TOKENS, check_prefill, compiled, rel_err, runtime_logits
+    # step's bits, so a server may take their KV rows for a reply's; so does the batch step.
+    from runtime_cases import LONG, TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
 
     from picc.interpreter import Interpreter
     from runtime.pib import PibFile
@@ -121,7 +121,7 @@ def test_a_q4_0_mixture_of_experts_runs_as_the_interpreter_computes_it(tmp_path:
     model = load_gguf(path)
     assert model.weights["l1.moe.up"].dtype == DType.Q4_0 and model.weights["l1.moe.router"].dtype == DType.F32
     assert model.weights["l1.moe.up"].shape == (4 * TINY.n_ff, TINY.hidden)
-    pib_path, pib = compiled(model, tmp_path, "moe")
+    pib_path, pib = compiled(model, tmp_path, "moe", batch_step=True)
     moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
     assert len(moes) == TINY.n_layers and {op.kernel for op in moes} == {"picc_moe_swiglu_f32_q4_0_q4_0_q4_0_r8_xi16"}
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
@@ -135,6 +135,7 @@ def test_a_q4_0_mixture_of_experts_runs_as_the_interpreter_computes_it(tmp_path:
     with Session(pib_path, 2) as s:
         stepped = np.concatenate([s.feed([t], all_logits=True) for t in LONG])
     np.testing.assert_array_equal(chunked.view(np.uint32), stepped.view(np.uint32))
+    check_batch_rows(pib_path, TOKENS[:4], others=LONG[:4])  # two rows, their own experts, in one call
     assert synth.main(["hf", str(tmp_path / "hf"), "--shape", "tiny", "--experts", "4"]) == 1  # GGUF only
 
 

@@ -13,6 +13,8 @@ server's batches must not change what a sequence generates (sparse gate decision
   with each row exactly as the one-row kernel dots it, the rows split across threads as there;
 * attention takes the batch in one call (``attention_rows``), each (row, head) computed by the
   emitter of the step's kernel against the row's own caches;
+* a mixture of experts takes the batch in one call (``moe_chunk``, the prefill's): an expert's
+  rows read once for the rows that chose it, each row's output the step kernel's bits;
 * every other op (norms, rotary embedding, sparse FFNs, the argmax) calls the step's own
   kernel once per row (:meth:`Program.call`'s ``repeat``), on that row's memory: row s's values
   live in its own copy of the step's activation buffer (``stride`` bytes apart, each value at the
@@ -23,7 +25,7 @@ Only a model that runs on the CPU alone has one (a GPU part runs one sequence's 
 
 from __future__ import annotations
 
-from picc.codegen_cpu import kernels_attention, kernels_misc
+from picc.codegen_cpu import kernels_attention, kernels_misc, kernels_moe
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, ZEROS, CpuBuffers
 from picc.codegen_cpu.chunks import aligned
 from picc.codegen_cpu.lower_decode import DecodeLowering
@@ -108,6 +110,17 @@ class BatchLowering(DecodeLowering):
         y, accumulate, writes = self.output(op)
         kernel, args = self.batched_dense_ffn(op, y, accumulate, self.capacity)
         self._rows_call(op, kernel, *args, writes=writes)
+
+    def moe(self, op: O.MoE) -> None:
+        """The batch's rows through their experts in one call (``kernels_moe.moe_chunk``, as a
+        prompt's chunk: an expert's rows read once for the rows that chose it, each row's output
+        the one-row kernel's bits)."""
+        kernel, n, hidden = self.moe_kernel(op, kernels_moe.moe_chunk)
+        scratch = self.bufs.need_scratch(kernels_moe.moe_chunk_scratch_bytes(op.n_experts, op.top_k, n, hidden,
+                                                                              self.capacity))
+        self._rows_call(op, kernel, self.value(op.x), self.weight(op.router), *self.experts(op),
+                        self.activation(op.result), scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk),
+                        writes=set())
 
     def attention(self, op: O.Attention) -> None:
         """One call for the batch's rows, each against its own caches (``attention_rows``)."""
