@@ -89,6 +89,16 @@ class _Meta:
     def get(self, key: str, default: object = None) -> object:
         return self.file.get(key, default)
 
+    def positive(self, key: str, default: float, zero_means_default: bool = False) -> float:
+        """The number > 0 at ``key``: ``default`` where the file names none (or 0, with
+        ``zero_means_default``: llama.cpp's reading of keys it treats as unset at 0)."""
+        value = self.get(key, default)
+        if zero_means_default and value == 0 and not isinstance(value, bool):
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise PiccError(f"{self.path}: {key} must be a number > 0, got {value!r}")
+        return float(value)
+
     def need(self, key: str) -> object:
         value = self.get(key)
         if value is None:
@@ -288,11 +298,11 @@ def load_gguf(path: Path) -> LoadedModel:
         moe=_moe(meta, key, arch, n_ff, path),
     )
     if arch in ("granite", "granitemoe"):
-        spec, store = _granite(spec, store, meta, key, path)
+        spec, store = _granite(spec, store, meta, key)
     elif arch == "olmo2":  # the attention's and the MLP's outputs normalised; q's and k's norms over all heads
         spec = replace(spec, qk_norm=True, qk_norm_whole=True, pre_norm=False, sandwich=True)
     elif arch == "gemma2":
-        spec = _gemma2(spec, meta, key, path)
+        spec = _gemma2(spec, meta, key)
     elif arch == "gemma3":
         spec = _gemma3(spec, meta, key, path)
     module = build_llama(spec, store)
@@ -325,19 +335,17 @@ def _moe(meta: _Meta, key: Callable[[str], str], arch: str, n_ff: int, path: Pat
     return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=True)
 
 
-def _granite(spec: LlamaSpec, store: WeightStore, meta: _Meta, key: Callable[[str], str],
-             path: Path) -> tuple[LlamaSpec, WeightStore]:
-    """A ``granite`` (or ``granitemoe``) file's model: Llama's layer with ``embedding_scale``, ``residual_scale``,
-    ``attention.scale`` and ``logit_scale`` (llama.cpp's names for GraniteConfig's multipliers;
-    1, 1, head_dim's and 1 where a file names none or 0, as llama.cpp reads them) as the HF frontend maps them
+def _granite(spec: LlamaSpec, store: WeightStore, meta: _Meta,
+             key: Callable[[str], str]) -> tuple[LlamaSpec, WeightStore]:
+    """A ``granite`` (or ``granitemoe``) file's model: Llama's layer with ``embedding_scale``,
+    ``residual_scale``, ``attention.scale`` and ``logit_scale`` (llama.cpp's names for
+    GraniteConfig's multipliers; 1, 1, head_dim's and 1 where a file names none or 0, as llama.cpp
+    reads them) as the HF frontend maps them
     (``picc.frontend.hf._granite``: the embedding scaled by ``embedding / residual``, every
     norm's eps divided by ``residual^2``, the final norm's weight by ``logit_scale``)."""
-    scales = {}
-    for name in ("embedding_scale", "residual_scale", "attention.scale", "logit_scale"):
-        value = meta.get(key(name)) or (1.0 if name != "attention.scale" else 1 / math.sqrt(spec.head_dim))  # 0: unset
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-            raise PiccError(f"{path}: {key(name)} must be a number > 0, got {value!r}")
-        scales[name] = float(value)
+    scales = {name: meta.positive(key(name), 1.0 if name != "attention.scale" else 1 / math.sqrt(spec.head_dim),
+                                  zero_means_default=True)
+              for name in ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")}
     m = scales["residual_scale"]
     norm = Tensor.from_f32(store["output_norm"].to_f32() / np.float32(scales["logit_scale"]))
     store = WeightStore({n: norm if n == "output_norm" else store[n] for n in store})
@@ -361,18 +369,13 @@ GEMMA2_WINDOW = 4096  # llama.cpp's n_swa where a gemma2 file names no attention
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # llama.cpp's defaults (hparams)
 
 
-def _gemma2(spec: LlamaSpec, meta: _Meta, key: Callable[[str], str], path: Path) -> LlamaSpec:
+def _gemma2(spec: LlamaSpec, meta: _Meta, key: Callable[[str], str]) -> LlamaSpec:
     """A ``gemma2`` file's model as llama.cpp runs it (:func:`_gemma`): one rope (the file's) for all
     layers, a window of ``attention.sliding_window`` on every even layer (``set_swa_pattern(2)``),
     the attention's scores soft-capped by ``attn_logit_softcapping`` and the logits by
     ``final_logit_softcapping``: ``cap * tanh(x / cap)``, 50 and 30 where the file names none."""
     window = _opt_int(meta.get(key("attention.sliding_window"), GEMMA2_WINDOW))
-    caps = []
-    for name, default in GEMMA2_SOFTCAPS.items():
-        cap = meta.get(key(name), default)
-        if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf:
-            raise PiccError(f"{path}: {key(name)} must be a number > 0, got {cap!r}")
-        caps.append(float(cap))
+    caps = [meta.positive(key(name), default) for name, default in GEMMA2_SOFTCAPS.items()]
     return replace(_gemma(spec, 46), window=tuple(None if i % 2 else window for i in range(spec.n_layers)),
                    attn_softcap=caps[0], logit_softcap=caps[1])
 
