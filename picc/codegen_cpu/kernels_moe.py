@@ -120,7 +120,8 @@ def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, dow
         # 2. the top k and their weights, in every thread
         chosen, weights, taken = p.choice_arrays(1)
         _top_k(fn, p.logits, p.n_exp, p.k, chosen, weights, taken)
-        # 3. each chosen expert's h
+        # 3. each chosen expert's h (x in the experts' form once for all of them)
+        p.prepare_x("%x")
         with fn.loop("0", p.k, hint="j") as j:
             p.expert_h(fn.load(I32, fn.at(chosen, 4, j), 4, "e"), "%x", p.h_row(j))
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
@@ -157,7 +158,7 @@ def moe_chunk(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | Non
         p = _Phases(fn, ex, level)
         seq = fn.sext("%seq")
         x_stride, y_stride = fn.sext("%x_stride"), fn.sext("%y_stride")
-        e_pad = fn.v(f"and i64 {fn.v(f'add i64 {p.n_exp}, 15', 'e16')}, -16", "epad")
+        e_pad = p.e_pad
         h_all = fn.at("%scratch", 4, fn.v(f"mul i64 {seq}, {e_pad}", "lall"), "hall")
         d_all = fn.at(h_all, 4, fn.v(f"mul i64 {seq}, {fn.v(f'mul i64 {p.k}, {p.n}', 'kn')}", "hsz"), "dall")
 
@@ -183,6 +184,7 @@ def moe_chunk(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | Non
             s = slot(t, j)
             e32 = fn.v(f"trunc i64 {e} to i32", "e32")
             with fn.if_(fn.v(f"icmp eq i32 {fn.load(I32, fn.at(chosen, 4, s), 4, 'c')}, {e32}", "mine"), "use"):
+                p.prepare_x(x_of(t))
                 p.expert_h(e32, x_of(t), fn.at(h_all, 4, fn.v(f"mul i64 {s}, {p.n}", "ho"), "hrow"))
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # 4. the down rows' dot products of each (token, choice), expert after expert
@@ -220,8 +222,8 @@ class _Phases:
         self.n_exp, self.k, self.n, self.hidden = (fn.sext(f"%{p}") for p in ("n_experts", "top_k", "n", "hidden"))
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
         self.logits = "%scratch"
-        e_pad = fn.v(f"and i64 {fn.v(f'add i64 {self.n_exp}, 15', 'e16')}, -16", "epad")
-        self.h_all = fn.at("%scratch", 4, e_pad, "h")
+        self.e_pad = fn.v(f"and i64 {fn.v(f'add i64 {self.n_exp}, 15', 'e16')}, -16", "epad")  # a token's logits
+        self.h_all = fn.at("%scratch", 4, self.e_pad, "h")
         self.lo_r, self.hi_r = chunk_bounds(fn, self.n_exp, tid, nthreads)
         self.lo_n, self.hi_n = chunk_bounds(fn, self.n, tid, nthreads)
         self.lo_y, self.hi_y = chunk_bounds(fn, self.hidden, tid, nthreads)
@@ -266,13 +268,17 @@ class _Phases:
                         self.simd, lambda r, dots: fn.store(F32, dots[0], fn.at(out, 4, r), 4),
                         xsums=self.router_sums)
 
-    def expert_h(self, e: str, x: str, h: str) -> None:
-        """The thread's share of expert ``e``'s (i32) ``h`` of ``x`` into ``h``."""
-        fn, spec = self.fn, self.ex.spec
+    def prepare_x(self, x: str) -> None:
+        """``x`` in the form the experts' rows dot (rounded, or its block sums), for :meth:`expert_h`."""
         if self.x_int is not None:
-            fill_int_x(fn, x, self.xblocks, self.x_int)
+            fill_int_x(self.fn, x, self.xblocks, self.x_int)
         elif self.x_sums is not None:
-            fill_x_sums(fn, x, self.xblocks, self.x_sums)
+            fill_x_sums(self.fn, x, self.xblocks, self.x_sums)
+
+    def expert_h(self, e: str, x: str, h: str) -> None:
+        """The thread's share of expert ``e``'s (i32) ``h`` of ``x`` (prepared: :meth:`prepare_x`)
+        into ``h``."""
+        fn, spec = self.fn, self.ex.spec
         rows = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.n}", "row0")  # the expert's first row of up and gate
         first = fn.v(f"lshr i64 {rows}, 3", "grp0") if self.ex.rows8_in else rows
         experts = [(d, fn.gep(base, fn.v(f"mul i64 {first}, {rb}", "off"), "mat"), rb)
