@@ -25,7 +25,7 @@ Only a model that runs on the CPU alone has one (a GPU part runs one sequence's 
 
 from __future__ import annotations
 
-from picc.codegen_cpu import kernels_attention, kernels_misc, kernels_moe
+from picc.codegen_cpu import kernels_attention, kernels_misc
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SYNC, ZEROS, CpuBuffers
 from picc.codegen_cpu.chunks import aligned
 from picc.codegen_cpu.lower_decode import DecodeLowering
@@ -115,12 +115,8 @@ class BatchLowering(DecodeLowering):
         """The batch's rows through their experts in one call (``kernels_moe.moe_chunk``, as a
         prompt's chunk: an expert's rows read once for the rows that chose it, each row's output
         the one-row kernel's bits)."""
-        kernel, n, hidden = self.moe_kernel(op, kernels_moe.moe_chunk)
-        scratch = self.bufs.need_scratch(kernels_moe.moe_chunk_scratch_bytes(op.n_experts, op.top_k, n, hidden,
-                                                                              self.capacity))
-        self._rows_call(op, kernel, self.value(op.x), self.weight(op.router), *self.experts(op),
-                        self.activation(op.result), scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk),
-                        writes=set())
+        kernel, args = self.batched_moe(op, self.capacity)
+        self._rows_call(op, kernel, *args, writes=set())
 
     def attention(self, op: O.Attention) -> None:
         """One call for the batch's rows, each against its own caches (``attention_rows``)."""

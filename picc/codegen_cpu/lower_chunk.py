@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from picc import kernel_names as names
-from picc.codegen_cpu import kernels_dense, kernels_misc, kernels_moe, kernels_prefill
+from picc.codegen_cpu import kernels_dense, kernels_misc, kernels_prefill
 from picc.codegen_cpu.buffers import PARAM_SLOTS, PARAMS, SCRATCH, CpuBuffers
 from picc.codegen_cpu.chunks import ChunkPlan, ChunkRegions, plan_chunk
 from picc.codegen_cpu.lower_ops import _BARRIER_FREE, OpLowering, _layout, _rows8, _x_format
@@ -136,12 +136,8 @@ class ChunkLowering(OpLowering):
     def moe(self, op: O.MoE) -> None:
         """The chunk's tokens through their experts in one call (``kernels_moe.moe_chunk``): an
         expert's rows read once for the tokens that chose it, each token's output the step's bits."""
-        kernel, n, hidden = self.moe_kernel(op, kernels_moe.moe_chunk)
-        scratch = self.bufs.need_scratch(kernels_moe.moe_chunk_scratch_bytes(op.n_experts, op.top_k, n, hidden,
-                                                                              self.regions.size))
-        self._rows_call(op, kernel, self.value(op.x), self.weight(op.router), *self.experts(op),
-                        self.activation(op.result), scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk),
-                        x_width=hidden, y_width=hidden)
+        kernel, args = self.batched_moe(op, self.regions.size)
+        self._rows_call(op, kernel, *args, x_width=self.width(op.x), y_width=self.width(op.x))
 
     def add(self, op: O.Add) -> None:
         # Elementwise over the chunk's whole buffer (rows past seq are computed and never read).

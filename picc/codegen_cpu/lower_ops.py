@@ -262,6 +262,15 @@ class OpLowering(ABC):
         self.call(op, kernel, self.value(op.x), self.weight(op.router), *self.experts(op), self.activation(op.result),
                   scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk))
 
+    def batched_moe(self, op: O.MoE, rows: int) -> tuple[Kernel, tuple[object, ...]]:
+        """``op``'s many-token kernel (``kernels_moe.moe_chunk``) and its arguments but the trailing
+        rows and strides, with scratch for up to ``rows`` rows: the prefill's tokens and the batch
+        step's rows call it alike."""
+        kernel, n, hidden = self.moe_kernel(op, kernels_moe.moe_chunk)
+        scratch = self.bufs.need_scratch(kernels_moe.moe_chunk_scratch_bytes(op.n_experts, op.top_k, n, hidden, rows))
+        return kernel, (self.value(op.x), self.weight(op.router), *self.experts(op), self.activation(op.result),
+                        scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk))
+
     def moe_kernel(self, op: O.MoE, make: Callable[..., Kernel]) -> tuple[Kernel, int, int]:
         """``make`` (``kernels_moe.moe`` or ``moe_chunk``) for ``op``'s formats and layout, an
         expert's neurons and the hidden size."""
