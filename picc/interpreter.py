@@ -51,6 +51,15 @@ def activation(name: str, x: np.ndarray) -> np.ndarray:
     raise NotImplementedError(name)
 
 
+def clamped_swiglu(gate: np.ndarray | None, up: np.ndarray, limit: float, alpha: float) -> np.ndarray:
+    """gpt-oss's SwiGLU (``picc.ir.ops.MoE.swiglu_limit``): ``g sigmoid(alpha g) (u + 1)`` of the
+    gate clamped above at ``limit`` and the up projection to ``[-limit, limit]``, in float32."""
+    assert gate is not None
+    lim = np.float32(limit)
+    g, u = np.minimum(gate, lim), np.clip(up, -lim, lim)
+    return g / (np.float32(1) + np.exp(-(np.float32(alpha) * g))) * (u + np.float32(1))
+
+
 def rope_cos_sin(op: O.Rope, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The cosines and sines of ``op``'s angles at positions ``pos`` (times its
     ``attention_factor``): float32 [len(pos), r/2] each. The CPU kernels read them from tables
@@ -326,7 +335,11 @@ class Interpreter:
         """Each token through its router's ``top_k`` experts (ranked by the router's logits, the
         order of their softmax), their outputs weighted by the softmax and summed in that order."""
         w = self.weights.f32
-        logits = x @ w(op.router).T
+
+        def bias(name: str | None, part: slice | None = None) -> np.ndarray | np.float32:
+            return np.float32(0) if name is None else w(name) if part is None else w(name)[part]
+
+        logits = x @ w(op.router).T + bias(op.router_bias)
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
         up, down = w(op.up), w(op.down)
@@ -344,10 +357,13 @@ class Interpreter:
             if op.norm_topk:
                 weights = weights / weights.sum()
             for e, weight in zip(chosen, weights, strict=True):
-                rows = slice(e * n_ff, (e + 1) * n_ff)
-                g = rounded(x[s], op.gate) @ gate[rows].T if op.gate and gate is not None else None
-                h, _ = _activations(op.spec, rounded(x[s], op.up) @ up[rows].T, g)
-                out[s] += weight * (rounded(h, op.down) @ down[e * hidden : (e + 1) * hidden].T)
+                rows, out_rows = slice(e * n_ff, (e + 1) * n_ff), slice(e * hidden, (e + 1) * hidden)
+                u = rounded(x[s], op.up) @ up[rows].T + bias(op.up_bias, rows)
+                g = (rounded(x[s], op.gate) @ gate[rows].T + bias(op.gate_bias, rows)
+                     if op.gate and gate is not None else None)
+                h = clamped_swiglu(g, u, op.swiglu_limit, op.swiglu_alpha) if op.swiglu_limit is not None \
+                    else _activations(op.spec, u, g)[0]
+                out[s] += weight * (rounded(h, op.down) @ down[out_rows].T + bias(op.down_bias, out_rows))
         return out
 
     def dot_input(self, op: Op, weight: str, x: np.ndarray) -> np.ndarray:

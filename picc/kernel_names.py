@@ -242,12 +242,14 @@ def cpu_gemv_rows(dtype: str, x_format: str = "f32", rows8: bool = False) -> str
 
 
 def cpu_moe(form: str, router: str, up: str, gate: str | None, down: str, x_format: str = "f32",
-            rows8: bool = False) -> str:
+            rows8: bool = False, biases: str = "", clamped: bool = False) -> str:
     """A mixture of experts for one token (router, top-k, the chosen experts); ``x_format``
     ``"i16"``: the experts' 4-bit rows dotted with x and h rounded to int16; ``rows8``: the experts'
-    4-bit matrices in the rows8 layout."""
+    4-bit matrices in the rows8 layout; ``biases``: the ones it adds (``picc.ir.ops.MoE.biases``);
+    ``clamped``: gpt-oss's clamped SwiGLU."""
     return (f"picc_moe_{form}_{router}_{up}_{gate or 'none'}_{down}" + (ROWS8_SUFFIX if rows8 else "")
-            + _int_suffix(x_format, up, gate, down))
+            + _int_suffix(x_format, up, gate, down) + (f"_b{biases}" if biases else "")
+            + ("_clamped" if clamped else ""))
 
 
 def cpu_dense_ffn_rows(form: str, up: str, gate: str | None, down: str, x_format: str = "f32",

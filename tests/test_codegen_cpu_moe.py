@@ -22,8 +22,13 @@ CASES = ([("swiglu", dt, "f32", False) for dt in ("f32", "f16", "q8_0", "q4_0", 
          + [("geglu_tanh", "f16", "f32", False)]
          + [("swiglu", dt, "i16", True) for dt in ("q4_0", "q4_1")]  # the experts in the rows8 layout
          + [("swiglu", "q4_1/q8_0", "i16", True)])  # a Q4_K_M file's: q8_0 down rows one at a time
+# gpt-oss's: the four biases and the clamped SwiGLU (alpha 1.702, limit 7), float and rows8 experts
+OAI_CASES = [("swiglu", "f32", "f32", False), ("swiglu", "q4_0", "i16", True)]
+ALPHA, LIMIT = 1.702, 7.0
 KERNELS = [make(form, "f32", dt.split("/")[0], dt.split("/")[0] if FFN_FORMS[form].gated else None,
                 dt.split("/")[-1], x, rows8) for form, dt, x, rows8 in CASES for make in (moe, moe_chunk)]
+KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, "rugd", True) for form, dt, x, rows8 in OAI_CASES
+            for make in (moe, moe_chunk)]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +39,10 @@ def host():
 class Experts:
     """Random router and experts for ``form`` in ``dtype``, and the float values they decode to."""
 
-    def __init__(self, form: str, dtype: str, seed: int, x_format: str = "f32", rows8: bool = False) -> None:
-        """``dtype``: the experts' format, or ``"up-gate/down"``'s two."""
+    def __init__(self, form: str, dtype: str, seed: int, x_format: str = "f32", rows8: bool = False,
+                 oai: bool = False) -> None:
+        """``dtype``: the experts' format, or ``"up-gate/down"``'s two; ``oai``: gpt-oss's biases
+        and clamped SwiGLU."""
         dtype, down = dtype.split("/")[0], dtype.split("/")[-1]
         self.dtype, self.down_dtype = dtype, down
         rng = np.random.default_rng(seed)
@@ -49,8 +56,18 @@ class Experts:
             self.gate_raw = to_rows8(self.gate_raw, dtype, (E * N, HIDDEN)) if self.spec.gated else None
             if down in quant.BLOCK_SIZE and down != "q8_0":
                 self.down_raw = to_rows8(self.down_raw, down, (E * HIDDEN, N))
-        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8)
-        self.chunk = moe_chunk(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8)
+        # gpt-oss: biases of a few units (its up and gate projections reach past the clamp at 7)
+        self.oai = oai
+        self.biases = [rng.normal(0, scale, size=n).astype(np.float32)
+                       for n, scale in ((E, 1.0), (E * N, 4.0), (E * N, 4.0), (E * HIDDEN, 1.0))] if oai else []
+        extra = ("rugd", True) if oai else ()
+        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8, *extra)
+        self.chunk = moe_chunk(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8, *extra)
+
+    @property
+    def extras(self) -> tuple:
+        """The gpt-oss variants' trailing arguments."""
+        return (*self.biases, ALPHA, LIMIT) if self.oai else ()
 
     def rounded(self, v: np.ndarray, dtype: str) -> np.ndarray:
         """``v`` as rows of ``dtype`` are dotted with it: rounded to int16 per block (4-bit rows)."""
@@ -61,25 +78,31 @@ class Experts:
         """The interpreter's mixture in float64: the top k by logit (lower index first among
         equals), softmax weights, renormalised where ``norm``; x and h rounded as the kernel reads
         them."""
-        logits = self.router.astype(np.float64) @ x
+        rb, ub, gb, db = (b.astype(np.float64) for b in self.biases) if self.oai else (0.0,) * 4
+        logits = self.router.astype(np.float64) @ x + rb
         probs = np.exp(logits - logits.max())
         probs /= probs.sum()
         chosen = np.argsort(-logits, kind="stable")[:k]
         w = probs[chosen] / (probs[chosen].sum() if norm else 1.0)
         y, xr = np.zeros(HIDDEN), self.rounded(x, self.dtype).astype(np.float64)
         for e, we in zip(chosen, w, strict=True):
-            rows = slice(e * N, (e + 1) * N)
-            up = self.up[rows].astype(np.float64) @ xr
-            h = act64(self.spec.act, self.gate[rows].astype(np.float64) @ xr) * up if self.spec.gated else act64(
-                self.spec.act, up)
-            y += we * (self.down[e * HIDDEN : (e + 1) * HIDDEN].astype(np.float64) @ self.rounded(h, self.down_dtype))
+            rows, out = slice(e * N, (e + 1) * N), slice(e * HIDDEN, (e + 1) * HIDDEN)
+            up = self.up[rows].astype(np.float64) @ xr + (ub[rows] if self.oai else 0.0)
+            if self.oai:
+                g = np.minimum(self.gate[rows].astype(np.float64) @ xr + gb[rows], LIMIT)
+                h = g / (1 + np.exp(-ALPHA * g)) * (np.clip(up, -LIMIT, LIMIT) + 1)
+            elif self.spec.gated:
+                h = act64(self.spec.act, self.gate[rows].astype(np.float64) @ xr) * up
+            else:
+                h = act64(self.spec.act, up)
+            y += we * (self.down[out].astype(np.float64) @ self.rounded(h, self.down_dtype) + (db[out] if self.oai else 0))
         return y
 
     def run(self, module, team, x: np.ndarray, k: int, norm: bool) -> np.ndarray:  # noqa: ANN001
         y = np.full(HIDDEN, np.nan, np.float32)  # every element written
         scratch = np.zeros(moe_scratch_bytes(E, k, N) // 4, np.float32)
         run(module, team, self.kernel, x, self.router, self.up_raw, self.gate_raw, self.down_raw, y, scratch, E, k, N,
-            HIDDEN, int(norm))
+            HIDDEN, int(norm), *self.extras)
         return y
 
 
@@ -118,6 +141,31 @@ def test_a_chunk_of_tokens_gets_each_tokens_bits(host, teams, form, dtype, x_for
             scratch, E, k, N, HIDDEN, int(norm), seq, x.strides[0], y.strides[0])
         assert np.array_equal(y[:, :HIDDEN].view(np.uint32), want.view(np.uint32)), (seq, k)
         assert np.isnan(y[:, HIDDEN:]).all()
+
+
+@pytest.mark.parametrize("form, dtype, x_format, rows8", OAI_CASES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gpt_oss_biases_and_clamped_swiglu(host, teams, form, dtype, x_format, rows8, threads):
+    # gpt-oss's experts: the router's bias moves the choice, each chosen expert's up, gate and
+    # down biases are its own slices, and h is the clamped SwiGLU; the biases are large enough
+    # that some up and gate values pass the clamp (checked). Tolerance as above; a chunk of
+    # tokens gets each token's bits.
+    experts, rng = Experts(form, dtype, 37, x_format, rows8, oai=True), np.random.default_rng(38)
+    clamped = 0
+    for k, norm in ((4, True), (2, False)):
+        x = rng.normal(size=HIDDEN).astype(np.float32)
+        y, want = experts.run(host, teams[threads], x, k, norm), experts.reference(x, k, norm)
+        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (k, norm)
+        clamped += int((np.abs(experts.up.astype(np.float64) @ x + experts.biases[1]) > LIMIT).sum())
+    assert clamped > 0
+    seq, k = 5, 4
+    x = rng.normal(size=(seq, HIDDEN)).astype(np.float32)
+    y = np.full((seq, HIDDEN), np.nan, np.float32)
+    scratch = np.zeros(moe_chunk_scratch_bytes(E, k, N, HIDDEN, seq) // 4, np.float32)
+    run(host, teams[threads], experts.chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
+        scratch, E, k, N, HIDDEN, 1, *experts.extras, seq, x.strides[0], y.strides[0])
+    want = np.stack([experts.run(host, teams[threads], row, k, True) for row in x])
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
 
 
 def test_equal_logits_choose_the_lower_expert(host, teams):

@@ -24,6 +24,10 @@ rows at a time (:func:`~picc.codegen_cpu.rows8.emit_rows8`, as the ``_r8_xi16`` 
 expert's rows are a whole number of groups), the others (a Q4_K_M file's q8_0 down rows) one at
 a time. The sums' order is the interpreter's up to float rounding (it adds the experts' outputs,
 then the residual).
+
+gpt-oss's variants (``biases``, ``clamped``) take the op's biases (a pointer each, after the common
+parameters, in the order router, up, gate, down; each expert's slice found as its rows are) and
+the clamped SwiGLU's ``alpha`` and ``limit`` (``picc.interpreter.clamped_swiglu``).
 """
 
 from __future__ import annotations
@@ -48,7 +52,15 @@ MOE_PARAMS = (("x", "ptr"), ("router", "ptr"), ("up", "ptr"), ("gate", "ptr"), (
               ("scratch", "ptr"), ("n_experts", "i32"), ("top_k", "i32"), ("n", "i32"), ("hidden", "i32"),
               ("norm", "i32"))
 # moe_chunk: the same for ``seq`` tokens, x and y rows ``x_stride`` and ``y_stride`` bytes apart
-MOE_CHUNK_PARAMS = MOE_PARAMS + (("seq", "i32"), ("x_stride", "i32"), ("y_stride", "i32"))
+CHUNK_PARAMS = (("seq", "i32"), ("x_stride", "i32"), ("y_stride", "i32"))
+BIAS_PARAMS = {"r": "router_bias", "u": "up_bias", "g": "gate_bias", "d": "down_bias"}
+CLAMP_PARAMS = (("alpha", "f32"), ("limit", "f32"))
+
+
+def moe_params(biases: str = "", clamped: bool = False) -> tuple[tuple[str, str], ...]:
+    """The one-token kernel's parameters: :data:`MOE_PARAMS`, then a pointer per bias of
+    ``biases`` (letters of ``picc.ir.ops.MoE.biases``), then the clamped SwiGLU's constants."""
+    return MOE_PARAMS + tuple((BIAS_PARAMS[c], "ptr") for c in biases) + (CLAMP_PARAMS if clamped else ())
 
 
 def moe_scratch_bytes(n_experts: int, top_k: int, n: int) -> int:
@@ -76,6 +88,8 @@ class _Experts:
     down: str
     rounds: bool
     rows8: bool
+    biases: str = ""
+    clamped: bool = False
 
     @property
     def rows8_in(self) -> bool:
@@ -92,27 +106,35 @@ class _Experts:
         if self.rows8 and not (self.rounds and (self.rows8_in or self.rows8_down)):
             raise PiccError("codegen_cpu: a mixture's experts are read in the rows8 layout where they are 4-bit, "
                             "with int16 x")
+        if not set(self.biases) <= set(BIAS_PARAMS) or list(self.biases) != sorted(self.biases, key="rugd".index) \
+                or ("g" in self.biases and self.gate is None):
+            raise PiccError(f"codegen_cpu: a mixture's biases are letters of 'rugd' in that order (g with a gate), "
+                            f"not {self.biases!r}")
+        if self.clamped and not (self.spec.gated and self.spec.act == "silu" and not self.spec.act_on_up):
+            raise PiccError("codegen_cpu: the clamped SwiGLU is form swiglu's")
 
 
-def _kernel(form: str, router: str, up: str, gate: str | None, down: str, x_format: str, rows8: bool) -> _Experts:
+def _kernel(form: str, router: str, up: str, gate: str | None, down: str, x_format: str, rows8: bool,
+            biases: str, clamped: bool) -> _Experts:
     spec = gated_form(form, gate)
     if x_format not in ("f32", "i16"):
         raise PiccError(f"codegen_cpu: a mixture's rows are dotted with f32 or i16 x, not {x_format!r}")
-    experts = _Experts(spec, router, up, gate, down, x_format != "f32", rows8)
+    experts = _Experts(spec, router, up, gate, down, x_format != "f32", rows8, biases, clamped)
     experts.check()
     return experts
 
 
 @cache
 def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-        x_format: str = "f32", rows8: bool = False) -> Kernel:
+        x_format: str = "f32", rows8: bool = False, biases: str = "", clamped: bool = False) -> Kernel:
     """``y = sum_j w_j down_e_j(h_e_j(x))`` over the router's top ``top_k`` of ``n_experts``
     experts of ``n`` neurons (see module doc); ``norm``: the weights divided by their sum."""
-    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8)
-    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8)
+    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, biases, clamped)
+    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, biases, clamped)
+    params = moe_params(biases, clamped)
 
     def emit(level: str) -> str:
-        fn = kernel_fn(symbol, MOE_PARAMS, level if rows8 else None)
+        fn = kernel_fn(symbol, params, level if rows8 else None)
         p = _Phases(fn, ex, level)
         # 1. the router's logits
         p.router_logits("%x", p.logits)
@@ -139,22 +161,24 @@ def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, dow
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, MOE_PARAMS, emit, moe.__doc__ or "", by_level=rows8)
+    return Kernel(symbol, params, emit, moe.__doc__ or "", by_level=rows8)
 
 
 @cache
 def moe_chunk(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-              x_format: str = "f32", rows8: bool = False) -> Kernel:
+              x_format: str = "f32", rows8: bool = False, biases: str = "", clamped: bool = False) -> Kernel:
     """:func:`moe` for each of ``seq`` tokens (a prompt's chunk), its bits for each token, the
     experts taken in turn: the rows of an expert that some tokens chose are dotted with those
     tokens' x one after another (from the cache, after the first), where token after token
     read their experts from memory each time. Each token's down dot products are kept and
     added in its own order of experts at the end, so that its output is the one-token kernel's."""
-    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8)
-    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8) + "_chunk"
+    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, biases, clamped)
+    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, biases,
+                           clamped) + "_chunk"
+    params = moe_params(biases, clamped) + CHUNK_PARAMS
 
     def emit(level: str) -> str:
-        fn = kernel_fn(symbol, MOE_CHUNK_PARAMS, level if rows8 else None)
+        fn = kernel_fn(symbol, params, level if rows8 else None)
         p = _Phases(fn, ex, level)
         seq = fn.sext("%seq")
         x_stride, y_stride = fn.sext("%x_stride"), fn.sext("%y_stride")
@@ -209,7 +233,7 @@ def moe_chunk(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | Non
         fn.ret_void()
         return fn.text()
 
-    return Kernel(symbol, MOE_CHUNK_PARAMS, emit, moe_chunk.__doc__ or "", by_level=rows8)
+    return Kernel(symbol, params, emit, moe_chunk.__doc__ or "", by_level=rows8)
 
 
 class _Phases:
@@ -265,8 +289,17 @@ class _Phases:
         if self.router_sums is not None:
             fill_x_sums(fn, x, self.xblocks, self.router_sums)
         emit_tiled_rows(fn, [(self.ex.router, "%router", self.router_bytes)], x, self.hidden, self.lo_r, self.hi_r,
-                        self.simd, lambda r, dots: fn.store(F32, dots[0], fn.at(out, 4, r), 4),
+                        self.simd, lambda r, dots: fn.store(F32, self.biased("r", dots[0], r), fn.at(out, 4, r), 4),
                         xsums=self.router_sums)
+
+    def biased(self, which: str, value: str, index: str) -> str:
+        """``value`` plus element ``index`` (i64) of bias ``which`` (a letter of ``BIAS_PARAMS``),
+        where the kernel has it."""
+        if which not in self.ex.biases:
+            return value
+        fn = self.fn
+        b = fn.load(F32, fn.at(f"%{BIAS_PARAMS[which]}", 4, index), 4, "bias")
+        return fn.v(f"fadd float {value}, {b}", "biased")
 
     def prepare_x(self, x: str) -> None:
         """``x`` in the form the experts' rows dot (rounded, or its block sums), for :meth:`expert_h`."""
@@ -285,8 +318,16 @@ class _Phases:
                    for (d, base), rb in zip(self.mats, self.row_bytes, strict=True)]
 
         def store_h(r: str, dots: list[str]) -> None:
-            a = fn.v(f"call float @picc_act_{spec.act}(float {dots[1]})", "a") if spec.gated else None
-            fn.store(F32, emit_h(fn, spec, a, dots[0]), fn.at(h, 4, r), 4)
+            at = fn.v(f"add i64 {rows}, {r}", "nrow")
+            u = self.biased("u", dots[0], at)
+            g = self.biased("g", dots[1], at) if spec.gated else None
+            if self.ex.clamped:
+                assert g is not None
+                value = _clamped_swiglu(fn, g, u)
+            else:
+                a = fn.v(f"call float @picc_act_{spec.act}(float {g})", "a") if g is not None else None
+                value = emit_h(fn, spec, a, u)
+            fn.store(F32, value, fn.at(h, 4, r), 4)
 
         if self.ex.rows8_in:
             assert self.x_int is not None
@@ -304,6 +345,12 @@ class _Phases:
             fill_x_sums(fn, h, self.hblocks, self.h_sums)
         rows = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.hidden}", "drow0")
         first = fn.v(f"lshr i64 {rows}, 3", "dgrp0") if self.ex.rows8_down else rows
+        if "d" in self.ex.biases:
+            outer = consume
+
+            def consume(r: str, dots: list[str]) -> None:
+                outer(r, [self.biased("d", dots[0], fn.v(f"add i64 {rows}, {r}", "orow"))])
+
         down = [(self.ex.down, fn.gep("%down", fn.v(f"mul i64 {first}, {self.down_bytes}", "doff"), "down"),
                  self.down_bytes)]
         if self.ex.rows8_down:
@@ -312,6 +359,17 @@ class _Phases:
         else:
             emit_tiled_rows(fn, down, h, self.n, self.lo_y, self.hi_y, self.simd, consume, xsums=self.h_sums,
                             intx=self.h_int)
+
+
+def _clamped_swiglu(fn: Fn, g: str, u: str) -> str:
+    """``min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, -limit, limit) + 1)`` (``%alpha``,
+    ``%limit``), in the interpreter's order of operations."""
+    g = fn.v(f"call float @llvm.minnum.f32(float {g}, float %limit)", "gc")
+    u = fn.v(f"call float @llvm.minnum.f32(float {u}, float %limit)", "uc")
+    u = fn.v(f"call float @llvm.maxnum.f32(float {u}, float {fn.v('fneg float %limit', 'nlim')})", "uc")
+    ag = fn.v(f"fneg float {fn.v(f'fmul float %alpha, {g}', 'ag')}", "nag")
+    den = fn.v(f"fadd float 1.0, {fn.v(f'call float @picc_exp(float {ag})', 'e')}", "den")
+    return fn.v(f"fmul float {fn.v(f'fdiv float {g}, {den}', 'glu')}, {fn.v(f'fadd float {u}, 1.0', 'u1')}", "h")
 
 
 def _top_k(fn: Fn, logits: str, n_exp: str, k: str, chosen: str, weights: str, taken: str) -> None:

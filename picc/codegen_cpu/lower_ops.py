@@ -260,7 +260,7 @@ class OpLowering(ABC):
         kernel, n, hidden = self.moe_kernel(op, kernels_moe.moe)
         scratch = self.bufs.need_scratch(kernels_moe.moe_scratch_bytes(op.n_experts, op.top_k, n))
         self.call(op, kernel, self.value(op.x), self.weight(op.router), *self.experts(op), self.activation(op.result),
-                  scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk))
+                  scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk), *self.moe_extras(op))
 
     def batched_moe(self, op: O.MoE, rows: int) -> tuple[Kernel, tuple[object, ...]]:
         """``op``'s many-token kernel (``kernels_moe.moe_chunk``) and its arguments but the trailing
@@ -269,7 +269,13 @@ class OpLowering(ABC):
         kernel, n, hidden = self.moe_kernel(op, kernels_moe.moe_chunk)
         scratch = self.bufs.need_scratch(kernels_moe.moe_chunk_scratch_bytes(op.n_experts, op.top_k, n, hidden, rows))
         return kernel, (self.value(op.x), self.weight(op.router), *self.experts(op), self.activation(op.result),
-                        scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk))
+                        scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk), *self.moe_extras(op))
+
+    def moe_extras(self, op: O.MoE) -> tuple[object, ...]:
+        """The arguments of gpt-oss's kernel variants: its biases, its clamped SwiGLU's constants."""
+        biases = tuple(self.weight(b, as_f32=True) for b in (op.router_bias, op.up_bias, op.gate_bias, op.down_bias)
+                       if b is not None)
+        return biases + ((float(op.swiglu_alpha), float(op.swiglu_limit)) if op.swiglu_limit is not None else ())
 
     def moe_kernel(self, op: O.MoE, make: Callable[..., Kernel]) -> tuple[Kernel, int, int]:
         """``make`` (``kernels_moe.moe`` or ``moe_chunk``) for ``op``'s formats and layout, an
@@ -277,7 +283,8 @@ class OpLowering(ABC):
         rows, hidden = (int(d) for d in self.weights[op.up].shape)
         dtype = {w: self.weights[w].dtype.value for w in (op.router, op.up, op.down)}
         gate = self.weights[op.gate].dtype.value if op.gate else None
-        kernel = make(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format, _rows8(op))
+        kernel = make(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format, _rows8(op),
+                      op.biases, op.swiglu_limit is not None)
         return kernel, rows // op.n_experts, hidden
 
     def experts(self, op: O.MoE) -> tuple[Buf | Null, Buf | Null, Buf | Null]:

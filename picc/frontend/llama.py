@@ -1,5 +1,5 @@
 """The LLaMA-family decoder (LLaMA, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, Gemma 2 and 3, OLMo 2,
-and GGUF files) as picc IR.
+gpt-oss, and GGUF files) as picc IR.
 
 Frontends translate their checkpoint into a ``LlamaSpec`` and a weight store whose tensors use
 picc's weight names (``l3.attn.q``, ``l3.ffn.up``, ...); ``build_llama`` emits the IR.
@@ -51,6 +51,8 @@ class MoeSpec:
     n_ff: int  # an expert's neurons
     norm_topk: bool
     layers: tuple[bool, ...] = ()  # per layer, whether its FFN is the experts (Qwen3-MoE's mlp_only_layers); empty: all
+    swiglu_limit: float | None = None  # gpt-oss: its clamped SwiGLU (picc.ir.ops.MoE)
+    swiglu_alpha: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +103,8 @@ def layer_weight_names(i: int) -> dict[str, str]:
         "up_bias": f"{p}.ffn.up_bias", "gate_bias": f"{p}.ffn.gate_bias",
         "down_bias": f"{p}.ffn.down_bias",
         "router": f"{p}.moe.router", "experts_up": f"{p}.moe.up", "experts_gate": f"{p}.moe.gate",
-        "experts_down": f"{p}.moe.down",
+        "experts_down": f"{p}.moe.down", "router_bias": f"{p}.moe.router_bias", "experts_up_bias": f"{p}.moe.up_bias",
+        "experts_gate_bias": f"{p}.moe.gate_bias", "experts_down_bias": f"{p}.moe.down_bias",
     }
 
 
@@ -205,7 +208,10 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         if spec.moe is not None and (not spec.moe.layers or spec.moe.layers[i]):
             f = b.op(O.MoE, f"{p}.moe.out", x=h, router=n["router"], up=n["experts_up"],
                      gate=n["experts_gate"] if gated else None, down=n["experts_down"], n_experts=spec.moe.n_experts,
-                     top_k=spec.moe.top_k, form=spec.ffn_form, norm_topk=spec.moe.norm_topk)
+                     top_k=spec.moe.top_k, form=spec.ffn_form, norm_topk=spec.moe.norm_topk,
+                     router_bias=maybe(n["router_bias"]), up_bias=maybe(n["experts_up_bias"]),
+                     gate_bias=maybe(n["experts_gate_bias"]), down_bias=maybe(n["experts_down_bias"]),
+                     swiglu_limit=spec.moe.swiglu_limit, swiglu_alpha=spec.moe.swiglu_alpha)
         else:
             f = b.op(O.FFN, f"{p}.ffn.out", x=h, up=n["up"], gate=n["gate"] if gated else None,
                      down=n["down"], up_bias=maybe(n["up_bias"]),

@@ -558,6 +558,12 @@ class MoE(Op):
     ``sum_e w_e down_e(h_e)`` with ``h_e`` as an ``ffn`` of ``form`` computes it from x. Not an
     ``ffn``: its neurons are not profiled, predicted or split; its weights stay on the CPU.
 
+    gpt-oss's additions: biases (``router_bias`` [n_experts] on the logits; ``up_bias`` and
+    ``gate_bias`` [n_experts * n_ff] and ``down_bias`` [n_experts * hidden], each expert's slice
+    added to its projections before the weighting) and, with ``swiglu_limit`` (form ``swiglu``
+    only), its clamped SwiGLU: ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)``,
+    ``h = g' sigmoid(swiglu_alpha g') (u' + 1)``.
+
     ``x_format`` (``select-kernels``): ``"i16"`` where the experts' 4-bit rows are dotted with x
     (and h) rounded to int16 per block, as a ``MatrixOp``'s; the interpreter rounds alike.
     ``layout``: ``"rows8"`` where the 4-bit ones of the three matrices are stored eight rows to a
@@ -574,12 +580,24 @@ class MoE(Op):
     top_k: int
     form: str
     norm_topk: bool = False
+    router_bias: Sym | None = None
+    up_bias: Sym | None = None
+    gate_bias: Sym | None = None
+    down_bias: Sym | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
     x_format: str = "f32"
     layout: str = "rows"
 
     @property
     def spec(self) -> FfnForm:
         return FFN_FORMS[self.form]
+
+    @property
+    def biases(self) -> str:
+        """Which biases the op has, a letter each (router, up, gate, down): ``"rugd"`` for all."""
+        return "".join(c for c, b in zip("rugd", (self.router_bias, self.up_bias, self.gate_bias, self.down_bias),
+                                         strict=True) if b is not None)
 
     def infer(self, env: TypeEnv) -> TensorType:
         t = _activation_input(env, self.x)
@@ -601,6 +619,17 @@ class MoE(Op):
                f"form {self.form!r} " + ("needs a gate weight" if self.spec.gated else "has no gate, but one is given"))
         weight_shape_is(env, self.gate, (rows, hidden), "gate")
         weight_shape_is(env, self.down, (self.n_experts * hidden, n_ff), "down")
+        weight_shape_is(env, self.router_bias, (self.n_experts,), "router_bias")
+        weight_shape_is(env, self.up_bias, (rows,), "up_bias")
+        expect(self.gate is not None or self.gate_bias is None, "gate_bias without a gate")
+        weight_shape_is(env, self.gate_bias, (rows,), "gate_bias")
+        weight_shape_is(env, self.down_bias, (self.n_experts * hidden,), "down_bias")
+        if self.swiglu_limit is None:
+            expect(self.swiglu_alpha == 1.0, "swiglu_alpha is the clamped SwiGLU's: it needs swiglu_limit")
+        else:
+            expect(self.form == "swiglu" and self.swiglu_limit > 0 and self.swiglu_alpha > 0,
+                   f"swiglu_limit and swiglu_alpha (> 0) are form swiglu's, got form {self.form!r}, "
+                   f"limit {self.swiglu_limit}, alpha {self.swiglu_alpha}")
         return t
 
     def n_ff(self, env: TypeEnv) -> int:

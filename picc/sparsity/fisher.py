@@ -171,7 +171,11 @@ class TorchForward:
     def moe(self, op: O.MoE, x):  # noqa: ANN001, ANN201 - torch.Tensor
         """The interpreter's mixture (the experts' neurons are not scored: not an ``ffn``)."""
         torch, w = self.torch, self.w
-        probs = torch.softmax(x @ w(op.router).T, dim=-1)
+
+        def bias(name: str | None, part: slice | None = None):  # noqa: ANN202 - torch.Tensor or 0
+            return 0.0 if name is None else w(name) if part is None else w(name)[part]
+
+        probs = torch.softmax(x @ w(op.router).T + bias(op.router_bias), dim=-1)
         weights, chosen = torch.topk(probs, op.top_k, dim=-1)
         if op.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -182,12 +186,16 @@ class TorchForward:
         for s in range(x.shape[0]):
             y = torch.zeros(hidden, dtype=x.dtype)
             for weight, e in zip(weights[s], chosen[s].tolist(), strict=True):
-                part = slice(e * n_ff, (e + 1) * n_ff)
-                u = up[part] @ x[s]
-                h = self.activation(op.spec.act, u) if not op.spec.gated else (
-                    self.activation(op.spec.act, gate[part] @ x[s])
-                    * (self.activation(op.spec.act, u) if op.spec.act_on_up else u))
-                y = y + weight * (down[e * hidden : (e + 1) * hidden] @ h)
+                part, out = slice(e * n_ff, (e + 1) * n_ff), slice(e * hidden, (e + 1) * hidden)
+                u = up[part] @ x[s] + bias(op.up_bias, part)
+                g = gate[part] @ x[s] + bias(op.gate_bias, part) if gate is not None else None
+                if op.swiglu_limit is not None:
+                    g, u = g.clamp(max=op.swiglu_limit), u.clamp(-op.swiglu_limit, op.swiglu_limit)
+                    h = g * torch.sigmoid(op.swiglu_alpha * g) * (u + 1)
+                else:
+                    h = self.activation(op.spec.act, u) if g is None else (
+                        self.activation(op.spec.act, g) * (self.activation(op.spec.act, u) if op.spec.act_on_up else u))
+                y = y + weight * (down[out] @ h + bias(op.down_bias, out))
             rows.append(y)
         return torch.stack(rows)
 
