@@ -123,7 +123,12 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 
 
 def attention(op: O.Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray,
-              cache: KVCache) -> np.ndarray:
+              cache: KVCache, sinks: np.ndarray | None = None) -> np.ndarray:
+    """``op`` over ``cache`` after writing k and v at ``pos``; ``sinks``: the values of
+    ``op.sinks`` (f32 [n_heads]), each head's extra logit in the softmax's maximum and sum."""
+    if (sinks is None) != (op.sinks is None):
+        raise PiccError(f"%{op.result}: the sinks' values go with a sinks weight, and only with one "
+                        f"(sinks = {op.sinks and '@' + op.sinks})")
     if op.kv_format == "f16":  # the cache holds half precision: the keys and values it gives back
         k, v = (t.astype(np.float16).astype(np.float32) for t in (k, v))
     cache.write(pos, k, v)
@@ -148,9 +153,14 @@ def attention(op: O.Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos:
     if op.window is not None:
         visible &= p - j < op.window
     scores += np.where(visible, np.float32(0), np.float32(-np.inf))[None]
-    scores -= scores.max(axis=-1, keepdims=True)
+    # A sink is a logit per head with no value: in the maximum and the sum only.
+    sink = None if sinks is None else sinks.astype(np.float32)[:, None, None]
+    top = scores.max(axis=-1, keepdims=True)
+    top = top if sink is None else np.maximum(top, sink)
+    scores -= top
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    total = scores.sum(axis=-1, keepdims=True)
+    scores /= total if sink is None else total + np.exp(sink - top)
     out = scores.reshape(kv, group * seq, length) @ vh  # [KV, G*S, D]
     return out.reshape(kv, group, seq, d).transpose(2, 0, 1, 3).reshape(seq, op.n_heads * d)
 
@@ -279,7 +289,8 @@ class Interpreter:
             case O.Attention():
                 width = op.n_kv_heads * op.head_dim
                 cache = self.caches.setdefault(op.cache, KVCache(width))
-                return attention(op, env[op.q], env[op.k], env[op.v], env[op.pos], cache)
+                return attention(op, env[op.q], env[op.k], env[op.v], env[op.pos], cache,
+                                 w(op.sinks) if op.sinks else None)
             case O.Relu() | O.Silu() | O.Gelu() | O.GeluTanh():
                 return activation(op.NAME, env[op.x])
             case O.Softcap():

@@ -133,11 +133,12 @@ def cpu_norm(kind: str, grouped: bool = False) -> str:
     return f"picc_{kind}" + ("_grouped" if grouped else "")
 
 
-def cpu_attention(kv_format: str, softcap: bool = False) -> str:
+def cpu_attention(kv_format: str, softcap: bool = False, sinks: bool = False) -> str:
     """Attention over a KV cache of ``kv_format`` (f32, or f16); ``softcap``: the variant that
-    soft-caps its scores (a trailing ``softcap`` argument)."""
+    soft-caps its scores (a trailing ``softcap`` argument); ``sinks``: the variant with a sink
+    logit per head (a trailing pointer to them)."""
     plain = "picc_attention" if kv_format == "f32" else f"picc_attention_kv{kv_format}"
-    return plain + ("_softcap" if softcap else "")
+    return plain + ("_softcap" if softcap else "") + ("_sinks" if sinks else "")
 
 
 def cpu_rope(style: str) -> str:
@@ -308,12 +309,13 @@ def gpu_kv_append(width: int, ctx: int) -> str:
 
 
 def gpu_attention(n_heads: int, n_kv_heads: int, head_dim: int, ctx: int, window: int | None, scale: float,
-                  softcap: float | None = None) -> str:
+                  softcap: float | None = None, sinks: bool = False) -> str:
     """The scale is in the name only when it is not the usual ``head_dim ** -0.5``; a soft cap
-    of the scores (Gemma 2's) by its f32 bits."""
+    of the scores (Gemma 2's) by its f32 bits; ``_sinks``: the kernel reads a sink logit per head."""
     usual = abs(scale - head_dim**-0.5) <= 1e-7 * scale
     return (f"attention_{n_heads}x{n_kv_heads}x{head_dim}_ctx{ctx}" + (f"_w{window}" if window else "")
-            + ("" if usual else f"_s{_number(scale)}") + (f"_c{_f32_bits(softcap)}" if softcap is not None else ""))
+            + ("" if usual else f"_s{_number(scale)}") + (f"_c{_f32_bits(softcap)}" if softcap is not None else "")
+            + ("_sinks" if sinks else ""))
 
 
 def gpu_add(n: int) -> str:

@@ -36,11 +36,12 @@ def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_h
                matrix_dtype: DType = DType.F32, rope: RopeSpec | None = None,
                window: int | None = None, tied: bool = False, biases: bool = False,
                head_dtype: DType | None = None, layer_dtypes: dict[str, DType] | None = None,
-               softcaps: tuple[float, float] | None = None) -> LoadedModel:
+               softcaps: tuple[float, float] | None = None, sinks: bool = False) -> LoadedModel:
     """A random LLaMA-style model, built directly as IR (no transformers involved); ``head_dtype``:
     the embedding's and LM head's format (default ``matrix_dtype``), as a 4-bit GGUF's q8_0 head;
     ``layer_dtypes``: other formats for some of each layer's matrices (``{"v": DType.Q8_0}``);
-    ``softcaps``: Gemma 2's caps of the attention's scores and of the logits."""
+    ``softcaps``: Gemma 2's caps of the attention's scores and of the logits; ``sinks``: gpt-oss's
+    sink logit per head in each attention (drawn last, so the other weights stay the seed's)."""
     layer_dtypes = layer_dtypes or {}
     rng = np.random.default_rng(seed)
     head_dim = hidden // n_heads
@@ -69,12 +70,14 @@ def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_h
     store.add("output_norm", Tensor.from_f32(1 + 0.1 * rng.normal(size=hidden)))
     if not tied:
         add("output", (vocab, hidden), hidden**-0.5, head_dtype or matrix_dtype)
+    for i in range(n_layers if sinks else 0):  # about the scores' size, so that they weigh
+        add(layer_weight_names(i)["sinks"], (n_heads,), 1.0)
     spec = LlamaSpec(
         name="tiny", arch="llama", vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv_heads, head_dim=head_dim, n_ff=n_ff, eps=1e-5, ffn_form=form,
         rope=rope or RopeSpec(), tied=tied, window=(window,) * n_layers if window else (),
         bos_id=1, eos_id=2, attn_softcap=softcaps[0] if softcaps else None,
-        logit_softcap=softcaps[1] if softcaps else None,
+        logit_softcap=softcaps[1] if softcaps else None, attn_sinks=sinks,
     )
     return LoadedModel(build_llama(spec, store), store, None, source="tiny")
 

@@ -69,7 +69,8 @@ def ffn_kernels(case: tuple) -> tuple:
 
 
 ALL = ([k for case in GEMV_CASES for k in gemv_kernels(case)] + [k for case in FFN_CASES for k in ffn_kernels(case)]
-       + [attention(), attention_rows(), attention(softcap=True), attention_rows(softcap=True)])
+       + [make(softcap=cap, sinks=sinks) for make in (attention, attention_rows) for cap in (False, True)
+          for sinks in (False, True)])
 
 
 @pytest.fixture(scope="module")
@@ -351,14 +352,18 @@ ATTN_COLUMNS = 3  # pointers per row of the KV table: the layer's in column 1, o
 
 
 @pytest.mark.parametrize("threads", THREADS)
-# a tail; the wide V pass + 16 + a tail; Gemma 2's soft-capped scores
-@pytest.mark.parametrize(("hd", "window", "cap"), [(20, 0, None), (84, 3, None), (64, 0, None), (84, 3, 0.7)])
-def test_attention_rows_are_the_one_row_attentions_bits(host, teams, threads, hd, window, cap):
+# a tail; the wide V pass + 16 + a tail; Gemma 2's soft-capped scores; gpt-oss's sinks, alone and with both
+@pytest.mark.parametrize(("hd", "window", "cap", "sinks"), [(20, 0, None, False), (84, 3, None, False),
+                                                            (64, 0, None, False), (84, 3, 0.7, False),
+                                                            (20, 0, None, True), (84, 3, 0.7, True)])
+def test_attention_rows_are_the_one_row_attentions_bits(host, teams, threads, hd, window, cap, sinks):
     # Each row at its own position (0, mid-cache, the last) with its own caches, reached through a
     # table of pointers: its output is picc_attention's for that row alone, bit for bit, its k and v
     # land in its own caches at its position, and nothing else is written.
     rng, team, width, n = np.random.default_rng(71), teams[threads], ATTN_KV * hd, ATTN_HEADS * hd
-    capped = [cap] if cap is not None else []
+    # The sinks from below the scores to above them (the maximum then the sink's), one per query head.
+    extra = ([cap] if cap is not None else []) + ([np.linspace(-2.0, 3.0, ATTN_HEADS, dtype=np.float32)] if sinks else [])
+    variant = dict(softcap=cap is not None, sinks=sinks)
     q_at, k_at, v_at, out_at = 0, n + X_PAD, n + width + 2 * X_PAD, n + 2 * width + 3 * X_PAD
     stride = 2 * n + 2 * width + 4 * X_PAD  # floats a row: q, k, v and out with padding after each
     for batch in BATCHES:
@@ -370,17 +375,17 @@ def test_attention_rows_are_the_one_row_attentions_bits(host, teams, threads, hd
         caches = [rng.normal(size=(2, ATTN_CTX, width)).astype(np.float32) for _ in range(batch)]
         expected_caches, expected = [c.copy() for c in caches], np.empty((batch, n), np.float32)
         for b in range(batch):
-            run(host, team, attention(softcap=cap is not None), np.ascontiguousarray(rows[b, q_at : q_at + n]),
+            run(host, team, attention(**variant), np.ascontiguousarray(rows[b, q_at : q_at + n]),
                 np.ascontiguousarray(rows[b, k_at : k_at + width]), np.ascontiguousarray(rows[b, v_at : v_at + width]),
                 expected_caches[b][0], expected_caches[b][1], expected[b], 1, int(positions[b]), ATTN_HEADS, ATTN_KV,
-                hd, hd**-0.5, window, ATTN_CTX, *capped)
+                hd, hd**-0.5, window, ATTN_CTX, *extra)
         table = np.zeros((batch, ATTN_COLUMNS), np.uint64)
         table[:, 1] = [c.ctypes.data for c in caches]
         out = rows.copy()
         base = out.ctypes.data
-        run(host, team, attention_rows(softcap=cap is not None), base + 4 * q_at, base + 4 * k_at, base + 4 * v_at, table.ctypes.data + 8,
-            base + 4 * out_at, batch, positions, ATTN_HEADS, ATTN_KV, hd, hd**-0.5, window, ATTN_CTX,
-            out.strides[0], table.strides[0], *capped)
+        run(host, team, attention_rows(**variant), base + 4 * q_at, base + 4 * k_at, base + 4 * v_at,
+            table.ctypes.data + 8, base + 4 * out_at, batch, positions, ATTN_HEADS, ATTN_KV, hd, hd**-0.5, window,
+            ATTN_CTX, out.strides[0], table.strides[0], *extra)
         for b in range(batch):
             got = out[b, out_at : out_at + n]
             assert np.array_equal(got.view(np.uint32), expected[b].view(np.uint32)), (batch, b)

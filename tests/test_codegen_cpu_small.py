@@ -17,8 +17,8 @@ from picc.interpreter import rope as rope_ref
 from picc.ir import ops as O
 from picc.ir.types import f32
 
-KERNELS = ([rms_norm(), layer_norm(), add(), mul(), argmax(), softcap(), attention(), attention("f16"),
-            attention("f32", softcap=True), attention("f16", softcap=True)]
+KERNELS = ([rms_norm(), layer_norm(), add(), mul(), argmax(), softcap()]
+           + [attention(kv, cap, sinks) for kv in ("f32", "f16") for cap in (False, True) for sinks in (False, True)]
            + [rope(s) for s in ("llama", "gptj")] + [ffn_activation(f) for f in FORMS])
 
 
@@ -74,22 +74,25 @@ def test_rope_matches_interpreter(host, teams, style, rotary_dim, seq):
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("kv_format", ("f32", "f16"))
 @pytest.mark.parametrize("cap", (None, 0.7))  # Gemma 2's soft cap, here where scores (~N(0, 1)) bend
-def test_attention_matches_interpreter(host, teams, threads, window, hd, kv_format, cap):
+@pytest.mark.parametrize("sinks", (False, True))  # gpt-oss's sink logit per head
+def test_attention_matches_interpreter(host, teams, threads, window, hd, kv_format, cap, sinks):
     rng = np.random.default_rng(17)
     heads, kv, ctx = 6, 2, 16  # up to 10 positions: scored four at a time, then one
     op = O.Attention(result="a", type=f32(1, heads * hd), q="q", k="k", v="v", pos="p", n_heads=heads,
                      n_kv_heads=kv, head_dim=hd, scale=hd**-0.5, cache="c", window=window, kv_format=kv_format,
-                     softcap=cap)
+                     softcap=cap, sinks="s" if sinks else None)
+    # Sinks from below the scores to above them all (then the maximum is the sink's).
+    sink = np.linspace(-2.0, 3.0, heads, dtype=np.float32) if sinks else None
     dtype = np.float16 if kv_format == "f16" else np.float32
     cache, kcache, vcache = KVCache(kv * hd), np.zeros((ctx, kv * hd), dtype), np.zeros((ctx, kv * hd), dtype)
     pos = 0
     for seq in (5, 1, 1, 3):  # a prefill chunk, then decode steps, then another chunk
         q = rng.normal(size=(seq, heads * hd)).astype(np.float32)
         k, v = (rng.normal(size=(seq, kv * hd)).astype(np.float32) for _ in range(2))
-        ref = attention_ref(op, q, k, v, np.arange(pos, pos + seq, dtype=np.int32), cache)
+        ref = attention_ref(op, q, k, v, np.arange(pos, pos + seq, dtype=np.int32), cache, sink)
         out = np.zeros_like(q)
-        run(host, teams[threads], attention(kv_format, cap is not None), q, k, v, kcache, vcache, out, seq, pos,
-            heads, kv, hd, hd**-0.5, window or 0, ctx, *([cap] if cap else []))
+        run(host, teams[threads], attention(kv_format, cap is not None, sinks), q, k, v, kcache, vcache, out, seq,
+            pos, heads, kv, hd, hd**-0.5, window or 0, ctx, *([cap] if cap else []), *([sink] if sinks else []))
         # The cache holds k and v as numpy rounds them (to nearest even), each KV head's rows in
         # its own plane [ctx, hd], and the interpreter, which rounds alike, attends over the same values.
         for cached, new in ((kcache, k), (vcache, v)):

@@ -395,30 +395,38 @@ def test_rope_host_matches_interpreter(style: str, rotary: int | None, scaling: 
     assert rel_err(y, ref_rope(op, x, pos)) <= F32_TOL
 
 
-@pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (5, 1, None), (4, 2, 3)])
-def test_attention_prefill_then_decode_host_matches_interpreter(heads: int, kv_heads: int, window: int | None) -> None:
+# gpt-oss's sinks (a logit per query head, from below the scores to above them), with a window
+@pytest.mark.parametrize("heads,kv_heads,window,sinks", [(9, 3, None, False), (5, 1, None, False), (4, 2, 3, False),
+                                                         (6, 2, 3, True)])
+def test_attention_prefill_then_decode_host_matches_interpreter(heads: int, kv_heads: int, window: int | None,
+                                                               sinks: bool) -> None:
     rng = np.random.default_rng(9)
     d, max_ctx, prompt = 64, 16, 6
     width = kv_heads * d
     op = O.Attention(result="o", type=f32(1, heads * d), q="q", k="k", v="v", pos="pos", n_heads=heads,
-                     n_kv_heads=kv_heads, head_dim=d, scale=d**-0.5, cache="c", window=window)
+                     n_kv_heads=kv_heads, head_dim=d, scale=d**-0.5, cache="c", window=window,
+                     sinks="s" if sinks else None)
+    sink = np.linspace(-2.0, 3.0, heads, dtype=np.float32) if sinks else None
+    given = {"sinks": sink} if sinks else {}
     cache = KVCache(width)
     k_cache, v_cache = np.zeros((max_ctx, width), np.float32), np.zeros((max_ctx, width), np.float32)
     for seq, start in ((prompt, 0), (1, prompt), (1, prompt + 1)):
         q, k, v = randn(rng, seq, heads * d), randn(rng, seq, width), randn(rng, seq, width)
         pos = np.arange(start, start + seq, dtype=np.int32)
-        ref = ref_attention(op, q, k, v, pos, cache)
+        ref = ref_attention(op, q, k, v, pos, cache, sink)
         written = build_host(kv_append(f"kva_{seq}_{width}", seq, width, max_ctx))(
             k=k, v=v, pos=pos, k_cache=k_cache, v_cache=v_cache)
         k_cache, v_cache = written["k_cache"], written["v_cache"]
-        name = f"attn_{seq}_{heads}_{kv_heads}_{window}"
-        out = build_host(attention(name, seq, heads, kv_heads, d, max_ctx, d**-0.5, window))(
-            q=q, pos=pos, k_cache=k_cache, v_cache=v_cache)["out"]
+        name = f"attn_{seq}_{heads}_{kv_heads}_{window}" + ("_sinks" if sinks else "")
+        out = build_host(attention(name, seq, heads, kv_heads, d, max_ctx, d**-0.5, window, sinks=sinks))(
+            q=q, pos=pos, k_cache=k_cache, v_cache=v_cache, **given)["out"]
         assert rel_err(out, ref) <= F32_TOL, (seq, start)
 
 
-@pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (5, 1, None), (4, 2, 3), (8, 2, 7)])
-def test_attention_decode_host_matches_interpreter(heads: int, kv_heads: int, window: int | None) -> None:
+@pytest.mark.parametrize("heads,kv_heads,window,sinks", [(9, 3, None, False), (5, 1, None, False), (4, 2, 3, False),
+                                                         (8, 2, 7, False), (8, 2, 7, True)])
+def test_attention_decode_host_matches_interpreter(heads: int, kv_heads: int, window: int | None,
+                                                   sinks: bool) -> None:
     """The one-launch decode attention (its definition, which the host build compiles) against the
     interpreter over a cache filled token by token, at the first position, a middle one and the
     last. Rows past the query's position hold NaN: a kernel that reads them, or lets an invisible
@@ -427,21 +435,25 @@ def test_attention_decode_host_matches_interpreter(heads: int, kv_heads: int, wi
     d, max_ctx = 64, 64
     width = kv_heads * d
     op = O.Attention(result="o", type=f32(1, heads * d), q="q", k="k", v="v", pos="pos", n_heads=heads,
-                     n_kv_heads=kv_heads, head_dim=d, scale=d**-0.5, cache="c", window=window)
-    run = build_host(attention_decode(f"attn_decode_{heads}_{kv_heads}_{window}", heads, kv_heads, d, max_ctx,
-                                      d**-0.5, window))
+                     n_kv_heads=kv_heads, head_dim=d, scale=d**-0.5, cache="c", window=window,
+                     sinks="s" if sinks else None)
+    # gpt-oss's sinks, from below the scores to above them (the maximum then the sink's)
+    sink = np.linspace(-2.0, 3.0, heads, dtype=np.float32) if sinks else None
+    given = {"sinks": sink} if sinks else {}
+    run = build_host(attention_decode(f"attn_decode_{heads}_{kv_heads}_{window}" + ("_sinks" if sinks else ""), heads,
+                                      kv_heads, d, max_ctx, d**-0.5, window, sinks=sinks))
     assert [(p.name, p.role) for p in run.kernel.params] == [
-        ("q", "in"), ("pos", "in"), ("k_cache", "in"), ("v_cache", "in"), ("out", "out")]
+        ("q", "in"), ("pos", "in"), ("k_cache", "in"), ("v_cache", "in"), *[("sinks", "in")] * sinks, ("out", "out")]
     cache = KVCache(width)
     k_cache, v_cache = np.full((max_ctx, width), np.nan, np.float32), np.full((max_ctx, width), np.nan, np.float32)
     checked = []
     for p in range(max_ctx):
         q, k, v = randn(rng, 1, heads * d, scale=2.0), randn(rng, 1, width), randn(rng, 1, width)
         pos = np.array([p], np.int32)
-        ref = ref_attention(op, q, k, v, pos, cache)
+        ref = ref_attention(op, q, k, v, pos, cache, sink)
         k_cache[p], v_cache[p] = k[0], v[0]
         if p in (0, 29, max_ctx - 1):
-            out = run(q=q, pos=pos, k_cache=k_cache, v_cache=v_cache)["out"]
+            out = run(q=q, pos=pos, k_cache=k_cache, v_cache=v_cache, **given)["out"]
             assert rel_err(out, ref) <= F32_TOL, p
             checked.append(p)
     assert checked == [0, 29, max_ctx - 1]

@@ -58,7 +58,7 @@ def _model(m: ModelShapes, formats: tuple[str, ...], predictor_fmt: dict[str, st
 
 def _variants() -> list[Case]:
     """What ``lower_gpu`` emits beyond ``model_kernels``: biases, embedding, layer norm, partial
-    and GPT-J rotary, a sliding window, an FFN part at a neuron offset, q8_0, GeGLU, and the
+    and GPT-J rotary, a sliding window (with soft-capped scores and sinks), an FFN part at a neuron offset, q8_0, GeGLU, and the
     greedy loop's kernel over a vocabulary its threads do not divide."""
     m, n = TINY, TINY.n_ff
     kernels = [
@@ -76,6 +76,9 @@ def _variants() -> list[Case]:
         layers.rope_pair("v_rope_pair_append", 4, 2, 16, None, "llama", append_ctx=m.max_ctx),
         layers.attention("v_attention_window", 8, 4, 2, 16, m.max_ctx, 0.25, window=5),
         layers.attention_decode("v_attention_decode_window", 4, 2, 16, m.max_ctx, 0.25, window=5),
+        layers.attention("v_attention_sinks", 8, 4, 2, 16, m.max_ctx, 0.25, window=5, softcap=0.7, sinks=True),
+        layers.attention_decode("v_attention_decode_sinks", 4, 2, 16, m.max_ctx, 0.25, window=5, softcap=0.7,
+                                sinks=True),
         layers.merge("v_merge_bias", 64, bias=True),
         ffn.sparse_ffn("v_sparse_ffn_bias", 64, n, "drelu", "q8_0", bias=True),
         ffn.sparse_ffn("v_sparse_ffn_relu", 64, n, "relu", "q4_1"),

@@ -36,7 +36,8 @@ def _logits_match(model, tokens: list[int]) -> None:
     lambda: tiny_llama("swiglu", n_layers=3, biases=True),
     lambda: tiny_llama("geglu_tanh", rope=RopeSpec(style="gptj", rotary_dim=8), window=5, tied=True),
     lambda: tiny_llama("drelu", n_kv_heads=1),
-], ids=["swiglu-biases", "geglu-gptj-window-tied", "drelu-mqa"])
+    lambda: tiny_llama("swiglu", window=5, sinks=True),
+], ids=["swiglu-biases", "geglu-gptj-window-tied", "drelu-mqa", "swiglu-window-sinks"])
 def test_torch_forward_matches_the_interpreter(make):
     _logits_match(make(), list(np.random.default_rng(0).integers(0, 128, 23)))
 

@@ -259,6 +259,36 @@ def test_gemma2s_soft_caps_run_on_the_gpu(tmp_path, monkeypatch, ctx):
         assert session.feed(TOKENS[:3]).argmax() == reference[2].argmax()  # the greedy kernel reads the capped logits
 
 
+@pytest.mark.parametrize(("vram", "ctx"), [("4MiB", 64), ("4MiB", 100), ("100KiB", 64)])
+def test_gpt_oss_attention_sinks_run_on_the_gpu(tmp_path, monkeypatch, vram, ctx):
+    # The GPU's attention kernels take each layer's sinks (a weight in the GPU's memory, as the
+    # attention that reads it) in their one-launch form and their five-launch form, with a
+    # sliding window and soft-capped scores besides; with 100 KiB the second layer's attention,
+    # and its sinks, stay on the CPU: the host build of the same TensorIR on the emulated device
+    # and the CPU's kernels against the interpreter.
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, window=5, softcaps=(0.7, 0.8), sinks=True)
+    path = tmp_path / "sinks.pib"
+    write_compiled(compile_model(model, CompileOptions(target="pc-low", vram=vram, dense=True, ctx=ctx),
+                                 say=lambda _: None), path)
+    pib = load_pib(path)
+    attentions = [op for op in pib.module.ops() if op.NAME == "attention"]
+    placement = {d.name: d.type.placement for d in pib.module.weights}
+    where = [Placement.GPU, Placement.GPU if vram == "4MiB" else Placement.CPU]
+    assert [(op.type.placement, placement[op.sinks]) for op in attentions] == list(zip(where, where, strict=True))
+    assert attentions[0].kernel.endswith("_c3f333333_sinks")
+    assert attentions[1].kernel.endswith("_c3f333333_sinks" if vram == "4MiB" else "picc_attention_kvf16_softcap_sinks")
+    with PibFile(path) as f:  # the one-launch kernel, or the five stages through scratch
+        (call,) = f.json("gpu/launches")["l0.attn.ctx"]
+        assert {"sinks", "smax"} & {a["param"] for a in call["args"]} == {"sinks"} | ({"smax"} if ctx == 100 else set())
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    plain = Interpreter(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, window=5, softcaps=(0.7, 0.8)).module,
+                        model.weights).run(TOKENS)
+    assert rel_err(plain, reference) > 0.1  # the sinks weigh
+    with Session(path, threads=2, gpu="emulate") as session:
+        assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
+
+
 def test_a_mixtures_experts_stay_on_the_cpu_beside_the_gpus_layers(tmp_path, monkeypatch):
     # The GPU has no kernel for a mixture of experts: compiled for pc-low, the attention runs on
     # the (emulated) GPU and each layer's experts on the CPU in between, their weights in the

@@ -147,6 +147,41 @@ def test_soft_capped_attention_is_transformers_eager_attention():
     assert np.abs(uncapped - got).max() > 1e-2
 
 
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (3, 0.9)])
+def test_attention_sinks_are_transformers_gpt_oss_eager_attention(window, cap):
+    # gpt-oss's sinks as transformers' eager_attention_forward takes them: each head's learned
+    # logit a last column of the scores (after the scale, the cap, the causal and window masks),
+    # the softmax over all, the column dropped. GQA (6 heads on 2); a prompt of 7 tokens, then
+    # one more at position 7 over the cache.
+    seq, h, kv, d = 7, 6, 2, 8
+    q, k, v = (RNG.normal(size=(seq + 1, n * d)).astype(np.float32) for n in (h, kv, kv))
+    sinks = RNG.normal(0, 1.5, size=h).astype(np.float32)
+    op = O.Attention(result="o", type=f32(seq, h * d), q="q", k="k", v="v", pos="p", sinks="s", n_heads=h,
+                     n_kv_heads=kv, head_dim=d, scale=0.3, cache="c", window=window, softcap=cap)
+    from picc.interpreter import KVCache, attention
+
+    cache = KVCache(kv * d)
+    got = np.concatenate([attention(op, q[:seq], k[:seq], v[:seq], np.arange(seq, dtype=np.int32), cache, sinks),
+                          attention(op, q[seq:], k[seq:], v[seq:], np.array([seq], np.int32), cache, sinks)])
+    n = seq + 1
+    tq = torch.from_numpy(q).view(n, h, d).transpose(0, 1)
+    tk = torch.from_numpy(k).view(n, kv, d).transpose(0, 1).repeat_interleave(h // kv, 0)
+    tv = torch.from_numpy(v).view(n, kv, d).transpose(0, 1).repeat_interleave(h // kv, 0)
+    scores = tq @ tk.transpose(1, 2) * 0.3
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    i = torch.arange(n)
+    hidden = (i[None, :] > i[:, None]) | ((i[:, None] - i[None, :] >= window) if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    combined = torch.cat([scores, torch.from_numpy(sinks).reshape(h, 1, 1).expand(h, n, 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    want = torch.softmax(combined, dim=-1)[..., :-1] @ tv
+    np.testing.assert_allclose(got, want.transpose(0, 1).reshape(n, h * d).numpy(), atol=1e-6)
+    plain = attention(replace(op, sinks=None), q[:seq], k[:seq], v[:seq], np.arange(seq, dtype=np.int32),
+                      KVCache(kv * d))
+    assert np.abs(plain - got[:seq]).max() > 1e-1  # the sinks weigh
+
+
 def test_quantized_weights_run_through_exact_dequantization():
     f = tiny_llama(matrix_dtype=DType.F32, seed=3)
     q = tiny_llama(matrix_dtype=DType.Q8_0, seed=3)

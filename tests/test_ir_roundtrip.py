@@ -58,6 +58,7 @@ def test_attributes_keep_their_types():
     dict(form="relu", tied=True),
     dict(form="drelu", biases=True),
     dict(form="geglu_tanh", window=3, n_kv_heads=1),
+    dict(form="swiglu", softcaps=(0.7, 0.8), sinks=True),
     dict(form="reglu", matrix_dtype=DType.Q4_1, rope=RopeSpec(scaling="linear", factor=2.0)),
     dict(form="gelu", matrix_dtype=DType.Q8_0,
          rope=RopeSpec(theta=5e5, style="gptj", scaling="llama3", factor=8.0, rotary_dim=8)),
@@ -81,6 +82,13 @@ def test_one_op_per_line_and_layers_separated():
     # a blank line before layer 0, before layer 1, and before the final norm
     assert len(blank) == 3
     assert body[blank[1] + 1].startswith("  %l1.")
+
+
+def test_attention_sinks_print_as_a_weight_operand():
+    text = print_module(tiny_llama(n_layers=1, sinks=True).module)
+    assert "weight @l0.attn.sinks : f32[4]" in text
+    assert ("  %l0.attn.ctx = attention %l0.attn.q_rope, %l0.attn.k_rope, %l0.attn.v, %pos, sinks=@l0.attn.sinks "
+            "{n_heads = 4, n_kv_heads = 2, head_dim = 16, scale = 0.25, cache = \"l0\", block = 0} : f32[seq, 64]") in text
 
 
 @pytest.mark.parametrize("text, message", [

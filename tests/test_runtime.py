@@ -217,6 +217,38 @@ def test_gemma2s_soft_caps_compile_as_they_compute(tmp_path, sparse):
     check_batch_rows(path, TOKENS[:3])
 
 
+def test_gpt_oss_attention_sinks_compile_as_they_compute(tmp_path):
+    # gpt-oss's sink logit per query head in each attention's softmax, with a sliding window: the
+    # attention kernels' _sinks variants (a pointer to the layer's sinks, a CPU weight of the .pib),
+    # in the step, the chunk programs and the server's batch step, against the interpreter.
+    from runtime.sequences import SequencePool
+
+    model = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, window=5, sinks=True))
+    plain = Interpreter(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, window=5).module,
+                        model.weights).run(TOKENS)
+    path, pib = compiled(model, tmp_path, "sinks", batch_step=True, dense=True)
+    with PibFile(path) as f:
+        ir, tensors = f.text("cpu/ir"), set(f.tensor_names)
+    assert {"l0.attn.sinks", "l1.attn.sinks"} <= tensors
+    for program in ("picc_stage_0", "picc_prefill_chunk", "picc_batch_step"):
+        body = ir[ir.index(f"define void @{program}("):]
+        body = body[: body.index("\n}")]
+        assert body.count("@picc_attention_kvf16_sinks") == 2
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(reference, plain) > 0.1  # the sinks weigh
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+    with Session(path, 2) as s:
+        expected = [s.feed([t]).copy() for t in TOKENS[:3]]
+    with Session(path, 2) as session:
+        cpu, pool = session.executor.cpu, SequencePool(session.executor, 2)
+        slots = [pool.acquire() for _ in range(2)]
+        for step, token in enumerate(TOKENS[:3]):  # two rows, the same tokens: each row the step's bits
+            cpu.batch_step([token, token], [step, step], pool.pointers(slots))
+            for row in range(2):
+                np.testing.assert_array_equal(cpu.batch_logits(row).view(np.uint32), expected[step].view(np.uint32))
+
+
 def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path):
     # feed(all_logits=True) (picc logits) runs all but the last token through picc_logits_chunk,
     # 32 at a time: the same logits as one step per token (GEMMs instead of GEMVs: the sums

@@ -71,6 +71,9 @@ CASES = [
       "%z = attention %y, %y, %y, %pos {n_heads = 2, n_kv_heads = 2, head_dim = 4, scale = 1.0, "
       "cache = \"l0\"} : f32[seq, 8]"],
      "line 14: %z = attention: cache slot 'l0' is already used by %y"),
+    ([EMBED, "%y = attention %x, %x, %x, %pos, sinks=@scale {n_heads = 2, n_kv_heads = 2, head_dim = 4, "
+      "scale = 1.0, cache = \"l0\"} : f32[seq, 8]"],
+     "line 13: %y = attention: sinks @scale must be [2], got [24]"),
     ([EMBED, "%y = ffn %x, @up, @down {form = \"swiglu\"} : f32[seq, 8]"],
      "line 13: %y = ffn: form 'swiglu' needs a gate weight"),
     ([EMBED, "%y = ffn %x, @up, @down, gate=@up {form = \"relu\"} : f32[seq, 8]"],

@@ -12,8 +12,11 @@ of the thread's share, with ``g = h // (n_heads / n_kv_heads)`` and p = pos + s:
     out[s, h] = sum_j prob_j * vcache[j, g]
 
 as ``picc.interpreter.attention`` does (ALiBi is not supported here). The caller guarantees
-``pos + seq <= ctx``. The ``_softcap`` variants take a last argument ``softcap`` (f32) and score
-``softcap * tanh(score_j / softcap)`` (Gemma 2).
+``pos + seq <= ctx``. The ``_softcap`` variants take an argument ``softcap`` (f32) and score
+``softcap * tanh(score_j / softcap)`` (Gemma 2). The ``_sinks`` variants take a last argument
+``sinks``, a pointer to a logit per query head (f32 [n_heads], gpt-oss's attention sinks) that
+joins the softmax without a value: the maximum starts at ``sinks[h]`` and the sum gains
+``exp(sinks[h] - max)``.
 
 :func:`attention_rows` is the decode step of a server's batch of sequences: row b is the token at
 position ``positions[b]`` of its own sequence, whose caches the runtime's table of pointers gives.
@@ -49,6 +52,7 @@ ATTENTION_ROWS_PARAMS = (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("kv", "ptr")
                          ("head_dim", "i32"), ("scale", "f32"), ("window", "i32"), ("ctx", "i32"),
                          ("row_stride", "i32"), ("kv_stride", "i32"))
 SOFTCAP_PARAM = (("softcap", "f32"),)
+SINKS_PARAM = (("sinks", "ptr"),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +68,12 @@ class Shape:
 
 
 @cache
-def attention(kv: str = "f32", softcap: bool = False) -> Kernel:
+def attention(kv: str = "f32", softcap: bool = False, sinks: bool = False) -> Kernel:
     """Store k / v in the cache at ``pos``, then causal softmax attention (see module doc);
     ``window`` = 0 means no sliding window; ``kv``: what the caches hold (f32, or f16);
-    ``softcap``: the scores soft-capped by the last argument."""
-    symbol = names.cpu_attention(kv, softcap)
-    params = ATTENTION_PARAMS + (SOFTCAP_PARAM if softcap else ())
+    ``softcap``: the scores soft-capped by an argument; ``sinks``: a sink logit per head."""
+    symbol = names.cpu_attention(kv, softcap, sinks)
+    params = ATTENTION_PARAMS + (SOFTCAP_PARAM if softcap else ()) + (SINKS_PARAM if sinks else ())
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, params)
@@ -95,7 +99,7 @@ def attention(kv: str = "f32", softcap: bool = False) -> Kernel:
             head = fn.v(f"mul i64 {it}, {shape.hd}", "qo")
             _prefetch_next_group(fn, shape, it, h, hi, ctx, kv, lambda i: (pos, ("%kcache", "%vcache")), one)
             _emit_head(fn, shape, fn.at("%q", 4, head, "qrow"), fn.at("%out", 4, head, "orow"), h, p,
-                       ("%kcache", "%vcache"), ctx, scores, kv, softcap)
+                       ("%kcache", "%vcache"), ctx, scores, kv, softcap, sinks)
         fn.ret_void()
         return fn.text()
 
@@ -103,10 +107,10 @@ def attention(kv: str = "f32", softcap: bool = False) -> Kernel:
 
 
 @cache
-def attention_rows(kv: str = "f32", softcap: bool = False) -> Kernel:
+def attention_rows(kv: str = "f32", softcap: bool = False, sinks: bool = False) -> Kernel:
     """:func:`attention` of ``batch`` rows, each a token of its own sequence (see module doc)."""
-    symbol = names.cpu_attention(kv, softcap) + "_rows"
-    params = ATTENTION_ROWS_PARAMS + (SOFTCAP_PARAM if softcap else ())
+    symbol = names.cpu_attention(kv, softcap, sinks) + "_rows"
+    params = ATTENTION_ROWS_PARAMS + (SOFTCAP_PARAM if softcap else ()) + (SINKS_PARAM if sinks else ())
 
     def emit(simd: str) -> str:
         fn = kernel_fn(symbol, params)
@@ -148,7 +152,7 @@ def attention_rows(kv: str = "f32", softcap: bool = False) -> Kernel:
             head_bytes = fn.v(f"shl i64 {fn.v(f'mul i64 {h}, {shape.hd}', 'ho')}, 2", "hb")
             head = fn.v(f"add i64 {fn.v(f'mul i64 {b}, {row_stride}', 'ro')}, {head_bytes}", "qo")
             _emit_head(fn, shape, fn.gep("%q", head, "qrow"), fn.gep("%out", head, "orow"), h, pos,
-                       (kc, vc), ctx, scores, kv, softcap)
+                       (kc, vc), ctx, scores, kv, softcap, sinks)
         fn.ret_void()
         return fn.text()
 
@@ -277,12 +281,13 @@ def _pair_sums(fn: Fn, a: str, b: str | None, lanes: int) -> str:
 # The emitter is over 60 lines: its statements follow the loop nest of one (row, head) item (cache
 # rows, softmax, the weighted sum of v) one to one, which splitting would hide.
 def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
-               caches: tuple[str, str], ctx: str, scores: str, kv: str, softcap: bool) -> None:
+               caches: tuple[str, str], ctx: str, scores: str, kv: str, softcap: bool, sinks: bool) -> None:
     """``orow`` = the attention of query head ``h`` (``qrow``) at position ``p`` over the cache
     rows up to p (``caches``: the layer's k rows and v rows, ``p + 1`` at least, of ``kv``
     elements) as the module doc says, with ``scores`` (p + 1 floats) for the probabilities;
     ``softcap``: the scores capped by ``%softcap`` (divided, tanh, multiplied, as transformers
-    orders it) as the maximum is taken."""
+    orders it) as the maximum is taken; ``sinks``: head h's sink ``%sinks[h]`` in the maximum
+    and, after the scores' sum, in the denominator (the interpreter's order)."""
     kcache, vcache = caches
     hd = shape.hd
     g = fn.v(f"sdiv i64 {h}, {shape.group}", "g")
@@ -297,7 +302,8 @@ def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
         with fn.loop(lo, stop, str(n), "j") as j:
             rows = [cache_row(kcache, fn.v(f"add i64 {j0}, {fn.v(f'add i64 {j}, {t}', 'jt')}", "jj")) for t in range(n)]
             _score_rows(fn, kv, rows, qrow, hd, fn.at(scores, 4, j, "sp"))
-    top = fn.var(F32, fconst(float("-inf")), "top")
+    sink = fn.load(F32, fn.at("%sinks", 4, h, "sinkp"), 4, "sink") if sinks else None
+    top = fn.var(F32, sink or fconst(float("-inf")), "top")
     with fn.loop("0", count, hint="j") as j:
         score = fn.load(F32, fn.at(scores, 4, j), 4, "sc")
         if softcap:
@@ -312,6 +318,9 @@ def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
         e = fn.v(f"call float @picc_exp(float {shifted})", "e")
         fn.store(F32, e, sp, 4)
     total = vector_sum(fn, scores, count)
+    if sink is not None:
+        sunk = fn.v(f"call float @picc_exp(float {fn.v(f'fsub float {sink}, {m}', 'sm')})", "se")
+        total = fn.v(f"fadd float {total}, {sunk}", "total")
     with fn.loop("0", count, hint="j") as j:
         sp = fn.at(scores, 4, j)
         fn.store(F32, fn.v(f"fdiv float {fn.load(F32, sp, 4, 'e')}, {total}", "prob"), sp, 4)

@@ -121,11 +121,12 @@ class BatchLowering(DecodeLowering):
     def attention(self, op: O.Attention) -> None:
         """One call for the batch's rows, each against its own caches (``attention_rows``)."""
         table = Buf(self.kv_table, 8 * self.cache_names.index(op.cache))  # row 0's pointer to the layer's caches
-        softcap = (float(op.softcap),) if op.softcap is not None else ()
-        OpLowering.call(self, op, kernels_attention.attention_rows(op.kv_format, bool(softcap)), self.value(op.q),
-                        self.value(op.k), self.value(op.v), table, self.activation(op.result), self.per_token(),
-                        Buf(self.positions), op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale),
-                        op.window or 0, self.ctx, self.stride, 8 * len(self.cache_names), *softcap, batched=True)
+        softcap, sinks = self.attention_extras(op)
+        OpLowering.call(self, op, kernels_attention.attention_rows(op.kv_format, bool(softcap), bool(sinks)),
+                        self.value(op.q), self.value(op.k), self.value(op.v), table, self.activation(op.result),
+                        self.per_token(), Buf(self.positions), op.n_heads, op.n_kv_heads, op.head_dim,
+                        float(op.scale), op.window or 0, self.ctx, self.stride, 8 * len(self.cache_names), *softcap,
+                        *sinks, batched=True)
 
     # --- the program -------------------------------------------------------------------------------
 

@@ -249,11 +249,17 @@ class OpLowering(ABC):
 
     def attention(self, op: O.Attention) -> None:
         k_rows, v_rows = self.kv_rows(op)
+        softcap, sinks = self.attention_extras(op)
+        self.call(op, kernels_attention.attention(op.kv_format, bool(softcap), bool(sinks)), self.value(op.q),
+                  self.value(op.k), self.value(op.v), k_rows, v_rows, self.activation(op.result), self.rows(),
+                  self.position(), op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, self.ctx,
+                  *softcap, *sinks, batched=True)
+
+    def attention_extras(self, op: O.Attention) -> tuple[tuple[float, ...], tuple[Buf | Null, ...]]:
+        """The trailing arguments of ``op``'s attention kernel (one-row or batch rows): its soft
+        cap and its sinks' buffer (f32), each where the op has it."""
         softcap = (float(op.softcap),) if op.softcap is not None else ()
-        self.call(op, kernels_attention.attention(op.kv_format, bool(softcap)), self.value(op.q), self.value(op.k),
-                  self.value(op.v), k_rows, v_rows, self.activation(op.result), self.rows(), self.position(),
-                  op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, self.ctx, *softcap,
-                  batched=True)
+        return softcap, (self.weight(op.sinks, as_f32=True),) if op.sinks is not None else ()
 
     def moe(self, op: O.MoE) -> None:
         """A mixture of experts, a call per token (its router's choice is the token's own)."""

@@ -226,37 +226,38 @@ def kv_append(name: str, seq: int, width: int, max_ctx: int) -> Kernel:
 
 
 def attention(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int,
-              scale: float, window: int | None = None, softcap: float | None = None) -> Kernel:
+              scale: float, window: int | None = None, softcap: float | None = None, sinks: bool = False) -> Kernel:
     """Causal GQA attention of q [seq, n_heads * head_dim] over the caches (after ``kv_append``).
 
     Parameters: ``q``, ``pos`` [seq] i32, ``k_cache``, ``v_cache`` [max_ctx, n_kv * head_dim],
-    scratch ``scores`` [seq, n_heads, max_ctx], ``smax`` and ``ssum`` [seq, n_heads], ``probs``
-    [seq, n_heads, max_ctx], output ``out`` [seq, n_heads * head_dim]. Scores of invisible
-    positions are never computed (their scratch entries hold 0). Five launches on the GPU, one a
-    stage; ``attention_decode`` is the one-launch kernel of a decode step.
+    (with ``sinks``: a logit per query head, ``sinks`` [n_heads]), scratch ``scores`` [seq,
+    n_heads, max_ctx], ``smax`` and ``ssum`` [seq, n_heads], ``probs`` [seq, n_heads, max_ctx],
+    output ``out`` [seq, n_heads * head_dim]. Scores of invisible positions are never computed
+    (their scratch entries hold 0). Five launches on the GPU, one a stage; ``attention_decode``
+    is the one-launch kernel of a decode step.
     """
-    t = _attention_stages(name, seq, n_heads, n_kv_heads, head_dim, max_ctx, scale, window, softcap)
-    args = [(t["q"], "in"), (t["pos"], "in"), (t["k_cache"], "in"), (t["v_cache"], "in"), (t["scores"], "scratch"),
-            (t["smax"], "scratch"), (t["ssum"], "scratch"), (t["probs"], "scratch"), (t["out"], "out")]
+    t = _attention_stages(name, seq, n_heads, n_kv_heads, head_dim, max_ctx, scale, window, softcap, sinks)
+    args = [*_attention_inputs(t), (t["scores"], "scratch"), (t["smax"], "scratch"), (t["ssum"], "scratch"),
+            (t["probs"], "scratch"), (t["out"], "out")]
     return make_kernel(name, "attention", args, guards={"scores": _scores_guard(window)},
                        options={"head_dim": head_dim})
 
 
 def attention_decode(name: str, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, scale: float,
-                     window: int | None = None, softcap: float | None = None) -> Kernel:
+                     window: int | None = None, softcap: float | None = None, sinks: bool = False) -> Kernel:
     """``attention`` of one query (seq = 1) in one GPU launch: the same stages, but the scores,
     softmax statistics and probabilities are the kernel's own (shared memory on the GPU, a block
     per head; ``schedules_attention.schedule_attention_decode``), so it takes no scratch.
 
     Parameters: ``q`` [1, n_heads * head_dim], ``pos`` [1] i32, ``k_cache``, ``v_cache``
-    [max_ctx, n_kv * head_dim], output ``out`` [1, n_heads * head_dim]. Use it only where
-    ``attention_decode_fits(max_ctx)``.
+    [max_ctx, n_kv * head_dim], (with ``sinks``: ``sinks`` [n_heads]), output ``out`` [1,
+    n_heads * head_dim]. Use it only where ``attention_decode_fits(max_ctx)``.
     """
     if not attention_decode_fits(max_ctx):
         raise PiccError(f"{name}: a one-launch decode attention over max_ctx={max_ctx} positions does not fit "
                         f"in shared memory (or its tiles); use attention")
-    t = _attention_stages(name, 1, n_heads, n_kv_heads, head_dim, max_ctx, scale, window, softcap)
-    args = [(t["q"], "in"), (t["pos"], "in"), (t["k_cache"], "in"), (t["v_cache"], "in"), (t["out"], "out")]
+    t = _attention_stages(name, 1, n_heads, n_kv_heads, head_dim, max_ctx, scale, window, softcap, sinks)
+    args = [*_attention_inputs(t), (t["out"], "out")]
     return make_kernel(name, "attention_decode", args, guards={"scores": _scores_guard(window)},
                        options={"head_dim": head_dim})
 
@@ -267,11 +268,20 @@ def attention_decode_fits(max_ctx: int) -> bool:
     return gpu_layout.fused_attention(max_ctx)
 
 
+def _attention_inputs(t: dict[str, te.Tensor]) -> list[tuple[te.Tensor, str]]:
+    """The inputs of an attention kernel in parameter order: q, pos, the caches, the sinks if any."""
+    return [(t[n], "in") for n in ("q", "pos", "k_cache", "v_cache", "sinks") if n in t]
+
+
 def _attention_stages(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int,
-                      scale: float, window: int | None, softcap: float | None = None) -> dict[str, te.Tensor]:
-    """The tensors of attention by name: placeholders ``q``, ``pos``, ``k_cache``, ``v_cache`` and
-    the stages ``scores``, ``smax``, ``ssum``, ``probs``, ``out`` (the arithmetic of
-    ``picc.interpreter.attention``, the scores soft-capped where ``softcap`` is given)."""
+                      scale: float, window: int | None, softcap: float | None = None,
+                      sinks: bool = False) -> dict[str, te.Tensor]:
+    """The tensors of attention by name: placeholders ``q``, ``pos``, ``k_cache``, ``v_cache``
+    (and ``sinks`` [n_heads] with ``sinks``) and the stages ``scores``, ``smax``, ``ssum``,
+    ``probs``, ``out`` (the arithmetic of ``picc.interpreter.attention``, the scores soft-capped
+    where ``softcap`` is given). A sink joins where the maximum and the sum are read, not in
+    their reductions (a reduction is a stage's whole body): ``probs`` divides by ``ssum`` plus
+    the sink's term, both against ``max(smax, sink)``."""
     check_positive(seq=seq, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, max_ctx=max_ctx)
     if n_heads % n_kv_heads:
         raise PiccError(f"{name}: n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
@@ -281,6 +291,7 @@ def _attention_stages(name: str, seq: int, n_heads: int, n_kv_heads: int, head_d
     pos = te.placeholder((seq,), "int32", name="pos")
     kc = te.placeholder((max_ctx, width), "float32", name="k_cache")
     vc = te.placeholder((max_ctx, width), "float32", name="v_cache")
+    sk = te.placeholder((n_heads,), "float32", name="sinks") if sinks else None
 
     def visible(s: PrimExpr, j: PrimExpr) -> PrimExpr:
         seen = j <= pos[s]
@@ -302,19 +313,26 @@ def _attention_stages(name: str, seq: int, n_heads: int, n_kv_heads: int, head_d
         tirx.if_then_else(visible(s, jm), scaled(s, h, jm), f32(-3.0e38)), axis=jm), name="smax")
     js = te.reduce_axis((0, max_ctx), name="js")
 
+    def top(s: PrimExpr, h: PrimExpr) -> PrimExpr:
+        return smax[s, h] if sk is None else tirx.max(smax[s, h], sk[h])
+
     def weight(s: PrimExpr, h: PrimExpr, j: PrimExpr) -> PrimExpr:
-        return tirx.if_then_else(visible(s, j), tirx.exp(scaled(s, h, j) - smax[s, h]), f32(0))
+        return tirx.if_then_else(visible(s, j), tirx.exp(scaled(s, h, j) - top(s, h)), f32(0))
+
+    def total(s: PrimExpr, h: PrimExpr) -> PrimExpr:
+        return ssum[s, h] if sk is None else ssum[s, h] + tirx.exp(sk[h] - top(s, h))
 
     ssum = te.compute((seq, n_heads), lambda s, h: te.sum(weight(s, h, js), axis=js), name="ssum")
     # Probabilities once per (query, head, position), as numpy's ``scores /= sum``; the output
     # stage then reads them instead of recomputing exp in every one of its head_dim threads.
-    probs = te.compute((seq, n_heads, max_ctx), lambda s, h, j: weight(s, h, j) / ssum[s, h], name="probs")
+    probs = te.compute((seq, n_heads, max_ctx), lambda s, h, j: weight(s, h, j) / total(s, h), name="probs")
     jo = te.reduce_axis((0, max_ctx), name="jo")
     out = te.compute((seq, n_heads * d), lambda s, c: te.sum(tirx.if_then_else(
         visible(s, jo), probs[s, c // d, jo] * vc[jo, (c // d // group) * d + c % d], f32(0)),
         axis=jo), name="out")
-    return {"q": q, "pos": pos, "k_cache": kc, "v_cache": vc, "scores": scores, "smax": smax, "ssum": ssum,
-            "probs": probs, "out": out}
+    stages = {"q": q, "pos": pos, "k_cache": kc, "v_cache": vc, "scores": scores, "smax": smax, "ssum": ssum,
+              "probs": probs, "out": out}
+    return stages if sk is None else {**stages, "sinks": sk}
 
 
 def _scores_guard(window: int | None) -> Callable[..., PrimExpr]:

@@ -257,7 +257,8 @@ class _Lowering:
             ka = self.kernel(append, lambda: layers.kv_append(append, 1, width, self.ctx))
             self.launch(op, ka, [b.value(op.k, "k", ka), b.value(op.v, "v", ka), b.value(op.pos, "pos", ka),
                                  b.kv(op.cache, 0, "k_cache", ka), b.kv(op.cache, 1, "v_cache", ka)])
-        shape = (op.n_heads, op.n_kv_heads, op.head_dim, self.ctx, op.scale, op.window, op.softcap)
+        shape = (op.n_heads, op.n_kv_heads, op.head_dim, self.ctx, op.scale, op.window, op.softcap,
+                 op.sinks is not None)
         # One launch where the head's scores fit in shared memory; else five, through scratch.
         fused = layers.attention_decode_fits(self.ctx)
         if fused:
@@ -265,8 +266,9 @@ class _Lowering:
         else:
             k = self.kernel(name, lambda: layers.attention(name, 1, *shape))
         scratch = [] if fused else b.scratch(op, k, ("scores", "smax", "ssum", "probs"))
+        sinks = [b.vector(op.sinks, "sinks", k)] if op.sinks else []
         self.launch(op, k, [b.value(op.q, "q", k), b.value(op.pos, "pos", k), b.kv(op.cache, 0, "k_cache", k),
-                            b.kv(op.cache, 1, "v_cache", k), *scratch, b.value(op.result, "out", k)])
+                            b.kv(op.cache, 1, "v_cache", k), *sinks, *scratch, b.value(op.result, "out", k)])
 
     def predict(self, op: Predict, name: str) -> None:
         b = self.bind

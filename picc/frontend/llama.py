@@ -83,6 +83,7 @@ class LlamaSpec:
     sandwich: bool = False  # Gemma: the attention's and the FFN's outputs RMS-normalised before their residual adds
     attn_softcap: float | None = None  # Gemma 2: the attention's scores soft-capped, cap * tanh(s / cap)
     logit_softcap: float | None = None  # Gemma 2: the final logits soft-capped alike
+    attn_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax (weights l{i}.attn.sinks)
     moe: MoeSpec | None = None  # Mixtral, Qwen3-MoE, OLMoE: experts instead of the FFN
     bos_id: int | None = None
     eos_id: int | None = None
@@ -98,6 +99,7 @@ def layer_weight_names(i: int) -> dict[str, str]:
         "q": f"{p}.attn.q", "k": f"{p}.attn.k", "v": f"{p}.attn.v", "o": f"{p}.attn.o",
         "q_bias": f"{p}.attn.q_bias", "k_bias": f"{p}.attn.k_bias", "v_bias": f"{p}.attn.v_bias",
         "o_bias": f"{p}.attn.o_bias", "q_norm": f"{p}.attn.q_norm", "k_norm": f"{p}.attn.k_norm",
+        "sinks": f"{p}.attn.sinks",
         "post_attn_norm": f"{p}.post_attn_norm", "post_ffn_norm": f"{p}.post_ffn_norm",
         "up": f"{p}.ffn.up", "gate": f"{p}.ffn.gate", "down": f"{p}.ffn.down",
         "up_bias": f"{p}.ffn.up_bias", "gate_bias": f"{p}.ffn.gate_bias",
@@ -198,7 +200,8 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         window = spec.window[i] if spec.window else None
         ctx = b.op(O.Attention, f"{p}.attn.ctx", q=q, k=k, v=v, pos=pos, n_heads=spec.n_heads,
                    n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim,
-                   scale=scale, cache=f"l{i}", window=window, softcap=spec.attn_softcap)
+                   scale=scale, cache=f"l{i}", window=window, softcap=spec.attn_softcap,
+                   sinks=n["sinks"] if spec.attn_sinks else None)
         o = b.op(O.Linear, f"{p}.attn.out", x=ctx, weight=n["o"], bias=maybe(n["o_bias"]))
         if spec.sandwich:
             o = b.op(O.RMSNorm, f"{p}.post_attn_norm", x=o, weight=n["post_attn_norm"], eps=spec.eps)

@@ -262,7 +262,10 @@ class Attention(Op):
     the cache slot named ``cache`` at positions ``pos``; then the query at position p attends to
     every cached position j <= p (and p - j < window, when ``window`` is set) with scores
     ``(q . k) * scale``, softmax over j. With ``softcap`` (Gemma 2's ``attn_logit_softcapping``)
-    a score s is ``softcap * tanh(s / softcap)`` before the softmax.
+    a score s is ``softcap * tanh(s / softcap)`` before the softmax. With ``sinks`` (gpt-oss's
+    attention sinks, f32 [n_heads]) query head h's softmax has one more logit, ``sinks[h]``, with
+    no value: ``m = max(max_j s_j, sinks[h])``, ``p_j = exp(s_j - m) / (sum_j exp(s_j - m) +
+    exp(sinks[h] - m))``, so the probabilities sum to less than 1.
 
     ``alibi = "falcon"`` adds ALiBi biases instead of using rotary positions, as Falcon does:
     scores ``(q . k + b[h, j]) * scale`` with ``b[h, j] = bf16(bf16(slope_h) * j)`` (transformers
@@ -281,6 +284,7 @@ class Attention(Op):
     k: Val
     v: Val
     pos: Val
+    sinks: Sym | None = None
     n_heads: int
     n_kv_heads: int
     head_dim: int
@@ -319,6 +323,8 @@ class Attention(Op):
                f"positions %{self.pos} must be i32[{q.shape[0]}], got {p}")
         expect(self.window is None or self.window > 0, f"window must be > 0, got {self.window}")
         expect(self.softcap is None or self.softcap > 0, f"softcap must be > 0, got {self.softcap}")
+        weight_shape_is(env, self.sinks, (self.n_heads,), "sinks")
+        _float_weight(env, self.sinks, "sinks")
         expect(bool(self.cache), "cache slot name must not be empty")
         expect(self.alibi in ALIBI_KINDS, f"alibi must be one of {ALIBI_KINDS}, got {self.alibi!r}")
         expect(self.kv_format in KV_FORMATS, f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")

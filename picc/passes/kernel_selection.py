@@ -60,7 +60,7 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
         case O.Rope():
             return names.cpu_rope(op.style)
         case O.Attention() if op.alibi == "none":
-            return names.cpu_attention(op.kv_format, op.softcap is not None)
+            return names.cpu_attention(op.kv_format, op.softcap is not None, op.sinks is not None)
         case O.Add():
             return names.cpu_elementwise("add")
         case O.Softcap():
@@ -108,7 +108,8 @@ def gpu_kernel(op: Op, t: Types, ctx: int, residual: bool = False) -> str:  # no
         case O.Rope():
             return names.gpu_rope(op.style, op.n_heads, op.head_dim, op.rotated)
         case O.Attention() if op.alibi == "none" and op.kv_format == "f32":
-            return names.gpu_attention(op.n_heads, op.n_kv_heads, op.head_dim, ctx, op.window, op.scale, op.softcap)
+            return names.gpu_attention(op.n_heads, op.n_kv_heads, op.head_dim, ctx, op.window, op.scale, op.softcap,
+                                       op.sinks is not None)
         case O.Add():
             return names.gpu_add(t.width(op.result))
         case O.Softcap():

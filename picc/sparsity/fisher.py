@@ -165,7 +165,11 @@ class TorchForward:
         if op.window is not None:
             visible &= i[:, None] - i[None, :] < op.window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ vh
+        if op.sinks is not None:  # gpt-oss: a logit per head in the softmax, dropped after it
+            sinks = self.w(op.sinks).reshape(-1, 1, 1).expand(-1, seq, 1)
+            out = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1] @ vh
+        else:
+            out = torch.softmax(scores, dim=-1) @ vh
         return out.transpose(0, 1).reshape(seq, op.n_heads * d)
 
     def moe(self, op: O.MoE, x):  # noqa: ANN001, ANN201 - torch.Tensor
