@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "olmoe", "phi3", "smollm3", "granite",
-            "granitemoe", "olmo2", "gemma2", "gemma3_text", "gemma3", "opt", "falcon")
+            "granitemoe", "olmo2", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -114,6 +114,14 @@ _BASE: dict[str, dict[str, Any]] = {
     "granitemoe": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=_ROPE,
                        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=12.0,
                        residual_multiplier=0.22, attention_multiplier=1 / 16, logits_scaling=2.0),
+    # gpt-oss (20B's layout): every even layer slides (a window of 4), learned sinks in every
+    # attention, biases on q, k, v, o, the router and the experts; eight experts of 32 neurons, two
+    # a token, the softmax of their logits; its clamped SwiGLU at a limit these tiny projections
+    # reach (20B's: 7)
+    "gpt_oss": dict(_TINY, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, sliding_window=4,
+                    num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, swiglu_limit=1.5,
+                    pad_token_id=0, eos_token_id=2),
     # OLMo 2: the attention's and the MLP's outputs normalised (not their inputs), q and k each
     # normalised over the whole projection before the rope
     "olmo2": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=_ROPE,
@@ -319,6 +327,12 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         # language_model.model. as transformers 4.x saved them
         "hub": dict(text_config="gemma3_text:scaled-global", _hub_style="gemma3-vlm"),
     },
+    "gpt_oss": {
+        "base": {},
+        "wide-clamp": dict(swiglu_limit=7.0),  # 20B's limit, which these projections seldom reach
+        "four-of-eight": dict(num_experts_per_tok=4),
+        "all-full": dict(layer_types=["full_attention", "full_attention"]),
+    },
     "smollm3": {
         # tied embeddings by default; the no-rope layers derived from no_rope_layer_interval
         "base": dict(_hub_style="smollm3"),
@@ -419,6 +433,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "gemma2": {},
     "gemma3_text": {},
     "gemma3": {},
+    "gpt_oss": {},
     "opt": {},
     "falcon": {},
 }
@@ -459,6 +474,9 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("qwen3_moe", "base", "three-of-eight"),
     ("olmoe", "base", "normalised"),
     ("olmo2", "base", "norm-eps"),
+    ("gpt_oss", "base", "wide-clamp"),
+    ("gpt_oss", "base", "four-of-eight"),
+    ("gpt_oss", "base", "all-full"),
     ("gemma3_text", "base", "scaled-global"),
     ("gemma3_text", "base", "softcap"),
     ("smollm3", "base", "sliding"),
@@ -518,6 +536,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "gemma3": (tf.Gemma3Config, tf.Gemma3ForConditionalGeneration),

@@ -66,6 +66,9 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         meta["expert_used_count"] = (w.add_expert_used_count, cfg["num_experts_per_tok"])
         if arch == "qwen3moe":
             meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])
+        if arch == "gpt-oss":  # convert_hf_to_gguf.py's GptOssModel
+            meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["intermediate_size"])
+            meta["sliding_window"] = (w.add_sliding_window, cfg["sliding_window"])
     if arch in ("granite", "granitemoe"):  # convert_hf_to_gguf.py's GraniteModel (and GraniteMoeModel)
         meta["embedding_scale"] = (w.add_embedding_scale, cfg["embedding_multiplier"])
         meta["residual_scale"] = (w.add_residual_scale, cfg["residual_multiplier"])
@@ -124,6 +127,20 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
             if p + f"self_attn.{ours}.weight" in sd:
                 tensor(f"blk.{i}.attn_{ours}.weight", sd[p + f"self_attn.{ours}.weight"])
         tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], quant_type)
+        if arch == "gpt-oss":  # the MLP's input norm under another name; sinks; the experts and their biases
+            tensor(f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+            tensor(f"blk.{i}.attn_sinks.weight", sd[p + "self_attn.sinks"])
+            tensor(f"blk.{i}.attn_output.bias", sd[p + "self_attn.o_proj.bias"])
+            tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.router.weight"])
+            tensor(f"blk.{i}.ffn_gate_inp.bias", sd[p + "mlp.router.bias"])
+            both, both_bias = sd[p + "mlp.experts.gate_up_proj"].transpose(0, 2, 1), sd[p + "mlp.experts.gate_up_proj_bias"]
+            tensor(f"blk.{i}.ffn_gate_exps.weight", both[:, 0::2], quant_type)
+            tensor(f"blk.{i}.ffn_up_exps.weight", both[:, 1::2], quant_type)
+            tensor(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"].transpose(0, 2, 1), quant_type)
+            tensor(f"blk.{i}.ffn_gate_exps.bias", both_bias[:, 0::2])
+            tensor(f"blk.{i}.ffn_up_exps.bias", both_bias[:, 1::2])
+            tensor(f"blk.{i}.ffn_down_exps.bias", sd[p + "mlp.experts.down_proj_bias"])
+            continue
         if gemma or arch == "olmo2":  # the outputs' norms; Gemma's MLP's input norm too
             tensor(f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
             if gemma:
@@ -198,10 +215,14 @@ def round_trip_hf_weights(hf_dir, out_dir, qt):
     sd = load_file(str(hf_dir / "model.safetensors"))
     name = qt.name.lower()
     for key, w in sd.items():
-        if w.ndim == 3:  # Granite-MoE's experts, each matrix's rows
-            sd[key] = quant.dequantize(quant.quantize(w.reshape(-1, w.shape[-1]), name), name,
-                                       (w.shape[0] * w.shape[1], w.shape[2])).reshape(w.shape)
-        if w.ndim == 2 and not key.endswith(("mlp.gate.weight", "moe.gate.weight", "router.layer.weight")):  # routers: f32
+        transposed = key.endswith(("experts.gate_up_proj", "experts.down_proj"))  # gpt-oss's experts: x @ W
+        w = w.transpose(0, 2, 1) if transposed else w
+        if w.ndim == 3:  # Granite-MoE's and gpt-oss's experts, each matrix's rows
+            rows = quant.dequantize(quant.quantize(w.reshape(-1, w.shape[-1]), name), name,
+                                    (w.shape[0] * w.shape[1], w.shape[2])).reshape(w.shape)
+            sd[key] = np.ascontiguousarray(rows.transpose(0, 2, 1)) if transposed else rows
+        routers = ("mlp.gate.weight", "moe.gate.weight", "router.layer.weight", "mlp.router.weight")  # f32
+        if w.ndim == 2 and not key.endswith(routers + ("_bias",)):  # (gpt-oss's experts' biases: f32)
             sd[key] = quant.dequantize(quant.quantize(w, name), name, w.shape)
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
@@ -235,6 +256,7 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     ("granite", "norm-eps", Q.F32, ()), ("granite", "base", Q.Q4_1, ()),
     ("olmo2", "norm-eps", Q.F32, ()), ("olmo2", "base", Q.Q4_1, ()),
     ("qwen3_moe", "base", Q.F32, ()), ("qwen3_moe", "three-of-eight", Q.Q4_1, ()),
+    ("gpt_oss", "wide-clamp", Q.F32, ()), ("gpt_oss", "wide-clamp", Q.Q4_0, ()),
     ("mixtral", "base", Q.F32, ()), ("mixtral", "three-of-eight", Q.Q4_0, ()),
     ("granitemoe", "base", Q.F32, ()), ("granitemoe", "base", Q.Q4_1, ()),
     ("gemma3_text", "six-layers", Q.F32, ()), ("gemma3_text", "six-layers", Q.Q4_1, ())])
@@ -249,10 +271,11 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
     # every even layer sliding and the file's soft caps on the scores and the logits. Granite:
     # Llama's permuted rows and its four scales. OLMo 2: its norms after the attention and the MLP,
     # and over q's and k's whole projections. Qwen3-MoE: each layer's experts as three 3-D tensors,
-    # their weights renormalised as llama.cpp does.
+    # their weights renormalised as llama.cpp does. gpt-oss: sinks, every even layer sliding, the
+    # router's and the experts' biases, the clamped SwiGLU at llama.cpp's limit (7, the variant's).
     hf_dir = tmp_path / family
     make_model(family, variant, hf_dir)
-    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(family, family)
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}.get(family, family)
     tie = family in ("gemma2", "gemma3_text", "granite", "granitemoe")  # no output.weight: the head is the embedding
     model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, quant_type=qt, drop_keys=drop, tie=tie))
     if variant.startswith("longrope"):
@@ -262,7 +285,7 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
     assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {
         "gptj" if family in ("granite", "granitemoe", "mixtral") else "llama"}
     grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer (OLMo 2's: not by heads)
-    if family in ("qwen3_moe", "mixtral", "granitemoe"):  # (Qwen3-MoE's head_dim is 16)
+    if family in ("qwen3_moe", "mixtral", "granitemoe", "gpt_oss"):  # (Qwen3-MoE's head_dim is 16)
         grouped, moes = 0, [op for op in model.module.ops() if op.NAME == "moe"]
         assert [(op.n_experts, op.top_k, op.norm_topk) for op in moes] == [(8, 3 if "three" in variant else 2, True)] * 2
     assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == grouped
@@ -480,7 +503,7 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"),
      "GGUF architecture 'gpt2' is not supported (supported: llama, granite, granitemoe, qwen2, qwen3, qwen3moe, "
-     "phi3, olmo2, gemma2, gemma3)"),
+     "phi3, olmo2, gemma2, gemma3, gpt-oss)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),

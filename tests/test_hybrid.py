@@ -289,16 +289,18 @@ def test_gpt_oss_attention_sinks_run_on_the_gpu(tmp_path, monkeypatch, vram, ctx
         assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
 
 
-def test_a_mixtures_experts_stay_on_the_cpu_beside_the_gpus_layers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_mixtures_experts_stay_on_the_cpu_beside_the_gpus_layers(tmp_path, monkeypatch, family):
     # The GPU has no kernel for a mixture of experts: compiled for pc-low, the attention runs on
     # the (emulated) GPU and each layer's experts on the CPU in between, their weights in the
-    # CPU's memory; the logits are the interpreter's.
+    # CPU's memory; the logits are the interpreter's. gpt-oss: its sinks on the GPU with the
+    # attention, its experts' biases on the CPU with them.
     from hf_models import make_model
 
     from picc.frontend import load_model
 
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
-    make_model("qwen3_moe", "base", tmp_path / "hf")
+    make_model(family, "base", tmp_path / "hf")
     path = tmp_path / "moe.pib"
     write_compiled(compile_model(load_model(tmp_path / "hf"), CompileOptions(target="pc-low", vram="4MiB", dense=True),
                                  say=lambda _: None), path)
@@ -307,6 +309,8 @@ def test_a_mixtures_experts_stay_on_the_cpu_beside_the_gpus_layers(tmp_path, mon
     assert where == {"attention": Placement.GPU, "moe": Placement.CPU}
     experts = {w.name: w.type.placement for w in pib.module.weights if ".moe." in w.name}
     assert experts and set(experts.values()) == {Placement.CPU}
+    sinks = {w.type.placement for w in pib.module.weights if w.name.endswith(".attn.sinks")}
+    assert sinks == ({Placement.GPU} if family == "gpt_oss" else set())
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     with Session(path, threads=2, gpu="emulate") as session:
         assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4

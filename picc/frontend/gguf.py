@@ -41,10 +41,11 @@ if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
 SUPPORTED_ARCHS = ("llama", "granite", "granitemoe", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "gemma2",
-                   "gemma3")
+                   "gemma3", "gpt-oss")
 # see above: llama.cpp's converter permutes the q and k rows of llama (and Granite) files, keeps the others'
 _ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "granitemoe": "gptj", "qwen2": "llama", "qwen3": "llama",
-                "qwen3moe": "llama", "phi3": "llama", "olmo2": "llama", "gemma2": "llama", "gemma3": "llama"}
+                "qwen3moe": "llama", "phi3": "llama", "olmo2": "llama", "gemma2": "llama", "gemma3": "llama",
+                "gpt-oss": "llama"}
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0}
 
@@ -65,6 +66,9 @@ _LAYER_NAMES = {
     # a mixture's router and its experts' matrices, [n_experts, rows, cols] read as one [n_experts * rows, cols]
     "ffn_gate_inp.weight": "moe.router", "ffn_up_exps.weight": "moe.up", "ffn_gate_exps.weight": "moe.gate",
     "ffn_down_exps.weight": "moe.down",
+    # gpt-oss's: the router's and the experts' biases ([n_experts, rows], read as one vector), the sinks
+    "ffn_gate_inp.bias": "moe.router_bias", "ffn_up_exps.bias": "moe.up_bias", "ffn_gate_exps.bias": "moe.gate_bias",
+    "ffn_down_exps.bias": "moe.down_bias", "attn_sinks.weight": "attn.sinks",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -120,6 +124,8 @@ def read_tensors(file: GgufFile, path: Path) -> tuple[WeightStore, dict[str, int
         shape = tuple(reversed(t.dims))
         if len(shape) == 3:  # experts: their matrices' rows one after another (picc.ir.ops.MoE)
             shape = (shape[0] * shape[1], shape[2])
+        elif name.split(".")[-1].endswith("_bias") and ".moe." in name and len(shape) == 2:  # experts' biases
+            shape = (shape[0] * shape[1],)
         dtype = _GGML_TYPES.get(t.type_name)
         if dtype is None:
             tensor = converted(t.type_name, t.data, shape, f"{path}: tensor {t.name!r}")
@@ -305,6 +311,8 @@ def load_gguf(path: Path) -> LoadedModel:
         spec = _gemma2(spec, meta, key)
     elif arch == "gemma3":
         spec = _gemma3(spec, meta, key, path)
+    elif arch == "gpt-oss":
+        spec, store = _gpt_oss(spec, store, meta, key)
     module = build_llama(spec, store)
     # A GGUF without tokenizer metadata still imports; it runs on token ids only.
     has_tokenizer = meta.get("tokenizer.ggml.model") is not None
@@ -324,15 +332,32 @@ def _moe(meta: _Meta, key: Callable[[str], str], arch: str, n_ff: int, path: Pat
     ``expert_feed_forward_length`` neurons (qwen3moe; llama.cpp's default ``feed_forward_length /
     expert_used_count``) or ``feed_forward_length`` (llama, granitemoe)."""
     n_experts, top_k = (_opt_int(meta.get(key(k))) or 0 for k in ("expert_count", "expert_used_count"))
-    if arch not in ("qwen3moe", "granitemoe") and n_experts == 0:
+    if arch not in ("qwen3moe", "granitemoe", "gpt-oss") and n_experts == 0:
         return None
-    if arch not in ("qwen3moe", "granitemoe", "llama"):
+    if arch not in ("qwen3moe", "granitemoe", "llama", "gpt-oss"):
         raise PiccError(f"{path}: {arch} files with experts ({key('expert_count')} {n_experts}) are not supported")
     if not 0 < top_k <= n_experts:
         raise PiccError(f"{path}: {key('expert_used_count')} {top_k} and {key('expert_count')} {n_experts}: "
                         "expected 1 to expert_count experts a token")
     width = _opt_int(meta.get(key("expert_feed_forward_length"))) or (n_ff // top_k if arch == "qwen3moe" else n_ff)
-    return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=True)
+    clamp = dict(swiglu_limit=GPT_OSS_SWIGLU[1], swiglu_alpha=GPT_OSS_SWIGLU[0]) if arch == "gpt-oss" else {}
+    return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=True, **clamp)
+
+
+GPT_OSS_SWIGLU = (1.702, 7.0)  # llama.cpp's alpha and limit of gpt-oss's clamped SwiGLU (files name none)
+GPT_OSS_WINDOW = 128  # llama.cpp's n_swa where a gpt-oss file names no attention.sliding_window
+
+
+def _gpt_oss(spec: LlamaSpec, store: WeightStore, meta: _Meta,
+             key: Callable[[str], str]) -> tuple[LlamaSpec, WeightStore]:
+    """A ``gpt-oss`` file's model as llama.cpp runs it (``LLM_ARCH_OPENAI_MOE``): every even layer
+    sliding (``set_swa_pattern(2)``) by ``attention.sliding_window``, each attention's sinks, the
+    experts' biases and clamped SwiGLU (:data:`GPT_OSS_SWIGLU`), the softmax of the k chosen
+    logits (the renormalised top k). The FFN's input norm is the file's ``post_attention_norm``."""
+    window = _opt_int(meta.get(key("attention.sliding_window"), GPT_OSS_WINDOW))
+    renamed = {f"l{i}.post_attn_norm": f"l{i}.ffn_norm" for i in range(spec.n_layers)}
+    store = WeightStore({renamed.get(n, n): store[n] for n in store})
+    return replace(spec, window=tuple(None if i % 2 else window for i in range(spec.n_layers)), attn_sinks=True), store
 
 
 def _granite(spec: LlamaSpec, store: WeightStore, meta: _Meta,

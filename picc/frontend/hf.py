@@ -41,6 +41,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -171,6 +172,7 @@ LLAMA_FAMILIES = {
                          olmo=True),
     "gemma2": LlamaFamily(4, 8192, (2, 1), tied=True, head_dim=256, attn_bias=True, gemma=True),
     "gemma3_text": LlamaFamily(4, 131072, (2, 1), tied=True, head_dim=256, attn_bias=True, qk_norm=True, gemma=True),
+    "gpt_oss": LlamaFamily(8, 131072, (None, None), eps=1e-5, head_dim=64, attn_bias=True, moe=True),
 }
 
 
@@ -239,9 +241,9 @@ def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | Non
     elif family == "smollm3":
         rope_layers, windows = smollm3_layers(cfg, n_layers)
         return windows, rope_layers
-    elif family in ("gemma2", "gemma3_text"):
+    elif family in ("gemma2", "gemma3_text", "gpt_oss"):
         types = gemma_layer_types(cfg, n_layers)
-        window = cfg.opt_integer("sliding_window", 4096)
+        window = cfg.opt_integer("sliding_window", 128 if family == "gpt_oss" else 4096)
         if window is None and "sliding_attention" in types:
             raise PiccError(f"{cfg.path}: layer_types has sliding_attention layers but sliding_window is null; "
                             "transformers cannot run this either")
@@ -251,12 +253,13 @@ def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | Non
 
 
 def gemma_layer_types(cfg: HFConfig, n_layers: int) -> list[str]:
-    """``layer_types``, or every ``pattern``-th layer full and the others sliding: Gemma 2's every
-    second (``Gemma2Config.__post_init__``), Gemma 3's every ``sliding_window_pattern``-th (hub
-    configs; ``Gemma3TextConfig.__post_init__``, default 6)."""
+    """``layer_types``, or every ``pattern``-th layer full and the others sliding: Gemma 2's and
+    gpt-oss's every second (``Gemma2Config.__post_init__``, ``GptOssConfig``'s), Gemma 3's every
+    ``sliding_window_pattern``-th (hub configs; ``Gemma3TextConfig.__post_init__``, default 6)."""
     types = cfg.raw.get("layer_types")
     if types is None:
-        pattern = 2 if cfg.raw["model_type"] == "gemma2" else cfg.integer("sliding_window_pattern", 6)
+        two = cfg.raw["model_type"] in ("gemma2", "gpt_oss")
+        pattern = 2 if two else cfg.integer("sliding_window_pattern", 6)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     known = ("full_attention", "sliding_attention")
     if not isinstance(types, list) or len(types) != n_layers or any(t not in known for t in types):
@@ -310,7 +313,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     head_dim = cfg.opt_integer("head_dim", rules.head_dim) or hidden // n_heads
     max_position = cfg.integer("max_position_embeddings", rules.max_position)
     windows, rope_layers = _windows(cfg, family, n_layers)
-    attn_bias = rules.attn_bias and cfg.flag("attention_bias", False)
+    attn_bias = rules.attn_bias and cfg.flag("attention_bias", family == "gpt_oss")
     qkv_bias = attn_bias or rules.qkv_bias
     mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False)
     bos, eos = special_ids(cfg, directory, *rules.special_ids)
@@ -336,6 +339,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         ffn_form=ffn_form(cfg, *act, gated=True), rope=rope, tied=False, window=windows, **layer,
         bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=rules.qk_norm, rope_layers=rope_layers,
         qk_norm_whole=rules.qk_norm_whole, moe=moe_spec(cfg, family, n_layers) if rules.moe else None,
+        attn_sinks=family == "gpt_oss",
     )
 
     logits_scaling = 1.0
@@ -374,6 +378,9 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         w1, w3 and w2 are the gate, up and down projections; Granite-MoE's are 3-D already)."""
         assert spec.moe is not None
         e_ff, count = spec.moe.n_ff, spec.moe.n_experts
+        if family == "gpt_oss":
+            _gpt_oss_experts(ckpt, store, n, p + mlp, spec.moe, hidden)
+            return
         if family == "granitemoe":  # input_linear: each expert's gate rows, then its up rows
             add(n["router"], mlp + "router.layer.weight", (count, hidden))
             both = ckpt.tensor(f"{p}{mlp}input_linear.weight", (count, 2 * e_ff, hidden))
@@ -412,6 +419,8 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
             norm(n["q_norm"], hf + "self_attn.q_norm.weight", (q_rows if spec.qk_norm_whole else head_dim,))
             norm(n["k_norm"], hf + "self_attn.k_norm.weight", (kv_rows if spec.qk_norm_whole else head_dim,))
         add(n["o"], hf + "self_attn.o_proj.weight", (hidden, q_rows))
+        if spec.attn_sinks:
+            add(n["sinks"], hf + "self_attn.sinks", (n_heads,))
         if attn_bias:
             add(n["o_bias"], hf + "self_attn.o_proj.bias", (hidden,))
         if spec.sandwich:  # post_attention_layernorm is the attention's output norm
@@ -449,8 +458,8 @@ def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
     keep a dense MLP."""
     qwen = family == "qwen3_moe"
     key = "num_local_experts" if "num_local_experts" in cfg.raw else "num_experts"  # transformers saves either
-    n_experts = cfg.integer(key, {"qwen3_moe": 128, "olmoe": 64, "mixtral": 8, "granitemoe": 8}[family])
-    top_k = cfg.integer("num_experts_per_tok", 2 if family in ("mixtral", "granitemoe") else 8)
+    n_experts = cfg.integer(key, {"qwen3_moe": 128, "olmoe": 64, "mixtral": 8, "granitemoe": 8, "gpt_oss": 128}[family])
+    top_k = cfg.integer("num_experts_per_tok", {"mixtral": 2, "granitemoe": 2, "gpt_oss": 4}.get(family, 8))
     if top_k > n_experts:
         raise PiccError(f"{cfg.path}: num_experts_per_tok {top_k} is more than num_experts {n_experts}")
     layers: tuple[bool, ...] = ()
@@ -462,10 +471,42 @@ def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
         layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
     if cfg.raw.get("clip_qkv") is not None:
         raise PiccError(f"{cfg.path}: clip_qkv {json.dumps(cfg.raw['clip_qkv'])} is not supported")
-    width = cfg.integer("moe_intermediate_size" if qwen else "intermediate_size", 768)
-    norm = family in ("mixtral", "granitemoe") or cfg.flag("norm_topk_prob", False)  # granitemoe: softmax of the k
+    width = cfg.integer("moe_intermediate_size" if qwen else "intermediate_size", 2880 if family == "gpt_oss" else 768)
+    # granitemoe and gpt-oss: the softmax of the k logits, the same weights
+    norm = family in ("mixtral", "granitemoe", "gpt_oss") or cfg.flag("norm_topk_prob", False)
+    clamp = dict(swiglu_limit=cfg.number("swiglu_limit", 7.0), swiglu_alpha=cfg.number("swiglu_alpha", 1.702)) \
+        if family == "gpt_oss" else {}
+    for key, value in clamp.items():
+        if not 0 < value < math.inf:
+            raise cfg.bad(key, value, "a number > 0")
     return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=norm,
-                   layers=layers if not all(layers) else ())
+                   layers=layers if not all(layers) else (), **clamp)
+
+
+def _gpt_oss_experts(ckpt: Checkpoint, store: WeightStore, n: dict[str, str], mlp: str, moe: MoeSpec,
+                     hidden: int) -> None:
+    """A gpt-oss layer's router (with its bias) and experts, stacked as ``picc.ir.ops.MoE`` reads
+    them. ``gate_up_proj`` is [experts, hidden, 2 n_ff] (``x @ W``), its columns alternating a
+    neuron's gate and up, and ``down_proj`` [experts, n_ff, hidden]: their transposes' rows are
+    picc's. Biases alike (``gate_up_proj_bias`` alternating)."""
+    count, e_ff = moe.n_experts, moe.n_ff
+    store.add(n["router"], ckpt.tensor(mlp + "router.weight", (count, hidden)))
+    store.add(n["router_bias"], ckpt.tensor(mlp + "router.bias", (count,)))
+    x = mlp + "experts."
+    both = ckpt.tensor(x + "gate_up_proj", (count, hidden, 2 * e_ff))
+    rows = np.ascontiguousarray(np.asarray(both.data).transpose(0, 2, 1)).reshape(count * 2 * e_ff, hidden)
+    store.add(n["experts_gate"], Tensor(both.dtype, (count * e_ff, hidden), np.ascontiguousarray(rows[0::2])))
+    store.add(n["experts_up"], Tensor(both.dtype, (count * e_ff, hidden), np.ascontiguousarray(rows[1::2])))
+    down = ckpt.tensor(x + "down_proj", (count, e_ff, hidden))
+    store.add(n["experts_down"], Tensor(down.dtype, (count * hidden, e_ff), np.ascontiguousarray(
+        np.asarray(down.data).transpose(0, 2, 1)).reshape(count * hidden, e_ff)))
+    bias = ckpt.tensor(x + "gate_up_proj_bias", (count, 2 * e_ff))
+    flat = np.asarray(bias.data).reshape(-1)
+    store.add(n["experts_gate_bias"], Tensor(bias.dtype, (count * e_ff,), np.ascontiguousarray(flat[0::2])))
+    store.add(n["experts_up_bias"], Tensor(bias.dtype, (count * e_ff,), np.ascontiguousarray(flat[1::2])))
+    down_bias = ckpt.tensor(x + "down_proj_bias", (count, hidden))
+    store.add(n["experts_down_bias"], Tensor(down_bias.dtype, (count * hidden,),
+                                             np.asarray(down_bias.data).reshape(-1)))
 
 
 def _granite(cfg: HFConfig, spec: LlamaSpec) -> tuple[LlamaSpec, float]:
