@@ -186,6 +186,8 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+_YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+
 _SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "llama": {
         "swiglu": {},
@@ -202,6 +204,20 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
             rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, _hub_style="rope"
         ),
         "rope-llama3-legacy": dict(rope_parameters=dict(_LLAMA3_ROPE), _hub_style="rope"),
+        # YaRN (head_dim 16, theta 1e4, 32 positions of old: pair 0 kept, pair 1 half-way, the
+        # rest divided by 4; cos and sin times 1 + 0.1 ln 4)
+        "rope-yarn": dict(rope_parameters=dict(_YARN_ROPE)),
+        # gpt-oss's: the ramp's ends (pairs 2.02 and 4.35) not rounded outwards
+        "rope-yarn-untruncated": dict(max_position_embeddings=131072, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096}),
+        # DeepSeek's attention factor (1 + 0.05 ln 8) / (1 + 0.1 ln 8), other betas, and an original
+        # context of 8: the test's positions go past it
+        "rope-yarn-mscale": dict(rope_parameters=dict(_YARN_ROPE, factor=8.0, mscale=0.5, mscale_all_dim=1.0,
+                                                      beta_fast=16.0, beta_slow=2.0,
+                                                      original_max_position_embeddings=8)),
+        # Qwen3's hub layout (rope_scaling) with an explicit attention_factor
+        "rope-yarn-legacy": dict(rope_parameters=dict(_YARN_ROPE, attention_factor=0.75), _hub_style="rope"),
         "tied": dict(tie_word_embeddings=True),
         "attn-bias": dict(attention_bias=True),
         "mlp-bias": dict(mlp_bias=True),
@@ -410,14 +426,6 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
             max_position_embeddings=8,
             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
         ),
-        "rope-yarn": dict(
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 32,
-            }
-        ),
     },
     "mistral": {},
     "qwen2": {},
@@ -454,6 +462,8 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("llama", "swiglu", "norm-eps"),
     ("llama", "swiglu", "rope-dynamic"),  # differs only because the test length exceeds 8
     ("llama", "swiglu", "rope-yarn"),
+    ("llama", "rope-yarn", "rope-yarn-mscale"),
+    ("llama", "rope-yarn", "rope-yarn-legacy"),
     ("mistral", "base", "sliding-window"),
     ("qwen2", "base", "sliding"),
     ("qwen2", "sliding", "sliding-all"),

@@ -60,6 +60,7 @@ from picc.interpreter import KVCache, activation
 from picc.interpreter import attention as ref_attention
 from picc.interpreter import rope as ref_rope
 from picc.ir import ops as O
+from picc.ir import positional
 from picc.ir.types import f32
 
 F32_TOL = 1e-5
@@ -380,14 +381,17 @@ def test_rms_and_layer_norm_host_match_interpreter() -> None:
 
 @pytest.mark.parametrize("style,rotary,scaling", [("llama", None, "none"), ("gptj", None, "none"),
                                                   ("llama", 32, "llama3"), ("gptj", 16, "linear"),
-                                                  ("llama", 48, "longrope")])
+                                                  ("llama", 48, "longrope"), ("gptj", None, "yarn")])
 def test_rope_host_matches_interpreter(style: str, rotary: int | None, scaling: str) -> None:
-    # longrope: a factor per pair and the cosines and sines scaled (Phi-4-mini rotates 3/4 of a head)
+    # longrope: a factor per pair and the cosines and sines scaled (Phi-4-mini rotates 3/4 of a head);
+    # yarn likewise, its factors 1, blended and 8
     rng = np.random.default_rng(8)
     seq, heads, d = 4, 3, 64
-    longrope = dict(freq_factors=tuple(1 + rng.random(24)), attention_factor=1.19) if scaling == "longrope" else {}
+    per_pair = {"longrope": dict(freq_factors=tuple(1 + rng.random(24)), attention_factor=1.19),
+                "yarn": dict(freq_factors=positional.yarn_freq_factors(64, 1e4, 8.0, 256, 32.0, 1.0, True),
+                             attention_factor=positional.yarn_mscale(8.0))}.get(scaling, {})
     op = O.Rope(result="y", type=f32(seq, heads * d), x="x", pos="pos", n_heads=heads, head_dim=d,
-                rotary_dim=rotary, style=style, scaling=scaling, factor=8.0, original_max_position=256, **longrope)
+                rotary_dim=rotary, style=style, scaling=scaling, factor=8.0, original_max_position=256, **per_pair)
     x, pos = randn(rng, seq, heads * d), np.array([0, 1, 17, 1000], np.int32)
     y = build_host(rope(f"rope_{style}_{rotary}", seq, heads, d, rotary, style))(x=x, pos=pos,
                                                                                 inv_freq=rope_table(op))["y"]

@@ -34,9 +34,10 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=None,
-               drop_keys=()):
+               drop_keys=(), keys=None):
     """Write the HF model in ``hf_dir`` (a llama, or a qwen2 / qwen3 / phi3 / gemma2 / gemma3 with
-    ``arch`` saying so) as a GGUF file, matrices in ``quant_type``."""
+    ``arch`` saying so) as a GGUF file, matrices in ``quant_type``; ``keys``: more metadata, by
+    the GGUFWriter method that adds each (``rope_scaling_yarn_beta_fast`` for ``add_...``)."""
     import json
 
     from safetensors.numpy import load_file
@@ -91,6 +92,15 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         meta["attn_factor"] = (w.add_rope_scaling_attn_factors, math.sqrt(1 + math.log(scale) / math.log(original)))
         extra = {"rope_factors_long.weight": (np.array(rope["long_factor"]), Q.F32),
                  "rope_factors_short.weight": (np.array(rope["short_factor"]), Q.F32), **(extra or {})}
+    if rope.get("rope_type") == "yarn":  # as convert_hf_to_gguf.py's TextModel writes it
+        meta["scaling_type"] = (w.add_rope_scaling_type, gguf.RopeScalingType.YARN)
+        meta["factor"] = (w.add_rope_scaling_factor, rope["factor"])
+        meta["original_context"] = (w.add_rope_scaling_orig_ctx_len, rope["original_max_position_embeddings"])
+        for beta in ("beta_fast", "beta_slow"):
+            if beta in rope:
+                meta[beta] = (getattr(w, f"add_rope_scaling_yarn_{beta}"), rope[beta])
+    for name, value in (keys or {}).items():  # in place of the entry of that name
+        meta[name] = (getattr(w, f"add_{name}"), value)
     permute = llama_cpp_permute if arch in ("llama", "granite", "granitemoe") else lambda x, heads: x
     for key, (add, value) in meta.items():
         if key not in drop_keys:
@@ -386,6 +396,76 @@ def test_llama3_rope_factors_are_read_as_the_scaling_they_come_from(tmp_path):
     assert {op.scaling for op in plain.module.ops() if op.NAME == "rope"} == {"none"}
 
 
+def llama_cpp_yarn_cos_sin(pos, n_dims, base, factor, n_ctx_orig, beta_fast=32.0, beta_slow=1.0, log_mul=0.0,
+                           rope_attn_factor=1.0):
+    """The cosines and sines llama.cpp rotates a yarn file's pairs by at positions ``pos``, in
+    float64: llama_context's attention factor, ggml_rope_yarn_corr_dims and rope_yarn (ext_factor 1)."""
+    def corr_dim(n_rot):
+        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    def get_mscale(scale, mscale):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    low, high = max(0, math.floor(corr_dim(beta_fast))), min(n_dims - 1, math.ceil(corr_dim(beta_slow)))
+    freq_scale = 1 / factor
+    attn_factor = get_mscale(factor, 1.0) / get_mscale(factor, log_mul) if log_mul else get_mscale(factor, 1.0)
+    attn_factor *= rope_attn_factor / (1 + 0.1 * math.log(factor))
+    cos, sin = np.zeros((len(pos), n_dims // 2)), np.zeros((len(pos), n_dims // 2))
+    for row, p in enumerate(pos):
+        for i0 in range(0, n_dims, 2):
+            theta_extrap = p * base ** (-i0 / n_dims)
+            theta_interp = freq_scale * theta_extrap
+            ramp_mix = 1 - min(1.0, max(0.0, (i0 // 2 - low) / max(0.001, high - low)))
+            theta = theta_interp * (1 - ramp_mix) + theta_extrap * ramp_mix
+            mscale = attn_factor * (1 + 0.1 * math.log(1 / freq_scale))
+            cos[row, i0 // 2], sin[row, i0 // 2] = math.cos(theta) * mscale, math.sin(theta) * mscale
+    return cos, sin
+
+
+def test_a_yarn_gguf_rotates_as_llama_cpp_and_transformers(tmp_path):
+    # A LLaMA GGUF with yarn (convert_hf_to_gguf.py's keys: factor 4, original context 32): llama.cpp
+    # rotates as transformers does with truncate true and no mscale, so the logits are
+    # transformers' for the HF model, and the rope's cosines and sines are llama.cpp's.
+    from picc.interpreter import rope_cos_sin
+
+    hf_dir = tmp_path / "hf"
+    make_model("llama", "rope-yarn", hf_dir)
+    model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf"))
+    verify(model.module)
+    rope = next(op for op in model.module.ops() if op.NAME == "rope")
+    assert (rope.scaling, rope.factor, rope.original_max_position) == ("yarn", 4.0, 32)
+    pos = np.arange(0, 300, 7)
+    for got, want in zip(rope_cos_sin(rope, pos), llama_cpp_yarn_cos_sin(pos, 16, 10000.0, 4.0, 32), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    got = Interpreter(model.module, model.weights).run(TOKENS)
+    assert rel_l2(got, reference_logits(hf_dir, TOKENS)) <= 1e-4
+
+
+@pytest.mark.parametrize("keys, drop, expect", [
+    # the file's betas (ends 1.05 and 2.9 of 8 pairs: 1 and 3), log multiplier and attention factor
+    (dict(rope_scaling_yarn_beta_fast=16.0, rope_scaling_yarn_beta_slow=2.0, rope_scaling_yarn_log_mul=0.5,
+          rope_scaling_attn_factors=0.9), (),
+     dict(beta_fast=16.0, beta_slow=2.0, log_mul=0.5, rope_attn_factor=0.9)),
+    # gpt-oss's theta and factor, its original context from context_length, betas 32 and 1
+    (dict(context_length=4096, rope_freq_base=150000.0, rope_scaling_factor=32.0), ("original_context", "factor"),
+     dict(base=150000.0, factor=32.0, n_ctx_orig=4096)),
+    # an original context of 1: the ramp's ends cross (-2 and 0), which llama.cpp makes a step
+    (dict(rope_scaling_orig_ctx_len=1, rope_scaling_yarn_beta_slow=2.0), ("original_context",),
+     dict(n_ctx_orig=1, beta_slow=2.0)),
+])
+def test_yarn_gguf_keys_are_read_as_llama_cpp_reads_them(tmp_path, keys, drop, expect):
+    from picc.interpreter import rope_cos_sin
+
+    hf_dir = tmp_path / "hf"
+    make_model("llama", "rope-yarn", hf_dir)
+    model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", keys=keys, drop_keys=drop))
+    rope = next(op for op in model.module.ops() if op.NAME == "rope")
+    pos = np.arange(0, 5000, 97)
+    args = {"n_dims": 16, "base": 10000.0, "factor": 4.0, "n_ctx_orig": 32, **expect}
+    for got, want in zip(rope_cos_sin(rope, pos), llama_cpp_yarn_cos_sin(pos, **args), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)
+
+
 def k_quant_bytes(qt, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Random blocks of K-quant ``qt`` (Q4_K or Q6_K: gguf cannot quantize them) with sane f16 scales."""
     rng = np.random.default_rng(seed)
@@ -514,6 +594,16 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
      "longrope needs both rope_factors_short.weight and rope_factors_long.weight"),
     (dict(extra={"rope_factors_long.weight": (np.ones(8), Q.F32), "rope_factors_short.weight": (np.ones(8), Q.F32)}),
      "longrope needs llama.rope.scaling.original_context_length"),
+    (dict(keys=dict(rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=4.0)),
+     "yarn rope needs llama.rope.scaling.original_context_length (an integer >= 1)"),
+    (dict(keys=dict(rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=4.0, context_length=64,
+                    rope_scaling_yarn_beta_fast=1.0, rope_scaling_yarn_beta_slow=32.0)),
+     "yarn rope needs yarn_beta_fast >= yarn_beta_slow, got 1.0 and 32.0"),
+    (dict(keys=dict(rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=-4.0, context_length=64)),
+     "llama.rope.scaling.factor must be a number > 0, got -4.0"),
+    (dict(keys=dict(rope_scaling_type=gguf.RopeScalingType.YARN, context_length=64),
+          extra={"rope_freqs.weight": (np.ones(8), Q.F32)}),
+     "rope_freqs.weight and rope scaling 'yarn' together are not supported"),
 ])
 def test_unsupported_files_are_refused_in_one_line(hf_llama, tmp_path, kwargs, message):
     hf_dir, _ = hf_llama

@@ -115,6 +115,32 @@ def test_longrope_contexts_past_the_original_length_take_the_long_factors(zoo, v
     assert ropes and all(op.freq_factors == op.long_factors != () for op in ropes)
 
 
+def test_yarn_rotates_positions_past_the_original_context_as_transformers(zoo):
+    """YaRN is static: every position rotates with the same blended frequencies and the same
+    attention factor, so 100 tokens of a model whose original context is 32 match transformers,
+    and the rope op says which pairs it keeps (1), blends and divides by the factor (4)."""
+    model = zoo.load("llama", "rope-yarn")
+    rope = ops_of(model, O.Rope)[0]
+    assert (rope.scaling, rope.factor, rope.original_max_position) == ("yarn", 4.0, 32)
+    assert rope.freq_factors == pytest.approx((1.0, 1.6, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0))
+    assert rope.attention_factor == pytest.approx(1 + 0.1 * np.log(4.0))
+    ids = [(7 * i + 3) % 250 + 1 for i in range(100)]
+    assert rel_l2(picc_logits(model, ids), reference_logits(zoo.path("llama", "rope-yarn"), ids)) <= TOL
+
+
+def test_yarn_truncate_rounds_the_ramps_ends_outwards_or_not(zoo, tmp_path):
+    """gpt-oss's truncate false keeps the ramp's fractional ends (2.02 and 4.35 here); true (the
+    default) rounds them to 2 and 5. transformers' logits differ between the two, picc's follow."""
+    untruncated = zoo.path("llama", "rope-yarn-untruncated")
+    rope = read_config(untruncated)["rope_parameters"]
+    truncated = edited_copy(untruncated, tmp_path / "truncated", config={"rope_parameters": dict(rope, truncate=True)})
+    ids = [(11 * i + 5) % 250 + 1 for i in range(60)]
+    want = {path: reference_logits(path, ids) for path in (untruncated, truncated)}
+    assert rel_l2(want[untruncated], want[truncated]) > 100 * TOL
+    for path in (untruncated, truncated):
+        assert rel_l2(picc_logits(load_model(path), ids), want[path]) <= TOL
+
+
 # ---------------------------------------------------------------- the config reaches the IR
 
 

@@ -96,11 +96,11 @@ def test_unsupported_activation(base, tmp_path, family, field, value):
 
 @pytest.mark.parametrize("variant", EXTRA_VARIANTS["llama"])
 def test_extra_rope_variants_are_refused(tmp_path, variant):
-    """dynamic NTK (stateful in transformers) and YaRN: a clear refusal, not other numbers."""
+    """dynamic NTK (stateful in transformers): a clear refusal, not other numbers."""
     make_model("llama", variant, tmp_path / variant)
     rope_type = variant.removeprefix("rope-")
     refused(tmp_path / variant, f'rope type "{rope_type}" is not supported (supported: default, linear, llama3, '
-            'longrope)')
+            'longrope, yarn)')
 
 
 def test_longrope_needs_a_factor_per_rotary_pair_and_a_rope_that_rotates_them(base, tmp_path):
@@ -160,6 +160,25 @@ def test_llama3_rope_needs_its_keys(base, tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "high_freq_factor": 4.0}
     path = edited_copy(base[("llama", "swiglu")], tmp_path / "m", config={"rope_parameters": rope})
     refused(path, "rope_parameters of rope type 'llama3' needs 'low_freq_factor'")
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"factor": "drop"}, "rope_parameters of rope type 'yarn' needs 'factor'"),
+    ({"factor": 0.5}, "field 'rope_parameters.factor' must be a number >= 1, got 0.5"),
+    ({"original_max_position_embeddings": 31.5},
+     "field 'rope_parameters.original_max_position_embeddings' must be an integer >= 1, got 31.5"),
+    ({"beta_fast": 1.0, "beta_slow": 32.0}, "rope_parameters needs beta_fast >= beta_slow for yarn rope, got 1.0 and 32.0"),
+    ({"beta_slow": "1"}, "field 'rope_parameters.beta_slow' must be a number >= 0 or null, got \"1\""),
+    ({"truncate": None}, "field 'rope_parameters.truncate' must be true or false, got null"),
+    ({"mscale": -1.0, "mscale_all_dim": 1.0}, "field 'rope_parameters.mscale' must be a number >= 0 or null, got -1.0"),
+    ({"attention_factor": 0.0}, "rope_parameters.attention_factor must be a number > 0, got 0.0"),
+])
+def test_bad_yarn_parameters_are_refused(base, tmp_path, edit, message):
+    rope = {k: v for k, v in {**YARN, **edit}.items() if v != "drop"}
+    refused(edited_copy(base[("llama", "swiglu")], tmp_path / "m", config={"rope_parameters": rope}), message)
 
 
 # Combinations transformers builds but cannot run. Each is also run through transformers.

@@ -85,6 +85,47 @@ def test_rope_scaling_inv_freq_matches_transformers():
     np.testing.assert_allclose(op.inv_freq(), want.numpy(), rtol=1e-6)
 
 
+YARN_CASES = {
+    "gpt-oss": (64, {"rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096}),
+    "qwen3": (128, {"rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768}),
+    "deepseek": (64, {"rope_theta": 1e4, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 16,
+                      "beta_slow": 2, "original_max_position_embeddings": 4096}),
+    "attention-factor": (32, {"rope_theta": 1e4, "factor": None, "attention_factor": 1.3,
+                              "original_max_position_embeddings": 4096}),
+    # the ramp's upper end past the last pair index (clamped to rotated - 1)
+    "clamped": (16, {"rope_theta": 100.0, "factor": 4.0, "beta_slow": 0.01, "original_max_position_embeddings": 4096}),
+    # both ends at 2.3 (a ramp 0.001 wide), and ends that cross (transformers ramps backwards)
+    "one-end": (16, {"rope_theta": 1e4, "factor": 4.0, "beta_fast": 3.0, "beta_slow": 3.0, "truncate": False,
+                     "original_max_position_embeddings": 4096}),
+    "crossed": (16, {"rope_theta": 1e4, "factor": 4.0, "beta_slow": 2.0, "original_max_position_embeddings": 1}),
+}
+
+
+@pytest.mark.parametrize("case", YARN_CASES)
+def test_yarn_inv_freq_and_attention_factor_match_transformers(case):
+    """The rope op rope_from_config makes of a yarn config rotates by transformers' frequencies
+    (to a float32 rounding or two: picc divides by a factor per pair where transformers blends two
+    frequencies) and scales by its attention factor."""
+    from pathlib import Path
+
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from picc.frontend.hf_config import HFConfig, rope_from_config
+
+    head_dim, params = YARN_CASES[case]
+    params = {"rope_type": "yarn", **params}
+    cfg = LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
+                      max_position_embeddings=131072, rope_parameters=dict(params))
+    want, attention = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    spec = rope_from_config(HFConfig(Path("config.json"), {"rope_parameters": params}), head_dim, 131072)
+    op = O.Rope(result="r", type=f32("seq", 2 * head_dim), x="x", pos="p", n_heads=2, head_dim=head_dim,
+                **spec.op_attrs())
+    np.testing.assert_allclose(op.inv_freq(), want.numpy(), rtol=3e-7, atol=0)
+    assert op.attention_factor == pytest.approx(attention, rel=1e-12)
+
+
 @pytest.mark.parametrize("kwargs", [dict(), dict(window=3), dict(n_kv_heads=1),
                                     dict(form="relu", matrix_dtype=DType.Q4_0)])
 def test_decode_with_kv_cache_equals_full_prefill(kwargs):

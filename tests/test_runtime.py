@@ -107,6 +107,21 @@ def test_hf_families_layers_compile_as_they_compute(family, variant, tmp_path):
     check_prefill(path, pib, 1e-4)
 
 
+def test_yarn_compiles_as_it_computes(tmp_path):
+    # YaRN: each frequency divided by its factor and the cosines and sines scaled (the CPU's
+    # tables), past the original context (8 positions here) as before it.
+    from hf_models import make_model
+
+    from picc.frontend import load_model
+
+    make_model("llama", "rope-yarn-mscale", tmp_path / "hf")
+    path, pib = compiled(load_model(tmp_path / "hf"), tmp_path, "llama", dense=True, kv_cache="f32")
+    assert {(op.scaling, op.original_max_position) for op in pib.module.ops() if isinstance(op, O.Rope)} == {("yarn", 8)}
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+
+
 @pytest.mark.parametrize("family", ["olmo2", "granite", "gemma2"])
 def test_olmo2s_granites_and_gemma2s_layers_compile_as_they_compute(family, tmp_path):
     # OLMo 2: no norm before the attention or the MLP, one after each, q and k normalised over the

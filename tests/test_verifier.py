@@ -51,14 +51,19 @@ CASES = [
      "line 13: %y = rope: style must be one of ('llama', 'gptj'), got 'neox'"),
     ([EMBED, "%y = rope %x, %pos {n_heads = 2, head_dim = 4, scaling = \"longrope\", freq_factors = [1.0]} "
              ": f32[seq, 8]"],
-     "line 13: %y = rope: freq_factors: one per rotary pair (2) with longrope scaling, none otherwise; got 1"),
+     "line 13: %y = rope: freq_factors: one per rotary pair (2) with longrope or yarn scaling, none otherwise; got 1"),
+    ([EMBED, "%y = rope %x, %pos {n_heads = 2, head_dim = 4, scaling = \"yarn\", factor = 4.0} : f32[seq, 8]"],
+     "freq_factors: one per rotary pair (2) with longrope or yarn scaling, none otherwise; got 0 with 'yarn'"),
     ([EMBED, "%y = rope %x, %pos {n_heads = 2, head_dim = 4, freq_factors = [1.0, 2.0]} : f32[seq, 8]"],
-     "freq_factors: one per rotary pair (2) with longrope scaling, none otherwise; got 2 with 'none'"),
+     "freq_factors: one per rotary pair (2) with longrope or yarn scaling, none otherwise; got 2 with 'none'"),
     ([EMBED, "%y = rope %x, %pos {n_heads = 2, head_dim = 4, attention_factor = 0.0} : f32[seq, 8]"],
      "freq_factors, long_factors and attention_factor must be > 0"),
     ([EMBED, "%y = rope %x, %pos {n_heads = 2, head_dim = 4, scaling = \"longrope\", freq_factors = [1.0, 2.0], "
              "long_factors = [3.0]} : f32[seq, 8]"],
      "long_factors: one per rotary pair (2), with longrope's freq_factors; got 1"),
+    ([EMBED, "%y = rope %x, %pos {n_heads = 2, head_dim = 4, scaling = \"yarn\", freq_factors = [1.0, 2.0], "
+             "long_factors = [3.0, 3.0]} : f32[seq, 8]"],
+     "long_factors: one per rotary pair (2), with longrope's freq_factors; got 2"),
     ([EMBED, "%y = attention %x, %x, %x, %pos {n_heads = 3, n_kv_heads = 2, head_dim = 2, "
       "scale = 1.0, cache = \"l0\"} : f32[seq, 8]"],
      "line 13: %y = attention: n_heads=3 must be a multiple of n_kv_heads=2"),

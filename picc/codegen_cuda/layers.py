@@ -61,7 +61,7 @@ def layer_norm(name: str, seq: int, hidden: int, eps: float, bias: bool = True) 
 
 def rope_table(op: O.Rope) -> np.ndarray:
     """What a rope kernel reads as ``inv_freq``: the op's rot/2 frequencies, then its
-    ``attention_factor`` (the cosines and sines are multiplied by it; 1 but for longrope)."""
+    ``attention_factor`` (the cosines and sines are multiplied by it; 1 but for longrope and yarn)."""
     return np.append(op.inv_freq(), np.float32(op.attention_factor)).astype(np.float32)
 
 

@@ -260,14 +260,14 @@ def load_gguf(path: Path) -> LoadedModel:
     head_dim = int(meta.get(key("attention.key_length"), hidden // n_heads))  # type: ignore[arg-type]
     rope_dim = int(meta.get(key("rope.dimension_count"), head_dim))  # type: ignore[arg-type]
     scaling = str(meta.get(key("rope.scaling.type"), "none"))
-    if scaling not in ("none", "linear"):
-        raise PiccError(f"{path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
+    if scaling not in ("none", "linear", "yarn"):
+        raise PiccError(f"{path}: rope scaling {scaling!r} is not supported (supported: none, linear, yarn)")
     theta = float(meta.get(key("rope.freq_base"), 10000.0))  # type: ignore[arg-type]
     rope = RopeSpec(
         theta=theta,
         style=_ROPE_STYLES[arch],
         rotary_dim=None if rope_dim == head_dim else rope_dim,
-        scaling=scaling,
+        scaling="linear" if scaling == "linear" else "none",
         factor=float(meta.get(key("rope.scaling.factor"), 1.0)) if scaling == "linear" else 1.0,  # type: ignore[arg-type]
     )
     if rope_factors is not None:
@@ -275,6 +275,8 @@ def load_gguf(path: Path) -> LoadedModel:
             raise PiccError(f"{path}: rope_freqs.weight and rope scaling {scaling!r} together are not supported")
         rope = llama3_rope(rope_factors, rope, rope_dim, path)
     max_position = _opt_int(meta.get(key("context_length")))
+    if scaling == "yarn":
+        rope = _yarn(meta, key, rope, rope_dim, max_position, path)
     if LONGROPE_SHORT in factors or LONGROPE_LONG in factors:
         if scaling != "none" or rope_factors is not None:
             raise PiccError(f"{path}: longrope factors and other rope scaling together are not supported")
@@ -505,6 +507,35 @@ def _longrope(meta: _Meta, key: Callable[[str], str], factors: dict[str, np.ndar
     return replace(rope, scaling="longrope", original_max_position=original,
                    freq_factors=tuple(float(f) for f in short), long_factors=tuple(float(f) for f in long),
                    attention_factor=float(attention))  # type: ignore[arg-type]
+
+
+def _yarn(meta: _Meta, key: Callable[[str], str], rope: RopeSpec, rotated: int, context: int | None,
+          path: Path) -> RopeSpec:
+    """YaRN as llama.cpp runs it (ggml's ``rope_yarn``, ``ext_factor`` 1): ``rope.scaling.factor``
+    over ``rope.scaling.original_context_length`` (else ``context_length``), the ramp's ends
+    always rounded outwards (llama.cpp has no ``truncate``: a gpt-oss file rotates as transformers
+    would with it true), ``yarn_beta_fast`` and ``yarn_beta_slow`` where the file has them
+    (convert_hf_to_gguf.py writes a config's), else 32 and 1. The cosines and sines are
+    multiplied by ``yarn_mscale(factor)``, or with ``yarn_log_multiplier`` by
+    ``yarn_mscale(factor) / yarn_mscale(factor, multiplier)`` (what llama.cpp's context makes of
+    its own factor and ggml's), times ``rope.scaling.attn_factor``."""
+    factor = meta.positive(key("rope.scaling.factor"), 1.0, zero_means_default=True)
+    original = _opt_int(meta.get(key("rope.scaling.original_context_length"))) or context
+    if original is None or original < 1:
+        raise PiccError(f"{path}: yarn rope needs {key('rope.scaling.original_context_length')} (an integer >= 1)")
+    beta_fast = meta.positive(key("rope.scaling.yarn_beta_fast"), 32.0)
+    beta_slow = meta.positive(key("rope.scaling.yarn_beta_slow"), 1.0)
+    if beta_fast < beta_slow:
+        raise PiccError(f"{path}: yarn rope needs yarn_beta_fast >= yarn_beta_slow, got {beta_fast} and {beta_slow}")
+    multiplier = meta.get(key("rope.scaling.yarn_log_multiplier"), 0.0)
+    if isinstance(multiplier, bool) or not isinstance(multiplier, int | float) or multiplier < 0:
+        raise PiccError(f"{path}: {key('rope.scaling.yarn_log_multiplier')} must be a number >= 0, got {multiplier!r}")
+    attention = positional.yarn_mscale(factor) / (positional.yarn_mscale(factor, multiplier) if multiplier else 1.0)
+    attention *= meta.positive(key("rope.scaling.attn_factor"), 1.0)
+    factors = positional.yarn_freq_factors(rotated, rope.theta, factor, original, beta_fast, beta_slow, True,
+                                           llama_cpp=True)
+    return replace(rope, scaling="yarn", factor=factor, original_max_position=original, freq_factors=factors,
+                   attention_factor=attention)
 
 
 def _inv_freq(rope: RopeSpec, rotated: int) -> np.ndarray:

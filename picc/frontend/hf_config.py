@@ -21,6 +21,7 @@ from pathlib import Path
 
 from picc.errors import PiccError
 from picc.frontend.llama import RopeSpec
+from picc.ir.positional import yarn_freq_factors, yarn_mscale
 
 _REQUIRED = object()
 
@@ -40,7 +41,7 @@ HF_ACTIVATIONS: dict[str, str] = {
 }
 _GATED_FORMS = {"relu": "reglu", "silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,47 @@ def _longrope(cfg: HFConfig, params: dict, source: str, theta: float, head_dim: 
                     attention_factor=attention)
 
 
+def _yarn(cfg: HFConfig, params: dict, source: str, theta: float, head_dim: int, max_position: int,
+          positive: Callable[[str], float]) -> RopeSpec:
+    """``_compute_yarn_parameters``: each pair's frequency divided by its factor from
+    :func:`yarn_freq_factors` (``beta_fast`` 32 and ``beta_slow`` 1 where null or 0, ``truncate``
+    true by default; gpt-oss sets it false), the cosines and sines times ``attention_factor``,
+    which defaults to ``yarn_mscale(factor)``, or with ``mscale`` and ``mscale_all_dim`` both
+    non-zero (DeepSeek's) to ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)``.
+    A null ``factor`` is ``max_position_embeddings / original``. Static: every position rotates
+    alike, past the original context too."""
+    original = positive("original_max_position_embeddings")
+    if original != int(original):
+        raise cfg.bad(f"{source}.original_max_position_embeddings", original, "an integer >= 1")
+    factor = max_position / original if params.get("factor", 0) is None else positive("factor")
+    if factor < 1:
+        raise cfg.bad(f"{source}.factor", params.get("factor", factor), "a number >= 1")
+
+    def number(key: str, default: float) -> float:  # as transformers reads them: null and 0 mean the default
+        v = params.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
+            raise cfg.bad(f"{source}.{key}", v, "a number >= 0 or null")
+        return float(v or default)
+
+    beta_fast, beta_slow = number("beta_fast", 32.0), number("beta_slow", 1.0)
+    if beta_fast < beta_slow:
+        raise PiccError(f"{cfg.path}: {source} needs beta_fast >= beta_slow for yarn rope, got {beta_fast} and "
+                        f"{beta_slow}")
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise cfg.bad(f"{source}.truncate", truncate, "true or false")
+    mscale, mscale_all_dim = number("mscale", 0.0), number("mscale_all_dim", 0.0)
+    if params.get("attention_factor") is not None:
+        attention = positive("attention_factor")
+    elif mscale and mscale_all_dim:
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    else:
+        attention = yarn_mscale(factor)
+    return RopeSpec(theta=theta, scaling="yarn", factor=factor, original_max_position=int(original),
+                    freq_factors=yarn_freq_factors(head_dim, theta, factor, int(original), beta_fast, beta_slow,
+                                                   truncate), attention_factor=attention)
+
+
 def ffn_form(cfg: HFConfig, key: str, default: str, *, gated: bool) -> str:
     """The picc FFN form for activation field ``key``: ``act`` itself, or its GLU form."""
     name = cfg.raw.get(key, default)
@@ -236,6 +278,8 @@ def rope_from_config(cfg: HFConfig, head_dim: int, max_position: int, *, partial
     params.setdefault("original_max_position_embeddings", max_position)
     if rope_type == "longrope":
         return _longrope(cfg, params, source, theta, head_dim, rotary_dim, max_position, positive)
+    if rope_type == "yarn":
+        return _yarn(cfg, params, source, theta, head_dim, max_position, positive)
     low, high = positive("low_freq_factor"), positive("high_freq_factor")
     if high <= low:
         raise PiccError(f"{cfg.path}: {source} needs high_freq_factor > low_freq_factor for llama3 "

@@ -31,9 +31,9 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
-    freq_factors: tuple[float, ...] = ()  # longrope: a factor per rotary pair (the short ones)
+    freq_factors: tuple[float, ...] = ()  # longrope (the short ones) and yarn: a factor per rotary pair
     long_factors: tuple[float, ...] = ()  # longrope: those of contexts past original_max_position
-    attention_factor: float = 1.0  # longrope: the cosines' and sines' factor
+    attention_factor: float = 1.0  # longrope and yarn: the cosines' and sines' factor
 
     def op_attrs(self) -> dict[str, object]:
         """The ``rope`` op's attributes for these settings."""

@@ -156,7 +156,8 @@ class Linear(MatrixOp):
 # ---------------------------------------------------------------- rotary embedding
 
 ROPE_STYLES = ("llama", "gptj")
-ROPE_SCALINGS = ("none", "linear", "llama3", "longrope")
+ROPE_SCALINGS = ("none", "linear", "llama3", "longrope", "yarn")
+PER_PAIR_SCALINGS = ("longrope", "yarn")  # a frequency factor per rotary pair
 
 
 @register_op
@@ -171,9 +172,11 @@ class Rope(Op):
     between ``low_freq_factor`` and ``high_freq_factor`` relative to ``original_max_position``;
     ``longrope`` divides each by its own ``freq_factors[i]`` (Phi-3.5's and Phi-4-mini's short
     factors; ``long_factors``: the ones a context past ``original_max_position`` takes instead,
-    :func:`picc.frontend.llama.longrope_for_context`). The cosines and sines are multiplied by
-    ``attention_factor`` (longrope's scaling of attention, as transformers applies it: the rotated
-    features only).
+    :func:`picc.frontend.llama.longrope_for_context`); ``yarn`` likewise, its factors blending 1
+    and ``factor`` along YaRN's ramp (:func:`picc.ir.positional.yarn_freq_factors`; ``factor``
+    and ``original_max_position`` are the frontend's, for the reader). The cosines and sines are
+    multiplied by ``attention_factor`` (longrope's and yarn's scaling of attention, as
+    transformers applies it: the rotated features only).
 
     ``launched_with`` (``select-kernels``, on the GPU): an earlier rope of the same rotation (a
     layer's q rope, for its k rope) whose launch computes this one too; the value is the same.
@@ -229,11 +232,12 @@ class Rope(Op):
         expect(self.theta > 0 and self.factor > 0, "theta and factor must be > 0")
         expect(self.scaling != "llama3" or self.high_freq_factor > self.low_freq_factor,
                "llama3 scaling needs high_freq_factor > low_freq_factor")
-        expect((self.scaling == "longrope") == bool(self.freq_factors)
+        expect((self.scaling in PER_PAIR_SCALINGS) == bool(self.freq_factors)
                and (not self.freq_factors or len(self.freq_factors) == self.rotated // 2),
-               f"freq_factors: one per rotary pair ({self.rotated // 2}) with longrope scaling, none otherwise; "
-               f"got {len(self.freq_factors)} with {self.scaling!r}")
-        expect(not self.long_factors or len(self.long_factors) == len(self.freq_factors),
+               f"freq_factors: one per rotary pair ({self.rotated // 2}) with longrope or yarn scaling, none "
+               f"otherwise; got {len(self.freq_factors)} with {self.scaling!r}")
+        expect(not self.long_factors
+               or (self.scaling == "longrope" and len(self.long_factors) == len(self.freq_factors)),
                f"long_factors: one per rotary pair ({self.rotated // 2}), with longrope's freq_factors; "
                f"got {len(self.long_factors)}")
         expect(all(f > 0 for f in self.freq_factors + self.long_factors) and self.attention_factor > 0,
