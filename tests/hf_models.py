@@ -348,6 +348,11 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "wide-clamp": dict(swiglu_limit=7.0),  # 20B's limit, which these projections seldom reach
         "four-of-eight": dict(num_experts_per_tok=4),
         "all-full": dict(layer_types=["full_attention", "full_attention"]),
+        # 20B's rope (yarn, not truncated) at an original length of 32 and a factor of 4
+        "yarn": dict(rope_parameters=dict(_YARN_ROPE, rope_theta=150000.0, beta_fast=32.0, beta_slow=1.0,
+                                          truncate=False)),
+        # llama.cpp's gpt-oss (limit 7; its yarn rounds the ramp's ends outwards, as truncate does)
+        "gguf-yarn": dict(swiglu_limit=7.0, rope_parameters=dict(_YARN_ROPE, rope_theta=150000.0)),
     },
     "smollm3": {
         # tied embeddings by default; the no-rope layers derived from no_rope_layer_interval
@@ -487,6 +492,7 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("gpt_oss", "base", "wide-clamp"),
     ("gpt_oss", "base", "four-of-eight"),
     ("gpt_oss", "base", "all-full"),
+    ("gpt_oss", "base", "yarn"),
     ("gemma3_text", "base", "scaled-global"),
     ("gemma3_text", "base", "softcap"),
     ("smollm3", "base", "sliding"),
