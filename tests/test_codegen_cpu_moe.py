@@ -17,11 +17,12 @@ from picc.errors import PiccError
 from picc.ir.ops import FFN_FORMS
 
 E, N, HIDDEN = 8, 64, 96  # experts, an expert's neurons, the hidden size (multiples of 32: block formats)
-CASES = ([("swiglu", dt, "f32", False) for dt in ("f32", "f16", "q8_0", "q4_0", "q4_1")]
+CASES = ([("swiglu", dt, "f32", False) for dt in ("f32", "f16", "q8_0", "q4_0", "q4_1", "mxfp4")]
          + [("swiglu", dt, "i16", False) for dt in ("q4_0", "q4_1")] + [("relu", "q4_1", "i16", False)]
          + [("geglu_tanh", "f16", "f32", False)]
          + [("swiglu", dt, "i16", True) for dt in ("q4_0", "q4_1")]  # the experts in the rows8 layout
-         + [("swiglu", "q4_1/q8_0", "i16", True)])  # a Q4_K_M file's: q8_0 down rows one at a time
+         + [("swiglu", "q4_1/q8_0", "i16", True)]  # a Q4_K_M file's: q8_0 down rows one at a time
+         + [("swiglu", "mxfp4", "i16", False), ("swiglu", "mxfp4/q8_0", "f32", False)])  # gpt-oss's experts
 KERNELS = [make(form, "f32", dt.split("/")[0], dt.split("/")[0] if FFN_FORMS[form].gated else None,
                 dt.split("/")[-1], x, rows8) for form, dt, x, rows8 in CASES for make in (moe, moe_chunk)]
 
@@ -54,7 +55,7 @@ class Experts:
 
     def rounded(self, v: np.ndarray, dtype: str) -> np.ndarray:
         """``v`` as rows of ``dtype`` are dotted with it: rounded to int16 per block (4-bit rows)."""
-        four_bit = self.x_format != "f32" and dtype in ("q4_0", "q4_1")
+        four_bit = self.x_format != "f32" and dtype in ("q4_0", "q4_1", "mxfp4")
         return quant.round_x_blocks(v.astype(np.float32), self.x_format) if four_bit else v
 
     def reference(self, x: np.ndarray, k: int, norm: bool) -> np.ndarray:
@@ -100,7 +101,7 @@ def test_the_mixture_is_the_interpreters(host, teams, form, dtype, x_format, row
     assert np.abs(outs[0] - experts.run(host, teams[threads], x, 2, True)).max() > 0  # the choice follows x
 
 
-@pytest.mark.parametrize("form, dtype, x_format, rows8", [CASES[1], CASES[5], CASES[7], CASES[-1]])
+@pytest.mark.parametrize("form, dtype, x_format, rows8", [CASES[i] for i in (1, 6, 8, 12, 5, 13)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_chunk_of_tokens_gets_each_tokens_bits(host, teams, form, dtype, x_format, rows8, threads):
     # The prefill's kernel takes the experts in turn for all the chunk's tokens (their rows read
@@ -132,6 +133,12 @@ def test_equal_logits_choose_the_lower_expert(host, teams):
     assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
     experts.router[5] *= 0.5  # now 2 and 6
     assert np.abs(experts.run(host, teams[2], x, 2, True) - y).max() > 1e-3
+
+
+def test_mxfp4_experts_are_read_in_rows():
+    # the rows8 layout holds q4_0 / q4_1 groups alone
+    with pytest.raises(PiccError, match="rows8"):
+        moe("swiglu", "f32", "mxfp4", "mxfp4", "mxfp4", "i16", True)
 
 
 def test_a_gate_is_given_exactly_when_the_form_has_one():
