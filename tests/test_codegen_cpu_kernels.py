@@ -172,6 +172,36 @@ def test_mxfp4_gemv_int_dots_are_float_dots_of_the_rounded_x(host, teams):
         assert rel_err(y[others], exact[others]) <= 2e-6, kernel.symbol
 
 
+@pytest.mark.parametrize("x_format", ["f32", "i16"])
+def test_the_interpreter_computes_the_mxfp4_linear_of_the_gemv(host, teams, x_format):
+    # A linear of mxfp4 rows in the interpreter (x rounded where the op says i16: dot_input) and
+    # the GEMV of its x_format: float rounding apart, ten times closer than to the other x's op.
+    from dataclasses import replace
+
+    from picc.interpreter import Interpreter
+    from picc.ir import ops as O
+    from picc.ir.builder import FunctionBuilder
+    from picc.ir.module import Module, WeightDecl
+    from picc.ir.types import DType, f32
+    from picc.ir.weights import Tensor, WeightStore
+
+    rng = np.random.default_rng(35)
+    rows, k = 64, 256
+    raw, _ = weights(rng, (rows, k), "mxfp4")
+    store = WeightStore({"w": Tensor(DType.MXFP4, (rows, k), raw)})
+    b = FunctionBuilder("forward", {"w": store["w"].type})
+    b.op(O.Linear, "y", x=b.arg("x", f32("seq", k)), weight="w", x_format=x_format)
+    func = b.finish("y")
+    interpreter = Interpreter(Module("m", (), (WeightDecl("w", store["w"].type),), (func,)), store)
+    x = rng.normal(size=(1, k)).astype(np.float32)
+    want = interpreter.eval(func.ops[0], {"x": x})[0]
+    away = interpreter.eval(replace(func.ops[0], x_format="i16" if x_format == "f32" else "f32"), {"x": x})[0]
+    y = np.zeros(rows, np.float32)
+    run(host, teams[2], gemv("mxfp4", x_format=x_format), raw, x[0], None, y, rows, k, 0)
+    assert rel_err(y, want.astype(np.float64)) <= 2e-6
+    assert np.abs(y - away).max() > 10 * np.abs(y - want).max()
+
+
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
 def test_rows8_layout_holds_eight_rows_per_block_as_documented(dtype):
     rng = np.random.default_rng(40)
