@@ -11,7 +11,8 @@ block, an f16 scale first::
 
 Byte j of a nibble block holds element j (low nibble) and element j + 16 (high nibble). mxfp4's
 nibbles index a 16-entry table of int8 (``picc.quant.MXFP4_VALUES``: 0..12 and their negatives),
-looked up with ``vpshufb`` (:func:`mxfp4_values`); its scale is a power of two made from ``e``'s
+looked up with ``vpshufb`` (:func:`mxfp4_values`; as floats, on AVX-512, with ``vpermps``:
+:func:`table_floats`); its scale is a power of two made from ``e``'s
 bits (:func:`mxfp4_scale`), so ``d * q`` is exact. It has no constant part: its dot products are
 q4_0's without the ``- 8`` (no sums of x), in floats or, with int16 x, in ``vpmaddwd``.
 
@@ -91,13 +92,10 @@ def _nibble_floats(fn: Fn, qptr: str, signed: bool, simd: str) -> tuple[str, str
 
 def nibble_value_floats(fn: Fn, raw: str, signed: bool, simd: str) -> tuple[str, str]:
     """:func:`_nibble_floats` of a ``<16 x i8>`` value."""
+    if simd == "avx512":
+        return table_floats(fn, raw, [q - 8 if signed else q for q in range(16)])
     wide = fn.v(f"zext {vec(16, 'i8')} {raw} to {vec(16, 'i32')}", "nibw")
     hi_i = fn.v(f"lshr {vec(16, 'i32')} {wide}, {vconst(16, '4', 'i32')}", "hi4")
-    if simd == "avx512":
-        # vpermps reads only the low 4 bits of each index: the table lookup is the conversion.
-        table = "<" + ", ".join(f"float {fconst(q - 8 if signed else q)}" for q in range(16)) + ">"
-        return tuple(fn.v(f"call {V16} @llvm.x86.avx512.permvar.sf.512({V16} {table}, {vec(16, 'i32')} {i})", "qf")
-                     for i in (wide, hi_i))  # type: ignore[return-value]
     lo_i = fn.v(f"and {vec(16, 'i32')} {wide}, {vconst(16, '15', 'i32')}", "lo4")
     out = []
     for i in (lo_i, hi_i):
@@ -131,12 +129,25 @@ def mxfp4_values(fn: Fn, raw: str) -> tuple[str, str]:
                  for i in nibbles)  # type: ignore[return-value]
 
 
+def table_floats(fn: Fn, raw: str, table: list[int] | tuple[int, ...]) -> tuple[str, str]:
+    """``table[q]`` as floats for the low and the high nibbles of 16 bytes ``raw`` (AVX-512):
+    ``vpermps`` reads only the low 4 bits of each index, so the lookup is the conversion."""
+    wide = fn.v(f"zext {vec(16, 'i8')} {raw} to {vec(16, 'i32')}", "nibw")
+    hi_i = fn.v(f"lshr {vec(16, 'i32')} {wide}, {vconst(16, '4', 'i32')}", "hi4")
+    floats = "<" + ", ".join(f"float {fconst(v)}" for v in table) + ">"
+    return tuple(fn.v(f"call {V16} @llvm.x86.avx512.permvar.sf.512({V16} {floats}, {vec(16, 'i32')} {i})", "qf")
+                 for i in (wide, hi_i))  # type: ignore[return-value]
+
+
 def load_block(fn: Fn, dtype: str, row: str, b: str, simd: str, q4_0_raw: bool = False) -> Block:
     """Block ``b`` (i64) of ``row``; with ``q4_0_raw``, q4_0's quants as stored (``q``, not ``q - 8``)."""
     bptr = fn.at(row, block_bytes(dtype), b, "blk")
     if dtype == "mxfp4":
         raw = fn.load(vec(16, "i8"), fn.gep(bptr, "1"), 1, "nib")
-        lo, hi = (fn.v(f"sitofp {vec(16, 'i8')} {q} to {V16}", "qf") for q in mxfp4_values(fn, raw))
+        if simd == "avx512":  # the same exact values either way
+            lo, hi = table_floats(fn, raw, MXFP4_VALUES)
+        else:
+            lo, hi = (fn.v(f"sitofp {vec(16, 'i8')} {q} to {V16}", "qf") for q in mxfp4_values(fn, raw))
         return Block(lo, hi, mxfp4_scale(fn, bptr))
     if dtype in ("f32", "f16"):
         first = fn.v(f"shl i64 {b}, 5", "b32")
