@@ -21,10 +21,8 @@ from dataclasses import dataclass
 
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
 from picc.codegen_cpu.rowformats import BLOCK, V8, V16, block_bytes, fold8, mxfp4_scale, mxfp4_values
+from picc.kernel_names import INT_DOT_DTYPES as INT_ROW_DTYPES  # rows one at a time dot int16 x in integers
 from picc.quant import INT_X_MAX
-
-INT_ROW_DTYPES = frozenset({"q4_0", "q4_1", "mxfp4"})
-"""Formats whose rows one at a time dot int16 x in integers (:func:`int_dot_block`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,7 +229,7 @@ def place(module: Module, weights: WeightStore, dense: DenseChoice, ffns: list[O
             new = _split_ffn(op, placement, index[op.result], dense_where == GPU, weights, decls)
         elif isinstance(op, O.FFN):
             new = [replace(op, type=_placed(op.type, GPU if hot[op.result] else CPU))]
-        elif isinstance(op, O.MoE) or _reads_mxfp4(op, weights):  # no GPU kernel: its weights stay in the CPU's memory
+        elif isinstance(op, O.MoE) or _reads_mxfp4(op, weights):  # no GPU kernel: its weights stay on the CPU
             new = [replace(op, type=_placed(op.type, CPU))]
         elif isinstance(op, Predict) and op.ffn in split:
             perm = placement.layers[index[op.ffn]].perm
