@@ -24,10 +24,14 @@ T = TypeVar("T")
 # --- CPU: one symbol per operation and weight format ---------------------------------------------
 
 
-INT_DOT_DTYPES = frozenset({"q4_0", "q4_1"})  # formats with integer dot product variants
+# 4-bit formats whose kernels read the rows8, rowplanes and dotplanes layouts too (and have rates)
+NIBBLE_DTYPES = frozenset({"q4_0", "q4_1"})
+# formats with integer dot product variants: the nibble formats, and mxfp4 (gpt-oss's experts), whose
+# rows are dotted with int16 x one row at a time (GEMVs, dense FFNs, mixtures; no other layout)
+INT_DOT_DTYPES = NIBBLE_DTYPES | {"mxfp4"}
 # 8-bit rows the rows8 layout holds too, dotted with int8 x only (an LM head's q8_0 rows)
 BYTE_ROWS8_DTYPES = frozenset({"q8_0"})
-ROWS8_DTYPES = INT_DOT_DTYPES | BYTE_ROWS8_DTYPES
+ROWS8_DTYPES = NIBBLE_DTYPES | BYTE_ROWS8_DTYPES
 X_FORMATS = ("f32", "i16", "i8")  # how x meets 4-bit rows: floats, or rounded to int16 / int8 per block
 INT_DOTS_SUFFIX = "_xi16"
 ROWS8_SUFFIX = "_r8"  # (before the x suffix) the kernel reads its 4-bit matrices eight rows at a time
@@ -42,7 +46,10 @@ def _int_suffix(x_format: str, *dtypes: str | None) -> str:
     return f"_x{x_format}" if x_format != "f32" and rounded & set(dtypes) else ""
 
 
-CPU_WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+CPU_WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1")  # the formats with kernel rates
+# what the CPU kernels read: mxfp4 has no rate keys of its own (the cost model reads it at the
+# memory's bandwidth) and is read in rows alone (not rows8, rowplanes nor dotplanes)
+CPU_READ_FORMATS = (*CPU_WEIGHT_FORMATS, "mxfp4")
 # The keys of a CPU's kernel-rate table (``picc.targets``, ``picc.codegen_cpu.rates``): how fast
 # its kernels consume the weights of each format when memory is not the limit: rows one at a
 # time with float x, with int16 x (``_xi16``), and the 4-bit formats eight rows at a time from
@@ -51,12 +58,12 @@ CPU_WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 # active rows, gathered a neuron at a time (``_gathered``: CPU_GATHERED_RATE_KEYS), with float x and
 # (4-bit) int16 x.
 GATHERED_SUFFIX = "_gathered"  # (before the x suffix) rows gathered one neuron at a time
-CPU_GEMV_RATE_KEYS = (CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
-                      + tuple(d + ROWS8_SUFFIX for d in sorted(INT_DOT_DTYPES))
-                      + tuple(d + ROWS8_SUFFIX + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES))
+CPU_GEMV_RATE_KEYS = (CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(NIBBLE_DTYPES))
+                      + tuple(d + ROWS8_SUFFIX for d in sorted(NIBBLE_DTYPES))
+                      + tuple(d + ROWS8_SUFFIX + INT_DOTS_SUFFIX for d in sorted(NIBBLE_DTYPES))
                       + tuple(d + ROWS8_SUFFIX + "_xi8" for d in sorted(ROWS8_DTYPES)))
 CPU_GATHERED_RATE_KEYS = (tuple(d + GATHERED_SUFFIX for d in CPU_WEIGHT_FORMATS)
-                          + tuple(d + GATHERED_SUFFIX + INT_DOTS_SUFFIX for d in sorted(INT_DOT_DTYPES)))
+                          + tuple(d + GATHERED_SUFFIX + INT_DOTS_SUFFIX for d in sorted(NIBBLE_DTYPES)))
 CPU_RATE_KEYS = CPU_GEMV_RATE_KEYS + CPU_GATHERED_RATE_KEYS
 
 
@@ -72,7 +79,7 @@ def has_rate_key(dtype: str, x_format: str, rows8: bool) -> bool:
     if dtype in BYTE_ROWS8_DTYPES and rows8:
         return x_format == "i8"
     if x_format != "f32" or rows8:
-        return dtype in INT_DOT_DTYPES and not (x_format == "i8" and not rows8)
+        return dtype in NIBBLE_DTYPES and not (x_format == "i8" and not rows8)
     return True
 
 
@@ -109,7 +116,7 @@ def rows8_fits(dtype: str, rows: int, k: int, x_format: str = "f32") -> bool:
     """Whether a ``rows`` x ``k`` matrix of ``dtype`` has a rows8 layout whatever x its kernel
     dots: 4-bit, rows a multiple of 8 (q8_0 rows have one too, read with int8 x alone:
     ``rows8_fits(..., x_format="i8")``)."""
-    dtypes = ROWS8_DTYPES if x_format == "i8" else INT_DOT_DTYPES
+    dtypes = ROWS8_DTYPES if x_format == "i8" else NIBBLE_DTYPES
     return dtype in dtypes and rows > 0 and rows % 8 == 0 and k % 32 == 0
 
 
@@ -183,7 +190,7 @@ def dotplanes_fit(mode: str, x_format: str, up: str, gate: str | None) -> bool:
     gathered and dotted rows (up; in predictor and dense modes, gate too): x is rounded
     (``x_format``) and every such row is 4-bit, in one format."""
     dotted = set(gathered_dotted(mode, up, gate))
-    return ffn_x_format(x_format, up, gate) != "f32" and len(dotted) == 1 and dotted <= INT_DOT_DTYPES
+    return ffn_x_format(x_format, up, gate) != "f32" and len(dotted) == 1 and dotted <= NIBBLE_DTYPES
 
 
 def gathered_layout(mode: str, x_format: str, up: str, gate: str | None, hidden: int) -> str:

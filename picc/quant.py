@@ -6,9 +6,19 @@ whole number of blocks, blocks are stored back to back):
     q4_0  2 + 16 bytes  f16 scale d; 32 nibbles q.         x = d * (q - 8)
     q4_1  2 + 2 + 16    f16 scale d, f16 minimum m; nibbles. x = d * q + m
     q8_0  2 + 32 bytes  f16 scale d; 32 int8 q.            x = d * q
+    mxfp4 1 + 16 bytes  E8M0 exponent e; 32 nibbles q.      x = kvalues[q] * 2^(e - 128)
 
 Nibble order follows ggml: byte j of a block holds element j in its low nibble
 and element j + 16 in its high nibble.
+
+mxfp4 is gpt-oss's expert format (GGML type MXFP4, OCP microscaling FP4):
+``kvalues = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)`` (E2M1
+values doubled, as int8) and the scale ``2^(e - 128)`` (half of E8M0's
+``2^(e - 127)``), made bit-exactly as ggml's GGML_E8M0_TO_FP32_HALF: the f32 bits
+``0x00200000 << e`` (a denormal) for e < 2, else ``(e - 1) << 23``. Hugging Face
+checkpoints store the same values as ``*_blocks`` / ``*_scales`` with another
+nibble order (byte j: elements 2j and 2j + 1); :func:`mxfp4_from_hf` repacks
+them into these blocks, exactly.
 
 Plain formats: "f32", "f16" (IEEE half) and "bf16" (top 16 bits of an f32).
 
@@ -25,10 +35,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-BLOCK_SIZE: dict[str, int] = {"q4_0": 32, "q4_1": 32, "q8_0": 32}
+BLOCK_SIZE: dict[str, int] = {"q4_0": 32, "q4_1": 32, "q8_0": 32, "mxfp4": 32}
 """Elements per block, by block-format name."""
 
-BLOCK_BYTES: dict[str, int] = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+BLOCK_BYTES: dict[str, int] = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "mxfp4": 17}
 """Bytes per block, by block-format name."""
 
 ELEMENT_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
@@ -37,7 +47,10 @@ ELEMENT_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
 DTYPES: tuple[str, ...] = (*ELEMENT_BYTES, *BLOCK_SIZE)
 """Every dtype name this module understands."""
 
-_SCALE_BYTES = 2  # every block starts with an f16 scale
+_SCALE_BYTES = 2  # every block but mxfp4's starts with an f16 scale
+
+MXFP4_VALUES: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+"""The int8 value of each mxfp4 nibble (ggml's ``kvalues_mxfp4``: E2M1 values doubled)."""
 
 # Blocks are processed this many at a time so the float32 temporaries stay in
 # cache; one pass over a whole 28M-element matrix is several times slower.
@@ -208,6 +221,23 @@ def _dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     return blocks[:, _SCALE_BYTES:].view(np.int8).astype(np.float32) * scale
 
 
+def e8m0_to_f32_half(e: np.ndarray) -> np.ndarray:
+    """``2^(e - 128)`` as float32 for uint8 exponents ``e``, bit for bit as ggml's
+    GGML_E8M0_TO_FP32_HALF (a denormal for e < 2)."""
+    wide = np.asarray(e, dtype=np.uint32)
+    bits = np.where(wide < 2, np.uint32(0x00200000) << wide, (wide - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+_MXFP4_LUT = np.array(MXFP4_VALUES, dtype=np.int8)
+
+
+def _dequantize_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    scale = e8m0_to_f32_half(blocks[:, :1])
+    with np.errstate(over="ignore"):  # e > 252 can overflow to inf, as in ggml
+        return _MXFP4_LUT[_unpack_nibbles(blocks[:, 1:])].astype(np.float32) * scale
+
+
 # --- block formats: encoding -------------------------------------------------
 
 
@@ -258,13 +288,47 @@ def _quantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_bytes(scale), quants.view(np.uint8)], axis=1)
 
 
+def _quantize_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    # ggml's quantize_row_mxfp4_ref: the exponent puts the largest |x| in [4, 8) steps of the
+    # scale (up to the top value 12 = 6 * 2), then each element takes the nearest of the 16
+    # values (the first on ties).
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).astype(np.uint8)
+    values = e8m0_to_f32_half(e)[:, :, None] * _MXFP4_LUT.astype(np.float32)
+    quants = np.abs(values - blocks[:, :, None]).argmin(axis=2).astype(np.uint8)
+    return np.concatenate([e, _pack_nibbles(quants)], axis=1)
+
+
+def mxfp4_from_hf(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Hugging Face's MXFP4 tensors (gpt-oss's ``*_blocks``, uint8 ``[..., rows, n_blocks, 16]``,
+    byte j holding element 2j (low nibble) and 2j + 1 (high); ``*_scales``, uint8 ``[..., rows,
+    n_blocks]``, E8M0 with bias 127 over FP4 values ``lut[q] = MXFP4_VALUES[q] / 2``) as mxfp4
+    blocks, uint8 ``[..., rows, n_blocks * 17]``: the same values exactly (a scale byte is
+    ggml's ``e``; only the nibbles move), the row of ``cols = 32 n_blocks`` elements that
+    ``transformers``' ``convert_moe_packed_tensors`` makes (before its transpose)."""
+    packed = np.ascontiguousarray(blocks, dtype=np.uint8)
+    exps = np.ascontiguousarray(scales, dtype=np.uint8)
+    if packed.ndim < 2 or packed.shape[-1] != 16 or packed.shape[:-1] != exps.shape:
+        raise ValueError(f"MXFP4 blocks [..., n_blocks, 16] and scales [..., n_blocks] expected, got "
+                         f"{packed.shape} and {exps.shape}")
+    flat = packed.reshape(-1, 16)
+    elements = np.empty((flat.shape[0], 32), dtype=np.uint8)  # element order
+    elements[:, 0::2] = flat & np.uint8(0x0F)
+    elements[:, 1::2] = flat >> np.uint8(4)
+    out = np.concatenate([exps.reshape(-1, 1), _pack_nibbles(elements)], axis=1)
+    return out.reshape(*exps.shape[:-1], exps.shape[-1] * BLOCK_BYTES["mxfp4"])
+
+
 _DEQUANTIZE_BLOCKS = {
     "q4_0": _dequantize_q4_0,
     "q4_1": _dequantize_q4_1,
     "q8_0": _dequantize_q8_0,
+    "mxfp4": _dequantize_mxfp4,
 }
 _QUANTIZE_BLOCKS = {
     "q4_0": _quantize_q4_0,
     "q4_1": _quantize_q4_1,
     "q8_0": _quantize_q8_0,
+    "mxfp4": _quantize_mxfp4,
 }

@@ -67,8 +67,8 @@ _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/leng
 
 # How each IR dtype is stored: numpy element type and, for block formats, (block size, bytes).
 STORAGE = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "i32": np.int32, "i64": np.int64,
-           "bool": np.uint8, "q4_0": np.uint8, "q4_1": np.uint8, "q8_0": np.uint8}
-BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34)}
+           "bool": np.uint8, "q4_0": np.uint8, "q4_1": np.uint8, "q8_0": np.uint8, "mxfp4": np.uint8}
+BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "mxfp4": (32, 17)}
 
 
 class PibError(Exception):

@@ -46,13 +46,14 @@ GEMV_CASES = [("q4_0", "i16", True, 40, 128), ("q4_0", "f32", True, 40, 128), ("
               ("q4_1", "f32", True, 40, 128), ("q8_0", "f32", False, 37, 96), ("q8_0", "f32", False, 23, 4096),
               ("f16", "f32", False, 37, 100), ("f16", "f32", False, 23, 2048), ("f32", "f32", False, 37, 100),
               ("q4_1", "f32", False, 37, 96), ("q4_1", "i16", False, 37, 96), ("q4_0", "i16", False, 37, 96),
-              ("q4_0", "i8", True, 40, 128), ("q4_1", "i8", True, 40, 128), ("q8_0", "i8", True, 40, 128)]
+              ("q4_0", "i8", True, 40, 128), ("q4_1", "i8", True, 40, 128), ("q8_0", "i8", True, 40, 128),
+              ("mxfp4", "f32", False, 37, 96), ("mxfp4", "i16", False, 37, 96)]  # gpt-oss's format: rows
 # (form, up / gate / down dtype, x format, rows8): SmolLM2's FFN (swiglu, q4_1, rows8, int16 x) and its
 # neighbours; relu has no gate.
 FFN_CASES = [("swiglu", "q4_1", "i16", True), ("relu", "q4_1", "i16", True), ("swiglu", "q4_0", "f32", True),
              ("swiglu", "q4_1", "f32", False), ("relu", "q4_1", "f32", False), ("swiglu", "q4_1", "i16", False),
              ("swiglu", "f32", "f32", False), ("swiglu", "q4_1", "i8", True), ("relu", "q4_0", "i8", True),
-             ("swiglu", "q8_0", "i8", True)]
+             ("swiglu", "q8_0", "i8", True), ("swiglu", "mxfp4", "i16", False)]
 FFN_N, FFN_HIDDEN = 128, 96
 
 

@@ -34,7 +34,7 @@ from picc.codegen_cpu.rowops import emit_axpys, emit_dots, emit_x_sums
 from picc.errors import PiccError
 
 # The AVX2 build: one kernel of each kind, every weight format.
-AVX2_KERNELS = ([gemv(d) for d in DTYPES] + [sparse_ffn("predictor", "swiglu", d, d, d) for d in DTYPES]
+AVX2_KERNELS = ([gemv(d) for d in DTYPES] + [gemv("mxfp4"), gemv("mxfp4", "i16")] + [sparse_ffn("predictor", "swiglu", d, d, d) for d in DTYPES]
                 + [sparse_ffn(m, "swiglu", d, d, d, il, x_format="i16", gathered="dotplanes") for m, il in PLANES_MODES
                    for d in ("q4_0", "q4_1")]
                 + [sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"), gemm("q4_1"), attention("f16"), rms_norm(),
@@ -197,6 +197,14 @@ def test_avx2_build_computes_the_same_bits(host, avx2, teams):
         kernel = sparse_ffn("predictor", "swiglu", dtype, dtype, dtype)
         np.testing.assert_array_equal(case.run(host, teams[3], kernel, active=active)[0],
                                       case.run(avx2, teams[3], kernel, active=active)[0], err_msg=dtype)
+    # mxfp4 rows (a table lookup a nibble, a power-of-two scale), with float and int16 x
+    raw, _ = weights(rng, (37, 96), "mxfp4")
+    x = rng.normal(size=96).astype(np.float32)
+    for kernel in (gemv("mxfp4"), gemv("mxfp4", "i16")):
+        ys = [np.zeros(37, np.float32), np.zeros(37, np.float32)]
+        for module, y in zip((host, avx2), ys, strict=True):
+            run(module, teams[2], kernel, raw, x, None, y, 37, 96, 0)
+        np.testing.assert_array_equal(ys[0], ys[1], err_msg=kernel.symbol)
     # Rounded x: gathered rows from the dotplanes layout, four blocks a piece in one vector or two
     # (224: a four-, a two- and a one-block piece), the same float operations lane by lane.
     for dtype in ("q4_0", "q4_1"):

@@ -31,7 +31,12 @@ from picc.codegen_cpu.kernels_misc import merge
 from picc.codegen_cpu.rows8 import to_rows8
 from picc.errors import PiccError
 
-KERNELS = ffn_kernels() + [predictor("f32", "f32"), predictor("f16", "f16"), merge()]
+# gpt-oss's mxfp4 up and gate (its down q8_0, as neuron-major-down makes it), float and int16 x
+MXFP4_MODES = (("predictor", False), ("predictor", True), ("gate-first", False), ("dense", False))
+MXFP4_KERNELS = ([sparse_ffn(m, "swiglu", "mxfp4", "mxfp4", "q8_0", il, x_format=x) for m, il in MXFP4_MODES
+                  for x in ("f32", "i16")]
+                 + [dense_ffn("swiglu", "mxfp4", "mxfp4", "mxfp4", x) for x in ("f32", "i16")])
+KERNELS = ffn_kernels() + [predictor("f32", "f32"), predictor("f16", "f16"), merge()] + MXFP4_KERNELS
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +244,44 @@ def test_down_only_reads_its_whole_matrices_eight_rows_at_a_time(host, teams, dt
         y, count = case.run(host, teams[3], kernel, threshold=thr)
         assert count == (np.abs(ref.h()) > thr).sum()
         assert rel_err(y, ref.reference(np.abs(ref.h()) > thr)) <= (2e-6 if x_format != "f32" else tol(dtype))
+
+
+@pytest.mark.parametrize("x_format", ["f32", "i16"])
+def test_fused_ffns_read_mxfp4_up_and_gate_rows(host, teams, x_format):
+    # mxfp4 rows gathered a pair at a time (no layout of eight rows holds them) and read whole
+    # (gate-first's gate, dense mode), with float or int16 x: against the float FFN of the x
+    # the kernel dots (rounded as the interpreter rounds it), to float rounding.
+    dtypes = ("mxfp4", "mxfp4", "q8_0")
+    case = FfnCase("swiglu", dtypes, n=77, hidden=128, biases=True, seed=40)
+    rounded = FfnCase("swiglu", dtypes, n=77, hidden=128, biases=True, seed=40)
+    if x_format == "i16":
+        rounded.x = quant.round_to_int16_blocks(case.x)
+    active = np.random.default_rng(41).random(case.n) < 0.4
+    for mode, il in MXFP4_MODES:
+        kernel = sparse_ffn(mode, "swiglu", *dtypes, il, x_format=x_format)
+        assert kernel.symbol.endswith("_xi16") == (x_format == "i16")
+        thr = gap_threshold(rounded.act_gate(), 0.4) if mode == "gate-first" else 0.0
+        chosen = {"predictor": active, "dense": np.ones(case.n, bool)}.get(mode, np.abs(rounded.act_gate()) > thr)
+        y, count = case.run(host, teams[2], kernel, active=active, threshold=thr, interleaved=il)
+        if mode != "dense":
+            assert count == chosen.sum(), (mode, il)
+        assert rel_err(y, rounded.reference(chosen)) <= 2e-6, (mode, il)
+    down_raw, down = weights(np.random.default_rng(42), (case.hidden, 96), "mxfp4")
+    case = FfnCase("swiglu", ("mxfp4", "mxfp4", "mxfp4"), n=96, hidden=128, biases=True, seed=43)
+    h = case.h() if x_format == "f32" else None
+    if h is None:
+        case.x = quant.round_to_int16_blocks(case.x)
+        h = quant.round_to_int16_blocks(case.h().astype(np.float32)).astype(np.float64)
+    y = np.full(case.hidden, np.nan, np.float32)
+    scratch = aligned_zeros(dense_ffn_scratch_bytes(case.n))
+    run(host, teams[2], dense_ffn("swiglu", "mxfp4", "mxfp4", "mxfp4", x_format), case.x, case.up_raw, case.gate_raw,
+        down_raw, case.up_bias, case.gate_bias, case.down_bias, y, scratch, case.n, case.hidden, 0)
+    assert rel_err(y, down.astype(np.float64) @ h + case.down_bias) <= 1e-5  # h's rounding in float32
+
+
+def test_no_fused_ffn_axpys_mxfp4_down_rows():
+    with pytest.raises(PiccError, match="not mxfp4"):
+        sparse_ffn("predictor", "swiglu", "mxfp4", "mxfp4", "mxfp4")
 
 
 def test_fused_ffn_dots_int16_x_only_when_up_and_gate_are_both_4_bit():

@@ -16,7 +16,10 @@ from picc.codegen_cpu.kernels_misc import round_x
 from picc.codegen_cpu.rows8 import from_rows8, to_rows8
 from picc.errors import PiccError
 
-KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in DTYPES] + [gemv(d, x_format="i16") for d in ("q4_0", "q4_1")]
+# the dense kernels read gpt-oss's mxfp4 rows too (one row at a time; no FFN layout holds them)
+ROW_DTYPES = (*DTYPES, "mxfp4")
+KERNELS = ([k(d) for k in (gemv, gemm, embed) for d in ROW_DTYPES]
+           + [gemv(d, x_format="i16") for d in ("q4_0", "q4_1", "mxfp4")]
            + [gemv(d, x, True) for d in ("q4_0", "q4_1") for x in ("f32", "i16", "i8")]
            + [gemm(d, True) for d in ("q4_0", "q4_1")] + [round_x("i16"), round_x("i8")]
            # the fused FFNs with int16 x of test_integer_dots_are_float_dots_of_the_rounded_x
@@ -33,7 +36,7 @@ def host() -> CpuModule:
 
 
 @pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
 def test_gemv(host, teams, dtype, threads):
     rng = np.random.default_rng(1)
     rows, k = 37, width(dtype)  # 37 rows: not a multiple of 2, 3 or the 4-row tile
@@ -81,7 +84,7 @@ def int_x_error_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("threads", (1, 3))
-@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "mxfp4"])
 def test_integer_dot_gemv_stays_within_the_rounding_of_x(host, teams, dtype, threads):
     rng = np.random.default_rng(11)
     rows, k = 37, 256
@@ -146,6 +149,57 @@ def test_integer_dots_are_float_dots_of_the_rounded_x(host, teams, dtype):
         errors[mode] = (rel_err(out, rounded.reference(chosen)), rel_err(out, case.reference(chosen)))
     for name, (to_rounded, to_float) in errors.items():
         assert to_rounded <= 2e-6 and to_float > 10 * to_rounded, (name, to_rounded, to_float)
+
+
+def test_mxfp4_gemv_int_dots_are_float_dots_of_the_rounded_x(host, teams):
+    # What the interpreter computes for an mxfp4 _xi16 GEMV: the float op on the rounded x,
+    # to float rounding (as the float kernel is the float op's). A block of scale 2^-128 (e = 0,
+    # a denormal) and one of 2^100 (e = 228) decode to their exact values.
+    rng = np.random.default_rng(34)
+    rows, k = 64, 256
+    raw, w = weights(rng, (rows, k), "mxfp4")
+    blocks = raw.reshape(rows, -1, quant.BLOCK_BYTES["mxfp4"])
+    blocks[0, 1, 0], blocks[1, 2, 0] = 0, 228
+    w = quant.dequantize(raw, "mxfp4", (rows, k))
+    x = rng.normal(size=k).astype(np.float32)
+    xq = quant.round_to_int16_blocks(x).astype(np.float64)
+    for kernel, want in ((gemv("mxfp4", x_format="i16"), xq), (gemv("mxfp4"), x.astype(np.float64))):
+        y = np.zeros(rows, np.float32)
+        run(host, teams[2], kernel, raw, x, None, y, rows, k, 0)
+        exact = w.astype(np.float64) @ want
+        assert rel_err(y[1:2], exact[1:2]) <= 2e-6, kernel.symbol  # the row of the 2^100 block
+        others = np.r_[0, 2:rows]
+        assert rel_err(y[others], exact[others]) <= 2e-6, kernel.symbol
+
+
+@pytest.mark.parametrize("x_format", ["f32", "i16"])
+def test_the_interpreter_computes_the_mxfp4_linear_of_the_gemv(host, teams, x_format):
+    # A linear of mxfp4 rows in the interpreter (x rounded where the op says i16: dot_input) and
+    # the GEMV of its x_format: float rounding apart, ten times closer than to the other x's op.
+    from dataclasses import replace
+
+    from picc.interpreter import Interpreter
+    from picc.ir import ops as O
+    from picc.ir.builder import FunctionBuilder
+    from picc.ir.module import Module, WeightDecl
+    from picc.ir.types import DType, f32
+    from picc.ir.weights import Tensor, WeightStore
+
+    rng = np.random.default_rng(35)
+    rows, k = 64, 256
+    raw, _ = weights(rng, (rows, k), "mxfp4")
+    store = WeightStore({"w": Tensor(DType.MXFP4, (rows, k), raw)})
+    b = FunctionBuilder("forward", {"w": store["w"].type})
+    b.op(O.Linear, "y", x=b.arg("x", f32("seq", k)), weight="w", x_format=x_format)
+    func = b.finish("y")
+    interpreter = Interpreter(Module("m", (), (WeightDecl("w", store["w"].type),), (func,)), store)
+    x = rng.normal(size=(1, k)).astype(np.float32)
+    want = interpreter.eval(func.ops[0], {"x": x})[0]
+    away = interpreter.eval(replace(func.ops[0], x_format="i16" if x_format == "f32" else "f32"), {"x": x})[0]
+    y = np.zeros(rows, np.float32)
+    run(host, teams[2], gemv("mxfp4", x_format=x_format), raw, x[0], None, y, rows, k, 0)
+    assert rel_err(y, want.astype(np.float64)) <= 2e-6
+    assert np.abs(y - away).max() > 10 * np.abs(y - want).max()
 
 
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
@@ -294,7 +348,7 @@ def test_rows8_gemm_dequantises_the_same_rows(host, teams, dtype):
 
 
 @pytest.mark.parametrize("threads", (1, 3))
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
 def test_gemm(host, teams, dtype, threads):
     rng = np.random.default_rng(2)
     seq, rows, k = 7, 19, width(dtype)  # 7 = one 4-row tile and 3 single rows
@@ -305,7 +359,7 @@ def test_gemm(host, teams, dtype, threads):
     assert rel_err(y, x.astype(np.float64) @ w.T.astype(np.float64) + bias) <= tol(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
 def test_embed_is_exact_dequantisation(host, teams, dtype):
     rng = np.random.default_rng(3)
     vocab, dim = 50, width(dtype, 70)

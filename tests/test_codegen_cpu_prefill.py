@@ -39,10 +39,14 @@ CASES = ([("predictor", "swiglu", d, il) for d in DTYPES for il in (False, True)
             ("gate-first", "drelu", "f32", False), ("down-only", "geglu", "f16", True), ("predictor", "reglu", "q4_1", True)])
 
 
+MXFP4_CASES = (("predictor", False), ("predictor", True), ("gate-first", False))
+
+
 def _kernels():
     ks = [chunk_ffn(m, f, d, d if FORMS[f].gated else None, d, il) for m, f, d, il in CASES]
     ks += [chunk_ffn(m, "swiglu", d, d, d, dense_rows8=r8) for d in ("q4_0", "q4_1") for r8 in (False, True)
            for m in ("gate-first", "down-only")]
+    ks += [chunk_ffn(m, "swiglu", "mxfp4", "mxfp4", "q8_0", il) for m, il in MXFP4_CASES]
     return ks + [predictor("f32", "f32")]
 
 
@@ -55,16 +59,18 @@ class ChunkCase:
     """An FFN of one form, ``seq`` token rows of x, and the float64 reference per token."""
 
     def __init__(self, form: str, dtype: str, seq: int, n: int = 67, biases: bool = True, seed: int = 0,
-                 hidden: int | None = None) -> None:
+                 hidden: int | None = None, down_dtype: str | None = None) -> None:
         rng = np.random.default_rng(seed)
         self.spec, self.n, self.seq = FORMS[form], n, seq
-        self.hidden = h = hidden or (96 if dtype in ("q8_0", "q4_0", "q4_1") else 100)
+        self.hidden = h = hidden or (96 if dtype in quant.BLOCK_SIZE else 100)
+        down_dtype = down_dtype or dtype
         self.x = rng.normal(size=(seq, h)).astype(np.float32)
         self.up_raw, self.up = weights(rng, (n, h), dtype, h**-0.5)
         self.gate_raw, self.gate = weights(rng, (n, h), dtype, h**-0.5) if self.spec.gated else (None, None)
-        self.down_raw, self.down = weights(rng, (n, h), dtype, n**-0.5)
+        self.down_raw, self.down = weights(rng, (n, h), down_dtype, n**-0.5)
         # A block-format down_t is in the rowplanes layout, as the decode kernel reads it.
-        self.down_t = rowplanes.to_rowplanes(self.down_raw, dtype, (n, h)) if dtype in rowplanes.DTYPES else self.down_raw
+        self.down_t = (rowplanes.to_rowplanes(self.down_raw, down_dtype, (n, h)) if down_dtype in rowplanes.DTYPES
+                       else self.down_raw)
         rand = (lambda size: rng.normal(0, 0.1, size=size).astype(np.float32)) if biases else (lambda size: None)
         self.up_bias = rand(n)
         self.gate_bias = rand(n) if self.spec.gated else None
@@ -131,6 +137,22 @@ def test_chunk_ffn_gives_each_token_its_own_active_set(host, teams, mode, form, 
         thr = gap_threshold(scores.ravel(), keep)
         y = case.run(host, teams[threads], kernel, threshold=thr, interleaved=interleaved)
         assert rel_err(y, case.reference(np.abs(scores) > thr)) <= tol(dtype), keep
+
+
+@pytest.mark.parametrize("mode, interleaved", MXFP4_CASES)
+def test_chunk_ffn_reads_mxfp4_up_and_gate_rows(host, teams, mode, interleaved):
+    # gpt-oss's mxfp4 rows, dequantised once a chunk (a table value times a power of two, exact);
+    # the down rows q8_0 (neuron-major-down makes an mxfp4 down so).
+    case = ChunkCase("swiglu", "mxfp4", seq=7, seed=50, down_dtype="q8_0")
+    kernel = chunk_ffn(mode, "swiglu", "mxfp4", "mxfp4", "q8_0", interleaved)
+    if mode == "predictor":
+        active = np.random.default_rng(51).random((case.seq, case.n)) < 0.4
+        y = case.run(host, teams[2], kernel, mask=active, interleaved=interleaved)
+    else:
+        thr = gap_threshold(case.act_gate().ravel(), 0.4)
+        active = np.abs(case.act_gate()) > thr
+        y = case.run(host, teams[2], kernel, threshold=thr)
+    assert rel_err(y, case.reference(active)) <= 1e-5
 
 
 @pytest.mark.parametrize("hidden", [32, 64, 128, 160, 192, 224, 288])

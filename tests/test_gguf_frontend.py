@@ -239,7 +239,7 @@ def round_trip_hf_weights(hf_dir, out_dir, qt):
 
 
 @pytest.mark.parametrize("qt, dtype", [(Q.F16, DType.F16), (Q.Q8_0, DType.Q8_0), (Q.Q4_0, DType.Q4_0),
-                                       (Q.Q4_1, DType.Q4_1)])
+                                       (Q.Q4_1, DType.Q4_1), (Q.MXFP4, DType.MXFP4)])
 def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path, qt, dtype):
     hf_dir, _ = hf_llama
     path = write_gguf(hf_dir, tmp_path / "q.gguf", quant_type=qt)
@@ -268,6 +268,7 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     ("qwen3_moe", "base", Q.F32, ()), ("qwen3_moe", "three-of-eight", Q.Q4_1, ()),
     ("gpt_oss", "wide-clamp", Q.F32, ()), ("gpt_oss", "gguf-yarn", Q.Q4_0, ()),
     ("mixtral", "base", Q.F32, ()), ("mixtral", "three-of-eight", Q.Q4_0, ()),
+    ("mixtral", "three-of-eight", Q.MXFP4, ()),  # gpt-oss's 4-bit experts, kept as stored
     ("granitemoe", "base", Q.F32, ()), ("granitemoe", "base", Q.Q4_1, ()),
     ("gemma3_text", "six-layers", Q.F32, ()), ("gemma3_text", "six-layers", Q.Q4_1, ())])
 def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, qt, drop, tmp_path):
@@ -614,6 +615,32 @@ def test_unsupported_files_are_refused_in_one_line(hf_llama, tmp_path, kwargs, m
     assert str(path) in str(e.value)
 
 
+def test_mxfp4_experts_are_kept_as_stored(tmp_path):
+    # gpt-oss's 4-bit experts: a 3-D MXFP4 tensor (experts, rows, blocks) keeps its bytes as one
+    # mxfp4 matrix of the experts' rows, as the file's other stacked experts do; nothing converted.
+    from picc.frontend.gguf import read_tensors
+    from picc.frontend.gguf_file import GgufFile
+
+    rng = np.random.default_rng(5)
+    experts, rows, cols = 4, 8, 64
+    values = rng.normal(0, 0.05, (experts, rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(values.reshape(-1, cols), Q.MXFP4).reshape(experts, rows, -1)
+    path = tmp_path / "mx.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_up_exps.weight", raw, raw_shape=raw.shape, raw_dtype=Q.MXFP4)
+    w.add_tensor("blk.0.ffn_down.weight", raw[0], raw_shape=raw[0].shape, raw_dtype=Q.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    store, changed = read_tensors(GgufFile(path), path)
+    assert changed == {}
+    up, down = store["l0.moe.up"], store["l0.ffn.down"]
+    assert (up.dtype, up.shape, down.dtype, down.shape) == (DType.MXFP4, (experts * rows, cols), DType.MXFP4, (rows, cols))
+    np.testing.assert_array_equal(np.asarray(up.data).reshape(-1), raw.reshape(-1))
+    np.testing.assert_array_equal(store.f32("l0.moe.up"), gguf.quants.dequantize(raw, Q.MXFP4).reshape(-1, cols))
+
+
 def test_unsupported_quant_type_is_named(hf_llama, tmp_path):
     hf_dir, _ = hf_llama
     path = tmp_path / "q5.gguf"
@@ -625,7 +652,7 @@ def test_unsupported_quant_type_is_named(hf_llama, tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(PiccError, match=r"tensor 'token_embd.weight' has quant type Q8_1, which picc cannot decode; "
-                                        r"supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, and the K and I quants"):
+                                        r"supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, MXFP4, and the K and I quants"):
         load_model(path)
 
 

@@ -13,8 +13,9 @@ from gguf import quants as reference
 from picc import quant
 from picc.frontend.aliases import resolve_alias
 
-BLOCK_DTYPES = ("q4_0", "q4_1", "q8_0")
+BLOCK_DTYPES = ("q4_0", "q4_1", "q8_0", "mxfp4")
 GGML_TYPE = {
+    "mxfp4": GGMLQuantizationType.MXFP4,
     "q4_0": GGMLQuantizationType.Q4_0,
     "q4_1": GGMLQuantizationType.Q4_1,
     "q8_0": GGMLQuantizationType.Q8_0,
@@ -87,6 +88,39 @@ def test_q8_0_block_layout() -> None:
     assert same_bits(values, (0.25 * quants).astype(np.float32).reshape(1, 32))
 
 
+def test_mxfp4_block_layout() -> None:
+    # e first, then byte j: element j (low nibble) and element j + 16 (high), each a table value.
+    low, high = np.arange(16, dtype=np.uint8), 15 - np.arange(16, dtype=np.uint8)
+    table = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+    for e, scale in ((0, 2.0**-128), (1, 2.0**-127), (2, 2.0**-126), (127, 0.5), (128, 1.0), (130, 4.0),
+                     (252, 2.0**124)):
+        block = np.concatenate([np.array([e], np.uint8), low | (high << 4)])
+        values = quant.dequantize(block, "mxfp4", (1, 32))
+        expected = (table[np.concatenate([low, high])] * np.float32(scale)).astype(np.float32)
+        assert same_bits(values, expected.reshape(1, 32)), e
+
+
+def test_mxfp4_from_hf_matches_transformers() -> None:
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(11)
+    experts, rows, nblocks = 3, 8, 4
+    blocks = rng.integers(0, 256, (experts, rows, nblocks, 16), dtype=np.uint8)
+    scales = rng.integers(100, 150, (experts, rows, nblocks), dtype=np.uint8)
+    scales[0, 0, 0], scales[1, 2, 3] = 1, 250  # a denormal scale and a large one
+    raw = quant.mxfp4_from_hf(blocks, scales)
+    assert raw.shape == (experts, rows, nblocks * 17)
+    ours = quant.dequantize(raw, "mxfp4", (experts, rows, 32 * nblocks))
+    # transformers returns [experts, cols, rows] (x @ W); picc's rows are its columns
+    theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    theirs = theirs.transpose(1, 2).contiguous().numpy()
+    np.testing.assert_array_equal(ours, theirs)  # equal as numbers (HF's table has -0.0 where ggml's has 0)
+    assert same_bits(np.abs(ours), np.abs(theirs))
+    with pytest.raises(ValueError, match="blocks"):
+        quant.mxfp4_from_hf(blocks, scales[..., :2])
+
+
 @pytest.mark.parametrize("dtype", BLOCK_DTYPES)
 def test_quantize_matches_reference(dtype: str, random_matrix: np.ndarray) -> None:
     ours = quant.quantize(random_matrix, dtype)
@@ -103,7 +137,8 @@ def test_dequantize_matches_reference(dtype: str, random_matrix: np.ndarray) -> 
     # scales included (except NaN/inf, which real files never contain).
     rng = np.random.default_rng(7)
     noise = rng.integers(0, 256, raw.shape, dtype=np.uint8)
-    noise.reshape(-1, quant.BLOCK_BYTES[dtype])[:, 1] &= 0x3F  # keep f16 scales finite
+    if dtype != "mxfp4":  # every e8m0 exponent is finite
+        noise.reshape(-1, quant.BLOCK_BYTES[dtype])[:, 1] &= 0x3F  # keep f16 scales finite
     if dtype == "q4_1":
         noise.reshape(-1, quant.BLOCK_BYTES[dtype])[:, 3] &= 0x3F
     for data in (raw, noise):
@@ -111,11 +146,12 @@ def test_dequantize_matches_reference(dtype: str, random_matrix: np.ndarray) -> 
         assert same_bits(ours, reference.dequantize(data, GGML_TYPE[dtype]))
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [("q4_0", 1.01), ("q4_1", 0.55), ("q8_0", 0.035)])
+@pytest.mark.parametrize(("dtype", "tolerance"), [("q4_0", 1.01), ("q4_1", 0.55), ("q8_0", 0.035), ("mxfp4", 2.0)])
 def test_round_trip_error_is_bounded(dtype: str, tolerance: float) -> None:
     # Values in [-8, 8). q4_1 and q8_0 round to the nearest step (16/15 and
     # 8/127), so they err by half a step. q4_0 spans -8d..7d with d = max/8, so
-    # the end opposite the largest magnitude clips by up to a whole step of 1.
+    # the end opposite the largest magnitude clips by up to a whole step of 1. mxfp4's largest
+    # step (between 4 and 6 times a scale of 1/2 or more) is 2, and so is its clipping above 6 / 2.
     x = np.random.default_rng(3).uniform(-8, 8, (16, 128)).astype(np.float32)
     error = np.abs(quant.dequantize(quant.quantize(x, dtype), dtype, x.shape) - x)
     assert error.max() <= tolerance

@@ -28,13 +28,14 @@ from picc.codegen_cpu.program import Buf, Null
 from picc.errors import PiccError
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
+from picc.kernel_names import CPU_READ_FORMATS
 from runtime.cpu_manifest import STOP_SLOTS, CpuBuffer
 
 SYNC, PARAMS, ZEROS, ACTIVATIONS, SCRATCH = 0, 1, 2, 3, 4
 PARAM_SLOTS = {"pos": 0, "token": 1, "greedy": 2, "seq": 3, "steps": 4, "done": 5, "batch": 6, "stops": 8}
 """Where each per-token parameter is (i32 index); ``stops`` is the first of :data:`STOP_SLOTS`."""
 MAX_THREADS = 64  # the scratch is sized for this many threads
-_KERNEL_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+_KERNEL_DTYPES = CPU_READ_FORMATS
 
 
 class CpuBuffers:

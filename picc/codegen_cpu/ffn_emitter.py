@@ -53,6 +53,9 @@ def check_ffn_kernel(mode: str, form: str, up_dtype: str, gate_dtype: str | None
         raise PiccError(f"codegen_cpu: FFN mode 'gate-first' needs a gated form, got {form!r}")
     for d in (up_dtype, gate_dtype or "f32", down_dtype):
         check_dtype(d)
+    if down_dtype == "mxfp4":  # the AXPYs of block rows read the rowplanes layout alone
+        raise PiccError("codegen_cpu: a fused FFN's neuron-major down rows are q8_0 / q4_0 / q4_1 in the rowplanes "
+                        "layout or f32 / f16, not mxfp4 (neuron-major-down makes an mxfp4 down q8_0)")
     if interleaved and (not spec.gated or gate_dtype != up_dtype or mode == "gate-first"):
         raise PiccError(f"codegen_cpu: interleaved up/gate rows need a gated form, one format and a mode that "
                         f"gathers both rows, got {form!r} {mode!r}")

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
-from picc.codegen_cpu.rowformats import BLOCK, V8, V16, block_bytes, fold8
+from picc.codegen_cpu.rowformats import BLOCK, V8, V16, block_bytes, fold8, mxfp4_scale, mxfp4_values
+from picc.kernel_names import INT_DOT_DTYPES as INT_ROW_DTYPES  # rows one at a time dot int16 x in integers
 from picc.quant import INT_X_MAX
 
 
@@ -96,7 +97,7 @@ def emit_int_x(fn: Fn, x: str, k: str, dtypes: set[str], rows8: bool = False, x_
     (``rows8``: in the rows8 layout), in stack arrays, or None when no row is 4-bit. Rounding
     moves each element by at most half a step, 2^-16 (int16) or 1/254 (int8) of its block's
     largest |x|. Call it outside loops (the arrays are allocated where it is called)."""
-    if not dtypes & {"q4_0", "q4_1"} and not (rows8 and "q8_0" in dtypes):
+    if not dtypes & INT_ROW_DTYPES and not (rows8 and "q8_0" in dtypes):
         return None
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
     out = alloc_int_x(fn, nblocks, dtypes, rows8, x_format)
@@ -111,7 +112,8 @@ def alloc_int_x(fn: Fn, nblocks: str, dtypes: set[str], rows8: bool = False, x_f
     that a batched kernel can hold several x's forms one after another (``INT_X_BLOCK_BYTES``:
     each array's bytes per block)."""
     need_q4_0, need_q4_1, need_q8_0 = "q4_0" in dtypes, "q4_1" in dtypes, rows8 and "q8_0" in dtypes
-    if not (need_q4_0 or need_q4_1 or need_q8_0):
+    need_mxfp4 = not rows8 and "mxfp4" in dtypes  # q alone: mxfp4 has no constant part
+    if not (need_q4_0 or need_q4_1 or need_q8_0 or need_mxfp4):
         return None
     scale = fn.alloca_array(F32, nblocks, "xs")
     if rows8:
@@ -186,20 +188,28 @@ _ZEXT_SHUFFLE = "<" + ", ".join(f"i8 {j // 2 if j % 2 == 0 else -128}" for j in 
 
 def int_dot_block(fn: Fn, dtype: str, row: str, b: str, intx: IntX, scale: str, acc: str) -> str:
     """``acc`` plus block ``b`` of a 4-bit ``row`` dotted with the int16 x, in 8 lanes:
-    ``d s (q . x_q (- 8 sum x_q))`` (+ ``m`` times q4_1's folded float x sums)."""
+    ``d s (q . x_q (- 8 sum x_q))`` (+ ``m`` times q4_1's folded float x sums); mxfp4: ``d s
+    (v . x_q)``, v its nibbles' int8 values (``vpshufb``), widened to words (|v| <= 12: the
+    pairs' sums stay exact in int32, and so do their conversions to float, under 2^24)."""
     i16 = vec(16, "i16")
     bptr = fn.at(row, block_bytes(dtype), b, "blk")
-    dm = fn.v(f"fpext <2 x half> {fn.load('<2 x half>', bptr, 2, 'dmh')} to <2 x float>", "dm")
-    d = fn.v(f"extractelement <2 x float> {dm}, i64 0", "d")
-    # Bytes to words without crossing lanes: the 16 bytes broadcast to both 128-bit lanes (a
-    # load), then an in-lane byte shuffle puts byte j in word j with a zero high byte.
-    raw = fn.load(vec(16, "i8"), fn.gep(bptr, "2" if dtype == "q4_0" else "4"), 1, "nib")
     b16, b32 = vec(16, "i8"), vec(32, "i8")
-    both = fn.v(f"shufflevector {b16} {raw}, {b16} poison, {_ZEXT_BROADCAST}", "nibb")
-    spread = fn.v(f"call {b32} @llvm.x86.avx2.pshuf.b({b32} {both}, {b32} {_ZEXT_SHUFFLE})", "nibs")
-    wide = fn.v(f"bitcast {b32} {spread} to {i16}", "nibw")
-    nibbles = [fn.v(f"and {i16} {wide}, {vconst(16, '15', 'i16')}", "lo4"),
-               fn.v(f"lshr {i16} {wide}, {vconst(16, '4', 'i16')}", "hi4")]
+    dm: str | None = None
+    if dtype == "mxfp4":
+        d = mxfp4_scale(fn, bptr)
+        values = mxfp4_values(fn, fn.load(b16, fn.gep(bptr, "1"), 1, "nib"))
+        nibbles = [fn.v(f"sext {b16} {v} to {i16}", "mxw") for v in values]
+    else:
+        dm = fn.v(f"fpext <2 x half> {fn.load('<2 x half>', bptr, 2, 'dmh')} to <2 x float>", "dm")
+        d = fn.v(f"extractelement <2 x float> {dm}, i64 0", "d")
+        # Bytes to words without crossing lanes: the 16 bytes broadcast to both 128-bit lanes (a
+        # load), then an in-lane byte shuffle puts byte j in word j with a zero high byte.
+        raw = fn.load(b16, fn.gep(bptr, "2" if dtype == "q4_0" else "4"), 1, "nib")
+        both = fn.v(f"shufflevector {b16} {raw}, {b16} poison, {_ZEXT_BROADCAST}", "nibb")
+        spread = fn.v(f"call {b32} @llvm.x86.avx2.pshuf.b({b32} {both}, {b32} {_ZEXT_SHUFFLE})", "nibs")
+        wide = fn.v(f"bitcast {b32} {spread} to {i16}", "nibw")
+        nibbles = [fn.v(f"and {i16} {wide}, {vconst(16, '15', 'i16')}", "lo4"),
+                   fn.v(f"lshr {i16} {wide}, {vconst(16, '4', 'i16')}", "hi4")]
     assert intx.q is not None, "x's int16 form for rows one at a time"
     qp = fn.at(intx.q, 64, b, "qp")
     xs = [fn.load(i16, fn.gep(qp, str(32 * h)), 32, "xi") for h in (0, 1)]
@@ -210,7 +220,7 @@ def int_dot_block(fn: Fn, dtype: str, row: str, b: str, intx: IntX, scale: str, 
         total = fn.v(f"add <8 x i32> {total}, {fn.load('<8 x i32>', fn.at(intx.offsets, 32, b), 32, 'xo')}", "pm")
     t = fn.v(f"sitofp <8 x i32> {total} to {V8}", "t")
     value = fn.fma(V8, t, fn.splat(8, fn.v(f"fmul float {d}, {scale}", "ds")), acc)
-    if dtype == "q4_1" and intx.folded is not None:
+    if dtype == "q4_1" and intx.folded is not None and dm is not None:
         m = fn.v(f"extractelement <2 x float> {dm}, i64 1", "m")
         value = fn.fma(V8, fn.load(V8, fn.at(intx.folded, 32, b), 32, "xf"), fn.splat(8, m), value)
     return value

@@ -44,7 +44,7 @@ def finish_row(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
 
 def check_rows8(rows8: bool, *dtypes: str, x_format: str = "f32") -> None:
     """That the rows8 layout holds ``dtypes`` for a kernel dotting ``x_format``: 4-bit, or q8_0 with int8 x."""
-    held = names.ROWS8_DTYPES if x_format == "i8" else names.INT_DOT_DTYPES
+    held = names.ROWS8_DTYPES if x_format == "i8" else names.NIBBLE_DTYPES
     if rows8 and not set(dtypes) <= held:
         raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 matrices (q8_0 ones for int8 x), "
                         f"not {', '.join(dtypes)} for {x_format} x")

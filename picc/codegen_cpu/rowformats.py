@@ -7,8 +7,14 @@ block, an f16 scale first::
     q8_0  34 B: f16 d, 32 x int8 q                      w = d * q
     q4_0  18 B: f16 d, 16 B nibbles                     w = d * (q - 8)
     q4_1  20 B: f16 d, f16 m, 16 B nibbles              w = d * q + m
+    mxfp4 17 B: E8M0 e, 16 B nibbles                    w = 2^(e - 128) * MXFP4_VALUES[q]
 
-Byte j of a nibble block holds element j (low nibble) and element j + 16 (high nibble).
+Byte j of a nibble block holds element j (low nibble) and element j + 16 (high nibble). mxfp4's
+nibbles index a 16-entry table of int8 (``picc.quant.MXFP4_VALUES``: 0..12 and their negatives),
+looked up with ``vpshufb`` (:func:`mxfp4_values`; as floats, on AVX-512, with ``vpermps``:
+:func:`table_floats`); its scale is a power of two made from ``e``'s
+bits (:func:`mxfp4_scale`), so ``d * q`` is exact. It has no constant part: its dot products are
+q4_0's without the ``- 8`` (no sums of x), in floats or, with int16 x, in ``vpmaddwd``.
 
 A block is read as two ``<16 x float>`` halves (one AVX-512 register, two AVX2 ones). q4_0 / q4_1
 nibbles become floats through a 16-entry table (``vpermps``) on AVX-512, through integer
@@ -23,16 +29,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
+from picc.codegen_cpu.irtext import F32, I32, Fn, fconst, vconst, vec
 from picc.errors import PiccError
-from picc.kernel_names import CPU_WEIGHT_FORMATS
+from picc.kernel_names import CPU_READ_FORMATS
+from picc.quant import MXFP4_VALUES
 
 BLOCK = 32
 V16 = vec(16)
 V8 = vec(8)
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "mxfp4": 17}
 ELEMENT_BYTES = {"f32": 4, "f16": 2}
-WEIGHT_DTYPES = CPU_WEIGHT_FORMATS
+WEIGHT_DTYPES = CPU_READ_FORMATS
 NIBBLE_DTYPES = frozenset({"q4_0", "q4_1"})  # 4-bit formats: x sums needed in dot products
 
 
@@ -85,13 +92,10 @@ def _nibble_floats(fn: Fn, qptr: str, signed: bool, simd: str) -> tuple[str, str
 
 def nibble_value_floats(fn: Fn, raw: str, signed: bool, simd: str) -> tuple[str, str]:
     """:func:`_nibble_floats` of a ``<16 x i8>`` value."""
+    if simd == "avx512":
+        return table_floats(fn, raw, [q - 8 if signed else q for q in range(16)])
     wide = fn.v(f"zext {vec(16, 'i8')} {raw} to {vec(16, 'i32')}", "nibw")
     hi_i = fn.v(f"lshr {vec(16, 'i32')} {wide}, {vconst(16, '4', 'i32')}", "hi4")
-    if simd == "avx512":
-        # vpermps reads only the low 4 bits of each index: the table lookup is the conversion.
-        table = "<" + ", ".join(f"float {fconst(q - 8 if signed else q)}" for q in range(16)) + ">"
-        return tuple(fn.v(f"call {V16} @llvm.x86.avx512.permvar.sf.512({V16} {table}, {vec(16, 'i32')} {i})", "qf")
-                     for i in (wide, hi_i))  # type: ignore[return-value]
     lo_i = fn.v(f"and {vec(16, 'i32')} {wide}, {vconst(16, '15', 'i32')}", "lo4")
     out = []
     for i in (lo_i, hi_i):
@@ -101,9 +105,50 @@ def nibble_value_floats(fn: Fn, raw: str, signed: bool, simd: str) -> tuple[str,
     return out[0], out[1]
 
 
+_MXFP4_TABLE = "<" + ", ".join(f"i8 {v}" for v in MXFP4_VALUES) + ">"
+
+
+def mxfp4_scale(fn: Fn, bptr: str) -> str:
+    """The scale of the mxfp4 block at ``bptr``, ``2^(e - 128)`` as a float, bit for bit as ggml's
+    GGML_E8M0_TO_FP32_HALF (``picc.quant.e8m0_to_f32_half``): ``(e - 1) << 23``, a denormal
+    ``0x00200000 << e`` for e < 2."""
+    e = fn.v(f"zext i8 {fn.load('i8', bptr, 1, 'e8')} to i32", "e")
+    normal = fn.v(f"shl i32 {fn.v(f'sub i32 {e}, 1', 'em1')}, 23", "dn")
+    denormal = fn.v(f"shl i32 2097152, {e}", "dd")
+    bits = fn.v(f"select i1 {fn.v(f'icmp ult i32 {e}, 2', 'small')}, {I32} {denormal}, {I32} {normal}", "db")
+    return fn.v(f"bitcast i32 {bits} to float", "d")
+
+
+def mxfp4_values(fn: Fn, raw: str) -> tuple[str, str]:
+    """The int8 values (``<16 x i8>``) of the low and the high nibbles of 16 bytes ``raw``: a
+    ``vpshufb`` of the table by each nibble."""
+    b16 = vec(16, "i8")
+    nibbles = (fn.v(f"and {b16} {raw}, {vconst(16, '15', 'i8')}", "lo4"),
+               fn.v(f"lshr {b16} {raw}, {vconst(16, '4', 'i8')}", "hi4"))
+    return tuple(fn.v(f"call {b16} @llvm.x86.ssse3.pshuf.b.128({b16} {_MXFP4_TABLE}, {b16} {i})", "mxq")
+                 for i in nibbles)  # type: ignore[return-value]
+
+
+def table_floats(fn: Fn, raw: str, table: list[int] | tuple[int, ...]) -> tuple[str, str]:
+    """``table[q]`` as floats for the low and the high nibbles of 16 bytes ``raw`` (AVX-512):
+    ``vpermps`` reads only the low 4 bits of each index, so the lookup is the conversion."""
+    wide = fn.v(f"zext {vec(16, 'i8')} {raw} to {vec(16, 'i32')}", "nibw")
+    hi_i = fn.v(f"lshr {vec(16, 'i32')} {wide}, {vconst(16, '4', 'i32')}", "hi4")
+    floats = "<" + ", ".join(f"float {fconst(v)}" for v in table) + ">"
+    return tuple(fn.v(f"call {V16} @llvm.x86.avx512.permvar.sf.512({V16} {floats}, {vec(16, 'i32')} {i})", "qf")
+                 for i in (wide, hi_i))  # type: ignore[return-value]
+
+
 def load_block(fn: Fn, dtype: str, row: str, b: str, simd: str, q4_0_raw: bool = False) -> Block:
     """Block ``b`` (i64) of ``row``; with ``q4_0_raw``, q4_0's quants as stored (``q``, not ``q - 8``)."""
     bptr = fn.at(row, block_bytes(dtype), b, "blk")
+    if dtype == "mxfp4":
+        raw = fn.load(vec(16, "i8"), fn.gep(bptr, "1"), 1, "nib")
+        if simd == "avx512":  # the same exact values either way
+            lo, hi = table_floats(fn, raw, MXFP4_VALUES)
+        else:
+            lo, hi = (fn.v(f"sitofp {vec(16, 'i8')} {q} to {V16}", "qf") for q in mxfp4_values(fn, raw))
+        return Block(lo, hi, mxfp4_scale(fn, bptr))
     if dtype in ("f32", "f16"):
         first = fn.v(f"shl i64 {b}, 5", "b32")
         return Block(*(load_floats16(fn, dtype, row, fn.v(f"add i64 {first}, {16 * h}", "bh") if h else first)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from picc.codegen_cpu.int16x import IntX, emit_int_x, emit_round_x, int_dot_block
+from picc.codegen_cpu.int16x import INT_ROW_DTYPES, IntX, emit_int_x, emit_round_x, int_dot_block
 from picc.codegen_cpu.irtext import F32, Fn, Var, fconst, vconst, vec
 from picc.codegen_cpu.rowformats import (
     BLOCK,
@@ -204,6 +204,7 @@ def emit_dots_xs(fn: Fn, rows: list[tuple[str, str]], xs: list[XForms], k: str, 
         elif need and (xsums is None or ("q4_0" in need and not xsums.offsets)
                        or ("q4_1" in need and not xsums.folded)):
             raise PiccError(f"codegen_cpu: dot products of {sorted(need)} rows need x's sums (emit_x_sums)")
+    int_rows = {dtype for dtype, _ in rows} & INT_ROW_DTYPES
     nblocks = fn.v(f"lshr i64 {k}, 5", "nblk")
     lanes = [16 if dtype == "f32" or _wide_rows(dtype) else 8 for dtype, _ in rows]  # see emit_dots
     accs = [[fn.var(vec(n), "zeroinitializer", "acc") for n in lanes] for _ in xs]
@@ -214,12 +215,12 @@ def emit_dots_xs(fn: Fn, rows: list[tuple[str, str]], xs: list[XForms], k: str, 
             xp = fn.at(x, 4 * BLOCK, b, "xp")
             xlo, xhi = fn.load(V16, xp, 4, "xlo"), fn.load(V16, fn.gep(xp, "64"), 4, "xhi")
             loaded.append((xlo, xhi, fn.load(F32, fn.at(intx.scale, 4, b), 4, "xsc")
-                           if intx is not None and need else None))
+                           if intx is not None and int_rows else None))
         for i, (dtype, row) in enumerate(rows):
             blk: Block | None = None
             for (_, xsums, intx), (xlo, xhi, xscale), acc_x in zip(xs, loaded, accs, strict=True):
                 acc = acc_x[i]
-                if intx is not None and xscale is not None and dtype in NIBBLE_DTYPES:
+                if intx is not None and xscale is not None and dtype in INT_ROW_DTYPES:
                     acc.set(int_dot_block(fn, dtype, row, b, intx, xscale, acc.get("acc")))
                     continue
                 if blk is None:

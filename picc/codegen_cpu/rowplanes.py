@@ -53,7 +53,7 @@ from picc.codegen_cpu.rowops import zero_floats
 from picc.errors import PiccError
 
 LAYOUT = "rowplanes"
-DTYPES = frozenset(BLOCK_BYTES)  # the formats with per-block scales
+DTYPES = frozenset({"q8_0", "q4_0", "q4_1"})  # the formats with f16 per-block scales (not mxfp4)
 _GROUP = 8  # blocks whose coefficients one vector operation makes
 _QUAD = 4  # blocks of a full 4-bit quant unit: sixteen 32-bit lanes of eight nibbles
 _LINE = 64  # bytes of a cache line: the later rows are prefetched a line at a time

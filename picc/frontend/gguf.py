@@ -47,7 +47,7 @@ _ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "granitemoe": "gptj", "qwen2
                 "qwen3moe": "llama", "phi3": "llama", "olmo2": "llama", "gemma2": "llama", "gemma3": "llama",
                 "gpt-oss": "llama"}
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
-               "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0}
+               "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0, "MXFP4": DType.MXFP4}
 
 _GLOBAL_NAMES = {"token_embd.weight": "token_embd", "output_norm.weight": "output_norm",
                  "output.weight": "output"}

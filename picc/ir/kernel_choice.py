@@ -16,14 +16,14 @@ class MatrixOp(Op):
     """An op whose kernel reads weight matrices row by row (``linear``, ``ffn``, ``fused_ffn``),
     with the two choices ``select-kernels`` makes for it, printed in every dump after that pass:
 
-    * ``x_format``: how its 4-bit rows (q4_0 / q4_1) are dotted with ``x``: ``"f32"``, or
+    * ``x_format``: how its 4-bit rows (q4_0 / q4_1 / mxfp4) are dotted with ``x``: ``"f32"``, or
       ``"i16"`` / ``"i8"``, ``x`` rounded to int16 / int8 per block of 32 first
       (:func:`picc.quant.round_x_blocks`, each element within 2^-16 / 1/254 of its block's
       largest ``|x|``). The rounding is part of what the op computes: the interpreter rounds as
       the kernel does. Rows in other formats, and
       the down rows a fused FFN adds rather than dots, always meet the float ``x``.
     * ``layout``: how the matrices the kernel reads whole are stored: ``"rows"`` (the source
-      format's rows) or ``"rows8"`` (4-bit rows in eights, ``picc.codegen_cpu.rows8``). Storage
+      format's rows) or ``"rows8"`` (q4_0 / q4_1 rows in eights, ``picc.codegen_cpu.rows8``). Storage
       only; the values are the same.
     """
 

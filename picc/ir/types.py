@@ -20,13 +20,14 @@ class DType(enum.Enum):
     Q4_0 = "q4_0"
     Q4_1 = "q4_1"
     Q8_0 = "q8_0"
+    MXFP4 = "mxfp4"  # gpt-oss's experts: 4-bit E2M1 values, a power-of-two scale a block
     I32 = "i32"
     I64 = "i64"
     BOOL = "bool"
 
     @property
     def is_quantized(self) -> bool:
-        return self in (DType.Q4_0, DType.Q4_1, DType.Q8_0)
+        return self in (DType.Q4_0, DType.Q4_1, DType.Q8_0, DType.MXFP4)
 
     @property
     def is_float(self) -> bool:

@@ -132,6 +132,8 @@ def gpu_ffn_unsupported(op: O.FFN | FusedFFN, formats: set[str | None]) -> str |
     """Why no GPU kernel computes ``op`` (an ``ffn``, ``sparse_ffn`` or ``fused_ffn`` whose
     weights are in ``formats``), or None. ``partition-neurons`` keeps such layers on the CPU."""
     mode = getattr(op, "mode", "dense")
+    if "mxfp4" in formats:
+        return "the GPU kernels read no mxfp4 weights"
     if mode == "down-only":
         return "down-only FFNs have no GPU kernel; use --sparsity-mode gate-first or predictor"
     if len({f for f in formats if f is not None}) != 1:

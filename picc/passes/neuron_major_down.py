@@ -10,7 +10,9 @@ profiling, so that thresholds, predictors and every later check see the weights 
 
 Option ``dtype``: ``same`` (default: the down's own dtype) or one of f32, f16, q8_0, q4_0, q4_1.
 A quantized result needs hidden to be a multiple of the block size (32); otherwise the pass
-falls back to f16 (the weight's declared type shows it). bf16 becomes f16 likewise.
+falls back to f16 (the weight's declared type shows it). bf16 becomes f16 likewise. An mxfp4
+``down`` (gpt-oss's format) becomes q8_0: the AXPYs of neuron-major rows read the rowplanes
+layout, which holds no mxfp4, and the transpose quantizes again anyway (q8_0 adds the least).
 
 Needs: ffn ops (``canonicalize``). Guarantees: every ffn / sparse_ffn has ``neuron_major``.
 """
@@ -43,6 +45,8 @@ def _target_dtype(down: Tensor, wanted: str) -> DType:
     dtype = down.dtype if wanted == "same" else DType(wanted)
     if dtype == DType.BF16:
         return DType.F16  # bf16 -> f32 -> f16 would round twice; kernels read f16
+    if dtype == DType.MXFP4:
+        return DType.Q8_0  # see the module doc
     hidden = down.shape[0]
     if dtype.is_quantized and hidden % BLOCK_SIZE[dtype.value]:
         return DType.F16

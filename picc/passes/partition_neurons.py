@@ -12,8 +12,9 @@ fit stays on the CPU with every layer after it (llama.cpp's split). What is left
 neurons, chosen by ``picc.placement.partition`` from the profiled frequencies: greedy top-k over all
 layers, or the ILP on the cost model (whose CPU reads FFN weights at :func:`ffn_cpu_read_rate`:
 the rate its kernels read each format, at most the memory's bandwidth); a layer whose FFN has
-no GPU kernel (down-only, dReLU or biased gate-first, mixed weight formats) keeps all its neurons
-on the CPU. A split layer's
+no GPU kernel (down-only, dReLU or biased gate-first, mixed weight formats, mxfp4 weights) keeps
+all its neurons on the CPU, and so does any other op that reads an mxfp4 weight (gpt-oss's
+format, which only the CPU's kernels read), as a mixture of experts does. A split layer's
 neurons are permuted so that its GPU ("hot") neurons come first, and it becomes two ffn ops,
 ``%lN.ffn.out.hot`` on the GPU and ``%lN.ffn.out.cold`` on the CPU, each with its own rows of up / gate /
 down, whose outputs are added into the layer's value; its predictor's outputs are permuted to
@@ -40,7 +41,7 @@ from picc.ir.core import Op
 from picc.ir.fused_ops import FusedFFN
 from picc.ir.module import Function, Module, WeightDecl
 from picc.ir.sparse_ops import Predict, SparseFFN
-from picc.ir.types import Placement, TensorType
+from picc.ir.types import DType, Placement, TensorType
 from picc.ir.weights import Tensor, WeightStore
 from picc.passes.kernel_selection import gpu_ffn_unsupported
 from picc.passes.options import PassOptions, option
@@ -200,6 +201,11 @@ def _split_ffn(op: O.FFN, placement: NeuronPlacement, index: int, input_gpu: boo
     return [*parts, merge]
 
 
+def _reads_mxfp4(op: Op, weights: WeightStore) -> bool:
+    """Whether ``op`` reads an mxfp4 weight, which no GPU kernel reads."""
+    return any(weights[w].dtype == DType.MXFP4 for w in op.weights() if w is not None)
+
+
 def place(module: Module, weights: WeightStore, dense: DenseChoice, ffns: list[O.FFN],
           placement: NeuronPlacement) -> Module:
     """``module`` with every op and weight placed and split layers permuted and split."""
@@ -223,7 +229,7 @@ def place(module: Module, weights: WeightStore, dense: DenseChoice, ffns: list[O
             new = _split_ffn(op, placement, index[op.result], dense_where == GPU, weights, decls)
         elif isinstance(op, O.FFN):
             new = [replace(op, type=_placed(op.type, GPU if hot[op.result] else CPU))]
-        elif isinstance(op, O.MoE):  # no GPU kernel: the experts stay in the CPU's memory
+        elif isinstance(op, O.MoE) or _reads_mxfp4(op, weights):  # no GPU kernel: its weights stay on the CPU
             new = [replace(op, type=_placed(op.type, CPU))]
         elif isinstance(op, Predict) and op.ffn in split:
             perm = placement.layers[index[op.ffn]].perm

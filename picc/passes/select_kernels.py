@@ -4,8 +4,9 @@ After this pass a dump shows everything that decides what the kernels compute an
 memory, and nothing downstream infers a choice from a name:
 
 * ``x_format`` (``linear``, ``ffn``, ``fused_ffn`` on the CPU): ``"i16"`` where the kernel dots
-  4-bit rows (q4_0 / q4_1) with x rounded to int16 per block of 32 (each element within 2^-16 of
-  its block's largest ``|x|``): twice as fast as float dot products on Zen 3. ``int_x=i8``
+  4-bit rows (q4_0 / q4_1, or gpt-oss's mxfp4, a row at a time) with x rounded to int16 per
+  block of 32 (each element within 2^-16 of its block's largest ``|x|``): twice as fast as float
+  dot products on Zen 3. ``int_x=i8``
   rounds to int8 instead (within 1/254, as llama.cpp does) where the kernel reads the rows8
   layout, whose dot products then do half the integer work; rows one at a time keep int16,
   which costs them the same. The rounding is part of what the op computes
@@ -15,7 +16,7 @@ memory, and nothing downstream infers a choice from a name:
   element across a rounding boundary, a whole rounding step, and gate decisions near their
   threshold flip (docs/codegen_cpu.md has the measurements). ``int_dots=no`` keeps float dot
   products everywhere, ``int_dots=yes`` rounds in sparse modules too.
-* ``layout`` (the same ops): ``"rows8"`` where the matrices the kernel reads whole are 4-bit
+* ``layout`` (the same ops): ``"rows8"`` where the matrices the kernel reads whole are q4_0 / q4_1
   with rows in multiples of 8 and no other op reads them: GEMVs, dense FFNs and the dense
   projections of gate-first (gate) and down-only (gate and up) FFNs. The ``.pib`` stores such
   matrices eight rows at a time. A q8_0 LM head (``head_x=i8``, the default unless

@@ -46,7 +46,7 @@ def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
     mixture of experts reads its router and ``top_k`` of its ``n_experts`` experts a token."""
     if isinstance(op, O.MoE):  # the experts as its kernel reads them (rows8: the 4-bit ones)
         share = op.top_k / op.n_experts
-        rows8 = [w for w in (op.up, op.gate, op.down) if w and weights[w].dtype.value in names.INT_DOT_DTYPES]
+        rows8 = [w for w in (op.up, op.gate, op.down) if w and weights[w].dtype.value in names.NIBBLE_DTYPES]
         reads = cpu_weight_reads(weights, op.weights(), op.x_format, rows8=rows8 if op.layout == "rows8" else ())
         return [(nbytes if name == op.router else round(nbytes * share), key)
                 for name, (nbytes, key) in zip(op.weights(), reads, strict=True)]
