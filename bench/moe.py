@@ -1,10 +1,11 @@
 """picc against llama.cpp on a mixture of experts: decode speed on the same GGUF file.
 
-    .venv/bin/python bench/moe.py [--experts 32] [--experts-used 4] [--threads 2] [--rounds 5]
+    .venv/bin/python bench/moe.py [--experts 32] [--experts-used 4] [--threads 2] [--rounds 5] [--arch gpt-oss]
 
 The file is ``bench/synthetic_model.py``'s ``moe`` shape (hidden 1024, 8 layers, each FFN
 ``--experts`` experts of 1024 neurons, ``--experts-used`` a token; Q4_0 matrices, F32 routers: a
-Mixtral-style ``llama`` file), written once into ``build/bench``. picc compiles it for this host
+Mixtral-style ``llama`` file; ``--arch gpt-oss``: a gpt-oss file of that shape, MXFP4 experts with
+biases, sinks, every other layer sliding, yarn), written once into ``build/bench``. picc compiles it for this host
 (``picc compile --target cpu``, its default choices); llama.cpp runs it through llama-cpp-python.
 Each round runs both, one after the other (the order alternating), a 64-token prompt then 128
 greedy tokens; the table gives the prompt's and the decode's medians over the rounds and their
@@ -29,12 +30,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from compare import CACHE, Engine, LlamaCppEngine, PiccEngine, machine  # noqa: E402
 
 
-def moe_gguf(experts: int, used: int) -> Path:
+def moe_gguf(experts: int, used: int, arch: str) -> Path:
     import synthetic_model as synth
 
-    path = CACHE / f"moe-{experts}x{used}.gguf"
+    path = CACHE / f"{'moe' if arch == 'llama' else arch}-{experts}x{used}.gguf"
     if not path.exists():
-        synth.write_gguf(path, synth.SHAPES["moe"], "swiglu", 0, experts, used)
+        synth.write_gguf(path, synth.SHAPES["moe"], "swiglu", 0, experts, used, arch)
     return path
 
 
@@ -45,11 +46,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("-n", type=int, default=128)
+    p.add_argument("--arch", choices=("llama", "gpt-oss"), default="llama")
     args = p.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)
-    path = moe_gguf(args.experts, args.experts_used)
-    picc = PiccEngine("picc", str(path), [], args.threads, f"moe-{args.experts}x{args.experts_used}")
-    llama = LlamaCppEngine(args.threads, "Q4_0", path)
+    path = moe_gguf(args.experts, args.experts_used, args.arch)
+    picc = PiccEngine("picc", str(path), [], args.threads, path.stem)
+    llama = LlamaCppEngine(args.threads, "Q4_0" if args.arch == "llama" else "MXFP4", path)
     engines: list[Engine] = [llama, picc]
     prompt = [int(t) for t in picc.session.text.encode(" ".join(["the market closed higher on friday"] * 16))[:64]]
     decode: dict[str, list[float]] = {e.name: [] for e in engines}

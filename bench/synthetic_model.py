@@ -3,6 +3,7 @@
     python bench/synthetic_model.py gguf /work/scale-data/llama7b-q4_0.gguf --shape 7b [--ffn relu]
     python bench/synthetic_model.py hf /work/scale-data/llama1b-f16 --shape 1b [--shard-size 1GB]
     python bench/synthetic_model.py gguf build/bench/moe.gguf --shape moe --experts 32 --experts-used 4
+    python bench/synthetic_model.py gguf build/bench/oss.gguf --shape moe --experts 32 --experts-used 4 --arch gpt-oss
 
 ``gguf``: a ``llama``-architecture GGUF with every matrix in Q4_0 (as ``llama-quantize --pure``
 writes it: LLaMA-2-7B's shape makes 3.8 GB) and the norms in F32. ``hf``: a Hugging Face directory
@@ -25,7 +26,10 @@ token, as a Mixtral file has them (``ffn_gate_inp``, ``ffn_gate_exps`` [E, n_ff,
 the router's rows are noise of variance ``1/d``, so its logits are about ``N(0, 1)`` and each
 token's choice follows the noise of its own embedding (a router that saw ``u`` in every token
 would give every token the same experts, with all the weight on the first); the experts' gate
-rows carry no bias (their neurons are not profiled).
+rows carry no bias (their neurons are not profiled). ``--arch gpt-oss`` (with ``--experts``) writes
+those experts as a ``gpt-oss`` file has them: MXFP4 experts with biases, the router's bias, biases
+on q, k, v and o, each attention's sinks, every even layer sliding by 128, yarn rope (factor 32
+over 4096, 20B's); the biases and sinks are small noise.
 
 Tensors are made and written one at a time, into a temp file (or folder) renamed into place when
 complete: memory stays at a few hundred MB whatever the shape, and an interrupted run leaves
@@ -94,9 +98,11 @@ class Spec:
     layer: int = -1
 
 
-def tensor_specs(shape: Shape, experts: int = 0) -> list[Spec]:
+def tensor_specs(shape: Shape, experts: int = 0, arch: str = "llama") -> list[Spec]:
     """Every tensor of the model in GGUF's order and naming (HF names come from :func:`hf_name`);
-    with ``experts``, each FFN a mixture of them (GGUF only)."""
+    with ``experts``, each FFN a mixture of them (GGUF only), as ``arch`` (llama or gpt-oss) names them."""
+    if arch == "gpt-oss":
+        return _gpt_oss_specs(shape, experts)
     d, kv = shape.hidden, shape.n_kv_heads * shape.head_dim
     # The FFN's output std is about std * sqrt(active neurons * E[act^2]); ~10% active, E ~ 1.
     down_std = RESIDUAL_SHARE / math.sqrt(0.1 * shape.n_ff)
@@ -128,6 +134,36 @@ def tensor_specs(shape: Shape, experts: int = 0) -> list[Spec]:
     specs += [Spec("output_norm.weight", (d,), "ones"), Spec("output.weight", (shape.vocab, d), "normal",
                                                             1 / math.sqrt(d))]
     return specs
+
+
+BIAS_STD = 0.02  # gpt-oss's biases and sinks: small noise
+
+
+def _gpt_oss_specs(shape: Shape, experts: int) -> list[Spec]:
+    """A ``gpt-oss`` file's tensors (``convert_hf_to_gguf.py``'s ``GptOssModel``) of ``shape``."""
+    d, kv, q = shape.hidden, shape.n_kv_heads * shape.head_dim, shape.n_heads * shape.head_dim
+    specs = [Spec("token_embd.weight", (shape.vocab, d), "embed")]
+    for i in range(shape.n_layers):
+        b = f"blk.{i}."
+        specs += [Spec(b + "attn_norm.weight", (d,), "ones", layer=i)]
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            specs += [Spec(b + name + ".weight", (rows, d), "normal", 1 / math.sqrt(d), i),
+                      Spec(b + name + ".bias", (rows,), "normal", BIAS_STD, i)]
+        specs += [
+            Spec(b + "attn_output.weight", (d, q), "normal", RESIDUAL_SHARE / math.sqrt(q), i),
+            Spec(b + "attn_output.bias", (d,), "normal", BIAS_STD, i),
+            Spec(b + "attn_sinks.weight", (shape.n_heads,), "normal", BIAS_STD, i),
+            Spec(b + "post_attention_norm.weight", (d,), "ones", layer=i),
+            Spec(b + "ffn_gate_inp.weight", (experts, d), "normal", 1 / math.sqrt(d), i),
+            Spec(b + "ffn_gate_inp.bias", (experts,), "normal", BIAS_STD, i),
+        ]
+        into = 1 / math.sqrt(d)
+        for name, rows, cols, std in (("gate", shape.n_ff, d, into), ("up", shape.n_ff, d, into),
+                                      ("down", d, shape.n_ff, RESIDUAL_SHARE / math.sqrt(shape.n_ff))):
+            specs += [Spec(f"{b}ffn_{name}_exps.weight", (experts, rows, cols), "normal", std, i),
+                      Spec(f"{b}ffn_{name}_exps.bias", (experts, rows), "normal", BIAS_STD, i)]
+    return specs + [Spec("output_norm.weight", (d,), "ones"),
+                    Spec("output.weight", (shape.vocab, d), "normal", 1 / math.sqrt(d))]
 
 
 def activation_frequencies(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -163,16 +199,18 @@ def zlib_crc(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def stored_dtype(spec: Spec, fmt: str) -> DType:
-    """Q4_0 for the GGUF's matrices (F32 norms and routers, as llama-quantize keeps them); f16 for
-    everything in an HF directory."""
+def stored_dtype(spec: Spec, fmt: str, arch: str = "llama") -> DType:
+    """Q4_0 for the GGUF's matrices (F32 norms, biases and routers, as llama-quantize keeps them;
+    a gpt-oss file's experts MXFP4, as released); f16 for everything in an HF directory."""
     if fmt == "hf":
         return DType.F16
-    return DType.F32 if len(spec.shape) == 1 or "gate_inp" in spec.name else DType.Q4_0
+    if len(spec.shape) == 1 or "gate_inp" in spec.name or spec.name.endswith(".bias"):
+        return DType.F32
+    return DType.MXFP4 if arch == "gpt-oss" and "_exps" in spec.name else DType.Q4_0
 
 
-def nbytes(specs: list[Spec], fmt: str) -> int:
-    return sum(quant.raw_nbytes(stored_dtype(s, fmt).value, s.shape) for s in specs)
+def nbytes(specs: list[Spec], fmt: str, arch: str = "llama") -> int:
+    return sum(quant.raw_nbytes(stored_dtype(s, fmt, arch).value, s.shape) for s in specs)
 
 
 def check_room(directory: Path, needed: int) -> None:
@@ -183,12 +221,13 @@ def check_room(directory: Path, needed: int) -> None:
                         f"{free / 1e9:.2f} GB are free there")
 
 
-def encoded(specs: list[Spec], shape: Shape, seed: int, fmt: str) -> Iterator[tuple[Spec, np.ndarray]]:
-    """Each tensor's stored data (Q4_0 blocks, f32 or f16), one at a time, with a progress bar."""
+def encoded(specs: list[Spec], shape: Shape, seed: int, fmt: str,
+            arch: str = "llama") -> Iterator[tuple[Spec, np.ndarray]]:
+    """Each tensor's stored data (Q4_0 or MXFP4 blocks, f32 or f16), one at a time, with a progress bar."""
     with progress_bar(len(specs), f"making {fmt} weights", "tensor") as advance:
         for spec in specs:
             values = make_tensor(spec, shape, seed)
-            yield spec, quant.quantize(values, stored_dtype(spec, fmt).value)
+            yield spec, quant.quantize(values, stored_dtype(spec, fmt, arch).value)
             advance(1)
 
 
@@ -224,14 +263,15 @@ def write_gguf_tokenizer(writer, vocab: int) -> None:  # noqa: ANN001 - a gguf.G
 
 # ----------------------------------------------------------------------------- writers
 
-def write_gguf(path: Path, shape: Shape, ffn: str, seed: int, experts: int = 0, experts_used: int = 0) -> None:
+def write_gguf(path: Path, shape: Shape, ffn: str, seed: int, experts: int = 0, experts_used: int = 0,
+               arch: str = "llama") -> None:
     import gguf
 
-    specs = tensor_specs(shape, experts)
-    check_room(path.parent, nbytes(specs, "gguf"))
+    specs = tensor_specs(shape, experts, arch)
+    check_room(path.parent, nbytes(specs, "gguf", arch))
     with atomic_path(path) as tmp:
-        w = gguf.GGUFWriter(tmp, "llama")
-        w.add_name(f"picc synthetic {ffn} llama")
+        w = gguf.GGUFWriter(tmp, arch)
+        w.add_name(f"picc synthetic {ffn} {arch}")
         w.add_context_length(4096)
         w.add_embedding_length(shape.hidden)
         w.add_block_count(shape.n_layers)
@@ -239,16 +279,25 @@ def write_gguf(path: Path, shape: Shape, ffn: str, seed: int, experts: int = 0, 
         w.add_head_count(shape.n_heads)
         w.add_head_count_kv(shape.n_kv_heads)
         w.add_rope_dimension_count(shape.head_dim)
-        w.add_rope_freq_base(10000.0)
+        w.add_rope_freq_base(150000.0 if arch == "gpt-oss" else 10000.0)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-        w.add_string(ACTIVATION_KEY, "relu" if ffn == "relu" else "silu")
+        if arch == "llama":
+            w.add_string(ACTIVATION_KEY, "relu" if ffn == "relu" else "silu")
         if experts:
             w.add_expert_count(experts)
             w.add_expert_used_count(experts_used)
+        if arch == "gpt-oss":  # as GptOssModel writes 20B's
+            w.add_expert_feed_forward_length(shape.n_ff)
+            w.add_key_length(shape.head_dim)
+            w.add_value_length(shape.head_dim)
+            w.add_sliding_window(128)
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(32.0)
+            w.add_rope_scaling_orig_ctx_len(4096)
         write_gguf_tokenizer(w, shape.vocab)
         for s in specs:
-            dtype = stored_dtype(s, "gguf")
+            dtype = stored_dtype(s, "gguf", arch)
             raw = quant.raw_shape(dtype.value, s.shape)
             size = quant.raw_nbytes(dtype.value, s.shape)
             if len(s.shape) == 3:  # experts: [experts, rows, cols] of the rows' blocks
@@ -256,11 +305,11 @@ def write_gguf(path: Path, shape: Shape, ffn: str, seed: int, experts: int = 0, 
             if dtype == DType.F32:
                 w.add_tensor_info(s.name, s.shape, np.dtype(np.float32), size)
             else:
-                w.add_tensor_info(s.name, raw, np.dtype(np.uint8), size, gguf.GGMLQuantizationType.Q4_0)
+                w.add_tensor_info(s.name, raw, np.dtype(np.uint8), size, gguf.GGMLQuantizationType[dtype.name])
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for _, data in encoded(specs, shape, seed, "gguf"):
+        for _, data in encoded(specs, shape, seed, "gguf", arch):
             w.write_tensor_data(data)
         w.close()
 
@@ -346,15 +395,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-size", default="1GB", help="hf: the most bytes of weights in one shard")
     p.add_argument("--experts", type=int, default=0, help="gguf: each FFN a mixture of this many experts")
     p.add_argument("--experts-used", type=int, default=2, help="gguf: the experts a token runs (default 2)")
+    p.add_argument("--arch", choices=("llama", "gpt-oss"), default="llama",
+                   help="gguf: llama (Mixtral's experts), or gpt-oss (needs --experts; MXFP4 experts, sinks, biases)")
     args = p.parse_args(argv)
     shape = SHAPES[args.shape]
     if args.experts and (args.format != "gguf" or not 0 < args.experts_used <= args.experts):
         print("error: --experts needs gguf and 1 <= --experts-used <= --experts", file=sys.stderr)
         return 1
+    if args.arch == "gpt-oss" and not args.experts:
+        print("error: --arch gpt-oss needs --experts", file=sys.stderr)
+        return 1
     start = time.perf_counter()
     try:
         if args.format == "gguf":
-            write_gguf(args.out, shape, args.ffn, args.seed, args.experts, args.experts_used)
+            write_gguf(args.out, shape, args.ffn, args.seed, args.experts, args.experts_used, args.arch)
         else:
             from picc.targets import parse_size
 
@@ -362,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     except PiccError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out} ({nbytes(tensor_specs(shape, args.experts), args.format) / 1e9:.2f} GB of weights) "
+    print(f"wrote {args.out} ({nbytes(tensor_specs(shape, args.experts, args.arch), args.format, args.arch) / 1e9:.2f} "
+          "GB of weights) "
           f"in {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -346,6 +346,55 @@ def test_half_precision_checkpoints_keep_their_dtype(zoo, tmp_path, family, vari
     np.testing.assert_array_equal(picc_logits(again), picc_logits(model))
 
 
+def mxfp4_checkpoints(src: Path, out: Path) -> tuple[Path, Path]:
+    """gpt-oss ``src`` with its experts in MXFP4 as the released checkpoints store them
+    (``quantization_config`` mxfp4; ``*_blocks`` and ``*_scales`` of the rows, HF's nibble
+    order), and the float checkpoint of the same values (each expert's weights as the MXFP4 blocks
+    decode, exactly) for transformers: the two, in that order."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from picc import quant
+
+    packed, exact = out / "mxfp4", out / "exact"
+    shutil.copytree(src, packed)
+    shutil.copytree(src, exact)
+    sd = load_file(str(src / "model.safetensors"))
+    blocks_of, floats_of = {}, dict(sd)
+    experts = [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    for name in experts:
+        w = sd[name].transpose(0, 2, 1)  # [experts, rows, cols]: the rows are the outputs
+        e, rows, cols = w.shape
+        raw = quant.quantize(np.ascontiguousarray(w).reshape(-1, cols), "mxfp4").reshape(-1, 17)
+        elements = np.concatenate([raw[:, 1:] & 15, raw[:, 1:] >> 4], axis=1)  # ggml's: j, j + 16
+        blocks_of[name + "_blocks"] = (elements[:, 0::2] | elements[:, 1::2] << 4).reshape(e, rows, cols // 32, 16)
+        blocks_of[name + "_scales"] = np.ascontiguousarray(raw[:, 0]).reshape(e, rows, cols // 32)
+        decoded = quant.dequantize(raw.reshape(e * rows, -1), "mxfp4", (e * rows, cols)).reshape(e, rows, cols)
+        floats_of[name] = np.ascontiguousarray(decoded.transpose(0, 2, 1))
+    save_file({k: v for k, v in sd.items() if k not in experts} | blocks_of, str(packed / "model.safetensors"),
+              metadata={"format": "pt"})
+    save_file(floats_of, str(exact / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((packed / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                      "model.layers.*.mlp.router"]}
+    (packed / "config.json").write_text(json.dumps(cfg))
+    return packed, exact
+
+
+def test_gpt_oss_mxfp4_experts_are_kept_as_they_are_stored(zoo, tmp_path):
+    # The released gpt-oss checkpoints: experts in MXFP4 (quantization_config mxfp4), read into
+    # mxfp4 matrices without a float step, gate and up split from their alternating rows; the logits
+    # are transformers' on the float checkpoint of the same values (MXFP4 decodes exactly to f32).
+    packed, exact = mxfp4_checkpoints(zoo.path("gpt_oss", "base"), tmp_path)
+    model = load_model(packed)
+    experts = {w.type.dtype for w in model.module.weights if w.name.endswith(("moe.up", "moe.gate", "moe.down"))}
+    assert experts == {DType.MXFP4}
+    assert rel_l2(picc_logits(model), reference_logits(exact, IDS)) <= TOL
+    assert rel_l2(reference_logits(exact, IDS), reference_logits(zoo.path("gpt_oss", "base"), IDS)) > 1e-3
+
+
 def write_tiny_tokenizer(directory: Path) -> None:
     """A toy BPE over a-z with a merge, BOS added by the post-processor (ids < 256)."""
     import json

@@ -227,6 +227,23 @@ def test_quantized_checkpoints_are_refused(base, tmp_path):
     refused(path, "quantized checkpoints", "'gptq'")
 
 
+def test_bytes_where_floats_belong_and_floats_where_mxfp4_blocks_belong_are_named(tmp_path):
+    # A U8 tensor is read only as a quantized format's bytes (gpt-oss's MXFP4 blocks); one in a
+    # float weight's place, or float blocks, are refused with the tensor's name.
+    import numpy as np
+
+    make_model("gpt_oss", "base", tmp_path / "src")
+    router = "model.layers.0.mlp.router.weight"
+    path = edited_copy(tmp_path / "src", tmp_path / "u8", tensors=lambda sd: {
+        **sd, router: sd[router].view(np.uint8)[:, :64].copy()})
+    refused(path, f"tensor '{router}' is bytes (U8), not the float weights picc expects there")
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    path = edited_copy(tmp_path / "src", tmp_path / "f32", config={"quantization_config": {"quant_method": "mxfp4"}},
+                       tensors=lambda sd: {**sd, experts + "_blocks": np.zeros((8, 64, 2, 16), np.float32),
+                                           experts + "_scales": np.zeros((8, 64, 2), np.uint8)})
+    refused(path, f"tensor '{experts}_blocks' is F32 [8, 64, 2, 16], but config.json implies U8 [8, 64, 2, 16]")
+
+
 # ---------------------------------------------------------------- weights
 
 

@@ -207,6 +207,37 @@ def test_a_mixture_of_mxfp4_experts_runs_from_its_blocks(tmp_path: Path) -> None
     check_batch_rows(pib_path, TOKENS[:4])
 
 
+def test_a_gpt_oss_file_loads_with_its_tokenizer_and_compiles_as_it_computes(tmp_path: Path, relu_gguf: Path) -> None:
+    # --arch gpt-oss: MXFP4 experts with biases, the router's bias, sinks, every even layer
+    # sliding, yarn keys (which transformers' GGUF reader cannot parse: picc converts the
+    # tokenizer from the metadata without them, the same ids as the llama file's). Compiled for
+    # the CPU: the experts' clamped, biased mxfp4 kernel, the step, the chunks and the batch step
+    # against the interpreter (1e-4).
+    from runtime_cases import TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
+
+    from picc.interpreter import Interpreter
+
+    path = tmp_path / "tiny-oss.gguf"
+    assert synth.main(["gguf", str(path), "--shape", "tiny", "--experts", "4", "--experts-used", "2",
+                       "--arch", "gpt-oss"]) == 0
+    model = load_gguf(path)
+    text = "the market closed higher"
+    assert model.tokenizer.encode(text) == load_gguf(relu_gguf).tokenizer.encode(text)
+    assert model.weights["l1.moe.up"].dtype == DType.MXFP4 and model.weights["l1.moe.up_bias"].shape == (4 * TINY.n_ff,)
+    ops = list(model.module.ops())
+    assert [op.window for op in ops if isinstance(op, O.Attention)] == [128, None]
+    assert all(op.sinks for op in ops if isinstance(op, O.Attention))
+    assert {op.scaling for op in ops if isinstance(op, O.Rope)} == {"yarn"}
+    pib_path, pib = compiled(model, tmp_path, "oss", batch_step=True)
+    assert {op.kernel for op in pib.module.ops() if isinstance(op, O.MoE)} == {
+        "picc_moe_swiglu_f32_mxfp4_mxfp4_mxfp4_xi16_brugd_clamped"}
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(pib_path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(pib_path, pib, 1e-4)
+    check_batch_rows(pib_path, TOKENS[:4])
+    assert synth.main(["gguf", str(tmp_path / "x.gguf"), "--shape", "tiny", "--arch", "gpt-oss"]) == 1  # experts
+
+
 def test_ops_that_read_mxfp4_stay_on_the_cpu_beside_the_gpus(tmp_path: Path) -> None:
     # No GPU kernel reads mxfp4: compiled for pc-low, a layer's mxfp4 q projection and FFN run on
     # the CPU (the FFN's down neuron-major in q8_0, the AXPYs' format), the rest on the emulated

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from picc import quant
 from picc.errors import PiccError
 from picc.frontend.falcon import FalconSpec, build_falcon, fused_qkv_rows
 from picc.frontend.hf_checkpoint import Checkpoint
@@ -70,7 +71,8 @@ def load_hf(path: Path) -> LoadedModel:
         raise PiccError(f"{cfg.path}: model_type {json.dumps(model_type)}{named} is not supported "
                         f"(supported: {supported})")
     quant = cfg.raw.get("quantization_config")
-    if quant:
+    mxfp4 = model_type == "gpt_oss" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+    if quant and not mxfp4:  # gpt-oss's MXFP4 experts are kept as they are (_gpt_oss_experts)
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise PiccError(f"{cfg.path}: quantized checkpoints (quantization_config, method "
                         f"{method!r}) are not supported; picc imports f32, f16 and bf16 weights")
@@ -493,13 +495,10 @@ def _gpt_oss_experts(ckpt: Checkpoint, store: WeightStore, n: dict[str, str], ml
     store.add(n["router"], ckpt.tensor(mlp + "router.weight", (count, hidden)))
     store.add(n["router_bias"], ckpt.tensor(mlp + "router.bias", (count,)))
     x = mlp + "experts."
-    both = ckpt.tensor(x + "gate_up_proj", (count, hidden, 2 * e_ff))
-    rows = np.ascontiguousarray(np.asarray(both.data).transpose(0, 2, 1)).reshape(count * 2 * e_ff, hidden)
-    store.add(n["experts_gate"], Tensor(both.dtype, (count * e_ff, hidden), np.ascontiguousarray(rows[0::2])))
-    store.add(n["experts_up"], Tensor(both.dtype, (count * e_ff, hidden), np.ascontiguousarray(rows[1::2])))
-    down = ckpt.tensor(x + "down_proj", (count, e_ff, hidden))
-    store.add(n["experts_down"], Tensor(down.dtype, (count * hidden, e_ff), np.ascontiguousarray(
-        np.asarray(down.data).transpose(0, 2, 1)).reshape(count * hidden, e_ff)))
+    if x + "gate_up_proj_blocks" in ckpt:
+        _gpt_oss_mxfp4(ckpt, store, n, x, moe, hidden)
+    else:
+        _gpt_oss_float_experts(ckpt, store, n, x, moe, hidden)
     bias = ckpt.tensor(x + "gate_up_proj_bias", (count, 2 * e_ff))
     flat = np.asarray(bias.data).reshape(-1)
     store.add(n["experts_gate_bias"], Tensor(bias.dtype, (count * e_ff,), np.ascontiguousarray(flat[0::2])))
@@ -507,6 +506,42 @@ def _gpt_oss_experts(ckpt: Checkpoint, store: WeightStore, n: dict[str, str], ml
     down_bias = ckpt.tensor(x + "down_proj_bias", (count, hidden))
     store.add(n["experts_down_bias"], Tensor(down_bias.dtype, (count * hidden,),
                                              np.asarray(down_bias.data).reshape(-1)))
+
+
+def _gpt_oss_float_experts(ckpt: Checkpoint, store: WeightStore, n: dict[str, str], x: str, moe: MoeSpec,
+                           hidden: int) -> None:
+    """The experts of a float checkpoint (as ``save_pretrained`` writes them): transposed."""
+    count, e_ff = moe.n_experts, moe.n_ff
+    both = ckpt.tensor(x + "gate_up_proj", (count, hidden, 2 * e_ff))
+    rows = np.ascontiguousarray(np.asarray(both.data).transpose(0, 2, 1)).reshape(count * 2 * e_ff, hidden)
+    store.add(n["experts_gate"], Tensor(both.dtype, (count * e_ff, hidden), np.ascontiguousarray(rows[0::2])))
+    store.add(n["experts_up"], Tensor(both.dtype, (count * e_ff, hidden), np.ascontiguousarray(rows[1::2])))
+    down = ckpt.tensor(x + "down_proj", (count, e_ff, hidden))
+    store.add(n["experts_down"], Tensor(down.dtype, (count * hidden, e_ff), np.ascontiguousarray(
+        np.asarray(down.data).transpose(0, 2, 1)).reshape(count * hidden, e_ff)))
+
+
+def _gpt_oss_mxfp4(ckpt: Checkpoint, store: WeightStore, n: dict[str, str], x: str, moe: MoeSpec,
+                   hidden: int) -> None:
+    """The experts of a released gpt-oss checkpoint (``quant_method: mxfp4``): ``*_blocks`` and
+    ``*_scales`` whose rows are the matrices' output features (``gate_up``'s alternating a
+    neuron's gate and up), kept as mxfp4 (the same values, the nibbles in ggml's order:
+    ``picc.quant.mxfp4_from_hf``), as the CPU's mixture kernels read them."""
+    count, e_ff = moe.n_experts, moe.n_ff
+    for name, cols in (("gate_up_proj", hidden), ("down_proj", e_ff)):
+        if cols % 32:
+            raise PiccError(f"{ckpt.directory}: {x}{name}_blocks holds rows of {cols}, not a whole number of "
+                            "32-element MXFP4 blocks")
+
+    def rows(name: str, n_rows: int, cols: int) -> np.ndarray:
+        blocks = ckpt.packed(f"{x}{name}_blocks", (count, n_rows, cols // 32, 16))
+        scales = ckpt.packed(f"{x}{name}_scales", (count, n_rows, cols // 32))
+        return quant.mxfp4_from_hf(blocks, scales).reshape(count * n_rows, -1)
+
+    both = rows("gate_up_proj", 2 * e_ff, hidden)
+    store.add(n["experts_gate"], Tensor(DType.MXFP4, (count * e_ff, hidden), np.ascontiguousarray(both[0::2])))
+    store.add(n["experts_up"], Tensor(DType.MXFP4, (count * e_ff, hidden), np.ascontiguousarray(both[1::2])))
+    store.add(n["experts_down"], Tensor(DType.MXFP4, (count * hidden, e_ff), rows("down_proj", hidden, e_ff)))
 
 
 def _granite(cfg: HFConfig, spec: LlamaSpec) -> tuple[LlamaSpec, float]:

@@ -3,7 +3,8 @@
 picc reads the safetensors format itself (an 8-byte header length, a JSON header, raw little-endian
 data) rather than through ``safetensors.numpy``, because numpy has no bfloat16 and picc keeps bf16
 weights as their 16-bit patterns. Files are memory-mapped, so importing a 14 GB checkpoint does not
-copy it; tensors keep the dtype they are stored in (f32, f16 or bf16).
+copy it; tensors keep the dtype they are stored in (f32, f16 or bf16). Bytes (``U8``: gpt-oss's
+MXFP4 blocks and scales) are read as such by :meth:`Checkpoint.packed`.
 
 Like transformers, picc looks for ``model.safetensors`` first and then for
 ``model.safetensors.index.json``; other ``*.safetensors`` files in the directory are not part of
@@ -33,6 +34,7 @@ _DTYPES: dict[str, tuple[DType, str]] = {
     "BF16": (DType.BF16, "<u2"),  # bfloat16 kept as its bit pattern, as picc.quant expects
     "F64": (DType.F32, "<f8"),  # narrowed to f32: transformers loads float32 from it the same way
 }
+_PACKED = "U8"  # bytes of a quantized format (gpt-oss's MXFP4 blocks and scales), read by Checkpoint.packed
 _OTHER_WEIGHT_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5",
                        "flax_model.msgpack", "model.ckpt.index", "consolidated.00.pth")
 
@@ -84,12 +86,24 @@ class Checkpoint:
         if entry.shape != tuple(shape):
             raise PiccError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, but "
                             f"config.json implies {list(shape)}")
+        if entry.dtype == _PACKED:
+            raise PiccError(f"{entry.file}: tensor {name!r} is bytes (U8), not the float weights picc expects there")
         dtype, stored = _DTYPES[entry.dtype]
         raw = self._map(entry.file)[entry.start:entry.end]
         data = raw.view(np.dtype(stored)).reshape(entry.shape)
         if entry.dtype == "F64":
             data = data.astype(np.float32)
         return Tensor(dtype, entry.shape, data)
+
+    def packed(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Tensor ``name``'s bytes (a ``U8`` tensor of exactly ``shape``): a quantized format's."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise PiccError(f"{self.directory}: tensor {name!r} is {self.where(name)}")
+        if entry.dtype != _PACKED or entry.shape != tuple(shape):
+            raise PiccError(f"{entry.file}: tensor {name!r} is {entry.dtype} {list(entry.shape)}, but "
+                            f"config.json implies U8 {list(shape)}")
+        return self._map(entry.file)[entry.start:entry.end].reshape(entry.shape)
 
     def _map(self, file: Path) -> np.ndarray:
         if file not in self._maps:
@@ -152,10 +166,10 @@ def _read_header(file: Path) -> dict[str, _Entry]:
         if not all(isinstance(d, int) and d >= 0 for d in shape) or not all(
                 isinstance(o, int) for o in (begin, end)):
             raise PiccError(f"{file}: malformed header entry for tensor {name!r}")
-        if dtype not in _DTYPES:
+        if dtype not in _DTYPES and dtype != _PACKED:
             raise PiccError(f"{file}: tensor {name!r} has dtype {dtype}; picc reads float "
                             f"checkpoints ({', '.join(_DTYPES)}), not quantized ones")
-        itemsize = np.dtype(_DTYPES[dtype][1]).itemsize
+        itemsize = 1 if dtype == _PACKED else np.dtype(_DTYPES[dtype][1]).itemsize
         if end - begin != itemsize * int(np.prod(shape)) or not 0 <= begin <= end <= size - base:
             raise PiccError(f"{file}: tensor {name!r} has byte range [{begin}, {end}) that does not "
                             f"fit its shape {list(shape)} or the file (truncated?)")

@@ -41,6 +41,7 @@ import contextlib
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -279,10 +280,10 @@ def _gguf_cache_path(gguf_path: Path) -> Path:
 
 
 def _convert_gguf_tokenizer(gguf_path: Path) -> Tokenizer:
-    with _transformers_offline() as transformers:
+    with _transformers_offline() as transformers, _readable_by_transformers(gguf_path) as readable:
         try:
             hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+                str(readable.parent), gguf_file=readable.name, local_files_only=True
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise PiccError(
@@ -290,6 +291,34 @@ def _convert_gguf_tokenizer(gguf_path: Path) -> Tokenizer:
                 f"(tokenizer.ggml.model gpt2, llama or t5): {_first_line(error)}"
             ) from error
     return _from_transformers(hf_tokenizer, source=gguf_path)
+
+
+@contextlib.contextmanager
+def _readable_by_transformers(gguf_path: Path) -> Iterator[Path]:
+    """``gguf_path``, or for a ``gpt-oss`` file a copy of its metadata without its
+    ``rope.scaling`` keys and without tensors: transformers (5.24) reads each of those keys' name
+    length as its value and fails on every gpt-oss file llama.cpp's converter writes."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    if arch != "gpt-oss":
+        yield gguf_path
+        return
+    with tempfile.TemporaryDirectory(prefix="picc-gguf-") as tmp:
+        copy = Path(tmp) / gguf_path.name
+        writer = gguf.GGUFWriter(copy, arch)
+        for field in reader.fields.values():
+            if field.name.startswith("GGUF.") or field.name == "general.architecture" \
+                    or field.name.startswith(f"{arch}.rope.scaling."):
+                continue
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind,
+                                 field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        yield copy
 
 
 def _from_transformers(hf_tokenizer: Any, source: Path) -> Tokenizer:
