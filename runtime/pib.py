@@ -47,7 +47,7 @@ from runtime.contracts import ContractError
 from runtime.plan import MemoryPlan
 
 MAGIC = b"PICCPIB\0"
-FORMAT_VERSION = 15  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
+FORMAT_VERSION = 16  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
 # 5: chunk programs by stage (hybrid models prefill in chunks too); 6: the GPU's FFN kernels sum their
 # down rows in slices (y_part scratch); version 5's wrote past their outputs on a real GPU; 7: cpu/manifest
 # as the typed records of runtime.cpu_manifest, every field required (the chunk programs, each stage's
@@ -61,6 +61,8 @@ FORMAT_VERSION = 15  # 2: staged CPU programs and the hybrid schedule; 3: tensor
 # 14: cpu/manifest's chunk programs say whether they compute the step's bits (a server takes a reply's rows too)
 # 15: the decode loop stops at any of several tokens (params[stops], STOP_SLOTS of them; no params[eos]), and
 # the GPU's rope kernels read the cosines' and sines' factor after the frequencies (longrope's attention factor)
+# 16: mxfp4 tensors (gpt-oss's experts, 17-byte blocks), and the GPU's attention kernels of an op with sinks
+# take them after the value cache
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256
