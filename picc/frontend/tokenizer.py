@@ -300,8 +300,11 @@ def _readable_by_transformers(gguf_path: Path) -> Iterator[Path]:
     length as its value and fails on every gpt-oss file llama.cpp's converter writes."""
     import gguf
 
-    reader = gguf.GGUFReader(gguf_path)
-    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+        arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    except (OSError, ValueError):  # not a GGUF file: transformers says so, in the caller's error
+        arch = None
     if arch != "gpt-oss":
         yield gguf_path
         return
