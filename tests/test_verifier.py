@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from picc.ir import VerifyError, parse, verify
@@ -128,3 +130,28 @@ def test_quantized_norm_weight_is_rejected():
 
 def test_a_valid_module_passes():
     verify(parse(body(EMBED, "%y = linear %x, @w : f32[seq, 12]", ret="%y")))
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("", None),  # gpt-oss's mixture as its frontend builds it
+    (", router_bias=@up_bias", "router_bias @up_bias must be [2], got [24]"),
+    (", down_bias=@rb", "down_bias @rb must be [16], got [2]"),
+    (" {n_experts = 2, top_k = 1, form = \"swiglu\", swiglu_alpha = 2.0}",
+     "swiglu_alpha is the clamped SwiGLU's: it needs swiglu_limit"),
+    (" {n_experts = 2, top_k = 1, form = \"geglu\", swiglu_limit = 7.0}", "are form swiglu's, got form 'geglu'"),
+])
+def test_a_mixtures_biases_and_clamped_swiglu_are_checked(extra, message):
+    # Two experts of 12 neurons: the router's bias one per expert, up's and gate's one per row,
+    # down's one per output row of each expert; alpha only with the clamp (form swiglu's).
+    attrs = '{n_experts = 2, top_k = 1, form = "swiglu", norm_topk = true, swiglu_limit = 7.0, swiglu_alpha = 1.702}'
+    ops = f"%y = moe %x, @router, @up, @down, gate=@up, router_bias=@rb, up_bias=@up_bias{extra} {attrs}"
+    if extra.startswith(" {"):
+        ops = f"%y = moe %x, @router, @up, @down, gate=@up{extra}"
+    text = ("module @m\n\nweight @emb : f32[16, 8]\nweight @router : f32[2, 8]\nweight @up : f32[24, 8]\n"
+            "weight @down : f32[16, 12]\nweight @rb : f32[2]\nweight @up_bias : f32[24]\n\n"
+            f"func @forward(%tokens: i32[seq]) {{\n  {EMBED}\n  {ops} : f32[seq, 8]\n  return %y\n}}\n")
+    if message is None:
+        verify(parse(text))
+        return
+    with pytest.raises(VerifyError, match=re.escape(message)):
+        verify(parse(text))
