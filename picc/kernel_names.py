@@ -31,7 +31,11 @@ NIBBLE_DTYPES = frozenset({"q4_0", "q4_1"})
 INT_DOT_DTYPES = NIBBLE_DTYPES | {"mxfp4"}
 # 8-bit rows the rows8 layout holds too, dotted with int8 x only (an LM head's q8_0 rows)
 BYTE_ROWS8_DTYPES = frozenset({"q8_0"})
-ROWS8_DTYPES = NIBBLE_DTYPES | BYTE_ROWS8_DTYPES
+# 4-bit rows the rows8 layout holds for rounded x alone (int16 or int8): mxfp4, whose nibbles index
+# a table, so the float-x trick of masked nibbles converted in place does not read them
+INT_ROWS8_DTYPES = frozenset({"mxfp4"})
+ROWS8_DTYPES = NIBBLE_DTYPES | BYTE_ROWS8_DTYPES | INT_ROWS8_DTYPES
+I16_ROWS8_DTYPES = NIBBLE_DTYPES | INT_ROWS8_DTYPES  # what the rows8 layout holds for int16 x (a mixture's experts)
 X_FORMATS = ("f32", "i16", "i8")  # how x meets 4-bit rows: floats, or rounded to int16 / int8 per block
 INT_DOTS_SUFFIX = "_xi16"
 ROWS8_SUFFIX = "_r8"  # (before the x suffix) the kernel reads its 4-bit matrices eight rows at a time
@@ -48,7 +52,7 @@ def _int_suffix(x_format: str, *dtypes: str | None) -> str:
 
 CPU_WEIGHT_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_1")  # the formats with kernel rates
 # what the CPU kernels read: mxfp4 has no rate keys of its own (the cost model reads it at the
-# memory's bandwidth) and is read in rows alone (not rows8, rowplanes nor dotplanes)
+# memory's bandwidth) and is read in rows, or in rows8 with rounded x (not rowplanes nor dotplanes)
 CPU_READ_FORMATS = (*CPU_WEIGHT_FORMATS, "mxfp4")
 # The keys of a CPU's kernel-rate table (``picc.targets``, ``picc.codegen_cpu.rates``): how fast
 # its kernels consume the weights of each format when memory is not the limit: rows one at a
@@ -61,7 +65,7 @@ GATHERED_SUFFIX = "_gathered"  # (before the x suffix) rows gathered one neuron 
 CPU_GEMV_RATE_KEYS = (CPU_WEIGHT_FORMATS + tuple(d + INT_DOTS_SUFFIX for d in sorted(NIBBLE_DTYPES))
                       + tuple(d + ROWS8_SUFFIX for d in sorted(NIBBLE_DTYPES))
                       + tuple(d + ROWS8_SUFFIX + INT_DOTS_SUFFIX for d in sorted(NIBBLE_DTYPES))
-                      + tuple(d + ROWS8_SUFFIX + "_xi8" for d in sorted(ROWS8_DTYPES)))
+                      + tuple(d + ROWS8_SUFFIX + "_xi8" for d in sorted(NIBBLE_DTYPES | BYTE_ROWS8_DTYPES)))
 CPU_GATHERED_RATE_KEYS = (tuple(d + GATHERED_SUFFIX for d in CPU_WEIGHT_FORMATS)
                           + tuple(d + GATHERED_SUFFIX + INT_DOTS_SUFFIX for d in sorted(NIBBLE_DTYPES)))
 CPU_RATE_KEYS = CPU_GEMV_RATE_KEYS + CPU_GATHERED_RATE_KEYS
@@ -78,6 +82,8 @@ def has_rate_key(dtype: str, x_format: str, rows8: bool) -> bool:
     rows from rows8 with any x; q8_0 from rows8 with int8 x alone (its only GEMV there)."""
     if dtype in BYTE_ROWS8_DTYPES and rows8:
         return x_format == "i8"
+    if dtype in INT_ROWS8_DTYPES:
+        return False
     if x_format != "f32" or rows8:
         return dtype in NIBBLE_DTYPES and not (x_format == "i8" and not rows8)
     return True
@@ -115,8 +121,8 @@ def cpu_rate_key(dtype: str, x_format: str, rows8: bool = False, gathered: bool 
 def rows8_fits(dtype: str, rows: int, k: int, x_format: str = "f32") -> bool:
     """Whether a ``rows`` x ``k`` matrix of ``dtype`` has a rows8 layout whatever x its kernel
     dots: 4-bit, rows a multiple of 8 (q8_0 rows have one too, read with int8 x alone:
-    ``rows8_fits(..., x_format="i8")``)."""
-    dtypes = ROWS8_DTYPES if x_format == "i8" else NIBBLE_DTYPES
+    ``rows8_fits(..., x_format="i8")``; mxfp4 rows with rounded x, ``"i16"`` or ``"i8"``)."""
+    dtypes = ROWS8_DTYPES if x_format == "i8" else I16_ROWS8_DTYPES if x_format == "i16" else NIBBLE_DTYPES
     return dtype in dtypes and rows > 0 and rows % 8 == 0 and k % 32 == 0
 
 

@@ -220,10 +220,10 @@ def test_the_interpreter_computes_the_mxfp4_mixture_of_the_kernel(host, teams, x
     assert np.abs(y - away).max() > 10 * np.abs(y - want).max()
 
 
-def test_mxfp4_experts_are_read_in_rows():
-    # the rows8 layout holds q4_0 / q4_1 groups alone
+def test_rows8_experts_dot_rounded_x():
+    # the rows8 layout's experts (mxfp4's too: tests/test_codegen_cpu_rows8_mxfp4.py) dot int16 x
     with pytest.raises(PiccError, match="rows8"):
-        moe("swiglu", "f32", "mxfp4", "mxfp4", "mxfp4", "i16", True)
+        moe("swiglu", "f32", "mxfp4", "mxfp4", "mxfp4", "f32", True)
 
 
 def test_a_gate_is_given_exactly_when_the_form_has_one():

@@ -92,6 +92,18 @@ def test_int_x_i8_rounds_to_int8_where_the_kernel_reads_rows8_only():
     assert [op.kernel for op in linears] == ["picc_gemv_q4_1_xi16", "picc_gemv_q4_1_r8_xi8", "picc_gemv_q4_1_xi16"]
 
 
+@pytest.mark.parametrize("options, kernel, layout", [
+    ("", "picc_gemv_mxfp4_r8_xi16", "rows8"), ("{int_x=i8}", "picc_gemv_mxfp4_r8_xi8", "rows8"),
+    ("{int_dots=no}", "picc_gemv_mxfp4", "rows")])
+def test_mxfp4_rows_go_eight_at_a_time_where_x_is_rounded(options, kernel, layout):
+    # The rows8 layout holds mxfp4 for rounded x alone (its float-x dot products convert nibbles
+    # in place, not a table's values): float x keeps it in rows.
+    before = parse(BEFORE.replace("q4_1", "mxfp4"))
+    after = run_pipeline(before, _store(dtype=DType.MXFP4), parse_pipeline(f"select-kernels{options}"))
+    v = [op for op in after.ops() if isinstance(op, O.Linear)][1]
+    assert (v.kernel, v.layout) == (kernel, layout)
+
+
 def test_choices_do_not_depend_on_value_names():
     # Renaming every value (here into names that look like decoder layers') changes no choice.
     renamed = BEFORE

@@ -172,9 +172,10 @@ def test_a_mixture_whose_down_rows_are_q8_0_reads_its_4_bit_rows_eight_at_a_time
 
 def test_a_mixture_of_mxfp4_experts_runs_from_its_blocks(tmp_path: Path) -> None:
     # gpt-oss's experts: up, gate and down in mxfp4 (4-bit values, a power-of-two scale a block).
-    # The .pib keeps their blocks; the mixture's kernel reads them a row at a time with x and h
-    # rounded to int16 (no rows8 layout holds mxfp4), as the interpreter rounds: the step and the
-    # chunk programs against it (1e-4), and the batch step's rows.
+    # The .pib keeps their blocks, eight rows to a group (the rows8 layout, read back as GGUF's
+    # rows); the mixture's kernel reads them eight rows at a time with x and h rounded to int16,
+    # as the interpreter rounds: the step and the chunk programs against it (1e-4), and the batch
+    # step's rows.
     from dataclasses import replace
 
     from runtime_cases import TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
@@ -184,6 +185,7 @@ def test_a_mixture_of_mxfp4_experts_runs_from_its_blocks(tmp_path: Path) -> None
     from picc.ir.module import WeightDecl
     from picc.ir.types import TensorType
     from picc.ir.weights import Tensor, WeightStore
+    from picc.pib import open_pib
 
     path = tmp_path / "tiny-moe.gguf"
     assert synth.main(["gguf", str(path), "--shape", "tiny", "--experts", "4", "--experts-used", "2"]) == 0
@@ -196,8 +198,10 @@ def test_a_mixture_of_mxfp4_experts_runs_from_its_blocks(tmp_path: Path) -> None
     mx = LoadedModel(replace(model.module, weights=decls), store, model.tokenizer, source=str(path))
     pib_path, pib = compiled(mx, tmp_path, "mxfp4", batch_step=True)
     moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
-    assert {(op.kernel, op.layout) for op in moes} == {("picc_moe_swiglu_f32_mxfp4_mxfp4_mxfp4_xi16", "rows")}
+    assert {(op.kernel, op.layout) for op in moes} == {("picc_moe_swiglu_f32_mxfp4_mxfp4_mxfp4_r8_xi16", "rows8")}
+    stored = open_pib(pib_path)
     for name in experts:  # the blocks as made, through the .pib
+        assert stored.tensor(name).layout == "rows8"
         assert pib.weights[name].dtype == DType.MXFP4
         np.testing.assert_array_equal(np.asarray(pib.weights[name].data).reshape(-1),
                                       np.asarray(store[name].data).reshape(-1))
@@ -211,8 +215,8 @@ def test_a_gpt_oss_file_loads_with_its_tokenizer_and_compiles_as_it_computes(tmp
     # --arch gpt-oss: MXFP4 experts with biases, the router's bias, sinks, every even layer
     # sliding, yarn keys (which transformers' GGUF reader cannot parse: picc converts the
     # tokenizer from the metadata without them, the same ids as the llama file's). Compiled for
-    # the CPU: the experts' clamped, biased mxfp4 kernel, the step, the chunks and the batch step
-    # against the interpreter (1e-4).
+    # the CPU: the experts' clamped, biased mxfp4 kernel (rows8), the step, the chunks and the
+    # batch step against the interpreter (1e-4).
     from runtime_cases import TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
 
     from picc.interpreter import Interpreter
@@ -230,7 +234,7 @@ def test_a_gpt_oss_file_loads_with_its_tokenizer_and_compiles_as_it_computes(tmp
     assert {op.scaling for op in ops if isinstance(op, O.Rope)} == {"yarn"}
     pib_path, pib = compiled(model, tmp_path, "oss", batch_step=True)
     assert {op.kernel for op in pib.module.ops() if isinstance(op, O.MoE)} == {
-        "picc_moe_swiglu_f32_mxfp4_mxfp4_mxfp4_xi16_brugd_clamped"}
+        "picc_moe_swiglu_f32_mxfp4_mxfp4_mxfp4_r8_xi16_brugd_clamped"}
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(pib_path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(pib_path, pib, 1e-4)

@@ -112,13 +112,15 @@ def alloc_int_x(fn: Fn, nblocks: str, dtypes: set[str], rows8: bool = False, x_f
     that a batched kernel can hold several x's forms one after another (``INT_X_BLOCK_BYTES``:
     each array's bytes per block)."""
     need_q4_0, need_q4_1, need_q8_0 = "q4_0" in dtypes, "q4_1" in dtypes, rows8 and "q8_0" in dtypes
-    need_mxfp4 = not rows8 and "mxfp4" in dtypes  # q alone: mxfp4 has no constant part
+    # rows: q alone, mxfp4 has no constant part; rows8: -8 sum q, whose 3 / 2 is the -12 sum q that
+    # undoes the 12 added to its values to make them unsigned bytes (rows8.MXFP4_OFFSET)
+    need_mxfp4 = "mxfp4" in dtypes
     if not (need_q4_0 or need_q4_1 or need_q8_0 or need_mxfp4):
         return None
     scale = fn.alloca_array(F32, nblocks, "xs")
     if rows8:
         return IntX(scale, split=fn.alloca_array(vec(64, "i8"), nblocks, "xsplit"),
-                    isums=fn.alloca_array("i32", nblocks, "xis") if need_q4_0 else None,
+                    isums=fn.alloca_array("i32", nblocks, "xis") if need_q4_0 or need_mxfp4 else None,
                     sums=fn.alloca_array(F32, nblocks, "xsum") if need_q4_1 else None, int8=x_format == "i8",
                     qsums=fn.alloca_array("i32", nblocks, "xqs") if need_q8_0 else None)
     return IntX(scale, fn.alloca_array(vec(32, "i16"), nblocks, "xi"),

@@ -43,10 +43,13 @@ def finish_row(fn: Fn, value: str, bias: str, r: str, out: str) -> None:
 
 
 def check_rows8(rows8: bool, *dtypes: str, x_format: str = "f32") -> None:
-    """That the rows8 layout holds ``dtypes`` for a kernel dotting ``x_format``: 4-bit, or q8_0 with int8 x."""
-    held = names.ROWS8_DTYPES if x_format == "i8" else names.NIBBLE_DTYPES
+    """That the rows8 layout holds ``dtypes`` for a kernel dotting ``x_format``: 4-bit (mxfp4 with
+    rounded x), or q8_0 with int8 x."""
+    held = (names.ROWS8_DTYPES if x_format == "i8" else names.I16_ROWS8_DTYPES if x_format == "i16"
+            else names.NIBBLE_DTYPES)
     if rows8 and not set(dtypes) <= held:
-        raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 matrices (q8_0 ones for int8 x), "
+        raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 matrices (mxfp4 ones for rounded x, "
+                        f"q8_0 ones for int8 x), "
                         f"not {', '.join(dtypes)} for {x_format} x")
     if x_format != "f32" and set(dtypes) & names.BYTE_ROWS8_DTYPES and not (rows8 and x_format == "i8"):
         raise PiccError(f"codegen_cpu: q8_0 rows dot rounded x from the rows8 layout and int8 x alone, not "
@@ -226,7 +229,8 @@ def gemm(dtype: str, rows8: bool = False) -> Kernel:
     the same floats.
     """
     check_dtype(dtype)
-    check_rows8(rows8, dtype)
+    if rows8 and dtype not in names.ROWS8_DTYPES:  # the layout's every format, read back as floats
+        raise PiccError(f"codegen_cpu: the rows8 layout holds no {dtype} matrix")
     symbol = names.cpu_gemm(dtype, rows8)
 
     def emit(simd: str) -> str:

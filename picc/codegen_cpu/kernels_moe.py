@@ -93,12 +93,12 @@ class _Experts:
 
     @property
     def rows8_in(self) -> bool:
-        """Up (and gate) in the rows8 layout: ``rows8`` and 4-bit."""
-        return self.rows8 and {self.up, self.gate or self.up} <= names.NIBBLE_DTYPES
+        """Up (and gate) in the rows8 layout: ``rows8`` and 4-bit (mxfp4 too: the rows8 experts dot int16 x)."""
+        return self.rows8 and {self.up, self.gate or self.up} <= names.I16_ROWS8_DTYPES
 
     @property
     def rows8_down(self) -> bool:
-        return self.rows8 and self.down in names.NIBBLE_DTYPES
+        return self.rows8 and self.down in names.I16_ROWS8_DTYPES
 
     def check(self) -> None:
         for d in (self.router, self.up, self.gate or self.up, self.down):

@@ -298,7 +298,7 @@ class OpLowering(ABC):
         its kernels read: rows8 for the 4-bit ones of a rows8 op."""
 
         def of(w: str | None) -> Buf | Null:
-            four_bit = w is not None and self.weights[w].dtype.value in names.NIBBLE_DTYPES
+            four_bit = w is not None and self.weights[w].dtype.value in names.I16_ROWS8_DTYPES
             return self.weight(w, layout=_layout(op) if four_bit else None)
 
         return of(op.up), of(op.gate), of(op.down)

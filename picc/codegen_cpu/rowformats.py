@@ -129,6 +129,15 @@ def mxfp4_values(fn: Fn, raw: str) -> tuple[str, str]:
                  for i in nibbles)  # type: ignore[return-value]
 
 
+def table_lookup(fn: Fn, nibbles: str, nbytes: int, table: tuple[int, ...]) -> str:
+    """``table[q]`` for each byte ``q`` (< 16) of ``nibbles`` (``<nbytes x i8>``, 32 or 64): ``vpshufb``
+    with the 16 entries in every 128-bit lane."""
+    ty = vec(nbytes, "i8")
+    entries = "<" + ", ".join(f"i8 {table[i % 16]}" for i in range(nbytes)) + ">"
+    name = "avx2.pshuf.b" if nbytes == 32 else "avx512.pshuf.b.512"
+    return fn.v(f"call {ty} @llvm.x86.{name}({ty} {entries}, {ty} {nibbles})", "tq")
+
+
 def table_floats(fn: Fn, raw: str, table: list[int] | tuple[int, ...]) -> tuple[str, str]:
     """``table[q]`` as floats for the low and the high nibbles of 16 bytes ``raw`` (AVX-512):
     ``vpermps`` reads only the low 4 bits of each index, so the lookup is the conversion."""

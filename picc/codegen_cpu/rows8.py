@@ -6,6 +6,7 @@ block* as many bytes as the eight row blocks it replaces::
 
     q4_1  160 B: f16 d of rows 0-7, f16 m of rows 0-7, 4 chunks x 32 B of nibbles
     q4_0  144 B: f16 d of rows 0-7,                    4 chunks x 32 B of nibbles
+    mxfp4 136 B: E8M0 e of rows 0-7,                   4 chunks x 32 B of nibbles
     q8_0  272 B: f16 d of rows 0-7,                    8 chunks x 32 B of bytes
 
 Byte ``4r + e`` of chunk ``c`` (row ``r`` < 8, ``e`` < 4) holds element ``4c + e`` of row ``r``
@@ -18,6 +19,16 @@ the same numbers) and split into its high bytes (signed) and low bytes (unsigned
 256 (q . x_high) + q . x_low``, two ``vpmaddubsw`` per chunk half (the low bytes as the unsigned
 operand, the nibbles as the signed one), sums in int16 that cannot overflow, and three
 ``vpmaddwd`` a block. The integer sum is exact, as is its conversion to float (under 2^24).
+
+mxfp4's nibbles index a table (``picc.quant.MXFP4_VALUES``, -12..12); a ``vpshufb`` of each
+masked chunk reads :data:`MXFP4_UNSIGNED`, the values plus :data:`MXFP4_OFFSET` (0..24, bytes
+both ``vpmaddubsw`` operands take), and ``-12 sum x_q`` undoes the offset, as q4_0's ``-8 sum
+x_q`` does its nibbles' 8. Products up to 24 overflow int16 sooner than 15's, so the words are
+summed in smaller runs before ``vpmaddwd`` widens them (:func:`int_sums`; ``vpdpbusd`` sums into
+int32 and needs none). The scale ``2^(e - 128)`` is made from e's bits as the rows kernels make
+it (``rowformats.mxfp4_scale``), eight at a time. mxfp4 rows8 rows are dotted with rounded x
+alone (``kernel_names.INT_ROWS8_DTYPES``): the float-x trick below converts masked nibbles in
+place, which a table's values are not.
 
 Rows one at a time spend ~15 vector operations per row and block, most of them on scales,
 unpacking and reductions; here it is ~7. Measured on Zen 3, two threads, from memory (1536 x 576
@@ -44,10 +55,20 @@ import numpy as np
 from picc import kernel_names as names
 from picc.codegen_cpu.int16x import IntX
 from picc.codegen_cpu.irtext import F32, Fn, fconst, vconst, vec
-from picc.codegen_cpu.rowformats import BLOCK, BLOCK_BYTES, NIBBLE_DTYPES, V16, nibble_value_floats
+from picc.codegen_cpu.rowformats import (
+    BLOCK,
+    BLOCK_BYTES,
+    NIBBLE_DTYPES,
+    V16,
+    mxfp4_scale,
+    mxfp4_values,
+    nibble_value_floats,
+    table_lookup,
+)
 from picc.codegen_cpu.rows8_q8 import byte_floats, byte_sums
 from picc.codegen_cpu.vnni import vnni_sums
 from picc.errors import PiccError
+from picc.quant import MXFP4_VALUES
 
 LAYOUT = "rows8"
 GROUP = 8  # rows per group
@@ -55,11 +76,18 @@ B32, W16 = vec(32, "i8"), vec(16, "i16")
 _CHUNKS = 4  # 32-byte nibble chunks per group block
 BYTE_CHUNKS = 8  # 32-byte chunks of a q8_0 group block
 _PREFETCH_AHEAD = 2048  # bytes; a group's rows are one stream (1536 x 576 q4_1: 27.1 GB/s without, 37.2)
+MXFP4_OFFSET = 12  # added to mxfp4's values (-12..12) to make them bytes both vpmaddubsw operands take
+MXFP4_UNSIGNED = tuple(v + MXFP4_OFFSET for v in MXFP4_VALUES)
+
+
+def _scale_bytes(dtype: str) -> int:
+    """Bytes of one row's scale: an f16 d, or mxfp4's E8M0 exponent."""
+    return 1 if dtype == "mxfp4" else 2
 
 
 def header_bytes(dtype: str) -> int:
-    """Bytes of a group block before its nibbles: eight f16 scales (and eight f16 minimums)."""
-    return 2 * GROUP * (2 if dtype == "q4_1" else 1)
+    """Bytes of a group block before its nibbles: eight scales (and eight f16 minimums)."""
+    return _scale_bytes(dtype) * GROUP * (2 if dtype == "q4_1" else 1)
 
 
 def _chunk_count(dtype: str) -> int:
@@ -74,7 +102,7 @@ def group_block_bytes(dtype: str) -> int:
 def _check(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[int, int]:
     if len(shape) != 2 or not names.rows8_fits(dtype, int(shape[0]), int(shape[1]), x_format="i8"):
         raise PiccError(f"rows8 layout: a {dtype} matrix of shape {tuple(shape)} does not fit it "
-                        f"(q4_0 / q4_1 / q8_0, rows a multiple of {GROUP}, columns of {BLOCK})")
+                        f"(q4_0 / q4_1 / mxfp4 / q8_0, rows a multiple of {GROUP}, columns of {BLOCK})")
     rows, k = int(shape[0]), int(shape[1])
     if nbytes != rows * (k // BLOCK) * BLOCK_BYTES[dtype]:
         raise PiccError(f"rows8 layout: {nbytes} bytes are not a {dtype} matrix of shape {tuple(shape)}")
@@ -84,12 +112,12 @@ def _check(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[int, int]:
 def to_rows8(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """A matrix's GGUF blocks (any array of its bytes, rows one after another) in the rows8 layout."""
     rows, k = _check(dtype, shape, raw.nbytes)
-    nb, bb, head = k // BLOCK, BLOCK_BYTES[dtype], header_bytes(dtype)
+    nb, bb, head, w = k // BLOCK, BLOCK_BYTES[dtype], header_bytes(dtype), _scale_bytes(dtype)
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows // GROUP, GROUP, nb, bb)
     out = np.empty((rows // GROUP, nb, GROUP * bb), np.uint8)
     scales = blocks[..., : head // GROUP].transpose(0, 2, 1, 3)  # group, block, row, scale bytes
-    for i in range(head // (2 * GROUP)):  # d, then m
-        out[..., 2 * GROUP * i : 2 * GROUP * (i + 1)] = scales[..., 2 * i : 2 * i + 2].reshape(rows // GROUP, nb, -1)
+    for i in range(head // (w * GROUP)):  # d (e), then m
+        out[..., w * GROUP * i : w * GROUP * (i + 1)] = scales[..., w * i : w * i + w].reshape(rows // GROUP, nb, -1)
     quants = blocks[..., head // GROUP :].transpose(0, 2, 1, 3)  # group, block, row, 16 (32) bytes
     if dtype in names.BYTE_ROWS8_DTYPES:  # chunk c: bytes 4c..4c+3 of each row
         out[..., head:] = quants.reshape(rows // GROUP, nb, GROUP, BYTE_CHUNKS, 4).transpose(0, 1, 3, 2, 4).reshape(
@@ -106,12 +134,12 @@ def to_rows8(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 def from_rows8(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """The inverse of :func:`to_rows8`: the matrix's blocks in GGUF's row layout, ``[rows, row bytes]``."""
     rows, k = _check(dtype, shape, data.nbytes)
-    nb, bb, head = k // BLOCK, BLOCK_BYTES[dtype], header_bytes(dtype)
+    nb, bb, head, w = k // BLOCK, BLOCK_BYTES[dtype], header_bytes(dtype), _scale_bytes(dtype)
     groups = np.ascontiguousarray(data).view(np.uint8).reshape(rows // GROUP, nb, GROUP * bb)
     out = np.empty((rows // GROUP, GROUP, nb, bb), np.uint8)
-    for i in range(head // (2 * GROUP)):
-        scales = groups[..., 2 * GROUP * i : 2 * GROUP * (i + 1)].reshape(rows // GROUP, nb, GROUP, 2)
-        out[..., 2 * i : 2 * i + 2] = scales.transpose(0, 2, 1, 3)
+    for i in range(head // (w * GROUP)):
+        scales = groups[..., w * GROUP * i : w * GROUP * (i + 1)].reshape(rows // GROUP, nb, GROUP, w)
+        out[..., w * i : w * i + w] = scales.transpose(0, 2, 1, 3)
     if dtype in names.BYTE_ROWS8_DTYPES:
         chunks = groups[..., head:].reshape(rows // GROUP, nb, BYTE_CHUNKS, GROUP, 4)
         out[..., head // GROUP :] = chunks.transpose(0, 3, 1, 2, 4).reshape(rows // GROUP, GROUP, nb, -1)
@@ -346,9 +374,10 @@ def emit_rows8_dots_xs(fn: Fn, mats: list[tuple[str, str]], xs: list[IntX | Scal
     instructions, its nibble masks and scales), while each x's sum is the one-x function's,
     operation for operation."""
     for dtype, _ in mats:
-        if dtype not in NIBBLE_DTYPES and not (dtype == "q8_0" and all(_int8(x) for x in xs)):
-            raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 rows (q8_0 rows dot int8 x), "
-                            f"not {dtype}")
+        if not (dtype in NIBBLE_DTYPES or (dtype == "q8_0" and all(_int8(x) for x in xs))
+                or (dtype in names.INT_ROWS8_DTYPES and all(isinstance(x, IntX) for x in xs))):
+            raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 rows (mxfp4 rows dot rounded x, "
+                            f"q8_0 rows int8 x), not {dtype}")
     v8, nblocks = vec(8), fn.v(f"lshr i64 {k}, 5", "nblk")
     accs = [[fn.var(v8, "zeroinitializer", "acc") for _ in mats] for _ in xs]
     with fn.loop("0", nblocks, "1", "b") as b:
@@ -358,7 +387,8 @@ def emit_rows8_dots_xs(fn: Fn, mats: list[tuple[str, str]], xs: list[IntX | Scal
             _prefetch(fn, blk, group_block_bytes(dtype))
             chunks = [fn.load("<8 x i32>", fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, "nib")
                       for c in range(_chunk_count(dtype))]
-            d = fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d")
+            d = (mxfp4_scales(fn, blk) if dtype == "mxfp4"
+                 else fn.v(f"fpext <8 x half> {fn.load('<8 x half>', blk, 2, 'dh')} to {v8}", "d"))
             m = (fn.v(f"fpext <8 x half> {fn.load('<8 x half>', fn.gep(blk, '16'), 2, 'mh')} to {v8}", "m")
                  if dtype == "q4_1" else None)
             blocks.append((dtype, chunks, d, m))
@@ -384,16 +414,38 @@ def _int_x_block(fn: Fn, intx: IntX, b: str) -> tuple[list[list[str]], str]:
     return xs, fn.splat(8, fn.load(F32, fn.at(intx.scale, 4, b), 4, "xsc"))
 
 
-def int_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = GROUP, vnni: bool = False) -> str:
+def mxfp4_scales(fn: Fn, blk: str, lanes: int = GROUP) -> str:
+    """``<lanes x float>`` of the ``lanes`` E8M0 exponents at ``blk``, ``2^(e - 128)``, bit for
+    bit ``rowformats.mxfp4_scale``'s: ``(e - 1) << 23``, the denormal ``0x00200000 << e`` for e < 2."""
+    i32 = vec(lanes, "i32")
+    e = fn.v(f"zext {vec(lanes, 'i8')} {fn.load(vec(lanes, 'i8'), blk, 1, 'e8')} to {i32}", "e")
+    em1 = fn.v(f"sub {i32} {e}, {vconst(lanes, '1', 'i32')}", "em1")
+    normal = fn.v(f"shl {i32} {em1}, {vconst(lanes, '23', 'i32')}", "dn")
+    denormal = fn.v(f"shl {i32} {vconst(lanes, '2097152', 'i32')}, {e}", "dd")
+    small = fn.v(f"icmp ult {i32} {e}, {vconst(lanes, '2', 'i32')}", "small")
+    bits = fn.v(f"select {vec(lanes, 'i1')} {small}, {i32} {denormal}, {i32} {normal}", "db")
+    return fn.v(f"bitcast {i32} {bits} to {vec(lanes)}", "d")
+
+
+def _run(top: int, x_max: int) -> int:
+    """How many ``vpmaddubsw`` words (each two products of values up to ``top`` and x bytes up to
+    ``x_max`` in size) an int16 sum holds without overflow."""
+    return 32767 // (2 * top * x_max)
+
+
+def int_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = GROUP, vnni: bool = False,
+             table: tuple[int, ...] | None = None) -> str:
     """The exact integer ``q . x`` of each int32 lane of a block (``<lanes x i32>``): ``chunks``
     the block's four nibble chunks (``<4 lanes x i8>``, four bytes a lane), ``xs`` x's four-byte
     groups, high bytes then low bytes (:func:`_int_x_block`; int8 x: high bytes only, its low
     bytes are zero). ``lanes`` 8: AVX2's ``vpmaddubsw`` / ``vpmaddwd``; 16: their 512-bit forms,
     each lane computing what an 8-lane lane computes (two x rows a vector,
     :mod:`picc.codegen_cpu.rows8_pairs`). ``vnni`` (8 lanes): ``vpdpbusd`` on 256 bits, the same
-    integers (:func:`.vnni.vnni_sums`)."""
+    integers (:func:`.vnni.vnni_sums`). ``table``: each nibble stands for ``table[q]`` (unsigned
+    bytes, mxfp4's :data:`MXFP4_UNSIGNED`), looked up after the mask; the int16 runs shorten to
+    fit its largest entry."""
     if vnni:
-        return vnni_sums(fn, chunks, xs, lanes)
+        return vnni_sums(fn, chunks, xs, lanes, table)
     nbytes, nwords = 4 * lanes, 2 * lanes
     bytes_t, words, i32 = vec(nbytes, "i8"), vec(nwords, "i16"), vec(lanes, "i32")
     mask, ones = vconst(nbytes, "15", "i8"), vconst(nwords, "1", "i16")
@@ -409,21 +461,34 @@ def int_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = GROUP,
     def add(total: str | None, value: str, ty: str = words) -> str:
         return value if total is None else fn.v(f"add {ty} {total}, {value}", "tot")
 
-    high: str | None = None  # sum of q x_high: 8 x 2 x 15 x 128 fits int16
-    low: list[str | None] = [None, None]  # of q x_low, in two halves: 4 x 2 x 15 x 255 fits
+    # int16 runs of words: q4's 8 x 2 x 15 x 128 fit one for x's high bytes, 4 x 2 x 15 x 255 two
+    # halves for its low bytes; mxfp4's values up to 24 runs of 5 and 2
+    top = 15 if table is None else max(table)
+    high_run, low_run = _run(top, 128), _run(top, 255)
+    high: list[str | None] = [None] * -(-2 * len(chunks) // high_run)
+    low: list[str | None] = [None] * -(-2 * len(chunks) // low_run)
     for c, raw in enumerate(chunks):
         shifted = fn.v(f"lshr {bytes_t} {raw}, {vconst(nbytes, '4', 'i8')}", "sh")
-        for nib, j in ((fn.v(f"and {bytes_t} {raw}, {mask}", "lo4"), c),
-                       (fn.v(f"and {bytes_t} {shifted}, {mask}", "hi4"), 4 + c)):
-            high = add(high, pairs(nib, xs[0][j]))
+        for w, nib, j in ((2 * c, fn.v(f"and {bytes_t} {raw}, {mask}", "lo4"), c),
+                          (2 * c + 1, fn.v(f"and {bytes_t} {shifted}, {mask}", "hi4"), 4 + c)):
+            if table is not None:
+                nib = table_lookup(fn, nib, nbytes, table)
+            high[w // high_run] = add(high[w // high_run], pairs(nib, xs[0][j]))
             if len(xs) > 1:
-                low[c // 2] = add(low[c // 2], pairs(xs[1][j], nib))
-    assert high is not None
-    dots = fn.v(f"shl {i32} {words_to_ints(high)}, {vconst(lanes, '8', 'i32')}", "hi8")
+                low[w // low_run] = add(low[w // low_run], pairs(xs[1][j], nib))
+
+    def ints(runs: list[str | None]) -> str:
+        total: str | None = None
+        for run in runs:
+            assert run is not None
+            total = add(total, words_to_ints(run), i32)
+        assert total is not None
+        return total
+
+    dots = fn.v(f"shl {i32} {ints(high)}, {vconst(lanes, '8', 'i32')}", "hi8")
     if len(xs) == 1:  # int8 x: the low bytes are zero
         return dots
-    assert low[0] is not None and low[1] is not None
-    return add(dots, add(words_to_ints(low[0]), words_to_ints(low[1]), i32), i32)
+    return add(dots, ints(low), i32)
 
 
 def scaled_sum(fn: Fn, dots: str, d: str, scale: str, acc: str, lanes: int = GROUP) -> str:
@@ -432,6 +497,12 @@ def scaled_sum(fn: Fn, dots: str, d: str, scale: str, acc: str, lanes: int = GRO
     v = vec(lanes)
     t = fn.v(f"sitofp {vec(lanes, 'i32')} {dots} to {v}", "t")
     return fn.fma(v, t, fn.v(f"fmul {v} {d}, {scale}", "ds"), acc)
+
+
+def mxfp4_offset(fn: Fn, isum: str) -> str:
+    """``-12 sum x_q`` (what undoes :data:`MXFP4_OFFSET`) from x's ``isums``, ``-8 sum x_q``
+    (an i32): times 3, halved (exact: it is even)."""
+    return fn.v(f"ashr i32 {fn.v(f'mul i32 {isum}, 3', 'xo3')}, 1", "xo")
 
 
 def _int_block(fn: Fn, dtype: str, chunks: list[str], xs: list[list[str]], scale: str, intx: IntX, b: str,
@@ -444,10 +515,11 @@ def _int_block(fn: Fn, dtype: str, chunks: list[str], xs: list[list[str]], scale
         qsum = (_splat_i32(fn, fn.load("i32", fn.at(intx.qsums, 4, b), 4, "xq"), as_bytes=False)
                 if vnni and intx.qsums is not None else None)
         return scaled_sum(fn, byte_sums(fn, chunks, xs[0], qsum, vnni), d, scale, acc)
-    dots = int_sums(fn, chunks, xs, vnni=vnni)
-    if dtype == "q4_0":
+    dots = int_sums(fn, chunks, xs, vnni=vnni, table=MXFP4_UNSIGNED if dtype == "mxfp4" else None)
+    if dtype in ("q4_0", "mxfp4"):
         assert intx.isums is not None
-        offset = _splat_i32(fn, fn.load("i32", fn.at(intx.isums, 4, b), 4, "xo"), as_bytes=False)
+        offset = _splat_i32(fn, mxfp4_offset(fn, fn.load("i32", fn.at(intx.isums, 4, b), 4, "xo"))
+                            if dtype == "mxfp4" else fn.load("i32", fn.at(intx.isums, 4, b), 4, "xo"), as_bytes=False)
         dots = fn.v(f"add {i32} {dots}, {offset}", "pm")
     value = scaled_sum(fn, dots, d, scale, acc)
     if m is not None:
@@ -478,14 +550,20 @@ def emit_rows8_row_to_f32(fn: Fn, dtype: str, base: str, r: str, out: str, k: st
     group = fn.gep(base, fn.v(f"mul i64 {fn.v(f'lshr i64 {r}, 3', 'g')}, {gbytes}", "goff"), "grp")
     with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "b") as b:
         blk = fn.at(group, group_block_bytes(dtype), b, "gblk")
-        d = fn.v(f"fpext half {fn.load('half', fn.at(blk, 2, lane), 2, 'dh')} to float", "d")
+        d = (mxfp4_scale(fn, fn.at(blk, 1, lane)) if dtype == "mxfp4"
+             else fn.v(f"fpext half {fn.load('half', fn.at(blk, 2, lane), 2, 'dh')} to float", "d"))
         nchunks = _chunk_count(dtype)
         words = f"<{nchunks} x i32> poison"
         for c in range(nchunks):
             piece = fn.load("i32", fn.at(fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, lane), 4, "nib4")
             words = f"<{nchunks} x i32> " + fn.v(f"insertelement {words}, i32 {piece}, i64 {c}", "nibw")
         raw = fn.v(f"bitcast {words} to {vec(4 * nchunks, 'i8')}", "nib")  # the row's GGUF quant bytes
-        q = byte_floats(fn, raw) if dtype == "q8_0" else nibble_value_floats(fn, raw, dtype == "q4_0", simd)
+        if dtype == "q8_0":
+            q = byte_floats(fn, raw)
+        elif dtype == "mxfp4":
+            q = [fn.v(f"sitofp {vec(16, 'i8')} {v} to {V16}", "qf") for v in mxfp4_values(fn, raw)]
+        else:
+            q = nibble_value_floats(fn, raw, dtype == "q4_0", simd)
         ds = fn.splat(16, d)
         values = [fn.v(f"fmul {V16} {half}, {ds}", "w") for half in q]
         if dtype == "q4_1":

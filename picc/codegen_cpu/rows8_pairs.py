@@ -46,18 +46,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from picc.codegen_cpu.int16x import IntX
-from picc.codegen_cpu.irtext import F32, Fn, vec
+from picc.codegen_cpu.irtext import F32, Fn, vconst, vec
 from picc.codegen_cpu.rowformats import NIBBLE_DTYPES
 from picc.codegen_cpu.rows8 import (
     GROUP,
+    MXFP4_UNSIGNED,
     _prefetch,
     group_block_bytes,
     header_bytes,
     int_sums,
+    mxfp4_scales,
     scaled_sum,
 )
 from picc.codegen_cpu.vnni import vnni_sums
 from picc.errors import PiccError
+from picc.kernel_names import INT_ROWS8_DTYPES
 
 LANES = 2 * GROUP  # int32 lanes of a 512-bit vector: eight weight rows x two x rows
 _V16, _I16, _B64 = vec(LANES), vec(LANES, "i32"), vec(4 * LANES, "i8")
@@ -69,8 +72,8 @@ class PairX:
     """Two x rows' int16 forms (:class:`~picc.codegen_cpu.int16x.IntX` made with ``rows8``)
     interleaved, one block after another: ``split``, 128 bytes a block, the high bytes' eight
     four-byte groups (row 0's group j at ``8 j``, row 1's at ``8 j + 4``), then the low bytes'
-    the same way; ``scale``, ``isums`` (q4_0) and ``sums`` (q4_1), row 0's then row 1's (8 bytes
-    a block)."""
+    the same way; ``scale``, ``isums`` (q4_0, mxfp4) and ``sums`` (q4_1), row 0's then row 1's
+    (8 bytes a block)."""
 
     split: str
     scale: str
@@ -87,7 +90,7 @@ def alloc_pair_x(fn: Fn, nblocks: str, dtypes: set[str], int8: bool = False) -> 
     """Stack arrays of a :class:`PairX` of ``nblocks`` (i64) blocks for rows of ``dtypes``
     (``int8``: of x rounded to int8, whose low bytes are zero)."""
     return PairX(fn.alloca_array(vec(128, "i8"), nblocks, "pxsplit"), fn.alloca_array("<2 x float>", nblocks, "pxs"),
-                 isums=fn.alloca_array("<2 x i32>", nblocks, "pxis") if "q4_0" in dtypes else None,
+                 isums=fn.alloca_array("<2 x i32>", nblocks, "pxis") if dtypes & {"q4_0", "mxfp4"} else None,
                  sums=fn.alloca_array("<2 x float>", nblocks, "pxsum") if "q4_1" in dtypes else None, int8=int8)
 
 
@@ -141,8 +144,8 @@ def emit_rows8_pair_dots(fn: Fn, mats: list[tuple[str, str]], pairs: list[PairX]
     for each x row, the <8 x float> of each ``(dtype, group)``'s eight rows dotted with it, the
     bits of the one-row kernel. ``vnni``: the integer sums with ``vpdpbusd``."""
     for dtype, _ in mats:
-        if dtype not in NIBBLE_DTYPES:
-            raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 rows, not {dtype}")
+        if dtype not in NIBBLE_DTYPES | INT_ROWS8_DTYPES:
+            raise PiccError(f"codegen_cpu: the rows8 layout holds q4_0 / q4_1 / mxfp4 rows, not {dtype}")
     accs = [[fn.var(_V16, "zeroinitializer", "pacc") for _ in mats] for _ in pairs]
     with fn.loop("0", fn.v(f"lshr i64 {k}, 5", "nblk"), "1", "b") as b:
         blocks = [(dtype, _group_block(fn, dtype, fn.at(group, group_block_bytes(dtype), b, "gblk")))
@@ -168,6 +171,8 @@ def _group_block(fn: Fn, dtype: str, blk: str) -> tuple[list[str], str, str | No
     for c in range(4):
         raw = fn.load("<8 x i32>", fn.gep(blk, str(header_bytes(dtype) + 32 * c)), 4, "nib")
         chunks.append(fn.v(f"bitcast {_I16} {_doubled(fn, raw, 'i32')} to {_B64}", "nib"))
+    if dtype == "mxfp4":
+        return chunks, _doubled(fn, mxfp4_scales(fn, blk), F32), None
     halves = [fn.load("<8 x half>", fn.gep(blk, str(16 * i)), 2, "dmh") for i in range(2 if dtype == "q4_1" else 1)]
     floats = [_doubled(fn, fn.v(f"fpext <8 x half> {h} to {vec(8)}", "dm"), F32) for h in halves]
     return chunks, floats[0], floats[1] if dtype == "q4_1" else None
@@ -176,10 +181,15 @@ def _group_block(fn: Fn, dtype: str, blk: str) -> tuple[list[str], str, str | No
 def _pair_block(fn: Fn, dtype: str, chunks: list[str], xs: list[list[str]], scale: str, pair: PairX, b: str, d: str,
                 m: str | None, acc: str, vnni: bool) -> str:
     """``acc`` plus a block of the pair's dot products, lane by lane :func:`rows8._int_block`'s."""
-    dots = vnni_sums(fn, chunks, xs) if vnni else int_sums(fn, chunks, xs, LANES)
-    if dtype == "q4_0":
+    table = MXFP4_UNSIGNED if dtype == "mxfp4" else None
+    dots = vnni_sums(fn, chunks, xs, table=table) if vnni else int_sums(fn, chunks, xs, LANES, table=table)
+    if dtype in ("q4_0", "mxfp4"):
         assert pair.isums is not None
-        dots = fn.v(f"add {_I16} {dots}, {_broadcast_pair(fn, fn.at(pair.isums, 8, b), 'i32')}", "pm")
+        offset = _broadcast_pair(fn, fn.at(pair.isums, 8, b), "i32")
+        if dtype == "mxfp4":  # -12 sum x_q from -8 sum x_q (rows8.mxfp4_offset)
+            three = fn.v(f"mul {_I16} {offset}, {vconst(LANES, '3', 'i32')}", "xo3")
+            offset = fn.v(f"ashr {_I16} {three}, {vconst(LANES, '1', 'i32')}", "xo")
+        dots = fn.v(f"add {_I16} {dots}, {offset}", "pm")
     value = scaled_sum(fn, dots, d, scale, acc, LANES)
     if m is not None:
         assert pair.sums is not None

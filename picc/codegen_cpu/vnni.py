@@ -10,15 +10,18 @@ with ``vpmaddubsw`` / ``vpmaddwd``; :func:`vnni_sums` computes the same integers
 from __future__ import annotations
 
 from picc.codegen_cpu.irtext import Fn, vconst, vec
+from picc.codegen_cpu.rowformats import table_lookup
 
 _VNNI_CHAINS = 2  # independent vpdpbusd chains per sum (vpdpbusd's latency is ~5 cycles)
 
 
-def vnni_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = 16) -> str:
+def vnni_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = 16,
+              table: tuple[int, ...] | None = None) -> str:
     """:func:`rows8.int_sums` with ``vpdpbusd`` (16 lanes, or 8 on 256 bits): the nibbles as the
     unsigned operand against x's high bytes (signed), x's low bytes (unsigned) against the nibbles
     (0..15 as signed bytes); int32 sums, split in chains for the instruction's latency. int8 x
-    (``xs`` holds the high bytes alone): the low bytes' products are zero and skipped."""
+    (``xs`` holds the high bytes alone): the low bytes' products are zero and skipped. ``table``:
+    each nibble stands for ``table[q]`` (unsigned bytes under 128: mxfp4's values plus 12)."""
     bytes_t, ints = vec(4 * lanes, "i8"), vec(lanes, "i32")
     mask, four = vconst(4 * lanes, "15", "i8"), vconst(4 * lanes, "4", "i8")
     width = 32 * lanes
@@ -31,6 +34,8 @@ def vnni_sums(fn: Fn, chunks: list[str], xs: list[list[str]], lanes: int = 16) -
     for c, raw in enumerate(chunks):
         shifted = fn.v(f"lshr {bytes_t} {raw}, {four}", "sh")
         nibbles = (fn.v(f"and {bytes_t} {raw}, {mask}", "lo4"), fn.v(f"and {bytes_t} {shifted}, {mask}", "hi4"))
+        if table is not None:
+            nibbles = tuple(table_lookup(fn, nib, 4 * lanes, table) for nib in nibbles)
         for nib, j in zip(nibbles, (c, 4 + c), strict=True):
             high[j % _VNNI_CHAINS] = dot(high[j % _VNNI_CHAINS], nib, xs[0][j])
             if len(xs) > 1:

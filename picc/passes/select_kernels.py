@@ -90,7 +90,7 @@ def _choose(op: Op, t: Types, rounded: str | None, byte_x: str | None, shared: f
         if rounded is None or not four:
             return op
         n, hidden = t.dims(op.up)[0] // op.n_experts, t.dims(op.up)[1]
-        rows8 = n % 8 == 0 and hidden % 8 == 0 and rows8_fits(t, four, shared)
+        rows8 = n % 8 == 0 and hidden % 8 == 0 and rows8_fits(t, four, shared, x_format="i16")
         return replace(op, x_format="i16", layout="rows8" if rows8 else "rows")
     if not isinstance(op, O.MatrixOp) or op.type.placement == Placement.GPU:
         return op
@@ -106,8 +106,9 @@ def _choose(op: Op, t: Types, rounded: str | None, byte_x: str | None, shared: f
             whole = names.read_whole(op.mode, op.up, op.gate)
             rows8 = bool(whole) and rows8_fits(t, whole, shared)
         case O.Linear():
+            # mxfp4 rows read the rows8 layout with rounded x alone (kernel_names.INT_ROWS8_DTYPES)
             int_x = t.fmt(op.weight) in four_bit
-            rows8 = rows8_fits(t, (op.weight,), shared)
+            rows8 = rows8_fits(t, (op.weight,), shared, x_format="f32" if rounded is None else "i16")
         case O.FFN() if type(op) is O.FFN and not op.neuron_major:
             weights = (op.up, op.gate, op.down) if op.gate else (op.up, op.down)
             if rounded == "i8" and names.BYTE_ROWS8_DTYPES & {t.fmt(w) for w in weights}:
