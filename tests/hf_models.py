@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "olmoe", "phi3", "smollm3", "granite",
-            "granitemoe", "olmo2", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "opt", "falcon")
+            "granitemoe", "olmo2", "olmo3", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
 # Config variants.  Each entry is the kwargs given to the transformers config class on
@@ -126,6 +126,12 @@ _BASE: dict[str, dict[str, Any]] = {
     # normalised over the whole projection before the rope
     "olmo2": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=_ROPE,
                   pad_token_id=1, eos_token_id=2),
+    # OLMo 3: OLMo 2's layer, layer 0 sliding (a window of 4), layer 1 attending to everything,
+    # each type with its own rope
+    "olmo3": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=1,
+                  eos_token_id=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}),
     # Gemma 2: Gemma 3's layer without the q and k norms, one rope for all layers, and soft caps on
     # the attention's scores and on the logits, small enough to bend these tiny models' (scores
     # of median 8, logits of median 2): 10 * tanh(s / 10), 3 * tanh(l / 3)
@@ -310,6 +316,17 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "tied": dict(tie_word_embeddings=True),
         "norm-eps": dict(rms_norm_eps=0.5),  # the q and k norms' eps too
     },
+    "olmo3": {
+        "base": {},
+        # OLMo 3's long-context configs: yarn on the full-attention layers only
+        "yarn-full": dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                           "full_attention": dict(_YARN_ROPE, rope_theta=500000.0, factor=8.0)}),
+        # the default layer types (every fourth layer full) and the hub's legacy keys: rope_theta
+        # and rope_scaling, which transformers puts on the full layers (the sliding ones: theta 500000)
+        "hub": dict(num_hidden_layers=4, layer_types=None, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+            "full_attention": dict(_YARN_ROPE, rope_theta=20000.0)}, _hub_style="olmo3"),
+    },
     "gemma2": {
         "base": {},
         "no-softcap": dict(attn_logit_softcapping=None, final_logit_softcapping=None),
@@ -443,6 +460,7 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_moe": {},
     "olmoe": {},
     "olmo2": {},
+    "olmo3": {},
     "gemma2": {},
     "gemma3_text": {},
     "gemma3": {},
@@ -489,6 +507,7 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("qwen3_moe", "base", "three-of-eight"),
     ("olmoe", "base", "normalised"),
     ("olmo2", "base", "norm-eps"),
+    ("olmo3", "base", "yarn-full"),
     ("gpt_oss", "base", "wide-clamp"),
     ("gpt_oss", "base", "four-of-eight"),
     ("gpt_oss", "base", "all-full"),
@@ -554,6 +573,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+        "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "gemma3": (tf.Gemma3Config, tf.Gemma3ForConditionalGeneration),
         "opt": (tf.OPTConfig, tf.OPTForCausalLM),
@@ -628,6 +648,11 @@ def _rewrite_hub_style(cfg_path: pathlib.Path, style: str) -> None:
         _rename_tensors(cfg_path.parent, {"model.language_model.": "language_model.model.",
                                           "model.vision_tower.": "vision_tower.",
                                           "model.multi_modal_projector.": "multi_modal_projector."})
+    elif style == "olmo3":  # a hub config.json (transformers 4.x): rope_theta and the full layers' rope_scaling
+        assert cfg.pop("layer_types") == ["sliding_attention"] * 3 + ["full_attention"]
+        full = cfg.pop("rope_parameters")["full_attention"]
+        cfg["rope_theta"] = full.pop("rope_theta")
+        cfg["rope_scaling"] = full
     elif style == "drop-head-dim":
         assert cfg.pop("head_dim") == 128
     elif style in ("qwen2", "qwen2-keep-window"):

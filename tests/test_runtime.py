@@ -122,12 +122,13 @@ def test_yarn_compiles_as_it_computes(tmp_path):
     check_prefill(path, pib, 1e-4)
 
 
-@pytest.mark.parametrize("family", ["olmo2", "granite", "gemma2"])
+@pytest.mark.parametrize("family", ["olmo2", "olmo3", "granite", "gemma2"])
 def test_olmo2s_granites_and_gemma2s_layers_compile_as_they_compute(family, tmp_path):
     # OLMo 2: no norm before the attention or the MLP, one after each, q and k normalised over the
     # whole projection (a norm of 64 features, not of each head's 16). Granite: its multipliers as
     # the embedding's scale, the norms' eps and the attention's scale. Gemma 2: soft caps, sandwich
-    # norms, a sliding layer. The step and the chunk programs against the interpreter.
+    # norms, a sliding layer. OLMo 3: OLMo 2's layer with a sliding one, a rope per layer type.
+    # The step and the chunk programs against the interpreter.
     from hf_models import make_model
 
     from picc.frontend import load_model
@@ -136,8 +137,11 @@ def test_olmo2s_granites_and_gemma2s_layers_compile_as_they_compute(family, tmp_
     model = load_model(tmp_path / "hf")
     path, pib = compiled(model, tmp_path, family, dense=True, kv_cache="f32")
     norms = [op for op in model.module.ops() if isinstance(op, O.RMSNorm)]
-    assert len(norms) == {"olmo2": 4 * 2 + 1, "granite": 2 * 2 + 1, "gemma2": 4 * 2 + 1}[family]
-    if family == "olmo2":
+    assert len(norms) == {"olmo2": 4 * 2 + 1, "olmo3": 4 * 2 + 1, "granite": 2 * 2 + 1, "gemma2": 4 * 2 + 1}[family]
+    if family == "olmo3":
+        ropes = {op.theta: op.block for op in model.module.ops() if isinstance(op, O.Rope)}
+        assert ropes == {1e4: 0, 5e5: 1}
+    if family.startswith("olmo"):
         assert {op.group for op in norms if op.result.endswith(("q_norm", "k_norm"))} == {None}
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4

@@ -48,6 +48,7 @@ ARCHITECTURES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
@@ -172,6 +173,8 @@ LLAMA_FAMILIES = {
     "granitemoe": LlamaFamily(None, 2048, (1, 2), attn_bias=True, moe=True),
     "olmo2": LlamaFamily(None, 2048, (None, 50279), eps=1e-5, attn_bias=True, qk_norm=True, qk_norm_whole=True,
                          olmo=True),
+    "olmo3": LlamaFamily(None, 2048, (None, 50279), eps=1e-5, attn_bias=True, qk_norm=True, qk_norm_whole=True,
+                         olmo=True),
     "gemma2": LlamaFamily(4, 8192, (2, 1), tied=True, head_dim=256, attn_bias=True, gemma=True),
     "gemma3_text": LlamaFamily(4, 131072, (2, 1), tied=True, head_dim=256, attn_bias=True, qk_norm=True, gemma=True),
     "gpt_oss": LlamaFamily(8, 131072, (None, None), eps=1e-5, head_dim=64, attn_bias=True, moe=True),
@@ -243,7 +246,7 @@ def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | Non
     elif family == "smollm3":
         rope_layers, windows = smollm3_layers(cfg, n_layers)
         return windows, rope_layers
-    elif family in ("gemma2", "gemma3_text", "gpt_oss"):
+    elif family in ("gemma2", "gemma3_text", "gpt_oss", "olmo3"):
         types = gemma_layer_types(cfg, n_layers)
         window = cfg.opt_integer("sliding_window", 128 if family == "gpt_oss" else 4096)
         if window is None and "sliding_attention" in types:
@@ -256,12 +259,13 @@ def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | Non
 
 def gemma_layer_types(cfg: HFConfig, n_layers: int) -> list[str]:
     """``layer_types``, or every ``pattern``-th layer full and the others sliding: Gemma 2's and
-    gpt-oss's every second (``Gemma2Config.__post_init__``, ``GptOssConfig``'s), Gemma 3's every
-    ``sliding_window_pattern``-th (hub configs; ``Gemma3TextConfig.__post_init__``, default 6)."""
+    gpt-oss's every second (``Gemma2Config.__post_init__``, ``GptOssConfig``'s), OLMo 3's every
+    fourth, Gemma 3's every ``sliding_window_pattern``-th (hub configs;
+    ``Gemma3TextConfig.__post_init__``, default 6)."""
     types = cfg.raw.get("layer_types")
     if types is None:
-        two = cfg.raw["model_type"] in ("gemma2", "gpt_oss")
-        pattern = 2 if two else cfg.integer("sliding_window_pattern", 6)
+        fixed = {"gemma2": 2, "gpt_oss": 2, "olmo3": 4}.get(cfg.raw["model_type"])
+        pattern = fixed or cfg.integer("sliding_window_pattern", 6)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     known = ("full_attention", "sliding_attention")
     if not isinstance(types, list) or len(types) != n_layers or any(t not in known for t in types):
@@ -289,6 +293,34 @@ def gemma3_ropes(cfg: HFConfig, head_dim: int, max_position: int, n_layers: int)
         if not isinstance(one, dict):
             raise cfg.bad(f"rope_parameters.{kind}", one, "an object")
         one = {"rope_theta": default, **one}
+        ropes[kind] = rope_from_config(HFConfig(cfg.path, {"rope_parameters": one}), head_dim, max_position)
+    return tuple(ropes[t] for t in gemma_layer_types(cfg, n_layers))
+
+
+OLMO3_THETA = 500000.0  # Olmo3Config.default_theta
+
+
+def olmo3_ropes(cfg: HFConfig, head_dim: int, max_position: int, n_layers: int) -> tuple[RopeSpec, ...]:
+    """Each layer's rope (``Olmo3Config.convert_rope_params_to_dict``): one per layer type,
+    ``rope_parameters`` nested by type, or (hub configs) ``rope_scaling`` on the full-attention
+    layers only with ``rope_theta`` there; a type that names no theta takes 500000 (as
+    transformers does: it pops ``rope_theta`` for the full layers before it looks for the sliding
+    ones')."""
+    params = cfg.raw.get("rope_parameters")
+    if params is None:
+        legacy = cfg.raw.get("rope_scaling") or {}
+        if not isinstance(legacy, dict):
+            raise cfg.bad("rope_scaling", legacy, "an object or null")
+        params = {"full_attention": {"rope_type": "default", **legacy,
+                                     "rope_theta": cfg.raw.get("rope_theta", OLMO3_THETA)}}
+    if not isinstance(params, dict) or not set(params) <= {"full_attention", "sliding_attention"}:
+        raise cfg.bad("rope_parameters", params, "an object of full_attention and sliding_attention rope parameters")
+    ropes = {}
+    for kind in ("full_attention", "sliding_attention"):
+        one = params.get(kind) or {"rope_type": "default"}
+        if not isinstance(one, dict):
+            raise cfg.bad(f"rope_parameters.{kind}", one, "an object")
+        one = {"rope_theta": OLMO3_THETA, **one}
         ropes[kind] = rope_from_config(HFConfig(cfg.path, {"rope_parameters": one}), head_dim, max_position)
     return tuple(ropes[t] for t in gemma_layer_types(cfg, n_layers))
 
@@ -329,6 +361,10 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     if family == "gemma3_text":
         ropes = gemma3_ropes(cfg, head_dim, max_position, n_layers)
         layer.update(layer_ropes=ropes, attn_scale=cfg.number("query_pre_attn_scalar", 256.0) ** -0.5)
+        rope = ropes[0]
+    elif family == "olmo3":
+        ropes = olmo3_ropes(cfg, head_dim, max_position, n_layers)
+        layer.update(layer_ropes=ropes)
         rope = ropes[0]
     else:
         rope = rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope)
