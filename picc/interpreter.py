@@ -344,18 +344,23 @@ class Interpreter:
 
     def moe(self, op: O.MoE, x: np.ndarray) -> np.ndarray:
         """Each token through its router's ``top_k`` experts (ranked by the router's logits, the
-        order of their softmax), their outputs weighted by the softmax and summed in that order."""
+        order of their softmax), their outputs weighted by the softmax and summed in that order,
+        then through the shared experts (weighted by 1, or the sigmoid of the router's last logit)."""
         w = self.weights.f32
 
         def bias(name: str | None, part: slice | None = None) -> np.ndarray | np.float32:
             return np.float32(0) if name is None else w(name) if part is None else w(name)[part]
 
-        logits = x @ w(op.router).T + bias(op.router_bias)
+        all_logits = x @ w(op.router).T + bias(op.router_bias)
+        logits = all_logits[:, : op.n_experts]
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
+        shared = np.arange(op.n_experts, op.n_experts + op.n_shared)
+        shared_weight = (np.float32(1) / (np.float32(1) + np.exp(-all_logits[:, op.n_experts])) if op.shared_gated
+                         else np.ones(x.shape[0], np.float32))
         up, down = w(op.up), w(op.down)
         gate = w(op.gate) if op.gate else None
-        n_ff, hidden = up.shape[0] // op.n_experts, x.shape[1]
+        n_ff, hidden = up.shape[0] // (op.n_experts + op.n_shared), x.shape[1]
 
         def rounded(values: np.ndarray, weight: str) -> np.ndarray:  # as the kernel dots weight's rows
             four_bit = op.x_format != "f32" and self.weights[weight].dtype.value in kernel_names.INT_DOT_DTYPES
@@ -367,6 +372,8 @@ class Interpreter:
             weights = probs[s, chosen]
             if op.norm_topk:
                 weights = weights / weights.sum()
+            chosen = np.concatenate([chosen, shared])
+            weights = np.concatenate([weights, np.full(op.n_shared, shared_weight[s], np.float32)])
             for e, weight in zip(chosen, weights, strict=True):
                 rows, out_rows = slice(e * n_ff, (e + 1) * n_ff), slice(e * hidden, (e + 1) * hidden)
                 u = rounded(x[s], op.up) @ up[rows].T + bias(op.up_bias, rows)

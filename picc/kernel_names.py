@@ -15,6 +15,7 @@ Names are written, never read back: what a kernel does is in the op's attributes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -255,15 +256,33 @@ def cpu_gemv_rows(dtype: str, x_format: str = "f32", rows8: bool = False) -> str
     return cpu_gemv(dtype, x_format, rows8) + BATCHED_SUFFIX
 
 
+@dataclass(frozen=True, slots=True)
+class MoeVariant:
+    """What sets a mixture's kernel apart beyond its formats and layout: gpt-oss's ``biases`` (letters
+    of ``"rugd"``: router, up, gate, down) and ``clamped`` SwiGLU; Qwen2-MoE's ``shared`` experts
+    (``"plain"``: taken by every token with weight 1; ``"gated"``: with the sigmoid of the router's
+    last row)."""
+
+    biases: str = ""
+    clamped: bool = False
+    shared: str = ""
+
+    @property
+    def suffix(self) -> str:
+        return ((f"_b{self.biases}" if self.biases else "") + ("_clamped" if self.clamped else "")
+                + (f"_shared{'g' if self.shared == 'gated' else ''}" if self.shared else ""))
+
+
+PLAIN_MOE = MoeVariant()  # Mixtral's, Qwen3-MoE's, OLMoE's, Granite-MoE's: no biases, no clamp, no shared experts
+
+
 def cpu_moe(form: str, router: str, up: str, gate: str | None, down: str, x_format: str = "f32",
-            rows8: bool = False, biases: str = "", clamped: bool = False) -> str:
+            rows8: bool = False, variant: MoeVariant = PLAIN_MOE) -> str:
     """A mixture of experts for one token (router, top-k, the chosen experts); ``x_format``
     ``"i16"``: the experts' 4-bit rows dotted with x and h rounded to int16; ``rows8``: the experts'
-    4-bit matrices in the rows8 layout; ``biases``: the ones it adds (``picc.ir.ops.MoE.biases``);
-    ``clamped``: gpt-oss's clamped SwiGLU."""
+    4-bit matrices in the rows8 layout; ``variant``: :class:`MoeVariant`."""
     return (f"picc_moe_{form}_{router}_{up}_{gate or 'none'}_{down}" + (ROWS8_SUFFIX if rows8 else "")
-            + _int_suffix(x_format, up, gate, down) + (f"_b{biases}" if biases else "")
-            + ("_clamped" if clamped else ""))
+            + _int_suffix(x_format, up, gate, down) + variant.suffix)
 
 
 def cpu_dense_ffn_rows(form: str, up: str, gate: str | None, down: str, x_format: str = "f32",

@@ -58,7 +58,7 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "olmoe", "phi3", "smollm3", "granite",
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "olmoe", "phi3", "smollm3", "granite",
             "granitemoe", "olmo2", "olmo3", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
@@ -95,6 +95,12 @@ _BASE: dict[str, dict[str, Any]] = {
     # Qwen3-MoE: Qwen3's attention, each layer's MLP eight experts of 32 neurons, two a token
     "qwen3_moe": dict(_QWEN, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B's layout): Qwen2's attention (q, k, v biases), eight experts of 32
+    # neurons, two a token, not renormalised, and a shared expert of 64 neurons gated by the
+    # sigmoid of its own row (picc: two more experts, always taken)
+    "qwen2_moe": dict(_QWEN, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
     # OLMoE: LLaMA's layer with q and k normalised over the whole projection, and eight experts
     # of intermediate_size neurons, two a token, their softmax weights not renormalised
     "olmoe": dict(_TINY, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters=_ROPE,
@@ -292,6 +298,12 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "dense-layer": dict(mlp_only_layers=[0]),  # layer 0 keeps a dense MLP of intermediate_size
         "three-of-eight": dict(num_experts_per_tok=3),
     },
+    "qwen2_moe": {
+        "base": {},
+        "normalised": dict(norm_topk_prob=True),
+        "dense-layer": dict(mlp_only_layers=[1]),  # layer 1 keeps a dense MLP of intermediate_size
+        "wide-shared": dict(shared_expert_intermediate_size=128),  # four pieces
+    },
     "olmoe": {
         "base": {},
         "normalised": dict(norm_topk_prob=True),
@@ -458,6 +470,10 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "granitemoe": {},
     "mixtral": {},
     "qwen3_moe": {},
+    "qwen2_moe": {
+        "uneven-shared": dict(shared_expert_intermediate_size=48),  # refused: not a multiple of 32
+        "sliding": dict(use_sliding_window=True),  # refused
+    },
     "olmoe": {},
     "olmo2": {},
     "olmo3": {},
@@ -506,6 +522,8 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("qwen3_moe", "base", "unnormalised"),
     ("qwen3_moe", "base", "three-of-eight"),
     ("olmoe", "base", "normalised"),
+    ("qwen2_moe", "base", "normalised"),
+    ("qwen2_moe", "base", "wide-shared"),
     ("olmo2", "base", "norm-eps"),
     ("olmo3", "base", "yarn-full"),
     ("gpt_oss", "base", "wide-clamp"),
@@ -569,6 +587,7 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
         "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),

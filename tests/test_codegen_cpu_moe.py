@@ -15,6 +15,7 @@ from picc.codegen_cpu.kernels_moe import moe, moe_chunk, moe_chunk_scratch_bytes
 from picc.codegen_cpu.rows8 import to_rows8
 from picc.errors import PiccError
 from picc.ir.ops import FFN_FORMS
+from picc.kernel_names import MoeVariant
 
 E, N, HIDDEN = 8, 64, 96  # experts, an expert's neurons, the hidden size (multiples of 32: block formats)
 CASES = ([("swiglu", dt, "f32", False) for dt in ("f32", "f16", "q8_0", "q4_0", "q4_1", "mxfp4")]
@@ -26,10 +27,16 @@ CASES = ([("swiglu", dt, "f32", False) for dt in ("f32", "f16", "q8_0", "q4_0", 
 # gpt-oss's: the four biases and the clamped SwiGLU (alpha 1.702, limit 7), float, rows8 and mxfp4 experts
 OAI_CASES = [("swiglu", "f32", "f32", False), ("swiglu", "q4_0", "i16", True), ("swiglu", "mxfp4", "i16", False)]
 ALPHA, LIMIT = 1.702, 7.0
+OAI = MoeVariant("rugd", clamped=True)
+# Qwen2-MoE's: two shared experts stacked after the eight routed ones, weighted by 1 or by the
+# sigmoid of the router's ninth row; float and rows8 experts
+SHARED, SHARED_CASES = 2, [("swiglu", "f32", "f32", False), ("swiglu", "q4_0", "i16", True)]
 KERNELS = [make(form, "f32", dt.split("/")[0], dt.split("/")[0] if FFN_FORMS[form].gated else None,
                 dt.split("/")[-1], x, rows8) for form, dt, x, rows8 in CASES for make in (moe, moe_chunk)]
-KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, "rugd", True) for form, dt, x, rows8 in OAI_CASES
+KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, OAI) for form, dt, x, rows8 in OAI_CASES
             for make in (moe, moe_chunk)]
+KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, MoeVariant(shared=kind)) for form, dt, x, rows8 in SHARED_CASES
+            for kind in ("plain", "gated") for make in (moe, moe_chunk)]
 
 
 @pytest.fixture(scope="module")
@@ -41,34 +48,38 @@ class Experts:
     """Random router and experts for ``form`` in ``dtype``, and the float values they decode to."""
 
     def __init__(self, form: str, dtype: str, seed: int, x_format: str = "f32", rows8: bool = False,
-                 oai: bool = False) -> None:
+                 oai: bool = False, shared: str = "") -> None:
         """``dtype``: the experts' format, or ``"up-gate/down"``'s two; ``oai``: gpt-oss's biases
-        and clamped SwiGLU."""
+        and clamped SwiGLU; ``shared``: :data:`SHARED` shared experts, ``"plain"`` or ``"gated"``."""
         dtype, down = dtype.split("/")[0], dtype.split("/")[-1]
         self.dtype, self.down_dtype = dtype, down
         rng = np.random.default_rng(seed)
         self.form, self.spec, self.x_format = form, FFN_FORMS[form], x_format
-        self.router = rng.normal(0, HIDDEN**-0.5, size=(E, HIDDEN)).astype(np.float32)  # logits ~N(0, 1): no one wins all
-        self.up_raw, self.up = weights(rng, (E * N, HIDDEN), dtype, HIDDEN**-0.5)
-        self.gate_raw, self.gate = weights(rng, (E * N, HIDDEN), dtype, HIDDEN**-0.5) if self.spec.gated else (None, None)
-        self.down_raw, self.down = weights(rng, (E * HIDDEN, N), down, N**-0.5)
+        self.shared, self.n_shared = shared, SHARED if shared else 0
+        total, routers = E + self.n_shared, E + (shared == "gated")
+        # logits ~N(0, 1): no one wins all
+        self.router = rng.normal(0, HIDDEN**-0.5, size=(routers, HIDDEN)).astype(np.float32)
+        self.up_raw, self.up = weights(rng, (total * N, HIDDEN), dtype, HIDDEN**-0.5)
+        self.gate_raw, self.gate = (weights(rng, (total * N, HIDDEN), dtype, HIDDEN**-0.5) if self.spec.gated
+                                    else (None, None))
+        self.down_raw, self.down = weights(rng, (total * HIDDEN, N), down, N**-0.5)
         if rows8:  # the kernel reads the stacked matrices eight rows to a group
-            self.up_raw = to_rows8(self.up_raw, dtype, (E * N, HIDDEN))
-            self.gate_raw = to_rows8(self.gate_raw, dtype, (E * N, HIDDEN)) if self.spec.gated else None
+            self.up_raw = to_rows8(self.up_raw, dtype, (total * N, HIDDEN))
+            self.gate_raw = to_rows8(self.gate_raw, dtype, (total * N, HIDDEN)) if self.spec.gated else None
             if down in quant.BLOCK_SIZE and down != "q8_0":
-                self.down_raw = to_rows8(self.down_raw, down, (E * HIDDEN, N))
+                self.down_raw = to_rows8(self.down_raw, down, (total * HIDDEN, N))
         # gpt-oss: biases of a few units (its up and gate projections reach past the clamp at 7)
         self.oai = oai
         self.biases = [rng.normal(0, scale, size=n).astype(np.float32)
                        for n, scale in ((E, 1.0), (E * N, 4.0), (E * N, 4.0), (E * HIDDEN, 1.0))] if oai else []
-        extra = ("rugd", True) if oai else ()
+        extra = (OAI,) if oai else (MoeVariant(shared=shared),) if shared else ()
         self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8, *extra)
         self.chunk = moe_chunk(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8, *extra)
 
     @property
     def extras(self) -> tuple:
-        """The gpt-oss variants' trailing arguments."""
-        return (*self.biases, ALPHA, LIMIT) if self.oai else ()
+        """The variants' trailing arguments: gpt-oss's, or the count of shared experts."""
+        return (*self.biases, ALPHA, LIMIT) if self.oai else (self.n_shared,) if self.shared else ()
 
     def rounded(self, v: np.ndarray, dtype: str) -> np.ndarray:
         """``v`` as rows of ``dtype`` are dotted with it: rounded to int16 per block (4-bit rows)."""
@@ -80,11 +91,15 @@ class Experts:
         equals), softmax weights, renormalised where ``norm``; x and h rounded as the kernel reads
         them."""
         rb, ub, gb, db = (b.astype(np.float64) for b in self.biases) if self.oai else (0.0,) * 4
-        logits = self.router.astype(np.float64) @ x + rb
+        all_logits = self.router.astype(np.float64) @ x + rb
+        logits = all_logits[:E]
         probs = np.exp(logits - logits.max())
         probs /= probs.sum()
         chosen = np.argsort(-logits, kind="stable")[:k]
         w = probs[chosen] / (probs[chosen].sum() if norm else 1.0)
+        shared_w = 1 / (1 + np.exp(-all_logits[E])) if self.shared == "gated" else 1.0
+        chosen = np.concatenate([chosen, np.arange(E, E + self.n_shared)])
+        w = np.concatenate([w, np.full(self.n_shared, shared_w)])
         y, xr = np.zeros(HIDDEN), self.rounded(x, self.dtype).astype(np.float64)
         for e, we in zip(chosen, w, strict=True):
             rows, out = slice(e * N, (e + 1) * N), slice(e * HIDDEN, (e + 1) * HIDDEN)
@@ -101,7 +116,7 @@ class Experts:
 
     def run(self, module, team, x: np.ndarray, k: int, norm: bool) -> np.ndarray:  # noqa: ANN001
         y = np.full(HIDDEN, np.nan, np.float32)  # every element written
-        scratch = np.zeros(moe_scratch_bytes(E, k, N) // 4, np.float32)
+        scratch = np.zeros(moe_scratch_bytes(E + (self.shared == "gated"), k + self.n_shared, N) // 4, np.float32)
         run(module, team, self.kernel, x, self.router, self.up_raw, self.gate_raw, self.down_raw, y, scratch, E, k, N,
             HIDDEN, int(norm), *self.extras)
         return y
@@ -163,6 +178,29 @@ def test_gpt_oss_biases_and_clamped_swiglu(host, teams, form, dtype, x_format, r
     x = rng.normal(size=(seq, HIDDEN)).astype(np.float32)
     y = np.full((seq, HIDDEN), np.nan, np.float32)
     scratch = np.zeros(moe_chunk_scratch_bytes(E, k, N, HIDDEN, seq) // 4, np.float32)
+    run(host, teams[threads], experts.chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
+        scratch, E, k, N, HIDDEN, 1, *experts.extras, seq, x.strides[0], y.strides[0])
+    want = np.stack([experts.run(host, teams[threads], row, k, True) for row in x])
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("form, dtype, x_format, rows8", SHARED_CASES)
+@pytest.mark.parametrize("shared", ["plain", "gated"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shared_experts_follow_every_tokens_top_k(host, teams, form, dtype, x_format, rows8, shared, threads):
+    # Qwen2-MoE's shared expert, cut into two expert-wide pieces stacked after the routed experts:
+    # every token takes them after its top k, weighted by 1 or by the sigmoid of the router's
+    # extra row (not part of the softmax, nor of the renormalisation). Tolerance as above; a
+    # chunk of tokens gets each token's bits.
+    experts, rng = Experts(form, dtype, 39, x_format, rows8, shared=shared), np.random.default_rng(40)
+    for k, norm in ((2, True), (1, False)):
+        x = rng.normal(size=HIDDEN).astype(np.float32)
+        y, want = experts.run(host, teams[threads], x, k, norm), experts.reference(x, k, norm)
+        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (k, norm)
+    seq, k = 5, 2
+    x = rng.normal(size=(seq, HIDDEN)).astype(np.float32)
+    y = np.full((seq, HIDDEN), np.nan, np.float32)
+    scratch = np.zeros(moe_chunk_scratch_bytes(E + (shared == "gated"), k + SHARED, N, HIDDEN, seq) // 4, np.float32)
     run(host, teams[threads], experts.chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
         scratch, E, k, N, HIDDEN, 1, *experts.extras, seq, x.strides[0], y.strides[0])
     want = np.stack([experts.run(host, teams[threads], row, k, True) for row in x])

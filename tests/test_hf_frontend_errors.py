@@ -103,6 +103,15 @@ def test_extra_rope_variants_are_refused(tmp_path, variant):
             'longrope, yarn)')
 
 
+@pytest.mark.parametrize("variant, message", [
+    ("uneven-shared", "shared_expert_intermediate_size 48 is not a multiple of moe_intermediate_size 32"),
+    ("sliding", "use_sliding_window is not supported for qwen2_moe"),
+])
+def test_qwen2_moe_configs_picc_cannot_run_are_refused(tmp_path, variant, message):
+    make_model("qwen2_moe", variant, tmp_path / variant)
+    refused(tmp_path / variant, message)
+
+
 def test_longrope_needs_a_factor_per_rotary_pair_and_a_rope_that_rotates_them(base, tmp_path):
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}

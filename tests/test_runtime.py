@@ -149,14 +149,15 @@ def test_olmo2s_granites_and_gemma2s_layers_compile_as_they_compute(family, tmp_
 
 
 @pytest.mark.parametrize("family, variant", [("qwen3_moe", "dense-layer"), ("olmoe", "base"), ("mixtral", "base"),
-                                             ("granitemoe", "base"), ("gpt_oss", "base")])
+                                             ("granitemoe", "base"), ("gpt_oss", "base"), ("qwen2_moe", "base")])
 def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     # Each token through its router's top experts (a picc_moe kernel a token): the step, the
     # chunk programs (a call per token) and the server's batch step (a call per row, each the
     # step's bits) against the interpreter. Qwen3-MoE's layer 0 keeps a dense MLP; OLMoE's
     # weights are not renormalised, Mixtral's and Granite-MoE's are (with Granite's multipliers);
     # gpt-oss's experts have biases and the clamped SwiGLU (their kernel variant), its attention
-    # sinks and every other layer a window. Compiled by default (no --dense): the dense MLP may go sparse,
+    # sinks and every other layer a window; Qwen2-MoE's shared expert is two more experts every
+    # token takes, gated by the router's extra row. Compiled by default (no --dense): the dense MLP may go sparse,
     # the experts stay as they are; all-expert OLMoE says so.
     from hf_models import make_model
 
@@ -172,11 +173,13 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     write_compiled(result, path)
     pib = load_pib(path)
     moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
-    kernel = "picc_moe_swiglu_f32_f32_f32_f32" + ("_brugd_clamped" if family == "gpt_oss" else "")
+    kernel = "picc_moe_swiglu_f32_f32_f32_f32" + {"gpt_oss": "_brugd_clamped", "qwen2_moe": "_sharedg"}.get(family, "")
     assert [op.kernel for op in moes] == [kernel] * (1 if family == "qwen3_moe" else 2)
     assert any("every FFN is a mixture of experts" in line for line in said) == (family != "qwen3_moe")
     layers = 1 if family == "qwen3_moe" else 2  # picc inspect's note, as the table shows FFNs only
-    assert f"{layers} layer{'s' * (layers > 1)} a mixture of experts (2 of 8 a token)" in " ".join(result.report["notes"])
+    shared = " and 2 shared" if family == "qwen2_moe" else ""
+    assert (f"{layers} layer{'s' * (layers > 1)} a mixture of experts (2 of 8{shared} a token)"
+            in " ".join(result.report["notes"]))
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)

@@ -25,9 +25,12 @@ expert's rows are a whole number of groups), the others (a Q4_K_M file's q8_0 do
 a time. The sums' order is the interpreter's up to float rounding (it adds the experts' outputs,
 then the residual).
 
-gpt-oss's variants (``biases``, ``clamped``) take the op's biases (a pointer each, after the common
-parameters, in the order router, up, gate, down; each expert's slice found as its rows are) and
-the clamped SwiGLU's ``alpha`` and ``limit`` (``picc.interpreter.clamped_swiglu``).
+The variants (``picc.kernel_names.MoeVariant``) take more arguments after the common ones:
+gpt-oss's biases (a pointer each, in the order router, up, gate, down; each expert's slice found
+as its rows are) and its clamped SwiGLU's ``alpha`` and ``limit``
+(``picc.interpreter.clamped_swiglu``); Qwen2-MoE's ``n_shared`` shared experts, stacked after the
+routed ones, which every token takes after its top k (step 2), weighted by 1 or, ``gated``, by the
+sigmoid of the router's extra last row's logit (computed with the others in step 1).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from picc.codegen_cpu.rowops import alloc_x_sums, emit_tiled_rows, fill_x_sums
 from picc.codegen_cpu.rows8 import emit_group_bytes, emit_rows8
 from picc.errors import PiccError
 from picc.ir.ops import FfnForm
+from picc.kernel_names import PLAIN_MOE, MoeVariant
 from runtime.cpu import vector_isa
 
 MOE_PARAMS = (("x", "ptr"), ("router", "ptr"), ("up", "ptr"), ("gate", "ptr"), ("down", "ptr"), ("y", "ptr"),
@@ -55,22 +59,25 @@ MOE_PARAMS = (("x", "ptr"), ("router", "ptr"), ("up", "ptr"), ("gate", "ptr"), (
 CHUNK_PARAMS = (("seq", "i32"), ("x_stride", "i32"), ("y_stride", "i32"))
 BIAS_PARAMS = {"r": "router_bias", "u": "up_bias", "g": "gate_bias", "d": "down_bias"}
 CLAMP_PARAMS = (("alpha", "f32"), ("limit", "f32"))
+SHARED_PARAMS = (("n_shared", "i32"),)
 
 
-def moe_params(biases: str = "", clamped: bool = False) -> tuple[tuple[str, str], ...]:
-    """The one-token kernel's parameters: :data:`MOE_PARAMS`, then a pointer per bias of
-    ``biases`` (letters of ``picc.ir.ops.MoE.biases``), then the clamped SwiGLU's constants."""
-    return MOE_PARAMS + tuple((BIAS_PARAMS[c], "ptr") for c in biases) + (CLAMP_PARAMS if clamped else ())
+def moe_params(variant: MoeVariant = PLAIN_MOE) -> tuple[tuple[str, str], ...]:
+    """The one-token kernel's parameters: :data:`MOE_PARAMS`, then a pointer per bias of the
+    variant's, the clamped SwiGLU's constants, the shared experts' count."""
+    return (MOE_PARAMS + tuple((BIAS_PARAMS[c], "ptr") for c in variant.biases)
+            + (CLAMP_PARAMS if variant.clamped else ()) + (SHARED_PARAMS if variant.shared else ()))
 
 
-def moe_scratch_bytes(n_experts: int, top_k: int, n: int) -> int:
-    """The router's logits (padded to a 64-byte line), then ``h`` of each chosen expert."""
-    return 4 * (_padded(n_experts) + top_k * n)
+def moe_scratch_bytes(router_rows: int, chosen: int, n: int) -> int:
+    """The router's logits (padded to a 64-byte line), then ``h`` of each chosen expert (the top k
+    and the shared ones)."""
+    return 4 * (_padded(router_rows) + chosen * n)
 
 
-def moe_chunk_scratch_bytes(n_experts: int, top_k: int, n: int, hidden: int, seq: int) -> int:
+def moe_chunk_scratch_bytes(router_rows: int, chosen: int, n: int, hidden: int, seq: int) -> int:
     """Each token's logits (padded), its chosen experts' h, and their down rows' dot products."""
-    return 4 * seq * (_padded(n_experts) + top_k * n + top_k * hidden)
+    return 4 * seq * (_padded(router_rows) + chosen * n + chosen * hidden)
 
 
 def _padded(n_experts: int) -> int:
@@ -88,8 +95,7 @@ class _Experts:
     down: str
     rounds: bool
     rows8: bool
-    biases: str = ""
-    clamped: bool = False
+    variant: MoeVariant = PLAIN_MOE
 
     @property
     def rows8_in(self) -> bool:
@@ -106,32 +112,36 @@ class _Experts:
         if self.rows8 and not (self.rounds and (self.rows8_in or self.rows8_down)):
             raise PiccError("codegen_cpu: a mixture's experts are read in the rows8 layout where they are 4-bit, "
                             "with int16 x")
-        if not set(self.biases) <= set(BIAS_PARAMS) or list(self.biases) != sorted(self.biases, key="rugd".index) \
-                or ("g" in self.biases and self.gate is None):
+        biases = self.variant.biases
+        if not set(biases) <= set(BIAS_PARAMS) or list(biases) != sorted(biases, key="rugd".index) \
+                or ("g" in biases and self.gate is None):
             raise PiccError(f"codegen_cpu: a mixture's biases are letters of 'rugd' in that order (g with a gate), "
-                            f"not {self.biases!r}")
-        if self.clamped and not (self.spec.gated and self.spec.act == "silu" and not self.spec.act_on_up):
+                            f"not {biases!r}")
+        if self.variant.clamped and not (self.spec.gated and self.spec.act == "silu" and not self.spec.act_on_up):
             raise PiccError("codegen_cpu: the clamped SwiGLU is form swiglu's")
+        if self.variant.shared not in ("", "plain", "gated") or (self.variant.shared == "gated" and "r" in biases):
+            raise PiccError(f"codegen_cpu: shared experts are plain or gated (a gated one without a router bias), "
+                            f"not {self.variant.shared!r} with biases {biases!r}")
 
 
 def _kernel(form: str, router: str, up: str, gate: str | None, down: str, x_format: str, rows8: bool,
-            biases: str, clamped: bool) -> _Experts:
+            variant: MoeVariant) -> _Experts:
     spec = gated_form(form, gate)
     if x_format not in ("f32", "i16"):
         raise PiccError(f"codegen_cpu: a mixture's rows are dotted with f32 or i16 x, not {x_format!r}")
-    experts = _Experts(spec, router, up, gate, down, x_format != "f32", rows8, biases, clamped)
+    experts = _Experts(spec, router, up, gate, down, x_format != "f32", rows8, variant)
     experts.check()
     return experts
 
 
 @cache
 def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-        x_format: str = "f32", rows8: bool = False, biases: str = "", clamped: bool = False) -> Kernel:
+        x_format: str = "f32", rows8: bool = False, variant: MoeVariant = PLAIN_MOE) -> Kernel:
     """``y = sum_j w_j down_e_j(h_e_j(x))`` over the router's top ``top_k`` of ``n_experts``
     experts of ``n`` neurons (see module doc); ``norm``: the weights divided by their sum."""
-    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, biases, clamped)
-    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, biases, clamped)
-    params = moe_params(biases, clamped)
+    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, variant)
+    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, variant)
+    params = moe_params(variant)
 
     def emit(level: str) -> str:
         fn = kernel_fn(symbol, params, level if rows8 else None)
@@ -141,7 +151,7 @@ def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, dow
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # 2. the top k and their weights, in every thread
         chosen, weights, taken = p.choice_arrays(1)
-        _top_k(fn, p.logits, p.n_exp, p.k, chosen, weights, taken)
+        p.choose(p.logits, chosen, weights, taken)
         # 3. each chosen expert's h (x in the experts' form once for all of them)
         p.prepare_x("%x")
         with fn.loop("0", p.k, hint="j") as j:
@@ -166,16 +176,15 @@ def moe(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, dow
 
 @cache
 def moe_chunk(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | None, down_dtype: str,
-              x_format: str = "f32", rows8: bool = False, biases: str = "", clamped: bool = False) -> Kernel:
+              x_format: str = "f32", rows8: bool = False, variant: MoeVariant = PLAIN_MOE) -> Kernel:
     """:func:`moe` for each of ``seq`` tokens (a prompt's chunk), its bits for each token, the
     experts taken in turn: the rows of an expert that some tokens chose are dotted with those
     tokens' x one after another (from the cache, after the first), where token after token
     read their experts from memory each time. Each token's down dot products are kept and
     added in its own order of experts at the end, so that its output is the one-token kernel's."""
-    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, biases, clamped)
-    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, biases,
-                           clamped) + "_chunk"
-    params = moe_params(biases, clamped) + CHUNK_PARAMS
+    ex = _kernel(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, variant)
+    symbol = names.cpu_moe(form, router_dtype, up_dtype, gate_dtype, down_dtype, x_format, rows8, variant) + "_chunk"
+    params = moe_params(variant) + CHUNK_PARAMS
 
     def emit(level: str) -> str:
         fn = kernel_fn(symbol, params, level if rows8 else None)
@@ -200,10 +209,10 @@ def moe_chunk(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | Non
         chosen, weights, taken = p.choice_arrays(seq)
         with fn.loop("0", seq, hint="t") as t:
             at = fn.v(f"mul i64 {t}, {p.k}", "tk")
-            _top_k(fn, fn.at("%scratch", 4, fn.v(f"mul i64 {t}, {e_pad}", "lo"), "lrow"), p.n_exp, p.k,
-                   fn.at(chosen, 4, at, "ch"), fn.at(weights, 4, at, "wt"), taken)
+            p.choose(fn.at("%scratch", 4, fn.v(f"mul i64 {t}, {e_pad}", "lo"), "lrow"), fn.at(chosen, 4, at, "ch"),
+                     fn.at(weights, 4, at, "wt"), taken)
         # 3. h of each (token, choice), expert after expert
-        with fn.loop("0", p.n_exp, hint="e") as e, fn.loop("0", seq, hint="t") as t, \
+        with fn.loop("0", p.n_all, hint="e") as e, fn.loop("0", seq, hint="t") as t, \
                 fn.loop("0", p.k, hint="j") as j:
             s = slot(t, j)
             e32 = fn.v(f"trunc i64 {e} to i32", "e32")
@@ -212,7 +221,7 @@ def moe_chunk(form: str, router_dtype: str, up_dtype: str, gate_dtype: str | Non
                 p.expert_h(e32, x_of(t), fn.at(h_all, 4, fn.v(f"mul i64 {s}, {p.n}", "ho"), "hrow"))
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # 4. the down rows' dot products of each (token, choice), expert after expert
-        with fn.loop("0", p.n_exp, hint="e") as e, fn.loop("0", seq, hint="t") as t, \
+        with fn.loop("0", p.n_all, hint="e") as e, fn.loop("0", seq, hint="t") as t, \
                 fn.loop("0", p.k, hint="j") as j:
             s = slot(t, j)
             e32 = fn.v(f"trunc i64 {e} to i32", "e32")
@@ -243,12 +252,20 @@ class _Phases:
 
     def __init__(self, fn: Fn, ex: _Experts, level: str) -> None:
         self.fn, self.ex, self.simd, self.vnni = fn, ex, vector_isa(level), level == "avx512-vnni"
-        self.n_exp, self.k, self.n, self.hidden = (fn.sext(f"%{p}") for p in ("n_experts", "top_k", "n", "hidden"))
+        self.n_exp, self.k_routed, self.n, self.hidden = (fn.sext(f"%{p}") for p in ("n_experts", "top_k", "n",
+                                                                                      "hidden"))
         tid, nthreads = fn.sext("%tid"), fn.sext("%nthreads")
+        # the experts a token takes: its top k, then the shared ones (stacked after the routed); the
+        # router's rows: the routed experts', then a gated shared expert's gate
+        shared = ex.variant.shared
+        self.n_shared = fn.sext("%n_shared") if shared else "0"
+        self.k = fn.v(f"add i64 {self.k_routed}, {self.n_shared}", "kall") if shared else self.k_routed
+        self.n_all = fn.v(f"add i64 {self.n_exp}, {self.n_shared}", "nall") if shared else self.n_exp
+        router_rows = fn.v(f"add i64 {self.n_exp}, 1", "nrouter") if shared == "gated" else self.n_exp
         self.logits = "%scratch"
-        self.e_pad = fn.v(f"and i64 {fn.v(f'add i64 {self.n_exp}, 15', 'e16')}, -16", "epad")  # a token's logits
+        self.e_pad = fn.v(f"and i64 {fn.v(f'add i64 {router_rows}, 15', 'e16')}, -16", "epad")  # a token's logits
         self.h_all = fn.at("%scratch", 4, self.e_pad, "h")
-        self.lo_r, self.hi_r = chunk_bounds(fn, self.n_exp, tid, nthreads)
+        self.lo_r, self.hi_r = chunk_bounds(fn, router_rows, tid, nthreads)
         self.lo_n, self.hi_n = chunk_bounds(fn, self.n, tid, nthreads)
         self.lo_y, self.hi_y = chunk_bounds(fn, self.hidden, tid, nthreads)
         # rows8: the threads' shares of an expert's groups of eight rows (up and gate; down); the
@@ -283,6 +300,24 @@ class _Phases:
         return fn.alloca_array(I32, count, "chosen"), fn.alloca_array(F32, count, "weights"), \
             fn.alloca_array("i8", self.n_exp, "taken")
 
+    def choose(self, logits: str, chosen: str, weights: str, taken: str) -> None:
+        """A token's experts and weights from its ``logits``: the top k (:func:`_top_k`), then the
+        shared experts with weight 1, or the sigmoid of the logit after the routed experts'."""
+        fn, shared = self.fn, self.ex.variant.shared
+        _top_k(fn, logits, self.n_exp, self.k_routed, chosen, weights, taken)
+        if not shared:
+            return
+        weight = fconst(1.0)
+        if shared == "gated":
+            gate = fn.load(F32, fn.at(logits, 4, self.n_exp), 4, "sgl")
+            e = fn.v(f"call float @picc_exp(float {fn.v(f'fneg float {gate}', 'nsg')})", "sge")
+            weight = fn.v(f"fdiv float 1.0, {fn.v(f'fadd float 1.0, {e}', 'sgd')}", "sgw")
+        with fn.loop("0", self.n_shared, hint="s") as s:
+            at = fn.v(f"add i64 {self.k_routed}, {s}", "sat")
+            fn.store(I32, fn.v(f"trunc i64 {fn.v(f'add i64 {self.n_exp}, {s}', 'se')} to i32", "se32"),
+                     fn.at(chosen, 4, at), 4)
+            fn.store(F32, weight, fn.at(weights, 4, at), 4)
+
     def router_logits(self, x: str, out: str) -> None:
         """The thread's share of x's router logits into ``out``."""
         fn = self.fn
@@ -295,7 +330,7 @@ class _Phases:
     def biased(self, which: str, value: str, index: str) -> str:
         """``value`` plus element ``index`` (i64) of bias ``which`` (a letter of ``BIAS_PARAMS``),
         where the kernel has it."""
-        if which not in self.ex.biases:
+        if which not in self.ex.variant.biases:
             return value
         fn = self.fn
         b = fn.load(F32, fn.at(f"%{BIAS_PARAMS[which]}", 4, index), 4, "bias")
@@ -321,7 +356,7 @@ class _Phases:
             at = fn.v(f"add i64 {rows}, {r}", "nrow")
             u = self.biased("u", dots[0], at)
             g = self.biased("g", dots[1], at) if spec.gated else None
-            if self.ex.clamped:
+            if self.ex.variant.clamped:
                 assert g is not None
                 value = _clamped_swiglu(fn, g, u)
             else:
@@ -345,7 +380,7 @@ class _Phases:
             fill_x_sums(fn, h, self.hblocks, self.h_sums)
         rows = fn.v(f"mul i64 {fn.sext(e, 'e')}, {self.hidden}", "drow0")
         first = fn.v(f"lshr i64 {rows}, 3", "dgrp0") if self.ex.rows8_down else rows
-        if "d" in self.ex.biases:
+        if "d" in self.ex.variant.biases:
             outer = consume
 
             def consume(r: str, dots: list[str]) -> None:

@@ -63,6 +63,12 @@ def _x_format(op: Op) -> str:
     return op.x_format if isinstance(op, O.MatrixOp) else "f32"
 
 
+def _moe_counts(op: O.MoE) -> tuple[int, int]:
+    """A mixture's router rows (a gated shared expert's gate too) and the experts a token takes
+    (its top k and the shared ones): what its kernels' scratch holds per token."""
+    return op.n_experts + int(op.shared_gated), op.top_k + op.n_shared
+
+
 def _rows8(op: Op) -> bool:
     """Whether ``op``'s kernel reads its matrices in the rows8 layout (``layout``: 4-bit ones, a
     q8_0 LM head and the embedding tied to it)."""
@@ -264,7 +270,7 @@ class OpLowering(ABC):
     def moe(self, op: O.MoE) -> None:
         """A mixture of experts, a call per token (its router's choice is the token's own)."""
         kernel, n, hidden = self.moe_kernel(op, kernels_moe.moe)
-        scratch = self.bufs.need_scratch(kernels_moe.moe_scratch_bytes(op.n_experts, op.top_k, n))
+        scratch = self.bufs.need_scratch(kernels_moe.moe_scratch_bytes(*_moe_counts(op), n))
         self.call(op, kernel, self.value(op.x), self.weight(op.router), *self.experts(op), self.activation(op.result),
                   scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk), *self.moe_extras(op))
 
@@ -273,15 +279,17 @@ class OpLowering(ABC):
         rows and strides, with scratch for up to ``rows`` rows: the prefill's tokens and the batch
         step's rows call it alike."""
         kernel, n, hidden = self.moe_kernel(op, kernels_moe.moe_chunk)
-        scratch = self.bufs.need_scratch(kernels_moe.moe_chunk_scratch_bytes(op.n_experts, op.top_k, n, hidden, rows))
+        scratch = self.bufs.need_scratch(kernels_moe.moe_chunk_scratch_bytes(*_moe_counts(op), n, hidden, rows))
         return kernel, (self.value(op.x), self.weight(op.router), *self.experts(op), self.activation(op.result),
                         scratch, op.n_experts, op.top_k, n, hidden, int(op.norm_topk), *self.moe_extras(op))
 
     def moe_extras(self, op: O.MoE) -> tuple[object, ...]:
-        """The arguments of gpt-oss's kernel variants: its biases, its clamped SwiGLU's constants."""
+        """The arguments of the kernel's variant (``kernels_moe.moe_params``): gpt-oss's biases and
+        clamped SwiGLU's constants, Qwen2-MoE's count of shared experts."""
         biases = tuple(self.weight(b, as_f32=True) for b in (op.router_bias, op.up_bias, op.gate_bias, op.down_bias)
                        if b is not None)
-        return biases + ((float(op.swiglu_alpha), float(op.swiglu_limit)) if op.swiglu_limit is not None else ())
+        clamp = (float(op.swiglu_alpha), float(op.swiglu_limit)) if op.swiglu_limit is not None else ()
+        return biases + clamp + ((op.n_shared,) if op.n_shared else ())
 
     def moe_kernel(self, op: O.MoE, make: Callable[..., Kernel]) -> tuple[Kernel, int, int]:
         """``make`` (``kernels_moe.moe`` or ``moe_chunk``) for ``op``'s formats and layout, an
@@ -290,8 +298,8 @@ class OpLowering(ABC):
         dtype = {w: self.weights[w].dtype.value for w in (op.router, op.up, op.down)}
         gate = self.weights[op.gate].dtype.value if op.gate else None
         kernel = make(op.form, dtype[op.router], dtype[op.up], gate, dtype[op.down], op.x_format, _rows8(op),
-                      op.biases, op.swiglu_limit is not None)
-        return kernel, rows // op.n_experts, hidden
+                      op.variant)
+        return kernel, rows // (op.n_experts + op.n_shared), hidden
 
     def experts(self, op: O.MoE) -> tuple[Buf | Null, Buf | Null, Buf | Null]:
         """A mixture's up, gate (Null where the form has none) and down matrices, in the layout

@@ -41,6 +41,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -165,6 +166,7 @@ LLAMA_FAMILIES = {
     "qwen2": LlamaFamily(32, 32768, (None, None), qkv_bias=True),
     "qwen3": LlamaFamily(32, 32768, (None, None), head_dim=128, attn_bias=True, qk_norm=True),
     "qwen3_moe": LlamaFamily(4, 32768, (None, None), attn_bias=True, qk_norm=True, moe=True),
+    "qwen2_moe": LlamaFamily(16, 32768, (None, None), qkv_bias=True, moe=True),  # qkv_bias: the config's, default true
     "olmoe": LlamaFamily(None, 4096, (None, 50279), eps=1e-5, attn_bias=True, qk_norm=True, qk_norm_whole=True,
                          moe=True),
     "phi3": LlamaFamily(None, 4096, (1, 32000), eps=1e-5, partial_rope=True, fused=True),
@@ -237,6 +239,10 @@ def _windows(cfg: HFConfig, family: str, n_layers: int) -> tuple[tuple[int | Non
     if family in ("mistral", "mixtral", "phi3"):
         window = cfg.opt_integer("sliding_window", 4096 if family == "mistral" else None)
         windows = (window,) * n_layers if window is not None else ()
+    elif family == "qwen2_moe":
+        if cfg.flag("use_sliding_window", False):
+            raise PiccError(f"{cfg.path}: use_sliding_window is not supported for qwen2_moe (the released models do "
+                            "not slide)")
     elif family == "qwen3_moe":  # every layer slides where use_sliding_window says so (Qwen3MoeConfig)
         window = cfg.opt_integer("sliding_window", 4096) if cfg.flag("use_sliding_window", False) else None
         windows = (window,) * n_layers if window is not None else ()
@@ -348,7 +354,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     max_position = cfg.integer("max_position_embeddings", rules.max_position)
     windows, rope_layers = _windows(cfg, family, n_layers)
     attn_bias = rules.attn_bias and cfg.flag("attention_bias", family == "gpt_oss")
-    qkv_bias = attn_bias or rules.qkv_bias
+    qkv_bias = attn_bias or (cfg.flag("qkv_bias", True) if family == "qwen2_moe" else rules.qkv_bias)
     mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False)
     bos, eos = special_ids(cfg, directory, *rules.special_ids)
     tie = cfg.flag("tie_word_embeddings", rules.tied)
@@ -430,13 +436,24 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
             store.add(n["experts_down"], Tensor(down.dtype, (count * hidden, e_ff),
                                                 np.asarray(down.data).reshape(count * hidden, -1)))
             return
-        add(n["router"], mlp + "gate.weight", (spec.moe.n_experts, hidden))
+        router = ckpt.tensor(p + mlp + "gate.weight", (spec.moe.n_experts, hidden))
+        if spec.moe.shared_gated:  # Qwen2-MoE: the shared expert's gate is the router's last row
+            router = Tensor.stacked([router, ckpt.tensor(p + mlp + "shared_expert_gate.weight", (1, hidden))])
+        store.add(n["router"], router)
         gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         matrices = (("experts_gate", gate, (e_ff, hidden)), ("experts_up", up, (e_ff, hidden)),
                     ("experts_down", down, (hidden, e_ff)))
+        shared = spec.moe.n_shared * e_ff
         for key, proj, shape in matrices:
-            store.add(n[key], Tensor.stacked([ckpt.tensor(f"{p}{mlp}experts.{e}.{proj}.weight", shape)
-                                              for e in range(spec.moe.n_experts)]))
+            parts = [ckpt.tensor(f"{p}{mlp}experts.{e}.{proj}.weight", shape) for e in range(spec.moe.n_experts)]
+            if shared and proj == "down_proj":  # the shared expert's columns, n_ff at a time, as experts' rows
+                whole = ckpt.tensor(f"{p}{mlp}shared_expert.{proj}.weight", (hidden, shared))
+                pieces = np.asarray(whole.data).reshape(hidden, spec.moe.n_shared, e_ff).transpose(1, 0, 2)
+                parts.append(Tensor(whole.dtype, (shared * hidden // e_ff, e_ff),
+                                    np.ascontiguousarray(pieces).reshape(-1, e_ff)))
+            elif shared:  # its rows, n_ff at a time, are experts' already
+                parts.append(ckpt.tensor(f"{p}{mlp}shared_expert.{proj}.weight", (shared, hidden)))
+            store.add(n[key], Tensor.stacked(parts))
 
     add("token_embd", "embed_tokens.weight", (vocab, hidden))
     q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
@@ -488,16 +505,20 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
 
 
 def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
-    """The experts of a Qwen3-MoE, OLMoE, Mixtral or Granite-MoE config: ``num_experts`` FFNs of
-    ``moe_intermediate_size`` (Qwen3-MoE; the others' are ``intermediate_size``),
-    ``num_experts_per_tok`` of them a token, their weights renormalised where ``norm_topk_prob``
-    (always in Mixtral; Granite-MoE takes the softmax of the k logits, the same weights);
-    Qwen3-MoE's layers in ``mlp_only_layers``, or not at a multiple of ``decoder_sparse_step``,
-    keep a dense MLP."""
-    qwen = family == "qwen3_moe"
+    """The experts of a Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite-MoE or gpt-oss config:
+    ``num_experts`` FFNs of ``moe_intermediate_size`` (the Qwens'; the others' are
+    ``intermediate_size``), ``num_experts_per_tok`` of them a token, their weights renormalised
+    where ``norm_topk_prob`` (always in Mixtral; Granite-MoE and gpt-oss take the softmax of the k
+    logits, the same weights); the Qwens' layers in ``mlp_only_layers``, or not at a multiple of
+    ``decoder_sparse_step``, keep a dense MLP. Qwen2-MoE adds a shared expert of
+    ``shared_expert_intermediate_size`` neurons gated by ``sigmoid(shared_expert_gate x)``, run as
+    that many expert-wide pieces (``MoeSpec.n_shared``); gpt-oss its clamped SwiGLU."""
+    qwen = family in ("qwen3_moe", "qwen2_moe")
     key = "num_local_experts" if "num_local_experts" in cfg.raw else "num_experts"  # transformers saves either
-    n_experts = cfg.integer(key, {"qwen3_moe": 128, "olmoe": 64, "mixtral": 8, "granitemoe": 8, "gpt_oss": 128}[family])
-    top_k = cfg.integer("num_experts_per_tok", {"mixtral": 2, "granitemoe": 2, "gpt_oss": 4}.get(family, 8))
+    n_experts = cfg.integer(key, {"qwen3_moe": 128, "qwen2_moe": 60, "olmoe": 64, "mixtral": 8, "granitemoe": 8,
+                                  "gpt_oss": 128}[family])
+    top_k = cfg.integer("num_experts_per_tok",
+                        {"mixtral": 2, "granitemoe": 2, "gpt_oss": 4, "qwen2_moe": 4}.get(family, 8))
     if top_k > n_experts:
         raise PiccError(f"{cfg.path}: num_experts_per_tok {top_k} is more than num_experts {n_experts}")
     layers: tuple[bool, ...] = ()
@@ -509,7 +530,8 @@ def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
         layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
     if cfg.raw.get("clip_qkv") is not None:
         raise PiccError(f"{cfg.path}: clip_qkv {json.dumps(cfg.raw['clip_qkv'])} is not supported")
-    width = cfg.integer("moe_intermediate_size" if qwen else "intermediate_size", 2880 if family == "gpt_oss" else 768)
+    width = cfg.integer("moe_intermediate_size" if qwen else "intermediate_size",
+                        {"gpt_oss": 2880, "qwen2_moe": 1408}.get(family, 768))
     # granitemoe and gpt-oss: the softmax of the k logits, the same weights
     norm = family in ("mixtral", "granitemoe", "gpt_oss") or cfg.flag("norm_topk_prob", False)
     clamp = dict(swiglu_limit=cfg.number("swiglu_limit", 7.0), swiglu_alpha=cfg.number("swiglu_alpha", 1.702)) \
@@ -517,8 +539,16 @@ def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
     for key, value in clamp.items():
         if not 0 < value < math.inf:
             raise cfg.bad(key, value, "a number > 0")
+    shared: dict = {}
+    if family == "qwen2_moe":  # its shared expert, in expert-wide pieces, gated
+        neurons = cfg.integer("shared_expert_intermediate_size", 5632)
+        if neurons % width:
+            raise PiccError(f"{cfg.path}: shared_expert_intermediate_size {neurons} is not a multiple of "
+                            f"moe_intermediate_size {width} (picc runs the shared expert as pieces of an "
+                            "expert's width)")
+        shared = dict(n_shared=neurons // width, shared_gated=True)
     return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=norm,
-                   layers=layers if not all(layers) else (), **clamp)
+                   layers=layers if not all(layers) else (), **clamp, **shared)
 
 
 def _gpt_oss_experts(ckpt: Checkpoint, store: WeightStore, n: dict[str, str], mlp: str, moe: MoeSpec,

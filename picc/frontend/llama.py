@@ -53,6 +53,8 @@ class MoeSpec:
     layers: tuple[bool, ...] = ()  # per layer, whether its FFN is the experts (Qwen3-MoE's mlp_only_layers); empty: all
     swiglu_limit: float | None = None  # gpt-oss: its clamped SwiGLU (picc.ir.ops.MoE)
     swiglu_alpha: float = 1.0
+    n_shared: int = 0  # Qwen2-MoE: its shared expert, in n_ff-wide pieces stacked after the routed experts
+    shared_gated: bool = False  # ... weighted by the sigmoid of the router's last row
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +216,8 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
                      top_k=spec.moe.top_k, form=spec.ffn_form, norm_topk=spec.moe.norm_topk,
                      router_bias=maybe(n["router_bias"]), up_bias=maybe(n["experts_up_bias"]),
                      gate_bias=maybe(n["experts_gate_bias"]), down_bias=maybe(n["experts_down_bias"]),
-                     swiglu_limit=spec.moe.swiglu_limit, swiglu_alpha=spec.moe.swiglu_alpha)
+                     swiglu_limit=spec.moe.swiglu_limit, swiglu_alpha=spec.moe.swiglu_alpha,
+                     n_shared=spec.moe.n_shared, shared_gated=spec.moe.shared_gated)
         else:
             f = b.op(O.FFN, f"{p}.ffn.out", x=h, up=n["up"], gate=n["gate"] if gated else None,
                      down=n["down"], up_bias=maybe(n["up_bias"]),

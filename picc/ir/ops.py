@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from picc import kernel_names as names
 from picc.ir import positional
 from picc.ir.core import Op, RuleError, Sym, TypeEnv, Val, expect, expect_rank, register_op, weight_shape_is
 from picc.ir.kernel_choice import LAYOUTS, X_FORMATS, Accumulated, MatrixOp
@@ -574,6 +575,11 @@ class MoE(Op):
     only), its clamped SwiGLU: ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)``,
     ``h = g' sigmoid(swiglu_alpha g') (u' + 1)``.
 
+    Qwen2-MoE's shared expert: ``n_shared`` more experts of the same width after the routed ones
+    in the stacked matrices (its neurons cut into ``n_ff``-wide pieces), taken by every token after
+    its top k, with weight 1, or (``shared_gated``) ``sigmoid(router[n_experts] . x)``: the router
+    then has one more row, the shared expert's gate.
+
     ``x_format`` (``select-kernels``): ``"i16"`` where the experts' 4-bit rows are dotted with x
     (and h) rounded to int16 per block, as a ``MatrixOp``'s; the interpreter rounds alike.
     ``layout``: ``"rows8"`` where the 4-bit ones of the three matrices are stored eight rows to a
@@ -596,6 +602,8 @@ class MoE(Op):
     down_bias: Sym | None = None
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    n_shared: int = 0
+    shared_gated: bool = False
     x_format: str = "f32"
     layout: str = "rows"
 
@@ -609,6 +617,12 @@ class MoE(Op):
         return "".join(c for c, b in zip("rugd", (self.router_bias, self.up_bias, self.gate_bias, self.down_bias),
                                          strict=True) if b is not None)
 
+    @property
+    def variant(self) -> names.MoeVariant:
+        """Its kernels' variant (``picc.kernel_names.MoeVariant``)."""
+        shared = ("gated" if self.shared_gated else "plain") if self.n_shared else ""
+        return names.MoeVariant(self.biases, self.swiglu_limit is not None, shared)
+
     def infer(self, env: TypeEnv) -> TensorType:
         t = _activation_input(env, self.x)
         hidden = t.shape[1]
@@ -618,22 +632,26 @@ class MoE(Op):
         expect(self.form in FFN_FORMS, f"form must be one of {tuple(FFN_FORMS)}, got {self.form!r}")
         expect(self.n_experts > 0 and 0 < self.top_k <= self.n_experts,
                f"top_k must be in 1..n_experts, got top_k={self.top_k}, n_experts={self.n_experts}")
-        weight_shape_is(env, self.router, (self.n_experts, hidden), "router")
+        expect(self.n_shared >= 0 and (self.n_shared or not self.shared_gated),
+               f"shared_gated needs n_shared > 0, got n_shared={self.n_shared}")
+        expect(not (self.shared_gated and self.router_bias), "a gated shared expert's router row has no bias")
+        weight_shape_is(env, self.router, (self.n_experts + int(self.shared_gated), hidden), "router")
         up = env.weight(self.up)
         expect_rank(f"up @{self.up}", up, 2)
         rows, cols = up.shape
-        expect(cols == hidden and isinstance(rows, int) and rows % self.n_experts == 0,
-               f"up @{self.up} must be [n_experts * n_ff, {hidden}], got {up}")
-        n_ff = rows // self.n_experts
+        stacked = self.n_experts + self.n_shared
+        expect(cols == hidden and isinstance(rows, int) and rows % stacked == 0,
+               f"up @{self.up} must be [(n_experts + n_shared) * n_ff, {hidden}], got {up}")
+        n_ff = rows // stacked
         expect((self.gate is not None) == self.spec.gated,
                f"form {self.form!r} " + ("needs a gate weight" if self.spec.gated else "has no gate, but one is given"))
         weight_shape_is(env, self.gate, (rows, hidden), "gate")
-        weight_shape_is(env, self.down, (self.n_experts * hidden, n_ff), "down")
+        weight_shape_is(env, self.down, (stacked * hidden, n_ff), "down")
         weight_shape_is(env, self.router_bias, (self.n_experts,), "router_bias")
         weight_shape_is(env, self.up_bias, (rows,), "up_bias")
         expect(self.gate is not None or self.gate_bias is None, "gate_bias without a gate")
         weight_shape_is(env, self.gate_bias, (rows,), "gate_bias")
-        weight_shape_is(env, self.down_bias, (self.n_experts * hidden,), "down_bias")
+        weight_shape_is(env, self.down_bias, (stacked * hidden,), "down_bias")
         if self.swiglu_limit is None:
             expect(self.swiglu_alpha == 1.0, "swiglu_alpha is the clamped SwiGLU's: it needs swiglu_limit")
         else:
@@ -646,5 +664,5 @@ class MoE(Op):
         """Neurons of one expert."""
         rows = env.weight(self.up).shape[0]
         assert isinstance(rows, int)
-        return rows // self.n_experts
+        return rows // (self.n_experts + self.n_shared)
 

@@ -67,8 +67,7 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
             return names.cpu_elementwise("softcap")
         case O.MoE():
             return names.cpu_moe(op.form, t.fmt(op.router) or "", t.fmt(op.up) or "", t.fmt(op.gate),
-                                 t.fmt(op.down) or "", op.x_format, op.layout == "rows8", op.biases,
-                                 op.swiglu_limit is not None)
+                                 t.fmt(op.down) or "", op.x_format, op.layout == "rows8", op.variant)
         case Merge():
             return names.cpu_elementwise("merge")
         case Predict():

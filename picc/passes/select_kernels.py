@@ -89,7 +89,7 @@ def _choose(op: Op, t: Types, rounded: str | None, byte_x: str | None, shared: f
         four = tuple(w for w in (op.up, op.gate, op.down) if w and t.fmt(w) in four_bit)
         if rounded is None or not four:
             return op
-        n, hidden = t.dims(op.up)[0] // op.n_experts, t.dims(op.up)[1]
+        n, hidden = t.dims(op.up)[0] // (op.n_experts + op.n_shared), t.dims(op.up)[1]
         rows8 = n % 8 == 0 and hidden % 8 == 0 and rows8_fits(t, four, shared, x_format="i16")
         return replace(op, x_format="i16", layout="rows8" if rows8 else "rows")
     if not isinstance(op, O.MatrixOp) or op.type.placement == Placement.GPU:

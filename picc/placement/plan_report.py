@@ -43,9 +43,10 @@ def _read_seconds(target: Target, where: Placement | None, parts: list[tuple[int
 def _weight_parts(op: Op, weights: WeightStore) -> list[tuple[int, str]]:
     """Each weight of ``op`` as (bytes, the rate key of the kernel reading it). A fused FFN's down
     rows are neuron-major AXPYs; a dense FFN in the source layout dots its down rows with h; a
-    mixture of experts reads its router and ``top_k`` of its ``n_experts`` experts a token."""
+    mixture of experts reads its router, ``top_k`` of its ``n_experts`` experts and its shared
+    ones a token."""
     if isinstance(op, O.MoE):  # the experts as its kernel reads them (rows8: the 4-bit ones)
-        share = op.top_k / op.n_experts
+        share = (op.top_k + op.n_shared) / (op.n_experts + op.n_shared)
         rows8 = [w for w in (op.up, op.gate, op.down) if w and weights[w].dtype.value in names.NIBBLE_DTYPES]
         reads = cpu_weight_reads(weights, op.weights(), op.x_format, rows8=rows8 if op.layout == "rows8" else ())
         return [(nbytes if name == op.router else round(nbytes * share), key)
@@ -110,9 +111,10 @@ def _moe_notes(func: Function) -> list[str]:
     moes = [op for op in func.ops if isinstance(op, O.MoE)]
     if not moes:
         return []
-    kinds = sorted({(op.top_k, op.n_experts) for op in moes})
+    kinds = sorted({(op.top_k, op.n_experts, op.n_shared) for op in moes})
     return [f"{len(moes)} layer{'s' if len(moes) > 1 else ''} a mixture of experts "
-            f"({', '.join(f'{k} of {n}' for k, n in kinds)} a token), on the CPU: dense, not in the table"]
+            f"({', '.join(f'{k} of {n}' + (f' and {s} shared' if s else '') for k, n, s in kinds)} a token), "
+            "on the CPU: dense, not in the table"]
 
 
 def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.MemoryPlan) -> dict:

@@ -179,13 +179,18 @@ class TorchForward:
         def bias(name: str | None, part: slice | None = None):  # noqa: ANN202 - torch.Tensor or 0
             return 0.0 if name is None else w(name) if part is None else w(name)[part]
 
-        probs = torch.softmax(x @ w(op.router).T + bias(op.router_bias), dim=-1)
+        logits = x @ w(op.router).T + bias(op.router_bias)
+        probs = torch.softmax(logits[:, : op.n_experts], dim=-1)
         weights, chosen = torch.topk(probs, op.top_k, dim=-1)
         if op.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        shared = torch.sigmoid(logits[:, op.n_experts]) if op.shared_gated else torch.ones(x.shape[0], dtype=x.dtype)
+        weights = torch.cat([weights, shared[:, None].expand(-1, op.n_shared)], dim=1)
+        shared_experts = torch.arange(op.n_experts, op.n_experts + op.n_shared).expand(x.shape[0], -1)
+        chosen = torch.cat([chosen, shared_experts], dim=1)
         up, down = w(op.up), w(op.down)
         gate = w(op.gate) if op.gate else None
-        n_ff, hidden = up.shape[0] // op.n_experts, x.shape[1]
+        n_ff, hidden = up.shape[0] // (op.n_experts + op.n_shared), x.shape[1]
         rows = []
         for s in range(x.shape[0]):
             y = torch.zeros(hidden, dtype=x.dtype)
