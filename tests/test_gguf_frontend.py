@@ -34,10 +34,11 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=None,
-               drop_keys=(), keys=None):
+               drop_keys=(), keys=None, shared_type=None):
     """Write the HF model in ``hf_dir`` (a llama, or a qwen2 / qwen3 / phi3 / gemma2 / gemma3 with
     ``arch`` saying so) as a GGUF file, matrices in ``quant_type``; ``keys``: more metadata, by
-    the GGUFWriter method that adds each (``rope_scaling_yarn_beta_fast`` for ``add_...``)."""
+    the GGUFWriter method that adds each (``rope_scaling_yarn_beta_fast`` for ``add_...``);
+    ``shared_type``: Qwen2-MoE's shared expert's matrices' type, where not ``quant_type``."""
     import json
 
     from safetensors.numpy import load_file
@@ -65,8 +66,10 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         experts = cfg.get("num_experts", cfg.get("num_local_experts"))
         meta["expert_count"] = (w.add_expert_count, experts)
         meta["expert_used_count"] = (w.add_expert_used_count, cfg["num_experts_per_tok"])
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "qwen2moe"):
             meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])
+        if arch == "qwen2moe":  # convert_hf_to_gguf.py's Qwen2MoeModel
+            meta["shared_width"] = (w.add_expert_shared_feed_forward_length, cfg["shared_expert_intermediate_size"])
         if arch == "gpt-oss":  # convert_hf_to_gguf.py's GptOssModel
             meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["intermediate_size"])
             meta["sliding_window"] = (w.add_sliding_window, cfg["sliding_window"])
@@ -170,6 +173,11 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         for moe in ("mlp.", "block_sparse_moe."):
             if p + moe + "gate.weight" in sd:
                 tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + moe + "gate.weight"])
+        if p + "mlp.shared_expert_gate.weight" in sd:  # Qwen2-MoE's shared expert and its gate ([hidden])
+            tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"].reshape(-1))
+            for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                tensor(f"blk.{i}.ffn_{ours}_shexp.weight", sd[p + f"mlp.shared_expert.{theirs}.weight"],
+                       shared_type or quant_type)
         if p + "block_sparse_moe.input_linear.weight" in sd:  # GraniteMoeModel splits each expert's gate, up
             both = sd[p + "block_sparse_moe.input_linear.weight"]
             half = both.shape[1] // 2
@@ -231,7 +239,8 @@ def round_trip_hf_weights(hf_dir, out_dir, qt):
             rows = quant.dequantize(quant.quantize(w.reshape(-1, w.shape[-1]), name), name,
                                     (w.shape[0] * w.shape[1], w.shape[2])).reshape(w.shape)
             sd[key] = np.ascontiguousarray(rows.transpose(0, 2, 1)) if transposed else rows
-        routers = ("mlp.gate.weight", "moe.gate.weight", "router.layer.weight", "mlp.router.weight")  # f32
+        routers = ("mlp.gate.weight", "moe.gate.weight", "router.layer.weight", "mlp.router.weight",
+                   "shared_expert_gate.weight")  # f32
         if w.ndim == 2 and not key.endswith(routers + ("_bias",)):  # (gpt-oss's experts' biases: f32)
             sd[key] = quant.dequantize(quant.quantize(w, name), name, w.shape)
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -267,6 +276,7 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     ("olmo2", "norm-eps", Q.F32, ()), ("olmo2", "base", Q.Q4_1, ()),
     ("qwen3_moe", "base", Q.F32, ()), ("qwen3_moe", "three-of-eight", Q.Q4_1, ()),
     ("gpt_oss", "wide-clamp", Q.F32, ()), ("gpt_oss", "gguf-yarn", Q.Q4_0, ()),
+    ("qwen2_moe", "base", Q.F32, ()), ("qwen2_moe", "wide-shared", Q.Q4_1, ()),
     ("mixtral", "base", Q.F32, ()), ("mixtral", "three-of-eight", Q.Q4_0, ()),
     ("mixtral", "three-of-eight", Q.MXFP4, ()),  # gpt-oss's 4-bit experts, kept as stored
     ("granitemoe", "base", Q.F32, ()), ("granitemoe", "base", Q.Q4_1, ()),
@@ -286,7 +296,8 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
     # router's and the experts' biases, the clamped SwiGLU at llama.cpp's limit (7, the variant's).
     hf_dir = tmp_path / family
     make_model(family, variant, hf_dir)
-    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}.get(family, family)
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+            "gpt_oss": "gpt-oss"}.get(family, family)
     tie = family in ("gemma2", "gemma3_text", "granite", "granitemoe")  # no output.weight: the head is the embedding
     model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, quant_type=qt, drop_keys=drop, tie=tie))
     if variant.startswith("longrope"):
@@ -296,13 +307,39 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
     assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {
         "gptj" if family in ("granite", "granitemoe", "mixtral") else "llama"}
     grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer (OLMo 2's: not by heads)
-    if family in ("qwen3_moe", "mixtral", "granitemoe", "gpt_oss"):  # (Qwen3-MoE's head_dim is 16)
+    if family in ("qwen3_moe", "mixtral", "granitemoe", "gpt_oss", "qwen2_moe"):  # (Qwen3-MoE's head_dim is 16)
         grouped, moes = 0, [op for op in model.module.ops() if op.NAME == "moe"]
-        assert [(op.n_experts, op.top_k, op.norm_topk) for op in moes] == [(8, 3 if "three" in variant else 2, True)] * 2
+        renormalised = family != "qwen2_moe"  # llama.cpp's qwen2moe: not renormalised, as the model's config
+        assert [(op.n_experts, op.top_k, op.norm_topk) for op in moes] == [
+            (8, 3 if "three" in variant else 2, renormalised)] * 2
     assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == grouped
     reference = round_trip_hf_weights(hf_dir, tmp_path / "hf_q", qt) if qt != Q.F32 else hf_dir
     got = Interpreter(model.module, model.weights).run(TOKENS)
     assert rel_l2(got, reference_logits(reference, TOKENS)) <= 1e-4
+
+
+def test_a_qwen2moe_shared_expert_of_another_type_is_quantized_again_as_the_experts(tmp_path):
+    # A K-quant mix may store the shared expert in another type than the experts (here Q8_0 beside
+    # Q4_1): its pieces are stacked with the experts, so they take the experts' type, from the
+    # values the file holds, and the import says so. Its down matrix's columns, cut into
+    # expert-wide pieces, become the stacked matrix's last rows.
+    hf_dir = tmp_path / "hf"
+    make_model("qwen2_moe", "base", hf_dir)
+    model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch="qwen2moe", quant_type=Q.Q4_1, shared_type=Q.Q8_0))
+    assert "6 shared-expert matrices quantized again" in model.notes[-1]
+    from safetensors.numpy import load_file
+
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    e_ff, hidden = 32, 64
+    for hf, ours in (("up_proj", "up"), ("down_proj", "down")):
+        stacked = model.weights[f"l0.moe.{ours}"]
+        assert stacked.dtype == DType.Q4_1
+        shared = sd[f"model.layers.0.mlp.shared_expert.{hf}.weight"]
+        if ours == "down":  # [hidden, 64] -> two pieces of [hidden, 32], one after the other
+            shared = shared.reshape(hidden, 2, e_ff).transpose(1, 0, 2).reshape(2 * hidden, e_ff)
+        in_file = quant.dequantize(quant.quantize(shared, "q8_0"), "q8_0", shared.shape)
+        want = quant.quantize(in_file, "q4_1")
+        np.testing.assert_array_equal(np.asarray(stacked.data)[-shared.shape[0]:], want)
 
 
 @pytest.fixture(scope="module")
@@ -583,7 +620,7 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"),
-     "GGUF architecture 'gpt2' is not supported (supported: llama, granite, granitemoe, qwen2, qwen3, qwen3moe, "
+     "GGUF architecture 'gpt2' is not supported (supported: llama, granite, granitemoe, qwen2, qwen2moe, qwen3, qwen3moe, "
      "phi3, olmo2, gemma2, gemma3, gpt-oss)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),

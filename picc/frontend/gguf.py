@@ -40,12 +40,12 @@ from picc.ir.weights import Tensor, WeightStore
 if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
-SUPPORTED_ARCHS = ("llama", "granite", "granitemoe", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "gemma2",
-                   "gemma3", "gpt-oss")
+SUPPORTED_ARCHS = ("llama", "granite", "granitemoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "olmo2",
+                   "gemma2", "gemma3", "gpt-oss")
 # see above: llama.cpp's converter permutes the q and k rows of llama (and Granite) files, keeps the others'
 _ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "granitemoe": "gptj", "qwen2": "llama", "qwen3": "llama",
-                "qwen3moe": "llama", "phi3": "llama", "olmo2": "llama", "gemma2": "llama", "gemma3": "llama",
-                "gpt-oss": "llama"}
+                "qwen3moe": "llama", "qwen2moe": "llama", "phi3": "llama", "olmo2": "llama", "gemma2": "llama",
+                "gemma3": "llama", "gpt-oss": "llama"}
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0, "MXFP4": DType.MXFP4}
 
@@ -69,6 +69,9 @@ _LAYER_NAMES = {
     # gpt-oss's: the router's and the experts' biases ([n_experts, rows], read as one vector), the sinks
     "ffn_gate_inp.bias": "moe.router_bias", "ffn_up_exps.bias": "moe.up_bias", "ffn_gate_exps.bias": "moe.gate_bias",
     "ffn_down_exps.bias": "moe.down_bias", "attn_sinks.weight": "attn.sinks",
+    # qwen2moe's shared expert and its gate (stacked into the experts and the router by _qwen2moe)
+    "ffn_gate_inp_shexp.weight": "moe.shared_router", "ffn_gate_shexp.weight": "moe.shared_gate",
+    "ffn_up_shexp.weight": "moe.shared_up", "ffn_down_shexp.weight": "moe.shared_down",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -315,6 +318,9 @@ def load_gguf(path: Path) -> LoadedModel:
         spec = _gemma3(spec, meta, key, path)
     elif arch == "gpt-oss":
         spec, store = _gpt_oss(spec, store, meta, key)
+    requantized = 0
+    if arch == "qwen2moe":
+        store, requantized = _qwen2moe(spec, store)
     module = build_llama(spec, store)
     # A GGUF without tokenizer metadata still imports; it runs on token ids only.
     has_tokenizer = meta.get("tokenizer.ggml.model") is not None
@@ -324,6 +330,9 @@ def load_gguf(path: Path) -> LoadedModel:
     notes = tuple(f"{count} {kind} tensor{'s' if count > 1 else ''} converted to {_target(kind).upper()} "
                   + ("(the same 4-bit values)" if kind == "Q4_K" else "(decoded and quantized again)")
                   + ", which picc's kernels read" for kind, count in sorted(changed.items())) + longrope_notes(module)
+    if requantized:
+        notes += (f"{requantized} shared-expert matrices quantized again as their layer's experts' type "
+                  "(picc stacks them with the experts)",)
     return LoadedModel(module, store, tokenizer, source=str(path), notes=notes)
 
 
@@ -334,16 +343,60 @@ def _moe(meta: _Meta, key: Callable[[str], str], arch: str, n_ff: int, path: Pat
     ``expert_feed_forward_length`` neurons (qwen3moe; llama.cpp's default ``feed_forward_length /
     expert_used_count``) or ``feed_forward_length`` (llama, granitemoe)."""
     n_experts, top_k = (_opt_int(meta.get(key(k))) or 0 for k in ("expert_count", "expert_used_count"))
-    if arch not in ("qwen3moe", "granitemoe", "gpt-oss") and n_experts == 0:
+    if arch not in ("qwen3moe", "qwen2moe", "granitemoe", "gpt-oss") and n_experts == 0:
         return None
-    if arch not in ("qwen3moe", "granitemoe", "llama", "gpt-oss"):
+    if arch not in ("qwen3moe", "qwen2moe", "granitemoe", "llama", "gpt-oss"):
         raise PiccError(f"{path}: {arch} files with experts ({key('expert_count')} {n_experts}) are not supported")
     if not 0 < top_k <= n_experts:
         raise PiccError(f"{path}: {key('expert_used_count')} {top_k} and {key('expert_count')} {n_experts}: "
                         "expected 1 to expert_count experts a token")
     width = _opt_int(meta.get(key("expert_feed_forward_length"))) or (n_ff // top_k if arch == "qwen3moe" else n_ff)
     clamp = dict(swiglu_limit=GPT_OSS_SWIGLU[1], swiglu_alpha=GPT_OSS_SWIGLU[0]) if arch == "gpt-oss" else {}
-    return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=True, **clamp)
+    shared: dict = {}
+    if arch == "qwen2moe":  # llama.cpp's build_moe_ffn(.., norm_w = false); its shared expert, gated
+        neurons = _opt_int(meta.get(key("expert_shared_feed_forward_length"))) or 0
+        if neurons <= 0 or neurons % width:
+            raise PiccError(f"{path}: {key('expert_shared_feed_forward_length')} {neurons} must be a multiple of "
+                            f"{key('expert_feed_forward_length')} {width} (picc runs the shared expert as pieces of "
+                            "an expert's width)")
+        shared = dict(n_shared=neurons // width, shared_gated=True)
+    return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=arch != "qwen2moe", **clamp, **shared)
+
+
+def _qwen2moe(spec: LlamaSpec, store: WeightStore) -> tuple[WeightStore, int]:
+    """A ``qwen2moe`` file's shared expert stacked after its experts, in expert-wide pieces (the
+    down matrix's columns cut at block boundaries, its bytes as they are), and its gate
+    (``ffn_gate_inp_shexp``, [hidden]) after the router's rows (``picc.ir.ops.MoE``'s ``n_shared``,
+    ``shared_gated``). Where a shared matrix's type is not the experts' (a K-quant mix), it is
+    decoded and quantized again as theirs: how many were."""
+    assert spec.moe is not None
+    moved, requantized = {}, 0
+
+    def like(t: Tensor, other: Tensor) -> Tensor:
+        nonlocal requantized
+        if t.dtype == other.dtype:
+            return t
+        requantized += 1
+        return Tensor.from_f32(t.to_f32(), other.dtype)
+
+    width, pieces, hidden = spec.moe.n_ff, spec.moe.n_shared, spec.hidden
+    for i in range(spec.n_layers):
+        p = f"l{i}.moe."
+        if p + "router" not in store:
+            continue
+        router = store[p + "router"]
+        gate_row = store[p + "shared_router"]
+        moved[p + "router"] = Tensor.stacked([router, like(Tensor(gate_row.dtype, (1, hidden),
+                                                                   np.asarray(gate_row.data).reshape(1, -1)), router)])
+        for m in ("gate", "up"):
+            moved[p + m] = Tensor.stacked([store[p + m], like(store[p + "shared_" + m], store[p + m])])
+        down = store[p + "down"]
+        whole = like(store[p + "shared_down"], down)  # [hidden, pieces * width]: a piece's columns are an expert's
+        raw = np.asarray(whole.data).reshape(hidden, pieces, -1).transpose(1, 0, 2)
+        moved[p + "down"] = Tensor.stacked([down, Tensor(down.dtype, (pieces * hidden, width),
+                                                         np.ascontiguousarray(raw).reshape(pieces * hidden, -1))])
+    gone = {f"l{i}.moe.shared_{m}" for i in range(spec.n_layers) for m in ("router", "gate", "up", "down")}
+    return WeightStore({n: moved.get(n, store[n]) for n in store if n not in gone}), requantized
 
 
 GPT_OSS_SWIGLU = (1.702, 7.0)  # llama.cpp's alpha and limit of gpt-oss's clamped SwiGLU (files name none)
