@@ -368,7 +368,8 @@ class Interpreter:
 
         out = np.zeros_like(x)
         for s in range(x.shape[0]):
-            chosen = np.argsort(-logits[s], kind="stable")[: op.top_k]
+            rank = logits[s] if op.choice_bias is None else probs[s] + w(op.choice_bias)
+            chosen = np.argsort(-rank, kind="stable")[: op.top_k]
             weights = probs[s, chosen]
             if op.norm_topk:
                 weights = weights / weights.sum()

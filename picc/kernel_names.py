@@ -259,18 +259,21 @@ def cpu_gemv_rows(dtype: str, x_format: str = "f32", rows8: bool = False) -> str
 @dataclass(frozen=True, slots=True)
 class MoeVariant:
     """What sets a mixture's kernel apart beyond its formats and layout: gpt-oss's ``biases`` (letters
-    of ``"rugd"``: router, up, gate, down) and ``clamped`` SwiGLU; Qwen2-MoE's ``shared`` experts
-    (``"plain"``: taken by every token with weight 1; ``"gated"``: with the sigmoid of the router's
-    last row)."""
+    of ``"rugd"``: router, up, gate, down) and ``clamped`` SwiGLU; Qwen2-MoE's and ERNIE 4.5's
+    ``shared`` experts (``"plain"``: taken by every token with weight 1; ``"gated"``: with the
+    sigmoid of the router's last row); ERNIE 4.5's ``choice_bias`` (added to the softmax's
+    probabilities to rank the experts, not to weight them)."""
 
     biases: str = ""
     clamped: bool = False
     shared: str = ""
+    choice_bias: bool = False
 
     @property
     def suffix(self) -> str:
         return ((f"_b{self.biases}" if self.biases else "") + ("_clamped" if self.clamped else "")
-                + (f"_shared{'g' if self.shared == 'gated' else ''}" if self.shared else ""))
+                + (f"_shared{'g' if self.shared == 'gated' else ''}" if self.shared else "")
+                + ("_cb" if self.choice_bias else ""))
 
 
 PLAIN_MOE = MoeVariant()  # Mixtral's, Qwen3-MoE's, OLMoE's, Granite-MoE's: no biases, no clamp, no shared experts

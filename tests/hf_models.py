@@ -58,7 +58,7 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "olmoe", "phi3", "smollm3", "granite",
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "ernie4_5", "ernie4_5_moe", "olmoe", "phi3", "smollm3", "granite",
             "granitemoe", "olmo2", "olmo3", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
@@ -101,6 +101,14 @@ _BASE: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(_QWEN, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1,
                       mlp_only_layers=[]),
+    # ERNIE 4.5 (0.3B's layout): LLaMA's layer rotating interleaved pairs, heads of 16, tied head
+    "ernie4_5": dict(_TINY, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                     rope_parameters=_ROPE),
+    # ERNIE 4.5 MoE (21B-A3B's layout): layer 0 dense, layer 1 eight experts of 32, two a token
+    # ranked by probability plus a bias, renormalised, and two shared experts
+    "ernie4_5_moe": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         rope_parameters=_ROPE, moe_intermediate_size=32, moe_k=2, moe_num_experts=8,
+                         moe_num_shared_experts=2, moe_layer_start_index=1),
     # OLMoE: LLaMA's layer with q and k normalised over the whole projection, and eight experts
     # of intermediate_size neurons, two a token, their softmax weights not renormalised
     "olmoe": dict(_TINY, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters=_ROPE,
@@ -308,6 +316,15 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "base": {},
         "normalised": dict(norm_topk_prob=True),
     },
+    "ernie4_5": {
+        "base": {},
+        "biases": dict(use_bias=True),
+    },
+    "ernie4_5_moe": {
+        "base": {},
+        "all-experts": dict(moe_layer_start_index=0, moe_num_shared_experts=0),
+        "four-of-eight": dict(moe_k=4),
+    },
     "granite": {
         "base": {},
         "untied": dict(tie_word_embeddings=False),
@@ -475,6 +492,8 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "sliding": dict(use_sliding_window=True),  # refused
     },
     "olmoe": {},
+    "ernie4_5": {},
+    "ernie4_5_moe": {},
     "olmo2": {},
     "olmo3": {},
     "gemma2": {},
@@ -524,6 +543,8 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("olmoe", "base", "normalised"),
     ("qwen2_moe", "base", "normalised"),
     ("qwen2_moe", "base", "wide-shared"),
+    ("ernie4_5", "base", "biases"),
+    ("ernie4_5_moe", "base", "four-of-eight"),
     ("olmo2", "base", "norm-eps"),
     ("olmo3", "base", "yarn-full"),
     ("gpt_oss", "base", "wide-clamp"),
@@ -588,6 +609,8 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),
+        "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),

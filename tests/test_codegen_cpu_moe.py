@@ -37,6 +37,10 @@ KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, OAI) for form, dt, x, rows8 
             for make in (moe, moe_chunk)]
 KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, MoeVariant(shared=kind)) for form, dt, x, rows8 in SHARED_CASES
             for kind in ("plain", "gated") for make in (moe, moe_chunk)]
+# ERNIE 4.5's: the experts ranked by probability plus a bias, two plain shared experts
+ERNIE = MoeVariant(shared="plain", choice_bias=True)
+KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, ERNIE) for form, dt, x, rows8 in SHARED_CASES
+            for make in (moe, moe_chunk)]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +52,10 @@ class Experts:
     """Random router and experts for ``form`` in ``dtype``, and the float values they decode to."""
 
     def __init__(self, form: str, dtype: str, seed: int, x_format: str = "f32", rows8: bool = False,
-                 oai: bool = False, shared: str = "") -> None:
+                 oai: bool = False, shared: str = "", choice_bias: bool = False) -> None:
         """``dtype``: the experts' format, or ``"up-gate/down"``'s two; ``oai``: gpt-oss's biases
-        and clamped SwiGLU; ``shared``: :data:`SHARED` shared experts, ``"plain"`` or ``"gated"``."""
+        and clamped SwiGLU; ``shared``: :data:`SHARED` shared experts, ``"plain"`` or ``"gated"``;
+        ``choice_bias``: ERNIE 4.5's bias on the probabilities that rank the experts."""
         dtype, down = dtype.split("/")[0], dtype.split("/")[-1]
         self.dtype, self.down_dtype = dtype, down
         rng = np.random.default_rng(seed)
@@ -72,14 +77,18 @@ class Experts:
         self.oai = oai
         self.biases = [rng.normal(0, scale, size=n).astype(np.float32)
                        for n, scale in ((E, 1.0), (E * N, 4.0), (E * N, 4.0), (E * HIDDEN, 1.0))] if oai else []
-        extra = (OAI,) if oai else (MoeVariant(shared=shared),) if shared else ()
+        # a bias of the probabilities' size (1/8 each on average): it reorders the ranking
+        self.choice_bias = rng.normal(0, 0.1, size=E).astype(np.float32) if choice_bias else None
+        extra = (OAI,) if oai else (MoeVariant(shared=shared, choice_bias=choice_bias),) if shared else ()
         self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8, *extra)
         self.chunk = moe_chunk(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8, *extra)
 
     @property
     def extras(self) -> tuple:
         """The variants' trailing arguments: gpt-oss's, or the count of shared experts."""
-        return (*self.biases, ALPHA, LIMIT) if self.oai else (self.n_shared,) if self.shared else ()
+        if self.oai:
+            return (*self.biases, ALPHA, LIMIT)
+        return (self.n_shared, *(() if self.choice_bias is None else (self.choice_bias,))) if self.shared else ()
 
     def rounded(self, v: np.ndarray, dtype: str) -> np.ndarray:
         """``v`` as rows of ``dtype`` are dotted with it: rounded to int16 per block (4-bit rows)."""
@@ -95,7 +104,8 @@ class Experts:
         logits = all_logits[:E]
         probs = np.exp(logits - logits.max())
         probs /= probs.sum()
-        chosen = np.argsort(-logits, kind="stable")[:k]
+        rank = logits if self.choice_bias is None else probs + self.choice_bias
+        chosen = np.argsort(-rank, kind="stable")[:k]
         w = probs[chosen] / (probs[chosen].sum() if norm else 1.0)
         shared_w = 1 / (1 + np.exp(-all_logits[E])) if self.shared == "gated" else 1.0
         chosen = np.concatenate([chosen, np.arange(E, E + self.n_shared)])
@@ -201,6 +211,32 @@ def test_shared_experts_follow_every_tokens_top_k(host, teams, form, dtype, x_fo
     x = rng.normal(size=(seq, HIDDEN)).astype(np.float32)
     y = np.full((seq, HIDDEN), np.nan, np.float32)
     scratch = np.zeros(moe_chunk_scratch_bytes(E + (shared == "gated"), k + SHARED, N, HIDDEN, seq) // 4, np.float32)
+    run(host, teams[threads], experts.chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
+        scratch, E, k, N, HIDDEN, 1, *experts.extras, seq, x.strides[0], y.strides[0])
+    want = np.stack([experts.run(host, teams[threads], row, k, True) for row in x])
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("form, dtype, x_format, rows8", SHARED_CASES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_choice_bias_ranks_the_experts_but_does_not_weight_them(host, teams, form, dtype, x_format, rows8, threads):
+    # ERNIE 4.5: the top k by probability plus the bias, weighted by the probability (renormalised),
+    # then the shared experts. The bias changes some token's choice (checked), the kernel follows
+    # the reference in every case; a chunk of tokens gets each token's bits.
+    experts, rng = Experts(form, dtype, 41, x_format, rows8, shared="plain", choice_bias=True), np.random.default_rng(42)
+    reordered = 0
+    for _ in range(6):
+        x = rng.normal(size=HIDDEN).astype(np.float32)
+        y, want = experts.run(host, teams[threads], x, 2, True), experts.reference(x, 2, True)
+        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+        logits = experts.router.astype(np.float64) @ x
+        probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        reordered += set(np.argsort(-logits)[:2]) != set(np.argsort(-(probs + experts.choice_bias))[:2])
+    assert reordered > 0
+    seq, k = 5, 2
+    x = rng.normal(size=(seq, HIDDEN)).astype(np.float32)
+    y = np.full((seq, HIDDEN), np.nan, np.float32)
+    scratch = np.zeros(moe_chunk_scratch_bytes(E, k + SHARED, N, HIDDEN, seq) // 4, np.float32)
     run(host, teams[threads], experts.chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
         scratch, E, k, N, HIDDEN, 1, *experts.extras, seq, x.strides[0], y.strides[0])
     want = np.stack([experts.run(host, teams[threads], row, k, True) for row in x])

@@ -112,6 +112,12 @@ def test_qwen2_moe_configs_picc_cannot_run_are_refused(tmp_path, variant, messag
     refused(tmp_path / variant, message)
 
 
+def test_ernie_experts_with_biases_are_refused(tmp_path):
+    make_model("ernie4_5_moe", "base", tmp_path / "src")
+    path = edited_copy(tmp_path / "src", tmp_path / "biased", config={"use_bias": True})
+    refused(path, "use_bias with experts is not supported")
+
+
 def test_longrope_needs_a_factor_per_rotary_pair_and_a_rope_that_rotates_them(base, tmp_path):
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}

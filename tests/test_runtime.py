@@ -149,7 +149,8 @@ def test_olmo2s_granites_and_gemma2s_layers_compile_as_they_compute(family, tmp_
 
 
 @pytest.mark.parametrize("family, variant", [("qwen3_moe", "dense-layer"), ("olmoe", "base"), ("mixtral", "base"),
-                                             ("granitemoe", "base"), ("gpt_oss", "base"), ("qwen2_moe", "base")])
+                                             ("granitemoe", "base"), ("gpt_oss", "base"), ("qwen2_moe", "base"),
+                                             ("ernie4_5_moe", "base")])
 def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     # Each token through its router's top experts (a picc_moe kernel a token): the step, the
     # chunk programs (a call per token) and the server's batch step (a call per row, each the
@@ -157,7 +158,8 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     # weights are not renormalised, Mixtral's and Granite-MoE's are (with Granite's multipliers);
     # gpt-oss's experts have biases and the clamped SwiGLU (their kernel variant), its attention
     # sinks and every other layer a window; Qwen2-MoE's shared expert is two more experts every
-    # token takes, gated by the router's extra row. Compiled by default (no --dense): the dense MLP may go sparse,
+    # token takes, gated by the router's extra row; ERNIE 4.5's layer 0 is dense, its experts ranked
+    # by probability plus a bias, with two shared ones. Compiled by default (no --dense): the dense MLP may go sparse,
     # the experts stay as they are; all-expert OLMoE says so.
     from hf_models import make_model
 
@@ -173,11 +175,13 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     write_compiled(result, path)
     pib = load_pib(path)
     moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
-    kernel = "picc_moe_swiglu_f32_f32_f32_f32" + {"gpt_oss": "_brugd_clamped", "qwen2_moe": "_sharedg"}.get(family, "")
-    assert [op.kernel for op in moes] == [kernel] * (1 if family == "qwen3_moe" else 2)
-    assert any("every FFN is a mixture of experts" in line for line in said) == (family != "qwen3_moe")
-    layers = 1 if family == "qwen3_moe" else 2  # picc inspect's note, as the table shows FFNs only
-    shared = " and 2 shared" if family == "qwen2_moe" else ""
+    kernel = "picc_moe_swiglu_f32_f32_f32_f32" + {"gpt_oss": "_brugd_clamped", "qwen2_moe": "_sharedg",
+                                                  "ernie4_5_moe": "_shared_cb"}.get(family, "")
+    dense_layer = family in ("qwen3_moe", "ernie4_5_moe")
+    assert [op.kernel for op in moes] == [kernel] * (1 if dense_layer else 2)
+    assert any("every FFN is a mixture of experts" in line for line in said) == (not dense_layer)
+    layers = 1 if dense_layer else 2  # picc inspect's note, as the table shows FFNs only
+    shared = " and 2 shared" if family in ("qwen2_moe", "ernie4_5_moe") else ""
     assert (f"{layers} layer{'s' * (layers > 1)} a mixture of experts (2 of 8{shared} a token)"
             in " ".join(result.report["notes"]))
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)

@@ -30,7 +30,9 @@ gpt-oss's biases (a pointer each, in the order router, up, gate, down; each expe
 as its rows are) and its clamped SwiGLU's ``alpha`` and ``limit``
 (``picc.interpreter.clamped_swiglu``); Qwen2-MoE's ``n_shared`` shared experts, stacked after the
 routed ones, which every token takes after its top k (step 2), weighted by 1 or, ``gated``, by the
-sigmoid of the router's extra last row's logit (computed with the others in step 1).
+sigmoid of the router's extra last row's logit (computed with the others in step 1); ERNIE 4.5's
+``choice_bias``, added to each expert's softmax probability to rank them in step 2 (their
+weights stay the probabilities).
 """
 
 from __future__ import annotations
@@ -60,13 +62,15 @@ CHUNK_PARAMS = (("seq", "i32"), ("x_stride", "i32"), ("y_stride", "i32"))
 BIAS_PARAMS = {"r": "router_bias", "u": "up_bias", "g": "gate_bias", "d": "down_bias"}
 CLAMP_PARAMS = (("alpha", "f32"), ("limit", "f32"))
 SHARED_PARAMS = (("n_shared", "i32"),)
+CHOICE_BIAS_PARAMS = (("choice_bias", "ptr"),)
 
 
 def moe_params(variant: MoeVariant = PLAIN_MOE) -> tuple[tuple[str, str], ...]:
     """The one-token kernel's parameters: :data:`MOE_PARAMS`, then a pointer per bias of the
-    variant's, the clamped SwiGLU's constants, the shared experts' count."""
+    variant's, the clamped SwiGLU's constants, the shared experts' count, the choice bias."""
     return (MOE_PARAMS + tuple((BIAS_PARAMS[c], "ptr") for c in variant.biases)
-            + (CLAMP_PARAMS if variant.clamped else ()) + (SHARED_PARAMS if variant.shared else ()))
+            + (CLAMP_PARAMS if variant.clamped else ()) + (SHARED_PARAMS if variant.shared else ())
+            + (CHOICE_BIAS_PARAMS if variant.choice_bias else ()))
 
 
 def moe_scratch_bytes(router_rows: int, chosen: int, n: int) -> int:
@@ -304,7 +308,8 @@ class _Phases:
         """A token's experts and weights from its ``logits``: the top k (:func:`_top_k`), then the
         shared experts with weight 1, or the sigmoid of the logit after the routed experts'."""
         fn, shared = self.fn, self.ex.variant.shared
-        _top_k(fn, logits, self.n_exp, self.k_routed, chosen, weights, taken)
+        _top_k(fn, logits, self.n_exp, self.k_routed, chosen, weights, taken,
+               "%choice_bias" if self.ex.variant.choice_bias else None)
         if not shared:
             return
         weight = fconst(1.0)
@@ -407,10 +412,12 @@ def _clamped_swiglu(fn: Fn, g: str, u: str) -> str:
     return fn.v(f"fmul float {fn.v(f'fdiv float {g}, {den}', 'glu')}, {fn.v(f'fadd float {u}, 1.0', 'u1')}", "h")
 
 
-def _top_k(fn: Fn, logits: str, n_exp: str, k: str, chosen: str, weights: str, taken: str) -> None:
+def _top_k(fn: Fn, logits: str, n_exp: str, k: str, chosen: str, weights: str, taken: str,
+           bias: str | None = None) -> None:
     """The ``k`` largest of ``n_exp`` logits (the lower index first among equals) into ``chosen``
     (i32) and their softmax weights into ``weights``, normalised over the k where ``%norm``;
-    ``taken``: ``n_exp`` bytes of scratch."""
+    ``taken``: ``n_exp`` bytes of scratch. ``bias`` (a pointer to ``n_exp`` floats): the experts
+    ranked by their softmax probability plus it instead (ERNIE 4.5's), weighted as before."""
     top = fn.var(F32, fconst(float("-inf")), "top")
     with fn.loop("0", n_exp, hint="e") as e:
         logit = fn.load(F32, fn.at(logits, 4, e), 4, "l")
@@ -425,15 +432,22 @@ def _top_k(fn: Fn, logits: str, n_exp: str, k: str, chosen: str, weights: str, t
     chosen_sum = fn.var(F32, fconst(0.0), "wsum")
     with fn.loop("0", k, hint="j") as j:
         best, best_logit = fn.var("i64", "-1", "best"), fn.var(F32, fconst(0.0), "bestl")
+        best_key = fn.var(F32, fconst(0.0), "bestk")
         with fn.loop("0", n_exp, hint="e") as e:
             logit = fn.load(F32, fn.at(logits, 4, e), 4, "l")
+            key = logit
+            if bias is not None:
+                shifted = fn.v(f"fsub float {logit}, {m}", "ls")
+                prob = fn.v(f"fdiv float {fn.v(f'call float @picc_exp(float {shifted})', 'e')}, {total.get()}", "pr")
+                key = fn.v(f"fadd float {prob}, {fn.load(F32, fn.at(bias, 4, e), 4, 'cb')}", "key")
             free = fn.v(f"icmp eq i8 {fn.load('i8', fn.at(taken, 1, e), 1, 't')}, 0", "free")
             # the first free one, then any larger (strictly: equals keep the lower index)
-            larger = fn.v(f"fcmp ogt float {logit}, {best_logit.get()}", "gt")
+            larger = fn.v(f"fcmp ogt float {key}, {best_key.get()}", "gt")
             unset = fn.v(f"icmp eq i64 {best.get()}, -1", "unset")
             with fn.if_(fn.v(f"and i1 {free}, {fn.v(f'or i1 {larger}, {unset}', 'better')}", "take"), "pick"):
                 best.set(e)
                 best_logit.set(logit)
+                best_key.set(key)
         b = best.get("b")
         fn.store("i8", "1", fn.at(taken, 1, b), 1)
         fn.store(I32, fn.v(f"trunc i64 {b} to i32", "b32"), fn.at(chosen, 4, j), 4)

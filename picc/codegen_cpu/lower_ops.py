@@ -285,11 +285,12 @@ class OpLowering(ABC):
 
     def moe_extras(self, op: O.MoE) -> tuple[object, ...]:
         """The arguments of the kernel's variant (``kernels_moe.moe_params``): gpt-oss's biases and
-        clamped SwiGLU's constants, Qwen2-MoE's count of shared experts."""
+        clamped SwiGLU's constants, the count of shared experts, ERNIE 4.5's choice bias."""
         biases = tuple(self.weight(b, as_f32=True) for b in (op.router_bias, op.up_bias, op.gate_bias, op.down_bias)
                        if b is not None)
         clamp = (float(op.swiglu_alpha), float(op.swiglu_limit)) if op.swiglu_limit is not None else ()
-        return biases + clamp + ((op.n_shared,) if op.n_shared else ())
+        choice = (self.weight(op.choice_bias, as_f32=True),) if op.choice_bias is not None else ()
+        return biases + clamp + ((op.n_shared,) if op.n_shared else ()) + choice
 
     def moe_kernel(self, op: O.MoE, make: Callable[..., Kernel]) -> tuple[Kernel, int, int]:
         """``make`` (``kernels_moe.moe`` or ``moe_chunk``) for ``op``'s formats and layout, an

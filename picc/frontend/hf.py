@@ -44,6 +44,8 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -157,6 +159,7 @@ class LlamaFamily:
     olmo: bool = False  # OLMo 2's layer: the attention's and the MLP's outputs normalised, not their inputs
     qk_norm_whole: bool = False  # q's and k's norms over the whole projection (OLMo 2, OLMoE)
     moe: bool = False  # experts in place of the MLP (``moe_spec``)
+    ernie: bool = False  # ERNIE 4.5: interleaved rope pairs (gptj), use_bias for every projection's bias
 
 
 LLAMA_FAMILIES = {
@@ -180,6 +183,8 @@ LLAMA_FAMILIES = {
     "gemma2": LlamaFamily(4, 8192, (2, 1), tied=True, head_dim=256, attn_bias=True, gemma=True),
     "gemma3_text": LlamaFamily(4, 131072, (2, 1), tied=True, head_dim=256, attn_bias=True, qk_norm=True, gemma=True),
     "gpt_oss": LlamaFamily(8, 131072, (None, None), eps=1e-5, head_dim=64, attn_bias=True, moe=True),
+    "ernie4_5": LlamaFamily(2, 131072, (1, 2), tied=True, eps=1e-5, head_dim=128, ernie=True),
+    "ernie4_5_moe": LlamaFamily(4, 131072, (1, 2), tied=True, eps=1e-5, moe=True, ernie=True),
 }
 
 
@@ -354,8 +359,12 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     max_position = cfg.integer("max_position_embeddings", rules.max_position)
     windows, rope_layers = _windows(cfg, family, n_layers)
     attn_bias = rules.attn_bias and cfg.flag("attention_bias", family == "gpt_oss")
+    if rules.ernie:  # one key for every projection's bias (the released models have none)
+        attn_bias = cfg.flag("use_bias", False)
+        if attn_bias and rules.moe:
+            raise PiccError(f"{cfg.path}: use_bias with experts is not supported (the experts have no biases there)")
     qkv_bias = attn_bias or (cfg.flag("qkv_bias", True) if family == "qwen2_moe" else rules.qkv_bias)
-    mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False)
+    mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False) or rules.ernie and attn_bias
     bos, eos = special_ids(cfg, directory, *rules.special_ids)
     tie = cfg.flag("tie_word_embeddings", rules.tied)
     layer: dict = dict(sandwich=True, pre_norm=False) if rules.olmo else {}  # the family's own layer
@@ -374,6 +383,8 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         rope = ropes[0]
     else:
         rope = rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope)
+    if rules.ernie:  # rotate_half over interleaved pairs (2i, 2i + 1), each at frequency i
+        rope = replace(rope, style="gptj")
     if family == "gemma2":  # Gemma 3's layer with one rope and no q and k norms
         layer.update(attn_scale=cfg.integer("query_pre_attn_scalar", 256) ** -0.5)
     act = ("hidden_activation", "gelu_pytorch_tanh") if rules.gemma else ("hidden_act", "silu")
@@ -440,6 +451,11 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         if spec.moe.shared_gated:  # Qwen2-MoE: the shared expert's gate is the router's last row
             router = Tensor.stacked([router, ckpt.tensor(p + mlp + "shared_expert_gate.weight", (1, hidden))])
         store.add(n["router"], router)
+        if spec.moe.choice_bias:  # ERNIE 4.5's
+            bias = ckpt.tensor(p + mlp + "moe_statics.e_score_correction_bias", (1, spec.moe.n_experts))
+            store.add(n["router_choice_bias"],
+                      Tensor(bias.dtype, (spec.moe.n_experts,), np.asarray(bias.data).reshape(-1)))
+        shared_name = "shared_experts" if rules.ernie else "shared_expert"
         gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         matrices = (("experts_gate", gate, (e_ff, hidden)), ("experts_up", up, (e_ff, hidden)),
                     ("experts_down", down, (hidden, e_ff)))
@@ -447,12 +463,12 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         for key, proj, shape in matrices:
             parts = [ckpt.tensor(f"{p}{mlp}experts.{e}.{proj}.weight", shape) for e in range(spec.moe.n_experts)]
             if shared and proj == "down_proj":  # the shared expert's columns, n_ff at a time, as experts' rows
-                whole = ckpt.tensor(f"{p}{mlp}shared_expert.{proj}.weight", (hidden, shared))
+                whole = ckpt.tensor(f"{p}{mlp}{shared_name}.{proj}.weight", (hidden, shared))
                 pieces = np.asarray(whole.data).reshape(hidden, spec.moe.n_shared, e_ff).transpose(1, 0, 2)
                 parts.append(Tensor(whole.dtype, (shared * hidden // e_ff, e_ff),
                                     np.ascontiguousarray(pieces).reshape(-1, e_ff)))
             elif shared:  # its rows, n_ff at a time, are experts' already
-                parts.append(ckpt.tensor(f"{p}{mlp}shared_expert.{proj}.weight", (shared, hidden)))
+                parts.append(ckpt.tensor(f"{p}{mlp}{shared_name}.{proj}.weight", (shared, hidden)))
             store.add(n[key], Tensor.stacked(parts))
 
     add("token_embd", "embed_tokens.weight", (vocab, hidden))
@@ -513,12 +529,12 @@ def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
     ``decoder_sparse_step``, keep a dense MLP. Qwen2-MoE adds a shared expert of
     ``shared_expert_intermediate_size`` neurons gated by ``sigmoid(shared_expert_gate x)``, run as
     that many expert-wide pieces (``MoeSpec.n_shared``); gpt-oss its clamped SwiGLU."""
-    qwen = family in ("qwen3_moe", "qwen2_moe")
-    key = "num_local_experts" if "num_local_experts" in cfg.raw else "num_experts"  # transformers saves either
+    qwen, ernie = family in ("qwen3_moe", "qwen2_moe"), family == "ernie4_5_moe"
+    key = "moe_num_experts" if ernie else "num_local_experts" if "num_local_experts" in cfg.raw else "num_experts"
     n_experts = cfg.integer(key, {"qwen3_moe": 128, "qwen2_moe": 60, "olmoe": 64, "mixtral": 8, "granitemoe": 8,
-                                  "gpt_oss": 128}[family])
-    top_k = cfg.integer("num_experts_per_tok",
-                        {"mixtral": 2, "granitemoe": 2, "gpt_oss": 4, "qwen2_moe": 4}.get(family, 8))
+                                  "gpt_oss": 128, "ernie4_5_moe": 64}[family])
+    top_k = cfg.integer("moe_k" if ernie else "num_experts_per_tok",
+                        {"mixtral": 2, "granitemoe": 2, "gpt_oss": 4, "qwen2_moe": 4, "ernie4_5_moe": 6}.get(family, 8))
     if top_k > n_experts:
         raise PiccError(f"{cfg.path}: num_experts_per_tok {top_k} is more than num_experts {n_experts}")
     layers: tuple[bool, ...] = ()
@@ -528,12 +544,17 @@ def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
             raise cfg.bad("mlp_only_layers", dense, f"a list of layer numbers below {n_layers}")
         step = cfg.integer("decoder_sparse_step", 1)
         layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+    if ernie:  # Ernie4_5_MoeDecoderLayer: every interval-th layer from start to end (-1: the last)
+        start, interval = cfg.integer("moe_layer_start_index", 1, minimum=0), cfg.integer("moe_layer_interval", 1)
+        end = cfg.raw.get("moe_layer_end_index", -1)
+        end = n_layers - 1 if end == -1 else cfg.integer("moe_layer_end_index", minimum=0)
+        layers = tuple((i + 1) % interval == 0 and start <= i <= end for i in range(n_layers))
     if cfg.raw.get("clip_qkv") is not None:
         raise PiccError(f"{cfg.path}: clip_qkv {json.dumps(cfg.raw['clip_qkv'])} is not supported")
-    width = cfg.integer("moe_intermediate_size" if qwen else "intermediate_size",
-                        {"gpt_oss": 2880, "qwen2_moe": 1408}.get(family, 768))
-    # granitemoe and gpt-oss: the softmax of the k logits, the same weights
-    norm = family in ("mixtral", "granitemoe", "gpt_oss") or cfg.flag("norm_topk_prob", False)
+    width = cfg.integer("moe_intermediate_size" if qwen or ernie else "intermediate_size",
+                        {"gpt_oss": 2880, "qwen2_moe": 1408, "ernie4_5_moe": 1536}.get(family, 768))
+    # granitemoe and gpt-oss: the softmax of the k logits, the same weights; ERNIE: renormalised
+    norm = family in ("mixtral", "granitemoe", "gpt_oss", "ernie4_5_moe") or cfg.flag("norm_topk_prob", False)
     clamp = dict(swiglu_limit=cfg.number("swiglu_limit", 7.0), swiglu_alpha=cfg.number("swiglu_alpha", 1.702)) \
         if family == "gpt_oss" else {}
     for key, value in clamp.items():
@@ -547,6 +568,8 @@ def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
                             f"moe_intermediate_size {width} (picc runs the shared expert as pieces of an "
                             "expert's width)")
         shared = dict(n_shared=neurons // width, shared_gated=True)
+    elif ernie:  # shared experts of the routed ones' width, weight 1; the experts ranked by probability + bias
+        shared = dict(n_shared=cfg.integer("moe_num_shared_experts", 2, minimum=0), choice_bias=True)
     return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=norm,
                    layers=layers if not all(layers) else (), **clamp, **shared)
 

@@ -55,6 +55,7 @@ class MoeSpec:
     swiglu_alpha: float = 1.0
     n_shared: int = 0  # Qwen2-MoE: its shared expert, in n_ff-wide pieces stacked after the routed experts
     shared_gated: bool = False  # ... weighted by the sigmoid of the router's last row
+    choice_bias: bool = False  # ERNIE 4.5: the experts ranked by probability plus a bias (weights l{i}.moe.choice_bias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,7 @@ def layer_weight_names(i: int) -> dict[str, str]:
         "router": f"{p}.moe.router", "experts_up": f"{p}.moe.up", "experts_gate": f"{p}.moe.gate",
         "experts_down": f"{p}.moe.down", "router_bias": f"{p}.moe.router_bias", "experts_up_bias": f"{p}.moe.up_bias",
         "experts_gate_bias": f"{p}.moe.gate_bias", "experts_down_bias": f"{p}.moe.down_bias",
+        "router_choice_bias": f"{p}.moe.choice_bias",
     }
 
 
@@ -217,7 +219,8 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
                      router_bias=maybe(n["router_bias"]), up_bias=maybe(n["experts_up_bias"]),
                      gate_bias=maybe(n["experts_gate_bias"]), down_bias=maybe(n["experts_down_bias"]),
                      swiglu_limit=spec.moe.swiglu_limit, swiglu_alpha=spec.moe.swiglu_alpha,
-                     n_shared=spec.moe.n_shared, shared_gated=spec.moe.shared_gated)
+                     n_shared=spec.moe.n_shared, shared_gated=spec.moe.shared_gated,
+                     choice_bias=maybe(n["router_choice_bias"]))
         else:
             f = b.op(O.FFN, f"{p}.ffn.out", x=h, up=n["up"], gate=n["gate"] if gated else None,
                      down=n["down"], up_bias=maybe(n["up_bias"]),

@@ -580,6 +580,9 @@ class MoE(Op):
     its top k, with weight 1, or (``shared_gated``) ``sigmoid(router[n_experts] . x)``: the router
     then has one more row, the shared expert's gate.
 
+    ERNIE 4.5's ``choice_bias`` [n_experts] ranks the experts by ``p_e + choice_bias[e]`` (the
+    softmax's probabilities), while their weights stay the ``p_e`` (renormalised where ``norm_topk``).
+
     ``x_format`` (``select-kernels``): ``"i16"`` where the experts' 4-bit rows are dotted with x
     (and h) rounded to int16 per block, as a ``MatrixOp``'s; the interpreter rounds alike.
     ``layout``: ``"rows8"`` where the 4-bit ones of the three matrices are stored eight rows to a
@@ -604,6 +607,7 @@ class MoE(Op):
     swiglu_alpha: float = 1.0
     n_shared: int = 0
     shared_gated: bool = False
+    choice_bias: Sym | None = None
     x_format: str = "f32"
     layout: str = "rows"
 
@@ -621,7 +625,7 @@ class MoE(Op):
     def variant(self) -> names.MoeVariant:
         """Its kernels' variant (``picc.kernel_names.MoeVariant``)."""
         shared = ("gated" if self.shared_gated else "plain") if self.n_shared else ""
-        return names.MoeVariant(self.biases, self.swiglu_limit is not None, shared)
+        return names.MoeVariant(self.biases, self.swiglu_limit is not None, shared, self.choice_bias is not None)
 
     def infer(self, env: TypeEnv) -> TensorType:
         t = _activation_input(env, self.x)
@@ -648,6 +652,7 @@ class MoE(Op):
         weight_shape_is(env, self.gate, (rows, hidden), "gate")
         weight_shape_is(env, self.down, (stacked * hidden, n_ff), "down")
         weight_shape_is(env, self.router_bias, (self.n_experts,), "router_bias")
+        weight_shape_is(env, self.choice_bias, (self.n_experts,), "choice_bias")
         weight_shape_is(env, self.up_bias, (rows,), "up_bias")
         expect(self.gate is not None or self.gate_bias is None, "gate_bias without a gate")
         weight_shape_is(env, self.gate_bias, (rows,), "gate_bias")

@@ -182,6 +182,9 @@ class TorchForward:
         logits = x @ w(op.router).T + bias(op.router_bias)
         probs = torch.softmax(logits[:, : op.n_experts], dim=-1)
         weights, chosen = torch.topk(probs, op.top_k, dim=-1)
+        if op.choice_bias is not None:  # ranked by the biased probabilities, weighted by the probabilities
+            chosen = torch.topk(probs + w(op.choice_bias), op.top_k, dim=-1).indices
+            weights = torch.gather(probs, 1, chosen)
         if op.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         shared = torch.sigmoid(logits[:, op.n_experts]) if op.shared_gated else torch.ones(x.shape[0], dtype=x.dtype)
