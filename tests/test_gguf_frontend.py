@@ -62,14 +62,19 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     gemma = arch in ("gemma2", "gemma3")
     if gemma:
         meta["sliding_window"] = (w.add_sliding_window, cfg["sliding_window"])
-    if "num_experts_per_tok" in cfg:  # convert_hf_to_gguf.py's Qwen3MoeModel, or LlamaModel's Mixtral
-        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if "num_experts_per_tok" in cfg or "moe_k" in cfg:  # convert_hf_to_gguf.py's Qwen3MoeModel, LlamaModel's Mixtral
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("moe_num_experts")))
         meta["expert_count"] = (w.add_expert_count, experts)
-        meta["expert_used_count"] = (w.add_expert_used_count, cfg["num_experts_per_tok"])
+        meta["expert_used_count"] = (w.add_expert_used_count, cfg.get("num_experts_per_tok", cfg.get("moe_k")))
         if arch in ("qwen3moe", "qwen2moe"):
             meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])
         if arch == "qwen2moe":  # convert_hf_to_gguf.py's Qwen2MoeModel
             meta["shared_width"] = (w.add_expert_shared_feed_forward_length, cfg["shared_expert_intermediate_size"])
+        if arch == "ernie4_5-moe":  # convert_hf_to_gguf.py's Ernie4_5MoeModel
+            meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"])
+            meta["lead"] = (w.add_leading_dense_block_count, cfg["moe_layer_start_index"])
+            meta["step"] = (w.add_interleave_moe_layer_step, cfg["moe_layer_interval"])
+            meta["shared_count"] = (w.add_expert_shared_count, cfg["moe_num_shared_experts"])
         if arch == "gpt-oss":  # convert_hf_to_gguf.py's GptOssModel
             meta["expert_feed_forward_length"] = (w.add_expert_feed_forward_length, cfg["intermediate_size"])
             meta["sliding_window"] = (w.add_sliding_window, cfg["sliding_window"])
@@ -173,6 +178,11 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         for moe in ("mlp.", "block_sparse_moe."):
             if p + moe + "gate.weight" in sd:
                 tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + moe + "gate.weight"])
+        if p + "mlp.moe_statics.e_score_correction_bias" in sd:  # ERNIE 4.5's choice bias and shared experts
+            tensor(f"blk.{i}.exp_probs_b.bias", sd[p + "mlp.moe_statics.e_score_correction_bias"])
+            for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                if p + f"mlp.shared_experts.{theirs}.weight" in sd:
+                    tensor(f"blk.{i}.ffn_{ours}_shexp.weight", sd[p + f"mlp.shared_experts.{theirs}.weight"], quant_type)
         if p + "mlp.shared_expert_gate.weight" in sd:  # Qwen2-MoE's shared expert and its gate ([hidden])
             tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"].reshape(-1))
             for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
@@ -240,7 +250,7 @@ def round_trip_hf_weights(hf_dir, out_dir, qt):
                                     (w.shape[0] * w.shape[1], w.shape[2])).reshape(w.shape)
             sd[key] = np.ascontiguousarray(rows.transpose(0, 2, 1)) if transposed else rows
         routers = ("mlp.gate.weight", "moe.gate.weight", "router.layer.weight", "mlp.router.weight",
-                   "shared_expert_gate.weight")  # f32
+                   "shared_expert_gate.weight", "e_score_correction_bias")  # f32
         if w.ndim == 2 and not key.endswith(routers + ("_bias",)):  # (gpt-oss's experts' biases: f32)
             sd[key] = quant.dequantize(quant.quantize(w, name), name, w.shape)
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -277,6 +287,7 @@ def test_quantized_tensors_stay_quantized_and_compute_exactly(hf_llama, tmp_path
     ("qwen3_moe", "base", Q.F32, ()), ("qwen3_moe", "three-of-eight", Q.Q4_1, ()),
     ("gpt_oss", "wide-clamp", Q.F32, ()), ("gpt_oss", "gguf-yarn", Q.Q4_0, ()),
     ("qwen2_moe", "base", Q.F32, ()), ("qwen2_moe", "wide-shared", Q.Q4_1, ()),
+    ("ernie4_5", "base", Q.Q4_0, ()), ("ernie4_5_moe", "base", Q.F32, ()), ("ernie4_5_moe", "four-of-eight", Q.Q4_1, ()),
     ("mixtral", "base", Q.F32, ()), ("mixtral", "three-of-eight", Q.Q4_0, ()),
     ("mixtral", "three-of-eight", Q.MXFP4, ()),  # gpt-oss's 4-bit experts, kept as stored
     ("granitemoe", "base", Q.F32, ()), ("granitemoe", "base", Q.Q4_1, ()),
@@ -297,21 +308,22 @@ def test_qwen_phi3_gemma_and_granite_ggufs_match_transformers(family, variant, q
     hf_dir = tmp_path / family
     make_model(family, variant, hf_dir)
     arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
-            "gpt_oss": "gpt-oss"}.get(family, family)
-    tie = family in ("gemma2", "gemma3_text", "granite", "granitemoe")  # no output.weight: the head is the embedding
+            "gpt_oss": "gpt-oss", "ernie4_5_moe": "ernie4_5-moe"}.get(family, family)
+    tie = family in ("gemma2", "gemma3_text", "granite", "granitemoe", "ernie4_5", "ernie4_5_moe")  # no output.weight: the head is the embedding
     model = load_model(write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, quant_type=qt, drop_keys=drop, tie=tie))
     if variant.startswith("longrope"):
         assert model.module.attr("max_position") == 256 and "longrope: a --ctx up to 128" in model.notes[-1]
         assert all(len(op.long_factors) == len(op.freq_factors) for op in model.module.ops() if op.NAME == "rope")
     verify(model.module)
     assert {op.style for op in model.module.ops() if op.NAME == "rope"} == {
-        "gptj" if family in ("granite", "granitemoe", "mixtral") else "llama"}
+        "gptj" if family in ("granite", "granitemoe", "mixtral", "ernie4_5", "ernie4_5_moe") else "llama"}
     grouped = {"qwen3": 4, "gemma3_text": 12}.get(family, 0)  # q and k of every layer (OLMo 2's: not by heads)
-    if family in ("qwen3_moe", "mixtral", "granitemoe", "gpt_oss", "qwen2_moe"):  # (Qwen3-MoE's head_dim is 16)
+    if family in ("qwen3_moe", "mixtral", "granitemoe", "gpt_oss", "qwen2_moe", "ernie4_5_moe"):  # (Qwen3-MoE's head_dim is 16)
         grouped, moes = 0, [op for op in model.module.ops() if op.NAME == "moe"]
         renormalised = family != "qwen2_moe"  # llama.cpp's qwen2moe: not renormalised, as the model's config
-        assert [(op.n_experts, op.top_k, op.norm_topk) for op in moes] == [
-            (8, 3 if "three" in variant else 2, renormalised)] * 2
+        k = 3 if "three" in variant else 4 if "four" in variant else 2
+        layers = 1 if family == "ernie4_5_moe" else 2  # ERNIE's layer 0 is dense
+        assert [(op.n_experts, op.top_k, op.norm_topk) for op in moes] == [(8, k, renormalised)] * layers
     assert sum(op.NAME == "rms_norm" and op.group == 32 for op in model.module.ops()) == grouped
     reference = round_trip_hf_weights(hf_dir, tmp_path / "hf_q", qt) if qt != Q.F32 else hf_dir
     got = Interpreter(model.module, model.weights).run(TOKENS)
@@ -621,7 +633,7 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"),
      "GGUF architecture 'gpt2' is not supported (supported: llama, granite, granitemoe, qwen2, qwen2moe, qwen3, qwen3moe, "
-     "phi3, olmo2, gemma2, gemma3, gpt-oss)"),
+     "phi3, olmo2, gemma2, gemma3, gpt-oss, ernie4_5, ernie4_5-moe)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),

@@ -41,11 +41,11 @@ if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
 SUPPORTED_ARCHS = ("llama", "granite", "granitemoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "olmo2",
-                   "gemma2", "gemma3", "gpt-oss")
+                   "gemma2", "gemma3", "gpt-oss", "ernie4_5", "ernie4_5-moe")
 # see above: llama.cpp's converter permutes the q and k rows of llama (and Granite) files, keeps the others'
 _ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "granitemoe": "gptj", "qwen2": "llama", "qwen3": "llama",
                 "qwen3moe": "llama", "qwen2moe": "llama", "phi3": "llama", "olmo2": "llama", "gemma2": "llama",
-                "gemma3": "llama", "gpt-oss": "llama"}
+                "gemma3": "llama", "gpt-oss": "llama", "ernie4_5": "gptj", "ernie4_5-moe": "gptj"}
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0, "MXFP4": DType.MXFP4}
 
@@ -72,6 +72,7 @@ _LAYER_NAMES = {
     # qwen2moe's shared expert and its gate (stacked into the experts and the router by _qwen2moe)
     "ffn_gate_inp_shexp.weight": "moe.shared_router", "ffn_gate_shexp.weight": "moe.shared_gate",
     "ffn_up_shexp.weight": "moe.shared_up", "ffn_down_shexp.weight": "moe.shared_down",
+    "exp_probs_b.bias": "moe.choice_bias",  # ernie4_5-moe's: added to the probabilities that rank the experts
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -319,8 +320,8 @@ def load_gguf(path: Path) -> LoadedModel:
     elif arch == "gpt-oss":
         spec, store = _gpt_oss(spec, store, meta, key)
     requantized = 0
-    if arch == "qwen2moe":
-        store, requantized = _qwen2moe(spec, store)
+    if arch in ("qwen2moe", "ernie4_5-moe"):
+        store, requantized = _shared_experts(spec, store)
     module = build_llama(spec, store)
     # A GGUF without tokenizer metadata still imports; it runs on token ids only.
     has_tokenizer = meta.get("tokenizer.ggml.model") is not None
@@ -343,9 +344,9 @@ def _moe(meta: _Meta, key: Callable[[str], str], arch: str, n_ff: int, path: Pat
     ``expert_feed_forward_length`` neurons (qwen3moe; llama.cpp's default ``feed_forward_length /
     expert_used_count``) or ``feed_forward_length`` (llama, granitemoe)."""
     n_experts, top_k = (_opt_int(meta.get(key(k))) or 0 for k in ("expert_count", "expert_used_count"))
-    if arch not in ("qwen3moe", "qwen2moe", "granitemoe", "gpt-oss") and n_experts == 0:
+    if arch not in ("qwen3moe", "qwen2moe", "granitemoe", "gpt-oss", "ernie4_5-moe") and n_experts == 0:
         return None
-    if arch not in ("qwen3moe", "qwen2moe", "granitemoe", "llama", "gpt-oss"):
+    if arch not in ("qwen3moe", "qwen2moe", "granitemoe", "llama", "gpt-oss", "ernie4_5-moe"):
         raise PiccError(f"{path}: {arch} files with experts ({key('expert_count')} {n_experts}) are not supported")
     if not 0 < top_k <= n_experts:
         raise PiccError(f"{path}: {key('expert_used_count')} {top_k} and {key('expert_count')} {n_experts}: "
@@ -360,15 +361,21 @@ def _moe(meta: _Meta, key: Callable[[str], str], arch: str, n_ff: int, path: Pat
                             f"{key('expert_feed_forward_length')} {width} (picc runs the shared expert as pieces of "
                             "an expert's width)")
         shared = dict(n_shared=neurons // width, shared_gated=True)
+    elif arch == "ernie4_5-moe":  # llama.cpp's: leading dense layers, then every step-th; plain shared experts
+        lead = _opt_int(meta.get(key("leading_dense_block_count"))) or 0
+        step = _opt_int(meta.get(key("interleave_moe_layer_step"))) or 1
+        n_layers = int(meta.need(key("block_count")))  # type: ignore[arg-type]
+        shared = dict(n_shared=_opt_int(meta.get(key("expert_shared_count"))) or 0,
+                      layers=tuple(i >= lead and (i + 1) % step == 0 for i in range(n_layers)))
     return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=width, norm_topk=arch != "qwen2moe", **clamp, **shared)
 
 
-def _qwen2moe(spec: LlamaSpec, store: WeightStore) -> tuple[WeightStore, int]:
-    """A ``qwen2moe`` file's shared expert stacked after its experts, in expert-wide pieces (the
-    down matrix's columns cut at block boundaries, its bytes as they are), and its gate
-    (``ffn_gate_inp_shexp``, [hidden]) after the router's rows (``picc.ir.ops.MoE``'s ``n_shared``,
-    ``shared_gated``). Where a shared matrix's type is not the experts' (a K-quant mix), it is
-    decoded and quantized again as theirs: how many were."""
+def _shared_experts(spec: LlamaSpec, store: WeightStore) -> tuple[WeightStore, int]:
+    """A ``qwen2moe`` or ``ernie4_5-moe`` file's shared expert(s) stacked after its experts, in
+    expert-wide pieces (the down matrix's columns cut at block boundaries, its bytes as they are),
+    qwen2moe's gate (``ffn_gate_inp_shexp``, [hidden]) after the router's rows
+    (``picc.ir.ops.MoE``'s ``n_shared``, ``shared_gated``). Where a shared matrix's type is not the
+    experts' (a K-quant mix), it is decoded and quantized again as theirs: how many were."""
     assert spec.moe is not None
     moved, requantized = {}, 0
 
@@ -384,10 +391,13 @@ def _qwen2moe(spec: LlamaSpec, store: WeightStore) -> tuple[WeightStore, int]:
         p = f"l{i}.moe."
         if p + "router" not in store:
             continue
-        router = store[p + "router"]
-        gate_row = store[p + "shared_router"]
-        moved[p + "router"] = Tensor.stacked([router, like(Tensor(gate_row.dtype, (1, hidden),
-                                                                   np.asarray(gate_row.data).reshape(1, -1)), router)])
+        if spec.moe.shared_gated:
+            router = store[p + "router"]
+            gate = store[p + "shared_router"]
+            gate_row = Tensor(gate.dtype, (1, hidden), np.asarray(gate.data).reshape(1, -1))
+            moved[p + "router"] = Tensor.stacked([router, like(gate_row, router)])
+        if not pieces:
+            continue
         for m in ("gate", "up"):
             moved[p + m] = Tensor.stacked([store[p + m], like(store[p + "shared_" + m], store[p + m])])
         down = store[p + "down"]
