@@ -128,7 +128,7 @@ def read_tensors(file: GgufFile, path: Path) -> tuple[WeightStore, dict[str, int
         shape = tuple(reversed(t.dims))
         if len(shape) == 3:  # experts: their matrices' rows one after another (picc.ir.ops.MoE)
             shape = (shape[0] * shape[1], shape[2])
-        elif name.split(".")[-1].endswith("_bias") and ".moe." in name and len(shape) == 2:  # experts' biases
+        elif name.endswith("_bias") and ".moe." in name and len(shape) == 2:  # experts' biases
             shape = (shape[0] * shape[1],)
         dtype = _GGML_TYPES.get(t.type_name)
         if dtype is None:
@@ -386,7 +386,7 @@ def _shared_experts(spec: LlamaSpec, store: WeightStore) -> tuple[WeightStore, i
         requantized += 1
         return Tensor.from_f32(t.to_f32(), other.dtype)
 
-    width, pieces, hidden = spec.moe.n_ff, spec.moe.n_shared, spec.hidden
+    pieces, hidden = spec.moe.n_shared, spec.hidden
     for i in range(spec.n_layers):
         p = f"l{i}.moe."
         if p + "router" not in store:
@@ -401,10 +401,8 @@ def _shared_experts(spec: LlamaSpec, store: WeightStore) -> tuple[WeightStore, i
         for m in ("gate", "up"):
             moved[p + m] = Tensor.stacked([store[p + m], like(store[p + "shared_" + m], store[p + m])])
         down = store[p + "down"]
-        whole = like(store[p + "shared_down"], down)  # [hidden, pieces * width]: a piece's columns are an expert's
-        raw = np.asarray(whole.data).reshape(hidden, pieces, -1).transpose(1, 0, 2)
-        moved[p + "down"] = Tensor.stacked([down, Tensor(down.dtype, (pieces * hidden, width),
-                                                         np.ascontiguousarray(raw).reshape(pieces * hidden, -1))])
+        # [hidden, pieces * width]: a piece's columns are an expert's down matrix
+        moved[p + "down"] = Tensor.stacked([down, like(store[p + "shared_down"], down).column_pieces(pieces)])
     gone = {f"l{i}.moe.shared_{m}" for i in range(spec.n_layers) for m in ("router", "gate", "up", "down")}
     return WeightStore({n: moved.get(n, store[n]) for n in store if n not in gone}), requantized
 

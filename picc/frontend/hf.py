@@ -298,9 +298,17 @@ def gemma3_ropes(cfg: HFConfig, head_dim: int, max_position: int, n_layers: int)
                   "sliding_attention": {"rope_type": "default", "rope_theta": cfg.raw.get("rope_local_base_freq", 1e4)}}
     if not isinstance(params, dict) or set(params) != {"full_attention", "sliding_attention"}:
         raise cfg.bad("rope_parameters", params, "an object of full_attention and sliding_attention rope parameters")
+    return _ropes_by_layer_type(cfg, params, {"full_attention": 1e6, "sliding_attention": 1e4}, head_dim,
+                                max_position, n_layers)
+
+
+def _ropes_by_layer_type(cfg: HFConfig, params: dict, thetas: dict[str, float], head_dim: int, max_position: int,
+                         n_layers: int) -> tuple[RopeSpec, ...]:
+    """Each layer's rope from ``params`` nested by layer type (a type it lacks: default rope), a
+    type's ``rope_theta`` defaulting to ``thetas``' (the config class's)."""
     ropes = {}
-    for kind, default in (("full_attention", 1e6), ("sliding_attention", 1e4)):
-        one = params[kind]
+    for kind, default in thetas.items():
+        one = params.get(kind) or {"rope_type": "default"}
         if not isinstance(one, dict):
             raise cfg.bad(f"rope_parameters.{kind}", one, "an object")
         one = {"rope_theta": default, **one}
@@ -326,14 +334,8 @@ def olmo3_ropes(cfg: HFConfig, head_dim: int, max_position: int, n_layers: int) 
                                      "rope_theta": cfg.raw.get("rope_theta", OLMO3_THETA)}}
     if not isinstance(params, dict) or not set(params) <= {"full_attention", "sliding_attention"}:
         raise cfg.bad("rope_parameters", params, "an object of full_attention and sliding_attention rope parameters")
-    ropes = {}
-    for kind in ("full_attention", "sliding_attention"):
-        one = params.get(kind) or {"rope_type": "default"}
-        if not isinstance(one, dict):
-            raise cfg.bad(f"rope_parameters.{kind}", one, "an object")
-        one = {"rope_theta": OLMO3_THETA, **one}
-        ropes[kind] = rope_from_config(HFConfig(cfg.path, {"rope_parameters": one}), head_dim, max_position)
-    return tuple(ropes[t] for t in gemma_layer_types(cfg, n_layers))
+    return _ropes_by_layer_type(cfg, params, {"full_attention": OLMO3_THETA, "sliding_attention": OLMO3_THETA},
+                                head_dim, max_position, n_layers)
 
 
 def _llama_family(cfg: HFConfig, directory: Path, name: str,
@@ -464,9 +466,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
             parts = [ckpt.tensor(f"{p}{mlp}experts.{e}.{proj}.weight", shape) for e in range(spec.moe.n_experts)]
             if shared and proj == "down_proj":  # the shared expert's columns, n_ff at a time, as experts' rows
                 whole = ckpt.tensor(f"{p}{mlp}{shared_name}.{proj}.weight", (hidden, shared))
-                pieces = np.asarray(whole.data).reshape(hidden, spec.moe.n_shared, e_ff).transpose(1, 0, 2)
-                parts.append(Tensor(whole.dtype, (shared * hidden // e_ff, e_ff),
-                                    np.ascontiguousarray(pieces).reshape(-1, e_ff)))
+                parts.append(whole.column_pieces(spec.moe.n_shared))
             elif shared:  # its rows, n_ff at a time, are experts' already
                 parts.append(ckpt.tensor(f"{p}{mlp}{shared_name}.{proj}.weight", (shared, hidden)))
             store.add(n[key], Tensor.stacked(parts))

@@ -57,6 +57,15 @@ class Tensor:
         data = np.ascontiguousarray(np.asarray(self.data)[rows])
         return Tensor(self.dtype, (len(rows), *self.shape[1:]), data)
 
+    def column_pieces(self, pieces: int) -> Tensor:
+        """A matrix's columns cut into ``pieces`` equal runs, each run's rows after the previous
+        run's: [rows, pieces * w] becomes [pieces * rows, w] (a shared expert's down matrix as
+        expert-wide down matrices). In its dtype, bytes as they are: a run must be whole blocks."""
+        rows = self.shape[0]
+        data = np.asarray(self.data).reshape(rows, pieces, -1).transpose(1, 0, 2)
+        return Tensor(self.dtype, (pieces * rows, self.shape[1] // pieces),
+                      np.ascontiguousarray(data).reshape(pieces * rows, -1))
+
     @staticmethod
     def stacked(parts: list[Tensor]) -> Tensor:
         """Matrices of one dtype and row length, their rows one after another, in that dtype
