@@ -87,6 +87,14 @@ def rope(op: O.Rope, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return out.reshape(seq, -1).astype(np.float32)
 
 
+def concat_heads(op: O.ConcatHeads, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Head h of the result: ``a``'s head h then ``b``'s (an operand of one head gives it to every head)."""
+    seq = a.shape[0]
+    parts = [np.broadcast_to(x.reshape(seq, -1, dim), (seq, op.n_heads, dim))
+             for x, dim in ((a, op.a_dim), (b, op.b_dim))]
+    return np.concatenate(parts, axis=-1).reshape(seq, -1)
+
+
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round float32 values to the nearest bfloat16 (ties to even), returned as float32."""
     return quant.dequantize(quant.quantize(x, "bf16"), "bf16", x.shape)
@@ -286,6 +294,8 @@ class Interpreter:
                 return y + w(op.bias) if op.bias else y
             case O.Rope():
                 return rope(op, env[op.x], env[op.pos])
+            case O.ConcatHeads():
+                return concat_heads(op, env[op.a], env[op.b])
             case O.Attention():
                 width = op.n_kv_heads * op.head_dim
                 cache = self.caches.setdefault(op.cache, KVCache(width))

@@ -163,6 +163,11 @@ def cpu_elementwise(name: str) -> str:
     return f"picc_{name}"
 
 
+def cpu_concat_heads() -> str:
+    """Heads of two operands joined head by head (either may be one head that every head takes)."""
+    return "picc_concat_heads"
+
+
 def cpu_predictor(fc1: str, fc2: str) -> str:
     return f"picc_predict_{fc1}_{fc2}"
 
@@ -359,6 +364,12 @@ def gpu_add(n: int) -> str:
 
 def gpu_softcap(n: int, cap: float) -> str:
     return f"softcap_{n}_c{_f32_bits(cap)}"
+
+
+def gpu_concat_heads(n_heads: int, a_heads: int, a_dim: int, b_heads: int, b_dim: int) -> str:
+    """``n_heads`` heads joined from ``a_heads`` heads of ``a_dim`` and ``b_heads`` of ``b_dim``
+    (each 1, a head that every head takes, or ``n_heads``)."""
+    return f"concat_heads_{n_heads}h_a{a_heads}x{a_dim}_b{b_heads}x{b_dim}"
 
 
 def gpu_merge(n: int, bias: bool, residual: bool = False) -> str:

@@ -25,8 +25,9 @@ import pytest
 from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama, layer_weight_names
 from picc.frontend.model import LoadedModel
 from picc.frontend.tokenizer import Tokenizer
-from picc.ir.module import Module
-from picc.ir.types import DType
+from picc.ir import ops as O
+from picc.ir.module import Module, WeightDecl
+from picc.ir.types import DType, f32
 from picc.ir.weights import Tensor, WeightStore
 from picc.targets import host
 
@@ -80,6 +81,45 @@ def tiny_llama(form: str = "swiglu", *, n_layers: int = 2, hidden: int = 64, n_h
         logit_softcap=softcaps[1] if softcaps else None, attn_sinks=sinks,
     )
     return LoadedModel(build_llama(spec, store), store, None, source="tiny")
+
+
+def mla_keys(model: LoadedModel, rotary_dim: int, *, a_heads: int = 1, b_heads: int | None = None,
+             seed: int = 1) -> LoadedModel:
+    """``model`` (``tiny_llama``'s, its ropes rotating ``rotary_dim`` features of each head) with each
+    layer's keys joined head by head as DeepSeek's decompressed multi-head latent attention joins
+    them, in place of a linear and a rope: ``concat_heads`` of a rope over ``k_pe`` [seq, a_heads *
+    rotary_dim] (by default one head, which every KV head shares) and a linear's ``k_nope`` [seq,
+    b_heads * (head_dim - rotary_dim)] (by default a head each). The new matrices are drawn with
+    ``seed``, in the old one's format."""
+    func = model.module.function()
+    store, rng = model.weights.copy(), np.random.default_rng(seed)
+    k_linears = {op.x for op in func.ops if isinstance(op, O.Rope) and op.result.endswith(".k_rope")}
+    producer = {op.result: op for op in func.ops}
+    ops: list[O.Op] = []
+    for op in func.ops:
+        if op.result in k_linears:
+            continue  # its keys are made where their rope was
+        if not (isinstance(op, O.Rope) and op.x in k_linears):
+            ops.append(op)
+            continue
+        k = producer[op.x]
+        assert isinstance(k, O.Linear) and op.rotated == rotary_dim < op.head_dim
+        kv, hd, seq = op.n_heads, op.head_dim, op.type.shape[0]
+        hidden = int(store[k.weight].shape[1])
+        pe, nope = f"{k.result}_pe", f"{k.result}_nope"
+        for name, width in ((pe, a_heads * rotary_dim), (nope, (b_heads or kv) * (hd - rotary_dim))):
+            weight = f"{k.weight}_{name.rsplit('_', 1)[1]}"
+            x = rng.normal(0, hidden**-0.5, size=(width, hidden)).astype(np.float32)
+            store.add(weight, Tensor.from_f32(x, store[k.weight].dtype))
+            ops.append(O.Linear(result=name, type=f32(seq, width), x=k.x, weight=weight, block=op.block))
+        ops.append(replace(op, result=f"{pe}_rope", type=f32(seq, a_heads * rotary_dim), x=pe, n_heads=a_heads,
+                           head_dim=rotary_dim, rotary_dim=None))
+        ops.append(O.ConcatHeads(result=op.result, type=op.type, a=f"{pe}_rope", b=nope, n_heads=kv,
+                                 a_dim=rotary_dim, b_dim=hd - rotary_dim, block=op.block))
+    decls = model.module.weights + tuple(WeightDecl(name, store[name].type) for name in store
+                                         if name not in model.weights)
+    module = replace(model.module, weights=decls).with_function(replace(func, ops=tuple(ops)))
+    return replace(model, module=module.with_used_weights_only(), weights=store)
 
 
 def word_tokenizer(vocab: int = 128) -> Tokenizer:

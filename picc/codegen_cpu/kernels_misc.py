@@ -1,10 +1,11 @@
-"""Small kernels of a decoder step: norms, rotary embedding, residual add, activations, argmax.
+"""Small kernels of a decoder step: norms, rotary embedding, heads joined, residual add, activations, argmax.
 
 Semantics follow ``picc.interpreter`` (the numpy oracle) operation for operation: RMSNorm is
 ``x / sqrt(mean(x^2) + eps) * w``; LayerNorm ``(x - mean) / sqrt(var + eps) * w + b``; rotary
 embedding rotates ``(a, b) -> (a cos - b sin, b cos + a sin)`` at angle ``pos * inv_freq[i]``
 computed in float32, pairing feature i with i + rotary_dim/2 (``llama``) or 2i with 2i + 1
-(``gptj``). Row-wise kernels split rows (``seq``) over threads; elementwise ones split elements.
+(``gptj``); joined heads are ``[a_h | b_h]`` (copies). Row-wise kernels split rows (``seq``) over
+threads; elementwise ones split elements.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ NORM_PARAMS = (("x", "ptr"), ("weight", "ptr"), ("bias", "ptr"), ("out", "ptr"),
                ("eps", "f32"))
 ROPE_PARAMS = (("x", "ptr"), ("cos", "ptr"), ("sin", "ptr"), ("seq", "i32"), ("pos", "i32"), ("n_heads", "i32"),
                ("head_dim", "i32"), ("rotary_dim", "i32"))
+CONCAT_HEADS_PARAMS = (("a", "ptr"), ("b", "ptr"), ("out", "ptr"), ("seq", "i32"), ("n_heads", "i32"),
+                       ("a_dim", "i32"), ("b_dim", "i32"), ("a_heads", "i32"), ("b_heads", "i32"))
 BINARY_PARAMS = (("a", "ptr"), ("b", "ptr"), ("out", "ptr"), ("n", "i32"))
 ARGMAX_PARAMS = (("x", "ptr"), ("out", "ptr"), ("n", "i32"))
 ROUND_PARAMS = (("x", "ptr"), ("out", "ptr"), ("seq", "i32"), ("n", "i32"))
@@ -171,6 +174,42 @@ def rope(style: str) -> Kernel:
         return fn.text()
 
     return Kernel(symbol, ROPE_PARAMS, emit, rope.__doc__ or "", token_split=True)
+
+
+@cache
+def concat_heads() -> Kernel:
+    """``out[s]``'s head h (of ``n_heads``) = ``[a[s]'s head h | b[s]'s head h]``, ``a_dim +
+    b_dim`` floats: ``a`` has ``a_heads`` heads of ``a_dim`` a row, 1 (the head every head takes)
+    or ``n_heads``, likewise ``b``; rows back to back, out apart from both. The threads split the
+    rows, or a row's heads where there are fewer rows than threads (a decode step's one row)."""
+    symbol = names.cpu_concat_heads()
+
+    def emit(simd: str) -> str:
+        fn = kernel_fn(symbol, CONCAT_HEADS_PARAMS)
+        seq, heads, a_dim, b_dim = (fn.sext(f"%{n}") for n in ("seq", "n_heads", "a_dim", "b_dim"))
+        a_bytes, b_bytes = fn.v(f"shl i64 {a_dim}, 2", "abytes"), fn.v(f"shl i64 {b_dim}, 2", "bbytes")
+        head_bytes = fn.v(f"add i64 {a_bytes}, {b_bytes}", "hbytes")
+        # Bytes from one of an operand's heads to the next: none where its one head serves every head.
+        steps = [fn.v(f"select i1 {fn.v(f'icmp eq i32 %{n}, 1', 'one')}, i64 0, i64 {nbytes}", "step")
+                 for n, nbytes in (("a_heads", a_bytes), ("b_heads", b_bytes))]
+        rows = [fn.v(f"mul i64 {fn.sext(f'%{n}')}, {nbytes}", "row")
+                for n, nbytes in (("a_heads", a_bytes), ("b_heads", b_bytes))]
+        out_row = fn.v(f"mul i64 {heads}, {head_bytes}", "orow")
+        (lo, hi), (h0, h1) = rows_or_parts(fn, seq, heads)
+        with fn.loop(lo, hi, hint="s") as s:
+            a_row, b_row, o_row = (fn.gep(base, fn.v(f"mul i64 {s}, {size}", "ro"), "r")
+                                   for base, size in (("%a", rows[0]), ("%b", rows[1]), ("%out", out_row)))
+            with fn.loop(h0, h1, hint="h") as h:
+                dst = fn.gep(o_row, fn.v(f"mul i64 {h}, {head_bytes}", "ho"), "dst")
+                for src_row, step, nbytes, at in ((a_row, steps[0], a_bytes, dst),
+                                                  (b_row, steps[1], b_bytes, fn.gep(dst, a_bytes, "dstb"))):
+                    src = fn.gep(src_row, fn.v(f"mul i64 {h}, {step}", "so"), "src")
+                    fn.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr align 4 {at}, ptr align 4 {src}, "
+                            f"i64 {nbytes}, i1 false)")
+        fn.ret_void()
+        return fn.text()
+
+    return Kernel(symbol, CONCAT_HEADS_PARAMS, emit, concat_heads.__doc__ or "", token_split=True)
 
 
 def _elementwise(symbol: str, combine: str) -> Kernel:

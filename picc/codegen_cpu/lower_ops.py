@@ -2,9 +2,9 @@
 
 :class:`OpLowering` turns an op into calls of CPU kernels appended to :attr:`OpLowering.program`,
 with what each call reads and writes (:attr:`OpLowering.access`, for ``place_barriers``). Ops
-whose kernels take any number of rows (embedding, norms, rope, attention) and the one-token
-kernels (merge, predictor) are lowered here, reading and placing values through the hooks a
-lowering defines: where a value lives (:meth:`~OpLowering.activation`, :meth:`~OpLowering.value`,
+whose kernels take any number of rows (embedding, norms, rope, joined heads, attention) and the
+one-token kernels (merge, predictor) are lowered here, reading and placing values through the
+hooks a lowering defines: where a value lives (:meth:`~OpLowering.activation`, :meth:`~OpLowering.value`,
 :meth:`~OpLowering.alias`), how many rows a call computes (:meth:`~OpLowering.rows`) and whether
 a one-token kernel runs once per row (:meth:`~OpLowering.per_token`). Linears, adds and FFNs
 differ between the step (GEMVs, residual adds done by the producer: ``lower_decode``) and a
@@ -55,7 +55,7 @@ from picc.placement.schedule import Schedule
 # Ops whose kernels have one phase and touch no memory but their operands and result: one may
 # start while another is still running on other threads when neither reads or writes what the
 # other writes (the q, k and v projections of a layer; the rope of q and of k).
-_BARRIER_FREE = (O.Linear, O.Rope, O.Add, O.RMSNorm, O.LayerNorm, O.Embed)
+_BARRIER_FREE = (O.Linear, O.Rope, O.ConcatHeads, O.Add, O.RMSNorm, O.LayerNorm, O.Embed)
 
 
 def _x_format(op: Op) -> str:
@@ -345,6 +345,10 @@ class OpLowering(ABC):
                 cos, sin = self.rope_tables(op)
                 self.call(op, kernels_misc.rope(op.style), rotated, cos, sin, self.rows(), pos, op.n_heads,
                           op.head_dim, op.rotated, batched=True)
+            case O.ConcatHeads():
+                self.call(op, kernels_misc.concat_heads(), self.value(op.a), self.value(op.b),
+                          self.activation(op.result), self.rows(), op.n_heads, op.a_dim, op.b_dim,
+                          self.width(op.a) // op.a_dim, self.width(op.b) // op.b_dim, batched=True)
             case O.Attention():
                 self.attention(op)
             case O.Add():

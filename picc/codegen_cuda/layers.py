@@ -1,4 +1,4 @@
-"""Per-token layer kernels: RMSNorm, LayerNorm, rotary embedding, KV-cache append, attention.
+"""Per-token layer kernels: RMSNorm, LayerNorm, rotary embedding, joined heads, KV-cache append, attention.
 
 All take a sequence dimension ``seq`` (1 for decode, the prompt length for prefill) and follow
 ``picc.interpreter`` exactly: norms over the last axis; rotary angles ``pos * inv_freq`` in
@@ -176,6 +176,28 @@ def add(name: str, seq: int, n: int) -> Kernel:
     a = te.placeholder((seq, n), "float32", name="a")
     b = te.placeholder((seq, n), "float32", name="b")
     y = te.compute((seq, n), lambda s, c: a[s, c] + b[s, c], name="y")
+    return make_kernel(name, "elementwise", [(a, "in"), (b, "in"), (y, "out")])
+
+
+def concat_heads(name: str, seq: int, n_heads: int, a_heads: int, a_dim: int, b_heads: int, b_dim: int) -> Kernel:
+    """``y`` [seq, n_heads * (a_dim + b_dim)], head h = ``[a's head h | b's head h]``: ``a`` [seq,
+    a_heads * a_dim] and ``b`` [seq, b_heads * b_dim], each of one head (which every head takes)
+    or of ``n_heads``. A thread copies one feature."""
+    check_positive(seq=seq, n_heads=n_heads, a_dim=a_dim, b_dim=b_dim)
+    if a_heads not in (1, n_heads) or b_heads not in (1, n_heads):
+        raise PiccError(f"{name}: each operand has 1 or n_heads={n_heads} heads, got {a_heads} and {b_heads}")
+    a = te.placeholder((seq, a_heads * a_dim), "float32", name="a")
+    b = te.placeholder((seq, b_heads * b_dim), "float32", name="b")
+    width = a_dim + b_dim
+
+    def joined(s: PrimExpr, c: PrimExpr) -> PrimExpr:
+        h, f = c // width, c % width
+        # Both reads stay inside their operand whichever the feature takes (the bounds checker's rule).
+        from_a = a[s, (h if a_heads > 1 else 0) * a_dim + tirx.min(f, a_dim - 1)]
+        from_b = b[s, (h if b_heads > 1 else 0) * b_dim + tirx.max(f - a_dim, 0)]
+        return tirx.if_then_else(f < a_dim, from_a, from_b)
+
+    y = te.compute((seq, n_heads * width), joined, name="y")
     return make_kernel(name, "elementwise", [(a, "in"), (b, "in"), (y, "out")])
 
 

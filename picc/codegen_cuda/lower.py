@@ -226,6 +226,10 @@ class _Lowering:
                 self.out.constants[f"rope.{op.result}"] = layers.rope_table(op)
                 self.launch(op, k, [b.value(op.x, "x", k), b.value(op.pos, "pos", k),
                                     b.constant(f"rope.{op.result}", "inv_freq", k), b.value(op.result, "y", k)])
+            case O.ConcatHeads():
+                heads = (self.width(op.a) // op.a_dim, op.a_dim, self.width(op.b) // op.b_dim, op.b_dim)
+                k = self.kernel(name, lambda: layers.concat_heads(name, 1, op.n_heads, *heads))
+                self.launch(op, k, [b.value(op.a, "a", k), b.value(op.b, "b", k), b.value(op.result, "y", k)])
             case O.Attention():
                 self.attention(op, name)
             case O.Add() if op.accumulated is not None:

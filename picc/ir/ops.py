@@ -251,6 +251,37 @@ class Rope(Op):
                                    self.high_freq_factor, self.original_max_position, self.freq_factors)
 
 
+@register_op
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConcatHeads(Op):
+    """``n_heads`` heads of ``a_dim + b_dim`` features, head h a head of ``a`` then a head of ``b``.
+
+    ``a`` is [seq, a_dim] (one head, the same in every output head) or [seq, n_heads * a_dim] (a
+    head each); likewise ``b`` with ``b_dim``. The result is [seq, n_heads * (a_dim + b_dim)],
+    head h = ``[a's head h (or its one head) | b's head h (or its one head)]``: DeepSeek's
+    multi-head latent attention, decompressed, joins each head's key from the rotated part every
+    head shares (a one-head ``rope``) and the head's own part. Nothing is computed: a copy.
+    """
+
+    NAME: ClassVar[str] = "concat_heads"
+    a: Val
+    b: Val
+    n_heads: int
+    a_dim: int
+    b_dim: int
+
+    def infer(self, env: TypeEnv) -> TensorType:
+        expect(self.n_heads > 0 and self.a_dim > 0 and self.b_dim > 0,
+               f"n_heads, a_dim and b_dim must be > 0, got {self.n_heads}, {self.a_dim}, {self.b_dim}")
+        a, b = _activation_input(env, self.a), _activation_input(env, self.b)
+        expect(a.shape[0] == b.shape[0], f"%{self.a} and %{self.b} must have the same rows, got {a} and {b}")
+        for name, t, dim, role in ((self.a, a, self.a_dim, "a_dim"), (self.b, b, self.b_dim, "b_dim")):
+            expect(t.shape[1] in (dim, self.n_heads * dim),
+                   f"%{name} has {t.shape[1]} features, expected {role} = {dim} (one head for every head) "
+                   f"or n_heads * {role} = {self.n_heads * dim} (a head each)")
+        return f32(a.shape[0], self.n_heads * (self.a_dim + self.b_dim))
+
+
 # ---------------------------------------------------------------- attention
 
 ALIBI_KINDS = ("none", "falcon")

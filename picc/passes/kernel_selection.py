@@ -59,6 +59,8 @@ def cpu_kernel(op: Op, t: Types) -> str:  # noqa: C901 - one case per op
             return names.cpu_gemv(t.fmt(op.weight) or "", op.x_format, op.layout == "rows8")
         case O.Rope():
             return names.cpu_rope(op.style)
+        case O.ConcatHeads():
+            return names.cpu_concat_heads()
         case O.Attention() if op.alibi == "none":
             return names.cpu_attention(op.kv_format, op.softcap is not None, op.sinks is not None)
         case O.Add():
@@ -106,6 +108,9 @@ def gpu_kernel(op: Op, t: Types, ctx: int, residual: bool = False) -> str:  # no
             return names.gpu_norm("layer_norm", t.width(op.x), op.eps, op.bias is not None)
         case O.Rope():
             return names.gpu_rope(op.style, op.n_heads, op.head_dim, op.rotated)
+        case O.ConcatHeads():
+            return names.gpu_concat_heads(op.n_heads, t.width(op.a) // op.a_dim, op.a_dim, t.width(op.b) // op.b_dim,
+                                          op.b_dim)
         case O.Attention() if op.alibi == "none" and op.kv_format == "f32":
             return names.gpu_attention(op.n_heads, op.n_kv_heads, op.head_dim, ctx, op.window, op.scale, op.softcap,
                                        op.sinks is not None)

@@ -100,6 +100,8 @@ class TorchForward:
                 return y + w(op.bias) if op.bias else y
             case O.Rope():
                 return self.rope(op, env[op.x], env[op.pos])
+            case O.ConcatHeads():
+                return self.concat_heads(op, env[op.a], env[op.b])
             case O.Attention():
                 return self.attention(op, env[op.q], env[op.k], env[op.v])
             case O.Relu() | O.Silu() | O.Gelu() | O.GeluTanh():
@@ -144,6 +146,11 @@ class TorchForward:
             a, b = part[..., 0::2], part[..., 1::2]
             rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).reshape(part.shape)
         return torch.cat([rotated, heads[..., r:]], dim=-1).reshape(seq, -1)
+
+    def concat_heads(self, op: O.ConcatHeads, a, b):  # noqa: ANN001, ANN201 - torch.Tensor
+        seq = a.shape[0]
+        parts = [x.reshape(seq, -1, dim).expand(seq, op.n_heads, dim) for x, dim in ((a, op.a_dim), (b, op.b_dim))]
+        return self.torch.cat(parts, dim=-1).reshape(seq, -1)
 
     def attention(self, op: O.Attention, q, k, v):  # noqa: ANN001, ANN201 - torch.Tensor
         torch = self.torch
