@@ -26,6 +26,7 @@ from picc.frontend.llama import LlamaSpec, RopeSpec, build_llama, layer_weight_n
 from picc.frontend.model import LoadedModel
 from picc.frontend.tokenizer import Tokenizer
 from picc.ir import ops as O
+from picc.ir import positional
 from picc.ir.module import Module, WeightDecl
 from picc.ir.types import DType, f32
 from picc.ir.weights import Tensor, WeightStore
@@ -120,6 +121,21 @@ def mla_keys(model: LoadedModel, rotary_dim: int, *, a_heads: int = 1, b_heads: 
                                          if name not in model.weights)
     module = replace(model.module, weights=decls).with_function(replace(func, ops=tuple(ops)))
     return replace(model, module=module.with_used_weights_only(), weights=store)
+
+
+# YaRN over 4 rotary pairs: their frequencies divided by 1, a blend (4/3, 2) and the factor 4.
+MLA_YARN = dict(scaling="yarn", factor=4.0, original_max_position=1024,
+                freq_factors=positional.yarn_freq_factors(8, 1e4, 4.0, 1024, 32.0, 1.0, True),
+                attention_factor=positional.yarn_mscale(4.0))
+
+
+def tiny_mla(*, yarn: bool = False, a_heads: int = 1, b_heads: int | None = None, **kwargs) -> LoadedModel:
+    """A ``tiny_llama`` of four heads of 24 features (hidden 96, as many KV heads) with DeepSeek's
+    keys (:func:`mla_keys`, ``a_heads`` and ``b_heads`` as there): the first 8 features of each
+    head rotated in GPT-J pairs, with ``yarn`` YaRN's frequencies and attention factor."""
+    rope = RopeSpec(style="gptj", rotary_dim=8, **(MLA_YARN if yarn else {}))
+    model = tiny_llama(hidden=96, n_heads=4, n_kv_heads=4, rope=rope, **kwargs)
+    return mla_keys(model, 8, a_heads=a_heads, b_heads=b_heads)
 
 
 def word_tokenizer(vocab: int = 128) -> Tokenizer:

@@ -5,19 +5,32 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import MLA_YARN
 from cpu_kernels import F32_TOL, THREADS, act64, rel_err, run
 
-from picc.codegen_cpu import CpuModule, compile_kernels
+from picc.codegen_cpu import CpuModule, build_ir, compile_kernels, effective_simd
 from picc.codegen_cpu.kernels_attention import attention
 from picc.codegen_cpu.kernels_ffn import FORMS
-from picc.codegen_cpu.kernels_misc import add, argmax, ffn_activation, layer_norm, mul, rms_norm, rope, softcap
+from picc.codegen_cpu.kernels_misc import (
+    add,
+    argmax,
+    concat_heads,
+    ffn_activation,
+    layer_norm,
+    mul,
+    rms_norm,
+    rope,
+    softcap,
+)
 from picc.interpreter import KVCache, rope_cos_sin
 from picc.interpreter import attention as attention_ref
+from picc.interpreter import concat_heads as concat_heads_ref
 from picc.interpreter import rope as rope_ref
 from picc.ir import ops as O
 from picc.ir.types import f32
+from runtime.cpu import host_has
 
-KERNELS = ([rms_norm(), layer_norm(), add(), mul(), argmax(), softcap()]
+KERNELS = ([rms_norm(), layer_norm(), add(), mul(), argmax(), softcap(), concat_heads()]
            + [attention(kv, cap, sinks) for kv in ("f32", "f16") for cap in (False, True) for sinks in (False, True)]
            + [rope(s) for s in ("llama", "gptj")] + [ffn_activation(f) for f in FORMS])
 
@@ -67,6 +80,59 @@ def test_rope_matches_interpreter(host, teams, style, rotary_dim, seq):
     run(host, teams[2], rope(style), out, cos, sin, seq, pos, heads, hd, rotary_dim)
     # The interpreter's cosines and sines, the same products and sums: the same bits.
     np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("yarn", (False, True))
+@pytest.mark.parametrize(("heads", "hd"), ((4, 24), (1, 8)))  # DeepSeek's q (8 of 24 rotated), and its one-head k_pe
+@pytest.mark.parametrize("seq", (3, 1))
+def test_rope_of_mla_shapes_matches_interpreter(host, teams, heads, hd, seq, yarn):
+    rng = np.random.default_rng(24)
+    pos = 700
+    op = O.Rope(result="r", type=f32(seq, heads * hd), x="x", pos="p", n_heads=heads, head_dim=hd, rotary_dim=8,
+                style="gptj", **(MLA_YARN if yarn else {}))
+    x = rng.normal(size=(seq, heads * hd)).astype(np.float32)
+    out = x.copy()
+    cos, sin = rope_cos_sin(op, np.arange(pos + seq))
+    run(host, teams[2], rope("gptj"), out, cos, sin, seq, pos, heads, hd, 8)
+    np.testing.assert_array_equal(out, rope_ref(op, x, np.arange(pos, pos + seq, dtype=np.int32)))
+
+
+def _concat_operands(rng: np.random.Generator, seq: int, heads: tuple[int, int], dims: tuple[int, int]):
+    return tuple(rng.normal(size=(seq, h * d)).astype(np.float32) for h, d in zip(heads, dims, strict=True))
+
+
+@pytest.mark.parametrize(("a_heads", "b_heads"), ((1, 5), (5, 1), (5, 5), (1, 1)))
+@pytest.mark.parametrize(("seq", "threads"), ((3, 2), (1, 3), (2, 3), (4, 1)))  # fewer rows than threads: heads split
+def test_concat_heads_matches_interpreter(host, teams, a_heads, b_heads, seq, threads):
+    # Head h of each row: a's head h (or its one head), then b's; copies, so the interpreter's bits.
+    # The output starts as NaNs: a float the kernel leaves unwritten shows.
+    rng = np.random.default_rng(25)
+    n, dims = 5, (8, 13)  # 13: a head that ends off a 16-byte boundary
+    a, b = _concat_operands(rng, seq, (a_heads, b_heads), dims)
+    op = O.ConcatHeads(result="k", type=f32(seq, n * sum(dims)), a="a", b="b", n_heads=n, a_dim=dims[0], b_dim=dims[1])
+    out = np.full((seq, n * sum(dims)), np.nan, np.float32)
+    run(host, teams[threads], concat_heads(), a, b, out, seq, n, *dims, a_heads, b_heads)
+    np.testing.assert_array_equal(out, concat_heads_ref(op, a, b))
+
+
+@pytest.mark.parametrize("simd", ("avx2", "avx512", "avx512-vnni"))
+def test_concat_heads_and_rope_compile_at_every_level(host, teams, simd):
+    # Each SIMD level's build is compiled to machine code; a level the host runs gives the host build's bits.
+    kernels = [concat_heads(), rope("gptj")]
+    module = host if simd == effective_simd("host") else CpuModule(build_ir(kernels, (), simd), simd)
+    asm = module.emit_assembly()
+    assert all(f"{k.symbol}:" in asm for k in kernels)
+    if not host_has(simd):
+        pytest.skip(f"this host cannot run {simd} code (compiled only)")
+    rng = np.random.default_rng(26)
+    a, b = _concat_operands(rng, 3, (1, 4), (8, 16))
+    outs = [np.zeros((3, 96), np.float32) for _ in range(2)]
+    for mod, out in zip((host, module), outs, strict=True):
+        run(mod, teams[2], concat_heads(), a, b, out, 3, 4, 8, 16, 1, 4)
+        cos, sin = rope_cos_sin(O.Rope(result="r", type=f32(3, 96), x="x", pos="p", n_heads=4, head_dim=24,
+                                       rotary_dim=8, style="gptj"), np.arange(8))
+        run(mod, teams[2], rope("gptj"), out, cos, sin, 3, 5, 4, 24, 8)
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("hd", (20, 84))  # 16 + a tail; 64 (the wide V pass) + 16 + a tail

@@ -7,10 +7,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import MLA_YARN, tiny_llama
 
 from picc.frontend.llama import RopeSpec
-from picc.interpreter import Interpreter, activation, rope
+from picc.interpreter import Interpreter, activation, concat_heads, rope
 from picc.ir import ops as O
 from picc.ir.types import DType, f32
 
@@ -236,3 +236,59 @@ def test_quantized_weights_run_through_exact_dequantization():
 def test_rope_spec_defaults_are_the_op_defaults():
     spec, op = RopeSpec(), _rope_op()
     assert (spec.theta, spec.style, spec.scaling) == (op.theta, op.style, op.scaling)
+
+
+def _numpy_gptj_rope(x: np.ndarray, pos: np.ndarray, n_heads: int, head_dim: int, rotary_dim: int,
+                     freq_factors: tuple[float, ...] = (), attention_factor: float = 1.0) -> np.ndarray:
+    """Pairs (2i, 2i + 1) of each head's first ``rotary_dim`` features rotated by ``pos / (factor_i *
+    10000 ** (2i / rotary_dim))``, the cosines and sines times ``attention_factor``: in float64, loop by loop."""
+    out = x.astype(np.float64).copy()
+    for s, p in enumerate(pos):
+        for h in range(n_heads):
+            for i in range(rotary_dim // 2):
+                angle = p / ((freq_factors[i] if freq_factors else 1.0) * 10000.0 ** (2 * i / rotary_dim))
+                c, sn = np.cos(angle) * attention_factor, np.sin(angle) * attention_factor
+                a, b = x[s, h * head_dim + 2 * i], x[s, h * head_dim + 2 * i + 1]
+                out[s, h * head_dim + 2 * i], out[s, h * head_dim + 2 * i + 1] = a * c - b * sn, b * c + a * sn
+    return out
+
+
+@pytest.mark.parametrize("yarn", [False, True])
+@pytest.mark.parametrize(("n_heads", "head_dim"), [(4, 24), (1, 8)])  # MLA's q (and k_nope's heads), and k_pe
+def test_gptj_rope_of_mla_shapes_is_a_direct_rotation(n_heads, head_dim, yarn):
+    # GPT-J pairs in each head's first 8 features (the rest passed through), or all of a one-head
+    # k_pe; with YaRN's per-pair factors (1, 4/3, 2, 4) and attention factor. The interpreter rotates
+    # by float32 angles pos * inv_freq (at pos <= 40 a few 40 * 2^-24 rad off the float64 ones) and
+    # rounds its products to float32: ~1e-6 at |x| <= 4 (4e-7 measured), within 1e-5; a wrong
+    # pairing, frequency or factor is O(0.1).
+    x = RNG.normal(size=(5, n_heads * head_dim)).astype(np.float32)
+    pos = np.array([0, 1, 2, 17, 40], np.int32)
+    scaling = MLA_YARN if yarn else {}
+    op = O.Rope(result="r", type=f32("seq", n_heads * head_dim), x="x", pos="p", n_heads=n_heads, head_dim=head_dim,
+                rotary_dim=8, style="gptj", **scaling)
+    got = rope(op, x, pos)
+    want = _numpy_gptj_rope(x, pos, n_heads, head_dim, 8, scaling.get("freq_factors", ()),
+                            scaling.get("attention_factor", 1.0))
+    assert np.abs(got - want).max() <= 1e-5
+    tail = np.arange(n_heads * head_dim) % head_dim >= 8
+    np.testing.assert_array_equal(got[:, tail], x[:, tail])
+    assert np.abs(got[1:, ~tail] - x[1:, ~tail]).max() > 0.1  # it rotates (position 0 is the identity)
+
+
+@pytest.mark.parametrize(("a_heads", "b_heads"), [(1, 4), (4, 1), (4, 4), (1, 1)])
+def test_concat_heads_joins_each_heads_parts(a_heads, b_heads):
+    # Head h of the result: a's head h (its only head, where it has one) then b's, copied exactly.
+    seq, n, a_dim, b_dim = 3, 4, 5, 7
+    a = RNG.normal(size=(seq, a_heads * a_dim)).astype(np.float32)
+    b = RNG.normal(size=(seq, b_heads * b_dim)).astype(np.float32)
+    op = O.ConcatHeads(result="k", type=f32("seq", n * (a_dim + b_dim)), a="a", b="b", n_heads=n, a_dim=a_dim,
+                       b_dim=b_dim)
+    want = np.zeros((seq, n * (a_dim + b_dim)), np.float32)
+    for s in range(seq):
+        for h in range(n):
+            ha, hb, start = h if a_heads > 1 else 0, h if b_heads > 1 else 0, h * (a_dim + b_dim)
+            want[s, start : start + a_dim] = a[s, ha * a_dim : (ha + 1) * a_dim]
+            want[s, start + a_dim : start + a_dim + b_dim] = b[s, hb * b_dim : (hb + 1) * b_dim]
+    got = concat_heads(op, a, b)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)

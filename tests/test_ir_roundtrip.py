@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_llama
+from conftest import tiny_llama, tiny_mla
 
 from picc.frontend.llama import RopeSpec
 from picc.ir import ParseError, parse, print_module, verify
@@ -71,6 +71,19 @@ def test_built_modules_round_trip(kwargs):
     text = print_module(module)
     assert parse(text) == module
     assert print_module(parse(text)) == text
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(yarn=True, a_heads=4, b_heads=1)])
+def test_joined_heads_round_trip(kwargs):
+    # DeepSeek's keys: a one-head rope's output and a linear's joined head by head (or the other way round).
+    module = tiny_mla(**kwargs).module
+    verify(module)
+    text = print_module(module)
+    assert parse(text) == module and print_module(parse(text)) == text
+    a_heads, b_dim = kwargs.get("a_heads", 1), 16
+    line = ("%l0.attn.k_rope = concat_heads %l0.attn.k_pe_rope, %l0.attn.k_nope {n_heads = 4, a_dim = 8, "
+            f"b_dim = {b_dim}, block = 0}} : f32[seq, 96]")
+    assert line in text and f"%l0.attn.k_pe = linear %l0.attn_norm, @l0.attn.k_pe {{block = 0}} : f32[seq, {8 * a_heads}]" in text
 
 
 def test_one_op_per_line_and_layers_separated():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_llama, with_tokenizer
+from conftest import tiny_llama, tiny_mla, with_tokenizer
 from runtime_cases import LONG, TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
 
 from picc.cli import main
@@ -241,6 +241,29 @@ def test_gemma2s_soft_caps_compile_as_they_compute(tmp_path, sparse):
         assert body.count("@picc_attention_kvf16_softcap") == 2 and body.count("call void @picc_softcap(") == 1
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert np.abs(reference).max() < 0.8 and rel_err(reference, plain) > 0.1  # the caps bend them
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+    check_batch_rows(path, TOKENS[:3])
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(yarn=True, a_heads=4, b_heads=1)], ids=["mla", "yarn-b-shared"])
+def test_keys_joined_head_by_head_compile_as_they_compute(tmp_path, kwargs):
+    # DeepSeek's decompressed MLA: each head's key joined from a one-head rope of k_pe (its 8
+    # features in GPT-J pairs) and the head's own 16 features of a linear (concat_heads), the
+    # queries' rope turning the first 8 of each head's 24; and the other way round, a k_pe head
+    # each and one k_nope head for all, with YaRN's frequencies. The step (heads split between the
+    # threads), the chunk programs (rows) and the server's batch step (a call per row) against the
+    # interpreter.
+    model = with_tokenizer(tiny_mla(**kwargs))
+    path, pib = compiled(model, tmp_path, "mla", batch_step=True, dense=True, kv_cache="f32")
+    assert [op.kernel for op in pib.module.ops() if isinstance(op, O.ConcatHeads)] == ["picc_concat_heads"] * 2
+    with PibFile(path) as f:
+        ir = f.text("cpu/ir")
+    for program in ("picc_stage_0", "picc_prefill_chunk", "picc_batch_step"):
+        body = ir[ir.index(f"define void @{program}("):]
+        body = body[: body.index("\n}")]
+        assert body.count("call void @picc_concat_heads(") == 2 and body.count("call void @picc_rope_gptj(") == 4
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
     check_prefill(path, pib, 1e-4)
     check_batch_rows(path, TOKENS[:3])

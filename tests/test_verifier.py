@@ -66,6 +66,16 @@ CASES = [
     ([EMBED, "%y = rope %x, %pos {n_heads = 2, head_dim = 4, scaling = \"yarn\", freq_factors = [1.0, 2.0], "
              "long_factors = [3.0, 3.0]} : f32[seq, 8]"],
      "long_factors: one per rotary pair (2), with longrope's freq_factors; got 2"),
+    ([EMBED, "%y = concat_heads %x, %x {n_heads = 2, a_dim = 8, b_dim = 3} : f32[seq, 22]"],
+     "line 13: %y = concat_heads: %x has 8 features, expected b_dim = 3 (one head for every head) or "
+     "n_heads * b_dim = 6 (a head each)"),
+    ([EMBED, "%y = concat_heads %x, %x {n_heads = 4, a_dim = 4, b_dim = 8} : f32[seq, 48]"],
+     "line 13: %y = concat_heads: %x has 8 features, expected a_dim = 4 (one head for every head) or "
+     "n_heads * a_dim = 16 (a head each)"),
+    ([EMBED, "%y = concat_heads %x, %x {n_heads = 2, a_dim = 0, b_dim = 4} : f32[seq, 8]"],
+     "line 13: %y = concat_heads: n_heads, a_dim and b_dim must be > 0, got 2, 0, 4"),
+    ([EMBED, "%y = concat_heads %x, %x {n_heads = 2, a_dim = 8, b_dim = 4} : f32[seq, 16]"],
+     "line 13: %y = concat_heads: result type is f32[seq, 16] but the operands give f32[seq, 24]"),
     ([EMBED, "%y = attention %x, %x, %x, %pos {n_heads = 3, n_kv_heads = 2, head_dim = 2, "
       "scale = 1.0, cache = \"l0\"} : f32[seq, 8]"],
      "line 13: %y = attention: n_heads=3 must be a multiple of n_kv_heads=2"),
@@ -130,6 +140,18 @@ def test_quantized_norm_weight_is_rejected():
 
 def test_a_valid_module_passes():
     verify(parse(body(EMBED, "%y = linear %x, @w : f32[seq, 12]", ret="%y")))
+
+
+def test_joined_heads_take_one_head_or_a_head_each_of_rows_alike():
+    # a [seq, 8] as one head of 8 (every head takes it) or two of 4, b likewise; the rows must agree.
+    for attrs, width in (("a_dim = 8, b_dim = 4", 24), ("a_dim = 4, b_dim = 8", 24), ("a_dim = 4, b_dim = 4", 16),
+                         ("a_dim = 8, b_dim = 8", 32)):
+        verify(parse(body(EMBED, f"%y = concat_heads %x, %x {{n_heads = 2, {attrs}}} : f32[seq, {width}]", ret="%y")))
+    text = body(EMBED, "%y = concat_heads %x, %c {n_heads = 2, a_dim = 4, b_dim = 4} : f32[seq, 16]",
+                args="%tokens: i32[seq], %pos: i32[seq], %c: f32[3, 8]")
+    with pytest.raises(VerifyError, match=re.escape("%y = concat_heads: %x and %c must have the same rows, "
+                                                    "got f32[seq, 8] and f32[3, 8]")):
+        verify(parse(text))
 
 
 @pytest.mark.parametrize("extra, message", [
