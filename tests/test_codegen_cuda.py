@@ -53,11 +53,12 @@ from picc.codegen_cuda import (
     write_cuda_sources,
 )
 from picc.codegen_cuda.greedy import greedy_next
-from picc.codegen_cuda.layers import rope_table
+from picc.codegen_cuda.layers import concat_heads, rope_table
 from picc.codegen_cuda.schedules import arch_params, cpu_schedule, schedule
 from picc.errors import PiccError
 from picc.interpreter import KVCache, activation
 from picc.interpreter import attention as ref_attention
+from picc.interpreter import concat_heads as ref_concat_heads
 from picc.interpreter import rope as ref_rope
 from picc.ir import ops as O
 from picc.ir import positional
@@ -397,6 +398,23 @@ def test_rope_host_matches_interpreter(style: str, rotary: int | None, scaling: 
                                                                                 inv_freq=rope_table(op))["y"]
     # Angles up to 1000 rad: cos/sin of the same float32 angle agree to a few ulp between libms.
     assert rel_err(y, ref_rope(op, x, pos)) <= F32_TOL
+
+
+@pytest.mark.parametrize(("a_heads", "b_heads"), [(1, 4), (4, 1), (4, 4), (1, 1)])
+def test_concat_heads_host_matches_interpreter(a_heads: int, b_heads: int) -> None:
+    # Head h: a's head h (or its one head) then b's; copies, so the interpreter's bits.
+    rng = np.random.default_rng(9)
+    seq, n, a_dim, b_dim = 2, 4, 8, 12
+    a, b = randn(rng, seq, a_heads * a_dim), randn(rng, seq, b_heads * b_dim)
+    op = O.ConcatHeads(result="k", type=f32(seq, n * (a_dim + b_dim)), a="a", b="b", n_heads=n, a_dim=a_dim,
+                       b_dim=b_dim)
+    y = build_host(concat_heads(f"concat_{a_heads}_{b_heads}", seq, n, a_heads, a_dim, b_heads, b_dim))(a=a, b=b)["y"]
+    np.testing.assert_array_equal(y, ref_concat_heads(op, a, b))
+
+
+def test_concat_heads_takes_one_head_or_a_head_each() -> None:
+    with pytest.raises(PiccError, match="each operand has 1 or n_heads=4 heads, got 2 and 4"):
+        concat_heads("bad", 1, 4, 2, 8, 4, 8)
 
 
 # gpt-oss's sinks (a logit per query head, from below the scores to above them), with a window

@@ -58,7 +58,7 @@ def _model(m: ModelShapes, formats: tuple[str, ...], predictor_fmt: dict[str, st
 
 def _variants() -> list[Case]:
     """What ``lower_gpu`` emits beyond ``model_kernels``: biases, embedding, layer norm, partial
-    and GPT-J rotary, a sliding window (with soft-capped scores and sinks), an FFN part at a neuron offset, q8_0, GeGLU, and the
+    and GPT-J rotary, heads joined from a shared head and a head each, a sliding window (with soft-capped scores and sinks), an FFN part at a neuron offset, q8_0, GeGLU, and the
     greedy loop's kernel over a vocabulary its threads do not divide."""
     m, n = TINY, TINY.n_ff
     kernels = [
@@ -74,6 +74,8 @@ def _variants() -> list[Case]:
         layers.rope_pair("v_rope_pair", 5, 1, 64, None, "llama"),
         layers.rope_pair("v_rope_pair_gptj_partial", 4, 2, 16, 8, "gptj"),
         layers.rope_pair("v_rope_pair_append", 4, 2, 16, None, "llama", append_ctx=m.max_ctx),
+        layers.concat_heads("v_concat_heads_a1", 1, 4, 1, 8, 4, 16),  # DeepSeek's keys: one k_pe head for all
+        layers.concat_heads("v_concat_heads_b1", 1, 4, 4, 8, 1, 16),
         layers.attention("v_attention_window", 8, 4, 2, 16, m.max_ctx, 0.25, window=5),
         layers.attention_decode("v_attention_decode_window", 4, 2, 16, m.max_ctx, 0.25, window=5),
         layers.attention("v_attention_sinks", 8, 4, 2, 16, m.max_ctx, 0.25, window=5, softcap=0.7, sinks=True),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import half_the_ffn, tiny_llama, with_tokenizer
+from conftest import half_the_ffn, tiny_llama, tiny_mla, with_tokenizer
 
 import picc.passes.insert_predictors as insert_predictors_pass
 from picc.compile import CompileOptions, compile_model, write_compiled
@@ -257,6 +257,26 @@ def test_gemma2s_soft_caps_run_on_the_gpu(tmp_path, monkeypatch, ctx):
         assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
         session.reset()
         assert session.feed(TOKENS[:3]).argmax() == reference[2].argmax()  # the greedy kernel reads the capped logits
+
+
+@pytest.mark.parametrize("vram", ["4MiB", "200KiB"])
+def test_keys_joined_head_by_head_run_on_the_gpu(tmp_path, monkeypatch, vram):
+    # DeepSeek's keys (concat_heads of a one-head rope of k_pe and each head's k_nope, YaRN's
+    # frequencies) on the GPU with their layer: a TensorIR kernel, the host build of the same
+    # TensorIR on the emulated device against the interpreter; with 200 KiB layer 1 stays on the
+    # CPU, its heads joined by the CPU's kernel.
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "mla.pib"
+    write_compiled(compile_model(tiny_mla(yarn=True), CompileOptions(target="pc-low", vram=vram, dense=True, ctx=64),
+                                 say=lambda _: None), path)
+    pib = load_pib(path)
+    joins = [op for op in pib.module.ops() if op.NAME == "concat_heads"]
+    on_gpu = ["concat_heads_4h_a1x8_b4x16", "concat_heads_4h_a1x8_b4x16" if vram == "4MiB" else "picc_concat_heads"]
+    assert [op.kernel for op in joins] == on_gpu
+    assert [op.type.placement for op in joins] == [Placement.GPU, Placement.GPU if vram == "4MiB" else Placement.CPU]
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    with Session(path, threads=2, gpu="emulate") as session:
+        assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
 
 
 @pytest.mark.parametrize(("vram", "ctx"), [("4MiB", 64), ("4MiB", 100), ("100KiB", 64)])
