@@ -192,7 +192,8 @@ def concat_heads(name: str, seq: int, n_heads: int, a_heads: int, a_dim: int, b_
 
     def joined(s: PrimExpr, c: PrimExpr) -> PrimExpr:
         h, f = c // width, c % width
-        # Both reads stay inside their operand whichever the feature takes (the bounds checker's rule).
+        # Each read's index is clamped into its operand, as the rope's are: in bounds even where the
+        # feature takes the other operand's value.
         from_a = a[s, (h if a_heads > 1 else 0) * a_dim + tirx.min(f, a_dim - 1)]
         from_b = b[s, (h if b_heads > 1 else 0) * b_dim + tirx.max(f - a_dim, 0)]
         return tirx.if_then_else(f < a_dim, from_a, from_b)
