@@ -322,11 +322,11 @@ def test_chunk_programs_say_whether_they_compute_the_steps_bits_and_do(dtype, tm
     with Session(path, 2) as s:
         stepped = np.concatenate([s.feed([t], all_logits=True) for t in LONG])
         cpu = s.executor.cpu
-        for i, n in cpu.kv_caches().items():  # every position: chunks of 3, 32, 10 in one, steps in the other
-            planes = cpu.kv_planes(i)
-            got, want = rows[i].reshape(planes, -1), cpu.cache_array(i)[:n].reshape(planes, -1)
-            per = got.shape[1] // s.max_ctx
-            np.testing.assert_array_equal(got[:, : len(LONG) * per], want[:, : len(LONG) * per])
+        for i in cpu.kv_caches():  # every position: chunks of 3, 32, 10 in one, steps in the other
+            for at, n, runs in cpu.kv_parts(i):  # k rows, v rows
+                got, want = rows[i][at : at + n].reshape(runs, -1), cpu.cache_array(i)[at : at + n].reshape(runs, -1)
+                per = got.shape[1] // s.max_ctx
+                np.testing.assert_array_equal(got[:, : len(LONG) * per], want[:, : len(LONG) * per])
     np.testing.assert_array_equal(chunked.view(np.uint32), stepped[3:].view(np.uint32))
 
 
