@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_llama, with_tokenizer
+from conftest import narrow_values, tiny_llama, with_tokenizer
 from runtime_cases import LONG, TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
 
 from picc.cli import main
@@ -276,6 +276,45 @@ def test_gpt_oss_attention_sinks_compile_as_they_compute(tmp_path):
             cpu.batch_step([token, token], [step, step], pool.pointers(slots))
             for row in range(2):
                 np.testing.assert_array_equal(cpu.batch_logits(row).view(np.uint32), expected[step].view(np.uint32))
+
+
+@pytest.mark.parametrize(("kv_cache", "window"), [("f32", None), ("f16", 5)])
+def test_values_narrower_than_keys_compile_as_they_compute(tmp_path, kv_cache, window):
+    # DeepSeek's MLA decompressed: value heads of 24 features (v_head_dim) under key heads of 32.
+    # The attention kernels and their batch rows twin take v_head_dim, in the step, the chunk
+    # programs and the server's batch step, against the interpreter (f32 caches, and f16 ones,
+    # which the interpreter rounds alike, with a window). Each KV cache holds its KV heads' k
+    # planes, then their v planes of 24-element rows (cpu/manifest's k_nbytes says where), which
+    # a server's pool copies from one sequence's slot to another's for a prompt that shares rows.
+    from runtime.sequences import SequencePool
+
+    hd, vd, n_kv = 32, 24, 2
+    model = with_tokenizer(narrow_values(tiny_llama("swiglu", n_layers=2, hidden=128, n_ff=96, window=window), vd))
+    path, pib = compiled(model, tmp_path, "narrow", batch_step=True, dense=True, kv_cache=kv_cache)
+    assert {(op.head_dim, op.v_head_dim) for op in pib.module.ops() if isinstance(op, O.Attention)} == {(hd, vd)}
+    with PibFile(path) as f:
+        ir, manifest, plan = f.text("cpu/ir"), CpuManifest.from_json(f.json("cpu/manifest")), f.plan()
+    kernel = {"f32": "@picc_attention(", "f16": "@picc_attention_kvf16("}[kv_cache]
+    for program, call in (("picc_stage_0", kernel), ("picc_prefill_chunk", kernel),
+                          ("picc_batch_step", kernel.replace("(", "_rows("))):
+        body = ir[ir.index(f"define void @{program}("):]
+        assert body[: body.index("\n}")].count(call) == 2, program
+    element, ctx = {"f32": 4, "f16": 2}[kv_cache], plan.ctx
+    caches = [(b.nbytes, b.k_nbytes) for b in manifest.buffers if b.kind == "kv"]
+    assert caches == [(ctx * n_kv * (hd + vd) * element, ctx * n_kv * hd * element)] * 2
+    assert [b.nbytes for b in plan.buffers if b.kind == "kv-cache"] == [ctx * n_kv * (hd + vd) * element] * 2
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+    check_batch_rows(path, TOKENS[:3])
+    with Session(path, 2) as s:  # slot 1 from slot 0's copied rows: the next step's bits
+        pool = SequencePool(s.executor, 2)
+        s.feed(LONG[:40])
+        pool.copy(0, 1, 0, 40)
+        want = s.feed(LONG[40:41]).copy()
+        pool.bind(1)
+        s.rewind(40)
+        np.testing.assert_array_equal(s.feed(LONG[40:41]).view(np.uint32), want.view(np.uint32))
 
 
 def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path):
