@@ -625,6 +625,9 @@ def test_the_cpu_manifest_is_typed_records_that_round_trip(tmp_path):
     with pytest.raises(ContractError, match="a kv buffer needs 'planes'"):  # a server copies rows by them
         CpuBuffer("kv", name="kv.0", nbytes=4096)
     assert [b.planes for b in manifest.buffers if b.kind == "kv"] == [4]  # two KV heads: their k rows, their v rows
+    with pytest.raises(ContractError, match="a kv buffer needs 'k_nbytes'"):  # where its v rows start
+        CpuBuffer("kv", name="kv.0", nbytes=4096, planes=4)
+    assert [2 * b.k_nbytes == b.nbytes for b in manifest.buffers if b.kind == "kv"] == [True]  # v rows as wide as k's
 
 
 def test_threads_default_to_the_cores_the_process_may_use(tmp_path, monkeypatch):
