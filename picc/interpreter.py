@@ -101,11 +101,12 @@ def round_to_bf16(x: np.ndarray) -> np.ndarray:
 
 
 class KVCache:
-    """Keys and values of one attention op at absolute positions 0..length-1."""
+    """Keys and values of one attention op at absolute positions 0..length-1: rows of ``width``
+    features, the values' ``v_width`` (default ``width``) where values are narrower than keys."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, v_width: int | None = None) -> None:
         self.k = np.zeros((0, width), np.float32)
-        self.v = np.zeros((0, width), np.float32)
+        self.v = np.zeros((0, width if v_width is None else v_width), np.float32)
         self.length = 0
 
     def write(self, pos: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
@@ -140,13 +141,13 @@ def attention(op: O.Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos:
     if op.kv_format == "f16":  # the cache holds half precision: the keys and values it gives back
         k, v = (t.astype(np.float16).astype(np.float32) for t in (k, v))
     cache.write(pos, k, v)
-    seq, length, d = q.shape[0], cache.length, op.head_dim
+    seq, length, d, dv = q.shape[0], cache.length, op.head_dim, op.v_dim
     kv, group = op.n_kv_heads, op.n_heads // op.n_kv_heads
     # Query heads grouped under their K/V head, so each K/V head is one contiguous matmul
     # (numpy's batched matmul is only fast on contiguous operands).
     qg = np.ascontiguousarray(q.reshape(seq, kv, group, d).transpose(1, 2, 0, 3)).reshape(kv, group * seq, d)
     kt = np.ascontiguousarray(cache.k[:length].reshape(length, kv, d).transpose(1, 2, 0))  # [KV, D, L]
-    vh = np.ascontiguousarray(cache.v[:length].reshape(length, kv, d).transpose(1, 0, 2))  # [KV, L, D]
+    vh = np.ascontiguousarray(cache.v[:length].reshape(length, kv, dv).transpose(1, 0, 2))  # [KV, L, DV]
     scores = (qg @ kt).reshape(kv * group, seq, length)  # head h = kv_head * group + g
     if op.alibi == "falcon":
         slopes = round_to_bf16(op.alibi_slopes())
@@ -169,8 +170,8 @@ def attention(op: O.Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos:
     np.exp(scores, out=scores)
     total = scores.sum(axis=-1, keepdims=True)
     scores /= total if sink is None else total + np.exp(sink - top)
-    out = scores.reshape(kv, group * seq, length) @ vh  # [KV, G*S, D]
-    return out.reshape(kv, group, seq, d).transpose(2, 0, 1, 3).reshape(seq, op.n_heads * d)
+    out = scores.reshape(kv, group * seq, length) @ vh  # [KV, G*S, DV]
+    return out.reshape(kv, group, seq, dv).transpose(2, 0, 1, 3).reshape(seq, op.n_heads * dv)
 
 
 class Interpreter:
@@ -297,8 +298,8 @@ class Interpreter:
             case O.ConcatHeads():
                 return concat_heads(op, env[op.a], env[op.b])
             case O.Attention():
-                width = op.n_kv_heads * op.head_dim
-                cache = self.caches.setdefault(op.cache, KVCache(width))
+                widths = (op.n_kv_heads * op.head_dim, op.n_kv_heads * op.v_dim)  # a key's, a value's
+                cache = self.caches.setdefault(op.cache, KVCache(*widths))
                 return attention(op, env[op.q], env[op.k], env[op.v], env[op.pos], cache,
                                  w(op.sinks) if op.sinks else None)
             case O.Relu() | O.Silu() | O.Gelu() | O.GeluTanh():

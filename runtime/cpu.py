@@ -311,13 +311,14 @@ class CpuExecutor:
         then v rows, shared by the step, the decode loop and the chunk programs)."""
         return {i: spec.nbytes or 0 for i, spec in enumerate(self._manifest.buffers) if spec.kind == "kv"}
 
-    def kv_planes(self, index: int) -> int:
-        """How many runs of the context's positions KV cache ``bufs[index]`` holds (its KV heads'
-        k rows, then their v rows): position p of each is at ``p * row`` of the run, where ``row``
-        is ``nbytes / planes / ctx``."""
-        planes = self._manifest.buffers[index].planes
-        assert planes is not None
-        return planes
+    def kv_parts(self, index: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """KV cache ``bufs[index]``'s k rows and v rows (those narrower where the attention's values
+        are), each as (byte offset, bytes, runs of the context's positions: one a KV head): position
+        p of a part's run is at ``p * row`` of the run, where ``row`` is ``bytes / runs / ctx``."""
+        spec = self._manifest.buffers[index]
+        assert spec.planes is not None and spec.nbytes is not None and spec.k_nbytes is not None
+        runs = spec.planes // 2
+        return (0, spec.k_nbytes, runs), (spec.k_nbytes, spec.nbytes - spec.k_nbytes, runs)
 
     def cache_array(self, index: int) -> np.ndarray:
         """The memory ``bufs[index]`` was allocated with (a KV cache's, say)."""

@@ -32,7 +32,9 @@ BUFFER_FIELDS: dict[str, tuple[str, ...]] = {
     "zeros": ("nbytes",),  # a vector of zeros
     "weight": ("name",),  # a tensor of the .pib, mapped from the file
     "alloc": ("name", "nbytes"),  # zeroed memory the code owns: activations, scratch
-    "kv": ("name", "nbytes", "planes"),  # a KV cache, zeroed: ``planes`` runs of the context's positions
+    # a KV cache, zeroed: ``planes`` runs of the context's positions, the first half (its KV heads' k
+    # rows) ``k_nbytes`` in all, the other (their v rows) the rest: narrower where values are
+    "kv": ("name", "nbytes", "planes", "k_nbytes"),
     "profile": ("slots",),  # a profiled step's counters: ``slots`` i64 per thread, while profiling
     "function": ("name",),  # the address of a function, set by the runtime (the decode loop's step)
 }
@@ -66,11 +68,12 @@ class CpuBuffer:
     nbytes: int | None = None
     slots: int | None = None
     planes: int | None = None  # a KV cache's: each KV head's k rows, then each one's v rows
+    k_nbytes: int | None = None  # a KV cache's: the bytes of its k rows (its v rows follow them)
 
     def __post_init__(self) -> None:
         if self.kind not in BUFFER_FIELDS:
             raise ContractError(f"{_SECTION}: unknown buffer kind {self.kind!r}")
-        for key in ("name", "nbytes", "slots", "planes"):
+        for key in ("name", "nbytes", "slots", "planes", "k_nbytes"):
             if (getattr(self, key) is None) == (key in BUFFER_FIELDS[self.kind]):
                 raise ContractError(f"{_SECTION}: a {self.kind} buffer " +
                                     ("needs" if key in BUFFER_FIELDS[self.kind] else "has no") + f" {key!r}")

@@ -47,7 +47,7 @@ from runtime.contracts import ContractError
 from runtime.plan import MemoryPlan
 
 MAGIC = b"PICCPIB\0"
-FORMAT_VERSION = 16  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
+FORMAT_VERSION = 17  # 2: staged CPU programs and the hybrid schedule; 3: tensor layouts (rows8); 4: rowplanes;
 # 5: chunk programs by stage (hybrid models prefill in chunks too); 6: the GPU's FFN kernels sum their
 # down rows in slices (y_part scratch); version 5's wrote past their outputs on a real GPU; 7: cpu/manifest
 # as the typed records of runtime.cpu_manifest, every field required (the chunk programs, each stage's
@@ -63,6 +63,7 @@ FORMAT_VERSION = 16  # 2: staged CPU programs and the hybrid schedule; 3: tensor
 # the GPU's rope kernels read the cosines' and sines' factor after the frequencies (longrope's attention factor)
 # 16: mxfp4 tensors (gpt-oss's experts, 17-byte blocks), and the GPU's attention kernels of an op with sinks
 # take them after the value cache
+# 17: cpu/manifest's KV caches say how many bytes their k rows take (k_nbytes): v rows may be narrower (v_head_dim)
 PREAMBLE = 128
 ALIGN = 64
 _HEAD = struct.Struct("<8sIIQQQ32s")  # magic, version, flags, index offset/length, file length, sha256

@@ -82,9 +82,9 @@ class SequencePool:
         self._pointers = np.array([[own[i].ctypes.data for i in cpu.batch_caches] for own in self._own],
                                   dtype=np.uint64).reshape(slots, len(cpu.batch_caches))
         ctx = executor.plan.ctx
-        planes = {i: cpu.kv_planes(i) for i in self.caches}
-        self._planes = {i: (planes[i], n // (planes[i] * ctx)) for i, n in self.caches.items()}  # planes, row bytes
-        assert all(p * row * ctx == self.caches[i] for i, (p, row) in self._planes.items())
+        # per cache, its k rows' and its v rows' (byte offset, bytes, runs, bytes a position in a run)
+        self._parts = {i: [(at, n, runs, n // (runs * ctx)) for at, n, runs in cpu.kv_parts(i)] for i in self.caches}
+        assert all(runs * row * ctx == n for parts in self._parts.values() for _, n, runs, row in parts)
         self._held: list[tuple[list[int], int]] = [([], 0)] * slots  # tokens, and how many of their rows (hold)
         self._free = list(range(slots))  # the least recently released first
         self._bound: int | None = None
@@ -154,10 +154,11 @@ class SequencePool:
 
     def copy(self, src: int, dst: int, start: int, stop: int) -> None:
         """Copy positions ``start .. stop - 1`` of every KV cache from slot ``src`` to slot ``dst``."""
-        for i, (planes, row) in self._planes.items():
-            frm = self._own[src][i][: self.caches[i]].reshape(planes, -1)
-            to = self._own[dst][i][: self.caches[i]].reshape(planes, -1)
-            to[:, start * row : stop * row] = frm[:, start * row : stop * row]
+        for i, parts in self._parts.items():
+            for at, n, runs, row in parts:
+                frm = self._own[src][i][at : at + n].reshape(runs, -1)
+                to = self._own[dst][i][at : at + n].reshape(runs, -1)
+                to[:, start * row : stop * row] = frm[:, start * row : stop * row]
 
     @property
     def batched(self) -> int:

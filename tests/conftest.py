@@ -136,6 +136,43 @@ def tiny_mla(*, yarn: bool = False, a_heads: int = 1, b_heads: int | None = None
     rope = RopeSpec(style="gptj", rotary_dim=8, **(MLA_YARN if yarn else {}))
     model = tiny_llama(hidden=96, n_heads=4, n_kv_heads=4, rope=rope, **kwargs)
     return mla_keys(model, 8, a_heads=a_heads, b_heads=b_heads)
+def narrow_values(model: LoadedModel, v_head_dim: int, seed: int = 1) -> LoadedModel:
+    """``model`` (a :func:`tiny_llama`) with value heads of ``v_head_dim`` features, as DeepSeek's
+    multi-head latent attention decompressed has them (keys of head_dim): each attention's
+    ``v_head_dim`` set, its v projection (and bias) and the o projection after it redrawn in
+    their formats to fit, the values' and the attention's types narrowed."""
+    from picc.ir import ops as O
+    from picc.ir.module import WeightDecl
+    from picc.ir.verifier import verify
+
+    rng = np.random.default_rng(seed)
+    tensors = {name: model.weights[name] for name in model.weights}
+    func = model.module.function()
+    attentions = {op.result: op for op in func.ops if isinstance(op, O.Attention)}
+    widths = {op.v: op.n_kv_heads * v_head_dim for op in attentions.values()}  # value -> its new width
+    widths |= {name: op.n_heads * v_head_dim for name, op in attentions.items()}
+
+    def redrawn(name: str, shape: tuple[int, ...]) -> None:
+        scale = shape[-1] ** -0.5 if len(shape) == 2 else 0.1
+        tensors[name] = Tensor.from_f32(rng.normal(0, scale, size=shape).astype(np.float32), tensors[name].dtype)
+
+    ops = []
+    for op in func.ops:
+        if isinstance(op, O.Attention):
+            op = replace(op, v_head_dim=v_head_dim)
+        elif isinstance(op, O.Linear) and op.result in widths:  # a v projection: [n_kv * v_head_dim, hidden]
+            redrawn(op.weight, (widths[op.result], int(tensors[op.weight].shape[1])))
+            if op.bias:
+                redrawn(op.bias, (widths[op.result],))
+        elif isinstance(op, O.Linear) and op.x in attentions:  # the o projection: [hidden, n_heads * v_head_dim]
+            redrawn(op.weight, (int(tensors[op.weight].shape[0]), widths[op.x]))
+        if op.result in widths:
+            op = replace(op, type=op.type.with_shape((op.type.shape[0], widths[op.result])))
+        ops.append(op)
+    decls = tuple(WeightDecl(d.name, tensors[d.name].type) for d in model.module.weights)
+    module = replace(model.module, weights=decls).with_function(replace(func, ops=tuple(ops)))
+    verify(module)
+    return replace(model, module=module, weights=WeightStore(tensors))
 
 
 def word_tokenizer(vocab: int = 128) -> Tokenizer:

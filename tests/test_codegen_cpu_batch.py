@@ -71,7 +71,7 @@ def ffn_kernels(case: tuple) -> tuple:
 
 ALL = ([k for case in GEMV_CASES for k in gemv_kernels(case)] + [k for case in FFN_CASES for k in ffn_kernels(case)]
        + [make(softcap=cap, sinks=sinks) for make in (attention, attention_rows) for cap in (False, True)
-          for sinks in (False, True)])
+          for sinks in (False, True)] + [make("f16") for make in (attention, attention_rows)])
 
 
 @pytest.fixture(scope="module")
@@ -353,44 +353,51 @@ ATTN_COLUMNS = 3  # pointers per row of the KV table: the layer's in column 1, o
 
 
 @pytest.mark.parametrize("threads", THREADS)
-# a tail; the wide V pass + 16 + a tail; Gemma 2's soft-capped scores; gpt-oss's sinks, alone and with both
-@pytest.mark.parametrize(("hd", "window", "cap", "sinks"), [(20, 0, None, False), (84, 3, None, False),
-                                                            (64, 0, None, False), (84, 3, 0.7, False),
-                                                            (20, 0, None, True), (84, 3, 0.7, True)])
-def test_attention_rows_are_the_one_row_attentions_bits(host, teams, threads, hd, window, cap, sinks):
+# a tail; the wide V pass + 16 + a tail; Gemma 2's soft-capped scores; gpt-oss's sinks, alone and with
+# both; values narrower than keys (DeepSeek's MLA, v_head_dim: the wide V pass + a tail, 16 + a tail),
+# in f32 and f16 caches
+@pytest.mark.parametrize(("hd", "vd", "window", "cap", "sinks", "kv"),
+                         [(20, 20, 0, None, False, "f32"), (84, 84, 3, None, False, "f32"),
+                          (64, 64, 0, None, False, "f32"), (84, 84, 3, 0.7, False, "f32"),
+                          (20, 20, 0, None, True, "f32"), (84, 84, 3, 0.7, True, "f32"),
+                          (84, 68, 3, None, False, "f32"), (40, 20, 0, None, False, "f16")])
+def test_attention_rows_are_the_one_row_attentions_bits(host, teams, threads, hd, vd, window, cap, sinks, kv):
     # Each row at its own position (0, mid-cache, the last) with its own caches, reached through a
     # table of pointers: its output is picc_attention's for that row alone, bit for bit, its k and v
-    # land in its own caches at its position, and nothing else is written.
-    rng, team, width, n = np.random.default_rng(71), teams[threads], ATTN_KV * hd, ATTN_HEADS * hd
+    # land in its own caches at its position (the v planes after the k planes, rows of vd), and
+    # nothing else is written.
+    rng, team = np.random.default_rng(71), teams[threads]
+    width, v_width, n, v_n = ATTN_KV * hd, ATTN_KV * vd, ATTN_HEADS * hd, ATTN_HEADS * vd
     # The sinks from below the scores to above them (the maximum then the sink's), one per query head.
     extra = ([cap] if cap is not None else []) + ([np.linspace(-2.0, 3.0, ATTN_HEADS, dtype=np.float32)] if sinks else [])
-    variant = dict(softcap=cap is not None, sinks=sinks)
-    q_at, k_at, v_at, out_at = 0, n + X_PAD, n + width + 2 * X_PAD, n + 2 * width + 3 * X_PAD
-    stride = 2 * n + 2 * width + 4 * X_PAD  # floats a row: q, k, v and out with padding after each
+    variant = dict(kv=kv, softcap=cap is not None, sinks=sinks)
+    q_at, k_at, v_at, out_at = 0, n + X_PAD, n + width + 2 * X_PAD, n + width + v_width + 3 * X_PAD
+    stride = n + width + v_width + v_n + 4 * X_PAD  # floats a row: q, k, v and out with padding after each
+    k_end, dtype = ATTN_CTX * width, np.float16 if kv == "f16" else np.float32  # where a row's v planes start
     for batch in BATCHES:
         positions = np.array([(0, ATTN_CTX - 1, 7)[b % 3] for b in range(batch)], np.int32)
         positions[3::4] = rng.integers(0, ATTN_CTX, size=len(positions[3::4]))
         rows = np.full((batch, stride), np.nan, np.float32)
-        for at, floats in ((q_at, n), (k_at, width), (v_at, width)):
+        for at, floats in ((q_at, n), (k_at, width), (v_at, v_width)):
             rows[:, at : at + floats] = rng.normal(size=(batch, floats))
-        caches = [rng.normal(size=(2, ATTN_CTX, width)).astype(np.float32) for _ in range(batch)]
-        expected_caches, expected = [c.copy() for c in caches], np.empty((batch, n), np.float32)
+        caches = [rng.normal(size=ATTN_CTX * (width + v_width)).astype(dtype) for _ in range(batch)]
+        expected_caches, expected = [c.copy() for c in caches], np.empty((batch, v_n), np.float32)
         for b in range(batch):
             run(host, team, attention(**variant), np.ascontiguousarray(rows[b, q_at : q_at + n]),
-                np.ascontiguousarray(rows[b, k_at : k_at + width]), np.ascontiguousarray(rows[b, v_at : v_at + width]),
-                expected_caches[b][0], expected_caches[b][1], expected[b], 1, int(positions[b]), ATTN_HEADS, ATTN_KV,
-                hd, hd**-0.5, window, ATTN_CTX, *extra)
+                np.ascontiguousarray(rows[b, k_at : k_at + width]), np.ascontiguousarray(rows[b, v_at : v_at + v_width]),
+                expected_caches[b][:k_end], expected_caches[b][k_end:], expected[b], 1, int(positions[b]), ATTN_HEADS,
+                ATTN_KV, hd, vd, hd**-0.5, window, ATTN_CTX, *extra)
         table = np.zeros((batch, ATTN_COLUMNS), np.uint64)
         table[:, 1] = [c.ctypes.data for c in caches]
         out = rows.copy()
         base = out.ctypes.data
         run(host, team, attention_rows(**variant), base + 4 * q_at, base + 4 * k_at, base + 4 * v_at,
-            table.ctypes.data + 8, base + 4 * out_at, batch, positions, ATTN_HEADS, ATTN_KV, hd, hd**-0.5, window,
+            table.ctypes.data + 8, base + 4 * out_at, batch, positions, ATTN_HEADS, ATTN_KV, hd, vd, hd**-0.5, window,
             ATTN_CTX, out.strides[0], table.strides[0], *extra)
         for b in range(batch):
-            got = out[b, out_at : out_at + n]
+            got = out[b, out_at : out_at + v_n]
             assert np.array_equal(got.view(np.uint32), expected[b].view(np.uint32)), (batch, b)
             assert np.array_equal(caches[b], expected_caches[b]), (batch, b)
         rest = np.ones(stride, bool)
-        rest[out_at : out_at + n] = False
+        rest[out_at : out_at + v_n] = False
         assert np.array_equal(out[:, rest], rows[:, rest], equal_nan=True)

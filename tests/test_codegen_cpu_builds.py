@@ -65,7 +65,7 @@ def _decode_like_program(buffers: dict[str, int]) -> list[tuple[Kernel, tuple]]:
         (rope("llama"), (b["q"], b["cos"], b["sin"], 1, Param(buffers["params"], 0), heads, hd, hd)),
         (rope("llama"), (b["k"], b["cos"], b["sin"], 1, Param(buffers["params"], 0), kv, hd, hd)),
         (attention(), (b["q"], b["k"], b["v"], b["kc"], b["vc"], b["att"], 1, Param(buffers["params"], 0), heads, kv,
-                       hd, 0.25, 0, 8)),
+                       hd, hd, 0.25, 0, 8)),
         (gemv("q4_1"), (b["wo"], b["att"], Null(), b["x"], hid, heads * hd, 1)),
         (sparse_ffn("gate-first", "swiglu", "q4_0", "q4_0", "q4_0"),
          (b["x"], b["up"], b["gate"], b["down"], Null(), Null(), Null(), b["x2"], Null(), Null(), b["scratch"], n, hid,
@@ -221,15 +221,17 @@ def test_avx2_build_computes_the_same_bits(host, avx2, teams):
     np.testing.assert_array_equal(case.run(host, teams[2], kernel, threshold=0.1)[0],
                                   case.run(avx2, teams[2], kernel, threshold=0.1)[0])
     # 11 positions, scored four at a time, then one at a time; head size 20, a 16-element slice
-    # and a tail.
+    # and a tail; value heads of 20, and of another width than the keys' (v_head_dim): 36, two
+    # 16-element slices and a tail.
     q = rng.normal(size=(11, 80)).astype(np.float32)
-    k, v = rng.normal(size=(11, 40)).astype(np.float32), rng.normal(size=(11, 40)).astype(np.float32)
-    outs = []
-    for module in (host, avx2):
-        outs.append(np.zeros_like(q))
-        run(module, teams[2], attention("f16"), q, k, v, np.zeros((12, 40), np.float16),
-            np.zeros((12, 40), np.float16), outs[-1], 11, 0, 4, 2, 20, 0.25, 0, 12)
-    np.testing.assert_array_equal(outs[0], outs[1])
+    for vd in (20, 36):
+        k, v = rng.normal(size=(11, 40)).astype(np.float32), rng.normal(size=(11, 2 * vd)).astype(np.float32)
+        outs = []
+        for module in (host, avx2):
+            outs.append(np.zeros((11, 4 * vd), np.float32))
+            run(module, teams[2], attention("f16"), q, k, v, np.zeros((12, 40), np.float16),
+                np.zeros((12, 2 * vd), np.float16), outs[-1], 11, 0, 4, 2, 20, vd, 0.25, 0, 12)
+        np.testing.assert_array_equal(outs[0], outs[1])
     assert "zmm" not in avx2.emit_assembly()  # really no AVX-512 in the AVX2 build
 
 

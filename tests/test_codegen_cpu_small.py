@@ -135,35 +135,38 @@ def test_concat_heads_and_rope_compile_at_every_level(host, teams, simd):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("hd", (20, 84))  # 16 + a tail; 64 (the wide V pass) + 16 + a tail
+# Key and value heads: 16 + a tail; 64 (the wide V pass) + 16 + a tail; then values narrower than
+# keys (DeepSeek's MLA: v_head_dim): the wide V pass + a tail, and 16 + a tail under keys of 32 + 8.
+@pytest.mark.parametrize(("hd", "vd"), ((20, 20), (84, 84), (84, 68), (40, 20)))
 @pytest.mark.parametrize("window", (None, 3))
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("kv_format", ("f32", "f16"))
 @pytest.mark.parametrize("cap", (None, 0.7))  # Gemma 2's soft cap, here where scores (~N(0, 1)) bend
 @pytest.mark.parametrize("sinks", (False, True))  # gpt-oss's sink logit per head
-def test_attention_matches_interpreter(host, teams, threads, window, hd, kv_format, cap, sinks):
+def test_attention_matches_interpreter(host, teams, threads, window, hd, vd, kv_format, cap, sinks):
     rng = np.random.default_rng(17)
     heads, kv, ctx = 6, 2, 16  # up to 10 positions: scored four at a time, then one
-    op = O.Attention(result="a", type=f32(1, heads * hd), q="q", k="k", v="v", pos="p", n_heads=heads,
-                     n_kv_heads=kv, head_dim=hd, scale=hd**-0.5, cache="c", window=window, kv_format=kv_format,
-                     softcap=cap, sinks="s" if sinks else None)
+    op = O.Attention(result="a", type=f32(1, heads * vd), q="q", k="k", v="v", pos="p", n_heads=heads,
+                     n_kv_heads=kv, head_dim=hd, v_head_dim=vd if vd != hd else None, scale=hd**-0.5, cache="c",
+                     window=window, kv_format=kv_format, softcap=cap, sinks="s" if sinks else None)
     # Sinks from below the scores to above them all (then the maximum is the sink's).
     sink = np.linspace(-2.0, 3.0, heads, dtype=np.float32) if sinks else None
     dtype = np.float16 if kv_format == "f16" else np.float32
-    cache, kcache, vcache = KVCache(kv * hd), np.zeros((ctx, kv * hd), dtype), np.zeros((ctx, kv * hd), dtype)
+    cache, kcache, vcache = KVCache(kv * hd, kv * vd), np.zeros((ctx, kv * hd), dtype), np.zeros((ctx, kv * vd), dtype)
     pos = 0
     for seq in (5, 1, 1, 3):  # a prefill chunk, then decode steps, then another chunk
         q = rng.normal(size=(seq, heads * hd)).astype(np.float32)
-        k, v = (rng.normal(size=(seq, kv * hd)).astype(np.float32) for _ in range(2))
+        k, v = (rng.normal(size=(seq, kv * d)).astype(np.float32) for d in (hd, vd))
         ref = attention_ref(op, q, k, v, np.arange(pos, pos + seq, dtype=np.int32), cache, sink)
-        out = np.zeros_like(q)
+        out = np.zeros((seq, heads * vd), np.float32)
         run(host, teams[threads], attention(kv_format, cap is not None, sinks), q, k, v, kcache, vcache, out, seq,
-            pos, heads, kv, hd, hd**-0.5, window or 0, ctx, *([cap] if cap else []), *([sink] if sinks else []))
+            pos, heads, kv, hd, vd, hd**-0.5, window or 0, ctx, *([cap] if cap else []), *([sink] if sinks else []))
         # The cache holds k and v as numpy rounds them (to nearest even), each KV head's rows in
-        # its own plane [ctx, hd], and the interpreter, which rounds alike, attends over the same values.
-        for cached, new in ((kcache, k), (vcache, v)):
-            planes = cached.reshape(kv, ctx, hd)[:, pos : pos + seq]
-            np.testing.assert_array_equal(planes, new.reshape(seq, kv, hd).transpose(1, 0, 2).astype(dtype))
+        # its own plane [ctx, hd] (v's [ctx, vd]), and the interpreter, which rounds alike, attends
+        # over the same values.
+        for cached, new, d in ((kcache, k, hd), (vcache, v, vd)):
+            planes = cached.reshape(kv, ctx, d)[:, pos : pos + seq]
+            np.testing.assert_array_equal(planes, new.reshape(seq, kv, d).transpose(1, 0, 2).astype(dtype))
         assert rel_err(out, ref) <= F32_TOL, seq
         pos += seq
 

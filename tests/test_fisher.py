@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama, tiny_mla, with_tokenizer
+from conftest import narrow_values, tiny_llama, tiny_mla, with_tokenizer
 from hf_models import make_model
 
 from picc.errors import PiccError
@@ -39,7 +39,9 @@ def _logits_match(model, tokens: list[int]) -> None:
     lambda: tiny_llama("swiglu", window=5, sinks=True),
     lambda: tiny_mla(yarn=True),
     lambda: tiny_mla(a_heads=4, b_heads=1),
-], ids=["swiglu-biases", "geglu-gptj-window-tied", "drelu-mqa", "swiglu-window-sinks", "mla-keys-yarn", "b-shared"])
+    lambda: narrow_values(tiny_llama("swiglu", window=5, biases=True), 12),  # DeepSeek's MLA: v_head_dim 12 of 16
+], ids=["swiglu-biases", "geglu-gptj-window-tied", "drelu-mqa", "swiglu-window-sinks", "mla-keys-yarn", "b-shared",
+        "swiglu-window-narrow-values"])
 def test_torch_forward_matches_the_interpreter(make):
     _logits_match(make(), list(np.random.default_rng(0).integers(0, 128, 23)))
 

@@ -9,9 +9,11 @@ to a score at its threshold, which ordering can flip, hence the margin.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
-from conftest import half_the_ffn, tiny_llama, tiny_mla, with_tokenizer
+from conftest import half_the_ffn, narrow_values, tiny_llama, tiny_mla, with_tokenizer
 
 import picc.passes.insert_predictors as insert_predictors_pass
 from picc.compile import CompileOptions, compile_model, write_compiled
@@ -305,6 +307,48 @@ def test_gpt_oss_attention_sinks_run_on_the_gpu(tmp_path, monkeypatch, vram, ctx
     plain = Interpreter(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, window=5, softcaps=(0.7, 0.8)).module,
                         model.weights).run(TOKENS)
     assert rel_err(plain, reference) > 0.1  # the sinks weigh
+    with Session(path, threads=2, gpu="emulate") as session:
+        assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
+
+
+def test_attention_whose_values_are_narrower_than_its_keys_stays_on_the_cpu(tmp_path, monkeypatch):
+    # No GPU kernel takes value heads of another width than the key heads (DeepSeek's MLA
+    # decompressed, v_head_dim 12 under head_dim 16): compiled for pc-low with room for it all,
+    # each layer's attention and its KV cache (k planes, then narrower v planes) stay on the CPU
+    # between the GPU's projections, the plan's notes say why, and the logits are the
+    # interpreter's (the emulated GPU). The estimate reads half of each cache a token: ctx
+    # positions more add half their k and v rows' bytes per layer.
+    from picc.passes.kernel_selection import Types, gpu_kernel
+    from picc.placement.memory_plan import plan_memory
+    from picc.placement.plan_report import build_report
+
+    monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
+    model = narrow_values(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96), 12)
+    path = tmp_path / "narrow.pib"
+    write_compiled(compile_model(model, CompileOptions(target="pc-low", vram="4MiB", dense=True, ctx=64),
+                                 say=lambda _: None), path)
+    pib = load_pib(path)
+    ops = {op.result: op for op in pib.module.ops()}
+    attentions = [op for op in ops.values() if op.NAME == "attention"]
+    assert len(attentions) == 2 and {op.type.placement for op in attentions} == {Placement.CPU}
+    around = [ops[a.v] for a in attentions] + [op for op in ops.values() if op.NAME == "linear" and op.x in ops
+                                               and ops[op.x].NAME == "attention"]
+    assert len(around) == 4 and {op.type.placement for op in around} == {Placement.GPU}
+    with PibFile(path) as f:
+        plan = f.plan()
+    assert [(b.device, b.nbytes) for b in plan.buffers if b.kind == "kv-cache"] == [("cpu", 64 * 2 * (16 + 12) * 2)] * 2
+    assert [n for n in plan.notes if "attention" in n] == [
+        "layers 0..1: attention and its KV cache on the CPU (value heads of v_head_dim features, not head_dim's: "
+        "no GPU kernel)"]
+    target = load_target("pc-low")
+    reads = [build_report(pib.module, pib.weights, target, plan_memory(pib.module, pib.weights, ctx=ctx,
+                                                                      budget=plan.budget))["bytes_per_token"]
+             for ctx in (64, 128)]
+    assert reads[1] - reads[0] == 2 * 64 * 2 * (16 + 12) * 2 // 2  # layers, positions, KV heads, k + v, f16, half
+    on_gpu = replace(attentions[0], type=replace(attentions[0].type, placement=Placement.GPU))
+    with pytest.raises(PiccError, match="has no GPU kernel: value heads of 12 features, key heads of 16"):
+        gpu_kernel(on_gpu, Types(pib.module.function().value_types(), pib.module.weight_types()), 64)
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     with Session(path, threads=2, gpu="emulate") as session:
         assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
 

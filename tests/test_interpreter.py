@@ -223,6 +223,32 @@ def test_attention_sinks_are_transformers_gpt_oss_eager_attention(window, cap):
     assert np.abs(plain - got[:seq]).max() > 1e-1  # the sinks weigh
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_values_narrower_than_keys_are_attended_as_torch_attends_them(window):
+    # DeepSeek's MLA decompressed (v_head_dim): scores over key heads of 12 features, a weighted
+    # sum of value heads of 8, the output 8 a query head. GQA (6 heads on 2); a prompt of 7
+    # tokens, then one more at position 7 over the cache; with and without a sliding window.
+    seq, h, kv, d, dv = 7, 6, 2, 12, 8
+    q, k = (RNG.normal(size=(seq + 1, n * d)).astype(np.float32) for n in (h, kv))
+    v = RNG.normal(size=(seq + 1, kv * dv)).astype(np.float32)
+    op = O.Attention(result="o", type=f32(seq, h * dv), q="q", k="k", v="v", pos="p", n_heads=h, n_kv_heads=kv,
+                     head_dim=d, v_head_dim=dv, scale=d**-0.5, cache="c", window=window)
+    from picc.interpreter import KVCache, attention
+
+    cache = KVCache(kv * d, kv * dv)
+    got = np.concatenate([attention(op, q[:seq], k[:seq], v[:seq], np.arange(seq, dtype=np.int32), cache),
+                          attention(op, q[seq:], k[seq:], v[seq:], np.array([seq], np.int32), cache)])
+    n = seq + 1
+    tq = torch.from_numpy(q).view(n, h, d).transpose(0, 1)
+    tk = torch.from_numpy(k).view(n, kv, d).transpose(0, 1).repeat_interleave(h // kv, 0)
+    tv = torch.from_numpy(v).view(n, kv, dv).transpose(0, 1).repeat_interleave(h // kv, 0)
+    i = torch.arange(n)
+    visible = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < window) if window else True)
+    want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=visible, scale=d**-0.5)
+    assert got.shape == (n, h * dv)
+    np.testing.assert_allclose(got, want.transpose(0, 1).reshape(n, h * dv).numpy(), atol=1e-6)
+
+
 def test_quantized_weights_run_through_exact_dequantization():
     f = tiny_llama(matrix_dtype=DType.F32, seed=3)
     q = tiny_llama(matrix_dtype=DType.Q8_0, seed=3)

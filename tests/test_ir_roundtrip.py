@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_llama, tiny_mla
+from conftest import narrow_values, tiny_llama, tiny_mla
 
 from picc.frontend.llama import RopeSpec
 from picc.ir import ParseError, parse, print_module, verify
@@ -102,6 +102,19 @@ def test_attention_sinks_print_as_a_weight_operand():
     assert "weight @l0.attn.sinks : f32[4]" in text
     assert ("  %l0.attn.ctx = attention %l0.attn.q_rope, %l0.attn.k_rope, %l0.attn.v, %pos, sinks=@l0.attn.sinks "
             "{n_heads = 4, n_kv_heads = 2, head_dim = 16, scale = 0.25, cache = \"l0\", block = 0} : f32[seq, 64]") in text
+
+
+def test_values_narrower_than_keys_print_their_width_and_round_trip():
+    # DeepSeek's MLA decompressed: value heads of v_head_dim (12) under key heads of 16; the
+    # attribute is printed where it is set, and only there.
+    module = narrow_values(tiny_llama(n_layers=1), 12).module
+    verify(module)
+    text = print_module(module)
+    assert ("  %l0.attn.ctx = attention %l0.attn.q_rope, %l0.attn.k_rope, %l0.attn.v, %pos {n_heads = 4, "
+            "n_kv_heads = 2, head_dim = 16, v_head_dim = 12, scale = 0.25, cache = \"l0\", block = 0} : f32[seq, 48]") in text
+    assert "  %l0.attn.v = linear %l0.attn_norm, @l0.attn.v {block = 0} : f32[seq, 24]" in text
+    assert parse(text) == module and print_module(parse(text)) == text
+    assert "v_head_dim" not in print_module(tiny_llama(n_layers=1).module)
 
 
 @pytest.mark.parametrize("text, message", [

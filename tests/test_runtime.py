@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_llama, tiny_mla, with_tokenizer
+from conftest import narrow_values, tiny_llama, tiny_mla, with_tokenizer
 from runtime_cases import LONG, TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
 
 from picc.cli import main
@@ -301,6 +301,45 @@ def test_gpt_oss_attention_sinks_compile_as_they_compute(tmp_path):
                 np.testing.assert_array_equal(cpu.batch_logits(row).view(np.uint32), expected[step].view(np.uint32))
 
 
+@pytest.mark.parametrize(("kv_cache", "window"), [("f32", None), ("f16", 5)])
+def test_values_narrower_than_keys_compile_as_they_compute(tmp_path, kv_cache, window):
+    # DeepSeek's MLA decompressed: value heads of 24 features (v_head_dim) under key heads of 32.
+    # The attention kernels and their batch rows twin take v_head_dim, in the step, the chunk
+    # programs and the server's batch step, against the interpreter (f32 caches, and f16 ones,
+    # which the interpreter rounds alike, with a window). Each KV cache holds its KV heads' k
+    # planes, then their v planes of 24-element rows (cpu/manifest's k_nbytes says where), which
+    # a server's pool copies from one sequence's slot to another's for a prompt that shares rows.
+    from runtime.sequences import SequencePool
+
+    hd, vd, n_kv = 32, 24, 2
+    model = with_tokenizer(narrow_values(tiny_llama("swiglu", n_layers=2, hidden=128, n_ff=96, window=window), vd))
+    path, pib = compiled(model, tmp_path, "narrow", batch_step=True, dense=True, kv_cache=kv_cache)
+    assert {(op.head_dim, op.v_head_dim) for op in pib.module.ops() if isinstance(op, O.Attention)} == {(hd, vd)}
+    with PibFile(path) as f:
+        ir, manifest, plan = f.text("cpu/ir"), CpuManifest.from_json(f.json("cpu/manifest")), f.plan()
+    kernel = {"f32": "@picc_attention(", "f16": "@picc_attention_kvf16("}[kv_cache]
+    for program, call in (("picc_stage_0", kernel), ("picc_prefill_chunk", kernel),
+                          ("picc_batch_step", kernel.replace("(", "_rows("))):
+        body = ir[ir.index(f"define void @{program}("):]
+        assert body[: body.index("\n}")].count(call) == 2, program
+    element, ctx = {"f32": 4, "f16": 2}[kv_cache], plan.ctx
+    caches = [(b.nbytes, b.k_nbytes) for b in manifest.buffers if b.kind == "kv"]
+    assert caches == [(ctx * n_kv * (hd + vd) * element, ctx * n_kv * hd * element)] * 2
+    assert [b.nbytes for b in plan.buffers if b.kind == "kv-cache"] == [ctx * n_kv * (hd + vd) * element] * 2
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+    check_batch_rows(path, TOKENS[:3])
+    with Session(path, 2) as s:  # slot 1 from slot 0's copied rows: the next step's bits
+        pool = SequencePool(s.executor, 2)
+        s.feed(LONG[:40])
+        pool.copy(0, 1, 0, 40)
+        want = s.feed(LONG[40:41]).copy()
+        pool.bind(1)
+        s.rewind(40)
+        np.testing.assert_array_equal(s.feed(LONG[40:41]).view(np.uint32), want.view(np.uint32))
+
+
 def test_every_positions_logits_come_in_chunks_and_the_session_goes_on(tmp_path):
     # feed(all_logits=True) (picc logits) runs all but the last token through picc_logits_chunk,
     # 32 at a time: the same logits as one step per token (GEMMs instead of GEMVs: the sums
@@ -345,11 +384,11 @@ def test_chunk_programs_say_whether_they_compute_the_steps_bits_and_do(dtype, tm
     with Session(path, 2) as s:
         stepped = np.concatenate([s.feed([t], all_logits=True) for t in LONG])
         cpu = s.executor.cpu
-        for i, n in cpu.kv_caches().items():  # every position: chunks of 3, 32, 10 in one, steps in the other
-            planes = cpu.kv_planes(i)
-            got, want = rows[i].reshape(planes, -1), cpu.cache_array(i)[:n].reshape(planes, -1)
-            per = got.shape[1] // s.max_ctx
-            np.testing.assert_array_equal(got[:, : len(LONG) * per], want[:, : len(LONG) * per])
+        for i in cpu.kv_caches():  # every position: chunks of 3, 32, 10 in one, steps in the other
+            for at, n, runs in cpu.kv_parts(i):  # k rows, v rows
+                got, want = rows[i][at : at + n].reshape(runs, -1), cpu.cache_array(i)[at : at + n].reshape(runs, -1)
+                per = got.shape[1] // s.max_ctx
+                np.testing.assert_array_equal(got[:, : len(LONG) * per], want[:, : len(LONG) * per])
     np.testing.assert_array_equal(chunked.view(np.uint32), stepped[3:].view(np.uint32))
 
 
@@ -609,6 +648,9 @@ def test_the_cpu_manifest_is_typed_records_that_round_trip(tmp_path):
     with pytest.raises(ContractError, match="a kv buffer needs 'planes'"):  # a server copies rows by them
         CpuBuffer("kv", name="kv.0", nbytes=4096)
     assert [b.planes for b in manifest.buffers if b.kind == "kv"] == [4]  # two KV heads: their k rows, their v rows
+    with pytest.raises(ContractError, match="a kv buffer needs 'k_nbytes'"):  # where its v rows start
+        CpuBuffer("kv", name="kv.0", nbytes=4096, planes=4)
+    assert [2 * b.k_nbytes == b.nbytes for b in manifest.buffers if b.kind == "kv"] == [True]  # v rows as wide as k's
 
 
 def test_threads_default_to_the_cores_the_process_may_use(tmp_path, monkeypatch):

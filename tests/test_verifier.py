@@ -28,6 +28,7 @@ def body(*ops: str, ret: str = "%x", args: str = "%tokens: i32[seq], %pos: i32[s
 
 
 EMBED = "%x = embed %tokens, @emb : f32[seq, 8]"
+V12 = "%v = linear %x, @w : f32[seq, 12]"  # two value heads of 6
 
 CASES = [
     # (ops, expected message fragment); the first op is on line 12 (texts here are in printed form, so line numbers match the file) of the text
@@ -91,6 +92,19 @@ CASES = [
     ([EMBED, "%y = attention %x, %x, %x, %pos, sinks=@scale {n_heads = 2, n_kv_heads = 2, head_dim = 4, "
       "scale = 1.0, cache = \"l0\"} : f32[seq, 8]"],
      "line 13: %y = attention: sinks @scale must be [2], got [24]"),
+    # Value heads of v_head_dim features (DeepSeek's MLA): v and the result are n_kv_heads and n_heads of them.
+    ([EMBED, V12, "%y = attention %x, %x, %v, %pos {n_heads = 2, n_kv_heads = 2, head_dim = 4, v_head_dim = 6, "
+      "scale = 1.0, cache = \"l0\"} : f32[seq, 8]"],
+     "line 14: %y = attention: result type is f32[seq, 8] but the operands give f32[seq, 12]"),
+    ([EMBED, V12, "%y = attention %x, %x, %v, %pos {n_heads = 2, n_kv_heads = 2, head_dim = 4, v_head_dim = 4, "
+      "scale = 1.0, cache = \"l0\"} : f32[seq, 8]"],
+     "line 14: %y = attention: %v must be f32[seq, 8] (n_kv_heads * v_head_dim), got f32[seq, 12]"),
+    ([EMBED, V12, "%y = attention %x, %x, %v, %pos {n_heads = 2, n_kv_heads = 2, head_dim = 4, scale = 1.0, "
+      "cache = \"l0\"} : f32[seq, 8]"],
+     "line 14: %y = attention: %v must be f32[seq, 8] (n_kv_heads * head_dim), got f32[seq, 12]"),
+    ([EMBED, V12, "%y = attention %x, %x, %v, %pos {n_heads = 2, n_kv_heads = 2, head_dim = 4, v_head_dim = 0, "
+      "scale = 1.0, cache = \"l0\"} : f32[seq, 0]"],
+     "line 14: %y = attention: v_head_dim must be > 0, got 0"),
     ([EMBED, "%y = ffn %x, @up, @down {form = \"swiglu\"} : f32[seq, 8]"],
      "line 13: %y = ffn: form 'swiglu' needs a gate weight"),
     ([EMBED, "%y = ffn %x, @up, @down, gate=@up {form = \"relu\"} : f32[seq, 8]"],

@@ -79,11 +79,13 @@ class CpuBuffers:
     def own(self, nbytes: int, name: str) -> Buf:
         return Buf(self.slot(name, nbytes))
 
-    def kv_cache(self, name: str, nbytes: int, planes: int) -> Buf:
+    def kv_cache(self, name: str, nbytes: int, planes: int, k_nbytes: int) -> Buf:
         """The KV cache ``name``, shared by the step and the chunk programs: ``planes`` runs of the
-        context's positions (each KV head's k rows, then each one's v rows), ``nbytes`` in all."""
+        context's positions (each KV head's k rows, ``k_nbytes`` in all, then each one's v rows),
+        ``nbytes`` in all."""
         if name not in self.caches:
-            self.caches[name] = Buf(self.add(CpuBuffer("kv", name=f"kv.{name}", nbytes=nbytes, planes=planes)))
+            entry = CpuBuffer("kv", name=f"kv.{name}", nbytes=nbytes, planes=planes, k_nbytes=k_nbytes)
+            self.caches[name] = Buf(self.add(entry))
         return self.caches[name]
 
     def weight(self, name: str | None, *, as_f32: bool = False, offset: int = 0,

@@ -1,7 +1,9 @@
 """Causal grouped-query attention over an f32 or f16 KV cache (decode, and prefill chunks).
 
-``q`` is [seq, n_heads * head_dim], ``k`` and ``v`` [seq, n_kv_heads * head_dim]; the caches are
-[n_kv_heads, ctx, head_dim] of f32 or f16 (the op's ``kv_format``): each KV head's rows follow
+``q`` is [seq, n_heads * head_dim], ``k`` [seq, n_kv_heads * head_dim], ``v`` [seq, n_kv_heads *
+v_head_dim] and ``out`` [seq, n_heads * v_head_dim] (``v_head_dim``: the op's, values narrower than
+keys as DeepSeek's MLA has them, or head_dim); the caches are [n_kv_heads, ctx, head_dim] and
+[n_kv_heads, ctx, v_head_dim] of f32 or f16 (the op's ``kv_format``): each KV head's rows follow
 each other, so that a head's pass over the positions reads one stream. Row s is the token at
 position ``pos + s``. The kernel first stores k and v into cache rows ``pos .. pos + seq - 1``
 (threads split the copy), waits at the barrier, then computes, for each (row s, query head h)
@@ -43,26 +45,27 @@ from picc.placement.memory_plan import KV_BYTES
 V16 = vec(16)
 ATTENTION_PARAMS = (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("kcache", "ptr"), ("vcache", "ptr"), ("out", "ptr"),
                     ("seq", "i32"), ("pos", "i32"), ("n_heads", "i32"), ("n_kv_heads", "i32"), ("head_dim", "i32"),
-                    ("scale", "f32"), ("window", "i32"), ("ctx", "i32"))
+                    ("v_head_dim", "i32"), ("scale", "f32"), ("window", "i32"), ("ctx", "i32"))
 # attention_rows: q, k, v and out rows ``row_stride`` bytes apart; row b's caches at the pointer
-# ``kv + b * kv_stride`` (its k planes; its v planes ``ctx`` cache rows of every KV head after
-# them), its position ``positions[b]`` (i32).
+# ``kv + b * kv_stride`` (its k planes; its v planes ``ctx`` k cache rows of every KV head after
+# them, ``v_head_dim`` elements a row), its position ``positions[b]`` (i32).
 ATTENTION_ROWS_PARAMS = (("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("kv", "ptr"), ("out", "ptr"),
                          ("batch", "i32"), ("positions", "ptr"), ("n_heads", "i32"), ("n_kv_heads", "i32"),
-                         ("head_dim", "i32"), ("scale", "f32"), ("window", "i32"), ("ctx", "i32"),
-                         ("row_stride", "i32"), ("kv_stride", "i32"))
+                         ("head_dim", "i32"), ("v_head_dim", "i32"), ("scale", "f32"), ("window", "i32"),
+                         ("ctx", "i32"), ("row_stride", "i32"), ("kv_stride", "i32"))
 SOFTCAP_PARAM = (("softcap", "f32"),)
 SINKS_PARAM = (("sinks", "ptr"),)
 
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """The heads of a call (i64 values): query heads, KV heads, features a head, floats a cache row,
-    query heads a KV head serves."""
+    """The heads of a call (i64 values): query heads, KV heads, features a query or key head, a
+    value or output head's, floats a k cache row, query heads a KV head serves."""
 
     heads: str
     kv: str
     hd: str
+    vd: str
     width: str
     group: str
 
@@ -84,10 +87,10 @@ def attention(kv: str = "f32", softcap: bool = False, sinks: bool = False) -> Ke
         c0, c1 = chunk_bounds(fn, fn.v(f"mul i64 {seq}, {shape.kv}", "tot"), tid, nthreads)
         with fn.loop(c0, c1, hint="it") as it:
             s, g = fn.v(f"sdiv i64 {it}, {shape.kv}", "s"), fn.v(f"srem i64 {it}, {shape.kv}", "g")
-            src = fn.v(f"mul i64 {it}, {shape.hd}", "so")  # token s's head g: [seq, n_kv, hd]
-            for k_or_v, cache_ in (("%k", "%kcache"), ("%v", "%vcache")):
-                _store(fn, kv, _plane_row(fn, kv, shape, cache_, ctx, g, fn.v(f"add i64 {pos}, {s}", "ps")),
-                       fn.at(k_or_v, 4, src), shape.hd)
+            for k_or_v, cache_, dim in (("%k", "%kcache", shape.hd), ("%v", "%vcache", shape.vd)):
+                src = fn.v(f"mul i64 {it}, {dim}", "so")  # token s's head g: [seq, n_kv, dim]
+                _store(fn, kv, _plane_row(fn, kv, cache_, ctx, g, fn.v(f"add i64 {pos}, {s}", "ps"), dim),
+                       fn.at(k_or_v, 4, src), dim)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # -- phase 2: (row, head) items
         scores = fn.alloca_array(F32, fn.v(f"add i64 {pos}, {seq}", "ctx"), "scores")
@@ -96,10 +99,10 @@ def attention(kv: str = "f32", softcap: bool = False, sinks: bool = False) -> Ke
         with fn.loop(lo, hi, hint="it") as it:
             p = fn.v(f"add i64 {pos}, {fn.v(f'sdiv i64 {it}, {shape.heads}', 's')}", "p")
             h = fn.v(f"srem i64 {it}, {shape.heads}", "h")
-            head = fn.v(f"mul i64 {it}, {shape.hd}", "qo")
+            qrow = fn.at("%q", 4, fn.v(f"mul i64 {it}, {shape.hd}", "qo"), "qrow")
+            orow = fn.at("%out", 4, fn.v(f"mul i64 {it}, {shape.vd}", "oo"), "orow")
             _prefetch_next_group(fn, shape, it, h, hi, ctx, kv, lambda i: (pos, ("%kcache", "%vcache")), one)
-            _emit_head(fn, shape, fn.at("%q", 4, head, "qrow"), fn.at("%out", 4, head, "orow"), h, p,
-                       ("%kcache", "%vcache"), ctx, scores, kv, softcap, sinks)
+            _emit_head(fn, shape, qrow, orow, h, p, ("%kcache", "%vcache"), ctx, scores, kv, softcap, sinks)
         fn.ret_void()
         return fn.text()
 
@@ -130,11 +133,10 @@ def attention_rows(kv: str = "f32", softcap: bool = False, sinks: bool = False) 
         r0, r1 = chunk_bounds(fn, batch, tid, nthreads)
         with fn.loop(r0, r1, hint="b") as b:
             pos, kc, vc = row_of(b)
-            at, head_bytes = fn.v(f"mul i64 {b}, {row_stride}", "ro"), fn.v(f"shl i64 {shape.hd}, 2", "hb")
+            at = fn.v(f"mul i64 {b}, {row_stride}", "ro")
             with fn.loop("0", shape.kv, hint="g") as g:
-                src = fn.v(f"add i64 {at}, {fn.v(f'mul i64 {g}, {head_bytes}', 'go')}", "so")
-                for k_or_v, cache_ in (("%k", kc), ("%v", vc)):
-                    _store(fn, kv, _plane_row(fn, kv, shape, cache_, ctx, g, pos), fn.gep(k_or_v, src), shape.hd)
+                for k_or_v, cache_, dim in (("%k", kc, shape.hd), ("%v", vc, shape.vd)):
+                    _store(fn, kv, _plane_row(fn, kv, cache_, ctx, g, pos, dim), _head(fn, k_or_v, at, g, dim), dim)
         fn.emit("call void @picc_barrier(ptr %sync, i32 %nthreads)")
         # -- phase 2: (row, head) items, as the one-row kernel's
         scores = fn.alloca_array(F32, ctx, "scores")
@@ -149,14 +151,19 @@ def attention_rows(kv: str = "f32", softcap: bool = False, sinks: bool = False) 
                 return p2, (kc2, vc2)
 
             _prefetch_next_group(fn, shape, it, h, hi, ctx, kv, next_item)
-            head_bytes = fn.v(f"shl i64 {fn.v(f'mul i64 {h}, {shape.hd}', 'ho')}, 2", "hb")
-            head = fn.v(f"add i64 {fn.v(f'mul i64 {b}, {row_stride}', 'ro')}, {head_bytes}", "qo")
-            _emit_head(fn, shape, fn.gep("%q", head, "qrow"), fn.gep("%out", head, "orow"), h, pos,
+            at = fn.v(f"mul i64 {b}, {row_stride}", "ro")
+            _emit_head(fn, shape, _head(fn, "%q", at, h, shape.hd), _head(fn, "%out", at, h, shape.vd), h, pos,
                        (kc, vc), ctx, scores, kv, softcap, sinks)
         fn.ret_void()
         return fn.text()
 
     return Kernel(symbol, params, emit, attention_rows.__doc__ or "")
+
+
+def _head(fn: Fn, base: str, at: str, h: str, dim: str) -> str:
+    """Head ``h`` of ``dim`` floats (i64) of the row at byte ``at`` of ``base``."""
+    head_bytes = fn.v(f"shl i64 {fn.v(f'mul i64 {h}, {dim}', 'ho')}, 2", "hb")
+    return fn.gep(base, fn.v(f"add i64 {at}, {head_bytes}", "qo"))
 
 
 def _prefetch_next_group(fn: Fn, shape: Shape, it: str, h: str, hi: str, ctx: str, kv: str,
@@ -177,9 +184,9 @@ def _prefetch_next_group(fn: Fn, shape: Shape, it: str, h: str, hi: str, ctx: st
         p, caches = item(nxt)
         g = fn.v(f"sdiv i64 {fn.v(f'srem i64 {nxt}, {shape.heads}', 'h')}, {shape.group}", "g")
         j0, count = _window(fn, p)
-        nbytes = fn.v(f"mul i64 {count}, {fn.v(f'mul i64 {shape.hd}, {KV_BYTES[kv]}', 'rb')}", "pfb")
-        for cache_ in caches:
-            start = _plane_row(fn, kv, shape, cache_, ctx, g, j0)
+        for cache_, dim in zip(caches, (shape.hd, shape.vd), strict=True):
+            nbytes = fn.v(f"mul i64 {count}, {fn.v(f'mul i64 {dim}, {KV_BYTES[kv]}', 'rb')}", "pfb")
+            start = _plane_row(fn, kv, cache_, ctx, g, j0, dim)
             with fn.loop("0", nbytes, "64", "pf") as off:
                 line = fn.v(f"getelementptr i8, ptr {start}, i64 {off}", "pfp")
                 fn.prefetch(line, "l2")
@@ -197,15 +204,16 @@ def _window(fn: Fn, p: str) -> tuple[str, str]:
 
 
 def _shape(fn: Fn) -> Shape:
-    heads, kv, hd = (fn.sext(f"%{n}") for n in ("n_heads", "n_kv_heads", "head_dim"))
-    return Shape(heads, kv, hd, fn.v(f"mul i64 {kv}, {hd}", "width"), fn.v(f"sdiv i64 {heads}, {kv}", "group"))
+    heads, kv, hd, vd = (fn.sext(f"%{n}") for n in ("n_heads", "n_kv_heads", "head_dim", "v_head_dim"))
+    return Shape(heads, kv, hd, vd, fn.v(f"mul i64 {kv}, {hd}", "width"), fn.v(f"sdiv i64 {heads}, {kv}", "group"))
 
 
-def _plane_row(fn: Fn, kv: str, shape: Shape, cache: str, ctx: str, g: str, j: str) -> str:
+def _plane_row(fn: Fn, kv: str, cache: str, ctx: str, g: str, j: str, dim: str) -> str:
     """Where row ``j`` of KV head ``g`` is in a layer's k (or v) cache: head g's plane of ``ctx``
-    rows of ``head_dim`` elements, so that a head's rows follow each other in memory."""
+    rows of ``dim`` elements (head_dim for k, v_head_dim for v), so that a head's rows follow each
+    other in memory."""
     row = fn.v(f"add i64 {fn.v(f'mul i64 {g}, {ctx}', 'gc')}, {j}", "gj")
-    return fn.at(cache, KV_BYTES[kv], fn.v(f"mul i64 {row}, {shape.hd}", "crow"), "crow")
+    return fn.at(cache, KV_BYTES[kv], fn.v(f"mul i64 {row}, {dim}", "crow"), "crow")
 
 
 def _store(fn: Fn, kv: str, dst: str, src: str, count: str) -> None:
@@ -289,18 +297,19 @@ def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
     orders it) as the maximum is taken; ``sinks``: head h's sink ``%sinks[h]`` in the maximum
     and, after the scores' sum, in the denominator (the interpreter's order)."""
     kcache, vcache = caches
-    hd = shape.hd
+    hd, vd = shape.hd, shape.vd
     g = fn.v(f"sdiv i64 {h}, {shape.group}", "g")
     j0, count = _window(fn, p)
 
-    def cache_row(base: str, j: str) -> str:
-        return _plane_row(fn, kv, shape, base, ctx, g, j)
+    def cache_row(base: str, j: str, dim: str) -> str:
+        return _plane_row(fn, kv, base, ctx, g, j, dim)
 
     # Scores SCORE_BLOCK cached positions at a time, then one at a time: the same bits either way.
     countb = fn.v(f"and i64 {count}, {-SCORE_BLOCK}", "cb")
     for lo, stop, n in (("0", countb, SCORE_BLOCK), (countb, count, 1)):
         with fn.loop(lo, stop, str(n), "j") as j:
-            rows = [cache_row(kcache, fn.v(f"add i64 {j0}, {fn.v(f'add i64 {j}, {t}', 'jt')}", "jj")) for t in range(n)]
+            rows = [cache_row(kcache, fn.v(f"add i64 {j0}, {fn.v(f'add i64 {j}, {t}', 'jt')}", "jj"), hd)
+                    for t in range(n)]
             _score_rows(fn, kv, rows, qrow, hd, fn.at(scores, 4, j, "sp"))
     sink = fn.load(F32, fn.at("%sinks", 4, h, "sinkp"), 4, "sink") if sinks else None
     top = fn.var(F32, sink or fconst(float("-inf")), "top")
@@ -326,23 +335,23 @@ def _emit_head(fn: Fn, shape: Shape, qrow: str, orow: str, h: str, p: str,
         fn.store(F32, fn.v(f"fdiv float {fn.load(F32, sp, 4, 'e')}, {total}", "prob"), sp, 4)
     # out = sum_j prob_j v_j: up to 64 features in registers per pass over the positions (one
     # broadcast of prob_j for all of them), then 16, then one at a time.
-    d64 = fn.v(f"and i64 {hd}, -64", "d64")
-    d16 = fn.v(f"and i64 {hd}, -16", "d16")
+    d64 = fn.v(f"and i64 {vd}, -64", "d64")
+    d16 = fn.v(f"and i64 {vd}, -16", "d16")
     for lo, stop, vectors in (("0", d64, 4), (d64, d16, 1)):
         with fn.loop(lo, stop, str(16 * vectors), "d") as d:
             accs = [fn.var(V16, "zeroinitializer", "acc") for _ in range(vectors)]
             with fn.loop("0", count, hint="j") as j:
-                vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"))
+                vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"), vd)
                 pv = fn.splat(16, fn.load(F32, fn.at(scores, 4, j), 4, "prob"))
                 for w, acc in enumerate(accs):
                     vw = load_floats16(fn, kv, vrow, fn.v(f"add i64 {d}, {16 * w}", "dw"))
                     acc.set(fn.fma(V16, pv, vw, acc.get()))
             for w, acc in enumerate(accs):
                 fn.store(V16, acc.get(), fn.at(orow, 4, fn.v(f"add i64 {d}, {16 * w}", "dw")), 4)
-    with fn.loop(d16, hd, hint="d") as d:
+    with fn.loop(d16, vd, hint="d") as d:
         acc1 = fn.var(F32, fconst(0.0), "acc")
         with fn.loop("0", count, hint="j") as j:
-            vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"))
+            vrow = cache_row(vcache, fn.v(f"add i64 {j0}, {j}", "jj"), vd)
             acc1.set(fn.fma(F32, fn.load(F32, fn.at(scores, 4, j), 4, "prob"),
                             load_element(fn, kv, vrow, d), acc1.get()))
         fn.store(F32, acc1.get(), fn.at(orow, 4, d), 4)

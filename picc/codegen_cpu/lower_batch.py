@@ -124,7 +124,7 @@ class BatchLowering(DecodeLowering):
         softcap, sinks = self.attention_extras(op)
         OpLowering.call(self, op, kernels_attention.attention_rows(op.kv_format, bool(softcap), bool(sinks)),
                         self.value(op.q), self.value(op.k), self.value(op.v), table, self.activation(op.result),
-                        self.per_token(), Buf(self.positions), op.n_heads, op.n_kv_heads, op.head_dim,
+                        self.per_token(), Buf(self.positions), op.n_heads, op.n_kv_heads, op.head_dim, op.v_dim,
                         float(op.scale), op.window or 0, self.ctx, self.stride, 8 * len(self.cache_names), *softcap,
                         *sinks, batched=True)
 

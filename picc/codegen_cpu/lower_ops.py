@@ -220,10 +220,11 @@ class OpLowering(ABC):
 
     def kv_rows(self, op: O.Attention) -> tuple[Buf, Buf]:
         """Where ``op`` finds its KV cache's k and v (ctx rows of each KV head's k, head after head,
-        then the same of v, in its ``kv_format``), one cache shared by the step and the chunk programs."""
-        nbytes = kv_cache_bytes(op, self.width(op.k), self.ctx)
-        caches = self.bufs.kv_cache(op.cache, nbytes, 2 * op.n_kv_heads)
-        return caches, Buf(caches.index, nbytes // 2)
+        then the same of v, ``v_head_dim`` elements a row, in its ``kv_format``), one cache shared by
+        the step and the chunk programs."""
+        k_nbytes = kv_cache_bytes(op, self.ctx, "k")
+        caches = self.bufs.kv_cache(op.cache, k_nbytes + kv_cache_bytes(op, self.ctx, "v"), 2 * op.n_kv_heads, k_nbytes)
+        return caches, Buf(caches.index, k_nbytes)
 
     def position(self) -> Param:
         """The position of the (first) token a call computes."""
@@ -258,8 +259,8 @@ class OpLowering(ABC):
         softcap, sinks = self.attention_extras(op)
         self.call(op, kernels_attention.attention(op.kv_format, bool(softcap), bool(sinks)), self.value(op.q),
                   self.value(op.k), self.value(op.v), k_rows, v_rows, self.activation(op.result), self.rows(),
-                  self.position(), op.n_heads, op.n_kv_heads, op.head_dim, float(op.scale), op.window or 0, self.ctx,
-                  *softcap, *sinks, batched=True)
+                  self.position(), op.n_heads, op.n_kv_heads, op.head_dim, op.v_dim, float(op.scale), op.window or 0,
+                  self.ctx, *softcap, *sinks, batched=True)
 
     def attention_extras(self, op: O.Attention) -> tuple[tuple[float, ...], tuple[Buf | Null, ...]]:
         """The trailing arguments of ``op``'s attention kernel (one-row or batch rows): its soft

@@ -293,8 +293,11 @@ KV_FORMATS = ("f32", "f16")
 class Attention(Op):
     """Causal multi-head attention with grouped K/V heads and a KV cache.
 
-    ``q`` is [seq, n_heads * head_dim]; ``k``, ``v`` are [seq, n_kv_heads * head_dim]; query head h
-    uses K/V head ``h // (n_heads / n_kv_heads)``. The keys and values of this call are written to
+    ``q`` and ``k`` are [seq, n_heads * head_dim] and [seq, n_kv_heads * head_dim]; ``v`` is [seq,
+    n_kv_heads * v_head_dim] and so is each cached value row, the result [seq, n_heads * v_head_dim]
+    (``v_head_dim``, when set: values narrower than keys, as DeepSeek's multi-head latent attention
+    decompressed, 192-feature keys and 128-feature values; else head_dim). Query head h uses K/V
+    head ``h // (n_heads / n_kv_heads)``. The keys and values of this call are written to
     the cache slot named ``cache`` at positions ``pos``; then the query at position p attends to
     every cached position j <= p (and p - j < window, when ``window`` is set) with scores
     ``(q . k) * scale``, softmax over j. With ``softcap`` (Gemma 2's ``attn_logit_softcapping``)
@@ -324,6 +327,7 @@ class Attention(Op):
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    v_head_dim: int | None = None
     scale: float
     cache: str
     window: int | None = None
@@ -345,15 +349,16 @@ class Attention(Op):
         v = _activation_input(env, self.v)
         expect(self.n_heads > 0 and self.n_kv_heads > 0 and self.head_dim > 0,
                "n_heads, n_kv_heads and head_dim must be > 0")
+        expect(self.v_head_dim is None or self.v_head_dim > 0, f"v_head_dim must be > 0, got {self.v_head_dim}")
         expect(self.n_heads % self.n_kv_heads == 0,
                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         expect(q.shape[1] == self.n_heads * self.head_dim,
                f"q %{self.q} has {q.shape[1]} features, expected n_heads * head_dim = "
                f"{self.n_heads * self.head_dim}")
-        for name, t in ((self.k, k), (self.v, v)):
-            expect(t.shape == (q.shape[0], self.n_kv_heads * self.head_dim),
-                   f"%{name} must be f32[{q.shape[0]}, {self.n_kv_heads * self.head_dim}] "
-                   f"(n_kv_heads * head_dim), got {t}")
+        for name, t, dim, what in ((self.k, k, self.head_dim, "head_dim"),
+                                   (self.v, v, self.v_dim, "v_head_dim" if self.v_head_dim else "head_dim")):
+            expect(t.shape == (q.shape[0], self.n_kv_heads * dim),
+                   f"%{name} must be f32[{q.shape[0]}, {self.n_kv_heads * dim}] (n_kv_heads * {what}), got {t}")
         p = env.value(self.pos)
         expect(p.dtype.is_int and p.shape == (q.shape[0],),
                f"positions %{self.pos} must be i32[{q.shape[0]}], got {p}")
@@ -364,7 +369,12 @@ class Attention(Op):
         expect(bool(self.cache), "cache slot name must not be empty")
         expect(self.alibi in ALIBI_KINDS, f"alibi must be one of {ALIBI_KINDS}, got {self.alibi!r}")
         expect(self.kv_format in KV_FORMATS, f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
-        return q
+        return q.with_shape((q.shape[0], self.n_heads * self.v_dim))
+
+    @property
+    def v_dim(self) -> int:
+        """Features of a value head (and of an output head): ``v_head_dim``, or ``head_dim``."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def alibi_slopes(self) -> np.ndarray:
         """ALiBi slopes per head, as BLOOM/Falcon compute them (also for non-powers of two)."""

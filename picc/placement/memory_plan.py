@@ -10,7 +10,8 @@ What lives on the GPU (each buffer starts at a multiple of ``runtime.plan.ARENA_
 * every weight declared ``@gpu`` (dense weights of the layers placed there, predictors, the hot
   part of each FFN, the LM head if placed) in the GPU layout of ``runtime.gpu_layout``: matrices
   in their storage format (block formats split into planes), vectors in f32;
-* the KV cache of every attention op placed there: ``ctx`` positions of K and V, f32;
+* the KV cache of every attention op placed there: ``ctx`` positions of K and V, f32 (a value
+  row ``v_head_dim`` wide where the op's values are narrower than its keys);
 * constants the GPU kernels read: the rotary frequencies of every rope op placed there (and the
   factor of its cosines and sines: ``codegen_cuda.layers.rope_table``), the
   threshold of every predictor and gate-first FFN there, and the ones an unscaled gate-first FFN
@@ -146,9 +147,12 @@ def gpu_constants(op: Op, weights: WeightStore) -> list[tuple[str, int]]:
     return []
 
 
-def kv_cache_bytes(op: O.Attention, k_width: int, ctx: int) -> int:
-    """K and V for ``ctx`` positions of an attention op whose K rows are ``k_width`` wide."""
-    return 2 * ctx * k_width * KV_BYTES[op.kv_format]
+def kv_cache_bytes(op: O.Attention, ctx: int, part: str = "kv") -> int:
+    """Bytes of ``op``'s keys and values for ``ctx`` positions (``part`` "kv"), or of its keys
+    ("k") or values ("v") alone: ``n_kv_heads`` rows a position of ``head_dim`` and of
+    ``v_head_dim`` elements."""
+    dims = {"k": op.head_dim, "v": op.v_dim, "kv": op.head_dim + op.v_dim}[part]
+    return ctx * op.n_kv_heads * dims * KV_BYTES[op.kv_format]
 
 
 def copy_points(func: Function, steps: Schedule) -> tuple[dict[str, int], dict[str, int]]:
@@ -252,15 +256,21 @@ def placement_notes(func: Function) -> tuple[str, ...]:
     notes = []
     layers: set[int] = set()
     cpu_dense_set: set[int] = set()
+    narrow: list[int] = []  # layers whose attention partition-neurons keeps on the CPU (its v_head_dim)
     for op in func.ops:
         if (i := op.block) is not None:
             layers.add(i)
-            if on_cpu(op) and not isinstance(op, O.FFN | FusedFFN | Merge):
+            if isinstance(op, O.Attention) and op.v_dim != op.head_dim and on_cpu(op):
+                narrow.append(i)
+            elif on_cpu(op) and not isinstance(op, O.FFN | FusedFFN | Merge):
                 cpu_dense_set.add(i)
     cpu_dense = sorted(cpu_dense_set)
     if cpu_dense:
         notes.append(f"layers {cpu_dense[0]}..{cpu_dense[-1]}: attention and norms on the CPU (the budget "
                      f"holds the dense parts of {len(layers) - len(cpu_dense)} of {len(layers)} layers)")
+    if narrow:
+        notes.append(f"layers {narrow[0]}..{narrow[-1]}: attention and its KV cache on the CPU (value heads of "
+                     "v_head_dim features, not head_dim's: no GPU kernel)")
     if on_cpu(func.ops[-1]):
         notes.append("the output norm and LM head are on the CPU")
     elif (cpu_ops := [op for op in func.ops if on_cpu(op)]) and all(isinstance(op, O.Embed) for op in cpu_ops):
@@ -273,7 +283,6 @@ def plan_memory(module: Module, weights: WeightStore, *, ctx: int, budget: int) 
     """The exact buffers of a placed module (see the module docstring)."""
     func = module.function()
     decls = module.weight_types()
-    types = func.value_types()
     buffers: list[Buffer] = []
     gpu_at = 0
 
@@ -301,9 +310,7 @@ def plan_memory(module: Module, weights: WeightStore, *, ctx: int, budget: int) 
             add(name, "constant", True, 4 * count, op.block)
     for op in func.ops:
         if isinstance(op, O.Attention):
-            width = types[op.k].shape[1]
-            assert isinstance(width, int)
-            add(f"kv.{op.cache}", "kv-cache", _is_gpu(op.type), kv_cache_bytes(op, width, ctx), op.block)
+            add(f"kv.{op.cache}", "kv-cache", _is_gpu(op.type), kv_cache_bytes(op, ctx), op.block)
     offsets: dict[str, int] = {}
     if gpu_ops:
         offsets, arena = activation_arena(func, lambda op: _is_gpu(op.type), schedule(module))

@@ -159,9 +159,7 @@ def build_report(module: Module, weights: WeightStore, target: Target, plan: mp.
             if device != Placement.GPU:
                 cpu_keys.update(key for _, key in parts)
         if isinstance(op, O.Attention):
-            width = types[op.k].shape[1]
-            assert isinstance(width, int)
-            parts.append((mp.kv_cache_bytes(op, width, plan.ctx) // 2, op.kv_format))  # half full on average
+            parts.append((mp.kv_cache_bytes(op, plan.ctx) // 2, op.kv_format))  # half full on average
         read_bytes += sum(nbytes for nbytes, _ in parts)
         dense["gpu" if device == Placement.GPU else "cpu"] += _read_seconds(target, device, parts) + overhead
     gpu_stages = sum(1 for st in schedule(module).stages if st.gpu)

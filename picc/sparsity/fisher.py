@@ -154,11 +154,11 @@ class TorchForward:
 
     def attention(self, op: O.Attention, q, k, v):  # noqa: ANN001, ANN201 - torch.Tensor
         torch = self.torch
-        seq, d = q.shape[0], op.head_dim
+        seq, d, dv = q.shape[0], op.head_dim, op.v_dim
         group = op.n_heads // op.n_kv_heads
         qh = q.reshape(seq, op.n_heads, d).transpose(0, 1)
         kh = k.reshape(seq, op.n_kv_heads, d).transpose(0, 1).repeat_interleave(group, dim=0)
-        vh = v.reshape(seq, op.n_kv_heads, d).transpose(0, 1).repeat_interleave(group, dim=0)
+        vh = v.reshape(seq, op.n_kv_heads, dv).transpose(0, 1).repeat_interleave(group, dim=0)
         scores = qh @ kh.transpose(1, 2)
         if op.alibi == "falcon":  # as the interpreter: bf16(bf16(slope_h) * j), before the scale
             slopes = round_to_bf16(op.alibi_slopes())
@@ -177,7 +177,7 @@ class TorchForward:
             out = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1] @ vh
         else:
             out = torch.softmax(scores, dim=-1) @ vh
-        return out.transpose(0, 1).reshape(seq, op.n_heads * d)
+        return out.transpose(0, 1).reshape(seq, op.n_heads * dv)
 
     def moe(self, op: O.MoE, x):  # noqa: ANN001, ANN201 - torch.Tensor
         """The interpreter's mixture (the experts' neurons are not scored: not an ``ffn``)."""
