@@ -14,12 +14,13 @@ from picc.ir import ops as O
 from picc.ir.module import WeightDecl
 from picc.ir.weights import Tensor
 
-# four groups of two experts, two of them eligible
 ROUTINGS: dict[str, dict] = {
-    # softmax, groups by their largest probability, no choice bias, not renormalised, times 16
-    "deepseek-v2": dict(choice_bias=None, n_group=4, topk_group=2, group_score="max", routed_scale=16.0,
+    # softmax, the better of two groups of four by their largest probability, no choice bias, not
+    # renormalised, times 16
+    "deepseek-v2": dict(choice_bias=None, n_group=2, topk_group=1, group_score="max", routed_scale=16.0,
                         norm_topk=False),
-    # sigmoids plus a correction bias, groups by the sum of their two largest, renormalised, times 2.5
+    # sigmoids plus a correction bias, the two best of four groups of two by the sum of their two
+    # largest, renormalised, times 2.5
     "deepseek-v3": dict(scoring="sigmoid", n_group=4, topk_group=2, group_score="top2", routed_scale=2.5,
                         norm_topk=True),
     # V3's without groups

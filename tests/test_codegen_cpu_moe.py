@@ -44,9 +44,10 @@ KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, ERNIE) for form, dt, x, rows
             for make in (moe, moe_chunk)]
 # DeepSeek V2's (softmax, groups scored by their largest probability), V3's (sigmoids plus a
 # correction bias, groups scored by their two largest) and GLM-4.5's (V3's without groups), each
-# with two plain shared experts and its routed weights scaled: four groups of two experts, two
-# of them eligible
-N_GROUP, TOPK_GROUP, ROUTED_SCALE = 4, 2, 2.5
+# with two plain shared experts and its routed weights scaled. The groups (n_group, topk_group)
+# by their score: V2's two of four groups of two, V3's one of two groups of four (a sum of the
+# two largest of four); four experts eligible either way.
+GROUPS, ROUTED_SCALE = {"max": (4, 2), "top2": (2, 1)}, 2.5
 ROUTERS = {"deepseek-v2": MoeVariant(shared="plain", groups="max", scaled=True),
            "deepseek-v3": MoeVariant(shared="plain", choice_bias=True, scoring="sigmoid", groups="top2", scaled=True),
            "glm-4.5": MoeVariant(shared="plain", choice_bias=True, scoring="sigmoid", scaled=True)}
@@ -107,19 +108,21 @@ class Experts:
             return (*self.biases, ALPHA, LIMIT)
         variant = self.variant
         return ((self.n_shared,) if self.shared else ()) + (() if self.choice_bias is None else (self.choice_bias,)) \
-            + ((N_GROUP, TOPK_GROUP) if variant.groups else ()) + ((ROUTED_SCALE,) if variant.scaled else ())
+            + (GROUPS[variant.groups] if variant.groups else ()) + ((ROUTED_SCALE,) if variant.scaled else ())
 
     def rounded(self, v: np.ndarray, dtype: str) -> np.ndarray:
         """``v`` as rows of ``dtype`` are dotted with it: rounded to int16 per block (4-bit rows)."""
         four_bit = self.x_format != "f32" and dtype in ("q4_0", "q4_1", "mxfp4")
         return quant.round_x_blocks(v.astype(np.float32), self.x_format) if four_bit else v
 
-    def choice(self, logits: np.ndarray, k: int, norm: bool, groups: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def choice(self, logits: np.ndarray, k: int, norm: bool, groups: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The interpreter's top k of the routed ``logits`` in float64 (the lower index first among
         equals) and their weights: by logit, or by probability (softmax or sigmoid) plus the
-        choice bias, from the best groups only (``groups``: where the router has them),
-        renormalised where ``norm``, scaled where the router is."""
+        choice bias, from the best groups only where the router has them (scored as ``groups``
+        says where given, ``""``: no groups), renormalised where ``norm``, scaled where the
+        router is."""
         variant = self.variant
+        score_groups = variant.groups if groups is None or not variant.groups else groups
         if variant.scoring == "sigmoid":
             probs = 1 / (1 + np.exp(-logits))
         else:
@@ -127,11 +130,12 @@ class Experts:
             probs /= probs.sum()
         scores = probs + (0.0 if self.choice_bias is None else self.choice_bias)
         rank = scores if variant.ranks_by_probability else logits
-        if variant.groups and groups:
-            members = np.sort(scores.reshape(N_GROUP, -1), axis=1)
-            score = members[:, -1] + (members[:, -2] if variant.groups == "top2" else 0.0)
-            best = np.argsort(-score, kind="stable")[:TOPK_GROUP]
-            rank = np.where(np.isin(np.arange(E) // (E // N_GROUP), best), rank, -np.inf)
+        if score_groups:
+            n_group, topk_group = GROUPS[variant.groups]
+            members = np.sort(scores.reshape(n_group, -1), axis=1)
+            score = members[:, -1] + (members[:, -2] if score_groups == "top2" else 0.0)
+            best = np.argsort(-score, kind="stable")[:topk_group]
+            rank = np.where(np.isin(np.arange(E) // (E // n_group), best), rank, -np.inf)
         chosen = np.argsort(-rank, kind="stable")[:k]
         w = probs[chosen] / (probs[chosen].sum() if norm else 1.0)
         return chosen, w * (ROUTED_SCALE if variant.scaled else 1.0)
@@ -283,21 +287,24 @@ def test_a_choice_bias_ranks_the_experts_but_does_not_weight_them(host, teams, f
 @pytest.mark.parametrize("threads", [1, 2])
 def test_deepseeks_and_glms_routers(host, teams, router, form, dtype, x_format, rows8, threads):
     # DeepSeek V2's softmax, V3's and GLM-4.5's sigmoids ranked with a correction bias, the top k
-    # taken from the two best of four groups (V2: by their largest probability, V3: by the sum
-    # of their two largest ranks), renormalised or not, the routed weights times 2.5, then the
-    # shared experts. The groups change some token's choice (checked); tolerance as above; a
-    # chunk of tokens gets each token's bits.
+    # taken from the best groups (V2: two of four by their largest probability, V3: one of two by
+    # the sum of its two largest ranks), renormalised or not, the routed weights times 2.5, then
+    # the shared experts. The groups change some token's choice, and V3's group score another
+    # token's than the largest rank would (checked); tolerance as above; a chunk of tokens gets
+    # each token's bits.
     variant = ROUTERS[router]
-    experts, rng = Experts(form, dtype, 43, x_format, rows8, router=variant), np.random.default_rng(44)
-    regrouped = 0
-    for i in range(8):
-        k, norm = (4, True) if i % 2 else (3, False)  # at most the two groups' four experts
+    experts, rng = Experts(form, dtype, 43, x_format, rows8, router=variant), np.random.default_rng(48)
+    regrouped = rescored = 0
+    for i in range(12):
+        k, norm = (4, True) if i % 2 else (3, False)  # at most the four experts eligible
         x = rng.normal(size=HIDDEN).astype(np.float32)
         y, want = experts.run(host, teams[threads], x, k, norm), experts.reference(x, k, norm)
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (i, k, norm)
         logits = experts.router.astype(np.float64) @ x
-        regrouped += set(experts.choice(logits, k, norm)[0]) != set(experts.choice(logits, k, norm, False)[0])
-    assert (regrouped > 0) == bool(variant.groups)
+        chosen = set(experts.choice(logits, k, norm)[0])
+        regrouped += chosen != set(experts.choice(logits, k, norm, "")[0])
+        rescored += chosen != set(experts.choice(logits, k, norm, "max")[0])
+    assert (regrouped > 0) == bool(variant.groups) and (rescored > 0) == (variant.groups == "top2")
     seq, k = 7, 4
     x = rng.normal(size=(seq, HIDDEN)).astype(np.float32)
     y = np.full((seq, HIDDEN), np.nan, np.float32)
@@ -310,23 +317,26 @@ def test_deepseeks_and_glms_routers(host, teams, router, form, dtype, x_format, 
 
 @pytest.mark.parametrize("router", ["deepseek-v2", "deepseek-v3"])
 def test_equal_groups_choose_the_lower_group(host, teams, router):
-    # Groups 1, 2 and 3 (experts 2-7) have the same router rows and biases, and the largest
-    # ranks: of the two groups taken, 1 and 2 (the lower first among equals, as the
-    # interpreter's stable sort chooses), with k = 4 all four of their experts. Group 1 made
-    # smaller, groups 2 and 3 are taken: the output moves.
-    experts = Experts("swiglu", "f32", 45, router=ROUTERS[router])
+    # One group more than are taken (V2: groups 1-3 of two experts, V3: groups 0-1 of four) have
+    # the same router rows and biases, and the largest ranks: the lower groups are taken (the
+    # lower first among equals, as the interpreter's stable sort chooses), with k = 4 all four of
+    # their experts. The first of them made smaller, the others are taken: the output moves.
+    variant = ROUTERS[router]
+    (n_group, topk_group), size = GROUPS[variant.groups], E // GROUPS[variant.groups][0]
+    experts = Experts("swiglu", "f32", 45, router=variant)
     x = np.abs(np.random.default_rng(46).normal(size=HIDDEN)).astype(np.float32)
-    experts.router[[2, 3]] = np.abs(experts.router[[2, 3]]) + 0.05
-    experts.router[[4, 5]] = experts.router[[6, 7]] = experts.router[[2, 3]]
-    if experts.choice_bias is not None:
-        experts.choice_bias[[4, 5]] = experts.choice_bias[[6, 7]] = experts.choice_bias[[2, 3]]
-    logits = experts.router.astype(np.float64) @ x
-    assert sorted(experts.choice(logits, 4, True)[0]) == [2, 3, 4, 5]
+    tied = [list(range(g * size, (g + 1) * size)) for g in range(n_group - topk_group - 1, n_group)]
+    experts.router[tied[0]] = np.abs(experts.router[tied[0]]) + 0.05
+    for group in tied[1:]:
+        experts.router[group] = experts.router[tied[0]]
+        if experts.choice_bias is not None:
+            experts.choice_bias[group] = experts.choice_bias[tied[0]]
+    assert sorted(experts.choice(experts.router.astype(np.float64) @ x, 4, True)[0]) == sum(tied[:-1], [])
     y = experts.run(host, teams[2], x, 4, True)
     want = experts.reference(x, 4, True)
     assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
-    experts.router[[2, 3]] *= 0.5
-    assert sorted(experts.choice(experts.router.astype(np.float64) @ x, 4, True)[0]) == [4, 5, 6, 7]
+    experts.router[tied[0]] *= 0.5
+    assert sorted(experts.choice(experts.router.astype(np.float64) @ x, 4, True)[0]) == sum(tied[1:], [])
     assert np.abs(experts.run(host, teams[2], x, 4, True) - y).max() > 1e-3
 
 
@@ -404,7 +414,7 @@ def test_the_interpreter_routes_as_the_kernel(host, teams, router):
     b.op(O.MoE, "y", x=b.arg("x", f32("seq", HIDDEN)), router="router", up="up", gate="gate", down="down",
          n_experts=E, top_k=4, form="swiglu", norm_topk=True, n_shared=SHARED,
          choice_bias="choice_bias" if variant.choice_bias else None, scoring=variant.scoring,
-         n_group=N_GROUP if variant.groups else 1, topk_group=TOPK_GROUP if variant.groups else 1,
+         **(dict(n_group=GROUPS[variant.groups][0], topk_group=GROUPS[variant.groups][1]) if variant.groups else {}),
          group_score=variant.groups or "max", routed_scale=ROUTED_SCALE)
     func = b.finish("y")
     module = Module("m", (), tuple(WeightDecl(n, t) for n, t in types.items()), (func,))
@@ -414,6 +424,19 @@ def test_the_interpreter_routes_as_the_kernel(host, teams, router):
     want = Interpreter(module, store).moe(op, xs)
     y = np.stack([experts.run(host, teams[2], x, 4, True) for x in xs])
     assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_every_router_has_its_own_kernel_name():
+    # Kernels are cached and linked by name: each routing the code computes differently (the
+    # scoring, the groups and their score, a scale, a choice bias) must be named apart.
+    from itertools import product
+
+    variants = [MoeVariant(shared="plain", choice_bias=cb, scoring=scoring, groups=groups, scaled=scaled)
+                for cb, scoring, groups, scaled in product((False, True), ("softmax", "sigmoid"), ("", "max", "top2"),
+                                                           (False, True))]
+    assert len({moe("swiglu", "f32", "f32", "f32", "f32", "f32", False, v).symbol for v in variants}) == len(variants)
+    with pytest.raises(PiccError, match="softmax or sigmoid"):
+        moe("swiglu", "f32", "f32", "f32", "f32", "f32", False, MoeVariant(scoring="tanh"))
 
 
 def test_rows8_experts_dot_rounded_x():

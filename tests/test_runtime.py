@@ -196,11 +196,11 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
 
 @pytest.mark.parametrize("routing", ["deepseek-v2", "deepseek-v3", "glm-4.5"])
 def test_deepseeks_and_glms_routers_compile_as_they_compute(routing, tmp_path):
-    # A tiny ERNIE 4.5 MoE's mixture routed as DeepSeek V2 (softmax, the top k from the two best
-    # of four groups by their largest probability, the weights times 16), V3 (sigmoids plus a
-    # correction bias, groups by their two largest, renormalised, times 2.5) or GLM-4.5 (V3's
-    # without groups), each with its kernel variant: the step, the chunk programs and the
-    # server's batch step against the interpreter.
+    # A tiny ERNIE 4.5 MoE's mixture routed as DeepSeek V2 (softmax, the top k from the better of
+    # two groups by their largest probability, the weights times 16), V3 (sigmoids plus a
+    # correction bias, the two best of four groups by their two largest, renormalised, times 2.5)
+    # or GLM-4.5 (V3's without groups), each with its kernel variant (tests/moe_routers.py): the
+    # step, the chunk programs and the server's batch step against the interpreter.
     from hf_models import make_model
     from moe_routers import with_routing
 
