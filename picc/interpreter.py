@@ -71,9 +71,9 @@ def moe_route(op: O.MoE, logits: np.ndarray, choice_bias: np.ndarray | None) -> 
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
     scores = probs + (np.float32(0) if choice_bias is None else choice_bias)
-    chosen = np.empty((logits.shape[0], op.top_k), np.int64)
+    chosen, by_probability = np.empty((logits.shape[0], op.top_k), np.int64), op.ranks_by_probability
     for s in range(logits.shape[0]):
-        rank = scores[s] if op.ranks_by_probability else logits[s]
+        rank = scores[s] if by_probability else logits[s]
         if op.n_group > 1:  # the experts of the topk_group best groups, the lower group first among equals
             members = np.sort(scores[s].reshape(op.n_group, -1), axis=1)
             score = members[:, -1] if op.group_score == "max" else members[:, -1] + members[:, -2]
