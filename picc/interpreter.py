@@ -60,6 +60,33 @@ def clamped_swiglu(gate: np.ndarray | None, up: np.ndarray, limit: float, alpha:
     return g / (np.float32(1) + np.exp(-(np.float32(alpha) * g))) * (u + np.float32(1))
 
 
+def moe_route(op: O.MoE, logits: np.ndarray, choice_bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """``op``'s routed experts of each token from its router's ``logits`` [seq, n_experts]
+    (float32; ``choice_bias`` the op's, as floats): their indices [seq, top_k] in the order
+    chosen and their weights, in float32 as ``picc.ir.ops.MoE`` says (probabilities, divided by
+    their plain sum where ``norm_topk``, then times ``routed_scale``)."""
+    if op.scoring == "sigmoid":
+        probs = np.float32(1) / (np.float32(1) + np.exp(-logits))
+    else:
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+    scores = probs + (np.float32(0) if choice_bias is None else choice_bias)
+    chosen, by_probability = np.empty((logits.shape[0], op.top_k), np.int64), op.ranks_by_probability
+    for s in range(logits.shape[0]):
+        rank = scores[s] if by_probability else logits[s]
+        if op.n_group > 1:  # the experts of the topk_group best groups, the lower group first among equals
+            members = np.sort(scores[s].reshape(op.n_group, -1), axis=1)
+            score = members[:, -1] if op.group_score == "max" else members[:, -1] + members[:, -2]
+            best = np.zeros(op.n_group, bool)
+            best[np.argsort(-score, kind="stable")[: op.topk_group]] = True
+            rank = np.where(np.repeat(best, op.n_experts // op.n_group), rank, np.float32(-np.inf))
+        chosen[s] = np.argsort(-rank, kind="stable")[: op.top_k]
+    weights = np.take_along_axis(probs, chosen, axis=1)
+    if op.norm_topk:
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    return chosen, weights * np.float32(op.routed_scale)
+
+
 def rope_cos_sin(op: O.Rope, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The cosines and sines of ``op``'s angles at positions ``pos`` (times its
     ``attention_factor``): float32 [len(pos), r/2] each. The CPU kernels read them from tables
@@ -354,18 +381,17 @@ class Interpreter:
         return y + w(op.down_bias) if op.down_bias else y
 
     def moe(self, op: O.MoE, x: np.ndarray) -> np.ndarray:
-        """Each token through its router's ``top_k`` experts (ranked by the router's logits, the
-        order of their softmax), their outputs weighted by the softmax and summed in that order,
-        then through the shared experts (weighted by 1, or the sigmoid of the router's last logit)."""
+        """Each token through its router's ``top_k`` experts (:func:`moe_route`), their outputs
+        weighted and summed in that order, then through the shared experts (weighted by 1, or the
+        sigmoid of the router's last logit)."""
         w = self.weights.f32
 
         def bias(name: str | None, part: slice | None = None) -> np.ndarray | np.float32:
             return np.float32(0) if name is None else w(name) if part is None else w(name)[part]
 
         all_logits = x @ w(op.router).T + bias(op.router_bias)
-        logits = all_logits[:, : op.n_experts]
-        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
+        routed, routed_weights = moe_route(op, all_logits[:, : op.n_experts],
+                                           w(op.choice_bias) if op.choice_bias else None)
         shared = np.arange(op.n_experts, op.n_experts + op.n_shared)
         shared_weight = (np.float32(1) / (np.float32(1) + np.exp(-all_logits[:, op.n_experts])) if op.shared_gated
                          else np.ones(x.shape[0], np.float32))
@@ -379,13 +405,8 @@ class Interpreter:
 
         out = np.zeros_like(x)
         for s in range(x.shape[0]):
-            rank = logits[s] if op.choice_bias is None else probs[s] + w(op.choice_bias)
-            chosen = np.argsort(-rank, kind="stable")[: op.top_k]
-            weights = probs[s, chosen]
-            if op.norm_topk:
-                weights = weights / weights.sum()
-            chosen = np.concatenate([chosen, shared])
-            weights = np.concatenate([weights, np.full(op.n_shared, shared_weight[s], np.float32)])
+            chosen = np.concatenate([routed[s], shared])
+            weights = np.concatenate([routed_weights[s], np.full(op.n_shared, shared_weight[s], np.float32)])
             for e, weight in zip(chosen, weights, strict=True):
                 rows, out_rows = slice(e * n_ff, (e + 1) * n_ff), slice(e * hidden, (e + 1) * hidden)
                 u = rounded(x[s], op.up) @ up[rows].T + bias(op.up_bias, rows)

@@ -266,19 +266,32 @@ class MoeVariant:
     """What sets a mixture's kernel apart beyond its formats and layout: gpt-oss's ``biases`` (letters
     of ``"rugd"``: router, up, gate, down) and ``clamped`` SwiGLU; Qwen2-MoE's and ERNIE 4.5's
     ``shared`` experts (``"plain"``: taken by every token with weight 1; ``"gated"``: with the
-    sigmoid of the router's last row); ERNIE 4.5's ``choice_bias`` (added to the softmax's
-    probabilities to rank the experts, not to weight them)."""
+    sigmoid of the router's last row); ERNIE 4.5's ``choice_bias`` (added to the probabilities
+    to rank the experts, not to weight them); DeepSeek V3's and GLM-4.5's ``scoring``
+    ``"sigmoid"`` (each expert's own sigmoid, not a softmax); DeepSeek's ``groups`` (``"max"`` or
+    ``"top2"``: the experts chosen from the best groups, each scored so; ``""``: no groups);
+    ``scaled`` routed weights (times ``routed_scale``)."""
 
     biases: str = ""
     clamped: bool = False
     shared: str = ""
     choice_bias: bool = False
+    scoring: str = "softmax"
+    groups: str = ""
+    scaled: bool = False
+
+    @property
+    def ranks_by_probability(self) -> bool:
+        """Whether the experts are ranked by their probabilities (plus the choice bias), not by
+        their logits: with a choice bias, sigmoids or groups (``picc.ir.ops.MoE``)."""
+        return self.choice_bias or self.scoring != "softmax" or bool(self.groups)
 
     @property
     def suffix(self) -> str:
         return ((f"_b{self.biases}" if self.biases else "") + ("_clamped" if self.clamped else "")
                 + (f"_shared{'g' if self.shared == 'gated' else ''}" if self.shared else "")
-                + ("_cb" if self.choice_bias else ""))
+                + ("_cb" if self.choice_bias else "") + ("_sigmoid" if self.scoring == "sigmoid" else "")
+                + (f"_g{self.groups}" if self.groups else "") + ("_scaled" if self.scaled else ""))
 
 
 PLAIN_MOE = MoeVariant()  # Mixtral's, Qwen3-MoE's, OLMoE's, Granite-MoE's: no biases, no clamp, no shared experts

@@ -1,6 +1,7 @@
 """The mixture-of-experts kernel (``picc_moe_*``) against a float64 reference of the interpreter's
 arithmetic: every weight format, with float x and (4-bit rows) int16 x, its ungated forms, 1-3
-threads, renormalised or not, ties."""
+threads, renormalised or not, ties, and the routers of gpt-oss, Qwen2-MoE, ERNIE 4.5, DeepSeek
+V2 and V3 and GLM-4.5."""
 
 from __future__ import annotations
 
@@ -41,6 +42,17 @@ KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, MoeVariant(shared=kind)) for
 ERNIE = MoeVariant(shared="plain", choice_bias=True)
 KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, ERNIE) for form, dt, x, rows8 in SHARED_CASES
             for make in (moe, moe_chunk)]
+# DeepSeek V2's (softmax, groups scored by their largest probability), V3's (sigmoids plus a
+# correction bias, groups scored by their two largest) and GLM-4.5's (V3's without groups), each
+# with two plain shared experts and its routed weights scaled. The groups (n_group, topk_group)
+# by their score: V2's two of four groups of two, V3's one of two groups of four (a sum of the
+# two largest of four); four experts eligible either way.
+GROUPS, ROUTED_SCALE = {"max": (4, 2), "top2": (2, 1)}, 2.5
+ROUTERS = {"deepseek-v2": MoeVariant(shared="plain", groups="max", scaled=True),
+           "deepseek-v3": MoeVariant(shared="plain", choice_bias=True, scoring="sigmoid", groups="top2", scaled=True),
+           "glm-4.5": MoeVariant(shared="plain", choice_bias=True, scoring="sigmoid", scaled=True)}
+KERNELS += [make(form, "f32", dt, dt, dt, x, rows8, variant) for form, dt, x, rows8 in SHARED_CASES
+            for variant in ROUTERS.values() for make in (moe, moe_chunk)]
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +64,15 @@ class Experts:
     """Random router and experts for ``form`` in ``dtype``, and the float values they decode to."""
 
     def __init__(self, form: str, dtype: str, seed: int, x_format: str = "f32", rows8: bool = False,
-                 oai: bool = False, shared: str = "", choice_bias: bool = False) -> None:
+                 oai: bool = False, shared: str = "", choice_bias: bool = False,
+                 router: MoeVariant | None = None) -> None:
         """``dtype``: the experts' format, or ``"up-gate/down"``'s two; ``oai``: gpt-oss's biases
         and clamped SwiGLU; ``shared``: :data:`SHARED` shared experts, ``"plain"`` or ``"gated"``;
-        ``choice_bias``: ERNIE 4.5's bias on the probabilities that rank the experts."""
+        ``choice_bias``: ERNIE 4.5's bias on the probabilities that rank the experts; ``router``:
+        one of :data:`ROUTERS` (its shared experts and choice bias in place of the two before)."""
+        if router is not None:
+            shared, choice_bias = router.shared, router.choice_bias
+        self.variant = router or (OAI if oai else MoeVariant(shared=shared, choice_bias=choice_bias))
         dtype, down = dtype.split("/")[0], dtype.split("/")[-1]
         self.dtype, self.down_dtype = dtype, down
         rng = np.random.default_rng(seed)
@@ -79,34 +96,56 @@ class Experts:
                        for n, scale in ((E, 1.0), (E * N, 4.0), (E * N, 4.0), (E * HIDDEN, 1.0))] if oai else []
         # a bias of the probabilities' size (1/8 each on average): it reorders the ranking
         self.choice_bias = rng.normal(0, 0.1, size=E).astype(np.float32) if choice_bias else None
-        extra = (OAI,) if oai else (MoeVariant(shared=shared, choice_bias=choice_bias),) if shared else ()
-        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8, *extra)
-        self.chunk = moe_chunk(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8, *extra)
+        self.kernel = moe(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8, self.variant)
+        self.chunk = moe_chunk(form, "f32", dtype, dtype if self.spec.gated else None, down, x_format, rows8,
+                               self.variant)
 
     @property
     def extras(self) -> tuple:
-        """The variants' trailing arguments: gpt-oss's, or the count of shared experts."""
+        """The variants' trailing arguments: gpt-oss's, or the count of shared experts, the choice
+        bias, the groups' counts and the routed weights' scale where the variant has them."""
         if self.oai:
             return (*self.biases, ALPHA, LIMIT)
-        return (self.n_shared, *(() if self.choice_bias is None else (self.choice_bias,))) if self.shared else ()
+        variant = self.variant
+        return ((self.n_shared,) if self.shared else ()) + (() if self.choice_bias is None else (self.choice_bias,)) \
+            + (GROUPS[variant.groups] if variant.groups else ()) + ((ROUTED_SCALE,) if variant.scaled else ())
 
     def rounded(self, v: np.ndarray, dtype: str) -> np.ndarray:
         """``v`` as rows of ``dtype`` are dotted with it: rounded to int16 per block (4-bit rows)."""
         four_bit = self.x_format != "f32" and dtype in ("q4_0", "q4_1", "mxfp4")
         return quant.round_x_blocks(v.astype(np.float32), self.x_format) if four_bit else v
 
-    def reference(self, x: np.ndarray, k: int, norm: bool) -> np.ndarray:
-        """The interpreter's mixture in float64: the top k by logit (lower index first among
-        equals), softmax weights, renormalised where ``norm``; x and h rounded as the kernel reads
-        them."""
-        rb, ub, gb, db = (b.astype(np.float64) for b in self.biases) if self.oai else (0.0,) * 4
-        all_logits = self.router.astype(np.float64) @ x + rb
-        logits = all_logits[:E]
-        probs = np.exp(logits - logits.max())
-        probs /= probs.sum()
-        rank = logits if self.choice_bias is None else probs + self.choice_bias
+    def choice(self, logits: np.ndarray, k: int, norm: bool, groups: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The interpreter's top k of the routed ``logits`` in float64 (the lower index first among
+        equals) and their weights: by logit, or by probability (softmax or sigmoid) plus the
+        choice bias, from the best groups only where the router has them (scored as ``groups``
+        says where given, ``""``: no groups), renormalised where ``norm``, scaled where the
+        router is."""
+        variant = self.variant
+        score_groups = variant.groups if groups is None or not variant.groups else groups
+        if variant.scoring == "sigmoid":
+            probs = 1 / (1 + np.exp(-logits))
+        else:
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+        scores = probs + (0.0 if self.choice_bias is None else self.choice_bias)
+        rank = scores if variant.ranks_by_probability else logits
+        if score_groups:
+            n_group, topk_group = GROUPS[variant.groups]
+            members = np.sort(scores.reshape(n_group, -1), axis=1)
+            score = members[:, -1] + (members[:, -2] if score_groups == "top2" else 0.0)
+            best = np.argsort(-score, kind="stable")[:topk_group]
+            rank = np.where(np.isin(np.arange(E) // (E // n_group), best), rank, -np.inf)
         chosen = np.argsort(-rank, kind="stable")[:k]
         w = probs[chosen] / (probs[chosen].sum() if norm else 1.0)
+        return chosen, w * (ROUTED_SCALE if variant.scaled else 1.0)
+
+    def reference(self, x: np.ndarray, k: int, norm: bool) -> np.ndarray:
+        """The interpreter's mixture in float64: the top k (:meth:`choice`), then the shared
+        experts; x and h rounded as the kernel reads them."""
+        rb, ub, gb, db = (b.astype(np.float64) for b in self.biases) if self.oai else (0.0,) * 4
+        all_logits = self.router.astype(np.float64) @ x + rb
+        chosen, w = self.choice(all_logits[:E], k, norm)
         shared_w = 1 / (1 + np.exp(-all_logits[E])) if self.shared == "gated" else 1.0
         chosen = np.concatenate([chosen, np.arange(E, E + self.n_shared)])
         w = np.concatenate([w, np.full(self.n_shared, shared_w)])
@@ -243,6 +282,64 @@ def test_a_choice_bias_ranks_the_experts_but_does_not_weight_them(host, teams, f
     assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("form, dtype, x_format, rows8", SHARED_CASES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_deepseeks_and_glms_routers(host, teams, router, form, dtype, x_format, rows8, threads):
+    # DeepSeek V2's softmax, V3's and GLM-4.5's sigmoids ranked with a correction bias, the top k
+    # taken from the best groups (V2: two of four by their largest probability, V3: one of two by
+    # the sum of its two largest ranks), renormalised or not, the routed weights times 2.5, then
+    # the shared experts. The groups change some token's choice, and V3's group score another
+    # token's than the largest rank would (checked); tolerance as above; a chunk of tokens gets
+    # each token's bits.
+    variant = ROUTERS[router]
+    experts, rng = Experts(form, dtype, 43, x_format, rows8, router=variant), np.random.default_rng(48)
+    regrouped = rescored = 0
+    for i in range(12):
+        k, norm = (4, True) if i % 2 else (3, False)  # at most the four experts eligible
+        x = rng.normal(size=HIDDEN).astype(np.float32)
+        y, want = experts.run(host, teams[threads], x, k, norm), experts.reference(x, k, norm)
+        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (i, k, norm)
+        logits = experts.router.astype(np.float64) @ x
+        chosen = set(experts.choice(logits, k, norm)[0])
+        regrouped += chosen != set(experts.choice(logits, k, norm, "")[0])
+        rescored += chosen != set(experts.choice(logits, k, norm, "max")[0])
+    assert (regrouped > 0) == bool(variant.groups) and (rescored > 0) == (variant.groups == "top2")
+    seq, k = 7, 4
+    x = rng.normal(size=(seq, HIDDEN)).astype(np.float32)
+    y = np.full((seq, HIDDEN), np.nan, np.float32)
+    scratch = np.zeros(moe_chunk_scratch_bytes(E, k + SHARED, N, HIDDEN, seq) // 4, np.float32)
+    run(host, teams[threads], experts.chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
+        scratch, E, k, N, HIDDEN, 1, *experts.extras, seq, x.strides[0], y.strides[0])
+    want = np.stack([experts.run(host, teams[threads], row, k, True) for row in x])
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("router", ["deepseek-v2", "deepseek-v3"])
+def test_equal_groups_choose_the_lower_group(host, teams, router):
+    # One group more than are taken (V2: groups 1-3 of two experts, V3: groups 0-1 of four) have
+    # the same router rows and biases, and the largest ranks: the lower groups are taken (the
+    # lower first among equals, as the interpreter's stable sort chooses), with k = 4 all four of
+    # their experts. The first of them made smaller, the others are taken: the output moves.
+    variant = ROUTERS[router]
+    (n_group, topk_group), size = GROUPS[variant.groups], E // GROUPS[variant.groups][0]
+    experts = Experts("swiglu", "f32", 45, router=variant)
+    x = np.abs(np.random.default_rng(46).normal(size=HIDDEN)).astype(np.float32)
+    tied = [list(range(g * size, (g + 1) * size)) for g in range(n_group - topk_group - 1, n_group)]
+    experts.router[tied[0]] = np.abs(experts.router[tied[0]]) + 0.05
+    for group in tied[1:]:
+        experts.router[group] = experts.router[tied[0]]
+        if experts.choice_bias is not None:
+            experts.choice_bias[group] = experts.choice_bias[tied[0]]
+    assert sorted(experts.choice(experts.router.astype(np.float64) @ x, 4, True)[0]) == sum(tied[:-1], [])
+    y = experts.run(host, teams[2], x, 4, True)
+    want = experts.reference(x, 4, True)
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+    experts.router[tied[0]] *= 0.5
+    assert sorted(experts.choice(experts.router.astype(np.float64) @ x, 4, True)[0]) == sum(tied[1:], [])
+    assert np.abs(experts.run(host, teams[2], x, 4, True) - y).max() > 1e-3
+
+
 def test_equal_logits_choose_the_lower_expert(host, teams):
     # Experts 2, 5 and 6 have one router row: with k = 2 the first two of them are chosen, as the
     # interpreter's stable sort chooses, and the output is theirs (not expert 6's).
@@ -292,6 +389,54 @@ def test_the_interpreter_computes_the_mxfp4_mixture_of_the_kernel(host, teams, x
     scale = np.abs(want).max()
     assert np.abs(y - want).max() <= 1e-5 * scale
     assert np.abs(y - away).max() > 10 * np.abs(y - want).max()
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_the_interpreter_routes_as_the_kernel(host, teams, router):
+    # DeepSeek's and GLM-4.5's mixtures through the moe op's attributes (scoring, n_group,
+    # topk_group, group_score, routed_scale) in the interpreter and through the kernel (whose
+    # chunks are its tokens' bits: above): float rounding apart (1e-5 of the output's largest
+    # element, as above), over many random tokens, each one's top k decided alike.
+    from picc.interpreter import Interpreter
+    from picc.ir import ops as O
+    from picc.ir.builder import FunctionBuilder
+    from picc.ir.module import Module, WeightDecl
+    from picc.ir.types import f32
+    from picc.ir.weights import Tensor, WeightStore
+
+    variant = ROUTERS[router]
+    experts = Experts("swiglu", "f32", 47, router=variant)
+    store = WeightStore({name: Tensor.from_f32(w) for name, w in (
+        ("router", experts.router), ("up", experts.up_raw), ("gate", experts.gate_raw), ("down", experts.down_raw),
+        ("choice_bias", experts.choice_bias)) if w is not None})
+    types = {name: store[name].type for name in store}
+    b = FunctionBuilder("forward", types)
+    b.op(O.MoE, "y", x=b.arg("x", f32("seq", HIDDEN)), router="router", up="up", gate="gate", down="down",
+         n_experts=E, top_k=4, form="swiglu", norm_topk=True, n_shared=SHARED,
+         choice_bias="choice_bias" if variant.choice_bias else None, scoring=variant.scoring,
+         **(dict(n_group=GROUPS[variant.groups][0], topk_group=GROUPS[variant.groups][1]) if variant.groups else {}),
+         group_score=variant.groups or "max", routed_scale=ROUTED_SCALE)
+    func = b.finish("y")
+    module = Module("m", (), tuple(WeightDecl(n, t) for n, t in types.items()), (func,))
+    op = func.ops[0]
+    assert op.variant == variant
+    xs = np.random.default_rng(48).normal(size=(64, HIDDEN)).astype(np.float32)
+    want = Interpreter(module, store).moe(op, xs)
+    y = np.stack([experts.run(host, teams[2], x, 4, True) for x in xs])
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_every_router_has_its_own_kernel_name():
+    # Kernels are cached and linked by name: each routing the code computes differently (the
+    # scoring, the groups and their score, a scale, a choice bias) must be named apart.
+    from itertools import product
+
+    variants = [MoeVariant(shared="plain", choice_bias=cb, scoring=scoring, groups=groups, scaled=scaled)
+                for cb, scoring, groups, scaled in product((False, True), ("softmax", "sigmoid"), ("", "max", "top2"),
+                                                           (False, True))]
+    assert len({moe("swiglu", "f32", "f32", "f32", "f32", "f32", False, v).symbol for v in variants}) == len(variants)
+    with pytest.raises(PiccError, match="softmax or sigmoid"):
+        moe("swiglu", "f32", "f32", "f32", "f32", "f32", False, MoeVariant(scoring="tanh"))
 
 
 def test_rows8_experts_dot_rounded_x():

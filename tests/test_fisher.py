@@ -60,6 +60,16 @@ def test_torch_forward_matches_on_hf_families(tmp_path: Path, family: str, varia
     _logits_match(load_model(tmp_path / family), list(np.random.default_rng(1).integers(3, 90, 19)))
 
 
+@pytest.mark.parametrize("routing", ["deepseek-v2", "deepseek-v3", "glm-4.5"])
+def test_torch_forward_routes_as_the_interpreter(tmp_path: Path, routing: str):
+    # DeepSeek's and GLM-4.5's routers (tests/moe_routers.py) on a tiny ERNIE 4.5 MoE: sigmoids or
+    # the softmax, the groups, the routed weights' scale.
+    from moe_routers import with_routing
+
+    make_model("ernie4_5_moe", "base", tmp_path / "hf")
+    _logits_match(with_routing(load_model(tmp_path / "hf"), routing), list(np.random.default_rng(1).integers(3, 90, 19)))
+
+
 def test_fisher_scales_are_deterministic_and_follow_the_down_columns():
     # dL/da_i = u_i * (down_i . dL/dy): a neuron whose down column is zero cannot move the loss,
     # so its scale is exactly 0; the other neurons' scales are positive. A scale taken from the

@@ -150,3 +150,27 @@ def test_placement_round_trips():
     module = parse(text)
     assert module.weights[0].type.placement is not None
     assert print_module(module) == text
+
+
+def test_a_mixtures_routing_round_trips_and_prints_only_what_is_not_the_default():
+    # DeepSeek V3's router: sigmoids ranked with a choice bias, the top k from the two best of four
+    # groups scored by their two largest, the routed weights times 2.5; a plain mixture's line
+    # shows none of those attributes.
+    head = ("module @m\n\nweight @router : f32[8, 8]\nweight @up : f32[32, 8]\nweight @down : f32[64, 4]\n"
+            "weight @cb : f32[8]\n\nfunc @forward(%x: f32[seq, 8]) -> f32[seq, 8] {\n")
+    v3 = ('  %y = moe %x, @router, @up, @down, gate=@up, choice_bias=@cb {n_experts = 8, top_k = 4, form = "swiglu", '
+          'norm_topk = true, scoring = "sigmoid", n_group = 4, topk_group = 2, group_score = "top2", '
+          "routed_scale = 2.5} : f32[seq, 8]\n")
+    text = head + v3 + "  return %y\n}\n"
+    module = parse(text)
+    verify(module)
+    assert print_module(module) == text
+    assert parse(print_module(module)) == module
+    moe = next(module.ops())
+    assert (moe.scoring, moe.n_group, moe.topk_group, moe.group_score) == ("sigmoid", 4, 2, "top2")
+    assert moe.routed_scale == 2.5 and isinstance(moe.routed_scale, float) and isinstance(moe.n_group, int)
+    plain = head + '  %y = moe %x, @router, @up, @down, gate=@up {n_experts = 8, top_k = 4, form = "swiglu"} : f32[seq, 8]\n'
+    plain += "  return %y\n}\n"
+    moe = next(parse(plain).ops())
+    assert (moe.scoring, moe.n_group, moe.topk_group, moe.group_score, moe.routed_scale) == ("softmax", 1, 1, "max", 1.0)
+    assert print_module(parse(plain)) == plain

@@ -194,6 +194,36 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     check_batch_rows(path, TOKENS[:3])
 
 
+@pytest.mark.parametrize("routing", ["deepseek-v2", "deepseek-v3", "glm-4.5"])
+def test_deepseeks_and_glms_routers_compile_as_they_compute(routing, tmp_path):
+    # A tiny ERNIE 4.5 MoE's mixture routed as DeepSeek V2 (softmax, the top k from the better of
+    # two groups by their largest probability, the weights times 16), V3 (sigmoids plus a
+    # correction bias, the two best of four groups by their two largest, renormalised, times 2.5)
+    # or GLM-4.5 (V3's without groups), each with its kernel variant (tests/moe_routers.py): the
+    # step, the chunk programs and the server's batch step against the interpreter.
+    from hf_models import make_model
+    from moe_routers import with_routing
+
+    from picc.frontend import load_model
+
+    make_model("ernie4_5_moe", "base", tmp_path / "hf")
+    model = with_tokenizer(with_routing(load_model(tmp_path / "hf"), routing))
+    path, pib = compiled(model, tmp_path, routing, kv_cache="f32", batch_step=True)
+    moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
+    kernel = "picc_moe_swiglu_f32_f32_f32_f32_shared" + {"deepseek-v2": "_gmax_scaled",
+                                                         "deepseek-v3": "_cb_sigmoid_gtop2_scaled",
+                                                         "glm-4.5": "_cb_sigmoid_scaled"}[routing]
+    assert [op.kernel for op in moes] == [kernel]
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(path, pib, 1e-4)
+    with PibFile(path) as f:
+        ir = f.text("cpu/ir")
+    batch = ir[ir.index("define void @picc_batch_step("):]
+    assert batch[: batch.index("\n}")].count(f"@{kernel}_chunk(") == 1
+    check_batch_rows(path, TOKENS[:3])
+
+
 def test_gemma3s_layer_compiles_as_it_computes(tmp_path):
     # Gemma 3: the embedding's rows times sqrt(hidden) (a scaled embedding kernel, the table left
     # as the tied LM head reads it), the attention's and the FFN's outputs normalised before their

@@ -191,3 +191,38 @@ def test_a_mixtures_biases_and_clamped_swiglu_are_checked(extra, message):
         return
     with pytest.raises(VerifyError, match=re.escape(message)):
         verify(parse(text))
+
+
+
+V3_ROUTING = 'scoring = "sigmoid", n_group = 4, topk_group = 2, group_score = "top2", routed_scale = 2.5'
+
+
+@pytest.mark.parametrize("top_k, attrs, message", [
+    (4, V3_ROUTING, None),  # DeepSeek V3's router as its frontend builds it
+    (4, 'scoring = "sigmoid", routed_scale = 2.5', None),  # GLM-4.5's (one group)
+    (4, "n_group = 4, topk_group = 2", None),  # DeepSeek V2's group_limited_greedy ("max")
+    (4, 'scoring = "tanh"', "line 11: %y = moe: scoring must be softmax or sigmoid, got 'tanh'"),
+    (4, 'n_group = 4, topk_group = 2, group_score = "sum"', "group_score must be max or top2, got 'sum'"),
+    (4, "n_group = 3", "n_group must divide n_experts, got n_group=3, n_experts=8"),
+    (4, "n_group = 0", "n_group must divide n_experts, got n_group=0, n_experts=8"),
+    (4, "n_group = 4, topk_group = 5", "topk_group must be in 1..n_group, got topk_group=5, n_group=4"),
+    (4, "n_group = 4, topk_group = 0", "topk_group must be in 1..n_group, got topk_group=0, n_group=4"),
+    (5, "n_group = 4, topk_group = 2",
+     "top_k must fit in the topk_group best groups' experts, got top_k=5, topk_group=2 groups of 2"),
+    (4, 'n_group = 8, topk_group = 4, group_score = "top2"', "group_score top2 needs groups of 2 or more experts, got 1"),
+    (4, "routed_scale = 0.0", "routed_scale must be finite and > 0, got 0.0"),
+    (4, "routed_scale = -2.5", "routed_scale must be finite and > 0, got -2.5"),
+])
+def test_a_mixtures_routing_is_checked(top_k, attrs, message):
+    # Eight experts of four neurons with a choice bias: the groups divide the experts, the groups
+    # taken hold the top k, V3's group score needs two members, the scale is a positive factor.
+    text = ("module @m\n\nweight @emb : f32[16, 8]\nweight @router : f32[8, 8]\nweight @up : f32[32, 8]\n"
+            "weight @down : f32[64, 4]\nweight @cb : f32[8]\n\n"
+            f"func @forward(%tokens: i32[seq]) {{\n  {EMBED}\n"
+            f"  %y = moe %x, @router, @up, @down, gate=@up, choice_bias=@cb {{n_experts = 8, top_k = {top_k}, "
+            f'form = "swiglu", norm_topk = true, {attrs}}} : f32[seq, 8]\n  return %y\n}}\n')
+    if message is None:
+        verify(parse(text))
+        return
+    with pytest.raises(VerifyError, match=re.escape(message)):
+        verify(parse(text))

@@ -31,8 +31,12 @@ as its rows are) and its clamped SwiGLU's ``alpha`` and ``limit``
 (``picc.interpreter.clamped_swiglu``); Qwen2-MoE's ``n_shared`` shared experts, stacked after the
 routed ones, which every token takes after its top k (step 2), weighted by 1 or, ``gated``, by the
 sigmoid of the router's extra last row's logit (computed with the others in step 1); ERNIE 4.5's
-``choice_bias``, added to each expert's softmax probability to rank them in step 2 (their
-weights stay the probabilities).
+``choice_bias``, added to each expert's probability to rank them in step 2 (their weights stay
+the probabilities); DeepSeek's and GLM-4.5's routing in step 2: ``sigmoid`` probabilities in
+place of the softmax, the experts ranked by their probabilities (plus the choice bias) once
+into the thread's stack, ``n_group`` groups scored by their largest or two largest ranks of
+which the ``topk_group`` best hold the eligible experts (the others marked taken before the top
+k), and the routed weights times ``routed_scale`` after the renormalisation.
 """
 
 from __future__ import annotations
@@ -63,14 +67,18 @@ BIAS_PARAMS = {"r": "router_bias", "u": "up_bias", "g": "gate_bias", "d": "down_
 CLAMP_PARAMS = (("alpha", "f32"), ("limit", "f32"))
 SHARED_PARAMS = (("n_shared", "i32"),)
 CHOICE_BIAS_PARAMS = (("choice_bias", "ptr"),)
+GROUP_PARAMS = (("n_group", "i32"), ("topk_group", "i32"))
+SCALE_PARAMS = (("routed_scale", "f32"),)
 
 
 def moe_params(variant: MoeVariant = PLAIN_MOE) -> tuple[tuple[str, str], ...]:
     """The one-token kernel's parameters: :data:`MOE_PARAMS`, then a pointer per bias of the
-    variant's, the clamped SwiGLU's constants, the shared experts' count, the choice bias."""
+    variant's, the clamped SwiGLU's constants, the shared experts' count, the choice bias, the
+    groups' counts, the routed weights' scale."""
     return (MOE_PARAMS + tuple((BIAS_PARAMS[c], "ptr") for c in variant.biases)
             + (CLAMP_PARAMS if variant.clamped else ()) + (SHARED_PARAMS if variant.shared else ())
-            + (CHOICE_BIAS_PARAMS if variant.choice_bias else ()))
+            + (CHOICE_BIAS_PARAMS if variant.choice_bias else ()) + (GROUP_PARAMS if variant.groups else ())
+            + (SCALE_PARAMS if variant.scaled else ()))
 
 
 def moe_scratch_bytes(router_rows: int, chosen: int, n: int) -> int:
@@ -126,6 +134,9 @@ class _Experts:
         if self.variant.shared not in ("", "plain", "gated") or (self.variant.shared == "gated" and "r" in biases):
             raise PiccError(f"codegen_cpu: shared experts are plain or gated (a gated one without a router bias), "
                             f"not {self.variant.shared!r} with biases {biases!r}")
+        if self.variant.scoring not in ("softmax", "sigmoid") or self.variant.groups not in ("", "max", "top2"):
+            raise PiccError(f"codegen_cpu: a router scores by softmax or sigmoid and its groups by max or top2, "
+                            f"not {self.variant.scoring!r} and {self.variant.groups!r}")
 
 
 def _kernel(form: str, router: str, up: str, gate: str | None, down: str, x_format: str, rows8: bool,
@@ -297,19 +308,25 @@ class _Phases:
     def h_row(self, j: str) -> str:
         return self.fn.at(self.h_all, 4, self.fn.v(f"mul i64 {j}, {self.n}", "hj"), "hrow")
 
-    def choice_arrays(self, tokens: int | str) -> tuple[str, str, str]:
-        """Stack arrays for ``tokens`` tokens' choices and weights (k each) and the taken flags."""
-        fn = self.fn
+    def choice_arrays(self, tokens: int | str) -> tuple[str, str, _Scratch]:
+        """Stack arrays for ``tokens`` tokens' choices and weights (k each) and a token's scratch
+        of choosing."""
+        fn, variant = self.fn, self.ex.variant
         count = fn.v(f"mul i64 {tokens}, {self.k}", "nk")
-        return fn.alloca_array(I32, count, "chosen"), fn.alloca_array(F32, count, "weights"), \
-            fn.alloca_array("i8", self.n_exp, "taken")
+        chosen, weights = fn.alloca_array(I32, count, "chosen"), fn.alloca_array(F32, count, "weights")
+        taken = fn.alloca_array("i8", self.n_exp, "taken")
+        keys = fn.alloca_array(F32, self.n_exp, "keys") if variant.ranks_by_probability else None
+        groups = None
+        if variant.groups:
+            n_group = fn.sext("%n_group", "ngroup")
+            groups = (n_group, fn.alloca_array(F32, n_group, "gscore"), fn.alloca_array("i8", n_group, "gtaken"))
+        return chosen, weights, _Scratch(taken, keys, groups)
 
-    def choose(self, logits: str, chosen: str, weights: str, taken: str) -> None:
+    def choose(self, logits: str, chosen: str, weights: str, scratch: _Scratch) -> None:
         """A token's experts and weights from its ``logits``: the top k (:func:`_top_k`), then the
         shared experts with weight 1, or the sigmoid of the logit after the routed experts'."""
         fn, shared = self.fn, self.ex.variant.shared
-        _top_k(fn, logits, self.n_exp, self.k_routed, chosen, weights, taken,
-               "%choice_bias" if self.ex.variant.choice_bias else None)
+        _top_k(fn, logits, self.n_exp, self.k_routed, chosen, weights, scratch, self.ex.variant)
         if not shared:
             return
         weight = fconst(1.0)
@@ -412,34 +429,65 @@ def _clamped_swiglu(fn: Fn, g: str, u: str) -> str:
     return fn.v(f"fmul float {fn.v(f'fdiv float {g}, {den}', 'glu')}, {fn.v(f'fadd float {u}, 1.0', 'u1')}", "h")
 
 
-def _top_k(fn: Fn, logits: str, n_exp: str, k: str, chosen: str, weights: str, taken: str,
-           bias: str | None = None) -> None:
-    """The ``k`` largest of ``n_exp`` logits (the lower index first among equals) into ``chosen``
-    (i32) and their softmax weights into ``weights``, normalised over the k where ``%norm``;
-    ``taken``: ``n_exp`` bytes of scratch. ``bias`` (a pointer to ``n_exp`` floats): the experts
-    ranked by their softmax probability plus it instead (ERNIE 4.5's), weighted as before."""
-    top = fn.var(F32, fconst(float("-inf")), "top")
-    with fn.loop("0", n_exp, hint="e") as e:
-        logit = fn.load(F32, fn.at(logits, 4, e), 4, "l")
-        top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, float {logit})", "top"))
-    m = top.get("max")
-    total = fn.var(F32, fconst(0.0), "total")
-    with fn.loop("0", n_exp, hint="e") as e:
-        shifted = fn.v(f"fsub float {fn.load(F32, fn.at(logits, 4, e), 4, 'l')}, {m}", "ls")
-        total.set(fn.v(f"fadd float {total.get()}, {fn.v(f'call float @picc_exp(float {shifted})', 'p')}", "total"))
+@dataclass(frozen=True)
+class _Scratch:
+    """A token's scratch of choosing, in the thread's stack: ``taken`` (a byte per expert), the
+    experts' ranks ``keys`` (a float each) where they are not the logits, and the groups' count,
+    scores (floats) and taken flags (bytes) where the variant has groups."""
+
+    taken: str
+    keys: str | None = None
+    groups: tuple[str, str, str] | None = None
+
+
+def _top_k(fn: Fn, logits: str, n_exp: str, k: str, chosen: str, weights: str, scratch: _Scratch,
+           variant: MoeVariant) -> None:
+    """The ``k`` experts of largest rank among ``n_exp`` (the lower index first among equals)
+    into ``chosen`` (i32) and their probabilities into ``weights``, normalised over the k where
+    ``%norm``, times ``%routed_scale`` where ``variant.scaled``. The probabilities: the softmax of
+    the logits, or (``variant.scoring`` ``"sigmoid"``) each logit's sigmoid. The ranks: the logits,
+    or (``variant.ranks_by_probability``) the probabilities plus ``%choice_bias`` where the variant
+    has it, computed once into ``scratch.keys``; with ``variant.groups``, only the experts of the
+    ``%topk_group`` best groups (:func:`_eligible_groups`) are free to take."""
+    taken, softmax = scratch.taken, variant.scoring == "softmax"
+    if softmax:
+        top = fn.var(F32, fconst(float("-inf")), "top")
+        with fn.loop("0", n_exp, hint="e") as e:
+            logit = fn.load(F32, fn.at(logits, 4, e), 4, "l")
+            top.set(fn.v(f"call float @llvm.maxnum.f32(float {top.get()}, float {logit})", "top"))
+        m = top.get("max")
+        total = fn.var(F32, fconst(0.0), "total")
+        with fn.loop("0", n_exp, hint="e") as e:
+            shifted = fn.v(f"fsub float {fn.load(F32, fn.at(logits, 4, e), 4, 'l')}, {m}", "ls")
+            total.set(fn.v(f"fadd float {total.get()}, {fn.v(f'call float @picc_exp(float {shifted})', 'p')}",
+                           "total"))
+
+    def probability(logit: str) -> str:
+        if softmax:
+            shifted = fn.v(f"fsub float {logit}, {m}", "ls")
+            return fn.v(f"fdiv float {fn.v(f'call float @picc_exp(float {shifted})', 'e')}, {total.get()}", "p")
+        e = fn.v(f"call float @picc_exp(float {fn.v(f'fneg float {logit}', 'nl')})", "e")
+        return fn.v(f"fdiv float 1.0, {fn.v(f'fadd float 1.0, {e}', 'den')}", "p")
+
     with fn.loop("0", n_exp, hint="e") as e:
         fn.store("i8", "0", fn.at(taken, 1, e), 1)
+    keys = scratch.keys
+    if keys is not None:
+        with fn.loop("0", n_exp, hint="e") as e:
+            key = probability(fn.load(F32, fn.at(logits, 4, e), 4, "l"))
+            if variant.choice_bias:
+                key = fn.v(f"fadd float {key}, {fn.load(F32, fn.at('%choice_bias', 4, e), 4, 'cb')}", "key")
+            fn.store(F32, key, fn.at(keys, 4, e), 4)
+    if scratch.groups is not None:
+        assert keys is not None
+        _eligible_groups(fn, keys, n_exp, taken, variant.groups, *scratch.groups)
     chosen_sum = fn.var(F32, fconst(0.0), "wsum")
     with fn.loop("0", k, hint="j") as j:
         best, best_logit = fn.var("i64", "-1", "best"), fn.var(F32, fconst(0.0), "bestl")
         best_key = fn.var(F32, fconst(0.0), "bestk")
         with fn.loop("0", n_exp, hint="e") as e:
             logit = fn.load(F32, fn.at(logits, 4, e), 4, "l")
-            key = logit
-            if bias is not None:
-                shifted = fn.v(f"fsub float {logit}, {m}", "ls")
-                prob = fn.v(f"fdiv float {fn.v(f'call float @picc_exp(float {shifted})', 'e')}, {total.get()}", "pr")
-                key = fn.v(f"fadd float {prob}, {fn.load(F32, fn.at(bias, 4, e), 4, 'cb')}", "key")
+            key = logit if keys is None else fn.load(F32, fn.at(keys, 4, e), 4, "key")
             free = fn.v(f"icmp eq i8 {fn.load('i8', fn.at(taken, 1, e), 1, 't')}, 0", "free")
             # the first free one, then any larger (strictly: equals keep the lower index)
             larger = fn.v(f"fcmp ogt float {key}, {best_key.get()}", "gt")
@@ -451,8 +499,7 @@ def _top_k(fn: Fn, logits: str, n_exp: str, k: str, chosen: str, weights: str, t
         b = best.get("b")
         fn.store("i8", "1", fn.at(taken, 1, b), 1)
         fn.store(I32, fn.v(f"trunc i64 {b} to i32", "b32"), fn.at(chosen, 4, j), 4)
-        shifted = fn.v(f"fsub float {best_logit.get()}, {m}", "ls")
-        p = fn.v(f"fdiv float {fn.v(f'call float @picc_exp(float {shifted})', 'e')}, {total.get()}", "p")
+        p = probability(best_logit.get())
         fn.store(F32, p, fn.at(weights, 4, j), 4)
         chosen_sum.set(fn.v(f"fadd float {chosen_sum.get()}, {p}", "wsum"))
     with fn.if_(fn.v("icmp ne i32 %norm, 0", "norm"), "norm"):
@@ -460,3 +507,47 @@ def _top_k(fn: Fn, logits: str, n_exp: str, k: str, chosen: str, weights: str, t
         with fn.loop("0", k, hint="j") as j:
             wp = fn.at(weights, 4, j)
             fn.store(F32, fn.v(f"fdiv float {fn.load(F32, wp, 4, 'w')}, {s}", "wn"), wp, 4)
+    if variant.scaled:  # after the renormalisation
+        with fn.loop("0", k, hint="j") as j:
+            wp = fn.at(weights, 4, j)
+            fn.store(F32, fn.v(f"fmul float {fn.load(F32, wp, 4, 'w')}, %routed_scale", "ws"), wp, 4)
+
+
+def _eligible_groups(fn: Fn, keys: str, n_exp: str, taken: str, score: str, n_group: str, scores: str,
+                     group_taken: str) -> None:
+    """Mark ``taken`` the experts outside the ``%topk_group`` best of the ``n_group`` groups of
+    consecutive experts, each group scored by its largest ``keys`` (``score`` ``"max"``) or the
+    sum of its two largest (``"top2"``: the largest plus the second), the lower group first among
+    equals; ``scores`` and ``group_taken``: ``n_group`` floats and bytes of scratch."""
+    size = fn.v(f"sdiv i64 {n_exp}, {n_group}", "gsize")
+    with fn.loop("0", n_group, hint="g") as g:
+        base = fn.v(f"mul i64 {g}, {size}", "g0")
+        first, second = fn.var(F32, fconst(float("-inf")), "first"), fn.var(F32, fconst(float("-inf")), "second")
+        with fn.loop("0", size, hint="i") as i:
+            key = fn.load(F32, fn.at(keys, 4, fn.v(f"add i64 {base}, {i}", "ge")), 4, "key")
+            top = first.get("top")
+            if score == "top2":  # a new largest pushes the old one down to second
+                above = fn.v(f"fcmp ogt float {key}, {top}", "above")
+                rest = fn.v(f"call float @llvm.maxnum.f32(float {second.get()}, float {key})", "rest")
+                second.set(fn.v(f"select i1 {above}, float {top}, float {rest}", "second"))
+            first.set(fn.v(f"call float @llvm.maxnum.f32(float {top}, float {key})", "first"))
+        value = first.get("gmax") if score == "max" else fn.v(f"fadd float {first.get()}, {second.get()}", "gtop2")
+        fn.store(F32, value, fn.at(scores, 4, g), 4)
+        fn.store("i8", "0", fn.at(group_taken, 1, g), 1)
+    with fn.loop("0", fn.sext("%topk_group", "tkg"), hint="j"):
+        best, best_score = fn.var("i64", "-1", "bestg"), fn.var(F32, fconst(0.0), "bests")
+        with fn.loop("0", n_group, hint="g") as g:
+            value = fn.load(F32, fn.at(scores, 4, g), 4, "gs")
+            free = fn.v(f"icmp eq i8 {fn.load('i8', fn.at(group_taken, 1, g), 1, 't')}, 0", "free")
+            larger = fn.v(f"fcmp ogt float {value}, {best_score.get()}", "gt")
+            unset = fn.v(f"icmp eq i64 {best.get()}, -1", "unset")
+            with fn.if_(fn.v(f"and i1 {free}, {fn.v(f'or i1 {larger}, {unset}', 'better')}", "take"), "pickg"):
+                best.set(g)
+                best_score.set(value)
+        fn.store("i8", "1", fn.at(group_taken, 1, best.get("bg")), 1)
+    with fn.loop("0", n_group, hint="g") as g:  # an expert of a group not taken is out of the choice
+        flag = fn.load("i8", fn.at(group_taken, 1, g), 1, "t")
+        out = fn.v(f"zext i1 {fn.v(f'icmp eq i8 {flag}, 0', 'out')} to i8", "out8")
+        base = fn.v(f"mul i64 {g}, {size}", "g0")
+        with fn.loop("0", size, hint="i") as i:
+            fn.store("i8", out, fn.at(taken, 1, fn.v(f"add i64 {base}, {i}", "ge")), 1)

@@ -286,12 +286,15 @@ class OpLowering(ABC):
 
     def moe_extras(self, op: O.MoE) -> tuple[object, ...]:
         """The arguments of the kernel's variant (``kernels_moe.moe_params``): gpt-oss's biases and
-        clamped SwiGLU's constants, the count of shared experts, ERNIE 4.5's choice bias."""
+        clamped SwiGLU's constants, the count of shared experts, the choice bias, DeepSeek's
+        groups and scale of the routed weights."""
         biases = tuple(self.weight(b, as_f32=True) for b in (op.router_bias, op.up_bias, op.gate_bias, op.down_bias)
                        if b is not None)
         clamp = (float(op.swiglu_alpha), float(op.swiglu_limit)) if op.swiglu_limit is not None else ()
         choice = (self.weight(op.choice_bias, as_f32=True),) if op.choice_bias is not None else ()
-        return biases + clamp + ((op.n_shared,) if op.n_shared else ()) + choice
+        groups = (op.n_group, op.topk_group) if op.variant.groups else ()
+        scale = (float(op.routed_scale),) if op.variant.scaled else ()
+        return biases + clamp + ((op.n_shared,) if op.n_shared else ()) + choice + groups + scale
 
     def moe_kernel(self, op: O.MoE, make: Callable[..., Kernel]) -> tuple[Kernel, int, int]:
         """``make`` (``kernels_moe.moe`` or ``moe_chunk``) for ``op``'s formats and layout, an

@@ -7,6 +7,7 @@ linear and FFN weights); norms, biases and position tables are float.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -624,6 +625,19 @@ class MoE(Op):
     ERNIE 4.5's ``choice_bias`` [n_experts] ranks the experts by ``p_e + choice_bias[e]`` (the
     softmax's probabilities), while their weights stay the ``p_e`` (renormalised where ``norm_topk``).
 
+    DeepSeek's and GLM-4.5's routing. ``scoring`` ``"sigmoid"`` (DeepSeek V3, GLM-4.5): ``p_e =
+    1 / (1 + exp(-logit_e))``, each expert's own, in place of the softmax. With a ``choice_bias``,
+    sigmoids or groups the experts are ranked by ``s_e = p_e + choice_bias[e]`` (``p_e`` without a
+    bias: V3's ``e_score_correction_bias`` is the choice bias), else by their logits (the
+    softmax's order). ``n_group`` > 1: the experts form ``n_group`` groups of ``n_experts /
+    n_group`` consecutive ones, each scored by the largest ``s_e`` of its members
+    (``group_score`` ``"max"``, V2's ``group_limited_greedy``) or by the sum of its two largest
+    (``"top2"``, V3's); the top k are taken from the ``topk_group`` best groups' experts only (the
+    lower index first among equal groups). ``routed_scale`` multiplies the routed experts' weights
+    after any ``norm_topk`` (V2's and V3's ``routed_scaling_factor``), not the shared experts'.
+    ``norm_topk`` divides by the k weights' plain sum: V3's 1e-20 added to it is not (it moves a
+    float32 sum only below ~1e-13, where every chosen sigmoid's logit is below -29).
+
     ``x_format`` (``select-kernels``): ``"i16"`` where the experts' 4-bit rows are dotted with x
     (and h) rounded to int16 per block, as a ``MatrixOp``'s; the interpreter rounds alike.
     ``layout``: ``"rows8"`` where the 4-bit ones of the three matrices are stored eight rows to a
@@ -649,6 +663,11 @@ class MoE(Op):
     n_shared: int = 0
     shared_gated: bool = False
     choice_bias: Sym | None = None
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "max"
+    routed_scale: float = 1.0
     x_format: str = "f32"
     layout: str = "rows"
 
@@ -666,7 +685,13 @@ class MoE(Op):
     def variant(self) -> names.MoeVariant:
         """Its kernels' variant (``picc.kernel_names.MoeVariant``)."""
         shared = ("gated" if self.shared_gated else "plain") if self.n_shared else ""
-        return names.MoeVariant(self.biases, self.swiglu_limit is not None, shared, self.choice_bias is not None)
+        return names.MoeVariant(self.biases, self.swiglu_limit is not None, shared, self.choice_bias is not None,
+                                self.scoring, self.group_score if self.n_group > 1 else "", self.routed_scale != 1.0)
+
+    @property
+    def ranks_by_probability(self) -> bool:
+        """Whether its experts are ranked by ``p_e`` (plus the choice bias), not by their logits."""
+        return self.variant.ranks_by_probability
 
     def infer(self, env: TypeEnv) -> TensorType:
         t = _activation_input(env, self.x)
@@ -680,6 +705,7 @@ class MoE(Op):
         expect(self.n_shared >= 0 and (self.n_shared or not self.shared_gated),
                f"shared_gated needs n_shared > 0, got n_shared={self.n_shared}")
         expect(not (self.shared_gated and self.router_bias), "a gated shared expert's router row has no bias")
+        self._check_routing()
         weight_shape_is(env, self.router, (self.n_experts + int(self.shared_gated), hidden), "router")
         up = env.weight(self.up)
         expect_rank(f"up @{self.up}", up, 2)
@@ -705,6 +731,23 @@ class MoE(Op):
                    f"swiglu_limit and swiglu_alpha (> 0) are form swiglu's, got form {self.form!r}, "
                    f"limit {self.swiglu_limit}, alpha {self.swiglu_alpha}")
         return t
+
+    def _check_routing(self) -> None:
+        """DeepSeek's and GLM-4.5's attributes: the scoring, the groups, the scale."""
+        expect(self.scoring in ("softmax", "sigmoid"), f"scoring must be softmax or sigmoid, got {self.scoring!r}")
+        expect(self.group_score in ("max", "top2"), f"group_score must be max or top2, got {self.group_score!r}")
+        expect(self.n_group >= 1 and self.n_experts % self.n_group == 0,
+               f"n_group must divide n_experts, got n_group={self.n_group}, n_experts={self.n_experts}")
+        expect(1 <= self.topk_group <= self.n_group,
+               f"topk_group must be in 1..n_group, got topk_group={self.topk_group}, n_group={self.n_group}")
+        size = self.n_experts // self.n_group
+        expect(self.top_k <= self.topk_group * size,
+               f"top_k must fit in the topk_group best groups' experts, got top_k={self.top_k}, "
+               f"topk_group={self.topk_group} groups of {size}")
+        expect(self.group_score != "top2" or self.n_group == 1 or size >= 2,
+               f"group_score top2 needs groups of 2 or more experts, got {size}")
+        expect(math.isfinite(self.routed_scale) and self.routed_scale > 0,
+               f"routed_scale must be finite and > 0, got {self.routed_scale}")
 
     def n_ff(self, env: TypeEnv) -> int:
         """Neurons of one expert."""

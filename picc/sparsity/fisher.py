@@ -187,13 +187,19 @@ class TorchForward:
             return 0.0 if name is None else w(name) if part is None else w(name)[part]
 
         logits = x @ w(op.router).T + bias(op.router_bias)
-        probs = torch.softmax(logits[:, : op.n_experts], dim=-1)
-        weights, chosen = torch.topk(probs, op.top_k, dim=-1)
-        if op.choice_bias is not None:  # ranked by the biased probabilities, weighted by the probabilities
-            chosen = torch.topk(probs + w(op.choice_bias), op.top_k, dim=-1).indices
-            weights = torch.gather(probs, 1, chosen)
+        routed = logits[:, : op.n_experts]
+        probs = torch.sigmoid(routed) if op.scoring == "sigmoid" else torch.softmax(routed, dim=-1)
+        scores = probs + bias(op.choice_bias)  # what ranks the experts (the same order as the logits' otherwise)
+        if op.n_group > 1:  # only the topk_group best groups' experts
+            members = scores.view(x.shape[0], op.n_group, -1).topk(2 if op.group_score == "top2" else 1, dim=-1)[0]
+            best = torch.topk(members.sum(dim=-1), op.topk_group, dim=-1).indices
+            eligible = torch.zeros(x.shape[0], op.n_group, dtype=torch.bool).scatter_(1, best, True)
+            scores = scores.masked_fill(~eligible.repeat_interleave(op.n_experts // op.n_group, dim=1), float("-inf"))
+        chosen = torch.topk(scores, op.top_k, dim=-1).indices
+        weights = torch.gather(probs, 1, chosen)
         if op.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights * op.routed_scale
         shared = torch.sigmoid(logits[:, op.n_experts]) if op.shared_gated else torch.ones(x.shape[0], dtype=x.dtype)
         weights = torch.cat([weights, shared[:, None].expand(-1, op.n_shared)], dim=1)
         shared_experts = torch.arange(op.n_experts, op.n_experts + op.n_shared).expand(x.shape[0], -1)
