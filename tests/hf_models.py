@@ -58,7 +58,8 @@ __all__ = [
     "load_reference_model",
 ]
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "ernie4_5", "ernie4_5_moe", "olmoe", "phi3", "smollm3", "granite",
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "ernie4_5", "ernie4_5_moe",
+            "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "olmoe", "phi3", "smollm3", "granite",
             "granitemoe", "olmo2", "olmo3", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "opt", "falcon")
 
 # --------------------------------------------------------------------------------------
@@ -109,6 +110,29 @@ _BASE: dict[str, dict[str, Any]] = {
     "ernie4_5_moe": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True,
                          rope_parameters=_ROPE, moe_intermediate_size=32, moe_k=2, moe_num_experts=8,
                          moe_num_shared_experts=2, moe_layer_start_index=1),
+    # DeepSeek-V2-Lite's layout: latent attention (q straight from x; a latent of 32 for k and v;
+    # heads of 16 + 8 rotated features in q and k, values of 12), layer 0 dense, layer 1 eight
+    # experts of 32, two a token by softmax, and two shared experts
+    "deepseek_v2": dict(_TINY, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=_ROPE,
+                        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+                        first_k_dense_replace=1),
+    # DeepSeek V3's layout: V2's attention with q through a latent of 48 too, experts ranked by
+    # sigmoid plus a correction bias within the best two of four groups, renormalised, times 2.5
+    "deepseek_v3": dict(_TINY, num_key_value_heads=4, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=_ROPE,
+                        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5),
+    # GLM-4.5's layout: LLaMA's attention with biases on q, k, v and half of each head rotated;
+    # V3's experts without groups (layer 0 dense)
+    "glm4_moe": dict(_TINY, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                     attention_bias=True, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, pad_token_id=0),
+    # GLM-4.7-Flash's layout: V3's latent attention and experts, one group, values wider than keys
+    "glm4_moe_lite": dict(_TINY, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters=_ROPE,
+                          q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=24,
+                          n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          routed_scaling_factor=1.8),
     # OLMoE: LLaMA's layer with q and k normalised over the whole projection, and eight experts
     # of intermediate_size neurons, two a token, their softmax weights not renormalised
     "olmoe": dict(_TINY, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters=_ROPE,
@@ -320,6 +344,41 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "base": {},
         "biases": dict(use_bias=True),
     },
+    "deepseek_v2": {
+        "base": {},
+        "q-latent": dict(q_lora_rank=48),  # DeepSeek-V2's own
+        # DeepSeek-V2 (236B): the best 3 experts among the best 2 of 4 groups, times 16
+        "group-limited": dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=3,
+                              routed_scaling_factor=16.0),
+        "biases": dict(attention_bias=True),
+        # V2's yarn (factor 40 of 4096, mscale 0.707 as released), here past an original context of 8
+        "yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707}),
+    },
+    "deepseek_v3": {
+        "base": {},
+        "rotate-half": dict(rope_interleave=False),
+        "ungrouped": dict(n_group=1, topk_group=1),
+        "unnormalised": dict(norm_topk_prob=False),
+        "q-direct": dict(q_lora_rank=None),
+        # V3's yarn (factor 40 of 4096, mscale and mscale_all_dim 1): the scores scaled by mscale^2
+        "yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0}),
+    },
+    "glm4_moe": {
+        "base": {},
+        "qk-norm": dict(use_qk_norm=True),
+        "groups": dict(n_group=2, topk_group=1),
+        "unbiased": dict(attention_bias=False, norm_topk_prob=False),
+        # GLM-4.5-Air's config.json: rope_theta and partial_rotary_factor at the top level
+        "hub": dict(_hub_style="rope"),
+    },
+    "glm4_moe_lite": {
+        "base": {},
+        "all-sparse": dict(mlp_layer_types=["sparse", "sparse"]),
+    },
     "ernie4_5_moe": {
         "base": {},
         "all-experts": dict(moe_layer_start_index=0, moe_num_shared_experts=0),
@@ -494,6 +553,13 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
     "olmoe": {},
     "ernie4_5": {},
     "ernie4_5_moe": {},
+    "deepseek_v2": {
+        "mlp-bias": dict(mlp_bias=True),  # refused
+        "layer-freq": dict(moe_layer_freq=2),  # refused (transformers ignores it)
+    },
+    "deepseek_v3": {},
+    "glm4_moe": {},
+    "glm4_moe_lite": {},
     "olmo2": {},
     "olmo3": {},
     "gemma2": {},
@@ -545,6 +611,14 @@ SAME_WEIGHTS_DIFFERENT_LOGITS: list[tuple[str, str, str]] = [
     ("qwen2_moe", "base", "wide-shared"),
     ("ernie4_5", "base", "biases"),
     ("ernie4_5_moe", "base", "four-of-eight"),
+    ("deepseek_v2", "base", "group-limited"),
+    ("deepseek_v2", "base", "yarn"),
+    ("deepseek_v3", "base", "rotate-half"),
+    ("deepseek_v3", "base", "ungrouped"),
+    ("deepseek_v3", "base", "unnormalised"),
+    ("deepseek_v3", "base", "yarn"),
+    ("glm4_moe", "base", "groups"),
+    ("glm4_moe_lite", "base", "all-sparse"),
     ("olmo2", "base", "norm-eps"),
     ("olmo3", "base", "yarn-full"),
     ("gpt_oss", "base", "wide-clamp"),
@@ -611,6 +685,10 @@ def _config_and_class(family: str, kw: dict[str, Any]):
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),
         "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
+        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+        "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+        "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
@@ -653,6 +731,12 @@ def _randomize(model, seed: int) -> None:
                     p.copy_(0.5 * noise)
                 else:
                     p.copy_(0.2 * noise)
+        for b_name, buf in mod.named_buffers(recurse=False):
+            if b_name == "e_score_correction_bias":  # DeepSeek V3's, GLM's: a buffer, zero unless drawn here
+                g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(f"{mod_name}.{b_name}".encode()))
+                                                  % (2**63))
+                with torch.no_grad():
+                    buf.copy_(0.25 * torch.randn(buf.shape, generator=g, dtype=torch.float32))
 
 
 def _rewrite_hub_style(cfg_path: pathlib.Path, style: str) -> None:

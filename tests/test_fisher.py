@@ -49,13 +49,16 @@ def test_torch_forward_matches_the_interpreter(make):
 @pytest.mark.parametrize("family, variant", [("opt", "pre-ln"), ("falcon", "alibi"), ("qwen3", "head-dim"),
                                              ("phi3", "longrope-partial"), ("gemma3_text", "base"),
                                              ("llama", "rope-yarn-mscale"), ("gpt_oss", "yarn"),
-                                             ("qwen2_moe", "base"), ("ernie4_5_moe", "base")])
+                                             ("qwen2_moe", "base"), ("ernie4_5_moe", "base"), ("deepseek_v3", "yarn"),
+                                             ("deepseek_v2", "group-limited"), ("glm4_moe", "qk-norm")])
 def test_torch_forward_matches_on_hf_families(tmp_path: Path, family: str, variant: str):
     # OPT: LayerNorm with biases, learned positions with an offset, a non-gated ReLU FFN.
     # Falcon with ALiBi: the bf16-rounded biases. Qwen3: the norms of each head's q and k.
     # Phi-4-mini's longrope: a factor per frequency, the cosines and sines scaled (YaRN's too). Gemma 3:
     # the embedding scaled, the sandwich norms, a rope per layer. gpt-oss: sinks, the experts' biases
-    # and clamped SwiGLU. Qwen2-MoE: the gated shared experts. ERNIE 4.5: the choice bias.
+    # and clamped SwiGLU. Qwen2-MoE: the gated shared experts. ERNIE 4.5: the choice bias. DeepSeek:
+    # the latent attention (keys joined head by head, narrower values, yarn's mscale) and the grouped
+    # routings; GLM-4.5: half of each head rotated after q and k norms, sigmoid routing.
     make_model(family, variant, tmp_path / family)
     _logits_match(load_model(tmp_path / family), list(np.random.default_rng(1).integers(3, 90, 19)))
 

@@ -433,6 +433,7 @@ def test_tokenizer_files_are_imported(zoo, tmp_path, capsys):
 # ---------------------------------------------------------------- generation and the CLI
 
 GREEDY = [("llama", "gqa"), ("mistral", "sliding-window"), ("qwen2", "sliding"), ("opt", "proj-dim"),
+          ("deepseek_v3", "base"), ("glm4_moe_lite", "base"), ("glm4_moe", "base"),
           ("falcon", "alibi-24heads")]
 
 

@@ -118,6 +118,35 @@ def test_ernie_experts_with_biases_are_refused(tmp_path):
     refused(path, "use_bias with experts is not supported")
 
 
+@pytest.mark.parametrize("variant, message", [
+    ("mlp-bias", "mlp_bias with experts is not supported"),
+    ("layer-freq", "moe_layer_freq 2 is not supported (1 is; transformers' DeepseekV2 runs experts in every layer"),
+])
+def test_deepseek_v2_configs_transformers_misreads_are_refused(tmp_path, variant, message):
+    # transformers runs both, but not as DeepSeek's own code does (its experts have no biases; it
+    # ignores moe_layer_freq): picc refuses rather than guess
+    make_model("deepseek_v2", variant, tmp_path / variant)
+    refused(tmp_path / variant, message)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"n_group": 3}, "n_group 3 and topk_group 2 do not fit 8 experts, 2 a token"),
+    ({"n_group": 8, "topk_group": 4}, "groups of one expert (8 in 8); a group's score is its best two experts'"),
+    ({"topk_group": 5}, "n_group 4 and topk_group 5 do not fit"),
+    ({"routed_scaling_factor": 0.0}, "field 'routed_scaling_factor' must be a number > 0"),
+])
+def test_deepseek_v3_routings_that_cannot_be_run_are_refused(tmp_path, edit, message):
+    # transformers crashes on uneven groups and on groups of one expert (topk(2) of one)
+    make_model("deepseek_v3", "base", tmp_path / "src")
+    refused(edited_copy(tmp_path / "src", tmp_path / "edited", config=edit), message)
+
+
+def test_deepseek_v2_routing_methods_transformers_lacks_are_refused(tmp_path):
+    make_model("deepseek_v2", "base", tmp_path / "src")
+    path = edited_copy(tmp_path / "src", tmp_path / "noaux", config={"topk_method": "noaux_tc"})
+    refused(path, "field 'topk_method' must be \"greedy\" or \"group_limited_greedy\"")
+
+
 def test_longrope_needs_a_factor_per_rotary_pair_and_a_rope_that_rotates_them(base, tmp_path):
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}

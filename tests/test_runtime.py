@@ -150,7 +150,8 @@ def test_olmo2s_granites_and_gemma2s_layers_compile_as_they_compute(family, tmp_
 
 @pytest.mark.parametrize("family, variant", [("qwen3_moe", "dense-layer"), ("olmoe", "base"), ("mixtral", "base"),
                                              ("granitemoe", "base"), ("gpt_oss", "base"), ("qwen2_moe", "base"),
-                                             ("ernie4_5_moe", "base")])
+                                             ("ernie4_5_moe", "base"), ("deepseek_v2", "group-limited"),
+                                             ("deepseek_v3", "base"), ("glm4_moe", "base"), ("glm4_moe_lite", "base")])
 def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     # Each token through its router's top experts (a picc_moe kernel a token): the step, the
     # chunk programs (a call per token) and the server's batch step (a call per row, each the
@@ -159,7 +160,11 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     # gpt-oss's experts have biases and the clamped SwiGLU (their kernel variant), its attention
     # sinks and every other layer a window; Qwen2-MoE's shared expert is two more experts every
     # token takes, gated by the router's extra row; ERNIE 4.5's layer 0 is dense, its experts ranked
-    # by probability plus a bias, with two shared ones. Compiled by default (no --dense): the dense MLP may go sparse,
+    # by probability plus a bias, with two shared ones. DeepSeek V2 (three of the best two of four
+    # groups, times 16), V3 (sigmoid plus a bias, the groups' two best, times 2.5), GLM-4.5 and
+    # GLM-4.7-Flash (V3's routing in one group) and their dense layer 0; the latent attentions of
+    # V2, V3 and GLM-4.7-Flash (keys joined head by head, values narrower than keys, the
+    # concat_heads and v_head_dim kernels). Compiled by default (no --dense): the dense MLP may go sparse,
     # the experts stay as they are; all-expert OLMoE says so.
     from hf_models import make_model
 
@@ -176,13 +181,19 @@ def test_mixtures_of_experts_compile_as_they_compute(family, variant, tmp_path):
     pib = load_pib(path)
     moes = [op for op in pib.module.ops() if isinstance(op, O.MoE)]
     kernel = "picc_moe_swiglu_f32_f32_f32_f32" + {"gpt_oss": "_brugd_clamped", "qwen2_moe": "_sharedg",
-                                                  "ernie4_5_moe": "_shared_cb"}.get(family, "")
-    dense_layer = family in ("qwen3_moe", "ernie4_5_moe")
+                                                  "ernie4_5_moe": "_shared_cb", "deepseek_v2": "_shared_gmax_scaled",
+                                                  "deepseek_v3": "_shared_cb_sigmoid_gtop2_scaled",
+                                                  "glm4_moe": "_shared_cb_sigmoid_scaled",
+                                                  "glm4_moe_lite": "_shared_cb_sigmoid_scaled"}.get(family, "")
+    dense_layer = family in ("qwen3_moe", "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
     assert [op.kernel for op in moes] == [kernel] * (1 if dense_layer else 2)
     assert any("every FFN is a mixture of experts" in line for line in said) == (not dense_layer)
     layers = 1 if dense_layer else 2  # picc inspect's note, as the table shows FFNs only
-    shared = " and 2 shared" if family in ("qwen2_moe", "ernie4_5_moe") else ""
-    assert (f"{layers} layer{'s' * (layers > 1)} a mixture of experts (2 of 8{shared} a token)"
+    shared = {"qwen2_moe": 2, "ernie4_5_moe": 2, "deepseek_v2": 2, "deepseek_v3": 1, "glm4_moe": 1,
+              "glm4_moe_lite": 1}.get(family)
+    shared = f" and {shared} shared" if shared else ""
+    top_k = 3 if variant == "group-limited" else 2
+    assert (f"{layers} layer{'s' * (layers > 1)} a mixture of experts ({top_k} of 8{shared} a token)"
             in " ".join(result.report["notes"]))
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= 1e-4

@@ -27,10 +27,11 @@ from picc.errors import PiccError
 from picc.frontend.falcon import FalconSpec, build_falcon, fused_qkv_rows
 from picc.frontend.hf_checkpoint import Checkpoint
 from picc.frontend.hf_config import HFConfig, ffn_form, rope_from_config
-from picc.frontend.llama import LlamaSpec, MoeSpec, RopeSpec, build_llama, layer_weight_names, longrope_notes
+from picc.frontend.llama import LlamaSpec, MlaSpec, MoeSpec, RopeSpec, build_llama, layer_weight_names, longrope_notes
 from picc.frontend.model import LoadedModel
 from picc.frontend.opt import UNIT_NORM, OptSpec, build_opt
 from picc.ir.module import Module
+from picc.ir.positional import yarn_mscale
 from picc.ir.types import DType
 from picc.ir.weights import Tensor, WeightStore
 
@@ -46,6 +47,10 @@ ARCHITECTURES: dict[str, str] = {
     "gpt_oss": "GptOssForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -160,6 +165,7 @@ class LlamaFamily:
     qk_norm_whole: bool = False  # q's and k's norms over the whole projection (OLMo 2, OLMoE)
     moe: bool = False  # experts in place of the MLP (``moe_spec``)
     ernie: bool = False  # ERNIE 4.5: interleaved rope pairs (gptj), use_bias for every projection's bias
+    mla: bool = False  # DeepSeek V2/V3's latent attention (``_mla_spec``); attention_bias: on q_a, kv_a and o
 
 
 LLAMA_FAMILIES = {
@@ -185,7 +191,13 @@ LLAMA_FAMILIES = {
     "gpt_oss": LlamaFamily(8, 131072, (None, None), eps=1e-5, head_dim=64, attn_bias=True, moe=True),
     "ernie4_5": LlamaFamily(2, 131072, (1, 2), tied=True, eps=1e-5, head_dim=128, ernie=True),
     "ernie4_5_moe": LlamaFamily(4, 131072, (1, 2), tied=True, eps=1e-5, moe=True, ernie=True),
+    "deepseek_v2": LlamaFamily(None, 2048, (1, 2), attn_bias=True, moe=True, mla=True),
+    "deepseek_v3": LlamaFamily(None, 4096, (0, 1), attn_bias=True, moe=True, mla=True),
+    "glm4_moe_lite": LlamaFamily(None, 202752, (0, 1), eps=1e-5, attn_bias=True, moe=True, mla=True),
+    # GLM-4.5: attention_bias on q, k and v only (``_llama_family``), use_qk_norm, half the head rotated
+    "glm4_moe": LlamaFamily(8, 131072, (None, None), eps=1e-5, partial_rope=True, moe=True),
 }
+GLM4_MOE_DEFAULTS = {"partial_rotary_factor": 0.5}  # Glm4MoeConfig.__post_init__'s
 
 
 def qwen2_windows(cfg: HFConfig, n_layers: int) -> tuple[int | None, ...]:
@@ -346,6 +358,8 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     rules = LLAMA_FAMILIES[family]
     if family == "gemma3_text":
         cfg = HFConfig(cfg.path, {**GEMMA3_TEXT_DEFAULTS, **cfg.raw})
+    if family == "glm4_moe":
+        cfg = HFConfig(cfg.path, {**GLM4_MOE_DEFAULTS, **cfg.raw})
     vocab, hidden = cfg.integer("vocab_size"), cfg.integer("hidden_size")
     n_layers, n_heads = cfg.integer("num_hidden_layers"), cfg.integer("num_attention_heads")
     n_ff = cfg.integer("intermediate_size")
@@ -358,6 +372,9 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         raise PiccError(f"{cfg.path}: num_attention_heads {n_heads} is not a multiple of "
                         f"num_key_value_heads {n_kv}")
     head_dim = cfg.opt_integer("head_dim", rules.head_dim) or hidden // n_heads
+    mla = _mla_spec(cfg, family) if rules.mla else None
+    if mla is not None:  # a head's q and k: its rotated features and the others; as many K/V heads as q's
+        n_kv, head_dim = n_heads, mla.qk_dim
     max_position = cfg.integer("max_position_embeddings", rules.max_position)
     windows, rope_layers = _windows(cfg, family, n_layers)
     attn_bias = rules.attn_bias and cfg.flag("attention_bias", family == "gpt_oss")
@@ -366,7 +383,12 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         if attn_bias and rules.moe:
             raise PiccError(f"{cfg.path}: use_bias with experts is not supported (the experts have no biases there)")
     qkv_bias = attn_bias or (cfg.flag("qkv_bias", True) if family == "qwen2_moe" else rules.qkv_bias)
+    if family == "glm4_moe":  # attention_bias: on q, k and v, never o
+        qkv_bias = cfg.flag("attention_bias", False)
     mlp_bias = rules.mlp_bias and cfg.flag("mlp_bias", False) or rules.ernie and attn_bias
+    if family == "deepseek_v2" and cfg.flag("mlp_bias", False):
+        raise PiccError(f"{cfg.path}: mlp_bias with experts is not supported (the released DeepSeek-V2 models "
+                        "have none)")
     bos, eos = special_ids(cfg, directory, *rules.special_ids)
     tie = cfg.flag("tie_word_embeddings", rules.tied)
     layer: dict = dict(sandwich=True, pre_norm=False) if rules.olmo else {}  # the family's own layer
@@ -383,19 +405,29 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         ropes = olmo3_ropes(cfg, head_dim, max_position, n_layers)
         layer.update(layer_ropes=ropes)
         rope = ropes[0]
+    elif mla is not None:  # the rope of the rotated features alone
+        rope = rope_from_config(cfg, mla.rope_dim, max_position)
+        layer.update(mla=mla, attn_scale=_mla_scale(cfg, mla.qk_dim))
     else:
         rope = rope_from_config(cfg, head_dim, max_position, partial=rules.partial_rope)
-    if rules.ernie:  # rotate_half over interleaved pairs (2i, 2i + 1), each at frequency i
+    # rotate_half over interleaved pairs (2i, 2i + 1), each at frequency i: ERNIE's; DeepSeek V2's
+    # complex rotation of pairs; V3's (and GLM-4.7-Flash's) where rope_interleave, as released
+    if rules.ernie or family == "deepseek_v2" or mla is not None and cfg.flag("rope_interleave", True):
         rope = replace(rope, style="gptj")
     if family == "gemma2":  # Gemma 3's layer with one rope and no q and k norms
         layer.update(attn_scale=cfg.integer("query_pre_attn_scalar", 256) ** -0.5)
     act = ("hidden_activation", "gelu_pytorch_tanh") if rules.gemma else ("hidden_act", "silu")
+    if family in DEEPSEEK_MOE:
+        moe = deepseek_moe_spec(cfg, family, n_layers)
+    else:
+        moe = moe_spec(cfg, family, n_layers) if rules.moe else None
     spec = LlamaSpec(
         name=name, arch=family, vocab=vocab, hidden=hidden, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, n_ff=n_ff, eps=cfg.number("rms_norm_eps", rules.eps),
         ffn_form=ffn_form(cfg, *act, gated=True), rope=rope, tied=False, window=windows, **layer,
-        bos_id=bos, eos_id=eos, max_position=max_position, qk_norm=rules.qk_norm, rope_layers=rope_layers,
-        qk_norm_whole=rules.qk_norm_whole, moe=moe_spec(cfg, family, n_layers) if rules.moe else None,
+        bos_id=bos, eos_id=eos, max_position=max_position, rope_layers=rope_layers,
+        qk_norm=rules.qk_norm or family == "glm4_moe" and cfg.flag("use_qk_norm", False),
+        qk_norm_whole=rules.qk_norm_whole, moe=moe,
         attn_sinks=family == "gpt_oss",
     )
 
@@ -453,11 +485,12 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         if spec.moe.shared_gated:  # Qwen2-MoE: the shared expert's gate is the router's last row
             router = Tensor.stacked([router, ckpt.tensor(p + mlp + "shared_expert_gate.weight", (1, hidden))])
         store.add(n["router"], router)
-        if spec.moe.choice_bias:  # ERNIE 4.5's
-            bias = ckpt.tensor(p + mlp + "moe_statics.e_score_correction_bias", (1, spec.moe.n_experts))
+        if spec.moe.choice_bias:  # ERNIE 4.5's, DeepSeek V3's and GLM-4.5's
+            bias = ckpt.tensor(p + mlp + "moe_statics.e_score_correction_bias", (1, spec.moe.n_experts)) \
+                if rules.ernie else ckpt.tensor(p + mlp + "gate.e_score_correction_bias", (spec.moe.n_experts,))
             store.add(n["router_choice_bias"],
                       Tensor(bias.dtype, (spec.moe.n_experts,), np.asarray(bias.data).reshape(-1)))
-        shared_name = "shared_experts" if rules.ernie else "shared_expert"
+        shared_name = "shared_expert" if family == "qwen2_moe" else "shared_experts"
         gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         matrices = (("experts_gate", gate, (e_ff, hidden)), ("experts_up", up, (e_ff, hidden)),
                     ("experts_down", down, (hidden, e_ff)))
@@ -471,13 +504,47 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
                 parts.append(ckpt.tensor(f"{p}{mlp}{shared_name}.{proj}.weight", (shared, hidden)))
             store.add(n[key], Tensor.stacked(parts))
 
+    def latent_attention(n: dict[str, str], attn: str) -> None:
+        """A latent attention's matrices as ``picc.frontend.llama.MlaSpec`` reads them: the query's
+        rows each head's rotated ones first; ``kv_a_proj_with_mqa``'s rows as the latent's and the
+        shared rotated key's; ``kv_b_proj``'s, each head's k_nope then its v, as k's and v's."""
+        assert mla is not None
+        qk, rope_dim, kv_rank = mla.qk_dim, mla.rope_dim, mla.kv_rank
+        q_order = (np.arange(n_heads)[:, None] * qk + np.roll(np.arange(qk), rope_dim)[None, :]).reshape(-1)
+        if mla.q_rank is None:
+            store.add(n["q"], ckpt.tensor(p + attn + "q_proj.weight", (n_heads * qk, hidden)).take_rows(q_order))
+        else:
+            add(n["q_a"], attn + "q_a_proj.weight", (mla.q_rank, hidden))
+            if attn_bias:
+                add(n["q_a_bias"], attn + "q_a_proj.bias", (mla.q_rank,))
+            add(n["q_a_norm"], attn + "q_a_layernorm.weight", (mla.q_rank,))
+            store.add(n["q"], ckpt.tensor(p + attn + "q_b_proj.weight", (n_heads * qk, mla.q_rank)).take_rows(q_order))
+        latent, shared = np.arange(kv_rank), np.arange(kv_rank, kv_rank + rope_dim)
+        kv_a = ckpt.tensor(p + attn + "kv_a_proj_with_mqa.weight", (kv_rank + rope_dim, hidden))
+        store.add(n["kv_a"], kv_a.take_rows(latent))
+        store.add(n["k_pe"], kv_a.take_rows(shared))
+        if attn_bias:
+            kv_a_bias = ckpt.tensor(p + attn + "kv_a_proj_with_mqa.bias", (kv_rank + rope_dim,))
+            store.add(n["kv_a_bias"], kv_a_bias.take_rows(latent))
+            store.add(n["k_pe_bias"], kv_a_bias.take_rows(shared))
+        add(n["kv_a_norm"], attn + "kv_a_layernorm.weight", (kv_rank,))
+        width = mla.nope_dim + mla.v_dim
+        kv_b = ckpt.tensor(p + attn + "kv_b_proj.weight", (n_heads * width, kv_rank))
+        heads = np.arange(n_heads)[:, None] * width
+        store.add(n["k"], kv_b.take_rows((heads + np.arange(mla.nope_dim)).reshape(-1)))
+        store.add(n["v"], kv_b.take_rows((heads + mla.nope_dim + np.arange(mla.v_dim)).reshape(-1)))
+
     add("token_embd", "embed_tokens.weight", (vocab, hidden))
     q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
+    o_cols = n_heads * mla.v_dim if mla is not None else q_rows
     for i in range(n_layers):
         n, hf = layer_weight_names(i), f"layers.{i}."
         if spec.pre_norm:
             norm(n["attn_norm"], hf + "input_layernorm.weight", (hidden,))
         projections = (("q", "q_proj", q_rows), ("k", "k_proj", kv_rows), ("v", "v_proj", kv_rows))
+        if mla is not None:
+            latent_attention(n, hf + "self_attn.")
+            projections = ()
         if rules.fused:  # one qkv_proj: q's rows, k's, v's
             split(hf + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, hidden),
                   tuple((n[key], rows) for key, _, rows in projections))
@@ -489,7 +556,7 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         if spec.qk_norm:
             norm(n["q_norm"], hf + "self_attn.q_norm.weight", (q_rows if spec.qk_norm_whole else head_dim,))
             norm(n["k_norm"], hf + "self_attn.k_norm.weight", (kv_rows if spec.qk_norm_whole else head_dim,))
-        add(n["o"], hf + "self_attn.o_proj.weight", (hidden, q_rows))
+        add(n["o"], hf + "self_attn.o_proj.weight", (hidden, o_cols))
         if spec.attn_sinks:
             add(n["sinks"], hf + "self_attn.sinks", (n_heads,))
         if attn_bias:
@@ -518,6 +585,90 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
     if rules.gemma:
         spec = replace(spec, embed_scale=_gemma_embed_scale(hidden, store["token_embd"].dtype))
     return build_llama(spec, store), store
+
+
+DEEPSEEK_MOE = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")  # routed as DeepSeek routes
+
+
+def _mla_spec(cfg: HFConfig, family: str) -> MlaSpec:
+    """A DeepSeek V2/V3 (or GLM-4.7-Flash) config's latent attention (``MlaSpec``)."""
+    defaults = {"deepseek_v2": (1536, 128), "deepseek_v3": (1536, 128), "glm4_moe_lite": (768, 192)}[family]
+    rope_dim = cfg.integer("qk_rope_head_dim", 64)
+    if rope_dim % 2:
+        raise PiccError(f"{cfg.path}: qk_rope_head_dim {rope_dim} is odd; rotary embeddings need an even one")
+    return MlaSpec(q_rank=cfg.opt_integer("q_lora_rank", defaults[0]), kv_rank=cfg.integer("kv_lora_rank", 512),
+                   nope_dim=cfg.integer("qk_nope_head_dim", defaults[1]), rope_dim=rope_dim,
+                   v_dim=cfg.integer("v_head_dim", 256 if family == "glm4_moe_lite" else 128))
+
+
+def _mla_scale(cfg: HFConfig, qk_dim: int) -> float:
+    """A latent attention's scale (``yarn_apply_mscale``): ``qk_dim ** -0.5``, times
+    ``yarn_mscale(factor, mscale_all_dim) ** 2`` where a rope other than the default has a
+    non-zero ``mscale_all_dim`` (DeepSeek V3's yarn)."""
+    params = cfg.raw.get("rope_scaling") or cfg.raw.get("rope_parameters") or {}
+    scale = qk_dim ** -0.5
+    if isinstance(params, dict) and params.get("rope_type", params.get("type", "default")) != "default" \
+            and params.get("mscale_all_dim"):
+        mscale = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        scale *= mscale * mscale
+    return scale
+
+
+def deepseek_moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:
+    """The experts of a DeepSeek V2/V3 or GLM-4.5 config (``DeepseekV3TopkRouter``): each layer
+    from ``first_k_dense_replace`` on (GLM-4.7-Flash: its ``mlp_layer_types``' "sparse" ones)
+    runs ``n_routed_experts`` of ``moe_intermediate_size`` neurons, ``num_experts_per_tok`` a
+    token, and ``n_shared_experts`` of the same width that every token takes (weight 1); the
+    routed ones' weights are multiplied by ``routed_scaling_factor``.
+
+    V2 scores by the router's softmax and takes the top k (``topk_method`` "greedy"), or first the
+    ``topk_group`` of ``n_group`` groups whose best expert scores highest
+    ("group_limited_greedy"); transformers never renormalises V2's weights, whatever
+    ``norm_topk_prob`` says. V3 and GLM scores by the router's sigmoid, ranks by score plus
+    ``e_score_correction_bias`` and limits groups by the sum of their best two's, renormalising
+    where ``norm_topk_prob``."""
+    v2 = family == "deepseek_v2"
+    defaults = {"deepseek_v2": (64, None, 1407, 2, 1.0, 0), "deepseek_v3": (256, 8, 2048, 1, 2.5, 3),
+                "glm4_moe": (128, 8, 1408, 1, 1.0, 1), "glm4_moe_lite": (64, 4, 1536, 1, 1.8, 1)}[family]
+    n_experts_default, top_k_default, width_default, shared_default, scale_default, dense_default = defaults
+    n_experts = cfg.integer("n_routed_experts", n_experts_default)
+    top_k = cfg.integer("num_experts_per_tok", top_k_default)
+    if top_k > n_experts:
+        raise PiccError(f"{cfg.path}: num_experts_per_tok {top_k} is more than n_routed_experts {n_experts}")
+    routing: dict = dict(scoring="softmax" if v2 else "sigmoid", group_score="max" if v2 else "top2")
+    method = cfg.string("topk_method", "greedy") if v2 else "noaux_tc"
+    if v2 and method not in ("greedy", "group_limited_greedy"):
+        raise cfg.bad("topk_method", method, '"greedy" or "group_limited_greedy" (transformers\' DeepseekV2TopkRouter)')
+    groups = (None, None) if v2 else (8, 4) if family == "deepseek_v3" else (1, 1)
+    n_group, topk_group = (1, 1) if method == "greedy" else (cfg.integer("n_group", groups[0]),
+                                                             cfg.integer("topk_group", groups[1]))
+    if n_group > 1:
+        if n_experts % n_group or topk_group > n_group or top_k > topk_group * (n_experts // n_group):
+            raise PiccError(f"{cfg.path}: n_group {n_group} and topk_group {topk_group} do not fit "
+                            f"{n_experts} experts, {top_k} a token (groups of equal size, at least top_k experts "
+                            "in the topk_group chosen)")
+        if not v2 and n_group > 1 and n_experts // n_group < 2:
+            raise PiccError(f"{cfg.path}: groups of one expert ({n_experts} in {n_group}); a group's score is "
+                            "its best two experts'")
+        routing.update(n_group=n_group, topk_group=topk_group)
+    if family == "glm4_moe_lite":
+        types = cfg.raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n_layers - 1)
+        if not isinstance(types, list) or len(types) != n_layers or not set(types) <= {"dense", "sparse"}:
+            raise cfg.bad("mlp_layer_types", types, f'a list of {n_layers} "dense" or "sparse"')
+        layers = tuple(t == "sparse" for t in types)
+    else:
+        first = cfg.integer("first_k_dense_replace", dense_default, minimum=0)
+        layers = tuple(i >= first for i in range(n_layers))
+    if v2 and cfg.integer("moe_layer_freq", 1) != 1:  # transformers ignores it: refuse, not guess
+        raise PiccError(f"{cfg.path}: moe_layer_freq {cfg.raw['moe_layer_freq']} is not supported (1 is; "
+                        "transformers' DeepseekV2 runs experts in every layer from first_k_dense_replace on)")
+    scale = cfg.number("routed_scaling_factor", scale_default)
+    if not 0 < scale < math.inf:
+        raise cfg.bad("routed_scaling_factor", scale, "a number > 0")
+    return MoeSpec(n_experts=n_experts, top_k=top_k, n_ff=cfg.integer("moe_intermediate_size", width_default),
+                   norm_topk=not v2 and cfg.flag("norm_topk_prob", True), layers=layers if not all(layers) else (),
+                   n_shared=cfg.integer("n_shared_experts", shared_default, minimum=0), choice_bias=not v2,
+                   routed_scale=scale, **routing)
 
 
 def moe_spec(cfg: HFConfig, family: str, n_layers: int) -> MoeSpec:

@@ -8,6 +8,7 @@ picc's weight names (``l3.attn.q``, ``l3.ffn.up``, ...); ``build_llama`` emits t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -56,6 +57,35 @@ class MoeSpec:
     n_shared: int = 0  # Qwen2-MoE: its shared expert, in n_ff-wide pieces stacked after the routed experts
     shared_gated: bool = False  # ... weighted by the sigmoid of the router's last row
     choice_bias: bool = False  # ERNIE 4.5: the experts ranked by probability plus a bias (weights l{i}.moe.choice_bias)
+    scoring: str = "softmax"  # DeepSeek V3, GLM-4.5: "sigmoid" (picc.ir.ops.MoE)
+    n_group: int = 1  # DeepSeek: the experts in n_group groups, only the topk_group best groups' chosen
+    topk_group: int = 1
+    group_score: str = "max"  # ... a group scored by its best member's score ("max") or its best two's ("top2")
+    routed_scale: float = 1.0  # DeepSeek, GLM-4.5: the routed experts' weights times routed_scaling_factor
+
+    def op_attrs(self) -> dict[str, object]:
+        """The ``moe`` op's routing attributes for these settings."""
+        return {f: getattr(self, f) for f in ("n_experts", "top_k", "norm_topk", "swiglu_limit", "swiglu_alpha",
+                                              "n_shared", "shared_gated", "scoring", "n_group", "topk_group",
+                                              "group_score", "routed_scale")}
+
+
+@dataclass(frozen=True, slots=True)
+class MlaSpec:
+    """DeepSeek V2/V3's multi-head latent attention, run decompressed: each head's query and key
+    are ``rope_dim`` rotated features (the key's shared by every head) and ``nope_dim`` others,
+    its value ``v_dim`` features; keys and values come from a ``kv_rank``-wide latent (normalised),
+    queries from x directly or (``q_rank``) through a normalised latent of their own."""
+
+    q_rank: int | None
+    kv_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +118,7 @@ class LlamaSpec:
     logit_softcap: float | None = None  # Gemma 2: the final logits soft-capped alike
     attn_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax (weights l{i}.attn.sinks)
     moe: MoeSpec | None = None  # Mixtral, Qwen3-MoE, OLMoE: experts instead of the FFN
+    mla: MlaSpec | None = None  # DeepSeek V2/V3: latent attention (head_dim: its q and k heads', rope_dim + nope_dim)
     bos_id: int | None = None
     eos_id: int | None = None
     max_position: int | None = None
@@ -111,6 +142,9 @@ def layer_weight_names(i: int) -> dict[str, str]:
         "experts_down": f"{p}.moe.down", "router_bias": f"{p}.moe.router_bias", "experts_up_bias": f"{p}.moe.up_bias",
         "experts_gate_bias": f"{p}.moe.gate_bias", "experts_down_bias": f"{p}.moe.down_bias",
         "router_choice_bias": f"{p}.moe.choice_bias",
+        "q_a": f"{p}.attn.q_a", "q_a_bias": f"{p}.attn.q_a_bias", "q_a_norm": f"{p}.attn.q_a_norm",
+        "kv_a": f"{p}.attn.kv_a", "kv_a_bias": f"{p}.attn.kv_a_bias", "kv_a_norm": f"{p}.attn.kv_a_norm",
+        "k_pe": f"{p}.attn.k_pe", "k_pe_bias": f"{p}.attn.k_pe_bias",
     }
 
 
@@ -189,14 +223,17 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         p = f"l{i}"
         rope_attrs = (spec.layer_ropes[i] if spec.layer_ropes else spec.rope).op_attrs()
         h = b.op(O.RMSNorm, f"{p}.attn_norm", x=x, weight=n["attn_norm"], eps=spec.eps) if spec.pre_norm else x
-        q = b.op(O.Linear, f"{p}.attn.q", x=h, weight=n["q"], bias=maybe(n["q_bias"]))
-        k = b.op(O.Linear, f"{p}.attn.k", x=h, weight=n["k"], bias=maybe(n["k_bias"]))
-        v = b.op(O.Linear, f"{p}.attn.v", x=h, weight=n["v"], bias=maybe(n["v_bias"]))
+        if spec.mla is not None:
+            q, k, v = _mla_qkv(b, spec, spec.mla, n, p, h, pos, rope_attrs, maybe)
+        else:
+            q = b.op(O.Linear, f"{p}.attn.q", x=h, weight=n["q"], bias=maybe(n["q_bias"]))
+            k = b.op(O.Linear, f"{p}.attn.k", x=h, weight=n["k"], bias=maybe(n["k_bias"]))
+            v = b.op(O.Linear, f"{p}.attn.v", x=h, weight=n["v"], bias=maybe(n["v_bias"]))
         if spec.qk_norm:
             group = None if spec.qk_norm_whole else spec.head_dim
             q = b.op(O.RMSNorm, f"{p}.attn.q_norm", x=q, weight=n["q_norm"], eps=spec.eps, group=group)
             k = b.op(O.RMSNorm, f"{p}.attn.k_norm", x=k, weight=n["k_norm"], eps=spec.eps, group=group)
-        if not spec.rope_layers or spec.rope_layers[i]:
+        if spec.mla is None and (not spec.rope_layers or spec.rope_layers[i]):
             q = b.op(O.Rope, f"{p}.attn.q_rope", x=q, pos=pos, n_heads=spec.n_heads,
                      head_dim=spec.head_dim, **rope_attrs)
             k = b.op(O.Rope, f"{p}.attn.k_rope", x=k, pos=pos, n_heads=spec.n_kv_heads,
@@ -204,6 +241,7 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         window = spec.window[i] if spec.window else None
         ctx = b.op(O.Attention, f"{p}.attn.ctx", q=q, k=k, v=v, pos=pos, n_heads=spec.n_heads,
                    n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim,
+                   v_head_dim=spec.mla.v_dim if spec.mla is not None else None,
                    scale=scale, cache=f"l{i}", window=window, softcap=spec.attn_softcap,
                    sinks=n["sinks"] if spec.attn_sinks else None)
         o = b.op(O.Linear, f"{p}.attn.out", x=ctx, weight=n["o"], bias=maybe(n["o_bias"]))
@@ -214,13 +252,10 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         gated = O.FFN_FORMS[spec.ffn_form].gated
         if spec.moe is not None and (not spec.moe.layers or spec.moe.layers[i]):
             f = b.op(O.MoE, f"{p}.moe.out", x=h, router=n["router"], up=n["experts_up"],
-                     gate=n["experts_gate"] if gated else None, down=n["experts_down"], n_experts=spec.moe.n_experts,
-                     top_k=spec.moe.top_k, form=spec.ffn_form, norm_topk=spec.moe.norm_topk,
+                     gate=n["experts_gate"] if gated else None, down=n["experts_down"], form=spec.ffn_form,
                      router_bias=maybe(n["router_bias"]), up_bias=maybe(n["experts_up_bias"]),
                      gate_bias=maybe(n["experts_gate_bias"]), down_bias=maybe(n["experts_down_bias"]),
-                     swiglu_limit=spec.moe.swiglu_limit, swiglu_alpha=spec.moe.swiglu_alpha,
-                     n_shared=spec.moe.n_shared, shared_gated=spec.moe.shared_gated,
-                     choice_bias=maybe(n["router_choice_bias"]))
+                     choice_bias=maybe(n["router_choice_bias"]), **spec.moe.op_attrs())
         else:
             f = b.op(O.FFN, f"{p}.ffn.out", x=h, up=n["up"], gate=n["gate"] if gated else None,
                      down=n["down"], up_bias=maybe(n["up_bias"]),
@@ -237,6 +272,33 @@ def build_llama(spec: LlamaSpec, store: WeightStore) -> Module:
         logits = b.op(O.Softcap, "logits_capped", x=logits, cap=spec.logit_softcap)
     module = Module(spec.name, module_attrs(spec), decls, (b.finish(logits),))
     return module.with_used_weights_only()
+
+
+def _mla_qkv(b: FunctionBuilder, spec: LlamaSpec, mla: MlaSpec, n: dict[str, str], p: str, h: str, pos: str,
+             rope_attrs: dict[str, object], maybe: Callable[[str], str | None]) -> tuple[str, str, str]:
+    """A latent attention's q, k and v as multi-head attention reads them (``MlaSpec``).
+
+    The frontend stores each head's query rows rotated part first, ``[pe | nope]``, so that the
+    rope's ``rotary_dim`` (the leading features) is the rotated part; the key is built alike, the
+    one rotated key that every head shares (``k_pe``) joined to each head's ``k_nope``. Scores are
+    unchanged: q . k sums over the same pairs of features in another order."""
+    if mla.q_rank is None:
+        q = b.op(O.Linear, f"{p}.attn.q", x=h, weight=n["q"])
+    else:
+        q = b.op(O.Linear, f"{p}.attn.q_a", x=h, weight=n["q_a"], bias=maybe(n["q_a_bias"]))
+        q = b.op(O.RMSNorm, f"{p}.attn.q_a_norm", x=q, weight=n["q_a_norm"], eps=spec.eps)
+        q = b.op(O.Linear, f"{p}.attn.q", x=q, weight=n["q"])
+    latent = b.op(O.Linear, f"{p}.attn.kv_a", x=h, weight=n["kv_a"], bias=maybe(n["kv_a_bias"]))
+    latent = b.op(O.RMSNorm, f"{p}.attn.kv_a_norm", x=latent, weight=n["kv_a_norm"], eps=spec.eps)
+    k_nope = b.op(O.Linear, f"{p}.attn.k", x=latent, weight=n["k"])
+    v = b.op(O.Linear, f"{p}.attn.v", x=latent, weight=n["v"])
+    k_pe = b.op(O.Linear, f"{p}.attn.k_pe", x=h, weight=n["k_pe"], bias=maybe(n["k_pe_bias"]))
+    rope = {**rope_attrs, "rotary_dim": mla.rope_dim}
+    q = b.op(O.Rope, f"{p}.attn.q_rope", x=q, pos=pos, n_heads=spec.n_heads, head_dim=mla.qk_dim, **rope)
+    k_pe = b.op(O.Rope, f"{p}.attn.k_rope", x=k_pe, pos=pos, n_heads=1, head_dim=mla.rope_dim, **rope)
+    k = b.op(O.ConcatHeads, f"{p}.attn.k_heads", a=k_pe, b=k_nope, n_heads=spec.n_heads, a_dim=mla.rope_dim,
+             b_dim=mla.nope_dim)
+    return q, k, v
 
 
 def longrope_notes(module: Module) -> tuple[str, ...]:
