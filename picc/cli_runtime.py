@@ -73,32 +73,83 @@ def _logit_bias(items: list[str]) -> tuple[tuple[int, float], ...]:
 
 
 class _Stream:
-    """Prints generated text as it becomes final (a partial UTF-8 sequence decodes to U+FFFD)."""
+    """Prints generated text as it becomes final (a partial UTF-8 sequence decodes to U+FFFD), or
+    hands it to ``thoughts`` (a reasoning model's chat reply)."""
 
-    def __init__(self, text, out) -> None:  # noqa: ANN001
-        self.text, self.out, self.ids, self.shown = text, out, [], ""
+    def __init__(self, text, out, thoughts: _Thoughts | None = None) -> None:  # noqa: ANN001
+        self.text, self.out, self.thoughts, self.ids, self.shown = text, out, thoughts, [], ""
 
     def add(self, token: int) -> None:
         self.ids.append(token)
         text = self.text.decode(self.ids)
         if not text.endswith("\ufffd"):
-            self.out.write(text[len(self.shown):])
-            self.out.flush()
+            self._show(text[len(self.shown):])
             self.shown = text
 
     def finish(self) -> str:
         text = self.text.decode(self.ids)
-        self.out.write(text[len(self.shown):])
-        self.out.flush()
+        self._show(text[len(self.shown):])
+        if self.thoughts is not None:
+            self.thoughts.finish()
         return text
 
+    def _show(self, text: str) -> None:
+        if self.thoughts is not None:
+            self.thoughts.write(text)
+            return
+        self.out.write(text)
+        self.out.flush()
 
-def _turn(session, ids: list[int], args: argparse.Namespace, options, stream: bool) -> dict:  # noqa: ANN001
-    """Feed ``ids`` and generate: the reply streamed (its stop token is not text), its numbers."""
+
+class _Thoughts:
+    """``picc run --chat``'s reply of a reasoning model, split as it streams (``runtime.reasoning``):
+    its thoughts after "thinking: " -- dimmed on a terminal, plain otherwise -- or not at all
+    (``hide``), then its answer on a line of its own. :attr:`thoughts`, :attr:`answer`: the
+    whole text of each."""
+
+    DIM, NORMAL = "\x1b[2m", "\x1b[0m"  # SGR faint, reset
+
+    def __init__(self, split, out, hide: bool) -> None:  # noqa: ANN001 - a ReasoningSplit, a text sink
+        self.split, self.out, self.hide = split, out, hide
+        self.tty = hasattr(out, "isatty") and out.isatty()
+        self.thoughts, self.answer, self.thinking = "", "", False
+
+    def write(self, text: str) -> None:
+        self._show(*self.split.add(text))
+
+    def finish(self) -> None:
+        self._show(*self.split.finish())
+        self._stop_thinking(newline=False)  # the turn's own newline ends the line
+
+    def _show(self, thoughts: str, answer: str) -> None:
+        self.thoughts, self.answer = self.thoughts + thoughts, self.answer + answer
+        if thoughts and not self.hide:
+            if not self.thinking:
+                self.out.write((self.DIM if self.tty else "") + "thinking: ")
+                self.thinking = True
+            self.out.write(thoughts)
+        if answer:
+            self._stop_thinking(newline=True)
+            self.out.write(answer)
+        self.out.flush()
+
+    def _stop_thinking(self, newline: bool) -> None:
+        if self.thinking:
+            self.out.write((self.NORMAL if self.tty else "") + ("\n" if newline else ""))
+            self.thinking = False
+
+
+def _turn(session, ids: list[int], args: argparse.Namespace, options, stream: bool,  # noqa: ANN001
+          split=None) -> dict:  # noqa: ANN001 - a ReasoningSplit
+    """Feed ``ids`` and generate: the reply streamed (its stop token is not text), its numbers;
+    with ``split``, its thoughts shown apart (or not at all) and, in the numbers, the thoughts
+    (``reasoning_content``) and answer (``content``) besides the whole ``text``."""
     from runtime.session import Timings
 
     timings = Timings()
-    out = _Stream(session.text, sys.stdout if stream else open_null())
+    sink = sys.stdout if stream else open_null()
+    thoughts = None if split is None else _Thoughts(split, sink, args.hide_thoughts)
+    out = _Stream(session.text, sink, thoughts)
     tokens = []
     for token in session.generate(ids, args.n, options, args.seed, timings=timings):
         tokens.append(token)
@@ -109,6 +160,7 @@ def _turn(session, ids: list[int], args: argparse.Namespace, options, stream: bo
         print(f"\nnote: the context is full ({session.ctx} positions) after {len(tokens)} of -n {args.n} tokens "
               "(picc compile --ctx N, or run --ctx up to it)", file=sys.stderr)
     return {"prompt_tokens": len(ids), "tokens": tokens, "text": text,
+            **({} if thoughts is None else {"reasoning_content": thoughts.thoughts, "content": thoughts.answer}),
             "prompt_tokens_per_s": timings.prompt_tokens_per_s, "decode_tokens_per_s": timings.decode_tokens_per_s,
             "_timings": timings}
 
@@ -124,14 +176,19 @@ class _Chat:
     """``picc run --chat``: the conversation so far, rendered by the model's chat template for each
     turn; a turn feeds the rendering's tokens from the first that differs from those in the KV
     cache (the earlier turns' rows are kept, the last reply's as far as the template writes it
-    back as it was generated)."""
+    back as it was generated). A reasoning model's replies (:attr:`reasoning`, its format) join
+    the conversation as their answers, as a client of the API sends them back."""
 
     def __init__(self, session, args: argparse.Namespace) -> None:  # noqa: ANN001
+        from runtime.reasoning import served_format
+
         self.session, self.text = session, _text_of(session, args)
         if self.text.chat_template is None:
             raise PiccError(f"{args.model}: the model has no chat template (its tokenizer carries none); run it "
                             "without --chat, on plain prompts")
         self.messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+        self.reasoning = served_format(args.reasoning_format, self.text.chat_template)
+        self.rendered = ""
 
     def prompt(self, user: str) -> list[int]:
         """The tokens to feed for ``user``'s message, after rewinding to what the cache shares."""
@@ -143,6 +200,7 @@ class _Chat:
                                    eos_token=self.text.eos_token, add_generation_prompt=True)
         except ChatTemplateError as e:
             raise PiccError(f"the chat template refuses the conversation: {e}") from None
+        self.rendered = rendered
         ids = self.text.encode_chat(rendered)
         fed = self.session.history[: self.session.pos]
         same = 0
@@ -152,10 +210,17 @@ class _Chat:
         self.asked = messages
         return ids[same:]
 
-    def replied(self, text: str) -> None:
-        """The turn :meth:`prompt` began is over: the question and ``text`` join the conversation
-        (a turn that failed, its prompt too long for the context, leaves it as it was)."""
-        self.messages = [*self.asked, {"role": "assistant", "content": text}]
+    def split(self):  # noqa: ANN201 - a ReasoningSplit, or None
+        """The splitter of the reply to the prompt :meth:`prompt` rendered last, for a reasoning model."""
+        from runtime.reasoning import ReasoningSplit
+
+        return None if self.reasoning is None else ReasoningSplit(self.reasoning, self.rendered)
+
+    def replied(self, result: dict) -> None:
+        """The turn :meth:`prompt` began is over: the question and ``result``'s reply (its answer
+        alone, where it had thoughts apart) join the conversation (a turn that failed, its prompt
+        too long for the context, leaves it as it was)."""
+        self.messages = [*self.asked, {"role": "assistant", "content": result.get("content", result["text"])}]
 
     def reset(self) -> None:
         """``/reset``: a new conversation (with the same system message)."""
@@ -201,6 +266,8 @@ def cmd_run(args: argparse.Namespace) -> None:
         raise PiccError(f"-n {args.n}: expected a number of tokens >= 0")
     if args.system is not None and not args.chat:
         raise PiccError("--system: only with --chat (plain prompts have no roles)")
+    if args.hide_thoughts and not args.chat:
+        raise PiccError("--hide-thoughts: only with --chat (a plain prompt's text is printed as generated)")
     check_seed(args.seed)
     options = _sampling(args)
     with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
@@ -211,8 +278,8 @@ def cmd_run(args: argparse.Namespace) -> None:
             if not args.json and chat is None:
                 sys.stdout.write(args.prompt)
             before = replace(session.executor.times)
-            result = _turn(session, chat.prompt(args.prompt) if chat else text.encode(args.prompt), args, options,
-                           stream=not args.json)
+            ids = chat.prompt(args.prompt) if chat else text.encode(args.prompt)
+            result = _turn(session, ids, args, options, stream=not args.json, split=chat.split() if chat else None)
             devices = device_times(session, before)
             if args.json:
                 out = {k: v for k, v in result.items() if not k.startswith("_")}
@@ -237,13 +304,13 @@ def cmd_run(args: argparse.Namespace) -> None:
                 if chat is None:
                     session.reset()
                 ids = chat.prompt(prompt) if chat else text.encode(prompt)
-                result = _turn(session, ids, args, options, stream=True)
+                result = _turn(session, ids, args, options, stream=True, split=chat.split() if chat else None)
             except ExecutorError as e:  # this prompt's (too long, say): say so, and read the next
                 more = "; /reset starts a new conversation" if chat is not None else ""
                 print(f"picc: error: {e}{more}", file=sys.stderr)
                 continue
             if chat is not None:
-                chat.replied(result["text"])
+                chat.replied(result)
             sys.stdout.write("\n")
             print(_summary(result, device_times(session, before)), file=sys.stderr)
 
@@ -401,6 +468,14 @@ def add_threads_flag(parser: argparse.ArgumentParser, what: str = "CPU threads")
                         f"{host_cores()} here, as many as the compiled code allows)")
 
 
+def add_reasoning_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--reasoning-format`` (``runtime.reasoning.OPTIONS``); ``what``: what auto does there."""
+    parser.add_argument("--reasoning-format", choices=("auto", "none"), default="auto",
+                        help="how a reasoning model's replies come back. auto (the default): where the model's "
+                        "chat template writes <think> (Qwen3, DeepSeek-R1 and its distills, GLM-4.5, SmolLM3) or "
+                        f"harmony's <|channel|> (gpt-oss), {what}")
+
+
 def add_gpu_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", choices=("auto", "cuda", "emulate"), default="auto",
                         help="where a model's GPU part runs: a CUDA device when there is one, else the "
@@ -420,6 +495,12 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
                    help="chat: prompts are a user's messages, in the model's chat template, and each turn "
                         "continues the conversation (its KV rows kept)")
     s.add_argument("--system", metavar="TEXT", help="with --chat: the system message that opens the conversation")
+    add_reasoning_flag(s, "--chat prints a reply's thoughts apart from its answer: after 'thinking: ' on a line "
+                       "of their own (dimmed on a terminal, plain otherwise), the answer on the next line, and "
+                       "only the answer joins the conversation; none: the reply as generated, tags included. "
+                       "Plain prompts' text is always printed as generated")
+    s.add_argument("--hide-thoughts", action="store_true",
+                   help="with --chat and a reasoning model: print only the answer, not the thoughts before it")
     s.add_argument("-n", type=int, default=128, help="tokens to generate at most (default 128)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: off)")
@@ -443,7 +524,8 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     add_threads_flag(s)
     s.add_argument("--ctx", type=int, help="context positions (default: what the model was compiled for)")
     s.add_argument("--json", action="store_true",
-                   help="print one JSON object: prompt_tokens, tokens, text, prompt_tokens_per_s, decode_tokens_per_s")
+                   help="print one JSON object: prompt_tokens, tokens, text, prompt_tokens_per_s, decode_tokens_per_s "
+                   "(with --chat, a reasoning model's reply also as reasoning_content and content)")
     add_gpu_flag(s)
     s.set_defaults(func=cmd_run)
 

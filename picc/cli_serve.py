@@ -10,7 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
-from picc.cli_runtime import add_gpu_flag, add_threads_flag, open_session
+from picc.cli_runtime import add_gpu_flag, add_reasoning_flag, add_threads_flag, open_session
 from picc.errors import PiccError
 
 
@@ -43,6 +43,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on every /v1 request (default: $PICC_API_KEY; "
                    "unset: no key)")
     s.add_argument("--model-name", help="the model's id in the API (default: the file's name without .pib)")
+    add_reasoning_flag(s, "a chat reply's thoughts come apart from its answer: in message.reasoning_content "
+                       "(streamed: delta.reasoning_content chunks, before the answer's delta.content ones), as "
+                       "llama.cpp's and vLLM's servers give them; none: the reply whole in content, thoughts and "
+                       "tags included. Completions are always the raw text")
     add_gpu_flag(s)
     ray = s.add_argument_group("Ray Serve", "serve replicas of this server on a Ray cluster (pip install -e '.[ray]'; "
                                "docs/ray.md)")
@@ -81,6 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from runtime.cpu import ExecutorError
     from runtime.engine import Engine
+    from runtime.reasoning import served_format
     from runtime.server import ServedModel, create_app
 
     if (args.max_batch is not None and args.max_batch < 1) or (args.max_queue is not None and args.max_queue < 0):
@@ -101,7 +106,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
             raise PiccError(str(e)) from None
         try:
             name = args.model_name or Path(args.model).stem
-            served = ServedModel(engine, session.text, name, int(Path(args.model).stat().st_mtime), args.api_key)
+            reasoning = served_format(args.reasoning_format, session.text.chat_template)
+            served = ServedModel(engine, session.text, name, int(Path(args.model).stat().st_mtime), args.api_key,
+                                 reasoning)
             host, port = sock.getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             print(f"picc serve: {name} on http://{shown}:{port}/v1 (max-batch {engine.max_batch}, ctx {session.ctx}, "
@@ -111,6 +118,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
             if session.text.sampling:  # a request's own fields win
                 print("picc serve: the model's sampling defaults (generation_config.json) for requests that leave "
                       "them out: " + ", ".join(f"{k} {v:g}" for k, v in session.text.sampling.items()),
+                      file=sys.stderr, flush=True)
+            if reasoning is not None:
+                print(f"picc serve: chat replies' thoughts in reasoning_content, apart from the answer (the chat "
+                      f"template's {reasoning} format; --reasoning-format none keeps replies whole)",
                       file=sys.stderr, flush=True)
             config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=5)
@@ -136,6 +147,6 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
     from runtime.ray_serve import ReplicaOptions, run
     options = ReplicaOptions(str(Path(args.model).resolve()), args.threads, args.ctx, args.gpu, args.max_batch,
                              args.max_queue, args.api_key, args.model_name or Path(args.model).stem,
-                             args.prefix_cache)
+                             args.prefix_cache, args.reasoning_format)
     run(options, replicas=args.replicas, gpus=args.gpus_per_replica, host=args.host, port=args.port,
         address=args.ray_address, say=lambda line: print(line, file=sys.stderr, flush=True))

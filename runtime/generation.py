@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from runtime.engine import Engine, QueueFull, Request, Sequence
 from runtime.openai_api import ApiError, invalid
 from runtime.sampling import TokenLogprob
-from runtime.text import TextCodec
+from runtime.text import TextCodec, partial_end
 
 RETRY_AFTER_SECONDS = 1
 
@@ -69,7 +69,7 @@ class TextStream:
         if cut >= 0:
             self.stopped, self.held = True, ""
             return text[:cut]
-        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        keep = partial_end(text, self.stops)
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 

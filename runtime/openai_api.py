@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from runtime.sampling import SamplingOptions, TokenLogprob
 
@@ -326,9 +326,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-Choice = tuple[int, str | None, str | None, dict | None]
-"""A choice of a response: its index, its text (a streamed chunk's part of it), finish reason and
-log-probabilities (:func:`completion_logprobs` / :func:`chat_logprobs`, or None)."""
+class Choice(NamedTuple):
+    """A choice of a response: its index, its text (a streamed chunk's part of it), finish reason,
+    log-probabilities (:func:`completion_logprobs` / :func:`chat_logprobs`, or None) and, for a
+    reasoning model's chat reply, its thoughts (``reasoning_content``; ``text`` is then the answer)."""
+
+    index: int
+    text: str | None
+    finish: str | None
+    logprobs: dict | None
+    reasoning: str | None = None
 
 
 def completion_logprobs(records: list[TokenLogprob], texts: list[str], spell: Callable[[int], str],
@@ -360,8 +367,8 @@ def completion_body(rid: str, model: str, choices: list[Choice], *, chunk: bool 
                     created: int | None = None, first: bool = False) -> dict:
     """A ``text_completion`` (or one streamed chunk of it; ``first`` chunks are only chat's)."""
     return {"id": rid, "object": "text_completion", "created": created or int(time.time()), "model": model,
-            "choices": [{"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-                        for i, text, finish, logprobs in choices]}
+            "choices": [{"index": c.index, "text": c.text or "", "logprobs": c.logprobs, "finish_reason": c.finish}
+                        for c in choices]}
 
 
 def chat_body(rid: str, model: str, choices: list[Choice], *, chunk: bool = False,
@@ -370,13 +377,21 @@ def chat_body(rid: str, model: str, choices: list[Choice], *, chunk: bool = Fals
     created = created or int(time.time())
     if not chunk:
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": logprobs, "finish_reason": finish}
-                            for i, text, finish, logprobs in choices]}
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text,
+                                                           **_thoughts(c.reasoning)},
+                             "logprobs": c.logprobs, "finish_reason": c.finish} for c in choices]}
 
-    def delta(text: str | None) -> dict:
-        return {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+    def delta(c: Choice) -> dict:
+        if first:
+            return {"role": "assistant", "content": ""}
+        return {**_thoughts(c.reasoning), **({"content": c.text} if c.text else {})}
 
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": i, "delta": delta(text), "logprobs": logprobs, "finish_reason": finish}
-                        for i, text, finish, logprobs in choices]}
+            "choices": [{"index": c.index, "delta": delta(c), "logprobs": c.logprobs, "finish_reason": c.finish}
+                        for c in choices]}
+
+
+def _thoughts(reasoning: str | None) -> dict:
+    """A chat message's (or delta's) ``reasoning_content``, as llama.cpp's server gives it: there
+    where the reply has thoughts."""
+    return {"reasoning_content": reasoning} if reasoning else {}

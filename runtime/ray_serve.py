@@ -58,6 +58,7 @@ class ReplicaOptions:
     api_key: str | None = None
     model_name: str | None = None
     prefix_cache: bool = True
+    reasoning_format: str = "auto"  # runtime.reasoning.OPTIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,7 @@ async def replica_answer(app, request: Forwarded) -> AsyncIterator[Head | bytes]
 def build_app(options: ReplicaOptions):  # noqa: ANN201 - (engine, session, ASGI application)
     """In a replica's process, once: open the model, start its engine, make the server's app."""
     from runtime.engine import Engine
+    from runtime.reasoning import served_format
     from runtime.server import ServedModel, create_app
     from runtime.session import Session
 
@@ -136,7 +138,8 @@ def build_app(options: ReplicaOptions):  # noqa: ANN201 - (engine, session, ASGI
         raise ValueError(f"{options.model}: the model has no tokenizer; a server needs one to read and write text")
     engine = Engine(session, options.max_batch, options.max_queue, options.prefix_cache)
     name = options.model_name or Path(options.model).stem
-    served = ServedModel(engine, session.text, name, int(Path(options.model).stat().st_mtime), options.api_key)
+    served = ServedModel(engine, session.text, name, int(Path(options.model).stat().st_mtime), options.api_key,
+                         served_format(options.reasoning_format, session.text.chat_template))
     return engine, session, create_app(served)
 
 

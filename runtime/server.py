@@ -11,7 +11,9 @@ for a body that is not JSON (or not valid Unicode) or a field that is wrong, 401
 ``Retry-After`` when the engine's queue is full; an unexpected exception is a 500 with the same
 object and one line in the server's log, never a traceback. Prompts are tokenized off the event
 loop, so a long one does not hold up the other requests. A client that disconnects -- mid-stream,
-or while waiting for a whole completion -- cancels its sequence.
+or while waiting for a whole completion -- cancels its sequence. A reasoning model's chat replies
+come as thoughts (``reasoning_content``) and answer (``content``), split by ``runtime.reasoning``
+(``ServedModel.reasoning``); completions stay the raw text.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from runtime.openai_api import (
     tokenize_params,
     usage,
 )
+from runtime.reasoning import ReasoningSplit
 from runtime.sampling import TokenLogprob
 from runtime.text import TextCodec
 
@@ -70,13 +73,16 @@ def max_body_bytes(ctx: int) -> int:
 
 @dataclass
 class ServedModel:
-    """What the server serves: the engine over one compiled model, its name and tokenizer."""
+    """What the server serves: the engine over one compiled model, its name and tokenizer;
+    ``reasoning``: the format of its chat replies' thoughts (``runtime.reasoning``; None: replies
+    come back whole, as ``content``)."""
 
     engine: Engine
     codec: TextCodec
     name: str
     created: int
     api_key: str | None = None
+    reasoning: str | None = None
 
 
 def create_app(served: ServedModel) -> FastAPI:
@@ -137,8 +143,8 @@ def create_app(served: ServedModel) -> FastAPI:
     async def chat(request: Request) -> Response:
         params = chat_params(await _json(request, limit), served.codec.sampling)
         _check_model(served, params.model)
-        ids = await _chat_ids(served, params.messages or [])
-        return await _respond(request, served, metrics, params, [ids], "messages", chat=True)
+        ids, rendered = await _chat_ids(served, params.messages or [])
+        return await _respond(request, served, metrics, params, [ids], "messages", chat=True, rendered=rendered)
 
     @app.post("/tokenize", dependencies=[Depends(authorized)])
     async def tokenize(request: Request) -> dict:
@@ -146,7 +152,7 @@ def create_app(served: ServedModel) -> FastAPI:
         params = tokenize_params(await _json(request, limit))
         _check_model(served, params.model)
         if params.messages is not None:
-            ids = await _chat_ids(served, params.messages, params.add_generation_prompt)
+            ids, _ = await _chat_ids(served, params.messages, params.add_generation_prompt)
         else:
             ids = await asyncio.to_thread(served.codec.encode, params.prompt or "", params.add_special_tokens)
         return {"count": len(ids), "max_model_len": served.engine.ctx, "tokens": ids}
@@ -160,22 +166,23 @@ def create_app(served: ServedModel) -> FastAPI:
     return app
 
 
-async def _chat_ids(served: ServedModel, messages: list, add_generation_prompt: bool = True) -> list[int]:
+async def _chat_ids(served: ServedModel, messages: list,
+                    add_generation_prompt: bool = True) -> tuple[list[int], str]:
     """``messages`` rendered by the model's chat template and encoded, off the event loop (the
-    tokenizer lets go of the GIL: a long prompt holds up nobody); a 400 where the model has no
-    template or the template refuses them."""
+    tokenizer lets go of the GIL: a long prompt holds up nobody), and the rendered text; a 400
+    where the model has no template or the template refuses them."""
     codec = served.codec
     if codec.chat_template is None:
         raise invalid(f"model '{served.name}' has no chat template (its tokenizer carries none): use "
                       "/v1/completions with a prompt", "messages", "chat_template_missing")
 
-    def ids() -> list[int]:
+    def ids() -> tuple[list[int], str]:
         try:
             text = render_chat(codec.chat_template, messages, bos_token=codec.bos_token, eos_token=codec.eos_token,
                                add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as e:
             raise invalid(str(e), "messages") from None
-        return codec.encode_chat(text)
+        return codec.encode_chat(text), text
 
     return await asyncio.to_thread(ids)
 
@@ -306,10 +313,12 @@ def _start(served: ServedModel, params: Params, prompts: list[list[int]], prompt
 
 
 async def _respond(request: Request, served: ServedModel, metrics: Metrics, params: Params,
-                   prompts: list[list[int]], prompt_field: str, *, chat: bool) -> Response:
+                   prompts: list[list[int]], prompt_field: str, *, chat: bool, rendered: str = "") -> Response:
     """Start the generations (refusals raise here, before a response) and answer: a stream of
-    chunks, or the whole completion with a choice for each."""
+    chunks, or the whole completion with a choice for each; a reasoning model's chat replies as
+    thoughts and answer (``rendered``: the chat's prompt text, which may open a thought block)."""
     gens = _start(served, params, prompts, prompt_field)
+    splits = [ReasoningSplit(served.reasoning, rendered) if chat and served.reasoning else None for _ in gens]
     prompt_tokens = sum(len(ids) for ids in prompts)  # as OpenAI counts: each prompt once, whatever n
     rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
     body = chat_body if chat else completion_body
@@ -320,8 +329,8 @@ async def _respond(request: Request, served: ServedModel, metrics: Metrics, para
                for _ in range(params.n)] if params.echo else [""] * len(gens))
     if params.stream:
         return EventSourceResponse(_events(gens, params, served.name, rid, created, prompt_tokens, chat, metrics,
-                                           shapes, echoes), ping=15)
-    choices = await _collect(request, gens, shapes, echoes)
+                                           shapes, echoes, splits), ping=15)
+    choices = await _collect(request, gens, shapes, echoes, splits)
     generated = sum(gen.tokens for gen in gens)
     metrics.finished(prompt_tokens, generated)
     return JSONResponse({**body(rid, served.name, choices, created=created),
@@ -359,22 +368,27 @@ class _LogprobShape:
         return shown
 
 
-async def _drain(index: int, gen: Generation, shape: _LogprobShape | None, echo: str) -> Choice:
-    """Choice ``index``: its whole text (after ``echo``), finish reason and log-probabilities (where
-    asked)."""
+async def _drain(index: int, gen: Generation, shape: _LogprobShape | None, echo: str,
+                 split: ReasoningSplit | None) -> Choice:
+    """Choice ``index``: its whole text (after ``echo``; with ``split``, its answer and thoughts),
+    finish reason and log-probabilities (where asked)."""
     parts, last, records = [echo], None, []
     async for text, finish, logprobs in gen:
         parts.append(text)
         records += logprobs
         last = finish
-    return index, "".join(parts), last, None if shape is None else shape(records)
+    shown = None if shape is None else shape(records)
+    if split is None:
+        return Choice(index, "".join(parts), last, shown)
+    thoughts, answer = _split(split, "".join(parts), True)
+    return Choice(index, answer, last, shown, thoughts)
 
 
 async def _collect(request: Request, gens: list[Generation], shapes: list[_LogprobShape | None],
-                   echoes: list[str]) -> list[Choice]:
+                   echoes: list[str], splits: list[ReasoningSplit | None]) -> list[Choice]:
     """Each choice's whole text, finish reason and log-probabilities; cancelled (and so the
     sequences) when the client goes away."""
-    tasks = [asyncio.ensure_future(_drain(i, gen, shapes[i], echoes[i])) for i, gen in enumerate(gens)]
+    tasks = [asyncio.ensure_future(_drain(i, gen, shapes[i], echoes[i], splits[i])) for i, gen in enumerate(gens)]
     try:
         while True:
             _, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_SECONDS)
@@ -387,6 +401,15 @@ async def _collect(request: Request, gens: list[Generation], shapes: list[_Logpr
             task.cancel()
 
 
+def _split(split: ReasoningSplit, text: str, last: bool) -> tuple[str, str]:
+    """The thoughts and answer ``text`` completes (``last``: the reply's end, what was held too)."""
+    thoughts, answer = split.add(text)
+    if last:
+        more_thoughts, more_answer = split.finish()
+        thoughts, answer = thoughts + more_thoughts, answer + more_answer
+    return thoughts, answer
+
+
 def _cached(gens: list[Generation], n: int) -> int:
     """The prompt tokens that took their KV rows from a slot, counted as the usage counts the prompts:
     once each, by its first choice (its other choices take the rows that one computes)."""
@@ -395,24 +418,30 @@ def _cached(gens: list[Generation], n: int) -> int:
 
 async def _events(gens: list[Generation], params: Params, model: str, rid: str, created: int, prompt_tokens: int,
                   chat: bool, metrics: Metrics, shapes: list[_LogprobShape | None],
-                  echoes: list[str]) -> AsyncIterator[dict]:
+                  echoes: list[str], splits: list[ReasoningSplit | None]) -> AsyncIterator[dict]:
     """The stream's events: chunks of text (chat: first the role of each choice), the last of each
     choice with its finish reason, the usage when asked for, then ``[DONE]``. The choices' chunks
     come as their tokens do, each naming its choice's index, with the log-probabilities of the
-    tokens that came since the last (where asked: held-back text may follow its tokens later)."""
+    tokens that came since the last (where asked: held-back text may follow its tokens later).
+    A reasoning model's chat chunks carry thoughts (``reasoning_content``) or answer, each in a
+    chunk of its own, the thoughts first where the same tokens made both."""
     if chat:
-        first = [(i, None, None, None) for i in range(len(gens))]
+        first = [Choice(i, None, None, None) for i in range(len(gens))]
         yield {"data": json.dumps(chat_body(rid, model, first, chunk=True, created=created, first=True))}
     body = chat_body if chat else completion_body
     queue: asyncio.Queue[Choice | ApiError | None] = asyncio.Queue()
 
     async def forward(index: int, gen: Generation) -> None:
-        shown, echo = shapes[index], echoes[index]
+        shown, echo, split = shapes[index], echoes[index], splits[index]
         try:
             async for text, finish, logprobs in gen:
                 text, echo = echo + text, ""  # the prompt, echoed, comes with the first chunk
+                if split is not None:
+                    thoughts, text = _split(split, text, finish is not None)
+                    if thoughts:
+                        await queue.put(Choice(index, None, None, None, thoughts))
                 if text or finish or logprobs:
-                    await queue.put((index, text, finish, None if shown is None else shown(logprobs)))
+                    await queue.put(Choice(index, text, finish, None if shown is None else shown(logprobs)))
         except ApiError as e:
             await queue.put(e)
         finally:

@@ -17,6 +17,12 @@ from collections.abc import Sequence
 import tokenizers
 
 
+def partial_end(text: str, strings: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``strings`` (and is not all of
+    it): text a stream holds back until the next text shows whether it is one of them."""
+    return max((k for s in strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
 class TextCodec:
     """Encode and decode text as the model's own tokenizer does."""
 

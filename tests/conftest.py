@@ -202,15 +202,16 @@ SERVED_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {%
 
 
 def served_model(path: Path, ctx: int, *, batch_step: bool = True, hidden: int = 64, n_ff: int = 128,
-                 sampling: tuple[tuple[str, float], ...] = ()) -> Path:
+                 sampling: tuple[tuple[str, float], ...] = (), tokenizer: Tokenizer | None = None) -> Path:
     """The servers' tests' model, written to ``path``: two layers, dense Q4_1, with a word tokenizer
-    and ``SERVED_TEMPLATE``; ``ctx`` 2048 makes a whole-context stream outlast a test's other
-    requests (hidden 64: ~0.15 s on one thread here; hidden 1024: ~4 s). ``sampling``: the
-    model's recommended sampling parameters (a generation_config.json's)."""
+    and ``SERVED_TEMPLATE`` (or ``tokenizer``); ``ctx`` 2048 makes a whole-context stream outlast a
+    test's other requests (hidden 64: ~0.15 s on one thread here; hidden 1024: ~4 s). ``sampling``:
+    the model's recommended sampling parameters (a generation_config.json's)."""
     from picc.compile import CompileOptions, compile_model, write_compiled
 
     loaded = with_tokenizer(tiny_llama("swiglu", n_layers=2, hidden=hidden, n_ff=n_ff, matrix_dtype=DType.Q4_1))
-    loaded = replace(loaded, tokenizer=replace(loaded.tokenizer, chat_template=SERVED_TEMPLATE, sampling=sampling))
+    loaded = replace(loaded, tokenizer=tokenizer or replace(loaded.tokenizer, chat_template=SERVED_TEMPLATE,
+                                                            sampling=sampling))
     write_compiled(compile_model(loaded, CompileOptions(dense=True, ctx=ctx, batch_step=batch_step),
                                  say=lambda _: None), path)
     return path
