@@ -435,13 +435,15 @@ async def _events(gens: list[Generation], params: Params, model: str, rid: str, 
         shown, echo, split = shapes[index], echoes[index], splits[index]
         try:
             async for text, finish, logprobs in gen:
-                text, echo = echo + text, ""  # the prompt, echoed, comes with the first chunk
+                text, echo, thoughts = echo + text, "", ""  # the prompt, echoed, comes with the first chunk
                 if split is not None:
                     thoughts, text = _split(split, text, finish is not None)
-                    if thoughts:
+                    if thoughts and (text or finish):  # a chunk of each, the thoughts first
                         await queue.put(Choice(index, None, None, None, thoughts))
-                if text or finish or logprobs:
-                    await queue.put(Choice(index, text, finish, None if shown is None else shown(logprobs)))
+                        thoughts = ""
+                if thoughts or text or finish or logprobs:
+                    await queue.put(Choice(index, text, finish, None if shown is None else shown(logprobs),
+                                           thoughts))
         except ApiError as e:
             await queue.put(e)
         finally:

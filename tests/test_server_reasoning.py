@@ -2,12 +2,14 @@
 ``reasoning_content``, the answer in ``content``, streamed as thoughts' chunks then the answer's;
 ``--reasoning-format none`` and completions give the raw text.
 
-The model is the servers' tiny random one with a word tokenizer in which two words are spelled
-``<think>`` and ``</think>``, and a chat template whose generation prompt opens the block, as
-DeepSeek-R1-0528's does: the rarest word is ``<think>``, and ``</think>`` is a word the greedy
-reply to the test's chat writes a few tokens in (found by running the model, whose weights do not
-depend on how its words are spelled; the word is in neither the prompt nor the reply before it).
-What the server returns is compared with the tokens a session alone generates, split at that word.
+The model is the servers' tiny random one with a word tokenizer in which some words are spelled
+as tags, and a chat template whose generation prompt opens the block, as DeepSeek-R1-0528's does:
+the rarest word is ``<think>``, and ``</think>`` is a word the greedy reply to the test's chat
+writes a few tokens in (found by running the model, whose weights do not depend on how its words
+are spelled; the word is in neither the prompt nor the reply before it). The word before it is
+spelled ``</think`` -- text that only looks like the start of the tag, which the split holds back
+until the next text (or the reply's end) shows it is not. What the server returns is compared with
+the tokens a session alone generates, cut at ``</think>``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ THINK_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 THINK_ID = 126  # the rarest of the word tokenizer's words
 AFTER = 6  # answer tokens the tests generate after </think>
+LOOKALIKE = "</think"  # the last word of the thoughts
 
 
 def spelled(words: dict[int, str]) -> Tokenizer:
@@ -72,9 +75,11 @@ def think(tmp_path_factory) -> ThinkModel:
     prompt = encode(probe, rendered, chat=True)
     assert prompt[-1] == THINK_ID and rendered.endswith("<think>")
     tokens = alone(probe, prompt, 40)
-    k = next(k for k in range(3, 40 - AFTER) if tokens[k] not in {0, 1, THINK_ID, *tokens[:k], *prompt})
+    k = next(k for k in range(3, 40 - AFTER) if tokens[k] != tokens[k - 1] and
+             not {tokens[k - 1], tokens[k]} & {0, 1, THINK_ID, *tokens[: k - 1], *prompt})
     assert THINK_ID not in tokens[: k + 1 + AFTER]
-    path = served_model(folder / "think.pib", CTX, tokenizer=spelled({THINK_ID: "<think>", tokens[k]: "</think>"}))
+    words = {THINK_ID: "<think>", tokens[k - 1]: LOOKALIKE, tokens[k]: "</think>"}
+    path = served_model(folder / "think.pib", CTX, tokenizer=spelled(words))
     return ThinkModel(path, prompt, tokens[k], k, tokens[: k + 1 + AFTER])
 
 
@@ -89,7 +94,7 @@ def test_a_chat_reply_comes_as_thoughts_and_answer(server, think):
     # What a session alone generates, cut at </think>: thoughts, then the answer; the word
     # tokenizer's spaces around the tags are the whitespace the split strips.
     thoughts, answer = think.parts()
-    assert thoughts and answer and "</think>" in think.text(think.tokens)
+    assert thoughts.endswith(" " + LOOKALIKE) and answer and "</think>" in think.text(think.tokens)
     client = server.client()
     n = len(think.tokens)
     reply = client.chat.completions.create(model="think", messages=MESSAGES, max_tokens=n, temperature=0,
@@ -101,8 +106,10 @@ def test_a_chat_reply_comes_as_thoughts_and_answer(server, think):
     assert len(reply.choices[0].logprobs.content) == n  # and have their log-probabilities
     # Streamed: the thoughts' chunks, then the answer's, none with both, none with a tag.
     chunks = list(client.chat.completions.create(model="think", messages=MESSAGES, max_tokens=n, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+                                                 stream=True, stream_options={"include_usage": True}, logprobs=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
+    records = [len(c.choices[0].logprobs.content) if c.choices and c.choices[0].logprobs else 0 for c in chunks]
+    assert sum(records) == n and records[1] == 1  # the first thought's token, with its text
     kinds = [("r" if getattr(d, "reasoning_content", None) else "") + ("c" if d.content else "") for d in deltas]
     assert "rc" not in kinds and kinds.index("c") > max(i for i, kind in enumerate(kinds) if kind == "r")
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == thoughts
@@ -175,6 +182,8 @@ def test_run_chat_prints_the_thoughts_apart(think, capsys, monkeypatch):
     assert capsys.readouterr().out == f"thinking: {thoughts}\n{answer}\n"
     assert main([*argv, "--hide-thoughts"]) == 0
     assert capsys.readouterr().out == f"{answer}\n"
+    assert main([*argv[:-1], str(think.thoughts)]) == 0  # never closed: thoughts to the end (the held lookalike)
+    assert capsys.readouterr().out == f"thinking: {thoughts}\n"
     assert main([*argv, "--reasoning-format", "none"]) == 0
     assert capsys.readouterr().out == think.text(think.tokens) + "\n"
     assert main([*argv, "--json"]) == 0
