@@ -107,6 +107,8 @@ class ReasoningSplit:
         return reasoning, content
 
     def _feed(self, text: str, *, final: bool) -> None:
+        """``text`` after what was held, through the states; ``final``: no more text comes, so
+        nothing is held."""
         text, self.held = self.held + text, ""
         if self.state == "start":
             text = self._begin(text, final)
