@@ -741,7 +741,7 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"),
      "GGUF architecture 'gpt2' is not supported (supported: llama, granite, granitemoe, qwen2, qwen2moe, qwen3, qwen3moe, "
-     "phi3, olmo2, gemma2, gemma3, gpt-oss, ernie4_5, ernie4_5-moe)"),
+     "phi3, olmo2, gemma2, gemma3, gpt-oss, ernie4_5, ernie4_5-moe, deepseek2, glm4moe)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),
