@@ -85,7 +85,7 @@ def latent_spec(meta: _Meta, key: Key, path: Path) -> MlaSpec:
                    rope_dim=rope_dim, v_dim=v_dim)
 
 
-def latent_weights(store: WeightStore, mla: MlaSpec, n_heads: int, n_layers: int,
+def latent_weights(store: WeightStore, mla: MlaSpec, hidden: int, n_heads: int, n_layers: int,
                    path: Path) -> tuple[WeightStore, int]:
     """``store`` with each layer's latent-attention tensors as ``picc.frontend.llama.MlaSpec``
     reads them, and how many ``attn_k_b`` were decoded to F32: the query's rows each head's
@@ -111,14 +111,14 @@ def latent_weights(store: WeightStore, mla: MlaSpec, n_heads: int, n_layers: int
     for i in range(n_layers):
         p = f"l{i}.attn."
         if mla.q_rank is None:
-            q = take(i, "q", "attn_q", (n_heads * qk, _cols(tensors, p + "q")))
+            q = take(i, "q", "attn_q", (n_heads * qk, hidden))
         else:
             q = take(i, "q_b", "attn_q_b", (n_heads * qk, mla.q_rank))
             if p + "q" in tensors:
                 raise PiccError(f"{path}: deepseek2 tensor 'blk.{i}.attn_q.weight' beside attn_q_b: "
                                 "attention.q_lora_rank says the query goes through a latent")
         tensors[p + "q"] = q.take_rows(q_order)
-        kv_a = take(i, "kv_a_mqa", "attn_kv_a_mqa", (mla.kv_rank + mla.rope_dim, _cols(tensors, p + "kv_a_mqa")))
+        kv_a = take(i, "kv_a_mqa", "attn_kv_a_mqa", (mla.kv_rank + mla.rope_dim, hidden))
         tensors[p + "kv_a"] = kv_a.take_rows(np.arange(mla.kv_rank))
         tensors[p + "k_pe"] = kv_a.take_rows(np.arange(mla.kv_rank, mla.kv_rank + mla.rope_dim))
         if p + "kv_b" in tensors:
@@ -132,11 +132,6 @@ def latent_weights(store: WeightStore, mla: MlaSpec, n_heads: int, n_layers: int
             tensors[p + "k"] = _heads_transposed(k_b, n_heads)
             decoded += k_b.dtype.is_quantized
     return WeightStore(tensors), decoded
-
-
-def _cols(tensors: dict[str, Tensor], name: str) -> int:
-    t = tensors.get(name)
-    return t.shape[-1] if t is not None else -1
 
 
 def _heads_transposed(k_b: Tensor, n_heads: int) -> Tensor:
@@ -260,7 +255,7 @@ def deepseek2(spec: LlamaSpec, store: WeightStore, meta: _Meta, key: Key,
         raise PiccError(f"{path}: {key('attention.temperature_scale')} (Mistral Large's attention temperature) "
                         "is not supported")
     mla = latent_spec(meta, key, path)
-    store, decoded = latent_weights(store, mla, spec.n_heads, spec.n_layers, path)
+    store, decoded = latent_weights(store, mla, spec.hidden, spec.n_heads, spec.n_layers, path)
     spec = replace(spec, n_kv_heads=spec.n_heads, head_dim=mla.qk_dim, mla=mla,
                    attn_scale=latent_scale(meta, key, spec.rope, mla.qk_dim, path))
     notes = (f"{decoded} attn_k_b tensor{'s' if decoded > 1 else ''} decoded to F32 (each head's matrix "
