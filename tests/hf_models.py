@@ -557,7 +557,9 @@ _EXTRA_SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "mlp-bias": dict(mlp_bias=True),  # refused
         "layer-freq": dict(moe_layer_freq=2),  # refused (transformers ignores it)
     },
-    "deepseek_v3": {},
+    "deepseek_v3": {
+        "wide-nope": dict(qk_nope_head_dim=32),  # GGUF tests: attn_k_b's rows (nope wide) whole Q8_0 blocks
+    },
     "glm4_moe": {},
     "glm4_moe_lite": {},
     "olmo2": {},

@@ -34,11 +34,16 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=None,
-               drop_keys=(), keys=None, shared_type=None):
+               drop_keys=(), keys=None, shared_type=None, latent="split", mtp=None):
     """Write the HF model in ``hf_dir`` (a llama, or a qwen2 / qwen3 / phi3 / gemma2 / gemma3 with
-    ``arch`` saying so) as a GGUF file, matrices in ``quant_type``; ``keys``: more metadata, by
-    the GGUFWriter method that adds each (``rope_scaling_yarn_beta_fast`` for ``add_...``);
-    ``shared_type``: Qwen2-MoE's shared expert's matrices' type, where not ``quant_type``."""
+    ``arch`` saying so) as a GGUF file, matrices in ``quant_type`` (those whose rows are not whole
+    blocks in F16, llama-quantize's fallback); ``keys``: more metadata, by the GGUFWriter method
+    that adds each (``rope_scaling_yarn_beta_fast`` for ``add_...``); ``shared_type``: Qwen2-MoE's
+    shared expert's matrices' type, where not ``quant_type``. ``deepseek2``: ``latent`` "split"
+    (the converter's ``attn_k_b`` and ``attn_v_b``) or "kv_b" (older files' ``attn_kv_b``).
+    ``mtp``: that many multi-token-prediction blocks appended (random, as the converter appends
+    GLM's), with ``nextn_predict_layers``; by default the config's ``num_nextn_predict_layers``
+    for glm4moe (Glm4MoeModel writes them), none for the others."""
     import json
 
     from safetensors.numpy import load_file
@@ -46,9 +51,11 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     cfg = json.loads((hf_dir / "config.json").read_text())
     sd = load_file(str(hf_dir / "model.safetensors"))
     h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if mtp is None:
+        mtp = cfg.get("num_nextn_predict_layers", 0) if arch == "glm4moe" else 0
     w = gguf.GGUFWriter(str(out), arch)
     meta = {
-        "block_count": (w.add_block_count, cfg["num_hidden_layers"]),
+        "block_count": (w.add_block_count, cfg["num_hidden_layers"] + mtp),
         "embedding_length": (w.add_embedding_length, cfg["hidden_size"]),
         "feed_forward_length": (w.add_feed_forward_length, cfg["intermediate_size"]),
         "head_count": (w.add_head_count, h),
@@ -63,7 +70,7 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     if gemma:
         meta["sliding_window"] = (w.add_sliding_window, cfg["sliding_window"])
     if "num_experts_per_tok" in cfg or "moe_k" in cfg:  # convert_hf_to_gguf.py's Qwen3MoeModel, LlamaModel's Mixtral
-        experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("moe_num_experts")))
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("moe_num_experts", cfg.get("n_routed_experts"))))
         meta["expert_count"] = (w.add_expert_count, experts)
         meta["expert_used_count"] = (w.add_expert_used_count, cfg.get("num_experts_per_tok", cfg.get("moe_k")))
         if arch in ("qwen3moe", "qwen2moe"):
@@ -107,6 +114,10 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         for beta in ("beta_fast", "beta_slow"):
             if beta in rope:
                 meta[beta] = (getattr(w, f"add_rope_scaling_yarn_{beta}"), rope[beta])
+    if arch in ("deepseek2", "glm4moe"):
+        meta.update(deepseek_gguf_meta(w, cfg, arch, latent))
+    if mtp:
+        meta["mtp"] = (w.add_nextn_predict_layers, mtp)
     for name, value in (keys or {}).items():  # in place of the entry of that name
         meta[name] = (getattr(w, f"add_{name}"), value)
     permute = llama_cpp_permute if arch in ("llama", "granite", "granitemoe") else lambda x, heads: x
@@ -114,10 +125,15 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         if key not in drop_keys:
             add(value)
 
+    written = []
+
     def tensor(name, x, qt=Q.F32):
         x = np.ascontiguousarray(x, dtype=np.float32)
+        written.append((name, x.shape))
         if gemma and name.endswith("norm.weight"):
             x = x + 1
+        if qt != Q.F32 and x.shape[-1] % 32:  # rows that are not whole blocks (llama-quantize's fallback)
+            qt = Q.F16
         if qt == Q.F32 or x.ndim == 1:
             w.add_tensor(name, x)
         elif qt == Q.F16:
@@ -134,6 +150,8 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         if arch == "phi3":  # fused as in the checkpoint
             tensor(f"blk.{i}.attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"], quant_type)
             tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"], quant_type)
+        elif arch == "deepseek2":
+            latent_attention_tensors(tensor, sd, p, i, cfg, latent, quant_type)
         else:
             tensor(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], h), quant_type)
             tensor(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], kv), quant_type)
@@ -164,6 +182,8 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
             if gemma:
                 tensor(f"blk.{i}.ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
             tensor(f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
+        elif arch == "glm4moe":  # the FFN's input norm under another name (Glm4MoeModel's tensor map)
+            tensor(f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
         else:
             tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
@@ -178,11 +198,12 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
         for moe in ("mlp.", "block_sparse_moe."):
             if p + moe + "gate.weight" in sd:
                 tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + moe + "gate.weight"])
-        if p + "mlp.moe_statics.e_score_correction_bias" in sd:  # ERNIE 4.5's choice bias and shared experts
-            tensor(f"blk.{i}.exp_probs_b.bias", sd[p + "mlp.moe_statics.e_score_correction_bias"])
-            for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-                if p + f"mlp.shared_experts.{theirs}.weight" in sd:
-                    tensor(f"blk.{i}.ffn_{ours}_shexp.weight", sd[p + f"mlp.shared_experts.{theirs}.weight"], quant_type)
+        for bias in ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.e_score_correction_bias"):
+            if p + bias in sd:  # ERNIE 4.5's, DeepSeek V3's, GLM's choice bias
+                tensor(f"blk.{i}.exp_probs_b.bias", sd[p + bias])
+        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            if p + f"mlp.shared_experts.{theirs}.weight" in sd:  # ERNIE 4.5's, DeepSeek's, GLM's shared experts
+                tensor(f"blk.{i}.ffn_{ours}_shexp.weight", sd[p + f"mlp.shared_experts.{theirs}.weight"], quant_type)
         if p + "mlp.shared_expert_gate.weight" in sd:  # Qwen2-MoE's shared expert and its gate ([hidden])
             tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"].reshape(-1))
             for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
@@ -195,6 +216,13 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
             tensor(f"blk.{i}.ffn_gate_exps.weight", both[:, :half], quant_type)
             tensor(f"blk.{i}.ffn_up_exps.weight", both[:, half:], quant_type)
             tensor(f"blk.{i}.ffn_down_exps.weight", sd[p + "block_sparse_moe.output_linear.weight"], quant_type)
+    if mtp:  # random blocks of the last layer's tensors, and the MTP head's own
+        rng, n, hidden = np.random.default_rng(7), cfg["num_hidden_layers"], cfg["hidden_size"]
+        last = [(name.split(".", 2)[2], shape) for name, shape in written if name.startswith(f"blk.{n - 1}.")]
+        for j in range(n, n + mtp):
+            for name, shape in last + [("nextn.eh_proj.weight", (hidden, 2 * hidden)), ("nextn.enorm.weight", (hidden,)),
+                                       ("nextn.hnorm.weight", (hidden,)), ("nextn.shared_head_norm.weight", (hidden,))]:
+                tensor(f"blk.{j}.{name}", rng.normal(0, 0.5, shape), quant_type)
     tensor("output_norm.weight", sd["model.norm.weight"])
     if not tie:
         tensor("output.weight", sd["lm_head.weight"], quant_type)
@@ -205,6 +233,75 @@ def write_gguf(hf_dir, out, *, quant_type=Q.F32, arch="llama", tie=False, extra=
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def deepseek_gguf_meta(w, cfg, arch, latent):
+    """The keys convert_hf_to_gguf.py's DeepseekV2Model (and Glm4MoeLiteModel, a DeepseekV2Model),
+    or Glm4MoeModel, writes beside the generic ones, by the names write_gguf's ``meta`` keeps.
+    The expert gating function as the released configs' ``scoring_func`` has it (transformers'
+    configs do not keep that field): V2's softmax, V3's and GLM's sigmoids."""
+    heads, rope = cfg["num_attention_heads"], cfg["rope_parameters"]
+    meta = {"expert_ff": (w.add_expert_feed_forward_length, cfg["moe_intermediate_size"]),
+            "shared_count": (w.add_expert_shared_count, cfg.get("n_shared_experts", 0)),
+            "scale": (w.add_expert_weights_scale, cfg["routed_scaling_factor"]),
+            "gating": (w.add_expert_gating_func, gguf.ExpertGatingFuncType.SOFTMAX if cfg["model_type"] == "deepseek_v2"
+                       else gguf.ExpertGatingFuncType.SIGMOID),
+            "context_length": (w.add_context_length, cfg["max_position_embeddings"])}
+    if cfg.get("norm_topk_prob") or arch == "glm4moe":  # Glm4MoeModel writes it either way, DeepseekV2Model if true
+        meta["norm"] = (w.add_expert_weights_norm, cfg["norm_topk_prob"])
+    if cfg.get("n_group") is not None:  # TextModel's, from the config whatever its topk_method
+        meta["groups"] = (w.add_expert_group_count, cfg["n_group"])
+        meta["groups_used"] = (w.add_expert_group_used_count, cfg["topk_group"])
+    if "mlp_layer_types" in cfg:  # GLM-4.7-Flash: its leading dense layers (first_k_dense_replace as released)
+        lead = next((i for i, t in enumerate(cfg["mlp_layer_types"]) if t != "dense"), len(cfg["mlp_layer_types"]))
+    else:
+        lead = cfg.get("first_k_dense_replace", 0)
+    meta["lead"] = (w.add_leading_dense_block_count, lead)
+    if arch == "glm4moe":
+        meta["key_length"] = (w.add_key_length, cfg["head_dim"])
+        meta["rope_dims"] = (w.add_rope_dimension_count, int(cfg["head_dim"] * rope.get("partial_rotary_factor", 0.5)))
+        return meta
+    qk, v, rank = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    meta["head_count_kv"] = (w.add_head_count_kv, 1 if latent == "split" else heads)
+    meta["kv_rank"] = (w.add_kv_lora_rank, rank)
+    if cfg.get("q_lora_rank") is not None:
+        meta["q_rank"] = (w.add_q_lora_rank, cfg["q_lora_rank"])
+    if latent == "split":  # the cache's widths, then each head's
+        meta["key_length"] = (w.add_key_length, rank + cfg["qk_rope_head_dim"])
+        meta["value_length"] = (w.add_value_length, rank)
+        meta["key_length_mla"] = (w.add_key_length_mla, qk)
+        meta["value_length_mla"] = (w.add_value_length_mla, v)
+    else:  # before the split: each head's widths under the plain keys
+        meta["key_length"] = (w.add_key_length, qk)
+        meta["value_length"] = (w.add_value_length, v)
+    meta["rope_dims"] = (w.add_rope_dimension_count, cfg["qk_rope_head_dim"])
+    if rope.get("mscale_all_dim") is not None:  # [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]: 0.1 mscale_all_dim
+        meta["log_mul"] = (w.add_rope_scaling_yarn_log_mul, 0.1 * rope["mscale_all_dim"])
+    return meta
+
+
+def latent_attention_tensors(tensor, sd, p, i, cfg, latent, qt):
+    """A DeepSeek layer's attention as DeepseekV2Model writes it: q (or q_a, its norm, q_b), the
+    latent with the shared rotated key (``attn_kv_a_mqa``), its norm, and kv_b_proj whole
+    (``latent`` "kv_b") or split per head into k_b, each head's k_nope rows transposed
+    ([heads, latent, nope]), and v_b ([heads, v, latent])."""
+    a = p + "self_attn."
+    if a + "q_proj.weight" in sd:
+        tensor(f"blk.{i}.attn_q.weight", sd[a + "q_proj.weight"], qt)
+    else:
+        tensor(f"blk.{i}.attn_q_a.weight", sd[a + "q_a_proj.weight"], qt)
+        tensor(f"blk.{i}.attn_q_a_norm.weight", sd[a + "q_a_layernorm.weight"])
+        tensor(f"blk.{i}.attn_q_b.weight", sd[a + "q_b_proj.weight"], qt)
+    tensor(f"blk.{i}.attn_kv_a_mqa.weight", sd[a + "kv_a_proj_with_mqa.weight"], qt)
+    tensor(f"blk.{i}.attn_kv_a_norm.weight", sd[a + "kv_a_layernorm.weight"])
+    kv_b = sd[a + "kv_b_proj.weight"]
+    if latent == "kv_b":
+        tensor(f"blk.{i}.attn_kv_b.weight", kv_b, qt)
+        return
+    nope = cfg["qk_nope_head_dim"]
+    per_head = kv_b.reshape(cfg["num_attention_heads"], nope + cfg["v_head_dim"], -1)
+    tensor(f"blk.{i}.attn_k_b.weight", per_head[:, :nope].transpose(0, 2, 1), qt)
+    tensor(f"blk.{i}.attn_v_b.weight", per_head[:, nope:], qt)
 
 
 @pytest.fixture(scope="module")
@@ -229,30 +326,41 @@ def test_f32_gguf_matches_transformers_on_the_original_model(hf_llama, tmp_path)
     assert rel_l2(got, want) <= 1e-4
 
 
-def round_trip_hf_weights(hf_dir, out_dir, qt):
-    """A copy of the HF model whose matrices are what ``qt`` stores: dequantize(quantize(w)).
+def round_trip_hf_weights(hf_dir, out_dir, qt, latent_split=None):
+    """A copy of the HF model whose matrices are what ``qt`` stores: dequantize(quantize(w)), in
+    F16 where a row is not whole blocks (write_gguf's fallback).
 
     Quantizing rows in blocks commutes with llama.cpp's row permutation, so this is exactly the
-    model the GGUF file holds, and transformers' logits for it are the reference.
+    model the GGUF file holds, and transformers' logits for it are the reference. ``latent_split``
+    (heads, nope): a DeepSeek's kv_b_proj stored as write_gguf's ``attn_k_b`` and ``attn_v_b``, its
+    k rows transposed head by head (quantized along nope), its v rows as they are.
     """
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
+    def stored(w):
+        kind = "f16" if w.shape[-1] % 32 else qt.name.lower()
+        return quant.dequantize(quant.quantize(w.reshape(-1, w.shape[-1]), kind), kind, w.shape)
+
     shutil.copytree(hf_dir, out_dir)
     sd = load_file(str(hf_dir / "model.safetensors"))
-    name = qt.name.lower()
     for key, w in sd.items():
         transposed = key.endswith(("experts.gate_up_proj", "experts.down_proj"))  # gpt-oss's experts: x @ W
         w = w.transpose(0, 2, 1) if transposed else w
         if w.ndim == 3:  # Granite-MoE's and gpt-oss's experts, each matrix's rows
-            rows = quant.dequantize(quant.quantize(w.reshape(-1, w.shape[-1]), name), name,
-                                    (w.shape[0] * w.shape[1], w.shape[2])).reshape(w.shape)
+            rows = stored(w)
             sd[key] = np.ascontiguousarray(rows.transpose(0, 2, 1)) if transposed else rows
         routers = ("mlp.gate.weight", "moe.gate.weight", "router.layer.weight", "mlp.router.weight",
                    "shared_expert_gate.weight", "e_score_correction_bias")  # f32
-        if w.ndim == 2 and not key.endswith(routers + ("_bias",)):  # (gpt-oss's experts' biases: f32)
-            sd[key] = quant.dequantize(quant.quantize(w, name), name, w.shape)
+        if latent_split is not None and key.endswith("kv_b_proj.weight"):
+            heads, nope = latent_split
+            per_head = w.reshape(heads, -1, w.shape[1]).copy()
+            per_head[:, :nope] = stored(per_head[:, :nope].transpose(0, 2, 1)).transpose(0, 2, 1)
+            per_head[:, nope:] = stored(per_head[:, nope:])
+            sd[key] = per_head.reshape(w.shape)
+        elif w.ndim == 2 and not key.endswith(routers + ("_bias",)):  # (gpt-oss's experts' biases: f32)
+            sd[key] = stored(w)
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
@@ -633,7 +741,7 @@ def test_missing_output_means_tied_embeddings(hf_llama, tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"),
      "GGUF architecture 'gpt2' is not supported (supported: llama, granite, granitemoe, qwen2, qwen2moe, qwen3, qwen3moe, "
-     "phi3, olmo2, gemma2, gemma3, gpt-oss, ernie4_5, ernie4_5-moe)"),
+     "phi3, olmo2, gemma2, gemma3, gpt-oss, ernie4_5, ernie4_5-moe, deepseek2, glm4moe)"),
     (dict(drop_keys=("head_count",)), "GGUF metadata key 'llama.attention.head_count' is missing"),
     (dict(extra={"blk.0.ffn_up.weight.q5": (np.zeros((8, 64)), Q.F32)}),
      "tensor 'blk.0.ffn_up.weight.q5' is not part of a llama model picc knows"),

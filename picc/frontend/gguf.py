@@ -15,6 +15,10 @@ picc splits them. ``olmo2`` files keep transformers' rows and OLMo 2's layer (it
 attention and the MLP, q's and k's over the whole projection). ``gemma2`` files and ``gemma3``
 ones (Gemma 3 1B's text model) keep transformers' rows, their norms already ``1 + w`` (llama.cpp's
 converter adds the 1), and are run as llama.cpp runs them (:func:`_gemma2`, :func:`_gemma3`).
+``deepseek2`` (DeepSeek V2/V3, GLM-4.7-Flash: their latent attention) and ``glm4moe`` (GLM-4.5)
+files are run as llama.cpp runs them too (``picc.frontend.gguf_deepseek``); the blocks past
+``block_count - nextn_predict_layers`` (their multi-token-prediction layers) are left out, as
+llama.cpp's main graph leaves them.
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ if TYPE_CHECKING:
     from picc.frontend.tokenizer import Tokenizer
 
 SUPPORTED_ARCHS = ("llama", "granite", "granitemoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "olmo2",
-                   "gemma2", "gemma3", "gpt-oss", "ernie4_5", "ernie4_5-moe")
+                   "gemma2", "gemma3", "gpt-oss", "ernie4_5", "ernie4_5-moe", "deepseek2", "glm4moe")
 # see above: llama.cpp's converter permutes the q and k rows of llama (and Granite) files, keeps the others'
 _ROPE_STYLES = {"llama": "gptj", "granite": "gptj", "granitemoe": "gptj", "qwen2": "llama", "qwen3": "llama",
                 "qwen3moe": "llama", "qwen2moe": "llama", "phi3": "llama", "olmo2": "llama", "gemma2": "llama",
-                "gemma3": "llama", "gpt-oss": "llama", "ernie4_5": "gptj", "ernie4_5-moe": "gptj"}
+                "gemma3": "llama", "gpt-oss": "llama", "ernie4_5": "gptj", "ernie4_5-moe": "gptj", "deepseek2": "gptj",
+                "glm4moe": "llama"}
 _GGML_TYPES = {"F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "Q4_0": DType.Q4_0,
                "Q4_1": DType.Q4_1, "Q8_0": DType.Q8_0, "MXFP4": DType.MXFP4}
 
@@ -73,6 +78,10 @@ _LAYER_NAMES = {
     "ffn_gate_inp_shexp.weight": "moe.shared_router", "ffn_gate_shexp.weight": "moe.shared_gate",
     "ffn_up_shexp.weight": "moe.shared_up", "ffn_down_shexp.weight": "moe.shared_down",
     "exp_probs_b.bias": "moe.choice_bias",  # ernie4_5-moe's: added to the probabilities that rank the experts
+    # deepseek2's latent attention, as stored (made MlaSpec's weights by gguf_deepseek.latent_weights)
+    "attn_q_a.weight": "attn.q_a", "attn_q_a_norm.weight": "attn.q_a_norm", "attn_q_b.weight": "attn.q_b",
+    "attn_kv_a_mqa.weight": "attn.kv_a_mqa", "attn_kv_a_norm.weight": "attn.kv_a_norm",
+    "attn_kv_b.weight": "attn.kv_b", "attn_k_b.weight": "attn.k_b", "attn_v_b.weight": "attn.v_b",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -114,13 +123,16 @@ class _Meta:
         return value
 
 
-def read_tensors(file: GgufFile, path: Path) -> tuple[WeightStore, dict[str, int]]:
+def read_tensors(file: GgufFile, path: Path, blocks: int | None = None) -> tuple[WeightStore, dict[str, int]]:
     """The file's tensors under picc's names, and how many of each quant type picc converted
-    (:func:`converted`) instead of keeping."""
+    (:func:`converted`) instead of keeping; those of the blocks from ``blocks`` on left out."""
     store, changed = WeightStore(), {}
     for t in file.tensors:
         if t.name in ROPE_TENSORS:
             continue  # part of the rope op's attributes (llama3_rope, _longrope), not a weight
+        block = _LAYER_TENSOR.fullmatch(t.name)
+        if blocks is not None and block and int(block.group(1)) >= blocks:
+            continue  # a multi-token-prediction layer (gguf_deepseek.mtp_layers)
         name = picc_name(t.name)
         if name is None:
             raise PiccError(f"{path}: tensor {t.name!r} is not part of a llama model picc knows "
@@ -247,17 +259,20 @@ def load_gguf(path: Path) -> LoadedModel:
     if arch not in SUPPORTED_ARCHS:
         raise PiccError(f"{path}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    store, changed = read_tensors(file, path)
+
+    def key(k: str) -> str:
+        return f"{arch}.{k}"
+
+    from picc.frontend import gguf_deepseek as latent
+
+    n_layers = int(meta.need(key("block_count"))) - latent.mtp_layers(meta, key, path)  # type: ignore[arg-type]
+    store, changed = read_tensors(file, path, n_layers)
     factors = {t.name: np.asarray(t.data, np.float32).reshape(-1) for t in file.tensors
                if t.name in ROPE_TENSORS and t.type_name in ("F32", "F16")}
     for name in ROPE_TENSORS:
         if name not in factors and any(t.name == name for t in file.tensors):
             raise PiccError(f"{path}: {name} must be F32 or F16")
     rope_factors = factors.get(ROPE_FREQS)
-
-    def key(k: str) -> str:
-        return f"{arch}.{k}"
-
     hidden = int(meta.need(key("embedding_length")))  # type: ignore[arg-type]
     n_heads = int(meta.need(key("attention.head_count")))  # type: ignore[arg-type]
     n_kv = int(meta.get(key("attention.head_count_kv"), n_heads))  # type: ignore[arg-type]
@@ -280,12 +295,12 @@ def load_gguf(path: Path) -> LoadedModel:
         rope = llama3_rope(rope_factors, rope, rope_dim, path)
     max_position = _opt_int(meta.get(key("context_length")))
     if scaling == "yarn":
-        rope = _yarn(meta, key, rope, rope_dim, max_position, path)
+        rope = _yarn(meta, key, rope, rope_dim, max_position, path, deepseek2=arch == "deepseek2")
     if LONGROPE_SHORT in factors or LONGROPE_LONG in factors:
         if scaling != "none" or rope_factors is not None:
             raise PiccError(f"{path}: longrope factors and other rope scaling together are not supported")
         rope = _longrope(meta, key, factors, rope, rope_dim, max_position, path)
-    n_layers, n_ff = int(meta.need(key("block_count"))), int(meta.need(key("feed_forward_length")))  # type: ignore[arg-type]
+    n_ff = int(meta.need(key("feed_forward_length")))  # type: ignore[arg-type]
     if arch == "phi3":
         store = _split_phi3(store, n_layers, n_heads * head_dim, n_kv * head_dim, n_ff, path)
     vocab = store["token_embd"].shape[0]
@@ -307,7 +322,8 @@ def load_gguf(path: Path) -> LoadedModel:
         eos_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
         max_position=max_position,
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
-        moe=_moe(meta, key, arch, n_ff, path),
+        moe=latent.deepseek_moe(meta, key, arch, n_layers, n_ff, _vocab_size(meta, key), path)
+        if arch in ("deepseek2", "glm4moe") else _moe(meta, key, arch, n_ff, path),
     )
     if arch in ("granite", "granitemoe"):
         spec, store = _granite(spec, store, meta, key)
@@ -319,8 +335,15 @@ def load_gguf(path: Path) -> LoadedModel:
         spec = _gemma3(spec, meta, key, path)
     elif arch == "gpt-oss":
         spec, store = _gpt_oss(spec, store, meta, key)
-    requantized = 0
-    if arch in ("qwen2moe", "ernie4_5-moe"):
+    requantized, decoded = 0, ()
+    if arch == "deepseek2":
+        spec, store, decoded = latent.deepseek2(spec, store, meta, key, path)
+    elif arch == "glm4moe":
+        spec, store = latent.glm4moe(spec, store, path)
+    if arch in ("deepseek2", "glm4moe") and spec.moe is not None and spec.moe.n_shared:
+        latent.shared_width_checked(spec, store, path)
+        store, requantized = _shared_experts(spec, store)
+    elif arch in ("qwen2moe", "ernie4_5-moe"):
         store, requantized = _shared_experts(spec, store)
     module = build_llama(spec, store)
     # A GGUF without tokenizer metadata still imports; it runs on token ids only.
@@ -330,7 +353,8 @@ def load_gguf(path: Path) -> LoadedModel:
         tokenizer = replace(tokenizer, stop_ids=_end_of_generation(meta, tokenizer), sampling=_sampling(meta, path))
     notes = tuple(f"{count} {kind} tensor{'s' if count > 1 else ''} converted to {_target(kind).upper()} "
                   + ("(the same 4-bit values)" if kind == "Q4_K" else "(decoded and quantized again)")
-                  + ", which picc's kernels read" for kind, count in sorted(changed.items())) + longrope_notes(module)
+                  + ", which picc's kernels read" for kind, count in sorted(changed.items())) + decoded
+    notes += longrope_notes(module)
     if requantized:
         notes += (f"{requantized} shared-expert matrices quantized again as their layer's experts' type "
                   "(picc stacks them with the experts)",)
@@ -571,7 +595,7 @@ def _longrope(meta: _Meta, key: Callable[[str], str], factors: dict[str, np.ndar
 
 
 def _yarn(meta: _Meta, key: Callable[[str], str], rope: RopeSpec, rotated: int, context: int | None,
-          path: Path) -> RopeSpec:
+          path: Path, deepseek2: bool = False) -> RopeSpec:
     """YaRN as llama.cpp runs it (ggml's ``rope_yarn``, ``ext_factor`` 1): ``rope.scaling.factor``
     over ``rope.scaling.original_context_length`` (else ``context_length``), the ramp's ends
     always rounded outwards (llama.cpp has no ``truncate``: a gpt-oss file rotates as transformers
@@ -579,7 +603,9 @@ def _yarn(meta: _Meta, key: Callable[[str], str], rope: RopeSpec, rotated: int, 
     (convert_hf_to_gguf.py writes a config's), else 32 and 1. The cosines and sines are
     multiplied by ``yarn_mscale(factor)``, or with ``yarn_log_multiplier`` by
     ``yarn_mscale(factor) / yarn_mscale(factor, multiplier)`` (what llama.cpp's context makes of
-    its own factor and ggml's), times ``rope.scaling.attn_factor``."""
+    its own factor and ggml's), times ``rope.scaling.attn_factor``. A ``deepseek2`` file's
+    multiplier is 0.1 ``mscale_all_dim``, whose factor llama.cpp makes 1
+    (``gguf_deepseek.deepseek2_yarn_factor``)."""
     factor = meta.positive(key("rope.scaling.factor"), 1.0, zero_means_default=True)
     original = _opt_int(meta.get(key("rope.scaling.original_context_length"))) or context
     if original is None or original < 1:
@@ -592,6 +618,10 @@ def _yarn(meta: _Meta, key: Callable[[str], str], rope: RopeSpec, rotated: int, 
     if isinstance(multiplier, bool) or not isinstance(multiplier, int | float) or multiplier < 0:
         raise PiccError(f"{path}: {key('rope.scaling.yarn_log_multiplier')} must be a number >= 0, got {multiplier!r}")
     attention = positional.yarn_mscale(factor) / (positional.yarn_mscale(factor, multiplier) if multiplier else 1.0)
+    if deepseek2:
+        from picc.frontend.gguf_deepseek import deepseek2_yarn_factor
+
+        attention = deepseek2_yarn_factor(meta, key, factor, path)
     attention *= meta.positive(key("rope.scaling.attn_factor"), 1.0)
     factors = positional.yarn_freq_factors(rotated, rope.theta, factor, original, beta_fast, beta_slow, True,
                                            llama_cpp=True)
@@ -616,6 +646,16 @@ def _ffn_form(meta: _Meta) -> str:
     if act not in _GATED_FORMS:
         raise PiccError(f"{meta.path}: {ACTIVATION_KEY} is {act!r}; expected one of {', '.join(_GATED_FORMS)}")
     return _GATED_FORMS[act]
+
+
+def _vocab_size(meta: _Meta, key: Callable[[str], str]) -> int:
+    """The vocabulary's size as llama.cpp's loader reads it: ``vocab_size``, else the tokenizer's
+    token count (0 where the file has neither)."""
+    size = meta.get(key("vocab_size"))
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    tokens = meta.get("tokenizer.ggml.tokens")
+    return len(tokens) if isinstance(tokens, list | tuple) else 0
 
 
 def _opt_int(value: object) -> int | None:
