@@ -349,24 +349,31 @@ def gpu_rope(style: str, n_heads: int, head_dim: int, rotated: int) -> str:
 
 
 def gpu_rope_pair(style: str, n_first: int, n_second: int, head_dim: int, rotated: int,
-                  append_ctx: int | None = None) -> str:
+                  append_ctx: int | None = None, v_width: int | None = None) -> str:
     """Two ropes of the same rotation in one launch (a layer's q and k: ``launched_with``); with
     ``append_ctx``, the launch also writes the second and the attention's v to KV caches of that
-    many positions (``appended_by_rope``)."""
+    many positions (``appended_by_rope``), ``_v`` and the values' width where that is not the
+    second's (values narrower than keys)."""
     return (f"rope_{style}_{n_first}x{head_dim}_{n_second}x{head_dim}_r{rotated}"
-            + (f"_append_ctx{append_ctx}" if append_ctx else ""))
+            + (f"_append_ctx{append_ctx}" if append_ctx else "")
+            + (f"_v{v_width}" if append_ctx and v_width not in (None, n_second * head_dim) else ""))
 
 
-def gpu_kv_append(width: int, ctx: int) -> str:
-    return f"kv_append_{width}_ctx{ctx}"
+def gpu_kv_append(width: int, ctx: int, v_width: int | None = None) -> str:
+    """Keys ``width`` wide to a cache of ``ctx`` positions, and values ``v_width`` wide (named
+    where that is not ``width``: values narrower than keys)."""
+    return f"kv_append_{width}" + (f"_v{v_width}" if v_width not in (None, width) else "") + f"_ctx{ctx}"
 
 
 def gpu_attention(n_heads: int, n_kv_heads: int, head_dim: int, ctx: int, window: int | None, scale: float,
-                  softcap: float | None = None, sinks: bool = False) -> str:
-    """The scale is in the name only when it is not the usual ``head_dim ** -0.5``; a soft cap
-    of the scores (Gemma 2's) by its f32 bits; ``_sinks``: the kernel reads a sink logit per head."""
+                  softcap: float | None = None, sinks: bool = False, v_head_dim: int | None = None) -> str:
+    """The scale is in the name only when it is not the usual ``head_dim ** -0.5``; ``_v`` and the
+    value heads' width where that is not ``head_dim`` (DeepSeek's MLA); a soft cap of the scores
+    (Gemma 2's) by its f32 bits; ``_sinks``: the kernel reads a sink logit per head."""
     usual = abs(scale - head_dim**-0.5) <= 1e-7 * scale
-    return (f"attention_{n_heads}x{n_kv_heads}x{head_dim}_ctx{ctx}" + (f"_w{window}" if window else "")
+    return (f"attention_{n_heads}x{n_kv_heads}x{head_dim}"
+            + (f"_v{v_head_dim}" if v_head_dim not in (None, head_dim) else "") + f"_ctx{ctx}"
+            + (f"_w{window}" if window else "")
             + ("" if usual else f"_s{_number(scale)}") + (f"_c{_f32_bits(softcap)}" if softcap is not None else "")
             + ("_sinks" if sinks else ""))
 

@@ -417,60 +417,71 @@ def test_concat_heads_takes_one_head_or_a_head_each() -> None:
         concat_heads("bad", 1, 4, 2, 8, 4, 8)
 
 
-# gpt-oss's sinks (a logit per query head, from below the scores to above them), with a window
-@pytest.mark.parametrize("heads,kv_heads,window,sinks", [(9, 3, None, False), (5, 1, None, False), (4, 2, 3, False),
-                                                         (6, 2, 3, True)])
+# gpt-oss's sinks (a logit per query head, from below the scores to above them), with a window;
+# DeepSeek's values narrower than the keys (v_dim features a value head, of 64 a key head; one case
+# wider), with a window, sinks and Gemma 2's soft cap (0.7: where these scores, ~N(0, 1), bend)
+@pytest.mark.parametrize("heads,kv_heads,window,sinks,v_dim,cap", [
+    (9, 3, None, False, None, None), (5, 1, None, False, None, None), (4, 2, 3, False, None, None),
+    (6, 2, 3, True, None, None), (4, 2, 3, False, 48, None), (6, 2, None, True, 40, 0.7), (4, 4, None, False, 96, None)])
 def test_attention_prefill_then_decode_host_matches_interpreter(heads: int, kv_heads: int, window: int | None,
-                                                               sinks: bool) -> None:
+                                                               sinks: bool, v_dim: int | None,
+                                                               cap: float | None) -> None:
     rng = np.random.default_rng(9)
     d, max_ctx, prompt = 64, 16, 6
-    width = kv_heads * d
-    op = O.Attention(result="o", type=f32(1, heads * d), q="q", k="k", v="v", pos="pos", n_heads=heads,
-                     n_kv_heads=kv_heads, head_dim=d, scale=d**-0.5, cache="c", window=window,
-                     sinks="s" if sinks else None)
+    dv = v_dim or d
+    width, v_width = kv_heads * d, kv_heads * dv
+    op = O.Attention(result="o", type=f32(1, heads * dv), q="q", k="k", v="v", pos="pos", n_heads=heads,
+                     n_kv_heads=kv_heads, head_dim=d, v_head_dim=v_dim, scale=d**-0.5, cache="c", window=window,
+                     softcap=cap, sinks="s" if sinks else None)
     sink = np.linspace(-2.0, 3.0, heads, dtype=np.float32) if sinks else None
     given = {"sinks": sink} if sinks else {}
-    cache = KVCache(width)
-    k_cache, v_cache = np.zeros((max_ctx, width), np.float32), np.zeros((max_ctx, width), np.float32)
+    cache = KVCache(width, v_width)
+    k_cache, v_cache = np.zeros((max_ctx, width), np.float32), np.zeros((max_ctx, v_width), np.float32)
     for seq, start in ((prompt, 0), (1, prompt), (1, prompt + 1)):
-        q, k, v = randn(rng, seq, heads * d), randn(rng, seq, width), randn(rng, seq, width)
+        q, k, v = randn(rng, seq, heads * d), randn(rng, seq, width), randn(rng, seq, v_width)
         pos = np.arange(start, start + seq, dtype=np.int32)
         ref = ref_attention(op, q, k, v, pos, cache, sink)
-        written = build_host(kv_append(f"kva_{seq}_{width}", seq, width, max_ctx))(
+        written = build_host(kv_append(f"kva_{seq}_{width}_{v_width}", seq, width, max_ctx, v_width))(
             k=k, v=v, pos=pos, k_cache=k_cache, v_cache=v_cache)
         k_cache, v_cache = written["k_cache"], written["v_cache"]
-        name = f"attn_{seq}_{heads}_{kv_heads}_{window}" + ("_sinks" if sinks else "")
-        out = build_host(attention(name, seq, heads, kv_heads, d, max_ctx, d**-0.5, window, sinks=sinks))(
-            q=q, pos=pos, k_cache=k_cache, v_cache=v_cache, **given)["out"]
-        assert rel_err(out, ref) <= F32_TOL, (seq, start)
+        name = f"attn_{seq}_{heads}_{kv_heads}_{window}_{v_dim}_{cap}" + ("_sinks" if sinks else "")
+        out = build_host(attention(name.replace(".", "p"), seq, heads, kv_heads, d, max_ctx, d**-0.5, window, cap,
+                                   sinks, v_dim))(q=q, pos=pos, k_cache=k_cache, v_cache=v_cache, **given)["out"]
+        assert out.shape == (seq, heads * dv) and rel_err(out, ref) <= F32_TOL, (seq, start)
 
 
-@pytest.mark.parametrize("heads,kv_heads,window,sinks", [(9, 3, None, False), (5, 1, None, False), (4, 2, 3, False),
-                                                         (8, 2, 7, False), (8, 2, 7, True)])
+@pytest.mark.parametrize("heads,kv_heads,window,sinks,v_dim,cap", [
+    (9, 3, None, False, None, None), (5, 1, None, False, None, None), (4, 2, 3, False, None, None),
+    (8, 2, 7, False, None, None), (8, 2, 7, True, None, None), (4, 2, 7, False, 48, None), (8, 2, None, True, 40, 0.7),
+    (4, 4, None, False, 96, None)])
 def test_attention_decode_host_matches_interpreter(heads: int, kv_heads: int, window: int | None,
-                                                   sinks: bool) -> None:
+                                                   sinks: bool, v_dim: int | None, cap: float | None) -> None:
     """The one-launch decode attention (its definition, which the host build compiles) against the
     interpreter over a cache filled token by token, at the first position, a middle one and the
     last. Rows past the query's position hold NaN: a kernel that reads them, or lets an invisible
-    position contribute anything, gives NaN."""
+    position contribute anything, gives NaN. Value heads of ``v_dim`` features where given, as
+    in the prefill test above."""
     rng = np.random.default_rng(11)
     d, max_ctx = 64, 64
-    width = kv_heads * d
-    op = O.Attention(result="o", type=f32(1, heads * d), q="q", k="k", v="v", pos="pos", n_heads=heads,
-                     n_kv_heads=kv_heads, head_dim=d, scale=d**-0.5, cache="c", window=window,
-                     sinks="s" if sinks else None)
+    dv = v_dim or d
+    width, v_width = kv_heads * d, kv_heads * dv
+    op = O.Attention(result="o", type=f32(1, heads * dv), q="q", k="k", v="v", pos="pos", n_heads=heads,
+                     n_kv_heads=kv_heads, head_dim=d, v_head_dim=v_dim, scale=d**-0.5, cache="c", window=window,
+                     softcap=cap, sinks="s" if sinks else None)
     # gpt-oss's sinks, from below the scores to above them (the maximum then the sink's)
     sink = np.linspace(-2.0, 3.0, heads, dtype=np.float32) if sinks else None
     given = {"sinks": sink} if sinks else {}
-    run = build_host(attention_decode(f"attn_decode_{heads}_{kv_heads}_{window}" + ("_sinks" if sinks else ""), heads,
-                                      kv_heads, d, max_ctx, d**-0.5, window, sinks=sinks))
-    assert [(p.name, p.role) for p in run.kernel.params] == [
-        ("q", "in"), ("pos", "in"), ("k_cache", "in"), ("v_cache", "in"), *[("sinks", "in")] * sinks, ("out", "out")]
-    cache = KVCache(width)
-    k_cache, v_cache = np.full((max_ctx, width), np.nan, np.float32), np.full((max_ctx, width), np.nan, np.float32)
+    name = f"attn_decode_{heads}_{kv_heads}_{window}_{v_dim}_{cap}" + ("_sinks" if sinks else "")
+    run = build_host(attention_decode(name.replace(".", "p"), heads, kv_heads, d, max_ctx, d**-0.5, window, cap,
+                                      sinks, v_dim))
+    assert [(p.name, p.role, p.shape) for p in run.kernel.params] == [
+        ("q", "in", (1, heads * d)), ("pos", "in", (1,)), ("k_cache", "in", (max_ctx, width)),
+        ("v_cache", "in", (max_ctx, v_width)), *[("sinks", "in", (heads,))] * sinks, ("out", "out", (1, heads * dv))]
+    cache = KVCache(width, v_width)
+    k_cache, v_cache = np.full((max_ctx, width), np.nan, np.float32), np.full((max_ctx, v_width), np.nan, np.float32)
     checked = []
     for p in range(max_ctx):
-        q, k, v = randn(rng, 1, heads * d, scale=2.0), randn(rng, 1, width), randn(rng, 1, width)
+        q, k, v = randn(rng, 1, heads * d, scale=2.0), randn(rng, 1, width), randn(rng, 1, v_width)
         pos = np.array([p], np.int32)
         ref = ref_attention(op, q, k, v, pos, cache, sink)
         k_cache[p], v_cache[p] = k[0], v[0]

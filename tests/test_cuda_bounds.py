@@ -59,7 +59,8 @@ def _model(m: ModelShapes, formats: tuple[str, ...], predictor_fmt: dict[str, st
 def _variants() -> list[Case]:
     """What ``lower_gpu`` emits beyond ``model_kernels``: biases, embedding, layer norm, partial
     and GPT-J rotary, heads joined from a shared head and a head each, a sliding window (with soft-capped scores and sinks), an FFN part at a neuron offset, q8_0, GeGLU, and the
-    greedy loop's kernel over a vocabulary its threads do not divide."""
+    greedy loop's kernel over a vocabulary its threads do not divide; value heads narrower than
+    key heads (DeepSeek's) in the cache appends and the attention kernels, and wider ones."""
     m, n = TINY, TINY.n_ff
     kernels = [
         dense.gemv("v_gemv_bias", 96, 64, "q4_0", bias=True),
@@ -74,6 +75,10 @@ def _variants() -> list[Case]:
         layers.rope_pair("v_rope_pair", 5, 1, 64, None, "llama"),
         layers.rope_pair("v_rope_pair_gptj_partial", 4, 2, 16, 8, "gptj"),
         layers.rope_pair("v_rope_pair_append", 4, 2, 16, None, "llama", append_ctx=m.max_ctx),
+        layers.rope_pair("v_rope_pair_append_narrow", 4, 2, 16, None, "llama", append_ctx=m.max_ctx, v_width=24),
+        layers.rope_pair("v_rope_pair_append_wide", 4, 2, 16, 8, "gptj", append_ctx=m.max_ctx, v_width=48),
+        layers.kv_append("v_kv_append_narrow", 1, 32, m.max_ctx, 24),
+        layers.kv_append("v_kv_append_wide", 8, 32, m.max_ctx, 48),
         layers.concat_heads("v_concat_heads_a1", 1, 4, 1, 8, 4, 16),  # DeepSeek's keys: one k_pe head for all
         layers.concat_heads("v_concat_heads_b1", 1, 4, 4, 8, 1, 16),
         layers.attention("v_attention_window", 8, 4, 2, 16, m.max_ctx, 0.25, window=5),
@@ -81,6 +86,11 @@ def _variants() -> list[Case]:
         layers.attention("v_attention_sinks", 8, 4, 2, 16, m.max_ctx, 0.25, window=5, softcap=0.7, sinks=True),
         layers.attention_decode("v_attention_decode_sinks", 4, 2, 16, m.max_ctx, 0.25, window=5, softcap=0.7,
                                 sinks=True),
+        layers.attention("v_attention_narrow", 8, 4, 2, 16, m.max_ctx, 0.25, window=5, softcap=0.7, sinks=True,
+                         v_head_dim=12),
+        layers.attention_decode("v_attention_decode_narrow", 4, 2, 16, m.max_ctx, 0.25, window=5, v_head_dim=12),
+        layers.attention("v_attention_wide", 1, 4, 4, 16, m.max_ctx, 0.25, v_head_dim=24),
+        layers.attention_decode("v_attention_decode_wide", 4, 4, 16, m.max_ctx, 0.25, sinks=True, v_head_dim=24),
         layers.merge("v_merge_bias", 64, bias=True),
         ffn.sparse_ffn("v_sparse_ffn_bias", 64, n, "drelu", "q8_0", bias=True),
         ffn.sparse_ffn("v_sparse_ffn_relu", 64, n, "relu", "q4_1"),
@@ -104,7 +114,8 @@ def _variants() -> list[Case]:
 def _decode_attention() -> list[Case]:
     """The one-launch decode attention at the shapes of the models (their caches: SmolLM2 and
     LLaMA-7B at 2048, the latter also at 4096, the longest the kernel takes; relu-demo at its
-    512), a sliding window, and the odd tiles: the shortest cache, a head_dim of 80."""
+    512), a sliding window, and the odd tiles: the shortest cache, a head_dim of 80; DeepSeek V3's
+    heads (keys of 192 features, values of 128) at the longest cache."""
     shapes = [(SMOLLM2, SMOLLM2.max_ctx), (RELU_DEMO, 512), (LLAMA_7B, 2048), (LLAMA_7B, 4096)]
     kernels = [layers.attention_decode(f"{m.name}_attention_decode_{ctx}", m.n_heads, m.n_kv_heads, m.head_dim, ctx,
                                        m.head_dim**-0.5) for m, ctx in shapes]
@@ -112,6 +123,7 @@ def _decode_attention() -> list[Case]:
     # The shortest cache it takes (two rows of positions) and a head_dim of no power of two.
     kernels.append(layers.attention_decode("short_attention_decode", 4, 2, 64, 32, 0.125))
     kernels.append(layers.attention_decode("d80_attention_decode", 4, 2, 80, 256, 80**-0.5))
+    kernels.append(layers.attention_decode("deepseek_attention_decode", 128, 128, 192, 4096, 192**-0.5, v_head_dim=128))
     return [(k, {"pos": (0, k.param("k_cache").shape[0] - 1)}) for k in kernels]
 
 

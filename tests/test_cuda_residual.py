@@ -132,17 +132,24 @@ def test_each_layers_k_rope_is_launched_with_its_q_rope(whole):
             assert mp.gpu_launch_count(att, 512) == 1  # the one-launch attention, no append of its own
 
 
-def test_a_rope_pair_that_appends_writes_the_cache_rows_kv_append_writes() -> None:
+@pytest.mark.parametrize("v_width", [32, 24, 40])  # values as wide as the keys, narrower (DeepSeek's), wider
+def test_a_rope_pair_that_appends_writes_the_cache_rows_kv_append_writes(v_width: int) -> None:
+    # Row pos of each cache is the rotated k's, the v's (v_width features); every other row is
+    # left as it was.
     rng = np.random.default_rng(6)
-    x1, x2, v = (rng.standard_normal((1, n * 16)).astype(np.float32) for n in (4, 2, 2))
+    x1, x2 = (rng.standard_normal((1, n * 16)).astype(np.float32) for n in (4, 2))
+    v = rng.standard_normal((1, v_width)).astype(np.float32)
     pos, inv = np.array([5], np.int32), rng.random((9,)).astype(np.float32)
-    caches = {name: rng.standard_normal((16, 32)).astype(np.float32) for name in ("k_cache", "v_cache")}
-    out = build_host(layers.rope_pair("pair_append", 4, 2, 16, None, "llama", append_ctx=16))(
-        x1=x1, x2=x2, v=v, pos=pos, inv_freq=inv, **caches)
-    rows = build_host(layers.kv_append("append", 1, 32, 16))(k=out["y2"], v=v, pos=pos, **caches)
+    caches = {name: rng.standard_normal((16, n)).astype(np.float32) for name, n in (("k_cache", 32),
+                                                                                  ("v_cache", v_width))}
+    out = build_host(layers.rope_pair(f"pair_append_{v_width}", 4, 2, 16, None, "llama", append_ctx=16,
+                                      v_width=v_width))(x1=x1, x2=x2, v=v, pos=pos, inv_freq=inv, **caches)
+    rows = build_host(layers.kv_append(f"append_{v_width}", 1, 32, 16, v_width))(k=out["y2"], v=v, pos=pos, **caches)
     plain = build_host(layers.rope_pair("pair_plain", 4, 2, 16, None, "llama"))(x1=x1, x2=x2, pos=pos, inv_freq=inv)
     for name in ("y1", "y2"):
         np.testing.assert_array_equal(out[name], plain[name])
-    for name in ("k_cache", "v_cache"):
+    for name, row in (("k_cache", plain["y2"][0]), ("v_cache", v[0])):
         np.testing.assert_array_equal(out[name], rows[name])
-        assert not np.array_equal(out[name][5], caches[name][5])
+        np.testing.assert_array_equal(out[name][5], row)
+        others = np.arange(16) != 5
+        np.testing.assert_array_equal(out[name][others], caches[name][others])

@@ -9,8 +9,6 @@ to a score at its threshold, which ordering can flip, hence the margin.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from conftest import half_the_ffn, narrow_values, tiny_llama, tiny_mla, with_tokenizer
@@ -261,21 +259,33 @@ def test_gemma2s_soft_caps_run_on_the_gpu(tmp_path, monkeypatch, ctx):
         assert session.feed(TOKENS[:3]).argmax() == reference[2].argmax()  # the greedy kernel reads the capped logits
 
 
+@pytest.mark.parametrize("v_dim", [None, 16])
 @pytest.mark.parametrize("vram", ["4MiB", "200KiB"])
-def test_keys_joined_head_by_head_run_on_the_gpu(tmp_path, monkeypatch, vram):
+def test_keys_joined_head_by_head_run_on_the_gpu(tmp_path, monkeypatch, vram, v_dim):
     # DeepSeek's keys (concat_heads of a one-head rope of k_pe and each head's k_nope, YaRN's
     # frequencies) on the GPU with their layer: a TensorIR kernel, the host build of the same
     # TensorIR on the emulated device against the interpreter; with 200 KiB layer 1 stays on the
-    # CPU, its heads joined by the CPU's kernel.
+    # CPU, its heads joined by the CPU's kernel. With ``v_dim``, DeepSeek's whole latent attention:
+    # value heads of 16 features under key heads of 24, appended to the cache by a launch of their
+    # own (the keys are no rope's) and attended to on the GPU where the layer is.
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "mla.pib"
-    write_compiled(compile_model(tiny_mla(yarn=True), CompileOptions(target="pc-low", vram=vram, dense=True, ctx=64),
+    model = tiny_mla(yarn=True) if v_dim is None else narrow_values(tiny_mla(yarn=True), v_dim)
+    write_compiled(compile_model(model, CompileOptions(target="pc-low", vram=vram, dense=True, ctx=64),
                                  say=lambda _: None), path)
     pib = load_pib(path)
     joins = [op for op in pib.module.ops() if op.NAME == "concat_heads"]
     on_gpu = ["concat_heads_4h_a1x8_b4x16", "concat_heads_4h_a1x8_b4x16" if vram == "4MiB" else "picc_concat_heads"]
     assert [op.kernel for op in joins] == on_gpu
-    assert [op.type.placement for op in joins] == [Placement.GPU, Placement.GPU if vram == "4MiB" else Placement.CPU]
+    where = [Placement.GPU, Placement.GPU if vram == "4MiB" else Placement.CPU]
+    assert [op.type.placement for op in joins] == where
+    attentions = [op for op in pib.module.ops() if op.NAME == "attention"]
+    assert [op.type.placement for op in attentions] == where
+    gpu_name = f"attention_4x4x24{f'_v{v_dim}' if v_dim else ''}_ctx64"
+    assert attentions[0].kernel == gpu_name and not attentions[0].appended_by_rope
+    with PibFile(path) as f:  # the cache append: k rows 4 heads of 24, v rows 4 of v_dim
+        append, _ = f.json("gpu/launches")["l0.attn.ctx"]
+    assert append["kernel"] == f"kv_append_96{f'_v{4 * v_dim}' if v_dim else ''}_ctx64"
     reference = Interpreter(pib.module, pib.weights).run(TOKENS)
     with Session(path, threads=2, gpu="emulate") as session:
         assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
@@ -311,46 +321,56 @@ def test_gpt_oss_attention_sinks_run_on_the_gpu(tmp_path, monkeypatch, vram, ctx
         assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
 
 
-def test_attention_whose_values_are_narrower_than_its_keys_stays_on_the_cpu(tmp_path, monkeypatch):
-    # No GPU kernel takes value heads of another width than the key heads (DeepSeek's MLA
-    # decompressed, v_head_dim 12 under head_dim 16): compiled for pc-low with room for it all,
-    # each layer's attention and its KV cache (k planes, then narrower v planes) stay on the CPU
-    # between the GPU's projections, the plan's notes say why, and the logits are the
-    # interpreter's (the emulated GPU). The estimate reads half of each cache a token: ctx
-    # positions more add half their k and v rows' bytes per layer.
-    from picc.passes.kernel_selection import Types, gpu_kernel
+@pytest.mark.parametrize(("ctx", "variants"), [(64, {}), (100, dict(window=5, softcaps=(0.7, 0.8), sinks=True))])
+def test_attention_whose_values_are_narrower_than_its_keys_runs_on_the_gpu(tmp_path, monkeypatch, ctx, variants):
+    # Value heads of 12 features under key heads of 16 (DeepSeek's MLA decompressed), compiled
+    # for pc-low with room for it all: each layer's attention and its KV cache (k rows of every
+    # position, then the narrower v rows, f32) are the GPU's, the k rope's launch writing both
+    # rows; its kernels the one-launch decode attention (ctx 64) or the five launches (100, with
+    # a window, soft caps and sinks). The logits are the interpreter's on the emulated GPU for a
+    # step a token, for a prompt run in chunks, and for the step after it. The estimate reads
+    # half of each cache a token: ctx positions more add half their k and v rows' bytes.
     from picc.placement.memory_plan import plan_memory
     from picc.placement.plan_report import build_report
 
     monkeypatch.setenv("PICC_CACHE_DIR", str(tmp_path / "cache"))
-    model = narrow_values(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96), 12)
+    model = narrow_values(tiny_llama("swiglu", n_layers=2, hidden=64, n_ff=96, **variants), 12)
     path = tmp_path / "narrow.pib"
-    write_compiled(compile_model(model, CompileOptions(target="pc-low", vram="4MiB", dense=True, ctx=64),
+    write_compiled(compile_model(model, CompileOptions(target="pc-low", vram="4MiB", dense=True, ctx=ctx),
                                  say=lambda _: None), path)
     pib = load_pib(path)
     ops = {op.result: op for op in pib.module.ops()}
     attentions = [op for op in ops.values() if op.NAME == "attention"]
-    assert len(attentions) == 2 and {op.type.placement for op in attentions} == {Placement.CPU}
-    around = [ops[a.v] for a in attentions] + [op for op in ops.values() if op.NAME == "linear" and op.x in ops
-                                               and ops[op.x].NAME == "attention"]
-    assert len(around) == 4 and {op.type.placement for op in around} == {Placement.GPU}
+    assert len(attentions) == 2 and {op.type.placement for op in attentions} == {Placement.GPU}
+    assert all(op.appended_by_rope and f"_4x2x16_v12_ctx{ctx}" in op.kernel for op in attentions)
+    assert {ops[op.q].kernel.split("_append")[1] for op in attentions} == {f"_ctx{ctx}_v24"}  # 2 KV heads of 12
     with PibFile(path) as f:
-        plan = f.plan()
-    assert [(b.device, b.nbytes) for b in plan.buffers if b.kind == "kv-cache"] == [("cpu", 64 * 2 * (16 + 12) * 2)] * 2
-    assert [n for n in plan.notes if "attention" in n] == [
-        "layers 0..1: attention and its KV cache on the CPU (value heads of v_head_dim features, not head_dim's: "
-        "no GPU kernel)"]
+        plan, launches = f.plan(), f.json("gpu/launches")
+    k_bytes = ctx * 2 * 16 * 4
+    caches = [b for b in plan.buffers if b.kind == "kv-cache"]
+    assert [(b.device, b.nbytes) for b in caches] == [("gpu", k_bytes + ctx * 2 * 12 * 4)] * 2
+    assert not [n for n in plan.notes if "attention" in n]
+    for att, cache in zip(attentions, caches, strict=True):
+        (call,) = launches[att.result]  # the attention alone: its k rope's launch appends the rows
+        (pair,) = launches[att.q]
+        for args in (call["args"], pair["args"]):
+            kv = {a["param"]: (a["offset"], a["shape"]) for a in args if a["param"].endswith("_cache")}
+            assert kv == {"k_cache": (cache.offset, [ctx, 32]), "v_cache": (cache.offset + k_bytes, [ctx, 24])}
     target = load_target("pc-low")
-    reads = [build_report(pib.module, pib.weights, target, plan_memory(pib.module, pib.weights, ctx=ctx,
+    reads = [build_report(pib.module, pib.weights, target, plan_memory(pib.module, pib.weights, ctx=n,
                                                                       budget=plan.budget))["bytes_per_token"]
-             for ctx in (64, 128)]
-    assert reads[1] - reads[0] == 2 * 64 * 2 * (16 + 12) * 2 // 2  # layers, positions, KV heads, k + v, f16, half
-    on_gpu = replace(attentions[0], type=replace(attentions[0].type, placement=Placement.GPU))
-    with pytest.raises(PiccError, match="has no GPU kernel: value heads of 12 features, key heads of 16"):
-        gpu_kernel(on_gpu, Types(pib.module.function().value_types(), pib.module.weight_types()), 64)
-    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+             for n in (64, 128)]
+    assert reads[1] - reads[0] == 2 * 64 * 2 * (16 + 12) * 4 // 2  # layers, positions, KV heads, k + v, f32, half
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 128, size=ctx - 10)]  # chunks of 32, a rest
+    reference = Interpreter(pib.module, pib.weights).run([*prompt, 7])
     with Session(path, threads=2, gpu="emulate") as session:
-        assert rel_err(session.feed(TOKENS, all_logits=True), reference) <= 1e-4
+        for token, row in zip(prompt[:8], reference, strict=False):  # a step a token
+            assert rel_err(session.feed([token]), row) <= 1e-4
+        session.reset()
+        assert rel_err(session.feed(prompt, all_logits=True), reference[: len(prompt)]) <= 1e-4
+        session.reset()
+        assert rel_err(session.feed(prompt), reference[len(prompt) - 1]) <= 1e-4  # the prefill programs, a step
+        assert rel_err(session.feed([7]), reference[len(prompt)]) <= 1e-4
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2"])
@@ -358,8 +378,8 @@ def test_a_mixtures_experts_stay_on_the_cpu_beside_the_gpus_layers(tmp_path, mon
     # The GPU has no kernel for a mixture of experts: compiled for pc-low, the attention runs on
     # the (emulated) GPU and each layer's experts on the CPU in between, their weights in the
     # CPU's memory; the logits are the interpreter's. gpt-oss: its sinks on the GPU with the
-    # attention, its experts' biases on the CPU with them. DeepSeek V2's latent attention stays on
-    # the CPU too (values narrower than keys: no GPU kernel), its projections on the GPU.
+    # attention, its experts' biases on the CPU with them. DeepSeek V2's latent attention (values
+    # narrower than keys, keys joined head by head) on the GPU too.
     from hf_models import make_model
 
     from picc.frontend import load_model
@@ -371,8 +391,7 @@ def test_a_mixtures_experts_stay_on_the_cpu_beside_the_gpus_layers(tmp_path, mon
                                  say=lambda _: None), path)
     pib = load_pib(path)
     where = {op.NAME: op.type.placement for op in pib.module.ops() if op.NAME in ("attention", "moe")}
-    attention = Placement.CPU if family == "deepseek_v2" else Placement.GPU
-    assert where == {"attention": attention, "moe": Placement.CPU}
+    assert where == {"attention": Placement.GPU, "moe": Placement.CPU}
     experts = {w.name: w.type.placement for w in pib.module.weights if ".moe." in w.name}
     assert experts and set(experts.values()) == {Placement.CPU}
     sinks = {w.type.placement for w in pib.module.weights if w.name.endswith(".attn.sinks")}

@@ -144,11 +144,13 @@ class _LaunchChecker:
             visitor.visit(node.body)
 
     def _assuming(self, condition: Expr) -> AbstractContextManager[object]:
-        """Assume ``condition`` inside, where it is one boolean (a vector says nothing alone)."""
+        """Assume ``condition`` inside, where it is one boolean (a vector says nothing alone),
+        simplified first: the analyzer's bounds read ``a <= b`` but not ``!(b < a)``, an else
+        branch's condition."""
         condition = condition.value if isinstance(condition, tirx.Broadcast) else condition
         if _dtype(condition).lanes > 1:
             return nullcontext()
-        return self.analyzer.constraint_scope(self._abstract(condition))
+        return self.analyzer.constraint_scope(self.analyzer.rewrite_simplify(self._abstract(condition)))
 
     def _abstract(self, expr: Expr) -> Expr:
         """``expr`` with every buffer load replaced by a variable for its value, and shifts and

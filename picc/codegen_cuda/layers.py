@@ -4,8 +4,10 @@ All take a sequence dimension ``seq`` (1 for decode, the prompt length for prefi
 ``picc.interpreter`` exactly: norms over the last axis; rotary angles ``pos * inv_freq`` in
 float32 with ``inv_freq`` passed in (:func:`rope_table`: ``Rope.inv_freq()``, so every scaling
 variant is covered, and the factor the cosines and sines are multiplied by);
-attention with grouped K/V heads over a float32 cache ``[max_ctx, n_kv_heads * head_dim]``, the
-query at position ``p`` seeing cached positions ``j <= p`` (and ``p - j < window``).
+attention with grouped K/V heads over float32 caches ``[max_ctx, n_kv_heads * head_dim]`` (the
+values' ``[max_ctx, n_kv_heads * v_head_dim]``, where they are narrower than the keys: DeepSeek's
+MLA decompressed), the query at position ``p`` seeing cached positions ``j <= p`` (and
+``p - j < window``).
 """
 
 from __future__ import annotations
@@ -91,13 +93,15 @@ def rope(name: str, seq: int, n_heads: int, head_dim: int, rotary_dim: int | Non
 
 
 def rope_pair(name: str, n_first: int, n_second: int, head_dim: int, rotary_dim: int | None = None,
-              style: str = "llama", append_ctx: int | None = None) -> Kernel:
+              style: str = "llama", append_ctx: int | None = None, v_width: int | None = None) -> Kernel:
     """:func:`rope` of two vectors at one position in one launch (a layer's q and k): ``x1``
     [1, n_first * head_dim] and ``x2`` [1, n_second * head_dim] -> ``y1``, ``y2``, the same values
     as two ``rope`` calls. With ``append_ctx``, the launch is also :func:`kv_append`'s: ``y2`` and
-    ``v`` [1, n_second * head_dim] go to row ``pos`` of ``k_cache`` and ``v_cache`` [append_ctx,
-    n_second * head_dim] (inout). One block of threads over both vectors' features; a thread
-    writes one feature of one of them."""
+    ``v`` [1, v_width] (``v_width``: values narrower than keys, DeepSeek's; else n_second *
+    head_dim) go to row ``pos`` of ``k_cache`` [append_ctx, n_second * head_dim] and ``v_cache``
+    [append_ctx, v_width] (inout). One block of threads over both vectors' features (and the
+    values' past ``y2``'s, where they are wider); a thread writes one feature of one of them, a
+    thread of ``y2``'s also that feature of the cache rows that have it."""
     check_positive(n_first=n_first, n_second=n_second, head_dim=head_dim)
     rot = head_dim if rotary_dim is None else rotary_dim
     if style not in ROPE_STYLES or rot % 2 or not 0 < rot <= head_dim:
@@ -125,25 +129,29 @@ def rope_pair(name: str, n_first: int, n_second: int, head_dim: int, rotary_dim:
                         y2[0, vc - w1] = rotate(x2, vc - w1, pos[0], inv_freq)
 
         return kernel_from_func(name, "elementwise", func, roles)
-    check_positive(append_ctx=append_ctx)
+    vw = w2 if v_width is None else v_width
+    check_positive(append_ctx=append_ctx, v_width=vw)
+    wide = w1 + max(w2, vw)
 
     @T.prim_func(s_tir=True)
     def appending(x1: T.Buffer((1, w1), "float32"), x2: T.Buffer((1, w2), "float32"),
-                  v: T.Buffer((1, w2), "float32"), pos: T.Buffer((1,), "int32"),
+                  v: T.Buffer((1, vw), "float32"), pos: T.Buffer((1,), "int32"),
                   inv_freq: T.Buffer((half + 1,), "float32"), y1: T.Buffer((1, w1), "float32"),
                   y2: T.Buffer((1, w2), "float32"), k_cache: T.Buffer((append_ctx, w2), "float32"),
-                  v_cache: T.Buffer((append_ctx, w2), "float32")):
-        for c in range(w1 + w2):
+                  v_cache: T.Buffer((append_ctx, vw), "float32")):
+        for c in range(wide):
             with T.sblock("y"):
-                vc = T.axis.spatial(w1 + w2, c)
-                T.reads(x1[0, 0:w1], x2[0, 0:w2], v[0, 0:w2], pos[0], inv_freq[0 : half + 1])
-                T.writes(y1[0, 0:w1], y2[0, 0:w2], k_cache[pos[0], 0:w2], v_cache[pos[0], 0:w2])
+                vc = T.axis.spatial(wide, c)
+                T.reads(x1[0, 0:w1], x2[0, 0:w2], v[0, 0:vw], pos[0], inv_freq[0 : half + 1])
+                T.writes(y1[0, 0:w1], y2[0, 0:w2], k_cache[pos[0], 0:w2], v_cache[pos[0], 0:vw])
                 if vc < w1:
                     y1[0, vc] = rotate(x1, vc, pos[0], inv_freq)
                 else:
-                    y2[0, vc - w1] = rotate(x2, vc - w1, pos[0], inv_freq)
-                    k_cache[pos[0], vc - w1] = rotate(x2, vc - w1, pos[0], inv_freq)
-                    v_cache[pos[0], vc - w1] = v[0, vc - w1]
+                    if vc - w1 < w2:
+                        y2[0, vc - w1] = rotate(x2, vc - w1, pos[0], inv_freq)
+                        k_cache[pos[0], vc - w1] = rotate(x2, vc - w1, pos[0], inv_freq)
+                    if vc - w1 < vw:
+                        v_cache[pos[0], vc - w1] = v[0, vc - w1]
 
     return kernel_from_func(name, "elementwise", appending,
                             {**roles, "v": "in", "k_cache": "inout", "v_cache": "inout"})
@@ -228,61 +236,72 @@ def merge(name: str, n: int, bias: bool, residual: bool = False) -> Kernel:
     return make_kernel(name, "elementwise", [*args, (y, "out")])
 
 
-def kv_append(name: str, seq: int, width: int, max_ctx: int) -> Kernel:
-    """Write ``k``, ``v`` [seq, width] into rows ``pos`` of the caches [max_ctx, width], in place."""
-    check_positive(seq=seq, width=width, max_ctx=max_ctx)
+def kv_append(name: str, seq: int, width: int, max_ctx: int, v_width: int | None = None) -> Kernel:
+    """Write ``k`` [seq, width] and ``v`` [seq, v_width] (``v_width``: values narrower than keys,
+    DeepSeek's; else ``width``) into rows ``pos`` of ``k_cache`` [max_ctx, width] and ``v_cache``
+    [max_ctx, v_width], in place. A thread takes feature ``c`` of both rows, where each has it."""
+    vw = width if v_width is None else v_width
+    check_positive(seq=seq, width=width, v_width=vw, max_ctx=max_ctx)
+    wide = max(width, vw)
 
     @T.prim_func(s_tir=True)
-    def func(k: T.Buffer((seq, width), "float32"), v: T.Buffer((seq, width), "float32"),
+    def func(k: T.Buffer((seq, width), "float32"), v: T.Buffer((seq, vw), "float32"),
              pos: T.Buffer((seq,), "int32"), k_cache: T.Buffer((max_ctx, width), "float32"),
-             v_cache: T.Buffer((max_ctx, width), "float32")):
-        for s, c in T.grid(seq, width):
+             v_cache: T.Buffer((max_ctx, vw), "float32")):
+        for s, c in T.grid(seq, wide):
             with T.sblock("append"):
                 vs, vc = T.axis.remap("SS", [s, c])
-                T.reads(k[vs, vc], v[vs, vc], pos[vs])
-                T.writes(k_cache[pos[vs], vc], v_cache[pos[vs], vc])
-                k_cache[pos[vs], vc] = k[vs, vc]
-                v_cache[pos[vs], vc] = v[vs, vc]
+                T.reads(k[vs, 0:width], v[vs, 0:vw], pos[vs])
+                T.writes(k_cache[pos[vs], 0:width], v_cache[pos[vs], 0:vw])
+                if vc < width:
+                    k_cache[pos[vs], vc] = k[vs, vc]
+                if vc < vw:
+                    v_cache[pos[vs], vc] = v[vs, vc]
 
     roles = {"k": "in", "v": "in", "pos": "in", "k_cache": "inout", "v_cache": "inout"}
     return kernel_from_func(name, "elementwise", func, roles)
 
 
 def attention(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int,
-              scale: float, window: int | None = None, softcap: float | None = None, sinks: bool = False) -> Kernel:
+              scale: float, window: int | None = None, softcap: float | None = None, sinks: bool = False,
+              v_head_dim: int | None = None) -> Kernel:
     """Causal GQA attention of q [seq, n_heads * head_dim] over the caches (after ``kv_append``).
 
-    Parameters: ``q``, ``pos`` [seq] i32, ``k_cache``, ``v_cache`` [max_ctx, n_kv * head_dim],
-    (with ``sinks``: a logit per query head, ``sinks`` [n_heads]), scratch ``scores`` [seq,
-    n_heads, max_ctx], ``smax`` and ``ssum`` [seq, n_heads], ``probs`` [seq, n_heads, max_ctx],
-    output ``out`` [seq, n_heads * head_dim]. Scores of invisible positions are never computed
-    (their scratch entries hold 0). Five launches on the GPU, one a stage; ``attention_decode``
-    is the one-launch kernel of a decode step.
+    Parameters: ``q``, ``pos`` [seq] i32, ``k_cache`` [max_ctx, n_kv * head_dim], ``v_cache``
+    [max_ctx, n_kv * dv], (with ``sinks``: a logit per query head, ``sinks`` [n_heads]), scratch
+    ``scores`` [seq, n_heads, max_ctx], ``smax`` and ``ssum`` [seq, n_heads], ``probs`` [seq,
+    n_heads, max_ctx], output ``out`` [seq, n_heads * dv]; ``dv`` is ``v_head_dim`` where the value
+    heads are narrower than the key heads (DeepSeek's MLA decompressed), else head_dim. Scores of
+    invisible positions are never computed (their scratch entries hold 0). Five launches on the
+    GPU, one a stage; ``attention_decode`` is the one-launch kernel of a decode step.
     """
-    t = _attention_stages(name, seq, n_heads, n_kv_heads, head_dim, max_ctx, scale, window, softcap, sinks)
+    t = _attention_stages(name, seq, n_heads, n_kv_heads, head_dim, max_ctx, scale, window, softcap, sinks,
+                          v_head_dim)
     args = [*_attention_inputs(t), (t["scores"], "scratch"), (t["smax"], "scratch"), (t["ssum"], "scratch"),
             (t["probs"], "scratch"), (t["out"], "out")]
     return make_kernel(name, "attention", args, guards={"scores": _scores_guard(window)},
-                       options={"head_dim": head_dim})
+                       options={"v_head_dim": v_head_dim or head_dim})
 
 
 def attention_decode(name: str, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, scale: float,
-                     window: int | None = None, softcap: float | None = None, sinks: bool = False) -> Kernel:
+                     window: int | None = None, softcap: float | None = None, sinks: bool = False,
+                     v_head_dim: int | None = None) -> Kernel:
     """``attention`` of one query (seq = 1) in one GPU launch: the same stages, but the scores,
     softmax statistics and probabilities are the kernel's own (shared memory on the GPU, a block
     per head; ``schedules_attention.schedule_attention_decode``), so it takes no scratch.
 
-    Parameters: ``q`` [1, n_heads * head_dim], ``pos`` [1] i32, ``k_cache``, ``v_cache``
-    [max_ctx, n_kv * head_dim], (with ``sinks``: ``sinks`` [n_heads]), output ``out`` [1,
-    n_heads * head_dim]. Use it only where ``attention_decode_fits(max_ctx)``.
+    Parameters: ``q`` [1, n_heads * head_dim], ``pos`` [1] i32, ``k_cache`` [max_ctx, n_kv *
+    head_dim], ``v_cache`` [max_ctx, n_kv * dv], (with ``sinks``: ``sinks`` [n_heads]), output
+    ``out`` [1, n_heads * dv] (``dv`` as in ``attention``). Use it only where
+    ``attention_decode_fits(max_ctx)``.
     """
     if not attention_decode_fits(max_ctx):
         raise PiccError(f"{name}: a one-launch decode attention over max_ctx={max_ctx} positions does not fit "
                         f"in shared memory (or its tiles); use attention")
-    t = _attention_stages(name, 1, n_heads, n_kv_heads, head_dim, max_ctx, scale, window, softcap, sinks)
+    t = _attention_stages(name, 1, n_heads, n_kv_heads, head_dim, max_ctx, scale, window, softcap, sinks, v_head_dim)
     args = [*_attention_inputs(t), (t["out"], "out")]
     return make_kernel(name, "attention_decode", args, guards={"scores": _scores_guard(window)},
-                       options={"head_dim": head_dim})
+                       options={"v_head_dim": v_head_dim or head_dim})
 
 
 def attention_decode_fits(max_ctx: int) -> bool:
@@ -298,22 +317,24 @@ def _attention_inputs(t: dict[str, te.Tensor]) -> list[tuple[te.Tensor, str]]:
 
 def _attention_stages(name: str, seq: int, n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int,
                       scale: float, window: int | None, softcap: float | None = None,
-                      sinks: bool = False) -> dict[str, te.Tensor]:
+                      sinks: bool = False, v_head_dim: int | None = None) -> dict[str, te.Tensor]:
     """The tensors of attention by name: placeholders ``q``, ``pos``, ``k_cache``, ``v_cache``
     (and ``sinks`` [n_heads] with ``sinks``) and the stages ``scores``, ``smax``, ``ssum``,
     ``probs``, ``out`` (the arithmetic of ``picc.interpreter.attention``, the scores soft-capped
-    where ``softcap`` is given). A sink joins where the maximum and the sum are read, not in
+    where ``softcap`` is given). Keys are ``head_dim`` wide, values and the output's heads
+    ``v_head_dim`` (when given). A sink joins where the maximum and the sum are read, not in
     their reductions (a reduction is a stage's whole body): ``probs`` divides by ``ssum`` plus
     the sink's term, both against ``max(smax, sink)``."""
-    check_positive(seq=seq, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, max_ctx=max_ctx)
+    dv = head_dim if v_head_dim is None else v_head_dim
+    check_positive(seq=seq, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, v_head_dim=dv,
+                   max_ctx=max_ctx)
     if n_heads % n_kv_heads:
         raise PiccError(f"{name}: n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
     group, d = n_heads // n_kv_heads, head_dim
-    width = n_kv_heads * d
     q = te.placeholder((seq, n_heads * d), "float32", name="q")
     pos = te.placeholder((seq,), "int32", name="pos")
-    kc = te.placeholder((max_ctx, width), "float32", name="k_cache")
-    vc = te.placeholder((max_ctx, width), "float32", name="v_cache")
+    kc = te.placeholder((max_ctx, n_kv_heads * d), "float32", name="k_cache")
+    vc = te.placeholder((max_ctx, n_kv_heads * dv), "float32", name="v_cache")
     sk = te.placeholder((n_heads,), "float32", name="sinks") if sinks else None
 
     def visible(s: PrimExpr, j: PrimExpr) -> PrimExpr:
@@ -350,8 +371,8 @@ def _attention_stages(name: str, seq: int, n_heads: int, n_kv_heads: int, head_d
     # stage then reads them instead of recomputing exp in every one of its head_dim threads.
     probs = te.compute((seq, n_heads, max_ctx), lambda s, h, j: weight(s, h, j) / total(s, h), name="probs")
     jo = te.reduce_axis((0, max_ctx), name="jo")
-    out = te.compute((seq, n_heads * d), lambda s, c: te.sum(tirx.if_then_else(
-        visible(s, jo), probs[s, c // d, jo] * vc[jo, (c // d // group) * d + c % d], f32(0)),
+    out = te.compute((seq, n_heads * dv), lambda s, c: te.sum(tirx.if_then_else(
+        visible(s, jo), probs[s, c // dv, jo] * vc[jo, (c // dv // group) * dv + c % dv], f32(0)),
         axis=jo), name="out")
     stages = {"q": q, "pos": pos, "k_cache": kc, "v_cache": vc, "scores": scores, "smax": smax, "ssum": ssum,
               "probs": probs, "out": out}

@@ -91,9 +91,13 @@ class _Binder:
         b = self._buffer(name)
         return _binding(kernel, param, b.offset, b.nbytes)
 
-    def kv(self, cache: str, half: int, param: str, kernel: Kernel) -> Binding:
-        b = self._buffer(f"kv.{cache}")
-        return _binding(kernel, param, b.offset + half * b.nbytes // 2, b.nbytes // 2)
+    def kv(self, op: O.Attention, part: str, param: str, kernel: Kernel) -> Binding:
+        """``op``'s keys (``part`` "k") or values ("v") in its KV cache: the k rows of every
+        position, then the v rows (narrower where ``v_head_dim`` is: ``memory_plan.kv_cache_bytes``)."""
+        b = self._buffer(f"kv.{op.cache}")
+        k_bytes = mp.kv_cache_bytes(op, self.plan.ctx, "k")
+        at, room = (0, k_bytes) if part == "k" else (k_bytes, b.nbytes - k_bytes)
+        return _binding(kernel, param, b.offset + at, room)
 
     def scratch(self, op: Op, kernel: Kernel, params: tuple[str, ...], slots: tuple[str, ...] = ()) -> list[Binding]:
         """Kernel parameters ``params`` bound to the op's workspace buffers of the same names (or
@@ -140,12 +144,12 @@ class _Lowering:
         KV cache rows of the attention they feed when that is ``appended_by_rope``."""
         b = self.bind
         att = self.appends.get(second.result)
-        ctx = self.ctx if att is not None else None
+        ctx, v_width = (self.ctx, self.width(att.v)) if att is not None else (None, None)
         k = self.kernel(name, lambda: layers.rope_pair(name, first.n_heads, second.n_heads, first.head_dim,
-                                                       first.rotated, first.style, ctx))
+                                                       first.rotated, first.style, ctx, v_width))
         self.out.constants[f"rope.{first.result}"] = layers.rope_table(first)
         v = [b.value(att.v, "v", k)] if att is not None else []
-        caches = [b.kv(att.cache, 0, "k_cache", k), b.kv(att.cache, 1, "v_cache", k)] if att is not None else []
+        caches = [b.kv(att, "k", "k_cache", k), b.kv(att, "v", "v_cache", k)] if att is not None else []
         self.launch(first, k, [b.value(first.x, "x1", k), b.value(second.x, "x2", k), *v, b.value(first.pos, "pos", k),
                                b.constant(f"rope.{first.result}", "inv_freq", k), b.value(first.result, "y1", k),
                                b.value(second.result, "y2", k), *caches])
@@ -255,14 +259,14 @@ class _Lowering:
 
     def attention(self, op: O.Attention, name: str) -> None:
         b = self.bind
-        width = self.width(op.k)
+        width, v_width = self.width(op.k), self.width(op.v)  # v narrower where v_head_dim is
         if not op.appended_by_rope:  # else the launch that rotates k writes the cache rows
-            append = names.gpu_kv_append(width, self.ctx)
-            ka = self.kernel(append, lambda: layers.kv_append(append, 1, width, self.ctx))
+            append = names.gpu_kv_append(width, self.ctx, v_width)
+            ka = self.kernel(append, lambda: layers.kv_append(append, 1, width, self.ctx, v_width))
             self.launch(op, ka, [b.value(op.k, "k", ka), b.value(op.v, "v", ka), b.value(op.pos, "pos", ka),
-                                 b.kv(op.cache, 0, "k_cache", ka), b.kv(op.cache, 1, "v_cache", ka)])
+                                 b.kv(op, "k", "k_cache", ka), b.kv(op, "v", "v_cache", ka)])
         shape = (op.n_heads, op.n_kv_heads, op.head_dim, self.ctx, op.scale, op.window, op.softcap,
-                 op.sinks is not None)
+                 op.sinks is not None, op.v_dim)
         # One launch where the head's scores fit in shared memory; else five, through scratch.
         fused = layers.attention_decode_fits(self.ctx)
         if fused:
@@ -271,8 +275,8 @@ class _Lowering:
             k = self.kernel(name, lambda: layers.attention(name, 1, *shape))
         scratch = [] if fused else b.scratch(op, k, ("scores", "smax", "ssum", "probs"))
         sinks = [b.vector(op.sinks, "sinks", k)] if op.sinks else []
-        self.launch(op, k, [b.value(op.q, "q", k), b.value(op.pos, "pos", k), b.kv(op.cache, 0, "k_cache", k),
-                            b.kv(op.cache, 1, "v_cache", k), *sinks, *scratch, b.value(op.result, "out", k)])
+        self.launch(op, k, [b.value(op.q, "q", k), b.value(op.pos, "pos", k), b.kv(op, "k", "k_cache", k),
+                            b.kv(op, "v", "v_cache", k), *sinks, *scratch, b.value(op.result, "out", k)])
 
     def predict(self, op: Predict, name: str) -> None:
         b = self.bind

@@ -52,13 +52,13 @@ def schedule_attention(sch: s_tir.Schedule, kernel: Kernel, threads: int) -> Non
     # out: a block per (query, head), a thread per feature (V rows are read coalesced) and
     # ``threadIdx.y`` taking every ``split``-th position, merged through shared memory: the
     # positions' loop is ``split`` times shorter than one thread walking all of them.
-    head_dim = kernel.options["head_dim"]
+    dv = kernel.options["v_head_dim"]  # features of an output head: a value head's
     s, c, j = sch.get_loops(sch.get_sblock("out"))
-    split = power_of_two_divisor(int(sch.get(j).extent), max(1, min(8, 1024 // head_dim)))
+    split = power_of_two_divisor(int(sch.get(j).extent), max(1, min(8, 1024 // dv)))
     jo, jy = sch.split(j, [None, split])
     rf = sch.rfactor(jy, 0)
     s, c, jo, jy = sch.get_loops(rf)
-    head, lane = sch.split(c, [None, head_dim])
+    head, lane = sch.split(c, [None, dv])
     sch.reorder(s, head, lane, jy, jo)
     sch.bind(sch.fuse(s, head), "blockIdx.x")
     sch.bind(lane, "threadIdx.x")
@@ -73,8 +73,9 @@ def schedule_attention(sch: s_tir.Schedule, kernel: Kernel, threads: int) -> Non
 def decode_tiles(head_dim: int, max_ctx: int, threads: int = DECODE_THREADS) -> tuple[int, int]:
     """``(tx, ty)``: the thread block of ``schedule_attention_decode``, at most ``threads``.
 
-    ``tx`` threads take adjacent features of the output (coalesced V reads) and ``ty`` split its
-    positions; the other stages take ``tx * ty`` positions at a time. Both are powers of two that
+    ``tx`` threads take adjacent features of the output (coalesced V reads; ``head_dim`` is an
+    output head's, a value head's) and ``ty`` split its positions; the other stages take
+    ``tx * ty`` positions at a time. Both are powers of two that
     divide their loops (``power_of_two_divisor``): ``tx`` divides head_dim and max_ctx, ``ty``
     divides max_ctx / tx, so no thread has a feature or position past the buffers. ``tx`` is at
     most half of max_ctx, so that ``ty`` is at least 2 (TVM cannot merge an output split one way).
@@ -89,9 +90,9 @@ def schedule_attention_decode(sch: s_tir.Schedule, kernel: Kernel, threads: int 
     ``out`` fixes the block (its head loop is ``blockIdx.x``); its producers are then placed
     under that loop, consumers first, as ``compute_at`` requires.
     """
-    head_dim, max_ctx = kernel.options["head_dim"], kernel.param("k_cache").shape[0]
-    tx, ty = decode_tiles(head_dim, max_ctx, threads)
-    head = _decode_out(sch, head_dim, tx, ty)
+    dv, max_ctx = kernel.options["v_head_dim"], kernel.param("k_cache").shape[0]  # an output head's features
+    tx, ty = decode_tiles(dv, max_ctx, threads)
+    head = _decode_out(sch, dv, tx, ty)
     for name, scope in (("probs", "shared"), ("ssum", "local"), ("smax", "local")):
         block = sch.get_sblock(name)
         sch.compute_at(block, head, preserve_unit_loops=True)
@@ -110,11 +111,11 @@ def _over_positions(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV, tx: int, t
 
 
 def _decode_out(sch: s_tir.Schedule, head_dim: int, tx: int, ty: int) -> s_tir.schedule.LoopRV:
-    """``out[c] = sum_j probs[j] * V[j, c]``: a block per head, thread ``x`` takes the
-    ``head_dim / tx`` adjacent features from ``x * head_dim / tx`` (one vector load of a V row where
-    that is 2 or 4, and a warp reads adjacent bytes), thread ``y`` every ``ty``-th position, in registers
-    (``rfactor``), and a shared-memory reduction over ``threadIdx.y`` merges them. Returns the
-    head loop, bound to ``blockIdx.x``."""
+    """``out[c] = sum_j probs[j] * V[j, c]`` (``head_dim``: a value head's features): a block per
+    head, thread ``x`` takes the ``head_dim / tx`` adjacent features from ``x * head_dim / tx``
+    (one vector load of a V row where that is 2 or 4, and a warp reads adjacent bytes), thread
+    ``y`` every ``ty``-th position, in registers (``rfactor``), and a shared-memory reduction
+    over ``threadIdx.y`` merges them. Returns the head loop, bound to ``blockIdx.x``."""
     _, _, j = sch.get_loops(sch.get_sblock("out"))
     _, jy = sch.split(j, [None, ty])
     rf = sch.rfactor(jy, 0)

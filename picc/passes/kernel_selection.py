@@ -111,9 +111,9 @@ def gpu_kernel(op: Op, t: Types, ctx: int, residual: bool = False) -> str:  # no
         case O.ConcatHeads():
             return names.gpu_concat_heads(op.n_heads, t.width(op.a) // op.a_dim, op.a_dim, t.width(op.b) // op.b_dim,
                                           op.b_dim)
-        case O.Attention() if op.alibi == "none" and op.kv_format == "f32" and op.v_dim == op.head_dim:
+        case O.Attention() if op.alibi == "none" and op.kv_format == "f32":
             return names.gpu_attention(op.n_heads, op.n_kv_heads, op.head_dim, ctx, op.window, op.scale, op.softcap,
-                                       op.sinks is not None)
+                                       op.sinks is not None, op.v_dim)
         case O.Add():
             return names.gpu_add(t.width(op.result))
         case O.Softcap():
@@ -127,21 +127,9 @@ def gpu_kernel(op: Op, t: Types, ctx: int, residual: bool = False) -> str:  # no
                                  op.fc2_bias is not None)
         case FusedFFN():
             return gpu_kernel_of_ffn(op, t, hint, residual)
-    if isinstance(op, O.Attention) and (why := gpu_attention_unsupported(op)):
-        raise _no_kernel(op, "GPU", f": {why}; partition-neurons keeps it on the CPU")
     if isinstance(op, O.Attention):
         raise _no_kernel(op, "GPU", " for ALiBi" + hint)
     raise _no_kernel(op, "GPU", hint)
-
-
-def gpu_attention_unsupported(op: O.Attention) -> str | None:
-    """Why no GPU kernel computes the attention ``op`` wherever it is placed, or None: value heads
-    of another width than the key heads (``v_head_dim``, DeepSeek's MLA decompressed), which the
-    GPU's attention kernels, cache appends and caches (one row width for k and v) do not take.
-    ``partition-neurons`` keeps such attention on the CPU."""
-    if op.v_dim != op.head_dim:
-        return f"value heads of {op.v_dim} features, key heads of {op.head_dim} (the GPU's take one width)"
-    return None
 
 
 def gpu_ffn_unsupported(op: O.FFN | FusedFFN, formats: set[str | None]) -> str | None:

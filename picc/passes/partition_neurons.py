@@ -14,9 +14,7 @@ layers, or the ILP on the cost model (whose CPU reads FFN weights at :func:`ffn_
 the rate its kernels read each format, at most the memory's bandwidth); a layer whose FFN has
 no GPU kernel (down-only, dReLU or biased gate-first, mixed weight formats, mxfp4 weights) keeps
 all its neurons on the CPU, and so does any other op that reads an mxfp4 weight (gpt-oss's
-format, which only the CPU's kernels read), as a mixture of experts does, and an attention whose
-value heads are narrower than its key heads (``v_head_dim``, DeepSeek's MLA: no GPU kernel,
-``kernel_selection.gpu_attention_unsupported``), with its KV cache. A split layer's
+format, which only the CPU's kernels read), as a mixture of experts does. A split layer's
 neurons are permuted so that its GPU ("hot") neurons come first, and it becomes two ffn ops,
 ``%lN.ffn.out.hot`` on the GPU and ``%lN.ffn.out.cold`` on the CPU, each with its own rows of up / gate /
 down, whose outputs are added into the layer's value; its predictor's outputs are permuted to
@@ -45,7 +43,7 @@ from picc.ir.module import Function, Module, WeightDecl
 from picc.ir.sparse_ops import Predict, SparseFFN
 from picc.ir.types import DType, Placement, TensorType
 from picc.ir.weights import Tensor, WeightStore
-from picc.passes.kernel_selection import gpu_attention_unsupported, gpu_ffn_unsupported
+from picc.passes.kernel_selection import gpu_ffn_unsupported
 from picc.passes.options import PassOptions, option
 from picc.passes.registry import PassContext, register_pass
 from picc.placement import memory_plan as mp
@@ -208,11 +206,6 @@ def _reads_mxfp4(op: Op, weights: WeightStore) -> bool:
     return any(weights[w].dtype == DType.MXFP4 for w in op.weights() if w is not None)
 
 
-def _cpu_attention(op: Op) -> bool:
-    """Whether ``op`` is an attention no GPU kernel computes (values narrower than keys)."""
-    return isinstance(op, O.Attention) and gpu_attention_unsupported(op) is not None
-
-
 def place(module: Module, weights: WeightStore, dense: DenseChoice, ffns: list[O.FFN],
           placement: NeuronPlacement) -> Module:
     """``module`` with every op and weight placed and split layers permuted and split."""
@@ -236,7 +229,7 @@ def place(module: Module, weights: WeightStore, dense: DenseChoice, ffns: list[O
             new = _split_ffn(op, placement, index[op.result], dense_where == GPU, weights, decls)
         elif isinstance(op, O.FFN):
             new = [replace(op, type=_placed(op.type, GPU if hot[op.result] else CPU))]
-        elif isinstance(op, O.MoE) or _reads_mxfp4(op, weights) or _cpu_attention(op):  # no GPU kernel: on the CPU
+        elif isinstance(op, O.MoE) or _reads_mxfp4(op, weights):  # no GPU kernel: its weights stay on the CPU
             new = [replace(op, type=_placed(op.type, CPU))]
         elif isinstance(op, Predict) and op.ffn in split:
             perm = placement.layers[index[op.ffn]].perm

@@ -287,8 +287,9 @@ def select_kernels(module: Module, ctx: PassContext[SelectOptions]) -> Module:
         att = next((n for n, op in enumerate(named) if isinstance(op, O.Attention) and op.q == first.result
                     and op.k == second.result and op.type.placement == Placement.GPU
                     and index.get(op.v, j) < j and named[index[op.v]].type.placement == Placement.GPU), None)
+        v_width = types.width(named[att].v) if att is not None else None  # narrower than k's where v_head_dim is
         pair = names.gpu_rope_pair(first.style, first.n_heads, second.n_heads, first.head_dim, first.rotated,
-                                   kv_ctx if att is not None else None)
+                                   kv_ctx if att is not None else None, v_width)
         named[j] = replace(first, kernel=pair)
         named[i] = replace(second, kernel=pair, launched_with=first.result)
         if att is not None:

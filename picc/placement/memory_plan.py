@@ -256,21 +256,15 @@ def placement_notes(func: Function) -> tuple[str, ...]:
     notes = []
     layers: set[int] = set()
     cpu_dense_set: set[int] = set()
-    narrow: list[int] = []  # layers whose attention partition-neurons keeps on the CPU (its v_head_dim)
     for op in func.ops:
         if (i := op.block) is not None:
             layers.add(i)
-            if isinstance(op, O.Attention) and op.v_dim != op.head_dim and on_cpu(op):
-                narrow.append(i)
-            elif on_cpu(op) and not isinstance(op, O.FFN | FusedFFN | Merge):
+            if on_cpu(op) and not isinstance(op, O.FFN | FusedFFN | Merge):
                 cpu_dense_set.add(i)
     cpu_dense = sorted(cpu_dense_set)
     if cpu_dense:
         notes.append(f"layers {cpu_dense[0]}..{cpu_dense[-1]}: attention and norms on the CPU (the budget "
                      f"holds the dense parts of {len(layers) - len(cpu_dense)} of {len(layers)} layers)")
-    if narrow:
-        notes.append(f"layers {narrow[0]}..{narrow[-1]}: attention and its KV cache on the CPU (value heads of "
-                     "v_head_dim features, not head_dim's: no GPU kernel)")
     if on_cpu(func.ops[-1]):
         notes.append("the output norm and LM head are on the CPU")
     elif (cpu_ops := [op for op in func.ops if on_cpu(op)]) and all(isinstance(op, O.Embed) for op in cpu_ops):
