@@ -11,8 +11,10 @@ tokenizers, torch and the CUDA driver), so everything it needs is made here:
   h100 target split at 12 MiB, whole on the GPU, and on the CPU alone (the baseline the split
   one must beat); tiny Gemma 3 and Phi-4-mini-like models (transformers' layouts, random weights)
   whole on the GPU: the embedding kernel that scales its rows, the rope kernel that scales its
-  cosines and sines (longrope); tiny Gemma 2 (soft caps), Qwen3-MoE and gpt-oss (its attention's
-  sinks, yarn rope) models whose experts run on the CPU between the GPU's attention;
+  cosines and sines (longrope); tiny Gemma 2 (soft caps), Qwen3-MoE, gpt-oss (its attention's
+  sinks, yarn rope), DeepSeek V3 (its latent attention decompressed: keys joined head by head,
+  values narrower than keys, yarn rope) and GLM-4.7-Flash (values wider than keys) models whose
+  experts run on the CPU between the GPU's attention;
 * ``ref/cases.json`` and ``ref/<case>.npy``: per file, the interpreter's logits of a prompt (every
   position) and the host-emulated GPU's greedy tokens;
 * ``units/``: every distinct kernel of those files with the arena's contents before and after one
@@ -181,7 +183,8 @@ def main() -> None:
                 add(f"tiny_{mode}_{target}_{tag}", model, options(vram), TOKENS)
     for family, variant, tag in (("gemma3_text", "base", "whole"), ("phi3", "longrope-partial", "whole"),
                                  ("gemma2", "base", "whole"), ("qwen3_moe", "base", "moe-on-cpu"),
-                                 ("gpt_oss", "yarn", "moe-on-cpu")):
+                                 ("gpt_oss", "yarn", "moe-on-cpu"), ("deepseek_v3", "yarn", "moe-on-cpu"),
+                                 ("glm4_moe_lite", "base", "moe-on-cpu")):
         name = f"{family}_{variant}_h100_{tag}"
         if not wanted or name.startswith(wanted):
             make_model(family, variant, args.out / "hf" / family)

@@ -10,8 +10,8 @@ What lives on the GPU (each buffer starts at a multiple of ``runtime.plan.ARENA_
 * every weight declared ``@gpu`` (dense weights of the layers placed there, predictors, the hot
   part of each FFN, the LM head if placed) in the GPU layout of ``runtime.gpu_layout``: matrices
   in their storage format (block formats split into planes), vectors in f32;
-* the KV cache of every attention op placed there: ``ctx`` positions of K and V, f32 (a value
-  row ``v_head_dim`` wide where the op's values are narrower than its keys);
+* the KV cache of every attention op placed there: ``ctx`` positions of K, then of V, f32 (a
+  value row ``v_head_dim`` wide where the op's values are narrower than its keys);
 * constants the GPU kernels read: the rotary frequencies of every rope op placed there (and the
   factor of its cosines and sines: ``codegen_cuda.layers.rope_table``), the
   threshold of every predictor and gate-first FFN there, and the ones an unscaled gate-first FFN
