@@ -75,10 +75,10 @@ def decode_tiles(head_dim: int, max_ctx: int, threads: int = DECODE_THREADS) -> 
 
     ``tx`` threads take adjacent features of the output (coalesced V reads; ``head_dim`` is an
     output head's, a value head's) and ``ty`` split its positions; the other stages take
-    ``tx * ty`` positions at a time. Both are powers of two that
-    divide their loops (``power_of_two_divisor``): ``tx`` divides head_dim and max_ctx, ``ty``
-    divides max_ctx / tx, so no thread has a feature or position past the buffers. ``tx`` is at
-    most half of max_ctx, so that ``ty`` is at least 2 (TVM cannot merge an output split one way).
+    ``tx * ty`` positions at a time. Both are powers of two that divide their loops
+    (``power_of_two_divisor``): ``tx`` divides head_dim and max_ctx, ``ty`` divides max_ctx / tx,
+    so no thread has a feature or position past the buffers. ``tx`` is at most half of max_ctx,
+    so that ``ty`` is at least 2 (TVM cannot merge an output split one way).
     """
     tx = power_of_two_divisor(math.gcd(head_dim, max_ctx), min(64, threads, max_ctx // 2))
     return tx, power_of_two_divisor(max_ctx // tx, threads // tx)
