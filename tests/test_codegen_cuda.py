@@ -622,11 +622,12 @@ def test_a_live_axpy_trip_loads_its_rows_unconditionally_unless_a_bias_makes_dea
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_75", "sm_90"])
 def test_decode_attention_is_one_launch_that_nvcc_compiles(arch: str) -> None:
-    """relu-demo's shape (5 heads over one K/V head of 64, 512 positions) and LLaMA-7B's at the
-    longest cache the kernel takes: one ``__global__`` function, a block per head, no scratch, its
-    static shared memory under the 48 KiB a block gets without opting in, K read 16 bytes a load."""
-    for heads, kv_heads, d, ctx in ((5, 1, 64, 512), (32, 32, 128, 4096)):
-        kernel = attention_decode(f"decode_{heads}_{ctx}", heads, kv_heads, d, ctx, d**-0.5)
+    """relu-demo's shape (5 heads over one K/V head of 64, 512 positions), LLaMA-7B's and DeepSeek
+    V3's (keys of 192 features, values of 128) at the longest cache the kernel takes: one
+    ``__global__`` function, a block per head, no scratch, its static shared memory under the 48
+    KiB a block gets without opting in, K read 16 bytes a load."""
+    for heads, kv_heads, d, ctx, dv in ((5, 1, 64, 512, None), (32, 32, 128, 4096, None), (128, 128, 192, 4096, 128)):
+        kernel = attention_decode(f"decode_{heads}_{ctx}", heads, kv_heads, d, ctx, d**-0.5, v_head_dim=dv)
         art = build_cuda([kernel], arch, outputs=("ptx",))[kernel.name]
         assert art.entry_points == (f"{kernel.name}_kernel",)
         (launch,) = art.launches
