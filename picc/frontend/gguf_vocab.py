@@ -109,7 +109,10 @@ _LLAMA3_TYPE = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3"), _LLAMA3_TYPE),
     **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer((_LLAMA3,))),  # OLMo 2's
-    **dict.fromkeys(("glm4", "chatglm-bpe"), PreTokenizer((_LLAMA3,), bos=False)),  # GLM-4.5's, 4.7-Flash's
+    # GLM-4.5's and 4.7-Flash's; their tokenizer.json takes a whole piece that is a token (as llama.cpp
+    # since its fix for " \u738b"), GLM-4-9B's (chatglm-bpe) does not
+    "glm4": PreTokenizer((_LLAMA3,), ignore_merges=True, bos=False),
+    "chatglm-bpe": PreTokenizer((_LLAMA3,), bos=False),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), PreTokenizer((_QWEN2,))),
     **dict.fromkeys(("gpt-4o", "llama4"), PreTokenizer((_GPT4O,))),
     "deepseek-v3": PreTokenizer(_DEEPSEEK3),  # DeepSeek V3's, R1's
