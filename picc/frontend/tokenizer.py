@@ -32,7 +32,8 @@ without it reads as a tokenizer without a template.
 
 Loaders go through `transformers` so that ids match what
 `AutoTokenizer.from_pretrained(...)` gives, which the tests check; they never
-touch the network.
+touch the network. GGUF files of the architectures transformers refuses are
+read by `picc.frontend.gguf_vocab` instead, as llama.cpp reads them.
 """
 
 from __future__ import annotations
