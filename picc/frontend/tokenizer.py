@@ -32,7 +32,8 @@ without it reads as a tokenizer without a template.
 
 Loaders go through `transformers` so that ids match what
 `AutoTokenizer.from_pretrained(...)` gives, which the tests check; they never
-touch the network.
+touch the network. GGUF files of the architectures transformers refuses are
+read by `picc.frontend.gguf_vocab` instead, as llama.cpp reads them.
 """
 
 from __future__ import annotations
@@ -250,10 +251,13 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
 
     Built by transformers' GGUF conversion, which supports `tokenizer.ggml.model`
     "gpt2" (byte-level BPE, as in SmolLM2 and Llama 3), "llama" (sentencepiece)
-    and "t5"; its BOS rule comes from `tokenizer.ggml.add_bos_token`. The
-    conversion reads the whole vocabulary through Python (~15 s for SmolLM2's
-    49k tokens), so its result is cached (`$PICC_CACHE_DIR/tokenizers`), keyed
-    by the file's path, size and modification time and the transformers version.
+    and "t5"; its BOS rule comes from `tokenizer.ggml.add_bos_token`. Files of the
+    architectures transformers refuses (`gguf_vocab.OWN_VOCAB_ARCHS`: DeepSeek,
+    GLM-4.5, Granite, OLMo 2, ERNIE 4.5) are built by `picc.frontend.gguf_vocab`
+    instead, as llama.cpp reads them. The conversion reads the whole vocabulary
+    through Python (~15 s for SmolLM2's 49k tokens), so its result is cached
+    (`$PICC_CACHE_DIR/tokenizers`), keyed by the file's path, size and
+    modification time and the transformers version.
     """
     gguf_path = Path(path)
     if not gguf_path.is_file():
@@ -280,6 +284,15 @@ def _gguf_cache_path(gguf_path: Path) -> Path:
 
 
 def _convert_gguf_tokenizer(gguf_path: Path) -> Tokenizer:
+    from picc.frontend.gguf_file import GgufFile
+    from picc.frontend.gguf_vocab import OWN_VOCAB_ARCHS, tokenizer_from_metadata
+
+    try:
+        file = GgufFile(gguf_path)
+    except (OSError, ValueError):  # not a GGUF file: transformers says so, in the error below
+        file = None
+    if file is not None and file.get("general.architecture") in OWN_VOCAB_ARCHS:
+        return tokenizer_from_metadata(file.get, gguf_path)
     with _transformers_offline() as transformers, _readable_by_transformers(gguf_path) as readable:
         try:
             hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
