@@ -5,8 +5,10 @@
 The file is ``bench/synthetic_model.py``'s ``moe`` shape (hidden 1024, 8 layers, each FFN
 ``--experts`` experts of 1024 neurons, ``--experts-used`` a token; Q4_0 matrices, F32 routers: a
 Mixtral-style ``llama`` file; ``--arch gpt-oss``: a gpt-oss file of that shape, MXFP4 experts with
-biases, sinks, every other layer sliding, yarn), written once into ``build/bench``. picc compiles it for this host
-(``picc compile --target cpu``, its default choices); llama.cpp runs it through llama-cpp-python.
+biases, sinks, every other layer sliding, yarn; ``--arch deepseek2``: DeepSeek-V2-Lite's layer at
+that width, its latent attention, two shared experts, layer 0 dense), written once into
+``build/bench``. picc compiles it for this host (``picc compile --target cpu``, its default
+choices); llama.cpp runs it through llama-cpp-python.
 Each round runs both, one after the other (the order alternating), a 64-token prompt then 128
 greedy tokens; the table gives the prompt's and the decode's medians over the rounds and their
 ratios, how far apart the
@@ -46,12 +48,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("-n", type=int, default=128)
-    p.add_argument("--arch", choices=("llama", "gpt-oss"), default="llama")
+    p.add_argument("--arch", choices=("llama", "gpt-oss", "deepseek2"), default="llama")
     args = p.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)
     path = moe_gguf(args.experts, args.experts_used, args.arch)
     picc = PiccEngine("picc", str(path), [], args.threads, path.stem)
-    llama = LlamaCppEngine(args.threads, "Q4_0" if args.arch == "llama" else "MXFP4", path)
+    llama = LlamaCppEngine(args.threads, "MXFP4" if args.arch == "gpt-oss" else "Q4_0", path)
     engines: list[Engine] = [llama, picc]
     prompt = [int(t) for t in picc.session.text.encode(" ".join(["the market closed higher on friday"] * 16))[:64]]
     decode: dict[str, list[float]] = {e.name: [] for e in engines}

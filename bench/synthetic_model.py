@@ -4,6 +4,7 @@
     python bench/synthetic_model.py hf /work/scale-data/llama1b-f16 --shape 1b [--shard-size 1GB]
     python bench/synthetic_model.py gguf build/bench/moe.gguf --shape moe --experts 32 --experts-used 4
     python bench/synthetic_model.py gguf build/bench/oss.gguf --shape moe --experts 32 --experts-used 4 --arch gpt-oss
+    python bench/synthetic_model.py gguf build/bench/ds.gguf --shape moe --experts 32 --experts-used 4 --arch deepseek2
 
 ``gguf``: a ``llama``-architecture GGUF with every matrix in Q4_0 (as ``llama-quantize --pure``
 writes it: LLaMA-2-7B's shape makes 3.8 GB) and the norms in F32. ``hf``: a Hugging Face directory
@@ -29,7 +30,12 @@ would give every token the same experts, with all the weight on the first); the 
 rows carry no bias (their neurons are not profiled). ``--arch gpt-oss`` (with ``--experts``) writes
 those experts as a ``gpt-oss`` file has them: MXFP4 experts with biases, the router's bias, biases
 on q, k, v and o, each attention's sinks, every even layer sliding by 128, yarn rope (factor 32
-over 4096, 20B's); the biases and sinks are small noise.
+over 4096, 20B's); the biases and sinks are small noise. ``--arch deepseek2`` (with ``--experts``)
+writes DeepSeek-V2-Lite's layer at the shape's width, as llama.cpp's converter writes it today: the
+latent attention (q straight from x, a latent of ``kv_rank`` (:func:`deepseek2_latent`),
+``rope``-wide rotated keys shared by the heads, heads of ``nope + rope`` and values of ``v``;
+``attn_k_b`` and ``attn_v_b`` per head), layer 0 a dense FFN of ``4 hidden``, the others the
+experts with :data:`DEEPSEEK2_SHARED` shared ones, the softmax's top k.
 
 Tensors are made and written one at a time, into a temp file (or folder) renamed into place when
 complete: memory stays at a few hundred MB whatever the shape, and an interrupted run leaves
@@ -103,6 +109,8 @@ def tensor_specs(shape: Shape, experts: int = 0, arch: str = "llama") -> list[Sp
     with ``experts``, each FFN a mixture of them (GGUF only), as ``arch`` (llama or gpt-oss) names them."""
     if arch == "gpt-oss":
         return _gpt_oss_specs(shape, experts)
+    if arch == "deepseek2":
+        return _deepseek2_specs(shape, experts)
     d, kv = shape.hidden, shape.n_kv_heads * shape.head_dim
     # The FFN's output std is about std * sqrt(active neurons * E[act^2]); ~10% active, E ~ 1.
     down_std = RESIDUAL_SHARE / math.sqrt(0.1 * shape.n_ff)
@@ -137,6 +145,14 @@ def tensor_specs(shape: Shape, experts: int = 0, arch: str = "llama") -> list[Sp
 
 
 BIAS_STD = 0.02  # gpt-oss's biases and sinks: small noise
+DEEPSEEK2_SHARED, DEEPSEEK2_DENSE = 2, 1  # deepseek2: its shared experts and leading dense layers
+
+
+def deepseek2_latent(shape: Shape) -> tuple[int, int, int, int]:
+    """A deepseek2 file's (kv_rank, nope, rope, v) at ``shape``'s heads, in V2-Lite's proportions
+    (512, 128, 64, 128 at heads of 128); nope at least a Q4_0 block (attn_k_b's rows)."""
+    hd = shape.head_dim
+    return 4 * hd, max(hd, 32), hd // 2, hd
 
 
 def _gpt_oss_specs(shape: Shape, experts: int) -> list[Spec]:
@@ -164,6 +180,44 @@ def _gpt_oss_specs(shape: Shape, experts: int) -> list[Spec]:
                       Spec(f"{b}ffn_{name}_exps.bias", (experts, rows), "normal", BIAS_STD, i)]
     return specs + [Spec("output_norm.weight", (d,), "ones"),
                     Spec("output.weight", (shape.vocab, d), "normal", 1 / math.sqrt(d))]
+
+
+def _deepseek2_specs(shape: Shape, experts: int) -> list[Spec]:
+    """A ``deepseek2`` file's tensors (``DeepseekV2Model``, the split latent layout) of ``shape``."""
+    d, heads = shape.hidden, shape.n_heads
+    rank, nope, rope, v = deepseek2_latent(shape)
+    into = 1 / math.sqrt(d)
+    specs = [Spec("token_embd.weight", (shape.vocab, d), "embed")]
+    for i in range(shape.n_layers):
+        b = f"blk.{i}."
+        specs += [
+            Spec(b + "attn_norm.weight", (d,), "ones", layer=i),
+            Spec(b + "attn_q.weight", (heads * (nope + rope), d), "normal", into, i),
+            Spec(b + "attn_kv_a_mqa.weight", (rank + rope, d), "normal", into, i),
+            Spec(b + "attn_kv_a_norm.weight", (rank,), "ones", layer=i),
+            Spec(b + "attn_k_b.weight", (heads, rank, nope), "normal", 1 / math.sqrt(rank), i),
+            Spec(b + "attn_v_b.weight", (heads, v, rank), "normal", 1 / math.sqrt(rank), i),
+            Spec(b + "attn_output.weight", (d, heads * v), "normal", RESIDUAL_SHARE / math.sqrt(heads * v), i),
+            Spec(b + "ffn_norm.weight", (d,), "ones", layer=i),
+        ]
+        if i < DEEPSEEK2_DENSE:
+            n_ff = 4 * d  # write_gguf's feed_forward_length
+            specs += [Spec(b + "ffn_gate.weight", (n_ff, d), "normal", into, i),
+                      Spec(b + "ffn_up.weight", (n_ff, d), "normal", into, i),
+                      Spec(b + "ffn_down.weight", (d, n_ff), "normal", RESIDUAL_SHARE / math.sqrt(n_ff), i)]
+            continue
+        down = RESIDUAL_SHARE / math.sqrt(shape.n_ff)
+        shared = DEEPSEEK2_SHARED * shape.n_ff
+        specs += [
+            Spec(b + "ffn_gate_inp.weight", (experts, d), "normal", into, i),
+            Spec(b + "ffn_gate_exps.weight", (experts, shape.n_ff, d), "normal", into, i),
+            Spec(b + "ffn_up_exps.weight", (experts, shape.n_ff, d), "normal", into, i),
+            Spec(b + "ffn_down_exps.weight", (experts, d, shape.n_ff), "normal", down, i),
+            Spec(b + "ffn_gate_shexp.weight", (shared, d), "normal", into, i),
+            Spec(b + "ffn_up_shexp.weight", (shared, d), "normal", into, i),
+            Spec(b + "ffn_down_shexp.weight", (d, shared), "normal", down, i),
+        ]
+    return specs + [Spec("output_norm.weight", (d,), "ones"), Spec("output.weight", (shape.vocab, d), "normal", into)]
 
 
 def activation_frequencies(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -244,14 +298,16 @@ def tokenizer_json(vocab: int) -> dict:
     return doc
 
 
-def write_gguf_tokenizer(writer, vocab: int) -> None:  # noqa: ANN001 - a gguf.GGUFWriter
+def write_gguf_tokenizer(writer, vocab: int, pre: str = "default") -> None:  # noqa: ANN001 - a gguf.GGUFWriter
+    """relu-demo's tokenizer as GGUF metadata; ``pre``: the pre-tokenizer's name (a file picc reads
+    through transformers ignores it; one it reads as llama.cpp does must name one it knows)."""
     doc = tokenizer_json(vocab)
     tokens = sorted(doc["model"]["vocab"], key=doc["model"]["vocab"].__getitem__)
     specials = {t["content"] for t in doc["added_tokens"]}
     # GGUF token types: 1 normal, 3 control, 5 unused
     types = [3 if t in specials else 5 if t.startswith("<unused") else 1 for t in tokens]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in doc["model"]["merges"]])
@@ -275,10 +331,11 @@ def write_gguf(path: Path, shape: Shape, ffn: str, seed: int, experts: int = 0, 
         w.add_context_length(4096)
         w.add_embedding_length(shape.hidden)
         w.add_block_count(shape.n_layers)
-        w.add_feed_forward_length(shape.n_ff)
+        deepseek2 = arch == "deepseek2"  # its dense layers' width; one K/V head (the split latent's)
+        w.add_feed_forward_length(4 * shape.hidden if deepseek2 else shape.n_ff)
         w.add_head_count(shape.n_heads)
-        w.add_head_count_kv(shape.n_kv_heads)
-        w.add_rope_dimension_count(shape.head_dim)
+        w.add_head_count_kv(1 if deepseek2 else shape.n_kv_heads)
+        w.add_rope_dimension_count(deepseek2_latent(shape)[2] if deepseek2 else shape.head_dim)
         w.add_rope_freq_base(150000.0 if arch == "gpt-oss" else 10000.0)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
@@ -295,12 +352,27 @@ def write_gguf(path: Path, shape: Shape, ffn: str, seed: int, experts: int = 0, 
             w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             w.add_rope_scaling_factor(32.0)
             w.add_rope_scaling_orig_ctx_len(4096)
-        write_gguf_tokenizer(w, shape.vocab)
+        if deepseek2:  # as DeepseekV2Model writes V2-Lite's (the split latent layout)
+            rank, nope, rope, v = deepseek2_latent(shape)
+            w.add_expert_feed_forward_length(shape.n_ff)
+            w.add_leading_dense_block_count(DEEPSEEK2_DENSE)
+            w.add_expert_shared_count(DEEPSEEK2_SHARED)
+            w.add_expert_weights_scale(1.0)
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+            w.add_kv_lora_rank(rank)
+            w.add_q_lora_rank(0)  # none; llama.cpp wants the key unless the layer count is V2-Lite's 27
+            w.add_key_length(rank + rope)
+            w.add_value_length(rank)
+            w.add_key_length_mla(nope + rope)
+            w.add_value_length_mla(v)
+            w.add_vocab_size(shape.vocab)
+        # deepseek2: GPT-2's split (relu-demo's, but for its leading space), as picc reads the file itself
+        write_gguf_tokenizer(w, shape.vocab, "gpt-2" if arch == "deepseek2" else "default")
         for s in specs:
             dtype = stored_dtype(s, "gguf", arch)
             raw = quant.raw_shape(dtype.value, s.shape)
             size = quant.raw_nbytes(dtype.value, s.shape)
-            if len(s.shape) == 3:  # experts: [experts, rows, cols] of the rows' blocks
+            if len(s.shape) == 3:  # experts (and deepseek2's k_b, v_b): [experts, rows, cols] of the rows' blocks
                 raw = (s.shape[0], *quant.raw_shape(dtype.value, s.shape[1:]))
             if dtype == DType.F32:
                 w.add_tensor_info(s.name, s.shape, np.dtype(np.float32), size)
@@ -395,15 +467,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-size", default="1GB", help="hf: the most bytes of weights in one shard")
     p.add_argument("--experts", type=int, default=0, help="gguf: each FFN a mixture of this many experts")
     p.add_argument("--experts-used", type=int, default=2, help="gguf: the experts a token runs (default 2)")
-    p.add_argument("--arch", choices=("llama", "gpt-oss"), default="llama",
-                   help="gguf: llama (Mixtral's experts), or gpt-oss (needs --experts; MXFP4 experts, sinks, biases)")
+    p.add_argument("--arch", choices=("llama", "gpt-oss", "deepseek2"), default="llama",
+                   help="gguf: llama (Mixtral's experts), gpt-oss (needs --experts; MXFP4 experts, sinks, biases) or "
+                        "deepseek2 (needs --experts; V2-Lite's latent attention and shared experts)")
     args = p.parse_args(argv)
     shape = SHAPES[args.shape]
     if args.experts and (args.format != "gguf" or not 0 < args.experts_used <= args.experts):
         print("error: --experts needs gguf and 1 <= --experts-used <= --experts", file=sys.stderr)
         return 1
-    if args.arch == "gpt-oss" and not args.experts:
-        print("error: --arch gpt-oss needs --experts", file=sys.stderr)
+    if args.arch != "llama" and not args.experts:
+        print(f"error: --arch {args.arch} needs --experts", file=sys.stderr)
         return 1
     start = time.perf_counter()
     try:

@@ -242,6 +242,34 @@ def test_a_gpt_oss_file_loads_with_its_tokenizer_and_compiles_as_it_computes(tmp
     assert synth.main(["gguf", str(tmp_path / "x.gguf"), "--shape", "tiny", "--arch", "gpt-oss"]) == 1  # experts
 
 
+def test_a_deepseek2_file_loads_with_its_tokenizer_and_compiles_as_it_computes(tmp_path: Path) -> None:
+    # --arch deepseek2: V2-Lite's layer as llama.cpp's converter writes it (the split latent:
+    # attn_k_b and attn_v_b, one K/V head in the metadata), layer 0 dense, two shared experts.
+    # picc's import decompresses the latent (values narrower than keys, keys joined head by head);
+    # compiled for the CPU, the step, the chunks and the batch step against the interpreter (1e-4).
+    from runtime_cases import TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
+
+    from picc.interpreter import Interpreter
+
+    path = tmp_path / "tiny-ds.gguf"
+    assert synth.main(["gguf", str(path), "--shape", "tiny", "--experts", "4", "--experts-used", "2",
+                       "--arch", "deepseek2"]) == 0
+    model = load_gguf(path)
+    assert model.tokenizer is not None and model.tokenizer.encode("the market closed higher")
+    rank, nope, rope, v = synth.deepseek2_latent(TINY)
+    attentions = [op for op in model.module.ops() if isinstance(op, O.Attention)]
+    assert [(op.n_kv_heads, op.head_dim, op.v_dim) for op in attentions] == [(TINY.n_heads, nope + rope, v)] * 2
+    assert sum(isinstance(op, O.ConcatHeads) for op in model.module.ops()) == 2
+    moes = [op for op in model.module.ops() if isinstance(op, O.MoE)]
+    assert [(op.block, op.n_shared, op.top_k) for op in moes] == [(1, 2, 2)]
+    pib_path, pib = compiled(model, tmp_path, "ds", batch_step=True)
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(pib_path, TOKENS, threads=2), reference) <= 1e-4
+    check_prefill(pib_path, pib, 1e-4)
+    check_batch_rows(pib_path, TOKENS[:4])
+    assert synth.main(["gguf", str(tmp_path / "x.gguf"), "--shape", "tiny", "--arch", "deepseek2"]) == 1  # experts
+
+
 def test_ops_that_read_mxfp4_stay_on_the_cpu_beside_the_gpus(tmp_path: Path) -> None:
     # No GPU kernel reads mxfp4: compiled for pc-low, a layer's mxfp4 q projection and FFN run on
     # the CPU (the FFN's down neuron-major in q8_0, the AXPYs' format), the rest on the emulated
