@@ -83,6 +83,10 @@ _LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_posit
 _QWEN = dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
              sliding_window=4, max_window_layers=1, rope_parameters=_ROPE)
 
+# DeepSeek's yarn (factor 40 over 4096 as released), here factor 4 past an original context of 8
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                  "beta_fast": 32.0, "beta_slow": 1.0}
+
 _BASE: dict[str, dict[str, Any]] = {
     "llama": dict(_TINY, num_key_value_heads=4, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=_ROPE),
     "mistral": dict(_TINY, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=None,
@@ -351,10 +355,8 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "group-limited": dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=3,
                               routed_scaling_factor=16.0),
         "biases": dict(attention_bias=True),
-        # V2's yarn (factor 40 of 4096, mscale 0.707 as released), here past an original context of 8
-        "yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                      "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
-                                      "mscale": 0.707, "mscale_all_dim": 0.707}),
+        # V2's yarn (mscale 0.707 as released)
+        "yarn": dict(rope_parameters=dict(_DEEPSEEK_YARN, mscale=0.707, mscale_all_dim=0.707)),
     },
     "deepseek_v3": {
         "base": {},
@@ -362,10 +364,8 @@ _SPECS: dict[str, dict[str, dict[str, Any]]] = {
         "ungrouped": dict(n_group=1, topk_group=1),
         "unnormalised": dict(norm_topk_prob=False),
         "q-direct": dict(q_lora_rank=None),
-        # V3's yarn (factor 40 of 4096, mscale and mscale_all_dim 1): the scores scaled by mscale^2
-        "yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                      "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
-                                      "mscale": 1.0, "mscale_all_dim": 1.0}),
+        # V3's yarn (mscale and mscale_all_dim 1): the scores scaled by mscale^2
+        "yarn": dict(rope_parameters=dict(_DEEPSEEK_YARN, mscale=1.0, mscale_all_dim=1.0)),
     },
     "glm4_moe": {
         "base": {},

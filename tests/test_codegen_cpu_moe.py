@@ -246,13 +246,19 @@ def test_shared_experts_follow_every_tokens_top_k(host, teams, form, dtype, x_fo
         x = rng.normal(size=HIDDEN).astype(np.float32)
         y, want = experts.run(host, teams[threads], x, k, norm), experts.reference(x, k, norm)
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (k, norm)
-    seq, k = 5, 2
+    _chunk_gives_each_tokens_bits(host, teams[threads], experts, rng, 5, 2, E + (shared == "gated"))
+
+
+def _chunk_gives_each_tokens_bits(host, team, experts, rng, seq: int, k: int, router_rows: int = E) -> None:
+    """``seq`` random tokens through ``experts``' chunk kernel, ``k`` a token (renormalised;
+    ``router_rows``: the router's, a gated shared expert's included): each token's output is the
+    one-token kernel's, bit for bit."""
     x = rng.normal(size=(seq, HIDDEN)).astype(np.float32)
     y = np.full((seq, HIDDEN), np.nan, np.float32)
-    scratch = np.zeros(moe_chunk_scratch_bytes(E + (shared == "gated"), k + SHARED, N, HIDDEN, seq) // 4, np.float32)
-    run(host, teams[threads], experts.chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
+    scratch = np.zeros(moe_chunk_scratch_bytes(router_rows, k + SHARED, N, HIDDEN, seq) // 4, np.float32)
+    run(host, team, experts.chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
         scratch, E, k, N, HIDDEN, 1, *experts.extras, seq, x.strides[0], y.strides[0])
-    want = np.stack([experts.run(host, teams[threads], row, k, True) for row in x])
+    want = np.stack([experts.run(host, team, row, k, True) for row in x])
     assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
 
 
@@ -272,14 +278,7 @@ def test_a_choice_bias_ranks_the_experts_but_does_not_weight_them(host, teams, f
         probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
         reordered += set(np.argsort(-logits)[:2]) != set(np.argsort(-(probs + experts.choice_bias))[:2])
     assert reordered > 0
-    seq, k = 5, 2
-    x = rng.normal(size=(seq, HIDDEN)).astype(np.float32)
-    y = np.full((seq, HIDDEN), np.nan, np.float32)
-    scratch = np.zeros(moe_chunk_scratch_bytes(E, k + SHARED, N, HIDDEN, seq) // 4, np.float32)
-    run(host, teams[threads], experts.chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
-        scratch, E, k, N, HIDDEN, 1, *experts.extras, seq, x.strides[0], y.strides[0])
-    want = np.stack([experts.run(host, teams[threads], row, k, True) for row in x])
-    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+    _chunk_gives_each_tokens_bits(host, teams[threads], experts, rng, 5, 2)
 
 
 @pytest.mark.parametrize("router", ROUTERS)
@@ -305,14 +304,7 @@ def test_deepseeks_and_glms_routers(host, teams, router, form, dtype, x_format, 
         regrouped += chosen != set(experts.choice(logits, k, norm, "")[0])
         rescored += chosen != set(experts.choice(logits, k, norm, "max")[0])
     assert (regrouped > 0) == bool(variant.groups) and (rescored > 0) == (variant.groups == "top2")
-    seq, k = 7, 4
-    x = rng.normal(size=(seq, HIDDEN)).astype(np.float32)
-    y = np.full((seq, HIDDEN), np.nan, np.float32)
-    scratch = np.zeros(moe_chunk_scratch_bytes(E, k + SHARED, N, HIDDEN, seq) // 4, np.float32)
-    run(host, teams[threads], experts.chunk, x, experts.router, experts.up_raw, experts.gate_raw, experts.down_raw, y,
-        scratch, E, k, N, HIDDEN, 1, *experts.extras, seq, x.strides[0], y.strides[0])
-    want = np.stack([experts.run(host, teams[threads], row, k, True) for row in x])
-    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+    _chunk_gives_each_tokens_bits(host, teams[threads], experts, rng, 7, 4)
 
 
 @pytest.mark.parametrize("router", ["deepseek-v2", "deepseek-v3"])
