@@ -187,6 +187,7 @@ class _Chat:
             raise PiccError(f"{args.model}: the model has no chat template (its tokenizer carries none); run it "
                             "without --chat, on plain prompts")
         self.messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+        self.variables = template_variables(args.chat_template_kwargs)
         self.reasoning = served_format(args.reasoning_format, self.text.chat_template)
         self.rendered = ""
 
@@ -197,7 +198,7 @@ class _Chat:
         messages = [*self.messages, {"role": "user", "content": user}]
         try:
             rendered = render_chat(self.text.chat_template, messages, bos_token=self.text.bos_token,
-                                   eos_token=self.text.eos_token, add_generation_prompt=True)
+                                   eos_token=self.text.eos_token, add_generation_prompt=True, variables=self.variables)
         except ChatTemplateError as e:
             raise PiccError(f"the chat template refuses the conversation: {e}") from None
         self.rendered = rendered
@@ -261,6 +262,18 @@ def device_times(session, before) -> dict | None:  # noqa: ANN001 - a Session an
             "launches": now.launches - before.launches, "graph_launches": now.graph_launches - before.graph_launches}
 
 
+def template_variables(text: str | None) -> dict:
+    """``--chat-template-kwargs``: a JSON object of the chat template's extra variables."""
+    from runtime.chat import ChatTemplateError, check_template_variables
+
+    if text is None:
+        return {}
+    try:
+        return check_template_variables(json.loads(text))
+    except (json.JSONDecodeError, ChatTemplateError) as e:
+        raise PiccError(f"--chat-template-kwargs: {str(e).splitlines()[0]}") from None
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     if args.n < 0:
         raise PiccError(f"-n {args.n}: expected a number of tokens >= 0")
@@ -268,6 +281,9 @@ def cmd_run(args: argparse.Namespace) -> None:
         raise PiccError("--system: only with --chat (plain prompts have no roles)")
     if args.hide_thoughts and not args.chat:
         raise PiccError("--hide-thoughts: only with --chat (a plain prompt's text is printed as generated)")
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise PiccError("--chat-template-kwargs: only with --chat (plain prompts are not rendered by the template)")
+    template_variables(args.chat_template_kwargs)  # a bad one is refused before the model loads
     check_seed(args.seed)
     options = _sampling(args)
     with open_session(args.model, args.threads, args.ctx, args.gpu) as session:
@@ -501,6 +517,9 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
                        "Plain prompts' text is always printed as generated")
     s.add_argument("--hide-thoughts", action="store_true",
                    help="with --chat and a reasoning model: print only the answer, not the thoughts before it")
+    s.add_argument("--chat-template-kwargs", metavar="JSON",
+                   help="with --chat: more variables for the model's chat template, a JSON object, as the API's "
+                        "chat_template_kwargs (e.g. '{\"enable_thinking\": false}' turns Qwen3's thinking off)")
     s.add_argument("-n", type=int, default=128, help="tokens to generate at most (default 128)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: off)")

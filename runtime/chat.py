@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 import jinja2
@@ -37,23 +37,42 @@ class ChatTemplateError(ValueError):
 _RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, ArithmeticError, LookupError)
 
 
+RESERVED_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents")
+
+
 def render_chat(template: str, messages: Sequence[dict], *, bos_token: str | None, eos_token: str | None,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, variables: Mapping[str, object] | None = None) -> str:
     """The prompt text of ``messages`` (dicts with a string "role" and "content") under ``template``.
 
     ``add_generation_prompt`` ends the text with the header of an assistant turn, so that the model
     answers rather than continuing the last message. ``bos_token`` / ``eos_token`` are the spellings
     of the model's BOS / EOS (``TextCodec.bos_token``), which templates write as text.
+    ``variables``: more of the template's variables (a request's ``chat_template_kwargs``, as
+    transformers' ``apply_chat_template(**kwargs)`` passes them: Qwen3's ``enable_thinking``,
+    gpt-oss's ``reasoning_effort``); never one of :data:`RESERVED_VARIABLES`.
     """
     if not isinstance(template, str):
         raise ChatTemplateError(f"chat template must be text, got {_describe(template)}")
+    extra = check_template_variables(variables or {})
     chat = [_checked_message(index, message) for index, message in enumerate(_checked_list(messages))]
     compiled = _compile(template)
     try:
-        return compiled.render(messages=chat, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
-                               eos_token=eos_token, tools=None, documents=None)
+        return compiled.render(**extra, messages=chat, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos_token, eos_token=eos_token, tools=None, documents=None)
     except _RENDER_ERRORS as error:
         raise ChatTemplateError(f"chat template failed: {_one_line(error)}") from error
+
+
+def check_template_variables(variables: object) -> dict[str, object]:
+    """``variables`` as a template's extra variables: an object of names, none of them one the
+    renderer sets itself (:data:`RESERVED_VARIABLES`)."""
+    if not isinstance(variables, Mapping) or not all(isinstance(k, str) for k in variables):
+        raise ChatTemplateError(f"chat template variables must be an object of names, got {_describe(variables)}")
+    taken = sorted(set(variables) & set(RESERVED_VARIABLES))
+    if taken:
+        raise ChatTemplateError(f"chat template variable '{taken[0]}' is set by picc, not by the request "
+                                f"(reserved: {', '.join(RESERVED_VARIABLES)})")
+    return dict(variables)
 
 
 def _checked_list(messages: object) -> Sequence[object]:

@@ -62,6 +62,7 @@ class Params:
     model: str | None
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: one or more
     messages: list[dict] | None = None
+    template_kwargs: dict = field(default_factory=dict)  # chat: the template's extra variables
     n: int = 1  # choices per prompt
     max_tokens: int | None = None
     options: SamplingOptions = SamplingOptions()
@@ -264,8 +265,21 @@ def chat_params(body: object, defaults: Mapping[str, float] = MappingProxyType({
     name = "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
     params = _common(f, defaults, name)
     params.messages = _messages(f)
+    params.template_kwargs = _template_kwargs(f)
     params.logprobs = (top_logprobs or 0) if logprobs else None
     return params
+
+
+def _template_kwargs(f: _Fields) -> dict:
+    """``chat_template_kwargs`` (vLLM's and llama.cpp's): more variables for the chat template,
+    e.g. ``{"enable_thinking": false}`` for Qwen3; checked by ``runtime.chat``."""
+    from runtime.chat import ChatTemplateError, check_template_variables
+
+    value = f.get("chat_template_kwargs")
+    try:
+        return {} if value is None else check_template_variables(value)
+    except ChatTemplateError as e:
+        raise invalid(f"'chat_template_kwargs': {e}", "chat_template_kwargs") from None
 
 
 @dataclass
@@ -277,6 +291,7 @@ class TokenizeParams:
     messages: list | None
     add_special_tokens: bool  # text: the BOS (EOS) the model's tokenizer adds to a prompt
     add_generation_prompt: bool  # messages: end with the header of an assistant turn
+    template_kwargs: dict  # messages: the chat template's extra variables
 
 
 def tokenize_params(body: object) -> TokenizeParams:
@@ -289,7 +304,7 @@ def tokenize_params(body: object) -> TokenizeParams:
         raise invalid(f"'prompt' must be a string, got {type(prompt).__name__}", "prompt")
     messages = _messages(f) if prompt is None else None
     return TokenizeParams(model, prompt, messages, f.boolean("add_special_tokens", True),
-                          f.boolean("add_generation_prompt", True))
+                          f.boolean("add_generation_prompt", True), _template_kwargs(f))
 
 
 def detokenize_params(body: object, vocab: int) -> tuple[str | None, list[int]]:

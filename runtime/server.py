@@ -143,7 +143,7 @@ def create_app(served: ServedModel) -> FastAPI:
     async def chat(request: Request) -> Response:
         params = chat_params(await _json(request, limit), served.codec.sampling)
         _check_model(served, params.model)
-        ids, rendered = await _chat_ids(served, params.messages or [])
+        ids, rendered = await _chat_ids(served, params.messages or [], variables=params.template_kwargs)
         return await _respond(request, served, metrics, params, [ids], "messages", chat=True, rendered=rendered)
 
     @app.post("/tokenize", dependencies=[Depends(authorized)])
@@ -152,7 +152,7 @@ def create_app(served: ServedModel) -> FastAPI:
         params = tokenize_params(await _json(request, limit))
         _check_model(served, params.model)
         if params.messages is not None:
-            ids, _ = await _chat_ids(served, params.messages, params.add_generation_prompt)
+            ids, _ = await _chat_ids(served, params.messages, params.add_generation_prompt, params.template_kwargs)
         else:
             ids = await asyncio.to_thread(served.codec.encode, params.prompt or "", params.add_special_tokens)
         return {"count": len(ids), "max_model_len": served.engine.ctx, "tokens": ids}
@@ -166,8 +166,8 @@ def create_app(served: ServedModel) -> FastAPI:
     return app
 
 
-async def _chat_ids(served: ServedModel, messages: list,
-                    add_generation_prompt: bool = True) -> tuple[list[int], str]:
+async def _chat_ids(served: ServedModel, messages: list, add_generation_prompt: bool = True,
+                    variables: dict | None = None) -> tuple[list[int], str]:
     """``messages`` rendered by the model's chat template and encoded, off the event loop (the
     tokenizer lets go of the GIL: a long prompt holds up nobody), and the rendered text; a 400
     where the model has no template or the template refuses them."""
@@ -179,7 +179,7 @@ async def _chat_ids(served: ServedModel, messages: list,
     def ids() -> tuple[list[int], str]:
         try:
             text = render_chat(codec.chat_template, messages, bos_token=codec.bos_token, eos_token=codec.eos_token,
-                               add_generation_prompt=add_generation_prompt)
+                               add_generation_prompt=add_generation_prompt, variables=variables)
         except ChatTemplateError as e:
             raise invalid(str(e), "messages") from None
         return codec.encode_chat(text), text

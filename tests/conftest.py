@@ -197,8 +197,9 @@ def with_tokenizer(model: LoadedModel) -> LoadedModel:
 
 
 SERVED_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                   "{% if add_generation_prompt %}the company{% endif %}")
-"""The served test model's chat template: "user hello system be brief the company" for two messages."""
+                   "{% if add_generation_prompt %}the company{% if said %} said{% endif %}{% endif %}")
+"""The served test model's chat template: "user hello system be brief the company" for two messages
+("... the company said" where the request's chat_template_kwargs set ``said``)."""
 
 
 def served_model(path: Path, ctx: int, *, batch_step: bool = True, hidden: int = 64, n_ff: int = 128,

@@ -109,6 +109,27 @@ def test_template_features_render_as_transformers_renders_them() -> None:
     assert "TOOLS" not in ours and "café" in ours and "after the break" not in ours
 
 
+def test_template_variables_render_as_transformers_passes_them() -> None:
+    # A request's chat_template_kwargs (Qwen3's enable_thinking, gpt-oss's reasoning_effort) are
+    # the template's variables, as apply_chat_template's **kwargs; the renderer's own are refused.
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}]
+    for variables in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        ours = render_chat(template, messages, bos_token=None, eos_token=None, variables=variables)
+        theirs = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True,
+                                       **variables)[0][0]
+        assert ours == theirs
+    assert render_chat(template, messages, bos_token=None, eos_token=None,
+                       variables={"enable_thinking": False}).endswith("<think></think>")
+    for variables, message in (({"eos_token": "x"}, "chat template variable 'eos_token' is set by picc"),
+                               ([("a", 1)], "chat template variables must be an object of names")):
+        with pytest.raises(ChatTemplateError, match=message):
+            render_chat(template, messages, bos_token=None, eos_token=None, variables=variables)
+
+
 def test_bos_written_by_the_template_is_not_doubled(tmp_path: Path) -> None:
     # A Llama-2-like tokenizer that adds BOS to plain text, whose template also writes it.
     write_tiny_hf_dir(tmp_path)

@@ -722,6 +722,10 @@ def test_runtime_errors_are_one_line(tmp_path, capsys):
         (["run", str(tmp_path / "missing.pib"), "-p", "x"], "no such file"),
         (["run", str(path), "-p", "the", "--chat"], "the model has no chat template (its tokenizer carries none)"),
         (["run", str(path), "-p", "the", "--system", "x"], "--system: only with --chat"),
+        (["run", str(path), "-p", "the", "--chat-template-kwargs", "{}"], "--chat-template-kwargs: only with --chat"),
+        (["run", str(path), "-p", "the", "--chat", "--chat-template-kwargs", "{"], "--chat-template-kwargs: Expecting"),
+        (["run", str(path), "-p", "the", "--chat", "--chat-template-kwargs", '{"messages": 1}'],
+         "--chat-template-kwargs: chat template variable 'messages' is set by picc, not by the request"),
         (["bench", str(path), "--prompt-tokens", "6", "-n", "6"], "exceed the 8 positions"),
     ]
     for argv, message in cases:
@@ -824,6 +828,21 @@ def test_run_without_a_prompt_reads_prompts_from_stdin(tmp_path, capsys, monkeyp
     monkeypatch.setattr("sys.stdin", io.StringIO("the company\n"))
     assert main(["run", str(path), "-n", "4"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == first
+
+
+def test_run_chat_passes_its_template_variables(tmp_path, capsys):
+    # --chat-template-kwargs: the chat template's extra variables, as a request's
+    # chat_template_kwargs (the served model's template ends "... the company said" with ``said``).
+    from conftest import served_model
+
+    path = served_model(tmp_path / "chat.pib", 256)
+    fed = []
+    for extra in ([], ["--chat-template-kwargs", '{"said": true}']):
+        assert main(["run", str(path), "--chat", "-p", "the market", "-n", "2", *extra]) == 0
+        fed += [int(n) for n in re.findall(r"prompt: (\d+) tokens", capsys.readouterr().err)]
+    with Session(path, 2) as s:
+        said = s.text.encode_chat("user the market the company said")
+    assert fed == [len(said) - 1, len(said)]
 
 
 def test_run_chat_continues_the_conversation_and_feeds_only_what_is_new(tmp_path, capsys, monkeypatch):

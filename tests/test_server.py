@@ -460,11 +460,21 @@ def test_tokenize_and_detokenize_are_the_models_own(server, model):
     assert done.usage.prompt_tokens == chat["count"]
     plain = post("/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
     assert plain == encode(model, "user hello there system be brief", chat=True)
+    # chat_template_kwargs (vLLM's, llama.cpp's): more of the template's variables
+    said = post("/tokenize", {"messages": messages, "chat_template_kwargs": {"said": True}}).json()
+    assert said["tokens"] == encode(model, "user hello there system be brief the company said", chat=True)
+    done = server.client().chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                                   extra_body={"chat_template_kwargs": {"said": True}})
+    assert done.usage.prompt_tokens == said["count"] == chat["count"] + 1
     assert post("/detokenize", {"tokens": got["tokens"]}).json() == {"prompt": text_of(model, got["tokens"])}
     for route, body, status, param in (("/tokenize", {}, 400, "prompt"),
                                        ("/tokenize", {"prompt": "the", "messages": messages}, 400, "prompt"),
                                        ("/tokenize", {"prompt": 5}, 400, "prompt"),
                                        ("/tokenize", {"messages": [{"role": "wizard"}]}, 400, "messages[0].role"),
+                                       ("/tokenize", {"messages": messages, "chat_template_kwargs": [1]}, 400,
+                                        "chat_template_kwargs"),
+                                       ("/tokenize", {"messages": messages, "chat_template_kwargs": {"bos_token": "x"}},
+                                        400, "chat_template_kwargs"),
                                        ("/tokenize", {"prompt": "the", "model": "other"}, 404, "model"),
                                        ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
                                        ("/detokenize", {"tokens": "1 2"}, 400, "tokens")):
