@@ -98,7 +98,6 @@ def latent_weights(store: WeightStore, mla: MlaSpec, hidden: int, n_heads: int, 
     quantized blocks, which a transpose does not keep."""
     tensors, decoded = {name: store[name] for name in store}, 0
     qk, width = mla.qk_dim, mla.nope_dim + mla.v_dim
-    q_order = (np.arange(n_heads)[:, None] * qk + np.roll(np.arange(qk), mla.rope_dim)[None, :]).reshape(-1)
 
     def take(i: int, name: str, gguf_name: str, shape: tuple[int, ...]) -> Tensor:
         t = tensors.pop(f"l{i}.attn.{name}", None)
@@ -117,15 +116,12 @@ def latent_weights(store: WeightStore, mla: MlaSpec, hidden: int, n_heads: int, 
             if p + "q" in tensors:
                 raise PiccError(f"{path}: deepseek2 tensor 'blk.{i}.attn_q.weight' beside attn_q_b: "
                                 "attention.q_lora_rank says the query goes through a latent")
-        tensors[p + "q"] = q.take_rows(q_order)
+        tensors[p + "q"] = mla.query_rows(q, n_heads)
         kv_a = take(i, "kv_a_mqa", "attn_kv_a_mqa", (mla.kv_rank + mla.rope_dim, hidden))
-        tensors[p + "kv_a"] = kv_a.take_rows(np.arange(mla.kv_rank))
-        tensors[p + "k_pe"] = kv_a.take_rows(np.arange(mla.kv_rank, mla.kv_rank + mla.rope_dim))
+        tensors[p + "kv_a"], tensors[p + "k_pe"] = mla.latent_parts(kv_a)
         if p + "kv_b" in tensors:
             kv_b = take(i, "kv_b", "attn_kv_b", (n_heads * width, mla.kv_rank))
-            heads = np.arange(n_heads)[:, None] * width
-            tensors[p + "k"] = kv_b.take_rows((heads + np.arange(mla.nope_dim)).reshape(-1))
-            tensors[p + "v"] = kv_b.take_rows((heads + mla.nope_dim + np.arange(mla.v_dim)).reshape(-1))
+            tensors[p + "k"], tensors[p + "v"] = mla.kv_b_parts(kv_b, n_heads)
         else:
             k_b = take(i, "k_b", "attn_k_b", (n_heads * mla.kv_rank, mla.nope_dim))
             tensors[p + "v"] = take(i, "v_b", "attn_v_b", (n_heads * mla.v_dim, mla.kv_rank))

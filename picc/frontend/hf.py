@@ -26,7 +26,7 @@ from picc import quant
 from picc.errors import PiccError
 from picc.frontend.falcon import FalconSpec, build_falcon, fused_qkv_rows
 from picc.frontend.hf_checkpoint import Checkpoint
-from picc.frontend.hf_config import HFConfig, ffn_form, rope_from_config
+from picc.frontend.hf_config import HFConfig, ffn_form, rope_from_config, rope_parameters
 from picc.frontend.llama import LlamaSpec, MlaSpec, MoeSpec, RopeSpec, build_llama, layer_weight_names, longrope_notes
 from picc.frontend.model import LoadedModel
 from picc.frontend.opt import UNIT_NORM, OptSpec, build_opt
@@ -509,30 +509,29 @@ def _llama_family(cfg: HFConfig, directory: Path, name: str,
         rows each head's rotated ones first; ``kv_a_proj_with_mqa``'s rows as the latent's and the
         shared rotated key's; ``kv_b_proj``'s, each head's k_nope then its v, as k's and v's."""
         assert mla is not None
-        qk, rope_dim, kv_rank = mla.qk_dim, mla.rope_dim, mla.kv_rank
-        q_order = (np.arange(n_heads)[:, None] * qk + np.roll(np.arange(qk), rope_dim)[None, :]).reshape(-1)
+        qk, kv_rank = mla.qk_dim, mla.kv_rank
         if mla.q_rank is None:
-            store.add(n["q"], ckpt.tensor(p + attn + "q_proj.weight", (n_heads * qk, hidden)).take_rows(q_order))
+            q = ckpt.tensor(p + attn + "q_proj.weight", (n_heads * qk, hidden))
         else:
             add(n["q_a"], attn + "q_a_proj.weight", (mla.q_rank, hidden))
             if attn_bias:
                 add(n["q_a_bias"], attn + "q_a_proj.bias", (mla.q_rank,))
             add(n["q_a_norm"], attn + "q_a_layernorm.weight", (mla.q_rank,))
-            store.add(n["q"], ckpt.tensor(p + attn + "q_b_proj.weight", (n_heads * qk, mla.q_rank)).take_rows(q_order))
-        latent, shared = np.arange(kv_rank), np.arange(kv_rank, kv_rank + rope_dim)
-        kv_a = ckpt.tensor(p + attn + "kv_a_proj_with_mqa.weight", (kv_rank + rope_dim, hidden))
-        store.add(n["kv_a"], kv_a.take_rows(latent))
-        store.add(n["k_pe"], kv_a.take_rows(shared))
+            q = ckpt.tensor(p + attn + "q_b_proj.weight", (n_heads * qk, mla.q_rank))
+        store.add(n["q"], mla.query_rows(q, n_heads))
+        kv_a_name = p + attn + "kv_a_proj_with_mqa."
+        parts = [("", ckpt.tensor(kv_a_name + "weight", (kv_rank + mla.rope_dim, hidden)))]
         if attn_bias:
-            kv_a_bias = ckpt.tensor(p + attn + "kv_a_proj_with_mqa.bias", (kv_rank + rope_dim,))
-            store.add(n["kv_a_bias"], kv_a_bias.take_rows(latent))
-            store.add(n["k_pe_bias"], kv_a_bias.take_rows(shared))
+            parts.append(("_bias", ckpt.tensor(kv_a_name + "bias", (kv_rank + mla.rope_dim,))))
+        for suffix, kv_a in parts:
+            latent, shared = mla.latent_parts(kv_a)
+            store.add(n["kv_a" + suffix], latent)
+            store.add(n["k_pe" + suffix], shared)
         add(n["kv_a_norm"], attn + "kv_a_layernorm.weight", (kv_rank,))
-        width = mla.nope_dim + mla.v_dim
-        kv_b = ckpt.tensor(p + attn + "kv_b_proj.weight", (n_heads * width, kv_rank))
-        heads = np.arange(n_heads)[:, None] * width
-        store.add(n["k"], kv_b.take_rows((heads + np.arange(mla.nope_dim)).reshape(-1)))
-        store.add(n["v"], kv_b.take_rows((heads + mla.nope_dim + np.arange(mla.v_dim)).reshape(-1)))
+        kv_b = ckpt.tensor(p + attn + "kv_b_proj.weight", (n_heads * (mla.nope_dim + mla.v_dim), kv_rank))
+        k_nope, v = mla.kv_b_parts(kv_b, n_heads)
+        store.add(n["k"], k_nope)
+        store.add(n["v"], v)
 
     add("token_embd", "embed_tokens.weight", (vocab, hidden))
     q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
@@ -605,10 +604,9 @@ def _mla_scale(cfg: HFConfig, qk_dim: int) -> float:
     """A latent attention's scale (``yarn_apply_mscale``): ``qk_dim ** -0.5``, times
     ``yarn_mscale(factor, mscale_all_dim) ** 2`` where a rope other than the default has a
     non-zero ``mscale_all_dim`` (DeepSeek V3's yarn)."""
-    params = cfg.raw.get("rope_scaling") or cfg.raw.get("rope_parameters") or {}
+    _, params = rope_parameters(cfg)
     scale = qk_dim ** -0.5
-    if isinstance(params, dict) and params.get("rope_type", params.get("type", "default")) != "default" \
-            and params.get("mscale_all_dim"):
+    if params.get("rope_type", params.get("type", "default")) != "default" and params.get("mscale_all_dim"):
         mscale = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
         scale *= mscale * mscale
     return scale

@@ -217,6 +217,17 @@ def ffn_form(cfg: HFConfig, key: str, default: str, *, gated: bool) -> str:
     return _GATED_FORMS[act] if gated else act
 
 
+def rope_parameters(cfg: HFConfig) -> tuple[str, dict]:
+    """The rope's dict as transformers reads it, and the key it came from: a non-empty legacy
+    ``rope_scaling`` wins over ``rope_parameters`` (a copy; empty where neither is set)."""
+    legacy = cfg.raw.get("rope_scaling")
+    source = "rope_scaling" if legacy else "rope_parameters"
+    params = legacy or cfg.raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise cfg.bad(source, params, "an object")
+    return source, dict(params)
+
+
 def rope_from_config(cfg: HFConfig, head_dim: int, max_position: int, *, partial: bool = False) -> RopeSpec:
     """The rope op's settings from ``rope_parameters`` or the legacy ``rope_theta``/``rope_scaling``.
 
@@ -227,12 +238,7 @@ def rope_from_config(cfg: HFConfig, head_dim: int, max_position: int, *, partial
     defaults to ``max_position_embeddings``. ``partial``: the family rotates only the first
     ``head_dim * partial_rotary_factor`` features of a head with default rope (Phi-3's does).
     """
-    legacy = cfg.raw.get("rope_scaling")
-    source = "rope_scaling" if legacy else "rope_parameters"
-    params = legacy or cfg.raw.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise cfg.bad(source, params, "an object")
-    params = dict(params)
+    source, params = rope_parameters(cfg)
     if "full_attention" in params or "sliding_attention" in params:
         raise PiccError(f"{cfg.path}: {source} per layer type is not supported (one dict for all "
                         "layers is)")

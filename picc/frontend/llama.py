@@ -12,12 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
+
 from picc.ir import ops as O
 from picc.ir.builder import FunctionBuilder
 from picc.ir.core import Attr
 from picc.ir.module import Module, WeightDecl
 from picc.ir.types import DType, TensorType
-from picc.ir.weights import WeightStore
+from picc.ir.weights import Tensor, WeightStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,24 @@ class MlaSpec:
     @property
     def qk_dim(self) -> int:
         return self.nope_dim + self.rope_dim
+
+    def query_rows(self, q: Tensor, n_heads: int) -> Tensor:
+        """A checkpoint's query rows (``q_proj``, ``q_b_proj``: each head's ``nope`` then ``rope``)
+        as :func:`_mla_qkv` reads them: each head's rotated ones first."""
+        head = np.roll(np.arange(self.qk_dim), self.rope_dim)
+        return q.take_rows((np.arange(n_heads)[:, None] * self.qk_dim + head[None, :]).reshape(-1))
+
+    def latent_parts(self, kv_a: Tensor) -> tuple[Tensor, Tensor]:
+        """``kv_a_proj_with_mqa``'s rows (or its bias) as the latent's and the shared rotated key's."""
+        return (kv_a.take_rows(np.arange(self.kv_rank)),
+                kv_a.take_rows(np.arange(self.kv_rank, self.kv_rank + self.rope_dim)))
+
+    def kv_b_parts(self, kv_b: Tensor, n_heads: int) -> tuple[Tensor, Tensor]:
+        """``kv_b_proj``'s rows (each head's ``nope`` key rows, then its ``v_dim`` value rows) as the
+        k_nope and v projections of the latent."""
+        heads = np.arange(n_heads)[:, None] * (self.nope_dim + self.v_dim)
+        return (kv_b.take_rows((heads + np.arange(self.nope_dim)).reshape(-1)),
+                kv_b.take_rows((heads + self.nope_dim + np.arange(self.v_dim)).reshape(-1)))
 
 
 @dataclass(frozen=True, slots=True)
