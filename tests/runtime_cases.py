@@ -72,6 +72,15 @@ def check_prefill(path, pib, tol: float) -> None:
         assert rel_err(prefill_logits(path, LONG, CUTS, threads), reference) <= tol, threads
 
 
+def check_runs_as_interpreted(path, pib, tol: float = 1e-4) -> None:
+    """The compiled file's decode steps (two threads), prefill chunks and server batch rows against
+    the interpreter on ``pib``: logits within ``tol``, the batch rows the steps' bits."""
+    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
+    assert rel_err(runtime_logits(path, TOKENS, threads=2), reference) <= tol
+    check_prefill(path, pib, tol)
+    check_batch_rows(path, TOKENS[:4])
+
+
 # Where values are rounded on the way (x to int8 for a q8_0 head or every rows8 op with
 # --int8-dots; keys and values to f16 in the caches), each rounded element is a step function of
 # its float value. The runtime's sums and the interpreter's are the same values in another order

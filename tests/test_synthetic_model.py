@@ -217,9 +217,7 @@ def test_a_gpt_oss_file_loads_with_its_tokenizer_and_compiles_as_it_computes(tmp
     # tokenizer from the metadata without them, the same ids as the llama file's). Compiled for
     # the CPU: the experts' clamped, biased mxfp4 kernel (rows8), the step, the chunks and the
     # batch step against the interpreter (1e-4).
-    from runtime_cases import TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
-
-    from picc.interpreter import Interpreter
+    from runtime_cases import check_runs_as_interpreted, compiled
 
     path = tmp_path / "tiny-oss.gguf"
     assert synth.main(["gguf", str(path), "--shape", "tiny", "--experts", "4", "--experts-used", "2",
@@ -235,10 +233,7 @@ def test_a_gpt_oss_file_loads_with_its_tokenizer_and_compiles_as_it_computes(tmp
     pib_path, pib = compiled(model, tmp_path, "oss", batch_step=True)
     assert {op.kernel for op in pib.module.ops() if isinstance(op, O.MoE)} == {
         "picc_moe_swiglu_f32_mxfp4_mxfp4_mxfp4_r8_xi16_brugd_clamped"}
-    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
-    assert rel_err(runtime_logits(pib_path, TOKENS, threads=2), reference) <= 1e-4
-    check_prefill(pib_path, pib, 1e-4)
-    check_batch_rows(pib_path, TOKENS[:4])
+    check_runs_as_interpreted(pib_path, pib)
     assert synth.main(["gguf", str(tmp_path / "x.gguf"), "--shape", "tiny", "--arch", "gpt-oss"]) == 1  # experts
 
 
@@ -247,9 +242,7 @@ def test_a_deepseek2_file_loads_with_its_tokenizer_and_compiles_as_it_computes(t
     # attn_k_b and attn_v_b, one K/V head in the metadata), layer 0 dense, two shared experts.
     # picc's import decompresses the latent (values narrower than keys, keys joined head by head);
     # compiled for the CPU, the step, the chunks and the batch step against the interpreter (1e-4).
-    from runtime_cases import TOKENS, check_batch_rows, check_prefill, compiled, rel_err, runtime_logits
-
-    from picc.interpreter import Interpreter
+    from runtime_cases import check_runs_as_interpreted, compiled
 
     path = tmp_path / "tiny-ds.gguf"
     assert synth.main(["gguf", str(path), "--shape", "tiny", "--experts", "4", "--experts-used", "2",
@@ -263,10 +256,7 @@ def test_a_deepseek2_file_loads_with_its_tokenizer_and_compiles_as_it_computes(t
     moes = [op for op in model.module.ops() if isinstance(op, O.MoE)]
     assert [(op.block, op.n_shared, op.top_k) for op in moes] == [(1, 2, 2)]
     pib_path, pib = compiled(model, tmp_path, "ds", batch_step=True)
-    reference = Interpreter(pib.module, pib.weights).run(TOKENS)
-    assert rel_err(runtime_logits(pib_path, TOKENS, threads=2), reference) <= 1e-4
-    check_prefill(pib_path, pib, 1e-4)
-    check_batch_rows(pib_path, TOKENS[:4])
+    check_runs_as_interpreted(pib_path, pib)
     assert synth.main(["gguf", str(tmp_path / "x.gguf"), "--shape", "tiny", "--arch", "deepseek2"]) == 1  # experts
 
 
